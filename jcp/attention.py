@@ -1,0 +1,244 @@
+"""Context-parallel attention over zigzag shards.
+
+Owns the K/V all-gather over "cp", the (segment, position) mask and the blockwise online
+softmax with its custom VJP. It must never build an array of [local tokens, all tokens]:
+memory is O(local tokens × block). Blocks that the mask empties are skipped, so with the
+zigzag layout every cp rank does the same work.
+
+Legend: S query tokens on this shard; T = CP·S gathered key tokens; H query heads and K kv
+heads on this tp shard; G = H / K query heads per kv head; E head dim; Bq, Bk block sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jcp.mesh import CP
+
+DEFAULT_BLOCK = 512
+IMPLEMENTATIONS = ("blockwise", "dense")
+
+
+def _block_size(n: int, maximum: int) -> int:
+    b = 1
+    while b * 2 <= maximum and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def _varying(x):
+    return tuple(sorted(jax.typeof(x).manual_axis_type.varying))
+
+
+def _vary_like(x, ref):
+    """Cast x to vary over every mesh axis that ref varies over (for scan carries)."""
+    missing = tuple(a for a in _varying(ref) if a not in _varying(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def block_summary(segment, position, block, xp=jnp):
+    """Per block of `block` tokens: (any real token, min/max segment, min/max position).
+
+    Padding (segment < 0) is left out. Works on NumPy (xp=np) and jax arrays alike.
+    """
+    seg = segment.reshape(-1, block)
+    pos = position.reshape(-1, block)
+    real = seg >= 0
+    big = np.iinfo(np.int32).max
+    return (real.any(-1),
+            xp.where(real, seg, big).min(-1), xp.where(real, seg, -1).max(-1),
+            xp.where(real, pos, big).min(-1), xp.where(real, pos, -1).max(-1))
+
+
+def blocks_needed(q_summary, k_summary, xp=jnp):
+    """[nq, nk] bool: may some query of block i see some key of block j?
+
+    Conservative: segment ranges overlap and the earliest key is not after the latest query.
+    """
+    qa, qs0, qs1, _, qp1 = q_summary
+    ka, ks0, ks1, kp0, _ = k_summary
+    return (qa[:, None] & ka[None, :] & (qs0[:, None] <= ks1[None, :])
+            & (ks0[None, :] <= qs1[:, None]) & (kp0[None, :] <= qp1[:, None]))
+
+
+def _mask(seg_q, pos_q, seg_k, pos_k):
+    """[Bq, Bk]: same datum, key not after query, query is a real token."""
+    return ((seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] >= 0)
+            & (pos_k[None, :] <= pos_q[:, None]))
+
+
+def _scores(q_BqxKxGxE, k_BkxKxE, scale):
+    return jnp.einsum("qkge,tke->kgqt", q_BqxKxGxE, k_BkxKxE,
+                      preferred_element_type=jnp.float32) * scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _flash(q, k, v, seg_q, pos_q, seg_k, pos_k, block_q, block_k):
+    return _flash_fwd(q, k, v, seg_q, pos_q, seg_k, pos_k, block_q, block_k)[0]
+
+
+def _flash_fwd(q, k, v, seg_q, pos_q, seg_k, pos_k, block_q, block_k):
+    """q [S, K, G, E]; k, v [T, K, E] -> out [S, K, G, E], residuals (… lse [K, G, S])."""
+    s_len, kh, g, e = q.shape
+    scale = 1.0 / np.sqrt(e)
+    nq, nk = s_len // block_q, k.shape[0] // block_k
+    need = blocks_needed(block_summary(seg_q, pos_q, block_q), block_summary(seg_k, pos_k, block_k))
+    qb = q.reshape(nq, block_q, kh, g, e)
+    kb = k.reshape(nk, block_k, kh, e)
+    vb = v.reshape(nk, block_k, kh, e)
+    sqb, pqb = seg_q.reshape(nq, block_q), pos_q.reshape(nq, block_q)
+    skb, pkb = seg_k.reshape(nk, block_k), pos_k.reshape(nk, block_k)
+
+    def q_block(i):
+        qi = qb[i]
+
+        def k_step(carry, j):
+            def compute(carry):
+                m, l, acc = carry
+                s = _scores(qi, kb[j], scale)
+                mask = _mask(sqb[i], pqb[i], skb[j], pkb[j])
+                s = jnp.where(mask, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(-1))
+                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p = jnp.exp(s - m_safe[..., None])
+                corr = jnp.exp(m - m_safe)
+                l = l * corr + p.sum(-1)
+                acc = acc * corr[..., None] + jnp.einsum(
+                    "kgqt,tke->kgqe", p, vb[j].astype(jnp.float32))
+                return m_new, l, acc
+
+            return jax.lax.cond(need[i, j], compute, lambda c: c, carry), None
+
+        init = (jnp.full((kh, g, block_q), -jnp.inf, jnp.float32),
+                jnp.zeros((kh, g, block_q), jnp.float32),
+                jnp.zeros((kh, g, block_q, e), jnp.float32))
+        init = jax.tree.map(lambda x: _vary_like(x, qi), init)
+        (m, l, acc), _ = jax.lax.scan(k_step, init, jnp.arange(nk))
+        empty = l == 0.0
+        out = acc / jnp.where(empty, 1.0, l)[..., None]
+        lse = jnp.where(empty, 0.0, m + jnp.log(jnp.where(empty, 1.0, l)))
+        return out, lse
+
+    out, lse = jax.lax.map(q_block, jnp.arange(nq))  # [nq, K, G, Bq, E], [nq, K, G, Bq]
+    out = jnp.einsum("nkgqe->nqkge", out).reshape(s_len, kh, g, e).astype(q.dtype)
+    lse = jnp.einsum("nkgq->kgnq", lse).reshape(kh, g, s_len)
+    return out, (q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse)
+
+
+def _flash_bwd(block_q, block_k, res, d_out):
+    q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse = res
+    s_len, kh, g, e = q.shape
+    scale = 1.0 / np.sqrt(e)
+    nq, nk = s_len // block_q, k.shape[0] // block_k
+    need = blocks_needed(block_summary(seg_q, pos_q, block_q), block_summary(seg_k, pos_k, block_k))
+    delta = jnp.einsum("skge,skge->kgs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    qb = q.reshape(nq, block_q, kh, g, e)
+    dob = d_out.reshape(nq, block_q, kh, g, e).astype(jnp.float32)
+    lseb = lse.reshape(kh, g, nq, block_q)
+    deltab = delta.reshape(kh, g, nq, block_q)
+    kb = k.reshape(nk, block_k, kh, e)
+    vb = v.reshape(nk, block_k, kh, e)
+    sqb, pqb = seg_q.reshape(nq, block_q), pos_q.reshape(nq, block_q)
+    skb, pkb = seg_k.reshape(nk, block_k), pos_k.reshape(nk, block_k)
+
+    def k_block(dq, j):
+        kj, vj = kb[j], vb[j]
+
+        def q_step(carry, i):
+            def compute(carry):
+                dq, dk, dv = carry
+                qi, doi = qb[i], dob[i]
+                s = _scores(qi, kj, scale)
+                mask = _mask(sqb[i], pqb[i], skb[j], pkb[j])
+                p = jnp.where(mask, jnp.exp(s - lseb[:, :, i, :, None]), 0.0)
+                dv = dv + jnp.einsum("kgqt,qkge->tke", p, doi)
+                dp = jnp.einsum("qkge,tke->kgqt", doi, vj.astype(jnp.float32))
+                ds = p * (dp - deltab[:, :, i, :, None]) * scale
+                dq_i = jnp.einsum("kgqt,tke->qkge", ds, kj.astype(jnp.float32))
+                dq = jax.lax.dynamic_update_slice_in_dim(
+                    dq, jax.lax.dynamic_slice_in_dim(dq, i * block_q, block_q) + dq_i,
+                    i * block_q, axis=0)
+                dk = dk + jnp.einsum("kgqt,qkge->tke", ds, qi.astype(jnp.float32))
+                return dq, dk, dv
+
+            return jax.lax.cond(need[i, j], compute, lambda c: c, carry), None
+
+        init = (dq, _vary_like(jnp.zeros((block_k, kh, e), jnp.float32), dq),
+                _vary_like(jnp.zeros((block_k, kh, e), jnp.float32), dq))
+        (dq, dk, dv), _ = jax.lax.scan(q_step, init, jnp.arange(nq))
+        return dq, (dk, dv)
+
+    dq0 = jnp.zeros((s_len, kh, g, e), jnp.float32)
+    dq0 = _vary_like(_vary_like(_vary_like(dq0, q), k), d_out)
+    dq, (dk, dv) = jax.lax.scan(k_block, dq0, jnp.arange(nk))
+    dk = dk.reshape(k.shape).astype(k.dtype)
+    dv = dv.reshape(v.shape).astype(v.dtype)
+    zeros = [np.zeros(x.shape, jax.dtypes.float0) for x in (seg_q, pos_q, seg_k, pos_k)]
+    return (dq.astype(q.dtype), dk, dv, *zeros)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _dense(q, k, v, seg_q, pos_q, seg_k, pos_k):
+    """Reference: the full [S, T] mask. Tests only — O(S·T) memory."""
+    s = _scores(q, k, 1.0 / np.sqrt(q.shape[-1]))
+    mask = _mask(seg_q, pos_q, seg_k, pos_k)
+    s = jnp.where(mask, s, -jnp.inf)
+    m = s.max(-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = p.sum(-1, keepdims=True)
+    p = p / jnp.where(l == 0, 1.0, l)
+    return jnp.einsum("kgqt,tke->qkge", p, v.astype(jnp.float32)).astype(q.dtype)
+
+
+def gather_cp(x):
+    """[S, …] on each cp rank -> [CP·S, …]: the streams of ranks 0 … CP−1, concatenated.
+
+    Transposes (under autodiff) to a reduce-scatter, so each rank gets back the gradient of
+    its own keys and values.
+    """
+    return jax.lax.all_gather(x, CP, axis=0, tiled=True)
+
+
+def cp_attention(q_SxHxE, k_SxKxE, v_SxKxE, segment_S, position_S, *,
+                 implementation: str = "blockwise", block: int = DEFAULT_BLOCK):
+    """Causal, datum-isolated attention of this rank's queries over every cp rank's keys.
+
+    q: [S, H, E] (RoPE applied), k, v: [S, K, E]; segment: datum slot (−1 = padding);
+    position: index within the datum. A query sees a key iff both belong to the same datum
+    and the key's position ≤ the query's. Queries that see nothing (padding) give zeros.
+    Returns [S, H, E].
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
+    s_len, h, e = q_SxHxE.shape
+    kh = k_SxKxE.shape[1]
+    q = q_SxHxE.reshape(s_len, kh, h // kh, e)
+    k_TxKxE, v_TxKxE = gather_cp(k_SxKxE), gather_cp(v_SxKxE)
+    seg_T, pos_T = gather_cp(segment_S), gather_cp(position_S)
+    if implementation == "dense":
+        out = _dense(q, k_TxKxE, v_TxKxE, segment_S, position_S, seg_T, pos_T)
+    else:
+        out = _flash(q, k_TxKxE, v_TxKxE, segment_S, position_S, seg_T, pos_T,
+                     _block_size(s_len, block), _block_size(k_TxKxE.shape[0], block))
+    return out.reshape(s_len, h, e)
+
+
+def block_work(segment_CPxS: np.ndarray, position_CPxS: np.ndarray,
+               block: int = DEFAULT_BLOCK) -> np.ndarray:
+    """Host-side count of attention blocks each cp rank computes: int [CP].
+
+    Uses the same skip predicate as the kernel, on one dp row of a packed batch.
+    """
+    cp, s_len = segment_CPxS.shape
+    bq, bk = _block_size(s_len, block), _block_size(cp * s_len, block)
+    k_sum = block_summary(segment_CPxS.reshape(-1), position_CPxS.reshape(-1), bk, xp=np)
+    return np.array([
+        blocks_needed(block_summary(segment_CPxS[r], position_CPxS[r], bq, xp=np), k_sum,
+                      xp=np).sum() for r in range(cp)])

@@ -1,0 +1,93 @@
+"""Model configuration: one frozen dataclass, validated on construction.
+
+Never parses strings or files beyond delegating `from_hf` to jcp.hf; never holds weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenConfig:
+    """A Qwen2- or Qwen3-style decoder.
+
+    qk_norm: Qwen3's per-head RMSNorm on q and k before RoPE.
+    attention_bias: Qwen2's biases on q, k, v.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qk_norm: bool = True
+    attention_bias: bool = False
+    max_position_embeddings: int = 32768
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"QwenConfig.{name} must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"QwenConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"QwenConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"QwenConfig.rope_theta must be positive, got {self.rope_theta}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"QwenConfig.rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"QwenConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def tiny(cls, **overrides) -> "QwenConfig":
+        """A small Qwen3-style config for tests and the demo job."""
+        base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
+                    rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True,
+                    attention_bias=False, max_position_embeddings=4096)
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def from_hf(cls, config) -> "QwenConfig":
+        """From a Hugging Face config: a dict, a config.json path, or a model folder."""
+        from jcp import hf
+
+        return hf.config_from_hf(config)
+
+    def check_mesh(self, tp: int) -> None:
+        """Raise a clear error when tensor parallelism tp cannot split this model."""
+        for name, n in (("num_kv_heads", self.num_kv_heads), ("num_heads", self.num_heads),
+                        ("intermediate_size", self.intermediate_size),
+                        ("vocab_size", self.vocab_size)):
+            if n % tp:
+                raise ValueError(f"tp={tp} does not divide {name}={n}; choose tp dividing it")
+
+    def fingerprint(self) -> str:
+        """A stable hash of everything that shapes the base model (not its dtype)."""
+        d = dataclasses.asdict(self)
+        d.pop("dtype")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

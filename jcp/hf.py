@@ -1,0 +1,234 @@
+"""Hugging Face Qwen2/Qwen3 configs and safetensors checkpoints.
+
+Owns the mapping from Hugging Face names and layouts to jcp's base-parameter tree. It must
+never materialise a full replicated copy of a weight on a device: `load_hf` returns lazy
+tensors whose slices are read from memory-mapped files only when a device's shard is built
+(`jax.make_array_from_callback` in model.place).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+
+import ml_dtypes
+import numpy as np
+
+from jcp import model as model_lib
+from jcp.config import QwenConfig
+
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def _read_config(config) -> dict:
+    if isinstance(config, Mapping):
+        return dict(config)
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"no Hugging Face config at {path}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
+    """QwenConfig from a Hugging Face config (dict, config.json, or model folder)."""
+    d = _read_config(config)
+    archs = d.get("architectures") or []
+    kind = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if kind is None and not archs:
+        kind = {"qwen2": "qwen2", "qwen3": "qwen3"}.get(d.get("model_type"))
+    if kind is None:
+        raise ValueError(
+            f"unsupported architecture {archs or d.get('model_type')!r}; jcp loads "
+            f"{sorted(ARCHITECTURES)}")
+    rope = d.get("rope_parameters") or {}
+    theta = d.get("rope_theta", rope.get("rope_theta"))
+    if theta is None:
+        raise ValueError("the Hugging Face config has no rope_theta (nor rope_parameters.rope_theta)")
+    scaling = d.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", "default")
+    if rope_type not in ("default", None):
+        raise ValueError(f"rope scaling {rope_type!r} is not supported; jcp implements plain RoPE")
+    if d.get("use_sliding_window"):
+        raise ValueError("sliding-window attention (use_sliding_window) is not supported")
+    heads = d["num_attention_heads"]
+    try:
+        return QwenConfig(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rope_theta=float(theta), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qk_norm=kind == "qwen3",
+            attention_bias=True if kind == "qwen2" else bool(d.get("attention_bias", False)),
+            max_position_embeddings=d.get("max_position_embeddings", 32768), dtype=dtype)
+    except KeyError as e:
+        raise ValueError(f"the Hugging Face config lacks {e.args[0]!r}") from None
+
+
+# ----------------------------------------------------------------------------------------
+# Lazy safetensors reading
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+
+
+class _SafetensorsFile:
+    """Header of one .safetensors file; tensors come back as read-only memory maps.
+
+    (safetensors' NumPy API cannot return bfloat16, so the documented format — u64 header
+    length, JSON header, raw little-endian data — is read directly.)
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            self.header = json.loads(f.read(n))
+        self.base = 8 + n
+        self.header.pop("__metadata__", None)
+
+    def tensor(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        dt = np.dtype(_DTYPES[info["dtype"]])
+        shape = tuple(info["shape"])
+        if end - begin != int(np.prod(shape)) * dt.itemsize:
+            raise ValueError(f"{self.path}: tensor {name} has a corrupt size")
+        return np.memmap(self.path, dtype=dt, mode="r", offset=self.base + begin, shape=shape)
+
+
+def _open_checkpoint(path: str) -> dict[str, Callable[[], np.ndarray]]:
+    """{tensor name: loader} over a single-file or index-sharded safetensors folder."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {}
+        out = {}
+        for name, fname in weight_map.items():
+            if fname not in files:
+                fpath = os.path.join(path, fname)
+                if not os.path.isfile(fpath):
+                    raise ValueError(f"checkpoint shard {fname} named in the index is missing")
+                files[fname] = _SafetensorsFile(fpath)
+            if name not in files[fname].header:
+                raise ValueError(f"tensor {name} is not in {fname} as the index says")
+            out[name] = (lambda f, n: lambda: f.tensor(n))(files[fname], name)
+        return out
+    paths = sorted(p for p in os.listdir(path) if p.endswith(".safetensors"))
+    if not paths:
+        raise ValueError(f"no .safetensors files in {path}")
+    out = {}
+    for p in paths:
+        f = _SafetensorsFile(os.path.join(path, p))
+        for name in f.header:
+            out[name] = (lambda f, n: lambda: f.tensor(n))(f, name)
+    return out
+
+
+class LazyTensor:
+    """A jcp-layout tensor whose slices are read from the checkpoint on demand.
+
+    `read(index)` receives a tuple of slices (one per axis) and returns that block.
+    """
+
+    def __init__(self, shape, dtype, read):
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.ndim = len(self.shape)
+        self._read = read
+
+    def __getitem__(self, index):
+        if not isinstance(index, tuple):
+            index = (index,)
+        index = index + (slice(None),) * (self.ndim - len(index))
+        index = tuple(slice(*s.indices(n)) for s, n in zip(index, self.shape))
+        return self._read(index)
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[()]
+        return out if dtype is None else out.astype(dtype)
+
+
+def _hf_layer_names(module: str, layer: int) -> str:
+    attn = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
+    bias = {"q_bias": "q_proj", "k_bias": "k_proj", "v_bias": "v_proj"}
+    if module in bias:
+        return f"model.layers.{layer}.self_attn.{bias[module]}.bias"
+    if module in attn:
+        return f"model.layers.{layer}.self_attn.{module}.weight"
+    if module == "input_norm":
+        return f"model.layers.{layer}.input_layernorm.weight"
+    if module == "post_norm":
+        return f"model.layers.{layer}.post_attention_layernorm.weight"
+    return f"model.layers.{layer}.mlp.{module}.weight"
+
+
+def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) -> dict:
+    """jcp's base tree of LazyTensors over Hugging Face tensors (name -> loader).
+
+    Projections are transposed from torch's [out, in] to [in, out]; layers are stacked on a
+    leading L axis. Every tensor is checked for presence and shape before anything is read.
+    """
+    shapes = model_lib.param_shapes(cfg)
+
+    def fetch(name, want):
+        if name not in tensors:
+            raise ValueError(f"checkpoint is missing tensor {name}")
+        arr = tensors[name]()
+        if tuple(arr.shape) != tuple(want):
+            raise ValueError(f"checkpoint tensor {name} has shape {tuple(arr.shape)}, "
+                             f"expected {tuple(want)} for this config")
+        return arr
+
+    def plain(name, shape, transpose=False):
+        hf_shape = shape[::-1] if transpose else shape
+        arr = fetch(name, hf_shape)
+        def read(index):
+            if transpose:
+                return np.asarray(arr[index[::-1]]).T.astype(np.float32)
+            return np.asarray(arr[index]).astype(np.float32)
+        return LazyTensor(shape, np.float32, read)
+
+    def stacked(module, shape):
+        per_layer = shape[1:]
+        transpose = len(per_layer) == 2
+        arrs = [fetch(_hf_layer_names(module, i), per_layer[::-1] if transpose else per_layer)
+                for i in range(cfg.num_layers)]
+
+        def read(index):
+            li, rest = index[0], index[1:]
+            blocks = []
+            for i in range(*li.indices(cfg.num_layers)):
+                a = arrs[i]
+                blocks.append(np.asarray(a[rest[::-1]]).T if transpose else np.asarray(a[rest]))
+            return np.stack(blocks).astype(np.float32)
+        return LazyTensor(shape, np.float32, read)
+
+    out = {"embed": plain("model.embed_tokens.weight", shapes["embed"]),
+           "final_norm": plain("model.norm.weight", shapes["final_norm"]),
+           "layers": {k: stacked(k, s) for k, s in shapes["layers"].items()}}
+    if "lm_head" in shapes:
+        out["lm_head"] = plain("lm_head.weight", shapes["lm_head"], transpose=True)
+    return out
+
+
+def load_hf(path, dtype: str = "float32") -> tuple[QwenConfig, dict]:
+    """(config, base parameters) from a Hugging Face folder: config.json + *.safetensors.
+
+    The parameters are LazyTensors in jcp's layout: pass them to `Trainer(base_params=…)`
+    (or `model.place`), which reads each device's slice straight from the memory-mapped
+    files. Raises ValueError for an unknown architecture, a missing tensor or a shape
+    mismatch.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path} is not a Hugging Face model folder")
+    cfg = config_from_hf(path, dtype=dtype)
+    return cfg, hf_params(cfg, _open_checkpoint(path))

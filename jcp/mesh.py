@@ -1,0 +1,154 @@
+"""The device mesh, its axis names, every PartitionSpec, and the zigzag sequence layout.
+
+This module owns the three axis names and the one table of PartitionSpecs; no other module
+writes an axis string. It must never touch model weights or data values: it only says
+where things live and which original position each rank holds.
+
+Legend: DP, CP, TP mesh axis sizes; L layers; G adapter slots; D hidden; Q = query heads ·
+head dim; K = kv heads · head dim; F MLP width; V vocab; R max LoRA rank; S tokens of one
+device's stream; N tokens of one datum; C zigzag chunk length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
+
+DP = "dp"
+CP = "cp"
+TP = "tp"
+AXES = (DP, CP, TP)
+
+
+@dataclasses.dataclass(frozen=True)
+class Specs:
+    """Every PartitionSpec jcp uses; field names carry the global shape."""
+
+    # Host-packed streams: one row of S tokens per (dp, cp) device pair.
+    stream_DPxCPxS: P = P(DP, CP, None)
+    stream_DPxCPxSxD: P = P(DP, CP, None, None)
+    # Per-(dp, cp) adapter spans (start, end) of the active adapters.
+    spans_DPxCPxKx2: P = P(DP, CP, None, None)
+    replicated: P = P()
+    # Base weights (frozen).
+    embed_VxD: P = P(TP, None)
+    unembed_DxV: P = P(None, TP)
+    norm_D: P = P()
+    norm_LxD: P = P(None, None)
+    column_LxDxO: P = P(None, None, TP)  # q, k, v, gate, up: split on out
+    column_bias_LxO: P = P(None, TP)
+    row_LxIxD: P = P(None, TP, None)  # o, down: split on in, psum over tp after
+    # LoRA slots, sharded like the base layer they adapt.
+    lora_a_column_LxGxDxR: P = P(None, None, None, None)
+    lora_b_column_LxGxRxO: P = P(None, None, None, TP)
+    lora_a_row_LxGxIxR: P = P(None, None, TP, None)
+    lora_b_row_LxGxRxD: P = P(None, None, None, None)
+    lora_a_head_GxDxR: P = P(None, None, None)
+    lora_b_head_GxRxV: P = P(None, None, TP)
+    slot_G: P = P(None)
+
+
+SPECS = Specs()
+
+# Axes over which the batch is split; the loss is summed over both.
+BATCH_AXES = (DP, CP)
+
+
+def make_mesh(dp: int = 1, cp: int = 1, tp: int = 1, devices=None) -> Mesh:
+    """A mesh with axes ("dp", "cp", "tp") over `devices` (default: all of jax.devices()).
+
+    tp is the innermost axis so tensor-parallel collectives stay within a host when they can.
+    """
+    for name, size in (("dp", dp), ("cp", cp), ("tp", tp)):
+        if not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"mesh axis {name} must be a positive integer, got {size!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    need = dp * cp * tp
+    if need > len(devices):
+        raise ValueError(
+            f"mesh dp={dp} cp={cp} tp={tp} needs {need} devices, only {len(devices)} available"
+        )
+    if need < len(devices) and jax.process_count() > 1:
+        raise ValueError(
+            f"mesh dp={dp} cp={cp} tp={tp} uses {need} of {len(devices)} devices; a multi-process "
+            "run must use every device"
+        )
+    return jax.make_mesh(
+        (dp, cp, tp), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices[:need]
+    )
+
+
+def axis_size(mesh: Mesh, axis: str) -> int:
+    return int(mesh.shape[axis])
+
+
+# ----------------------------------------------------------------------------------------
+# Zigzag layout
+
+
+def zigzag_chunk(n: int, cp: int) -> int:
+    """Chunk length C = ceil(n / 2cp) of a datum of n tokens."""
+    return -(-n // (2 * cp))
+
+
+def zigzag_indices(n: int, cp: int) -> np.ndarray:
+    """Original position held by each rank, in local order: int32 [cp, 2C]; -1 = padding.
+
+    The datum is right-padded to 2cp·C and cut into 2cp chunks; rank r holds chunks r and
+    2cp−1−r, in that order, so every rank does the same causal-attention work.
+    Example, n = 8, cp = 2 (C = 2): [[0, 1, 6, 7], [2, 3, 4, 5]].
+    Example, n = 5, cp = 2 (C = 2): [[0, 1, -1, -1], [2, 3, 4, -1]].
+    """
+    if n < 1 or cp < 1:
+        raise ValueError(f"zigzag_indices needs n >= 1 and cp >= 1, got n={n}, cp={cp}")
+    c = zigzag_chunk(n, cp)
+    chunks = np.arange(2 * cp * c, dtype=np.int32).reshape(2 * cp, c)
+    ranks = np.arange(cp)
+    idx = np.concatenate([chunks[ranks], chunks[2 * cp - 1 - ranks]], axis=1)
+    return np.where(idx < n, idx, -1).astype(np.int32)
+
+
+def unzigzag(local_CPx2C: np.ndarray, n: int) -> np.ndarray:
+    """Inverse of zigzag_indices: [cp, 2C, ...] rank-local rows -> [n, ...] original order.
+
+    Example, n = 5, cp = 2: [[a0, a1, p, p], [a2, a3, a4, p]] -> [a0, a1, a2, a3, a4].
+    """
+    cp = local_CPx2C.shape[0]
+    idx = zigzag_indices(n, cp).reshape(-1)
+    flat = local_CPx2C.reshape((-1,) + local_CPx2C.shape[2:])
+    out = np.empty((n,) + flat.shape[1:], dtype=flat.dtype)
+    keep = idx >= 0
+    out[idx[keep]] = flat[keep]
+    return out
+
+
+def datum_token_cap(max_tokens_per_device: int, cp: int, tp: int, pad_multiple: int = 1) -> int:
+    """Most tokens one datum may hold.
+
+    With M tokens per device and pad multiple p = tp·pad_multiple: (floor(M / p)·p, made
+    even)·cp. A datum at the cap fills exactly one device's stream on every cp rank.
+    """
+    p = tp * pad_multiple
+    per_rank = (max_tokens_per_device // p) * p
+    per_rank -= per_rank % 2
+    return per_rank * cp
+
+
+def bucket_length(n: int, minimum: int = 16, maximum: int | None = None) -> int:
+    """Round n up to the next bucket: powers of two and 1.5 × powers of two, ≥ minimum.
+
+    Few distinct lengths keep the number of compiled programs small; the 1.5× steps cap
+    padding waste at 33%. `maximum` (if given and ≥ n) clips the result.
+    """
+    b = minimum
+    while b < n:
+        nxt = b * 3 // 2 if (b & (b - 1)) == 0 and b >= 4 else 1 << math.ceil(math.log2(b + 1))
+        b = max(nxt, b + 1)
+    if maximum is not None and n <= maximum:
+        b = min(b, maximum)
+    return b

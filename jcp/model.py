@@ -1,0 +1,233 @@
+"""The Qwen2/Qwen3 decoder as a per-shard function (runs inside the one shard_map).
+
+Owns the base-parameter tree (names, shapes, PartitionSpecs), its random initialisation
+and placement, and the forward pass from tokens to final hidden states. It must never
+compute the unembedding's full logits (losses.py does that, chunked) and never update
+base weights: they are frozen and not differentiated.
+
+Legend: L layers; S tokens on this shard; D hidden; Q = H·E query width, K = KH·E kv width
+(local shards under tp); H, KH heads; E head dim; F MLP width; V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jcp import attention as attention_lib
+from jcp import lora as lora_lib
+from jcp.config import QwenConfig
+from jcp.mesh import SPECS, TP
+
+# Layer modules in the stacked `layers` tree: name -> spec field.
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW = ("o_proj", "down_proj")
+
+
+def param_shapes(cfg: QwenConfig) -> dict:
+    """The base-parameter tree as shapes. Projections are stored [in, out] (x @ W)."""
+    L, d, f, v = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    layers = {
+        "input_norm": (L, d), "post_norm": (L, d),
+        "q_proj": (L, d, cfg.q_dim), "k_proj": (L, d, cfg.kv_dim), "v_proj": (L, d, cfg.kv_dim),
+        "o_proj": (L, cfg.q_dim, d),
+        "gate_proj": (L, d, f), "up_proj": (L, d, f), "down_proj": (L, f, d),
+    }
+    if cfg.attention_bias:
+        layers.update(q_bias=(L, cfg.q_dim), k_bias=(L, cfg.kv_dim), v_bias=(L, cfg.kv_dim))
+    if cfg.qk_norm:
+        layers.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    out = {"embed": (v, d), "final_norm": (d,), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = (d, v)
+    return out
+
+
+def param_specs(cfg: QwenConfig) -> dict:
+    """The PartitionSpec of every base parameter, from the one table in mesh.py."""
+    def layer_spec(name):
+        if name in COLUMN:
+            return SPECS.column_LxDxO
+        if name in ROW:
+            return SPECS.row_LxIxD
+        if name.endswith("_bias"):
+            return SPECS.column_bias_LxO
+        return SPECS.norm_LxD
+
+    shapes = param_shapes(cfg)
+    out = {"embed": SPECS.embed_VxD, "final_norm": SPECS.norm_D,
+           "layers": {k: layer_spec(k) for k in shapes["layers"]}}
+    if "lm_head" in shapes:
+        out["lm_head"] = SPECS.unembed_DxV
+    return out
+
+
+def random_params(cfg: QwenConfig, seed: int = 0) -> dict:
+    """Random host weights (NumPy float32) for tests and the demo: N(0, 0.02), norms ~1."""
+    rng = np.random.default_rng(seed)
+
+    def make(name, shape):
+        if "norm" in name:
+            return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+
+    shapes = param_shapes(cfg)
+    out = {k: make(k, s) for k, s in shapes.items() if k != "layers"}
+    out["layers"] = {k: make(k, s) for k, s in shapes["layers"].items()}
+    return out
+
+
+def place(tree_host, specs, mesh, dtype=None):
+    """Host arrays (or callables index -> array) -> global arrays in their sharded layout.
+
+    Each device receives only its own slice (`jax.make_array_from_callback`), so no device
+    ever holds a full replicated copy of a sharded weight, and every process supplies only
+    the slices of its own devices.
+    """
+    def one(x, spec):
+        sharding = NamedSharding(mesh, spec)
+        shape = x.shape
+        dt = dtype or x.dtype
+
+        def cb(index):
+            return np.asarray(x[index], dtype=dt)
+
+        return jax.make_array_from_callback(shape, sharding, cb)
+
+    return jax.tree.map(one, tree_host, specs)
+
+
+def check_shapes(cfg: QwenConfig, params) -> None:
+    """Raise ValueError naming the first parameter whose shape differs from cfg's."""
+    want = param_shapes(cfg)
+    have_keys = set(params) - {"layers"}
+    want_keys = set(want) - {"layers"}
+    if have_keys != want_keys or set(params.get("layers", {})) != set(want["layers"]):
+        raise ValueError(
+            f"base parameters do not match the config: expected {sorted(want_keys)} and layers "
+            f"{sorted(want['layers'])}, got {sorted(have_keys)} and "
+            f"{sorted(params.get('layers', {}))}")
+    for k, s in want.items():
+        if k == "layers":
+            for kk, ss in s.items():
+                if tuple(params["layers"][kk].shape) != ss:
+                    raise ValueError(f"base parameter layers.{kk} has shape "
+                                     f"{tuple(params['layers'][kk].shape)}, expected {ss}")
+        elif tuple(params[k].shape) != s:
+            raise ValueError(f"base parameter {k} has shape {tuple(params[k].shape)}, "
+                             f"expected {s}")
+
+
+# ----------------------------------------------------------------------------------------
+# Per-shard forward
+
+
+def rms_norm(x, w, eps):
+    """RMSNorm in fp32 math, cast back to x's dtype, then scaled (as Hugging Face Qwen)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def rope(x_SxHxE, position_S, theta):
+    """Rotary embedding, rotate-half form, angles from each token's position in its datum."""
+    e = x_SxHxE.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
+    ang = position_S.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    ang = jnp.concatenate([ang, ang], axis=-1)[:, None, :]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    xf = x_SxHxE.astype(jnp.float32)
+    half = e // 2
+    rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rot * sin).astype(x_SxHxE.dtype)
+
+
+def embed(embed_VxD, tokens_S):
+    """Vocab-parallel lookup: each tp rank holds V/tp rows; psum over "tp" combines them."""
+    v_local = embed_VxD.shape[0]
+    local = tokens_S - jax.lax.axis_index(TP) * v_local
+    inside = (local >= 0) & (local < v_local)
+    rows = jnp.take(embed_VxD, jnp.where(inside, local, 0), axis=0)
+    return jax.lax.psum(jnp.where(inside[:, None], rows, 0), TP)
+
+
+def _linear(x, w, lora_ab, route, bias=None):
+    y = jnp.einsum("si,io->so", x, w.astype(x.dtype))
+    if bias is not None:
+        y = y + bias.astype(x.dtype)
+    if lora_ab is not None:
+        y = y + lora_lib.delta(x, lora_ab["a"], lora_ab["b"], route)
+    return y
+
+
+def _layer(cfg: QwenConfig, attn_impl: str, attn_block: int, h_SxD, layer, lora_layer,
+           route, segment_S, position_S):
+    """One decoder layer on this shard. Row-parallel outputs are psum'd over "tp"."""
+    s_len = h_SxD.shape[0]
+    e = cfg.head_dim
+    lo = (lambda m: None) if lora_layer is None else (lambda m: lora_layer[m])
+
+    x = rms_norm(h_SxD, layer["input_norm"], cfg.rms_norm_eps)
+    q = _linear(x, layer["q_proj"], lo("q_proj"), route, layer.get("q_bias"))
+    k = _linear(x, layer["k_proj"], lo("k_proj"), route, layer.get("k_bias"))
+    v = _linear(x, layer["v_proj"], lo("v_proj"), route, layer.get("v_bias"))
+    q = q.reshape(s_len, -1, e)
+    k = k.reshape(s_len, -1, e)
+    v = v.reshape(s_len, -1, e)
+    if cfg.qk_norm:
+        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    q = rope(q, position_S, cfg.rope_theta)
+    k = rope(k, position_S, cfg.rope_theta)
+    o = attention_lib.cp_attention(q, k, v, segment_S, position_S,
+                                   implementation=attn_impl, block=attn_block)
+    o = _linear(o.reshape(s_len, -1), layer["o_proj"], lo("o_proj"), route)
+    h_SxD = h_SxD + jax.lax.psum(o, TP)
+
+    x = rms_norm(h_SxD, layer["post_norm"], cfg.rms_norm_eps)
+    g = _linear(x, layer["gate_proj"], lo("gate_proj"), route)
+    u = _linear(x, layer["up_proj"], lo("up_proj"), route)
+    y = _linear(jax.nn.silu(g) * u, layer["down_proj"], lo("down_proj"), route)
+    return h_SxD + jax.lax.psum(y, TP)
+
+
+def hidden_states(cfg: QwenConfig, params, tokens_S, segment_S, position_S, lora=None,
+                  route: lora_lib.Routing | None = None, *, remat: bool = True,
+                  attn_impl: str = "blockwise", attn_block: int = attention_lib.DEFAULT_BLOCK):
+    """Final-norm hidden states [S, D] of this shard's tokens.
+
+    params: this shard's base weights (see param_shapes); lora: active adapters
+    {module: {"a": [L, K, I, R], "b": [L, K, R, O]}} or None; route: their token spans.
+    Layers run under lax.scan (compile time independent of depth), each rematerialised in
+    the backward pass when `remat`.
+    """
+    dtype = jnp.dtype(cfg.dtype)
+    h = embed(params["embed"], tokens_S).astype(dtype)
+    layer_lora = None if lora is None else {m: lora[m] for m in lora_lib.LAYER_MODULES}
+
+    def body(h, xs):
+        layer, lora_layer = xs
+        return _layer(cfg, attn_impl, attn_block, h, layer, lora_layer, route,
+                      segment_S, position_S), None
+
+    if remat:
+        body = jax.checkpoint(body, prevent_cse=False)
+    h, _ = jax.lax.scan(body, h, (params["layers"], layer_lora))
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+
+
+def unembed_factors(params, h_SxD, lora=None, route: lora_lib.Routing | None = None):
+    """(lefts, rights) with logits = Σ lefts[i] @ rights[i], rights split over vocab.
+
+    Base: h @ W (W = lm_head, or embed^T when tied); LoRA on lm_head adds
+    [(h @ A_k)·scale_k] @ B_k, routed per token. losses.target_logprobs consumes these.
+    """
+    w_DxV = params["lm_head"] if "lm_head" in params else params["embed"].T
+    lefts, rights = [h_SxD], [w_DxV]
+    if lora is not None and lora_lib.HEAD in lora:
+        head = lora[lora_lib.HEAD]
+        lefts.append(lora_lib.low_rank_input(h_SxD, head["a"], route).astype(h_SxD.dtype))
+        rights.append(head["b"].reshape(-1, head["b"].shape[-1]))
+    return tuple(lefts), tuple(rights)
