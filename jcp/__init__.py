@@ -2,6 +2,9 @@
 
 from jcp.batch import Datum, InputError
 from jcp.config import QwenConfig
-from jcp.mesh import make_mesh, zigzag_indices, unzigzag
+from jcp.hf import load_hf
+from jcp.mesh import make_mesh, unzigzag, zigzag_indices
+from jcp.trainer import AdamParams, ForwardBackwardOutput, Trainer
 
-__all__ = ["Datum", "InputError", "QwenConfig", "make_mesh", "zigzag_indices", "unzigzag"]
+__all__ = ["AdamParams", "Datum", "ForwardBackwardOutput", "Trainer", "InputError", "QwenConfig", "load_hf", "make_mesh", "unzigzag",
+           "zigzag_indices"]

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jcp.config import QwenConfig
+from jcp.mesh import SPECS
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -60,20 +61,32 @@ def resolve_targets(targets) -> tuple[str, ...]:
 
 
 def slot_shapes(cfg: QwenConfig, max_adapters: int, max_rank: int) -> dict:
-    """{module: {"a": shape, "b": shape}} of the stacked slots."""
+    """{module: {"a": shape, "b": shape}} of the stacked slots, slot axis first."""
     out = {}
     for m in ALL_MODULES:
         i, o = module_dims(cfg, m)
-        lead = () if m == HEAD else (cfg.num_layers,)
-        out[m] = {"a": lead + (max_adapters, i, max_rank), "b": lead + (max_adapters, max_rank, o)}
+        lead = (max_adapters,) if m == HEAD else (max_adapters, cfg.num_layers)
+        out[m] = {"a": lead + (i, max_rank), "b": lead + (max_rank, o)}
     return out
+
+
+def slot_specs() -> dict:
+    """The PartitionSpec of every slot array, from the one table in mesh.py."""
+    def spec(m):
+        if m == HEAD:
+            return {"a": SPECS.lora_a_head_GxDxR, "b": SPECS.lora_b_head_GxRxV}
+        if m in ROW_PARALLEL:
+            return {"a": SPECS.lora_a_row_GxLxIxR, "b": SPECS.lora_b_row_GxLxRxD}
+        return {"a": SPECS.lora_a_column_GxLxDxR, "b": SPECS.lora_b_column_GxLxRxO}
+
+    return {m: spec(m) for m in ALL_MODULES}
 
 
 def init_slot(cfg: QwenConfig, rank: int, max_rank: int, targets, seed: int) -> dict:
     """One adapter's weights as PEFT initialises them, padded to max_rank with zeros.
 
     A ~ U(±1/√in) (kaiming-uniform with a = √5, as PEFT), B = 0; untargeted modules are 0.
-    Returns {module: {"a": [L?, in, R], "b": [L?, R, out]}} NumPy float32.
+    Returns {module: {"a": [L, in, R], "b": [L, R, out]}} NumPy float32 (no L for lm_head).
     """
     rng = np.random.default_rng(seed)
     out = {}
@@ -110,10 +123,28 @@ jax.tree_util.register_dataclass(Routing, data_fields=["active_K", "spans_Kx2", 
                                  meta_fields=[])
 
 
-def take_active(slots: dict, active_K, has_layers: bool = True) -> dict:
-    """Gather the active slots: [L, G, …] -> [L, K, …] (or [G, …] -> [K, …] for lm_head)."""
-    axis = 1 if has_layers else 0
-    return jax.tree.map(lambda x: jnp.take(x, active_K, axis=axis), slots)
+def take_active(slots: dict, active_K) -> dict:
+    """Gather the active slots for the model: [G, L, …] -> [L, K, …]; lm_head [G, …] -> [K, …].
+
+    Only K adapters are copied (not one per token); layers lead so lax.scan can slice them.
+    """
+    out = {}
+    for m, ab in slots.items():
+        picked = jax.tree.map(lambda x: jnp.take(x, active_K, axis=0), ab)
+        out[m] = picked if m == HEAD else jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), picked)
+    return out
+
+
+def untake_active(active: dict) -> dict:
+    """Inverse layout of take_active: [L, K, …] -> [K, L, …] (lm_head unchanged)."""
+    return {m: ab if m == HEAD else jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), ab)
+            for m, ab in active.items()}
+
+
+def slot_specs_active() -> dict:
+    """Specs of take_active's result inside the shard_map. [L, K, …] puts tp on the same
+    axis as [G, L, …], so the slot table serves unchanged."""
+    return slot_specs()
 
 
 def low_rank_input(x_SxI, a_KxIxR, route: Routing):

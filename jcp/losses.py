@@ -74,22 +74,24 @@ def _lp_fwd_impl(lefts, rights, targets_S, chunk):
     return lp.reshape(s_len), lse.reshape(s_len)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _target_logprobs(lefts, rights, targets_S, chunk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _target_logprobs(lefts, rights, targets_S, chunk, right_grads):
     return _lp_fwd_impl(lefts, rights, targets_S, chunk)[0]
 
 
-def _lp_fwd(lefts, rights, targets_S, chunk):
+def _lp_fwd(lefts, rights, targets_S, chunk, right_grads):
     lp, lse = _lp_fwd_impl(lefts, rights, targets_S, chunk)
     return lp, (lefts, rights, targets_S, lse)
 
 
-def _lp_bwd(chunk, res, g_S):
+def _lp_bwd(chunk, right_grads, res, g_S):
     lefts, rights, targets_S, lse_S = res
     s_len = targets_S.shape[0]
     v_local = rights[0].shape[1]
     tgt_S, inside_S = _local_targets(targets_S, v_local)
-    d_rights0 = tuple(_vary(jnp.zeros(r.shape, jnp.float32), _varying(r)) for r in rights)
+    # Frozen factors (the base unembedding) get no gradient work at all.
+    d_rights0 = tuple(_vary(jnp.zeros(r.shape if want else (), jnp.float32), _varying(r))
+                      for r, want in zip(rights, right_grads))
 
     def body(d_rights, i):
         logits = _chunk_logits(lefts, rights, i, chunk)
@@ -102,18 +104,21 @@ def _lp_bwd(chunk, res, g_S):
         d_logits = g[:, None] * (onehot.astype(jnp.float32) - jnp.exp(logits - lse[:, None]))
         d_lefts = []
         new_d_rights = []
-        for left, right, dr in zip(lefts, rights, d_rights):
+        for left, right, dr, want in zip(lefts, rights, d_rights, right_grads):
             part = jax.lax.dynamic_slice_in_dim(left, i * chunk, chunk, axis=0)
             dl = jnp.einsum("sv,dv->sd", d_logits, right.astype(jnp.float32))
             d_lefts.append(jax.lax.psum(dl, TP))  # sum over the vocab shards
-            new_d_rights.append(dr + jnp.einsum("sd,sv->dv", part.astype(jnp.float32), d_logits))
+            if want:
+                dr = dr + jnp.einsum("sd,sv->dv", part.astype(jnp.float32), d_logits)
+            new_d_rights.append(dr)
         return tuple(new_d_rights), tuple(d_lefts)
 
     d_rights, d_lefts = jax.lax.scan(body, d_rights0, jnp.arange(s_len // chunk))
     d_lefts = tuple(
         dl.reshape(left.shape).astype(left.dtype) for dl, left in zip(d_lefts, lefts)
     )
-    d_rights = tuple(dr.astype(r.dtype) for dr, r in zip(d_rights, rights))
+    d_rights = tuple(dr.astype(r.dtype) if want else jnp.zeros_like(r)
+                     for dr, r, want in zip(d_rights, rights, right_grads))
     targets_ct = np.zeros(targets_S.shape, dtype=jax.dtypes.float0)
     return d_lefts, d_rights, targets_ct
 
@@ -121,14 +126,15 @@ def _lp_bwd(chunk, res, g_S):
 _target_logprobs.defvjp(_lp_fwd, _lp_bwd)
 
 
-def target_logprobs(lefts, rights, targets_S, chunk: int = DEFAULT_CHUNK):
+def target_logprobs(lefts, rights, targets_S, chunk: int = DEFAULT_CHUNK, right_grads=None):
     """log p(target) [S] for logits = Σ_i lefts[i] @ rights[i], vocab split over "tp".
 
     lefts[i]: [S, D_i], the same on every tp rank; rights[i]: [D_i, V/tp], this rank's
     vocab slice (rank t holds vocab rows t·V/tp …). The softmax pieces are combined with
     pmax / psum over "tp". Tokens are processed `chunk` at a time under a custom VJP that
     keeps only the log-sum-exp [S] and recomputes each chunk's logits in the backward pass,
-    so no [S, V] array ever exists.
+    so no [S, V] array ever exists. right_grads[i] = False skips the gradient of a frozen
+    rights[i] (its cotangent is zero).
     """
     lefts, rights = tuple(lefts), tuple(rights)
     chunk = block_size(targets_S.shape[0], chunk)
@@ -137,7 +143,8 @@ def target_logprobs(lefts, rights, targets_S, chunk: int = DEFAULT_CHUNK):
     # of this cast (outside), not inside the rule.
     rights = tuple(_vary(r, BATCH_AXES) for r in rights)
     lefts = tuple(_vary(x, BATCH_AXES) for x in lefts)
-    return _target_logprobs(lefts, rights, targets_S, chunk)
+    right_grads = (True,) * len(rights) if right_grads is None else tuple(right_grads)
+    return _target_logprobs(lefts, rights, targets_S, chunk, right_grads)
 
 
 def _varying(x) -> tuple[str, ...]:
@@ -276,7 +283,7 @@ def _gather_stream(x_S):
 
 
 def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn: str,
-               cfg, num_slots: int, chunk: int = DEFAULT_CHUNK):
+               cfg, num_slots: int, chunk: int = DEFAULT_CHUNK, right_grads=None):
     """Loss of this shard's tokens and the complete per-datum outputs.
 
     Returns (loss, outputs): loss is the local-shard token sum psum'd over (dp, cp), so it
@@ -284,7 +291,7 @@ def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn
     outputs (ShardOutputs) are built under stop_gradient and gathered so every device holds
     every datum's vectors.
     """
-    lp_S = target_logprobs(lefts, rights, targets_S, chunk)
+    lp_S = target_logprobs(lefts, rights, targets_S, chunk, right_grads)
     real_S = segment_S >= 0
     tok_loss_S, clipped_S = LOSSES[loss_fn](lp_S, inputs, cfg)
     tok_loss_S = jnp.where(real_S, tok_loss_S, 0.0)
@@ -298,6 +305,6 @@ def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn
         logprobs=_gather_stream(lp_out),
         elementwise_loss=_gather_stream(el_out),
         datum_loss=jax.lax.psum(datum_loss, BATCH_AXES),
-        clipped=jax.lax.psum(jnp.sum(clipped_S & real_S, dtype=jnp.int32), BATCH_AXES),
+        clipped=jax.lax.psum(jnp.sum(clipped_S, dtype=jnp.int32), BATCH_AXES),
     )
     return loss, outputs

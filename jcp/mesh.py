@@ -43,11 +43,11 @@ class Specs:
     column_LxDxO: P = P(None, None, TP)  # q, k, v, gate, up: split on out
     column_bias_LxO: P = P(None, TP)
     row_LxIxD: P = P(None, TP, None)  # o, down: split on in, psum over tp after
-    # LoRA slots, sharded like the base layer they adapt.
-    lora_a_column_LxGxDxR: P = P(None, None, None, None)
-    lora_b_column_LxGxRxO: P = P(None, None, None, TP)
-    lora_a_row_LxGxIxR: P = P(None, None, TP, None)
-    lora_b_row_LxGxRxD: P = P(None, None, None, None)
+    # LoRA slots (slot-major), sharded like the base layer they adapt.
+    lora_a_column_GxLxDxR: P = P(None, None, None, None)
+    lora_b_column_GxLxRxO: P = P(None, None, None, TP)
+    lora_a_row_GxLxIxR: P = P(None, None, TP, None)
+    lora_b_row_GxLxRxD: P = P(None, None, None, None)
     lora_a_head_GxDxR: P = P(None, None, None)
     lora_b_head_GxRxV: P = P(None, None, TP)
     slot_G: P = P(None)

@@ -1,0 +1,172 @@
+"""The jitted pure steps: forward, forward_backward and optim_step.
+
+Owns the one shard_map over (dp, cp, tp) that runs model + losses, the gradient taken
+outside it w.r.t. the active adapter slots only, and the per-slot AdamW update. It must
+never differentiate base weights, never psum a gradient (the transpose of the replicated
+loss already sums it), and never touch a slot other than the one being stepped.
+
+Legend: G slots; K active adapters; DP, CP mesh sizes; S stream length; B datum slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jcp import lora as lora_lib
+from jcp import losses as losses_lib
+from jcp import model as model_lib
+from jcp.config import QwenConfig
+from jcp.mesh import SPECS
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static settings of the compiled steps."""
+
+    remat: bool = True
+    attn_impl: str = "blockwise"
+    attn_block: int = 512
+    logprob_chunk: int = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A packed micro-batch as global arrays: streams [DP, CP, S], spans [DP, CP, K, 2],
+    active [K] and client vectors (weights, advantages, logprobs) [DP, CP, S]."""
+
+    tokens: jax.Array
+    targets: jax.Array
+    segment: jax.Array
+    position: jax.Array
+    weights: jax.Array
+    advantages: jax.Array
+    logprobs: jax.Array
+    spans: jax.Array
+    active: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    Batch, data_fields=[f.name for f in dataclasses.fields(Batch)], meta_fields=[])
+
+
+def batch_specs() -> Batch:
+    s = SPECS.stream_DPxCPxS
+    return Batch(tokens=s, targets=s, segment=s, position=s, weights=s, advantages=s,
+                 logprobs=s, spans=SPECS.spans_DPxCPxKx2, active=SPECS.replicated)
+
+
+def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fn: str,
+                      num_slots: int, lora_active, params, scale_G, batch: Batch, loss_cfg):
+    """The shard_map'd model + loss. Returns (replicated loss, ShardOutputs)."""
+
+    def shard(lora_active, params, scale_G, b: Batch, loss_cfg):
+        one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
+        route = lora_lib.Routing(active_K=b.active, spans_Kx2=one(b.spans),
+                                 scale_K=jnp.take(scale_G, b.active))
+        segment, position = one(b.segment), one(b.position)
+        h = model_lib.hidden_states(cfg, params, one(b.tokens), segment, position, lora_active,
+                                    route, remat=step_cfg.remat, attn_impl=step_cfg.attn_impl,
+                                    attn_block=step_cfg.attn_block)
+        lefts, rights = model_lib.unembed_factors(params, h, lora_active, route)
+        inputs = losses_lib.TokenInputs(one(b.weights), one(b.advantages), one(b.logprobs))
+        return losses_lib.shard_loss(lefts, rights, one(b.targets), segment, inputs, loss_fn,
+                                     loss_cfg, num_slots, chunk=step_cfg.logprob_chunk,
+                                     right_grads=(False,) + (True,) * (len(rights) - 1))
+
+    in_specs = (lora_lib.slot_specs_active(), model_lib.param_specs(cfg), SPECS.slot_G,
+                batch_specs(), SPECS.replicated)
+    return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()))(
+        lora_active, params, scale_G, batch, loss_cfg)
+
+
+def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
+    """jit(forward)(lora, params, scale_G, batch, loss_cfg, *, loss_fn, num_slots) -> (loss, out)."""
+
+    @functools.partial(jax.jit, static_argnames=("loss_fn", "num_slots"))
+    def forward(lora, params, scale_G, batch, loss_cfg, *, loss_fn, num_slots):
+        active = lora_lib.take_active(lora, batch.active)
+        return _loss_and_outputs(cfg, mesh, step_cfg, loss_fn, num_slots, active, params,
+                                 scale_G, batch, loss_cfg)
+
+    return forward
+
+
+def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
+    """jit(fb)(acc, lora, params, scale_G, batch, loss_cfg) -> (acc + grad, loss, out).
+
+    The gradient is taken w.r.t. the K active slots only (outside the shard_map) and
+    scatter-added into the donated accumulators; padding entries of `active` route no
+    tokens, so their gradient is zero.
+    """
+
+    @functools.partial(jax.jit, static_argnames=("loss_fn", "num_slots"), donate_argnums=(0,))
+    def forward_backward(acc, lora, params, scale_G, batch, loss_cfg, *, loss_fn, num_slots):
+        def loss_of(active):
+            return _loss_and_outputs(cfg, mesh, step_cfg, loss_fn, num_slots, active, params,
+                                     scale_G, batch, loss_cfg)
+
+        active = lora_lib.take_active(lora, batch.active)
+        (loss, out), grads = jax.value_and_grad(loss_of, has_aux=True)(active)
+        grads = lora_lib.untake_active(grads)
+        acc = jax.tree.map(lambda a, g: a.at[batch.active].add(g), acc, grads)
+        return acc, loss, out
+
+    return forward_backward
+
+
+# ----------------------------------------------------------------------------------------
+# AdamW on one slot
+
+
+@dataclasses.dataclass(frozen=True)
+class OptState:
+    """AdamW state of every slot: moments like the slots, step count per slot [G]."""
+
+    mu: dict
+    nu: dict
+    count: jax.Array
+
+
+jax.tree_util.register_dataclass(OptState, data_fields=["mu", "nu", "count"], meta_fields=[])
+
+
+def make_optim_step(mesh):
+    """jit(step)(lora, acc, opt, slot, hp) -> (lora, acc, opt, metrics) for one slot.
+
+    hp: float32 [6] = (learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm).
+    AdamW (optax.scale_by_adam, bias-corrected by the slot's own count, decoupled weight
+    decay); grad_clip_norm > 0 clips the slot's global gradient norm. The slot's
+    accumulator is zeroed. Every other slot is left bit-identical (only `.at[slot].set`).
+    """
+    replicated = NamedSharding(mesh, P())
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def optim_step(lora, acc, opt: OptState, slot, hp):
+        lr, b1, b2, eps, wd, clip = (hp[i] for i in range(6))
+        take = lambda t: jax.tree.map(lambda x: x[slot], t)  # noqa: E731
+        params, grads = take(lora), take(acc)
+        grad_norm = optax.global_norm(grads)
+        factor = jnp.where((clip > 0) & (grad_norm > clip), clip / grad_norm, 1.0)
+        grads = jax.tree.map(lambda g: g * factor, grads)
+        adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+        state = optax.ScaleByAdamState(count=opt.count[slot], mu=take(opt.mu), nu=take(opt.nu))
+        updates, state = adam.update(grads, state, params)
+        new_params = jax.tree.map(lambda p, u: p - lr * (u + wd * p), params, updates)
+
+        put = lambda t, v: jax.tree.map(lambda x, y: x.at[slot].set(y.astype(x.dtype)), t, v)  # noqa: E731
+        lora = put(lora, new_params)
+        acc = jax.tree.map(lambda x: x.at[slot].set(jnp.zeros_like(x[slot])), acc)
+        opt = OptState(mu=put(opt.mu, state.mu), nu=put(opt.nu, state.nu),
+                       count=opt.count.at[slot].set(state.count))
+        metrics = {"grad_norm": grad_norm, "learning_rate": lr, "step": state.count}
+        metrics = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), metrics)
+        return lora, acc, opt, metrics
+
+    return optim_step
