@@ -9,12 +9,20 @@ Legend: L layers; I, O in/out features; R max rank; r the adapter's own rank.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import shutil
 import tempfile
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
 from jcp import lora as lora_lib
@@ -126,3 +134,160 @@ def read_peft(path, cfg: QwenConfig, max_rank: int):
                 else:
                     dst[:rank, :] = t.T
     return rank, alpha, targets, weights
+
+
+# ----------------------------------------------------------------------------------------
+# orbax adapter state
+
+STATE_FORMAT = 1
+
+
+def _sans_slot(spec):
+    """The PartitionSpec of one slot: the slot table's spec without its leading G axis."""
+    return P(*tuple(spec)[1:])
+
+
+def _state_layout(tr, info) -> dict:
+    """{module: {"a"/"b": (shape at the adapter's rank, PartitionSpec)}} of its targets."""
+    shapes = lora_lib.slot_shapes(tr.cfg, 1, info.rank)
+    specs = lora_lib.slot_specs()
+    return {m: {ab: (shapes[m][ab][1:], _sans_slot(specs[m][ab])) for ab in ("a", "b")}
+            for m in info.targets}
+
+
+def _crop(x, rank, which):
+    return x[..., :rank] if which == "a" else x[..., :rank, :]
+
+
+def _slot_state(tr, slot: int, info, with_grads=False) -> dict:
+    """Device arrays of one slot at its own rank: weights, moments, count (global arrays)."""
+    layout = _state_layout(tr, info)
+    shardings = {m: {ab: NamedSharding(tr.mesh, spec) for ab, (_, spec) in v.items()}
+                 for m, v in layout.items()}
+
+    @functools.partial(jax.jit, static_argnums=(1,),
+                       out_shardings=(shardings, shardings, shardings))
+    def extract(trees, rank, slot):
+        return tuple({m: {ab: _crop(t[m][ab][slot], rank, ab) for ab in ("a", "b")}
+                      for m in layout} for t in trees)
+
+    weights, mu, nu = extract((tr.lora, tr.opt.mu, tr.opt.nu), info.rank,
+                              tr._replicated(np.asarray(slot, np.int32)))
+    count = tr._replicated(np.asarray(np.asarray(tr.opt.count.addressable_data(0))[slot],
+                                      np.int32))
+    return {"weights": weights, "mu": mu, "nu": nu, "count": count}
+
+
+def _checkpointer():
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+
+
+def save_state(tr, slot: int, path) -> None:
+    """Save one adapter with orbax: weights at its rank, AdamW moments, step count, its
+    config and the base-model fingerprint, as global arrays (loadable under any mesh).
+
+    Written aside and moved into place (orbax finalizes atomically; an existing checkpoint
+    at `path` is replaced only after the new one is complete), so an interrupted save never
+    damages the previous checkpoint.
+    """
+    info = tr.adapters[slot]
+    path = os.path.abspath(os.fspath(path))
+    state = _slot_state(tr, slot, info)
+    meta = {"format": STATE_FORMAT, "rank": info.rank, "alpha": info.alpha,
+            "targets": list(info.targets), "base_fingerprint": tr.cfg.fingerprint(),
+            "max_rank_saved": info.rank}
+    staging = path + ".jcp-staging"
+    primary = jax.process_index() == 0
+    if primary and os.path.exists(staging):
+        shutil.rmtree(staging)
+    _sync("jcp-save-clean")
+    _checkpointer().save(staging, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    _sync("jcp-save-written")
+    if primary:
+        old = path + ".jcp-old"
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(staging, path)
+        if os.path.exists(old):
+            shutil.rmtree(old)
+    _sync("jcp-save-done")
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def read_state_meta(path) -> dict:
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise InputError(f"no adapter checkpoint at {path}")
+    try:
+        meta = _checkpointer().restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    except Exception as e:  # orbax raises several types for a foreign folder
+        raise InputError(f"{path} is not a jcp adapter checkpoint ({e})") from None
+    meta = meta["meta"]
+    if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
+        raise InputError(f"{path} is not a jcp adapter checkpoint of format {STATE_FORMAT}")
+    return meta
+
+
+def load_state(tr, path, adapter=None, with_optimizer: bool = True) -> int:
+    """Load a checkpoint of save_state into `adapter` (allocated) or a free slot -> its id.
+
+    Refused (InputError, nothing changed) when the base-model config differs or the rank
+    exceeds this trainer's max_rank. with_optimizer=False loads the weights only (fresh
+    moments, step 0). The slot's gradient accumulator is zeroed.
+    """
+    from jcp.trainer import AdapterInfo
+
+    path = os.path.abspath(os.fspath(path))
+    meta = read_state_meta(path)
+    if meta["base_fingerprint"] != tr.cfg.fingerprint():
+        raise InputError(f"{path} was saved for a different base model (fingerprint "
+                         f"{meta['base_fingerprint']}, this trainer's {tr.cfg.fingerprint()})")
+    rank, alpha, targets = tr._check_new_adapter(meta["rank"], meta["alpha"], meta["targets"])
+    slot = tr._free_slot() if adapter is None else tr._check_adapter(adapter)
+    info = AdapterInfo(rank, alpha, targets)
+
+    layout = _state_layout(tr, info)
+    abstract_tree = {m: {ab: jax.ShapeDtypeStruct(shape, jnp.float32,
+                                                  sharding=NamedSharding(tr.mesh, spec))
+                         for ab, (shape, spec) in v.items()} for m, v in layout.items()}
+    abstract = {"weights": abstract_tree, "mu": abstract_tree, "nu": abstract_tree,
+                "count": jax.ShapeDtypeStruct((), jnp.int32,
+                                              sharding=NamedSharding(tr.mesh, P()))}
+    state = _checkpointer().restore(path, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract)))["state"]
+
+    zeros = jax.tree.map(jnp.zeros_like, state["weights"])
+    mu, nu = (state["mu"], state["nu"]) if with_optimizer else (zeros, zeros)
+    count = int(np.asarray(state["count"].addressable_data(0))) if with_optimizer else 0
+    slot_arr = tr._replicated(np.asarray(slot, np.int32))
+    tr.lora = _put_slot(tr.lora, slot_arr, state["weights"])
+    tr.acc = _put_slot(tr.acc, slot_arr, zeros)
+    tr.opt = type(tr.opt)(mu=_put_slot(tr.opt.mu, slot_arr, mu),
+                          nu=_put_slot(tr.opt.nu, slot_arr, nu),
+                          count=tr._replicated(tr._count_host(slot, count)))
+    scale = np.asarray(tr.scale.addressable_data(0)).copy()
+    scale[slot] = info.scale
+    tr.scale = tr._replicated(scale)
+    tr.adapters[slot] = info
+    return slot
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _put_slot(tree_G, slot, small):
+    """Write one slot from arrays at the adapter's rank: zero-pad to max rank; modules
+    absent from `small` (not targeted) become zero."""
+    out = {}
+    for m, ab in tree_G.items():
+        out[m] = {}
+        for which, x in ab.items():
+            full = jnp.zeros(x.shape[1:], x.dtype)
+            if m in small:
+                v = small[m][which]
+                full = jax.lax.dynamic_update_slice(full, v.astype(x.dtype), (0,) * v.ndim)
+            out[m][which] = x.at[slot].set(full)
+    return out

@@ -52,6 +52,10 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
     rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", "default")
     if rope_type not in ("default", None):
         raise ValueError(f"rope scaling {rope_type!r} is not supported; jcp implements plain RoPE")
+    if kind == "qwen3" and d.get("attention_bias"):
+        # Qwen3's attention_bias also puts a bias on o_proj, which jcp's decoder lacks.
+        raise ValueError("Qwen3 with attention_bias (biases on q, k, v and o_proj) is not "
+                         "supported")
     if d.get("use_sliding_window"):
         raise ValueError("sliding-window attention (use_sliding_window) is not supported")
     heads = d["num_attention_heads"]

@@ -305,6 +305,6 @@ def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn
         logprobs=_gather_stream(lp_out),
         elementwise_loss=_gather_stream(el_out),
         datum_loss=jax.lax.psum(datum_loss, BATCH_AXES),
-        clipped=jax.lax.psum(jnp.sum(clipped_S, dtype=jnp.int32), BATCH_AXES),
+        clipped=jax.lax.psum(jnp.sum(clipped_S & real_S, dtype=jnp.int32), BATCH_AXES),
     )
     return loss, outputs
