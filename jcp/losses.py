@@ -282,10 +282,30 @@ def _gather_stream(x_S):
     return jax.lax.psum(grid, BATCH_AXES)
 
 
-def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn: str,
-               cfg, num_slots: int, chunk: int = DEFAULT_CHUNK, right_grads=None):
+def token_losses(lp_S, inputs: TokenInputs, loss_fn, cfg, loss_id_S=None):
+    """(token loss [S], clipped [S]) for one loss, or per token for several.
+
+    loss_fn: a name with cfg its settings; or a tuple of names with cfg {name: settings}
+    and loss_id_S the index of each token's loss in that tuple.
+    """
+    if isinstance(loss_fn, str):
+        return LOSSES[loss_fn](lp_S, inputs, cfg)
+    tok_loss_S = jnp.zeros(lp_S.shape, lp_S.dtype)
+    clipped_S = jnp.zeros(lp_S.shape, bool)
+    for k, name in enumerate(loss_fn):
+        here = loss_id_S == k
+        l, c = LOSSES[name](lp_S, inputs, cfg[name])
+        tok_loss_S = jnp.where(here, l, tok_loss_S)
+        clipped_S = clipped_S | (here & c)
+    return tok_loss_S, clipped_S
+
+
+def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn,
+               cfg, num_slots: int, chunk: int = DEFAULT_CHUNK, right_grads=None,
+               loss_id_S=None):
     """Loss of this shard's tokens and the complete per-datum outputs.
 
+    loss_fn / cfg / loss_id_S as in token_losses (one loss, or one per token).
     Returns (loss, outputs): loss is the local-shard token sum psum'd over (dp, cp), so it
     is replicated and `jax.grad` of it taken outside the shard_map is the CP = 1 gradient;
     outputs (ShardOutputs) are built under stop_gradient and gathered so every device holds
@@ -293,7 +313,7 @@ def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn
     """
     lp_S = target_logprobs(lefts, rights, targets_S, chunk, right_grads)
     real_S = segment_S >= 0
-    tok_loss_S, clipped_S = LOSSES[loss_fn](lp_S, inputs, cfg)
+    tok_loss_S, clipped_S = token_losses(lp_S, inputs, loss_fn, cfg, loss_id_S)
     tok_loss_S = jnp.where(real_S, tok_loss_S, 0.0)
     loss = jax.lax.psum(jnp.sum(tok_loss_S), BATCH_AXES)
 

@@ -39,12 +39,14 @@ class StepConfig:
 @dataclasses.dataclass(frozen=True)
 class Batch:
     """A packed micro-batch as global arrays: streams [DP, CP, S], spans [DP, CP, K, 2],
-    active [K] and client vectors (weights, advantages, logprobs) [DP, CP, S]."""
+    active [K] and client vectors (weights, advantages, logprobs) [DP, CP, S]; loss_id
+    indexes each token's loss in the step's static tuple of loss names."""
 
     tokens: jax.Array
     targets: jax.Array
     segment: jax.Array
     position: jax.Array
+    loss_id: jax.Array
     weights: jax.Array
     advantages: jax.Array
     logprobs: jax.Array
@@ -58,13 +60,17 @@ jax.tree_util.register_dataclass(
 
 def batch_specs() -> Batch:
     s = SPECS.stream_DPxCPxS
-    return Batch(tokens=s, targets=s, segment=s, position=s, weights=s, advantages=s,
+    return Batch(tokens=s, targets=s, segment=s, position=s, loss_id=s, weights=s, advantages=s,
                  logprobs=s, spans=SPECS.spans_DPxCPxKx2, active=SPECS.replicated)
 
 
-def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fn: str,
+def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tuple[str, ...],
                       num_slots: int, lora_active, params, scale_G, batch: Batch, loss_cfg):
-    """The shard_map'd model + loss. Returns (replicated loss, ShardOutputs)."""
+    """The shard_map'd model + loss. Returns (replicated loss, ShardOutputs).
+
+    loss_fns: the losses in the batch (tokens pick theirs by loss_id); loss_cfg
+    {name: {setting: scalar}}.
+    """
 
     def shard(lora_active, params, scale_G, b: Batch, loss_cfg):
         one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
@@ -76,9 +82,10 @@ def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fn: str,
                                     attn_block=step_cfg.attn_block)
         lefts, rights = model_lib.unembed_factors(params, h, lora_active, route)
         inputs = losses_lib.TokenInputs(one(b.weights), one(b.advantages), one(b.logprobs))
-        return losses_lib.shard_loss(lefts, rights, one(b.targets), segment, inputs, loss_fn,
+        return losses_lib.shard_loss(lefts, rights, one(b.targets), segment, inputs, loss_fns,
                                      loss_cfg, num_slots, chunk=step_cfg.logprob_chunk,
-                                     right_grads=(False,) + (True,) * (len(rights) - 1))
+                                     right_grads=(False,) + (True,) * (len(rights) - 1),
+                                     loss_id_S=one(b.loss_id))
 
     in_specs = (lora_lib.slot_specs_active(), model_lib.param_specs(cfg), SPECS.slot_G,
                 batch_specs(), SPECS.replicated)
@@ -87,12 +94,12 @@ def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fn: str,
 
 
 def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
-    """jit(forward)(lora, params, scale_G, batch, loss_cfg, *, loss_fn, num_slots) -> (loss, out)."""
+    """jit(forward)(lora, params, scale_G, batch, loss_cfg, *, loss_fns, num_slots) -> (loss, out)."""
 
-    @functools.partial(jax.jit, static_argnames=("loss_fn", "num_slots"))
-    def forward(lora, params, scale_G, batch, loss_cfg, *, loss_fn, num_slots):
+    @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots"))
+    def forward(lora, params, scale_G, batch, loss_cfg, *, loss_fns, num_slots):
         active = lora_lib.take_active(lora, batch.active)
-        return _loss_and_outputs(cfg, mesh, step_cfg, loss_fn, num_slots, active, params,
+        return _loss_and_outputs(cfg, mesh, step_cfg, loss_fns, num_slots, active, params,
                                  scale_G, batch, loss_cfg)
 
     return forward
@@ -106,10 +113,10 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
     tokens, so their gradient is zero.
     """
 
-    @functools.partial(jax.jit, static_argnames=("loss_fn", "num_slots"), donate_argnums=(0,))
-    def forward_backward(acc, lora, params, scale_G, batch, loss_cfg, *, loss_fn, num_slots):
+    @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots"), donate_argnums=(0,))
+    def forward_backward(acc, lora, params, scale_G, batch, loss_cfg, *, loss_fns, num_slots):
         def loss_of(active):
-            return _loss_and_outputs(cfg, mesh, step_cfg, loss_fn, num_slots, active, params,
+            return _loss_and_outputs(cfg, mesh, step_cfg, loss_fns, num_slots, active, params,
                                      scale_G, batch, loss_cfg)
 
         active = lora_lib.take_active(lora, batch.active)

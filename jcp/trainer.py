@@ -271,10 +271,10 @@ class Trainer:
 
     def _prepare(self, data, loss_fn, loss_fn_config, adapters):
         """Validate everything and pack; no device work, nothing changed."""
-        batch_lib.check_loss_fn(loss_fn)
-        loss_cfg = losses_lib.resolve_config(loss_fn, loss_fn_config)
         if isinstance(data, batch_lib.Datum) or not isinstance(data, Sequence):
             raise InputError("data must be a list of Datum")
+        names = batch_lib.per_datum_losses(loss_fn, len(data))
+        loss_cfg = self._loss_configs(sorted(set(names)), loss_fn_config)
         if isinstance(adapters, (int, np.integer)) and not isinstance(adapters, bool):
             per_datum = [self._check_adapter(adapters)] * len(data)
         elif isinstance(adapters, Sequence) and not isinstance(adapters, str):
@@ -285,11 +285,29 @@ class Trainer:
         else:
             raise InputError(f"adapters must be an adapter id or one id per datum, got "
                              f"{adapters!r}")
-        checked = batch_lib.validate(data, loss_fn, self.cfg.vocab_size, self.token_cap)
+        checked = batch_lib.validate(data, names, self.cfg.vocab_size, self.token_cap)
         packed = batch_lib.pack(checked, per_datum, self.dp, self.cp,
                                 self.max_tokens_per_device, self.max_adapters)
-        cfg_arrays = {k: np.float32(v) for k, v in loss_cfg.items()}
-        return checked, packed, cfg_arrays
+        return checked, packed, loss_cfg
+
+    @staticmethod
+    def _loss_configs(distinct: list[str], loss_fn_config) -> dict[str, dict[str, np.float32]]:
+        """{loss: settings}. With one loss, loss_fn_config holds its settings; with several,
+        it maps loss names to settings."""
+        if loss_fn_config is not None and not isinstance(loss_fn_config, dict):
+            raise InputError(f"loss_fn_config must be a dict, got {type(loss_fn_config).__name__}")
+        given = loss_fn_config or {}
+        if len(distinct) == 1 and not (given and set(given) <= set(losses_lib.LOSSES)):
+            per_loss = {distinct[0]: given}
+        else:
+            extra = set(given) - set(distinct)
+            if extra:
+                raise InputError(f"loss_fn_config: with losses {distinct}, its keys must be "
+                                 f"loss names of the batch; got {sorted(extra)}")
+            per_loss = {name: given.get(name) for name in distinct}
+        return {name: {k: np.float32(v) for k, v in
+                       losses_lib.resolve_config(name, per_loss[name]).items()}
+                for name in distinct}
 
     def _device_batch(self, pb: batch_lib.PackedBatch) -> train_step.Batch:
         def put(x, spec):
@@ -297,7 +315,8 @@ class Trainer:
                                                 lambda idx: x[idx])
         specs = train_step.batch_specs()
         host = train_step.Batch(tokens=pb.tokens, targets=pb.targets, segment=pb.segment,
-                                position=pb.position, weights=pb.floats["weights"],
+                                position=pb.position, loss_id=pb.loss_id,
+                                weights=pb.floats["weights"],
                                 advantages=pb.floats["advantages"],
                                 logprobs=pb.floats["logprobs"], spans=pb.spans,
                                 active=pb.active)
@@ -305,17 +324,19 @@ class Trainer:
 
     def _run(self, data, loss_fn, loss_fn_config, adapters, backward: bool):
         checked, packed, cfg_arrays = self._prepare(data, loss_fn, loss_fn_config, adapters)
-        loss_cfg = {k: self._replicated(np.asarray(v)) for k, v in cfg_arrays.items()}
+        loss_cfg = jax.tree.map(lambda v: self._replicated(np.asarray(v)), cfg_arrays)
         outputs: list[dict | None] = [None] * len(checked)
         total, clipped = 0.0, 0
         for pb in packed:
             b = self._device_batch(pb)
-            kw = dict(loss_fn=loss_fn, num_slots=pb.num_slots)
+            kw = dict(loss_fns=pb.loss_fns, num_slots=pb.num_slots)
             if backward:
                 self.acc, loss, out = self._forward_backward(
-                    self.acc, self.lora, self.params, self.scale, b, loss_cfg, **kw)
+                    self.acc, self.lora, self.params, self.scale, b,
+                    {k: loss_cfg[k] for k in pb.loss_fns}, **kw)
             else:
-                loss, out = self._forward(self.lora, self.params, self.scale, b, loss_cfg, **kw)
+                loss, out = self._forward(self.lora, self.params, self.scale, b,
+                                          {k: loss_cfg[k] for k in pb.loss_fns}, **kw)
             lp = batch_lib.unpack(_host(out.logprobs), pb)
             el = batch_lib.unpack(_host(out.elementwise_loss), pb)
             datum_loss = _host(out.datum_loss)
@@ -326,16 +347,20 @@ class Trainer:
             total += float(_host(loss))
             clipped += int(_host(out.clipped))
         metrics = {"loss:sum": total}
-        if loss_fn in losses_lib.CLIPPING_LOSSES:
+        if set(cfg_arrays) & set(losses_lib.CLIPPING_LOSSES):
             metrics["clipped_tokens:sum"] = clipped
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics)
 
-    def forward(self, data, loss_fn: str = "cross_entropy", loss_fn_config=None,
+    def forward(self, data, loss_fn="cross_entropy", loss_fn_config=None,
                 adapters=0) -> ForwardBackwardOutput:
-        """Per-datum log-probs and losses; no gradient is touched."""
+        """Per-datum log-probs and losses; no gradient is touched.
+
+        loss_fn: one Tinker loss for all datums, or one per datum (then loss_fn_config, if
+        given, maps loss names to their settings). adapters: one id, or one per datum.
+        """
         return self._run(data, loss_fn, loss_fn_config, adapters, backward=False)
 
-    def forward_backward(self, data, loss_fn: str = "cross_entropy", loss_fn_config=None,
+    def forward_backward(self, data, loss_fn="cross_entropy", loss_fn_config=None,
                          adapters=0) -> ForwardBackwardOutput:
         """forward, and add the gradient of the summed loss into each adapter's accumulator."""
         return self._run(data, loss_fn, loss_fn_config, adapters, backward=True)
