@@ -57,11 +57,13 @@ class Datum:
 
 @dataclasses.dataclass(frozen=True)
 class CheckedDatum:
-    """A validated private copy of a Datum: tokens, targets int32 [N]; floats float32 [N]."""
+    """A validated private copy of a Datum: tokens, targets int32 [N]; floats float32 [N];
+    the name of its loss."""
 
     tokens: np.ndarray
     targets: np.ndarray
     floats: dict[str, np.ndarray]
+    loss_fn: str = "cross_entropy"
 
     @property
     def n(self) -> int:
@@ -115,20 +117,39 @@ def _float_vector(i: int, field: str, value, n: int) -> np.ndarray:
     return arr.astype(np.float32)
 
 
-def validate(data: Sequence[Datum], loss_fn: str, vocab_size: int, token_cap: int
+def per_datum_losses(loss_fn, n: int) -> list[str]:
+    """One loss name or one per datum -> a checked list of n names."""
+    if isinstance(loss_fn, str):
+        check_loss_fn(loss_fn)
+        return [loss_fn] * n
+    if not isinstance(loss_fn, Sequence) or len(loss_fn) != n:
+        raise InputError(f"loss_fn must be a loss name or one name per datum ({n}), got "
+                         f"{loss_fn!r}")
+    for i, name in enumerate(loss_fn):
+        if name not in LOSS_FIELDS:
+            raise InputError(f"datum {i}: unknown loss_fn {name!r}; expected one of "
+                             f"{sorted(LOSS_FIELDS)}")
+    return list(loss_fn)
+
+
+def validate(data: Sequence[Datum], loss_fn, vocab_size: int, token_cap: int
              ) -> list[CheckedDatum]:
-    """Check every datum for `loss_fn`; return private validated copies.
+    """Check every datum for its loss (`loss_fn`: one name, or one per datum); return
+    private validated copies.
 
     Raises InputError naming the datum index and the field. Nothing is mutated.
     """
-    check_loss_fn(loss_fn)
+    if isinstance(loss_fn, str):
+        check_loss_fn(loss_fn)
     if isinstance(data, (Datum, Mapping)) or not isinstance(data, Sequence):
         raise InputError("data must be a list of Datum")
     if len(data) == 0:
         raise InputError("data is empty: pass at least one Datum")
-    needed = ("target_tokens",) + LOSS_FIELDS[loss_fn]
+    names = per_datum_losses(loss_fn, len(data))
     out = []
     for i, d in enumerate(data):
+        loss_fn = names[i]
+        needed = ("target_tokens",) + LOSS_FIELDS[loss_fn]
         if not isinstance(d, Datum):
             raise InputError(f"datum {i}: expected jcp.Datum, got {type(d).__name__}")
         tokens = _int_vector(i, "model_input", d.model_input, vocab_size)
@@ -160,7 +181,7 @@ def validate(data: Sequence[Datum], loss_fn: str, vocab_size: int, token_cap: in
             )
         floats = {k: _float_vector(i, f"loss_fn_inputs.{k}", inputs[k], n)
                   for k in FLOAT_FIELDS if k in inputs}
-        out.append(CheckedDatum(tokens, targets, floats))
+        out.append(CheckedDatum(tokens, targets, floats, loss_fn))
     return out
 
 
@@ -184,6 +205,7 @@ class PackedBatch:
     """One micro-batch as host arrays in the global [DP, CP, S] layout.
 
     segment: datum slot in 0..B-1 (−1 = padding); position: index within the datum;
+    loss_id: index of each token's loss in `loss_fns` (sorted names of the whole call);
     floats: weights / advantages / logprobs already cut to each rank's zigzag shard;
     spans: [DP, CP, K, 2] row range of each active adapter; active: [K] adapter slots.
     """
@@ -192,11 +214,13 @@ class PackedBatch:
     targets: np.ndarray
     segment: np.ndarray
     position: np.ndarray
+    loss_id: np.ndarray
     floats: dict[str, np.ndarray]
     spans: np.ndarray
     active: np.ndarray
     num_slots: int
     placements: tuple[Placement, ...]
+    loss_fns: tuple[str, ...] = ("cross_entropy",)
 
 
 def _assign(lengths_rows: list[int], dp: int, capacity: int) -> list[list[list[int]]]:
@@ -243,6 +267,7 @@ def pack(datums: Sequence[CheckedDatum], adapters: Sequence[int], dp: int, cp: i
     over cp. S is bucketed (see mesh.bucket_length) and never exceeds max_rows.
     """
     rows = [2 * mesh_lib.zigzag_chunk(d.n, cp) for d in datums]
+    loss_fns = tuple(sorted({d.loss_fn for d in datums}))
     out = []
     for shards in _assign(rows, dp, max_rows):
         need = max(sum(rows[j] for j in shard) for shard in shards)
@@ -259,6 +284,7 @@ def pack(datums: Sequence[CheckedDatum], adapters: Sequence[int], dp: int, cp: i
         targets = np.zeros((dp, cp, s_len), np.int32)
         segment = np.full((dp, cp, s_len), -1, np.int32)
         position = np.zeros((dp, cp, s_len), np.int32)
+        loss_id = np.zeros((dp, cp, s_len), np.int32)
         floats = {k_: np.zeros((dp, cp, s_len), np.float32) for k_ in FLOAT_FIELDS}
         spans = np.zeros((dp, cp, k, 2), np.int32)
         placements = []
@@ -274,6 +300,7 @@ def pack(datums: Sequence[CheckedDatum], adapters: Sequence[int], dp: int, cp: i
                 targets[s, :, sl] = np.where(valid, d.targets[safe], 0)
                 segment[s, :, sl] = np.where(valid, slot_of[j], -1)
                 position[s, :, sl] = np.where(valid, idx, 0)
+                loss_id[s, :, sl] = loss_fns.index(d.loss_fn)
                 for name, vec in d.floats.items():
                     floats[name][s, :, sl] = np.where(valid, vec[safe], 0.0)
                 a = where[int(adapters[j])]
@@ -282,8 +309,8 @@ def pack(datums: Sequence[CheckedDatum], adapters: Sequence[int], dp: int, cp: i
                 spans[s, :, a, 1] = off + rows[j]
                 placements.append(Placement(j, s, off, d.n, rows[j]))
                 off += rows[j]
-        out.append(PackedBatch(tokens, targets, segment, position, floats, spans, active,
-                               num_slots, tuple(placements)))
+        out.append(PackedBatch(tokens, targets, segment, position, loss_id, floats, spans,
+                               active, num_slots, tuple(placements), loss_fns))
     return out
 
 
