@@ -18,7 +18,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 import jcp
 from jcp import batch as batch_lib
@@ -258,8 +257,12 @@ def run_case(case: Case, mesh_shape, overrides=None, noise_padding: bool = True)
 # Independent NumPy reference (float64)
 
 
-def np_token_loss(name, lp, w, a, s, cfg):
-    """(token loss, d loss / d lp, clipped) written from the Tinker formulas."""
+def np_token_loss(name, lp, w, a, s, cfg, lp_sg=None):
+    """(token loss, d loss / d lp, clipped) written from the Tinker formulas.
+
+    lp_sg: the log-probs at which stop_gradient terms (CISPO's clipped ratio) are taken;
+    default lp. Finite differences pass the unperturbed lp here.
+    """
     r = np.exp(lp - s)
     if name == "cross_entropy":
         return -w * lp, -w, np.zeros(lp.shape, bool)
@@ -272,11 +275,12 @@ def np_token_loss(name, lp, w, a, s, cfg):
         return -np.minimum(unclipped, clipped), np.where(clip_wins, 0.0, -r * a), clip_wins
     if name == "cispo":
         lo, hi = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
-        c = np.clip(r, lo, hi)
+        c = np.clip(np.exp((lp if lp_sg is None else lp_sg) - s), lo, hi)
         return -c * lp * a, -c * a, (r < lo) | (r > hi)
     if name == "dro":
         beta = cfg["beta"]
-        return -(lp * a - 0.5 * beta * (lp - s) ** 2), -(a - beta * (lp - s)), np.zeros(lp.shape, bool)
+        d = lp - s
+        return -(lp * a - 0.5 * beta * d**2), -(a - beta * d), np.zeros(lp.shape, bool)
     raise KeyError(name)
 
 
@@ -311,12 +315,15 @@ def np_reference(case: Case, name: str, cfg):
     return out
 
 
-def np_total_loss(case: Case, name: str, cfg, hidden, unembed) -> float:
-    """Total loss as a plain function of (hidden, unembedding), for finite differences."""
+def np_total_loss(case: Case, name: str, cfg, hidden, unembed, frozen) -> float:
+    """Total loss as a plain function of (hidden, unembedding), for finite differences;
+    stop_gradient terms are evaluated at frozen = (hidden, unembedding)."""
     total = 0.0
-    for d, h in zip(case.data, hidden):
+    for d, h, h0 in zip(case.data, hidden, frozen[0]):
         x = d.loss_fn_inputs
-        lp, _ = np_logprobs(h, unembed, np.asarray(x["target_tokens"]))
-        tok, _, _ = np_token_loss(name, lp, *client_floats(x), cfg)
+        t = np.asarray(x["target_tokens"])
+        lp, _ = np_logprobs(h, unembed, t)
+        lp0, _ = np_logprobs(h0, frozen[1], t)
+        tok, _, _ = np_token_loss(name, lp, *client_floats(x), cfg, lp_sg=lp0)
         total += tok.sum()
     return total

@@ -1,0 +1,369 @@
+"""`jcp-train`: the main job. Trains LoRA adapters concurrently on one base model.
+
+With no arguments it runs the embedded default: QwenConfig.tiny() with random weights on
+all local devices (8 fake CPU devices when there is no accelerator; mesh dp2 cp2 tp2),
+two adapters trained in the same passes — "sft" (cross_entropy on a counting task) and
+"rl" (importance_sampling on a reward for even tokens) — with a progress bar,
+metrics.jsonl, orbax checkpoints every K steps and --resume.
+
+This is the only place that parses strings from the command line; bad options and files
+end in a one-line error, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+
+SFT, RL = "sft", "rl"
+PROMPT = 16  # leading tokens of every synthetic datum that carry no weight/advantage
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise CliError(message)
+
+
+def parse_args(argv):
+    p = _Parser(prog="jcp-train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps in all (default 40)")
+    p.add_argument("--mesh", default=None,
+                   help="dp,cp,tp (default 2,2,2 on 8 devices, else 1,<devices>,1)")
+    p.add_argument("--hf-model", default=None, help="Hugging Face Qwen2/Qwen3 folder")
+    p.add_argument("--data", default=None,
+                   help="JSONL of Tinker datums, each with an \"adapter\" name and optionally "
+                        "a \"loss_fn\"")
+    p.add_argument("--loss-fn", default=None,
+                   help="loss for --data lines without one (default cross_entropy)")
+    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3)")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
+    p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
+    p.add_argument("--batch-size", type=int, default=4, help="datums per adapter per step")
+    p.add_argument("--seq-len", type=int, default=512, help="synthetic datum length")
+    p.add_argument("--max-tokens-per-device", type=int, default=None)
+    p.add_argument("--save-every", type=int, default=10, help="checkpoint every K steps")
+    p.add_argument("--out", default="jcp-out", help="output folder (default ./jcp-out)")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--coordinator-address", default=None,
+                   help="jax.distributed coordinator host:port (or JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, default=None, help="(or JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None, help="(or JAX_PROCESS_ID)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+    for name in ("steps", "rank", "batch_size", "seq_len", "save_every"):
+        if getattr(a, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(a, name)}")
+    if a.seq_len < PROMPT + 2:
+        raise CliError(f"--seq-len must be ≥ {PROMPT + 2}")
+    if not a.lr > 0:
+        raise CliError(f"--lr must be > 0, got {a.lr}")
+    if a.mesh is not None:
+        try:
+            a.mesh = tuple(int(x) for x in a.mesh.split(","))
+        except ValueError:
+            raise CliError(f"--mesh must be dp,cp,tp integers, got {a.mesh!r}") from None
+        if len(a.mesh) != 3 or min(a.mesh) < 1:
+            raise CliError(f"--mesh must be three positive integers dp,cp,tp, got {a.mesh}")
+    if a.hf_model is not None and not os.path.isdir(a.hf_model):
+        raise CliError(f"--hf-model {a.hf_model}: no such folder")
+    if a.data is not None and not os.path.isfile(a.data):
+        raise CliError(f"--data {a.data}: no such file")
+    return a
+
+
+# ----------------------------------------------------------------------------------------
+# Devices
+
+
+def _has_accelerator() -> bool:
+    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
+    return any(importlib.util.find_spec(p) for p in plugins)
+
+
+def setup_devices(args) -> None:
+    """Start jax.distributed when asked, and give a CPU-only machine 8 fake devices.
+
+    Must run before anything touches a JAX backend.
+    """
+    import jax
+
+    addr = args.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    nproc = args.num_processes or _env_int("JAX_NUM_PROCESSES")
+    pid = args.process_id if args.process_id is not None else _env_int("JAX_PROCESS_ID")
+    accel = _has_accelerator() and os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu",
+                                                                            "tpu", "rocm")
+    if not accel and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", 8 // (nproc or 1) or 1)
+    if addr or (nproc and nproc > 1):
+        if not accel:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=addr, num_processes=nproc,
+                                   process_id=pid)
+
+
+def _env_int(name):
+    v = os.environ.get(name)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise CliError(f"{name} must be an integer, got {v!r}") from None
+
+
+# ----------------------------------------------------------------------------------------
+# Data
+
+
+def synthetic_batch(step: int, seed: int, batch_size: int, seq_len: int, vocab: int):
+    """Two tasks, deterministic in (seed, step), so a resumed run sees the same data.
+
+    sft: counting sequences t_{i+1} = t_i + 3 (mod 64) over tokens [0, 64), cross_entropy on
+    every token after the prompt. rl: half the responses sample even tokens of [64, 128),
+    half odd ones (uniformly, so the behaviour log-prob of a token is −log 32); reward 1
+    for even responses, 0 for odd, advantage = the reward standardised over the group
+    (GRPO-style); importance_sampling. Both losses fall as the adapters learn.
+    Returns (datums, adapter names, loss names).
+    """
+    import numpy as np
+
+    from jcp import Datum
+
+    if vocab < 129:
+        raise CliError(f"the synthetic tasks need a vocabulary of at least 129 tokens, got {vocab}")
+    rng = np.random.default_rng([seed, step])
+    data, names, losses = [], [], []
+    n = seq_len
+    for _ in range(batch_size):
+        start = rng.integers(0, 64)
+        seq = (start + 3 * np.arange(n + 1)) % 64
+        w = np.ones(n, np.float32)
+        w[:PROMPT] = 0.0
+        data.append(Datum(seq[:-1], {"target_tokens": seq[1:], "weights": w}))
+        names.append(SFT)
+        losses.append("cross_entropy")
+    parity = np.arange(batch_size) % 2  # 0: even responses, 1: odd
+    seqs = 64 + 2 * rng.integers(0, 32, size=(batch_size, n + 1)) + parity[:, None]
+    reward = (parity == 0).astype(np.float64)
+    adv = (reward - reward.mean()) / (reward.std() + 1e-6)
+    for i in range(batch_size):
+        a = np.full(n, adv[i], np.float32)
+        a[:PROMPT] = 0.0
+        data.append(Datum(seqs[i, :-1], {"target_tokens": seqs[i, 1:], "advantages": a,
+                                         "logprobs": np.full(n, -np.log(32.0), np.float32)}))
+        names.append(RL)
+        losses.append("importance_sampling")
+    return data, names, losses
+
+
+def read_jsonl(path: str, default_loss: str):
+    """Tinker datums from JSONL -> (datums, adapter names, loss names)."""
+    from jcp import Datum
+
+    data, names, losses = [], [], []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CliError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or "model_input" not in obj:
+                raise CliError(f"{path}:{lineno}: expected an object with model_input and "
+                               "loss_fn_inputs")
+            data.append(Datum.from_json(obj))
+            names.append(str(obj.get("adapter", "default")))
+            losses.append(obj.get("loss_fn", default_loss))
+    if not data:
+        raise CliError(f"{path}: no datums")
+    return data, names, losses
+
+
+# ----------------------------------------------------------------------------------------
+# Run state
+
+
+def _latest(out: str):
+    try:
+        with open(os.path.join(out, "checkpoints", "latest.json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def _write_json_atomic(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def save_run(tr, adapters: dict, out: str, step: int, keep: int = 2) -> None:
+    """Checkpoint every adapter at `step`, then point latest.json at it (atomic)."""
+    import jax
+
+    root = os.path.join(out, "checkpoints")
+    d = os.path.join(root, f"step_{step:06d}")
+    for name, aid in adapters.items():
+        tr.save_state(aid, os.path.join(d, name))
+    if jax.process_index() == 0:
+        _write_json_atomic(os.path.join(root, "latest.json"),
+                           {"step": step, "dir": os.path.basename(d),
+                            "adapters": sorted(adapters)})
+        steps = sorted(p for p in os.listdir(root) if p.startswith("step_"))
+        for old in steps[:-keep]:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+
+
+def _trim_metrics(path: str, last_step: int) -> None:
+    """Drop metrics rows after the checkpoint we resume from (they will be redone)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= last_step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(rows)
+    os.replace(path + ".tmp", path)
+
+
+# ----------------------------------------------------------------------------------------
+# Main
+
+
+def run(args) -> dict:
+    """The training loop; returns the last metrics row of each adapter."""
+    import jax
+    import numpy as np
+    from tqdm import tqdm
+
+    import jcp
+
+    if args.hf_model:
+        try:
+            cfg, base = jcp.load_hf(args.hf_model)
+        except ValueError as e:
+            raise CliError(f"--hf-model {args.hf_model}: {e}") from None
+    else:
+        cfg, base = jcp.QwenConfig.tiny(), None
+    n_dev = jax.device_count()
+    mesh_shape = args.mesh or ((2, 2, 2) if n_dev == 8 else (1, n_dev, 1))
+    try:
+        mesh = jcp.make_mesh(*mesh_shape)
+        cfg.check_mesh(mesh_shape[2])
+    except ValueError as e:
+        raise CliError(f"--mesh {','.join(map(str, mesh_shape))}: {e}") from None
+
+    fixed = None
+    if args.data:
+        fixed = read_jsonl(args.data, args.loss_fn or "cross_entropy")
+    elif args.loss_fn:
+        raise CliError("--loss-fn applies to --data; the default run has its own losses")
+    adapter_names = sorted(set(fixed[1])) if fixed else [SFT, RL]
+    try:
+        tr = jcp.Trainer(cfg, mesh, base_params=base, max_adapters=max(len(adapter_names), 1),
+                         max_rank=args.rank, seed=args.seed,
+                         max_tokens_per_device=args.max_tokens_per_device)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+    os.makedirs(args.out, exist_ok=True)
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    start = 0
+    latest = _latest(args.out) if args.resume else None
+    adapters = {}
+    if latest:
+        d = os.path.join(args.out, "checkpoints", latest["dir"])
+        for name in latest["adapters"]:
+            adapters[name] = tr.load_state(os.path.join(d, name))
+        start = latest["step"]
+        if jax.process_index() == 0:
+            _trim_metrics(metrics_path, start)
+    else:
+        if args.resume:
+            print(f"jcp-train: no checkpoint in {args.out}; starting from step 0", file=sys.stderr)
+        for i, name in enumerate(adapter_names):
+            adapters[name] = tr.create_adapter(rank=args.rank, alpha=args.alpha,
+                                               seed=args.seed * 100 + i)
+        if jax.process_index() == 0 and os.path.exists(metrics_path):
+            os.remove(metrics_path)
+    if start >= args.steps:
+        print(f"jcp-train: already at step {start} of {args.steps}", file=sys.stderr)
+        return {}
+
+    primary = jax.process_index() == 0
+    adam = jcp.AdamParams(learning_rate=args.lr)
+    bar = tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps,
+               disable=args.no_progress or not primary, desc="jcp-train", unit="step")
+    last = {}
+    for step in bar:
+        if fixed:
+            k = args.batch_size * len(adapter_names)
+            idx = [(step - 1) * k + j for j in range(k)]
+            pick = [i % len(fixed[0]) for i in idx]
+            data = [fixed[0][i] for i in pick]
+            names = [fixed[1][i] for i in pick]
+            losses = [fixed[2][i] for i in pick]
+        else:
+            data, names, losses = synthetic_batch(step, args.seed, args.batch_size,
+                                                  args.seq_len, cfg.vocab_size)
+        try:
+            out = tr.forward_backward(data, losses, None, [adapters[n] for n in names])
+        except jcp.InputError as e:
+            raise CliError(f"step {step}: {e}") from None
+        rows = []
+        for name, aid in adapters.items():
+            mine = [i for i, n in enumerate(names) if n == name]
+            loss_sum = float(sum(out.loss_fn_outputs[i]["loss:sum"] for i in mine))
+            tokens = int(sum(len(out.loss_fn_outputs[i]["logprobs"]) for i in mine))
+            opt = tr.optim_step(aid, adam)
+            rows.append({"step": step, "adapter": name,
+                         "loss_fn": ",".join(sorted({losses[i] for i in mine})),
+                         "loss:sum": loss_sum, "datums:sum": len(mine), "tokens:sum": tokens,
+                         "grad_norm": opt["grad_norm"], "learning_rate": opt["learning_rate"],
+                         "optim_step": opt["step"]})
+            last[name] = rows[-1]
+        if primary:
+            with open(metrics_path, "a") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+            bar.set_postfix({r["adapter"]: f"{r['loss:sum'] / max(r['tokens:sum'], 1):.4f}"
+                             for r in rows})
+        if step % args.save_every == 0 or step == args.steps:
+            save_run(tr, adapters, args.out, step)
+    bar.close()
+    return last
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        setup_devices(args)
+        last = run(args)
+    except CliError as e:
+        print(f"jcp-train: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("jcp-train: interrupted", file=sys.stderr)
+        return 130
+    if last:
+        import jax
+        if jax.process_index() == 0:
+            summary = ", ".join(f"{n} loss/token {r['loss:sum'] / max(r['tokens:sum'], 1):.4f}"
+                                for n, r in last.items())
+            print(f"jcp-train: done at step {max(r['step'] for r in last.values())} "
+                  f"({summary}); metrics in {os.path.join(args.out, 'metrics.jsonl')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
