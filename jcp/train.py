@@ -269,6 +269,8 @@ def run(args) -> dict:
     elif args.loss_fn:
         raise CliError("--loss-fn applies to --data; the default run has its own losses")
     adapter_names = sorted(set(fixed[1])) if fixed else [SFT, RL]
+    by_adapter = {n: [i for i, m in enumerate(fixed[1]) if m == n] for n in adapter_names} \
+        if fixed else {}
     try:
         tr = jcp.Trainer(cfg, mesh, base_params=base, max_adapters=max(len(adapter_names), 1),
                          max_rank=args.rank, seed=args.seed,
@@ -283,8 +285,14 @@ def run(args) -> dict:
     adapters = {}
     if latest:
         d = os.path.join(args.out, "checkpoints", latest["dir"])
-        for name in latest["adapters"]:
-            adapters[name] = tr.load_state(os.path.join(d, name))
+        if sorted(latest["adapters"]) != sorted(adapter_names):
+            raise CliError(f"--resume: the checkpoint in {args.out} holds adapters "
+                           f"{sorted(latest['adapters'])}, this run trains {adapter_names}")
+        for name in adapter_names:
+            try:
+                adapters[name] = tr.load_state(os.path.join(d, name))
+            except jcp.InputError as e:
+                raise CliError(f"--resume: {e}") from None
         start = latest["step"]
         if jax.process_index() == 0:
             _trim_metrics(metrics_path, start)
@@ -307,9 +315,9 @@ def run(args) -> dict:
     last = {}
     for step in bar:
         if fixed:
-            k = args.batch_size * len(adapter_names)
-            idx = [(step - 1) * k + j for j in range(k)]
-            pick = [i % len(fixed[0]) for i in idx]
+            # batch_size lines of every adapter per step, each adapter cycling its own lines
+            pick = [by_adapter[name][((step - 1) * args.batch_size + j) % len(by_adapter[name])]
+                    for name in adapter_names for j in range(args.batch_size)]
             data = [fixed[0][i] for i in pick]
             names = [fixed[1][i] for i in pick]
             losses = [fixed[2][i] for i in pick]

@@ -159,7 +159,7 @@ def make_optim_step(mesh):
         lr, b1, b2, eps, wd, clip = (hp[i] for i in range(6))
         take = lambda t: jax.tree.map(lambda x: x[slot], t)  # noqa: E731
         params, grads = take(lora), take(acc)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         factor = jnp.where((clip > 0) & (grad_norm > clip), clip / grad_norm, 1.0)
         grads = jax.tree.map(lambda g: g * factor, grads)
         adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)

@@ -1,0 +1,206 @@
+"""orbax adapter state: mesh-independent save/load, atomicity, refusals."""
+
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import jcp
+from jcp import checkpoint
+
+CFG = jcp.QwenConfig.tiny()
+ADAM = jcp.AdamParams(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=5.0)
+
+
+def _data(seed=0, lens=(23, 1, 40, 9)):
+    rng = np.random.default_rng(seed)
+    return [jcp.Datum(rng.integers(0, CFG.vocab_size, n),
+                      {"target_tokens": rng.integers(0, CFG.vocab_size, n),
+                       "advantages": rng.normal(size=n), "logprobs": -rng.uniform(1, 6, n)})
+            for n in lens]
+
+
+def _trainer(dp, cp, tp, **kw):
+    return jcp.Trainer(CFG, jcp.make_mesh(dp, cp, tp), max_rank=8, attn_block=16,
+                       logprob_chunk=16, **kw)
+
+
+def _slot_state(tr, a):
+    g = jax.device_get
+    return {"mu": g(jax.tree.map(lambda x: x[a], tr.opt.mu)),
+            "nu": g(jax.tree.map(lambda x: x[a], tr.opt.nu)),
+            "count": int(g(tr.opt.count)[a])}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """An adapter trained two steps under mesh (1, 2, 2), then saved; plus what the next
+    forward / forward_backward / optim_step give there."""
+    path = str(tmp_path_factory.mktemp("ck") / "b")
+    tr = _trainer(1, 2, 2)
+    a = tr.create_adapter(rank=4, alpha=8.0)
+    b = tr.create_adapter(rank=6, alpha=12.0, targets=["attn", "unembed"])
+    data = _data()
+    for _ in range(2):
+        tr.forward_backward(data, "ppo", adapters=[a, b, a, b])
+        tr.optim_step(a, ADAM)
+        tr.optim_step(b, ADAM)
+    tr.save_state(b, path)
+    saved_w = tr.adapter_weights(b)
+    saved_opt = _slot_state(tr, b)
+    nxt = tr.forward(data, "ppo", adapters=b)
+    tr.forward_backward(data, "ppo", adapters=b)
+    g = tr.gradients(b)
+    m = tr.optim_step(b, ADAM)
+    after = tr.adapter_weights(b)
+    return dict(path=path, weights=saved_w, opt=saved_opt, forward=nxt, grads=g, metrics=m,
+                after=after, data=data, mesh=tr.mesh)
+
+
+def test_save_122_load_241(saved):
+    tr = _trainer(2, 4, 1)
+    assert tr.mesh.shape != saved["mesh"].shape
+    b = tr.load_state(saved["path"])
+    w = tr.adapter_weights(b)
+    assert sorted(w) == sorted(saved["weights"])
+    for k in w:
+        np.testing.assert_array_equal(w[k], saved["weights"][k])
+    # Moments and step count restored (rank 6 of max_rank 8; untargeted modules zero).
+    opt = _slot_state(tr, b)
+    assert opt["count"] == saved["opt"]["count"] == 2
+    for which in ("mu", "nu"):
+        for m in opt[which]:
+            for ab in ("a", "b"):
+                np.testing.assert_array_equal(opt[which][m][ab], saved["opt"][which][m][ab])
+    out = tr.forward(saved["data"], "ppo", adapters=b)
+    for x, y in zip(out.loss_fn_outputs, saved["forward"].loss_fn_outputs):
+        np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-6)
+    tr.forward_backward(saved["data"], "ppo", adapters=b)
+    for k, v in tr.gradients(b).items():
+        np.testing.assert_allclose(v, saved["grads"][k], rtol=1e-4, atol=1e-6 * np.abs(v).max())
+    m = tr.optim_step(b, ADAM)
+    assert m["step"] == saved["metrics"]["step"] == 3
+    for k, v in tr.adapter_weights(b).items():
+        np.testing.assert_allclose(v, saved["after"][k], rtol=1e-4, atol=1e-6)
+
+
+def test_weights_only(saved):
+    tr = _trainer(1, 1, 1)
+    b = tr.load_state(saved["path"], with_optimizer=False)
+    for k, v in tr.adapter_weights(b).items():
+        np.testing.assert_array_equal(v, saved["weights"][k])
+    opt = _slot_state(tr, b)
+    assert opt["count"] == 0
+    assert all(not np.any(opt["mu"][m][ab]) for m in opt["mu"] for ab in ("a", "b"))
+
+
+def test_load_into_existing_slot(saved):
+    tr = _trainer(1, 2, 1)
+    a = tr.create_adapter(rank=2)
+    other = tr.create_adapter(rank=3)
+    before = tr.adapter_weights(other)
+    got = tr.load_state(saved["path"], adapter=a)
+    assert got == a
+    assert tr.adapters[a].rank == 6
+    for k, v in tr.adapter_weights(other).items():
+        np.testing.assert_array_equal(v, before[k])
+
+
+def test_interrupted_save_keeps_previous(saved, tmp_path, monkeypatch):
+    import shutil
+    path = str(tmp_path / "ck")
+    shutil.copytree(saved["path"], path)
+    tr = _trainer(1, 2, 1)
+    a = tr.create_adapter(rank=8, seed=5)
+
+    real = ocp.Checkpointer.save
+
+    def crash(self, directory, *args, **kwargs):
+        real(self, directory, *args, **kwargs)  # everything written to the staging folder…
+        raise KeyboardInterrupt("simulated crash before the checkpoint is moved into place")
+
+    monkeypatch.setattr(ocp.Checkpointer, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        tr.save_state(a, path)
+    monkeypatch.undo()
+    c = tr.load_state(path)
+    for k, v in tr.adapter_weights(c).items():
+        np.testing.assert_array_equal(v, saved["weights"][k])
+    assert tr.adapters[c].rank == 6
+
+
+def test_interrupt_inside_orbax_keeps_previous(saved, tmp_path, monkeypatch):
+    """Interrupt orbax itself mid-write (the JSON item fails after the arrays are written)."""
+    import shutil
+    path = str(tmp_path / "ck")
+    shutil.copytree(saved["path"], path)
+    tr = _trainer(1, 1, 1)
+    a = tr.create_adapter(rank=8, seed=5)
+
+    def boom(*a, **k):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "save", boom)
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "async_save", boom, raising=False)
+    with pytest.raises(Exception):
+        tr.save_state(a, path)
+    monkeypatch.undo()
+    c = tr.load_state(path)
+    for k, v in tr.adapter_weights(c).items():
+        np.testing.assert_array_equal(v, saved["weights"][k])
+
+
+def test_save_replaces_existing(saved, tmp_path):
+    tr = _trainer(1, 1, 1)
+    a = tr.create_adapter(rank=3, seed=9)
+    path = str(tmp_path / "ck")
+    tr.save_state(a, path)
+    b = tr.create_adapter(rank=5, seed=10)
+    tr.save_state(b, path)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    c = tr.load_state(path)
+    assert tr.adapters[c].rank == 5
+    for k, v in tr.adapter_weights(c).items():
+        np.testing.assert_array_equal(v, tr.adapter_weights(b)[k])
+
+
+def _snapshot(tr):
+    return jax.device_get((tr.lora, tr.acc, tr.opt.mu, tr.opt.nu, tr.opt.count, tr.scale)), \
+        dict(tr.adapters)
+
+
+def _assert_same(a, b):
+    jax.tree.map(np.testing.assert_array_equal, a[0], b[0])
+    assert a[1] == b[1]
+
+
+def test_base_mismatch_refused(saved):
+    other = jcp.QwenConfig.tiny(rms_norm_eps=1e-5)
+    assert other != CFG
+    tr = jcp.Trainer(other, jcp.make_mesh(1, 1, 1), max_rank=8)
+    tr.create_adapter(rank=2)
+    before = _snapshot(tr)
+    with pytest.raises(jcp.InputError, match="different base model"):
+        tr.load_state(saved["path"])
+    _assert_same(before, _snapshot(tr))
+
+
+def test_rank_over_max_refused(saved):
+    tr = jcp.Trainer(CFG, jcp.make_mesh(1, 1, 1), max_rank=4)
+    tr.create_adapter(rank=2)
+    before = _snapshot(tr)
+    with pytest.raises(jcp.InputError, match="max_rank"):
+        tr.load_state(saved["path"])
+    _assert_same(before, _snapshot(tr))
+
+
+def test_not_a_checkpoint(tmp_path):
+    tr = _trainer(1, 1, 1)
+    with pytest.raises(jcp.InputError, match="no adapter checkpoint"):
+        tr.load_state(str(tmp_path / "missing"))
+    (tmp_path / "junk").mkdir()
+    with pytest.raises(jcp.InputError, match="not a jcp adapter checkpoint"):
+        tr.load_state(str(tmp_path / "junk"))
+    assert tr.adapters == {}
