@@ -1,0 +1,43 @@
+"""The workload of the two-process test, shared by the worker and the one-process run."""
+
+import numpy as np
+
+import jcp
+
+CFG = jcp.QwenConfig.tiny()
+
+
+def run(ckpt_dir: str) -> dict:
+    """Mesh (2, 2, 2) over every device; two adapters, ppo, an optim_step, a save_state.
+
+    Returns flat NumPy results: per-datum outputs, gradients, post-step weights, and the
+    weights read back from the saved checkpoint.
+    """
+    rng = np.random.default_rng(0)
+    lens = (37, 1, 20, 64, 5)
+    data = [jcp.Datum(rng.integers(0, CFG.vocab_size, n),
+                      {"target_tokens": rng.integers(0, CFG.vocab_size, n),
+                       "advantages": rng.normal(size=n), "logprobs": -rng.uniform(1, 6, n)})
+            for n in lens]
+    tr = jcp.Trainer(CFG, jcp.make_mesh(2, 2, 2), max_rank=8, attn_block=16, logprob_chunk=16)
+    a = tr.create_adapter(rank=4, seed=1)
+    b = tr.create_adapter(rank=8, seed=2)
+    adapters = [a, b, a, b, a]
+    tr.forward_backward(data, "ppo", adapters=adapters)
+    tr.optim_step(a, jcp.AdamParams(learning_rate=1e-2))
+    tr.optim_step(b, jcp.AdamParams(learning_rate=1e-2))
+    out = tr.forward_backward(data, "ppo", adapters=adapters)
+    res = {}
+    for i, o in enumerate(out.loss_fn_outputs):
+        res[f"logprobs_{i}"] = o["logprobs"]
+        res[f"loss_{i}"] = o["elementwise_loss"]
+        res[f"sum_{i}"] = np.float64(o["loss:sum"])
+    res["metric_loss"] = np.float64(out.metrics["loss:sum"])
+    for name, g in (("a", tr.gradients(a)), ("b", tr.gradients(b))):
+        for k, v in g.items():
+            res[f"grad_{name}_{k}"] = v
+    tr.save_state(b, ckpt_dir)
+    c = tr.load_state(ckpt_dir)
+    for k, v in tr.adapter_weights(c).items():
+        res[f"reloaded_{k}"] = v
+    return res
