@@ -86,6 +86,13 @@ def _flash_fwd(q, k, v, seg_q, pos_q, seg_k, pos_k, block_q, block_k):
     s_len, kh, g, e = q.shape
     scale = 1.0 / np.sqrt(e)
     nq, nk = s_len // block_q, k.shape[0] // block_k
+    # Under the layers' lax.scan, seg and pos are loop-invariant, and JAX's scan partial
+    # evaluation (when differentiating) splits off everything in this loop nest that
+    # depends only on them and on constants (block predicates, masks, fills) and stacks
+    # it per block as [nq, nk, …, Bq, Bk] residuals: O(S·T) memory. Tying seg and pos to
+    # q (loop-variant) through a barrier keeps the whole loop nest in one piece.
+    q, seg_q, pos_q, seg_k, pos_k = jax.lax.optimization_barrier(
+        (q, seg_q, pos_q, seg_k, pos_k))
     need = blocks_needed(block_summary(seg_q, pos_q, block_q), block_summary(seg_k, pos_k, block_k))
     qb = q.reshape(nq, block_q, kh, g, e)
     kb = k.reshape(nk, block_k, kh, e)

@@ -58,8 +58,8 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
                          "supported")
     if d.get("use_sliding_window"):
         raise ValueError("sliding-window attention (use_sliding_window) is not supported")
-    heads = d["num_attention_heads"]
     try:
+        heads = d["num_attention_heads"]
         return QwenConfig(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],

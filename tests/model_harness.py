@@ -1,0 +1,251 @@
+"""Drive the whole decoder (jcp.model + jcp.losses.shard_loss) inside jax.shard_map, and
+build the independent reference: a tiny Hugging Face Qwen2/Qwen3 made in code.
+
+The reference models get random non-unit norm weights and non-zero Qwen2 biases, so a
+dropped norm or bias shows in the log-probs. Compiled functions are cached per (config,
+mesh, attention implementation, datum slots) so the many parametrized tests share them.
+
+Legend: DP, CP, TP mesh axis sizes; S tokens of one device's stream; N tokens of a datum;
+V vocab; D hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+from jax.sharding import PartitionSpec as P
+
+import jcp
+from jcp import batch as batch_lib
+from jcp import hf as hf_lib
+from jcp import losses
+from jcp import mesh as mesh_lib
+from jcp import model as model_lib
+
+V, D, F, LAYERS = 128, 64, 96, 2
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 24  # head_dim ≠ D / HEADS on purpose
+ATTN_BLOCK = 16  # attention block: small so streams span several q and k blocks
+CHUNK = 16  # log-prob token chunk: likewise
+STREAM_TOKENS = 256  # tokens per dp row over all cp ranks, after padding
+MESHES = ((1, 1, 1), (1, 2, 1), (1, 4, 1), (1, 2, 2), (2, 2, 2))
+LOSS_FN = "cross_entropy"
+
+
+# ----------------------------------------------------------------------------------------
+# The Hugging Face reference
+
+
+def hf_model(arch: str, tied: bool, seed: int = 0, attention_bias: bool | None = None):
+    """A tiny random Qwen2ForCausalLM / Qwen3ForCausalLM in fp32, eval mode."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                  tie_word_embeddings=tied, rope_theta=10_000.0, rms_norm_eps=1e-6,
+                  max_position_embeddings=1024)
+    if arch == "qwen3":
+        if attention_bias is not None:
+            common["attention_bias"] = attention_bias
+        hm = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+    elif arch == "qwen2":
+        hm = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():
+        for name, p in hm.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.05 * torch.randn_like(p))
+    return hm.eval().float()
+
+
+def save(hm, path, **kwargs) -> str:
+    """save_pretrained as safetensors; returns the folder."""
+    os.makedirs(path, exist_ok=True)
+    hm.save_pretrained(path, safe_serialization=True, **kwargs)
+    return os.fspath(path)
+
+
+def reference_logprobs(hm, seqs, targets) -> list[np.ndarray]:
+    """log p(target_i | tokens ≤ i) of each datum run alone through the HF model: [N] fp64."""
+    out = []
+    with torch.no_grad():
+        for s, t in zip(seqs, targets):
+            logits = hm(torch.tensor(np.asarray(s))[None]).logits[0].double()
+            lp = torch.log_softmax(logits, -1)[torch.arange(len(s)), torch.tensor(np.asarray(t))]
+            out.append(lp.numpy())
+    return out
+
+
+def reference_grads(hm, cfg, seqs, targets, weights) -> dict:
+    """d(−Σ w·lp)/d(base params) by torch autograd, in jcp's tree layout (NumPy)."""
+    hm.zero_grad()
+    total = 0.0
+    for s, t, w in zip(seqs, targets, weights):
+        logits = hm(torch.tensor(np.asarray(s))[None]).logits[0]
+        lp = torch.log_softmax(logits, -1)[torch.arange(len(s)), torch.tensor(np.asarray(t))]
+        total = total - (torch.tensor(np.asarray(w, np.float32)) * lp).sum()
+    total.backward()
+    grads = {n: p.grad.detach().numpy().copy() for n, p in hm.named_parameters()}
+    hm.zero_grad()
+    # hf_params maps HF names and layouts to jcp's tree; reuse it on the gradients.
+    tree = hf_lib.hf_params(cfg, {n: (lambda g=g: g) for n, g in grads.items()})
+    return jax.tree.map(np.asarray, tree), float(total.detach())
+
+
+# ----------------------------------------------------------------------------------------
+# Data
+
+
+def random_data(lengths, seed=0):
+    """(tokens, targets, weights) per datum; weights random in [0.5, 1.5)."""
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, V, n) for n in lengths]
+    targets = [rng.integers(0, V, n) for n in lengths]
+    weights = [rng.uniform(0.5, 1.5, n).astype(np.float32) for n in lengths]
+    return seqs, targets, weights
+
+
+def pack(cfg, mesh_shape, seqs, targets, weights=None) -> batch_lib.PackedBatch:
+    """One micro-batch, every datum on adapter 0, streams padded to STREAM_TOKENS / cp.
+
+    One stream length per mesh lets every test at that mesh reuse one compiled program.
+    """
+    dp, cp, _ = mesh_shape
+    weights = weights or [np.ones(len(s), np.float32) for s in seqs]
+    data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
+            for s, t, w in zip(seqs, targets, weights)]
+    checked = batch_lib.validate(data, LOSS_FN, cfg.vocab_size, 10**6)
+    (pb,) = batch_lib.pack(checked, [0] * len(checked), dp, cp, 1 << 16, 1)
+    return pad_streams(pb, max(STREAM_TOKENS // cp, pb.tokens.shape[-1]))
+
+
+def pad_streams(pb: batch_lib.PackedBatch, s_len: int) -> batch_lib.PackedBatch:
+    """Right-pad every [DP, CP, S] stream to s_len with padding rows (segment −1)."""
+    extra = s_len - pb.tokens.shape[-1]
+    assert extra >= 0
+    pad = lambda x, v=0: np.pad(x, ((0, 0), (0, 0), (0, extra)), constant_values=v)
+    return dataclasses.replace(
+        pb, tokens=pad(pb.tokens), targets=pad(pb.targets), segment=pad(pb.segment, -1),
+        position=pad(pb.position), floats={k: pad(v) for k, v in pb.floats.items()})
+
+
+# ----------------------------------------------------------------------------------------
+# The model under shard_map
+
+
+@functools.lru_cache(maxsize=None)
+def mesh(mesh_shape):
+    return jcp.make_mesh(*mesh_shape)
+
+
+def place(cfg, base, mesh_shape):
+    return model_lib.place(base, model_lib.param_specs(cfg), mesh(mesh_shape))
+
+
+def _sharded_loss(cfg, mesh_shape, impl, num_slots, remat):
+    """shard_map'd (params, tokens, segment, position, targets, weights) -> (loss, outputs)."""
+    specs = mesh_lib.SPECS
+
+    def inner(params, tok, seg, pos, tgt, w):
+        tok, seg, pos, tgt, w = (x[0, 0] for x in (tok, seg, pos, tgt, w))
+        h = model_lib.hidden_states(cfg, params, tok, seg, pos, remat=remat, attn_impl=impl,
+                                    attn_block=ATTN_BLOCK)
+        lefts, rights = model_lib.unembed_factors(params, h)
+        x = losses.TokenInputs(w, w, w)
+        return losses.shard_loss(lefts, rights, tgt, seg, x, LOSS_FN, {}, num_slots,
+                                 chunk=CHUNK)
+
+    return jax.shard_map(inner, mesh=mesh(mesh_shape),
+                         in_specs=(model_lib.param_specs(cfg),) + (specs.stream_DPxCPxS,) * 5,
+                         out_specs=(P(), P()))
+
+
+@functools.lru_cache(maxsize=None)
+def forward_fn(cfg, mesh_shape, impl="blockwise", num_slots=8):
+    return jax.jit(_sharded_loss(cfg, mesh_shape, impl, num_slots, remat=False))
+
+
+@functools.lru_cache(maxsize=None)
+def grad_fn(cfg, mesh_shape, impl="blockwise", num_slots=8, remat=True):
+    """jit(value_and_grad) of the loss w.r.t. the base parameters, taken outside shard_map."""
+    f = _sharded_loss(cfg, mesh_shape, impl, num_slots, remat)
+    return jax.jit(jax.value_and_grad(lambda p, *xs: f(p, *xs)[0]))
+
+
+def _args(pb):
+    return (pb.tokens, pb.segment, pb.position, pb.targets, pb.floats["weights"])
+
+
+def logprobs(cfg, base, mesh_shape, seqs, targets, impl="blockwise") -> list[np.ndarray]:
+    """Per-datum log-probs [N] (original order) from the sharded model at mesh_shape."""
+    pb = pack(cfg, mesh_shape, seqs, targets)
+    _, out = forward_fn(cfg, mesh_shape, impl, pb.num_slots)(place(cfg, base, mesh_shape),
+                                                             *_args(pb))
+    per = batch_lib.unpack(np.asarray(out.logprobs), pb)
+    return [per[i] for i in range(len(seqs))]
+
+
+def loss_and_grads(cfg, base, mesh_shape, seqs, targets, weights, remat=True):
+    """(loss, gradient tree as NumPy) of −Σ w·lp w.r.t. the base parameters."""
+    pb = pack(cfg, mesh_shape, seqs, targets, weights)
+    loss, g = grad_fn(cfg, mesh_shape, "blockwise", pb.num_slots, remat)(
+        place(cfg, base, mesh_shape), *_args(pb))
+    return float(loss), jax.tree.map(np.asarray, g), pb
+
+
+def tree_max_abs_diff(a, b) -> float:
+    return max(jax.tree.leaves(jax.tree.map(
+        lambda x, y: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))),
+        a, b)))
+
+
+def tree_max_abs(a) -> float:
+    return max(float(np.max(np.abs(x))) for x in jax.tree.leaves(a))
+
+
+def compiled_grad(cfg, mesh_shape, s_len, attn_block=ATTN_BLOCK, chunk=CHUNK):
+    """The compiled (not run) gradient of the loss w.r.t. the base parameters for streams of
+    s_len tokens per device: shapes only, so long streams cost nothing but compile time."""
+    m = mesh(mesh_shape)
+    dp, cp, _ = mesh_shape
+    specs = model_lib.param_specs(cfg)
+    stream = mesh_lib.SPECS.stream_DPxCPxS
+
+    def abstract(shape, spec, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(m, spec))
+
+    params = jax.tree.map(lambda s, sp: abstract(s, sp, jnp.float32),
+                          model_lib.param_shapes(cfg), specs,
+                          is_leaf=lambda x: isinstance(x, tuple))
+    ints = abstract((dp, cp, s_len), stream, jnp.int32)
+    floats = abstract((dp, cp, s_len), stream, jnp.float32)
+
+    def inner(params, tok, seg, pos, tgt, w):
+        tok, seg, pos, tgt, w = (x[0, 0] for x in (tok, seg, pos, tgt, w))
+        h = model_lib.hidden_states(cfg, params, tok, seg, pos, attn_block=attn_block)
+        lefts, rights = model_lib.unembed_factors(params, h)
+        x = losses.TokenInputs(w, w, w)
+        return losses.shard_loss(lefts, rights, tgt, seg, x, LOSS_FN, {}, 8, chunk=chunk)[0]
+
+    f = jax.shard_map(inner, mesh=m, in_specs=(specs,) + (stream,) * 5, out_specs=P())
+    return jax.jit(jax.grad(f)).lower(params, ints, ints, ints, ints, floats).compile()
+
+
+def largest_hlo_arrays(compiled, top=5) -> list[tuple[int, str]]:
+    """(elements, shape) of the largest array shapes in the optimized HLO."""
+    found = {}
+    for dtype, dims in re.findall(r"\b(f32|bf16|s32|pred|u32)\[([\d,]+)\]", compiled.as_text()):
+        n = int(np.prod([int(d) for d in dims.split(",")]))
+        found[f"{dtype}[{dims}]"] = n
+    return sorted(((n, s) for s, n in found.items()), reverse=True)[:top]
