@@ -79,7 +79,7 @@ def main():
     shapes = (jax.ShapeDtypeStruct((s, d), f32), jax.ShapeDtypeStruct((d, v), f32),
               jax.ShapeDtypeStruct((s,), jnp.int32), jax.ShapeDtypeStruct((s,), f32))
     mesh = mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    chunk = losses.block_size(s, args.chunk)
+    chunk = mesh_lib.block_size(s, args.chunk)
 
     chunked = memory(chunked_program(mesh, chunk), shapes)
     naive = memory(naive_program(), shapes)

@@ -17,27 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcp.mesh import CP
+from jcp.mesh import CP, block_size, vary, varying_axes
 
 DEFAULT_BLOCK = 512
 IMPLEMENTATIONS = ("blockwise", "dense")
 
 
-def _block_size(n: int, maximum: int) -> int:
-    b = 1
-    while b * 2 <= maximum and n % (b * 2) == 0:
-        b *= 2
-    return b
-
-
-def _varying(x):
-    return tuple(sorted(jax.typeof(x).manual_axis_type.varying))
-
-
 def _vary_like(x, ref):
     """Cast x to vary over every mesh axis that ref varies over (for scan carries)."""
-    missing = tuple(a for a in _varying(ref) if a not in _varying(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return vary(x, varying_axes(ref))
 
 
 def block_summary(segment, position, block, xp=jnp):
@@ -233,7 +221,7 @@ def cp_attention(q_SxHxE, k_SxKxE, v_SxKxE, segment_S, position_S, *,
         out = _dense(q, k_TxKxE, v_TxKxE, segment_S, position_S, seg_T, pos_T)
     else:
         out = _flash(q, k_TxKxE, v_TxKxE, segment_S, position_S, seg_T, pos_T,
-                     _block_size(s_len, block), _block_size(k_TxKxE.shape[0], block))
+                     block_size(s_len, block), block_size(k_TxKxE.shape[0], block))
     return out.reshape(s_len, h, e)
 
 
@@ -244,7 +232,7 @@ def block_work(segment_CPxS: np.ndarray, position_CPxS: np.ndarray,
     Uses the same skip predicate as the kernel, on one dp row of a packed batch.
     """
     cp, s_len = segment_CPxS.shape
-    bq, bk = _block_size(s_len, block), _block_size(cp * s_len, block)
+    bq, bk = block_size(s_len, block), block_size(cp * s_len, block)
     k_sum = block_summary(segment_CPxS.reshape(-1), position_CPxS.reshape(-1), bk, xp=np)
     return np.array([
         blocks_needed(block_summary(segment_CPxS[r], position_CPxS[r], bq, xp=np), k_sum,

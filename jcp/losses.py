@@ -19,17 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jcp.batch import InputError, check_loss_fn
-from jcp.mesh import BATCH_AXES, CP, DP, TP
+from jcp.mesh import BATCH_AXES, CP, DP, TP, block_size, vary, varying_axes
 
 DEFAULT_CHUNK = 1024
-
-
-def block_size(n: int, maximum: int) -> int:
-    """Largest power of two ≤ maximum that divides n (n > 0)."""
-    b = 1
-    while b * 2 <= maximum and n % (b * 2) == 0:
-        b *= 2
-    return b
 
 
 # ----------------------------------------------------------------------------------------
@@ -90,7 +82,7 @@ def _lp_bwd(chunk, right_grads, res, g_S):
     v_local = rights[0].shape[1]
     tgt_S, inside_S = _local_targets(targets_S, v_local)
     # Frozen factors (the base unembedding) get no gradient work at all.
-    d_rights0 = tuple(_vary(jnp.zeros(r.shape if want else (), jnp.float32), _varying(r))
+    d_rights0 = tuple(vary(jnp.zeros(r.shape if want else (), jnp.float32), varying_axes(r))
                       for r, want in zip(rights, right_grads))
 
     def body(d_rights, i):
@@ -141,21 +133,10 @@ def target_logprobs(lefts, rights, targets_S, chunk: int = DEFAULT_CHUNK, right_
     # The batch axes vary across devices; weights replicated over them must be marked
     # varying before the custom VJP so that their cotangents are summed by the transpose
     # of this cast (outside), not inside the rule.
-    rights = tuple(_vary(r, BATCH_AXES) for r in rights)
-    lefts = tuple(_vary(x, BATCH_AXES) for x in lefts)
+    rights = tuple(vary(r, BATCH_AXES) for r in rights)
+    lefts = tuple(vary(x, BATCH_AXES) for x in lefts)
     right_grads = (True,) * len(rights) if right_grads is None else tuple(right_grads)
     return _target_logprobs(lefts, rights, targets_S, chunk, right_grads)
-
-
-def _varying(x) -> tuple[str, ...]:
-    """The mesh axes over which x (inside shard_map) may differ between devices."""
-    return tuple(sorted(jax.typeof(x).manual_axis_type.varying))
-
-
-def _vary(x, axes):
-    """Cast x to varying over `axes` where it is not already."""
-    missing = tuple(a for a in axes if a not in _varying(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 # ----------------------------------------------------------------------------------------

@@ -152,3 +152,26 @@ def bucket_length(n: int, minimum: int = 16, maximum: int | None = None) -> int:
     if maximum is not None and n <= maximum:
         b = min(b, maximum)
     return b
+
+
+def block_size(n: int, maximum: int) -> int:
+    """Largest power of two ≤ maximum that divides n (n > 0): the tile of a stream."""
+    b = 1
+    while b * 2 <= maximum and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+# ----------------------------------------------------------------------------------------
+# Varying-manual-axes types inside shard_map
+
+
+def varying_axes(x) -> tuple[str, ...]:
+    """The mesh axes over which x (inside shard_map) may differ between devices."""
+    return tuple(sorted(jax.typeof(x).manual_axis_type.varying))
+
+
+def vary(x, axes):
+    """Cast x to varying over `axes` where it is not already (scan carries, custom VJPs)."""
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x

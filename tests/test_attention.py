@@ -118,7 +118,7 @@ def test_blockwise_matches_dense_and_numpy(mesh_shape):
     q, k, v, cot = random_qkv(cp, seg.shape[1], seed=cp)
     # The two implementations really differ here: several q and k blocks, some skipped.
     s_len = seg.shape[1]
-    bq, bk = attention._block_size(s_len, BLOCK), attention._block_size(cp * s_len, BLOCK)
+    bq, bk = mesh_lib.block_size(s_len, BLOCK), mesh_lib.block_size(cp * s_len, BLOCK)
     assert s_len // bq > 1 and cp * s_len // bk > 1
     need = attention.blocks_needed(attention.block_summary(seg[0], pos[0], bq, xp=np),
                                    attention.block_summary(seg.reshape(-1), pos.reshape(-1),
@@ -214,7 +214,7 @@ def _dense_visible(seg_q, pos_q, seg_k, pos_k):
 def test_skip_predicate_keeps_every_visible_block(cp):
     seg, pos = layout((100, 1, 37, 64, 5, 2), cp)
     s_len = seg.shape[1]
-    bq, bk = attention._block_size(s_len, BLOCK), attention._block_size(cp * s_len, BLOCK)
+    bq, bk = mesh_lib.block_size(s_len, BLOCK), mesh_lib.block_size(cp * s_len, BLOCK)
     seg_t, pos_t = seg.reshape(-1), pos.reshape(-1)
     k_sum = attention.block_summary(seg_t, pos_t, bk, xp=np)
     skipped = 0

@@ -21,6 +21,7 @@ import pytest
 
 import loss_harness as H
 from jcp import losses
+from jcp import mesh as mesh_lib
 
 RTOL = 1e-5
 
@@ -164,7 +165,7 @@ def test_zero_weight_or_advantage_gives_exact_zero(name):
 def test_block_size():
     for n in (1, 2, 3, 8, 12, 24, 48, 96, 1536, 4096):
         for maximum in (1, 8, 1024):
-            b = losses.block_size(n, maximum)
+            b = mesh_lib.block_size(n, maximum)
             assert b <= maximum and n % b == 0 and b & (b - 1) == 0
             assert 2 * b > maximum or n % (2 * b) != 0  # the largest such power of two
 
