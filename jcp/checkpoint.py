@@ -87,7 +87,11 @@ def read_peft(path, cfg: QwenConfig, max_rank: int):
     for key in ("rank_pattern", "alpha_pattern"):
         if pc.get(key):
             raise InputError(f"{cfg_path}: {key} is not supported (one rank and alpha per adapter)")
-    for key in ("modules_to_save", "layers_to_transform", "layers_pattern"):
+    # Each of these changes what the tensors mean (a bias on lora_B, a transposed layout,
+    # other layers or parameters); read as plain LoRA they would give silently wrong results.
+    for key in ("modules_to_save", "layers_to_transform", "layers_pattern", "lora_bias",
+                "fan_in_fan_out", "layer_replication", "target_parameters",
+                "trainable_token_indices", "alora_invocation_tokens", "use_qalora"):
         if pc.get(key):
             raise InputError(f"{cfg_path}: {key} is not supported")
     if pc.get("bias", "none") != "none":

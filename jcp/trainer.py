@@ -57,6 +57,10 @@ class AdamParams:
         for name in ("beta1", "beta2"):
             if not float(getattr(self, name)) < 1.0:
                 raise InputError(f"AdamParams.{name} must be < 1, got {getattr(self, name)}")
+        # eps = 0 turns every zero-gradient entry into 0/0 = NaN — always the zero padding
+        # of slots beyond an adapter's rank and targets — and poisons the whole adapter.
+        if not np.float32(self.eps) > 0:
+            raise InputError(f"AdamParams.eps must be > 0 (in float32), got {self.eps}")
         return np.asarray(vals, np.float32)
 
 

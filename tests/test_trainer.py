@@ -1,0 +1,458 @@
+"""The multi-LoRA Trainer: the promise across meshes, isolation, accumulation, AdamW,
+micro-batching, refusals and slot reuse.
+
+Evidence:
+1. forward_backward gives the same per-datum log-probs, elementwise losses, loss sums,
+   metrics and per-adapter gradients on meshes (1,2,1) (1,4,1) (1,8,1) (2,2,2) (1,2,2) as
+   on (1,1,1), for all five Tinker losses, on one batch that mixes three adapters of
+   ranks 2, 4, 8 (non-zero B, different target sets) with ragged and one-token datums;
+2. optim_step with weight decay and clipping on one adapter leaves every other slot's
+   weights, gradient accumulator and AdamW state bit-identical;
+3. two forward_backward calls accumulate to one call on both batches; forward changes no
+   state at all;
+4. two optim_steps equal a NumPy AdamW (bias correction, decoupled decay, clipping);
+5. a batch over the per-device token budget is split into micro-batches (one of which has
+   a rank holding only padding) and gives the single-pass result;
+6. every refused input raises InputError naming the datum and field and changes nothing;
+7. delete_adapter frees its slot, and a new adapter there starts from a clean state.
+
+Compiling dominates: one Trainer per mesh is cached (trainer_harness.trainer) and tests
+reuse batches of the same shapes, so most calls hit the jit cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jcp
+import trainer_harness as H
+
+REF = (1, 1, 1)
+MESHES = ((1, 2, 1), (1, 4, 1), (1, 8, 1), (2, 2, 2), (1, 2, 2))
+RTOL = 1e-5
+ATOL = 1e-6  # times the largest magnitude of the compared quantity
+# Gradients sum over more terms (all tokens, both passes): twice the room. Measured on
+# these meshes: at most half of this tolerance is used.
+GRAD_ATOL = 2e-6
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return H.adapter_folders(str(tmp_path_factory.mktemp("adapters")))
+
+
+@pytest.fixture(scope="module")
+def data():
+    return H.random_data(H.LENGTHS, seed=0)
+
+
+def _ids(ids, names):
+    return [ids[n] for n in names]
+
+
+# ----------------------------------------------------------------------------------------
+# 1. The promise across meshes
+
+_MESH_RESULTS: dict = {}
+
+
+def _mesh_results(mesh_shape, folders, data):
+    """{loss: (output, {adapter name: gradients})} of one fresh forward_backward per loss."""
+    if mesh_shape not in _MESH_RESULTS:
+        tr = H.trainer(mesh_shape)
+        res = {}
+        for loss in H.LOSS_NAMES:
+            with H.borrowed(tr):  # fresh slots: accumulators start at zero for each loss
+                ids = H.load_adapters(tr, folders)
+                out = tr.forward_backward(data, loss, H.LOSS_CONFIGS[loss],
+                                          adapters=_ids(ids, H.ASSIGN))
+                res[loss] = (out, {n: tr.gradients(a) for n, a in ids.items()})
+        _MESH_RESULTS[mesh_shape] = res
+    return _MESH_RESULTS[mesh_shape]
+
+
+def test_reference_results_are_informative(folders, data):
+    """The (1,1,1) results the mesh test compares against exercise what they should."""
+    res = _mesh_results(REF, folders, data)
+    n_tokens = sum(H.LENGTHS)
+    for loss, (out, grads) in res.items():
+        assert [len(o["logprobs"]) for o in out.loss_fn_outputs] == list(H.LENGTHS)
+        for name, g in grads.items():
+            spec = H.ADAPTERS[name]
+            assert len(g) == 2 * sum(1 if m == "lm_head" else H.CFG.num_layers
+                                     for m in spec["targets"])
+            for k, v in g.items():
+                # Non-zero B makes A's gradient non-zero too.
+                assert np.any(v != 0), f"{loss}: {name} {k} has a zero gradient"
+                r = spec["rank"]
+                assert v.shape[0 if ".lora_A." in k else 1] == r
+        if loss in ("ppo", "cispo"):
+            assert 0 < out.metrics["clipped_tokens:sum"] < n_tokens, loss
+    # The losses really differ from one another.
+    sums = [res[loss][0].metrics["loss:sum"] for loss in H.LOSS_NAMES]
+    assert len(set(np.round(sums, 4))) == len(sums)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda m: "dp{}cp{}tp{}".format(*m))
+def test_forward_backward_same_on_every_mesh(mesh_shape, folders, data):
+    tr = H.trainer(mesh_shape)
+    assert mesh_shape != REF and (tr.dp, tr.cp, tr.tp) == mesh_shape
+    assert tr.mesh.devices.size == np.prod(mesh_shape) > 1
+    ref = _mesh_results(REF, folders, data)
+    got = _mesh_results(mesh_shape, folders, data)
+    for loss in H.LOSS_NAMES:
+        H.assert_outputs_close(got[loss][0], ref[loss][0], RTOL, ATOL, f"{loss} {mesh_shape}")
+        for name in H.ADAPTERS:
+            H.assert_grads_close(got[loss][1][name], ref[loss][1][name], RTOL, GRAD_ATOL,
+                                 f"{loss} {mesh_shape} adapter {name}")
+
+
+# ----------------------------------------------------------------------------------------
+# 2. Isolation of optim_step
+
+
+def test_optim_step_touches_only_its_slot(folders, data):
+    tr = H.trainer(REF)
+    with H.borrowed(tr):
+        ids = H.load_adapters(tr, folders)
+        p, q = ids["p"], ids["q"]
+        tr.forward_backward(data, "cross_entropy", adapters=_ids(ids, H.ASSIGN))
+        tr.optim_step(q, jcp.AdamParams(learning_rate=1e-2, weight_decay=0.1))  # q: state ≠ 0
+        tr.forward_backward(data, "cross_entropy", adapters=_ids(ids, H.ASSIGN))
+        before = H.snapshot(tr)
+        assert before["opt"].count[q] == 1 and before["opt"].count[p] == 0
+        assert H.max_abs(before["grads"][q]) > 0 and H.max_abs(before["grads"][p]) > 0
+        for m in H.ADAPTERS["q"]["targets"]:
+            ab = before["opt"].mu[m]
+            assert np.any(ab["a"][q] != 0) and np.any(ab["b"][q] != 0), m
+
+        norm = float(np.sqrt(sum(np.sum(g.astype(np.float64) ** 2)
+                                 for g in before["grads"][p].values())))
+        m = tr.optim_step(p, jcp.AdamParams(learning_rate=1e-2, weight_decay=0.5,
+                                            grad_clip_norm=0.5 * norm))
+        after = H.snapshot(tr)
+        assert m["step"] == 1 and m["grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+        # The stepped adapter did change: every tensor, its accumulator zeroed, count + 1.
+        for k, w in before["weights"][p].items():
+            assert np.any(after["weights"][p][k] != w), k
+        assert all(np.all(g == 0) for g in after["grads"][p].values())
+        assert after["opt"].count[p] == 1
+
+        # Every other slot (allocated or free) is bit-identical: weights, accumulators, moments.
+        others = [g for g in range(tr.max_adapters) if g != p]
+        assert len(others) == tr.max_adapters - 1 and q in others
+        for part in ("lora", "acc"):
+            for (path, x), (_, y) in zip(*(jax.tree.leaves_with_path(s[part])
+                                           for s in (before, after))):
+                np.testing.assert_array_equal(x[others], y[others], err_msg=f"{part} {path}")
+        for part in ("mu", "nu"):
+            for (path, x), (_, y) in zip(*(jax.tree.leaves_with_path(getattr(s["opt"], part))
+                                           for s in (before, after))):
+                np.testing.assert_array_equal(x[others], y[others], err_msg=f"{part} {path}")
+        np.testing.assert_array_equal(before["opt"].count[others], after["opt"].count[others])
+        for a in (q, ids["r"]):
+            for part in ("weights", "grads"):
+                for k in before[part][a]:
+                    np.testing.assert_array_equal(before[part][a][k], after[part][a][k])
+
+
+# ----------------------------------------------------------------------------------------
+# 3. Accumulation; forward leaves state alone
+
+
+def test_two_calls_accumulate_to_one_and_forward_changes_nothing(folders, data):
+    tr = H.trainer(REF)
+    loss, cfg = "dro", H.LOSS_CONFIGS["dro"]
+    halves = [[data[i] for i in h] for h in H.HALVES]
+    with H.borrowed(tr):
+        ids = H.load_adapters(tr, folders)
+        outs, after = [], []
+        for half, h in zip(halves, H.HALVES):
+            outs.append(tr.forward_backward(half, loss, cfg,
+                                            adapters=_ids(ids, [H.ASSIGN[i] for i in h])))
+            after.append({n: tr.gradients(a) for n, a in ids.items()})
+        after_first, acc = after
+
+        # forward: no state changes at all (its outputs are checked below).
+        before = H.snapshot(tr)
+        fwd = tr.forward(data, loss, cfg, adapters=_ids(ids, H.ASSIGN))
+        H.assert_same_state(before, H.snapshot(tr))
+
+    with H.borrowed(tr):
+        ids = H.load_adapters(tr, folders)
+        one = tr.forward_backward(data, loss, cfg, adapters=_ids(ids, H.ASSIGN))
+        single = {n: tr.gradients(a) for n, a in ids.items()}
+
+    for n in ids:
+        # The second call contributed, so the comparison below is not vacuous.
+        assert any(not np.allclose(acc[n][k], after_first[n][k], rtol=1e-3) for k in acc[n]), n
+        H.assert_grads_close(acc[n], single[n], RTOL, GRAD_ATOL, f"accumulated vs single, {n}")
+    # Per-datum outputs of the halves are those of the whole batch.
+    for half_out, h in zip(outs, H.HALVES):
+        for j, i in enumerate(h):
+            for key in ("logprobs", "elementwise_loss"):
+                np.testing.assert_allclose(half_out.loss_fn_outputs[j][key],
+                                           one.loss_fn_outputs[i][key], rtol=RTOL, atol=1e-5)
+    assert sum(o.metrics["loss:sum"] for o in outs) == pytest.approx(one.metrics["loss:sum"],
+                                                                      rel=1e-5)
+    H.assert_outputs_close(fwd, one, RTOL, ATOL, "forward vs forward_backward")
+
+
+# ----------------------------------------------------------------------------------------
+# 4. AdamW against NumPy
+
+
+def _adamw_reference(params, grads, mu, nu, t, hp: jcp.AdamParams):
+    """One AdamW step in float64: clip by global norm, bias-corrected moments, decoupled decay."""
+    g = {k: v.astype(np.float64) for k, v in grads.items()}
+    norm = np.sqrt(sum(np.sum(v * v) for v in g.values()))
+    if hp.grad_clip_norm > 0 and norm > hp.grad_clip_norm:
+        g = {k: v * (hp.grad_clip_norm / norm) for k, v in g.items()}
+    mu = {k: hp.beta1 * mu[k] + (1 - hp.beta1) * g[k] for k in g}
+    nu = {k: hp.beta2 * nu[k] + (1 - hp.beta2) * g[k] ** 2 for k in g}
+    out = {}
+    for k, p in params.items():
+        m_hat = mu[k] / (1 - hp.beta1 ** t)
+        v_hat = nu[k] / (1 - hp.beta2 ** t)
+        p = p.astype(np.float64)
+        out[k] = p - hp.learning_rate * (m_hat / (np.sqrt(v_hat) + hp.eps) + hp.weight_decay * p)
+    return out, mu, nu, norm
+
+
+def test_optim_step_matches_numpy_adamw(folders, data):
+    tr = H.trainer(REF)
+    with H.borrowed(tr):
+        ids = H.load_adapters(tr, folders)
+        p = ids["p"]
+        w = tr.adapter_weights(p)
+        mu = {k: np.zeros(v.shape) for k, v in w.items()}
+        nu = {k: np.zeros(v.shape) for k, v in w.items()}
+        for t in (1, 2):
+            tr.forward_backward(data, "cross_entropy", adapters=_ids(ids, H.ASSIGN))
+            g = tr.gradients(p)
+            norm = float(np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in g.values())))
+            # Step 1 clips (to 40% of the norm); step 2 does not.
+            hp = jcp.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8,
+                                weight_decay=0.1, grad_clip_norm=0.4 * norm if t == 1 else 0.0)
+            want, mu, nu, ref_norm = _adamw_reference(w, g, mu, nu, t, hp)
+            assert (ref_norm > hp.grad_clip_norm > 0) == (t == 1)
+            m = tr.optim_step(p, hp)
+            assert m["step"] == t
+            assert m["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+            assert m["learning_rate"] == pytest.approx(hp.learning_rate)
+            got = tr.adapter_weights(p)
+            for k in want:
+                assert np.any(got[k] != w[k]), k
+                np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7,
+                                           err_msg=f"step {t}: {k}")
+            assert all(np.all(v == 0) for v in tr.gradients(p).values())
+            w = got
+
+
+# ----------------------------------------------------------------------------------------
+# 5. Micro-batches
+
+
+def test_micro_batches_match_single_pass(folders):
+    # At (2,2,1) with 32 rows per device the cap is 64 tokens; three 64-token datums need two
+    # micro-batches and the one-token datums land where cp rank 1 holds only padding.
+    lengths = (64, 64, 64, 1, 1)
+    assign = ("p", "q", "p", "q", "p")
+    data = H.random_data(lengths, seed=3)
+    small = H.trainer((2, 2, 1), max_tokens_per_device=32)
+    big = H.trainer(REF)
+    assert small.token_cap == 64 and big.token_cap >= sum(lengths)
+
+    seen = []
+
+    def spy(tr):
+        inner = tr._forward_backward
+
+        def wrapped(acc, lora, params, scale, b, loss_cfg, **kw):
+            seen.append((tr, np.asarray(b.segment)))
+            return inner(acc, lora, params, scale, b, loss_cfg, **kw)
+
+        tr._forward_backward = wrapped
+        return inner
+
+    results = []
+    for tr in (small, big):
+        inner = spy(tr)
+        try:
+            with H.borrowed(tr):
+                ids = H.load_adapters(tr, folders, names=("p", "q"))
+                out = tr.forward_backward(data, "ppo", H.LOSS_CONFIGS["ppo"],
+                                          adapters=_ids(ids, assign))
+                results.append((out, {n: tr.gradients(a) for n, a in ids.items()}))
+        finally:
+            tr._forward_backward = inner
+
+    small_calls = [seg for t, seg in seen if t is small]
+    big_calls = [seg for t, seg in seen if t is big]
+    assert len(small_calls) >= 2 and len(big_calls) == 1
+    # Some (dp, cp) device of some micro-batch holds no real token.
+    assert any(np.all(seg[d, c] < 0) for seg in small_calls
+               for d in range(seg.shape[0]) for c in range(seg.shape[1]))
+    (out_s, g_s), (out_b, g_b) = results
+    H.assert_outputs_close(out_s, out_b, RTOL, ATOL, "micro-batched vs single pass")
+    assert 0 < out_b.metrics["clipped_tokens:sum"]
+    for n in g_b:
+        H.assert_grads_close(g_s[n], g_b[n], RTOL, GRAD_ATOL, f"micro-batched vs single, {n}")
+
+
+# ----------------------------------------------------------------------------------------
+# 6. Refused input changes nothing
+
+
+def _bad(data, i, **changes):
+    """A copy of data with datum i changed: model_input=…, or a loss_fn_inputs field
+    (None drops it). The caller's datums are not touched."""
+    out = list(data)
+    d = data[i]
+    mi = changes.pop("model_input", d.model_input)
+    inputs = dict(d.loss_fn_inputs)
+    for k, v in changes.items():
+        if v is None:
+            inputs.pop(k)
+        else:
+            inputs[k] = v
+    out[i] = jcp.Datum(model_input=mi, loss_fn_inputs=inputs)
+    return out
+
+
+def test_refused_input_changes_nothing(folders, data, tmp_path):
+    tr = H.trainer(REF)
+    V = H.CFG.vocab_size
+    with H.borrowed(tr):
+        ids = H.load_adapters(tr, folders)
+        adapters = _ids(ids, H.ASSIGN)
+        # Non-trivial state everywhere: accumulated gradients, AdamW moments, step counts.
+        tr.forward_backward(data, "cross_entropy", adapters=adapters)
+        tr.optim_step(ids["q"], jcp.AdamParams(learning_rate=1e-2))
+        tr.forward_backward(data, "cross_entropy", adapters=adapters)
+        before = H.snapshot(tr)
+        assert H.max_abs(before["grads"][ids["p"]]) > 0 and before["opt"].count[ids["q"]] == 1
+
+        w2 = np.asarray(data[2].loss_fn_inputs["weights"])
+        adv3 = np.array(data[3].loss_fn_inputs["advantages"])
+        adv3[5] = np.nan
+        tok0 = np.array(data[0].model_input)
+        tok0[7] = V
+        tgt4 = np.array(data[4].loss_fn_inputs["target_tokens"])
+        tgt4[1] = -1
+        big_rank = H.write_peft(str(tmp_path / "r9"), H.MAX_RANK + 1, 8.0, ("q_proj",),
+                                H.random_peft_weights(H.CFG, H.MAX_RANK + 1, ("q_proj",), 0))
+        free = next(g for g in range(tr.max_adapters) if g not in tr.adapters)
+
+        cases = [
+            (lambda: tr.forward_backward(_bad(data, 2, weights=w2[:-1]), "cross_entropy",
+                                         adapters=adapters), r"datum 2\b.*weights"),
+            (lambda: tr.forward_backward(_bad(data, 1, advantages=None), "ppo",
+                                         adapters=adapters), r"datum 1\b.*advantages"),
+            (lambda: tr.forward_backward(_bad(data, 0, model_input=tok0), "cross_entropy",
+                                         adapters=adapters), r"datum 0\b.*model_input"),
+            (lambda: tr.forward_backward(_bad(data, 4, target_tokens=tgt4), "cross_entropy",
+                                         adapters=adapters), r"datum 4\b.*target_tokens"),
+            (lambda: tr.forward_backward(_bad(data, 3, advantages=adv3), "dro",
+                                         adapters=adapters), r"datum 3\b.*advantages"),
+            (lambda: tr.forward(_bad(data, 3, advantages=adv3), "dro", adapters=adapters),
+             r"datum 3\b.*advantages"),
+            (lambda: tr.forward_backward(_bad(data, 5, model_input=np.zeros(tr.token_cap + 1,
+                                                                            np.int64),
+                                              target_tokens=np.zeros(tr.token_cap + 1),
+                                              weights=np.ones(tr.token_cap + 1)),
+                                         "cross_entropy", adapters=adapters), r"datum 5\b.*cap"),
+            (lambda: tr.forward_backward(data, "kl", adapters=adapters), "loss_fn"),
+            (lambda: tr.forward_backward(data, "ppo", {"beta": 0.1}, adapters=adapters), "beta"),
+            (lambda: tr.forward_backward(data, "cispo", {"clip_low_threshold": float("nan")},
+                                         adapters=adapters), "clip_low_threshold"),
+            (lambda: tr.forward_backward(data, "cross_entropy", adapters=free), str(free)),
+            (lambda: tr.forward_backward(data, "cross_entropy",
+                                         adapters=adapters[:2] + [free] + adapters[3:]),
+             rf"datum 2\b.*{free}"),
+            (lambda: tr.forward_backward(data, "cross_entropy", adapters=adapters[:-1]),
+             "adapters"),
+            (lambda: tr.create_adapter(rank=H.MAX_RANK + 1), "max_rank"),
+            (lambda: tr.create_adapter(rank=0), "rank"),
+            (lambda: tr.create_adapter(rank=2, targets=["qproj"]), "qproj"),
+            (lambda: tr.load_peft(big_rank), "max_rank"),
+            (lambda: tr.load_peft(str(tmp_path / "missing")), "PEFT"),
+            (lambda: tr.optim_step(ids["p"], jcp.AdamParams(learning_rate=float("nan"))),
+             "learning_rate"),
+            (lambda: tr.optim_step(ids["p"], jcp.AdamParams(weight_decay=float("inf"))),
+             "weight_decay"),
+            (lambda: tr.optim_step(ids["p"], jcp.AdamParams(grad_clip_norm=-1.0)),
+             "grad_clip_norm"),
+            # eps = 0 would make 0/0 = NaN of every zero-padded entry of the slot.
+            (lambda: tr.optim_step(ids["p"], jcp.AdamParams(eps=0.0)), "eps"),
+            (lambda: tr.optim_step(free, jcp.AdamParams()), str(free)),
+            (lambda: tr.gradients(free), str(free)),
+            (lambda: tr.delete_adapter(free), str(free)),
+        ]
+        for call, pattern in cases:
+            with pytest.raises(jcp.InputError, match=pattern):
+                call()
+            H.assert_same_state(before, H.snapshot(tr))
+
+        # No free slot.
+        filler = tr.create_adapter(rank=1)
+        assert len(tr.adapters) == tr.max_adapters
+        full = H.snapshot(tr)
+        with pytest.raises(jcp.InputError, match="slots"):
+            tr.create_adapter(rank=2)
+        with pytest.raises(jcp.InputError, match="slots"):
+            tr.load_peft(folders["p"])
+        H.assert_same_state(full, H.snapshot(tr))
+        tr.delete_adapter(filler)
+        H.assert_same_state(before, H.snapshot(tr))
+
+
+# ----------------------------------------------------------------------------------------
+# 7. Slot reuse
+
+
+def test_delete_frees_slot_and_new_adapter_starts_clean(folders, data):
+    tr = H.trainer(REF)
+    with H.borrowed(tr):
+        ids = H.load_adapters(tr, folders)
+        tr.forward_backward(data, "cross_entropy", adapters=_ids(ids, H.ASSIGN))
+        tr.optim_step(ids["q"], jcp.AdamParams(learning_rate=1e-2))
+        tr.forward_backward(data, "cross_entropy", adapters=_ids(ids, H.ASSIGN))
+        q = ids["q"]
+        before = H.snapshot(tr)
+        assert H.max_abs(before["grads"][q]) > 0 and before["opt"].count[q] == 1
+
+        tr.delete_adapter(q)
+        assert q not in tr.adapters
+        for call in (lambda: tr.adapter_weights(q), lambda: tr.gradients(q)):
+            with pytest.raises(jcp.InputError):
+                call()
+        gone = H.snapshot(tr)
+        for part in ("lora", "acc"):
+            assert all(np.all(x[q] == 0) for x in jax.tree.leaves(gone[part]))
+        assert all(np.all(x[q] == 0) for x in jax.tree.leaves((gone["opt"].mu, gone["opt"].nu)))
+        assert gone["opt"].count[q] == 0 and gone["scale"][q] == 0
+
+        new = tr.create_adapter(rank=3, alpha=6.0, seed=5, targets=["attn", "mlp"])
+        assert new == q
+        w = tr.adapter_weights(new)
+        assert not any("lm_head" in k for k in w) and len(w) == 2 * 7 * H.CFG.num_layers
+        for k, v in w.items():
+            if ".lora_A." in k:
+                bound = 1.0 / np.sqrt(v.shape[1])
+                assert v.shape[0] == 3 and np.all(np.abs(v) <= bound) and np.any(v != 0), k
+            else:
+                assert v.shape[1] == 3 and np.all(v == 0), k
+        assert all(np.all(g == 0) for g in tr.gradients(new).values())
+        fresh = H.snapshot(tr)
+        assert fresh["opt"].count[new] == 0 and fresh["scale"][new] == pytest.approx(2.0)
+        # The other adapters did not notice.
+        for a in (ids["p"], ids["r"]):
+            for part in ("weights", "grads"):
+                for k in before[part][a]:
+                    np.testing.assert_array_equal(before[part][a][k], fresh[part][a][k])
+        # A different rank than the deleted one fits the same slot; the old one is gone.
+        assert tr.adapters[new].rank == 3
