@@ -16,11 +16,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jcp.mesh import CP, block_size, vary, varying_axes
 
 DEFAULT_BLOCK = 512
 IMPLEMENTATIONS = ("blockwise", "dense")
+# Residuals of the blockwise kernel that a remat policy may save (see model.hidden_states).
+SAVED_NAMES = ("attention_out", "attention_lse")
 
 
 def _vary_like(x, ref):
@@ -53,6 +56,16 @@ def blocks_needed(q_summary, k_summary, xp=jnp):
             & (ks0[None, :] <= qs1[:, None]) & (kp0[None, :] <= qp1[:, None]))
 
 
+def needed_range(need_AxB):
+    """Per row a of the [A, B] block predicate: [lo, hi) spanning its needed columns
+    (lo = hi = 0 when none), so loops visit only that range, not all B columns."""
+    b = need_AxB.shape[1]
+    anyb = need_AxB.any(axis=1)
+    lo = jnp.argmax(need_AxB, axis=1)
+    hi = b - jnp.argmax(need_AxB[:, ::-1], axis=1)
+    return jnp.where(anyb, lo, 0), jnp.where(anyb, hi, 0)
+
+
 def _mask(seg_q, pos_q, seg_k, pos_k):
     """[Bq, Bk]: same datum, key not after query, query is a real token."""
     return ((seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] >= 0)
@@ -82,6 +95,7 @@ def _flash_fwd(q, k, v, seg_q, pos_q, seg_k, pos_k, block_q, block_k):
     q, seg_q, pos_q, seg_k, pos_k = jax.lax.optimization_barrier(
         (q, seg_q, pos_q, seg_k, pos_k))
     need = blocks_needed(block_summary(seg_q, pos_q, block_q), block_summary(seg_k, pos_k, block_k))
+    k_lo, k_hi = needed_range(need)
     qb = q.reshape(nq, block_q, kh, g, e)
     kb = k.reshape(nk, block_k, kh, e)
     vb = v.reshape(nk, block_k, kh, e)
@@ -91,7 +105,7 @@ def _flash_fwd(q, k, v, seg_q, pos_q, seg_k, pos_k, block_q, block_k):
     def q_block(i):
         qi = qb[i]
 
-        def k_step(carry, j):
+        def k_step(j, carry):
             def compute(carry):
                 m, l, acc = carry
                 s = _scores(qi, kb[j], scale)
@@ -106,13 +120,13 @@ def _flash_fwd(q, k, v, seg_q, pos_q, seg_k, pos_k, block_q, block_k):
                     "kgqt,tke->kgqe", p, vb[j].astype(jnp.float32))
                 return m_new, l, acc
 
-            return jax.lax.cond(need[i, j], compute, lambda c: c, carry), None
+            return jax.lax.cond(need[i, j], compute, lambda c: c, carry)
 
         init = (jnp.full((kh, g, block_q), -jnp.inf, jnp.float32),
                 jnp.zeros((kh, g, block_q), jnp.float32),
                 jnp.zeros((kh, g, block_q, e), jnp.float32))
         init = jax.tree.map(lambda x: _vary_like(x, qi), init)
-        (m, l, acc), _ = jax.lax.scan(k_step, init, jnp.arange(nk))
+        m, l, acc = jax.lax.fori_loop(k_lo[i], k_hi[i], k_step, init)
         empty = l == 0.0
         out = acc / jnp.where(empty, 1.0, l)[..., None]
         lse = jnp.where(empty, 0.0, m + jnp.log(jnp.where(empty, 1.0, l)))
@@ -121,6 +135,10 @@ def _flash_fwd(q, k, v, seg_q, pos_q, seg_k, pos_k, block_q, block_k):
     out, lse = jax.lax.map(q_block, jnp.arange(nq))  # [nq, K, G, Bq, E], [nq, K, G, Bq]
     out = jnp.einsum("nkgqe->nqkge", out).reshape(s_len, kh, g, e).astype(q.dtype)
     lse = jnp.einsum("nkgq->kgnq", lse).reshape(kh, g, s_len)
+    # Named so a remat policy can keep them: the backward pass then needs no second run of
+    # this loop nest (q, k, v are cheap to recompute; out and lse are not).
+    out = checkpoint_name(out, SAVED_NAMES[0])
+    lse = checkpoint_name(lse, SAVED_NAMES[1])
     return out, (q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse)
 
 
@@ -130,6 +148,7 @@ def _flash_bwd(block_q, block_k, res, d_out):
     scale = 1.0 / np.sqrt(e)
     nq, nk = s_len // block_q, k.shape[0] // block_k
     need = blocks_needed(block_summary(seg_q, pos_q, block_q), block_summary(seg_k, pos_k, block_k))
+    q_lo, q_hi = needed_range(need.T)
     delta = jnp.einsum("skge,skge->kgs", d_out.astype(jnp.float32), out.astype(jnp.float32))
     qb = q.reshape(nq, block_q, kh, g, e)
     dob = d_out.reshape(nq, block_q, kh, g, e).astype(jnp.float32)
@@ -143,7 +162,7 @@ def _flash_bwd(block_q, block_k, res, d_out):
     def k_block(dq, j):
         kj, vj = kb[j], vb[j]
 
-        def q_step(carry, i):
+        def q_step(i, carry):
             def compute(carry):
                 dq, dk, dv = carry
                 qi, doi = qb[i], dob[i]
@@ -160,11 +179,11 @@ def _flash_bwd(block_q, block_k, res, d_out):
                 dk = dk + jnp.einsum("kgqt,qkge->tke", ds, qi.astype(jnp.float32))
                 return dq, dk, dv
 
-            return jax.lax.cond(need[i, j], compute, lambda c: c, carry), None
+            return jax.lax.cond(need[i, j], compute, lambda c: c, carry)
 
         init = (dq, _vary_like(jnp.zeros((block_k, kh, e), jnp.float32), dq),
                 _vary_like(jnp.zeros((block_k, kh, e), jnp.float32), dq))
-        (dq, dk, dv), _ = jax.lax.scan(q_step, init, jnp.arange(nq))
+        dq, dk, dv = jax.lax.fori_loop(q_lo[j], q_hi[j], q_step, init)
         return dq, (dk, dv)
 
     dq0 = jnp.zeros((s_len, kh, g, e), jnp.float32)

@@ -58,12 +58,12 @@ def write_peft(path, cfg: QwenConfig, info, weights: dict[str, np.ndarray]) -> N
         "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
         "alpha_pattern": {}, "init_lora_weights": True, "base_model_name_or_path": None,
         "inference_mode": True,
-        "jcp_base_fingerprint": cfg.fingerprint(),
     }
     _atomic_write(os.path.join(path, PEFT_WEIGHTS),
                   lambda p: save_file({k: np.ascontiguousarray(v, np.float32)
                                        for k, v in weights.items()}, p,
-                                      metadata={"format": "pt"}))
+                                      metadata={"format": "pt",
+                                                "jcp_base_fingerprint": cfg.fingerprint()}))
     _atomic_write(os.path.join(path, PEFT_CONFIG),
                   lambda p: open(p, "w").write(json.dumps(config, indent=2)))
 
@@ -99,11 +99,14 @@ def read_peft(path, cfg: QwenConfig, max_rank: int):
     if pc.get("use_dora"):
         raise InputError(f"{cfg_path}: DoRA is not supported")
     rank = pc.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise InputError(f"{cfg_path}: r must be a positive integer, got {rank!r}")
     if rank > max_rank:
         raise InputError(f"{cfg_path}: rank {rank} exceeds max_rank {max_rank} of this Trainer")
-    alpha = float(pc.get("lora_alpha", 8))
+    alpha = pc.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise InputError(f"{cfg_path}: lora_alpha must be a finite number, got {alpha!r}")
+    alpha = float(alpha)
     if pc.get("use_rslora"):
         alpha = alpha * math.sqrt(rank)  # rsLoRA scales by alpha/√r = (alpha·√r)/r
     targets = pc.get("target_modules")

@@ -181,8 +181,10 @@ def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) 
     leading L axis. Every tensor is checked for presence and shape before anything is read.
     """
     shapes = model_lib.param_shapes(cfg)
+    used = set()
 
     def fetch(name, want):
+        used.add(name)
         if name not in tensors:
             raise ValueError(f"checkpoint is missing tensor {name}")
         arr = tensors[name]()
@@ -220,6 +222,15 @@ def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) 
            "layers": {k: stacked(k, s) for k, s in shapes["layers"].items()}}
     if "lm_head" in shapes:
         out["lm_head"] = plain("lm_head.weight", shapes["lm_head"], transpose=True)
+    # A tensor the config does not account for (an o_proj bias, extra layers, …) means the
+    # checkpoint is not the model jcp would compute: refuse rather than ignore it.
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    extra = sorted(n for n in tensors if n not in used and n not in ignorable
+                   and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ValueError(f"checkpoint has tensor {extra[0]}{more}, which this config does not "
+                         "describe")
     return out
 
 

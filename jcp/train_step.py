@@ -32,7 +32,7 @@ class StepConfig:
 
     remat: bool = True
     attn_impl: str = "blockwise"
-    attn_block: int = 512
+    attn_block: int = 128
     logprob_chunk: int = 1024
 
 

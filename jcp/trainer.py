@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jcp import attention as attention_lib
 from jcp import batch as batch_lib
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
@@ -95,14 +96,29 @@ class Trainer:
 
     See DESIGN.md for the contract. Gradients are raw sums over tokens and datums and
     accumulate across forward_backward calls until optim_step.
+
+    Tuning (keyword-only): remat — recompute each layer in the backward pass (keeping only
+    the attention output); attn_impl — "blockwise" (the reference kernel) or "dense"
+    (tests only); attn_block — attention tile rows (None: 64 on CPU, where the masked half
+    of diagonal tiles dominates, 512 on accelerators); logprob_chunk — tokens per
+    log-prob chunk.
     """
 
     def __init__(self, cfg: QwenConfig, mesh, base_params=None, max_adapters: int = 4,
                  max_rank: int = 16, seed: int = 0, max_tokens_per_device: int | None = None,
-                 *, remat: bool = True, attn_impl: str = "blockwise", attn_block: int = 512,
-                 logprob_chunk: int = 1024):
+                 *, remat: bool = True, attn_impl: str = "blockwise",
+                 attn_block: int | None = None, logprob_chunk: int = 1024):
         if tuple(mesh.axis_names) != mesh_lib.AXES:
             raise ValueError(f"mesh axes must be {mesh_lib.AXES}, got {mesh.axis_names}")
+        if attn_impl not in attention_lib.IMPLEMENTATIONS:
+            raise ValueError(f"attn_impl must be one of {attention_lib.IMPLEMENTATIONS}, got "
+                             f"{attn_impl!r}")
+        if attn_block is None:
+            cpu = mesh.devices.flat[0].platform == "cpu"
+            attn_block = 64 if cpu else attention_lib.DEFAULT_BLOCK
+        for name, v in (("attn_block", attn_block), ("logprob_chunk", logprob_chunk)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         for name, v in (("max_adapters", max_adapters), ("max_rank", max_rank)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

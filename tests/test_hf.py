@@ -163,6 +163,19 @@ def test_missing_tensor(saved, tmp_path):
         jcp.load_hf(path)
 
 
+def test_unexpected_tensor(saved, tmp_path):
+    """A tensor the config does not describe (here Qwen3's o_proj bias) is refused, not
+    silently ignored."""
+    path = _copy(saved[1], tmp_path / "extra")
+    tensors = safetensors.numpy.load_file(path / "model.safetensors")
+    name = "model.layers.0.self_attn.o_proj.bias"
+    assert name not in tensors
+    tensors[name] = np.ones(MH.D, np.float32)
+    safetensors.numpy.save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=f"checkpoint has tensor {name}"):
+        jcp.load_hf(path)
+
+
 def test_shape_mismatch_config_vs_tensor(saved, tmp_path):
     path = _copy(saved[1], tmp_path / "config_shape")
     with open(path / "config.json") as f:

@@ -269,17 +269,20 @@ def test_export_peft_round_trips_through_peft(world, tmp_path):
     (dict(layers_to_transform=[0]), "layers_to_transform"),
     (dict(target_modules=["q_proj", "embed_tokens"]), "target_modules"),
     (dict(r=H.MAX_RANK + 1), "max_rank"),
+    (dict(r=True), "r must be a positive integer"),
+    (dict(lora_alpha=None), "lora_alpha must be a finite number"),
 ], ids=lambda e: next(iter(e)) if isinstance(e, dict) else "")
 def test_load_peft_refuses_what_it_cannot_represent(world, tmp_path, extra, pattern):
     tr = world.tr
     with H.borrowed(tr):
         _load(world)
         rank = extra.get("r", 4)
+        rank = 1 if rank is True else rank
         targets = [t for t in extra.get("target_modules", ["q_proj", "v_proj"])
                    if t != "embed_tokens"]
         weights = H.random_peft_weights(world.cfg, rank, targets, seed=0)
         path = H.write_peft(str(tmp_path / "bad"), rank, 8.0, targets, weights,
-                            **{k: v for k, v in extra.items() if k != "r"})
+                            **{k: v for k, v in extra.items() if k != "r" or v is True})
         before = H.snapshot(tr)
         with pytest.raises(jcp.InputError, match=pattern):
             tr.load_peft(path)
