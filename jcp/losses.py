@@ -91,9 +91,10 @@ def _lp_bwd(chunk, right_grads, res, g_S):
         g = jax.lax.dynamic_slice_in_dim(g_S, i * chunk, chunk)
         t = jax.lax.dynamic_slice_in_dim(tgt_S, i * chunk, chunk)
         ins = jax.lax.dynamic_slice_in_dim(inside_S, i * chunk, chunk)
-        onehot = (jnp.arange(v_local)[None, :] == t[:, None]) & ins[:, None]
-        # d lp / d logits = onehot − softmax
-        d_logits = g[:, None] * (onehot.astype(jnp.float32) - jnp.exp(logits - lse[:, None]))
+        # d lp / d logits = onehot(target) − softmax; the one-hot part is a scatter of g, so
+        # no [chunk, V] index or mask array is built.
+        d_logits = -g[:, None] * jnp.exp(logits - lse[:, None])
+        d_logits = d_logits.at[jnp.arange(chunk), t].add(jnp.where(ins, g, 0.0))
         d_lefts = []
         new_d_rights = []
         for left, right, dr, want in zip(lefts, rights, d_rights, right_grads):

@@ -101,30 +101,32 @@ class Trainer:
     the attention output); attn_impl — "blockwise" (the reference kernel) or "dense"
     (tests only); attn_block — attention tile rows (None: 64 on CPU, where the masked half
     of diagonal tiles dominates, 512 on accelerators); logprob_chunk — tokens per
-    log-prob chunk.
+    log-prob chunk (None: at most 1024, fewer for large vocabularies so that one chunk's
+    fp32 logits [chunk, V/tp] stay within 256 MiB).
     """
 
     def __init__(self, cfg: QwenConfig, mesh, base_params=None, max_adapters: int = 4,
                  max_rank: int = 16, seed: int = 0, max_tokens_per_device: int | None = None,
                  *, remat: bool = True, attn_impl: str = "blockwise",
-                 attn_block: int | None = None, logprob_chunk: int = 1024):
+                 attn_block: int | None = None, logprob_chunk: int | None = None):
         if tuple(mesh.axis_names) != mesh_lib.AXES:
             raise ValueError(f"mesh axes must be {mesh_lib.AXES}, got {mesh.axis_names}")
         if attn_impl not in attention_lib.IMPLEMENTATIONS:
             raise ValueError(f"attn_impl must be one of {attention_lib.IMPLEMENTATIONS}, got "
                              f"{attn_impl!r}")
-        if attn_block is None:
-            cpu = mesh.devices.flat[0].platform == "cpu"
-            attn_block = 64 if cpu else attention_lib.DEFAULT_BLOCK
-        for name, v in (("attn_block", attn_block), ("logprob_chunk", logprob_chunk)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name, v in (("max_adapters", max_adapters), ("max_rank", max_rank)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         self.cfg, self.mesh = cfg, mesh
         self.dp, self.cp, self.tp = (mesh_lib.axis_size(mesh, a) for a in mesh_lib.AXES)
         cfg.check_mesh(self.tp)
+        if attn_block is None:
+            cpu = mesh.devices.flat[0].platform == "cpu"
+            attn_block = 64 if cpu else attention_lib.DEFAULT_BLOCK
+        if logprob_chunk is None:
+            per_chunk = max(16, (1 << 26) // (cfg.vocab_size // self.tp))
+            logprob_chunk = 1 << (min(1024, per_chunk).bit_length() - 1)
+        for name, v in (("attn_block", attn_block), ("logprob_chunk", logprob_chunk),
+                        ("max_adapters", max_adapters), ("max_rank", max_rank)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         self.max_adapters, self.max_rank = max_adapters, max_rank
         self._seed = seed
         if max_tokens_per_device is None:
