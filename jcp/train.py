@@ -34,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv):
     p = _Parser(prog="jcp-train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps in all (default 40)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps in all (default 100)")
     p.add_argument("--mesh", default=None,
                    help="dp,cp,tp (default 2,2,2 on 8 devices, else 1,<devices>,1)")
     p.add_argument("--hf-model", default=None, help="Hugging Face Qwen2/Qwen3 folder")
@@ -49,7 +49,7 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=int, default=4, help="datums per adapter per step")
     p.add_argument("--seq-len", type=int, default=512, help="synthetic datum length")
     p.add_argument("--max-tokens-per-device", type=int, default=None)
-    p.add_argument("--save-every", type=int, default=10, help="checkpoint every K steps")
+    p.add_argument("--save-every", type=int, default=25, help="checkpoint every K steps (default 25)")
     p.add_argument("--out", default="jcp-out", help="output folder (default ./jcp-out)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--seed", type=int, default=0)
