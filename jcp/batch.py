@@ -11,6 +11,7 @@ micro-batch; B datum slots of a micro-batch; N tokens of one datum; C zigzag chu
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -68,6 +69,17 @@ class CheckedDatum:
     @property
     def n(self) -> int:
         return int(self.tokens.shape[0])
+
+
+def finite_number(value, what: str) -> float:
+    """value as a finite float, or InputError naming `what`."""
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise InputError(f"{what} must be a number, got {value!r}") from None
+    if not math.isfinite(out):
+        raise InputError(f"{what} must be finite, got {out}")
+    return out
 
 
 def check_loss_fn(loss_fn: str) -> None:

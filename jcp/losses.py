@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcp.batch import InputError, check_loss_fn
+from jcp.batch import InputError, check_loss_fn, finite_number
 from jcp.mesh import BATCH_AXES, CP, DP, TP, block_size, vary, varying_axes
 
 DEFAULT_CHUNK = 1024
@@ -215,13 +214,7 @@ def resolve_config(loss_fn: str, loss_fn_config) -> dict[str, float]:
             raise InputError(
                 f"loss_fn_config.{key} is not a setting of {loss_fn}; expected {sorted(cfg)}"
             )
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            raise InputError(f"loss_fn_config.{key} must be a number, got {value!r}") from None
-        if not math.isfinite(value):
-            raise InputError(f"loss_fn_config.{key} must be finite, got {value}")
-        cfg[key] = value
+        cfg[key] = finite_number(value, f"loss_fn_config.{key}")
     if "clip_low_threshold" in cfg and cfg["clip_low_threshold"] > cfg["clip_high_threshold"]:
         raise InputError(
             f"loss_fn_config: clip_low_threshold {cfg['clip_low_threshold']} exceeds "

@@ -243,7 +243,6 @@ def _trim_metrics(path: str, last_step: int) -> None:
 def run(args) -> dict:
     """The training loop; returns the last metrics row of each adapter."""
     import jax
-    import numpy as np
     from tqdm import tqdm
 
     import jcp

@@ -47,12 +47,7 @@ class AdamParams:
         vals = [self.learning_rate, self.beta1, self.beta2, self.eps, self.weight_decay,
                 self.grad_clip_norm]
         for f, v in zip(dataclasses.fields(self), vals):
-            try:
-                v = float(v)
-            except (TypeError, ValueError):
-                raise InputError(f"AdamParams.{f.name} must be a number, got {v!r}") from None
-            if not math.isfinite(v):
-                raise InputError(f"AdamParams.{f.name} must be finite, got {v}")
+            v = batch_lib.finite_number(v, f"AdamParams.{f.name}")
             if v < 0:
                 raise InputError(f"AdamParams.{f.name} must be ≥ 0, got {v}")
         for name in ("beta1", "beta2"):

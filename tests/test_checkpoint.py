@@ -8,7 +8,6 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jcp
-from jcp import checkpoint
 
 CFG = jcp.QwenConfig.tiny()
 ADAM = jcp.AdamParams(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=5.0)
@@ -108,6 +107,13 @@ def test_load_into_existing_slot(saved):
         np.testing.assert_array_equal(v, before[k])
 
 
+def _assert_previous_loads(tr, path, saved):
+    c = tr.load_state(path)
+    assert tr.adapters[c].rank == 6
+    for k, v in tr.adapter_weights(c).items():
+        np.testing.assert_array_equal(v, saved["weights"][k])
+
+
 def test_interrupted_save_keeps_previous(saved, tmp_path, monkeypatch):
     import shutil
     path = str(tmp_path / "ck")
@@ -125,10 +131,7 @@ def test_interrupted_save_keeps_previous(saved, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         tr.save_state(a, path)
     monkeypatch.undo()
-    c = tr.load_state(path)
-    for k, v in tr.adapter_weights(c).items():
-        np.testing.assert_array_equal(v, saved["weights"][k])
-    assert tr.adapters[c].rank == 6
+    _assert_previous_loads(tr, path, saved)
 
 
 def test_interrupt_inside_orbax_keeps_previous(saved, tmp_path, monkeypatch):
@@ -147,9 +150,7 @@ def test_interrupt_inside_orbax_keeps_previous(saved, tmp_path, monkeypatch):
     with pytest.raises(Exception):
         tr.save_state(a, path)
     monkeypatch.undo()
-    c = tr.load_state(path)
-    for k, v in tr.adapter_weights(c).items():
-        np.testing.assert_array_equal(v, saved["weights"][k])
+    _assert_previous_loads(tr, path, saved)
 
 
 def test_save_replaces_existing(saved, tmp_path):
