@@ -166,7 +166,7 @@ def _crop(x, rank, which):
     return x[..., :rank] if which == "a" else x[..., :rank, :]
 
 
-def _slot_state(tr, slot: int, info, with_grads=False) -> dict:
+def _slot_state(tr, slot: int, info) -> dict:
     """Device arrays of one slot at its own rank: weights, moments, count (global arrays)."""
     layout = _state_layout(tr, info)
     shardings = {m: {ab: NamedSharding(tr.mesh, spec) for ab, (_, spec) in v.items()}
