@@ -4,9 +4,21 @@ This module owns the three axis names and the one table of PartitionSpecs; no ot
 writes an axis string. It must never touch model weights or data values: it only says
 where things live and which original position each rank holds.
 
-Legend: DP, CP, TP mesh axis sizes; L layers; G adapter slots; D hidden; Q = query heads ·
-head dim; K = kv heads · head dim; F MLP width; V vocab; R max LoRA rank; S tokens of one
-device's stream; N tokens of one datum; C zigzag chunk length.
+Shape legend — the one set of letters every jcp module uses in names and docstrings:
+
+    DP, CP, TP  mesh axis sizes             L  layers
+    G  adapter slots (the whole table)      A  active adapters of one micro-batch
+    R  max LoRA rank (r: an adapter's own)  D  hidden width
+    F  MLP width                            V  vocabulary (V/tp on one tp rank)
+    I, O  in / out features of a projection (local shards under tp)
+    Q  query heads                          K  key/value heads
+    M = Q/K  query heads per kv head        H  head dim
+    S  tokens of one device's stream        T  key tokens a query block may see (CP·S)
+    N  tokens of one datum                  C  zigzag chunk length
+    B  datum slots of one micro-batch       Bq, Bk  attention block rows (queries, keys)
+    E  experts (MoE)
+
+Under tp the per-device sizes of split axes are the local ones (Q/tp heads, F/tp, V/tp).
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ class Specs:
     stream_DPxCPxS: P = P(DP, CP, None)
     stream_DPxCPxSxD: P = P(DP, CP, None, None)
     # Per-(dp, cp) adapter spans (start, end) of the active adapters.
-    spans_DPxCPxKx2: P = P(DP, CP, None, None)
+    spans_DPxCPxAx2: P = P(DP, CP, None, None)
     replicated: P = P()
     # Base weights (frozen).
     embed_VxD: P = P(TP, None)

@@ -61,7 +61,7 @@ jax.tree_util.register_dataclass(
 def batch_specs() -> Batch:
     s = SPECS.stream_DPxCPxS
     return Batch(tokens=s, targets=s, segment=s, position=s, loss_id=s, weights=s, advantages=s,
-                 logprobs=s, spans=SPECS.spans_DPxCPxKx2, active=SPECS.replicated)
+                 logprobs=s, spans=SPECS.spans_DPxCPxAx2, active=SPECS.replicated)
 
 
 def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tuple[str, ...],
