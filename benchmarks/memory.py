@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jcp  # noqa: E402
-from jcp import attention, losses, model  # noqa: E402
+from jcp import attention, losses, model, train_step  # noqa: E402
 from jcp import mesh as mesh_lib  # noqa: E402
 
 MiB = 1 << 20
@@ -76,13 +76,13 @@ def compiled_step(cfg, cp, tokens, attn_block, chunk):
     ints = abstract((1, cp, s_len), stream, jnp.int32)
     floats = abstract((1, cp, s_len), stream, jnp.float32)
 
+    step_cfg = train_step.StepConfig(remat=True, attn_block=attn_block, logprob_chunk=chunk)
+
     def inner(params, tok, seg, pos, tgt, w):
         tok, seg, pos, tgt, w = (x[0, 0] for x in (tok, seg, pos, tgt, w))
-        h = model.hidden_states(cfg, params, tok, seg, pos, remat=True, attn_block=attn_block)
-        lefts, rights = model.unembed_factors(params, h)
-        x = losses.TokenInputs(w, w, w)
-        loss, _ = losses.shard_loss(lefts, rights, tgt, seg, x, "cross_entropy", {}, 8,
-                                    chunk=chunk)
+        loss, _ = train_step.model_loss(cfg, step_cfg, params, None, None, tok, seg, pos, tgt,
+                                        losses.TokenInputs(w, w, w), "cross_entropy", {}, 8,
+                                        base_unembed_grad=True)
         return loss
 
     f = jax.shard_map(inner, mesh=mesh, in_specs=(specs,) + (stream,) * 5, out_specs=P())

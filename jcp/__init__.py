@@ -1,6 +1,7 @@
 """jcp: multi-LoRA training of Qwen-style models at long context in JAX."""
 
-from jcp.batch import Datum, InputError
+from jcp.batch import Datum
+from jcp.errors import InputError
 from jcp.config import QwenConfig
 from jcp.hf import load_hf
 from jcp.mesh import make_mesh, unzigzag, zigzag_indices

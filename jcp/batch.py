@@ -4,35 +4,24 @@ Owns everything between the client's per-datum vectors and the device streams. I
 the host in NumPy, before any device work; it must never modify the caller's arrays, and
 every refusal is an `InputError` naming the datum and the field.
 
-Legend: DP, CP mesh axis sizes; S tokens of one device's stream; K active adapters of a
-micro-batch; B datum slots of a micro-batch; N tokens of one datum; C zigzag chunk length.
+Shapes: see the legend in jcp/mesh.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jcp import losses as losses_lib
 from jcp import mesh as mesh_lib
+from jcp.errors import InputError
 
-FLOAT_FIELDS = ("weights", "advantages", "logprobs")
+FLOAT_FIELDS = losses_lib.FLOAT_INPUTS
 KNOWN_FIELDS = ("target_tokens",) + FLOAT_FIELDS
 
-# The loss_fn_inputs each Tinker loss needs (besides target_tokens).
-LOSS_FIELDS = {
-    "cross_entropy": ("weights",),
-    "importance_sampling": ("advantages", "logprobs"),
-    "ppo": ("advantages", "logprobs"),
-    "cispo": ("advantages", "logprobs"),
-    "dro": ("advantages", "logprobs"),
-}
-
-
-class InputError(ValueError):
-    """Invalid client input; raised before any device work, with no state changed."""
+__all__ = ["CheckedDatum", "Datum", "InputError", "PackedBatch", "pack", "unpack", "validate"]
 
 
 @dataclasses.dataclass
@@ -71,24 +60,6 @@ class CheckedDatum:
         return int(self.tokens.shape[0])
 
 
-def finite_number(value, what: str) -> float:
-    """value as a finite float, or InputError naming `what`."""
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise InputError(f"{what} must be a number, got {value!r}") from None
-    if not math.isfinite(out):
-        raise InputError(f"{what} must be finite, got {out}")
-    return out
-
-
-def check_loss_fn(loss_fn: str) -> None:
-    if loss_fn not in LOSS_FIELDS:
-        raise InputError(
-            f"unknown loss_fn {loss_fn!r}; expected one of {sorted(LOSS_FIELDS)}"
-        )
-
-
 def _int_vector(i: int, field: str, value, vocab_size: int) -> np.ndarray:
     try:
         arr = np.array(value, copy=True)
@@ -97,7 +68,8 @@ def _int_vector(i: int, field: str, value, vocab_size: int) -> np.ndarray:
     if arr.ndim != 1:
         raise InputError(f"datum {i}: {field} must be 1-D, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        if arr.dtype == object or not np.issubdtype(arr.dtype, np.number):
+        if (arr.dtype == object or not np.issubdtype(arr.dtype, np.number)
+                or np.issubdtype(arr.dtype, np.complexfloating)):
             raise InputError(f"datum {i}: {field} must hold integer token ids, got {arr.dtype}")
         if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
             raise InputError(f"datum {i}: {field} must hold integer token ids")
@@ -112,36 +84,38 @@ def _int_vector(i: int, field: str, value, vocab_size: int) -> np.ndarray:
 
 
 def _float_vector(i: int, field: str, value, n: int) -> np.ndarray:
+    """A float32 copy of a client vector, checked finite *in float32* (the device's dtype):
+    1e39 passes as a float64 but is inf on the device, so it is refused here."""
     try:
-        arr = np.array(value, dtype=np.float64, copy=True)
+        arr = np.array(value, copy=True)
+        if arr.dtype.kind not in "biuf":
+            raise TypeError(f"dtype {arr.dtype}")
+        with np.errstate(over="ignore"):
+            arr32 = arr.astype(np.float32)
     except Exception as e:
         raise InputError(f"datum {i}: {field} is not a vector of numbers ({e})") from None
-    if arr.ndim != 1:
-        raise InputError(f"datum {i}: {field} must be 1-D, got shape {arr.shape}")
-    if arr.shape[0] != n:
+    if arr32.ndim != 1:
+        raise InputError(f"datum {i}: {field} must be 1-D, got shape {arr32.shape}")
+    if arr32.shape[0] != n:
         raise InputError(
-            f"datum {i}: {field} has length {arr.shape[0]}, model_input has length {n}"
+            f"datum {i}: {field} has length {arr32.shape[0]}, model_input has length {n}"
         )
-    bad = np.flatnonzero(~np.isfinite(arr))
+    bad = np.flatnonzero(~np.isfinite(arr32))
     if bad.size:
         j = int(bad[0])
-        raise InputError(f"datum {i}: {field}[{j}] = {arr[j]} is not finite")
-    return arr.astype(np.float32)
+        what = "is not finite" if not np.isfinite(float(arr[j])) else "overflows float32"
+        raise InputError(f"datum {i}: {field}[{j}] = {arr[j]} {what}")
+    return arr32
 
 
 def per_datum_losses(loss_fn, n: int) -> list[str]:
     """One loss name or one per datum -> a checked list of n names."""
     if isinstance(loss_fn, str):
-        check_loss_fn(loss_fn)
-        return [loss_fn] * n
+        return [losses_lib.check_loss_fn(loss_fn)] * n
     if not isinstance(loss_fn, Sequence) or len(loss_fn) != n:
         raise InputError(f"loss_fn must be a loss name or one name per datum ({n}), got "
                          f"{loss_fn!r}")
-    for i, name in enumerate(loss_fn):
-        if name not in LOSS_FIELDS:
-            raise InputError(f"datum {i}: unknown loss_fn {name!r}; expected one of "
-                             f"{sorted(LOSS_FIELDS)}")
-    return list(loss_fn)
+    return [losses_lib.check_loss_fn(name, f"datum {i}") for i, name in enumerate(loss_fn)]
 
 
 def validate(data: Sequence[Datum], loss_fn, vocab_size: int, token_cap: int
@@ -152,7 +126,7 @@ def validate(data: Sequence[Datum], loss_fn, vocab_size: int, token_cap: int
     Raises InputError naming the datum index and the field. Nothing is mutated.
     """
     if isinstance(loss_fn, str):
-        check_loss_fn(loss_fn)
+        losses_lib.check_loss_fn(loss_fn)
     if isinstance(data, (Datum, Mapping)) or not isinstance(data, Sequence):
         raise InputError("data must be a list of Datum")
     if len(data) == 0:
@@ -161,7 +135,7 @@ def validate(data: Sequence[Datum], loss_fn, vocab_size: int, token_cap: int
     out = []
     for i, d in enumerate(data):
         loss_fn = names[i]
-        needed = ("target_tokens",) + LOSS_FIELDS[loss_fn]
+        needed = ("target_tokens",) + losses_lib.LOSSES[loss_fn].inputs
         if not isinstance(d, Datum):
             raise InputError(f"datum {i}: expected jcp.Datum, got {type(d).__name__}")
         tokens = _int_vector(i, "model_input", d.model_input, vocab_size)

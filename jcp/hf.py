@@ -80,7 +80,7 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 
 
-class _SafetensorsFile:
+class SafetensorsFile:
     """Header of one .safetensors file; tensors come back as read-only memory maps.
 
     (safetensors' NumPy API cannot return bfloat16, so the documented format — u64 header
@@ -89,11 +89,31 @@ class _SafetensorsFile:
 
     def __init__(self, path: str):
         self.path = path
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            self.header = json.loads(f.read(n))
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or 8 + n > size:
+                raise ValueError(f"{path} is not a safetensors file (its header length does "
+                                 f"not fit the file's {size} bytes)")
+            try:
+                header = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                header = None
+        if not isinstance(header, dict):
+            raise ValueError(f"{path} is not a safetensors file (its header is not a JSON "
+                             "object)")
+        header.pop("__metadata__", None)
         self.base = 8 + n
-        self.header.pop("__metadata__", None)
+        for name, info in header.items():
+            offsets = info.get("data_offsets") if isinstance(info, dict) else None
+            if (not isinstance(offsets, list) or len(offsets) != 2
+                    or not all(isinstance(o, int) for o in offsets)
+                    or not 0 <= offsets[0] <= offsets[1] or self.base + offsets[1] > size
+                    or not isinstance(info.get("shape"), list)):
+                raise ValueError(f"{path} is truncated or corrupt: tensor {name} lies outside "
+                                 f"the file's {size} bytes or has a malformed entry")
+        self.header = header
 
     def tensor(self, name: str) -> np.ndarray:
         info = self.header[name]
@@ -120,7 +140,7 @@ def _open_checkpoint(path: str) -> dict[str, Callable[[], np.ndarray]]:
                 fpath = os.path.join(path, fname)
                 if not os.path.isfile(fpath):
                     raise ValueError(f"checkpoint shard {fname} named in the index is missing")
-                files[fname] = _SafetensorsFile(fpath)
+                files[fname] = SafetensorsFile(fpath)
             if name not in files[fname].header:
                 raise ValueError(f"tensor {name} is not in {fname} as the index says")
             out[name] = (lambda f, n: lambda: f.tensor(n))(files[fname], name)
@@ -130,7 +150,7 @@ def _open_checkpoint(path: str) -> dict[str, Callable[[], np.ndarray]]:
         raise ValueError(f"no .safetensors files in {path}")
     out = {}
     for p in paths:
-        f = _SafetensorsFile(os.path.join(path, p))
+        f = SafetensorsFile(os.path.join(path, p))
         for name in f.header:
             out[name] = (lambda f, n: lambda: f.tensor(n))(f, name)
     return out

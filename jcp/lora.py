@@ -1,11 +1,11 @@
-"""Multi-LoRA: stacked adapter slots, their initialisation, routing and PEFT names.
+"""Multi-LoRA: the slot layout, initialisation, target modules and span routing.
 
-Owns the slot layout (`lora_a [L, G, in, R]`, `lora_b [L, G, R, out]` per target module,
-lm_head without L), per-slot scaling, and the span routing used inside the model. It must
-never copy adapter weights per token, and never hold base weights.
+Owns the layout of the stacked slots (`a [G, L, I, R]`, `b [G, L, R, O]` per target
+module, lm_head without L), PEFT's initialisation, and the span routing used inside the
+model. It must never copy adapter weights per token, and never hold base weights or slot
+arrays (jcp/adapter_state.py owns those).
 
-Legend: L layers; G slots; K active adapters of a micro-batch; S tokens on this shard;
-I in features; O out features (local shards under tp); R max rank; D hidden; V vocab.
+Shapes: see the legend in jcp/mesh.py.
 """
 
 from __future__ import annotations
@@ -41,16 +41,22 @@ def module_dims(cfg: QwenConfig, module: str) -> tuple[int, int]:
 
 
 def resolve_targets(targets) -> tuple[str, ...]:
-    """Target names or groups ("attn", "mlp", "unembed", "all") -> module names in order."""
+    """Target names or groups ("attn", "mlp", "unembed", "all") -> module names in order.
+
+    ValueError for anything else (an unknown name, a non-string entry, an empty choice).
+    """
     if targets is None:
         return ALL_MODULES
     if isinstance(targets, str):
         targets = (targets,)
+    if not isinstance(targets, (list, tuple)):
+        raise ValueError(f"LoRA targets must be a list of module names or groups, got "
+                         f"{targets!r}")
     chosen = set()
     for t in targets:
-        if t in TARGET_GROUPS:
+        if isinstance(t, str) and t in TARGET_GROUPS:
             chosen.update(TARGET_GROUPS[t])
-        elif t in ALL_MODULES:
+        elif isinstance(t, str) and t in ALL_MODULES:
             chosen.add(t)
         else:
             raise ValueError(f"unknown LoRA target {t!r}; expected modules {list(ALL_MODULES)} "
@@ -82,22 +88,22 @@ def slot_specs() -> dict:
     return {m: spec(m) for m in ALL_MODULES}
 
 
-def init_slot(cfg: QwenConfig, rank: int, max_rank: int, targets, seed: int) -> dict:
-    """One adapter's weights as PEFT initialises them, padded to max_rank with zeros.
+def init_adapter(cfg: QwenConfig, rank: int, targets, seed: int) -> dict:
+    """One adapter's weights as PEFT initialises them, at its own rank over its targets.
 
-    A ~ U(±1/√in) (kaiming-uniform with a = √5, as PEFT), B = 0; untargeted modules are 0.
-    Returns {module: {"a": [L, in, R], "b": [L, R, out]}} NumPy float32 (no L for lm_head).
+    A ~ U(±1/√I) (kaiming-uniform with a = √5, as PEFT), B = 0. Returns {module: {"a":
+    [L, I, r], "b": [L, r, O]}} NumPy float32 (no L for lm_head).
     """
     rng = np.random.default_rng(seed)
     out = {}
     for m in ALL_MODULES:
+        if m not in targets:
+            continue
         i, o = module_dims(cfg, m)
         lead = () if m == HEAD else (cfg.num_layers,)
-        a = np.zeros(lead + (i, max_rank), np.float32)
-        if m in targets:
-            bound = 1.0 / np.sqrt(i)
-            a[..., :rank] = rng.uniform(-bound, bound, lead + (i, rank)).astype(np.float32)
-        out[m] = {"a": a, "b": np.zeros(lead + (max_rank, o), np.float32)}
+        bound = 1.0 / np.sqrt(i)
+        a = rng.uniform(-bound, bound, lead + (i, rank)).astype(np.float32)
+        out[m] = {"a": a, "b": np.zeros(lead + (rank, o), np.float32)}
     return out
 
 
@@ -105,92 +111,63 @@ def init_slot(cfg: QwenConfig, rank: int, max_rank: int, targets, seed: int) -> 
 class Routing:
     """Which slots a micro-batch uses and which of this shard's tokens go to each.
 
-    active_K: slot of each active adapter; spans_Kx2: [start, end) rows of this shard's
+    active_A: slot of each active adapter; spans_Ax2: [start, end) rows of this shard's
     stream routed to it (adapters are contiguous because packing sorts by adapter);
-    scale_K: alpha / rank of each active slot.
+    scale_A: alpha / rank of each active slot.
     """
 
-    active_K: jax.Array
-    spans_Kx2: jax.Array
-    scale_K: jax.Array
+    active_A: jax.Array
+    spans_Ax2: jax.Array
+    scale_A: jax.Array
 
-    def mask_SxK(self, s_len: int) -> jax.Array:
+    def mask_SxA(self, s_len: int) -> jax.Array:
         t = jnp.arange(s_len)[:, None]
-        return (t >= self.spans_Kx2[None, :, 0]) & (t < self.spans_Kx2[None, :, 1])
+        return (t >= self.spans_Ax2[None, :, 0]) & (t < self.spans_Ax2[None, :, 1])
 
 
-jax.tree_util.register_dataclass(Routing, data_fields=["active_K", "spans_Kx2", "scale_K"],
+jax.tree_util.register_dataclass(Routing, data_fields=["active_A", "spans_Ax2", "scale_A"],
                                  meta_fields=[])
 
 
-def take_active(slots: dict, active_K) -> dict:
-    """Gather the active slots for the model: [G, L, …] -> [L, K, …]; lm_head [G, …] -> [K, …].
+def take_active(slots: dict, active_A) -> dict:
+    """Gather the active slots for the model: [G, L, …] -> [L, A, …]; lm_head [G, …] -> [A, …].
 
-    Only K adapters are copied (not one per token); layers lead so lax.scan can slice them.
+    Only A adapters are copied (not one per token); layers lead so lax.scan can slice them.
     """
     out = {}
     for m, ab in slots.items():
-        picked = jax.tree.map(lambda x: jnp.take(x, active_K, axis=0), ab)
+        picked = jax.tree.map(lambda x: jnp.take(x, active_A, axis=0), ab)
         out[m] = picked if m == HEAD else jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), picked)
     return out
 
 
 def untake_active(active: dict) -> dict:
-    """Inverse layout of take_active: [L, K, …] -> [K, L, …] (lm_head unchanged)."""
+    """Inverse layout of take_active: [L, A, …] -> [A, L, …] (lm_head unchanged)."""
     return {m: ab if m == HEAD else jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), ab)
             for m, ab in active.items()}
 
 
 def slot_specs_active() -> dict:
-    """Specs of take_active's result inside the shard_map. [L, K, …] puts tp on the same
+    """Specs of take_active's result inside the shard_map. [L, A, …] puts tp on the same
     axis as [G, L, …], so the slot table serves unchanged."""
     return slot_specs()
 
 
-def low_rank_input(x_SxI, a_KxIxR, route: Routing):
-    """(x @ A_k)·scale_k for each token's own adapter k, zero elsewhere: [S, K·R].
+def low_rank_input(x_SxI, a_AxIxR, route: Routing):
+    """(x @ A_k)·scale_k for each token's own adapter k, zero elsewhere: [S, A·R].
 
-    Cost O(S·K·R·I) with K the adapters active in the batch, independent of the slot count.
+    Cost O(S·A·R·I) with A the adapters active in the batch, independent of the slot count.
     """
     s_len = x_SxI.shape[0]
-    xa_SxKxR = jnp.einsum("si,kir->skr", x_SxI, a_KxIxR.astype(x_SxI.dtype),
+    xa_SxAxR = jnp.einsum("si,air->sar", x_SxI, a_AxIxR.astype(x_SxI.dtype),
                           preferred_element_type=jnp.float32)
-    w_SxK = jnp.where(route.mask_SxK(s_len), route.scale_K[None, :], 0.0)
-    return (xa_SxKxR * w_SxK[:, :, None]).reshape(s_len, -1)
+    w_SxA = jnp.where(route.mask_SxA(s_len), route.scale_A[None, :], 0.0)
+    return (xa_SxAxR * w_SxA[:, :, None]).reshape(s_len, -1)
 
 
-def delta(x_SxI, a_KxIxR, b_KxRxO, route: Routing):
+def delta(x_SxI, a_AxIxR, b_AxRxO, route: Routing):
     """LoRA update of each token by its own adapter: [S, O]."""
-    u = low_rank_input(x_SxI, a_KxIxR, route)
-    b = b_KxRxO.reshape(-1, b_KxRxO.shape[-1])
+    u = low_rank_input(x_SxI, a_AxIxR, route)
+    b = b_AxRxO.reshape(-1, b_AxRxO.shape[-1])
     return jnp.einsum("sr,ro->so", u.astype(x_SxI.dtype), b.astype(x_SxI.dtype),
                       preferred_element_type=jnp.float32).astype(x_SxI.dtype)
-
-
-# ----------------------------------------------------------------------------------------
-# PEFT names and layout
-
-
-def peft_key(module: str, layer: int | None, which: str) -> str:
-    ab = {"a": "lora_A", "b": "lora_B"}[which]
-    if module == HEAD:
-        return f"base_model.model.lm_head.{ab}.weight"
-    sub = "self_attn" if module in ATTN else "mlp"
-    return f"base_model.model.model.layers.{layer}.{sub}.{module}.{ab}.weight"
-
-
-def to_peft(slot: dict, rank: int, targets, num_layers: int) -> dict[str, np.ndarray]:
-    """One slot {module: {"a": [L?, in, R], "b": [L?, R, out]}} -> PEFT dict (torch layout).
-
-    lora_A [r, in], lora_B [out, r] at the adapter's own rank, only its target modules.
-    """
-    out = {}
-    for m in targets:
-        a, b = np.asarray(slot[m]["a"]), np.asarray(slot[m]["b"])
-        layers = [None] if m == HEAD else range(num_layers)
-        for li in layers:
-            al = a if li is None else a[li]
-            bl = b if li is None else b[li]
-            out[peft_key(m, li, "a")] = np.ascontiguousarray(al[:, :rank].T)
-            out[peft_key(m, li, "b")] = np.ascontiguousarray(bl[:rank, :].T)
-    return out

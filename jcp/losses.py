@@ -4,20 +4,24 @@ Everything here runs per shard inside the one shard_map. It must never build an 
 [tokens, vocab] (forward or backward), never average a loss (Tinker losses are sums), and
 never let the per-datum outputs reach the gradient.
 
-Legend: S tokens on this shard; D hidden; V vocab (V/tp locally); R low-rank width; B
-datum slots of the micro-batch; DP, CP mesh axis sizes.
+The one loss table (LOSSES) registers each Tinker loss: its function, the loss_fn_inputs
+it reads, its loss_fn_config settings and defaults, and whether it clips. Adding a loss is
+one entry there.
+
+Shapes: see the legend in jcp/mesh.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcp.batch import InputError, check_loss_fn, finite_number
+from jcp.errors import InputError, float32_number
 from jcp.mesh import BATCH_AXES, CP, DP, TP, block_size, vary, varying_axes
 
 DEFAULT_CHUNK = 1024
@@ -152,32 +156,48 @@ class TokenInputs:
     logprobs: jax.Array
 
 
+# Every loss is written so that a finite loss has a finite gradient: a ratio r = exp(lp − s)
+# enters only where its term is taken (elsewhere the log-ratio is replaced by 0 *before*
+# the exp), so a branch that is not taken contributes an exact zero, never inf·0 = NaN.
+# A term that does overflow gives an infinite loss, which the Trainer refuses by datum.
+
+
+def _ratio(lp, s, take):
+    """exp(lp − s) where `take`, 1 elsewhere, with an exact zero gradient elsewhere."""
+    return jnp.exp(jnp.where(take, lp - s, 0.0))
+
+
 def cross_entropy(lp, x: TokenInputs, cfg):
     """−w·lp."""
     return -x.weights * lp, jnp.zeros(lp.shape, bool)
 
 
 def importance_sampling(lp, x: TokenInputs, cfg):
-    """−r·A with r = exp(lp − s)."""
-    r = jnp.exp(lp - x.logprobs)
+    """−r·A with r = exp(lp − s); tokens with A = 0 contribute exactly 0."""
+    r = _ratio(lp, x.logprobs, x.advantages != 0)
     return -r * x.advantages, jnp.zeros(lp.shape, bool)
 
 
 def ppo(lp, x: TokenInputs, cfg):
-    """−min(r·A, clip(r, lo, hi)·A). Clipped: tokens where the clipped term wins (zero grad)."""
-    r = jnp.exp(lp - x.logprobs)
+    """−min(r·A, clip(r, lo, hi)·A). Clipped: tokens where the clipped term wins (zero grad).
+
+    The unclipped term wins iff A > 0 and r ≤ hi, or A < 0 and r ≥ lo; the clipped term is
+    then constant in lp (gradient exactly 0), and A = 0 gives exactly 0.
+    """
     lo, hi = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
-    unclipped = r * x.advantages
-    clipped = jnp.clip(r, lo, hi) * x.advantages
-    return -jnp.minimum(unclipped, clipped), clipped < unclipped
+    a = x.advantages
+    r_value = jnp.exp(jax.lax.stop_gradient(lp) - x.logprobs)
+    unclipped = ((a > 0) & (r_value <= hi)) | ((a < 0) & (r_value >= lo))
+    r = _ratio(lp, x.logprobs, unclipped)
+    clipped_term = jnp.where(a != 0, jnp.clip(r_value, lo, hi), 0.0) * a
+    return -jnp.where(unclipped, r * a, clipped_term), (a != 0) & ~unclipped
 
 
 def cispo(lp, x: TokenInputs, cfg):
     """−sg(clip(r, lo, hi))·lp·A. Clipped: tokens whose ratio lies outside [lo, hi]."""
-    r = jnp.exp(lp - x.logprobs)
+    r = jnp.exp(jax.lax.stop_gradient(lp) - x.logprobs)
     lo, hi = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
-    w = jax.lax.stop_gradient(jnp.clip(r, lo, hi))
-    return -w * lp * x.advantages, (r < lo) | (r > hi)
+    return -jnp.clip(r, lo, hi) * lp * x.advantages, (r < lo) | (r > hi)
 
 
 def dro(lp, x: TokenInputs, cfg):
@@ -186,43 +206,92 @@ def dro(lp, x: TokenInputs, cfg):
     return -(lp * x.advantages - 0.5 * cfg["beta"] * d * d), jnp.zeros(lp.shape, bool)
 
 
-LOSSES = {
-    "cross_entropy": cross_entropy,
-    "importance_sampling": importance_sampling,
-    "ppo": ppo,
-    "cispo": cispo,
-    "dro": dro,
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """One Tinker loss: fn(lp, TokenInputs, settings) -> (token loss, clipped); the
+    loss_fn_inputs it reads besides target_tokens; its settings with their defaults;
+    whether it reports clipped_tokens."""
+
+    fn: Callable
+    inputs: tuple[str, ...]
+    config: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    clips: bool = False
+
+    def __call__(self, lp, x: TokenInputs, cfg):
+        return self.fn(lp, x, cfg)
+
+
+LOSSES: dict[str, LossSpec] = {
+    "cross_entropy": LossSpec(cross_entropy, ("weights",)),
+    "importance_sampling": LossSpec(importance_sampling, ("advantages", "logprobs")),
+    "ppo": LossSpec(ppo, ("advantages", "logprobs"),
+                    {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, clips=True),
+    "cispo": LossSpec(cispo, ("advantages", "logprobs"),
+                      {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}, clips=True),
+    "dro": LossSpec(dro, ("advantages", "logprobs"), {"beta": 0.05}),
 }
 
-CONFIG_DEFAULTS = {
-    "cross_entropy": {},
-    "importance_sampling": {},
-    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
-    "dro": {"beta": 0.05},
-}
+# The per-token float vectors any loss reads, in a fixed order (packed as streams).
+FLOAT_INPUTS = tuple(dict.fromkeys(f for spec in LOSSES.values() for f in spec.inputs))
 
-CLIPPING_LOSSES = ("ppo", "cispo")
+
+def check_loss_fn(loss_fn, what: str = "loss_fn") -> str:
+    """A registered loss name, or InputError naming `what`."""
+    if not isinstance(loss_fn, str) or loss_fn not in LOSSES:
+        raise InputError(f"unknown {what} {loss_fn!r}; expected one of {sorted(LOSSES)}"
+                         if what == "loss_fn" else
+                         f"{what}: unknown loss_fn {loss_fn!r}; expected one of "
+                         f"{sorted(LOSSES)}")
+    return loss_fn
 
 
 def resolve_config(loss_fn: str, loss_fn_config) -> dict[str, float]:
-    """Defaults overlaid with the caller's loss_fn_config; InputError on unknown keys or values."""
+    """Defaults overlaid with the caller's loss_fn_config (float32-checked); InputError on
+    unknown keys or values."""
     check_loss_fn(loss_fn)
-    cfg = dict(CONFIG_DEFAULTS[loss_fn])
+    if loss_fn_config is not None and not isinstance(loss_fn_config, Mapping):
+        raise InputError(f"loss_fn_config for {loss_fn} must be a dict of settings, got "
+                         f"{loss_fn_config!r}")
+    cfg = dict(LOSSES[loss_fn].config)
     for key, value in (loss_fn_config or {}).items():
         if key not in cfg:
             raise InputError(
                 f"loss_fn_config.{key} is not a setting of {loss_fn}; expected {sorted(cfg)}"
             )
-        cfg[key] = finite_number(value, f"loss_fn_config.{key}")
+        cfg[key] = float32_number(value, f"loss_fn_config.{key}")
     if "clip_low_threshold" in cfg and cfg["clip_low_threshold"] > cfg["clip_high_threshold"]:
         raise InputError(
             f"loss_fn_config: clip_low_threshold {cfg['clip_low_threshold']} exceeds "
             f"clip_high_threshold {cfg['clip_high_threshold']}"
         )
-    if cfg.get("beta", 0.0) < 0:
-        raise InputError(f"loss_fn_config.beta must be ≥ 0, got {cfg['beta']}")
+    for key in ("clip_low_threshold", "beta"):
+        if cfg.get(key, 0.0) < 0:
+            raise InputError(f"loss_fn_config.{key} must be ≥ 0, got {cfg[key]}")
     return cfg
+
+
+def check_finite_outputs(i: int, datum, out: dict) -> None:
+    """InputError naming datum i (and the token and cause) when its loss is not finite in
+    float32; `datum` is its CheckedDatum, `out` its loss_fn_outputs entry."""
+    el = out["elementwise_loss"]
+    if np.isfinite(out["loss:sum"]) and np.all(np.isfinite(el)):
+        return
+    bad = np.flatnonzero(~np.isfinite(el))
+    if not bad.size:
+        raise InputError(f"datum {i}: its {datum.loss_fn} loss sums to {out['loss:sum']} "
+                         "(overflows float32); split the datum or scale its inputs")
+    j = int(bad[0])
+    why = "check loss_fn_inputs.advantages / weights"
+    if "logprobs" in datum.floats:
+        log_ratio = float(out["logprobs"][j]) - float(datum.floats["logprobs"][j])
+        if log_ratio > np.log(np.finfo(np.float32).max):
+            why = (f"the importance ratio exp(logprob − loss_fn_inputs.logprobs) = "
+                   f"exp({log_ratio:.4g}) overflows float32; loss_fn_inputs.logprobs[{j}] = "
+                   f"{datum.floats['logprobs'][j]:.4g} is far below the model's "
+                   f"{out['logprobs'][j]:.4g}")
+        elif datum.loss_fn == "dro":
+            why = "the squared log-ratio term overflows float32; check loss_fn_inputs.logprobs"
+    raise InputError(f"datum {i}: its {datum.loss_fn} loss is {el[j]} at token {j}: {why}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -261,15 +330,21 @@ def token_losses(lp_S, inputs: TokenInputs, loss_fn, cfg, loss_id_S=None):
     """(token loss [S], clipped [S]) for one loss, or per token for several.
 
     loss_fn: a name with cfg its settings; or a tuple of names with cfg {name: settings}
-    and loss_id_S the index of each token's loss in that tuple.
+    and loss_id_S the index of each token's loss in that tuple. With several, each loss
+    sees neutral inputs (A = 0, s = lp, w = 0) on the other losses' tokens, so a vector a
+    datum carries for no loss of its own can never reach the result or its gradient.
     """
     if isinstance(loss_fn, str):
         return LOSSES[loss_fn](lp_S, inputs, cfg)
     tok_loss_S = jnp.zeros(lp_S.shape, lp_S.dtype)
     clipped_S = jnp.zeros(lp_S.shape, bool)
+    lp_value = jax.lax.stop_gradient(lp_S)
     for k, name in enumerate(loss_fn):
         here = loss_id_S == k
-        l, c = LOSSES[name](lp_S, inputs, cfg[name])
+        mine = TokenInputs(weights=jnp.where(here, inputs.weights, 0.0),
+                           advantages=jnp.where(here, inputs.advantages, 0.0),
+                           logprobs=jnp.where(here, inputs.logprobs, lp_value))
+        l, c = LOSSES[name](lp_S, mine, cfg[name])
         tok_loss_S = jnp.where(here, l, tok_loss_S)
         clipped_S = clipped_S | (here & c)
     return tok_loss_S, clipped_S

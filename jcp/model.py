@@ -1,12 +1,15 @@
 """The Qwen2/Qwen3 decoder as a per-shard function (runs inside the one shard_map).
 
 Owns the base-parameter tree (names, shapes, PartitionSpecs), its random initialisation
-and placement, and the forward pass from tokens to final hidden states. It must never
-compute the unembedding's full logits (losses.py does that, chunked) and never update
-base weights: they are frozen and not differentiated.
+and placement, and the forward pass from tokens to final hidden states. The layer is
+built from two blocks, attention and MLP, and the differing piece of each use is passed
+in: the attention strategy (`attend`, see attention.Attend: training's CP attention, or
+prefill / decode over a KV cache) and the MLP block (dense SwiGLU, or an MoE block with
+the same signature). It must never compute the unembedding's full logits (losses.py does
+that, chunked) and never update base weights: they are frozen and not differentiated.
 
-Legend: L layers; S tokens on this shard; D hidden; Q = H·E query width, K = KH·E kv width
-(local shards under tp); H, KH heads; E head dim; F MLP width; V vocab.
+Shapes: see the legend in jcp/mesh.py. Under tp, the q/k/v projections hold this rank's
+Q/tp and K/tp heads (widths Q·H and K·H), gate/up/down F/tp.
 """
 
 from __future__ import annotations
@@ -131,17 +134,20 @@ def rms_norm(x, w, eps):
     return w.astype(x.dtype) * xf.astype(x.dtype)
 
 
-def rope(x_SxHxE, position_S, theta):
-    """Rotary embedding, rotate-half form, angles from each token's position in its datum."""
-    e = x_SxHxE.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
+def rope(x, position_S, theta):
+    """Rotary embedding, rotate-half form, angles from each token's position in its datum.
+
+    x: [S, heads, H] (q with Q heads or k with K heads).
+    """
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     ang = position_S.astype(jnp.float32)[:, None] * inv_freq[None, :]
     ang = jnp.concatenate([ang, ang], axis=-1)[:, None, :]
     cos, sin = jnp.cos(ang), jnp.sin(ang)
-    xf = x_SxHxE.astype(jnp.float32)
-    half = e // 2
+    xf = x.astype(jnp.float32)
+    half = head_dim // 2
     rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rot * sin).astype(x_SxHxE.dtype)
+    return (xf * cos + rot * sin).astype(x.dtype)
 
 
 def embed(embed_VxD, tokens_S):
@@ -153,79 +159,110 @@ def embed(embed_VxD, tokens_S):
     return jax.lax.psum(jnp.where(inside[:, None], rows, 0), TP)
 
 
-def _linear(x, w, lora_ab, route, bias=None):
-    y = jnp.einsum("si,io->so", x, w.astype(x.dtype))
-    if bias is not None:
-        y = y + bias.astype(x.dtype)
+def _linear(x_SxI, w_IxO, lora_ab, route, bias_O=None):
+    """x @ W (+ bias) (+ each token's own LoRA update) in x's dtype: [S, O]."""
+    y = jnp.einsum("si,io->so", x_SxI, w_IxO.astype(x_SxI.dtype))
+    if bias_O is not None:
+        y = y + bias_O.astype(x_SxI.dtype)
     if lora_ab is not None:
-        y = y + lora_lib.delta(x, lora_ab["a"], lora_ab["b"], route)
+        y = y + lora_lib.delta(x_SxI, lora_ab["a"], lora_ab["b"], route)
     return y
 
 
-def _layer(cfg: QwenConfig, attn_impl: str, attn_block: int, h_SxD, layer, lora_layer,
-           route, segment_S, position_S):
-    """One decoder layer on this shard. Row-parallel outputs are psum'd over "tp"."""
+def _lora(lora_layer, module):
+    """One module's {"a", "b"} of this layer's active adapters, or None without LoRA."""
+    return None if lora_layer is None else lora_layer[module]
+
+
+def attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None,
+                    position_S, attend: attention_lib.Attend, attn_state):
+    """Pre-norm self-attention of one layer: (its output [S, D], psum'd over tp; new state).
+
+    norm → q/k/v projections (+ bias, + LoRA) → qk-norm (Qwen3) → RoPE at position_S →
+    attend(q [S, Q, H], k, v [S, K, H], attn_state) → o_proj (+ LoRA) → psum over tp.
+    The caller adds the residual. layer / lora_layer: this layer's slice of the stacked
+    weights and of the active adapters ({module: {"a": [A, I, R], "b": [A, R, O]}} or None).
+    """
     s_len = h_SxD.shape[0]
-    e = cfg.head_dim
-    lo = (lambda m: None) if lora_layer is None else (lambda m: lora_layer[m])
-
-    x = rms_norm(h_SxD, layer["input_norm"], cfg.rms_norm_eps)
-    q = _linear(x, layer["q_proj"], lo("q_proj"), route, layer.get("q_bias"))
-    k = _linear(x, layer["k_proj"], lo("k_proj"), route, layer.get("k_bias"))
-    v = _linear(x, layer["v_proj"], lo("v_proj"), route, layer.get("v_bias"))
-    q = q.reshape(s_len, -1, e)
-    k = k.reshape(s_len, -1, e)
-    v = v.reshape(s_len, -1, e)
+    x_SxD = rms_norm(h_SxD, layer["input_norm"], cfg.rms_norm_eps)
+    q = _linear(x_SxD, layer["q_proj"], _lora(lora_layer, "q_proj"), route, layer.get("q_bias"))
+    k = _linear(x_SxD, layer["k_proj"], _lora(lora_layer, "k_proj"), route, layer.get("k_bias"))
+    v = _linear(x_SxD, layer["v_proj"], _lora(lora_layer, "v_proj"), route, layer.get("v_bias"))
+    q_SxQxH = q.reshape(s_len, -1, cfg.head_dim)
+    k_SxKxH = k.reshape(s_len, -1, cfg.head_dim)
+    v_SxKxH = v.reshape(s_len, -1, cfg.head_dim)
     if cfg.qk_norm:
-        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-    q = rope(q, position_S, cfg.rope_theta)
-    k = rope(k, position_S, cfg.rope_theta)
-    o = attention_lib.cp_attention(q, k, v, segment_S, position_S,
-                                   implementation=attn_impl, block=attn_block)
-    o = _linear(o.reshape(s_len, -1), layer["o_proj"], lo("o_proj"), route)
-    h_SxD = h_SxD + jax.lax.psum(o, TP)
-
-    x = rms_norm(h_SxD, layer["post_norm"], cfg.rms_norm_eps)
-    g = _linear(x, layer["gate_proj"], lo("gate_proj"), route)
-    u = _linear(x, layer["up_proj"], lo("up_proj"), route)
-    y = _linear(jax.nn.silu(g) * u, layer["down_proj"], lo("down_proj"), route)
-    return h_SxD + jax.lax.psum(y, TP)
+        q_SxQxH = rms_norm(q_SxQxH, layer["q_norm"], cfg.rms_norm_eps)
+        k_SxKxH = rms_norm(k_SxKxH, layer["k_norm"], cfg.rms_norm_eps)
+    q_SxQxH = rope(q_SxQxH, position_S, cfg.rope_theta)
+    k_SxKxH = rope(k_SxKxH, position_S, cfg.rope_theta)
+    o_SxQxH, attn_state = attend(q_SxQxH, k_SxKxH, v_SxKxH, attn_state)
+    o_SxD = _linear(o_SxQxH.reshape(s_len, -1), layer["o_proj"], _lora(lora_layer, "o_proj"),
+                    route)
+    return jax.lax.psum(o_SxD, TP), attn_state
 
 
-def hidden_states(cfg: QwenConfig, params, tokens_S, segment_S, position_S, lora=None,
-                  route: lora_lib.Routing | None = None, *, remat: bool = True,
-                  attn_impl: str = "blockwise", attn_block: int = attention_lib.DEFAULT_BLOCK):
-    """Final-norm hidden states [S, D] of this shard's tokens.
+def dense_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None):
+    """Pre-norm SwiGLU MLP of one layer: down(silu(gate(x)) · up(x)), psum'd over tp: [S, D].
+
+    The MLP strategy of decoder_layer; an MoE block with this signature can replace it.
+    The caller adds the residual.
+    """
+    x_SxD = rms_norm(h_SxD, layer["post_norm"], cfg.rms_norm_eps)
+    g_SxF = _linear(x_SxD, layer["gate_proj"], _lora(lora_layer, "gate_proj"), route)
+    u_SxF = _linear(x_SxD, layer["up_proj"], _lora(lora_layer, "up_proj"), route)
+    y_SxD = _linear(jax.nn.silu(g_SxF) * u_SxF, layer["down_proj"],
+                    _lora(lora_layer, "down_proj"), route)
+    return jax.lax.psum(y_SxD, TP)
+
+
+def decoder_layer(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None,
+                  position_S, attend: attention_lib.Attend, attn_state, mlp=dense_mlp):
+    """One pre-norm decoder layer on this shard: (h + attention, then + mlp; new state)."""
+    a_SxD, attn_state = attention_block(cfg, h_SxD, layer, lora_layer, route, position_S,
+                                        attend, attn_state)
+    h_SxD = h_SxD + a_SxD
+    return h_SxD + mlp(cfg, h_SxD, layer, lora_layer, route), attn_state
+
+
+def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attention_lib.Attend,
+                  lora=None, route: lora_lib.Routing | None = None, *, attn_state=None,
+                  mlp=dense_mlp, remat: bool = True):
+    """(final-norm hidden states [S, D] of this shard's tokens, new attention state).
 
     params: this shard's base weights (see param_shapes); lora: active adapters
-    {module: {"a": [L, K, I, R], "b": [L, K, R, O]}} or None; route: their token spans.
-    Layers run under lax.scan (compile time independent of depth), each rematerialised in
-    the backward pass when `remat` (all but the attention kernel's output and lse).
+    {module: {"a": [L, A, I, R], "b": [L, A, R, O]}} or None; route: their token spans.
+    attend: the attention strategy (attention.cp_attend(segment_S, position_S, …) for
+    training); attn_state: per-layer attention state stacked on a leading [L] axis (None,
+    an empty pytree, for training), scanned with the weights and returned likewise.
+    mlp: the MLP block (dense_mlp). Layers run under lax.scan (compile time independent of
+    depth), each rematerialised in the backward pass when `remat` (all but the attention
+    kernel's output and lse).
     """
     dtype = jnp.dtype(cfg.dtype)
     h = embed(params["embed"], tokens_S).astype(dtype)
     layer_lora = None if lora is None else {m: lora[m] for m in lora_lib.LAYER_MODULES}
 
     def body(h, xs):
-        layer, lora_layer = xs
-        return _layer(cfg, attn_impl, attn_block, h, layer, lora_layer, route,
-                      segment_S, position_S), None
+        layer, lora_layer, state = xs
+        return decoder_layer(cfg, h, layer, lora_layer, route, position_S, attend, state, mlp)
 
     if remat:
         # Recompute each layer in the backward pass except the attention kernel's output and
-        # log-sum-exp: O(S·Q) per layer saved buys not running attention twice.
+        # log-sum-exp: O(S·Q·H) per layer saved buys not running attention twice.
         policy = jax.checkpoint_policies.save_only_these_names(*attention_lib.SAVED_NAMES)
         body = jax.checkpoint(body, prevent_cse=False, policy=policy)
-    h, _ = jax.lax.scan(body, h, (params["layers"], layer_lora))
-    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    h, attn_state = jax.lax.scan(body, h, (params["layers"], layer_lora, attn_state))
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), attn_state
 
 
 def unembed_factors(params, h_SxD, lora=None, route: lora_lib.Routing | None = None):
     """(lefts, rights) with logits = Σ lefts[i] @ rights[i], rights split over vocab.
 
-    Base: h @ W (W = lm_head, or embed^T when tied); LoRA on lm_head adds
-    [(h @ A_k)·scale_k] @ B_k, routed per token. losses.target_logprobs consumes these.
+    Base: h [S, D] @ W [D, V/tp] (W = lm_head, or embed^T when tied); LoRA on lm_head adds
+    [S, A·R] @ [A·R, V/tp]: each token's (h @ lora_a[a])·scale[a] in its own adapter a's
+    R columns, zero elsewhere, times the stacked lora_b. losses.target_logprobs consumes
+    these.
     """
     w_DxV = params["lm_head"] if "lm_head" in params else params["embed"].T
     lefts, rights = [h_SxD], [w_DxV]

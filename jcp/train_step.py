@@ -5,7 +5,7 @@ outside it w.r.t. the active adapter slots only, and the per-slot AdamW update. 
 never differentiate base weights, never psum a gradient (the transpose of the replicated
 loss already sums it), and never touch a slot other than the one being stepped.
 
-Legend: G slots; K active adapters; DP, CP mesh sizes; S stream length; B datum slots.
+Shapes: see the legend in jcp/mesh.py.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jcp import attention as attention_lib
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import model as model_lib
@@ -38,8 +39,8 @@ class StepConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """A packed micro-batch as global arrays: streams [DP, CP, S], spans [DP, CP, K, 2],
-    active [K] and client vectors (weights, advantages, logprobs) [DP, CP, S]; loss_id
+    """A packed micro-batch as global arrays: streams [DP, CP, S], spans [DP, CP, A, 2],
+    active [A] and client vectors (weights, advantages, logprobs) [DP, CP, S]; loss_id
     indexes each token's loss in the step's static tuple of loss names."""
 
     tokens: jax.Array
@@ -64,6 +65,28 @@ def batch_specs() -> Batch:
                  logprobs=s, spans=SPECS.spans_DPxCPxAx2, active=SPECS.replicated)
 
 
+def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, tokens_S,
+               segment_S, position_S, targets_S, inputs: losses_lib.TokenInputs, loss_fn,
+               loss_cfg, num_slots: int, *, loss_id_S=None, base_unembed_grad: bool = False):
+    """Model + loss of this device's stream, inside the shard_map: (loss, ShardOutputs).
+
+    embed → hidden_states (CP attention, the training strategy) → unembed_factors →
+    losses.shard_loss. Streams are this device's [S] rows; lora: the active adapters
+    (take_active) or None for the base model alone, routed by `route`; loss_fn, loss_cfg,
+    num_slots, loss_id_S as in losses.shard_loss. base_unembed_grad: differentiate the base
+    unembedding too (training never does: it is frozen; tests of base gradients do).
+    """
+    attend = attention_lib.cp_attend(segment_S, position_S, implementation=step_cfg.attn_impl,
+                                     block=step_cfg.attn_block)
+    h_SxD, _ = model_lib.hidden_states(cfg, params, tokens_S, position_S, attend, lora, route,
+                                       remat=step_cfg.remat)
+    lefts, rights = model_lib.unembed_factors(params, h_SxD, lora, route)
+    return losses_lib.shard_loss(lefts, rights, targets_S, segment_S, inputs, loss_fn, loss_cfg,
+                                 num_slots, chunk=step_cfg.logprob_chunk,
+                                 right_grads=(base_unembed_grad,) + (True,) * (len(rights) - 1),
+                                 loss_id_S=loss_id_S)
+
+
 def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tuple[str, ...],
                       num_slots: int, lora_active, params, scale_G, batch: Batch, loss_cfg):
     """The shard_map'd model + loss. Returns (replicated loss, ShardOutputs).
@@ -74,18 +97,12 @@ def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tup
 
     def shard(lora_active, params, scale_G, b: Batch, loss_cfg):
         one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
-        route = lora_lib.Routing(active_K=b.active, spans_Kx2=one(b.spans),
-                                 scale_K=jnp.take(scale_G, b.active))
-        segment, position = one(b.segment), one(b.position)
-        h = model_lib.hidden_states(cfg, params, one(b.tokens), segment, position, lora_active,
-                                    route, remat=step_cfg.remat, attn_impl=step_cfg.attn_impl,
-                                    attn_block=step_cfg.attn_block)
-        lefts, rights = model_lib.unembed_factors(params, h, lora_active, route)
+        route = lora_lib.Routing(active_A=b.active, spans_Ax2=one(b.spans),
+                                 scale_A=jnp.take(scale_G, b.active))
         inputs = losses_lib.TokenInputs(one(b.weights), one(b.advantages), one(b.logprobs))
-        return losses_lib.shard_loss(lefts, rights, one(b.targets), segment, inputs, loss_fns,
-                                     loss_cfg, num_slots, chunk=step_cfg.logprob_chunk,
-                                     right_grads=(False,) + (True,) * (len(rights) - 1),
-                                     loss_id_S=one(b.loss_id))
+        return model_loss(cfg, step_cfg, params, lora_active, route, one(b.tokens),
+                          one(b.segment), one(b.position), one(b.targets), inputs, loss_fns,
+                          loss_cfg, num_slots, loss_id_S=one(b.loss_id))
 
     in_specs = (lora_lib.slot_specs_active(), model_lib.param_specs(cfg), SPECS.slot_G,
                 batch_specs(), SPECS.replicated)
@@ -106,11 +123,13 @@ def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
 
 
 def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
-    """jit(fb)(acc, lora, params, scale_G, batch, loss_cfg) -> (acc + grad, loss, out).
+    """jit(fb)(acc, lora, params, scale_G, batch, loss_cfg) -> (acc + grad, loss, out,
+    finite_A).
 
-    The gradient is taken w.r.t. the K active slots only (outside the shard_map) and
+    The gradient is taken w.r.t. the A active slots only (outside the shard_map) and
     scatter-added into the donated accumulators; padding entries of `active` route no
-    tokens, so their gradient is zero.
+    tokens, so their gradient is zero. finite_A: whether each active adapter's gradient
+    is finite (the caller refuses the call and restores the accumulators otherwise).
     """
 
     @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots"), donate_argnums=(0,))
@@ -123,7 +142,10 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
         (loss, out), grads = jax.value_and_grad(loss_of, has_aux=True)(active)
         grads = lora_lib.untake_active(grads)
         acc = jax.tree.map(lambda a, g: a.at[batch.active].add(g), acc, grads)
-        return acc, loss, out
+        finite_A = jnp.all(jnp.stack([
+            jnp.all(jnp.isfinite(g), axis=tuple(range(1, g.ndim)))
+            for g in jax.tree.leaves(grads)]), axis=0)
+        return acc, loss, out, finite_A
 
     return forward_backward
 
@@ -144,6 +166,21 @@ class OptState:
 jax.tree_util.register_dataclass(OptState, data_fields=["mu", "nu", "count"], meta_fields=[])
 
 
+def _finite(tree) -> jax.Array:
+    """True iff every entry of every leaf is finite."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _norm(tree) -> jax.Array:
+    """Global L2 norm; where Σ g² overflows float32 although every g is finite, the norm
+    is taken with the entries scaled by the largest one, so it stays finite."""
+    plain = optax.tree.norm(tree)
+    big = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in jax.tree.leaves(tree)]))
+    safe = jnp.where((big > 0) & jnp.isfinite(big), big, 1.0)
+    sq = sum(jnp.sum(jnp.square(x / safe)) for x in jax.tree.leaves(tree))
+    return jnp.where(jnp.isfinite(plain) | ~jnp.isfinite(big), plain, safe * jnp.sqrt(sq))
+
+
 def make_optim_step(mesh):
     """jit(step)(lora, acc, opt, slot, hp) -> (lora, acc, opt, metrics) for one slot.
 
@@ -151,6 +188,9 @@ def make_optim_step(mesh):
     AdamW (optax.scale_by_adam, bias-corrected by the slot's own count, decoupled weight
     decay); grad_clip_norm > 0 clips the slot's global gradient norm. The slot's
     accumulator is zeroed. Every other slot is left bit-identical (only `.at[slot].set`).
+    Nothing non-finite is ever applied: unless the gradient and the new weights and moments
+    are all finite, the slot's weights, moments and count are written back unchanged
+    (metrics grad_finite / applied say which).
     """
     replicated = NamedSharding(mesh, P())
 
@@ -159,20 +199,26 @@ def make_optim_step(mesh):
         lr, b1, b2, eps, wd, clip = (hp[i] for i in range(6))
         take = lambda t: jax.tree.map(lambda x: x[slot], t)  # noqa: E731
         params, grads = take(lora), take(acc)
-        grad_norm = optax.tree.norm(grads)
+        grad_finite = _finite(grads)
+        grad_norm = _norm(grads)
         factor = jnp.where((clip > 0) & (grad_norm > clip), clip / grad_norm, 1.0)
         grads = jax.tree.map(lambda g: g * factor, grads)
         adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
-        state = optax.ScaleByAdamState(count=opt.count[slot], mu=take(opt.mu), nu=take(opt.nu))
-        updates, state = adam.update(grads, state, params)
+        old = optax.ScaleByAdamState(count=opt.count[slot], mu=take(opt.mu), nu=take(opt.nu))
+        updates, state = adam.update(grads, old, params)
         new_params = jax.tree.map(lambda p, u: p - lr * (u + wd * p), params, updates)
+        applied = grad_finite & _finite((new_params, state.mu, state.nu))
+        keep = lambda new, prev: jax.tree.map(  # noqa: E731
+            lambda n, o: jnp.where(applied, n, o), new, prev)
+        new_params, state = keep(new_params, params), keep(state, old)
 
         put = lambda t, v: jax.tree.map(lambda x, y: x.at[slot].set(y.astype(x.dtype)), t, v)  # noqa: E731
         lora = put(lora, new_params)
         acc = jax.tree.map(lambda x: x.at[slot].set(jnp.zeros_like(x[slot])), acc)
         opt = OptState(mu=put(opt.mu, state.mu), nu=put(opt.nu, state.nu),
                        count=opt.count.at[slot].set(state.count))
-        metrics = {"grad_norm": grad_norm, "learning_rate": lr, "step": state.count}
+        metrics = {"grad_norm": grad_norm, "learning_rate": lr, "step": state.count,
+                   "grad_finite": grad_finite, "applied": applied}
         metrics = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), metrics)
         return lora, acc, opt, metrics
 

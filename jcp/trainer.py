@@ -1,33 +1,36 @@
-"""Trainer: adapters, gradient accumulators and optimizer states over the jitted steps.
+"""Trainer: the public API over the base model, the adapter-state table and the steps.
 
-Owns the host-side bookkeeping of adapter slots (rank, alpha, targets) and the global
-arrays of slots, accumulators and AdamW state. Every public call validates its whole input
-before any device work, so a refused call changes nothing. It must never differentiate
-or modify the base weights.
+Owns the base weights on the mesh, the validation of every public call, and the order of
+work (validate, pack, dispatch, read back, commit). Every public call validates its whole
+input before any device work, so a refused call changes nothing; slot arrays are read and
+written only through jcp.adapter_state. It must never differentiate or modify the base
+weights.
 
-Legend: G slots; L layers; I, O in/out features; R max rank.
+Shapes: see the legend in jcp/mesh.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jcp import attention as attention_lib
 from jcp import batch as batch_lib
+from jcp import checkpoint
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import mesh as mesh_lib
 from jcp import model as model_lib
+from jcp import peft as peft_lib
 from jcp import train_step
-from jcp.batch import InputError
+from jcp.adapter_state import AdapterInfo, AdapterState, host, replicate
+from jcp.errors import F32, InputError, float32_number
 from jcp.config import QwenConfig
 
 
@@ -43,34 +46,24 @@ class AdamParams:
     grad_clip_norm: float = 0.0
 
     def checked(self) -> np.ndarray:
-        """As float32 [6]; InputError naming the first bad field."""
-        vals = [self.learning_rate, self.beta1, self.beta2, self.eps, self.weight_decay,
-                self.grad_clip_norm]
-        for f, v in zip(dataclasses.fields(self), vals):
-            v = batch_lib.finite_number(v, f"AdamParams.{f.name}")
+        """As float32 [6], each value checked after the cast to float32 (the device's
+        dtype); InputError naming the first bad field."""
+        vals = {f.name: float32_number(getattr(self, f.name), f"AdamParams.{f.name}")
+                for f in dataclasses.fields(self)}
+        for name, v in vals.items():
             if v < 0:
-                raise InputError(f"AdamParams.{f.name} must be ≥ 0, got {v}")
+                raise InputError(f"AdamParams.{name} must be ≥ 0, got {v}")
         for name in ("beta1", "beta2"):
-            if not float(getattr(self, name)) < 1.0:
-                raise InputError(f"AdamParams.{name} must be < 1, got {getattr(self, name)}")
+            if not vals[name] < 1.0:
+                raise InputError(f"AdamParams.{name} must be < 1 in float32, got "
+                                 f"{getattr(self, name)} (rounds to {vals[name]})")
         # eps = 0 turns every zero-gradient entry into 0/0 = NaN — always the zero padding
-        # of slots beyond an adapter's rank and targets — and poisons the whole adapter.
-        if not np.float32(self.eps) > 0:
-            raise InputError(f"AdamParams.eps must be > 0 (in float32), got {self.eps}")
-        return np.asarray(vals, np.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class AdapterInfo:
-    """Host-side description of one allocated slot."""
-
-    rank: int
-    alpha: float
-    targets: tuple[str, ...]
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
+        # of slots beyond an adapter's rank and targets — and a denormal eps is flushed to
+        # 0 on the device.
+        if not vals["eps"] >= F32.smallest_normal:
+            raise InputError(f"AdamParams.eps must be ≥ {F32.smallest_normal:.4g} (the "
+                             f"smallest normal float32), got {self.eps}")
+        return np.asarray(list(vals.values()), np.float32)
 
 
 @dataclasses.dataclass
@@ -79,11 +72,6 @@ class ForwardBackwardOutput:
 
     loss_fn_outputs: list[dict]
     metrics: dict
-
-
-def _host(x) -> np.ndarray:
-    """A replicated global array as NumPy, readable on every process."""
-    return np.asarray(x.addressable_data(0))
 
 
 class Trainer:
@@ -143,35 +131,16 @@ class Trainer:
         self.params = model_lib.place(base_params, model_lib.param_specs(cfg), mesh,
                                       dtype=jnp.dtype(cfg.dtype))
 
-        shapes = lora_lib.slot_shapes(cfg, max_adapters, max_rank)
-        self._slot_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
-                                            lora_lib.slot_specs())
-        zeros = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s, jnp.float32), shapes,
-                                             is_leaf=lambda x: isinstance(x, tuple)),
-                        out_shardings=self._slot_shardings)
-        self._zeros = zeros
-        self.lora = zeros()
-        self.acc = zeros()
-        self.opt = train_step.OptState(mu=zeros(), nu=zeros(),
-                                       count=self._replicated(np.zeros(max_adapters, np.int32)))
-        self.scale = self._replicated(np.zeros(max_adapters, np.float32))
-        self.adapters: dict[int, AdapterInfo] = {}
-
+        self.state = AdapterState(cfg, mesh, max_adapters, max_rank)
         self._forward = train_step.make_forward(cfg, mesh, self.step_cfg)
         self._forward_backward = train_step.make_forward_backward(cfg, mesh, self.step_cfg)
-        self._optim_step = train_step.make_optim_step(mesh)
-        self._write_slot = jax.jit(
-            lambda tree, slot, values: jax.tree.map(lambda x, v: x.at[slot].set(v), tree, values),
-            donate_argnums=(0,), out_shardings=self._slot_shardings)
-        rep = NamedSharding(mesh, P())
-        self._read_slot = jax.jit(lambda tree, slot: jax.tree.map(lambda x: x[slot], tree),
-                                  out_shardings=rep)
+
+    @property
+    def adapters(self):
+        """adapter id -> AdapterInfo (rank, alpha, targets) of every allocated adapter."""
+        return self.state.infos
 
     # ------------------------------------------------------------------ helpers
-
-    def _replicated(self, x: np.ndarray):
-        sharding = NamedSharding(self.mesh, P())
-        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
     def _check_adapter(self, adapter, what: str = "adapter") -> int:
         if isinstance(adapter, (bool, np.bool_)) or not isinstance(adapter, (int, np.integer)):
@@ -186,46 +155,14 @@ class Trainer:
             raise InputError(f"rank must be a positive integer, got {rank!r}")
         if rank > self.max_rank:
             raise InputError(f"rank {rank} exceeds max_rank {self.max_rank} of this Trainer")
-        try:
-            alpha = float(alpha)
-        except (TypeError, ValueError):
-            raise InputError(f"alpha must be a number, got {alpha!r}") from None
-        if not math.isfinite(alpha) or alpha <= 0:
-            raise InputError(f"alpha must be finite and > 0, got {alpha}")
+        alpha = float32_number(alpha, "alpha")
+        if alpha <= 0:
+            raise InputError(f"alpha must be > 0, got {alpha}")
         try:
             targets = lora_lib.resolve_targets(targets)
         except ValueError as e:
             raise InputError(str(e)) from None
         return int(rank), alpha, targets
-
-    def _free_slot(self) -> int:
-        for g in range(self.max_adapters):
-            if g not in self.adapters:
-                return g
-        raise InputError(f"all {self.max_adapters} adapter slots are in use; delete_adapter "
-                         "one or raise max_adapters")
-
-    def _install(self, slot: int, info: AdapterInfo, weights: dict) -> None:
-        """Write a slot's weights; reset its accumulator and optimizer state."""
-        zeros = jax.tree.map(lambda x: np.zeros_like(x), weights)
-        self.lora = self._write_slot(self.lora, slot, weights)
-        self.acc = self._write_slot(self.acc, slot, zeros)
-        self.opt = train_step.OptState(
-            mu=self._write_slot(self.opt.mu, slot, zeros),
-            nu=self._write_slot(self.opt.nu, slot, zeros),
-            count=self._replicated(self._count_host(slot, 0)))
-        scale = _host(self.scale).copy()
-        scale[slot] = info.scale
-        self.scale = self._replicated(scale)
-        self.adapters[slot] = info
-
-    def _count_host(self, slot: int, value: int) -> np.ndarray:
-        count = _host(self.opt.count).copy()
-        count[slot] = value
-        return count
-
-    def _slot_host(self, tree, slot: int) -> dict:
-        return jax.tree.map(_host, self._read_slot(tree, slot))
 
     # ------------------------------------------------------------------ adapters
 
@@ -234,55 +171,60 @@ class Trainer:
         """Allocate a slot with PEFT's initialisation (A uniform ±1/√in, B = 0) -> its id.
 
         targets: module names or groups ("attn", "mlp", "unembed", "all"); default all.
+        seed: a non-negative integer (default: from the Trainer's seed and the slot).
         """
         rank, alpha, targets = self._check_new_adapter(rank, alpha, targets)
-        slot = self._free_slot()
-        seed = self._seed * 1_000_003 + slot if seed is None else seed
-        weights = lora_lib.init_slot(self.cfg, rank, self.max_rank, targets, seed)
-        self._install(slot, AdapterInfo(rank, alpha, targets), weights)
+        if seed is not None and (isinstance(seed, (bool, np.bool_))
+                                 or not isinstance(seed, (int, np.integer)) or seed < 0):
+            raise InputError(f"seed must be a non-negative integer, got {seed!r}")
+        slot = self.state.free_slot()
+        seed = self._seed * 1_000_003 + slot if seed is None else int(seed)
+        weights = lora_lib.init_adapter(self.cfg, rank, targets, seed)
+        self.state.install(slot, AdapterInfo(rank, alpha, targets), weights)
         return slot
 
     def delete_adapter(self, adapter: int) -> None:
         """Free a slot: zero its weights, accumulator and optimizer state."""
-        slot = self._check_adapter(adapter)
-        info = self.adapters[slot]
-        zeros = lora_lib.init_slot(self.cfg, 1, self.max_rank, (), 0)
-        self._install(slot, info, zeros)
-        del self.adapters[slot]
-        scale = _host(self.scale).copy()
-        scale[slot] = 0.0
-        self.scale = self._replicated(scale)
+        self.state.reset(self._check_adapter(adapter))
 
     def adapter_weights(self, adapter: int) -> dict[str, np.ndarray]:
         """The adapter's weights: PEFT keys, torch layout, its own rank and targets."""
-        slot = self._check_adapter(adapter)
-        info = self.adapters[slot]
-        return lora_lib.to_peft(self._slot_host(self.lora, slot), info.rank, info.targets,
-                                self.cfg.num_layers)
+        return self._peft(self._check_adapter(adapter), "weights")
 
     def gradients(self, adapter: int) -> dict[str, np.ndarray]:
         """The accumulated gradient (raw sum) in the layout of adapter_weights."""
-        slot = self._check_adapter(adapter)
+        return self._peft(self._check_adapter(adapter), "grads")
+
+    def _peft(self, slot: int, which: str) -> dict[str, np.ndarray]:
         info = self.adapters[slot]
-        return lora_lib.to_peft(self._slot_host(self.acc, slot), info.rank, info.targets,
+        return peft_lib.to_peft(self.state.read(slot, which), info.rank, info.targets,
                                 self.cfg.num_layers)
 
     def load_peft(self, path) -> int:
         """Import a PEFT LoRA folder into a free slot -> its id (targets are the folder's)."""
-        from jcp import checkpoint
-
-        rank, alpha, targets, weights = checkpoint.read_peft(path, self.cfg, self.max_rank)
+        rank, alpha, targets, weights = peft_lib.read_folder(path, self.cfg, self.max_rank,
+                                                             self._is_base_head)
         rank, alpha, targets = self._check_new_adapter(rank, alpha, targets)
-        slot = self._free_slot()
-        self._install(slot, AdapterInfo(rank, alpha, targets), weights)
+        slot = self.state.free_slot()
+        self.state.install(slot, AdapterInfo(rank, alpha, targets), weights)
         return slot
+
+    def _is_base_head(self, head_VxD: np.ndarray) -> bool:
+        """Whether a host [V, D] array equals this model's unembedding, bit for bit
+        (compared on the devices, each against its own vocab slice)."""
+        w = self.params["lm_head"] if "lm_head" in self.params else None
+        spec = mesh_lib.SPECS.unembed_DxV if w is not None else mesh_lib.SPECS.embed_VxD
+        x = head_VxD.T if w is not None else head_VxD
+        x = np.asarray(x, jnp.dtype(self.cfg.dtype))
+        other = jax.make_array_from_callback(x.shape, NamedSharding(self.mesh, spec),
+                                             lambda idx: x[idx])
+        return bool(host(_array_equal(w if w is not None else self.params["embed"], other)))
 
     def export_peft(self, adapter: int, path) -> None:
         """Write the adapter as a PEFT folder (adapter_config.json + adapter_model.safetensors)."""
-        from jcp import checkpoint
-
         slot = self._check_adapter(adapter)
-        checkpoint.write_peft(path, self.cfg, self.adapters[slot], self.adapter_weights(slot))
+        peft_lib.write_folder(path, self.cfg, self.adapters[slot],
+                              self.state.read(slot, "weights"))
 
     # ------------------------------------------------------------------ steps
 
@@ -341,30 +283,51 @@ class Trainer:
 
     def _run(self, data, loss_fn, loss_fn_config, adapters, backward: bool):
         checked, packed, cfg_arrays = self._prepare(data, loss_fn, loss_fn_config, adapters)
-        loss_cfg = jax.tree.map(lambda v: self._replicated(np.asarray(v)), cfg_arrays)
+        loss_cfg = jax.tree.map(lambda v: replicate(self.mesh, v), cfg_arrays)
+        batches = [self._device_batch(pb) for pb in packed]
+
+        def step(pb, b, accumulate):
+            args = (self.params, self.state.scale, b, {k: loss_cfg[k] for k in pb.loss_fns})
+            kw = dict(loss_fns=pb.loss_fns, num_slots=pb.num_slots)
+            if accumulate is None:
+                return self._forward(self.state.weights, *args, **kw) + (None,)
+            return accumulate(lambda acc: _split_first(
+                self._forward_backward(acc, self.state.weights, *args, **kw)))
+
+        if not backward:
+            # Every micro-batch is dispatched before any result is read back, so the device
+            # never waits on a host transfer.
+            results = [step(pb, b, None) for pb, b in zip(packed, batches)]
+            return self._outputs(checked, packed, results)
+        with self.state.accumulating(per_datum_slots(packed)) as accumulate:
+            results = [step(pb, b, accumulate) for pb, b in zip(packed, batches)]
+            return self._outputs(checked, packed, results)
+
+    def _outputs(self, checked, packed, results) -> ForwardBackwardOutput:
+        """Read back every micro-batch's results; InputError (the caller rolls back) when a
+        datum's loss or an adapter's gradient is not finite in float32."""
         outputs: list[dict | None] = [None] * len(checked)
         total, clipped = 0.0, 0
-        for pb in packed:
-            b = self._device_batch(pb)
-            kw = dict(loss_fns=pb.loss_fns, num_slots=pb.num_slots)
-            if backward:
-                self.acc, loss, out = self._forward_backward(
-                    self.acc, self.lora, self.params, self.scale, b,
-                    {k: loss_cfg[k] for k in pb.loss_fns}, **kw)
-            else:
-                loss, out = self._forward(self.lora, self.params, self.scale, b,
-                                          {k: loss_cfg[k] for k in pb.loss_fns}, **kw)
-            lp = batch_lib.unpack(_host(out.logprobs), pb)
-            el = batch_lib.unpack(_host(out.elementwise_loss), pb)
-            datum_loss = _host(out.datum_loss)
+        for pb, (loss, out, finite_A) in zip(packed, results):
+            lp = batch_lib.unpack(host(out.logprobs), pb)
+            el = batch_lib.unpack(host(out.elementwise_loss), pb)
+            datum_loss = host(out.datum_loss)
             members = sorted(p.index for p in pb.placements)
             for slot_i, j in enumerate(members):
                 outputs[j] = {"logprobs": lp[j], "elementwise_loss": el[j],
                               "loss:sum": float(datum_loss[slot_i])}
-            total += float(_host(loss))
-            clipped += int(_host(out.clipped))
+                losses_lib.check_finite_outputs(j, checked[j], outputs[j])
+            if finite_A is not None and not host(finite_A).all():
+                bad = sorted({int(a) for a, ok in zip(pb.active, host(finite_A)) if not ok})
+                raise InputError(f"the gradient of adapter(s) {bad} is not finite in float32 "
+                                 f"for this batch (datums {members}); nothing was accumulated")
+            total += float(host(loss))
+            clipped += int(host(out.clipped))
+        if not np.isfinite(total):
+            raise InputError(f"the batch's loss:sum overflows float32 ({total}) although every "
+                             "datum's loss is finite; split the batch")
         metrics = {"loss:sum": total}
-        if set(cfg_arrays) & set(losses_lib.CLIPPING_LOSSES):
+        if any(losses_lib.LOSSES[d.loss_fn].clips for d in checked):
             metrics["clipped_tokens:sum"] = clipped
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics)
 
@@ -383,29 +346,48 @@ class Trainer:
         return self._run(data, loss_fn, loss_fn_config, adapters, backward=True)
 
     def optim_step(self, adapter: int, adam: AdamParams | None = None) -> dict:
-        """One AdamW step of one adapter on its accumulated gradient, then zero it."""
+        """One AdamW step of one adapter on its accumulated gradient, then zero it.
+
+        Nothing non-finite is ever applied: if the gradient or the update is not finite in
+        float32, the adapter's weights, moments and step count are left bit-identical, its
+        accumulated gradient is cleared, and InputError says why.
+        """
         slot = self._check_adapter(adapter)
         if adam is None:
             adam = AdamParams()
         if not isinstance(adam, AdamParams):
             raise InputError(f"adam must be jcp.AdamParams, got {type(adam).__name__}")
-        hp = self._replicated(adam.checked())
-        self.lora, self.acc, self.opt, metrics = self._optim_step(
-            self.lora, self.acc, self.opt, self._replicated(np.asarray(slot, np.int32)), hp)
-        m = {k: _host(v).item() for k, v in metrics.items()}
-        return {"grad_norm": float(m["grad_norm"]), "learning_rate": float(m["learning_rate"]),
-                "step": int(m["step"])}
+        return self.state.step(slot, adam.checked())
 
     # ------------------------------------------------------------------ state
 
     def save_state(self, adapter: int, path) -> None:
         """Save weights, AdamW moments, step count and config of one adapter (orbax)."""
-        from jcp import checkpoint
-
-        checkpoint.save_state(self, self._check_adapter(adapter), path)
+        checkpoint.save_state(self.state, self.cfg, self._check_adapter(adapter), path)
 
     def load_state(self, path, adapter: int | None = None, with_optimizer: bool = True) -> int:
-        """Load a saved adapter into `adapter` (or a free slot) -> its id."""
-        from jcp import checkpoint
+        """Load a saved adapter into `adapter` (or a free slot) -> its id.
 
-        return checkpoint.load_state(self, path, adapter, with_optimizer)
+        Refused (InputError, nothing changed) when the checkpoint was saved for another
+        base model or does not fit this Trainer. with_optimizer=False loads the weights
+        only (fresh moments, step 0). The slot's accumulated gradient is zeroed.
+        """
+        slot = self.state.free_slot() if adapter is None else self._check_adapter(adapter)
+        checkpoint.load_state(self.state, self.cfg, path, slot, self._check_new_adapter,
+                              with_optimizer)
+        return slot
+
+
+@functools.partial(jax.jit, out_shardings=None)
+def _array_equal(a, b):
+    return jnp.array_equal(a, b)
+
+
+def _split_first(result):
+    """(table, *rest) -> (table, rest): the form AdapterState.accumulate expects."""
+    return result[0], tuple(result[1:])
+
+
+def per_datum_slots(packed) -> list[int]:
+    """Every adapter slot a packed call routes tokens to."""
+    return sorted({int(a) for pb in packed for a in pb.active})

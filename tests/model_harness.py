@@ -1,5 +1,6 @@
-"""Drive the whole decoder (jcp.model + jcp.losses.shard_loss) inside jax.shard_map, and
-build the independent reference: a tiny Hugging Face Qwen2/Qwen3 made in code.
+"""Drive the whole decoder inside jax.shard_map (jcp.train_step.model_loss: jcp.model +
+jcp.losses.shard_loss, the body the training step runs), and build the independent
+reference: a tiny Hugging Face Qwen2/Qwen3 made in code.
 
 The reference models get random non-unit norm weights and non-zero Qwen2 biases, so a
 dropped norm or bias shows in the log-probs. Compiled functions are cached per (config,
@@ -29,6 +30,7 @@ from jcp import hf as hf_lib
 from jcp import losses
 from jcp import mesh as mesh_lib
 from jcp import model as model_lib
+from jcp import train_step
 
 V, D, F, LAYERS = 128, 64, 96, 2
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 24  # head_dim ≠ D / HEADS on purpose
@@ -153,21 +155,21 @@ def place(cfg, base, mesh_shape):
     return model_lib.place(base, model_lib.param_specs(cfg), mesh(mesh_shape))
 
 
-def _sharded_loss(cfg, mesh_shape, impl, num_slots, remat):
-    """shard_map'd (params, tokens, segment, position, targets, weights) -> (loss, outputs)."""
-    specs = mesh_lib.SPECS
+def _sharded_loss(cfg, mesh_shape, impl, num_slots, remat, attn_block=ATTN_BLOCK, chunk=CHUNK):
+    """shard_map'd (params, tokens, segment, position, targets, weights) -> (loss, outputs):
+    train_step.model_loss on the base model alone (no LoRA), base unembedding differentiated."""
+    step_cfg = train_step.StepConfig(remat=remat, attn_impl=impl, attn_block=attn_block,
+                                     logprob_chunk=chunk)
 
     def inner(params, tok, seg, pos, tgt, w):
         tok, seg, pos, tgt, w = (x[0, 0] for x in (tok, seg, pos, tgt, w))
-        h = model_lib.hidden_states(cfg, params, tok, seg, pos, remat=remat, attn_impl=impl,
-                                    attn_block=ATTN_BLOCK)
-        lefts, rights = model_lib.unembed_factors(params, h)
-        x = losses.TokenInputs(w, w, w)
-        return losses.shard_loss(lefts, rights, tgt, seg, x, LOSS_FN, {}, num_slots,
-                                 chunk=CHUNK)
+        return train_step.model_loss(cfg, step_cfg, params, None, None, tok, seg, pos, tgt,
+                                     losses.TokenInputs(w, w, w), LOSS_FN, {}, num_slots,
+                                     base_unembed_grad=True)
 
     return jax.shard_map(inner, mesh=mesh(mesh_shape),
-                         in_specs=(model_lib.param_specs(cfg),) + (specs.stream_DPxCPxS,) * 5,
+                         in_specs=(model_lib.param_specs(cfg),)
+                         + (mesh_lib.SPECS.stream_DPxCPxS,) * 5,
                          out_specs=(P(), P()))
 
 
@@ -219,27 +221,19 @@ def compiled_grad(cfg, mesh_shape, s_len, attn_block=ATTN_BLOCK, chunk=CHUNK):
     s_len tokens per device: shapes only, so long streams cost nothing but compile time."""
     m = mesh(mesh_shape)
     dp, cp, _ = mesh_shape
-    specs = model_lib.param_specs(cfg)
     stream = mesh_lib.SPECS.stream_DPxCPxS
 
     def abstract(shape, spec, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(m, spec))
 
     params = jax.tree.map(lambda s, sp: abstract(s, sp, jnp.float32),
-                          model_lib.param_shapes(cfg), specs,
+                          model_lib.param_shapes(cfg), model_lib.param_specs(cfg),
                           is_leaf=lambda x: isinstance(x, tuple))
     ints = abstract((dp, cp, s_len), stream, jnp.int32)
     floats = abstract((dp, cp, s_len), stream, jnp.float32)
-
-    def inner(params, tok, seg, pos, tgt, w):
-        tok, seg, pos, tgt, w = (x[0, 0] for x in (tok, seg, pos, tgt, w))
-        h = model_lib.hidden_states(cfg, params, tok, seg, pos, attn_block=attn_block)
-        lefts, rights = model_lib.unembed_factors(params, h)
-        x = losses.TokenInputs(w, w, w)
-        return losses.shard_loss(lefts, rights, tgt, seg, x, LOSS_FN, {}, 8, chunk=chunk)[0]
-
-    f = jax.shard_map(inner, mesh=m, in_specs=(specs,) + (stream,) * 5, out_specs=P())
-    return jax.jit(jax.grad(f)).lower(params, ints, ints, ints, ints, floats).compile()
+    f = _sharded_loss(cfg, mesh_shape, "blockwise", 8, True, attn_block, chunk)
+    return jax.jit(jax.grad(lambda p, *xs: f(p, *xs)[0])).lower(
+        params, ints, ints, ints, ints, floats).compile()
 
 
 def largest_hlo_arrays(compiled, top=5) -> list[tuple[int, str]]:

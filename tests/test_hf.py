@@ -231,7 +231,7 @@ def test_bf16_checkpoint(saved, tmp_path):
     hm, single = saved
     hm16 = MH.hf_model("qwen2", tied=False, seed=4).to(torch.bfloat16)
     path = MH.save(hm16, tmp_path / "bf16")
-    header = hf_lib._SafetensorsFile(os.path.join(path, "model.safetensors")).header
+    header = hf_lib.SafetensorsFile(os.path.join(path, "model.safetensors")).header
     assert {v["dtype"] for v in header.values()} == {"BF16"}
 
     cfg16, base16 = jcp.load_hf(path)

@@ -1,0 +1,285 @@
+"""The adapter-state table: every slot's weights, gradient accumulator, AdamW moments and
+step count, its scale, and the host-side description of each allocated slot.
+
+This module is the only one that reads or writes slot arrays. Its surface is small —
+install, read, export, reset, accumulate, step — and is what the Trainer, checkpointing,
+the sampler and the server use. It must never touch base weights, never change a slot
+other than the one named (every write is `.at[slot].set`), and never leave a non-finite
+value in any slot: a step whose result is not finite changes nothing.
+
+Shapes: see the legend in jcp/mesh.py. A slot tree is {module: {"a": [G, L, I, R],
+"b": [G, L, R, O]}} (lm_head without L); one adapter's tree drops G and holds only its
+target modules at its own rank r.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jcp import lora as lora_lib
+from jcp import train_step
+from jcp.batch import InputError
+from jcp.config import QwenConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterInfo:
+    """Host-side description of one allocated slot."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotState:
+    """One adapter on the device at its own rank (global arrays, any mesh): weights and
+    AdamW moments as {module: {"a": [L, I, r], "b": [L, r, O]}} over its targets; count
+    its optimizer step count (replicated int32 scalar)."""
+
+    weights: dict
+    mu: dict
+    nu: dict
+    count: jax.Array
+
+
+def host(x) -> np.ndarray:
+    """A replicated global array as NumPy, readable on every process."""
+    return np.asarray(x.addressable_data(0))
+
+
+def replicate(mesh, x: np.ndarray) -> jax.Array:
+    """A host array as a global array replicated over the mesh (every process passes the
+    same value)."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, P()), lambda idx: x[idx])
+
+
+def _sans_slot(spec) -> P:
+    """The PartitionSpec of one slot: the table's spec without its leading G axis."""
+    return P(*tuple(spec)[1:])
+
+
+def _pad_into(table_G, slot, small):
+    """table_G with row `slot` replaced by `small` zero-padded to the table's rank; modules
+    absent from `small` (not targeted) become zero."""
+    out = {}
+    for m, ab in table_G.items():
+        out[m] = {}
+        for which, x in ab.items():
+            full = jnp.zeros(x.shape[1:], x.dtype)
+            if m in small:
+                v = jnp.asarray(small[m][which], x.dtype)
+                full = jax.lax.dynamic_update_slice(full, v, (0,) * v.ndim)
+            out[m][which] = x.at[slot].set(full)
+    return out
+
+
+class AdapterState:
+    """Slot arrays of up to `max_adapters` adapters of rank ≤ `max_rank` over one mesh.
+
+    Public reads: `infos` (slot -> AdapterInfo), `weights` and `scale` (the tables the
+    compiled steps consume), `read`, `export`, `tables`. Writes: `install`, `reset`,
+    `accumulate`, `step`. Slot ids are the adapter ids the Trainer hands out.
+    """
+
+    def __init__(self, cfg: QwenConfig, mesh, max_adapters: int, max_rank: int):
+        self.cfg, self.mesh = cfg, mesh
+        self.max_adapters, self.max_rank = max_adapters, max_rank
+        specs = lora_lib.slot_specs()
+        self._specs = specs
+        self._shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+        rep = NamedSharding(mesh, P())
+        shapes = lora_lib.slot_shapes(cfg, max_adapters, max_rank)
+        zeros = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s, jnp.float32), shapes,
+                                             is_leaf=lambda x: isinstance(x, tuple)),
+                        out_shardings=self._shardings)
+        self._weights, self._grads, self._mu, self._nu = zeros(), zeros(), zeros(), zeros()
+        self._count = self._replicated(np.zeros(max_adapters, np.int32))
+        self._scale = self._replicated(np.zeros(max_adapters, np.float32))
+        self._infos: dict[int, AdapterInfo] = {}
+
+        tables = (self._shardings,) * 4 + (rep, rep)
+
+        @functools.partial(jax.jit, donate_argnums=(0,), out_shardings=tables)
+        def install(tables, slot, weights, mu, nu, count, scale):
+            w, g, m, n, c, s = tables
+            return (_pad_into(w, slot, weights), _pad_into(g, slot, {}),
+                    _pad_into(m, slot, mu), _pad_into(n, slot, nu),
+                    c.at[slot].set(count), s.at[slot].set(scale))
+
+        self._install = install
+        self._take_rows = jax.jit(lambda tree, rows: jax.tree.map(lambda x: x[rows], tree))
+        self._put_rows = jax.jit(
+            lambda tree, rows, v: jax.tree.map(lambda x, y: x.at[rows].set(y), tree, v),
+            donate_argnums=(0,), out_shardings=self._shardings)
+        self._read = jax.jit(lambda tree, slot: jax.tree.map(lambda x: x[slot], tree),
+                             out_shardings=rep)
+        self._optim_step = train_step.make_optim_step(mesh)
+
+        @functools.partial(jax.jit, static_argnames=("rank", "targets"))
+        def export(weights, mu, nu, count, slot, *, rank, targets):
+            def one(tree):
+                out = {}
+                for m in targets:
+                    out[m] = {}
+                    for which, x in tree[m].items():
+                        y = x[slot][..., :rank] if which == "a" else x[slot][..., :rank, :]
+                        spec = NamedSharding(mesh, _sans_slot(specs[m][which]))
+                        out[m][which] = jax.lax.with_sharding_constraint(y, spec)
+                return out
+
+            return (one(weights), one(mu), one(nu),
+                    jax.lax.with_sharding_constraint(count[slot], rep))
+
+        self._export = export
+
+    def _replicated(self, x: np.ndarray):
+        return replicate(self.mesh, x)
+
+    # ------------------------------------------------------------------ reads
+
+    @property
+    def infos(self) -> types.MappingProxyType:
+        """slot -> AdapterInfo of every allocated slot (read-only view)."""
+        return types.MappingProxyType(self._infos)
+
+    @property
+    def weights(self) -> dict:
+        """The weight table {module: {"a": [G, L, I, R], "b": [G, L, R, O]}} (read only)."""
+        return self._weights
+
+    @property
+    def scale(self) -> jax.Array:
+        """alpha / rank of every slot, float32 [G] (0 for free slots)."""
+        return self._scale
+
+    def tables(self) -> dict:
+        """Every table as global arrays, for snapshots and tests: weights, grads, mu, nu,
+        count [G], scale [G]."""
+        return {"weights": self._weights, "grads": self._grads, "mu": self._mu,
+                "nu": self._nu, "count": self._count, "scale": self._scale}
+
+    def free_slot(self) -> int:
+        """The lowest free slot; InputError when all are in use."""
+        for g in range(self.max_adapters):
+            if g not in self._infos:
+                return g
+        raise InputError(f"all {self.max_adapters} adapter slots are in use; delete_adapter "
+                         "one or raise max_adapters")
+
+    def read(self, slot: int, which: str = "weights") -> dict:
+        """One slot's weights or accumulated gradient as host NumPy at its own rank over its
+        targets: {module: {"a": [L, I, r], "b": [L, r, O]}}."""
+        info = self._infos[slot]
+        table = {"weights": self._weights, "grads": self._grads}[which]
+        full = jax.tree.map(host, self._read({m: table[m] for m in info.targets}, slot))
+        return {m: {"a": ab["a"][..., :info.rank], "b": ab["b"][..., :info.rank, :]}
+                for m, ab in full.items()}
+
+    def export(self, slot: int) -> SlotState:
+        """One slot at its own rank as device arrays (for checkpoints), sharded like the
+        table without its slot axis."""
+        info = self._infos[slot]
+        weights, mu, nu, count = self._export(
+            self._weights, self._mu, self._nu, self._count,
+            self._replicated(np.asarray(slot, np.int32)), rank=info.rank, targets=info.targets)
+        return SlotState(weights, mu, nu, count)
+
+    def layout(self, info: AdapterInfo) -> dict:
+        """{module: {"a"/"b": ShapeDtypeStruct at the adapter's rank, sharded}} of its
+        targets: what `export` returns and `install` accepts, for restoring files."""
+        shapes = lora_lib.slot_shapes(self.cfg, 1, info.rank)
+        return {m: {ab: jax.ShapeDtypeStruct(
+            shapes[m][ab][1:], jnp.float32,
+            sharding=NamedSharding(self.mesh, _sans_slot(self._specs[m][ab])))
+            for ab in ("a", "b")} for m in info.targets}
+
+    # ------------------------------------------------------------------ writes
+
+    def install(self, slot: int, info: AdapterInfo, weights: dict, mu: dict | None = None,
+                nu: dict | None = None, count: int = 0) -> None:
+        """Put an adapter in `slot`: weights (and optionally AdamW moments and step count)
+        at its own rank over its targets (NumPy or device arrays); the accumulator is
+        zeroed, untargeted modules and rank padding are zero."""
+        self._check_tree(weights, info, "weights")
+        for name, tree in (("mu", mu), ("nu", nu)):
+            if tree is not None:
+                self._check_tree(tree, info, name)
+        tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._scale)
+        (self._weights, self._grads, self._mu, self._nu, self._count,
+         self._scale) = self._install(tables, np.int32(slot), weights, mu or {}, nu or {},
+                                      np.int32(count), np.float32(info.scale))
+        self._infos[slot] = info
+
+    def _check_tree(self, tree: dict, info: AdapterInfo, what: str) -> None:
+        want = {m: {ab: s.shape for ab, s in v.items()} for m, v in self.layout(info).items()}
+        have = {m: {ab: tuple(np.shape(x)) for ab, x in v.items()} for m, v in tree.items()}
+        if have != want:
+            raise InputError(f"adapter {what}: expected shapes {want}, got {have}")
+
+    def reset(self, slot: int) -> None:
+        """Free a slot: weights, accumulator, moments, count and scale all zero."""
+        tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._scale)
+        (self._weights, self._grads, self._mu, self._nu, self._count,
+         self._scale) = self._install(tables, np.int32(slot), {}, {}, {}, np.int32(0),
+                                      np.float32(0.0))
+        del self._infos[slot]
+
+    @contextlib.contextmanager
+    def accumulating(self, slots):
+        """Add gradients into the accumulators of `slots`, all or nothing.
+
+        Yields accumulate(fn): fn(grads table) -> (new grads table, result), run with the
+        table donated; returns result. If the with-block raises, the accumulators of
+        `slots` are restored bit for bit (from a copy of those rows taken on entry).
+        """
+        rows = self._replicated(np.asarray(sorted(set(slots)), np.int32))
+        saved = self._take_rows(self._grads, rows)
+
+        def accumulate(fn):
+            self._grads, result = fn(self._grads)
+            return result
+
+        try:
+            yield accumulate
+        except BaseException:
+            self._grads = self._put_rows(self._grads, rows, saved)
+            raise
+
+    def step(self, slot: int, hp_6: np.ndarray) -> dict:
+        """One AdamW step of `slot` on its accumulated gradient, which is then zeroed.
+
+        hp_6: float32 (learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm).
+        If the gradient or the resulting weights or moments are not finite, weights,
+        moments and count stay bit-identical, the accumulator is cleared, and InputError
+        names the adapter and the cause.
+        """
+        (self._weights, self._grads, opt, metrics) = self._optim_step(
+            self._weights, self._grads,
+            train_step.OptState(mu=self._mu, nu=self._nu, count=self._count),
+            self._replicated(np.asarray(slot, np.int32)), self._replicated(hp_6))
+        self._mu, self._nu, self._count = opt.mu, opt.nu, opt.count
+        m = {k: host(v).item() for k, v in metrics.items()}
+        if not m["grad_finite"]:
+            raise InputError(f"adapter {slot}: the accumulated gradient is not finite; nothing "
+                             "was applied and the accumulated gradient was cleared")
+        if not m["applied"]:
+            raise InputError(f"adapter {slot}: the AdamW update is not finite in float32 "
+                             f"(learning_rate {float(hp_6[0]):g}, grad_norm {m['grad_norm']:g});"
+                             " nothing was applied and the accumulated gradient was cleared")
+        return {"grad_norm": float(m["grad_norm"]), "learning_rate": float(m["learning_rate"]),
+                "step": int(m["step"])}
