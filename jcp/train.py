@@ -13,9 +13,13 @@ end in a one-line error, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import importlib.util
 import json
+import math
 import os
+import re
 import shutil
 import sys
 
@@ -64,8 +68,12 @@ def parse_args(argv):
             raise CliError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(a, name)}")
     if a.seq_len < PROMPT + 2:
         raise CliError(f"--seq-len must be ≥ {PROMPT + 2}")
-    if not a.lr > 0:
-        raise CliError(f"--lr must be > 0, got {a.lr}")
+    if not (math.isfinite(a.lr) and a.lr > 0):
+        raise CliError(f"--lr must be finite and > 0, got {a.lr}")
+    if not (math.isfinite(a.alpha) and a.alpha > 0):
+        raise CliError(f"--alpha must be finite and > 0, got {a.alpha}")
+    if a.seed < 0:
+        raise CliError(f"--seed must be ≥ 0, got {a.seed}")
     if a.mesh is not None:
         try:
             a.mesh = tuple(int(x) for x in a.mesh.split(","))
@@ -77,6 +85,24 @@ def parse_args(argv):
         raise CliError(f"--hf-model {a.hf_model}: no such folder")
     if a.data is not None and not os.path.isfile(a.data):
         raise CliError(f"--data {a.data}: no such file")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        raise CliError(f"--out {a.out}: exists and is not a folder")
+
+    # The checks that need jcp (and so JAX) come last, so that a mistyped flag fails fast.
+    # Importing JAX touches no backend; setup_devices still runs before one starts.
+    import jcp
+    from jcp.losses import check_loss_fn
+
+    if a.loss_fn is not None:
+        try:
+            check_loss_fn(a.loss_fn)
+        except jcp.InputError as e:
+            raise CliError(f"--loss-fn: {e}") from None
+    a.adam = jcp.AdamParams(learning_rate=a.lr)
+    try:
+        a.adam.checked()  # in float32, as the optimizer will see it
+    except jcp.InputError as e:
+        raise CliError(f"--lr: {e}") from None
     return a
 
 
@@ -165,40 +191,160 @@ def synthetic_batch(step: int, seed: int, batch_size: int, seq_len: int, vocab: 
     return data, names, losses
 
 
-def read_jsonl(path: str, default_loss: str):
-    """Tinker datums from JSONL -> (datums, adapter names, loss names)."""
-    from jcp import Datum
+@dataclasses.dataclass(frozen=True)
+class DataFile:
+    """The datums of a --data file, and the line each came from."""
 
-    data, names, losses = [], [], []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    path: str
+    datums: list
+    adapters: list[str]  # per datum
+    losses: list[str]  # per datum
+    lines: list[int]  # per datum, 1-based
+
+    @functools.cached_property
+    def by_adapter(self) -> dict[str, list[int]]:
+        """{adapter name: its datums}, names sorted."""
+        return {n: [i for i, m in enumerate(self.adapters) if m == n]
+                for n in sorted(set(self.adapters))}
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return list(self.by_adapter)
+
+    def batch(self, step: int, batch_size: int):
+        """batch_size datums of every adapter for `step`, each adapter cycling its own lines
+        -> (datums, adapter names, loss names, their indices here)."""
+        picks = [mine[((step - 1) * batch_size + j) % len(mine)]
+                 for mine in self.by_adapter.values() for j in range(batch_size)]
+        return ([self.datums[i] for i in picks], [self.adapters[i] for i in picks],
+                [self.losses[i] for i in picks], picks)
+
+    def where(self, i: int) -> str:
+        return f"{self.path}:{self.lines[i]}"
+
+
+def _text_lines(path: str):
+    """(line number, text) of a UTF-8 file; a file that cannot be read is a CliError."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise CliError(f"{path}: {e.strerror}") from None
+    with f:
+        for lineno, raw in enumerate(f, 1):
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CliError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or "model_input" not in obj:
-                raise CliError(f"{path}:{lineno}: expected an object with model_input and "
-                               "loss_fn_inputs")
-            data.append(Datum.from_json(obj))
-            names.append(str(obj.get("adapter", "default")))
-            losses.append(obj.get("loss_fn", default_loss))
-    if not data:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise CliError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte "
+                               f"{e.start} of the line)") from None
+
+
+def _tokens_ok(model_input) -> bool:
+    """A list, or Tinker's ModelInput {"chunks": [{"tokens": [...]}, ...]}."""
+    if isinstance(model_input, list):
+        return True
+    chunks = model_input.get("chunks") if isinstance(model_input, dict) else None
+    return isinstance(chunks, list) and all(
+        isinstance(ch, dict) and isinstance(ch.get("tokens"), list) for ch in chunks)
+
+
+def _parse_datum(obj, default_loss: str):
+    """One JSON line -> (Datum, adapter name, loss name); InputError names the field."""
+    import jcp
+    from jcp.losses import check_loss_fn
+
+    if not isinstance(obj, dict) or "model_input" not in obj:
+        raise jcp.InputError("expected an object with model_input and loss_fn_inputs")
+    if not _tokens_ok(obj["model_input"]):
+        raise jcp.InputError('model_input must be a list of token ids or {"chunks": '
+                             '[{"tokens": [...]}, ...]}')
+    if not isinstance(obj.get("loss_fn_inputs", {}), dict):
+        raise jcp.InputError("loss_fn_inputs must be an object of named vectors, got "
+                             f"{json.dumps(obj['loss_fn_inputs'])[:40]}")
+    loss = obj.get("loss_fn", default_loss)
+    if not isinstance(loss, str):
+        raise jcp.InputError(f"loss_fn must be a loss name, got {json.dumps(loss)[:40]}")
+    check_loss_fn(loss)
+    adapter = obj.get("adapter", "default")
+    # The name becomes a folder under checkpoints/.
+    if not isinstance(adapter, str) or adapter in ("", ".", "..") or "/" in adapter \
+            or os.sep in adapter:
+        raise jcp.InputError(f"adapter must be a name usable as a folder name, got "
+                             f"{json.dumps(adapter)[:40]}")
+    return jcp.Datum.from_json(obj), adapter, loss
+
+
+def read_jsonl(path: str, default_loss: str) -> DataFile:
+    """Tinker datums from JSONL; errors name the file and line."""
+    import jcp
+
+    datums, adapters, losses, lines = [], [], [], []
+    for lineno, line in _text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            datum, adapter, loss = _parse_datum(json.loads(line), default_loss)
+        except json.JSONDecodeError as e:
+            raise CliError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+        except jcp.InputError as e:
+            raise CliError(f"{path}:{lineno}: {e}") from None
+        datums.append(datum)
+        adapters.append(adapter)
+        losses.append(loss)
+        lines.append(lineno)
+    if not datums:
         raise CliError(f"{path}: no datums")
-    return data, names, losses
+    return DataFile(path, datums, adapters, losses, lines)
+
+
+def load_data(args) -> DataFile | None:
+    """The --data file, or None for the synthetic tasks."""
+    if args.data:
+        return read_jsonl(args.data, args.loss_fn or "cross_entropy")
+    if args.loss_fn:
+        raise CliError("--loss-fn applies to --data; the default run has its own losses")
+    return None
+
+
+def _blame(err, step: int, src: DataFile | None, picks: list[int] | None) -> CliError:
+    """A Trainer refusal during training as a CliError; "datum i" of the step's batch
+    becomes the file and line it came from."""
+    msg = str(err)
+    m = re.search(r"\bdatum (\d+)\b:? ?", msg)
+    if src is None or m is None or int(m[1]) >= len(picks):
+        return CliError(f"step {step}: {msg}")
+    if m.start() == 0:
+        msg = msg[m.end():]
+    return CliError(f"{src.where(picks[int(m[1])])}: {msg} (at step {step})")
 
 
 # ----------------------------------------------------------------------------------------
 # Run state
 
 
-def _latest(out: str):
+def read_latest(out: str, adapter_names: list[str]):
+    """checkpoints/latest.json as a dict, None when there is none; CliError when it is bad
+    or holds other adapters than `adapter_names`."""
+    path = os.path.join(out, "checkpoints", "latest.json")
     try:
-        with open(os.path.join(out, "checkpoints", "latest.json")) as f:
-            return json.load(f)
+        with open(path, encoding="utf-8") as f:
+            latest = json.load(f)
     except FileNotFoundError:
         return None
+    except (OSError, ValueError) as e:  # ValueError: not JSON, not UTF-8
+        raise CliError(f"--resume: {path}: cannot be read ({e})") from None
+    ok = (isinstance(latest, dict)
+          and type(latest.get("step")) is int and latest["step"] >= 0
+          and isinstance(latest.get("dir"), str)
+          and re.fullmatch(r"step_\d+", latest["dir"]) is not None
+          and isinstance(latest.get("adapters"), list)
+          and all(isinstance(n, str) for n in latest["adapters"]))
+    if not ok:
+        raise CliError(f"--resume: {path}: expected {{\"step\": int, \"dir\": \"step_N\", "
+                       f"\"adapters\": [names]}}, got {json.dumps(latest)[:80]}")
+    if sorted(latest["adapters"]) != sorted(adapter_names):
+        raise CliError(f"--resume: the checkpoint in {out} holds adapters "
+                       f"{sorted(latest['adapters'])}, this run trains {adapter_names}")
+    return latest
 
 
 def _write_json_atomic(path: str, obj) -> None:
@@ -229,28 +375,45 @@ def _trim_metrics(path: str, last_step: int) -> None:
     """Drop metrics rows after the checkpoint we resume from (they will be redone)."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        rows = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= last_step]
+    rows = []
+    for lineno, line in _text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CliError(f"--resume: {path}:{lineno}: not JSON ({e.msg})") from None
+        step = row.get("step") if isinstance(row, dict) else None
+        if type(step) is not int:
+            raise CliError(f"--resume: {path}:{lineno}: not a metrics row (no integer step)")
+        if step <= last_step:
+            rows.append(line)
     with open(path + ".tmp", "w") as f:
         f.writelines(rows)
     os.replace(path + ".tmp", path)
+
+
+def write_metrics(path: str, rows: list[dict]) -> None:
+    with open(path, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
 
 
 # ----------------------------------------------------------------------------------------
 # Main
 
 
-def run(args) -> dict:
-    """The training loop; returns the last metrics row of each adapter."""
+def build_trainer(args, adapter_names: list[str]):
+    """The base model (--hf-model or tiny random), the mesh, and a Trainer with a slot
+    for every adapter."""
     import jax
-    from tqdm import tqdm
 
     import jcp
 
     if args.hf_model:
         try:
             cfg, base = jcp.load_hf(args.hf_model)
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             raise CliError(f"--hf-model {args.hf_model}: {e}") from None
     else:
         cfg, base = jcp.QwenConfig.tiny(), None
@@ -261,94 +424,108 @@ def run(args) -> dict:
         cfg.check_mesh(mesh_shape[2])
     except ValueError as e:
         raise CliError(f"--mesh {','.join(map(str, mesh_shape))}: {e}") from None
-
-    fixed = None
-    if args.data:
-        fixed = read_jsonl(args.data, args.loss_fn or "cross_entropy")
-    elif args.loss_fn:
-        raise CliError("--loss-fn applies to --data; the default run has its own losses")
-    adapter_names = sorted(set(fixed[1])) if fixed else [SFT, RL]
-    by_adapter = {n: [i for i, m in enumerate(fixed[1]) if m == n] for n in adapter_names} \
-        if fixed else {}
     try:
-        tr = jcp.Trainer(cfg, mesh, base_params=base, max_adapters=max(len(adapter_names), 1),
-                         max_rank=args.rank, seed=args.seed,
-                         max_tokens_per_device=args.max_tokens_per_device)
+        return jcp.Trainer(cfg, mesh, base_params=base, max_adapters=max(len(adapter_names), 1),
+                           max_rank=args.rank, seed=args.seed,
+                           max_tokens_per_device=args.max_tokens_per_device)
     except ValueError as e:
         raise CliError(str(e)) from None
 
-    os.makedirs(args.out, exist_ok=True)
+
+def restore_or_create(tr, args, adapter_names: list[str], latest: dict | None
+                      ) -> tuple[dict, int]:
+    """-> ({adapter name: id}, the step they are at): the checkpoint `latest` points at,
+    else fresh adapters (and a fresh metrics.jsonl)."""
+    import jax
+
+    import jcp
+
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"--out {args.out}: {e.strerror}") from None
     metrics_path = os.path.join(args.out, "metrics.jsonl")
-    start = 0
-    latest = _latest(args.out) if args.resume else None
     adapters = {}
     if latest:
         d = os.path.join(args.out, "checkpoints", latest["dir"])
-        if sorted(latest["adapters"]) != sorted(adapter_names):
-            raise CliError(f"--resume: the checkpoint in {args.out} holds adapters "
-                           f"{sorted(latest['adapters'])}, this run trains {adapter_names}")
         for name in adapter_names:
             try:
                 adapters[name] = tr.load_state(os.path.join(d, name))
-            except jcp.InputError as e:
+            except (jcp.InputError, OSError) as e:
                 raise CliError(f"--resume: {e}") from None
-        start = latest["step"]
         if jax.process_index() == 0:
-            _trim_metrics(metrics_path, start)
-    else:
-        if args.resume:
-            print(f"jcp-train: no checkpoint in {args.out}; starting from step 0", file=sys.stderr)
-        for i, name in enumerate(adapter_names):
-            adapters[name] = tr.create_adapter(rank=args.rank, alpha=args.alpha,
-                                               seed=args.seed * 100 + i)
-        if jax.process_index() == 0 and os.path.exists(metrics_path):
-            os.remove(metrics_path)
+            _trim_metrics(metrics_path, latest["step"])
+        return adapters, latest["step"]
+    if args.resume:
+        print(f"jcp-train: no checkpoint in {args.out}; starting from step 0", file=sys.stderr)
+    for i, name in enumerate(adapter_names):
+        adapters[name] = tr.create_adapter(rank=args.rank, alpha=args.alpha,
+                                           seed=args.seed * 100 + i)
+    if jax.process_index() == 0 and os.path.exists(metrics_path):
+        os.remove(metrics_path)
+    return adapters, 0
+
+
+def train_loop(tr, args, src: DataFile | None, adapters: dict, start: int) -> dict:
+    """Steps start+1 .. --steps: one forward_backward over every adapter's batch, one
+    optim_step per adapter, a metrics row per adapter, a checkpoint every --save-every."""
+    import jax
+    from tqdm import tqdm
+
+    import jcp
+
+    primary = jax.process_index() == 0
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    last = {}
+    with tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps,
+              disable=args.no_progress or not primary, desc="jcp-train", unit="step") as bar:
+        for step in bar:
+            if src:
+                data, names, losses, picks = src.batch(step, args.batch_size)
+            else:
+                picks = None
+                data, names, losses = synthetic_batch(step, args.seed, args.batch_size,
+                                                      args.seq_len, tr.cfg.vocab_size)
+            try:
+                out = tr.forward_backward(data, losses, None, [adapters[n] for n in names])
+            except jcp.InputError as e:
+                raise _blame(e, step, src, picks) from None
+            rows = []
+            for name, aid in adapters.items():
+                mine = [i for i, n in enumerate(names) if n == name]
+                loss_sum = float(sum(out.loss_fn_outputs[i]["loss:sum"] for i in mine))
+                tokens = int(sum(len(out.loss_fn_outputs[i]["logprobs"]) for i in mine))
+                try:
+                    opt = tr.optim_step(aid, args.adam)
+                except jcp.InputError as e:
+                    raise _blame(e, step, src, picks) from None
+                rows.append({"step": step, "adapter": name,
+                             "loss_fn": ",".join(sorted({losses[i] for i in mine})),
+                             "loss:sum": loss_sum, "datums:sum": len(mine),
+                             "tokens:sum": tokens, "grad_norm": opt["grad_norm"],
+                             "learning_rate": opt["learning_rate"],
+                             "optim_step": opt["step"]})
+                last[name] = rows[-1]
+            if primary:
+                write_metrics(metrics_path, rows)
+                bar.set_postfix({r["adapter"]: f"{r['loss:sum'] / max(r['tokens:sum'], 1):.4f}"
+                                 for r in rows})
+            if step % args.save_every == 0 or step == args.steps:
+                save_run(tr, adapters, args.out, step)
+    return last
+
+
+def run(args) -> dict:
+    """The job; returns the last metrics row of each adapter."""
+    src = load_data(args)
+    adapter_names = src.adapter_names if src else [SFT, RL]
+    latest = read_latest(args.out, adapter_names) if args.resume else None
+    tr = build_trainer(args, adapter_names)
+    adapters, start = restore_or_create(tr, args, adapter_names, latest)
     if start >= args.steps:
         print(f"jcp-train: already at step {start} of {args.steps}", file=sys.stderr)
         return {}
-
-    primary = jax.process_index() == 0
-    adam = jcp.AdamParams(learning_rate=args.lr)
-    bar = tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps,
-               disable=args.no_progress or not primary, desc="jcp-train", unit="step")
-    last = {}
-    for step in bar:
-        if fixed:
-            # batch_size lines of every adapter per step, each adapter cycling its own lines
-            pick = [by_adapter[name][((step - 1) * args.batch_size + j) % len(by_adapter[name])]
-                    for name in adapter_names for j in range(args.batch_size)]
-            data = [fixed[0][i] for i in pick]
-            names = [fixed[1][i] for i in pick]
-            losses = [fixed[2][i] for i in pick]
-        else:
-            data, names, losses = synthetic_batch(step, args.seed, args.batch_size,
-                                                  args.seq_len, cfg.vocab_size)
-        try:
-            out = tr.forward_backward(data, losses, None, [adapters[n] for n in names])
-        except jcp.InputError as e:
-            raise CliError(f"step {step}: {e}") from None
-        rows = []
-        for name, aid in adapters.items():
-            mine = [i for i, n in enumerate(names) if n == name]
-            loss_sum = float(sum(out.loss_fn_outputs[i]["loss:sum"] for i in mine))
-            tokens = int(sum(len(out.loss_fn_outputs[i]["logprobs"]) for i in mine))
-            opt = tr.optim_step(aid, adam)
-            rows.append({"step": step, "adapter": name,
-                         "loss_fn": ",".join(sorted({losses[i] for i in mine})),
-                         "loss:sum": loss_sum, "datums:sum": len(mine), "tokens:sum": tokens,
-                         "grad_norm": opt["grad_norm"], "learning_rate": opt["learning_rate"],
-                         "optim_step": opt["step"]})
-            last[name] = rows[-1]
-        if primary:
-            with open(metrics_path, "a") as f:
-                for r in rows:
-                    f.write(json.dumps(r) + "\n")
-            bar.set_postfix({r["adapter"]: f"{r['loss:sum'] / max(r['tokens:sum'], 1):.4f}"
-                             for r in rows})
-        if step % args.save_every == 0 or step == args.steps:
-            save_run(tr, adapters, args.out, step)
-    bar.close()
-    return last
+    return train_loop(tr, args, src, adapters, start)
 
 
 def main(argv=None) -> int:
@@ -357,7 +534,8 @@ def main(argv=None) -> int:
         setup_devices(args)
         last = run(args)
     except CliError as e:
-        print(f"jcp-train: error: {e}", file=sys.stderr)
+        # One line, whatever the message it wraps (orbax's can span several).
+        print("jcp-train: error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("jcp-train: interrupted", file=sys.stderr)

@@ -1,7 +1,8 @@
-"""jcp-train: resume continues exactly, bad options are one-line errors."""
+"""jcp-train: resume continues exactly, every user error is one line on stderr (exit 2)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -32,10 +33,16 @@ def _rows(out):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+def straight_out(tmp_path_factory):
+    """The output folder of an uninterrupted 5-step default run (checkpoints at 4 and 5)."""
     out = str(tmp_path_factory.mktemp("straight"))
     _run("--out", out, "--steps", "5", *SMALL)
-    return _rows(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight(straight_out):
+    return _rows(straight_out)
 
 
 def test_resume_continues_exactly(tmp_path, straight):
@@ -60,7 +67,7 @@ def test_resume_continues_exactly(tmp_path, straight):
 
 
 def test_default_losses_fall(straight):
-    """Both adapters' losses go down even in 5 small steps (the full default runs 40)."""
+    """Both adapters' losses go down even in 5 small steps (the full default runs 100)."""
     for name in ("sft", "rl"):
         r = [x["loss:sum"] / x["tokens:sum"] for x in straight if x["adapter"] == name]
         assert r[-1] < r[0], (name, r)
@@ -100,12 +107,144 @@ def test_bad_options_are_one_line(tmp_path, args, needle):
     assert lines[0].startswith("jcp-train: error:") and needle in lines[0]
 
 
-def test_bad_data_file_is_one_line(tmp_path):
-    data = tmp_path / "bad.jsonl"
-    data.write_text('{"model_input": [1, 2], "adapter": "a", "loss_fn_inputs": '
-                    '{"target_tokens": [1, 99999], "weights": [1, 1]}}\n')
-    p = _run("--out", str(tmp_path / "x"), "--data", str(data), "--steps", "1",
-             "--mesh", "1,1,1", check=False)
-    assert p.returncode == 2, p.stderr
-    assert "Traceback" not in p.stderr
-    assert "datum 0" in p.stderr and "target_tokens" in p.stderr
+# ----------------------------------------------------------------------------------------
+# User errors: each case -> (argv, what the one line must name). Cases with in_process=False
+# run in a fresh process: orbax/tensorstore failures may print from background threads.
+
+FAST = ["--steps", "1", "--seq-len", "32", "--batch-size", "1", "--no-progress",
+        "--mesh", "1,1,1"]
+
+
+def _datum(adapter="a", **fields):
+    d = {"model_input": [1, 2, 3, 4], "adapter": adapter,
+         "loss_fn_inputs": {"target_tokens": [2, 3, 4, 5], "weights": [1.0] * 4}}
+    d.update(fields)
+    return json.dumps(d).encode()
+
+
+def _data_case(*lines, bad_line):
+    """A --data file of `lines` (bytes); the error must name its line `bad_line`."""
+    def make(tmp, resumable):
+        path = tmp / "d.jsonl"
+        path.write_bytes(b"\n".join(lines) + b"\n")
+        return ["--data", str(path)], f"{path}:{bad_line}"
+    return make
+
+
+def _resume_case(corrupt, needle):
+    """A copy of the 5-step run, corrupted by corrupt(out); `needle(out)` names the file."""
+    def make(tmp, resumable):
+        out = tmp / "run"
+        shutil.copytree(resumable, out)
+        corrupt(out)
+        return ["--out", str(out), "--resume", "--steps", "6"], needle(out)
+    make.needs_run = True
+    return make
+
+
+def _flag(*argv):
+    return lambda tmp, resumable: (list(argv), argv[0])
+
+
+def _latest(out):
+    return out / "checkpoints" / "latest.json"
+
+
+def _state(out):
+    return out / "checkpoints" / "step_000005" / "sft"
+
+
+def _delete_state(out):
+    """Remove the orbax "state" item (the arrays), wherever the layout puts it."""
+    found = [p for p in _state(out).rglob("state") if p.is_dir()]
+    assert found
+    for p in found:
+        shutil.rmtree(p)
+
+
+def _truncate_data(out):
+    """Cut every array data file (orbax's d/ folders) to 10 bytes."""
+    files = [p for p in _state(out).rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert files
+    for p in files:
+        p.write_bytes(p.read_bytes()[:10])
+
+
+def _garbage_metrics_row(out):
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write("garbage\n")
+
+
+def _last_metrics_line(out):
+    with open(out / "metrics.jsonl") as f:
+        return f"{out / 'metrics.jsonl'}:{len(f.readlines())}"
+
+
+def _out_is_a_file(tmp, resumable):
+    (tmp / "f").write_text("")
+    return ["--out", str(tmp / "f")], "--out"
+
+
+def _loss_fn_unknown(tmp, resumable):
+    argv, _ = _data_case(_datum(), bad_line=1)(tmp, resumable)
+    return ["--loss-fn", "nope", *argv], "--loss-fn"
+
+
+OVERFLOW = _datum("b", loss_fn="importance_sampling", loss_fn_inputs={
+    "target_tokens": [2, 3, 4, 5], "advantages": [1.0] * 4, "logprobs": [-1e4] * 4})
+
+USER_ERRORS = [
+    ("out-is-a-file", _out_is_a_file, True),
+    ("alpha-negative", _flag("--alpha", "-1"), True),
+    ("alpha-zero", _flag("--alpha", "0"), True),
+    ("alpha-inf", _flag("--alpha", "inf"), True),
+    ("alpha-nan", _flag("--alpha", "nan"), True),
+    ("lr-inf", _flag("--lr", "inf"), True),
+    ("lr-nan", _flag("--lr", "nan"), True),
+    # A fresh process: a NumPy overflow warning would be a second line on stderr.
+    ("lr-overflows-float32", _flag("--lr", "1e39"), False),
+    ("seed-negative", _flag("--seed", "-1"), True),
+    ("loss-fn-unknown", _loss_fn_unknown, True),
+    ("data-loss-fn-not-a-string", _data_case(_datum(), _datum(loss_fn=["ppo"]), bad_line=2), True),
+    ("data-inputs-a-list", _data_case(_datum(loss_fn_inputs=[1, 2]), bad_line=1), True),
+    ("data-inputs-a-string", _data_case(_datum(loss_fn_inputs="abc"), bad_line=1), True),
+    ("data-bad-chunks", _data_case(_datum(), b"", _datum(model_input={"chunks": 5}),
+                                   bad_line=3), True),
+    ("data-not-utf8", _data_case(_datum(), b'{"model_input": [1], "adapter": "\xff"}',
+                                 bad_line=2), True),
+    # Refused by the Trainer at step 1: batch datum 1 is line 4 of the file.
+    ("data-token-outside-vocab", _data_case(
+        _datum(), b"", _datum(), _datum("b", loss_fn_inputs={
+            "target_tokens": [2, 3, 4, 99999], "weights": [1.0] * 4}), bad_line=4), True),
+    ("data-ratio-overflows", _data_case(_datum(), b"", _datum(), OVERFLOW, bad_line=4), True),
+    ("resume-latest-not-json", _resume_case(lambda o: _latest(o).write_text("{"), _latest), True),
+    ("resume-latest-missing-keys", _resume_case(
+        lambda o: _latest(o).write_text('{"step": 5}'), _latest), True),
+    ("resume-latest-wrong-types", _resume_case(lambda o: _latest(o).write_text(
+        '{"step": "5", "dir": 5, "adapters": "rl"}'), _latest), True),
+    ("resume-state-deleted", _resume_case(_delete_state, _state), False),
+    ("resume-data-truncated", _resume_case(_truncate_data, _state), False),
+    ("resume-metrics-garbage", _resume_case(_garbage_metrics_row, _last_metrics_line), True),
+]
+
+
+@pytest.mark.parametrize("make, in_process", [pytest.param(m, p, id=n) for n, m, p in USER_ERRORS])
+def test_user_error_is_one_line(tmp_path, request, capfd, make, in_process):
+    """Exit 2, one line on stderr naming the flag or FILE:LINE, no traceback."""
+    needs_run = getattr(make, "needs_run", False)
+    resumable = request.getfixturevalue("straight_out") if needs_run else None
+    argv, needle = make(tmp_path, resumable)
+    if "--out" not in argv:
+        argv = ["--out", str(tmp_path / "out"), *argv]
+    argv = [*FAST, *argv]
+    if in_process:
+        from jcp.train import main
+
+        code = main(argv)
+        err = capfd.readouterr().err
+    else:
+        p = _run(*argv, check=False)
+        code, err = p.returncode, p.stderr
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0].startswith("jcp-train: error: ") and str(needle) in lines[0], lines[0]
