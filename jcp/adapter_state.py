@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jcp import lora as lora_lib
 from jcp import train_step
-from jcp.batch import InputError
+from jcp.errors import InputError
 from jcp.config import QwenConfig
 
 

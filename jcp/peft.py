@@ -21,7 +21,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jcp import lora as lora_lib
-from jcp.batch import InputError
+from jcp.errors import InputError
 from jcp.config import QwenConfig
 from jcp.hf import SafetensorsFile
 
