@@ -1,224 +1,194 @@
-"""Adapter files: PEFT import/export and orbax adapter state.
+"""Adapter checkpoints: one adapter's state (weights, AdamW moments, step count, config)
+saved and restored with orbax as global arrays, so any mesh loads what any mesh saved.
 
-Owns the on-disk formats of one adapter. It must never write a partial file where a
-complete one stood (files are written aside and renamed into place) and never change
-trainer state when a file is refused.
+Owns the on-disk format of a checkpoint. It must never write a partial checkpoint where a
+complete one stood, never let a checkpoint load that differs from what was saved, never
+change trainer state when a checkpoint is refused, and never touch slot arrays itself
+(jcp/adapter_state.py exports and installs them).
 
-Legend: L layers; I, O in/out features; R max rank; r the adapter's own rank.
+Layout (format 2). A checkpoint PATH is a directory:
+
+    PATH/CURRENT                 {"format": 2, "version": n, "files_sha256": hex}
+    PATH/v-<n>/                  one complete orbax checkpoint: items "state" (the arrays)
+                                 and "meta" (rank, alpha, targets, base fingerprint, and
+                                 per array its shape, dtype and sha256)
+    PATH/v-<n>/jcp-files.json    {relative path: {"size", "sha256"}} of every other file
+                                 in v-<n>; CURRENT holds this file's sha256
+
+A save writes v-<n+1> beside the current version, records and fsyncs its files, then
+replaces CURRENT with os.replace, then removes every other entry. Whenever a save is killed, CURRENT names a complete
+version (the old one until the replace, the new one after it), and the next save clears
+the leftovers. Only process 0 creates, renames and removes; the other processes write
+their shards of the arrays through orbax.
+
+Integrity, two layers. Files: after orbax has written every process's shards, process 0
+hashes every file of the version into jcp-files.json, whose hash CURRENT records; a load
+checks every file before orbax reads any (a damaged file is named, and orbax never parses
+garbage). Values: each array's sha256 over the C-order little-endian bytes of its global
+value (gathered to the host one array at a time, so independent of mesh and process
+count) is recorded in the metadata; a load hashes every restored array and checks it is
+finite. Between the two it checks the metadata's keys and types and the stored shapes.
+Nothing is installed before every check has passed.
 """
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
-import math
 import os
+import re
 import shutil
-import tempfile
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from safetensors.numpy import save_file
 
-from jcp import lora as lora_lib
-from jcp.batch import InputError
+from jcp.adapter_state import AdapterInfo, AdapterState
 from jcp.config import QwenConfig
-from jcp.hf import _SafetensorsFile
+from jcp.errors import InputError
 
-PEFT_CONFIG = "adapter_config.json"
-PEFT_WEIGHTS = "adapter_model.safetensors"
+# Format 1 was a bare orbax folder at PATH without checksums; it is refused
+# with a message saying so rather than loaded unverified.
+STATE_FORMAT = 2
 
-
-def _atomic_write(path: str, write) -> None:
-    """write(tmp_path) beside `path`, then rename it into place."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def write_peft(path, cfg: QwenConfig, info, weights: dict[str, np.ndarray]) -> None:
-    """A PEFT LoRA folder: adapter_config.json + adapter_model.safetensors."""
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": info.rank,
-        "lora_alpha": info.alpha, "target_modules": list(info.targets), "lora_dropout": 0.0,
-        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-        "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
-        "alpha_pattern": {}, "init_lora_weights": True, "base_model_name_or_path": None,
-        "inference_mode": True,
-    }
-    _atomic_write(os.path.join(path, PEFT_WEIGHTS),
-                  lambda p: save_file({k: np.ascontiguousarray(v, np.float32)
-                                       for k, v in weights.items()}, p,
-                                      metadata={"format": "pt",
-                                                "jcp_base_fingerprint": cfg.fingerprint()}))
-    _atomic_write(os.path.join(path, PEFT_CONFIG),
-                  lambda p: open(p, "w").write(json.dumps(config, indent=2)))
-
-
-def read_peft(path, cfg: QwenConfig, max_rank: int):
-    """Read a PEFT LoRA folder -> (rank, alpha, targets, slot weights zero-padded to max_rank).
-
-    Refuses (InputError) what jcp cannot represent exactly: per-module rank or alpha
-    patterns, biases, modules_to_save, DoRA, unknown target modules, missing or misshapen
-    tensors. use_rslora is honoured by folding √r into alpha.
-    """
-    path = os.fspath(path)
-    cfg_path = os.path.join(path, PEFT_CONFIG)
-    w_path = os.path.join(path, PEFT_WEIGHTS)
-    if not os.path.isfile(cfg_path) or not os.path.isfile(w_path):
-        raise InputError(f"{path} is not a PEFT folder: it needs {PEFT_CONFIG} and {PEFT_WEIGHTS}")
-    with open(cfg_path) as f:
-        pc = json.load(f)
-    if pc.get("peft_type", "LORA") != "LORA":
-        raise InputError(f"{cfg_path}: peft_type {pc.get('peft_type')!r} is not LORA")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if pc.get(key):
-            raise InputError(f"{cfg_path}: {key} is not supported (one rank and alpha per adapter)")
-    # Each of these changes what the tensors mean (a bias on lora_B, a transposed layout,
-    # other layers or parameters); read as plain LoRA they would give silently wrong results.
-    for key in ("modules_to_save", "layers_to_transform", "layers_pattern", "lora_bias",
-                "fan_in_fan_out", "layer_replication", "target_parameters",
-                "trainable_token_indices", "alora_invocation_tokens", "use_qalora"):
-        if pc.get(key):
-            raise InputError(f"{cfg_path}: {key} is not supported")
-    if pc.get("bias", "none") != "none":
-        raise InputError(f"{cfg_path}: bias {pc.get('bias')!r} is not supported")
-    if pc.get("use_dora"):
-        raise InputError(f"{cfg_path}: DoRA is not supported")
-    rank = pc.get("r")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise InputError(f"{cfg_path}: r must be a positive integer, got {rank!r}")
-    if rank > max_rank:
-        raise InputError(f"{cfg_path}: rank {rank} exceeds max_rank {max_rank} of this Trainer")
-    alpha = pc.get("lora_alpha", 8)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise InputError(f"{cfg_path}: lora_alpha must be a finite number, got {alpha!r}")
-    alpha = float(alpha)
-    if pc.get("use_rslora"):
-        alpha = alpha * math.sqrt(rank)  # rsLoRA scales by alpha/√r = (alpha·√r)/r
-    targets = pc.get("target_modules")
-    if isinstance(targets, str):
-        raise InputError(f"{cfg_path}: target_modules as a pattern ({targets!r}) is not "
-                         "supported; list the modules")
-    unknown = [t for t in targets or [] if t not in lora_lib.ALL_MODULES]
-    if unknown or not targets:
-        raise InputError(f"{cfg_path}: target_modules {targets!r} must be a non-empty subset "
-                         f"of {list(lora_lib.ALL_MODULES)}")
-    targets = lora_lib.resolve_targets(targets)
-
-    f = _SafetensorsFile(w_path)
-    weights = lora_lib.init_slot(cfg, rank, max_rank, (), 0)  # zeros
-    for m in targets:
-        i, o = lora_lib.module_dims(cfg, m)
-        layers = [None] if m == lora_lib.HEAD else range(cfg.num_layers)
-        for li in layers:
-            for which, want in (("a", (rank, i)), ("b", (o, rank))):
-                key = lora_lib.peft_key(m, li, which)
-                name = key if key in f.header else key.replace(".weight", ".default.weight")
-                if name not in f.header:
-                    raise InputError(f"{w_path}: tensor {key} is missing")
-                t = np.asarray(f.tensor(name), np.float32)
-                if t.shape != want:
-                    raise InputError(f"{w_path}: tensor {key} has shape {t.shape}, expected {want}")
-                if not np.all(np.isfinite(t)):
-                    raise InputError(f"{w_path}: tensor {key} has non-finite values")
-                dst = weights[m][which] if li is None else weights[m][which][li]
-                if which == "a":
-                    dst[:, :rank] = t.T
-                else:
-                    dst[:rank, :] = t.T
-    return rank, alpha, targets, weights
-
-
-# ----------------------------------------------------------------------------------------
-# orbax adapter state
-
-STATE_FORMAT = 1
-
-
-def _sans_slot(spec):
-    """The PartitionSpec of one slot: the slot table's spec without its leading G axis."""
-    return P(*tuple(spec)[1:])
-
-
-def _state_layout(tr, info) -> dict:
-    """{module: {"a"/"b": (shape at the adapter's rank, PartitionSpec)}} of its targets."""
-    shapes = lora_lib.slot_shapes(tr.cfg, 1, info.rank)
-    specs = lora_lib.slot_specs()
-    return {m: {ab: (shapes[m][ab][1:], _sans_slot(specs[m][ab])) for ab in ("a", "b")}
-            for m in info.targets}
-
-
-def _crop(x, rank, which):
-    return x[..., :rank] if which == "a" else x[..., :rank, :]
-
-
-def _slot_state(tr, slot: int, info) -> dict:
-    """Device arrays of one slot at its own rank: weights, moments, count (global arrays)."""
-    layout = _state_layout(tr, info)
-    shardings = {m: {ab: NamedSharding(tr.mesh, spec) for ab, (_, spec) in v.items()}
-                 for m, v in layout.items()}
-
-    @functools.partial(jax.jit, static_argnums=(1,),
-                       out_shardings=(shardings, shardings, shardings))
-    def extract(trees, rank, slot):
-        return tuple({m: {ab: _crop(t[m][ab][slot], rank, ab) for ab in ("a", "b")}
-                      for m in layout} for t in trees)
-
-    weights, mu, nu = extract((tr.lora, tr.opt.mu, tr.opt.nu), info.rank,
-                              tr._replicated(np.asarray(slot, np.int32)))
-    count = tr._replicated(np.asarray(np.asarray(tr.opt.count.addressable_data(0))[slot],
-                                      np.int32))
-    return {"weights": weights, "mu": mu, "nu": nu, "count": count}
+POINTER = "CURRENT"
+_POINTER_TMP = POINTER + ".tmp"
+FILES = "jcp-files.json"
+# Everything a save may leave in PATH: the pointer, its temporary, versions and orbax's
+# temporary folders of versions ("v-3.orbax-checkpoint-tmp").
+_OURS = re.compile(r"(CURRENT|CURRENT\.tmp|v-(\d+)(\.orbax-checkpoint-tmp.*)?)")
+_META_KEYS = {"format": int, "rank": int, "alpha": (int, float), "targets": list,
+              "base_fingerprint": str, "arrays": dict}
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def _checkpointer():
-    return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(
+        state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler()))
 
 
-def save_state(tr, slot: int, path) -> None:
-    """Save one adapter with orbax: weights at its rank, AdamW moments, step count, its
-    config and the base-model fingerprint, as global arrays (loadable under any mesh).
+def _reached(phase: str) -> None:
+    """A step of save_state is done. A no-op: the crash tests (tests/ckpt_kill_child.py)
+    replace it to SIGKILL the process at `phase`."""
 
-    Written aside and moved into place (orbax finalizes atomically; an existing checkpoint
-    at `path` is replaced only after the new one is complete), so an interrupted save never
-    damages the previous checkpoint.
+
+# ----------------------------------------------------------------------------------------
+# save
+
+
+def save_state(state: AdapterState, cfg: QwenConfig, slot: int, path) -> None:
+    """Save one adapter: weights at its rank, AdamW moments, step count, its config, the
+    base-model fingerprint and a sha256 of every array, as global arrays (loadable under
+    any mesh).
+
+    InputError, before anything is written, when `path` is a file or a folder holding
+    anything but a jcp checkpoint. A checkpoint already at `path` is replaced atomically:
+    killed at any point, `path` still loads the old or the new checkpoint, complete.
     """
-    info = tr.adapters[slot]
+    info = state.infos[slot]
     path = os.path.abspath(os.fspath(path))
-    state = _slot_state(tr, slot, info)
+    current = _check_save_target(path)
+    version = 1 + max([current or 0] + [int(m.group(2)) for m in _our_entries(path)
+                                        if m.group(2)])
+    exported = state.export(slot)
+    tree = {"weights": exported.weights, "mu": exported.mu, "nu": exported.nu,
+            "count": exported.count}
     meta = {"format": STATE_FORMAT, "rank": info.rank, "alpha": info.alpha,
-            "targets": list(info.targets), "base_fingerprint": tr.cfg.fingerprint(),
-            "max_rank_saved": info.rank}
-    staging = path + ".jcp-staging"
+            "targets": list(info.targets), "base_fingerprint": cfg.fingerprint(),
+            "arrays": {name: _describe(_global_value(x)) for name, x in _flat(tree).items()}}
     primary = jax.process_index() == 0
-    if primary and os.path.exists(staging):
-        shutil.rmtree(staging)
-    _sync("jcp-save-clean")
-    _checkpointer().save(staging, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-    _sync("jcp-save-written")
+    _sync("jcp-save-plan")  # every process has read the folder before it changes
     if primary:
-        old = path + ".jcp-old"
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(staging, path)
-        if os.path.exists(old):
-            shutil.rmtree(old)
+        os.makedirs(path, exist_ok=True)
+        # Leftovers of killed saves. An unreadable CURRENT keeps every version.
+        _remove_all_but(path, POINTER, *([f"v-{current}"] if current else
+                                         [m.group(0) for m in _our_entries(path)]))
+    _sync("jcp-save-clean")
+    _reached("planned")
+    _checkpointer().save(os.path.join(path, f"v-{version}"), args=ocp.args.Composite(
+        state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
+    _sync("jcp-save-written")
+    _reached("written")
+    if primary:
+        vpath = os.path.join(path, f"v-{version}")
+        files = json.dumps(_file_digests(vpath), indent=1, sort_keys=True).encode()
+        _write_durably(os.path.join(vpath, FILES), files)
+        _fsync_tree(vpath)  # all of the new version is durable before CURRENT names it
+        _fsync(path)
+        pointer = {"format": STATE_FORMAT, "version": version,
+                   "files_sha256": hashlib.sha256(files).hexdigest()}
+        tmp = os.path.join(path, _POINTER_TMP)
+        _write_durably(tmp, (json.dumps(pointer) + "\n").encode())
+        _reached("pointer-staged")
+        os.replace(tmp, os.path.join(path, POINTER))
+        _fsync(path)
+        _reached("pointer-moved")
+        _remove_all_but(path, POINTER, f"v-{version}")
     _sync("jcp-save-done")
+    _reached("done")
+
+
+def _check_save_target(path: str) -> int | None:
+    """InputError unless `path` is absent, an empty folder or a jcp checkpoint folder ->
+    the version CURRENT names (None when there is none or it is unreadable)."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise InputError(f"refusing to save an adapter checkpoint to {path}: it is a file, "
+                         "not a folder")
+    if not os.path.isdir(path):
+        return None
+    for name in sorted(os.listdir(path)):
+        if not _OURS.fullmatch(name):
+            raise InputError(f"refusing to save an adapter checkpoint to {path}: it holds "
+                             f"{name!r}, which is not part of a jcp adapter checkpoint "
+                             f"(format {STATE_FORMAT}); remove it or choose another path")
+    try:
+        return _read_pointer(path)[0]
+    except InputError:
+        return None
+
+
+def _our_entries(path: str) -> list[re.Match]:
+    if not os.path.isdir(path):
+        return []
+    return [m for m in map(_OURS.fullmatch, os.listdir(path)) if m]
+
+
+def _remove_all_but(path: str, *keep: str) -> None:
+    for name in os.listdir(path):
+        if name not in keep:
+            full = os.path.join(path, name)
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full)
+            else:
+                os.remove(full)
+
+
+def _write_durably(file: str, data: bytes) -> None:
+    with open(file, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: str) -> None:
+    """fsync a file or a folder (its entries) by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: str) -> None:
+    """fsync every file and folder under `path` (orbax syncs its array data, not all of its
+    metadata files or folder entries)."""
+    for root, _, names in os.walk(path):
+        for name in names:
+            _fsync(os.path.join(root, name))
+        _fsync(root)
 
 
 def _sync(name: str) -> None:
@@ -226,75 +196,237 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def read_state_meta(path) -> dict:
-    path = os.path.abspath(os.fspath(path))
+# ----------------------------------------------------------------------------------------
+# integrity
+
+
+def _flat(tree: dict) -> dict:
+    """{"weights": {"q_proj": {"a": x}}, "count": c} -> {"weights/q_proj/a": x, "count": c}."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(str(k.key) for k in keys): x for keys, x in leaves}
+
+
+def _global_value(x) -> np.ndarray:
+    """A global array's whole value on this host (a collective: every process calls it)."""
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _digest(x: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(x, x.dtype.newbyteorder("<")).tobytes()).hexdigest()
+
+
+def _describe(x: np.ndarray) -> dict:
+    return {"shape": list(x.shape), "dtype": x.dtype.name, "sha256": _digest(x)}
+
+
+def _file_digests(vpath: str) -> dict:
+    """{path relative to vpath: {"size", "sha256"}} of every file in a version but FILES."""
+    out = {}
+    for root, _, names in os.walk(vpath):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), vpath)
+            if rel != FILES:
+                out[rel] = _file_digest(os.path.join(root, name))
+    return out
+
+
+def _file_digest(file: str) -> dict:
+    h, size = hashlib.sha256(), 0
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def _check_files(path: str, vpath: str, files_sha256: str) -> None:
+    """Every file of the version is the one written at save, byte for byte; InputError
+    naming the first that is not (missing, extra, resized or changed)."""
+    where = os.path.join(vpath, FILES)
+    try:
+        with open(where, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise InputError(f"{where}: cannot read the list of files ({e})") from None
+    if hashlib.sha256(data).hexdigest() != files_sha256:
+        raise InputError(f"{where} does not match the sha256 recorded in "
+                         f"{os.path.join(path, POINTER)}; the checkpoint is corrupt")
+    try:
+        want = json.loads(data)
+        good = isinstance(want, dict) and all(
+            isinstance(v, dict) and set(v) == {"size", "sha256"} for v in want.values())
+    except ValueError:  # UnicodeDecodeError included
+        good = False
+    if not good:  # only a hand-made CURRENT can point at such a list
+        raise InputError(f"{where} is not a list of files with their sizes and sha256")
+    have = {}
+    for root, _, names in os.walk(vpath):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), vpath)
+            have[rel] = os.path.getsize(os.path.join(root, name))
+    del have[FILES]
+    for rel in sorted(set(want) | set(have)):
+        file = os.path.join(vpath, rel)
+        if rel not in have:
+            raise InputError(f"{file} is missing; the checkpoint is incomplete")
+        if rel not in want:
+            raise InputError(f"{file} was not written by the save; the checkpoint was altered")
+        if have[rel] != want[rel]["size"] or _file_digest(file) != want[rel]:
+            raise InputError(f"{file} does not match the size and sha256 recorded when it "
+                             "was saved; the checkpoint is corrupt")
+
+
+# ----------------------------------------------------------------------------------------
+# load
+
+
+def _read_pointer(path: str) -> tuple[int, str]:
+    """PATH/CURRENT -> (version, files_sha256); InputError if missing or malformed."""
+    where = os.path.join(path, POINTER)
+    try:
+        with open(where, "rb") as f:
+            pointer = json.loads(f.read().decode())
+    except FileNotFoundError:
+        raise InputError(_no_pointer(path)) from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InputError(f"{where} is corrupt ({e})") from None
+    if not isinstance(pointer, dict) or "format" not in pointer:
+        raise InputError(f"{where} is corrupt (no format)")
+    if pointer["format"] != STATE_FORMAT or isinstance(pointer["format"], bool):
+        raise InputError(f"{where}: checkpoint format {pointer['format']!r}; this jcp reads "
+                         f"format {STATE_FORMAT}")
+    if set(pointer) != {"format", "version", "files_sha256"}:
+        raise InputError(f"{where} is corrupt (expected keys format, version, files_sha256)")
+    version, files = pointer["version"], pointer["files_sha256"]
+    if (isinstance(version, bool) or not isinstance(version, int) or version < 1
+            or not isinstance(files, str) or not _HEX64.fullmatch(files)):
+        raise InputError(f"{where} is corrupt (version {version!r}, files_sha256 {files!r})")
+    return version, files
+
+
+def _no_pointer(path: str) -> str:
+    try:
+        with open(os.path.join(path, "meta", "metadata")) as f:
+            old = json.load(f).get("format") == 1
+    except (OSError, ValueError, AttributeError):
+        old = False
+    if old:
+        return (f"{path} is a jcp adapter checkpoint of format 1 (no checksums); this jcp "
+                f"reads format {STATE_FORMAT}: load it with the jcp that wrote it and save "
+                "it again")
+    return f"{path} is not a jcp adapter checkpoint (it has no {POINTER} file)"
+
+
+def _read_meta(path: str) -> tuple[str, dict]:
+    """-> (the current version's folder, its verified metadata)."""
     if not os.path.isdir(path):
         raise InputError(f"no adapter checkpoint at {path}")
+    version, files_sha256 = _read_pointer(path)
+    vpath = os.path.join(path, f"v-{version}")
+    if not os.path.isdir(vpath):
+        raise InputError(f"{path}: {POINTER} names v-{version}, which does not exist")
+    _check_files(path, vpath, files_sha256)
     try:
-        meta = _checkpointer().restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-    except Exception as e:  # orbax raises several types for a foreign folder
-        raise InputError(f"{path} is not a jcp adapter checkpoint ({e})") from None
-    meta = meta["meta"]
-    if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
-        raise InputError(f"{path} is not a jcp adapter checkpoint of format {STATE_FORMAT}")
-    return meta
+        meta = _checkpointer().restore(
+            vpath, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:  # orbax and json raise many types for damaged files
+        raise InputError(f"{vpath}: cannot read the metadata ({_brief(e)})") from None
+    # Intact metadata can still be wrong if it was written wrong: check keys and types.
+    if not isinstance(meta, dict):
+        raise InputError(f"{vpath}: the metadata is {type(meta).__name__}, not an object")
+    if set(meta) != set(_META_KEYS):
+        raise InputError(f"{vpath}: metadata keys {sorted(meta)}, expected "
+                         f"{sorted(_META_KEYS)}")
+    for key, types in _META_KEYS.items():
+        if isinstance(meta[key], bool) or not isinstance(meta[key], types):
+            raise InputError(f"{vpath}: metadata {key} = {meta[key]!r} has the wrong type")
+    if meta["format"] != STATE_FORMAT:
+        raise InputError(f"{vpath}: metadata format {meta['format']}, expected {STATE_FORMAT}")
+    if not all(isinstance(t, str) for t in meta["targets"]):
+        raise InputError(f"{vpath}: metadata targets {meta['targets']!r} must be names")
+    return vpath, meta
 
 
-def load_state(tr, path, adapter=None, with_optimizer: bool = True) -> int:
-    """Load a checkpoint of save_state into `adapter` (allocated) or a free slot -> its id.
+def _check_listed(vpath: str, listed: dict, want: dict) -> None:
+    """The metadata lists exactly the arrays the adapter needs, at their shapes and dtypes."""
+    if set(listed) != set(want):
+        raise InputError(f"{vpath}: metadata lists arrays that rank and targets do not "
+                         f"need: missing {sorted(set(want) - set(listed))}, unexpected "
+                         f"{sorted(set(listed) - set(want))}")
+    for name, s in want.items():
+        rec = listed[name]
+        good = (isinstance(rec, dict) and set(rec) == {"shape", "dtype", "sha256"}
+                and isinstance(rec["sha256"], str) and _HEX64.fullmatch(rec["sha256"]))
+        if not good or rec["shape"] != list(s.shape) or rec["dtype"] != np.dtype(s.dtype).name:
+            raise InputError(f"{vpath}: metadata of array {name} is {rec!r}; its rank and "
+                             f"targets need shape {list(s.shape)}, {np.dtype(s.dtype).name}")
 
-    Refused (InputError, nothing changed) when the base-model config differs or the rank
-    exceeds this trainer's max_rank. with_optimizer=False loads the weights only (fresh
-    moments, step 0). The slot's gradient accumulator is zeroed.
+
+def _check_stored(vpath: str, want: dict, rank: int) -> None:
+    """The arrays orbax stored have the shapes and dtypes the metadata promises."""
+    try:
+        stored = _flat(_checkpointer().metadata(vpath).item_metadata["state"].tree)
+        stored = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in stored.items()}
+    except Exception as e:  # orbax raises many types for damaged files
+        raise InputError(f"{vpath}: cannot read the array metadata ({_brief(e)})") from None
+    for name, s in want.items():
+        if name not in stored:
+            raise InputError(f"{vpath}: array {name} is missing")
+        if stored[name] != (tuple(s.shape), np.dtype(s.dtype)):
+            raise InputError(f"{vpath}: array {name} is stored as {stored[name][1]}"
+                             f"{list(stored[name][0])}; the metadata's rank {rank} needs "
+                             f"{np.dtype(s.dtype)}{list(s.shape)}")
+
+
+def _brief(e: BaseException) -> str:
+    """An orbax/TensorStore error in one line, naming the file it failed on if it says."""
+    text = str(e) or type(e).__name__
+    files = [f for f in re.findall(r'local file "([^"]+)"', text) if not f.endswith("/")]
+    text = text.split(" [tensorstore_spec")[0].splitlines()[0]
+    if len(text) > 240:  # keep the status and the innermost cause
+        text = f"{text[:60]} … {text[-160:]}"
+    return f"{files[-1]}: {text}" if files else text
+
+
+def load_state(state: AdapterState, cfg: QwenConfig, path, slot: int,
+               check_new_adapter, with_optimizer: bool = True) -> None:
+    """Load a checkpoint of save_state into `slot`.
+
+    Refused (InputError naming the checkpoint, and the file or array where it can; nothing
+    changed) when the checkpoint is missing, damaged or corrupt (any hash, shape, key or
+    type mismatch, a non-finite value), saved for a different base-model config, or the
+    adapter does not fit (check_new_adapter(rank, alpha, targets) -> (rank, alpha,
+    targets) raises). with_optimizer=False loads the weights only (fresh moments, step 0).
+    The slot's gradient accumulator is zeroed.
     """
-    from jcp.trainer import AdapterInfo
-
     path = os.path.abspath(os.fspath(path))
-    meta = read_state_meta(path)
-    if meta["base_fingerprint"] != tr.cfg.fingerprint():
+    vpath, meta = _read_meta(path)
+    if meta["base_fingerprint"] != cfg.fingerprint():
         raise InputError(f"{path} was saved for a different base model (fingerprint "
-                         f"{meta['base_fingerprint']}, this trainer's {tr.cfg.fingerprint()})")
-    rank, alpha, targets = tr._check_new_adapter(meta["rank"], meta["alpha"], meta["targets"])
-    slot = tr._free_slot() if adapter is None else tr._check_adapter(adapter)
-    info = AdapterInfo(rank, alpha, targets)
-
-    layout = _state_layout(tr, info)
-    abstract_tree = {m: {ab: jax.ShapeDtypeStruct(shape, jnp.float32,
-                                                  sharding=NamedSharding(tr.mesh, spec))
-                         for ab, (shape, spec) in v.items()} for m, v in layout.items()}
-    abstract = {"weights": abstract_tree, "mu": abstract_tree, "nu": abstract_tree,
-                "count": jax.ShapeDtypeStruct((), jnp.int32,
-                                              sharding=NamedSharding(tr.mesh, P()))}
-    state = _checkpointer().restore(path, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract)))["state"]
-
-    zeros = jax.tree.map(jnp.zeros_like, state["weights"])
-    mu, nu = (state["mu"], state["nu"]) if with_optimizer else (zeros, zeros)
-    count = int(np.asarray(state["count"].addressable_data(0))) if with_optimizer else 0
-    slot_arr = tr._replicated(np.asarray(slot, np.int32))
-    tr.lora = _put_slot(tr.lora, slot_arr, state["weights"])
-    tr.acc = _put_slot(tr.acc, slot_arr, zeros)
-    tr.opt = type(tr.opt)(mu=_put_slot(tr.opt.mu, slot_arr, mu),
-                          nu=_put_slot(tr.opt.nu, slot_arr, nu),
-                          count=tr._replicated(tr._count_host(slot, count)))
-    scale = np.asarray(tr.scale.addressable_data(0)).copy()
-    scale[slot] = info.scale
-    tr.scale = tr._replicated(scale)
-    tr.adapters[slot] = info
-    return slot
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _put_slot(tree_G, slot, small):
-    """Write one slot from arrays at the adapter's rank: zero-pad to max rank; modules
-    absent from `small` (not targeted) become zero."""
-    out = {}
-    for m, ab in tree_G.items():
-        out[m] = {}
-        for which, x in ab.items():
-            full = jnp.zeros(x.shape[1:], x.dtype)
-            if m in small:
-                v = small[m][which]
-                full = jax.lax.dynamic_update_slice(full, v.astype(x.dtype), (0,) * v.ndim)
-            out[m][which] = x.at[slot].set(full)
-    return out
+                         f"{meta['base_fingerprint']}, this trainer's {cfg.fingerprint()})")
+    info = AdapterInfo(*check_new_adapter(meta["rank"], meta["alpha"], meta["targets"]))
+    layout = state.layout(info)
+    abstract = {"weights": layout, "mu": layout, "nu": layout,
+                "count": jax.ShapeDtypeStruct((), np.int32,
+                                              sharding=NamedSharding(state.mesh, P()))}
+    want = _flat(abstract)
+    _check_listed(vpath, meta["arrays"], want)
+    _check_stored(vpath, want, info.rank)
+    try:
+        restored = _checkpointer().restore(vpath, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract)))["state"]
+    except Exception as e:  # orbax and TensorStore raise many types for damaged files
+        raise InputError(f"{vpath}: cannot read the arrays ({_brief(e)})") from None
+    for name, x in _flat(restored).items():
+        value = _global_value(x)
+        if _digest(value) != meta["arrays"][name]["sha256"]:
+            raise InputError(f"{vpath}: array {name} does not match the sha256 recorded when "
+                             "it was saved; the checkpoint is corrupt")
+        if not np.all(np.isfinite(value)) or (name == "count" and value < 0):
+            raise InputError(f"{vpath}: array {name} holds invalid values (non-finite or a "
+                             "negative step count)")
+    if with_optimizer:
+        count = int(np.asarray(restored["count"].addressable_data(0)))
+        state.install(slot, info, restored["weights"], restored["mu"], restored["nu"], count)
+    else:
+        state.install(slot, info, restored["weights"])
