@@ -32,6 +32,9 @@ class QwenConfig:
     attention_bias: bool = False
     max_position_embeddings: int = 32768
     dtype: str = "float32"
+    # Tokens that end a sampled sequence by default (SamplingParams.stop=None); from
+    # config.json / generation_config.json. Not part of the model's shape (fingerprint).
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -50,6 +53,11 @@ class QwenConfig:
             raise ValueError(f"QwenConfig.rope_theta must be positive, got {self.rope_theta}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"QwenConfig.rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if not isinstance(self.eos_token_ids, tuple) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
+                for t in self.eos_token_ids):
+            raise ValueError(f"QwenConfig.eos_token_ids must be a tuple of token ids in "
+                             f"[0, {self.vocab_size}), got {self.eos_token_ids!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"QwenConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
 
@@ -90,4 +98,5 @@ class QwenConfig:
         """A stable hash of everything that shapes the base model (not its dtype)."""
         d = dataclasses.asdict(self)
         d.pop("dtype")
+        d.pop("eos_token_ids")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

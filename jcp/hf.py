@@ -33,6 +33,25 @@ def _read_config(config) -> dict:
         return json.load(f)
 
 
+def _eos_ids(d: dict, config) -> tuple[int, ...]:
+    """The EOS ids: generation_config.json's eos_token_id (next to a config path) when
+    present, else config.json's; an int or a list (Qwen lists several)."""
+    eos = d.get("eos_token_id")
+    if not isinstance(config, Mapping):
+        path = os.fspath(config)
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        gen = os.path.join(folder, "generation_config.json")
+        if os.path.isfile(gen):
+            with open(gen) as f:
+                eos = json.load(f).get("eos_token_id", eos)
+    if eos is None:
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(dict.fromkeys(ids))
+
+
 def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
     """QwenConfig from a Hugging Face config (dict, config.json, or model folder)."""
     d = _read_config(config)
@@ -69,7 +88,8 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qk_norm=kind == "qwen3",
             attention_bias=True if kind == "qwen2" else bool(d.get("attention_bias", False)),
-            max_position_embeddings=d.get("max_position_embeddings", 32768), dtype=dtype)
+            max_position_embeddings=d.get("max_position_embeddings", 32768), dtype=dtype,
+            eos_token_ids=_eos_ids(d, config))
     except KeyError as e:
         raise ValueError(f"the Hugging Face config lacks {e.args[0]!r}") from None
 

@@ -13,7 +13,8 @@ Shape legend — the one set of letters every jcp module uses in names and docst
     I, O  in / out features of a projection (local shards under tp)
     Q  query heads                          K  key/value heads
     M = Q/K  query heads per kv head        H  head dim
-    S  tokens of one device's stream        T  key tokens a query block may see (CP·S)
+    S  tokens of one device's stream        T  key tokens a query block may see (CP·S);
+                                            in a KV cache, its rows per sequence
     N  tokens of one datum                  C  zigzag chunk length
     B  datum slots of one micro-batch       Bq, Bk  attention block rows (queries, keys)
     E  experts (MoE)
@@ -63,6 +64,13 @@ class Specs:
     lora_a_head_GxDxR: P = P(None, None, None)
     lora_b_head_GxRxV: P = P(None, None, TP)
     slot_G: P = P(None)
+    # Sampling (jcp/kv_cache.py, jcp/sample.py). Prefill K/V as the packed streams hold them;
+    # the decode batch of B sequences spread over (dp, cp) — cp ranks act as extra data
+    # parallelism — with kv heads over tp, each sequence's whole cache on one device.
+    prefill_kv_LxDPxCPxSxKxH: P = P(None, DP, CP, None, TP, None)
+    cache_LxBxTxKxH: P = P(None, (DP, CP), None, TP, None)
+    seqs_B: P = P((DP, CP))
+    seqs_Bx2: P = P((DP, CP), None)
 
 
 SPECS = Specs()

@@ -3,8 +3,11 @@
 With no arguments it runs the embedded default: QwenConfig.tiny() with random weights on
 all local devices (8 fake CPU devices when there is no accelerator; mesh dp2 cp2 tp2),
 two adapters trained in the same passes — "sft" (cross_entropy on a counting task) and
-"rl" (importance_sampling on a reward for even tokens) — with a progress bar,
-metrics.jsonl, orbax checkpoints every K steps and --resume.
+"rl" (on-policy RL: each step it samples --group-size completions of every prompt from
+its current weights with Trainer.sample, scores them with a verifiable reward, and trains
+on GRPO advantages with --rl-loss and the sampler's own log-probs) — with a progress bar,
+metrics.jsonl (the rl rows carry reward:mean), orbax checkpoints every K steps and
+--resume.
 
 This is the only place that parses strings from the command line; bad options and files
 end in a one-line error, never a traceback.
@@ -25,6 +28,7 @@ import sys
 
 SFT, RL = "sft", "rl"
 PROMPT = 16  # leading tokens of every synthetic datum that carry no weight/advantage
+RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
 
 
 class CliError(Exception):
@@ -52,6 +56,12 @@ def parse_args(argv):
     p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
     p.add_argument("--batch-size", type=int, default=4, help="datums per adapter per step")
     p.add_argument("--seq-len", type=int, default=512, help="synthetic datum length")
+    p.add_argument("--group-size", type=int, default=4,
+                   help="rl: completions sampled per prompt (default 4)")
+    p.add_argument("--rl-tokens", type=int, default=16,
+                   help="rl: most tokens sampled per completion (default 16)")
+    p.add_argument("--rl-loss", default="importance_sampling", choices=RL_LOSSES,
+                   help="rl: loss on the sampled rollouts (default importance_sampling)")
     p.add_argument("--max-tokens-per-device", type=int, default=None)
     p.add_argument("--save-every", type=int, default=25, help="checkpoint every K steps (default 25)")
     p.add_argument("--out", default="jcp-out", help="output folder (default ./jcp-out)")
@@ -63,7 +73,8 @@ def parse_args(argv):
     p.add_argument("--process-id", type=int, default=None, help="(or JAX_PROCESS_ID)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
-    for name in ("steps", "rank", "batch_size", "seq_len", "save_every"):
+    for name in ("steps", "rank", "batch_size", "seq_len", "save_every", "group_size",
+                 "rl_tokens"):
         if getattr(a, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(a, name)}")
     if a.seq_len < PROMPT + 2:
@@ -150,16 +161,10 @@ def _env_int(name):
 # Data
 
 
-def synthetic_batch(step: int, seed: int, batch_size: int, seq_len: int, vocab: int):
-    """Two tasks, deterministic in (seed, step), so a resumed run sees the same data.
-
-    sft: counting sequences t_{i+1} = t_i + 3 (mod 64) over tokens [0, 64), cross_entropy on
-    every token after the prompt. rl: half the responses sample even tokens of [64, 128),
-    half odd ones (uniformly, so the behaviour log-prob of a token is −log 32); reward 1
-    for even responses, 0 for odd, advantage = the reward standardised over the group
-    (GRPO-style); importance_sampling. Both losses fall as the adapters learn.
-    Returns (datums, adapter names, loss names).
-    """
+def synthetic_sft(step: int, seed: int, batch_size: int, seq_len: int, vocab: int):
+    """The sft task, deterministic in (seed, step), so a resumed run sees the same data:
+    counting sequences t_{i+1} = t_i + 3 (mod 64) over tokens [0, 64), cross_entropy on
+    every token after the prompt. Returns datums."""
     import numpy as np
 
     from jcp import Datum
@@ -167,28 +172,56 @@ def synthetic_batch(step: int, seed: int, batch_size: int, seq_len: int, vocab: 
     if vocab < 129:
         raise CliError(f"the synthetic tasks need a vocabulary of at least 129 tokens, got {vocab}")
     rng = np.random.default_rng([seed, step])
-    data, names, losses = [], [], []
-    n = seq_len
+    data = []
     for _ in range(batch_size):
         start = rng.integers(0, 64)
-        seq = (start + 3 * np.arange(n + 1)) % 64
-        w = np.ones(n, np.float32)
+        seq = (start + 3 * np.arange(seq_len + 1)) % 64
+        w = np.ones(seq_len, np.float32)
         w[:PROMPT] = 0.0
         data.append(Datum(seq[:-1], {"target_tokens": seq[1:], "weights": w}))
-        names.append(SFT)
-        losses.append("cross_entropy")
-    parity = np.arange(batch_size) % 2  # 0: even responses, 1: odd
-    seqs = 64 + 2 * rng.integers(0, 32, size=(batch_size, n + 1)) + parity[:, None]
-    reward = (parity == 0).astype(np.float64)
-    adv = (reward - reward.mean()) / (reward.std() + 1e-6)
-    for i in range(batch_size):
-        a = np.full(n, adv[i], np.float32)
-        a[:PROMPT] = 0.0
-        data.append(Datum(seqs[i, :-1], {"target_tokens": seqs[i, 1:], "advantages": a,
-                                         "logprobs": np.full(n, -np.log(32.0), np.float32)}))
-        names.append(RL)
-        losses.append("importance_sampling")
-    return data, names, losses
+    return data
+
+
+def reward(tokens) -> float:
+    """The verifiable reward of a completion: the fraction of its tokens that are even."""
+    import numpy as np
+
+    tokens = np.asarray(tokens)
+    return float(np.mean(tokens % 2 == 0)) if tokens.size else 0.0
+
+
+def rl_rollouts(tr, adapter: int, step: int, args):
+    """On-policy rollouts of the rl adapter: --batch-size prompts (random tokens of
+    [64, 128), deterministic in (seed, step)), --group-size completions each sampled at
+    T = 1 from the adapter's current weights (seeded by (seed, step), so a resumed run
+    samples the same), scored by `reward`. GRPO advantage: the reward standardised within
+    its group, on every completion token (0 on the prompt). Datums carry the sampler's
+    log-probs, so the importance ratio starts at exactly 1.
+    Returns (datums, rewards).
+    """
+    import numpy as np
+
+    import jcp
+
+    rng = np.random.default_rng([args.seed, step, 1])
+    prompts = [rng.integers(64, 128, PROMPT) for _ in range(args.batch_size)]
+    sp = jcp.SamplingParams(max_tokens=args.rl_tokens, temperature=1.0,
+                            seed=int(rng.integers(0, 2**62)))
+    results = tr.sample(prompts, sp, adapters=adapter, num_samples=args.group_size)
+    data, rewards = [], []
+    for prompt, res in zip(prompts, results):
+        r = np.array([reward(s.tokens) for s in res.sequences])
+        adv = (r - r.mean()) / (r.std() + 1e-6)
+        for seq, a in zip(res.sequences, adv):
+            full = np.concatenate([prompt, seq.tokens]).astype(np.int32)
+            advantages = np.zeros(len(full) - 1, np.float32)
+            logprobs = np.zeros(len(full) - 1, np.float32)
+            advantages[PROMPT - 1:] = a
+            logprobs[PROMPT - 1:] = seq.logprobs
+            data.append(jcp.Datum(full[:-1], {"target_tokens": full[1:],
+                                              "advantages": advantages, "logprobs": logprobs}))
+        rewards.extend(r.tolist())
+    return data, rewards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,9 +507,12 @@ def train_loop(tr, args, src: DataFile | None, adapters: dict, start: int) -> di
 
     import jcp
 
+    import numpy as np
+
     primary = jax.process_index() == 0
     metrics_path = os.path.join(args.out, "metrics.jsonl")
     last = {}
+    rewards = None
     with tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps,
               disable=args.no_progress or not primary, desc="jcp-train", unit="step") as bar:
         for step in bar:
@@ -484,8 +520,12 @@ def train_loop(tr, args, src: DataFile | None, adapters: dict, start: int) -> di
                 data, names, losses, picks = src.batch(step, args.batch_size)
             else:
                 picks = None
-                data, names, losses = synthetic_batch(step, args.seed, args.batch_size,
-                                                      args.seq_len, tr.cfg.vocab_size)
+                data = synthetic_sft(step, args.seed, args.batch_size, args.seq_len,
+                                     tr.cfg.vocab_size)
+                rl_data, rewards = rl_rollouts(tr, adapters[RL], step, args)
+                names = [SFT] * len(data) + [RL] * len(rl_data)
+                losses = ["cross_entropy"] * len(data) + [args.rl_loss] * len(rl_data)
+                data = data + rl_data
             try:
                 out = tr.forward_backward(data, losses, None, [adapters[n] for n in names])
             except jcp.InputError as e:
@@ -505,6 +545,14 @@ def train_loop(tr, args, src: DataFile | None, adapters: dict, start: int) -> di
                              "tokens:sum": tokens, "grad_norm": opt["grad_norm"],
                              "learning_rate": opt["learning_rate"],
                              "optim_step": opt["step"]})
+                if name == RL and rewards is not None:
+                    # On-policy: the trained log-probs of the sampled tokens equal the
+                    # sampler's (up to fp32 rounding) before this step's update.
+                    diff = max(float(np.max(np.abs(
+                        out.loss_fn_outputs[i]["logprobs"][PROMPT - 1:]
+                        - data[i].loss_fn_inputs["logprobs"][PROMPT - 1:]))) for i in mine)
+                    rows[-1].update({"reward:mean": float(np.mean(rewards)),
+                                     "sampler_logprob_diff:max": diff})
                 last[name] = rows[-1]
             if primary:
                 write_metrics(metrics_path, rows)
@@ -544,7 +592,8 @@ def main(argv=None) -> int:
         import jax
         if jax.process_index() == 0:
             summary = ", ".join(f"{n} loss/token {r['loss:sum'] / max(r['tokens:sum'], 1):.4f}"
-                                for n, r in last.items())
+                                + (f" reward {r['reward:mean']:.3f}" if "reward:mean" in r
+                                   else "") for n, r in last.items())
             print(f"jcp-train: done at step {max(r['step'] for r in last.values())} "
                   f"({summary}); metrics in {os.path.join(args.out, 'metrics.jsonl')}")
     return 0

@@ -28,6 +28,7 @@ from jcp import losses as losses_lib
 from jcp import mesh as mesh_lib
 from jcp import model as model_lib
 from jcp import peft as peft_lib
+from jcp import sample as sample_lib
 from jcp import train_step
 from jcp.adapter_state import AdapterInfo, AdapterState, host, replicate
 from jcp.errors import F32, InputError, float32_number
@@ -376,6 +377,34 @@ class Trainer:
         checkpoint.load_state(self.state, self.cfg, path, slot, self._check_new_adapter,
                               with_optimizer)
         return slot
+
+    # ------------------------------------------------------------------ sampling
+
+    @functools.cached_property
+    def _sampler(self) -> sample_lib.Sampler:
+        return sample_lib.Sampler(self)
+
+    def sample(self, prompts, sampling_params: sample_lib.SamplingParams, adapters=None,
+               num_samples: int = 1, prompt_logprobs: bool = False
+               ) -> list[sample_lib.SampleResult]:
+        """Sample num_samples completions of every prompt -> one SampleResult per prompt.
+
+        prompts: token sequences (lists or arrays); adapters: None (the base model), one
+        adapter id, or one entry (id or None) per prompt — one call may mix adapters.
+        Each prompt is prefilled once for all its samples. result.sequences[j].tokens /
+        .logprobs / .stop_reason; .logprobs are log_softmax(logits / T) of the sampled
+        tokens before top-k / top-p truncation (T = 1 for greedy), so at T = 1 they equal
+        what `forward` computes for the same tokens. prompt_logprobs: also return
+        log p(prompt[t] | prompt[:t]) (NaN at 0). Reads the adapters; changes no state.
+        Bad input raises InputError before any device work (see SamplingParams).
+        """
+        return self._sampler.sample(prompts, sampling_params, adapters, num_samples,
+                                    prompt_logprobs)
+
+    def compute_logprobs(self, prompts, adapters=None) -> list[np.ndarray]:
+        """Prompt log-probs float32 [len(prompt)] per prompt (NaN at 0), through the chunked
+        forward path (no [tokens, vocab] logits). adapters as in `sample`."""
+        return self._sampler.compute_logprobs(prompts, adapters)
 
 
 @functools.partial(jax.jit, out_shardings=None)

@@ -1,0 +1,338 @@
+"""Trainer.sample / compute_logprobs against Hugging Face generate, tr.forward and itself.
+
+Evidence:
+1. greedy tokens equal transformers' generate(do_sample=False) — its PeftModel for the
+   adapter, the plain model for adapters=None — for prompts of several lengths mixing
+   both in one call, on tiny random Qwen3 (meshes (1,1,1), (1,2,1), (1,2,2), (2,2,2)) and
+   Qwen2 ((1,1,1), (2,2,2)); stops at the EOS ids of generation_config.json;
+2. sampled log-probs (T = 1) and prompt log-probs equal tr.forward on the same tokens, at
+   cp = 1 and cp = 2; compute_logprobs equals them too;
+3. one call mixing adapters equals one call per adapter; seeds reproduce, samples differ;
+   stop tokens and max_tokens end sequences with "stop" / "length";
+4. top-k = 1 and temperature → 0 equal greedy; top-k / top-p draws stay in exactly the
+   kept set (on a fixed distribution, many draws);
+5. every bad input is refused with InputError and the adapter tables bit-identical.
+
+Trainers (and their compiled programs) are shared per (arch, mesh) in a module fixture;
+every call uses max_tokens ≤ 16 and prompts < 48 tokens, so one cache bucket serves all.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+
+import jcp
+import model_harness as MH
+from jcp import sample as sample_lib
+
+PROMPTS = ([3, 17, 42, 8, 99, 1, 64, 30, 2, 77, 12], [50], [6, 7, 120, 33, 4], [11, 90])
+MAX_TOKENS = 12
+LP_ATOL = 2e-4
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "lm_head"]
+
+
+def peft_model(hm, seed, r=4, alpha=8):
+    """get_peft_model on a copy of hm with B randomised (PEFT initialises it to zero)."""
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=ALL_TARGETS, lora_dropout=0.0,
+                          bias="none", task_type="CAUSAL_LM")
+    pm = peft.get_peft_model(copy.deepcopy(hm), cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return pm.eval()
+
+
+@functools.lru_cache(maxsize=None)
+def _world(arch, root):
+    """(HF model, PEFT models, base folder, adapter folders) of one architecture."""
+    hm = MH.hf_model(arch, tied=False, seed=11)
+    pms, folders = [], []
+    for k in range(2):
+        pm = peft_model(hm, seed=20 + k, r=4 + 4 * k, alpha=8 + 4 * k)
+        folder = f"{root}/{arch}/adapter{k}"
+        pm.save_pretrained(folder)
+        pms.append(pm)
+        folders.append(folder)
+    # EOS ids: a token the adapter's greedy continuation of prompt 0 reaches mid-way (so
+    # some sequence really stops early), and one more.
+    with torch.no_grad():
+        ids = torch.tensor([PROMPTS[0]])
+        free = pms[0].generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                               do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None,
+                               pad_token_id=0)[0, len(PROMPTS[0]):].tolist()
+    eos = (free[MAX_TOKENS // 2], MH.V - 1 if free[MAX_TOKENS // 2] != MH.V - 1 else 0)
+    hm.generation_config.eos_token_id = list(eos)
+    hm.generation_config.pad_token_id = 0
+    base = f"{root}/{arch}/base"
+    MH.save(hm, base)
+    return hm, pms, base, folders, eos
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("sampling"))
+
+
+@functools.lru_cache(maxsize=None)
+def _trainer(arch, mesh_shape, root):
+    _, _, base, folders, eos = _world(arch, root)
+    cfg, params = jcp.load_hf(base)
+    assert cfg.eos_token_ids == eos
+    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=params, max_adapters=3,
+                     max_rank=8)
+    ids = [tr.load_peft(f) for f in folders]
+    return tr, ids
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_greedy(arch, root, which):
+    """HF generate(do_sample=False) of every prompt, one at a time: which = None (base) or
+    the PEFT adapter index."""
+    hm, pms, _, _, eos = _world(arch, root)
+    model = hm if which is None else pms[which]
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                               do_sample=False, max_new_tokens=MAX_TOKENS,
+                               eos_token_id=list(eos), pad_token_id=0)
+            out.append(g[0, len(p):].numpy().astype(np.int32))
+    return out
+
+
+def _tables(tr):
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tr.state.tables())
+
+
+GREEDY = jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+CASES = [("qwen3", m) for m in ((1, 1, 1), (1, 2, 1), (1, 2, 2), (2, 2, 2))] + [
+    ("qwen2", m) for m in ((1, 1, 1), (2, 2, 2))]
+
+
+@pytest.mark.parametrize("arch,mesh_shape", CASES)
+def test_greedy_matches_hf_generate(arch, mesh_shape, root):
+    tr, (a, _) = _trainer(arch, mesh_shape, root)
+    assert (tr.dp, tr.cp, tr.tp) == mesh_shape
+    EOS = tr.cfg.eos_token_ids
+    want_adapter, want_base = _hf_greedy(arch, root, 0), _hf_greedy(arch, root, None)
+    # The adapter changes what is generated, so mixing it with the base model is a real test.
+    assert any(not np.array_equal(x, y) for x, y in zip(want_adapter, want_base))
+    assert any(x[-1] in EOS for x in want_adapter + want_base)  # some sequence stops early
+    adapters = [a, None, a, None, None, a, a, None]
+    prompts = list(PROMPTS) + list(PROMPTS)
+    res = tr.sample(prompts, GREEDY, adapters=adapters)
+    for i, (r, ad) in enumerate(zip(res, adapters)):
+        want = (want_base if ad is None else want_adapter)[i % len(PROMPTS)]
+        (seq,) = r.sequences
+        np.testing.assert_array_equal(seq.tokens, want, err_msg=f"prompt {i} adapter {ad}")
+        assert seq.stop_reason == ("stop" if want[-1] in EOS else "length")
+        assert len(seq.tokens) == MAX_TOKENS or seq.stop_reason == "stop"
+        assert r.prompt_logprobs is None
+
+
+def _forward_logprobs(tr, prompt, tokens, adapter):
+    """tr.forward's log-probs of prompt[1:] + tokens (positions 1 … of the full sequence)."""
+    full = np.concatenate([prompt, tokens]).astype(np.int32)
+    d = jcp.Datum(full[:-1], {"target_tokens": full[1:],
+                              "weights": np.zeros(len(full) - 1, np.float32)})
+    return tr.forward([d], adapters=adapter).loss_fn_outputs[0]["logprobs"]
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 2, 1)])
+def test_logprobs_equal_forward(mesh_shape, root):
+    tr, (a, b) = _trainer("qwen3", mesh_shape, root)
+    sp = jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=5)
+    res = tr.sample(PROMPTS, sp, adapters=[a, b, None, a], num_samples=2, prompt_logprobs=True)
+    plain = tr.compute_logprobs(PROMPTS, adapters=[a, b, None, a])
+    for i, (p, r, ad) in enumerate(zip(PROMPTS, res, [a, b, None, a])):
+        assert len(r.sequences) == 2
+        assert np.isnan(r.prompt_logprobs[0]) and r.prompt_logprobs.shape == (len(p),)
+        np.testing.assert_array_equal(plain[i], r.prompt_logprobs)
+        for seq in r.sequences:
+            if ad is None:  # the base model: an adapter of zero scale in forward's terms
+                continue
+            lp = _forward_logprobs(tr, np.asarray(p), seq.tokens, ad)
+            np.testing.assert_allclose(seq.logprobs, lp[len(p) - 1:], atol=LP_ATOL, rtol=0,
+                                       err_msg=f"prompt {i}: sampled log-probs")
+            np.testing.assert_allclose(r.prompt_logprobs[1:], lp[:len(p) - 1], atol=LP_ATOL,
+                                       rtol=0, err_msg=f"prompt {i}: prompt log-probs")
+    # The base model's log-probs are the HF model's.
+    hm = _world("qwen3", root)[0]
+    with torch.no_grad():
+        seq = res[2].sequences[0]
+        full = torch.tensor(np.concatenate([PROMPTS[2], seq.tokens]))[None]
+        ref = torch.log_softmax(hm(full).logits[0].double(), -1)
+        ref = ref[torch.arange(full.shape[1] - 1), full[0, 1:]].numpy()
+    np.testing.assert_allclose(seq.logprobs, ref[len(PROMPTS[2]) - 1:], atol=LP_ATOL, rtol=0)
+    np.testing.assert_allclose(res[2].prompt_logprobs[1:], ref[:len(PROMPTS[2]) - 1],
+                               atol=LP_ATOL, rtol=0)
+
+
+def test_mixed_adapters_equal_one_call_per_adapter(root):
+    tr, (a, b) = _trainer("qwen3", (1, 2, 2), root)
+    adapters = [b, a, None, b]
+    mixed = tr.sample(PROMPTS, GREEDY, adapters=adapters)
+    singles = [tr.sample([p], GREEDY, adapters=ad)[0] for p, ad in zip(PROMPTS, adapters)]
+    # The adapters really differ from each other on these prompts.
+    other = tr.sample(PROMPTS, GREEDY, adapters=[a, b, a, a])
+    assert any(not np.array_equal(x.sequences[0].tokens, y.sequences[0].tokens)
+               for x, y in zip(mixed, other))
+    for i, (m, s) in enumerate(zip(mixed, singles)):
+        np.testing.assert_array_equal(m.sequences[0].tokens, s.sequences[0].tokens,
+                                      err_msg=f"prompt {i}")
+        np.testing.assert_allclose(m.sequences[0].logprobs, s.sequences[0].logprobs,
+                                   atol=1e-5, rtol=0)
+
+
+def test_seeds_reproduce_and_samples_differ(root):
+    tr, (a, _) = _trainer("qwen3", (1, 2, 2), root)
+    sp = lambda seed: jcp.SamplingParams(max_tokens=MAX_TOKENS, seed=seed, stop=[])  # noqa: E731
+    one = tr.sample(PROMPTS[:2], sp(1), adapters=a, num_samples=3)
+    again = tr.sample(PROMPTS[:2], sp(1), adapters=a, num_samples=3)
+    other = tr.sample(PROMPTS[:2], sp(2), adapters=a, num_samples=3)
+    fresh = [tr.sample(PROMPTS[:2], sp(None), adapters=a, num_samples=3) for _ in range(2)]
+    toks = lambda res: [s.tokens.tolist() for r in res for s in r.sequences]  # noqa: E731
+    assert toks(one) == toks(again)
+    assert toks(one) != toks(other)
+    assert toks(fresh[0]) != toks(fresh[1])
+    for r in one:  # the num_samples sequences of one prompt differ
+        assert len({tuple(s.tokens) for s in r.sequences}) == 3
+        assert all(len(s.tokens) == MAX_TOKENS and s.stop_reason == "length"
+                   for s in r.sequences)
+
+
+def test_stop_tokens_and_max_tokens(root):
+    tr, (a, _) = _trainer("qwen3", (1, 2, 1), root)
+    free = tr.sample(PROMPTS, jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                 stop=[]), adapters=a)
+    assert all(len(r.sequences[0].tokens) == MAX_TOKENS and r.sequences[0].stop_reason ==
+               "length" for r in free)
+    toks = free[0].sequences[0].tokens
+    stop_tok = int(toks[3])
+    first = int(np.flatnonzero(toks == stop_tok)[0])
+    res = tr.sample(PROMPTS, jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                stop=[stop_tok]), adapters=a)
+    seq = res[0].sequences[0]
+    np.testing.assert_array_equal(seq.tokens, toks[:first + 1])
+    assert seq.stop_reason == "stop"
+    for r, f in zip(res, free):  # the others stop at their own first stop token, if any
+        hit = np.flatnonzero(f.sequences[0].tokens == stop_tok)
+        n = hit[0] + 1 if hit.size else MAX_TOKENS
+        np.testing.assert_array_equal(r.sequences[0].tokens, f.sequences[0].tokens[:n])
+    short = tr.sample(PROMPTS, jcp.SamplingParams(max_tokens=3, temperature=0.0, stop=[]),
+                      adapters=a)
+    for r, f in zip(short, free):
+        np.testing.assert_array_equal(r.sequences[0].tokens, f.sequences[0].tokens[:3])
+        assert r.sequences[0].stop_reason == "length"
+
+
+def test_top_k1_and_cold_temperature_equal_greedy(root):
+    tr, (a, _) = _trainer("qwen3", (1, 2, 1), root)
+    greedy = tr.sample(PROMPTS, GREEDY, adapters=a)
+    top1 = tr.sample(PROMPTS, jcp.SamplingParams(max_tokens=MAX_TOKENS, top_k=1, seed=3),
+                     adapters=a)
+    cold = tr.sample(PROMPTS, jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=1e-7,
+                                                 seed=3), adapters=a)
+    warm = tr.sample(PROMPTS, jcp.SamplingParams(max_tokens=MAX_TOKENS, seed=3), adapters=a)
+    assert any(not np.array_equal(g.sequences[0].tokens, w.sequences[0].tokens)
+               for g, w in zip(greedy, warm))
+    for g, t, c in zip(greedy, top1, cold):
+        np.testing.assert_array_equal(t.sequences[0].tokens, g.sequences[0].tokens)
+        np.testing.assert_allclose(t.sequences[0].logprobs, g.sequences[0].logprobs,
+                                   atol=1e-6, rtol=0)  # both log_softmax at T = 1
+        np.testing.assert_array_equal(c.sequences[0].tokens, g.sequences[0].tokens)
+
+
+def test_top_k_top_p_keep_exactly_the_nucleus():
+    """Many draws from one fixed distribution stay inside the kept set and cover it."""
+    rng = np.random.default_rng(0)
+    v, n = 40, 4000
+    logits = (2.0 * rng.standard_normal(v)).astype(np.float32)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keys = np.stack([np.random.SeedSequence([9, i]).generate_state(2, np.uint32)
+                     for i in range(n)])
+
+    @functools.partial(jax.jit, static_argnames=("filtered",))
+    def draw(top_k, top_p, filtered=True):
+        x = jnp.broadcast_to(jnp.asarray(logits), (n, v))
+        return sample_lib.sample_tokens(x, keys, 0, 1.0, top_k, top_p, greedy=False,
+                                        filtered=filtered)
+
+    def kept(top_k, top_p):
+        q = p[order[:top_k if top_k > 0 else v]]
+        q = q / q.sum()
+        m = int(np.searchsorted(np.cumsum(q), top_p) + 1) if top_p < 1 else len(q)
+        return set(order[:min(m, len(q))].tolist())
+
+    everything, lp_all = draw(-1, 1.0, filtered=False)
+    assert len(set(np.asarray(everything).tolist())) > 15
+    for top_k, top_p in ((-1, 0.6), (5, 1.0), (5, 0.8), (-1, 0.95)):
+        want = kept(top_k, top_p)
+        assert 1 < len(want) < v
+        toks, lps = draw(np.int32(top_k), np.float32(top_p))
+        got = set(np.asarray(toks).tolist())
+        assert got == want, (top_k, top_p)  # inside the nucleus, and all of it drawn
+        # Log-probs are of the untruncated distribution.
+        np.testing.assert_allclose(np.asarray(lps), np.log(p[np.asarray(toks)]), atol=1e-5)
+    # Frequencies follow the renormalised nucleus.
+    toks, _ = draw(np.int32(-1), np.float32(0.6))
+    want = sorted(kept(-1, 0.6))
+    freq = np.bincount(np.asarray(toks), minlength=v)[want] / n
+    np.testing.assert_allclose(freq, p[want] / p[want].sum(), atol=0.04)
+
+
+BAD = [
+    ("prompts", lambda a: dict(prompts=[[1, 2], []])),
+    ("prompts", lambda a: dict(prompts=[[1, 2, MH.V]])),
+    ("prompts", lambda a: dict(prompts=[[1, -1]])),
+    ("prompts", lambda a: dict(prompts=[])),
+    ("prompts", lambda a: dict(prompts="abc")),
+    ("max_tokens", lambda a: dict(sp=jcp.SamplingParams(max_tokens=0))),
+    ("token cap", lambda a: dict(prompts=[[1] * 1000], sp=jcp.SamplingParams(max_tokens=30))),
+    ("temperature", lambda a: dict(sp=jcp.SamplingParams(temperature=-0.5))),
+    ("temperature", lambda a: dict(sp=jcp.SamplingParams(temperature=float("nan")))),
+    ("temperature", lambda a: dict(sp=jcp.SamplingParams(temperature=float("inf")))),
+    ("top_p", lambda a: dict(sp=jcp.SamplingParams(top_p=0.0))),
+    ("top_p", lambda a: dict(sp=jcp.SamplingParams(top_p=1.5))),
+    ("top_k", lambda a: dict(sp=jcp.SamplingParams(top_k=0))),
+    ("top_k", lambda a: dict(sp=jcp.SamplingParams(top_k=-2))),
+    ("num_samples", lambda a: dict(num_samples=0)),
+    ("stop", lambda a: dict(sp=jcp.SamplingParams(stop=[MH.V]))),
+    ("seed", lambda a: dict(sp=jcp.SamplingParams(seed=-1))),
+    ("adapter", lambda a: dict(adapters=a + 7)),
+    ("adapters", lambda a: dict(adapters=[a, 2])),
+    ("adapters", lambda a: dict(adapters=[a])),
+    ("sampling_params", lambda a: dict(sp={"max_tokens": 4})),
+]
+
+
+@pytest.mark.parametrize("what,bad", BAD, ids=[f"{w}-{i}" for i, (w, _) in enumerate(BAD)])
+def test_bad_input_is_refused_with_state_unchanged(what, bad, root):
+    tr, (a, _) = _trainer("qwen3", (1, 2, 1), root)
+    before = _tables(tr)
+    call = dict(prompts=[[1, 2, 3], [4]], sp=jcp.SamplingParams(max_tokens=4), adapters=a,
+                num_samples=1)
+    call.update(bad(a))
+    with pytest.raises(jcp.InputError) as e:
+        tr.sample(call["prompts"], call["sp"], adapters=call["adapters"],
+                  num_samples=call["num_samples"])
+    assert what.split()[0] in str(e.value) or what == "adapter"
+    if what in ("prompts", "adapter", "adapters") and not isinstance(call["adapters"], list):
+        with pytest.raises(jcp.InputError):
+            tr.compute_logprobs(call["prompts"], adapters=call["adapters"])
+    after = _tables(tr)
+    jax.tree.map(np.testing.assert_array_equal, before, after)
