@@ -363,7 +363,12 @@ class Trainer:
     # ------------------------------------------------------------------ state
 
     def save_state(self, adapter: int, path) -> None:
-        """Save weights, AdamW moments, step count and config of one adapter (orbax)."""
+        """Save weights, AdamW moments, step count and config of one adapter (orbax).
+
+        A save killed at any instant leaves the previous checkpoint at `path` loadable
+        (see jcp/checkpoint.py); saving onto a regular file or into a folder holding
+        anything but a jcp checkpoint is refused (InputError) before anything is written.
+        """
         checkpoint.save_state(self.state, self.cfg, self._check_adapter(adapter), path)
 
     def load_state(self, path, adapter: int | None = None, with_optimizer: bool = True) -> int:
