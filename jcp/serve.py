@@ -1,0 +1,167 @@
+"""`jcp-serve`: a Tinker SDK 0.38 compatible training and sampling server over one Trainer.
+
+    jcp-serve [--hf-model DIR] [--model-name NAME] [--mesh dp,cp,tp] [--host 127.0.0.1]
+              [--port 8000] [--max-adapters N] [--max-rank R] [--max-tokens-per-device N]
+              [--api-keys FILE] [--state-dir DIR]
+
+With no --hf-model it serves the tiny random model, on 8 fake CPU devices when there is no
+accelerator (like jcp-train). Owns the command line and the assembly of the pieces in
+jcp/server/ (state store, scheduler, worker, app); `Server` also runs one in a background
+thread for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+
+from jcp.train import CliError, _Parser, setup_devices
+
+
+def parse_args(argv):
+    p = _Parser(prog="jcp-serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--hf-model", help="Hugging Face folder (config.json + safetensors)")
+    p.add_argument("--model-name", help="the base_model name clients use (default: the "
+                   "folder's name, or jcp-tiny)")
+    p.add_argument("--mesh", help="dp,cp,tp (default 2,2,2 on 8 devices, else 1,n,1)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-adapters", type=int, default=8)
+    p.add_argument("--max-rank", type=int, default=32)
+    p.add_argument("--max-tokens-per-device", type=int, default=None)
+    p.add_argument("--api-keys", help="file of `key [name]` lines; enables key checks")
+    p.add_argument("--state-dir", help="checkpoints and sampler weights (default: a temp dir)")
+    p.add_argument("--seed", type=int, default=0)
+    # setup_devices reads these (multi-process is not supported by the server).
+    p.set_defaults(coordinator_address=None, num_processes=None, process_id=None)
+    args = p.parse_args(argv)
+    if args.mesh:
+        try:
+            args.mesh = tuple(int(x) for x in args.mesh.split(","))
+            assert len(args.mesh) == 3 and min(args.mesh) >= 1
+        except (ValueError, AssertionError):
+            raise CliError(f"--mesh must be dp,cp,tp positive integers, got {args.mesh!r}")
+    for name in ("max_adapters", "max_rank"):
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be ≥ 1")
+    return args
+
+
+def build_trainer(args):
+    import jax
+
+    import jcp
+
+    if args.hf_model:
+        try:
+            cfg, base = jcp.load_hf(args.hf_model)
+        except (ValueError, OSError) as e:
+            raise CliError(f"--hf-model {args.hf_model}: {e}") from None
+    else:
+        cfg, base = jcp.QwenConfig.tiny(), None
+    n = jax.device_count()
+    shape = args.mesh or ((2, 2, 2) if n == 8 else (1, n, 1))
+    try:
+        mesh = jcp.make_mesh(*shape)
+        return jcp.Trainer(cfg, mesh, base_params=base, max_adapters=args.max_adapters,
+                           max_rank=args.max_rank, seed=args.seed,
+                           max_tokens_per_device=args.max_tokens_per_device)
+    except ValueError as e:
+        raise CliError(f"--mesh {','.join(map(str, shape))}: {e}") from None
+
+
+def _tokenizer_dir(path: str | None) -> str | None:
+    if path and any(os.path.exists(os.path.join(path, f))
+                    for f in ("tokenizer.json", "tokenizer_config.json")):
+        return os.path.abspath(path)
+    return None
+
+
+class Server:
+    """The assembled server over `trainer`; start() serves in a background thread."""
+
+    def __init__(self, trainer, model_name: str, state_dir: str, api_keys=None,
+                 host: str = "127.0.0.1", port: int = 0, tokenizer_id: str | None = None):
+        import uvicorn
+
+        from jcp.server.app import FutureTable, ServedModel, create_app
+        from jcp.server.engine import Engine
+        from jcp.server.scheduler import Scheduler
+        from jcp.server.state import StateStore
+
+        self.store = StateStore(state_dir, api_keys)
+        self.scheduler = Scheduler()
+        self.futures = FutureTable()
+        self.engine = Engine(trainer, self.store, self.scheduler, model_name,
+                             self.futures.complete, tokenizer_id)
+        served = ServedModel(model_name, self.engine.token_cap, self.engine.max_rank,
+                             tokenizer_id)
+        self.app = create_app(self.store, self.scheduler, self.futures, served)
+        if port == 0:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        self.host, self.port = host, port
+        self.url = f"http://{host}:{port}"
+        self._uv = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port,
+                                                 log_level="warning", access_log=False))
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "Server":
+        self.engine.start()
+        self._thread = threading.Thread(target=self._uv.run, name="jcp-serve-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._uv.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"jcp-serve did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._uv.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.engine.stop()
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        setup_devices(args)
+        from jcp.server.state import read_api_keys
+
+        keys = None
+        if args.api_keys:
+            try:
+                keys = read_api_keys(args.api_keys)
+            except (OSError, ValueError) as e:
+                raise CliError(f"--api-keys: {e}") from None
+        tr = build_trainer(args)
+    except CliError as e:
+        print(f"jcp-serve: error: {e}", file=sys.stderr)
+        return 2
+    name = args.model_name or (os.path.basename(os.path.normpath(args.hf_model))
+                               if args.hf_model else "jcp-tiny")
+    state_dir = args.state_dir or tempfile.mkdtemp(prefix="jcp-serve-")
+    srv = Server(tr, name, state_dir, keys, args.host, args.port,
+                 _tokenizer_dir(args.hf_model))
+    print(f"jcp-serve: {srv.url}  model {name!r}  mesh dp={tr.dp} cp={tr.cp} tp={tr.tp}  "
+          f"max_context_length {tr.token_cap}  state {state_dir}", flush=True)
+    print("jcp-serve: " + (f"{len(keys)} API keys from {args.api_keys}" if keys is not None
+                           else "no --api-keys: accepting any key (local use)"), flush=True)
+    srv.engine.start()
+    try:
+        srv._uv.run()
+    finally:
+        srv.engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

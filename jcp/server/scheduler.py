@@ -1,0 +1,176 @@
+"""The request queue and the policy that groups requests into worker passes.
+
+Owns ordering and fusion, nothing else: each model's requests run in seq_id order (a
+request waits until its model's previous seq_id has been taken); a pass is either one
+request, or every ready forward (or every ready forward_backward) request of every model
+whose loss settings agree, fused into one multi-LoRA Trainer call. optim_step,
+load_weights, save_* and unload_model are therefore barriers for their own model only:
+they head its queue and nothing of that model behind them can join a fused pass. Samples
+have no model order and run one per pass, oldest first. It must never import jax or touch
+the Trainer; HTTP handlers only call `submit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Any
+
+FUSABLE = ("forward", "forward_backward")
+# A model's next seq_id that never arrives (a client that died mid-call) stops blocking
+# its later requests after this long.
+GAP_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass
+class Work:
+    """One queued request. seq_id None: unordered (create_model, samples)."""
+
+    request_id: str
+    kind: str
+    model_id: str | None
+    seq_id: int | None
+    payload: Any
+    owner: str
+    loss_key: tuple | None = None  # (loss_fn, sorted config items) for fusable kinds
+    arrival: int = 0
+    arrived_at: float = 0.0
+
+
+@dataclasses.dataclass
+class Counters:
+    passes: int = 0                 # worker passes of any kind
+    fwd_passes: int = 0             # Trainer forward / forward_backward calls
+    fused_passes: int = 0           # of those, passes holding more than one model
+    fused_requests: int = 0         # requests that ran inside a fused pass
+
+
+class Scheduler:
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._queues: dict[str, list[Work]] = {}  # model id -> its pending work
+        self._samples: list[Work] = []
+        self._last_seq: dict[str, int] = {}       # model id -> last seq_id taken
+        self._arrivals = itertools.count()
+        self._held = 0
+        self._closed = False
+        self.counters = Counters()
+
+    # ------------------------------------------------------------------ producer side
+
+    def submit(self, work: Work) -> None:
+        with self._cv:
+            work.arrival, work.arrived_at = next(self._arrivals), time.monotonic()
+            if work.model_id is None or work.kind == "sample":
+                self._samples.append(work)
+            else:
+                q = self._queues.setdefault(work.model_id, [])
+                q.append(work)
+                q.sort(key=lambda w: (w.seq_id if w.seq_id is not None else -1, w.arrival))
+            self._cv.notify_all()
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._samples) + sum(map(len, self._queues.values()))
+
+    def hold(self) -> None:
+        """Stop handing out passes (requests still queue) until `release`. For tests and
+        benchmarks that need several clients' requests queued together."""
+        with self._cv:
+            self._held += 1
+
+    def release(self) -> None:
+        with self._cv:
+            self._held -= 1
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def forget(self, model_id: str) -> None:
+        """Drop a model's seq_id history (after unload)."""
+        with self._cv:
+            self._last_seq.pop(model_id, None)
+
+    # ------------------------------------------------------------------ worker side
+
+    def next_pass(self, timeout: float | None = None) -> list[Work] | None:
+        """Block until a pass is ready -> its requests (one, or a fused group), or None on
+        close / timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while True:
+                if self._closed:
+                    return None
+                if not self._held:
+                    group = self._take()
+                    if group:
+                        self.counters.passes += 1
+                        return group
+                wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+                if wait <= 0:
+                    return None
+                self._cv.wait(wait)
+
+    def _ready_run(self, model_id: str, now: float) -> list[Work]:
+        """The model's queued requests that may run now, in order: a run of consecutive
+        seq_ids starting right after the last one taken."""
+        q = self._queues.get(model_id) or []
+        run, last = [], self._last_seq.get(model_id, 0)
+        for w in q:
+            if w.seq_id is None:
+                if run:
+                    break
+                return [w]
+            if w.seq_id != last + 1 and not (not run and now - w.arrived_at > GAP_TIMEOUT_S):
+                break
+            run.append(w)
+            last = w.seq_id
+        return run
+
+    def _take(self) -> list[Work] | None:
+        now = time.monotonic()
+        runs = {m: r for m in self._queues if (r := self._ready_run(m, now))}
+        heads = [r[0] for r in runs.values()] + self._samples[:1]
+        if not heads:
+            return None
+        first = min(heads, key=lambda w: w.arrival)
+        if first.kind not in FUSABLE:
+            self._remove([first])
+            return [first]
+        group, settings = [], {}
+        for run in sorted(runs.values(), key=lambda r: r[0].arrival):
+            for w in run:
+                if w.kind != first.kind:
+                    break
+                loss, cfg = w.loss_key
+                if settings.get(loss, cfg) != cfg:
+                    break
+                settings[loss] = cfg
+                group.append(w)
+        self._remove(group)
+        return group
+
+    def _remove(self, works: list[Work]) -> None:
+        for w in works:
+            if w.kind == "sample" or w.model_id is None:
+                self._samples.remove(w)
+                continue
+            q = self._queues[w.model_id]
+            q.remove(w)
+            if not q:
+                del self._queues[w.model_id]
+            if w.seq_id is not None:
+                self._last_seq[w.model_id] = max(self._last_seq.get(w.model_id, 0), w.seq_id)
+
+    def note_pass(self, group: list[Work]) -> None:
+        """Count a Trainer forward / forward_backward call over `group`."""
+        with self._cv:
+            self.counters.fwd_passes += 1
+            if len({w.model_id for w in group}) > 1:
+                self.counters.fused_passes += 1
+                self.counters.fused_requests += len(group)

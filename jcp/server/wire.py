@@ -1,0 +1,196 @@
+"""Tinker SDK 0.38 wire formats: the protobuf forward_backward request, the protobuf
+ForwardBackwardOutput and SampleResponse, and the JSON ModelInput / SamplingParams.
+
+Owns the translation between bytes / JSON on the wire and plain NumPy on the host. The
+message classes are built from the SDK's own schema (jcp/server/_schema.py), in a private
+descriptor pool so they never clash with an installed SDK. Every malformed field raises
+WireError naming it. It must never import jax or touch the Trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from google.protobuf import descriptor_pool, message_factory
+
+from jcp.server._schema import SERIALIZED
+
+
+class WireError(ValueError):
+    """A request the server cannot decode; reported to that request's client only."""
+
+
+_POOL = descriptor_pool.DescriptorPool()
+_POOL.AddSerializedFile(SERIALIZED)
+
+
+def _msg(name: str):
+    return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"tinker_public.{name}"))
+
+
+ForwardBackwardRequestPb = _msg("ForwardBackwardRequest")
+ForwardBackwardOutputPb = _msg("ForwardBackwardOutput")
+SampleResponsePb = _msg("SampleResponse")
+_DTYPE = {v.name: v.number for v in _POOL.FindEnumTypeByName("tinker_public.DType").values}
+_STOP = {v.name: v.number for v in _POOL.FindEnumTypeByName("tinker_public.StopReason").values}
+_NUMPY = {_DTYPE["DTYPE_FLOAT32"]: np.float32, _DTYPE["DTYPE_INT64"]: np.int64,
+          _DTYPE["DTYPE_INT32"]: np.int32}
+
+
+@dataclasses.dataclass
+class FwdBwdRequest:
+    """A decoded forward_backward request: datums as (tokens int32 [N], {name: array [N]})."""
+
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    loss_fn_config: dict[str, float] | None
+    forward_only: bool
+    data: list[tuple[np.ndarray, dict[str, np.ndarray]]]
+
+
+def _tensor(t, what: str) -> np.ndarray:
+    if t.WhichOneof("encoding") != "dense":
+        raise WireError(f"{what}: only dense tensors are supported (got "
+                        f"{t.WhichOneof('encoding') or 'no data'})")
+    dt = _NUMPY.get(t.dtype)
+    if dt is None:
+        raise WireError(f"{what}: unsupported dtype {t.dtype}")
+    if len(t.dense) % np.dtype(dt).itemsize:
+        raise WireError(f"{what}: {len(t.dense)} bytes is not a whole number of {dt.__name__}")
+    arr = np.frombuffer(t.dense, dt).copy()
+    shape = tuple(t.shape)
+    if shape and int(np.prod(shape)) != arr.size:
+        raise WireError(f"{what}: shape {list(shape)} does not match {arr.size} values")
+    if len(shape) > 1:
+        raise WireError(f"{what}: must be 1-D, got shape {list(shape)}")
+    return arr
+
+
+def tokens_of_chunks(chunks, what: str) -> np.ndarray:
+    """Token ids of a ModelInput's chunks, from protobuf Chunks or JSON dicts."""
+    out = []
+    for i, ch in enumerate(chunks):
+        if isinstance(ch, dict):
+            if ch.get("type", "encoded_text") != "encoded_text" or "tokens" not in ch:
+                raise WireError(f"{what}.chunks[{i}]: only encoded_text chunks are supported "
+                                f"(got {ch.get('type')!r})")
+            toks = ch["tokens"]
+            if not isinstance(toks, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in toks):
+                raise WireError(f"{what}.chunks[{i}].tokens must be a list of integers")
+            out.append(np.asarray(toks, np.int64))
+        else:
+            kind = ch.WhichOneof("chunk") if ch.DESCRIPTOR.oneofs else None
+            if kind != "encoded_text":
+                raise WireError(f"{what}.chunks[{i}]: only encoded_text chunks are supported "
+                                f"(got {kind})")
+            raw = ch.encoded_text.tokens
+            if len(raw) % 4:
+                raise WireError(f"{what}.chunks[{i}]: token bytes are not int32")
+            out.append(np.frombuffer(raw, np.int32).astype(np.int64))
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def decode_forward_backward(body: bytes) -> FwdBwdRequest:
+    msg = ForwardBackwardRequestPb()
+    try:
+        msg.ParseFromString(body)
+    except Exception as e:  # noqa: BLE001 — any parse failure is the client's
+        raise WireError(f"forward_backward: not a ForwardBackwardRequest protobuf ({e})") from None
+    config: dict[str, float] = {}
+    for k, v in msg.loss_fn_config_v2.items():
+        if v.WhichOneof("value") != "number":
+            raise WireError(f"loss_fn_config[{k!r}]: only numbers are supported")
+        config[k] = v.number
+    if not config:
+        config = dict(msg.loss_fn_config.items())
+    data = []
+    for i, d in enumerate(msg.data):
+        if len(d.model_input_spans) or len(d.loss_fn_input_spans):
+            raise WireError(f"datum {i}: provenance spans are not supported (they serve "
+                            "stable_reinforce, which this server does not implement)")
+        tokens = tokens_of_chunks(d.model_input, f"datum {i}: model_input")
+        inputs = {k: _tensor(t, f"datum {i}: loss_fn_inputs[{k!r}]")
+                  for k, t in d.loss_fn_inputs.items()}
+        data.append((tokens, inputs))
+    return FwdBwdRequest(model_id=msg.model_id, seq_id=msg.seq_id, loss_fn=msg.loss_fn,
+                         loss_fn_config=config or None, forward_only=msg.forward_only, data=data)
+
+
+def encode_forward_backward_output(per_datum: list[dict[str, np.ndarray]],
+                                   metrics: dict[str, float]) -> bytes:
+    """ForwardBackwardOutput with one batched ArrayRecord (float32 fields per datum)."""
+    out = ForwardBackwardOutputPb(loss_fn_output_type="ArrayRecord")
+    rec = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(per_datum))
+    names = sorted(per_datum[0]) if per_datum else []
+    for name in names:
+        arrays = [np.ascontiguousarray(d[name], np.float32) for d in per_datum]
+        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
+        bt = rec.fields[name]
+        bt.data = b"".join(a.tobytes() for a in arrays)
+        bt.offsets = offsets.tobytes()
+        bt.dtype = _DTYPE["DTYPE_FLOAT32"]
+    for k, v in metrics.items():
+        out.metrics[k] = float(v)
+    return out.SerializeToString()
+
+
+def encode_sample_response(sequences, prompt_logprobs: np.ndarray | None) -> bytes:
+    """sequences: objects with .tokens int [n], .logprobs float [n], .stop_reason."""
+    out = SampleResponsePb()
+    for s in sequences:
+        out.sequences.add(
+            stop_reason=_STOP["STOP_REASON_LENGTH" if s.stop_reason == "length"
+                              else "STOP_REASON_STOP"],
+            tokens=np.asarray(s.tokens, np.int32).tobytes(),
+            logprobs=np.asarray(s.logprobs, np.float32).tobytes())
+    if prompt_logprobs is not None:
+        out.prompt_logprobs = np.asarray(prompt_logprobs, np.float32).tobytes()
+    return out.SerializeToString()
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleArgs:
+    """A decoded asample request (JSON)."""
+
+    prompt: np.ndarray
+    num_samples: int
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    stop: tuple[int, ...] | None
+    seed: int | None
+    prompt_logprobs: bool
+
+
+def decode_sample(body: dict) -> SampleArgs:
+    prompt = body.get("prompt")
+    if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
+        raise WireError("prompt must be a ModelInput {chunks: [...]}")
+    tokens = tokens_of_chunks(prompt["chunks"], "prompt")
+    sp = body.get("sampling_params") or {}
+    if not isinstance(sp, dict):
+        raise WireError("sampling_params must be an object")
+    for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        if body.get(key):
+            raise WireError(f"{key} is not supported by this server")
+    for key in ("target_prompt_logprobs", "prompt_logprobs_last_n"):
+        if body.get(key) is not None:
+            raise WireError(f"{key} is not supported by this server")
+    stop = sp.get("stop")
+    if stop is not None:
+        if isinstance(stop, str) or (isinstance(stop, list) and any(isinstance(s, str)
+                                                                     for s in stop)):
+            raise WireError("sampling_params.stop: string stops are not supported (the "
+                            "server has no tokenizer); pass token ids")
+        stop = tuple(stop)
+    max_tokens = sp.get("max_tokens")
+    if max_tokens is None:
+        raise WireError("sampling_params.max_tokens is required")
+    return SampleArgs(prompt=tokens, num_samples=body.get("num_samples", 1),
+                      max_tokens=max_tokens, temperature=sp.get("temperature", 1.0),
+                      top_k=sp.get("top_k", -1), top_p=sp.get("top_p", 1.0), stop=stop,
+                      seed=sp.get("seed"), prompt_logprobs=bool(body.get("prompt_logprobs")))
