@@ -3,8 +3,11 @@
 For a fixed total of tokens (one long datum in the zigzag layout), compiles the gradient of
 the Tinker cross-entropy loss through the shard_map'd decoder (remat on) at mesh
 (dp=1, cp=k, tp=1) for each k, and reads XLA's per-device memory analysis: temp, argument
-and output bytes. The goal is M(cp=k) / M(cp=1) ≤ 1.2 / k. Nothing is run, only compiled,
-so shapes stand in for data (jax.ShapeDtypeStruct).
+and output bytes. The goal is M(cp=k) / M(cp=1) ≤ 1.2 / k. Each cp > 1 is compiled with
+each attention path of --attention: "gather" (K/V all-gathered over cp: every rank holds
+all keys and their fp32 gradients per layer) and "ring" (K/V passed around the cp ring:
+O(S) per rank). Nothing is run, only compiled, so shapes stand in for data
+(jax.ShapeDtypeStruct).
 
 The gradient is taken w.r.t. the embedding table and every norm weight: a real backward
 through every layer (activation gradients to the embedding, per-layer reductions over the
@@ -13,7 +16,9 @@ tokens like LoRA's), with outputs as small as an adapter's.
 Also prints attention.block_work (attention blocks computed per cp rank) for the zigzag
 layout against a contiguous split of the same datum: the goal is max/min ≤ 1.05 for zigzag.
 
-    python benchmarks/memory.py [--tokens 16384] [--out /tmp/jcp_memory.json]
+    python benchmarks/memory.py [--tokens 16384] [--attention gather,ring]
+                                [--out /tmp/jcp_memory.json]
+    python benchmarks/memory.py --tokens 65536 --cps 1,8 --attention ring   # the 64k row
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ def merge_params(trained, frozen):
     return out
 
 
-def compiled_step(cfg, cp, tokens, attn_block, chunk):
+def compiled_step(cfg, cp, tokens, attn_block, chunk, cp_attention="gather"):
     """The compiled grad(loss) at mesh (1, cp, 1), S per rank, and compile seconds."""
     mesh = jcp.make_mesh(1, cp, 1)
     s_len = 2 * mesh_lib.zigzag_chunk(tokens, cp)
@@ -76,7 +81,8 @@ def compiled_step(cfg, cp, tokens, attn_block, chunk):
     ints = abstract((1, cp, s_len), stream, jnp.int32)
     floats = abstract((1, cp, s_len), stream, jnp.float32)
 
-    step_cfg = train_step.StepConfig(remat=True, attn_block=attn_block, logprob_chunk=chunk)
+    step_cfg = train_step.StepConfig(remat=True, attn_block=attn_block, logprob_chunk=chunk,
+                                     cp_attention=cp_attention)
 
     def inner(params, tok, seg, pos, tgt, w):
         tok, seg, pos, tgt, w = (x[0, 0] for x in (tok, seg, pos, tgt, w))
@@ -128,6 +134,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=16384, help="total tokens (one datum)")
     ap.add_argument("--cps", default="1,2,4,8")
+    ap.add_argument("--attention", default="gather,ring",
+                    help="cp attention paths to compile at each cp > 1")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -156,29 +164,32 @@ def main(argv=None):
           f"chunk {args.chunk}, remat on, grad w.r.t. embed + norms\n")
 
     rows = []
-    hdr = (f"{'cp':>3} {'S/rank':>7} {'arg MiB':>8} {'out MiB':>8} {'temp MiB':>9} "
+    hdr = (f"{'cp':>3} {'path':>6} {'S/rank':>7} {'arg MiB':>8} {'out MiB':>8} {'temp MiB':>9} "
            f"{'total MiB':>10} {'M/M1':>6} {'goal':>6} {'temp/t1':>8} {'ok':>3} {'compile':>8}")
     print(hdr)
     print("-" * len(hdr))
     base_total = base_temp = None
     explained = {}
-    for cp in cps:
-        compiled, s_len, secs = compiled_step(cfg, cp, args.tokens, args.attn_block, args.chunk)
+    paths = args.attention.split(",")
+    runs = [(cp, p) for cp in cps for p in (["gather"] if cp == 1 else paths)]
+    for cp, path in runs:
+        compiled, s_len, secs = compiled_step(cfg, cp, args.tokens, args.attn_block, args.chunk,
+                                              path)
         mem = compiled.memory_analysis()
         if args.explain:
-            explained[cp] = largest_arrays(compiled, args.explain)
+            explained[f"{cp} {path}"] = largest_arrays(compiled, args.explain)
         total = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
         if base_total is None:
             base_total, base_temp = total, mem.temp_size_in_bytes
         r = total / base_total
         goal = 1.2 / cp
-        row = dict(cp=cp, s_per_rank=s_len, temp_bytes=mem.temp_size_in_bytes,
+        row = dict(cp=cp, path=path, s_per_rank=s_len, temp_bytes=mem.temp_size_in_bytes,
                    argument_bytes=mem.argument_size_in_bytes,
                    output_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
                    total_bytes=total, ratio_to_cp1=r, goal=goal, meets_goal=bool(r <= goal),
                    temp_ratio_to_cp1=mem.temp_size_in_bytes / base_temp, compile_s=secs)
         rows.append(row)
-        print(f"{cp:>3} {s_len:>7} {mem.argument_size_in_bytes / MiB:>8.1f} "
+        print(f"{cp:>3} {path:>6} {s_len:>7} {mem.argument_size_in_bytes / MiB:>8.1f} "
               f"{mem.output_size_in_bytes / MiB:>8.1f} {mem.temp_size_in_bytes / MiB:>9.1f} "
               f"{total / MiB:>10.1f} {r:>6.3f} {goal:>6.3f} {row['temp_ratio_to_cp1']:>8.3f} "
               f"{'yes' if row['meets_goal'] else 'NO':>3} {secs:>7.1f}s", flush=True)

@@ -1,16 +1,21 @@
-"""Sampling: decode throughput against Hugging Face generate, the cost of mixing adapters,
-per-device KV-cache memory over cp, and the number of compiled programs.
+"""Sampling: decode throughput against Hugging Face generate, layer slicing, the cost of
+mixing adapters, per-device KV-cache memory over cp, and the number of compiled programs.
 
     python benchmarks/sampling.py            (CPU; 8 fake devices, meshes as stated)
 
 1. Greedy decode of 8 prompts × 128 new tokens (fp32, the tiny Qwen3 of QwenConfig.tiny
-   with a rank-8 PEFT adapter on every module): jcp at mesh (1,1,1) against torch
-   transformers' PeftModel.generate on the same weights; tokens/s of each (compile
-   excluded, best of 3) and the ratio.
-2. 8 sequences over 4 adapters against 8 over one adapter: time ratio (goal ≤ 1.15).
-3. Per-device KV-cache bytes for one 16k-token prompt at cp = 1, 2, 4 (the shard shape of
-   the cache's sharding), relative to cp = 1.
-4. Compiled programs over 50 calls of 4 prompts with random lengths 1–300 (16 new tokens).
+   with a rank-8 PEFT adapter on every attention and MLP module): jcp at mesh (1,1,1)
+   against torch transformers' PeftModel.generate on the same weights; tokens/s of each
+   (compile excluded, best of 3) and the ratio.
+2. The same decode with per-layer weights sliced once outside the decode loop (the
+   default) against a lax.scan over the stacked layers inside it: time ratio.
+3. 8 sequences over 4 adapters against 8 over one adapter: time ratio (goal ≤ 1.15).
+4. Per-device memory for one 16k-token prompt (+ 16 new tokens) at cp = 1, 2, 4 (tiny
+   config with 32k positions, random weights): the KV cache (plan) and the compiled
+   decode and prefill programs (XLA memory analysis: arguments + outputs − aliased +
+   temporaries), cache mode "split" against "batch"; relative to cp = 1 (goal ≤ 1.2/cp).
+5. Compiled programs over 50 calls of 4 prompts with random lengths 1–300 (16 new
+   tokens, mesh (1,2,2)): goal ≤ 10.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import copy  # noqa: E402
+import functools  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import peft  # noqa: E402
 import torch  # noqa: E402
@@ -31,9 +38,12 @@ import transformers  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import jcp  # noqa: E402
+from jcp import kv_cache  # noqa: E402
+from jcp import sample as sample_lib  # noqa: E402
 from jcp.mesh import SPECS  # noqa: E402
 
 NEW, BATCH, PROMPT_LEN = 128, 8, 32
+LONG = 16384
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -108,31 +118,44 @@ def main():
     print(f"1. decode {BATCH}×{NEW} greedy, fp32, mesh (1,1,1): jcp {tok / t_jcp:,.0f} tok/s "
           f"({t_jcp:.3f} s, prefill included), HF+PEFT generate {tok / t_hf:,.0f} tok/s "
           f"({t_hf:.3f} s); ratio {t_hf / t_jcp:.2f}× (goal ≥ 1.0); token agreement "
-          f"{agree:.3f}")
+          f"{agree:.3f}", flush=True)
 
-    # 2. mixing adapters
+    # 2. per-layer weights sliced outside the decode loop vs scanned inside it
+    sampler = tr._sampler
+    sliced = sampler._decode
+    sampler._decode = functools.partial(sliced, slice_layers=False)
+    try:
+        t_scan = best_of(lambda: tr.sample(prompts, greedy, adapters=ids[0]))
+    finally:
+        sampler._decode = sliced
+    t_sliced = best_of(lambda: tr.sample(prompts, greedy, adapters=ids[0]))
+    print(f"2. layers sliced outside the decode loop {t_sliced:.3f} s vs lax.scan inside it "
+          f"{t_scan:.3f} s: {t_scan / t_sliced:.2f}× faster", flush=True)
+
+    # 3. mixing adapters
     t_one = best_of(lambda: tr.sample(prompts, greedy, adapters=ids[0]))
     mixed = [ids[k % 4] for k in range(BATCH)]
     t_mix = best_of(lambda: tr.sample(prompts, greedy, adapters=mixed))
-    print(f"2. 8 sequences over 4 adapters {t_mix:.3f} s vs over 1 adapter {t_one:.3f} s: "
-          f"{t_mix / t_one:.2f}× (goal ≤ 1.15)")
+    print(f"3. 8 sequences over 4 adapters {t_mix:.3f} s vs over 1 adapter {t_one:.3f} s: "
+          f"{t_mix / t_one:.2f}× (goal ≤ 1.15)", flush=True)
 
-    # 3. KV-cache memory per device for one 16k-token prompt (+ 16 new tokens)
-    line = []
-    first = None
+    # 4. memory per device for one 16k-token prompt
+    long_cfg = jcp.QwenConfig.tiny(max_position_embeddings=32768)
+    rows = {}
     for cp in (1, 2, 4):
-        mesh = jcp.make_mesh(1, cp, 1)
-        b_total = cp  # one sequence, padded to one row per (dp, cp) device
-        t_len = 1 << int(np.ceil(np.log2(16384 + 16)))
-        shape = (cfg.num_layers, b_total, t_len, cfg.num_kv_heads, cfg.head_dim)
-        per_dev = 2 * 4 * int(np.prod(NamedSharding(mesh, SPECS.cache_LxBxTxKxH)
-                                      .shard_shape(shape)))
-        first = first or per_dev
-        line.append(f"cp={cp}: {per_dev / 2**20:.1f} MiB ({per_dev / first:.2f} of cp=1)")
-    print("3. KV cache per device, one 16k-token prompt, cache mode (a): " + ", ".join(line)
-          + " (goal ≤ 1.2/cp needs the cp-split cache mode (b), not built)")
+        for mode in ("batch", "split"):
+            rows[cp, mode] = long_prompt_memory(long_cfg, cp, mode, LONG)
+    print(f"4. memory per device, one {LONG}-token prompt + 16 new (MiB; × of cp=1):")
+    for mode in ("split", "batch"):
+        for what in ("cache", "decode", "prefill"):
+            first = rows[1, mode][what]
+            cells = ", ".join(f"cp={cp}: {rows[cp, mode][what] / 2**20:.1f} "
+                              f"({rows[cp, mode][what] / first:.2f})" for cp in (1, 2, 4))
+            print(f"   {mode:5s} {what:7s} {cells}")
+    print("   (goal ≤ 1.2/cp: 0.60 at cp=2, 0.30 at cp=4; the automatic choice picks "
+          "\"split\" once the \"batch\" cache passes 1 GiB per device)", flush=True)
 
-    # 4. compiled programs over 50 calls with random prompt lengths
+    # 5. compiled programs over 50 calls with random prompt lengths
     tr2 = jcp.Trainer(cfg, jcp.make_mesh(1, 2, 2), base_params=base, max_adapters=4,
                       max_rank=8)
     a = tr2.create_adapter(rank=8)
@@ -141,11 +164,56 @@ def main():
     for _ in range(50):
         ps = [rng.integers(0, cfg.vocab_size, int(rng.integers(1, 301))) for _ in range(4)]
         tr2.sample(ps, sp, adapters=[a, None, a, a])
-    s = tr2._sampler
-    counts = {name: getattr(s, name)._cache_size()
-              for name in ("_prefill", "_decode", "_to_cache", "_empty_cache")}
-    print(f"4. compiled programs over 50 calls (4 prompts of 1–300 tokens, mesh (1,2,2)): "
+    s2 = tr2._sampler
+    counts = {name: getattr(s2, name)._cache_size() for name in ("_prefill", "_decode")}
+    print(f"5. compiled programs over 50 calls (4 prompts of 1–300 tokens, mesh (1,2,2)): "
           f"{sum(counts.values())} {counts} (goal ≤ 10); {time.perf_counter() - t:.1f} s")
+
+
+def _peak(compiled) -> int:
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes)
+
+
+def long_prompt_memory(cfg, cp, mode, n):
+    """Per-device bytes of the KV cache and of the compiled decode and prefill programs for
+    one n-token prompt at mesh (1, cp, 1) in cache `mode` (compiled, not run)."""
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, cp, 1), max_adapters=1, max_rank=8,
+                     max_tokens_per_device=-(-(n + 16) // cp) + 16)
+    s = tr._sampler
+    plan = s.plan([n], 16, cache_mode=mode)
+    lay = kv_cache.LAYOUTS[mode]
+    prompt = np.arange(n, dtype=np.int32) % cfg.vocab_size
+    _, (pb,) = s._packed([prompt], [sample_lib.BASE])
+    groups = 1 if mode == "split" else cp
+    b, t = plan.b_local * groups, plan.t_local * (cp if mode == "split" else 1)
+    st = SPECS.stream_DPxCPxS
+    put = s._put
+    source = np.full((b, t), -1, np.int32)
+    prefill = s._prefill.lower(
+        tr.state.weights, tr.params, tr.state.scale, put(pb.tokens, st), put(pb.segment, st),
+        put(pb.position, st), put(pb.targets, st), put(pb.spans, SPECS.spans_DPxCPxAx2),
+        put(pb.active, SPECS.replicated), put(source, lay.position_BxT), None,
+        layout=mode, with_logprobs=False).compile()
+    kv_shape = (cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim)
+    dt = jax.numpy.dtype(cfg.dtype)
+    sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=NamedSharding(tr.mesh, spec))
+    cache = kv_cache.Cache(sds(kv_shape, dt, lay.kv_LxBxTxKxH),
+                           sds(kv_shape, dt, lay.kv_LxBxTxKxH),
+                           sds((b, t), np.int32, lay.position_BxT))
+    seq = lambda dtype: sds((b,), dtype, lay.seqs_B)  # noqa: E731
+    rep = lambda x: put(np.asarray(x), SPECS.replicated)  # noqa: E731
+    a_len = 2
+    spans = sds((1, 1 if mode == "split" else cp, a_len, 2), np.int32, lay.spans)
+    decode = s._decode.lower(
+        tr.state.weights, tr.params, tr.state.scale, cache, seq(np.int32), seq(np.int32),
+        seq(np.int32), seq(bool), sds((b, 2), np.uint32, lay.seqs_Bx2), spans,
+        rep(np.full(a_len, -1, np.int32)), rep(np.full(8, -1, np.int32)), rep(np.int32(16)),
+        rep(np.float32(0)), rep(np.int32(-1)), rep(np.float32(1)), layout=mode, out_len=16,
+        greedy=True, filtered=False).compile()
+    return {"cache": plan.cache_bytes, "decode": _peak(decode), "prefill": _peak(prefill)}
 
 
 if __name__ == "__main__":

@@ -49,16 +49,14 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / MiB
 
 
-def _data():
+def _data(datums=DATUMS, tokens=TOKENS):
     import numpy as np
 
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, VOCAB, (DATUMS, TOKENS))
-    targets = rng.integers(0, VOCAB, (DATUMS, TOKENS))
-    return tokens, targets
+    return rng.integers(0, VOCAB, (datums, tokens)), rng.integers(0, VOCAB, (datums, tokens))
 
 
-def _time_steps(step, warmup: int, steps: int) -> dict:
+def _time_steps(step, warmup: int, steps: int, n_tokens: int = DATUMS * TOKENS) -> dict:
     t0 = time.perf_counter()
     step()
     first = time.perf_counter() - t0
@@ -71,7 +69,7 @@ def _time_steps(step, warmup: int, steps: int) -> dict:
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
     return {"first_step_s": first, "step_s": times, "median_step_s": med,
-            "tokens_per_s": DATUMS * TOKENS / med}
+            "tokens_per_s": n_tokens / med}
 
 
 # ----------------------------------------------------------------------------------------
@@ -88,7 +86,8 @@ def side_torch(args) -> dict:
     cfg = transformers.Qwen3Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-        tie_word_embeddings=False, max_position_embeddings=4096, rope_theta=10_000.0)
+        tie_word_embeddings=False, max_position_embeddings=max(4096, args.tokens),
+        rope_theta=10_000.0)
     model = transformers.Qwen3ForCausalLM(cfg).float()
     lora = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, bias="none",
                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
@@ -98,10 +97,10 @@ def side_torch(args) -> dict:
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
                             betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
-    tokens, targets = _data()
+    tokens, targets = _data(args.datums, args.tokens)
     ids = torch.tensor(tokens)
     tgt = torch.tensor(targets)
-    weights = torch.ones(DATUMS, TOKENS)
+    weights = torch.ones(args.datums, args.tokens)
 
     def step():
         logits = model(input_ids=ids).logits
@@ -112,7 +111,7 @@ def side_torch(args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    res = _time_steps(step, args.warmup, args.steps)
+    res = _time_steps(step, args.warmup, args.steps, args.datums * args.tokens)
     res.update(threads=torch.get_num_threads(),
                attn=getattr(model.config, "_attn_implementation", "?"),
                rss_after_import_mib=base_rss)
@@ -129,25 +128,26 @@ def side_jcp(args) -> dict:
     cfg = jcp.QwenConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP,
                          num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS,
                          head_dim=HEAD_DIM, rope_theta=10_000.0, tie_word_embeddings=False,
-                         max_position_embeddings=4096)
+                         max_position_embeddings=max(4096, args.tokens))
     mesh = jcp.make_mesh(1, args.cp, 1)
     extra = {"attn_block": args.attn_block} if args.attn_block else {}
     tr = jcp.Trainer(cfg, mesh, max_adapters=args.slots, max_rank=RANK, remat=bool(args.remat),
-                     **extra)
+                     cp_attention=args.cp_attention, **extra)
     a = tr.create_adapter(rank=RANK, alpha=ALPHA, targets=["attn", "mlp"])
-    tokens, targets = _data()
+    tokens, targets = _data(args.datums, args.tokens)
     data = [jcp.Datum(model_input=tokens[i], loss_fn_inputs={
-        "target_tokens": targets[i], "weights": np.ones(TOKENS, np.float32)})
-        for i in range(DATUMS)]
+        "target_tokens": targets[i], "weights": np.ones(args.tokens, np.float32)})
+        for i in range(args.datums)]
     adam = jcp.AdamParams(learning_rate=LR, beta1=0.9, beta2=0.95, eps=1e-12)
 
     def step():
         tr.forward_backward(data, "cross_entropy", adapters=a)
         tr.optim_step(a, adam)
 
-    res = _time_steps(step, args.warmup, args.steps)
+    res = _time_steps(step, args.warmup, args.steps, args.datums * args.tokens)
     res.update(devices=len(jax.devices()), mesh=[tr.dp, tr.cp, tr.tp], slots=args.slots,
                remat=bool(args.remat), attn_block=tr.step_cfg.attn_block,
+               cp_attention=tr.step_cfg.cp_attention,
                rss_after_import_mib=base_rss)
     return res
 
@@ -202,7 +202,8 @@ def measure_rounds(configs: dict, args) -> dict:
     runs = {name: [] for name in configs}
     for _ in range(args.rounds):
         for name, (side, kw) in configs.items():
-            runs[name].append(measure(side, args, **kw))
+            kw = dict(kw)
+            runs[name].append(measure(side, args, devices=kw.pop("devices", 1), **kw))
     best = {}
     for name, rs in runs.items():
         b = dict(max(rs, key=lambda r: r["tokens_per_s"]))
@@ -235,12 +236,15 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (≥ 1, compiles)")
     p.add_argument("--rounds", type=int, default=None,
                    help="round-robin repeats of sections 1 and 2 (best round kept)")
-    p.add_argument("--only", choices=("torch", "slots", "cp"), default=None)
+    p.add_argument("--only", choices=("torch", "slots", "cp", "long", "ring"), default=None)
     p.add_argument("--side", choices=("torch", "jcp"), help=argparse.SUPPRESS)
     p.add_argument("--slots", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--cp", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--remat", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--attn_block", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--cp_attention", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--datums", type=int, default=DATUMS, help=argparse.SUPPRESS)
+    p.add_argument("--tokens", type=int, default=TOKENS, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.steps = args.steps or (3 if args.quick else 7)
     args.warmup = max(1, args.warmup or (1 if args.quick else 2))
@@ -297,6 +301,30 @@ def main() -> None:
         print("  note: at cp = k a rank holds 512/k rows of each datum, so one 512-row block "
               "spans k datums and the\n  (segment range, position) skip test keeps the "
               "cross-datum blocks: attention work grows ≈ k× unless blocks shrink.")
+
+    if args.only in (None, "long"):
+        print("\n[4] long context: one datum of 8192 and of 16384 tokens, 1 CPU device, vs "
+              "torch + peft")
+        print("  goal: jcp ≥ 1.0× torch tok/s at ≤ 0.5× its peak RSS")
+        for n in (8192, 16384):
+            rs = measure_rounds({
+                "torch": ("torch", dict(datums=1, tokens=n)),
+                "jcp": ("jcp", dict(slots=1, cp=1, remat=1, datums=1, tokens=n)),
+            }, args)
+            t = rs["torch"]
+            print(_row(f"1 x {n}: torch+peft ({t['threads']} thr)", t))
+            print(_row(f"1 x {n}: jcp (defaults)", rs["jcp"], t))
+
+    if args.only in (None, "ring"):
+        print("\n[5] ring vs all-gather attention over cp, one datum of 8192 tokens, 8 fake "
+              "CPU devices (shared cores: the overhead of the ring, not a speed-up)")
+        for cp in (2, 4):
+            rs = measure_rounds({
+                how: ("jcp", dict(slots=1, cp=cp, remat=1, datums=1, tokens=8192,
+                                  cp_attention=how, devices=8)) for how in ("gather", "ring")
+            }, args)
+            print(_row(f"cp = {cp}, gather", rs["gather"]))
+            print(_row(f"cp = {cp}, ring", rs["ring"], rs["gather"]))
 
 
 if __name__ == "__main__":

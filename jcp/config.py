@@ -16,6 +16,11 @@ class QwenConfig:
 
     qk_norm: Qwen3's per-head RMSNorm on q and k before RoPE.
     attention_bias: Qwen2's biases on q, k, v.
+    Mixture of experts (Qwen3-MoE; num_experts = 0: every layer dense): layer i is MoE
+    unless i is in mlp_only_layers or (i + 1) % decoder_sparse_step ≠ 0, as transformers
+    decides; a MoE layer routes each token to num_experts_per_tok of num_experts SwiGLU
+    experts of width moe_intermediate_size (weights renormalised when norm_topk_prob);
+    dense layers use intermediate_size.
     """
 
     vocab_size: int
@@ -35,6 +40,12 @@ class QwenConfig:
     # Tokens that end a sampled sequence by default (SamplingParams.stop=None); from
     # config.json / generation_config.json. Not part of the model's shape (fingerprint).
     eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -60,6 +71,44 @@ class QwenConfig:
                              f"[0, {self.vocab_size}), got {self.eos_token_ids!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"QwenConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        self._check_moe()
+
+    def _check_moe(self):
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"QwenConfig.{name} must be a non-negative integer, got {v!r}")
+        step = self.decoder_sparse_step
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ValueError(f"QwenConfig.decoder_sparse_step must be a positive integer, got "
+                             f"{step!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"QwenConfig.norm_topk_prob must be a bool, got "
+                             f"{self.norm_topk_prob!r}")
+        only = self.mlp_only_layers
+        if not isinstance(only, tuple) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_layers
+                for i in only):
+            raise ValueError(f"QwenConfig.mlp_only_layers must be a tuple of layer indices in "
+                             f"[0, {self.num_layers}), got {only!r}")
+        if self.num_experts == 0:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"QwenConfig.num_experts_per_tok must be in [1, num_experts="
+                             f"{self.num_experts}], got {self.num_experts_per_tok}")
+        if self.moe_intermediate_size < 1:
+            raise ValueError("QwenConfig.moe_intermediate_size must be positive for a MoE model")
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Whether each layer is a MoE layer (transformers' Qwen3MoeDecoderLayer rule)."""
+        return tuple(self.num_experts > 0 and i not in self.mlp_only_layers
+                     and (i + 1) % self.decoder_sparse_step == 0
+                     for i in range(self.num_layers))
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.moe_layers)
 
     @property
     def q_dim(self) -> int:
@@ -80,6 +129,14 @@ class QwenConfig:
         return cls(**base)
 
     @classmethod
+    def tiny_moe(cls, **overrides) -> "QwenConfig":
+        """A small Qwen3-MoE config (8 experts, top 2; layer 0 dense) for tests and demos."""
+        base = dict(num_layers=3, num_experts=8, num_experts_per_tok=2,
+                    moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=(0,))
+        base.update(overrides)
+        return cls.tiny(**base)
+
+    @classmethod
     def from_hf(cls, config) -> "QwenConfig":
         """From a Hugging Face config: a dict, a config.json path, or a model folder."""
         from jcp import hf
@@ -93,10 +150,18 @@ class QwenConfig:
                         ("vocab_size", self.vocab_size)):
             if n % tp:
                 raise ValueError(f"tp={tp} does not divide {name}={n}; choose tp dividing it")
+        if self.is_moe and self.num_experts % tp:
+            # Experts are split whole over tp (E/tp per rank), never cut inside.
+            raise ValueError(f"tp={tp} does not divide num_experts={self.num_experts}; choose "
+                             "tp dividing it")
 
     def fingerprint(self) -> str:
         """A stable hash of everything that shapes the base model (not its dtype)."""
         d = dataclasses.asdict(self)
         d.pop("dtype")
         d.pop("eos_token_ids")
+        if not self.num_experts:  # dense configs keep the fingerprint they had before MoE
+            for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                      "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
+                d.pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

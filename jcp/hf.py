@@ -18,7 +18,8 @@ import numpy as np
 from jcp import model as model_lib
 from jcp.config import QwenConfig
 
-ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
 def _read_config(config) -> dict:
@@ -58,7 +59,8 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
     archs = d.get("architectures") or []
     kind = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if kind is None and not archs:
-        kind = {"qwen2": "qwen2", "qwen3": "qwen3"}.get(d.get("model_type"))
+        kind = {"qwen2": "qwen2", "qwen3": "qwen3",
+                "qwen3_moe": "qwen3_moe"}.get(d.get("model_type"))
     if kind is None:
         raise ValueError(
             f"unsupported architecture {archs or d.get('model_type')!r}; jcp loads "
@@ -71,12 +73,24 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
     rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", "default")
     if rope_type not in ("default", None):
         raise ValueError(f"rope scaling {rope_type!r} is not supported; jcp implements plain RoPE")
-    if kind == "qwen3" and d.get("attention_bias"):
+    if kind in ("qwen3", "qwen3_moe") and d.get("attention_bias"):
         # Qwen3's attention_bias also puts a bias on o_proj, which jcp's decoder lacks.
         raise ValueError("Qwen3 with attention_bias (biases on q, k, v and o_proj) is not "
                          "supported")
     if d.get("use_sliding_window"):
         raise ValueError("sliding-window attention (use_sliding_window) is not supported")
+    moe = {}
+    if kind == "qwen3_moe":
+        # transformers 5 writes num_local_experts (its attribute_map); published
+        # checkpoints say num_experts.
+        experts = d.get("num_experts", d.get("num_local_experts"))
+        if experts is None:
+            raise ValueError("the Hugging Face config lacks 'num_experts'")
+        moe = dict(num_experts=experts, num_experts_per_tok=d.get("num_experts_per_tok"),
+                   moe_intermediate_size=d.get("moe_intermediate_size"),
+                   norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                   decoder_sparse_step=d.get("decoder_sparse_step", 1),
+                   mlp_only_layers=tuple(d.get("mlp_only_layers") or ()))
     try:
         heads = d["num_attention_heads"]
         return QwenConfig(
@@ -86,10 +100,10 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rope_theta=float(theta), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qk_norm=kind == "qwen3",
+            qk_norm=kind in ("qwen3", "qwen3_moe"),
             attention_bias=True if kind == "qwen2" else bool(d.get("attention_bias", False)),
             max_position_embeddings=d.get("max_position_embeddings", 32768), dtype=dtype,
-            eos_token_ids=_eos_ids(d, config))
+            eos_token_ids=_eos_ids(d, config), **moe)
     except KeyError as e:
         raise ValueError(f"the Hugging Face config lacks {e.args[0]!r}") from None
 
@@ -211,6 +225,8 @@ def _hf_layer_names(module: str, layer: int) -> str:
         return f"model.layers.{layer}.input_layernorm.weight"
     if module == "post_norm":
         return f"model.layers.{layer}.post_attention_layernorm.weight"
+    if module == "router":
+        return f"model.layers.{layer}.mlp.gate.weight"
     return f"model.layers.{layer}.mlp.{module}.weight"
 
 
@@ -242,16 +258,17 @@ def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) 
             return np.asarray(arr[index]).astype(np.float32)
         return LazyTensor(shape, np.float32, read)
 
-    def stacked(module, shape):
+    def stacked(module, shape, layer_ids=None):
+        layer_ids = list(range(cfg.num_layers)) if layer_ids is None else layer_ids
         per_layer = shape[1:]
         transpose = len(per_layer) == 2
         arrs = [fetch(_hf_layer_names(module, i), per_layer[::-1] if transpose else per_layer)
-                for i in range(cfg.num_layers)]
+                for i in layer_ids]
 
         def read(index):
             li, rest = index[0], index[1:]
             blocks = []
-            for i in range(*li.indices(cfg.num_layers)):
+            for i in range(*li.indices(len(layer_ids))):
                 a = arrs[i]
                 blocks.append(np.asarray(a[rest[::-1]]).T if transpose else np.asarray(a[rest]))
             return np.stack(blocks).astype(np.float32)
@@ -260,6 +277,15 @@ def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) 
     out = {"embed": plain("model.embed_tokens.weight", shapes["embed"]),
            "final_norm": plain("model.norm.weight", shapes["final_norm"]),
            "layers": {k: stacked(k, s) for k, s in shapes["layers"].items()}}
+    if cfg.is_moe:
+        kinds = cfg.moe_layers
+        dense_ids = [i for i, k in enumerate(kinds) if not k]
+        moe_ids = [i for i, k in enumerate(kinds) if k]
+        if dense_ids:
+            out["dense_mlp"] = {k: stacked(k, s, dense_ids)
+                                for k, s in shapes["dense_mlp"].items()}
+        out["moe_mlp"] = {"router": stacked("router", shapes["moe_mlp"]["router"], moe_ids)}
+        out["moe_mlp"].update(_expert_tensors(cfg, moe_ids, tensors, fetch))
     if "lm_head" in shapes:
         out["lm_head"] = plain("lm_head.weight", shapes["lm_head"], transpose=True)
     # A tensor the config does not account for (an o_proj bias, extra layers, …) means the
@@ -272,6 +298,49 @@ def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) 
         raise ValueError(f"checkpoint has tensor {extra[0]}{more}, which this config does not "
                          "describe")
     return out
+
+
+def _expert_tensors(cfg: QwenConfig, moe_ids, tensors, fetch) -> dict:
+    """expert_gate / expert_up [Lm, E, D, F] and expert_down [Lm, E, F, D] as LazyTensors.
+
+    Each MoE layer is read from transformers 5's fused tensors (`mlp.experts.gate_up_proj`
+    [E, 2F, D], gate rows first; `mlp.experts.down_proj` [E, D, F]) when present, else from
+    the per-expert names of published checkpoints (`mlp.experts.{e}.gate_proj.weight`
+    [F, D], …). A device's block reads only its own experts' rows.
+    """
+    e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    # sources[part][layer][expert] -> (torch-layout [out, in] array, row offset)
+    sources = {"expert_gate": [], "expert_up": [], "expert_down": []}
+    for i in moe_ids:
+        prefix = f"model.layers.{i}.mlp.experts"
+        if f"{prefix}.gate_up_proj" in tensors:
+            gate_up = fetch(f"{prefix}.gate_up_proj", (e, 2 * f, d))
+            down = fetch(f"{prefix}.down_proj", (e, d, f))
+            sources["expert_gate"].append([(gate_up[x], 0) for x in range(e)])
+            sources["expert_up"].append([(gate_up[x], f) for x in range(e)])
+            sources["expert_down"].append([(down[x], 0) for x in range(e)])
+            continue
+        for part, (name, hf_shape) in {"expert_gate": ("gate_proj", (f, d)),
+                                       "expert_up": ("up_proj", (f, d)),
+                                       "expert_down": ("down_proj", (d, f))}.items():
+            sources[part].append([(fetch(f"{prefix}.{x}.{name}.weight", hf_shape), 0)
+                                  for x in range(e)])
+
+    def lazy(part, shape):
+        def read(index):
+            li, ei, ii, oi = index
+            out = [[np.asarray(src[oi.start + off:oi.stop + off:oi.step, ii]).T
+                    for src, off in sources[part][l][ei]]
+                   for l in range(*li.indices(len(moe_ids)))]
+            return np.asarray(out, np.float32).reshape(
+                (len(out), len(range(*ei.indices(e)))) + (len(range(*ii.indices(shape[2]))),
+                                                          len(range(*oi.indices(shape[3])))))
+        return LazyTensor(shape, np.float32, read)
+
+    lm = len(moe_ids)
+    return {"expert_gate": lazy("expert_gate", (lm, e, d, f)),
+            "expert_up": lazy("expert_up", (lm, e, d, f)),
+            "expert_down": lazy("expert_down", (lm, e, f, d))}
 
 
 def load_hf(path, dtype: str = "float32") -> tuple[QwenConfig, dict]:

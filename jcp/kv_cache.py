@@ -1,28 +1,45 @@
-"""The KV cache of sampling and its two attention strategies: prefill (writes) and decode
-(reads).
+"""The KV cache of sampling: its two layouts, how prefill fills it, how decode reads and
+writes it.
 
-Both are `attention.Attend` strategies passed to the one decoder (model.hidden_states), so
-sampling runs the same layers, LoRA routing and CP attention as training. Prefill runs
-training's CP attention over the packed zigzag streams and hands every layer's K/V out as
-its new state; `to_cache` then lays those rows out as a per-sequence cache. Decode reads a
-layer's cache, adds the step's own key, and hands the step's new K/V out; the caller
-writes them into the cache once per step, outside the layer scan, so the scan never
-copies the cache. This module must never hold weights or run the model itself.
+Prefill and decode are `attention.Attend` strategies passed to the one decoder
+(model.hidden_states), so sampling runs the same layers, LoRA routing and CP attention as
+training. Prefill runs training's CP attention over the packed zigzag streams and hands
+every layer's K/V out; `fill` (inside the prefill program) moves those rows into the
+cache. Decode reads a layer's cache, merges the partial softmax states of the ranks that
+hold its rows, adds the step's own key, and hands the step's K/V out; the caller writes
+them once per step (`write_rows`), outside the layer scan, so the scan never copies the
+cache. This module must never hold weights or run the model itself.
+
+Two layouts (`LAYOUTS`), one code path — they differ only in which mesh axes the
+sequences and the rows of one sequence are spread over:
+
+    "batch"  sequences over (dp, cp), a sequence's T rows on one device (cp ranks act as
+             extra data parallelism); decode needs no cross-device attention.
+    "split"  sequences over dp, a sequence's T = CP·Tc rows split over cp: rank c keeps the
+             rows it prefilled (its zigzag chunks) and every CP-th new token (round robin),
+             so per-device cache memory is ∝ tokens / cp. A query's partial softmax over
+             each rank's rows is merged over cp by log-sum-exp (`merge_partials`).
+
+Every cache row carries its true position (−1 = empty), and masks compare positions, so
+the order of rows never matters.
 
 Shapes: see the legend in jcp/mesh.py; here B = sequences of the decode batch on this
-device and T = cache rows per sequence (row t holds position t). Einsum letters: b
-sequence, t cache row, k kv heads, m query heads per kv head, h head dim.
+device, T = cache rows per sequence on this device. Einsum letters: b sequence, t cache
+row, k kv heads, m query heads per kv head, h head dim.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jcp import attention as attention_lib
+from jcp.mesh import CP, DP, SPECS
 
 
 class KV(NamedTuple):
@@ -30,6 +47,50 @@ class KV(NamedTuple):
 
     k: jax.Array
     v: jax.Array
+
+
+class Cache(NamedTuple):
+    """The cache: k, v [L, B, T, K, H] and position int32 [B, T] (the true position of each
+    row's key in its sequence; −1 = empty)."""
+
+    k: jax.Array
+    v: jax.Array
+    position: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a cache layout puts sequences and rows (see the module docstring).
+
+    seq_axes: mesh axes the decode batch is spread over; row_axes: mesh axes one sequence's
+    rows are spread over (merged by log-sum-exp in decode). The specs come from mesh.SPECS.
+    """
+
+    name: str
+    seq_axes: tuple[str, ...]
+    row_axes: tuple[str, ...]
+    kv_LxBxTxKxH: P
+    position_BxT: P
+    seqs_B: P
+    seqs_Bx2: P
+    spans: P  # [DP, CP, A, 2] ("batch") or [DP, 1, A, 2] ("split")
+
+    @property
+    def specs(self) -> Cache:
+        return Cache(self.kv_LxBxTxKxH, self.kv_LxBxTxKxH, self.position_BxT)
+
+
+LAYOUTS = {
+    "batch": Layout("batch", (DP, CP), (), SPECS.cache_LxBxTxKxH, SPECS.cache_position_BxT,
+                    SPECS.seqs_B, SPECS.seqs_Bx2, SPECS.spans_DPxCPxAx2),
+    "split": Layout("split", (DP,), (CP,), SPECS.split_cache_LxBxTxKxH,
+                    SPECS.split_cache_position_BxT, SPECS.split_seqs_B, SPECS.split_seqs_Bx2,
+                    SPECS.split_spans_DPx1xAx2),
+}
+
+
+# ----------------------------------------------------------------------------------------
+# Prefill
 
 
 def prefill_attend(segment_S, position_S, *, implementation: str = "blockwise",
@@ -50,72 +111,119 @@ def prefill_attend(segment_S, position_S, *, implementation: str = "blockwise",
     return attend
 
 
-def _attend_one(q_KxMxH, k_TxKxH, v_TxKxH, k_new_KxH, v_new_KxH, length):
-    """One sequence's query over its cache rows t < length and its own new key.
+def fill(kv: KV, source_BxT, layout: Layout, old: KV | None) -> KV:
+    """Inside shard_map: this device's cache rows from the prefill streams' K/V.
 
-    Uses the blockwise kernel's online softmax: one update with the cache, one with the
-    query's own key/value. Returns out [K, M, H] fp32.
+    kv: this device's stream rows [L, S, K, H]. They are all-gathered over the layout's
+    sequence axes (device-major: flat row g·S + s of device g = (d·CP + c) for "batch",
+    d for "split" — under "split" each cp rank gathers only its own cp slice, so memory
+    stays ∝ 1/cp), and row (b, t) of the cache takes flat row source_BxT[b, t]; source −1
+    keeps `old`'s row (zeros when old is None). Returns KV [L, B, T, K, H].
+    Example ("batch", cp = 2, one prompt of 5 prefill tokens, S = 4): rank 0 streams
+    positions [0, 1, -, -] and rank 1 [2, 3, 4, -], so source[0] = [0, 1, 4, 5, 6, -1, …].
     """
-    kv_heads, per_kv, head_dim = q_KxMxH.shape
-    scale = 1.0 / np.sqrt(head_dim)
-    state = attention_lib.online_softmax_init(kv_heads, per_kv, 1, head_dim)
-    s_KxMxT = jnp.einsum("kmh,tkh->kmt", q_KxMxH, k_TxKxH,
-                         preferred_element_type=jnp.float32) * scale
-    visible_T = jnp.arange(k_TxKxH.shape[0]) < length
-    s_KxMxT = jnp.where(visible_T, s_KxMxT, -jnp.inf)
-    state = attention_lib.online_softmax_update(state, s_KxMxT[:, :, None, :], v_TxKxH)
-    s_self_KxM = jnp.einsum("kmh,kh->km", q_KxMxH, k_new_KxH,
-                            preferred_element_type=jnp.float32) * scale
-    state = attention_lib.online_softmax_update(state, s_self_KxM[:, :, None, None],
-                                                v_new_KxH[None])
-    out, _ = attention_lib.online_softmax_finish(state)
-    return out[:, :, 0]
+    b, t = source_BxT.shape
+    keep = (source_BxT >= 0)[None, :, :, None, None]
+
+    def one(x_LxSxKxH, old_LxBxTxKxH):
+        flat = jax.lax.all_gather(x_LxSxKxH, layout.seq_axes, axis=1, tiled=True)
+        rows = jnp.take(flat, jnp.maximum(source_BxT, 0).reshape(-1), axis=1)
+        rows = rows.reshape((rows.shape[0], b, t) + rows.shape[2:])
+        if old_LxBxTxKxH is None:
+            old_LxBxTxKxH = jnp.zeros_like(rows)
+        return jnp.where(keep, rows, old_LxBxTxKxH)
+
+    return KV(*(one(x, None if old is None else o)
+                for x, o in zip(kv, (None, None) if old is None else old)))
 
 
-def decode_attend(position_B) -> attention_lib.Attend:
+# ----------------------------------------------------------------------------------------
+# Decode
+
+
+def merge_partials(state: attention_lib.SoftmaxState, axes) -> attention_lib.SoftmaxState:
+    """Log-sum-exp merge of online-softmax states over mesh `axes` (flash-decoding).
+
+    Each device holds the state of its own key rows (max m_i, sum l_i, acc_i, any shape);
+    with m = pmax(m_i): l = psum(l_i·e^(m_i − m)), acc = psum(acc_i·e^(m_i − m)) — the state
+    of all rows together, the same on every device. A device that saw no visible key
+    (m_i = −inf) contributes exactly 0. axes = (): the state unchanged.
+    Example: two ranks with one key each, scores 0 and log 3, values 1 and 5: m = log 3,
+    l = 1/3 + 1, acc = 1/3 + 5, acc / l = 4.
+    """
+    if not axes:
+        return state
+    m_i, l_i, acc_i = state
+    m = jax.lax.pmax(m_i, axes)
+    corr = jnp.exp(m_i - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = jax.lax.psum(l_i * corr, axes)
+    acc = jax.lax.psum(acc_i * corr[..., None], axes)
+    return attention_lib.SoftmaxState(m, l, acc)
+
+
+def decode_attend(position_B, row_position_BxT, merge_axes=()) -> attention_lib.Attend:
     """The decode strategy: one new token per sequence against that sequence's cache.
 
-    position_B: the position of each sequence's new token; its cache holds positions
-    0 … position−1 in rows 0 … position−1 (rows beyond are not read). state: this
-    layer's KV(k [B, T, K, H], v [B, T, K, H]); returns (out [B, Q, H], KV(k_new [B, K, H],
-    v_new [B, K, H])) — the caller writes the new rows at position_B (write_rows).
+    position_B: the true position of each sequence's new token; row_position_BxT: the
+    position held by each of this device's cache rows (−1 = empty). A query sees a row iff
+    0 ≤ row position < its own position, then its own new key. merge_axes: the mesh axes
+    a sequence's rows are split over (the layout's row_axes). state: this layer's
+    KV(k [B, T, K, H], v [B, T, K, H]); returns (out [B, Q, H], KV(k_new [B, K, H],
+    v_new [B, K, H])) — the caller writes the new rows (write_rows).
     """
+    visible_BxT = (row_position_BxT >= 0) & (row_position_BxT < position_B[:, None])
 
     def attend(q_BxQxH, k_BxKxH, v_BxKxH, state: KV):
         b, q_heads, head_dim = q_BxQxH.shape
         kv_heads = k_BxKxH.shape[1]
-        q_BxKxMxH = q_BxQxH.reshape(b, kv_heads, q_heads // kv_heads, head_dim)
-        out = jax.vmap(_attend_one)(q_BxKxMxH, state.k, state.v, k_BxKxH, v_BxKxH,
-                                    position_B)
+        per_kv = q_heads // kv_heads
+        scale = 1.0 / np.sqrt(head_dim)
+        q_BxKxMxH = q_BxQxH.reshape(b, kv_heads, per_kv, head_dim)
+
+        def rows(q_KxMxH, k_TxKxH, v_TxKxH, visible_T):
+            s_KxMxT = jnp.einsum("kmh,tkh->kmt", q_KxMxH, k_TxKxH,
+                                 preferred_element_type=jnp.float32) * scale
+            s_KxMxT = jnp.where(visible_T, s_KxMxT, -jnp.inf)
+            init = attention_lib.online_softmax_init(kv_heads, per_kv, 1, head_dim)
+            return attention_lib.online_softmax_update(init, s_KxMxT[:, :, None, :], v_TxKxH)
+
+        def own(st, q_KxMxH, k_new_KxH, v_new_KxH):
+            s_KxM = jnp.einsum("kmh,kh->km", q_KxMxH, k_new_KxH,
+                               preferred_element_type=jnp.float32) * scale
+            st = attention_lib.online_softmax_update(st, s_KxM[:, :, None, None],
+                                                     v_new_KxH[None])
+            return attention_lib.online_softmax_finish(st)[0][:, :, 0]
+
+        st = jax.vmap(rows)(q_BxKxMxH, state.k, state.v, visible_BxT)
+        st = merge_partials(st, merge_axes)
+        out = jax.vmap(own)(st, q_BxKxMxH, k_BxKxH, v_BxKxH)
         return out.reshape(b, q_heads, head_dim).astype(q_BxQxH.dtype), KV(k_BxKxH, v_BxKxH)
 
     return attend
 
 
-def write_rows(cache: KV, new: KV, position_B) -> KV:
-    """cache [L, B, T, K, H] with row position_B[b] of sequence b set to new [L, B, K, H].
+def write_rows(cache: Cache, new: KV, row_B, position_B) -> Cache:
+    """cache with row row_B[b] of sequence b set to new [L, B, K, H] at position_B[b].
 
-    Positions ≥ T (a finished sequence running on) are dropped, never wrapped.
+    Rows ≥ T are dropped, never wrapped: a finished sequence running on, or (layout
+    "split") a rank that is not this step's writer.
     """
-    b = jnp.arange(position_B.shape[0])
-    return KV(*(c.at[:, b, position_B].set(n.astype(c.dtype), mode="drop")
-                for c, n in zip(cache, new)))
+    b = jnp.arange(row_B.shape[0])
+    k, v = (c.at[:, b, row_B].set(n.astype(c.dtype), mode="drop")
+            for c, n in zip((cache.k, cache.v), new))
+    pos = cache.position.at[b, row_B].set(position_B.astype(jnp.int32), mode="drop")
+    return Cache(k, v, pos)
 
 
-def to_cache(cache: KV, prefill_kv: KV, source_BxT) -> KV:
-    """Copy prefill rows into the cache: row (b, t) ← flat stream row source_BxT[b, t].
+def step_rows(step, base_B, layout: Layout, t_len: int):
+    """Where this device writes step `step`'s new rows: int32 [B] (t_len = nowhere).
 
-    prefill_kv: [L, DP, CP, S, K, H] as the packed streams hold them (flat row
-    (d·CP + c)·S + s); source −1 keeps the cache row as it is. Runs under jit outside any
-    shard_map: the partitioner moves each row to the device that owns its sequence.
-    Example (cp = 2, one prompt of 5 prefill tokens, S = 4): rank 0 holds positions
-    [0, 1, -, -] and rank 1 [2, 3, 4, -], so source[0] = [0, 1, 4, 5, 6, -1, …].
+    Sequence b's decode rows start at base_B[b] on every rank of its row axes; step i goes
+    to rank i mod n (n = size of the row axes, 1 for "batch"), row base + i // n — round
+    robin, so every rank of a "split" cache gains the same number of rows.
     """
-    def one(c, x):
-        l, dp, cp, s = x.shape[:4]
-        flat = x.reshape((l, dp * cp * s) + x.shape[4:])
-        rows = jnp.take(flat, jnp.maximum(source_BxT, 0).reshape(-1), axis=1)
-        rows = rows.reshape(c.shape)
-        return jnp.where((source_BxT >= 0)[None, :, :, None, None], rows.astype(c.dtype), c)
-
-    return KV(*(one(c, x) for c, x in zip(cache, prefill_kv)))
+    if not layout.row_axes:
+        return base_B + step
+    n = jax.lax.axis_size(layout.row_axes)
+    mine = jax.lax.axis_index(layout.row_axes) == step % n
+    return jnp.where(mine, base_B + step // n, t_len)

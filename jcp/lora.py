@@ -40,13 +40,17 @@ def module_dims(cfg: QwenConfig, module: str) -> tuple[int, int]:
     }[module]
 
 
-def resolve_targets(targets) -> tuple[str, ...]:
+def resolve_targets(targets, cfg: QwenConfig | None = None) -> tuple[str, ...]:
     """Target names or groups ("attn", "mlp", "unembed", "all") -> module names in order.
 
     ValueError for anything else (an unknown name, a non-string entry, an empty choice).
+    For a MoE cfg the MLP modules are not adaptable yet (LoRA on the experts is a later
+    step): the default and "all" are attention + unembedding, and naming an MLP module or
+    the "mlp" group is refused.
     """
-    if targets is None:
-        return ALL_MODULES
+    moe = cfg is not None and cfg.is_moe
+    if targets is None or (moe and targets in ("all", ["all"], ("all",))):
+        return tuple(m for m in ALL_MODULES if m not in MLP) if moe else ALL_MODULES
     if isinstance(targets, str):
         targets = (targets,)
     if not isinstance(targets, (list, tuple)):
@@ -63,6 +67,10 @@ def resolve_targets(targets) -> tuple[str, ...]:
                              f"or groups {list(TARGET_GROUPS)}")
     if not chosen:
         raise ValueError("an adapter needs at least one target module")
+    if moe and chosen & set(MLP):
+        raise ValueError(f"LoRA targets {sorted(chosen & set(MLP))} are MLP modules, which "
+                         "jcp cannot adapt on a mixture-of-experts model yet; target "
+                         "attention ('attn') and the unembedding ('unembed')")
     return tuple(m for m in ALL_MODULES if m in chosen)
 
 

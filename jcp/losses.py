@@ -147,13 +147,28 @@ def target_logprobs(lefts, rights, targets_S, chunk: int = DEFAULT_CHUNK, right_
 # Tinker losses: one signature, token losses (summed by the caller, never averaged)
 
 
+def _whole_vector_sum(v_S):
+    """datum_sum when the vector is one datum held whole (a loss called outside shard_loss)."""
+    return jnp.broadcast_to(jnp.sum(v_S), v_S.shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenInputs:
-    """Client vectors on this shard, each [S] float32 (zeros where a loss does not use one)."""
+    """Client vectors on this shard, each [S] float32 (zeros where a loss does not use one;
+    sequence_ratio_mask may be None where no loss of the step reads it), and datum_sum.
+
+    datum_sum(v_S) -> [S]: for each token, the sum of v over every token of its datum on
+    every (dp, cp) rank — the one way a loss sees per-datum statistics (GSPO's sequence
+    ratio), whatever the mesh. shard_loss supplies it; its result is a constant of the
+    gradient (stop_gradient), and padding tokens get 0. The default treats the whole
+    vector as one datum, for a loss called directly on one datum's tokens.
+    """
 
     weights: jax.Array
     advantages: jax.Array
     logprobs: jax.Array
+    sequence_ratio_mask: jax.Array | None = None
+    datum_sum: Callable = _whole_vector_sum
 
 
 # Every loss is written so that a finite loss has a finite gradient: a ratio r = exp(lp − s)
@@ -178,19 +193,44 @@ def importance_sampling(lp, x: TokenInputs, cfg):
     return -r * x.advantages, jnp.zeros(lp.shape, bool)
 
 
-def ppo(lp, x: TokenInputs, cfg):
-    """−min(r·A, clip(r, lo, hi)·A). Clipped: tokens where the clipped term wins (zero grad).
+def _clipped_objective(log_r, a, cfg):
+    """−min(r·A, clip(r, lo, hi)·A) for r = exp(log_r), differentiated through log_r.
 
     The unclipped term wins iff A > 0 and r ≤ hi, or A < 0 and r ≥ lo; the clipped term is
-    then constant in lp (gradient exactly 0), and A = 0 gives exactly 0.
+    then constant in lp (gradient exactly 0), and A = 0 gives exactly 0. Clipped: tokens
+    where the clipped term wins.
     """
     lo, hi = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
-    a = x.advantages
-    r_value = jnp.exp(jax.lax.stop_gradient(lp) - x.logprobs)
+    r_value = jnp.exp(jax.lax.stop_gradient(log_r))
     unclipped = ((a > 0) & (r_value <= hi)) | ((a < 0) & (r_value >= lo))
-    r = _ratio(lp, x.logprobs, unclipped)
+    r = jnp.exp(jnp.where(unclipped, log_r, 0.0))  # as _ratio: exp only where taken
     clipped_term = jnp.where(a != 0, jnp.clip(r_value, lo, hi), 0.0) * a
     return -jnp.where(unclipped, r * a, clipped_term), (a != 0) & ~unclipped
+
+
+def ppo(lp, x: TokenInputs, cfg):
+    """−min(r·A, clip(r, lo, hi)·A), r = exp(lp − s). Clipped: tokens where the clipped
+    term wins (zero gradient)."""
+    return _clipped_objective(lp - x.logprobs, x.advantages, cfg)
+
+
+def gspo(lp, x: TokenInputs, cfg):
+    """GSPO-token: PPO's objective with the token ratio sg(s)·exp(lp − sg(lp)), where
+    s = exp(mean of (lp − logprobs) over the datum's tokens with sequence_ratio_mask ≠ 0)
+    (s = 1 when the datum has no such token). The mean spans the datum's tokens on every
+    rank (x.datum_sum); its value is the same on each of them.
+
+    The log of the token ratio is (lp − sg(lp)) + log s, exactly log s in value, so the
+    ratio is computed once, never as sg(s)·(something) that could be inf·0.
+    """
+    if x.sequence_ratio_mask is None:
+        raise ValueError("gspo reads TokenInputs.sequence_ratio_mask; it is None")
+    mask = x.sequence_ratio_mask != 0
+    lp_value = jax.lax.stop_gradient(lp)
+    total = x.datum_sum(jnp.where(mask, lp_value - x.logprobs, 0.0))
+    count = x.datum_sum(mask.astype(jnp.float32))
+    log_s = jnp.where(count > 0, total / jnp.maximum(count, 1.0), 0.0)
+    return _clipped_objective((lp - lp_value) + log_s, x.advantages, cfg)
 
 
 def cispo(lp, x: TokenInputs, cfg):
@@ -210,7 +250,8 @@ def dro(lp, x: TokenInputs, cfg):
 class LossSpec:
     """One Tinker loss: fn(lp, TokenInputs, settings) -> (token loss, clipped); the
     loss_fn_inputs it reads besides target_tokens; its settings with their defaults;
-    whether it reports clipped_tokens."""
+    whether it reports clipped_tokens. A loss that needs per-datum statistics takes them
+    from TokenInputs.datum_sum, which is exact under any mesh."""
 
     fn: Callable
     inputs: tuple[str, ...]
@@ -229,6 +270,9 @@ LOSSES: dict[str, LossSpec] = {
     "cispo": LossSpec(cispo, ("advantages", "logprobs"),
                       {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}, clips=True),
     "dro": LossSpec(dro, ("advantages", "logprobs"), {"beta": 0.05}),
+    # Tinker documents the clip keys of gspo but not their defaults: PPO's are used.
+    "gspo": LossSpec(gspo, ("advantages", "logprobs", "sequence_ratio_mask"),
+                     {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, clips=True),
 }
 
 # The per-token float vectors any loss reads, in a fixed order (packed as streams).
@@ -282,7 +326,10 @@ def check_finite_outputs(i: int, datum, out: dict) -> None:
                          "(overflows float32); split the datum or scale its inputs")
     j = int(bad[0])
     why = "check loss_fn_inputs.advantages / weights"
-    if "logprobs" in datum.floats:
+    if datum.loss_fn == "gspo":
+        why = ("the sequence ratio exp(mean of (logprob − loss_fn_inputs.logprobs) over "
+               "sequence_ratio_mask) overflows float32; check loss_fn_inputs.logprobs")
+    elif "logprobs" in datum.floats:
         log_ratio = float(out["logprobs"][j]) - float(datum.floats["logprobs"][j])
         if log_ratio > np.log(np.finfo(np.float32).max):
             why = (f"the importance ratio exp(logprob − loss_fn_inputs.logprobs) = "
@@ -317,13 +364,38 @@ jax.tree_util.register_dataclass(
     meta_fields=[])
 
 
-def _gather_stream(x_S):
-    """All-gather: [S] on each (dp, cp) device -> [DP, CP, S], the same on every device."""
+def gather_stream(x_S):
+    """All-gather a per-token vector: [S] on each (dp, cp) device -> [DP, CP, S], the same
+    on every device (and typed replicated, so it may leave the shard_map with out_specs
+    P()). Inside shard_map. batch.unpack turns the result into per-datum vectors; used
+    for the per-datum outputs of training and for sampling's prompt log-probs.
+    """
     # A psum of each device's row placed in a zero grid: unlike all_gather, its result is
     # typed replicated, so it can leave the shard_map with out_specs P().
     grid = jnp.zeros((jax.lax.axis_size(DP), jax.lax.axis_size(CP)) + x_S.shape, x_S.dtype)
     grid = grid.at[jax.lax.axis_index(DP), jax.lax.axis_index(CP)].set(x_S)
     return jax.lax.psum(grid, BATCH_AXES)
+
+
+def datum_sum(segment_S, num_slots: int):
+    """The TokenInputs.datum_sum of this shard (inside shard_map): v_S -> [S], each token's
+    datum total of v over every (dp, cp) rank, a constant of the gradient; padding gets 0.
+
+    A segment_sum into the num_slots datum slots (padding into a spare one), a psum over
+    (dp, cp) — each datum's tokens are spread over the cp ranks of one dp shard, other
+    ranks add zeros — then each token reads its slot. E.g. cp = 2, one datum of 3 tokens
+    [a, b, c] held as rank 0: [a, ·], rank 1: [b, c]: every real token gets a + b + c.
+    """
+    real_S = segment_S >= 0
+    slot_S = jnp.where(real_S, segment_S, num_slots)
+
+    def total(v_S):
+        v_S = jnp.where(real_S, jax.lax.stop_gradient(v_S), 0.0)
+        per_B = jax.ops.segment_sum(v_S, slot_S, num_segments=num_slots + 1)
+        per_B = jax.lax.psum(per_B, BATCH_AXES)
+        return jnp.where(real_S, per_B[slot_S], 0.0)
+
+    return total
 
 
 def token_losses(lp_S, inputs: TokenInputs, loss_fn, cfg, loss_id_S=None):
@@ -341,9 +413,12 @@ def token_losses(lp_S, inputs: TokenInputs, loss_fn, cfg, loss_id_S=None):
     lp_value = jax.lax.stop_gradient(lp_S)
     for k, name in enumerate(loss_fn):
         here = loss_id_S == k
-        mine = TokenInputs(weights=jnp.where(here, inputs.weights, 0.0),
-                           advantages=jnp.where(here, inputs.advantages, 0.0),
-                           logprobs=jnp.where(here, inputs.logprobs, lp_value))
+        mask = inputs.sequence_ratio_mask
+        mine = dataclasses.replace(
+            inputs, weights=jnp.where(here, inputs.weights, 0.0),
+            advantages=jnp.where(here, inputs.advantages, 0.0),
+            logprobs=jnp.where(here, inputs.logprobs, lp_value),
+            sequence_ratio_mask=None if mask is None else jnp.where(here, mask, 0.0))
         l, c = LOSSES[name](lp_S, mine, cfg[name])
         tok_loss_S = jnp.where(here, l, tok_loss_S)
         clipped_S = clipped_S | (here & c)
@@ -363,6 +438,7 @@ def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn
     """
     lp_S = target_logprobs(lefts, rights, targets_S, chunk, right_grads)
     real_S = segment_S >= 0
+    inputs = dataclasses.replace(inputs, datum_sum=datum_sum(segment_S, num_slots))
     tok_loss_S, clipped_S = token_losses(lp_S, inputs, loss_fn, cfg, loss_id_S)
     tok_loss_S = jnp.where(real_S, tok_loss_S, 0.0)
     loss = jax.lax.psum(jnp.sum(tok_loss_S), BATCH_AXES)
@@ -372,8 +448,8 @@ def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn
     datum_loss = jax.ops.segment_sum(el_out, jnp.where(real_S, segment_S, num_slots),
                                      num_segments=num_slots + 1)[:num_slots]
     outputs = ShardOutputs(
-        logprobs=_gather_stream(lp_out),
-        elementwise_loss=_gather_stream(el_out),
+        logprobs=gather_stream(lp_out),
+        elementwise_loss=gather_stream(el_out),
         datum_loss=jax.lax.psum(datum_loss, BATCH_AXES),
         clipped=jax.lax.psum(jnp.sum(clipped_S & real_S, dtype=jnp.int32), BATCH_AXES),
     )

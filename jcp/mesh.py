@@ -56,6 +56,10 @@ class Specs:
     column_LxDxO: P = P(None, None, TP)  # q, k, v, gate, up: split on out
     column_bias_LxO: P = P(None, TP)
     row_LxIxD: P = P(None, TP, None)  # o, down: split on in, psum over tp after
+    # MoE layers (Lm of them): the router replicated; whole experts over tp (E/tp per rank),
+    # so every rank routes alike, runs its own experts, and the MLP's psum over tp combines.
+    router_LxDxE: P = P(None, None, None)
+    experts_LxExIxO: P = P(None, TP, None, None)  # gate, up [Lm, E, D, F]; down [Lm, E, F, D]
     # LoRA slots (slot-major), sharded like the base layer they adapt.
     lora_a_column_GxLxDxR: P = P(None, None, None, None)
     lora_b_column_GxLxRxO: P = P(None, None, None, TP)
@@ -64,13 +68,20 @@ class Specs:
     lora_a_head_GxDxR: P = P(None, None, None)
     lora_b_head_GxRxV: P = P(None, None, TP)
     slot_G: P = P(None)
-    # Sampling (jcp/kv_cache.py, jcp/sample.py). Prefill K/V as the packed streams hold them;
-    # the decode batch of B sequences spread over (dp, cp) — cp ranks act as extra data
-    # parallelism — with kv heads over tp, each sequence's whole cache on one device.
-    prefill_kv_LxDPxCPxSxKxH: P = P(None, DP, CP, None, TP, None)
+    # Sampling (jcp/kv_cache.py, jcp/sample.py), kv heads over tp throughout.
+    # Cache mode "batch": the decode batch of B sequences spread over (dp, cp) — cp ranks
+    # act as extra data parallelism — each sequence's whole cache (T rows) on one device.
     cache_LxBxTxKxH: P = P(None, (DP, CP), None, TP, None)
+    cache_position_BxT: P = P((DP, CP), None)
     seqs_B: P = P((DP, CP))
     seqs_Bx2: P = P((DP, CP), None)
+    # Cache mode "split": sequences over dp only, each sequence's T = CP·Tc cache rows split
+    # over cp (rank c holds rows c·Tc … (c+1)·Tc − 1); spans are per dp shard ([DP, 1, A, 2]).
+    split_cache_LxBxTxKxH: P = P(None, DP, CP, TP, None)
+    split_cache_position_BxT: P = P(DP, CP)
+    split_seqs_B: P = P(DP)
+    split_seqs_Bx2: P = P(DP, None)
+    split_spans_DPx1xAx2: P = P(DP, None, None, None)
 
 
 SPECS = Specs()

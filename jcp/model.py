@@ -21,6 +21,8 @@ from jax.sharding import NamedSharding
 
 from jcp import attention as attention_lib
 from jcp import lora as lora_lib
+from jcp import mesh as mesh_lib
+from jcp import moe as moe_lib
 from jcp.config import QwenConfig
 from jcp.mesh import SPECS, TP
 
@@ -30,7 +32,12 @@ ROW = ("o_proj", "down_proj")
 
 
 def param_shapes(cfg: QwenConfig) -> dict:
-    """The base-parameter tree as shapes. Projections are stored [in, out] (x @ W)."""
+    """The base-parameter tree as shapes. Projections are stored [in, out] (x @ W).
+
+    A MoE config moves the MLP weights out of `layers` (which keeps attention and norms of
+    all L layers) into `dense_mlp` ([Ld, …], its dense layers, if any) and `moe_mlp`
+    (router [Lm, D, E], expert_gate / expert_up [Lm, E, D, F], expert_down [Lm, E, F, D]).
+    """
     L, d, f, v = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     layers = {
         "input_norm": (L, d), "post_norm": (L, d),
@@ -43,6 +50,16 @@ def param_shapes(cfg: QwenConfig) -> dict:
     if cfg.qk_norm:
         layers.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
     out = {"embed": (v, d), "final_norm": (d,), "layers": layers}
+    if cfg.is_moe:
+        # MLP weights stacked per kind of layer (layers[i] keeps attention and norms);
+        # hidden_states scans each run of same-kind layers (moe.layer_runs).
+        dense = {m: layers.pop(m) for m in ("gate_proj", "up_proj", "down_proj")}
+        lm, ld = sum(cfg.moe_layers), L - sum(cfg.moe_layers)
+        if ld:
+            out["dense_mlp"] = {m: (ld,) + s[1:] for m, s in dense.items()}
+        e, fe = cfg.num_experts, cfg.moe_intermediate_size
+        out["moe_mlp"] = {"router": (lm, d, e), "expert_gate": (lm, e, d, fe),
+                          "expert_up": (lm, e, d, fe), "expert_down": (lm, e, fe, d)}
     if not cfg.tie_word_embeddings:
         out["lm_head"] = (d, v)
     return out
@@ -64,6 +81,11 @@ def param_specs(cfg: QwenConfig) -> dict:
            "layers": {k: layer_spec(k) for k in shapes["layers"]}}
     if "lm_head" in shapes:
         out["lm_head"] = SPECS.unembed_DxV
+    if "dense_mlp" in shapes:
+        out["dense_mlp"] = {k: layer_spec(k) for k in shapes["dense_mlp"]}
+    if "moe_mlp" in shapes:
+        out["moe_mlp"] = {k: SPECS.router_LxDxE if k == "router" else SPECS.experts_LxExIxO
+                          for k in shapes["moe_mlp"]}
     return out
 
 
@@ -76,10 +98,8 @@ def random_params(cfg: QwenConfig, seed: int = 0) -> dict:
             return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         return (0.02 * rng.standard_normal(shape)).astype(np.float32)
 
-    shapes = param_shapes(cfg)
-    out = {k: make(k, s) for k, s in shapes.items() if k != "layers"}
-    out["layers"] = {k: make(k, s) for k, s in shapes["layers"].items()}
-    return out
+    return {k: {kk: make(kk, ss) for kk, ss in s.items()} if isinstance(s, dict) else make(k, s)
+            for k, s in param_shapes(cfg).items()}
 
 
 def place(tree_host, specs, mesh, dtype=None):
@@ -105,22 +125,23 @@ def place(tree_host, specs, mesh, dtype=None):
 def check_shapes(cfg: QwenConfig, params) -> None:
     """Raise ValueError naming the first parameter whose shape differs from cfg's."""
     want = param_shapes(cfg)
-    have_keys = set(params) - {"layers"}
-    want_keys = set(want) - {"layers"}
-    if have_keys != want_keys or set(params.get("layers", {})) != set(want["layers"]):
+    groups = {k for k, s in want.items() if isinstance(s, dict)}
+    have_keys, want_keys = set(params) - groups, set(want) - groups
+    if have_keys != want_keys or any(
+            not isinstance(params.get(g), dict) or set(params[g]) != set(want[g])
+            for g in groups):
+        have = {g: sorted(params[g]) if isinstance(params.get(g), dict) else None
+                for g in sorted(groups)}
         raise ValueError(
-            f"base parameters do not match the config: expected {sorted(want_keys)} and layers "
-            f"{sorted(want['layers'])}, got {sorted(have_keys)} and "
-            f"{sorted(params.get('layers', {}))}")
+            f"base parameters do not match the config: expected {sorted(want_keys)} and "
+            f"{ {g: sorted(want[g]) for g in sorted(groups)} }, got {sorted(have_keys)} and "
+            f"{have}")
     for k, s in want.items():
-        if k == "layers":
-            for kk, ss in s.items():
-                if tuple(params["layers"][kk].shape) != ss:
-                    raise ValueError(f"base parameter layers.{kk} has shape "
-                                     f"{tuple(params['layers'][kk].shape)}, expected {ss}")
-        elif tuple(params[k].shape) != s:
-            raise ValueError(f"base parameter {k} has shape {tuple(params[k].shape)}, "
-                             f"expected {s}")
+        for name, arr, ss in ([(f"{k}.{kk}", params[k][kk], sss) for kk, sss in s.items()]
+                              if k in groups else [(k, params[k], s)]):
+            if tuple(arr.shape) != ss:
+                raise ValueError(f"base parameter {name} has shape {tuple(arr.shape)}, "
+                                 f"expected {ss}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -216,6 +237,31 @@ def dense_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing
     return jax.lax.psum(y_SxD, TP)
 
 
+def moe_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None):
+    """Pre-norm sparse MoE MLP of one layer (Qwen3-MoE), psum'd over tp: [S, D].
+
+    Same signature as dense_mlp. h is identical on every tp rank, so every rank routes
+    alike (moe.route: softmax in fp32, top-k, renormalised when cfg.norm_topk_prob), runs
+    only its own E/tp experts (layer["expert_*"]: [E/tp, …]) on the rows routed to them,
+    dropless, and the psum over tp adds the ranks' parts. Experts are not LoRA-adapted.
+    The caller adds the residual.
+    """
+    del lora_layer, route
+    x_SxD = rms_norm(h_SxD, layer["post_norm"], cfg.rms_norm_eps)
+    weights_SxK, experts_SxK = moe_lib.route(x_SxD, layer["router"], cfg.num_experts_per_tok,
+                                             cfg.norm_topk_prob)
+    num_local = layer["expert_gate"].shape[0]
+    # x is invariant over tp but each rank uses its own rows of it: cast it to varying
+    # explicitly so its cotangent is psum'd over tp by that cast's transpose. Left to the
+    # implicit casts, the gradient w.r.t. x came out wrong at tp > 1 (jax 0.10.2; caught by
+    # test_moe's two-mesh gradient test; a lone gather or scatter at varying indices
+    # transposes correctly, the combination in moe.experts did not).
+    y_SxD = moe_lib.experts(mesh_lib.vary(x_SxD, (TP,)), weights_SxK, experts_SxK,
+                            layer["expert_gate"], layer["expert_up"], layer["expert_down"],
+                            jax.lax.axis_index(TP) * num_local)
+    return jax.lax.psum(y_SxD, TP)
+
+
 def decoder_layer(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None,
                   position_S, attend: attention_lib.Attend, attn_state, mlp=dense_mlp):
     """One pre-norm decoder layer on this shard: (h + attention, then + mlp; new state)."""
@@ -225,9 +271,20 @@ def decoder_layer(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Rou
     return h_SxD + mlp(cfg, h_SxD, layer, lora_layer, route), attn_state
 
 
+def layer_slices(params, lora=None) -> tuple:
+    """Every layer's (weights, LoRA of the active adapters) as separate arrays: [L, …] ->
+    L × […]. Taken once outside a loop that runs the decoder many times (sampling's decode
+    loop), so each step reads whole arrays instead of slicing the stacked weights per
+    layer and step; pass the result to hidden_states(…, layers=…)."""
+    layer_lora = None if lora is None else {m: lora[m] for m in lora_lib.LAYER_MODULES}
+    num_layers = jax.tree.leaves(params["layers"])[0].shape[0]
+    return tuple(jax.tree.map(lambda x: x[i], (params["layers"], layer_lora))
+                 for i in range(num_layers))
+
+
 def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attention_lib.Attend,
                   lora=None, route: lora_lib.Routing | None = None, *, attn_state=None,
-                  mlp=dense_mlp, remat: bool = True):
+                  mlp=dense_mlp, remat: bool = True, layers=None):
     """(final-norm hidden states [S, D] of this shard's tokens, new attention state).
 
     params: this shard's base weights (see param_shapes); lora: active adapters
@@ -235,9 +292,13 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
     attend: the attention strategy (attention.cp_attend(segment_S, position_S, …) for
     training); attn_state: per-layer attention state stacked on a leading [L] axis (None,
     an empty pytree, for training), scanned with the weights and returned likewise.
-    mlp: the MLP block (dense_mlp). Layers run under lax.scan (compile time independent of
-    depth), each rematerialised in the backward pass when `remat` (all but the attention
-    kernel's output and lse).
+    mlp: the MLP block of dense layers (dense_mlp); MoE layers (cfg.moe_layers) use
+    moe_mlp, each run of same-kind layers scanned on its own. Layers run under lax.scan
+    (compile time independent of depth), each rematerialised in the backward pass when
+    `remat` (all but the attention kernel's output and lse). layers: layer_slices(params,
+    lora) taken by the caller — the layers then run unrolled on those slices
+    (params["layers"] and lora's layer modules are not read; attn_state is sliced and
+    restacked per layer); inference only, dense models only for now.
     """
     dtype = jnp.dtype(cfg.dtype)
     h = embed(params["embed"], tokens_S).astype(dtype)
@@ -245,14 +306,40 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
 
     def body(h, xs):
         layer, lora_layer, state = xs
-        return decoder_layer(cfg, h, layer, lora_layer, route, position_S, attend, state, mlp)
+        block = moe_mlp if "router" in layer else mlp
+        return decoder_layer(cfg, h, layer, lora_layer, route, position_S, attend, state, block)
+
+    if layers is not None:
+        if cfg.is_moe:
+            raise NotImplementedError("hidden_states(layers=…) does not yet serve MoE models; "
+                                      "run their layers under the scan (layers=None)")
+        states = []
+        for i, (layer, lora_layer) in enumerate(layers):
+            state = jax.tree.map(lambda x: x[i], attn_state)
+            h, state = body(h, (layer, lora_layer, state))
+            states.append(state)
+        attn_state = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+        return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), attn_state
 
     if remat:
         # Recompute each layer in the backward pass except the attention kernel's output and
         # log-sum-exp: O(S·Q·H) per layer saved buys not running attention twice.
         policy = jax.checkpoint_policies.save_only_these_names(*attention_lib.SAVED_NAMES)
         body = jax.checkpoint(body, prevent_cse=False, policy=policy)
-    h, attn_state = jax.lax.scan(body, h, (params["layers"], layer_lora, attn_state))
+    if not cfg.is_moe:
+        h, attn_state = jax.lax.scan(body, h, (params["layers"], layer_lora, attn_state))
+        return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), attn_state
+    # MoE and dense layers have different MLP weights, so each run of same-kind layers is
+    # its own scan over its slice of the stacks (one scan when every layer is MoE).
+    states = []
+    for is_moe, start, end, first in moe_lib.layer_runs(cfg):
+        cut = lambda t, a=start, b=end: jax.tree.map(lambda x: x[a:b], t)
+        mlp_w = jax.tree.map(lambda x, a=first, n=end - start: x[a:a + n],
+                             params["moe_mlp" if is_moe else "dense_mlp"])
+        h, state = jax.lax.scan(body, h, ({**cut(params["layers"]), **mlp_w}, cut(layer_lora),
+                                          cut(attn_state)))
+        states.append(state)
+    attn_state = jax.tree.map(lambda *xs: jnp.concatenate(xs), *states)
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), attn_state
 
 

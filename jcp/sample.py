@@ -1,20 +1,21 @@
 """Sampling with the Trainer's own base weights and adapter slots: prefill, decode, draws.
 
 Owns SamplingParams and the sampled results, the validation of sampling calls, the layout
-of a call (which prompt is prefilled where, which device decodes which sequence) and the
-compiled programs: prefill (the packed zigzag path with CP attention, writing a KV cache
-through kv_cache.prefill_attend), decode (one lax.while_loop over a batch of sequences
-that mixes adapters, kv_cache.decode_attend) and the token draw on vocab-parallel logits.
-It reuses the one decoder (model.hidden_states), LoRA routing and log-prob code; it must
-never write a second decoder, never copy adapter weights per token, and never change
-any state (adapters, accumulators, optimizer) — sampling only reads.
+of a call (which prompt is prefilled where, which device decodes which sequence, which
+cache layout — Plan) and the compiled programs: prefill (the packed zigzag path with CP
+attention, writing the KV cache in the same program through kv_cache.prefill_attend and
+kv_cache.fill), decode (one lax.while_loop over a batch of sequences that mixes adapters,
+kv_cache.decode_attend) and the token draw on vocab-parallel logits. It reuses the one
+decoder (model.hidden_states), LoRA routing and log-prob code; it must never write a
+second decoder, never copy adapter weights per token, and never change any state
+(adapters, accumulators, optimizer) — sampling only reads.
 
-Cache mode: the decode batch of sequences is spread over (dp, cp) — cp ranks act as extra
-data parallelism — and kv heads over tp; a sequence's whole cache lives on one device, so
-decode needs no cross-device attention (mesh.SPECS.cache_LxBxTxKxH). This is the one
-mode built: a cache split over cp along the sequence (each cp rank keeping the rows it
-prefilled, queries merged by log-sum-exp over cp) for prompts too long for one device is
-not implemented, so the longest sampled sequence is bounded by one device's memory.
+Cache layouts (kv_cache.LAYOUTS), chosen per call by size (choose_cache_mode) or by the
+caller's cache_mode: "batch" spreads the decode batch over (dp, cp) — cp ranks act as
+extra data parallelism — each sequence's cache on one device, no cross-device attention
+in decode; "split" keeps each sequence's cache split over cp along the sequence (the
+rows each rank prefilled, new tokens round robin), merging the ranks' partial attention
+by log-sum-exp, so per-device cache memory is ∝ tokens / cp for long prompts.
 
 Shapes: see the legend in jcp/mesh.py; B = sequences of the decode batch (on this device
 inside shard_map), T = cache rows per sequence, N = out tokens per sequence (bucketed).
@@ -42,7 +43,7 @@ from jcp import model as model_lib
 from jcp.adapter_state import host, replicate
 from jcp.config import QwenConfig
 from jcp.errors import InputError, float32_number
-from jcp.mesh import BATCH_AXES, CP, DP, SPECS, TP, vary
+from jcp.mesh import SPECS, TP, vary
 
 # Temperatures below this are treated as this: logits / T stays finite in float32, and the
 # draw is then the greedy token except for exact ties.
@@ -250,13 +251,12 @@ def _gather_vocab(x_BxVloc):
     return jnp.moveaxis(jax.lax.psum(grid, TP), 0, 1).reshape(b, tp * v_loc)
 
 
-def _gather_batch(x_BxN):
-    """[B, …] on each (dp, cp) device -> [DP·CP·B, …] on all (device-major), replicated."""
-    n_dev = jax.lax.axis_size(DP) * jax.lax.axis_size(CP)
-    g = jax.lax.axis_index(DP) * jax.lax.axis_size(CP) + jax.lax.axis_index(CP)
-    grid = jnp.zeros((n_dev,) + x_BxN.shape, x_BxN.dtype).at[g].set(x_BxN)
-    grid = jax.lax.psum(grid, BATCH_AXES)
-    return grid.reshape((-1,) + x_BxN.shape[1:])
+def _gather_batch(x_BxN, axes):
+    """[B, …] on each device along `axes` -> [n·B, …] on all (device-major over axes in
+    order, n = their total size), replicated over them."""
+    grid = jnp.zeros((jax.lax.axis_size(axes),) + x_BxN.shape, x_BxN.dtype)
+    grid = grid.at[jax.lax.axis_index(axes)].set(x_BxN)
+    return jax.lax.psum(grid, axes).reshape((-1,) + x_BxN.shape[1:])
 
 
 def _route(active_A, spans_Ax2, scale_G):
@@ -272,80 +272,101 @@ def _route(active_A, spans_Ax2, scale_G):
 
 def make_prefill(cfg: QwenConfig, mesh, attn_impl: str, attn_block: int, chunk: int):
     """jit(prefill)(lora, params, scale_G, tokens, segment, position, targets, spans, active,
-    *, with_kv, with_logprobs) -> (KV [L, DP, CP, S, K, H] or None, log-probs [DP, CP, S]
-    replicated or None).
+    source, old, *, layout, with_logprobs) -> (KV [L, B, T, K, H] or None, log-probs
+    [DP, CP, S] replicated or None).
 
     The packed streams (batch.pack of prompt[:-1] with targets prompt[1:]) through the
-    decoder with CP attention and each token's adapter (active < 0: none).
+    decoder with CP attention and each token's adapter (active < 0: none). With a cache
+    layout name ("batch" / "split", kv_cache.LAYOUTS), every layer's K/V is moved into the
+    cache in the same program (kv_cache.fill): row (b, t) ← flat stream row source[b, t]
+    ([B, T] int32, sharded like the cache positions; −1 keeps `old`'s row, or zero when old
+    is None — the first micro-batch of a call creates the cache). `old` is donated.
+    layout None: no cache (source and old None).
     """
     stream = SPECS.stream_DPxCPxS
 
-    @functools.partial(jax.jit, static_argnames=("with_kv", "with_logprobs"))
-    def prefill(lora, params, scale_G, tokens, segment, position, targets, spans, active, *,
-                with_kv, with_logprobs):
+    @functools.partial(jax.jit, static_argnames=("layout", "with_logprobs"),
+                       donate_argnames=("old",))
+    def prefill(lora, params, scale_G, tokens, segment, position, targets, spans, active,
+                source, old, *, layout, with_logprobs):
         lora_active = lora_lib.take_active(lora, jnp.maximum(active, 0))
+        lay = None if layout is None else kv_cache.LAYOUTS[layout]
 
         def shard(lora_active, params, scale_G, tokens, segment, position, targets, spans,
-                  active):
+                  active, source, old):
             one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
             route = _route(active, one(spans), scale_G)
             attend = kv_cache.prefill_attend(one(segment), one(position),
                                              implementation=attn_impl, block=attn_block)
             h_SxD, kv = model_lib.hidden_states(cfg, params, one(tokens), one(position), attend,
                                                 lora_active, route, remat=False)
-            kv = kv_cache.KV(*(x[:, None, None] for x in kv)) if with_kv else None
+            kv = None if lay is None else kv_cache.fill(kv, source, lay, old)
             lp = None
             if with_logprobs:
                 lefts, rights = model_lib.unembed_factors(params, h_SxD, lora_active, route)
                 lp_S = losses_lib.target_logprobs(lefts, rights, one(targets), chunk)
-                lp = losses_lib._gather_stream(jnp.where(one(segment) >= 0, lp_S, 0.0))
+                lp = losses_lib.gather_stream(jnp.where(one(segment) >= 0, lp_S, 0.0))
             return kv, lp
 
-        kv_spec = kv_cache.KV(SPECS.prefill_kv_LxDPxCPxSxKxH, SPECS.prefill_kv_LxDPxCPxSxKxH)
+        kv_spec = None if lay is None else kv_cache.KV(lay.kv_LxBxTxKxH, lay.kv_LxBxTxKxH)
         in_specs = (lora_lib.slot_specs_active(), model_lib.param_specs(cfg), SPECS.slot_G,
-                    stream, stream, stream, stream, SPECS.spans_DPxCPxAx2, SPECS.replicated)
-        out_specs = (kv_spec if with_kv else None, P() if with_logprobs else None)
+                    stream, stream, stream, stream, SPECS.spans_DPxCPxAx2, SPECS.replicated,
+                    None if lay is None else lay.position_BxT,
+                    None if old is None else kv_spec)
+        out_specs = (kv_spec, P() if with_logprobs else None)
         return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
-            lora_active, params, scale_G, tokens, segment, position, targets, spans, active)
+            lora_active, params, scale_G, tokens, segment, position, targets, spans, active,
+            source, old)
 
     return prefill
 
 
 def make_decode(cfg: QwenConfig, mesh):
-    """jit(decode)(lora, params, scale_G, cache, token_B, position_B, done_B, keys_Bx2,
-    spans, active, stop, max_tokens, temperature, top_k, top_p, *, out_len, greedy,
-    filtered) -> (tokens [B, N] (−1 after a sequence ended), log-probs [B, N]), replicated.
+    """jit(decode)(lora, params, scale_G, cache, token_B, position_B, base_B, done_B,
+    keys_Bx2, spans, active, stop, max_tokens, temperature, top_k, top_p, *, layout,
+    out_len, greedy, filtered, slice_layers) -> (tokens [B, N] (−1 after a sequence
+    ended), log-probs [B, N], both replicated; the final cache).
 
     One lax.while_loop: each step runs every sequence's newest token through the decoder
-    (decode_attend over its cache, LoRA routed by the sequences' adapter spans), draws the
-    next token, writes the step's K/V rows, and stops when every sequence has met a stop
-    token or max_tokens. The cache (donated) is updated in place.
+    (decode_attend over its cache — merged over cp under layout "split" — LoRA routed by
+    the sequences' adapter spans), draws the next token, writes the step's K/V rows
+    (kv_cache.step_rows: from base_B on, round robin over the rows' ranks), and stops when
+    every sequence has met a stop token or max_tokens. cache: kv_cache.Cache in the
+    layout's specs, donated and returned, so the loop updates it in place (one cache in
+    memory, not two). slice_layers: take every layer's weights out of the stacked arrays
+    once, before the loop, and run the layers unrolled on them (model.layer_slices),
+    instead of a lax.scan that slices them per layer and step (False: for benchmarks).
     """
-    seqs = SPECS.seqs_B
 
-    @functools.partial(jax.jit, static_argnames=("out_len", "greedy", "filtered"))
-    def decode(lora, params, scale_G, cache, token_B, position_B, done_B, keys_Bx2, spans,
-               active, stop, max_tokens, temperature, top_k, top_p, *, out_len, greedy,
-               filtered):
+    @functools.partial(jax.jit, static_argnames=("layout", "out_len", "greedy", "filtered",
+                                                 "slice_layers"),
+                       donate_argnames=("cache",))
+    def decode(lora, params, scale_G, cache, token_B, position_B, base_B, done_B, keys_Bx2,
+               spans, active, stop, max_tokens, temperature, top_k, top_p, *, layout,
+               out_len, greedy, filtered, slice_layers=True):
+        lay = kv_cache.LAYOUTS[layout]
         # Gathered once, outside the loop: the A active slots, layers leading.
         lora_active = lora_lib.take_active(lora, jnp.maximum(active, 0))
 
-        def shard(lora_active, params, scale_G, cache, token_B, position_B, done_B, keys_Bx2,
-                  spans, active, stop, max_tokens, temperature, top_k, top_p):
+        def shard(lora_active, params, scale_G, cache, token_B, position_B, base_B, done_B,
+                  keys_Bx2, spans, active, stop, max_tokens, temperature, top_k, top_p):
             route = _route(active, spans[0, 0], scale_G)
-            b = token_B.shape[0]
+            b, t_len = cache.position.shape
+            layers = model_lib.layer_slices(params, lora_active) if slice_layers else None
 
             def body(carry):
                 i, tok_B, pos_B, done_B, cache, out_tok, out_lp = carry
+                attend = kv_cache.decode_attend(pos_B, cache.position, lay.row_axes)
                 h_BxD, new = model_lib.hidden_states(
-                    cfg, params, tok_B, pos_B, kv_cache.decode_attend(pos_B), lora_active,
-                    route, attn_state=cache, remat=False)
+                    cfg, params, tok_B, pos_B, attend, lora_active, route,
+                    attn_state=kv_cache.KV(cache.k, cache.v), remat=False, layers=layers)
                 lefts, rights = model_lib.unembed_factors(params, h_BxD, lora_active, route)
                 logits = sum(jnp.einsum("bd,dv->bv", l, r, preferred_element_type=jnp.float32)
                              for l, r in zip(lefts, rights))
                 nxt_B, lp_B = sample_tokens(_gather_vocab(logits), keys_Bx2, i, temperature,
                                             top_k, top_p, greedy=greedy, filtered=filtered)
-                cache = kv_cache.write_rows(cache, new, pos_B)
+                rows_B = kv_cache.step_rows(i, base_B, lay, t_len)
+                cache = kv_cache.write_rows(cache, new, rows_B, pos_B)
                 live_B = ~done_B
                 out_tok = out_tok.at[:, i].set(jnp.where(live_B, nxt_B, -1))
                 out_lp = out_lp.at[:, i].set(jnp.where(live_B, lp_B, 0.0))
@@ -354,29 +375,75 @@ def make_decode(cfg: QwenConfig, mesh):
 
             def cond(carry):
                 i, done_B = carry[0], carry[3]
-                left = jax.lax.psum(jnp.sum(~done_B, dtype=jnp.int32), BATCH_AXES)
+                left = jax.lax.psum(jnp.sum(~done_B, dtype=jnp.int32), lay.seq_axes)
                 return (i < max_tokens) & (left > 0)
 
-            out_tok = vary(jnp.full((b, out_len), -1, jnp.int32), (DP, CP))
-            out_lp = vary(jnp.zeros((b, out_len), jnp.float32), (DP, CP))
+            out_tok = vary(jnp.full((b, out_len), -1, jnp.int32), lay.seq_axes)
+            out_lp = vary(jnp.zeros((b, out_len), jnp.float32), lay.seq_axes)
             carry = (jnp.int32(0), token_B, position_B, done_B, cache, out_tok, out_lp)
-            _, _, _, _, _, out_tok, out_lp = jax.lax.while_loop(cond, body, carry)
-            return _gather_batch(out_tok), _gather_batch(out_lp)
+            _, _, _, _, cache, out_tok, out_lp = jax.lax.while_loop(cond, body, carry)
+            return (_gather_batch(out_tok, lay.seq_axes), _gather_batch(out_lp, lay.seq_axes),
+                    cache)
 
-        cache_spec = kv_cache.KV(SPECS.cache_LxBxTxKxH, SPECS.cache_LxBxTxKxH)
-        rep = SPECS.replicated
+        rep, seqs = SPECS.replicated, lay.seqs_B
         in_specs = (lora_lib.slot_specs_active(), model_lib.param_specs(cfg), SPECS.slot_G,
-                    cache_spec, seqs, seqs, seqs, SPECS.seqs_Bx2, SPECS.spans_DPxCPxAx2,
+                    lay.specs, seqs, seqs, seqs, seqs, lay.seqs_Bx2, lay.spans,
                     rep, rep, rep, rep, rep, rep)
-        return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()))(
-            lora_active, params, scale_G, cache, token_B, position_B, done_B, keys_Bx2,
-            spans, active, stop, max_tokens, temperature, top_k, top_p)
+        return jax.shard_map(shard, mesh=mesh, in_specs=in_specs,
+                             out_specs=(P(), P(), lay.specs))(
+            lora_active, params, scale_G, cache, token_B, position_B, base_B, done_B,
+            keys_Bx2, spans, active, stop, max_tokens, temperature, top_k, top_p)
 
     return decode
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+# ----------------------------------------------------------------------------------------
+# Cache layout of one call
+
+
+CACHE_MODES = ("batch", "split")
+# Auto choice: the cp-split cache when the per-device cache of mode "batch" would exceed
+# this and splitting makes it smaller. Below it, "batch" decodes faster (no collective per
+# layer and step, no work repeated over cp).
+SPLIT_ABOVE_BYTES = 1 << 30
+
+
+def choose_cache_mode(requested: str | None, cp: int, batch_bytes: int,
+                      split_bytes: int) -> str:
+    """The cache layout of a call: `requested` when given; else "split" iff cp > 1, the
+    per-device cache of "batch" exceeds SPLIT_ABOVE_BYTES and "split"'s is smaller."""
+    if requested is not None:
+        return requested
+    if cp > 1 and batch_bytes > SPLIT_ABOVE_BYTES and split_bytes < batch_bytes:
+        return "split"
+    return "batch"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The cache layout of one sample call, decided on the host before any device work.
+
+    mode: "batch" | "split" (kv_cache.LAYOUTS); b_local: sequences per device along the
+    layout's sequence axes; t_local: cache rows per sequence per device (a sequence has
+    t_local rows under "batch", CP·t_local under "split"); out_len: bucketed max_tokens;
+    batch_bytes / split_bytes: per-device cache bytes (K, V and row positions) of either
+    layout, the figures choose_cache_mode compared.
+    """
+
+    mode: str
+    b_local: int
+    t_local: int
+    out_len: int
+    batch_bytes: int
+    split_bytes: int
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.batch_bytes if self.mode == "batch" else self.split_bytes
 
 
 # ----------------------------------------------------------------------------------------
@@ -388,8 +455,9 @@ class Sampler:
 
     Built by the Trainer (Trainer.sample / compute_logprobs call it); `check_adapter` is the
     Trainer's adapter-id check. Programs compiled: one prefill per (stream length, active
-    adapters) bucket, one decode per (batch, cache length, out length) bucket and draw
-    kind (greedy / plain / top-k-top-p).
+    adapters, cache layout and shape) bucket, one decode per (layout, batch, cache length,
+    out length) bucket and draw kind (greedy / plain / top-k-top-p). `last_plan` is the
+    Plan of the latest sample call.
     """
 
     def __init__(self, trainer):
@@ -399,13 +467,7 @@ class Sampler:
         sc = trainer.step_cfg
         self._prefill = make_prefill(cfg, mesh, sc.attn_impl, sc.attn_block, sc.logprob_chunk)
         self._decode = make_decode(cfg, mesh)
-        cache_sharding = NamedSharding(mesh, SPECS.cache_LxBxTxKxH)
-        self._cache_sharding = kv_cache.KV(cache_sharding, cache_sharding)
-        self._empty_cache = jax.jit(
-            lambda shape: kv_cache.KV(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)),
-            static_argnums=0, out_shardings=self._cache_sharding)
-        self._to_cache = jax.jit(kv_cache.to_cache, donate_argnums=(0,),
-                                 out_shardings=self._cache_sharding)
+        self.last_plan: Plan | None = None
 
     # ------------------------------------------------------------------ validation
 
@@ -437,6 +499,36 @@ class Sampler:
                                  "sequence (raise max_tokens_per_device or cp)")
         return _Checked(prompts, per_prompt, num_samples=int(num_samples), **p)
 
+    # ------------------------------------------------------------------ layout
+
+    def plan(self, prompt_lengths: Sequence[int], max_tokens: int, num_samples: int = 1,
+             cache_mode: str | None = None) -> Plan:
+        """The cache layout a call with these prompt lengths would use (host only).
+
+        "batch": b_local = pow2(⌈sequences / (dp·cp)⌉), t_local = pow2(longest − 1 +
+        max_tokens, ≥ 64). "split": b_local = pow2(⌈sequences / dp⌉), t_local = pow2(2C +
+        ⌈max_tokens / cp⌉, ≥ 16) with 2C the zigzag rows per rank of the longest prompt's
+        prefill. cache_mode None: choose_cache_mode.
+        """
+        if cache_mode is not None and cache_mode not in CACHE_MODES:
+            raise InputError(f"cache_mode must be None (automatic), \"batch\" or \"split\", "
+                             f"got {cache_mode!r}")
+        cfg, tr = self.cfg, self.tr
+        n_seq = len(prompt_lengths) * num_samples
+        longest = max(prompt_lengths)
+        b_batch = _pow2(-(-n_seq // (tr.dp * tr.cp)))
+        t_batch = _pow2(longest - 1 + max_tokens, 64)
+        b_split = _pow2(-(-n_seq // tr.dp))
+        t_split = _pow2(2 * mesh_lib.zigzag_chunk(max(longest - 1, 1), tr.cp)
+                        + -(-max_tokens // tr.cp), 16)
+        row_bytes = (2 * cfg.num_layers * (cfg.num_kv_heads // tr.tp) * cfg.head_dim
+                     * jnp.dtype(cfg.dtype).itemsize + 4)
+        batch_bytes = b_batch * t_batch * row_bytes
+        split_bytes = b_split * t_split * row_bytes
+        mode = choose_cache_mode(cache_mode, tr.cp, batch_bytes, split_bytes)
+        b_local, t_local = (b_batch, t_batch) if mode == "batch" else (b_split, t_split)
+        return Plan(mode, b_local, t_local, _pow2(max_tokens, 16), batch_bytes, split_bytes)
+
     # ------------------------------------------------------------------ prefill
 
     def _put(self, x, spec):
@@ -445,22 +537,36 @@ class Sampler:
 
     def _packed(self, prompts, adapters) -> tuple[list[int], list[batch_lib.PackedBatch]]:
         """(prompt index of each prefill datum, packed micro-batches) of prompt[:-1] →
-        prompt[1:] for every prompt longer than one token."""
+        prompt[1:] for every prompt longer than one token. Streams are padded on to a power
+        of two (at most a device's rows): sampling's prefill also varies with the cache
+        shape, so coarser stream buckets keep the number of programs down."""
         which = [i for i, x in enumerate(prompts) if len(x) > 1]
         if not which:
             return which, []
         data = [batch_lib.CheckedDatum(prompts[i][:-1], prompts[i][1:], {}) for i in which]
+        cap = self.tr.max_tokens_per_device
         packed = batch_lib.pack(data, [adapters[i] for i in which], self.tr.dp, self.tr.cp,
-                                self.tr.max_tokens_per_device, self.tr.max_adapters + 1)
-        return which, packed
+                                cap, self.tr.max_adapters + 1)
+        return which, [_pad_streams(pb, min(_pow2(pb.tokens.shape[-1]), cap))
+                       for pb in packed]
 
-    def _run_prefill(self, pb, *, with_kv, with_logprobs):
+    def _zeros(self, shape, spec):
+        """A zero array in the model's dtype, each device making only its own slice."""
+        sharding = NamedSharding(self.mesh, spec)
+        local = sharding.shard_shape(shape)
+        return jax.make_array_from_callback(
+            shape, sharding, lambda idx: np.zeros(local, jnp.dtype(self.cfg.dtype)))
+
+    def _run_prefill(self, pb, source=None, old=None, *, layout=None, with_logprobs):
         s = SPECS.stream_DPxCPxS
+        if source is not None:
+            source = self._put(source, kv_cache.LAYOUTS[layout].position_BxT)
         return self._prefill(
             self.tr.state.weights, self.tr.params, self.tr.state.scale,
             self._put(pb.tokens, s), self._put(pb.segment, s), self._put(pb.position, s),
             self._put(pb.targets, s), self._put(pb.spans, SPECS.spans_DPxCPxAx2),
-            replicate(self.mesh, pb.active), with_kv=with_kv, with_logprobs=with_logprobs)
+            replicate(self.mesh, pb.active), source, old, layout=layout,
+            with_logprobs=with_logprobs)
 
     def compute_logprobs(self, prompts, adapters=None) -> list[np.ndarray]:
         """log p(prompt[t] | prompt[:t]) float32 [len(prompt)] per prompt, NaN at 0."""
@@ -475,8 +581,7 @@ class Sampler:
     def _prompt_logprobs(self, prompts, adapters, packed_results) -> list[np.ndarray]:
         which, packed = self._packed(prompts, adapters)
         if packed_results is None:
-            packed_results = [self._run_prefill(pb, with_kv=False, with_logprobs=True)[1]
-                              for pb in packed]
+            packed_results = [self._run_prefill(pb, with_logprobs=True)[1] for pb in packed]
         out = [np.full(len(x), np.nan, np.float32) for x in prompts]
         for pb, lp in zip(packed, packed_results):
             for j, vec in batch_lib.unpack(host(lp), pb).items():
@@ -486,44 +591,71 @@ class Sampler:
     # ------------------------------------------------------------------ sample
 
     def sample(self, prompts, sampling_params, adapters=None, num_samples=1,
-               prompt_logprobs=False) -> list[SampleResult]:
+               prompt_logprobs=False, cache_mode=None) -> list[SampleResult]:
         c = self.check(prompts, sampling_params, adapters, num_samples)
         if not isinstance(prompt_logprobs, (bool, np.bool_)):
             raise InputError(f"prompt_logprobs must be a bool, got {prompt_logprobs!r}")
-        cfg, tr = self.cfg, self.tr
-        n_dev = tr.dp * tr.cp
+        plan = self.plan([len(x) for x in c.prompts], c.max_tokens, c.num_samples, cache_mode)
+        tr = self.tr
+        lay = kv_cache.LAYOUTS[plan.mode]
+        split = plan.mode == "split"
+        n_groups = tr.dp if split else tr.dp * tr.cp  # devices along the sequence axes
+        b_local, t_local = plan.b_local, plan.t_local
+        b_total = b_local * n_groups
+        t_total = t_local * (tr.cp if split else 1)
 
-        # Decode layout: sequences sorted by adapter, dealt round-robin over the (dp, cp)
-        # devices, so each device's rows stay sorted by adapter (contiguous LoRA spans).
+        # Decode layout: sequences sorted by adapter, dealt round-robin over the devices
+        # along the sequence axes, so each device's rows stay sorted by adapter
+        # (contiguous LoRA spans).
         seqs = sorted(((c.adapters[i], i, j) for i in range(len(c.prompts))
                        for j in range(c.num_samples)))
-        b_local = _pow2(-(-len(seqs) // n_dev))
-        b_total = b_local * n_dev
-        row_of = {}
-        for k, (_, i, j) in enumerate(seqs):
-            row_of[(i, j)] = (k % n_dev) * b_local + k // n_dev
-        longest = max(len(x) for x in c.prompts)
-        t_len = _pow2(longest + c.max_tokens, 64)
-        out_len = _pow2(c.max_tokens, 16)
+        row_of = {(i, j): (k % n_groups) * b_local + k // n_groups
+                  for k, (_, i, j) in enumerate(seqs)}
 
-        # Prefill every prompt once, for all its num_samples sequences.
+        # Cache rows of the prefilled positions: the true position of every row (−1 empty)
+        # and where decode's rows start (base). "batch": row t holds position t; "split":
+        # rank r's first rows hold its zigzag chunks of the prompt.
+        row_position = np.full((b_total, t_total), -1, np.int32)
+        base = np.zeros(b_total, np.int32)
+        for i, x in enumerate(c.prompts):
+            n = len(x) - 1
+            rows = [row_of[(i, j)] for j in range(c.num_samples)]
+            if n == 0:
+                continue
+            if split:
+                idx = mesh_lib.zigzag_indices(n, tr.cp)  # [cp, 2C]
+                cols = np.arange(tr.cp)[:, None] * t_local + np.arange(idx.shape[1])
+                row_position[np.ix_(rows, cols.reshape(-1))] = idx.reshape(-1)
+                base[rows] = idx.shape[1]
+            else:
+                row_position[rows, :n] = np.arange(n)
+                base[rows] = n
+
+        # Prefill every prompt once, for all its num_samples sequences, straight into the
+        # cache.
         which, packed = self._packed(c.prompts, c.adapters)
-        kv_shape = (cfg.num_layers, b_total, t_len, cfg.num_kv_heads, cfg.head_dim)
-        cache = self._empty_cache(kv_shape)
-        lps = []
+        kv, lps = None, []
         for pb in packed:
-            kv, lp = self._run_prefill(pb, with_kv=True, with_logprobs=bool(prompt_logprobs))
-            lps.append(lp)
-            source = np.full((b_total, t_len), -1, np.int32)
+            source = np.full((b_total, t_total), -1, np.int32)
             s_len = pb.tokens.shape[-1]
             for p in pb.placements:
                 i = which[p.index]
                 idx = mesh_lib.zigzag_indices(p.n, tr.cp)  # [cp, 2C] positions
                 r, q = np.nonzero(idx >= 0)
-                flat = (p.shard * tr.cp + r) * s_len + p.offset + q
-                for j in range(c.num_samples):
-                    source[row_of[(i, j)], idx[r, q]] = flat
-            cache = self._to_cache(cache, kv, replicate(self.mesh, source))
+                rows = [row_of[(i, j)] for j in range(c.num_samples)]
+                if split:  # rank r keeps its own rows: flat row d·S + s of its cp slice
+                    source[np.ix_(rows, r * t_local + q)] = p.shard * s_len + p.offset + q
+                else:
+                    source[np.ix_(rows, idx[r, q])] = ((p.shard * tr.cp + r) * s_len
+                                                       + p.offset + q)
+            kv, lp = self._run_prefill(pb, source, kv, layout=plan.mode,
+                                       with_logprobs=bool(prompt_logprobs))
+            lps.append(lp)
+        if kv is None:  # every prompt is one token: nothing to prefill
+            shape = (self.cfg.num_layers, b_total, t_total, self.cfg.num_kv_heads,
+                     self.cfg.head_dim)
+            kv = kv_cache.KV(*(self._zeros(shape, lay.kv_LxBxTxKxH) for _ in range(2)))
+        cache = kv_cache.Cache(kv.k, kv.v, self._put(row_position, lay.position_BxT))
 
         # Per-sequence start state, keys and adapter spans.
         token = np.zeros(b_total, np.int32)
@@ -540,26 +672,28 @@ class Sampler:
         active_list = sorted(set(c.adapters))
         a_len = batch_lib.active_bucket(len(active_list), tr.max_adapters + 1)
         active = np.array(active_list + [BASE] * (a_len - len(active_list)), np.int32)
-        spans = np.zeros((tr.dp, tr.cp, a_len, 2), np.int32)
-        for g in range(n_dev):
+        spans = np.zeros((tr.dp, 1 if split else tr.cp, a_len, 2), np.int32)
+        for g in range(n_groups):
             rows = adapter_row[g * b_local:(g + 1) * b_local]
             for a_i, a in enumerate(active_list):
                 hit = np.flatnonzero(rows == a)
                 if hit.size:
-                    spans[g // tr.cp, g % tr.cp, a_i] = (hit[0], hit[-1] + 1)
+                    spans[np.unravel_index(g, spans.shape[:2]) + (a_i,)] = (hit[0],
+                                                                           hit[-1] + 1)
         stop = np.full(_pow2(len(c.stop), 8), -1, np.int32)
         stop[:len(c.stop)] = c.stop
         greedy = c.temperature == 0.0
         filtered = not greedy and (c.top_k > 0 or c.top_p < 1.0)
         rep = lambda x: replicate(self.mesh, np.asarray(x))  # noqa: E731
-        out_tok, out_lp = self._decode(
+        self.last_plan = plan
+        out_tok, out_lp, _ = self._decode(
             tr.state.weights, tr.params, tr.state.scale, cache,
-            self._put(token, SPECS.seqs_B), self._put(position, SPECS.seqs_B),
-            self._put(done, SPECS.seqs_B), self._put(keys, SPECS.seqs_Bx2),
-            self._put(spans, SPECS.spans_DPxCPxAx2), rep(active), rep(stop),
-            rep(np.int32(c.max_tokens)), rep(np.float32(c.temperature)),
+            self._put(token, lay.seqs_B), self._put(position, lay.seqs_B),
+            self._put(base, lay.seqs_B), self._put(done, lay.seqs_B),
+            self._put(keys, lay.seqs_Bx2), self._put(spans, lay.spans), rep(active),
+            rep(stop), rep(np.int32(c.max_tokens)), rep(np.float32(c.temperature)),
             rep(np.int32(c.top_k)), rep(np.float32(c.top_p)),
-            out_len=out_len, greedy=greedy, filtered=filtered)
+            layout=plan.mode, out_len=plan.out_len, greedy=greedy, filtered=filtered)
         plp = (self._prompt_logprobs(c.prompts, c.adapters, lps) if prompt_logprobs
                else None)
         out_tok, out_lp = host(out_tok), host(out_lp)
@@ -577,3 +711,18 @@ class Sampler:
                                                  reason))
             results.append(SampleResult(sequences, None if plp is None else plp[i]))
         return results
+
+
+def _pad_streams(pb: batch_lib.PackedBatch, s_len: int) -> batch_lib.PackedBatch:
+    """pb with its [DP, CP, S] streams right-padded to s_len rows (segment −1: padding)."""
+    pad = s_len - pb.tokens.shape[-1]
+    if pad <= 0:
+        return pb
+
+    def grow(x, value=0):
+        return np.pad(x, ((0, 0), (0, 0), (0, pad)), constant_values=value)
+
+    return dataclasses.replace(
+        pb, tokens=grow(pb.tokens), targets=grow(pb.targets), segment=grow(pb.segment, -1),
+        position=grow(pb.position), loss_id=grow(pb.loss_id),
+        floats={k: grow(v) for k, v in pb.floats.items()})

@@ -12,7 +12,6 @@ thread for tests and benchmarks.
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import sys

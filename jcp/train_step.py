@@ -24,7 +24,7 @@ from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import model as model_lib
 from jcp.config import QwenConfig
-from jcp.mesh import SPECS
+from jcp.mesh import CP, SPECS, TP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,13 +35,28 @@ class StepConfig:
     attn_impl: str = "blockwise"
     attn_block: int = 128
     logprob_chunk: int = 1024
+    # How queries reach the other cp ranks' keys: "gather", "ring", or "auto" (see
+    # attention.choose_cp_attention).
+    cp_attention: str = "auto"
+
+    def __post_init__(self):
+        if self.attn_impl not in attention_lib.IMPLEMENTATIONS:
+            raise ValueError(f"attn_impl must be one of {attention_lib.IMPLEMENTATIONS}, got "
+                             f"{self.attn_impl!r}")
+        if self.cp_attention not in attention_lib.CP_ATTENTION:
+            raise ValueError(f"cp_attention must be one of {attention_lib.CP_ATTENTION}, got "
+                             f"{self.cp_attention!r}")
+        if self.cp_attention == "ring" and self.attn_impl != "blockwise":
+            raise ValueError("cp_attention='ring' needs attn_impl='blockwise', got "
+                             f"{self.attn_impl!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
     """A packed micro-batch as global arrays: streams [DP, CP, S], spans [DP, CP, A, 2],
-    active [A] and client vectors (weights, advantages, logprobs) [DP, CP, S]; loss_id
-    indexes each token's loss in the step's static tuple of loss names."""
+    active [A] and client vectors (losses.FLOAT_INPUTS: weights, advantages, logprobs,
+    sequence_ratio_mask) [DP, CP, S]; loss_id indexes each token's loss in the step's
+    static tuple of loss names."""
 
     tokens: jax.Array
     targets: jax.Array
@@ -51,6 +66,7 @@ class Batch:
     weights: jax.Array
     advantages: jax.Array
     logprobs: jax.Array
+    sequence_ratio_mask: jax.Array
     spans: jax.Array
     active: jax.Array
 
@@ -61,8 +77,9 @@ jax.tree_util.register_dataclass(
 
 def batch_specs() -> Batch:
     s = SPECS.stream_DPxCPxS
-    return Batch(tokens=s, targets=s, segment=s, position=s, loss_id=s, weights=s, advantages=s,
-                 logprobs=s, spans=SPECS.spans_DPxCPxAx2, active=SPECS.replicated)
+    return Batch(tokens=s, targets=s, segment=s, position=s, loss_id=s,
+                 **{k: s for k in losses_lib.FLOAT_INPUTS}, spans=SPECS.spans_DPxCPxAx2,
+                 active=SPECS.replicated)
 
 
 def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, tokens_S,
@@ -76,8 +93,7 @@ def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, token
     num_slots, loss_id_S as in losses.shard_loss. base_unembed_grad: differentiate the base
     unembedding too (training never does: it is frozen; tests of base gradients do).
     """
-    attend = attention_lib.cp_attend(segment_S, position_S, implementation=step_cfg.attn_impl,
-                                     block=step_cfg.attn_block)
+    attend = training_attend(cfg, step_cfg, segment_S, position_S)
     h_SxD, _ = model_lib.hidden_states(cfg, params, tokens_S, position_S, attend, lora, route,
                                        remat=step_cfg.remat)
     lefts, rights = model_lib.unembed_factors(params, h_SxD, lora, route)
@@ -85,6 +101,20 @@ def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, token
                                  num_slots, chunk=step_cfg.logprob_chunk,
                                  right_grads=(base_unembed_grad,) + (True,) * (len(rights) - 1),
                                  loss_id_S=loss_id_S)
+
+
+def training_attend(cfg: QwenConfig, step_cfg: StepConfig, segment_S, position_S):
+    """The attention strategy of training (inside the shard_map): ring_attend or cp_attend,
+    as attention.choose_cp_attention picks for this stream's shape ("dense" always gathers)."""
+    cp, tp = jax.lax.axis_size(CP), jax.lax.axis_size(TP)
+    choice = "gather" if step_cfg.attn_impl == "dense" else step_cfg.cp_attention
+    how = attention_lib.choose_cp_attention(choice, cp, segment_S.shape[0],
+                                            cfg.num_kv_heads // tp, cfg.head_dim,
+                                            jnp.dtype(cfg.dtype).itemsize)
+    if how == "ring":
+        return attention_lib.ring_attend(segment_S, position_S, block=step_cfg.attn_block)
+    return attention_lib.cp_attend(segment_S, position_S, implementation=step_cfg.attn_impl,
+                                   block=step_cfg.attn_block)
 
 
 def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tuple[str, ...],
@@ -99,7 +129,8 @@ def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tup
         one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
         route = lora_lib.Routing(active_A=b.active, spans_Ax2=one(b.spans),
                                  scale_A=jnp.take(scale_G, b.active))
-        inputs = losses_lib.TokenInputs(one(b.weights), one(b.advantages), one(b.logprobs))
+        inputs = losses_lib.TokenInputs(
+            **{k: one(getattr(b, k)) for k in losses_lib.FLOAT_INPUTS})
         return model_loss(cfg, step_cfg, params, lora_active, route, one(b.tokens),
                           one(b.segment), one(b.position), one(b.targets), inputs, loss_fns,
                           loss_cfg, num_slots, loss_id_S=one(b.loss_id))

@@ -86,18 +86,29 @@ class Trainer:
     (tests only); attn_block — attention tile rows (None: 64 on CPU, where the masked half
     of diagonal tiles dominates, 512 on accelerators); logprob_chunk — tokens per
     log-prob chunk (None: at most 1024, fewer for large vocabularies so that one chunk's
-    fp32 logits [chunk, V/tp] stay within 256 MiB).
+    fp32 logits [chunk, V/tp] stay within 256 MiB); cp_attention — how a rank's queries
+    reach the other cp ranks' keys: "gather" all-gathers K/V (one collective; every rank
+    holds all CP·S keys and their fp32 gradients per layer), "ring" passes them around
+    the cp ring with ppermute (cp − 1 hops each way; memory O(S) per rank), "auto" (the
+    default) rings iff cp > 1 and the gathered K/V of one layer with their fp32 gradients,
+    CP·S·K·H·2·(itemsize + 4) bytes (K local kv heads under tp), would exceed
+    attention.RING_ABOVE_BYTES (64 MiB) — decided per compiled stream length, so short
+    batches gather and long ones ring. attn_impl "dense" always gathers.
     """
 
     def __init__(self, cfg: QwenConfig, mesh, base_params=None, max_adapters: int = 4,
                  max_rank: int = 16, seed: int = 0, max_tokens_per_device: int | None = None,
                  *, remat: bool = True, attn_impl: str = "blockwise",
-                 attn_block: int | None = None, logprob_chunk: int | None = None):
+                 attn_block: int | None = None, logprob_chunk: int | None = None,
+                 cp_attention: str = "auto"):
         if tuple(mesh.axis_names) != mesh_lib.AXES:
             raise ValueError(f"mesh axes must be {mesh_lib.AXES}, got {mesh.axis_names}")
         if attn_impl not in attention_lib.IMPLEMENTATIONS:
             raise ValueError(f"attn_impl must be one of {attention_lib.IMPLEMENTATIONS}, got "
                              f"{attn_impl!r}")
+        if cp_attention not in attention_lib.CP_ATTENTION:
+            raise ValueError(f"cp_attention must be one of {attention_lib.CP_ATTENTION}, got "
+                             f"{cp_attention!r}")
         self.cfg, self.mesh = cfg, mesh
         self.dp, self.cp, self.tp = (mesh_lib.axis_size(mesh, a) for a in mesh_lib.AXES)
         cfg.check_mesh(self.tp)
@@ -124,7 +135,8 @@ class Trainer:
             self.max_tokens_per_device = max_tokens_per_device
             self.token_cap = mesh_lib.datum_token_cap(max_tokens_per_device, self.cp, self.tp)
         self.step_cfg = train_step.StepConfig(remat=remat, attn_impl=attn_impl,
-                                              attn_block=attn_block, logprob_chunk=logprob_chunk)
+                                              attn_block=attn_block, logprob_chunk=logprob_chunk,
+                                              cp_attention=cp_attention)
 
         if base_params is None:
             base_params = model_lib.random_params(cfg, seed)
@@ -160,7 +172,7 @@ class Trainer:
         if alpha <= 0:
             raise InputError(f"alpha must be > 0, got {alpha}")
         try:
-            targets = lora_lib.resolve_targets(targets)
+            targets = lora_lib.resolve_targets(targets, self.cfg)
         except ValueError as e:
             raise InputError(str(e)) from None
         return int(rank), alpha, targets
@@ -275,11 +287,8 @@ class Trainer:
                                                 lambda idx: x[idx])
         specs = train_step.batch_specs()
         host = train_step.Batch(tokens=pb.tokens, targets=pb.targets, segment=pb.segment,
-                                position=pb.position, loss_id=pb.loss_id,
-                                weights=pb.floats["weights"],
-                                advantages=pb.floats["advantages"],
-                                logprobs=pb.floats["logprobs"], spans=pb.spans,
-                                active=pb.active)
+                                position=pb.position, loss_id=pb.loss_id, **pb.floats,
+                                spans=pb.spans, active=pb.active)
         return jax.tree.map(put, host, specs)
 
     def _run(self, data, loss_fn, loss_fn_config, adapters, backward: bool):
@@ -390,8 +399,8 @@ class Trainer:
         return sample_lib.Sampler(self)
 
     def sample(self, prompts, sampling_params: sample_lib.SamplingParams, adapters=None,
-               num_samples: int = 1, prompt_logprobs: bool = False
-               ) -> list[sample_lib.SampleResult]:
+               num_samples: int = 1, prompt_logprobs: bool = False, *,
+               cache_mode: str | None = None) -> list[sample_lib.SampleResult]:
         """Sample num_samples completions of every prompt -> one SampleResult per prompt.
 
         prompts: token sequences (lists or arrays); adapters: None (the base model), one
@@ -402,9 +411,16 @@ class Trainer:
         what `forward` computes for the same tokens. prompt_logprobs: also return
         log p(prompt[t] | prompt[:t]) (NaN at 0). Reads the adapters; changes no state.
         Bad input raises InputError before any device work (see SamplingParams).
+
+        cache_mode: the KV cache's layout over the mesh — "batch" (sequences spread over
+        dp and cp, each sequence's cache on one device), "split" (sequences over dp, each
+        sequence's cache split over cp along the sequence: per-device memory ∝ tokens / cp,
+        for long prompts), or None: "split" iff cp > 1 and the per-device cache of "batch"
+        would exceed sample.SPLIT_ABOVE_BYTES (1 GiB) and splitting makes it smaller. The
+        results do not depend on it (fp32 rounding).
         """
         return self._sampler.sample(prompts, sampling_params, adapters, num_samples,
-                                    prompt_logprobs)
+                                    prompt_logprobs, cache_mode)
 
     def compute_logprobs(self, prompts, adapters=None) -> list[np.ndarray]:
         """Prompt log-probs float32 [len(prompt)] per prompt (NaN at 0), through the chunked

@@ -32,6 +32,7 @@ OVERRIDES = {
     "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05},
     "cispo": {"clip_low_threshold": 0.7, "clip_high_threshold": 1.1},
     "dro": {"beta": 0.5},
+    "gspo": {"clip_low_threshold": 0.97, "clip_high_threshold": 1.01},
 }
 
 # Every (dp, cp, tp) with dp·cp·tp ≤ 8, cp ∈ {1, 2, 4, 8}, tp ∈ {1, 2}.
@@ -86,7 +87,8 @@ def make_case(name: str, lengths, seed: int = 0, zero=()) -> Case:
     """Random datums of the given lengths; datums listed in `zero` get w = A = 0.
 
     The sampling log-probs are the true log-probs plus noise, so ratios straddle the PPO
-    and CISPO clip ranges on both sides.
+    and CISPO clip ranges on both sides. sequence_ratio_mask holds 0, 1 and 0.5 (≠ 0
+    counts); a 1-token datum's mask is 0, so GSPO's empty-mask rule (s = 1) is exercised.
     """
     rng = np.random.default_rng(seed)
     w_DxV = (0.5 * rng.normal(size=(D, V))).astype(np.float32)
@@ -101,6 +103,9 @@ def make_case(name: str, lengths, seed: int = 0, zero=()) -> Case:
             "weights": rng.normal(size=n),  # float64: validation casts a copy
             "advantages": rng.normal(size=n).astype(np.float32),
             "logprobs": lp + 0.3 * rng.normal(size=n),
+            # Its own generator: the other vectors stay those of the cases before GSPO.
+            "sequence_ratio_mask": (np.random.default_rng([seed, i]).choice(
+                [0.0, 1.0, 1.0, 0.5], size=n) if n > 1 else np.zeros(n)),
         }
         if i in zero:
             inputs["weights"] = np.zeros(n)
@@ -157,25 +162,25 @@ def step_fn(dp: int, cp: int, tp: int, num_slots: int):
     mesh = mesh_of(dp, cp, tp)
     sp = mesh_lib.SPECS
 
-    def one_loss(name, h, w, targets, segment, wts, adv, slp, cfg):
-        def inner(h, w, targets, segment, wts, adv, slp, cfg):
-            x = losses.TokenInputs(wts[0, 0], adv[0, 0], slp[0, 0])
+    def one_loss(name, h, w, targets, segment, wts, adv, slp, srm, cfg):
+        def inner(h, w, targets, segment, wts, adv, slp, srm, cfg):
+            x = losses.TokenInputs(wts[0, 0], adv[0, 0], slp[0, 0], srm[0, 0])
             return losses.shard_loss((h[0, 0],), (w,), targets[0, 0], segment[0, 0], x,
                                      name, cfg, num_slots, chunk=CHUNK)
 
         return jax.shard_map(
             inner, mesh=mesh,
-            in_specs=(sp.stream_DPxCPxSxD, sp.unembed_DxV) + (sp.stream_DPxCPxS,) * 5
+            in_specs=(sp.stream_DPxCPxSxD, sp.unembed_DxV) + (sp.stream_DPxCPxS,) * 6
             + (sp.replicated,),
             out_specs=(sp.replicated, sp.replicated),
-        )(h, w, targets, segment, wts, adv, slp, cfg)
+        )(h, w, targets, segment, wts, adv, slp, srm, cfg)
 
-    def step(h, w, targets, segment, wts, adv, slp, cfgs):
+    def step(h, w, targets, segment, wts, adv, slp, srm, cfgs):
         out = {}
         for name in LOSS_NAMES:
             f = functools.partial(one_loss, name)
             (loss, outs), (dh, dw) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
-                h, w, targets, segment, wts, adv, slp, cfgs[name])
+                h, w, targets, segment, wts, adv, slp, srm, cfgs[name])
             out[name] = (loss, outs, dh, dw)
         return out
 
@@ -225,7 +230,8 @@ def run_case(case: Case, mesh_shape, overrides=None, noise_padding: bool = True)
     (pb,) = batch_lib.pack(checked, [0] * len(checked), dp, cp, max_rows=4096, max_adapters=4)
     h = to_stream(case.hidden, pb, cp, fill="noise" if noise_padding else None, seed=dp * 100 + cp)
     host_args = (h, case.unembed_DxV, pb.targets, pb.segment, pb.floats["weights"],
-                 pb.floats["advantages"], pb.floats["logprobs"])
+                 pb.floats["advantages"], pb.floats["logprobs"],
+                 pb.floats["sequence_ratio_mask"])
     before = [a.copy() for a in host_args]
     cfgs = jax.tree.map(jnp.float32, configs(overrides))  # traced: no recompile per config
     res = step_fn(dp, cp, tp, pb.num_slots)(*host_args, cfgs)
@@ -257,13 +263,23 @@ def run_case(case: Case, mesh_shape, overrides=None, noise_padding: bool = True)
 # Independent NumPy reference (float64)
 
 
-def np_token_loss(name, lp, w, a, s, cfg, lp_sg=None):
-    """(token loss, d loss / d lp, clipped) written from the Tinker formulas.
+def np_token_loss(name, lp, w, a, s, m, cfg, lp_sg=None):
+    """(token loss, d loss / d lp, clipped) of one datum, written from the Tinker formulas.
 
-    lp_sg: the log-probs at which stop_gradient terms (CISPO's clipped ratio) are taken;
-    default lp. Finite differences pass the unperturbed lp here.
+    m: sequence_ratio_mask. lp_sg: the log-probs at which stop_gradient terms (CISPO's
+    clipped ratio, GSPO's sequence ratio) are taken; default lp. Finite differences pass
+    the unperturbed lp here.
     """
+    lp0 = lp if lp_sg is None else lp_sg
     r = np.exp(lp - s)
+    if name == "gspo":
+        lo, hi = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
+        on = m != 0
+        log_s = (lp0 - s)[on].mean() if on.any() else 0.0
+        r = np.exp(log_s) * np.exp(lp - lp0)  # sg(s)·exp(lp − sg(lp))
+        unclipped, clipped = r * a, np.clip(r, lo, hi) * a
+        clip_wins = clipped < unclipped
+        return -np.minimum(unclipped, clipped), np.where(clip_wins, 0.0, -r * a), clip_wins
     if name == "cross_entropy":
         return -w * lp, -w, np.zeros(lp.shape, bool)
     if name == "importance_sampling":
@@ -285,9 +301,10 @@ def np_token_loss(name, lp, w, a, s, cfg, lp_sg=None):
 
 
 def client_floats(inputs):
-    """weights, advantages, logprobs as the device sees them (float32), in float64."""
+    """weights, advantages, logprobs, sequence_ratio_mask as the device sees them
+    (float32), in float64."""
     return tuple(np.asarray(inputs[k], np.float32).astype(np.float64)
-                 for k in ("weights", "advantages", "logprobs"))
+                 for k in ("weights", "advantages", "logprobs", "sequence_ratio_mask"))
 
 
 def np_reference(case: Case, name: str, cfg):

@@ -80,8 +80,11 @@ def attention_fn(mesh_shape, impl):
     specs_rows = P(mesh_lib.CP, None)
 
     def inner(q, k, v, seg, pos):
-        out = attention.cp_attention(q[0], k[0], v[0], seg[0], pos[0], implementation=impl,
-                                     block=BLOCK)
+        if impl == "ring":
+            out = attention.ring_attention(q[0], k[0], v[0], seg[0], pos[0], block=BLOCK)
+        else:
+            out = attention.cp_attention(q[0], k[0], v[0], seg[0], pos[0], implementation=impl,
+                                         block=BLOCK)
         return out[None]
 
     f = jax.shard_map(inner, mesh=jcp.make_mesh(*mesh_shape),
@@ -118,12 +121,17 @@ def test_blockwise_matches_dense_and_numpy(mesh_shape):
     q, k, v, cot = random_qkv(cp, seg.shape[1], seed=cp)
     # The two implementations really differ here: several q and k blocks, some skipped.
     s_len = seg.shape[1]
-    bq, bk = mesh_lib.block_size(s_len, BLOCK), mesh_lib.block_size(cp * s_len, BLOCK)
+    bq, bk = attention.tile(s_len, BLOCK), attention.tile(cp * s_len, BLOCK)
     assert s_len // bq > 1 and cp * s_len // bk > 1
     need = attention.blocks_needed(attention.block_summary(seg[0], pos[0], bq, xp=np),
                                    attention.block_summary(seg.reshape(-1), pos.reshape(-1),
                                                            bk, xp=np), xp=np)
     assert 0 < need.sum() < need.size
+    # …and the kinds of block occur: skipped, masked, and (where a key block of the gathered
+    # stream lies within one datum, at cp = 1) fully visible, computed without the mask.
+    kinds, _ = attention._block_kinds(seg[0], pos[0], seg.reshape(-1), pos.reshape(-1), bq, bk)
+    kinds = set(np.unique(np.asarray(kinds)).tolist())
+    assert {0, 1} <= kinds and (cp > 1 or 2 in kinds), kinds
 
     out_b, val_b, g_b = run(mesh_shape, "blockwise", q, k, v, seg, pos, cot)
     out_d, val_d, g_d = run(mesh_shape, "dense", q, k, v, seg, pos, cot)
@@ -214,7 +222,7 @@ def _dense_visible(seg_q, pos_q, seg_k, pos_k):
 def test_skip_predicate_keeps_every_visible_block(cp):
     seg, pos = layout((100, 1, 37, 64, 5, 2), cp)
     s_len = seg.shape[1]
-    bq, bk = mesh_lib.block_size(s_len, BLOCK), mesh_lib.block_size(cp * s_len, BLOCK)
+    bq, bk = attention.tile(s_len, BLOCK), attention.tile(cp * s_len, BLOCK)
     seg_t, pos_t = seg.reshape(-1), pos.reshape(-1)
     k_sum = attention.block_summary(seg_t, pos_t, bk, xp=np)
     skipped = 0
@@ -245,3 +253,95 @@ def test_block_work_zigzag_balanced_contiguous_not():
     # Causal skipping roughly halves the work of the full [S, T] grid.
     full = (s_len // block) * (cp * s_len // block)
     assert work_z.max() < 0.6 * full
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Ring attention over cp
+
+
+def _collectives(mesh_shape, impl, *args) -> set[str]:
+    text = str(jax.make_jaxpr(attention_fn(mesh_shape, impl))(*args))
+    return {c for c in ("ppermute", "all_gather") if c in text}
+
+
+RING_CASES = ((2, (70, 1, 33, 9, 1, 40)), (4, (70, 1, 33, 9, 1, 40)),
+              (8, (70, 1, 33, 9, 1, 40)), (4, (1, 3, 1)), (8, (1, 5, 1, 2)))
+
+
+@pytest.mark.parametrize("cp,lengths", RING_CASES,
+                         ids=lambda x: f"cp{x}" if isinstance(x, int) else f"n{sum(x)}")
+def test_ring_matches_gather_and_dense(cp, lengths):
+    """Ring = all-gather (blockwise) = dense = NumPy, values and d(q, k, v); padding-only
+    ranks and one-token datums give exact zeros at padding, never NaN."""
+    mesh_shape = (1, cp, 1)
+    seg, pos = layout(lengths, cp, s_len=max(192 // cp, 32))
+    real = seg >= 0
+    if sum(lengths) < 2 * cp:
+        assert not real[-1].any(), "this case needs a rank holding only padding"
+    q, k, v, cot = random_qkv(cp, seg.shape[1], seed=cp + len(lengths))
+    args = (q, k, v, seg, pos, cot)
+    # The paths really differ: the ring passes K/V around, the other path gathers them.
+    assert _collectives(mesh_shape, "ring", *args) == {"ppermute"}
+    assert "all_gather" in _collectives(mesh_shape, "blockwise", *args)
+
+    out_r, val_r, g_r = run(mesh_shape, "ring", *args)
+    out_b, val_b, g_b = run(mesh_shape, "blockwise", *args)
+    out_d, val_d, g_d = run(mesh_shape, "dense", *args)
+    ref = numpy_attention(q, k, v, seg, pos).reshape(out_r.shape)
+    np.testing.assert_allclose(out_r, ref, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(out_r, out_b, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(val_r, val_d, rtol=1e-5)
+    for name, a, b, d in zip("qkv", g_r, g_b, g_d):
+        assert np.abs(d).max() > 0.1, name
+        np.testing.assert_allclose(a, d, rtol=0, atol=1e-5 * np.abs(d).max(), err_msg=f"d{name}")
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(d).max(), err_msg=f"d{name}")
+    assert np.all(np.isfinite(out_r)) and all(np.all(np.isfinite(g)) for g in g_r)
+    assert np.all(out_r[~real] == 0.0)
+    for name, g in zip("qkv", g_r):
+        assert np.all(g[~real] == 0.0), f"d{name} at padding rows"
+    for slot in np.unique(seg[real]):  # a one-token datum's output is its own value row
+        rows = np.argwhere(seg == slot)
+        if len(rows) == 1:
+            (r, s), = rows
+            np.testing.assert_allclose(out_r[r, s], np.repeat(v[r, s], H // K, axis=0),
+                                       rtol=0, atol=1e-6)
+
+
+def test_ring_under_tp():
+    mesh_shape = (1, 2, 2)
+    seg, pos = layout((40, 1, 23), 2, s_len=48)
+    args = (*random_qkv(2, 48, seed=3)[:3], seg, pos, random_qkv(2, 48, seed=3)[3])
+    out_r, _, g_r = run(mesh_shape, "ring", *args)
+    out_d, _, g_d = run(mesh_shape, "dense", *args)
+    np.testing.assert_allclose(out_r, out_d, rtol=0, atol=1e-5)
+    for a, d in zip(g_r, g_d):
+        np.testing.assert_allclose(a, d, rtol=0, atol=1e-5 * np.abs(d).max())
+
+
+@pytest.mark.parametrize("cp", (2, 4, 8))
+def test_ring_steps_balanced_and_skipping(cp):
+    """Zigzag: at every ring step every rank computes the same number of blocks (no rank
+    waits at a hop), and the skip predicate drops about half the [S, CP·S] grid."""
+    n, block = 4096, 64
+    seg, pos = layout((n,), cp)
+    work = attention.ring_block_work(seg, pos, block)  # [step, rank]
+    s_len = seg.shape[1]
+    nb = s_len // attention.tile(s_len, block)
+    assert work.shape == (cp, cp) and work.min() > 0
+    assert np.all(work.max(1) <= 1.05 * work.min(1)), work
+    assert work.sum() < 0.6 * cp * cp * nb * nb
+    # A contiguous split of the same datum is not balanced per step.
+    seg_c = np.zeros((cp, s_len), np.int32)
+    pos_c = np.arange(n, dtype=np.int32).reshape(cp, s_len)
+    work_c = attention.ring_block_work(seg_c, pos_c, block)
+    assert work_c.max() > 1.5 * max(work_c.min(), 1)
+
+
+def test_auto_choice_by_gathered_bytes():
+    small = attention.choose_cp_attention("auto", 4, 1024, 2, 64, 4)
+    big = attention.choose_cp_attention("auto", 4, 1 << 16, 2, 64, 4)
+    assert (small, big) == ("gather", "ring")
+    assert attention.choose_cp_attention("auto", 1, 1 << 20, 8, 128, 4) == "gather"
+    assert attention.choose_cp_attention("ring", 2, 16, 1, 8, 4) == "ring"
+    with pytest.raises(ValueError, match="cp_attention"):
+        attention.choose_cp_attention("allgather", 2, 16, 1, 8, 4)

@@ -17,14 +17,17 @@ V = 64
 CAP = 40
 
 
-def make_datum(rng, n, fields=("weights", "advantages", "logprobs")):
+FIELDS = ("weights", "advantages", "logprobs", "sequence_ratio_mask")
+
+
+def make_datum(rng, n, fields=FIELDS):
     inputs = {"target_tokens": rng.integers(0, V, n)}
     for f in fields:
         inputs[f] = rng.normal(size=n) if f != "logprobs" else -rng.uniform(0.1, 4, n)
     return jcp.Datum(model_input=rng.integers(0, V, n), loss_fn_inputs=inputs)
 
 
-def make_data(lengths=(3, 7, 5, 2), seed=0, fields=("weights", "advantages", "logprobs")):
+def make_data(lengths=(3, 7, 5, 2), seed=0, fields=FIELDS):
     rng = np.random.default_rng(seed)
     return [make_datum(rng, n, fields) for n in lengths]
 
@@ -72,7 +75,7 @@ def test_validate_returns_private_typed_copies():
         assert c.tokens.dtype == c.targets.dtype == np.int32
         np.testing.assert_array_equal(c.tokens, d.model_input)
         np.testing.assert_array_equal(c.targets, d.loss_fn_inputs["target_tokens"])
-        assert sorted(c.floats) == ["advantages", "logprobs", "weights"]
+        assert sorted(c.floats) == ["advantages", "logprobs", "sequence_ratio_mask", "weights"]
         for k, v in c.floats.items():
             assert v.dtype == np.float32
             np.testing.assert_array_equal(v, np.float32(d.loss_fn_inputs[k]))
@@ -176,6 +179,24 @@ BAD_INPUTS = {
                          r"loss_fn_inputs\.logprobs is missing \(needed by importance_sampling\)"),
     "missing logprobs dro": ("dro", _drop("logprobs"), r"loss_fn_inputs\.logprobs is missing"),
     "missing target_tokens": ("cispo", _drop("target_tokens"), TARGETS + " is missing"),
+    "missing sequence_ratio_mask": ("gspo", _drop("sequence_ratio_mask"),
+                                    r"loss_fn_inputs\.sequence_ratio_mask is missing \(needed "
+                                    r"by gspo\)"),
+    "missing advantages gspo": ("gspo", _drop("advantages"),
+                                r"loss_fn_inputs\.advantages is missing \(needed by gspo\)"),
+    "short sequence_ratio_mask": ("gspo", _set("sequence_ratio_mask", np.ones(N_BAD - 2)),
+                                  r"loss_fn_inputs\.sequence_ratio_mask has length 5, "
+                                  r"model_input has length 7"),
+    "2-D sequence_ratio_mask": ("gspo", _set("sequence_ratio_mask", np.ones((N_BAD, 1))),
+                                r"loss_fn_inputs\.sequence_ratio_mask must be 1-D"),
+    "NaN sequence_ratio_mask": ("gspo", _poke("sequence_ratio_mask", 3, np.nan),
+                                r"loss_fn_inputs\.sequence_ratio_mask\[3\] = nan is not finite"),
+    "sequence_ratio_mask over float32": ("gspo", _poke("sequence_ratio_mask", 4, 1e39),
+                                         r"loss_fn_inputs\.sequence_ratio_mask\[4\] = 1e\+39 "
+                                         r"overflows float32"),
+    "string sequence_ratio_mask": ("gspo", _set("sequence_ratio_mask", ["x"] * N_BAD),
+                                   r"loss_fn_inputs\.sequence_ratio_mask is not a vector of "
+                                   r"numbers"),
     # token ids
     "token = vocab": ("ppo", _poke("model_input", 3, V),
                       r"model_input\[3\] = 64 is outside the vocabulary \[0, 64\)"),
@@ -277,6 +298,8 @@ def test_resolve_config_defaults_and_overrides():
     assert losses.resolve_config("cispo", {}) == {"clip_low_threshold": 0.0,
                                                   "clip_high_threshold": 4.0}
     assert losses.resolve_config("dro", None) == {"beta": 0.05}
+    assert losses.resolve_config("gspo", None) == {"clip_low_threshold": 0.8,
+                                                   "clip_high_threshold": 1.2}
     assert losses.resolve_config("cross_entropy", None) == {}
     assert losses.resolve_config("importance_sampling", None) == {}
     user = {"clip_high_threshold": 2}
@@ -308,6 +331,9 @@ def test_resolve_config_defaults_and_overrides():
     ("cispo", {"clip_low_threshold": 3.0, "clip_high_threshold": 2.0},
      r"clip_low_threshold 3\.0 exceeds clip_high_threshold 2\.0"),
     ("dro", {"beta": -0.1}, r"loss_fn_config\.beta must be ≥ 0"),
+    ("gspo", {"beta": 0.1}, r"loss_fn_config\.beta is not a setting of gspo"),
+    ("gspo", {"clip_low_threshold": 2.0},
+     r"clip_low_threshold 2\.0 exceeds clip_high_threshold 1\.2"),
 ])
 def test_bad_loss_fn_config(loss_fn, config, pattern):
     before = copy.deepcopy(config)

@@ -38,9 +38,10 @@ def assert_rel(actual, desired, rtol=RTOL, err_msg=""):
 # 1. Closed forms of each token loss
 
 
-def token_inputs(n, weights=0.0, advantages=0.0, logprobs=0.0):
+def token_inputs(n, weights=0.0, advantages=0.0, logprobs=0.0, sequence_ratio_mask=1.0):
     full = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.float32), (n,))
-    return losses.TokenInputs(full(weights), full(advantages), full(logprobs))
+    return losses.TokenInputs(full(weights), full(advantages), full(logprobs),
+                              full(sequence_ratio_mask))
 
 
 def value_and_dlp(name, lp, x, cfg):
@@ -145,19 +146,77 @@ def test_cross_entropy_closed_form():
     assert not clipped.any()
 
 
+def test_gspo_closed_form():
+    """One datum (the whole vector): log-ratios [log 2, log 8, 5] with mask [1, 0.5, 0]
+    give s = exp(mean(log 2, log 8)) = 4 (the unmasked 5 is left out; 0.5 counts like 1);
+    every token's ratio is 4 and its gradient is s·(its own d lp) where unclipped."""
+    s_lp = -2.0
+    lp = jnp.asarray(np.log([2.0, 8.0, math.exp(5.0)]) + s_lp, jnp.float32)
+    x = token_inputs(3, advantages=[1.0, -1.0, -1.0], logprobs=s_lp,
+                     sequence_ratio_mask=[1.0, 0.5, 0.0])
+    tok, d_lp, clipped = value_and_dlp("gspo", lp, x, losses.resolve_config("gspo", None))
+    # A > 0, s = 4 > 1.2: the clipped term −1.2 wins, zero gradient; A < 0: −4·(−1).
+    np.testing.assert_allclose(tok, [-1.2, 4.0, 4.0], rtol=2e-6)
+    np.testing.assert_allclose(d_lp, [0.0, 4.0, 4.0], rtol=2e-6)
+    np.testing.assert_array_equal(clipped, [True, False, False])
+    cfg = losses.resolve_config("gspo", {"clip_low_threshold": 0.5, "clip_high_threshold": 5})
+    tok, d_lp, clipped = value_and_dlp("gspo", lp, x, cfg)
+    np.testing.assert_allclose(tok, [-4.0, 4.0, 4.0], rtol=2e-6)
+    np.testing.assert_allclose(d_lp, [-4.0, 4.0, 4.0], rtol=2e-6)
+    assert not clipped.any()
+    # No token in the mask: s = 1, and the token ratios are 1 (not PPO's per-token ratios).
+    x0 = token_inputs(3, advantages=[1.0, -1.0, -1.0], logprobs=s_lp, sequence_ratio_mask=0.0)
+    tok, d_lp, _ = value_and_dlp("gspo", lp, x0, cfg)
+    np.testing.assert_allclose(tok, [-1.0, 1.0, 1.0], rtol=2e-6)
+    np.testing.assert_allclose(d_lp, [-1.0, 1.0, 1.0], rtol=2e-6)
+
+
+def test_gspo_finite_loss_has_finite_gradient():
+    """A sequence ratio that overflows float32 on clipped tokens (A > 0) gives the finite
+    clipped loss and an exact zero gradient, never inf·0; where it is taken (A < 0) the
+    loss is infinite, which the Trainer refuses by datum."""
+    lp = jnp.asarray([-0.1, -0.2], jnp.float32)
+    x = token_inputs(2, advantages=[1.0, 0.0], logprobs=-200.0)  # log s ≈ 200
+    tok, d_lp, clipped = value_and_dlp("gspo", lp, x, losses.resolve_config("gspo", None))
+    np.testing.assert_array_equal(tok, [np.float32(-1.2), 0.0])
+    np.testing.assert_array_equal(d_lp, 0.0)
+    assert clipped.tolist() == [True, False]
+    x = token_inputs(2, advantages=[-1.0, 0.0], logprobs=-200.0)
+    tok, _, _ = value_and_dlp("gspo", lp, x, losses.resolve_config("gspo", None))
+    assert tok[0] == np.inf and tok[1] == 0.0
+
+
+def test_token_losses_gspo_mixed_with_another_loss():
+    """With several losses in one stream, GSPO's sequence mean sees only its own datum's
+    tokens: the other loss's tokens (A, s, mask of their own) change nothing."""
+    lp = jnp.asarray([-1.0, -2.0, -0.5, -3.0], jnp.float32)
+    x = token_inputs(4, advantages=[1.0, -1.0, 1.0, 1.0], logprobs=[-1.5, -1.0, -9.0, -9.0],
+                     sequence_ratio_mask=[1.0, 1.0, 1.0, 1.0])
+    loss_id = jnp.asarray([0, 0, 1, 1])
+    cfg = {"gspo": losses.resolve_config("gspo", None),
+           "ppo": losses.resolve_config("ppo", None)}
+    tok, _ = losses.token_losses(lp, x, ("gspo", "ppo"), cfg, loss_id)
+    alone, _ = losses.LOSSES["gspo"](lp[:2], token_inputs(
+        2, advantages=[1.0, -1.0], logprobs=[-1.5, -1.0]), cfg["gspo"])
+    np.testing.assert_allclose(np.asarray(tok[:2]), np.asarray(alone), rtol=1e-6)
+    # Had the ppo tokens entered the mean, the gspo tokens' losses would differ.
+    polluted, _ = losses.LOSSES["gspo"](lp, x, cfg["gspo"])
+    assert not np.allclose(np.asarray(polluted[:2]), np.asarray(alone), rtol=1e-3)
+
+
 @pytest.mark.parametrize("name", sorted(losses.LOSSES))
 def test_zero_weight_or_advantage_gives_exact_zero(name):
     """w = 0 (cross_entropy) or A = 0 (the rest; DRO with β = 0): loss and gradient are
     exactly zero, at ratios far from 1 too."""
     lp = jnp.asarray([-0.2, -3.0, -9.0, -1.0], jnp.float32)
     s = jnp.asarray([-1.0, -1.0, -2.0, -8.0], jnp.float32)  # ratios e^0.8 … e^7
-    x = losses.TokenInputs(jnp.zeros(4), jnp.zeros(4), s)
+    x = losses.TokenInputs(jnp.zeros(4), jnp.zeros(4), s, jnp.ones(4))
     cfg = losses.resolve_config(name, {"beta": 0.0} if name == "dro" else None)
     tok, d_lp, _ = value_and_dlp(name, lp, x, cfg)
     np.testing.assert_array_equal(tok, 0.0)
     np.testing.assert_array_equal(d_lp, 0.0)
     # The same tokens with a non-zero weight/advantage do produce a loss and a gradient.
-    x1 = losses.TokenInputs(jnp.ones(4), jnp.ones(4), s)
+    x1 = losses.TokenInputs(jnp.ones(4), jnp.ones(4), s, jnp.ones(4))
     tok1, d_lp1, _ = value_and_dlp(name, lp, x1, cfg)
     assert np.all(tok1 != 0) and np.any(d_lp1 != 0)
 
@@ -220,9 +279,10 @@ def test_reference_mesh_matches_numpy(case_name, override_set):
 def test_config_overrides_change_the_numbers():
     """The overridden run really used other settings (else the override tests prove little)."""
     a, b = reference_run("ragged", "default"), reference_run("ragged", "override")
-    for name in ("ppo", "cispo", "dro"):
+    for name in ("ppo", "cispo", "dro", "gspo"):
         assert a.results[name].loss != b.results[name].loss, name
     assert a.results["ppo"].clipped != b.results["ppo"].clipped
+    assert a.results["gspo"].clipped < b.results["gspo"].clipped
     assert a.results["cispo"].clipped == 0 < b.results["cispo"].clipped
     # The ragged case has clipped and unclipped PPO tokens with the defaults.
     assert 0 < a.results["ppo"].clipped < sum(len(d.model_input) for d in case("ragged").data)

@@ -27,7 +27,7 @@ import trainer_harness as H
 
 N = 16
 MESH = (1, 1, 1)
-LOSSES = H.LOSS_NAMES
+LOSSES = H.LOSS_NAMES + ("gspo",)
 # Sampling log-probs and advantages at the edges of float32 (and ordinary ones).
 LOGPROBS = (-1.0, -100.0, -1e4, -1e30, 1e30)
 ADVANTAGES = (1.0, -1.0, 0.0, 1e30, -1e30, 1e38)
@@ -37,7 +37,8 @@ def rl(lp, adv, seed=0):
     rng = np.random.default_rng(seed)
     return jcp.Datum(rng.integers(0, H.CFG.vocab_size, N), {
         "target_tokens": rng.integers(0, H.CFG.vocab_size, N),
-        "advantages": np.full(N, adv), "logprobs": np.full(N, lp)})  # float64: cast by jcp
+        "advantages": np.full(N, adv), "logprobs": np.full(N, lp),  # float64: cast by jcp
+        "sequence_ratio_mask": np.ones(N)})
 
 
 def ce(seed=1, **extra):
@@ -149,7 +150,23 @@ def test_ppo_clipped_branch_is_finite_with_zero_gradient(tr):
     assert all(not np.any(g) for g in tr.gradients(a).values())
 
 
-@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cispo"])
+def test_gspo_sequence_ratio_overflow_is_refused_naming_the_datum(tr):
+    """exp(mean log-ratio) overflows; A < 0 takes the unclipped (infinite) term: refused,
+    naming the datum and the sequence ratio. With A > 0 the clipped term is finite and its
+    gradient exactly 0."""
+    a = _adapter(tr)
+    before = H.snapshot(tr)
+    with pytest.raises(jcp.InputError, match=r"^datum 1: .*sequence ratio .* overflows float32"):
+        tr.forward_backward([ordinary(), rl(-100.0, -1.0)], "gspo", adapters=a)
+    H.assert_same_state(before, H.snapshot(tr))
+    out = tr.forward_backward([rl(-100.0, 1.0)], "gspo", adapters=a)
+    np.testing.assert_array_equal(out.loss_fn_outputs[0]["elementwise_loss"],
+                                  np.full(N, -1.2, np.float32))
+    assert out.metrics["clipped_tokens:sum"] == N
+    assert all(not np.any(g) for g in tr.gradients(a).values())
+
+
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cispo", "gspo"])
 def test_zero_advantage_gives_exact_zeros(tr, loss_fn):
     a = _adapter(tr)
     out = tr.forward_backward([rl(-100.0, 0.0)], loss_fn, adapters=a)

@@ -11,7 +11,11 @@ Evidence:
    stop tokens and max_tokens end sequences with "stop" / "length";
 4. top-k = 1 and temperature → 0 equal greedy; top-k / top-p draws stay in exactly the
    kept set (on a fixed distribution, many draws);
-5. every bad input is refused with InputError and the adapter tables bit-identical.
+5. every bad input is refused with InputError and the adapter tables bit-identical;
+6. the cp-split cache (cache_mode="split") gives HF's greedy tokens and the "batch" cache's
+   log-probs at cp = 2 and 4 (dp = 1 and 2), its sampled log-probs equal tr.forward, and
+   the automatic choice splits exactly when the "batch" cache is too big and splitting
+   shrinks it.
 
 Trainers (and their compiled programs) are shared per (arch, mesh) in a module fixture;
 every call uses max_tokens ≤ 16 and prompts < 48 tokens, so one cache bucket serves all.
@@ -150,11 +154,14 @@ def _forward_logprobs(tr, prompt, tokens, adapter):
     return tr.forward([d], adapters=adapter).loss_fn_outputs[0]["logprobs"]
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 2, 1)])
-def test_logprobs_equal_forward(mesh_shape, root):
+@pytest.mark.parametrize("mesh_shape,cache_mode", [((1, 1, 1), None), ((1, 2, 1), None),
+                                                   ((1, 2, 1), "split")])
+def test_logprobs_equal_forward(mesh_shape, cache_mode, root):
     tr, (a, b) = _trainer("qwen3", mesh_shape, root)
     sp = jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=5)
-    res = tr.sample(PROMPTS, sp, adapters=[a, b, None, a], num_samples=2, prompt_logprobs=True)
+    res = tr.sample(PROMPTS, sp, adapters=[a, b, None, a], num_samples=2, prompt_logprobs=True,
+                    cache_mode=cache_mode)
+    assert tr._sampler.last_plan.mode == (cache_mode or "batch")
     plain = tr.compute_logprobs(PROMPTS, adapters=[a, b, None, a])
     for i, (p, r, ad) in enumerate(zip(PROMPTS, res, [a, b, None, a])):
         assert len(r.sequences) == 2
@@ -178,6 +185,56 @@ def test_logprobs_equal_forward(mesh_shape, root):
     np.testing.assert_allclose(seq.logprobs, ref[len(PROMPTS[2]) - 1:], atol=LP_ATOL, rtol=0)
     np.testing.assert_allclose(res[2].prompt_logprobs[1:], ref[:len(PROMPTS[2]) - 1],
                                atol=LP_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 2, 1), (2, 2, 2), (1, 4, 1)])
+def test_split_cache_equals_batch_cache_and_hf_generate(mesh_shape, root):
+    tr, (a, _) = _trainer("qwen3", mesh_shape, root)
+    adapters = [a, None, a, None, None, a]
+    prompts = list(PROMPTS) + list(PROMPTS[:2])
+    res, plans = {}, {}
+    for mode in ("batch", "split"):
+        res[mode] = tr.sample(prompts, GREEDY, adapters=adapters, cache_mode=mode)
+        plans[mode] = tr._sampler.last_plan
+    # The two calls really used different layouts: "split" holds a sequence's rows over
+    # cp (fewer per device, the decode batch spread over dp only).
+    assert (plans["batch"].mode, plans["split"].mode) == ("batch", "split")
+    assert plans["split"].t_local < plans["batch"].t_local
+    want_adapter, want_base = _hf_greedy("qwen3", root, 0), _hf_greedy("qwen3", root, None)
+    for i, ad in enumerate(adapters):
+        want = (want_base if ad is None else want_adapter)[i % len(PROMPTS)]
+        got_b, got_s = res["batch"][i].sequences[0], res["split"][i].sequences[0]
+        np.testing.assert_array_equal(got_s.tokens, want, err_msg=f"prompt {i} adapter {ad}")
+        np.testing.assert_array_equal(got_b.tokens, want, err_msg=f"prompt {i} adapter {ad}")
+        assert got_s.stop_reason == got_b.stop_reason
+        np.testing.assert_allclose(got_s.logprobs, got_b.logprobs, atol=1e-5, rtol=0)
+    # Prompts of one token only: nothing to prefill, the cache starts empty.
+    ones = [[p[0]] for p in PROMPTS]
+    one_b = tr.sample(ones, GREEDY, adapters=a, cache_mode="batch")
+    one_s = tr.sample(ones, GREEDY, adapters=a, cache_mode="split")
+    for x, y in zip(one_b, one_s):
+        np.testing.assert_array_equal(x.sequences[0].tokens, y.sequences[0].tokens)
+        np.testing.assert_allclose(x.sequences[0].logprobs, y.sequences[0].logprobs,
+                                   atol=1e-5, rtol=0)
+
+
+def test_automatic_cache_mode(monkeypatch, root):
+    """"split" iff cp > 1, the "batch" cache is over the threshold and splitting shrinks it."""
+    tr2, _ = _trainer("qwen3", (1, 2, 1), root)
+    tr1, _ = _trainer("qwen3", (1, 1, 1), root)
+    long = tr2._sampler.plan([3000], 16)  # one long sequence: "batch" idles a device
+    assert long.mode == "batch"  # far below the default threshold
+    # Per-device cache of "split" at cp = 2: half of "batch" (goal ≤ 1.2 / cp).
+    assert long.split_bytes <= 1.2 / 2 * long.batch_bytes
+    many = tr2._sampler.plan([100] * 64, 16)  # many short: splitting saves nothing
+    assert many.split_bytes >= many.batch_bytes
+    monkeypatch.setattr(sample_lib, "SPLIT_ABOVE_BYTES", min(long.batch_bytes,
+                                                             many.batch_bytes) - 1)
+    assert tr2._sampler.plan([3000], 16).mode == "split"
+    assert tr2._sampler.plan([100] * 64, 16).mode == "batch"
+    assert tr1._sampler.plan([3000], 16).mode == "batch"  # cp = 1: nothing to split over
+    assert tr2._sampler.plan([3000], 16, cache_mode="batch").mode == "batch"
+    assert tr2._sampler.plan([5], 4, cache_mode="split").mode == "split"
 
 
 def test_mixed_adapters_equal_one_call_per_adapter(root):
@@ -317,6 +374,7 @@ BAD = [
     ("adapters", lambda a: dict(adapters=[a, 2])),
     ("adapters", lambda a: dict(adapters=[a])),
     ("sampling_params", lambda a: dict(sp={"max_tokens": 4})),
+    ("cache_mode", lambda a: dict(cache_mode="rows")),
 ]
 
 
@@ -325,11 +383,11 @@ def test_bad_input_is_refused_with_state_unchanged(what, bad, root):
     tr, (a, _) = _trainer("qwen3", (1, 2, 1), root)
     before = _tables(tr)
     call = dict(prompts=[[1, 2, 3], [4]], sp=jcp.SamplingParams(max_tokens=4), adapters=a,
-                num_samples=1)
+                num_samples=1, cache_mode=None)
     call.update(bad(a))
     with pytest.raises(jcp.InputError) as e:
         tr.sample(call["prompts"], call["sp"], adapters=call["adapters"],
-                  num_samples=call["num_samples"])
+                  num_samples=call["num_samples"], cache_mode=call["cache_mode"])
     assert what.split()[0] in str(e.value) or what == "adapter"
     if what in ("prompts", "adapter", "adapters") and not isinstance(call["adapters"], list):
         with pytest.raises(jcp.InputError):

@@ -142,6 +142,44 @@ def test_train_matches_trainer_and_forward_keeps_grads(env):
     env["trained"] = tc
 
 
+def test_gspo_matches_trainer(env):
+    """gspo through the SDK (sequence_ratio_mask on the wire, clip keys overridden) gives
+    the in-process Trainer's losses, clipped count and gradient; the datums are cut over
+    cp = 2, so the sequence mean spans both ranks."""
+    tr = env["tr"]
+    tc = client(env).create_lora_training_client(base_model=MODEL, rank=RANK,
+                                                  seed=SEED + 1).result()
+    local = tr.create_adapter(rank=RANK, alpha=32.0, seed=SEED + 1)
+    assert local != slot(env, tc)
+    sdk_data, jcp_data = [], []
+    lp_now = tr.forward([datum(s, n)[1] for s, n in ((7, 24), (8, 19))], "cross_entropy",
+                        adapters=local).loss_fn_outputs
+    for (s, n), out in zip(((7, 24), (8, 19)), lp_now):
+        rng = np.random.default_rng(s)
+        d = datum(s, n)[1]
+        inputs = {"target_tokens": d.loss_fn_inputs["target_tokens"],
+                  "advantages": rng.normal(size=n).astype(np.float32).tolist(),
+                  "logprobs": (out["logprobs"] + 0.2 * rng.normal(size=n)).astype(
+                      np.float32).tolist(),
+                  "sequence_ratio_mask": (rng.random(n) < 0.7).astype(np.float32).tolist()}
+        sdk_data.append(types.Datum(model_input=types.ModelInput.from_ints(d.model_input),
+                                    loss_fn_inputs=inputs))
+        jcp_data.append(jcp.Datum(model_input=d.model_input, loss_fn_inputs=inputs))
+    cfg = {"clip_low_threshold": 0.95, "clip_high_threshold": 1.02}
+    out = tc.forward_backward(sdk_data, "gspo", cfg).result()
+    ref = tr.forward_backward(jcp_data, "gspo", cfg, adapters=local)
+    assert ref.metrics["loss:sum"] != 0
+    np.testing.assert_allclose(out.metrics["loss:sum"], ref.metrics["loss:sum"], rtol=RTOL)
+    assert out.metrics["clipped_tokens:sum"] == ref.metrics["clipped_tokens:sum"]
+    for o, r in zip(out.loss_fn_outputs, ref.loss_fn_outputs):
+        np.testing.assert_allclose(o["logprobs"].to_numpy(), r["logprobs"], rtol=RTOL, atol=ATOL)
+    grads = tr.gradients(slot(env, tc))
+    assert any(np.abs(g).max() > 0 for g in grads.values())
+    assert_tree_close(grads, tr.gradients(local), rtol=RTOL, atol=ATOL)
+    tr.delete_adapter(local)
+    unload(env, tc)
+
+
 def test_save_then_sample(env):
     tr, tc = env["tr"], env["trained"]
     sc = tc.save_weights_and_get_sampling_client().result()
@@ -195,7 +233,7 @@ def test_save_load_with_optimizer_continues_exactly(env):
 
 
 def test_two_clients_are_fused_and_match_sequential(env):
-    srv, sched = env["srv"], env["srv"].scheduler
+    sched = env["srv"].scheduler
     sc = client(env)
     a, b, a2, b2 = (sc.create_lora_training_client(base_model=MODEL, rank=RANK, seed=s).result()
                     for s in (11, 12, 11, 12))
@@ -288,7 +326,7 @@ def test_unknown_model_and_other_tenant(env):
 
 
 def test_restart_keeps_checkpoints(env):
-    tr, tc = env["tr"], env["trained"]
+    tr = env["tr"]
     env["srv"].stop()
     for a in list(tr.adapters):  # a fresh process would hold no adapters
         tr.delete_adapter(a)

@@ -5,7 +5,8 @@ Evidence:
 1. forward_backward gives the same per-datum log-probs, elementwise losses, loss sums,
    metrics and per-adapter gradients on meshes (1,2,1) (1,4,1) (1,8,1) (2,2,2) (1,2,2) as
    on (1,1,1), for all five Tinker losses, on one batch that mixes three adapters of
-   ranks 2, 4, 8 (non-zero B, different target sets) with ragged and one-token datums;
+   ranks 2, 4, 8 (non-zero B, different target sets) with ragged and one-token datums —
+   and again with ring attention forced (cp_attention="ring") at (1,8,1) and (2,2,2);
 2. optim_step with weight decay and clipping on one adapter leaves every other slot's
    weights, gradient accumulator and AdamW state bit-identical;
 3. two forward_backward calls accumulate to one call on both batches; forward changes no
@@ -22,12 +23,15 @@ reuse batches of the same shapes, so most calls hit the jit cache.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 import pytest
 
 import jcp
 import trainer_harness as H
+from jcp import attention
 
 REF = (1, 1, 1)
 MESHES = ((1, 2, 1), (1, 4, 1), (1, 8, 1), (2, 2, 2), (1, 2, 2))
@@ -58,26 +62,51 @@ def _ids(ids, names):
 _MESH_RESULTS: dict = {}
 
 
-def _mesh_results(mesh_shape, folders, data):
-    """{loss: (output, {adapter name: gradients})} of one fresh forward_backward per loss."""
-    if mesh_shape not in _MESH_RESULTS:
-        tr = H.trainer(mesh_shape)
+@contextlib.contextmanager
+def _counting_attention(counts):
+    """Count the traced calls of the two cp attention paths (gather and ring)."""
+    saved = attention.cp_attention, attention.ring_attention
+
+    def counted(name, f):
+        def g(*a, **kw):
+            counts[name] += 1
+            return f(*a, **kw)
+        return g
+
+    attention.cp_attention = counted("gather", saved[0])
+    attention.ring_attention = counted("ring", saved[1])
+    try:
+        yield counts
+    finally:
+        attention.cp_attention, attention.ring_attention = saved
+
+
+def _mesh_results(mesh_shape, folders, data, cp_attention="auto"):
+    """{loss: (output, {adapter name: gradients})} of one fresh forward_backward per loss,
+    and "paths": how often each cp attention path was traced meanwhile."""
+    key = (mesh_shape, cp_attention)
+    if key not in _MESH_RESULTS:
+        tr = H.trainer(mesh_shape, **({} if cp_attention == "auto"
+                                      else {"cp_attention": cp_attention}))
         res = {}
-        for loss in H.LOSS_NAMES:
-            with H.borrowed(tr):  # fresh slots: accumulators start at zero for each loss
-                ids = H.load_adapters(tr, folders)
-                out = tr.forward_backward(data, loss, H.LOSS_CONFIGS[loss],
-                                          adapters=_ids(ids, H.ASSIGN))
-                res[loss] = (out, {n: tr.gradients(a) for n, a in ids.items()})
-        _MESH_RESULTS[mesh_shape] = res
-    return _MESH_RESULTS[mesh_shape]
+        with _counting_attention({"gather": 0, "ring": 0}) as counts:
+            for loss in H.LOSS_NAMES:
+                with H.borrowed(tr):  # fresh slots: accumulators start at zero for each loss
+                    ids = H.load_adapters(tr, folders)
+                    out = tr.forward_backward(data, loss, H.LOSS_CONFIGS[loss],
+                                              adapters=_ids(ids, H.ASSIGN))
+                    res[loss] = (out, {n: tr.gradients(a) for n, a in ids.items()})
+        res["paths"] = counts
+        _MESH_RESULTS[key] = res
+    return _MESH_RESULTS[key]
 
 
 def test_reference_results_are_informative(folders, data):
     """The (1,1,1) results the mesh test compares against exercise what they should."""
     res = _mesh_results(REF, folders, data)
     n_tokens = sum(H.LENGTHS)
-    for loss, (out, grads) in res.items():
+    for loss in H.LOSS_NAMES:
+        out, grads = res[loss]
         assert [len(o["logprobs"]) for o in out.loss_fn_outputs] == list(H.LENGTHS)
         for name, g in grads.items():
             spec = H.ADAPTERS[name]
@@ -95,13 +124,30 @@ def test_reference_results_are_informative(folders, data):
     assert len(set(np.round(sums, 4))) == len(sums)
 
 
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda m: "dp{}cp{}tp{}".format(*m))
-def test_forward_backward_same_on_every_mesh(mesh_shape, folders, data):
-    tr = H.trainer(mesh_shape)
+def _mesh_id(m):
+    return "dp{}cp{}tp{}".format(*m)
+
+
+# The same promise with ring attention forced (K/V passed around cp instead of gathered).
+RING_MESHES = ((1, 8, 1), (2, 2, 2))
+
+
+@pytest.mark.parametrize("mesh_shape,cp_attention",
+                         [pytest.param(m, "auto", id=_mesh_id(m)) for m in MESHES]
+                         + [pytest.param(m, "ring", id=_mesh_id(m) + "-ring")
+                            for m in RING_MESHES])
+def test_forward_backward_same_on_every_mesh(mesh_shape, cp_attention, folders, data):
+    tr = H.trainer(mesh_shape, **({} if cp_attention == "auto" else {"cp_attention": "ring"}))
     assert mesh_shape != REF and (tr.dp, tr.cp, tr.tp) == mesh_shape
     assert tr.mesh.devices.size == np.prod(mesh_shape) > 1
+    assert tr.step_cfg.cp_attention == cp_attention
     ref = _mesh_results(REF, folders, data)
-    got = _mesh_results(mesh_shape, folders, data)
+    got = _mesh_results(mesh_shape, folders, data, cp_attention)
+    # At this size "auto" gathers; "ring" really took the ring path (traced, never gathered).
+    if cp_attention == "ring":
+        assert got["paths"]["ring"] > 0 and got["paths"]["gather"] == 0, got["paths"]
+    else:
+        assert got["paths"]["ring"] == 0, got["paths"]
     for loss in H.LOSS_NAMES:
         H.assert_outputs_close(got[loss][0], ref[loss][0], RTOL, ATOL, f"{loss} {mesh_shape}")
         for name in H.ADAPTERS:
