@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 
-from jcp.train import CliError, _Parser, setup_devices
+from jcp.train import CliError, _Parser, load_model_and_mesh, setup_devices
 
 
 def parse_args(argv):
@@ -52,26 +52,15 @@ def parse_args(argv):
 
 
 def build_trainer(args):
-    import jax
-
     import jcp
 
-    if args.hf_model:
-        try:
-            cfg, base = jcp.load_hf(args.hf_model)
-        except (ValueError, OSError) as e:
-            raise CliError(f"--hf-model {args.hf_model}: {e}") from None
-    else:
-        cfg, base = jcp.QwenConfig.tiny(), None
-    n = jax.device_count()
-    shape = args.mesh or ((2, 2, 2) if n == 8 else (1, n, 1))
+    cfg, base, mesh = load_model_and_mesh(args)
     try:
-        mesh = jcp.make_mesh(*shape)
         return jcp.Trainer(cfg, mesh, base_params=base, max_adapters=args.max_adapters,
                            max_rank=args.max_rank, seed=args.seed,
                            max_tokens_per_device=args.max_tokens_per_device)
     except ValueError as e:
-        raise CliError(f"--mesh {','.join(map(str, shape))}: {e}") from None
+        raise CliError(str(e)) from None
 
 
 def _tokenizer_dir(path: str | None) -> str | None:

@@ -436,9 +436,9 @@ def write_metrics(path: str, rows: list[dict]) -> None:
 # Main
 
 
-def build_trainer(args, adapter_names: list[str]):
-    """The base model (--hf-model or tiny random), the mesh, and a Trainer with a slot
-    for every adapter."""
+def load_model_and_mesh(args):
+    """(config, base parameters, mesh) from --hf-model (or the tiny random model) and
+    --mesh (default 2,2,2 on 8 devices, else 1,<devices>,1); CliError naming the flag."""
     import jax
 
     import jcp
@@ -457,6 +457,14 @@ def build_trainer(args, adapter_names: list[str]):
         cfg.check_mesh(mesh_shape[2])
     except ValueError as e:
         raise CliError(f"--mesh {','.join(map(str, mesh_shape))}: {e}") from None
+    return cfg, base, mesh
+
+
+def build_trainer(args, adapter_names: list[str]):
+    """The base model, the mesh, and a Trainer with a slot for every adapter."""
+    import jcp
+
+    cfg, base, mesh = load_model_and_mesh(args)
     try:
         return jcp.Trainer(cfg, mesh, base_params=base, max_adapters=max(len(adapter_names), 1),
                            max_rank=args.rank, seed=args.seed,
