@@ -35,12 +35,20 @@ def env():
                      max_rank=8, attn_block=16, logprob_chunk=16)
     state = {"tr": tr, "dir": tempfile.mkdtemp(prefix="jcp-serve-test-")}
     state["srv"] = Server(tr, MODEL, state["dir"], KEYS).start()
+    state["clients"] = []
     yield state
+    # The SDK heartbeats its sessions from a background thread until a client is closed;
+    # left open they would complain about the stopped server for the rest of the run.
+    for sc in state["clients"]:
+        if sc._session_holder is not None:
+            sc._session_holder.close()
     state["srv"].stop()
 
 
 def client(env, key="tml-alice"):
-    return tinker.ServiceClient(base_url=env["srv"].url, api_key=key)
+    sc = tinker.ServiceClient(base_url=env["srv"].url, api_key=key)
+    env["clients"].append(sc)
+    return sc
 
 
 def datum(seed: int, n: int = 24):
