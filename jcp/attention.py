@@ -209,6 +209,21 @@ def _block_kinds(seg_q, pos_q, seg_k, pos_k, block_q, block_k):
     return need.astype(jnp.int32) + (need & full).astype(jnp.int32), need
 
 
+def _tiling(q_KxRxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k):
+    """The tiling _fold_keys and _grad_keys share: (scale, rq rows per query block, nq, nk
+    block counts, block kinds and need [nq, nk], seg / pos of the query rows [nq, rq], of
+    the key blocks [nk, Bk])."""
+    rows, head_dim = q_KxRxH.shape[1:]
+    s_len = seg_q.shape[0]
+    per_kv = rows // s_len
+    rq = block_q * per_kv
+    nq, nk = s_len // block_q, k_KxTxH.shape[1] // block_k
+    kinds, need = _block_kinds(seg_q, pos_q, seg_k, pos_k, block_q, block_k)
+    return (1.0 / np.sqrt(head_dim), rq, nq, nk, kinds, need,
+            jnp.repeat(seg_q, per_kv).reshape(nq, rq), jnp.repeat(pos_q, per_kv).reshape(nq, rq),
+            seg_k.reshape(nk, block_k), pos_k.reshape(nk, block_k))
+
+
 def _fold_keys(states, q_KxRxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q,
                block_k):
     """Fold keys k, v [K, Tk, H] (seg_k, pos_k [Tk]) into the states of q's blocks.
@@ -217,17 +232,9 @@ def _fold_keys(states, q_KxRxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, bl
     states: SoftmaxState of [nq, K, Bq·M(, H)]. Skipped blocks cost a branch; fully
     visible ones skip the mask.
     """
-    kv_heads, rows, head_dim = q_KxRxH.shape
-    s_len = seg_q.shape[0]
-    per_kv = rows // s_len
-    scale = 1.0 / np.sqrt(head_dim)
-    rq = block_q * per_kv
-    nq, nk = s_len // block_q, k_KxTxH.shape[1] // block_k
-    kinds, need = _block_kinds(seg_q, pos_q, seg_k, pos_k, block_q, block_k)
+    scale, rq, nq, nk, kinds, need, seg_r, pos_r, skb, pkb = _tiling(
+        q_KxRxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k)
     k_lo, k_hi = needed_range(need)
-    seg_r = jnp.repeat(seg_q, per_kv).reshape(nq, rq)
-    pos_r = jnp.repeat(pos_q, per_kv).reshape(nq, rq)
-    skb, pkb = seg_k.reshape(nk, block_k), pos_k.reshape(nk, block_k)
     qb, kb = _split_blocks(q_KxRxH, nq), _split_blocks(k_KxTxH, nk)
     vb = _split_blocks(v_KxTxH.astype(jnp.float32), nk)
 
@@ -301,17 +308,10 @@ def _grad_keys(dq, q_KxRxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, do_KxR
     streams' gradients simply add. dq [K, R, H] fp32 accumulates; returns (dq, dk, dv),
     dk and dv [K, Tk, H] fp32.
     """
-    kv_heads, rows, head_dim = q_KxRxH.shape
-    s_len = seg_q.shape[0]
-    per_kv = rows // s_len
-    scale = 1.0 / np.sqrt(head_dim)
-    rq = block_q * per_kv
-    nq, nk = s_len // block_q, k_KxTxH.shape[1] // block_k
-    kinds, need = _block_kinds(seg_q, pos_q, seg_k, pos_k, block_q, block_k)
+    scale, rq, nq, nk, kinds, need, seg_r, pos_r, skb, pkb = _tiling(
+        q_KxRxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k)
     q_lo, q_hi = needed_range(need.T)
-    seg_r = jnp.repeat(seg_q, per_kv).reshape(nq, rq)
-    pos_r = jnp.repeat(pos_q, per_kv).reshape(nq, rq)
-    skb, pkb = seg_k.reshape(nk, block_k), pos_k.reshape(nk, block_k)
+    kv_heads, _, head_dim = q_KxRxH.shape
     qb, dob = _split_blocks(q_KxRxH, nq), _split_blocks(do_KxRxH, nq)
     kb, vb = _split_blocks(k_KxTxH, nk), _split_blocks(v_KxTxH.astype(jnp.float32), nk)
     lseb = jnp.einsum("knr->nkr", lse_KxR.reshape(kv_heads, nq, rq))
