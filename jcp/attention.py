@@ -33,7 +33,9 @@ DEFAULT_BLOCK = 512
 # work on short datums, but their loop overhead dominates long ones; measured 1.36× faster
 # fwd+bwd at 16k tokens with 256-row tiles than with 64).
 GROWN_TILE, TILES_PER_STREAM = 256, 64
-IMPLEMENTATIONS = ("blockwise", "dense")
+# "pallas": the fused kernels of jcp/pallas_attention.py (Triton on GPU; on CPU, interpret
+# mode, tests only). The default stays "blockwise".
+IMPLEMENTATIONS = ("blockwise", "dense", "pallas")
 # Residuals of the blockwise kernel that a remat policy may save (see model.hidden_states).
 SAVED_NAMES = ("attention_out", "attention_lse")
 
@@ -437,7 +439,7 @@ def cp_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S, *,
     q: [S, Q, H] (RoPE applied), k, v: [S, K, H]; segment: datum slot (−1 = padding);
     position: index within the datum. A query sees a key iff both belong to the same datum
     and the key's position ≤ the query's. Queries that see nothing (padding) give zeros.
-    Returns [S, Q, H].
+    Returns [S, Q, H]. implementation: one of IMPLEMENTATIONS; `block` caps its tiles.
     """
     _check_implementation(implementation)
     s_len, q_heads, head_dim = q_SxQxH.shape
@@ -445,6 +447,11 @@ def cp_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S, *,
     q_SxKxMxH = q_SxQxH.reshape(s_len, kv_heads, q_heads // kv_heads, head_dim)
     k_TxKxH, v_TxKxH = gather_cp(k_SxKxH), gather_cp(v_SxKxH)
     seg_T, pos_T = gather_cp(segment_S), gather_cp(position_S)
+    if implementation == "pallas":
+        from jcp import pallas_attention  # here, not at the top: it builds on this module
+
+        return pallas_attention.flash_attention(q_SxQxH, k_TxKxH, v_TxKxH, segment_S,
+                                                position_S, seg_T, pos_T, block)
     if implementation == "dense":
         out = _dense(q_SxKxMxH, k_TxKxH, v_TxKxH, segment_S, position_S, seg_T, pos_T)
     else:
@@ -548,14 +555,24 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S, *,
-                   block: int = DEFAULT_BLOCK):
+                   block: int = DEFAULT_BLOCK, implementation: str = "blockwise"):
     """cp_attention's result without gathering K/V: they travel the cp ring instead.
 
     Same arguments, mask and result as cp_attention (blockwise); per-device memory is
     O(S) — this rank's K/V, the one in flight, and their fp32 gradients — never O(CP·S).
     Runs inside shard_map over "cp". With the zigzag layout every rank computes the same
     number of blocks at every step (ring_block_work), so no rank waits at a hop.
+    implementation: "blockwise" or "pallas" (pallas_attention.ring_attention: one fused
+    kernel call per step).
     """
+    if implementation not in ("blockwise", "pallas"):
+        raise ValueError(f"ring attention implementation must be 'blockwise' or 'pallas', "
+                         f"got {implementation!r}")
+    if implementation == "pallas":
+        from jcp import pallas_attention  # here, not at the top: it builds on this module
+
+        return pallas_attention.ring_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S,
+                                               position_S, block=block)
     s_len, q_heads, head_dim = q_SxQxH.shape
     kv_heads = k_SxKxH.shape[1]
     q_SxKxMxH = q_SxQxH.reshape(s_len, kv_heads, q_heads // kv_heads, head_dim)
@@ -564,12 +581,13 @@ def ring_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S, *,
     return out.reshape(s_len, q_heads, head_dim)
 
 
-def ring_attend(segment_S, position_S, *, block: int = DEFAULT_BLOCK) -> Attend:
+def ring_attend(segment_S, position_S, *, block: int = DEFAULT_BLOCK,
+                implementation: str = "blockwise") -> Attend:
     """The training strategy with ring_attention: like cp_attend, state passed through."""
 
     def attend(q_SxQxH, k_SxKxH, v_SxKxH, state):
         return ring_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S,
-                              block=block), state
+                              block=block, implementation=implementation), state
 
     return attend
 

@@ -1,0 +1,386 @@
+"""The "pallas" attention implementation (jcp.pallas_attention) in Pallas interpret mode.
+
+Evidence:
+1. the fused kernels (forward, dQ, dK/dV) equal the dense reference and the blockwise
+   kernel, values and d(q, k, v), on packed ragged datums in the zigzag layout
+   (non-monotone positions), GQA with M = 1, 2, 4, queries of one rank against every
+   rank's keys, and with blocks skipped, masked and fully visible all present;
+2. padding rows and padding-only blocks give exact zeros (values and gradients), never
+   NaN; a one-token datum's output is its own value row; padding contents never reach a
+   real token;
+3. through attention.cp_attention (all-gather) and attention.ring_attention inside a
+   shard_map at cp = 2, and through the Trainer (StepConfig, the layer scan with remat);
+4. every kernel lowers to Triton IR (lowered for "cuda" on this CPU host: flash, ring,
+   the model's layer scan); what the Triton path refuses; the plan.
+
+Legend: CP mesh axis size; S rows of one rank's stream; Q query heads; K kv heads; H head
+dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jcp
+import trainer_harness as TH
+from jcp import attention
+from jcp import mesh as mesh_lib
+from jcp import model
+from jcp import pallas_attention as pa
+
+H = 16
+BLOCK = 16
+
+
+def zigzag_layout(lengths, cp, s_len):
+    """(segment, position) [CP, S]: datum d (segment d) split over the cp ranks by
+    mesh.zigzag_indices, the datums packed one after another on every rank, then padding
+    (segment −1, also inside a datum's last chunks)."""
+    seg = np.full((cp, s_len), -1, np.int32)
+    pos = np.zeros((cp, s_len), np.int32)
+    fill = 0
+    for d, n in enumerate(lengths):
+        idx = mesh_lib.zigzag_indices(n, cp)  # [CP, 2C]
+        w = idx.shape[1]
+        seg[:, fill:fill + w] = np.where(idx >= 0, d, -1)
+        pos[:, fill:fill + w] = np.maximum(idx, 0)
+        fill += w
+    assert fill <= s_len, (fill, s_len)
+    return seg, pos
+
+
+def random_qkv(s_len, t_len, q_heads, kv_heads, seed, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((s_len, q_heads, H)).astype(dtype),
+            rng.standard_normal((t_len, kv_heads, H)).astype(dtype),
+            rng.standard_normal((t_len, kv_heads, H)).astype(dtype),
+            rng.standard_normal((s_len, q_heads, H)).astype(np.float32))
+
+
+# Small tiles, so every stream spans several blocks: all sides BLOCK, or of unequal sides
+# (every kernel's plan is then a different table, and dK/dV's query tiles differ from dQ's).
+EVEN = pa.Tiles(*(BLOCK,) * 6)
+UNEVEN = pa.Tiles(fwd_q=2 * BLOCK, fwd_k=BLOCK, dq_q=BLOCK, dq_k=2 * BLOCK, dkv_q=BLOCK,
+                  dkv_k=2 * BLOCK)
+
+
+def _pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, tiles=EVEN):
+    return pa.flash_attention(q, k, v, seg_q, pos_q, seg_k, pos_k, 2 * BLOCK, tiles)
+
+
+def _dense(q, k, v, seg_q, pos_q, seg_k, pos_k):
+    s_len, q_heads, _ = q.shape
+    kv_heads = k.shape[1]
+    out = attention._dense(q.reshape(s_len, kv_heads, q_heads // kv_heads, H), k, v, seg_q,
+                           pos_q, seg_k, pos_k)
+    return out.reshape(q.shape)
+
+
+def _blockwise(q, k, v, seg_q, pos_q, seg_k, pos_k):
+    s_len, q_heads, _ = q.shape
+    t_len, kv_heads, _ = k.shape
+    out = attention._flash(q.reshape(s_len, kv_heads, q_heads // kv_heads, H), k, v, seg_q,
+                           pos_q, seg_k, pos_k, attention.tile(s_len, BLOCK),
+                           attention.tile(t_len, BLOCK))
+    return out.reshape(q.shape)
+
+
+IMPLS = {"pallas": _pallas, "dense": _dense, "blockwise": _blockwise}
+
+
+@functools.lru_cache(maxsize=None)
+def value_and_grads(impl, tiles=None):
+    """jit of (q, k, v, seg_q, pos_q, seg_k, pos_k, cot) -> (out, d/d(q, k, v) of Σ out·cot)."""
+    f = IMPLS[impl] if tiles is None else functools.partial(IMPLS[impl], tiles=tiles)
+
+    def run(q, k, v, seg_q, pos_q, seg_k, pos_k, cot):
+        out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, seg_q, pos_q, seg_k, pos_k), q, k, v)
+        return out, vjp(cot.astype(out.dtype))
+
+    return jax.jit(run)
+
+
+def run(impl, *args, tiles=None):
+    out, grads = value_and_grads(impl, tiles)(*args)
+    return np.asarray(out, np.float32), tuple(np.asarray(g, np.float32) for g in grads)
+
+
+def _has_pallas_call(fn, *args) -> bool:
+    return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
+
+
+# ----------------------------------------------------------------------------------------
+# 1. Pallas vs dense vs blockwise
+
+
+# (lengths, cp of the zigzag layout, S per rank, Q, K, queries, tiles): "all" = every
+# rank's rows as queries (S = T), "rank0" = rank 0's rows against every rank's keys (as
+# cp_attention sees them).
+CASES = {
+    "gqa2-zigzag": ((100, 1, 23, 9, 1, 30), 2, 96, 4, 2, "all", EVEN),
+    "gqa4-rank0": ((150, 1, 33, 9), 4, 64, 4, 1, "rank0", EVEN),
+    "mha-uneven-tiles": ((100,), 2, 64, 2, 2, "all", UNEVEN),
+}
+
+
+def case_args(name, seed=0, dtype=np.float32):
+    lengths, cp, s_len, q_heads, kv_heads, queries, _ = CASES[name]
+    seg, pos = zigzag_layout(lengths, cp, s_len)
+    seg_k, pos_k = seg.reshape(-1), pos.reshape(-1)
+    seg_q, pos_q = (seg[0], pos[0]) if queries == "rank0" else (seg_k, pos_k)
+    q, k, v, cot = random_qkv(seg_q.shape[0], seg_k.shape[0], q_heads, kv_heads, seed, dtype)
+    return q, k, v, seg_q, pos_q, seg_k, pos_k, cot
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_pallas_matches_dense_and_blockwise(name):
+    args = case_args(name, seed=len(name))
+    q, k, v, seg_q, pos_q, seg_k, pos_k, cot = args
+    tiles = CASES[name][-1]
+    # The implementations really differ: only the pallas one runs a pallas_call.
+    assert _has_pallas_call(value_and_grads("pallas", tiles), *args)
+    assert not _has_pallas_call(value_and_grads("dense"), *args)
+    assert not _has_pallas_call(value_and_grads("blockwise"), *args)
+    # Positions are not monotone in the stream (zigzag), and every kind of block occurs in
+    # every kernel's tiling: skipped, masked and fully visible.
+    assert np.any(np.diff(pos_k[seg_k == 0]) < 0)
+    for side in ("fwd", "dq", "dkv"):
+        bq = pa._tile(seg_q.shape[0], getattr(tiles, side + "_q"), 2 * BLOCK, True)
+        bk = pa._tile(seg_k.shape[0], getattr(tiles, side + "_k"), 2 * BLOCK, True)
+        assert seg_q.shape[0] // bq > 1 and seg_k.shape[0] // bk > 1
+        kinds, _ = attention._block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)
+        assert set(np.unique(np.asarray(kinds)).tolist()) == {0, 1, 2}, side
+
+    out_p, g_p = run("pallas", *args, tiles=tiles)
+    out_d, g_d = run("dense", *args)
+    out_b, g_b = run("blockwise", *args)
+    scale = np.abs(out_d).max()
+    np.testing.assert_allclose(out_p, out_d, rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(out_p, out_b, rtol=0, atol=1e-5 * scale)
+    for which, a, d, b in zip("qkv", g_p, g_d, g_b):
+        assert np.abs(d).max() > 0.1, which
+        tol = 1e-5 * np.abs(d).max()
+        np.testing.assert_allclose(a, d, rtol=0, atol=tol, err_msg=f"d{which} vs dense")
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol, err_msg=f"d{which} vs blockwise")
+
+
+def test_bfloat16_close_to_fp32_dense():
+    """bf16 inputs (the GPU dtype): p and the gradients' operands are cast to bf16 for the
+    matmuls, accumulation stays fp32."""
+    args32 = case_args("gqa2-zigzag", seed=3)
+    args16 = tuple(jnp.asarray(a, jnp.bfloat16) if i < 3 else a for i, a in enumerate(args32))
+    out_p, g_p = run("pallas", *args16)
+    out_d, g_d = run("dense", *args32)
+    assert value_and_grads("pallas")(*args16)[0].dtype == jnp.bfloat16
+    np.testing.assert_allclose(out_p, out_d, rtol=0, atol=3e-2 * np.abs(out_d).max())
+    for which, a, d in zip("qkv", g_p, g_d):
+        np.testing.assert_allclose(a, d, rtol=0, atol=3e-2 * np.abs(d).max(), err_msg=which)
+
+
+# ----------------------------------------------------------------------------------------
+# 2. Padding and one-token datums
+
+
+def test_padding_exact_zeros_and_one_token_datums():
+    # cp = 4, three datums (1, 3, 1 tokens): rank 3 and most of every rank are padding, so
+    # whole query and key blocks hold only padding (their plans are empty).
+    seg, pos = zigzag_layout((1, 3, 1), 4, 32)
+    seg_t, pos_t = seg.reshape(-1), pos.reshape(-1)
+    assert not (seg[3] >= 0).any()
+    real = seg_t >= 0
+    q, k, v, cot = random_qkv(128, 128, 4, 2, seed=9)
+    args = (q, k, v, seg_t, pos_t, seg_t, pos_t, cot)
+    out, grads = run("pallas", *args)
+    assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in grads)
+    assert np.all(out[~real] == 0.0)
+    for which, g in zip("qkv", grads):
+        assert np.all(g[~real] == 0.0), f"d{which} at padding rows"
+        assert np.abs(g[real]).max() > 0, f"d{which} at real rows"
+    out_d, _ = run("dense", *args)
+    np.testing.assert_allclose(out, out_d, rtol=0, atol=1e-5 * np.abs(out_d).max())
+    # A one-token datum attends only to itself: its output is its own value row.
+    for slot in (0, 2):
+        (r,) = np.flatnonzero(seg_t == slot)
+        np.testing.assert_allclose(out[r], np.repeat(v[r], 2, axis=0), rtol=0, atol=1e-6)
+    # The padding rows' contents never reach a real token.
+    big = [x.copy() for x in (q, k, v)]
+    for x in big:
+        x[~real] = 1e3 * np.sign(x[~real])
+    out_big, grads_big = run("pallas", *big, seg_t, pos_t, seg_t, pos_t, cot)
+    np.testing.assert_array_equal(out_big[real], out[real])
+    for g, gb in zip(grads, grads_big):
+        np.testing.assert_array_equal(gb[real], g[real])
+
+
+# ----------------------------------------------------------------------------------------
+# 3. Inside shard_map: cp_attention (all-gather), the ring, and the Trainer
+
+ROWS, HEADS = P(mesh_lib.CP, None), P(mesh_lib.CP, None, None, None)
+
+
+def sharded(impl, path):
+    """jit of (q, k, v, seg, pos, cot) [CP, S, …] -> (out, d/d(q, k, v)) at mesh (1, 2, 1)."""
+
+    def inner(q, k, v, seg, pos):
+        if path == "ring":
+            out = attention.ring_attention(q[0], k[0], v[0], seg[0], pos[0], block=BLOCK,
+                                           implementation=impl)
+        else:
+            out = attention.cp_attention(q[0], k[0], v[0], seg[0], pos[0],
+                                         implementation=impl, block=BLOCK)
+        return out[None]
+
+    f = jax.shard_map(inner, mesh=jcp.make_mesh(1, 2, 1), in_specs=(HEADS,) * 3 + (ROWS,) * 2,
+                      out_specs=HEADS)
+
+    def run(q, k, v, seg, pos, cot):
+        out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, seg, pos), q, k, v)
+        return out, vjp(cot)
+
+    return jax.jit(run)
+
+
+sharded_fn = functools.lru_cache(maxsize=None)(sharded)
+
+
+def sharded_args(seed=4):
+    seg, pos = zigzag_layout((40, 1, 23, 9, 1), 2, 48)
+    rng = np.random.default_rng(seed)
+    q, cot = (rng.standard_normal((2, 48, 4, H)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((2, 48, 2, H)).astype(np.float32) for _ in range(2))
+    return q, k, v, seg, pos, cot
+
+
+def test_cp_attention_and_ring_in_shard_map():
+    args = sharded_args()
+    seg = args[3]
+    text = {key: str(jax.make_jaxpr(sharded_fn(*key))(*args))
+            for key in (("pallas", "gather"), ("pallas", "ring"), ("dense", "gather"))}
+    # The paths really differ: pallas kernels vs none; all-gather vs ppermute (the ring
+    # gathers nothing but, in interpret mode, the kernels' inputs: see
+    # pallas_attention._interpret_invariant).
+    assert "pallas_call" in text["pallas", "gather"] and "all_gather" in text["pallas", "gather"]
+    assert "pallas_call" in text["pallas", "ring"] and "ppermute" in text["pallas", "ring"]
+    assert "all_gather" not in text["pallas", "ring"]
+    assert "pallas_call" not in text["dense", "gather"]
+
+    out_d, g_d = sharded_fn("dense", "gather")(*args)
+    real = seg >= 0
+    for path in ("gather", "ring"):
+        out, grads = sharded_fn("pallas", path)(*args)
+        np.testing.assert_allclose(out, out_d, rtol=0, atol=1e-5 * np.abs(out_d).max(),
+                                   err_msg=path)
+        assert np.all(np.asarray(out)[~real] == 0.0), path
+        for which, a, d in zip("qkv", grads, g_d):
+            np.testing.assert_allclose(a, d, rtol=0, atol=1e-5 * np.abs(d).max(),
+                                       err_msg=f"{path} d{which}")
+            assert np.all(np.asarray(a)[~real] == 0.0), f"{path} d{which} at padding"
+
+
+def test_trainer_pallas_matches_blockwise(tmp_path, monkeypatch):
+    """The whole training step — StepConfig accepts "pallas", the layer scan with remat
+    (attention output and lse saved by name), the custom VJP — gives blockwise's log-probs
+    and LoRA gradients, at cp = 2."""
+    w = TH.random_peft_weights(TH.CFG, 4, TH.ALL, seed=1)
+    folder = TH.write_peft(tmp_path / "a", 4, 8.0, TH.ALL, w)
+    data = TH.random_data((37, 1, 20), seed=2)
+    traced = {"fwd": 0, "bwd": 0}  # kernel calls traced by each step
+    for name, f in (("fwd", pa._forward), ("bwd", pa._backward)):
+        monkeypatch.setattr(pa, "_" + {"fwd": "forward", "bwd": "backward"}[name],
+                            lambda *a, f=f, name=name: (traced.update({name: traced[name] + 1}),
+                                                        f(*a))[1])
+    res, kernels = {}, {}
+    for impl in ("pallas", "blockwise"):
+        tr = jcp.Trainer(TH.CFG, jcp.make_mesh(1, 2, 1), max_adapters=1, max_rank=4,
+                         attn_block=BLOCK, logprob_chunk=64, attn_impl=impl,
+                         cp_attention="gather")
+        assert tr.step_cfg.attn_impl == impl
+        a = tr.load_peft(folder)
+        before = dict(traced)
+        out = tr.forward_backward(data, "cross_entropy", adapters=a)
+        kernels[impl] = {k: traced[k] - before[k] for k in traced}
+        res[impl] = (out, tr.gradients(a))
+    # The two steps really differ: only the pallas one traced the kernels.
+    assert min(kernels["pallas"].values()) > 0 and max(kernels["blockwise"].values()) == 0
+    TH.assert_outputs_close(res["pallas"][0], res["blockwise"][0], 1e-5, 1e-5, "pallas")
+    TH.assert_grads_close(res["pallas"][1], res["blockwise"][1], 1e-4, 1e-5, "pallas")
+
+
+# ----------------------------------------------------------------------------------------
+# 4. The Triton path: lowering, refusals, and the plan
+#
+# No GPU here, but jax lowers for "cuda" on a CPU host, running the Pallas Triton lowering
+# (every kernel to Triton IR: supported primitives, power-of-two tiles and loads). PTX
+# compilation and the numbers themselves are left to a GPU run.
+
+
+def _triton_kernels(fn, *args) -> list[str]:
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return re.findall(r'name = "(jcp_attention_\w+)"', text)
+
+
+def test_kernels_lower_to_triton(monkeypatch):
+    monkeypatch.setattr(pa, "interpret_mode", lambda: False)
+    sd = jax.ShapeDtypeStruct
+    # Qwen3-8B's heads (32 / 8 × 128) in bf16 over a stream of 1.5 × 256 rows.
+    q, kv = sd((384, 32, 128), jnp.bfloat16), sd((384, 8, 128), jnp.bfloat16)
+    rows = sd((384,), jnp.int32)
+
+    def flash(q, k, v, seg, pos):
+        out, vjp = jax.vjp(lambda q, k, v: pa.flash_attention(q, k, v, seg, pos, seg, pos, 512),
+                           q, k, v)
+        return vjp(out)
+
+    assert sorted(_triton_kernels(flash, q, kv, kv, rows, rows)) == [
+        "jcp_attention_dkv", "jcp_attention_dq", "jcp_attention_fwd"]
+
+    # The ring (cp = 2: two steps each way) and the model's layer scan with remat, inside
+    # shard_maps that check varying axes, as the training step runs them.
+    ring = sharded("pallas", "ring")  # not sharded_fn's: its jit traced in interpret mode
+    assert len(_triton_kernels(ring, *sharded_args())) == 6
+
+    cfg = jcp.QwenConfig.tiny()
+    params = jax.tree.map(lambda s: sd(s, jnp.float32), model.param_shapes(cfg),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    seg, pos = zigzag_layout((37, 1, 20), 2, 32)
+
+    def inner(params, tokens, seg, pos):
+        attend = attention.cp_attend(seg[0], pos[0], implementation="pallas", block=BLOCK)
+        h, _ = model.hidden_states(cfg, params, tokens[0], pos[0], attend, remat=True)
+        return jax.lax.psum(jnp.sum(h), mesh_lib.CP)
+
+    f = jax.shard_map(inner, mesh=jcp.make_mesh(1, 2, 1), in_specs=(P(),) + (ROWS,) * 3,
+                      out_specs=P())
+    names = _triton_kernels(jax.grad(f), params, seg, seg, pos)
+    assert sorted(set(names)) == ["jcp_attention_dkv", "jcp_attention_dq", "jcp_attention_fwd"]
+
+
+
+
+def test_plan_lists_masked_then_full_blocks():
+    kinds = jnp.array([[2, 0, 1, 1], [0, 0, 0, 0], [1, 2, 2, 0]])
+    plan = np.asarray(pa.visit_plan(kinds))
+    assert plan[0].tolist()[:5] == [2, 1, 2, 3, 0]
+    assert plan[1].tolist()[:2] == [0, 0]
+    assert plan[2].tolist()[:5] == [1, 2, 0, 1, 2]
+
+
+def test_triton_path_refuses_what_it_cannot_lower():
+    assert pa.interpret_mode()  # on CPU: interpret mode
+    with pytest.raises(ValueError, match="power-of-two divisor"):
+        pa._tile(24, 128, 512, interpret=False)  # largest power-of-two tile: 8 < 16
+    assert pa._tile(24, 128, 512, interpret=True) == 8
+    with pytest.raises(ValueError, match="head dim"):
+        pa._check_head_dim(96, interpret=False)
+    pa._check_head_dim(128, interpret=False)
+    x = jnp.zeros((16, 4, H))
+    with pytest.raises(ValueError, match="ring attention implementation"):
+        attention.ring_attention(x, x[:, :2], x[:, :2], jnp.zeros(16, jnp.int32),
+                                 jnp.zeros(16, jnp.int32), implementation="dense")
