@@ -38,17 +38,24 @@ class AdapterInfo:
     rank: int
     alpha: float
     targets: tuple[str, ...]
+    # lora.EXPERT_LORA parameterisation when an expert module is targeted, else None.
+    expert_lora: str | None = None
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    @property
+    def shared_outer(self) -> bool:
+        return self.expert_lora == "shared_outer"
+
 
 @dataclasses.dataclass(frozen=True)
 class SlotState:
     """One adapter on the device at its own rank (global arrays, any mesh): weights and
-    AdamW moments as {module: {"a": [L, I, r], "b": [L, r, O]}} over its targets; count
-    its optimizer step count (replicated int32 scalar)."""
+    AdamW moments as {module: {"a": [L, I, r], "b": [L, r, O]}} over its targets (the
+    keys of lora.adapter_shapes); count its optimizer step count (replicated int32
+    scalar)."""
 
     weights: dict
     mu: dict
@@ -75,13 +82,13 @@ def _sans_slot(spec) -> P:
 
 def _pad_into(table_G, slot, small):
     """table_G with row `slot` replaced by `small` zero-padded to the table's rank; modules
-    absent from `small` (not targeted) become zero."""
+    and factors absent from `small` (not targeted, not of its expert mode) become zero."""
     out = {}
     for m, ab in table_G.items():
         out[m] = {}
         for which, x in ab.items():
             full = jnp.zeros(x.shape[1:], x.dtype)
-            if m in small:
+            if which in small.get(m, {}):
                 v = jnp.asarray(small[m][which], x.dtype)
                 full = jax.lax.dynamic_update_slice(full, v, (0,) * v.ndim)
             out[m][which] = x.at[slot].set(full)
@@ -91,35 +98,39 @@ def _pad_into(table_G, slot, small):
 class AdapterState:
     """Slot arrays of up to `max_adapters` adapters of rank ≤ `max_rank` over one mesh.
 
-    Public reads: `infos` (slot -> AdapterInfo), `weights` and `scale` (the tables the
+    Public reads: `infos` (slot -> AdapterInfo), `weights` and `meta` (the tables the
     compiled steps consume), `read`, `export`, `tables`. Writes: `install`, `reset`,
     `accumulate`, `step`. Slot ids are the adapter ids the Trainer hands out.
     """
 
-    def __init__(self, cfg: QwenConfig, mesh, max_adapters: int, max_rank: int):
+    def __init__(self, cfg: QwenConfig, mesh, max_adapters: int, max_rank: int,
+                 expert_lora_modes=lora_lib.EXPERT_LORA):
         self.cfg, self.mesh = cfg, mesh
         self.max_adapters, self.max_rank = max_adapters, max_rank
-        specs = lora_lib.slot_specs()
+        self.expert_lora_modes = tuple(expert_lora_modes)
+        specs = lora_lib.slot_specs(cfg, self.expert_lora_modes)
         self._specs = specs
         self._shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
         rep = NamedSharding(mesh, P())
-        shapes = lora_lib.slot_shapes(cfg, max_adapters, max_rank)
+        shapes = lora_lib.slot_shapes(cfg, max_adapters, max_rank, self.expert_lora_modes)
         zeros = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s, jnp.float32), shapes,
                                              is_leaf=lambda x: isinstance(x, tuple)),
                         out_shardings=self._shardings)
         self._weights, self._grads, self._mu, self._nu = zeros(), zeros(), zeros(), zeros()
         self._count = self._replicated(np.zeros(max_adapters, np.int32))
-        self._scale = self._replicated(np.zeros(max_adapters, np.float32))
+        self._meta = lora_lib.SlotMeta(*(self._replicated(np.zeros(max_adapters, np.float32))
+                                         for _ in range(2)))
         self._infos: dict[int, AdapterInfo] = {}
 
         tables = (self._shardings,) * 4 + (rep, rep)
 
         @functools.partial(jax.jit, donate_argnums=(0,), out_shardings=tables)
-        def install(tables, slot, weights, mu, nu, count, scale):
-            w, g, m, n, c, s = tables
+        def install(tables, slot, weights, mu, nu, count, scale, shared):
+            w, g, m, n, c, meta = tables
             return (_pad_into(w, slot, weights), _pad_into(g, slot, {}),
-                    _pad_into(m, slot, mu), _pad_into(n, slot, nu),
-                    c.at[slot].set(count), s.at[slot].set(scale))
+                    _pad_into(m, slot, mu), _pad_into(n, slot, nu), c.at[slot].set(count),
+                    lora_lib.SlotMeta(meta.scale_G.at[slot].set(scale),
+                                      meta.shared_G.at[slot].set(shared)))
 
         self._install = install
         self._take_rows = jax.jit(lambda tree, rows: jax.tree.map(lambda x: x[rows], tree))
@@ -130,14 +141,14 @@ class AdapterState:
                              out_shardings=rep)
         self._optim_step = train_step.make_optim_step(mesh)
 
-        @functools.partial(jax.jit, static_argnames=("rank", "targets"))
-        def export(weights, mu, nu, count, slot, *, rank, targets):
+        @functools.partial(jax.jit, static_argnames=("rank", "targets", "expert_lora"))
+        def export(weights, mu, nu, count, slot, *, rank, targets, expert_lora):
             def one(tree):
                 out = {}
                 for m in targets:
                     out[m] = {}
-                    for which, x in tree[m].items():
-                        y = x[slot][..., :rank] if which == "a" else x[slot][..., :rank, :]
+                    for which in lora_lib.expert_keys(m, expert_lora):
+                        y = lora_lib.at_rank(which, tree[m][which][slot], rank)
                         spec = NamedSharding(mesh, _sans_slot(specs[m][which]))
                         out[m][which] = jax.lax.with_sharding_constraint(y, spec)
                 return out
@@ -163,15 +174,16 @@ class AdapterState:
         return self._weights
 
     @property
-    def scale(self) -> jax.Array:
-        """alpha / rank of every slot, float32 [G] (0 for free slots)."""
-        return self._scale
+    def meta(self) -> lora_lib.SlotMeta:
+        """Per-slot scale (alpha / rank, 0 for free slots) and expert mode, float32 [G]."""
+        return self._meta
 
     def tables(self) -> dict:
         """Every table as global arrays, for snapshots and tests: weights, grads, mu, nu,
-        count [G], scale [G]."""
+        count [G], scale [G], shared [G]."""
         return {"weights": self._weights, "grads": self._grads, "mu": self._mu,
-                "nu": self._nu, "count": self._count, "scale": self._scale}
+                "nu": self._nu, "count": self._count, "scale": self._meta.scale_G,
+                "shared": self._meta.shared_G}
 
     def free_slot(self) -> int:
         """The lowest free slot; InputError when all are in use."""
@@ -183,11 +195,13 @@ class AdapterState:
 
     def read(self, slot: int, which: str = "weights") -> dict:
         """One slot's weights or accumulated gradient as host NumPy at its own rank over its
-        targets: {module: {"a": [L, I, r], "b": [L, r, O]}}."""
+        targets: {module: {"a": [L, I, r], "b": [L, r, O]}} (lora.adapter_shapes)."""
         info = self._infos[slot]
         table = {"weights": self._weights, "grads": self._grads}[which]
-        full = jax.tree.map(host, self._read({m: table[m] for m in info.targets}, slot))
-        return {m: {"a": ab["a"][..., :info.rank], "b": ab["b"][..., :info.rank, :]}
+        keys = {m: lora_lib.expert_keys(m, info.expert_lora) for m in info.targets}
+        full = jax.tree.map(host, self._read({m: {k: table[m][k] for k in keys[m]}
+                                              for m in info.targets}, slot))
+        return {m: {k: lora_lib.at_rank(k, x, info.rank) for k, x in ab.items()}
                 for m, ab in full.items()}
 
     def export(self, slot: int) -> SlotState:
@@ -196,17 +210,17 @@ class AdapterState:
         info = self._infos[slot]
         weights, mu, nu, count = self._export(
             self._weights, self._mu, self._nu, self._count,
-            self._replicated(np.asarray(slot, np.int32)), rank=info.rank, targets=info.targets)
+            self._replicated(np.asarray(slot, np.int32)), rank=info.rank, targets=info.targets,
+            expert_lora=info.expert_lora)
         return SlotState(weights, mu, nu, count)
 
     def layout(self, info: AdapterInfo) -> dict:
         """{module: {"a"/"b": ShapeDtypeStruct at the adapter's rank, sharded}} of its
         targets: what `export` returns and `install` accepts, for restoring files."""
-        shapes = lora_lib.slot_shapes(self.cfg, 1, info.rank)
-        return {m: {ab: jax.ShapeDtypeStruct(
-            shapes[m][ab][1:], jnp.float32,
-            sharding=NamedSharding(self.mesh, _sans_slot(self._specs[m][ab])))
-            for ab in ("a", "b")} for m in info.targets}
+        shapes = lora_lib.adapter_shapes(self.cfg, info.rank, info.targets, info.expert_lora)
+        return {m: {k: jax.ShapeDtypeStruct(
+            s, jnp.float32, sharding=NamedSharding(self.mesh, _sans_slot(self._specs[m][k])))
+            for k, s in ks.items()} for m, ks in shapes.items()}
 
     # ------------------------------------------------------------------ writes
 
@@ -219,10 +233,11 @@ class AdapterState:
         for name, tree in (("mu", mu), ("nu", nu)):
             if tree is not None:
                 self._check_tree(tree, info, name)
-        tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._scale)
+        tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._meta)
         (self._weights, self._grads, self._mu, self._nu, self._count,
-         self._scale) = self._install(tables, np.int32(slot), weights, mu or {}, nu or {},
-                                      np.int32(count), np.float32(info.scale))
+         self._meta) = self._install(tables, np.int32(slot), weights, mu or {}, nu or {},
+                                     np.int32(count), np.float32(info.scale),
+                                     np.float32(info.shared_outer))
         self._infos[slot] = info
 
     def _check_tree(self, tree: dict, info: AdapterInfo, what: str) -> None:
@@ -233,10 +248,10 @@ class AdapterState:
 
     def reset(self, slot: int) -> None:
         """Free a slot: weights, accumulator, moments, count and scale all zero."""
-        tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._scale)
+        tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._meta)
         (self._weights, self._grads, self._mu, self._nu, self._count,
-         self._scale) = self._install(tables, np.int32(slot), {}, {}, {}, np.int32(0),
-                                      np.float32(0.0))
+         self._meta) = self._install(tables, np.int32(slot), {}, {}, {}, np.int32(0),
+                                     np.float32(0.0), np.float32(0.0))
         del self._infos[slot]
 
     @contextlib.contextmanager

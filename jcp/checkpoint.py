@@ -46,7 +46,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jcp.adapter_state import AdapterInfo, AdapterState
+from jcp.adapter_state import AdapterState
 from jcp.config import QwenConfig
 from jcp.errors import InputError
 
@@ -99,6 +99,8 @@ def save_state(state: AdapterState, cfg: QwenConfig, slot: int, path) -> None:
     meta = {"format": STATE_FORMAT, "rank": info.rank, "alpha": info.alpha,
             "targets": list(info.targets), "base_fingerprint": cfg.fingerprint(),
             "arrays": {name: _describe(_global_value(x)) for name, x in _flat(tree).items()}}
+    if info.expert_lora is not None:  # only adapters of experts say how they hold them
+        meta["expert_lora"] = info.expert_lora
     primary = jax.process_index() == 0
     _sync("jcp-save-plan")  # every process has read the folder before it changes
     if primary:
@@ -334,12 +336,15 @@ def _read_meta(path: str) -> tuple[str, dict]:
     # Intact metadata can still be wrong if it was written wrong: check keys and types.
     if not isinstance(meta, dict):
         raise InputError(f"{vpath}: the metadata is {type(meta).__name__}, not an object")
-    if set(meta) != set(_META_KEYS):
+    if set(meta) - {"expert_lora"} != set(_META_KEYS):
         raise InputError(f"{vpath}: metadata keys {sorted(meta)}, expected "
                          f"{sorted(_META_KEYS)}")
     for key, types in _META_KEYS.items():
         if isinstance(meta[key], bool) or not isinstance(meta[key], types):
             raise InputError(f"{vpath}: metadata {key} = {meta[key]!r} has the wrong type")
+    if not isinstance(meta.get("expert_lora", ""), str):
+        raise InputError(f"{vpath}: metadata expert_lora = {meta['expert_lora']!r} has the "
+                         "wrong type")
     if meta["format"] != STATE_FORMAT:
         raise InputError(f"{vpath}: metadata format {meta['format']}, expected {STATE_FORMAT}")
     if not all(isinstance(t, str) for t in meta["targets"]):
@@ -395,8 +400,8 @@ def load_state(state: AdapterState, cfg: QwenConfig, path, slot: int,
     Refused (InputError naming the checkpoint, and the file or array where it can; nothing
     changed) when the checkpoint is missing, damaged or corrupt (any hash, shape, key or
     type mismatch, a non-finite value), saved for a different base-model config, or the
-    adapter does not fit (check_new_adapter(rank, alpha, targets) -> (rank, alpha,
-    targets) raises). with_optimizer=False loads the weights only (fresh moments, step 0).
+    adapter does not fit (check_new_adapter(rank, alpha, targets, expert_lora) ->
+    AdapterInfo raises). with_optimizer=False loads the weights only (fresh moments, step 0).
     The slot's gradient accumulator is zeroed.
     """
     path = os.path.abspath(os.fspath(path))
@@ -404,7 +409,8 @@ def load_state(state: AdapterState, cfg: QwenConfig, path, slot: int,
     if meta["base_fingerprint"] != cfg.fingerprint():
         raise InputError(f"{path} was saved for a different base model (fingerprint "
                          f"{meta['base_fingerprint']}, this trainer's {cfg.fingerprint()})")
-    info = AdapterInfo(*check_new_adapter(meta["rank"], meta["alpha"], meta["targets"]))
+    info = check_new_adapter(meta["rank"], meta["alpha"], meta["targets"],
+                             meta.get("expert_lora", "shared_outer"))
     layout = state.layout(info)
     abstract = {"weights": layout, "mu": layout, "nu": layout,
                 "count": jax.ShapeDtypeStruct((), np.int32,

@@ -3,12 +3,13 @@ writes it.
 
 Prefill and decode are `attention.Attend` strategies passed to the one decoder
 (model.hidden_states), so sampling runs the same layers, LoRA routing and CP attention as
-training. Prefill runs training's CP attention over the packed zigzag streams and hands
-every layer's K/V out; `fill` (inside the prefill program) moves those rows into the
-cache. Decode reads a layer's cache, merges the partial softmax states of the ranks that
-hold its rows, adds the step's own key, and hands the step's K/V out; the caller writes
-them once per step (`write_rows`), outside the layer scan, so the scan never copies the
-cache. This module must never hold weights or run the model itself.
+training. Prefill runs training's CP attention (gathered K/V or the ring, as training
+picks it) over the packed zigzag streams and hands every layer's K/V out; `fill` (inside
+the prefill program) moves those rows into the cache. Decode reads a layer's cache,
+merges the partial softmax states of the ranks that hold its rows, adds the step's own
+key, and hands the step's K/V out; the caller writes them once per step (`write_rows`),
+outside the layer scan, so the scan never copies the cache. This module must never hold
+weights or run the model itself.
 
 Two layouts (`LAYOUTS`), one code path — they differ only in which mesh axes the
 sequences and the rows of one sequence are spread over:
@@ -93,16 +94,16 @@ LAYOUTS = {
 # Prefill
 
 
-def prefill_attend(segment_S, position_S, *, implementation: str = "blockwise",
-                   block: int = attention_lib.DEFAULT_BLOCK) -> attention_lib.Attend:
-    """Training's CP attention over the packed streams; the new state is this rank's K/V.
+def prefill_attend(train: attention_lib.Attend) -> attention_lib.Attend:
+    """Training's CP attention strategy `train` over the packed streams (gathered K/V or
+    the ring, whichever training would use: train_step.training_attend); the new state is
+    this rank's K/V.
 
     The incoming state is ignored (None: nothing is cached yet); the returned state is
     KV(k [S, K, H], v [S, K, H]) of this rank's stream rows (RoPE applied), which
-    hidden_states stacks over layers to [L, S, K, H].
+    hidden_states stacks over layers to [L, S, K, H]. Only this rank's rows leave the
+    layer, so the ring keeps prefill's K/V O(S) per device until `fill`.
     """
-    train = attention_lib.cp_attend(segment_S, position_S, implementation=implementation,
-                                    block=block)
 
     def attend(q_SxQxH, k_SxKxH, v_SxKxH, state):
         out, _ = train(q_SxQxH, k_SxKxH, v_SxKxH, None)

@@ -1,8 +1,8 @@
 """Multi-LoRA: the slot layout, initialisation, target modules and span routing.
 
 Owns the layout of the stacked slots (`a [G, L, I, R]`, `b [G, L, R, O]` per target
-module, lm_head without L), PEFT's initialisation, and the span routing used inside the
-model. It must never copy adapter weights per token, and never hold base weights or slot
+module, lm_head without L; the experts of a MoE model add an E axis, see slot_shapes),
+PEFT's initialisation, and the span routing used inside the model. It must never copy adapter weights per token, and never hold base weights or slot
 arrays (jcp/adapter_state.py owns those).
 
 Shapes: see the legend in jcp/mesh.py.
@@ -22,35 +22,76 @@ from jcp.mesh import SPECS
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 LAYER_MODULES = ATTN + MLP
+# The experts of a MoE layer ([Lm] MoE layers, E experts each, see expert_keys).
+EXPERT = ("expert_gate", "expert_up", "expert_down")
 HEAD = "lm_head"
-ALL_MODULES = LAYER_MODULES + (HEAD,)
+ALL_MODULES = LAYER_MODULES + EXPERT + (HEAD,)
 # Row-parallel modules are split on their input under tp; the rest on their output.
 ROW_PARALLEL = ("o_proj", "down_proj")
 
-TARGET_GROUPS = {"attn": ATTN, "mlp": MLP, "unembed": (HEAD,), "all": ALL_MODULES}
+TARGET_GROUPS = {"attn": ATTN, "mlp": MLP, "experts": EXPERT, "unembed": (HEAD,),
+                 "all": ALL_MODULES}
+# How an adapter parameterises the experts: one factor pair per expert (what PEFT
+# expresses), or Tinker's shared-outer scheme — the hidden-size side (gate.A, up.A,
+# down.B) one factor shared by all experts of a layer, the other side per expert.
+EXPERT_LORA = ("shared_outer", "per_expert")
+
+
+def table_modules(cfg: QwenConfig) -> tuple[str, ...]:
+    """The modules a slot table holds for this model: dense MLP modules on a dense model,
+    the experts on a MoE model (its dense layers' MLPs, if any, are not adaptable)."""
+    return tuple(m for m in ALL_MODULES if m not in (EXPERT if not cfg.is_moe else MLP))
 
 
 def module_dims(cfg: QwenConfig, module: str) -> tuple[int, int]:
-    """(in, out) features of a target module."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
+    """(in, out) features of a target module (of one expert, for the expert modules)."""
+    d, f, fe = cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size
     return {
         "q_proj": (d, cfg.q_dim), "k_proj": (d, cfg.kv_dim), "v_proj": (d, cfg.kv_dim),
         "o_proj": (cfg.q_dim, d), "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d),
+        "expert_gate": (d, fe), "expert_up": (d, fe), "expert_down": (fe, d),
         HEAD: (d, cfg.vocab_size),
     }[module]
 
 
-def resolve_targets(targets, cfg: QwenConfig | None = None) -> tuple[str, ...]:
-    """Target names or groups ("attn", "mlp", "unembed", "all") -> module names in order.
+def expert_keys(module: str, mode: str | None) -> tuple[str, str]:
+    """The factor keys an adapter holds for `module` under expert parameterisation `mode`.
 
-    ValueError for anything else (an unknown name, a non-string entry, an empty choice).
-    For a MoE cfg the MLP modules are not adaptable yet (LoRA on the experts is a later
-    step): the default and "all" are attention + unembedding, and naming an MLP module or
-    the "mlp" group is refused.
+    ("a", "b") except on the hidden-size side of a shared-outer expert module: gate / up
+    ("a_shared" [Lm, D, r], "b" [Lm, E, r, Fe]) and down ("a" [Lm, E, Fe, r], "b_shared"
+    [Lm, r, D]). A slot table holds all three keys of an expert module; an adapter's
+    unused one stays exactly zero (the model reads only the key its mode selects).
+    """
+    if module not in EXPERT or mode == "per_expert":
+        return ("a", "b")
+    return ("a", "b_shared") if module == "expert_down" else ("a_shared", "b")
+
+
+def tree_expert_lora(tree: dict) -> str | None:
+    """The expert parameterisation an adapter tree's keys show (None without experts)."""
+    for m in EXPERT:
+        if m in tree:
+            return "per_expert" if set(tree[m]) == {"a", "b"} else "shared_outer"
+    return None
+
+
+def at_rank(which: str, x, rank: int):
+    """A factor cut to rank r: "a*" keys end in R, "b*" keys have R second to last."""
+    return x[..., :rank] if which.startswith("a") else x[..., :rank, :]
+
+
+def resolve_targets(targets, cfg: QwenConfig | None = None) -> tuple[str, ...]:
+    """Target names or groups ("attn", "mlp", "experts", "unembed", "all") -> module names
+    in order; default and "all": every module the model has (table_modules).
+
+    ValueError for anything else (an unknown name, a non-string entry, an empty choice,
+    the experts of a dense model, the dense MLP modules of a MoE model).
     """
     moe = cfg is not None and cfg.is_moe
-    if targets is None or (moe and targets in ("all", ["all"], ("all",))):
-        return tuple(m for m in ALL_MODULES if m not in MLP) if moe else ALL_MODULES
+    if cfg is not None and (targets is None or targets in ("all", ["all"], ("all",))):
+        return table_modules(cfg)
+    if targets is None:
+        return tuple(m for m in ALL_MODULES if m not in EXPERT)
     if isinstance(targets, str):
         targets = (targets,)
     if not isinstance(targets, (list, tuple)):
@@ -68,50 +109,82 @@ def resolve_targets(targets, cfg: QwenConfig | None = None) -> tuple[str, ...]:
     if not chosen:
         raise ValueError("an adapter needs at least one target module")
     if moe and chosen & set(MLP):
-        raise ValueError(f"LoRA targets {sorted(chosen & set(MLP))} are MLP modules, which "
-                         "jcp cannot adapt on a mixture-of-experts model yet; target "
-                         "attention ('attn') and the unembedding ('unembed')")
+        raise ValueError(f"LoRA targets {sorted(chosen & set(MLP))} are dense MLP modules, "
+                         "which a mixture-of-experts model does not adapt; target its experts "
+                         "('experts'), attention ('attn') and the unembedding ('unembed')")
+    if cfg is not None and not moe and chosen & set(EXPERT):
+        raise ValueError(f"LoRA targets {sorted(chosen & set(EXPERT))} are experts, but this "
+                         "is a dense model (no mixture-of-experts layers)")
     return tuple(m for m in ALL_MODULES if m in chosen)
 
 
-def slot_shapes(cfg: QwenConfig, max_adapters: int, max_rank: int) -> dict:
-    """{module: {"a": shape, "b": shape}} of the stacked slots, slot axis first."""
-    out = {}
-    for m in ALL_MODULES:
-        i, o = module_dims(cfg, m)
-        lead = (max_adapters,) if m == HEAD else (max_adapters, cfg.num_layers)
-        out[m] = {"a": lead + (i, max_rank), "b": lead + (max_rank, o)}
-    return out
+def factor_shapes(cfg: QwenConfig, module: str, rank: int, lead=(),
+                  modes=EXPERT_LORA) -> dict:
+    """{key: shape} of every factor a slot table holds for `module` (lead: leading axes,
+    e.g. (G,)). Layer modules [L, I, R] / [L, R, O]; lm_head without L; expert modules
+    per expert [Lm, E, I, R] / [Lm, E, R, O] and the shared hidden-side factor [Lm, D, R]
+    ("a_shared") or [Lm, R, D] ("b_shared") — the keys the expert parameterisations
+    `modes` use (expert_keys): a table for shared-outer adapters only holds no per-expert
+    hidden-side factor, the bulk of a per-expert adapter."""
+    i, o = module_dims(cfg, module)
+    if module == HEAD:
+        return {"a": lead + (i, rank), "b": lead + (rank, o)}
+    if module not in EXPERT:
+        lead = lead + (cfg.num_layers,)
+        return {"a": lead + (i, rank), "b": lead + (rank, o)}
+    lead = lead + (sum(cfg.moe_layers),)
+    e = cfg.num_experts
+    shapes = {"a": lead + (e, i, rank), "b": lead + (e, rank, o),
+              "a_shared": lead + (i, rank), "b_shared": lead + (rank, o)}
+    keys = {k for mode in modes for k in expert_keys(module, mode)}
+    return {k: s for k, s in shapes.items() if k in keys}
 
 
-def slot_specs() -> dict:
+def slot_shapes(cfg: QwenConfig, max_adapters: int, max_rank: int,
+                modes=EXPERT_LORA) -> dict:
+    """{module: {key: shape}} of the stacked slots, slot axis first (factor_shapes)."""
+    return {m: factor_shapes(cfg, m, max_rank, (max_adapters,), modes)
+            for m in table_modules(cfg)}
+
+
+def slot_specs(cfg: QwenConfig, modes=EXPERT_LORA) -> dict:
     """The PartitionSpec of every slot array, from the one table in mesh.py."""
     def spec(m):
         if m == HEAD:
             return {"a": SPECS.lora_a_head_GxDxR, "b": SPECS.lora_b_head_GxRxV}
+        if m in EXPERT:
+            keys = {k for mode in modes for k in expert_keys(m, mode)}
+            return {k: s for k, s in (("a", SPECS.lora_expert_GxLxExIxR),
+                                      ("b", SPECS.lora_expert_GxLxExRxO),
+                                      ("a_shared", SPECS.lora_shared_GxLxIxR),
+                                      ("b_shared", SPECS.lora_shared_GxLxIxR)) if k in keys}
         if m in ROW_PARALLEL:
             return {"a": SPECS.lora_a_row_GxLxIxR, "b": SPECS.lora_b_row_GxLxRxD}
         return {"a": SPECS.lora_a_column_GxLxDxR, "b": SPECS.lora_b_column_GxLxRxO}
 
-    return {m: spec(m) for m in ALL_MODULES}
+    return {m: spec(m) for m in table_modules(cfg)}
 
 
-def init_adapter(cfg: QwenConfig, rank: int, targets, seed: int) -> dict:
+def adapter_shapes(cfg: QwenConfig, rank: int, targets, expert_lora: str | None) -> dict:
+    """{module: {key: shape}} of one adapter at its own rank over its targets: the factors
+    its expert parameterisation uses (expert_keys), no slot axis."""
+    return {m: {k: s for k, s in factor_shapes(cfg, m, rank).items()
+                if k in expert_keys(m, expert_lora)} for m in targets}
+
+
+def init_adapter(cfg: QwenConfig, rank: int, targets, seed: int,
+                 expert_lora: str | None = None) -> dict:
     """One adapter's weights as PEFT initialises them, at its own rank over its targets.
 
-    A ~ U(±1/√I) (kaiming-uniform with a = √5, as PEFT), B = 0. Returns {module: {"a":
-    [L, I, r], "b": [L, r, O]}} NumPy float32 (no L for lm_head).
+    A ~ U(±1/√I) (kaiming-uniform with a = √5, as PEFT), B = 0: {module: {key: array}}
+    NumPy float32 in adapter_shapes' layout (a shared A of the experts is drawn once).
     """
     rng = np.random.default_rng(seed)
     out = {}
-    for m in ALL_MODULES:
-        if m not in targets:
-            continue
-        i, o = module_dims(cfg, m)
-        lead = () if m == HEAD else (cfg.num_layers,)
-        bound = 1.0 / np.sqrt(i)
-        a = rng.uniform(-bound, bound, lead + (i, rank)).astype(np.float32)
-        out[m] = {"a": a, "b": np.zeros(lead + (rank, o), np.float32)}
+    for m, shapes in adapter_shapes(cfg, rank, targets, expert_lora).items():
+        bound = 1.0 / np.sqrt(module_dims(cfg, m)[0])
+        out[m] = {k: (rng.uniform(-bound, bound, s).astype(np.float32) if k.startswith("a")
+                      else np.zeros(s, np.float32)) for k, s in shapes.items()}
     return out
 
 
@@ -121,19 +194,41 @@ class Routing:
 
     active_A: slot of each active adapter; spans_Ax2: [start, end) rows of this shard's
     stream routed to it (adapters are contiguous because packing sorts by adapter);
-    scale_A: alpha / rank of each active slot.
+    scale_A: alpha / rank of each active slot; shared_A: 1 where the slot's experts are
+    shared-outer, 0 where per-expert (see expert_keys).
     """
 
     active_A: jax.Array
     spans_Ax2: jax.Array
     scale_A: jax.Array
+    shared_A: jax.Array
 
     def mask_SxA(self, s_len: int) -> jax.Array:
         t = jnp.arange(s_len)[:, None]
         return (t >= self.spans_Ax2[None, :, 0]) & (t < self.spans_Ax2[None, :, 1])
 
 
-jax.tree_util.register_dataclass(Routing, data_fields=["active_A", "spans_Ax2", "scale_A"],
+jax.tree_util.register_dataclass(
+    Routing, data_fields=["active_A", "spans_Ax2", "scale_A", "shared_A"], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotMeta:
+    """What the model reads per slot besides its weights: scale_G alpha / rank (0 for a
+    free slot), shared_G 1.0 where the slot's experts are shared-outer."""
+
+    scale_G: jax.Array
+    shared_G: jax.Array
+
+    def routing(self, active_A, spans_Ax2) -> Routing:
+        """Routing of the active slots (entries < 0: the base model, no LoRA, scale 0)."""
+        slot_A = jnp.maximum(active_A, 0)
+        scale_A = jnp.where(active_A < 0, 0.0, jnp.take(self.scale_G, slot_A))
+        return Routing(active_A=slot_A, spans_Ax2=spans_Ax2, scale_A=scale_A,
+                       shared_A=jnp.take(self.shared_G, slot_A))
+
+
+jax.tree_util.register_dataclass(SlotMeta, data_fields=["scale_G", "shared_G"],
                                  meta_fields=[])
 
 
@@ -155,10 +250,12 @@ def untake_active(active: dict) -> dict:
             for m, ab in active.items()}
 
 
-def slot_specs_active() -> dict:
-    """Specs of take_active's result inside the shard_map. [L, A, …] puts tp on the same
-    axis as [G, L, …], so the slot table serves unchanged."""
-    return slot_specs()
+def slot_specs_active(cfg: QwenConfig, active: dict) -> dict:
+    """Specs of take_active's result `active` inside the shard_map. [L, A, …] puts tp on
+    the same axis as [G, L, …], so the slot table serves unchanged (for the factors the
+    table holds)."""
+    specs = slot_specs(cfg)
+    return {m: {k: specs[m][k] for k in ab} for m, ab in active.items()}
 
 
 def low_rank_input(x_SxI, a_AxIxR, route: Routing):

@@ -351,16 +351,23 @@ class ShardOutputs:
 
     logprobs / elementwise_loss: [DP, CP, S] streams (the host un-zigzags them);
     datum_loss: [B] per-datum loss sums; clipped: number of clipped real tokens.
+    MoE models only (train_step.model_loss adds them; None otherwise): expert_counts, int32
+    [Lm, E], each MoE layer's (token, choice) assignments per expert over the real tokens
+    of every (dp, cp) shard; router_aux_loss, float32 [], the router auxiliary term that
+    was added to the loss (only when enabled).
     """
 
     logprobs: jax.Array
     elementwise_loss: jax.Array
     datum_loss: jax.Array
     clipped: jax.Array
+    expert_counts: jax.Array | None = None
+    router_aux_loss: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
-    ShardOutputs, data_fields=["logprobs", "elementwise_loss", "datum_loss", "clipped"],
+    ShardOutputs, data_fields=["logprobs", "elementwise_loss", "datum_loss", "clipped",
+                               "expert_counts", "router_aux_loss"],
     meta_fields=[])
 
 

@@ -67,6 +67,11 @@ class Specs:
     lora_b_row_GxLxRxD: P = P(None, None, None, None)
     lora_a_head_GxDxR: P = P(None, None, None)
     lora_b_head_GxRxV: P = P(None, None, TP)
+    # LoRA on the experts ([Lm] MoE layers): per-expert factors split with their experts,
+    # the shared-outer hidden-side factor (no E axis) replicated like the router.
+    lora_expert_GxLxExIxR: P = P(None, None, TP, None, None)
+    lora_expert_GxLxExRxO: P = P(None, None, TP, None, None)
+    lora_shared_GxLxIxR: P = P(None, None, None, None)
     slot_G: P = P(None)
     # Sampling (jcp/kv_cache.py, jcp/sample.py), kv heads over tp throughout.
     # Cache mode "batch": the decode batch of B sequences spread over (dp, cp) — cp ranks

@@ -14,6 +14,8 @@ Q/tp and K/tp heads (widths Q·H and K·H), gate/up/down F/tp.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,8 +193,9 @@ def _linear(x_SxI, w_IxO, lora_ab, route, bias_O=None):
 
 
 def _lora(lora_layer, module):
-    """One module's {"a", "b"} of this layer's active adapters, or None without LoRA."""
-    return None if lora_layer is None else lora_layer[module]
+    """One module's {"a", "b"} of this layer's active adapters, or None without LoRA (or
+    when the table has no such module: a MoE model's dense-layer MLP)."""
+    return None if lora_layer is None else lora_layer.get(module)
 
 
 def attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None,
@@ -224,68 +227,101 @@ def attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.R
 
 
 def dense_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None):
-    """Pre-norm SwiGLU MLP of one layer: down(silu(gate(x)) · up(x)), psum'd over tp: [S, D].
+    """Pre-norm SwiGLU MLP of one layer: (down(silu(gate(x)) · up(x)), psum'd over tp [S, D];
+    its record, None).
 
     The MLP strategy of decoder_layer; an MoE block with this signature can replace it.
-    The caller adds the residual.
+    A block returns its output and a per-layer record (a pytree the layer scan stacks;
+    moe_mlp's routing statistics). The caller adds the residual.
     """
     x_SxD = rms_norm(h_SxD, layer["post_norm"], cfg.rms_norm_eps)
     g_SxF = _linear(x_SxD, layer["gate_proj"], _lora(lora_layer, "gate_proj"), route)
     u_SxF = _linear(x_SxD, layer["up_proj"], _lora(lora_layer, "up_proj"), route)
     y_SxD = _linear(jax.nn.silu(g_SxF) * u_SxF, layer["down_proj"],
                     _lora(lora_layer, "down_proj"), route)
-    return jax.lax.psum(y_SxD, TP)
+    return jax.lax.psum(y_SxD, TP), None
 
 
-def moe_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None):
-    """Pre-norm sparse MoE MLP of one layer (Qwen3-MoE), psum'd over tp: [S, D].
+def moe_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None,
+            count_S=None):
+    """Pre-norm sparse MoE MLP of one layer (Qwen3-MoE): (output psum'd over tp [S, D];
+    moe.RouterStats [E] of the tokens where count_S (bool [S]), or None without count_S).
 
-    Same signature as dense_mlp. h is identical on every tp rank, so every rank routes
-    alike (moe.route: softmax in fp32, top-k, renormalised when cfg.norm_topk_prob), runs
-    only its own E/tp experts (layer["expert_*"]: [E/tp, …]) on the rows routed to them,
-    dropless, and the psum over tp adds the ranks' parts. Experts are not LoRA-adapted.
-    The caller adds the residual.
+    Same signature as dense_mlp (count_S bound by the caller). h is identical on every tp
+    rank, so every rank routes alike (moe.route: softmax in fp32, top-k, renormalised when
+    cfg.norm_topk_prob), runs only its own E/tp experts (layer["expert_*"]: [E/tp, …]) on
+    the rows routed to them, dropless, and the psum over tp adds the ranks' parts. The
+    experts' LoRA factors (lora_layer["expert_*"], see moe.experts) are split over tp with
+    their experts; the router is not adapted. The caller adds the residual.
     """
-    del lora_layer, route
     x_SxD = rms_norm(h_SxD, layer["post_norm"], cfg.rms_norm_eps)
     weights_SxK, experts_SxK = moe_lib.route(x_SxD, layer["router"], cfg.num_experts_per_tok,
                                              cfg.norm_topk_prob)
+    # The same tp-invariant routing on every rank: its statistics need no collective here.
+    stats = None if count_S is None else moe_lib.router_stats(
+        moe_lib.router_probs(x_SxD, layer["router"]), experts_SxK, count_S)
     num_local = layer["expert_gate"].shape[0]
     # x is invariant over tp but each rank uses its own rows of it: cast it to varying
     # explicitly so its cotangent is psum'd over tp by that cast's transpose. Left to the
     # implicit casts, the gradient w.r.t. x came out wrong at tp > 1 (jax 0.10.2; caught by
     # test_moe's two-mesh gradient test; a lone gather or scatter at varying indices
-    # transposes correctly, the combination in moe.experts did not).
+    # transposes correctly, the combination in moe.experts did not). The shared-outer
+    # factors (replicated, used by every rank's experts) are cast likewise.
+    lora = None
+    if lora_layer is not None and lora_lib.EXPERT[0] in lora_layer:
+        lora = jax.tree.map(lambda w: mesh_lib.vary(w, (TP,)),
+                            {m: lora_layer[m] for m in lora_lib.EXPERT})
     y_SxD = moe_lib.experts(mesh_lib.vary(x_SxD, (TP,)), weights_SxK, experts_SxK,
                             layer["expert_gate"], layer["expert_up"], layer["expert_down"],
-                            jax.lax.axis_index(TP) * num_local)
-    return jax.lax.psum(y_SxD, TP)
+                            jax.lax.axis_index(TP) * num_local, lora, route)
+    return jax.lax.psum(y_SxD, TP), stats
 
 
 def decoder_layer(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None,
                   position_S, attend: attention_lib.Attend, attn_state, mlp=dense_mlp):
-    """One pre-norm decoder layer on this shard: (h + attention, then + mlp; new state)."""
+    """One pre-norm decoder layer on this shard: (h + attention, then + mlp; new state; the
+    mlp's record)."""
     a_SxD, attn_state = attention_block(cfg, h_SxD, layer, lora_layer, route, position_S,
                                         attend, attn_state)
     h_SxD = h_SxD + a_SxD
-    return h_SxD + mlp(cfg, h_SxD, layer, lora_layer, route), attn_state
+    y_SxD, record = mlp(cfg, h_SxD, layer, lora_layer, route)
+    return h_SxD + y_SxD, attn_state, record
 
 
-def layer_slices(params, lora=None) -> tuple:
+def _split_lora(lora):
+    """(per-layer modules [L, …], expert modules [Lm, …]) of the active adapters' tree."""
+    if lora is None:
+        return None, None
+    return ({m: lora[m] for m in lora_lib.LAYER_MODULES if m in lora},
+            {m: lora[m] for m in lora_lib.EXPERT if m in lora})
+
+
+def layer_slices(cfg: QwenConfig, params, lora=None) -> tuple:
     """Every layer's (weights, LoRA of the active adapters) as separate arrays: [L, …] ->
-    L × […]. Taken once outside a loop that runs the decoder many times (sampling's decode
-    loop), so each step reads whole arrays instead of slicing the stacked weights per
-    layer and step; pass the result to hidden_states(…, layers=…)."""
-    layer_lora = None if lora is None else {m: lora[m] for m in lora_lib.LAYER_MODULES}
-    num_layers = jax.tree.leaves(params["layers"])[0].shape[0]
-    return tuple(jax.tree.map(lambda x: x[i], (params["layers"], layer_lora))
-                 for i in range(num_layers))
+    L × […], each layer's MLP weights (and expert factors) merged in for MoE models.
+    Taken once outside a loop that runs the decoder many times (sampling's decode loop),
+    so each step reads whole arrays instead of slicing the stacked weights per layer and
+    step; pass the result to hidden_states(…, layers=…)."""
+    layer_lora, expert_lora = _split_lora(lora)
+    out = []
+    for i in range(cfg.num_layers):
+        layer, lo = jax.tree.map(lambda x: x[i], (params["layers"], layer_lora))
+        if cfg.is_moe:
+            kind = cfg.moe_layers[i]
+            j = sum(1 for k in cfg.moe_layers[:i] if k == kind)  # index among its kind
+            layer = {**layer, **jax.tree.map(lambda x: x[j],
+                                             params["moe_mlp" if kind else "dense_mlp"])}
+            if kind and expert_lora is not None:
+                lo = {**lo, **jax.tree.map(lambda x: x[j], expert_lora)}
+        out.append((layer, lo))
+    return tuple(out)
 
 
 def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attention_lib.Attend,
                   lora=None, route: lora_lib.Routing | None = None, *, attn_state=None,
-                  mlp=dense_mlp, remat: bool = True, layers=None):
-    """(final-norm hidden states [S, D] of this shard's tokens, new attention state).
+                  mlp=dense_mlp, remat: bool = True, layers=None, count_S=None):
+    """(final-norm hidden states [S, D] of this shard's tokens, new attention state), and
+    with count_S a third value, the routing statistics.
 
     params: this shard's base weights (see param_shapes); lora: active adapters
     {module: {"a": [L, A, I, R], "b": [L, A, R, O]}} or None; route: their token spans.
@@ -295,31 +331,46 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
     mlp: the MLP block of dense layers (dense_mlp); MoE layers (cfg.moe_layers) use
     moe_mlp, each run of same-kind layers scanned on its own. Layers run under lax.scan
     (compile time independent of depth), each rematerialised in the backward pass when
-    `remat` (all but the attention kernel's output and lse). layers: layer_slices(params,
+    `remat` (all but the attention kernel's output and lse). layers: layer_slices(cfg, params,
     lora) taken by the caller — the layers then run unrolled on those slices
     (params["layers"] and lora's layer modules are not read; attn_state is sliced and
-    restacked per layer); inference only, dense models only for now.
+    restacked per layer); inference only. count_S: bool [S], the tokens whose routing to
+    record (training passes its real tokens), or None; given, a third value follows:
+    moe.RouterStats of this shard's counted tokens stacked over the MoE layers in order
+    ([Lm, E] each, local: not summed over dp / cp), None for a dense model. Opt-in so that
+    the callers that want only hidden states (sampling) keep the pair.
     """
     dtype = jnp.dtype(cfg.dtype)
     h = embed(params["embed"], tokens_S).astype(dtype)
-    layer_lora = None if lora is None else {m: lora[m] for m in lora_lib.LAYER_MODULES}
+    layer_lora, expert_lora = _split_lora(lora)
+    moe_block = moe_mlp if count_S is None else functools.partial(moe_mlp, count_S=count_S)
 
     def body(h, xs):
         layer, lora_layer, state = xs
-        block = moe_mlp if "router" in layer else mlp
-        return decoder_layer(cfg, h, layer, lora_layer, route, position_S, attend, state, block)
+        block = moe_block if "router" in layer else mlp
+        h, state, record = decoder_layer(cfg, h, layer, lora_layer, route, position_S, attend,
+                                         state, block)
+        return h, (state, record)
+
+    def finish(h, attn_state, records):
+        """The final norm, and the MoE layers' records (one [n, E] stack per run) joined."""
+        h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+        if count_S is None:
+            return h, attn_state
+        stats = (jax.tree.map(lambda *xs: jnp.concatenate(xs), *records) if records
+                 else None)
+        return h, attn_state, stats
 
     if layers is not None:
-        if cfg.is_moe:
-            raise NotImplementedError("hidden_states(layers=…) does not yet serve MoE models; "
-                                      "run their layers under the scan (layers=None)")
-        states = []
+        states, records = [], []
         for i, (layer, lora_layer) in enumerate(layers):
             state = jax.tree.map(lambda x: x[i], attn_state)
-            h, state = body(h, (layer, lora_layer, state))
+            h, (state, record) = body(h, (layer, lora_layer, state))
             states.append(state)
+            if record is not None:
+                records.append(jax.tree.map(lambda x: x[None], record))
         attn_state = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-        return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), attn_state
+        return finish(h, attn_state, records)
 
     if remat:
         # Recompute each layer in the backward pass except the attention kernel's output and
@@ -327,20 +378,24 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
         policy = jax.checkpoint_policies.save_only_these_names(*attention_lib.SAVED_NAMES)
         body = jax.checkpoint(body, prevent_cse=False, policy=policy)
     if not cfg.is_moe:
-        h, attn_state = jax.lax.scan(body, h, (params["layers"], layer_lora, attn_state))
-        return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), attn_state
+        h, (attn_state, _) = jax.lax.scan(body, h, (params["layers"], layer_lora, attn_state))
+        return finish(h, attn_state, [])
     # MoE and dense layers have different MLP weights, so each run of same-kind layers is
     # its own scan over its slice of the stacks (one scan when every layer is MoE).
-    states = []
+    states, records = [], []
     for is_moe, start, end, first in moe_lib.layer_runs(cfg):
         cut = lambda t, a=start, b=end: jax.tree.map(lambda x: x[a:b], t)
-        mlp_w = jax.tree.map(lambda x, a=first, n=end - start: x[a:a + n],
-                             params["moe_mlp" if is_moe else "dense_mlp"])
-        h, state = jax.lax.scan(body, h, ({**cut(params["layers"]), **mlp_w}, cut(layer_lora),
-                                          cut(attn_state)))
+        cut_kind = lambda t, a=first, n=end - start: jax.tree.map(lambda x: x[a:a + n], t)
+        mlp_w = cut_kind(params["moe_mlp" if is_moe else "dense_mlp"])
+        lora_w = None if lora is None else {
+            **cut(layer_lora), **(cut_kind(expert_lora) if is_moe else {})}
+        h, (state, record) = jax.lax.scan(body, h, ({**cut(params["layers"]), **mlp_w},
+                                                    lora_w, cut(attn_state)))
         states.append(state)
+        if is_moe and count_S is not None:
+            records.append(record)
     attn_state = jax.tree.map(lambda *xs: jnp.concatenate(xs), *states)
-    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), attn_state
+    return finish(h, attn_state, records)
 
 
 def unembed_factors(params, h_SxD, lora=None, route: lora_lib.Routing | None = None):

@@ -13,8 +13,11 @@ expert width (moe_intermediate_size).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jcp.config import QwenConfig
 
@@ -39,11 +42,17 @@ def layer_runs(cfg: QwenConfig) -> tuple[tuple[bool, int, int, int], ...]:
     return tuple(tuple(r) for r in runs)
 
 
+def router_probs(x_SxD, router_DxE):
+    """The router's probabilities of every expert, fp32 [S, E] (E all the model's experts):
+    logits x @ W in x's dtype, softmax in fp32 (as transformers)."""
+    logits_SxE = jnp.einsum("sd,de->se", x_SxD, router_DxE.astype(x_SxD.dtype))
+    return jax.nn.softmax(logits_SxE.astype(jnp.float32), axis=-1)
+
+
 def route(x_SxD, router_DxE, top_k: int, normalize: bool):
     """(weights [S, Kt] in x's dtype, experts [S, Kt] int32) as transformers routes:
     logits x @ W in x's dtype, softmax in fp32, top-k, renormalised when `normalize`."""
-    logits_SxE = jnp.einsum("sd,de->se", x_SxD, router_DxE.astype(x_SxD.dtype))
-    probs_SxE = jax.nn.softmax(logits_SxE.astype(jnp.float32), axis=-1)
+    probs_SxE = router_probs(x_SxD, router_DxE)
     top_SxK, experts_SxK = jax.lax.top_k(probs_SxE, top_k)
     if normalize:
         top_SxK = top_SxK / jnp.sum(top_SxK, axis=-1, keepdims=True)
@@ -77,16 +86,74 @@ def grouped_matmul(x_MxI, w_ExIxO, sizes_E):
     tile_group = jnp.minimum(
         jnp.searchsorted(pad_end_E, jnp.arange(tiles) * TILE, side="right"), num_groups - 1)
     w = w_ExIxO.astype(x_MxI.dtype)
-    y = jax.lax.map(lambda t: t[0] @ w[t[1]], (buf.reshape(tiles, TILE, -1), tile_group))
+
+    # Rematerialised, so the backward pass keeps each tile's rows, not a [tiles, I, O]
+    # stack of the weight slices the tiles read (measured at M=8192, I=512, O=768, E=8:
+    # grad temp 329 -> 125 MiB). Tiles past the groups' rows (other tp ranks' experts)
+    # still run on zeros: skipping them with lax.cond deadlocked under tp (the zero
+    # branch must be cast to varying over tp, and that cast's transpose is a psum that
+    # only the ranks taking the branch would enter).
+    y = jax.lax.map(jax.checkpoint(lambda t: t[0] @ w[t[1]]),
+                    (buf.reshape(tiles, TILE, -1), tile_group))
     return y.reshape(tiles * TILE, -1).at[dest_M].get(mode="fill", fill_value=0)
 
 
-def experts(x_SxD, weights_SxK, experts_SxK, gate_ExDxF, up_ExDxF, down_ExFxD, first: int):
+def _per_expert(w_AxExIxO):
+    """[A, E, I, O] -> [E, I, A·O]: every active adapter's factor of an expert side by
+    side, so one grouped matmul applies all of them."""
+    a, e, i, o = w_AxExIxO.shape
+    return jnp.transpose(w_AxExIxO, (1, 2, 0, 3)).reshape(e, i, a * o)
+
+
+def _expert_lora(x_MxI, lora_m, sizes_E, token_M, route, token_w_SxA, u_shared_SxAxR=None):
+    """One expert module's LoRA update of the sorted rows: [M, O].
+
+    Row m (token t, its local expert e, t's adapter k) gets scale_k · x_m @ A_ke @ B_ke;
+    the other adapters' columns of u = x @ [A_1e … A_Ae] are zeroed by token_w (the
+    token's own adapter only, at its scale). A shared-outer adapter's A (a_shared, one per
+    layer) is applied per token before the sort (u_shared_SxAxR), its B (b_shared) after
+    the per-expert side; jnp.where keeps the unused factor of each mode without gradient.
+    """
+    m_rows, num_a = x_MxI.shape[0], token_w_SxA.shape[1]
+    shared_A = (route.shared_A > 0.5)[None, :, None]
+    if "a" not in lora_m:  # a table of shared-outer adapters only
+        u_MxAxR = u_shared_SxAxR[token_M]
+    else:
+        u_MxAxR = grouped_matmul(x_MxI, _per_expert(lora_m["a"]), sizes_E).reshape(
+            m_rows, num_a, -1)
+        if u_shared_SxAxR is not None:
+            u_MxAxR = jnp.where(shared_A, u_shared_SxAxR[token_M], u_MxAxR)
+    u_MxAxR = u_MxAxR * token_w_SxA[token_M][:, :, None].astype(u_MxAxR.dtype)
+
+    def per_expert_b(u):
+        b = lora_m["b"]  # [A, E, R, O]
+        b_ExARxO = jnp.transpose(b, (1, 0, 2, 3)).reshape(b.shape[1], -1, b.shape[3])
+        return grouped_matmul(u.reshape(m_rows, -1), b_ExARxO, sizes_E)
+
+    def shared_b(u):
+        b_sh = lora_m["b_shared"]  # [A, R, O]
+        return u.reshape(m_rows, -1) @ b_sh.reshape(-1, b_sh.shape[-1]).astype(u.dtype)
+
+    if "b_shared" not in lora_m:
+        return per_expert_b(u_MxAxR)
+    if "b" not in lora_m:
+        return shared_b(u_MxAxR)
+    return (per_expert_b(jnp.where(shared_A, 0, u_MxAxR))
+            + shared_b(jnp.where(shared_A, u_MxAxR, 0)))
+
+
+def experts(x_SxD, weights_SxK, experts_SxK, gate_ExDxF, up_ExDxF, down_ExFxD, first: int,
+            lora=None, route=None):
     """Σ over each token's chosen experts held here (global ids first … first+E−1) of
     weight · down(silu(gate(x)) · up(x)): [S, D], this rank's part (psum over tp after).
 
     The (token, choice) rows are sorted by local expert, rows for other ranks' experts
-    last; they get no work and weight 0. An expert that receives no row costs nothing.
+    last, with weight 0 (on CPU their tiles still multiply zeros: the static tile count
+    covers every row, dropless). An expert that receives no row adds no tile.
+    lora: this layer's expert factors of the active adapters ({"expert_gate": {"a":
+    [A, E, D, R], "a_shared": [A, D, R], "b": [A, E, R, F]}, "expert_up": likewise,
+    "expert_down": {"a": [A, E, F, R], "b": [A, E, R, D], "b_shared": [A, R, D]}}, E this
+    rank's experts) or None; route: the tokens' adapters (lora.Routing).
     """
     s_len, top_k = experts_SxK.shape
     num_local = gate_ExDxF.shape[0]
@@ -99,6 +166,103 @@ def experts(x_SxD, weights_SxK, experts_SxK, gate_ExDxF, up_ExDxF, down_ExFxD, f
     x_MxD = x_SxD[token_M]
     g_MxF = grouped_matmul(x_MxD, gate_ExDxF, sizes_E)
     u_MxF = grouped_matmul(x_MxD, up_ExDxF, sizes_E)
-    y_MxD = grouped_matmul(jax.nn.silu(g_MxF) * u_MxF, down_ExFxD, sizes_E)
+    if lora is not None:
+        token_w_SxA = jnp.where(route.mask_SxA(s_len), route.scale_A[None, :], 0.0)
+
+        def shared_in(m):
+            if "a_shared" not in lora[m]:  # a table of per-expert adapters only
+                return None
+            a_sh = lora[m]["a_shared"]  # [A, D, R]
+            return jnp.einsum("sd,adr->sar", x_SxD, a_sh.astype(x_SxD.dtype))
+
+        g_MxF = g_MxF + _expert_lora(x_MxD, lora["expert_gate"], sizes_E, token_M, route,
+                                     token_w_SxA, shared_in("expert_gate")).astype(g_MxF.dtype)
+        u_MxF = u_MxF + _expert_lora(x_MxD, lora["expert_up"], sizes_E, token_M, route,
+                                     token_w_SxA, shared_in("expert_up")).astype(u_MxF.dtype)
+    z_MxF = jax.nn.silu(g_MxF) * u_MxF
+    y_MxD = grouped_matmul(z_MxF, down_ExFxD, sizes_E)
+    if lora is not None:
+        y_MxD = y_MxD + _expert_lora(z_MxF, lora["expert_down"], sizes_E, token_M, route,
+                                     token_w_SxA).astype(y_MxD.dtype)
     w_M = jnp.where(mine_M, weights_SxK.reshape(-1), 0)[order_M]
     return jnp.zeros_like(x_SxD).at[token_M].add(y_MxD * w_M[:, None].astype(y_MxD.dtype))
+
+
+# ----------------------------------------------------------------------------------------
+# Routing statistics: Tinker's load metrics and the opt-in auxiliary loss. Here E is all
+# the model's experts (routing is the same on every tp rank).
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterStats:
+    """How one shard routed the tokens it counts, per MoE layer: [E] each, [Lm, E] once
+    stacked over the MoE layers.
+
+    counts: int32, the (token, choice) assignments each expert received (Σ = tokens · Kt);
+    prob_sum: float32, Σ over those tokens of the router's probability of each expert — it
+    carries the auxiliary loss's gradient to everything upstream of the router.
+    """
+
+    counts: jax.Array
+    prob_sum: jax.Array
+
+
+jax.tree_util.register_dataclass(RouterStats, data_fields=["counts", "prob_sum"],
+                                 meta_fields=[])
+
+
+def router_stats(probs_SxE, experts_SxK, count_S) -> RouterStats:
+    """RouterStats [E] of the tokens where count_S (bool [S]; training counts its real
+    tokens, padding excluded). The counts are integers: no gradient passes through them."""
+    num_experts = probs_SxE.shape[1]
+    key_M = jnp.where(count_S[:, None], experts_SxK, num_experts).reshape(-1)
+    counts_E = jnp.bincount(key_M, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    prob_sum_E = jnp.sum(jnp.where(count_S[:, None], probs_SxE, 0.0), axis=0)
+    return RouterStats(counts_E, prob_sum_E)
+
+
+def load_balancing_loss(counts_LxE, prob_sum_LxE, num_tokens, top_k: int):
+    """Switch Transformer's auxiliary loss, summed over the MoE layers: float32 [].
+
+        aux = Σ_l E · Σ_e f_le · P_le,  f_le = counts_le / (N · Kt),  P_le = prob_sum_le / N
+
+    with N = num_tokens (the counted tokens, Σ_e counts_le = N · Kt): f_le is the fraction
+    of layer l's (token, choice) assignments that went to expert e (a constant of the
+    gradient), P_le the mean router probability of e. A layer's term is 1 when routing is
+    uniform. transformers' load_balancing_loss_func of a single layer normalises f by N
+    alone, so it is Kt times that layer's term (over several layers it pools them first).
+    """
+    n = jnp.maximum(num_tokens, 1).astype(jnp.float32)
+    f_LxE = jax.lax.stop_gradient(counts_LxE.astype(jnp.float32)) / (n * top_k)
+    return counts_LxE.shape[-1] * jnp.sum(f_LxE * prob_sum_LxE / n)
+
+
+LOAD_METRICS = ("e_frac_with_tokens:mean", "e_frac_oversubscribed:mean",
+                "e_max_violation:mean", "e_max_violation:max", "e_min_violation:mean")
+
+
+def load_metrics(counts_LxE) -> dict[str, float]:
+    """Tinker's MoE load metrics (host, NumPy) from each MoE layer's per-expert assignment
+    counts [Lm, E] over a whole batch.
+
+    Per layer l, with c_e its (token, choice) assignments to expert e and perfect balance
+    b = Σ_e c_e / E (every expert an equal share; Σ_e c_e = tokens · Kt):
+      frac_with_tokens   = #{e : c_e ≥ 1} / E
+      frac_oversubscribed = #{e : c_e > b} / E
+      max_violation      = (max_e c_e − b) / b     (≥ 0; 2.0: the busiest expert got 3 b)
+      min_violation      = (min_e c_e − b) / b     (in [−1, 0]; −1: some expert got none)
+    then the mean over layers (`:mean`), and for max_violation also the max (`:max`).
+    min_violation has Tinker's sign ("typically negative; decreasing is concerning"). A
+    layer without assignments (no real token) gets violations 0.
+    """
+    c = np.asarray(counts_LxE, np.float64)
+    num_experts = c.shape[-1]
+    b = c.sum(axis=-1) / num_experts
+    safe = np.where(b > 0, b, 1.0)
+    with_tokens = np.mean(c >= 1, axis=-1)
+    over = np.mean(c > b[:, None], axis=-1)
+    max_v = np.where(b > 0, (c.max(axis=-1) - b) / safe, 0.0)
+    min_v = np.where(b > 0, (c.min(axis=-1) - b) / safe, 0.0)
+    return dict(zip(LOAD_METRICS, (float(with_tokens.mean()), float(over.mean()),
+                                   float(max_v.mean()), float(max_v.max()),
+                                   float(min_v.mean()))))

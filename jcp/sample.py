@@ -40,6 +40,7 @@ from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import mesh as mesh_lib
 from jcp import model as model_lib
+from jcp import train_step
 from jcp.adapter_state import host, replicate
 from jcp.config import QwenConfig
 from jcp.errors import InputError, float32_number
@@ -259,24 +260,19 @@ def _gather_batch(x_BxN, axes):
     return jax.lax.psum(grid, axes).reshape((-1,) + x_BxN.shape[1:])
 
 
-def _route(active_A, spans_Ax2, scale_G):
-    """Routing with BASE entries (active < 0) on slot 0 at scale 0: no LoRA for them."""
-    slot_A = jnp.maximum(active_A, 0)
-    scale_A = jnp.where(active_A < 0, 0.0, jnp.take(scale_G, slot_A))
-    return lora_lib.Routing(active_A=slot_A, spans_Ax2=spans_Ax2, scale_A=scale_A)
-
-
 # ----------------------------------------------------------------------------------------
 # The compiled programs
 
 
-def make_prefill(cfg: QwenConfig, mesh, attn_impl: str, attn_block: int, chunk: int):
-    """jit(prefill)(lora, params, scale_G, tokens, segment, position, targets, spans, active,
+def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
+    """jit(prefill)(lora, params, slot_meta, tokens, segment, position, targets, spans, active,
     source, old, *, layout, with_logprobs) -> (KV [L, B, T, K, H] or None, log-probs
     [DP, CP, S] replicated or None).
 
     The packed streams (batch.pack of prompt[:-1] with targets prompt[1:]) through the
-    decoder with CP attention and each token's adapter (active < 0: none). With a cache
+    decoder with training's CP attention (train_step.training_attend: gathered K/V or the
+    ring, by step_cfg.cp_attention and the stream's size) and each token's adapter
+    (active < 0: none). With a cache
     layout name ("batch" / "split", kv_cache.LAYOUTS), every layer's K/V is moved into the
     cache in the same program (kv_cache.fill): row (b, t) ← flat stream row source[b, t]
     ([B, T] int32, sharded like the cache positions; −1 keeps `old`'s row, or zero when old
@@ -287,45 +283,52 @@ def make_prefill(cfg: QwenConfig, mesh, attn_impl: str, attn_block: int, chunk: 
 
     @functools.partial(jax.jit, static_argnames=("layout", "with_logprobs"),
                        donate_argnames=("old",))
-    def prefill(lora, params, scale_G, tokens, segment, position, targets, spans, active,
+    def prefill(lora, params, slot_meta, tokens, segment, position, targets, spans, active,
                 source, old, *, layout, with_logprobs):
         lora_active = lora_lib.take_active(lora, jnp.maximum(active, 0))
         lay = None if layout is None else kv_cache.LAYOUTS[layout]
 
-        def shard(lora_active, params, scale_G, tokens, segment, position, targets, spans,
+        def shard(lora_active, params, slot_meta, tokens, segment, position, targets, spans,
                   active, source, old):
             one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
-            route = _route(active, one(spans), scale_G)
-            attend = kv_cache.prefill_attend(one(segment), one(position),
-                                             implementation=attn_impl, block=attn_block)
+            route = slot_meta.routing(active, one(spans))
+            attend = kv_cache.prefill_attend(
+                train_step.training_attend(cfg, step_cfg, one(segment), one(position)))
             h_SxD, kv = model_lib.hidden_states(cfg, params, one(tokens), one(position), attend,
                                                 lora_active, route, remat=False)
             kv = None if lay is None else kv_cache.fill(kv, source, lay, old)
             lp = None
             if with_logprobs:
                 lefts, rights = model_lib.unembed_factors(params, h_SxD, lora_active, route)
-                lp_S = losses_lib.target_logprobs(lefts, rights, one(targets), chunk)
+                lp_S = losses_lib.target_logprobs(lefts, rights, one(targets),
+                                                  step_cfg.logprob_chunk)
                 lp = losses_lib.gather_stream(jnp.where(one(segment) >= 0, lp_S, 0.0))
             return kv, lp
 
         kv_spec = None if lay is None else kv_cache.KV(lay.kv_LxBxTxKxH, lay.kv_LxBxTxKxH)
-        in_specs = (lora_lib.slot_specs_active(), model_lib.param_specs(cfg), SPECS.slot_G,
+        in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
+                    SPECS.slot_G,
                     stream, stream, stream, stream, SPECS.spans_DPxCPxAx2, SPECS.replicated,
                     None if lay is None else lay.position_BxT,
                     None if old is None else kv_spec)
         out_specs = (kv_spec, P() if with_logprobs else None)
         return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
-            lora_active, params, scale_G, tokens, segment, position, targets, spans, active,
+            lora_active, params, slot_meta, tokens, segment, position, targets, spans, active,
             source, old)
 
     return prefill
 
 
+# The largest per-device layer weights the decode loop copies out of their stacks.
+SLICE_LAYERS_MAX_BYTES = 256 << 20
+
+
 def make_decode(cfg: QwenConfig, mesh):
-    """jit(decode)(lora, params, scale_G, cache, token_B, position_B, base_B, done_B,
+    """jit(decode)(lora, params, slot_meta, cache, token_B, position_B, base_B, done_B,
     keys_Bx2, spans, active, stop, max_tokens, temperature, top_k, top_p, *, layout,
     out_len, greedy, filtered, slice_layers) -> (tokens [B, N] (−1 after a sequence
-    ended), log-probs [B, N], both replicated; the final cache).
+    ended), log-probs [B, N], both replicated; the final cache, less the rows of the steps
+    that ended a sequence — nothing reads those).
 
     One lax.while_loop: each step runs every sequence's newest token through the decoder
     (decode_attend over its cache — merged over cp under layout "split" — LoRA routed by
@@ -335,27 +338,37 @@ def make_decode(cfg: QwenConfig, mesh):
     layout's specs, donated and returned, so the loop updates it in place (one cache in
     memory, not two). slice_layers: take every layer's weights out of the stacked arrays
     once, before the loop, and run the layers unrolled on them (model.layer_slices),
-    instead of a lax.scan that slices them per layer and step (False: for benchmarks).
+    instead of a lax.scan that slices them per layer and step (the Sampler slices iff
+    the per-device layer weights are at most SLICE_LAYERS_MAX_BYTES).
     """
 
     @functools.partial(jax.jit, static_argnames=("layout", "out_len", "greedy", "filtered",
                                                  "slice_layers"),
                        donate_argnames=("cache",))
-    def decode(lora, params, scale_G, cache, token_B, position_B, base_B, done_B, keys_Bx2,
+    def decode(lora, params, slot_meta, cache, token_B, position_B, base_B, done_B, keys_Bx2,
                spans, active, stop, max_tokens, temperature, top_k, top_p, *, layout,
                out_len, greedy, filtered, slice_layers=True):
         lay = kv_cache.LAYOUTS[layout]
         # Gathered once, outside the loop: the A active slots, layers leading.
         lora_active = lora_lib.take_active(lora, jnp.maximum(active, 0))
 
-        def shard(lora_active, params, scale_G, cache, token_B, position_B, base_B, done_B,
+        def shard(lora_active, params, slot_meta, cache, token_B, position_B, base_B, done_B,
                   keys_Bx2, spans, active, stop, max_tokens, temperature, top_k, top_p):
-            route = _route(active, spans[0, 0], scale_G)
+            route = slot_meta.routing(active, spans[0, 0])
             b, t_len = cache.position.shape
-            layers = model_lib.layer_slices(params, lora_active) if slice_layers else None
+            # The A factors enter the loop as [I, A, R] and are viewed back as [A, I, R]
+            # inside it (_swap_a_factors): XLA folds that view into low_rank_input's own
+            # transpose to [I, A·R], so no step copies them (XLA:CPU hoists no loop
+            # invariants; this cost 1.2× the decode time at A = 4 on the tiny model).
+            lora_outside = _swap_a_factors(lora_active)
+            layers_outside = (model_lib.layer_slices(cfg, params, lora_outside)
+                              if slice_layers else None)
 
             def body(carry):
                 i, tok_B, pos_B, done_B, cache, out_tok, out_lp = carry
+                lora_active = _swap_a_factors(lora_outside)
+                layers = (None if layers_outside is None else
+                          tuple((w, _swap_a_factors(lo)) for w, lo in layers_outside))
                 attend = kv_cache.decode_attend(pos_B, cache.position, lay.row_axes)
                 h_BxD, new = model_lib.hidden_states(
                     cfg, params, tok_B, pos_B, attend, lora_active, route,
@@ -365,12 +378,16 @@ def make_decode(cfg: QwenConfig, mesh):
                              for l, r in zip(lefts, rights))
                 nxt_B, lp_B = sample_tokens(_gather_vocab(logits), keys_Bx2, i, temperature,
                                             top_k, top_p, greedy=greedy, filtered=filtered)
-                rows_B = kv_cache.step_rows(i, base_B, lay, t_len)
-                cache = kv_cache.write_rows(cache, new, rows_B, pos_B)
                 live_B = ~done_B
                 out_tok = out_tok.at[:, i].set(jnp.where(live_B, nxt_B, -1))
                 out_lp = out_lp.at[:, i].set(jnp.where(live_B, lp_B, 0.0))
                 done_B = done_B | jnp.isin(nxt_B, stop) | (i + 1 >= max_tokens)
+                # A finished sequence needs no more rows. Skipping them also makes the write
+                # depend on this step's draw, hence on every layer's reads of the cache (the
+                # last layer's feed nothing else): only then does XLA order the reads before
+                # the in-place write instead of copying the whole cache twice per step.
+                rows_B = jnp.where(done_B, t_len, kv_cache.step_rows(i, base_B, lay, t_len))
+                cache = kv_cache.write_rows(cache, new, rows_B, pos_B)
                 return i + 1, nxt_B, pos_B + 1, done_B, cache, out_tok, out_lp
 
             def cond(carry):
@@ -386,15 +403,27 @@ def make_decode(cfg: QwenConfig, mesh):
                     cache)
 
         rep, seqs = SPECS.replicated, lay.seqs_B
-        in_specs = (lora_lib.slot_specs_active(), model_lib.param_specs(cfg), SPECS.slot_G,
+        in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
+                    SPECS.slot_G,
                     lay.specs, seqs, seqs, seqs, seqs, lay.seqs_Bx2, lay.spans,
                     rep, rep, rep, rep, rep, rep)
         return jax.shard_map(shard, mesh=mesh, in_specs=in_specs,
                              out_specs=(P(), P(), lay.specs))(
-            lora_active, params, scale_G, cache, token_B, position_B, base_B, done_B,
+            lora_active, params, slot_meta, cache, token_B, position_B, base_B, done_B,
             keys_Bx2, spans, active, stop, max_tokens, temperature, top_k, top_p)
 
     return decode
+
+
+def _swap_a_factors(lora):
+    """The A factors of the dense LoRA modules with their adapter and input axes swapped:
+    [.., A, I, R] <-> [.., I, A, R] (an involution; other factors unchanged). None: None."""
+    if lora is None:
+        return None
+    dense = lora_lib.LAYER_MODULES + (lora_lib.HEAD,)
+    return {m: {k: jnp.swapaxes(x, -3, -2) if m in dense and k == "a" else x
+                for k, x in ab.items()} if ab is not None else ab
+            for m, ab in lora.items()}
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
@@ -464,10 +493,16 @@ class Sampler:
         self.tr = trainer
         cfg, mesh = trainer.cfg, trainer.mesh
         self.cfg, self.mesh = cfg, mesh
-        sc = trainer.step_cfg
-        self._prefill = make_prefill(cfg, mesh, sc.attn_impl, sc.attn_block, sc.logprob_chunk)
+        self._prefill = make_prefill(cfg, mesh, trainer.step_cfg)
         self._decode = make_decode(cfg, mesh)
         self.last_plan: Plan | None = None
+        # Slicing the layers out of the stacks before the decode loop holds a second copy
+        # of the layer weights for the call (measured: 26.7 vs 14.1 MiB of temporaries at
+        # hidden 512, 18 MiB of layer weights) for 1.93× faster steps on CPU (XLA:CPU
+        # slices the stacks anew each step). Worth it only while that copy is small.
+        layer_bytes = sum(x.addressable_data(0).nbytes for k, t in trainer.params.items()
+                          if isinstance(t, dict) for x in jax.tree.leaves(t))
+        self.slice_layers = layer_bytes <= SLICE_LAYERS_MAX_BYTES
 
     # ------------------------------------------------------------------ validation
 
@@ -562,7 +597,7 @@ class Sampler:
         if source is not None:
             source = self._put(source, kv_cache.LAYOUTS[layout].position_BxT)
         return self._prefill(
-            self.tr.state.weights, self.tr.params, self.tr.state.scale,
+            self.tr.state.weights, self.tr.params, self.tr.state.meta,
             self._put(pb.tokens, s), self._put(pb.segment, s), self._put(pb.position, s),
             self._put(pb.targets, s), self._put(pb.spans, SPECS.spans_DPxCPxAx2),
             replicate(self.mesh, pb.active), source, old, layout=layout,
@@ -687,13 +722,14 @@ class Sampler:
         rep = lambda x: replicate(self.mesh, np.asarray(x))  # noqa: E731
         self.last_plan = plan
         out_tok, out_lp, _ = self._decode(
-            tr.state.weights, tr.params, tr.state.scale, cache,
+            tr.state.weights, tr.params, tr.state.meta, cache,
             self._put(token, lay.seqs_B), self._put(position, lay.seqs_B),
             self._put(base, lay.seqs_B), self._put(done, lay.seqs_B),
             self._put(keys, lay.seqs_Bx2), self._put(spans, lay.spans), rep(active),
             rep(stop), rep(np.int32(c.max_tokens)), rep(np.float32(c.temperature)),
             rep(np.int32(c.top_k)), rep(np.float32(c.top_p)),
-            layout=plan.mode, out_len=plan.out_len, greedy=greedy, filtered=filtered)
+            layout=plan.mode, out_len=plan.out_len, greedy=greedy, filtered=filtered,
+            slice_layers=self.slice_layers)
         plp = (self._prompt_logprobs(c.prompts, c.adapters, lps) if prompt_logprobs
                else None)
         out_tok, out_lp = host(out_tok), host(out_lp)

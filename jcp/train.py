@@ -45,7 +45,13 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=100, help="optimizer steps in all (default 100)")
     p.add_argument("--mesh", default=None,
                    help="dp,cp,tp (default 2,2,2 on 8 devices, else 1,<devices>,1)")
-    p.add_argument("--hf-model", default=None, help="Hugging Face Qwen2/Qwen3 folder")
+    p.add_argument("--hf-model", default=None,
+                   help="Hugging Face Qwen2/Qwen3/Qwen3-MoE folder")
+    p.add_argument("--moe", action="store_true",
+                   help="without --hf-model: the tiny random mixture-of-experts model "
+                        "(QwenConfig.tiny_moe()) instead of the dense one")
+    p.add_argument("--expert-lora", default="shared_outer", choices=("shared_outer", "per_expert"),
+                   help="how adapters hold the experts of a MoE model (default shared_outer)")
     p.add_argument("--data", default=None,
                    help="JSONL of Tinker datums, each with an \"adapter\" name and optionally "
                         "a \"loss_fn\"")
@@ -92,6 +98,9 @@ def parse_args(argv):
             raise CliError(f"--mesh must be dp,cp,tp integers, got {a.mesh!r}") from None
         if len(a.mesh) != 3 or min(a.mesh) < 1:
             raise CliError(f"--mesh must be three positive integers dp,cp,tp, got {a.mesh}")
+    if a.moe and a.hf_model is not None:
+        raise CliError("--moe picks the tiny random MoE model; with --hf-model the folder's "
+                       "config says whether the model is a mixture of experts")
     if a.hf_model is not None and not os.path.isdir(a.hf_model):
         raise CliError(f"--hf-model {a.hf_model}: no such folder")
     if a.data is not None and not os.path.isfile(a.data):
@@ -449,7 +458,8 @@ def load_model_and_mesh(args):
         except (ValueError, OSError) as e:
             raise CliError(f"--hf-model {args.hf_model}: {e}") from None
     else:
-        cfg, base = jcp.QwenConfig.tiny(), None
+        moe = getattr(args, "moe", False)
+        cfg, base = (jcp.QwenConfig.tiny_moe() if moe else jcp.QwenConfig.tiny()), None
     n_dev = jax.device_count()
     mesh_shape = args.mesh or ((2, 2, 2) if n_dev == 8 else (1, n_dev, 1))
     try:
@@ -501,7 +511,8 @@ def restore_or_create(tr, args, adapter_names: list[str], latest: dict | None
         print(f"jcp-train: no checkpoint in {args.out}; starting from step 0", file=sys.stderr)
     for i, name in enumerate(adapter_names):
         adapters[name] = tr.create_adapter(rank=args.rank, alpha=args.alpha,
-                                           seed=args.seed * 100 + i)
+                                           seed=args.seed * 100 + i,
+                                           expert_lora=args.expert_lora)
     if jax.process_index() == 0 and os.path.exists(metrics_path):
         os.remove(metrics_path)
     return adapters, 0

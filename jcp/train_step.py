@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +24,9 @@ from jcp import attention as attention_lib
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import model as model_lib
+from jcp import moe as moe_lib
 from jcp.config import QwenConfig
-from jcp.mesh import CP, SPECS, TP
+from jcp.mesh import BATCH_AXES, CP, SPECS, TP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,17 +40,24 @@ class StepConfig:
     # How queries reach the other cp ranks' keys: "gather", "ring", or "auto" (see
     # attention.choose_cp_attention).
     cp_attention: str = "auto"
+    # MoE only: the weight of the router auxiliary loss added to the differentiated loss
+    # (model_loss); 0 adds nothing and compiles nothing for it.
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
+        coef = self.router_aux_loss_coef
+        if (isinstance(coef, bool) or not isinstance(coef, (int, float))
+                or not math.isfinite(coef) or coef < 0):
+            raise ValueError(f"router_aux_loss_coef must be a finite number ≥ 0, got {coef!r}")
         if self.attn_impl not in attention_lib.IMPLEMENTATIONS:
             raise ValueError(f"attn_impl must be one of {attention_lib.IMPLEMENTATIONS}, got "
                              f"{self.attn_impl!r}")
         if self.cp_attention not in attention_lib.CP_ATTENTION:
             raise ValueError(f"cp_attention must be one of {attention_lib.CP_ATTENTION}, got "
                              f"{self.cp_attention!r}")
-        if self.cp_attention == "ring" and self.attn_impl != "blockwise":
-            raise ValueError("cp_attention='ring' needs attn_impl='blockwise', got "
-                             f"{self.attn_impl!r}")
+        if self.cp_attention == "ring" and self.attn_impl == "dense":
+            raise ValueError("cp_attention='ring' needs attn_impl 'blockwise' or 'pallas', "
+                             "got 'dense'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +65,8 @@ class Batch:
     """A packed micro-batch as global arrays: streams [DP, CP, S], spans [DP, CP, A, 2],
     active [A] and client vectors (losses.FLOAT_INPUTS: weights, advantages, logprobs,
     sequence_ratio_mask) [DP, CP, S]; loss_id indexes each token's loss in the step's
-    static tuple of loss names."""
+    static tuple of loss names; call_tokens (int32 [], replicated): the real tokens of the
+    whole call this micro-batch is part of (it weights the router auxiliary loss)."""
 
     tokens: jax.Array
     targets: jax.Array
@@ -69,6 +79,7 @@ class Batch:
     sequence_ratio_mask: jax.Array
     spans: jax.Array
     active: jax.Array
+    call_tokens: jax.Array
 
 
 jax.tree_util.register_dataclass(
@@ -79,12 +90,13 @@ def batch_specs() -> Batch:
     s = SPECS.stream_DPxCPxS
     return Batch(tokens=s, targets=s, segment=s, position=s, loss_id=s,
                  **{k: s for k in losses_lib.FLOAT_INPUTS}, spans=SPECS.spans_DPxCPxAx2,
-                 active=SPECS.replicated)
+                 active=SPECS.replicated, call_tokens=SPECS.replicated)
 
 
 def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, tokens_S,
                segment_S, position_S, targets_S, inputs: losses_lib.TokenInputs, loss_fn,
-               loss_cfg, num_slots: int, *, loss_id_S=None, base_unembed_grad: bool = False):
+               loss_cfg, num_slots: int, *, loss_id_S=None, base_unembed_grad: bool = False,
+               call_tokens=None):
     """Model + loss of this device's stream, inside the shard_map: (loss, ShardOutputs).
 
     embed → hidden_states (CP attention, the training strategy) → unembed_factors →
@@ -92,15 +104,38 @@ def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, token
     (take_active) or None for the base model alone, routed by `route`; loss_fn, loss_cfg,
     num_slots, loss_id_S as in losses.shard_loss. base_unembed_grad: differentiate the base
     unembedding too (training never does: it is frozen; tests of base gradients do).
+
+    MoE models: outputs.expert_counts [Lm, E] counts every MoE layer's assignments of the
+    real tokens of all (dp, cp) shards (psum over dp and cp only: every tp rank routes the
+    same tokens alike). With step_cfg.router_aux_loss_coef = c > 0 the loss gains
+    c · w · moe.load_balancing_loss over this micro-batch's real tokens (f and P global
+    over dp and cp), w = its real tokens / call_tokens (the call's; None: this micro-batch
+    is the whole call) — so a call split into several micro-batches gets the token-weighted
+    mean of theirs; outputs.router_aux_loss holds that term's value.
     """
     attend = training_attend(cfg, step_cfg, segment_S, position_S)
-    h_SxD, _ = model_lib.hidden_states(cfg, params, tokens_S, position_S, attend, lora, route,
-                                       remat=step_cfg.remat)
+    real_S = segment_S >= 0
+    h_SxD, _, stats = model_lib.hidden_states(cfg, params, tokens_S, position_S, attend, lora,
+                                              route, remat=step_cfg.remat, count_S=real_S)
     lefts, rights = model_lib.unembed_factors(params, h_SxD, lora, route)
-    return losses_lib.shard_loss(lefts, rights, targets_S, segment_S, inputs, loss_fn, loss_cfg,
-                                 num_slots, chunk=step_cfg.logprob_chunk,
-                                 right_grads=(base_unembed_grad,) + (True,) * (len(rights) - 1),
-                                 loss_id_S=loss_id_S)
+    loss, outputs = losses_lib.shard_loss(
+        lefts, rights, targets_S, segment_S, inputs, loss_fn, loss_cfg, num_slots,
+        chunk=step_cfg.logprob_chunk,
+        right_grads=(base_unembed_grad,) + (True,) * (len(rights) - 1), loss_id_S=loss_id_S)
+    if stats is None:
+        return loss, outputs
+    counts_LxE = jax.lax.psum(stats.counts, BATCH_AXES)
+    outputs = dataclasses.replace(outputs, expert_counts=counts_LxE)
+    if not step_cfg.router_aux_loss_coef:
+        return loss, outputs
+    tokens = jax.lax.psum(jnp.sum(real_S, dtype=jnp.int32), BATCH_AXES)
+    weight = step_cfg.router_aux_loss_coef * (
+        1.0 if call_tokens is None else tokens / jnp.maximum(call_tokens, 1))
+    aux = weight * moe_lib.load_balancing_loss(counts_LxE, jax.lax.psum(stats.prob_sum,
+                                                                        BATCH_AXES),
+                                               tokens, cfg.num_experts_per_tok)
+    outputs = dataclasses.replace(outputs, router_aux_loss=jax.lax.stop_gradient(aux))
+    return loss + aux.astype(loss.dtype), outputs
 
 
 def training_attend(cfg: QwenConfig, step_cfg: StepConfig, segment_S, position_S):
@@ -112,49 +147,51 @@ def training_attend(cfg: QwenConfig, step_cfg: StepConfig, segment_S, position_S
                                             cfg.num_kv_heads // tp, cfg.head_dim,
                                             jnp.dtype(cfg.dtype).itemsize)
     if how == "ring":
-        return attention_lib.ring_attend(segment_S, position_S, block=step_cfg.attn_block)
+        return attention_lib.ring_attend(segment_S, position_S, block=step_cfg.attn_block,
+                                         implementation=step_cfg.attn_impl)
     return attention_lib.cp_attend(segment_S, position_S, implementation=step_cfg.attn_impl,
                                    block=step_cfg.attn_block)
 
 
 def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tuple[str, ...],
-                      num_slots: int, lora_active, params, scale_G, batch: Batch, loss_cfg):
+                      num_slots: int, lora_active, params, slot_meta, batch: Batch, loss_cfg):
     """The shard_map'd model + loss. Returns (replicated loss, ShardOutputs).
 
     loss_fns: the losses in the batch (tokens pick theirs by loss_id); loss_cfg
     {name: {setting: scalar}}.
     """
 
-    def shard(lora_active, params, scale_G, b: Batch, loss_cfg):
+    def shard(lora_active, params, slot_meta, b: Batch, loss_cfg):
         one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
-        route = lora_lib.Routing(active_A=b.active, spans_Ax2=one(b.spans),
-                                 scale_A=jnp.take(scale_G, b.active))
+        route = slot_meta.routing(b.active, one(b.spans))
         inputs = losses_lib.TokenInputs(
             **{k: one(getattr(b, k)) for k in losses_lib.FLOAT_INPUTS})
         return model_loss(cfg, step_cfg, params, lora_active, route, one(b.tokens),
                           one(b.segment), one(b.position), one(b.targets), inputs, loss_fns,
-                          loss_cfg, num_slots, loss_id_S=one(b.loss_id))
+                          loss_cfg, num_slots, loss_id_S=one(b.loss_id),
+                          call_tokens=b.call_tokens)
 
-    in_specs = (lora_lib.slot_specs_active(), model_lib.param_specs(cfg), SPECS.slot_G,
+    in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
+                SPECS.slot_G,
                 batch_specs(), SPECS.replicated)
     return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()))(
-        lora_active, params, scale_G, batch, loss_cfg)
+        lora_active, params, slot_meta, batch, loss_cfg)
 
 
 def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
-    """jit(forward)(lora, params, scale_G, batch, loss_cfg, *, loss_fns, num_slots) -> (loss, out)."""
+    """jit(forward)(lora, params, slot_meta, batch, loss_cfg, *, loss_fns, num_slots) -> (loss, out)."""
 
     @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots"))
-    def forward(lora, params, scale_G, batch, loss_cfg, *, loss_fns, num_slots):
+    def forward(lora, params, slot_meta, batch, loss_cfg, *, loss_fns, num_slots):
         active = lora_lib.take_active(lora, batch.active)
         return _loss_and_outputs(cfg, mesh, step_cfg, loss_fns, num_slots, active, params,
-                                 scale_G, batch, loss_cfg)
+                                 slot_meta, batch, loss_cfg)
 
     return forward
 
 
 def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
-    """jit(fb)(acc, lora, params, scale_G, batch, loss_cfg) -> (acc + grad, loss, out,
+    """jit(fb)(acc, lora, params, slot_meta, batch, loss_cfg) -> (acc + grad, loss, out,
     finite_A).
 
     The gradient is taken w.r.t. the A active slots only (outside the shard_map) and
@@ -164,10 +201,10 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
     """
 
     @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots"), donate_argnums=(0,))
-    def forward_backward(acc, lora, params, scale_G, batch, loss_cfg, *, loss_fns, num_slots):
+    def forward_backward(acc, lora, params, slot_meta, batch, loss_cfg, *, loss_fns, num_slots):
         def loss_of(active):
             return _loss_and_outputs(cfg, mesh, step_cfg, loss_fns, num_slots, active, params,
-                                     scale_G, batch, loss_cfg)
+                                     slot_meta, batch, loss_cfg)
 
         active = lora_lib.take_active(lora, batch.active)
         (loss, out), grads = jax.value_and_grad(loss_of, has_aux=True)(active)

@@ -27,6 +27,7 @@ from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import mesh as mesh_lib
 from jcp import model as model_lib
+from jcp import moe as moe_lib
 from jcp import peft as peft_lib
 from jcp import sample as sample_lib
 from jcp import train_step
@@ -82,9 +83,11 @@ class Trainer:
     accumulate across forward_backward calls until optim_step.
 
     Tuning (keyword-only): remat — recompute each layer in the backward pass (keeping only
-    the attention output); attn_impl — "blockwise" (the reference kernel) or "dense"
-    (tests only); attn_block — attention tile rows (None: 64 on CPU, where the masked half
-    of diagonal tiles dominates, 512 on accelerators); logprob_chunk — tokens per
+    the attention output); attn_impl — "blockwise" (the reference kernel, the default),
+    "pallas" (a fused Pallas flash-attention kernel for GPUs, Triton; interpreted — slowly,
+    for tests — on CPU; see jcp/pallas_attention.py) or "dense" (tests only); attn_block —
+    attention tile rows (None: 64 on CPU, where the masked half of diagonal tiles
+    dominates, 512 on accelerators); logprob_chunk — tokens per
     log-prob chunk (None: at most 1024, fewer for large vocabularies so that one chunk's
     fp32 logits [chunk, V/tp] stay within 256 MiB); cp_attention — how a rank's queries
     reach the other cp ranks' keys: "gather" all-gathers K/V (one collective; every rank
@@ -94,13 +97,34 @@ class Trainer:
     CP·S·K·H·2·(itemsize + 4) bytes (K local kv heads under tp), would exceed
     attention.RING_ABOVE_BYTES (64 MiB) — decided per compiled stream length, so short
     batches gather and long ones ring. attn_impl "dense" always gathers.
+    expert_lora_modes — the expert parameterisations (lora.EXPERT_LORA) the slots can
+    hold, for MoE models: both by default; ("shared_outer",) drops the per-expert
+    hidden-side factors from every slot (the bulk of a per-expert adapter: at r = 32 on
+    Qwen3-30B-A3B 462 M instead of 1.66 B parameters per slot, each held four times —
+    weights, accumulator, two AdamW moments), and per-expert adapters (PEFT imports) are
+    then refused.
+
+    Mixture-of-experts models: forward / forward_backward metrics add Tinker's expert-load
+    figures (e_frac_with_tokens:mean, e_frac_oversubscribed:mean, e_max_violation:mean and
+    :max, e_min_violation:mean; defined in moe.load_metrics) over every MoE layer's routing
+    of the call's real tokens. router_aux_loss_coef (≥ 0, default 0; MoE only) adds
+    c · Σ over MoE layers of E · Σ_e f_e · P_e (Switch Transformer's load-balancing loss;
+    f_e the fraction of the layer's (token, choice) assignments routed to expert e, P_e
+    the mean router probability of e, over the call's real tokens on all dp and cp shards;
+    see moe.load_balancing_loss) to the differentiated loss, so its gradient reaches the
+    adapters' factors upstream of each (frozen) router; it is reported as the metric
+    router_aux_loss:sum, and loss:sum stays the Tinker token sum without it. A call split
+    into several micro-batches (max_tokens_per_device) gets the token-weighted mean of the
+    micro-batches' terms, f and P then taken per micro-batch. Default 0: Tinker's losses
+    are pure token sums.
     """
 
     def __init__(self, cfg: QwenConfig, mesh, base_params=None, max_adapters: int = 4,
                  max_rank: int = 16, seed: int = 0, max_tokens_per_device: int | None = None,
                  *, remat: bool = True, attn_impl: str = "blockwise",
                  attn_block: int | None = None, logprob_chunk: int | None = None,
-                 cp_attention: str = "auto"):
+                 cp_attention: str = "auto", router_aux_loss_coef: float = 0.0,
+                 expert_lora_modes: tuple[str, ...] = lora_lib.EXPERT_LORA):
         if tuple(mesh.axis_names) != mesh_lib.AXES:
             raise ValueError(f"mesh axes must be {mesh_lib.AXES}, got {mesh.axis_names}")
         if attn_impl not in attention_lib.IMPLEMENTATIONS:
@@ -109,6 +133,12 @@ class Trainer:
         if cp_attention not in attention_lib.CP_ATTENTION:
             raise ValueError(f"cp_attention must be one of {attention_lib.CP_ATTENTION}, got "
                              f"{cp_attention!r}")
+        router_aux_loss_coef = float32_number(router_aux_loss_coef, "router_aux_loss_coef")
+        if router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be ≥ 0, got {router_aux_loss_coef}")
+        if router_aux_loss_coef and not cfg.is_moe:
+            raise ValueError("router_aux_loss_coef needs a mixture-of-experts model; this "
+                             "config has no router")
         self.cfg, self.mesh = cfg, mesh
         self.dp, self.cp, self.tp = (mesh_lib.axis_size(mesh, a) for a in mesh_lib.AXES)
         cfg.check_mesh(self.tp)
@@ -136,7 +166,8 @@ class Trainer:
             self.token_cap = mesh_lib.datum_token_cap(max_tokens_per_device, self.cp, self.tp)
         self.step_cfg = train_step.StepConfig(remat=remat, attn_impl=attn_impl,
                                               attn_block=attn_block, logprob_chunk=logprob_chunk,
-                                              cp_attention=cp_attention)
+                                              cp_attention=cp_attention,
+                                              router_aux_loss_coef=router_aux_loss_coef)
 
         if base_params is None:
             base_params = model_lib.random_params(cfg, seed)
@@ -144,7 +175,12 @@ class Trainer:
         self.params = model_lib.place(base_params, model_lib.param_specs(cfg), mesh,
                                       dtype=jnp.dtype(cfg.dtype))
 
-        self.state = AdapterState(cfg, mesh, max_adapters, max_rank)
+        modes = tuple(expert_lora_modes) if isinstance(expert_lora_modes, (list, tuple)) else ()
+        if (not modes or len(set(modes)) < len(modes)
+                or any(m not in lora_lib.EXPERT_LORA for m in modes)):
+            raise ValueError(f"expert_lora_modes must be a non-empty tuple of distinct "
+                             f"{lora_lib.EXPERT_LORA}, got {expert_lora_modes!r}")
+        self.state = AdapterState(cfg, mesh, max_adapters, max_rank, modes)
         self._forward = train_step.make_forward(cfg, mesh, self.step_cfg)
         self._forward_backward = train_step.make_forward_backward(cfg, mesh, self.step_cfg)
 
@@ -163,7 +199,10 @@ class Trainer:
                              f"{sorted(self.adapters)}")
         return int(adapter)
 
-    def _check_new_adapter(self, rank, alpha, targets) -> tuple[int, float, tuple[str, ...]]:
+    def _check_new_adapter(self, rank, alpha, targets,
+                           expert_lora: str | None = "shared_outer") -> AdapterInfo:
+        """The AdapterInfo of a new adapter, or InputError. expert_lora applies only when
+        an expert module is targeted (None otherwise)."""
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
             raise InputError(f"rank must be a positive integer, got {rank!r}")
         if rank > self.max_rank:
@@ -175,25 +214,40 @@ class Trainer:
             targets = lora_lib.resolve_targets(targets, self.cfg)
         except ValueError as e:
             raise InputError(str(e)) from None
-        return int(rank), alpha, targets
+        if not set(targets) & set(lora_lib.EXPERT):
+            expert_lora = None
+        elif expert_lora not in lora_lib.EXPERT_LORA:
+            raise InputError(f"expert_lora must be one of {lora_lib.EXPERT_LORA}, got "
+                             f"{expert_lora!r}")
+        elif expert_lora not in self.state.expert_lora_modes:
+            raise InputError(f"a {expert_lora!r} adapter of the experts does not fit this "
+                             f"Trainer's slots (expert_lora_modes="
+                             f"{self.state.expert_lora_modes}); build it with "
+                             f"expert_lora_modes including {expert_lora!r}")
+        return AdapterInfo(int(rank), alpha, targets, expert_lora)
 
     # ------------------------------------------------------------------ adapters
 
     def create_adapter(self, rank: int = 8, alpha: float = 16.0, seed: int | None = None,
-                       targets=None) -> int:
+                       targets=None, expert_lora: str = "shared_outer") -> int:
         """Allocate a slot with PEFT's initialisation (A uniform ±1/√in, B = 0) -> its id.
 
-        targets: module names or groups ("attn", "mlp", "unembed", "all"); default all.
+        targets: module names or groups ("attn", "mlp", "experts", "unembed", "all");
+        default all the model has (dense: attn + mlp + unembed; MoE: attn + experts +
+        unembed). expert_lora, for expert targets: "shared_outer" (Tinker's scheme: gate.A,
+        up.A and down.B one factor per layer shared by all experts, the other factors per
+        expert) or "per_expert" (every factor per expert, what PEFT expresses).
         seed: a non-negative integer (default: from the Trainer's seed and the slot).
         """
-        rank, alpha, targets = self._check_new_adapter(rank, alpha, targets)
+        info = self._check_new_adapter(rank, alpha, targets, expert_lora)
         if seed is not None and (isinstance(seed, (bool, np.bool_))
                                  or not isinstance(seed, (int, np.integer)) or seed < 0):
             raise InputError(f"seed must be a non-negative integer, got {seed!r}")
         slot = self.state.free_slot()
         seed = self._seed * 1_000_003 + slot if seed is None else int(seed)
-        weights = lora_lib.init_adapter(self.cfg, rank, targets, seed)
-        self.state.install(slot, AdapterInfo(rank, alpha, targets), weights)
+        weights = lora_lib.init_adapter(self.cfg, info.rank, info.targets, seed,
+                                        info.expert_lora)
+        self.state.install(slot, info, weights)
         return slot
 
     def delete_adapter(self, adapter: int) -> None:
@@ -211,15 +265,16 @@ class Trainer:
     def _peft(self, slot: int, which: str) -> dict[str, np.ndarray]:
         info = self.adapters[slot]
         return peft_lib.to_peft(self.state.read(slot, which), info.rank, info.targets,
-                                self.cfg.num_layers)
+                                self.cfg.num_layers, cfg=self.cfg)
 
     def load_peft(self, path) -> int:
         """Import a PEFT LoRA folder into a free slot -> its id (targets are the folder's)."""
         rank, alpha, targets, weights = peft_lib.read_folder(path, self.cfg, self.max_rank,
                                                              self._is_base_head)
-        rank, alpha, targets = self._check_new_adapter(rank, alpha, targets)
+        info = self._check_new_adapter(rank, alpha, targets,
+                                       lora_lib.tree_expert_lora(weights))
         slot = self.state.free_slot()
-        self.state.install(slot, AdapterInfo(rank, alpha, targets), weights)
+        self.state.install(slot, info, weights)
         return slot
 
     def _is_base_head(self, head_VxD: np.ndarray) -> bool:
@@ -238,6 +293,14 @@ class Trainer:
         slot = self._check_adapter(adapter)
         peft_lib.write_folder(path, self.cfg, self.adapters[slot],
                               self.state.read(slot, "weights"))
+
+    def export_vllm(self, adapter: int, path) -> None:
+        """Write the adapter as a LoRA folder in the per-expert 2-D layout vLLM loads for
+        Qwen3-MoE (`…mlp.experts.{e}.{gate,up,down}_proj.lora_{A,B}.weight`; a shared-outer
+        factor repeated over experts). For dense models it equals export_peft's folder."""
+        slot = self._check_adapter(adapter)
+        peft_lib.write_vllm_folder(path, self.cfg, self.adapters[slot],
+                                   self.state.read(slot, "weights"))
 
     # ------------------------------------------------------------------ steps
 
@@ -281,23 +344,25 @@ class Trainer:
                        losses_lib.resolve_config(name, per_loss[name]).items()}
                 for name in distinct}
 
-    def _device_batch(self, pb: batch_lib.PackedBatch) -> train_step.Batch:
+    def _device_batch(self, pb: batch_lib.PackedBatch, call_tokens: int) -> train_step.Batch:
         def put(x, spec):
             return jax.make_array_from_callback(x.shape, NamedSharding(self.mesh, spec),
                                                 lambda idx: x[idx])
         specs = train_step.batch_specs()
         host = train_step.Batch(tokens=pb.tokens, targets=pb.targets, segment=pb.segment,
                                 position=pb.position, loss_id=pb.loss_id, **pb.floats,
-                                spans=pb.spans, active=pb.active)
+                                spans=pb.spans, active=pb.active,
+                                call_tokens=np.asarray(call_tokens, np.int32))
         return jax.tree.map(put, host, specs)
 
     def _run(self, data, loss_fn, loss_fn_config, adapters, backward: bool):
         checked, packed, cfg_arrays = self._prepare(data, loss_fn, loss_fn_config, adapters)
         loss_cfg = jax.tree.map(lambda v: replicate(self.mesh, v), cfg_arrays)
-        batches = [self._device_batch(pb) for pb in packed]
+        call_tokens = sum(int(np.sum(pb.segment >= 0)) for pb in packed)
+        batches = [self._device_batch(pb, call_tokens) for pb in packed]
 
         def step(pb, b, accumulate):
-            args = (self.params, self.state.scale, b, {k: loss_cfg[k] for k in pb.loss_fns})
+            args = (self.params, self.state.meta, b, {k: loss_cfg[k] for k in pb.loss_fns})
             kw = dict(loss_fns=pb.loss_fns, num_slots=pb.num_slots)
             if accumulate is None:
                 return self._forward(self.state.weights, *args, **kw) + (None,)
@@ -315,9 +380,13 @@ class Trainer:
 
     def _outputs(self, checked, packed, results) -> ForwardBackwardOutput:
         """Read back every micro-batch's results; InputError (the caller rolls back) when a
-        datum's loss or an adapter's gradient is not finite in float32."""
+        datum's loss or an adapter's gradient is not finite in float32.
+
+        MoE models add moe.load_metrics of the expert counts summed over micro-batches, and
+        with the router auxiliary loss on, router_aux_loss:sum (its micro-batch terms summed;
+        the step's loss includes them, loss:sum does not)."""
         outputs: list[dict | None] = [None] * len(checked)
-        total, clipped = 0.0, 0
+        total, clipped, counts, aux = 0.0, 0, None, None
         for pb, (loss, out, finite_A) in zip(packed, results):
             lp = batch_lib.unpack(host(out.logprobs), pb)
             el = batch_lib.unpack(host(out.elementwise_loss), pb)
@@ -333,12 +402,23 @@ class Trainer:
                                  f"for this batch (datums {members}); nothing was accumulated")
             total += float(host(loss))
             clipped += int(host(out.clipped))
+            if out.expert_counts is not None:
+                c = host(out.expert_counts).astype(np.int64)
+                counts = c if counts is None else counts + c
+            if out.router_aux_loss is not None:
+                a = float(host(out.router_aux_loss))
+                total -= a
+                aux = a if aux is None else aux + a
         if not np.isfinite(total):
             raise InputError(f"the batch's loss:sum overflows float32 ({total}) although every "
                              "datum's loss is finite; split the batch")
         metrics = {"loss:sum": total}
         if any(losses_lib.LOSSES[d.loss_fn].clips for d in checked):
             metrics["clipped_tokens:sum"] = clipped
+        if counts is not None:
+            metrics.update(moe_lib.load_metrics(counts))
+        if aux is not None:
+            metrics["router_aux_loss:sum"] = aux
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics)
 
     def forward(self, data, loss_fn="cross_entropy", loss_fn_config=None,

@@ -96,7 +96,25 @@ def test_data_file(tmp_path):
     assert all(r["loss_fn"] == "cross_entropy" for r in rows)
 
 
+def test_moe_run_trains_experts(tmp_path):
+    """--moe: the tiny MoE model, adapters on attention + experts (shared-outer), both sft and
+    the on-policy rl adapter (which samples the MoE model) train."""
+    out = str(tmp_path / "moe")
+    _run("--out", out, "--steps", "3", "--moe", *SMALL)
+    rows = _rows(out)
+    assert sorted({(r["step"], r["adapter"]) for r in rows}) == sorted(
+        (s, a) for s in (1, 2, 3) for a in ("sft", "rl"))
+    sft = [x["loss:sum"] / x["tokens:sum"] for x in rows if x["adapter"] == "sft"]
+    assert sft[-1] < sft[0], sft
+    assert all(x["sampler_logprob_diff:max"] < 1e-4 for x in rows if x["adapter"] == "rl")
+    with open(os.path.join(out, "checkpoints", "latest.json")) as f:
+        latest = json.load(f)
+    ckpt = os.path.join(out, "checkpoints", latest["dir"], "sft")
+    assert os.path.isdir(ckpt)
+
+
 @pytest.mark.parametrize("args, needle", [
+    (["--moe", "--hf-model", "/tmp"], "--moe"),
     (["--mesh", "3,x"], "--mesh"),
     (["--mesh", "1,1,3"], "tp=3"),
     (["--bogus"], "unrecognized"),

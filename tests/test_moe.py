@@ -238,10 +238,15 @@ def test_attention_adapter_trains_alike_on_two_meshes(tmp_path):
     trainers = [jcp.Trainer(cfg, jcp.make_mesh(*m), base_params=base, max_adapters=2,
                             max_rank=4, seed=0) for m in meshes]
     assert [t.mesh.shape["tp"] for t in trainers] == [1, 2]
-    # Train on the first mesh: the default targets of a MoE model are attention + lm_head.
+    # Train on the first mesh. A MoE model's default targets add the experts
+    # (tests/test_moe_lora.py); this adapter is attention + lm_head only.
     tr = trainers[0]
-    a = tr.create_adapter(rank=4, alpha=8.0, seed=1)
+    assert tr._check_new_adapter(4, 8.0, None).targets == (
+        "q_proj", "k_proj", "v_proj", "o_proj", "expert_gate", "expert_up", "expert_down",
+        "lm_head")
+    a = tr.create_adapter(rank=4, alpha=8.0, seed=1, targets=["attn", "unembed"])
     assert tr.adapters[a].targets == ("q_proj", "k_proj", "v_proj", "o_proj", "lm_head")
+    assert tr.adapters[a].expert_lora is None
     losses = []
     for _ in range(3):
         losses.append(tr.forward_backward(data, "cross_entropy", adapters=a).metrics["loss:sum"])

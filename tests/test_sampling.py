@@ -16,6 +16,8 @@ Evidence:
    log-probs at cp = 2 and 4 (dp = 1 and 2), its sampled log-probs equal tr.forward, and
    the automatic choice splits exactly when the "batch" cache is too big and splitting
    shrinks it.
+7. prefill follows the Trainer's cp_attention: forced "ring" runs ring attention (ppermute
+   in its program) and gives the gathered prefill's tokens and log-probs at cp = 2 and 4.
 
 Trainers (and their compiled programs) are shared per (arch, mesh) in a module fixture;
 every call uses max_tokens ≤ 16 and prompts < 48 tokens, so one cache bucket serves all.
@@ -218,6 +220,50 @@ def test_split_cache_equals_batch_cache_and_hf_generate(mesh_shape, root):
                                    atol=1e-5, rtol=0)
 
 
+def _prefill_jaxprs(tr, call):
+    """(result of call(), the jaxpr text of every prefill program it ran)."""
+    sampler = tr._sampler
+    jitted, seen = sampler._prefill, []
+
+    def spy(*args, **kwargs):
+        seen.append(str(jax.make_jaxpr(functools.partial(jitted, **kwargs))(*args)))
+        return jitted(*args, **kwargs)
+
+    sampler._prefill = spy
+    try:
+        return call(), seen
+    finally:
+        sampler._prefill = jitted
+
+
+@pytest.mark.parametrize("mesh_shape,cache_mode", [((1, 2, 1), None), ((1, 4, 1), "split")])
+def test_ring_prefill_equals_gather_prefill(mesh_shape, cache_mode, root):
+    """Trainer(cp_attention="ring") prefills over the ring, like training: same tokens and
+    log-probs as the gathered prefill ("auto" gathers at this size)."""
+    tr_auto, (a, b) = _trainer("qwen3", mesh_shape, root)
+    _, _, base, folders, _ = _world("qwen3", root)
+    cfg, params = jcp.load_hf(base)
+    tr_ring = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=params, max_adapters=3,
+                          max_rank=8, cp_attention="ring")
+    assert [tr_ring.load_peft(f) for f in folders] == [a, b]
+    adapters = [a, None, b, a]
+    res, jaxprs = {}, {}
+    for name, tr in (("auto", tr_auto), ("ring", tr_ring)):
+        res[name], jaxprs[name] = _prefill_jaxprs(tr, lambda tr=tr: tr.sample(
+            PROMPTS, GREEDY, adapters=adapters, prompt_logprobs=True, cache_mode=cache_mode))
+    # The ring really ran (K/V passed with ppermute) and the automatic choice gathered.
+    assert jaxprs["ring"] and all("ppermute" in j for j in jaxprs["ring"])
+    assert jaxprs["auto"] and not any("ppermute" in j for j in jaxprs["auto"])
+    for i, (x, y) in enumerate(zip(res["auto"], res["ring"])):
+        sx, sy = x.sequences[0], y.sequences[0]
+        np.testing.assert_array_equal(sy.tokens, sx.tokens, err_msg=f"prompt {i}")
+        np.testing.assert_allclose(sy.logprobs, sx.logprobs, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(y.prompt_logprobs, x.prompt_logprobs, atol=1e-5, rtol=0)
+    lp = tr_ring.compute_logprobs(PROMPTS, adapters=adapters)
+    for x, y in zip(lp, res["auto"]):
+        np.testing.assert_allclose(x, y.prompt_logprobs, atol=1e-5, rtol=0)
+
+
 def test_automatic_cache_mode(monkeypatch, root):
     """"split" iff cp > 1, the "batch" cache is over the threshold and splitting shrinks it."""
     tr2, _ = _trainer("qwen3", (1, 2, 1), root)
@@ -394,3 +440,21 @@ def test_bad_input_is_refused_with_state_unchanged(what, bad, root):
             tr.compute_logprobs(call["prompts"], adapters=call["adapters"])
     after = _tables(tr)
     jax.tree.map(np.testing.assert_array_equal, before, after)
+
+
+def test_layers_are_sliced_out_of_the_loop_only_when_small(root, monkeypatch):
+    """The decode loop copies the layer weights out of their stacks only below
+    SLICE_LAYERS_MAX_BYTES (the copy is a second set of layer weights); both paths give the
+    same tokens and log-probs."""
+    tr, (a, _) = _trainer("qwen3", (1, 1, 1), root)
+    assert tr._sampler.slice_layers
+    sp = jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=2)
+    sliced = tr.sample(PROMPTS, sp, adapters=a)
+    monkeypatch.setattr(sample_lib, "SLICE_LAYERS_MAX_BYTES", 0)
+    monkeypatch.setattr(tr, "_sampler", sample_lib.Sampler(tr))
+    assert not tr._sampler.slice_layers
+    scanned = tr.sample(PROMPTS, sp, adapters=a)
+    for x, y in zip(sliced, scanned):
+        np.testing.assert_array_equal(x.sequences[0].tokens, y.sequences[0].tokens)
+        np.testing.assert_allclose(x.sequences[0].logprobs, y.sequences[0].logprobs,
+                                   atol=1e-5, rtol=0)
