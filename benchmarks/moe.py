@@ -11,8 +11,9 @@ training tokens/s of LoRA on a tiny Qwen3-MoE against torch + peft.
    split into arguments (expert weights, expert LoRA slots and their accumulators) and
    temp (the experts' activations); the expert argument bytes are also computed from the
    shardings (column "exp arg*"). Goal: expert share(k) / share(1) ≤ 1.2 / k.
-   The slot table holds every expert factor key whatever an adapter's expert_lora, so the
-   memory is the same for "shared_outer" and "per_expert".
+   The slot table here holds both parameterisations' expert factors (the Trainer default),
+   so the memory is the same for "shared_outer" and "per_expert" adapters;
+   Trainer(expert_lora_modes=("shared_outer",)) drops the per-expert hidden-side factors.
 
 2. torch — forward + backward + AdamW (the optimizer step included on both sides) of LoRA
    r 8 (alpha 16) on attention (q, k, v, o) and the experts (gate, up, down) of a tiny
