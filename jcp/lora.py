@@ -88,10 +88,11 @@ def resolve_targets(targets, cfg: QwenConfig | None = None) -> tuple[str, ...]:
     the experts of a dense model, the dense MLP modules of a MoE model).
     """
     moe = cfg is not None and cfg.is_moe
-    if cfg is not None and (targets is None or targets in ("all", ["all"], ("all",))):
-        return table_modules(cfg)
+    # "all" (and the default): what the model has; without a cfg, a dense model's modules.
+    every = table_modules(cfg) if cfg is not None else tuple(
+        m for m in ALL_MODULES if m not in EXPERT)
     if targets is None:
-        return tuple(m for m in ALL_MODULES if m not in EXPERT)
+        return every
     if isinstance(targets, str):
         targets = (targets,)
     if not isinstance(targets, (list, tuple)):
@@ -99,7 +100,9 @@ def resolve_targets(targets, cfg: QwenConfig | None = None) -> tuple[str, ...]:
                          f"{targets!r}")
     chosen = set()
     for t in targets:
-        if isinstance(t, str) and t in TARGET_GROUPS:
+        if t == "all":
+            chosen.update(every)
+        elif isinstance(t, str) and t in TARGET_GROUPS:
             chosen.update(TARGET_GROUPS[t])
         elif isinstance(t, str) and t in ALL_MODULES:
             chosen.add(t)
