@@ -45,6 +45,8 @@ import subprocess
 import sys
 import time
 
+from throughput import _time_steps  # benchmarks/ is sys.path[0]
+
 MiB = 1 << 20
 
 # Section 2's tiny MoE.
@@ -207,22 +209,6 @@ def _data():
             rng.integers(0, T_VOCAB, (DATUMS, TOKENS)))
 
 
-def _time_steps(step, warmup: int, steps: int) -> dict:
-    t0 = time.perf_counter()
-    step()
-    first = time.perf_counter() - t0
-    for _ in range(warmup - 1):
-        step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    med = statistics.median(times)
-    return {"first_step_s": first, "step_s": times, "median_step_s": med,
-            "tokens_per_s": DATUMS * TOKENS / med}
-
-
 def side_torch(args) -> dict:
     import peft
     import torch
@@ -258,7 +244,7 @@ def side_torch(args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    res = _time_steps(step, args.warmup, args.steps)
+    res = _time_steps(step, args.warmup, args.steps, DATUMS * TOKENS)
     res.update(threads=torch.get_num_threads(), trainable=sum(p.numel() for p in trainable),
                attn=getattr(model.config, "_attn_implementation", "?"))
     return res
@@ -289,7 +275,7 @@ def side_jcp(args) -> dict:
         tr.forward_backward(data, "cross_entropy", adapters=a)
         tr.optim_step(a, adam)
 
-    res = _time_steps(step, args.warmup, args.steps)
+    res = _time_steps(step, args.warmup, args.steps, DATUMS * TOKENS)
     res.update(devices=len(jax.devices()), expert_lora=args.expert_lora,
                trainable=sum(int(np.prod(x.shape)) for ab in tr.state.read(a, "weights").values()
                              for x in ab.values()))
