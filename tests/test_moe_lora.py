@@ -454,3 +454,13 @@ def test_shared_outer_only_slots_are_leaner_and_equal(tmp):
     assert jax.tree.all(jax.tree.map(np.array_equal, before, after))
     with pytest.raises(ValueError, match="expert_lora_modes"):
         jcp.Trainer(cfg, mesh, base_params=base, expert_lora_modes=("shared",))
+    # An unknown parameterisation and experts on a dense model: refused, nothing allocated.
+    infos = dict(both.adapters)
+    before = jax.tree.map(np.asarray, both.state.tables())
+    with pytest.raises(jcp.InputError, match="expert_lora must be one of"):
+        both.create_adapter(rank=4, expert_lora="shared")
+    assert dict(both.adapters) == infos
+    assert jax.tree.all(jax.tree.map(np.array_equal, before,
+                                     jax.tree.map(np.asarray, both.state.tables())))
+    with pytest.raises(ValueError, match="dense model"):
+        lora_lib.resolve_targets(["experts"], jcp.QwenConfig.tiny())
