@@ -11,22 +11,22 @@ every step).
 Shapes: see the legend in jcp/mesh.py (S queries on this rank, T = CP·S gathered keys,
 Q and K heads on this tp shard, M = Q/K, H head dim, Bq and Bk block rows). Einsum
 letters: s query rows, t key rows, k kv heads, m query heads per kv head, h head dim; in
-the kernel r = a query row, one (token, head in group) pair (R = S·M), n = a block index.
+the kernel r = a query row, one (token, head in group) pair (W = S·M of them), n = a block
+index.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jcp.attention.tiling import (SAVED_NAMES, block_kinds, needed_range, no_grads, ring_perm,
-                                  vary_all, vary_like, visible)
-from jcp.mesh import CP
+from jcp.attention.tiling import (SAVED_NAMES, SoftmaxState, block_kinds, needed_range, no_grads,
+                                  online_softmax_finish, online_softmax_step, ring_fold,
+                                  ring_fold_grads, vary_all, vary_like, visible)
 
 
 def _scores(q_BqxKxMxH, k_BkxKxH, scale):
@@ -36,67 +36,11 @@ def _scores(q_BqxKxMxH, k_BkxKxH, scale):
 
 
 # ----------------------------------------------------------------------------------------
-# Online softmax: visit key blocks one at a time, keep a running max, sum and accumulator
-
-
-class SoftmaxState(NamedTuple):
-    """Running online-softmax state of a block of queries, all fp32.
-
-    max_KxMxBq: largest score seen (−inf while every key so far was masked);
-    sum_KxMxBq: Σ exp(score − max); acc_KxMxBqxH: Σ exp(score − max) · v.
-    """
-
-    max_KxMxBq: jax.Array
-    sum_KxMxBq: jax.Array
-    acc_KxMxBqxH: jax.Array
-
-
-def online_softmax_init(kv_heads: int, per_kv: int, rows: int, head_dim: int) -> SoftmaxState:
-    """The state before any key: max −inf, sum 0, accumulator 0 ([K, M, Bq(, H)])."""
-    return SoftmaxState(jnp.full((kv_heads, per_kv, rows), -jnp.inf, jnp.float32),
-                        jnp.zeros((kv_heads, per_kv, rows), jnp.float32),
-                        jnp.zeros((kv_heads, per_kv, rows, head_dim), jnp.float32))
-
-
-def online_softmax_update(state: SoftmaxState, s_KxMxBqxBk, v_BkxKxH) -> SoftmaxState:
-    """Fold one key block into the state.
-
-    s: fp32 scores with invisible pairs already −inf; v: that block's values. The old sum
-    and accumulator are rescaled by exp(old max − new max); a row whose max is still −inf
-    (nothing visible yet) subtracts 0 instead, so it stays exactly 0, never NaN.
-    """
-    return _online_update(state, s_KxMxBqxBk, lambda p: jnp.einsum(
-        "kmst,tkh->kmsh", p, v_BkxKxH.astype(jnp.float32)))
-
-
-def _online_update(state: SoftmaxState, s, pv) -> SoftmaxState:
-    """online_softmax_update for any layout: s [..., rows, Bk]; pv(p) -> [..., rows, H]."""
-    m_new = jnp.maximum(state.max_KxMxBq, s.max(-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    p = jnp.exp(s - m_safe[..., None])
-    corr = jnp.exp(state.max_KxMxBq - m_safe)
-    l_new = state.sum_KxMxBq * corr + p.sum(-1)
-    return SoftmaxState(m_new, l_new, state.acc_KxMxBqxH * corr[..., None] + pv(p))
-
-
-def online_softmax_finish(state: SoftmaxState):
-    """(out [K, M, Bq, H], lse [K, M, Bq]) in fp32: acc / sum and max + log(sum).
-
-    Rows that saw no key (padding queries) give out 0 and lse 0.
-    """
-    m, l, acc = state
-    empty = l == 0.0
-    out = acc / jnp.where(empty, 1.0, l)[..., None]
-    lse = jnp.where(empty, 0.0, m + jnp.log(jnp.where(empty, 1.0, l)))
-    return out, lse
-
-
-# ----------------------------------------------------------------------------------------
 # The blockwise (flash) kernel: queries in blocks, each folding in a stream of keys block by
 # block. The all-gather path folds the one gathered stream; the ring folds cp streams in turn.
 #
 # Inside the kernel a query row is one (token, head-in-group) pair: q [S, K, M, H] becomes
-# q_KxRxH with R = S·M rows (token-major), and keys and values become [K, T, H], once per
+# q_KxWxH with W = S·M rows (token-major), and keys and values become [K, T, H], once per
 # call. Every per-block product is then a batched GEMM with the kv heads as the batch
 # dimension and the GQA group folded into the rows — no transposes inside the loops.
 
@@ -107,10 +51,10 @@ def _rows(q_SxKxMxH):
     return jnp.einsum("skmh->ksmh", q_SxKxMxH).reshape(kv_heads, s_len * per_kv, head_dim)
 
 
-def _unrows(x_KxRxH, per_kv):
+def _unrows(x_KxWxH, per_kv):
     """Inverse of _rows: [K, S·M, H] -> [S, K, M, H]."""
-    kv_heads, rows, head_dim = x_KxRxH.shape
-    return jnp.einsum("ksmh->skmh", x_KxRxH.reshape(kv_heads, rows // per_kv, per_kv, head_dim))
+    kv_heads, rows, head_dim = x_KxWxH.shape
+    return jnp.einsum("ksmh->skmh", x_KxWxH.reshape(kv_heads, rows // per_kv, per_kv, head_dim))
 
 
 def _heads_first(x_TxKxH):
@@ -121,11 +65,11 @@ def _heads_last(x_KxTxH):
     return jnp.einsum("kth->tkh", x_KxTxH)
 
 
-def _tiling(q_KxRxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k):
+def _tiling(q_KxWxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k):
     """The tiling _fold_keys and _grad_keys share: (scale, rq rows per query block, nq, nk
     block counts, block kinds and need [nq, nk], seg / pos of the query rows [nq, rq], of
     the key blocks [nk, Bk])."""
-    rows, head_dim = q_KxRxH.shape[1:]
+    rows, head_dim = q_KxWxH.shape[1:]
     s_len = seg_q.shape[0]
     per_kv = rows // s_len
     rq = block_q * per_kv
@@ -136,18 +80,18 @@ def _tiling(q_KxRxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k):
             seg_k.reshape(nk, block_k), pos_k.reshape(nk, block_k))
 
 
-def _fold_keys(states, q_KxRxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q,
+def _fold_keys(states, q_KxWxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q,
                block_k):
     """Fold keys k, v [K, Tk, H] (seg_k, pos_k [Tk]) into the states of q's blocks.
 
-    q_KxRxH: the query rows (R = S·M); seg_q, pos_q [S]; block_q in tokens (Bq·M rows);
+    q_KxWxH: the query rows (W = S·M); seg_q, pos_q [S]; block_q in tokens (Bq·M rows);
     states: SoftmaxState of [nq, K, Bq·M(, H)]. Skipped blocks cost a branch; fully
     visible ones skip the mask.
     """
     scale, rq, nq, nk, kinds, need, seg_r, pos_r, skb, pkb = _tiling(
-        q_KxRxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k)
+        q_KxWxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k)
     k_lo, k_hi = needed_range(need)
-    qb, kb = _split_blocks(q_KxRxH, nq), _split_blocks(k_KxTxH, nk)
+    qb, kb = _split_blocks(q_KxWxH, nq), _split_blocks(k_KxTxH, nk)
     vb = _split_blocks(v_KxTxH.astype(jnp.float32), nk)
 
     def q_block(args):
@@ -160,12 +104,12 @@ def _fold_keys(states, q_KxRxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, bl
 
             def full(state):
                 s = jnp.einsum("krh,kth->krt", qi, kj, preferred_element_type=jnp.float32)
-                return _online_update(state, s * scale, pv)
+                return online_softmax_step(state, s * scale, pv)
 
             def masked(state):
                 s = jnp.einsum("krh,kth->krt", qi, kj, preferred_element_type=jnp.float32)
                 mask = visible(sr, pr, skb[j], pkb[j])
-                return _online_update(state, jnp.where(mask, s * scale, -jnp.inf), pv)
+                return online_softmax_step(state, jnp.where(mask, s * scale, -jnp.inf), pv)
 
             return jax.lax.cond(kinds[i, j] > 0, lambda c: jax.lax.cond(
                 kinds[i, j] > 1, full, masked, c), lambda c: c, state)
@@ -176,31 +120,31 @@ def _fold_keys(states, q_KxRxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, bl
     return jax.lax.map(q_block, (jnp.arange(nq), states))
 
 
-def _split_blocks(x_KxRxH, n):
+def _split_blocks(x_KxWxH, n):
     """[K, n·B, H] -> [n, K, B, H]: blocks on a leading axis, so a loop indexes whole,
     contiguous blocks (one copy per call instead of a strided slice per visit)."""
-    kv_heads, rows, head_dim = x_KxRxH.shape
-    return jnp.einsum("knbh->nkbh", x_KxRxH.reshape(kv_heads, n, rows // n, head_dim))
+    kv_heads, rows, head_dim = x_KxWxH.shape
+    return jnp.einsum("knbh->nkbh", x_KxWxH.reshape(kv_heads, n, rows // n, head_dim))
 
 
-def _join_blocks(x_NxKxBxH):
+def _join_blocks(x_NbxKxBxH):
     """Inverse of _split_blocks."""
-    n, kv_heads, b, head_dim = x_NxKxBxH.shape
-    return jnp.einsum("nkbh->knbh", x_NxKxBxH).reshape(kv_heads, n * b, head_dim)
+    n, kv_heads, b, head_dim = x_NbxKxBxH.shape
+    return jnp.einsum("nkbh->knbh", x_NbxKxBxH).reshape(kv_heads, n * b, head_dim)
 
 
-def _blocks_init(q_KxRxH, k, block_rows):
+def _blocks_init(q_KxWxH, k, block_rows):
     """Empty online-softmax states of q's blocks of block_rows rows: [nq, K, rows(, H)]."""
-    kv_heads, rows, head_dim = q_KxRxH.shape
+    kv_heads, rows, head_dim = q_KxWxH.shape
     nq = rows // block_rows
     init = SoftmaxState(jnp.full((nq, kv_heads, block_rows), -jnp.inf, jnp.float32),
                         jnp.zeros((nq, kv_heads, block_rows), jnp.float32),
                         jnp.zeros((nq, kv_heads, block_rows, head_dim), jnp.float32))
-    return jax.tree.map(lambda x: vary_all(x, q_KxRxH, k), init)
+    return jax.tree.map(lambda x: vary_all(x, q_KxWxH, k), init)
 
 
 def _finish_blocks(states, per_kv, dtype):
-    """(out [S, K, M, H] in dtype, lse [K, R] fp32) of the blocks' states, named so a remat
+    """(out [S, K, M, H] in dtype, lse [K, W] fp32) of the blocks' states, named so a remat
     policy can keep them: the backward pass then needs no second run of the forward loop
     nest (q, k, v are cheap to recompute; out and lse are not)."""
     out, lse = online_softmax_finish(states)  # [nq, K, rows, H], [nq, K, rows]
@@ -212,22 +156,22 @@ def _finish_blocks(states, per_kv, dtype):
             checkpoint_name(lse, SAVED_NAMES[1]))
 
 
-def _grad_keys(dq, q_KxRxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, do_KxRxH, lse_KxR,
-               delta_KxR, block_q, block_k):
+def _grad_keys(dq, q_KxWxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, do_KxWxH, lse_KxW,
+               delta_KxW, block_q, block_k):
     """Backward of q's attention over one key stream k, v [K, Tk, H] (seg_k, pos_k [Tk]).
 
-    lse and delta = Σ_h d_out·out [K, R] are of the whole attention (every stream), so the
-    streams' gradients simply add. dq [K, R, H] fp32 accumulates; returns (dq, dk, dv),
+    lse and delta = Σ_h d_out·out [K, W] are of the whole attention (every stream), so the
+    streams' gradients simply add. dq [K, W, H] fp32 accumulates; returns (dq, dk, dv),
     dk and dv [K, Tk, H] fp32.
     """
     scale, rq, nq, nk, kinds, need, seg_r, pos_r, skb, pkb = _tiling(
-        q_KxRxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k)
+        q_KxWxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k)
     q_lo, q_hi = needed_range(need.T)
-    kv_heads, _, head_dim = q_KxRxH.shape
-    qb, dob = _split_blocks(q_KxRxH, nq), _split_blocks(do_KxRxH, nq)
+    kv_heads, _, head_dim = q_KxWxH.shape
+    qb, dob = _split_blocks(q_KxWxH, nq), _split_blocks(do_KxWxH, nq)
     kb, vb = _split_blocks(k_KxTxH, nk), _split_blocks(v_KxTxH.astype(jnp.float32), nk)
-    lseb = jnp.einsum("knr->nkr", lse_KxR.reshape(kv_heads, nq, rq))
-    deltab = jnp.einsum("knr->nkr", delta_KxR.reshape(kv_heads, nq, rq))
+    lseb = jnp.einsum("knr->nkr", lse_KxW.reshape(kv_heads, nq, rq))
+    deltab = jnp.einsum("knr->nkr", delta_KxW.reshape(kv_heads, nq, rq))
 
     def k_block(dq, j):
         kj, vj, skj, pkj = kb[j], vb[j], skb[j], pkb[j]
@@ -256,13 +200,13 @@ def _grad_keys(dq, q_KxRxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, do_KxR
         dq, dk, dv = jax.lax.fori_loop(q_lo[j], q_hi[j], q_step, (dq, zeros, zeros))
         return dq, (dk, dv)
 
-    dq = vary_all(_split_blocks(dq, nq), q_KxRxH, k_KxTxH, v_KxTxH, do_KxRxH)
+    dq = vary_all(_split_blocks(dq, nq), q_KxWxH, k_KxTxH, v_KxTxH, do_KxWxH)
     dq, (dk, dv) = jax.lax.scan(k_block, dq, jnp.arange(nk))  # [nk, K, Bk, H]
     return _join_blocks(dq), _join_blocks(dk), _join_blocks(dv)
 
 
-def _delta(d_out, out):
-    """Σ_h d_out · out in query rows: [K, R] fp32, the softmax-backward row term."""
+def _delta_KxW(d_out, out):
+    """Σ_h d_out · out in query rows: [K, W] fp32, the softmax-backward row term."""
     kv_heads = d_out.shape[1]
     return jnp.einsum("skmh,skmh->ksm", d_out.astype(jnp.float32),
                       out.astype(jnp.float32)).reshape(kv_heads, -1)
@@ -296,7 +240,7 @@ def _flash_bwd(block_q, block_k, res, d_out):
     q_r = _rows(q)
     dq = jnp.zeros(q_r.shape, jnp.float32)
     dq, dk, dv = _grad_keys(dq, q_r, _heads_first(k), _heads_first(v), seg_q, pos_q, seg_k,
-                            pos_k, _rows(d_out.astype(jnp.float32)), lse, _delta(d_out, out),
+                            pos_k, _rows(d_out.astype(jnp.float32)), lse, _delta_KxW(d_out, out),
                             block_q, block_k)
     return (_unrows(dq, per_kv).astype(q.dtype), _heads_last(dk).astype(k.dtype),
             _heads_last(dv).astype(v.dtype), *no_grads(seg_q, pos_q, seg_k, pos_k))
@@ -329,46 +273,40 @@ def ring(q, k, v, seg, pos, block, cp):
 def _ring_fwd(q, k, v, seg, pos, block, cp):
     """q [S, K, M, H]; k, v [S, K, H] of this rank -> out [S, K, M, H], residuals.
 
-    Step t (unrolled: a loop would cost one more K/V transfer) folds the keys of rank
-    r − t into the online-softmax states while the keys of rank r − t − 1 travel: the
-    ppermute of the next block is issued before the compute that does not depend on it.
-    K and V travel as one packed [2, K, S, H] message, segment and position as [2, S].
+    tiling.ring_fold folds the keys of every rank into the online-softmax states, the
+    next block in flight meanwhile. K and V travel as one packed [2, K, S, H] message,
+    segment and position as [2, S].
     """
     # The barrier: see _flash_fwd.
     q, seg, pos = jax.lax.optimization_barrier((q, seg, pos))
     per_kv = q.shape[2]
     q_r = _rows(q)
     kv, meta = jnp.stack([_heads_first(k), _heads_first(v)]), jnp.stack([seg, pos])
-    states = _blocks_init(q_r, k, block * per_kv)
-    for step in range(cp):
-        if step + 1 < cp:
-            kv_next, meta_next = jax.lax.ppermute((kv, meta), CP, ring_perm(cp))
-        states = _fold_keys(states, q_r, kv[0], kv[1], seg, pos, meta[0], meta[1], block, block)
-        if step + 1 < cp:
-            kv, meta = kv_next, meta_next
+
+    def fold(states, kv, meta):
+        return _fold_keys(states, q_r, kv[0], kv[1], seg, pos, meta[0], meta[1], block, block)
+
+    states = ring_fold(fold, _blocks_init(q_r, k, block * per_kv), kv, meta, cp)
     out, lse = _finish_blocks(states, per_kv, q.dtype)
     return out, (q, k, v, seg, pos, out, lse)
 
 
 def _ring_bwd(block, cp, res, d_out):
-    """The keys go round again; each block's dK/dV (fp32 [2, K, S, H]) travels with it,
-    gathering every rank's contribution, and one last hop returns it to its owner."""
+    """tiling.ring_fold_grads: the keys go round again; each block's dK/dV (fp32
+    [2, K, S, H]) travels with it and returns to its owner."""
     q, k, v, seg, pos, out, lse = res
     per_kv = q.shape[2]
-    q_r, do_r, delta = _rows(q), _rows(d_out.astype(jnp.float32)), _delta(d_out, out)
-    dq = jnp.zeros(q_r.shape, jnp.float32)
+    q_r, do_r, delta = _rows(q), _rows(d_out.astype(jnp.float32)), _delta_KxW(d_out, out)
     kv, meta = jnp.stack([_heads_first(k), _heads_first(v)]), jnp.stack([seg, pos])
-    dkv = vary_all(jnp.zeros(kv.shape, jnp.float32), q, kv, d_out)
-    for step in range(cp):
-        if step + 1 < cp:
-            kv_next, meta_next = jax.lax.ppermute((kv, meta), CP, ring_perm(cp))
+
+    def grad(dq, kv, meta):
         dq, dk, dv = _grad_keys(dq, q_r, kv[0], kv[1], seg, pos, meta[0], meta[1], do_r, lse,
                                 delta, block, block)
-        dkv = dkv + jnp.stack([dk, dv])
-        if cp > 1:  # to the rank that holds this block next; after the last step, its owner
-            dkv = jax.lax.ppermute(dkv, CP, ring_perm(cp))
-        if step + 1 < cp:
-            kv, meta = kv_next, meta_next
+        return dq, jnp.stack([dk, dv])
+
+    dq, dkv = ring_fold_grads(grad, jnp.zeros(q_r.shape, jnp.float32),
+                              vary_all(jnp.zeros(kv.shape, jnp.float32), q, kv, d_out),
+                              kv, meta, cp)
     return (_unrows(dq, per_kv).astype(q.dtype), _heads_last(dkv[0]).astype(k.dtype),
             _heads_last(dkv[1]).astype(v.dtype), *no_grads(seg, pos))
 

@@ -51,7 +51,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jcp.attention.tiling import SAVED_NAMES, block_kinds, no_grads, ring_perm, vary_all, visible
+from jcp.attention.tiling import (SAVED_NAMES, SoftmaxState, block_kinds, no_grads,
+                                  online_softmax_finish, online_softmax_step, ring_fold,
+                                  ring_fold_grads, vary_all, visible)
 from jcp.mesh import CP, block_size, varying_axes
 
 
@@ -126,7 +128,7 @@ def _visit(plan_ref, body, carry):
                              lambda t, c: body(plan_ref[2 + t], False, c), carry)
 
 
-def _rows(i, b):
+def _block_slice(i, b):
     return pl.ds(pl.multiple_of(i * b, b), b)
 
 
@@ -140,28 +142,23 @@ def _fwd_kernel(plan_ref, q_ref, k_ref, v_ref, segq_ref, posq_ref, segk_ref, pos
     q_BqxH = q_ref[...]
     seg_q, pos_q = segq_ref[...], posq_ref[...]
 
-    def body(j, masked, carry):
-        acc_BqxH, m_Bq, l_Bq = carry
-        keys = _rows(j, block_k)
+    def body(j, masked, state):
+        keys = _block_slice(j, block_k)
         s_BqxBk = plgpu.dot(q_BqxH, k_ref[keys, :], trans_b=True) * scale
         if masked:
             s_BqxBk = jnp.where(visible(seg_q, pos_q, segk_ref[keys], posk_ref[keys]), s_BqxBk,
                                 -jnp.inf)
-        m_new = jnp.maximum(m_Bq, s_BqxBk.max(-1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing visible yet: stay 0
-        p_BqxBk = jnp.exp(s_BqxBk - m_safe[:, None])
-        corr = jnp.exp(m_Bq - m_safe)
         v_BkxH = v_ref[keys, :]
-        acc_BqxH = acc_BqxH * corr[:, None] + plgpu.dot(p_BqxBk.astype(v_BkxH.dtype), v_BkxH)
-        return acc_BqxH, m_new, l_Bq * corr + p_BqxBk.sum(-1)
+        return online_softmax_step(state, s_BqxBk,
+                                   lambda p: plgpu.dot(p.astype(v_BkxH.dtype), v_BkxH))
 
     rows, head_dim = q_BqxH.shape
-    acc, m, l = _visit(plan_ref, body, (jnp.zeros((rows, head_dim), jnp.float32),
-                                        jnp.full((rows,), -jnp.inf, jnp.float32),
-                                        jnp.zeros((rows,), jnp.float32)))
-    empty = l == 0.0
-    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+    state = _visit(plan_ref, body, SoftmaxState(jnp.full((rows,), -jnp.inf, jnp.float32),
+                                                jnp.zeros((rows,), jnp.float32),
+                                                jnp.zeros((rows, head_dim), jnp.float32)))
+    out_BqxH, lse_Bq = online_softmax_finish(state, empty_lse=-jnp.inf)
+    o_ref[...] = out_BqxH.astype(o_ref.dtype)
+    lse_ref[...] = lse_Bq
 
 
 def _probs(q_BqxH, k_BkxH, lse_Bq, mask, scale):
@@ -178,7 +175,7 @@ def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_r
     seg_q, pos_q = segq_ref[...], posq_ref[...]
 
     def body(j, masked, dq_BqxH):
-        keys = _rows(j, block_k)
+        keys = _block_slice(j, block_k)
         k_BkxH = k_ref[keys, :]
         mask = visible(seg_q, pos_q, segk_ref[keys], posk_ref[keys]) if masked else None
         p = _probs(q_BqxH, k_BkxH, lse_Bq, mask, scale)
@@ -199,7 +196,7 @@ def _dkv_kernel(plan_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_
 
     def body(m, i, masked, carry):
         dk_BkxH, dv_BkxH = carry
-        rows = _rows(i, block_q)
+        rows = _block_slice(i, block_q)
         q_BqxH, do_BqxH = q_ref[rows, m, :], do_ref[rows, m, :]
         mask = visible(segq_ref[rows], posq_ref[rows], seg_k, pos_k) if masked else None
         p = _probs(q_BqxH, k_BkxH, lse_ref[m, rows], mask, scale)
@@ -321,7 +318,7 @@ def _backward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_SxQxH, l
     return dq, dk, dv
 
 
-def _delta(do_SxQxH, out_SxQxH):
+def _delta_QxS(do_SxQxH, out_SxQxH):
     """Σ_h do·out: [Q, S] fp32, the softmax-backward row term."""
     return jnp.einsum("sqh,sqh->qs", do_SxQxH.astype(jnp.float32),
                       out_SxQxH.astype(jnp.float32))
@@ -356,7 +353,7 @@ def _flash_bwd(block, tiles, res, d_out):
     # Each program sums its block's whole gradient in fp32 registers: written once, in
     # the inputs' dtype.
     dq, dk, dv = _backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out.astype(q.dtype), lse,
-                           _delta(d_out, out), block, tiles, q.dtype)
+                           _delta_QxS(d_out, out), block, tiles, q.dtype)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             *no_grads(seg_q, pos_q, seg_k, pos_k))
 
@@ -386,40 +383,33 @@ def _ring(q, k, v, seg, pos, block, cp):
 
 
 def _ring_fwd(q, k, v, seg, pos, block, cp):
-    """Like attention.blockwise's ring (same hops, K and V travelling as one [2, S, K, H] message,
-    the next hop issued before the compute), with fp32 partials merged by _merge."""
-    kv, meta = jnp.stack([k, v]), jnp.stack([seg, pos])
-    out = lse = None
-    for step in range(cp):
-        if step + 1 < cp:
-            kv_next, meta_next = jax.lax.ppermute((kv, meta), CP, ring_perm(cp))
-        part = _forward(q, kv[0], kv[1], seg, pos, meta[0], meta[1], block, TILES,
-                        jnp.float32)
-        out, lse = part if out is None else _merge(out, lse, *part)
-        if step + 1 < cp:
-            kv, meta = kv_next, meta_next
+    """tiling.ring_fold, as the blockwise ring (K and V travelling as one [2, S, K, H]
+    message), with fp32 partials merged by _merge."""
+
+    def fold(partial, kv, meta):
+        part = _forward(q, kv[0], kv[1], seg, pos, meta[0], meta[1], block, TILES, jnp.float32)
+        return part if partial is None else _merge(*partial, *part)
+
+    out, lse = ring_fold(fold, None, jnp.stack([k, v]), jnp.stack([seg, pos]), cp)
     out, lse = _saved(out.astype(q.dtype), lse)
     return out, (q, k, v, seg, pos, out, lse)
 
 
 def _ring_bwd(block, cp, res, d_out):
-    """The keys go round again; each block's dK/dV (fp32 [2, S, K, H]) travels with it and
-    one last hop returns it to its owner (as attention.blockwise's ring)."""
+    """tiling.ring_fold_grads: the keys go round again; each block's dK/dV (fp32
+    [2, S, K, H]) travels with it and returns to its owner."""
     q, k, v, seg, pos, out, lse = res
-    do, delta = d_out.astype(q.dtype), _delta(d_out, out)
+    do, delta = d_out.astype(q.dtype), _delta_QxS(d_out, out)
     kv, meta = jnp.stack([k, v]), jnp.stack([seg, pos])
-    dq = vary_all(jnp.zeros(q.shape, jnp.float32), q, kv, d_out)
-    dkv = vary_all(jnp.zeros(kv.shape, jnp.float32), q, kv, d_out)
-    for step in range(cp):
-        if step + 1 < cp:
-            kv_next, meta_next = jax.lax.ppermute((kv, meta), CP, ring_perm(cp))
+
+    def grad(dq, kv, meta):
         dq_t, dk, dv = _backward(q, kv[0], kv[1], seg, pos, meta[0], meta[1], do, lse, delta,
                                  block, TILES, jnp.float32)
-        dq, dkv = dq + dq_t, dkv + jnp.stack([dk, dv])
-        if cp > 1:  # to the rank that holds this block next; after the last step, its owner
-            dkv = jax.lax.ppermute(dkv, CP, ring_perm(cp))
-        if step + 1 < cp:
-            kv, meta = kv_next, meta_next
+        return dq + dq_t, jnp.stack([dk, dv])
+
+    dq, dkv = ring_fold_grads(grad, vary_all(jnp.zeros(q.shape, jnp.float32), q, kv, d_out),
+                              vary_all(jnp.zeros(kv.shape, jnp.float32), q, kv, d_out),
+                              kv, meta, cp)
     return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype),
             *no_grads(seg, pos))
 

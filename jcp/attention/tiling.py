@@ -1,20 +1,24 @@
-"""Tiling of attention into blocks, shared by every kernel (blockwise, Pallas, decode).
+"""Tiling of attention into blocks, and every piece the kernels (blockwise, Pallas, decode)
+share, in one place.
 
 Owns the (segment, position) mask, the per-block summaries and the predicate that skips
-blocks the mask empties (and its host-side work counts), the tile sizes, the ring's hop,
-the names of the residuals a remat policy may keep, and the small shard_map typing helpers
-the kernels' custom VJPs need. It must never build an array of [local tokens, all tokens].
+blocks the mask empties (and its host-side work counts), the tile sizes, the one
+online-softmax step, the one ring schedule, the names of the residuals a remat policy may
+keep, and the small shard_map typing helpers the kernels' custom VJPs need. It must never
+build an array of [local tokens, all tokens].
 
 Shapes: see the legend in jcp/mesh.py (S queries on this rank, T keys, Bq and Bk block rows).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcp.mesh import block_size, vary, varying_axes
+from jcp.mesh import CP, block_size, vary, varying_axes
 
 DEFAULT_BLOCK = 512
 
@@ -134,3 +138,102 @@ def ring_block_work(segment_CPxS: np.ndarray, position_CPxS: np.ndarray,
     summ = [block_summary(segment_CPxS[r], position_CPxS[r], b, xp=np) for r in range(cp)]
     return np.array([[blocks_needed(summ[r], summ[(r - t) % cp], xp=np).sum()
                       for r in range(cp)] for t in range(cp)])
+
+
+# ----------------------------------------------------------------------------------------
+# Online softmax: visit key blocks one at a time, keep a running max, sum and accumulator
+
+
+class SoftmaxState(NamedTuple):
+    """Running online-softmax state of a block of queries, all fp32.
+
+    max_KxMxBq: largest score seen (−inf while every key so far was masked);
+    sum_KxMxBq: Σ exp(score − max); acc_KxMxBqxH: Σ exp(score − max) · v.
+    """
+
+    max_KxMxBq: jax.Array
+    sum_KxMxBq: jax.Array
+    acc_KxMxBqxH: jax.Array
+
+
+def online_softmax_init(kv_heads: int, per_kv: int, rows: int, head_dim: int) -> SoftmaxState:
+    """The state before any key: max −inf, sum 0, accumulator 0 ([K, M, Bq(, H)])."""
+    return SoftmaxState(jnp.full((kv_heads, per_kv, rows), -jnp.inf, jnp.float32),
+                        jnp.zeros((kv_heads, per_kv, rows), jnp.float32),
+                        jnp.zeros((kv_heads, per_kv, rows, head_dim), jnp.float32))
+
+
+def online_softmax_update(state: SoftmaxState, s_KxMxBqxBk, v_BkxKxH) -> SoftmaxState:
+    """Fold one key block into the state.
+
+    s: fp32 scores with invisible pairs already −inf; v: that block's values. The old sum
+    and accumulator are rescaled by exp(old max − new max); a row whose max is still −inf
+    (nothing visible yet) subtracts 0 instead, so it stays exactly 0, never NaN.
+    """
+    return online_softmax_step(state, s_KxMxBqxBk, lambda p: jnp.einsum(
+        "kmst,tkh->kmsh", p, v_BkxKxH.astype(jnp.float32)))
+
+
+def online_softmax_step(state: SoftmaxState, s, pv) -> SoftmaxState:
+    """online_softmax_update for any layout, the one online-softmax step of every kernel
+    (blockwise, the Pallas forward kernel, decode): s [..., rows, Bk] fp32 scores (−inf
+    where invisible); pv(p) -> [..., rows, H], the probabilities' product with the block's
+    values."""
+    m_new = jnp.maximum(state.max_KxMxBq, s.max(-1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_safe[..., None])
+    corr = jnp.exp(state.max_KxMxBq - m_safe)
+    l_new = state.sum_KxMxBq * corr + p.sum(-1)
+    return SoftmaxState(m_new, l_new, state.acc_KxMxBqxH * corr[..., None] + pv(p))
+
+
+def online_softmax_finish(state: SoftmaxState, empty_lse: float = 0.0):
+    """(out [K, M, Bq, H], lse [K, M, Bq]) in fp32: acc / sum and max + log(sum).
+
+    Rows that saw no key (padding queries) give out 0 and lse `empty_lse`.
+    """
+    m, l, acc = state
+    empty = l == 0.0
+    out = acc / jnp.where(empty, 1.0, l)[..., None]
+    lse = jnp.where(empty, empty_lse, m + jnp.log(jnp.where(empty, 1.0, l)))
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------
+# The ring schedule over cp, shared by the blockwise and Pallas ring kernels
+
+
+def ring_fold(fold, carry, kv, meta, cp: int):
+    """carry = fold(carry, kv, meta) over the key blocks of all cp ranks, in ring order.
+
+    kv: this rank's keys and values as one packed [2, …] message, meta its [2, S] segment
+    and position. Step t (unrolled: a loop would cost one more transfer) folds the block of
+    rank r − t while the block of rank r − t − 1 travels: the ppermute of the next block is
+    issued before the compute that does not depend on it. Runs inside shard_map over "cp".
+    """
+    for step in range(cp):
+        last = step + 1 == cp
+        if not last:
+            kv_next, meta_next = jax.lax.ppermute((kv, meta), CP, ring_perm(cp))
+        carry = fold(carry, kv, meta)
+        if not last:
+            kv, meta = kv_next, meta_next
+    return carry
+
+
+def ring_fold_grads(grad, carry, dkv, kv, meta, cp: int):
+    """The backward of a ring_fold: the key blocks go round again, and each block's
+    gradient (dkv, fp32, the shape of kv) travels with it, gathering every rank's part;
+    one last hop returns it to its owner. grad(carry, kv, meta) -> (carry, this rank's
+    part of the held block's gradient). Returns (carry, the gradient of this rank's kv)."""
+    for step in range(cp):
+        last = step + 1 == cp
+        if not last:
+            kv_next, meta_next = jax.lax.ppermute((kv, meta), CP, ring_perm(cp))
+        carry, part = grad(carry, kv, meta)
+        dkv = dkv + part
+        if cp > 1:  # to the rank that holds this block next; after the last step, its owner
+            dkv = jax.lax.ppermute(dkv, CP, ring_perm(cp))
+        if not last:
+            kv, meta = kv_next, meta_next
+    return carry, dkv
