@@ -381,6 +381,30 @@ def _write(path, cfg: QwenConfig, config: dict, weights: dict) -> None:
                   lambda p: open(p, "w").write(json.dumps(config, indent=2)))
 
 
+def check_export_path(path, what: str) -> str:
+    """path as a str where a folder can be written, or InputError naming `what`: not a
+    path, a NUL byte, a component longer than the file-name limit, or an existing
+    non-folder at the path or above it. Nothing is created."""
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        raise InputError(f"{what} must be a path, got {type(path).__name__}") from None
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not path or "\0" in path:
+        raise InputError(f"{what} {path!r} is empty or holds a NUL byte")
+    for part in path.split(os.sep):
+        if len(os.fsencode(part)) > 255:
+            raise InputError(f"{what}: the name {part[:20]!r}... is longer than 255 bytes")
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "" if probe == os.path.abspath(path) else f" (at {probe!r})"
+        raise InputError(f"{what} {path!r} exists and is not a folder{where}")
+    return path
+
+
 def write_folder(path, cfg: QwenConfig, info, tree: dict) -> None:
     """A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) of an adapter
     tree; `info` has rank, alpha and targets.
