@@ -264,6 +264,14 @@ def test_sample_bounds_are_refused_before_any_allocation(env):
     refused(env, post(env, "asample", {**base, "prompt": long}), "max_context_length")
     ok = result(env, post(env, "asample", {**base, "num_samples": LIMITS.num_samples}))
     assert "proto" in ok
+    # through the SDK: one failed request of category "user", the client still works
+    sampler = env["sdk"][0].create_sampling_client(base_model=MODEL).result()
+    prompt = types.ModelInput.from_ints([1, 2, 3])
+    sp = types.SamplingParams(max_tokens=2, seed=1)
+    with pytest.raises(tinker.RequestFailedError, match="--max-num-samples") as ei:
+        sampler.sample(prompt, LIMITS.num_samples + 1, sp).result(timeout=60)
+    assert ei.value.category == types.RequestErrorCategory.User
+    assert len(sampler.sample(prompt, 2, sp).result(timeout=60).sequences) == 2
     assert_others_served(env)
 
 
