@@ -223,6 +223,9 @@ class Trainer:
         elif expert_lora not in lora_lib.EXPERT_LORA:
             raise InputError(f"expert_lora must be one of {lora_lib.EXPERT_LORA}, got "
                              f"{expert_lora!r}")
+        elif expert_lora == "fused_gate_up" and not {"expert_gate", "expert_up"} <= set(targets):
+            raise InputError("expert_lora 'fused_gate_up' ties expert_up's A to expert_gate's: "
+                             f"target both, got {sorted(set(targets) & set(lora_lib.EXPERT))}")
         elif expert_lora not in self.state.expert_lora_modes:
             raise InputError(f"a {expert_lora!r} adapter of the experts does not fit this "
                              f"Trainer's slots (expert_lora_modes="
@@ -240,7 +243,8 @@ class Trainer:
         default all the model has (dense: attn + mlp + unembed; MoE: attn + experts +
         unembed). expert_lora, for expert targets: "shared_outer" (Tinker's scheme: gate.A,
         up.A and down.B one factor per layer shared by all experts, the other factors per
-        expert) or "per_expert" (every factor per expert, what PEFT expresses).
+        expert), "per_expert" (every factor per expert) or "fused_gate_up" (per expert,
+        gate and up sharing one A: PEFT's fused gate_up_proj LoRA, what load_peft gives).
         seed: a non-negative integer (default: from the Trainer's seed and the slot).
         """
         info = self._check_new_adapter(rank, alpha, targets, expert_lora)
