@@ -363,6 +363,13 @@ def test_peft_expert_adapter_trains_as_peft_does(peft_folder, tmp_path):
         if "lora_" in n:
             k = n.replace(".default", "")
             np.testing.assert_array_equal(p.detach().numpy(), got[k], err_msg=k)
+    # a checkpoint keeps the tie
+    tr.save_state(a, tmp_path / "ck")
+    tr.delete_adapter(a)
+    b = tr.load_state(tmp_path / "ck")
+    assert tr.adapters[b].expert_lora == "fused_gate_up"
+    for k, v in tr.adapter_weights(b).items():
+        np.testing.assert_array_equal(v, got[k], err_msg=k)
 
 
 def transformers_model(path):
