@@ -96,7 +96,7 @@ def test_optim_step_isolates_adapters_and_keeps_unused_factors_zero(tmp):
     cfg, base = jcp.load_hf(path)
     tr = jcp.Trainer(cfg, jcp.make_mesh(1, 2, 2), base_params=base, max_adapters=3,
                      max_rank=8, seed=0)
-    modes = ("shared_outer", "per_expert", "shared_outer")
+    modes = ("shared_outer", "per_expert", "fused_gate_up")
     ids = [install(tr, random_adapter(cfg, m, 10 + i), m) for i, m in enumerate(modes)]
     seqs, targets, weights = MH.random_data([20, 31, 12], seed=6)
     data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
@@ -118,6 +118,17 @@ def test_optim_step_isolates_adapters_and_keeps_unused_factors_zero(tmp):
             if not used:  # the per-expert hidden-side factor of a shared-outer slot
                 assert not np.any(after["weights"][m][k][ids[0]])
                 assert not np.any(after["mu"][m][k][ids[0]])
+    # A fused_gate_up slot: expert_up's own A is never used (it reads expert_gate's) and
+    # stays exactly zero through a step; its used factors move.
+    tr.optim_step(ids[2], jcp.AdamParams(learning_rate=1e-2, weight_decay=0.1))
+    last = jax.tree.map(np.asarray, tr.state.tables())
+    for m in lora_lib.EXPERT:
+        for k in last["weights"][m]:
+            used = k in lora_lib.expert_keys(m, "fused_gate_up")
+            w = last["weights"][m][k][ids[2]]
+            assert (not np.array_equal(w, after["weights"][m][k][ids[2]])) == used, (m, k)
+            if not used:
+                assert not np.any(w) and not np.any(last["mu"][m][k][ids[2]]), (m, k)
 
 
 def test_experts_unit_reference_empty_expert_and_all_elsewhere():
