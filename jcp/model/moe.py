@@ -141,6 +141,16 @@ def _expert_lora(x_ZxI, lora_m, sizes_E, token_Z, route, token_w_SxA, u_shared_S
             + shared_b(jnp.where(shared_A, u_ZxAxR, 0)))
 
 
+def _tied_up(lora, route) -> dict:
+    """expert_up's factors with a fused_gate_up slot's A taken from expert_gate (the one A
+    of peft's fused gate_up: both uses of it add into its gradient)."""
+    up, gate = lora["expert_up"], lora["expert_gate"]
+    if route.tied_A is None or "a" not in gate:
+        return up
+    tied = (route.tied_A > 0.5)[:, None, None, None]  # [A, 1, 1, 1] over a [A, E, D, R]
+    return {**up, "a": jnp.where(tied, gate["a"], up["a"]) if "a" in up else gate["a"]}
+
+
 def experts(x_SxD, weights_SxX, experts_SxX, gate_ExDxFe, up_ExDxFe, down_ExFexD, first: int,
             lora=None, route=None):
     """Σ over each token's chosen experts held here (global ids first … first+E−1) of
@@ -176,7 +186,7 @@ def experts(x_SxD, weights_SxX, experts_SxX, gate_ExDxFe, up_ExDxFe, down_ExFexD
 
         g_ZxFe = g_ZxFe + _expert_lora(x_ZxD, lora["expert_gate"], sizes_E, token_Z, route,
                                      token_w_SxA, shared_in("expert_gate")).astype(g_ZxFe.dtype)
-        u_ZxFe = u_ZxFe + _expert_lora(x_ZxD, lora["expert_up"], sizes_E, token_Z, route,
+        u_ZxFe = u_ZxFe + _expert_lora(x_ZxD, _tied_up(lora, route), sizes_E, token_Z, route,
                                      token_w_SxA, shared_in("expert_up")).astype(u_ZxFe.dtype)
     z_ZxFe = jax.nn.silu(g_ZxFe) * u_ZxFe
     y_ZxD = grouped_matmul(z_ZxFe, down_ExFexD, sizes_E)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import traceback
 from collections import OrderedDict
 
@@ -49,6 +50,9 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         self.sched.close()
         self._thread.join(timeout=60)
@@ -56,16 +60,29 @@ class Engine:
     # ------------------------------------------------------------------ loop
 
     def _loop(self) -> None:
-        while (group := self.sched.next_pass()) is not None:
+        while True:
             try:
-                if group[0].kind in ("forward", "forward_backward"):
+                group = self.sched.next_pass()
+            except Exception:  # noqa: BLE001 — the worker must outlive any one failure
+                log.exception("worker: next_pass failed")
+                time.sleep(0.5)
+                continue
+            if group is None:
+                return
+            try:
+                if group[0].failure is not None:
+                    self._complete(group[0].request_id, ("error", group[0].failure, "server"))
+                elif group[0].kind in ("forward", "forward_backward"):
                     self._fwd(group)
                 else:
                     w = group[0]
                     self._complete(w.request_id, getattr(self, "_" + w.kind)(w))
             except Exception as e:  # noqa: BLE001 — one request's failure is only its own
                 for w in group:
-                    self._complete(w.request_id, _error(e))
+                    try:
+                        self._complete(w.request_id, _error(e))
+                    except Exception:  # noqa: BLE001
+                        log.exception("worker: could not complete %s", w.request_id)
 
     # ------------------------------------------------------------------ slots
 
@@ -102,6 +119,10 @@ class Engine:
         self.store.add_model(ModelRecord(w.model_id, w.owner, self.model_name,
                                          self.tr.adapters[slot].rank, slot))
         return ("json", {"model_id": w.model_id, "type": "create_model"})
+
+    def _refused(self, w: Work) -> tuple:
+        """A request refused at the edge, answered in its model's seq_id order."""
+        raise InputError(w.payload)
 
     def _fwd(self, group: list[Work]) -> None:
         """One fused Trainer call; on refusal, each request alone."""
@@ -176,14 +197,17 @@ class Engine:
     def _load_weights(self, w: Work) -> tuple:
         p = w.payload
         folder, base = self.store.resolve(p.get("path"), w.owner, "weights")
-        with_opt = bool(p.get("optimizer"))
+        with_opt = p["optimizer"]  # a strict bool (edge.LoadWeights)
         if p.get("session_id") is not None:  # a new model, created by the load
             self._free_slot("load a checkpoint into a new model")
             slot = self.tr.load_state(folder, None, with_optimizer=with_opt)
             self.store.add_model(ModelRecord(w.model_id, w.owner, self.model_name,
                                              self.tr.adapters[slot].rank, slot))
         else:
-            self.tr.load_state(folder, self._slot(w), with_optimizer=with_opt)
+            rec = self.store.model(w.model_id, w.owner)
+            self.tr.load_state(folder, rec.slot, with_optimizer=with_opt)
+            # The checkpoint's rank replaces the model's: get_info must say so.
+            rec.rank = self.tr.adapters[rec.slot].rank
         return ("json", {"path": p.get("path"), "model_id": w.model_id, "type": "load_weights"})
 
     def _save_weights_for_sampler(self, w: Work) -> tuple:

@@ -63,6 +63,8 @@ def merged(params64, tree, scale, leaves):
             out[name] = params64[name] + scale * (t[m]["a"][li] @ t[m]["b"][li]).T
     for j, li in enumerate(MOE_LAYERS):
         def per_expert(m, key):
+            if key == "a" and set(t[m]) == {"b"}:  # fused_gate_up: up's A is gate's leaf
+                m = "expert_gate"
             x = t[m][key][j] if key in t[m] else t[m][key + "_shared"][j]
             return x if x.dim() == 3 else x.expand(EXPERTS, *x.shape)
 
