@@ -31,7 +31,7 @@ from jcp import moe as moe_lib
 from jcp import peft as peft_lib
 from jcp import sample as sample_lib
 from jcp import train_step
-from jcp.adapter_state import AdapterInfo, AdapterState, host, replicate
+from jcp.adapter_state import AdapterInfo, AdapterState, HostSlot, host, replicate
 from jcp.errors import F32, InputError, float32_number
 from jcp.config import QwenConfig
 
@@ -253,6 +253,28 @@ class Trainer:
     def delete_adapter(self, adapter: int) -> None:
         """Free a slot: zero its weights, accumulator and optimizer state."""
         self.state.reset(self._check_adapter(adapter))
+
+    def offload_adapter(self, adapter: int) -> HostSlot:
+        """Move an adapter (weights, accumulated gradient, AdamW moments, step count) to
+        host memory and free its slot; restore_adapter puts it back bit for bit."""
+        return self.state.offload(self._check_adapter(adapter))
+
+    def restore_adapter(self, saved: HostSlot, adapter: int | None = None) -> int:
+        """Put an offloaded adapter back into a free slot (`adapter`, or the lowest free
+        one) -> its id. It continues exactly as if it had never left."""
+        if not isinstance(saved, HostSlot):
+            raise InputError(f"restore_adapter needs what offload_adapter returned, got "
+                             f"{type(saved).__name__}")
+        if adapter is None:
+            slot = self.state.free_slot()
+        elif isinstance(adapter, (bool, np.bool_)) or not isinstance(adapter, (int, np.integer)) \
+                or not 0 <= adapter < self.max_adapters:
+            raise InputError(f"adapter must be a slot id in [0, {self.max_adapters}), got "
+                             f"{adapter!r}")
+        else:
+            slot = int(adapter)
+        self.state.restore(slot, saved)
+        return slot
 
     def adapter_weights(self, adapter: int) -> dict[str, np.ndarray]:
         """The adapter's weights: PEFT keys, torch layout, its own rank and targets."""

@@ -28,8 +28,9 @@ log = logging.getLogger("jcp.serve")
 # Tinker does not expose alpha; its LoRA uses a fixed alpha of 32.
 LORA_ALPHA = 32.0
 REFUSED_LOSSES = {
-    "stable_reinforce": "stable_reinforce needs sampling-time stability records, which this "
-                        "server does not keep",
+    "stable_reinforce": "stable_reinforce is not served: its objective is not published (provenance "
+                        "spans and record_stability_info are accepted and ignored; use "
+                        "importance_sampling, ppo, cispo, dro or gspo)",
     "custom": "server-side custom losses are not supported; forward_backward_custom works "
               "client-side (through cross_entropy)",
 }
@@ -164,9 +165,12 @@ class Engine:
             raise InputError("optim_step: only adam_params are supported")
         fields = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
         adam = jcp.AdamParams(**{k: p[k] for k in fields if k in p})
-        metrics = self.tr.optim_step(self._slot(w), adam)
-        return ("json", {"metrics": {k: float(v) for k, v in metrics.items()
-                                     if isinstance(v, (int, float))}})
+        m = self.tr.optim_step(self._slot(w), adam)
+        # Client loops merge these into their own log rows (the cookbook's
+        # `metrics.update(optim_result.metrics)`), so no key may be one they log themselves
+        # (`step`, `learning_rate`): Tinker-style `name:reduction` keys only.
+        return ("json", {"metrics": {"grad_norm:mean": float(m["grad_norm"]),
+                                     "adam_step:max": float(m["step"])}})
 
     def _save_weights(self, w: Work) -> tuple:
         path, folder = self.store.new_path(w.model_id, "weights", w.payload.get("path"))
