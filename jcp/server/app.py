@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 from jcp.server import wire
 from jcp.server.scheduler import Scheduler, Work
-from jcp.server.state import AuthError, NotFound, StateStore
+from jcp.server.state import AuthError, NotFound, SessionEnded, StateStore
 
 POLL_S = 20.0
 KEEP_RESULTS = 20_000
@@ -103,6 +103,11 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
     async def _missing(request, exc):
         return JSONResponse({"detail": str(exc)}, status_code=404)
 
+    @app.exception_handler(SessionEnded)
+    async def _ended(request, exc):
+        # 410 is what stops the SDK's heartbeat loop for a session.
+        return JSONResponse({"detail": str(exc)}, status_code=410)
+
     def failed(who: str, message: str, **extra) -> dict:
         rid = futures.new(who, **extra)
         futures.complete(rid, ("error", message, "user"))
@@ -172,7 +177,15 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request):
-        store.check_session(session_id, owner(request))
+        """The session's models are unloaded after their queued work (their checkpoints
+        stay loadable); finishing twice is harmless."""
+        who = owner(request)
+        try:
+            store.check_session(session_id, who)
+        except SessionEnded:
+            return {}
+        store.end_session(session_id)
+        enqueue(who, "end_session", None, None, {"session_id": session_id})
         return {}
 
     # ------------------------------------------------------------------ training
@@ -181,7 +194,19 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
     async def create_model(request: Request):
         who, body = owner(request), await body_json(request)
         store.check_session(body.get("session_id"), who)
-        mid = store.model_id(body["session_id"], body.get("model_seq_id", 0))
+        seq = body.get("model_seq_id", 0)
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+            raise _BadRequest(f"model_seq_id must be a non-negative integer, got {seq!r}")
+        mid = store.model_id(body["session_id"], seq)
+        if mid in store.models:
+            return failed(who, f"model_seq_id {seq} of session {body['session_id']!r} is "
+                               f"already used by model {mid!r}", model_id=mid)
+        meta = body.get("user_metadata")
+        if meta is not None and not (isinstance(meta, dict) and len(meta) <= 64 and all(
+                isinstance(k, str) and len(k) <= 256 and len(str(v)) <= 4096
+                for k, v in meta.items())):
+            raise _BadRequest("user_metadata must be an object of at most 64 string keys "
+                              "(values up to 4096 characters)")
         lora = body.get("lora_config") or {}
         rank = lora.get("rank")
         if not isinstance(rank, int) or not 1 <= rank <= served.max_rank:

@@ -18,6 +18,7 @@ from collections import OrderedDict
 import numpy as np
 
 import jcp
+from jcp import lora as lora_lib
 from jcp.errors import InputError
 from jcp.server import wire
 from jcp.server.scheduler import Scheduler, Work
@@ -37,14 +38,33 @@ REFUSED_LOSSES = {
 
 
 class Engine:
+    """The worker over `trainer`.
+
+    Adapter slots are a cache: a training model is resident (in a slot) or offloaded (its
+    whole state — weights, accumulated gradient, AdamW moments, step count — in host
+    memory, Trainer.offload_adapter). When a slot is needed and none is free, a cached
+    sampler adapter is dropped first, else the least recently used training model not in
+    the current pass is offloaded; it is restored, bit for bit, on its next request. So
+    `--max-adapters` bounds resident slots, and `max_offload_bytes` bounds the host memory
+    of offloaded models. A model lives as long as its session: a finished or expired
+    session's models are unloaded once their queued work is done (checkpoints stay).
+    """
+
     def __init__(self, trainer, store: StateStore, scheduler: Scheduler, model_name: str,
-                 complete, tokenizer_id: str | None = None):
+                 complete, tokenizer_id: str | None = None,
+                 max_offload_bytes: int = 16 << 30, session_timeout_s: float = 180.0):
         self.tr, self.store, self.sched = trainer, store, scheduler
         self.model_name, self.tokenizer_id = model_name, tokenizer_id
         self.token_cap = int(trainer.token_cap)
         self.max_rank = int(trainer.max_rank)
+        self.max_offload_bytes = int(max_offload_bytes)
+        self.session_timeout_s = float(session_timeout_s)
         self._complete = complete
         self._sampler_slots: OrderedDict[str, int] = OrderedDict()  # PEFT folder -> slot
+        self._resident: OrderedDict[str, int] = OrderedDict()       # model id -> slot, LRU first
+        self._offloaded: dict[str, object] = {}                     # model id -> HostSlot
+        self._closing: set[str] = set()     # models of ended sessions, unloaded when idle
+        self.offloads = self.restores = 0
         self._thread = threading.Thread(target=self._loop, name="jcp-serve-worker", daemon=True)
 
     def start(self) -> None:
@@ -57,32 +77,117 @@ class Engine:
     # ------------------------------------------------------------------ loop
 
     def _loop(self) -> None:
-        while (group := self.sched.next_pass()) is not None:
+        while True:
+            group = self.sched.next_pass(timeout=1.0)
+            if group is None:
+                if self.sched.closed:
+                    return
+            else:
+                try:
+                    if group[0].kind in ("forward", "forward_backward"):
+                        self._fwd(group)
+                    else:
+                        w = group[0]
+                        self._complete(w.request_id, getattr(self, "_" + w.kind)(w))
+                except Exception as e:  # noqa: BLE001 — one request's failure is only its own
+                    for w in group:
+                        self._complete(w.request_id, _error(e))
             try:
-                if group[0].kind in ("forward", "forward_backward"):
-                    self._fwd(group)
-                else:
-                    w = group[0]
-                    self._complete(w.request_id, getattr(self, "_" + w.kind)(w))
-            except Exception as e:  # noqa: BLE001 — one request's failure is only its own
-                for w in group:
-                    self._complete(w.request_id, _error(e))
+                self._reap()
+            except Exception as e:  # noqa: BLE001 — never let cleanup stop the worker
+                log.error("unloading ended sessions failed: %s", e)
 
     # ------------------------------------------------------------------ slots
 
-    def _free_slot(self, why: str) -> None:
-        """Make room by dropping cached sampler weights (never a training model)."""
+    def _free_slot(self, why: str, keep: frozenset = frozenset()) -> None:
+        """Make one slot free: drop the oldest cached sampler adapter, else offload the
+        least recently used training model not in `keep` to host memory."""
         if len(self.tr.adapters) < self.tr.max_adapters:
             return
-        if not self._sampler_slots:
-            raise InputError(f"all {self.tr.max_adapters} adapter slots hold training models; "
-                             f"cannot {why} (unload a model or raise --max-adapters)")
-        _, slot = self._sampler_slots.popitem(last=False)
-        self.tr.delete_adapter(slot)
+        if self._sampler_slots:
+            _, slot = self._sampler_slots.popitem(last=False)
+            self.tr.delete_adapter(slot)
+            return
+        victim = next((m for m in self._resident if m not in keep), None)
+        if victim is None:
+            raise InputError(f"all {self.tr.max_adapters} adapter slots are in use by this "
+                             f"pass; cannot {why} (raise --max-adapters)")
+        used = sum(h.nbytes for h in self._offloaded.values())
+        info = self.tr.adapters[self._resident[victim]]
+        if used + self._nbytes(info) > self.max_offload_bytes:
+            raise InputError(f"cannot {why}: every adapter slot is in use and host memory "
+                             f"for offloaded models is full ({used} of "
+                             f"{self.max_offload_bytes} bytes, --max-offload-gb); finish "
+                             "sessions you no longer need")
+        slot = self._resident.pop(victim)
+        self._offloaded[victim] = self.tr.offload_adapter(slot)
+        self.offloads += 1
+        self._set_slot(victim, None)
 
-    def _slot(self, w: Work) -> int:
-        rec = self.store.model(w.model_id, w.owner)
-        return rec.slot
+    def _nbytes(self, info) -> int:
+        """Host bytes of an offloaded adapter (4 float32 trees at its rank)."""
+        shapes = lora_lib.adapter_shapes(self.tr.cfg, info.rank, info.targets,
+                                         info.expert_lora)
+        return 16 * sum(int(np.prod(sh)) for ks in shapes.values() for sh in ks.values())
+
+    def _set_slot(self, model_id: str, slot: int | None) -> None:
+        rec = self.store.models.get(model_id)
+        if rec is not None:
+            rec.slot = slot
+
+    def _slot(self, w: Work, keep: frozenset = frozenset()) -> int:
+        """The model's slot, restoring it from host memory if it was offloaded."""
+        self.store.model(w.model_id, w.owner)
+        mid = w.model_id
+        if mid in self._resident:
+            self._resident.move_to_end(mid)
+            return self._resident[mid]
+        saved = self._offloaded.get(mid)
+        if saved is None:
+            raise NotFound(f"model {mid!r} not found")
+        self._free_slot("restore an offloaded model", keep | {mid})
+        slot = self.tr.restore_adapter(saved)
+        del self._offloaded[mid]
+        self.restores += 1
+        self._adopt(mid, slot)
+        return slot
+
+    def _adopt(self, model_id: str, slot: int) -> None:
+        self._resident[model_id] = slot
+        self._resident.move_to_end(model_id)
+        self._set_slot(model_id, slot)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _end_session(self, w: Work) -> tuple:
+        self._closing.update(self.store.end_session(w.payload["session_id"]))
+        return ("json", {})
+
+    def _reap(self) -> None:
+        """Unload the models of ended sessions whose queued work is done; end sessions
+        whose heartbeats stopped."""
+        for sid in self.store.expired_sessions(self.session_timeout_s):
+            log.info("session %s expired (no heartbeat for %.0f s)", sid,
+                     self.session_timeout_s)
+            self._closing.update(self.store.end_session(sid))
+        for mid in sorted(self._closing):
+            if self.sched.pending_for(mid):
+                continue
+            self._closing.discard(mid)
+            self._drop(mid)
+
+    def _drop(self, model_id: str) -> None:
+        """Forget a model: its slot or host copy, its record, its seq_id history and its
+        unnamed sampler weights on disk (named checkpoints stay)."""
+        slot = self._resident.pop(model_id, None)
+        if slot is not None:
+            self.tr.delete_adapter(slot)
+        self._offloaded.pop(model_id, None)
+        for folder in self.store.drop_model(model_id):
+            s = self._sampler_slots.pop(folder, None)
+            if s is not None:
+                self.tr.delete_adapter(s)
+        self.sched.forget(model_id)
 
     # ------------------------------------------------------------------ requests
 
@@ -92,17 +197,38 @@ class Engine:
         if p.get("base_model") != self.model_name:
             raise InputError(f"base_model {p.get('base_model')!r} is not served here; this "
                              f"server serves {self.model_name!r}")
-        targets = [g for g, on in (("attn", lora.get("train_attn", True)),
-                                   ("mlp", lora.get("train_mlp", True)),
-                                   ("unembed", lora.get("train_unembed", True))) if on]
+        flags = {k: bool(lora.get(k, True)) for k in ("train_attn", "train_mlp",
+                                                          "train_unembed")}
+        # train_mlp means the experts on a MoE model, as Tinker trains them.
+        mlp = "experts" if self.tr.cfg.is_moe else "mlp"
+        targets = [g for g, k in (("attn", "train_attn"), (mlp, "train_mlp"),
+                                  ("unembed", "train_unembed")) if flags[k]]
         if not targets:
             raise InputError("at least one of train_attn, train_mlp, train_unembed must be true")
+        self._check_new_model(w)
         self._free_slot("create a model")
         slot = self.tr.create_adapter(rank=lora.get("rank", 32), alpha=LORA_ALPHA,
                                       seed=lora.get("seed"), targets=targets)
-        self.store.add_model(ModelRecord(w.model_id, w.owner, self.model_name,
-                                         self.tr.adapters[slot].rank, slot))
+        self._register(w, slot, {**flags, "user_metadata": p.get("user_metadata")})
         return ("json", {"model_id": w.model_id, "type": "create_model"})
+
+    def _check_new_model(self, w: Work) -> None:
+        if w.model_id in self.store.models:
+            raise InputError(f"model {w.model_id!r} already exists (its model_seq_id is "
+                             "already used in this session)")
+
+    def _register(self, w: Work, slot: int, run_info: dict) -> None:
+        """Record a model just put in `slot`; if that fails, free the slot (a create that
+        fails leaves no trace)."""
+        sid = w.model_id.split(":train:")[0]
+        try:
+            self.store.add_model(ModelRecord(w.model_id, w.owner, self.model_name,
+                                             self.tr.adapters[slot].rank, slot, sid),
+                                 run_info)
+        except BaseException:
+            self.tr.delete_adapter(slot)
+            raise
+        self._adopt(w.model_id, slot)
 
     def _fwd(self, group: list[Work]) -> None:
         """One fused Trainer call; on refusal, each request alone."""
@@ -126,11 +252,12 @@ class Engine:
 
     def _run_fwd(self, group: list[Work]) -> list[tuple]:
         data, adapters, losses, configs, spans = [], [], [], {}, []
+        keep = frozenset(w.model_id for w in group)
         for w in group:
             req: wire.FwdBwdRequest = w.payload
             if req.loss_fn in REFUSED_LOSSES:
                 raise InputError(REFUSED_LOSSES[req.loss_fn])
-            slot = self._slot(w)
+            slot = self._slot(w, keep)
             start = len(data)
             for tokens, inputs in req.data:
                 data.append(jcp.Datum(model_input=tokens, loss_fn_inputs=inputs))
@@ -182,10 +309,10 @@ class Engine:
         folder, base = self.store.resolve(p.get("path"), w.owner, "weights")
         with_opt = bool(p.get("optimizer"))
         if p.get("session_id") is not None:  # a new model, created by the load
+            self._check_new_model(w)
             self._free_slot("load a checkpoint into a new model")
             slot = self.tr.load_state(folder, None, with_optimizer=with_opt)
-            self.store.add_model(ModelRecord(w.model_id, w.owner, self.model_name,
-                                             self.tr.adapters[slot].rank, slot))
+            self._register(w, slot, self.store.run_info(p.get("path"), w.owner))
         else:
             self.tr.load_state(folder, self._slot(w), with_optimizer=with_opt)
         return ("json", {"path": p.get("path"), "model_id": w.model_id, "type": "load_weights"})
@@ -201,10 +328,8 @@ class Engine:
         return ("json", out)
 
     def _unload_model(self, w: Work) -> tuple:
-        rec = self.store.model(w.model_id, w.owner)
-        self.tr.delete_adapter(rec.slot)
-        self.store.drop_model(w.model_id)
-        self.sched.forget(w.model_id)
+        self.store.model(w.model_id, w.owner)
+        self._drop(w.model_id)
         return ("json", {"model_id": w.model_id, "type": "unload_model"})
 
     def _sample(self, w: Work) -> tuple:

@@ -91,6 +91,15 @@ class Scheduler:
             self._closed = True
             self._cv.notify_all()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def pending_for(self, model_id: str) -> int:
+        """How many requests of the model are queued (not yet taken by the worker)."""
+        with self._cv:
+            return len(self._queues.get(model_id) or [])
+
     def forget(self, model_id: str) -> None:
         """Drop a model's seq_id history (after unload)."""
         with self._cv:

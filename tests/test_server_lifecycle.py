@@ -1,0 +1,238 @@
+"""jcp-serve's model lifecycle and Tinker-surface details, driven by the real SDK (0.38).
+
+A server with only two adapter slots: more models than slots train and sample in turn
+(idle ones move to host memory and come back bit for bit), sessions that finish or stop
+heartbeating release their models (checkpoints stay loadable), a reused model_seq_id or a
+failed create leaves no trace. Also: provenance spans accepted for every loss, optim_step
+metrics that do not collide with client loops' own keys.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+tinker = pytest.importorskip("tinker")
+httpx = pytest.importorskip("httpx")
+from safetensors.numpy import load_file  # noqa: E402
+from tinker import types  # noqa: E402
+from tinker.types.provenance_spans import PromptProvenanceSpan, SampledProvenanceSpan  # noqa: E402
+
+import jcp  # noqa: E402
+from jcp.serve import Server  # noqa: E402
+
+MODEL = "jcp-tiny"
+KEYS = {"tml-alice": "alice", "tml-bob": "bob"}
+RANK = 4
+ADAM = types.AdamParams(learning_rate=1e-2, weight_decay=0.01)
+JADAM = jcp.AdamParams(learning_rate=1e-2, weight_decay=0.01)
+VOCAB = jcp.QwenConfig.tiny().vocab_size
+
+
+@pytest.fixture(scope="module")
+def env():
+    tr = jcp.Trainer(jcp.QwenConfig.tiny(), jcp.make_mesh(1, 1, 1), max_adapters=2,
+                     max_rank=RANK, attn_block=16, logprob_chunk=16)
+    state = {"tr": tr, "dir": tempfile.mkdtemp(prefix="jcp-serve-life-"), "clients": []}
+    state["srv"] = Server(tr, MODEL, state["dir"], KEYS).start()
+    yield state
+    for sc in state["clients"]:
+        if sc._session_holder is not None:
+            sc._session_holder.close()
+    state["srv"].stop()
+
+
+def client(env, key="tml-alice"):
+    sc = tinker.ServiceClient(base_url=env["srv"].url, api_key=key)
+    env["clients"].append(sc)
+    return sc
+
+
+def data(seed: int, n: int = 20):
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, VOCAB, n + 1).tolist()
+    w = rng.uniform(0.2, 1.0, n).astype(np.float32).tolist()
+    inputs = {"target_tokens": toks[1:], "weights": w}
+    return (types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
+                        loss_fn_inputs=inputs),
+            jcp.Datum(model_input=toks[:-1], loss_fn_inputs=inputs))
+
+
+def post(env, route, body, key="tml-alice"):
+    return httpx.post(f"{env['srv'].url}/api/v1/{route}", json=body,
+                      headers={"X-API-Key": key}, timeout=60)
+
+
+def result(env, fut, key="tml-alice"):
+    return post(env, "retrieve_future", {"request_id": fut["request_id"]}, key).json()
+
+
+def wait_until(cond, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_more_models_than_slots_train_as_alone(env):
+    """Three models on two slots, each taking turns (a forward_backward whose gradient is
+    still accumulated when the model is pushed out, then its optim_step, then sampling):
+    every model ends with exactly the weights it gets when trained alone."""
+    tr, srv = env["tr"], env["srv"]
+    seeds = (11, 12, 13)
+    ref = {}
+    for s in seeds:  # alone, in-process, while the server is idle
+        a = tr.create_adapter(rank=RANK, alpha=32.0, seed=s)
+        for step in range(2):
+            tr.forward_backward([data(s * 10 + step)[1]], "cross_entropy", adapters=a)
+            tr.optim_step(a, JADAM)
+        ref[s] = tr.adapter_weights(a)
+        tr.delete_adapter(a)
+    assert not np.array_equal(ref[11][next(iter(ref[11]))], ref[12][next(iter(ref[12]))])
+
+    scs = [client(env) for _ in seeds]
+    tcs = [sc.create_lora_training_client(base_model=MODEL, rank=RANK, seed=s).result()
+           for sc, s in zip(scs, seeds)]
+    offloads = srv.engine.offloads
+    for step in range(2):
+        for tc, s in zip(tcs, seeds):
+            tc.forward_backward([data(s * 10 + step)[0]], "cross_entropy").result()
+        for tc in tcs:
+            tc.optim_step(ADAM).result()
+        for tc in tcs:
+            sc = tc.save_weights_and_get_sampling_client()
+            out = sc.result().sample(types.ModelInput.from_ints([1, 2, 3]), 1,
+                                     types.SamplingParams(max_tokens=3, seed=1)).result()
+            assert len(out.sequences[0].tokens) == 3
+    assert srv.engine.offloads > offloads and srv.engine.restores > 0
+    for tc, s in zip(tcs, seeds):
+        path = tc.save_weights_for_sampler(f"final-{s}").result().path
+        folder, _ = srv.store.resolve(path, "alice", "sampler_weights")
+        got = load_file(os.path.join(folder, "adapter_model.safetensors"))
+        assert got.keys() == ref[s].keys()
+        for k in got:
+            np.testing.assert_array_equal(got[k], ref[s][k], err_msg=k)
+    env["three"] = scs, tcs
+
+
+def test_finished_session_releases_its_models(env):
+    """close() (POST sessions/{id}/finish) unloads the session's models and deletes its
+    unnamed sampler weights; its named checkpoints stay loadable from another session."""
+    srv = env["srv"]
+    scs, tcs = env.pop("three")
+    ckpt = tcs[0].save_state("keep").result().path
+    run_dir = os.path.join(srv.store.state_dir, "runs", tcs[0].model_id, "sampler_weights")
+    assert any(n.startswith("ephemeral-") for n in os.listdir(run_dir))
+    for sc in scs:
+        sc.close("success").result()
+    wait_until(lambda: not any(tc.model_id in srv.store.models for tc in tcs), "unload")
+    assert not any(n.startswith("ephemeral-") for n in os.listdir(run_dir))
+    assert {n for n in os.listdir(run_dir)} == {"final-11"}
+    assert not env["tr"].adapters
+    # A finished session refuses new work with 410 (which stops the SDK's heartbeats).
+    sid = tcs[0].model_id.split(":train:")[0]
+    assert post(env, "session_heartbeat", {"session_id": sid}).status_code == 410
+    again = client(env).create_training_client_from_state_with_optimizer(ckpt).result()
+    assert again.forward([data(1)[0]], "cross_entropy").result().metrics["loss:sum"] > 0
+    env["again"] = again
+
+
+def test_expired_session_releases_its_models(env):
+    srv = env["srv"]
+    sid = post(env, "create_session", {})
+    sid = sid.json()["session_id"]
+    fut = post(env, "create_model", {"session_id": sid, "model_seq_id": 0,
+                                     "base_model": MODEL, "lora_config": {"rank": 2}}).json()
+    mid = result(env, fut)["model_id"]
+    assert mid in srv.store.models
+    alive = env["again"].model_id.split(":train:")[0]
+
+    def expired():  # meanwhile the other session heartbeats faster than the timeout
+        assert post(env, "session_heartbeat", {"session_id": alive}).status_code == 200
+        return mid not in srv.store.models
+
+    old = srv.engine.session_timeout_s
+    srv.engine.session_timeout_s = 1.0
+    try:
+        wait_until(expired, "expiry")
+    finally:
+        srv.engine.session_timeout_s = old
+    assert post(env, "session_heartbeat", {"session_id": sid}).status_code == 410
+    assert env["again"].model_id in srv.store.models
+
+
+def test_reused_model_seq_id_and_failed_create_leave_no_trace(env):
+    srv, tr = env["srv"], env["tr"]
+    sid = post(env, "create_session", {}).json()["session_id"]
+    body = {"session_id": sid, "model_seq_id": 0, "base_model": MODEL,
+            "lora_config": {"rank": 2}, "user_metadata": {"renderer_name": "qwen3"}}
+    mid = result(env, post(env, "create_model", body).json())["model_id"]
+    slots = dict(tr.adapters)
+    again = result(env, post(env, "create_model", body).json())
+    assert again["category"] == "user" and "already used" in again["error"]
+    assert dict(tr.adapters) == slots and srv.store.models[mid].slot in slots
+    runs = set(os.listdir(os.path.join(srv.store.state_dir, "runs")))
+    for bad in ({**body, "model_seq_id": 1, "base_model": "other"},
+                {**body, "model_seq_id": 2, "lora_config": {"rank": 2, "train_attn": False,
+                                                             "train_mlp": False,
+                                                             "train_unembed": False}}):
+        out = result(env, post(env, "create_model", bad).json())
+        assert out["category"] == "user", out
+    assert post(env, "create_model", {**body, "model_seq_id": "x"}).status_code == 422
+    assert post(env, "create_model", {**body, "model_seq_id": 3,
+                                      "user_metadata": [1]}).status_code == 422
+    assert set(os.listdir(os.path.join(srv.store.state_dir, "runs"))) == runs
+    assert dict(tr.adapters) == slots and set(srv.store.models) >= {mid}
+    assert not any(m.startswith(f"{sid}:train:") and m != mid for m in srv.store.models)
+    post(env, f"sessions/{sid}/finish", {})
+    wait_until(lambda: mid not in srv.store.models, "unload")
+
+
+def test_provenance_spans_are_accepted_and_ignored(env):
+    """The cookbook's RL data carries provenance spans; every loss accepts them, they do
+    not change the result, and malformed spans are refused naming the datum."""
+    tc = env["again"]
+    n = 12
+    rng = np.random.default_rng(5)
+    toks = rng.integers(0, VOCAB, n + 1).tolist()
+    inputs = {"target_tokens": toks[1:], "advantages": rng.normal(size=n).tolist(),
+              "logprobs": (-np.log(VOCAB) + 0.1 * rng.normal(size=n)).tolist()}
+    plain = types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
+                        loss_fn_inputs=inputs)
+    spans = [PromptProvenanceSpan(sequence_id="seq-a", offset=0, length=5),
+             SampledProvenanceSpan(sequence_id="seq-a", offset=0, length=n - 5)]
+    tagged = plain.with_provenance(model_input=spans, loss_fn_inputs=spans)
+    for loss in ("importance_sampling", "ppo"):
+        a, b = (tc.forward([d], loss).result() for d in (plain, tagged))
+        assert a.metrics["loss:sum"] == b.metrics["loss:sum"] != 0
+        np.testing.assert_array_equal(a.loss_fn_outputs[0]["logprobs"].to_numpy(),
+                                      b.loss_fn_outputs[0]["logprobs"].to_numpy())
+    ce = types.Datum(model_input=plain.model_input,
+                     loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * n},
+                     model_input_spans=spans, loss_fn_input_spans=spans)
+    assert tc.forward([ce], "cross_entropy").result().metrics["loss:sum"] > 0
+    short = [SampledProvenanceSpan(sequence_id="seq-a", offset=0, length=n - 1)]
+    bad = types.Datum(model_input=plain.model_input, loss_fn_inputs=inputs,
+                      model_input_spans=spans, loss_fn_input_spans=short)
+    with pytest.raises(Exception, match=r"datum 0: loss_fn_input_spans cover 11 positions"):
+        tc.forward([bad], "importance_sampling").result()
+    with pytest.raises(Exception, match="stable_reinforce is not served"):
+        tc.forward_backward([tagged], "stable_reinforce").result()
+    # record_stability_info on a sampling client is accepted (it records nothing).
+    sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    assert sc.sample(types.ModelInput.from_ints([1, 2]), 1,
+                     types.SamplingParams(max_tokens=2)).result().sequences
+
+
+def test_optim_metrics_do_not_collide_with_client_keys(env):
+    tc = env["again"]
+    tc.forward_backward([data(3)[0]], "cross_entropy").result()
+    m = tc.optim_step(ADAM).result().metrics
+    assert set(m) == {"grad_norm:mean", "adam_step:max"} and m["grad_norm:mean"] > 0
+    assert m["adam_step:max"] >= 1
