@@ -236,3 +236,147 @@ def test_optim_metrics_do_not_collide_with_client_keys(env):
     m = tc.optim_step(ADAM).result().metrics
     assert set(m) == {"grad_norm:mean", "adam_step:max"} and m["grad_norm:mean"] > 0
     assert m["adam_step:max"] >= 1
+
+
+def test_rest_routes_and_tenants(env):
+    """The RestClient surface the cookbook uses: runs (with the user_metadata sent at
+    create), checkpoints, weights_info, copy, TTL, delete — and bob sees none of alice's."""
+    sc = client(env)
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=RANK, seed=4,
+                                        user_metadata={"renderer_name": "qwen3"}).result()
+    first = tc.save_state("r1").result().path
+    second = tc.save_weights_for_sampler("s1", ttl_seconds=3600).result().path
+    rc = tinker.RestClient(base_url=env["srv"].url, api_key="tml-alice")
+    run = rc.get_training_run(tc.model_id).result()
+    assert run.user_metadata == {"renderer_name": "qwen3"} and run.lora_rank == RANK
+    assert run.base_model == MODEL and run.last_checkpoint.tinker_path == first
+    assert run.last_sampler_checkpoint.tinker_path == second
+    assert run.last_sampler_checkpoint.expires_at is not None
+    assert tc.model_id in [r.training_run_id for r in rc.list_training_runs(limit=100).result()
+                           .training_runs]
+    ckpts = rc.list_checkpoints(tc.model_id).result().checkpoints
+    assert {c.tinker_path: c.checkpoint_type for c in ckpts} == {first: "training",
+                                                                second: "sampler"}
+    assert all(c.size_bytes > 0 for c in ckpts)
+    info = rc.get_weights_info_by_tinker_path(first).result()
+    assert (info.base_model, info.lora_rank, info.train_mlp) == (MODEL, RANK, True)
+
+    bob = tinker.RestClient(base_url=env["srv"].url, api_key="tml-bob")
+    assert tc.model_id not in [r.training_run_id for r in bob.list_training_runs().result()
+                               .training_runs]
+    for call in (lambda: bob.get_training_run(tc.model_id).result(),
+                 lambda: bob.list_checkpoints(tc.model_id).result(),
+                 lambda: bob.get_weights_info_by_tinker_path(first).result(),
+                 lambda: bob.delete_checkpoint_from_tinker_path(first).result(),
+                 lambda: bob.set_checkpoint_ttl_from_tinker_path(first, 5).result()):
+        with pytest.raises(Exception):
+            call()
+
+    copy = rc.copy_weights(first, "archive").result()
+    assert copy.startswith("tinker://copy-") and copy.endswith("/weights/r1")
+    loaded = client(env).create_training_client_from_state(copy).result()
+    assert loaded.get_info().lora_rank == RANK
+
+    rc.set_checkpoint_ttl_from_tinker_path(second, 1).result()
+    folder = srv_folder(env, second)
+    wait_until(lambda: not os.path.exists(folder), "TTL expiry", timeout=20)
+    rc.delete_checkpoint_from_tinker_path(first).result()
+    assert [c.tinker_path for c in rc.list_checkpoints(tc.model_id).result().checkpoints] == []
+    with pytest.raises(Exception, match="not found"):
+        client(env).create_training_client_from_state(first).result()
+    env["rest"] = sc, tc, rc
+
+
+def same_file(name: str, a: bytes, b: bytes) -> bool:
+    """Equal files; safetensors by their tensors (two writes may order the header apart)."""
+    if not name.endswith(".safetensors"):
+        return a == b
+    from safetensors.numpy import load
+    x, y = load(a), load(b)
+    return x.keys() == y.keys() and len(x) > 0 and all(np.array_equal(x[k], y[k]) for k in x)
+
+
+def srv_folder(env, path):
+    run, kind, name = path[len("tinker://"):].split("/")
+    return os.path.join(env["srv"].store.state_dir, "runs", run, kind, name)
+
+
+def test_external_weights_download(env, monkeypatch):
+    """save_weights_external + external_weights_urls: the files (age-encrypted to the
+    client's X25519 key when asked) are served by jcp-serve under expiring per-file
+    tokens; the plain export equals the sampler export of the same weights."""
+    import urllib.error
+    import urllib.request
+
+    import pyrage
+
+    from jcp.server import app as app_mod
+
+    sc, tc, rc = env["rest"]
+    plain = tc.save_weights_external("plain").result().path
+    ref = srv_folder(env, tc.save_weights_for_sampler("ref").result().path)
+    urls = rc.get_external_weights_urls(plain).result()
+    assert set(urls.urls) == set(os.listdir(ref)) == {"adapter_config.json",
+                                                      "adapter_model.safetensors"}
+    for name, url in urls.urls.items():
+        with urllib.request.urlopen(url) as r, open(os.path.join(ref, name), "rb") as f:
+            assert same_file(name, r.read(), f.read()), name
+    other = next(iter(urls.urls.values())).rsplit("/", 1)[0] + "/not-this-file"
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(other)
+
+    key = pyrage.x25519.Identity.generate()
+    enc = tc.save_weights_external("enc", age_encryption_recipients=[str(key.to_public())])
+    enc_urls = rc.get_external_weights_urls(enc.result().path).result().urls
+    assert set(enc_urls) == {"adapter_config.json.age", "adapter_model.safetensors.age"}
+    for name, url in enc_urls.items():
+        with urllib.request.urlopen(url) as r:
+            data = r.read()
+        with open(os.path.join(ref, name[:-4]), "rb") as f:
+            clear = f.read()
+        assert data[:20] != clear[:20] and same_file(name[:-4], pyrage.decrypt(data, [key]),
+                                                     clear)
+    with pytest.raises(Exception, match="age_encryption_recipients"):
+        tc.save_weights_external("bad", age_encryption_recipients=["age1nope"]).result()
+    bob = tinker.RestClient(base_url=env["srv"].url, api_key="tml-bob")
+    with pytest.raises(Exception):
+        bob.get_external_weights_urls(plain).result()
+
+    monkeypatch.setattr(app_mod, "URL_TTL_S", 0.5)
+    short = rc.get_external_weights_urls(plain).result().urls
+    time.sleep(1.0)
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(next(iter(short.values())))
+
+
+def test_cancel_and_retrieve_futures(env):
+    srv = env["srv"]
+    sid = post(env, "create_session", {}).json()["session_id"]
+    samp = post(env, "create_sampling_session", {"session_id": sid, "base_model": MODEL,
+                                                  "sampling_session_seq_id": 0}).json()
+    ssid = samp["sampling_session_id"]
+    body = {"sampling_session_id": ssid, "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+            "sampling_params": {"max_tokens": 2, "seed": 1}}
+    srv.scheduler.hold()
+    try:
+        keep, drop = post(env, "asample", body).json(), post(env, "asample", body).json()
+        assert post(env, "cancel_future", {"request_id": drop["request_id"]}).status_code == 200
+        assert post(env, "cancel_future", {"request_id": drop["request_id"]},
+                    "tml-bob").status_code == 404
+    finally:
+        srv.scheduler.release()
+    assert "cancelled" in result(env, drop)["error"]
+    poll = post(env, "retrieve_futures", {"target": {"type": "sampling_session",
+                                                     "sampling_session_id": ssid},
+                                          "prev_cursor": 0, "timeout": 10}).json()
+    states = {c["request_id"]: c["state"] for c in poll["completions"]}
+    if keep["request_id"] not in states:  # the cancel completed first; poll once more
+        poll = post(env, "retrieve_futures", {"target": {"sampling_session_id": ssid},
+                                              "prev_cursor": poll["cursor"],
+                                              "timeout": 10}).json()
+        states.update({c["request_id"]: c["state"] for c in poll["completions"]})
+    assert states == {drop["request_id"]: "failed", keep["request_id"]: "finished"}
+    assert post(env, "retrieve_futures", {"target": {"sampling_session_id": ssid}},
+                "tml-bob").status_code == 404
+    post(env, f"sessions/{sid}/finish", {})

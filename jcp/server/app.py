@@ -13,19 +13,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
+import os
+import secrets
 import threading
+import time
 import uuid
 from collections import OrderedDict
 
 import zstandard
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 
 from jcp.server import wire
 from jcp.server.scheduler import Scheduler, Work
-from jcp.server.state import AuthError, NotFound, SessionEnded, StateStore
+from jcp.server.state import AuthError, NotFound, SessionEnded, StateStore, age_recipients
 
 POLL_S = 20.0
+MAX_TTL_S = 10 * 365 * 24 * 3600
+URL_TTL_S = 15 * 60
 KEEP_RESULTS = 20_000
 PROTO = "application/x-protobuf"
 
@@ -39,10 +45,10 @@ class ServedModel:
 
 
 class _Entry:
-    __slots__ = ("owner", "event", "result", "extra")
+    __slots__ = ("owner", "event", "result", "extra", "group")
 
-    def __init__(self, owner: str, extra: dict):
-        self.owner, self.extra = owner, extra
+    def __init__(self, owner: str, extra: dict, group: str | None = None):
+        self.owner, self.extra, self.group = owner, extra, group
         self.event = asyncio.Event()
         self.result = None
 
@@ -54,11 +60,15 @@ class FutureTable:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
+        # (owner, group) -> completions [(cursor, request id, "finished" | "failed")], for
+        # retrieve_futures; a group is a sampling session.
+        self._logs: dict[tuple, list] = {}
+        self._cursor = 0
 
-    def new(self, owner: str, **extra) -> str:
+    def new(self, owner: str, group: str | None = None, **extra) -> str:
         rid = f"req-{uuid.uuid4().hex}"
         with self._lock:
-            self._entries[rid] = _Entry(owner, extra)
+            self._entries[rid] = _Entry(owner, extra, group)
             while len(self._entries) > KEEP_RESULTS:
                 self._entries.popitem(last=False)
         return rid
@@ -79,8 +89,24 @@ class FutureTable:
         def done():
             e.result = result
             e.event.set()
+            if e.group is not None:
+                self._cursor += 1
+                log = self._logs.setdefault((e.owner, e.group), [])
+                log.append((self._cursor, rid, "failed" if result[0] == "error" else "finished",
+                            len(result[1]) if result[0] == "proto" else None))
+                del log[:-KEEP_RESULTS]
         if self.loop is not None:
             self.loop.call_soon_threadsafe(done)
+
+    def completions(self, owner: str, group: str, after: int) -> tuple[list[dict], int]:
+        """Completions of a group after cursor `after` -> (FutureCompletion dicts, cursor).
+        Runs on the event loop (like `done`), so no lock is needed."""
+        log = self._logs.get((owner, group), [])
+        new = [c for c in log if c[0] > after]
+        out = [{"state": st, "request_id": rid,
+                **({"response_payload_uncompressed_size": n} if st == "finished" else {})}
+               for _, rid, st, n in new]
+        return out, (new[-1][0] if new else after)
 
 
 def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
@@ -113,9 +139,9 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
         futures.complete(rid, ("error", message, "user"))
         return {"request_id": rid, **extra}
 
-    def enqueue(who: str, kind: str, model_id, seq_id, payload, loss_key=None,
+    def enqueue(who: str, kind: str, model_id, seq_id, payload, loss_key=None, group=None,
                 **extra) -> dict:
-        rid = futures.new(who, **extra)
+        rid = futures.new(who, group, **extra)
         sched.submit(Work(request_id=rid, kind=kind, model_id=model_id, seq_id=seq_id,
                           payload=payload, owner=who, loss_key=loss_key))
         out = {"request_id": rid, **extra}
@@ -253,6 +279,20 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
     for kind in ("optim_step", "save_weights", "save_weights_for_sampler", "unload_model"):
         app.post(f"/api/v1/{kind}")(model_op(kind))
 
+    @app.post("/api/v1/save_weights_external")
+    async def save_weights_external(request: Request):
+        who, body = owner(request), await body_json(request)
+        try:
+            store.model(body.get("model_id"), who)
+            if not isinstance(body.get("path"), str):
+                raise ValueError("save_weights_external: path (a name) is required")
+            ttl(body.get("ttl_seconds"))
+            if body.get("age_encryption_recipients") is not None:
+                age_recipients(body["age_encryption_recipients"])
+        except (NotFound, ValueError) as e:
+            return failed(who, str(e))
+        return enqueue(who, "save_weights_external", body["model_id"], body.get("seq_id"), body)
+
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request):
         who, body = owner(request), await body_json(request)
@@ -307,9 +347,170 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
                                                              for _ in range(n)])
         ids = [f"seq-{uuid.uuid4().hex}" for _ in range(n)]
         return enqueue(who, "sample", None, None, {"sampling_session_id": sid, "args": args},
-                       sample_sequence_ids=ids)
+                       group=sid, sample_sequence_ids=ids)
+
+    # ------------------------------------------------------------------ REST: runs, checkpoints
+
+    def ttl(v):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)
+                              or not 1 <= v <= MAX_TTL_S):
+            raise ValueError(f"ttl_seconds must be an integer in [1, {MAX_TTL_S}] or null, "
+                             f"got {v!r}")
+        return v
+
+    async def run_now(who: str, kind: str, payload: dict):
+        """Queue unordered work for the worker and wait for its result (REST routes that
+        answer directly, not with a future)."""
+        rid = enqueue(who, kind, None, None, payload)["request_id"]
+        entry = futures.get(rid, who)
+        await entry.event.wait()
+        kind, *rest = entry.result
+        if kind == "error":
+            raise _BadRequest(rest[0])
+        return rest[0]
+
+    @app.get("/api/v1/training_runs")
+    async def training_runs(request: Request, limit: int = 20, offset: int = 0):
+        if not (1 <= limit <= 1000 and offset >= 0):
+            raise _BadRequest("limit must be in [1, 1000] and offset ≥ 0")
+        return store.training_runs(owner(request), offset, limit)
+
+    @app.get("/api/v1/training_runs/{run}")
+    async def training_run(run: str, request: Request):
+        return store.training_run(run, owner(request))
+
+    @app.get("/api/v1/training_runs/{run}/checkpoints")
+    async def checkpoints(run: str, request: Request):
+        return store.checkpoints(run, owner(request))
+
+    @app.delete("/api/v1/training_runs/{run}/checkpoints/{kind}/{name}")
+    async def delete_checkpoint(run: str, kind: str, name: str, request: Request):
+        who = owner(request)
+        folder = store.checkpoint_folder(run, f"{kind}/{name}", who)
+        await run_now(who, "delete_checkpoint", {"folder": folder})
+        return Response(status_code=200)
+
+    @app.put("/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/ttl")
+    async def set_ttl(run: str, kind: str, name: str, request: Request):
+        who, body = owner(request), await body_json(request)
+        try:
+            seconds = ttl(body.get("ttl_seconds"))
+        except ValueError as e:
+            raise _BadRequest(str(e)) from None
+        store.set_ttl(run, f"{kind}/{name}", who, seconds)
+        return Response(status_code=200)
+
+    @app.post("/api/v1/weights_info")
+    async def weights_info(request: Request):
+        who, body = owner(request), await body_json(request)
+        path = body.get("tinker_path")
+        parts = path[len("tinker://"):].split("/") if isinstance(path, str) else []
+        if len(parts) != 3:
+            raise NotFound(f"path {path!r} not found")
+        store.checkpoint_folder(parts[0], f"{parts[1]}/{parts[2]}", who)
+        run = store.training_run(parts[0], who)
+        info = store.run_info(path, who) if parts[1] == "weights" else {}
+        return {"base_model": run["base_model"], "is_lora": True,
+                "lora_rank": run["lora_rank"], "optimizer_config": {"type": "adamw"},
+                **{k: info.get(k) for k in ("train_unembed", "train_mlp", "train_attn")}}
+
+    @app.post("/api/v1/copy_weights")
+    async def copy_weights(request: Request):
+        who, body = owner(request), await body_json(request)
+        path = body.get("source_path")
+        parts = path[len("tinker://"):].split("/") if isinstance(path, str) else []
+        if len(parts) != 3:
+            raise NotFound(f"path {path!r} not found")
+        folder = store.checkpoint_folder(parts[0], f"{parts[1]}/{parts[2]}", who)
+        try:
+            ttl(body.get("ttl_seconds"))
+        except ValueError as e:
+            raise _BadRequest(str(e)) from None
+        if body.get("session_id") is not None:
+            store.check_session(body["session_id"], who)
+            seq = body.get("model_seq_id")
+            if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+                raise _BadRequest("copy_weights: model_seq_id must be a non-negative integer "
+                                  "with session_id")
+            dest = store.model_id(body["session_id"], seq)
+        else:
+            dest = f"copy-{uuid.uuid4().hex[:16]}"
+        info = store.run_info(f"tinker://{parts[0]}/weights/x", who, must_exist=False)
+        return await run_now(who, "copy_weights", {
+            "folder": folder, "kind": parts[1], "dest_run": dest,
+            "run_info": {**info, "lora_rank": store.training_run(parts[0], who)["lora_rank"]},
+            "ttl_seconds": body.get("ttl_seconds")})
+
+    # ------------------------------------------------------------------ REST: downloads
+    # Every file of an external-weights checkpoint gets its own URL token: random,
+    # expiring after URL_TTL_S, bound to the tenant and the checkpoint that issued it (a
+    # token whose checkpoint is deleted, expired or no longer the tenant's is refused).
+
+    tokens: OrderedDict[str, tuple] = OrderedDict()
+
+    @app.get("/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/external_weights_urls")
+    async def external_weights_urls(run: str, kind: str, name: str, request: Request):
+        who = owner(request)
+        if kind != "external_weights":
+            raise NotFound(f"checkpoint {kind}/{name!r} is not external weights")
+        folder = store.checkpoint_folder(run, f"{kind}/{name}", who)
+        expires = time.time() + URL_TTL_S
+        base = str(request.base_url).rstrip("/")
+        urls = {}
+        for f in sorted(os.listdir(folder)):
+            tok = secrets.token_urlsafe(32)
+            tokens[tok] = (who, run, f"{kind}/{name}", f, expires)
+            urls[f] = f"{base}/api/v1/external_weights/{tok}/{f}"
+        now = time.time()
+        while tokens and (len(tokens) > KEEP_RESULTS or next(iter(tokens.values()))[4] < now):
+            tokens.popitem(last=False)
+        return {"urls": urls, "expires": datetime.datetime.fromtimestamp(
+            expires, datetime.timezone.utc).isoformat()}
+
+    @app.get("/api/v1/external_weights/{token}/{file}")
+    async def download(token: str, file: str):
+        rec = tokens.get(token)
+        if rec is None or rec[4] < time.time() or rec[3] != file:
+            raise NotFound("download URL unknown or expired; request new URLs")
+        who, run, ckpt, f, _ = rec
+        folder = store.checkpoint_folder(run, ckpt, who)
+        return FileResponse(os.path.join(folder, f), filename=f)
 
     # ------------------------------------------------------------------ futures
+
+    @app.post("/api/v1/cancel_future")
+    async def cancel_future(request: Request):
+        """Cancel a request still queued (one already running completes normally)."""
+        who, body = owner(request), await body_json(request)
+        rid = body.get("request_id")
+        futures.get(rid, who)
+        if sched.cancel(rid):
+            futures.complete(rid, ("error", "cancelled by the client", "user"))
+        return Response(status_code=200)
+
+    @app.post("/api/v1/retrieve_futures")
+    async def retrieve_futures(request: Request):
+        """Completions of a sampling session's requests after `prev_cursor`, long-polled
+        up to `timeout` (POLL_S at most); payloads are then read with retrieve_future."""
+        who, body = owner(request), await body_json(request)
+        target = body.get("target")
+        if not isinstance(target, dict) or target.get("type", "sampling_session") != \
+                "sampling_session" or not isinstance(target.get("sampling_session_id"), str):
+            raise _BadRequest("target must be {type: sampling_session, sampling_session_id}")
+        sid = target["sampling_session_id"]
+        store.sampler(sid, who)
+        after, wait = body.get("prev_cursor", 0), body.get("timeout")
+        if isinstance(after, bool) or not isinstance(after, int) or not (
+                wait is None or isinstance(wait, (int, float)) and wait >= 0):
+            raise _BadRequest("prev_cursor must be an integer and timeout a number ≥ 0")
+        deadline = time.monotonic() + min(POLL_S, POLL_S if wait is None else wait)
+        while True:
+            done, cursor = futures.completions(who, sid, after)
+            if done or time.monotonic() >= deadline:
+                return {"completions": done, "cursor": cursor}
+            await asyncio.sleep(0.02)
+
+    # ------------------------------------------------------------------ futures (one)
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request):

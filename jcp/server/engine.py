@@ -11,21 +11,28 @@ side of the server: the HTTP modules never import it or jax.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import threading
+import time
 import traceback
+import uuid
 from collections import OrderedDict
 
 import numpy as np
+import pyrage
 
 import jcp
 from jcp import lora as lora_lib
 from jcp.errors import InputError
 from jcp.server import wire
 from jcp.server.scheduler import Scheduler, Work
-from jcp.server.state import ModelRecord, NotFound, StateStore
+from jcp.server.state import ModelRecord, NotFound, StateStore, age_recipients
 
 log = logging.getLogger("jcp.serve")
 
+# How often the worker looks for checkpoints whose TTL has passed.
+EXPIRY_SCAN_S = 5.0
 # Tinker does not expose alpha; its LoRA uses a fixed alpha of 32.
 LORA_ALPHA = 32.0
 REFUSED_LOSSES = {
@@ -65,6 +72,7 @@ class Engine:
         self._offloaded: dict[str, object] = {}                     # model id -> HostSlot
         self._closing: set[str] = set()     # models of ended sessions, unloaded when idle
         self.offloads = self.restores = 0
+        self._next_expiry_scan = 0.0
         self._thread = threading.Thread(target=self._loop, name="jcp-serve-worker", daemon=True)
 
     def start(self) -> None:
@@ -175,6 +183,11 @@ class Engine:
                 continue
             self._closing.discard(mid)
             self._drop(mid)
+        if time.monotonic() >= self._next_expiry_scan:
+            self._next_expiry_scan = time.monotonic() + EXPIRY_SCAN_S
+            for folder in self.store.expired_folders():
+                log.info("checkpoint %s expired (TTL)", folder)
+                self._delete_folder(folder)
 
     def _drop(self, model_id: str) -> None:
         """Forget a model: its slot or host copy, its record, its seq_id history and its
@@ -302,7 +315,58 @@ class Engine:
     def _save_weights(self, w: Work) -> tuple:
         path, folder = self.store.new_path(w.model_id, "weights", w.payload.get("path"))
         self.tr.save_state(self._slot(w), folder)
+        self._note(path, w.payload)
         return ("json", {"path": path, "type": "save_weights"})
+
+    def _note(self, path: str, p: dict) -> None:
+        self.store.note_checkpoint(path, p.get("ttl_seconds"), p.get("user_metadata"))
+
+    def _save_weights_external(self, w: Work) -> tuple:
+        """The adapter as a PEFT folder for download (GET …/external_weights_urls); with
+        age_encryption_recipients every file is age-encrypted to them (`<file>.age`)."""
+        p = w.payload
+        path, folder = self.store.new_path(w.model_id, "external_weights", p.get("path"))
+        tmp = f"{folder}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            self.tr.export_peft(self._slot(w), tmp)
+            if p.get("age_encryption_recipients"):
+                recipients = age_recipients(p["age_encryption_recipients"])
+                for name in os.listdir(tmp):
+                    f = os.path.join(tmp, name)
+                    with open(f, "rb") as src:
+                        data = pyrage.encrypt(src.read(), recipients)
+                    with open(f + ".age", "wb") as dst:
+                        dst.write(data)
+                    os.remove(f)
+            if os.path.isdir(folder):
+                shutil.rmtree(folder)
+            os.replace(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._note(path, p)
+        size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+        return ("json", {"path": path, "size_bytes": size, "type": "save_weights_external"})
+
+    def _delete_checkpoint(self, w: Work) -> tuple:
+        self._delete_folder(w.payload["folder"])
+        return ("json", {})
+
+    def _delete_folder(self, folder: str) -> None:
+        slot = self._sampler_slots.pop(folder, None)
+        if slot is not None:
+            self.tr.delete_adapter(slot)
+        self.store.delete_folder(folder)
+
+    def _copy_weights(self, w: Work) -> tuple:
+        """A checkpoint into a new run of the same owner (files hard-linked, not copied)."""
+        p = w.payload
+        src, kind, run_info = p["folder"], p["kind"], p["run_info"]
+        dest_run = p["dest_run"]
+        self.store.add_run(dest_run, w.owner, self.model_name, run_info)
+        path, folder = self.store.new_path(dest_run, kind, os.path.basename(src))
+        shutil.copytree(src, folder, copy_function=os.link, dirs_exist_ok=True)
+        self._note(path, p)
+        return ("json", {"tinker_path": path})
 
     def _load_weights(self, w: Work) -> tuple:
         p = w.payload
@@ -321,6 +385,7 @@ class Engine:
         name = w.payload.get("path")
         path, folder = self.store.new_path(w.model_id, "sampler_weights", name)
         self.tr.export_peft(self._slot(w), folder)
+        self._note(path, w.payload)
         out = {"path": path, "type": "save_weights_for_sampler"}
         if name is None:
             out["sampling_session_id"] = self.store.add_sampler(w.owner, self.model_name, path,

@@ -2,7 +2,9 @@
 behind `tinker://` paths.
 
 Owns who owns what, and where checkpoints live on disk:
-    <state_dir>/runs/<model_id>/owner.json
+    <state_dir>/runs/<model_id>/owner.json           (owner, base model, rank, user_metadata)
+    <state_dir>/runs/<model_id>/checkpoints.json     (per checkpoint: time, TTL, user_metadata)
+    <state_dir>/runs/<model_id>/external_weights/<name>/  (PEFT, maybe age-encrypted)
     <state_dir>/runs/<model_id>/weights/<name>/          (orbax, Trainer.save_state)
     <state_dir>/runs/<model_id>/sampler_weights/<name>/  (PEFT, Trainer.export_peft)
 Because paths map to folders deterministically and ownership is written next to them, a
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import json
 import os
 import re
@@ -26,6 +29,9 @@ import uuid
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _RUN = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
 KINDS = ("weights", "sampler_weights")
+# Folder kind -> the SDK's checkpoint_type.
+CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler",
+                    "external_weights": "external"}
 # Sampler weights saved without a name: deleted with their model (or their TTL).
 EPHEMERAL = "ephemeral-"
 
@@ -40,6 +46,31 @@ class AuthError(PermissionError):
 
 class SessionEnded(LookupError):
     """A request for a session that has finished or expired (HTTP 410, as Tinker)."""
+
+
+def age_recipients(keys) -> list:
+    """age recipients ("age1…" X25519 keys or SSH public keys) -> pyrage recipients;
+    ValueError naming the bad one."""
+    import pyrage
+
+    if not isinstance(keys, list) or not keys or len(keys) > 64:
+        raise ValueError("age_encryption_recipients must be a list of 1-64 age recipients")
+    out = []
+    for i, k in enumerate(keys):
+        try:
+            if not isinstance(k, str):
+                raise ValueError
+            out.append(pyrage.x25519.Recipient.from_str(k) if k.startswith("age1")
+                       else pyrage.ssh.Recipient.from_str(k))
+        except Exception:  # noqa: BLE001 — pyrage raises its own error types
+            raise ValueError(f"age_encryption_recipients[{i}] is not an age X25519 "
+                             f"(age1…) or SSH public key: {str(k)[:80]!r}") from None
+    return out
+
+
+def _iso(t: float | None) -> str | None:
+    return None if t is None else datetime.datetime.fromtimestamp(
+        t, datetime.timezone.utc).isoformat()
 
 
 def atomic_json(path: str, obj) -> None:
@@ -155,6 +186,14 @@ class StateStore:
         # create_training_client_from_state, so this format is part of the protocol.
         return f"{session_id}:train:{model_seq_id}"
 
+    def add_run(self, run: str, owner: str, base_model: str, run_info: dict) -> None:
+        """A run without a loaded model (copy_weights' destination)."""
+        run_dir = self._run_dir(run)
+        os.makedirs(run_dir, exist_ok=True)
+        atomic_json(os.path.join(run_dir, "owner.json"),
+                    {"owner": owner, "base_model": base_model, "created": time.time(),
+                     **run_info})
+
     def add_model(self, rec: ModelRecord, run_info: dict | None = None) -> None:
         """Register a created model and write its run's owner.json (owner, base model and
         `run_info`: lora_rank, train_* flags, user_metadata), which outlives the server."""
@@ -194,10 +233,15 @@ class StateStore:
             shutil.rmtree(f, ignore_errors=True)
         return gone
 
-    def run_info(self, path: str, owner: str) -> dict:
+    def run_info(self, path: str, owner: str, must_exist: bool = True) -> dict:
         """The run_info (train_* flags, user_metadata) of the run that saved `path`."""
-        folder, _ = self.resolve(path, owner, "weights")
-        meta = self._read_meta(os.path.dirname(os.path.dirname(folder))) or {}
+        if must_exist:
+            folder, _ = self.resolve(path, owner, "weights")
+            run_dir = os.path.dirname(os.path.dirname(folder))
+        else:
+            run_dir = self._run_dir(path[len("tinker://"):].split("/")[0])
+            self._owned_run(os.path.basename(run_dir), owner)
+        meta = self._read_meta(run_dir) or {}
         return {k: v for k, v in meta.items() if k.startswith("train_") or k == "user_metadata"}
 
     def _read_meta(self, run_dir: str) -> dict | None:
@@ -241,9 +285,133 @@ class StateStore:
         except (OSError, ValueError):
             raise NotFound(f"path {path!r} not found") from None
         folder = os.path.join(run_dir, kind, parts[2])
-        if meta.get("owner") != owner or not os.path.isdir(folder):
+        if meta.get("owner") != owner or not os.path.isdir(folder) or self._expired(
+                parts[0], f"{kind}/{parts[2]}"):
             raise NotFound(f"path {path!r} not found")
         return folder, meta.get("base_model", "")
+
+    # ------------------------------------------------------------------ runs and checkpoints
+    # Per run, checkpoints.json maps checkpoint ids ("<kind>/<name>") to their time,
+    # expiry (None = never) and user metadata; the folders themselves are the truth.
+
+    def _index(self, run: str) -> dict:
+        try:
+            with open(os.path.join(self._run_dir(run), "checkpoints.json")) as f:
+                idx = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return idx if isinstance(idx, dict) else {}
+
+    def _expired(self, run: str, ckpt: str) -> bool:
+        exp = (self._index(run).get(ckpt) or {}).get("expires_at")
+        return exp is not None and exp <= time.time()
+
+    def note_checkpoint(self, tinker_path: str, ttl_seconds=None, user_metadata=None) -> None:
+        """Record a checkpoint just written (its TTL and user metadata)."""
+        run, kind, name = tinker_path[len("tinker://"):].split("/")
+        with self._lock:
+            idx = self._index(run)
+            idx[f"{kind}/{name}"] = {
+                "time": time.time(), "user_metadata": user_metadata,
+                "expires_at": None if ttl_seconds is None else time.time() + ttl_seconds}
+            atomic_json(os.path.join(self._run_dir(run), "checkpoints.json"), idx)
+
+    def _owned_run(self, run: str, owner: str) -> dict:
+        meta = self._read_meta(self._run_dir(run))
+        if meta is None or meta.get("owner") != owner:
+            raise NotFound(f"training run {run!r} not found")
+        return meta
+
+    def _checkpoints(self, run: str) -> list[dict]:
+        """Every live checkpoint of a run as the SDK's Checkpoint, oldest first."""
+        run_dir, idx, out = self._run_dir(run), self._index(run), []
+        for kind, ctype in CHECKPOINT_TYPES.items():
+            with contextlib.suppress(OSError):
+                for name in os.listdir(os.path.join(run_dir, kind)):
+                    folder = os.path.join(run_dir, kind, name)
+                    cid = f"{kind}/{name}"
+                    rec = idx.get(cid) or {}
+                    if not _NAME.match(name) or not os.path.isdir(folder) or self._expired(
+                            run, cid):
+                        continue
+                    size = sum(os.path.getsize(os.path.join(d, f))
+                               for d, _, fs in os.walk(folder) for f in fs)
+                    out.append({"checkpoint_id": cid, "checkpoint_type": ctype,
+                                "time": _iso(rec.get("time") or os.path.getmtime(folder)),
+                                "tinker_path": f"tinker://{run}/{cid}", "size_bytes": size,
+                                "public": False, "user_metadata": rec.get("user_metadata"),
+                                "expires_at": _iso(rec.get("expires_at"))})
+        return sorted(out, key=lambda c: c["time"])
+
+    def training_run(self, run: str, owner: str) -> dict:
+        """The SDK's TrainingRun of a run `owner` owns."""
+        meta = self._owned_run(run, owner)
+        ckpts = self._checkpoints(run)
+        last = {t: next((c for c in reversed(ckpts) if c["checkpoint_type"] == t), None)
+                for t in ("training", "sampler")}
+        seen = max([meta.get("created", 0.0)] + [os.path.getmtime(os.path.join(
+            self._run_dir(run), "owner.json"))])
+        return {"training_run_id": run, "base_model": meta.get("base_model", ""),
+                "model_owner": owner, "is_lora": True, "corrupted": False,
+                "lora_rank": meta.get("lora_rank"), "last_request_time": _iso(seen),
+                "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
+                "user_metadata": meta.get("user_metadata")}
+
+    def training_runs(self, owner: str, offset: int, limit: int) -> dict:
+        runs = []
+        with contextlib.suppress(OSError):
+            for run in os.listdir(os.path.join(self.state_dir, "runs")):
+                meta = self._read_meta(os.path.join(self.state_dir, "runs", run))
+                if meta is not None and meta.get("owner") == owner:
+                    runs.append((meta.get("created", 0.0), run))
+        runs.sort(reverse=True)  # newest first
+        page = [self.training_run(r, owner) for _, r in runs[offset:offset + limit]]
+        return {"training_runs": page,
+                "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
+
+    def checkpoints(self, run: str, owner: str) -> dict:
+        self._owned_run(run, owner)
+        return {"checkpoints": self._checkpoints(run)}
+
+    def checkpoint_folder(self, run: str, ckpt: str, owner: str) -> str:
+        """The folder of checkpoint `ckpt` ("<kind>/<name>") of a run `owner` owns."""
+        kind, _, name = ckpt.partition("/")
+        if kind not in CHECKPOINT_TYPES:
+            raise NotFound(f"checkpoint {ckpt!r} not found")
+        return self.resolve(f"tinker://{run}/{kind}/{name}", owner, kind)[0]
+
+    def set_ttl(self, run: str, ckpt: str, owner: str, ttl_seconds) -> None:
+        self.checkpoint_folder(run, ckpt, owner)
+        with self._lock:
+            idx = self._index(run)
+            rec = idx.setdefault(ckpt, {"time": time.time(), "user_metadata": None})
+            rec["expires_at"] = None if ttl_seconds is None else time.time() + ttl_seconds
+            atomic_json(os.path.join(self._run_dir(run), "checkpoints.json"), idx)
+
+    def delete_folder(self, folder: str) -> None:
+        """Delete a checkpoint folder (the worker calls this, so no load reads it meanwhile)
+        and its index entry."""
+        kind_dir = os.path.dirname(folder)
+        run = os.path.basename(os.path.dirname(kind_dir))
+        cid = f"{os.path.basename(kind_dir)}/{os.path.basename(folder)}"
+        shutil.rmtree(folder, ignore_errors=True)
+        with self._lock:
+            idx = self._index(run)
+            if idx.pop(cid, None) is not None:
+                atomic_json(os.path.join(self._run_dir(run), "checkpoints.json"), idx)
+            for sid in [s for s, r in self.samplers.items() if r.folder == folder]:
+                del self.samplers[sid]
+
+    def expired_folders(self) -> list[str]:
+        """Folders of checkpoints whose TTL has passed (the worker deletes them)."""
+        out, now = [], time.time()
+        with contextlib.suppress(OSError):
+            for run in os.listdir(os.path.join(self.state_dir, "runs")):
+                for cid, rec in self._index(run).items():
+                    exp = (rec or {}).get("expires_at")
+                    if exp is not None and exp <= now:
+                        out.append(os.path.join(self.state_dir, "runs", run, cid))
+        return out
 
     # ------------------------------------------------------------------ samplers
 
