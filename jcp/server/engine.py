@@ -376,7 +376,10 @@ class Engine:
             self._check_new_model(w)
             self._free_slot("load a checkpoint into a new model")
             slot = self.tr.load_state(folder, None, with_optimizer=with_opt)
-            self._register(w, slot, self.store.run_info(p.get("path"), w.owner))
+            info = self.store.run_info(p.get("path"), w.owner)
+            if p.get("user_metadata") is not None:  # the new run's own, else its source's
+                info["user_metadata"] = p["user_metadata"]
+            self._register(w, slot, info)
         else:
             self.tr.load_state(folder, self._slot(w), with_optimizer=with_opt)
         return ("json", {"path": p.get("path"), "model_id": w.model_id, "type": "load_weights"})
