@@ -412,18 +412,20 @@ class Trainer:
         for pb, (loss, out, finite_A) in zip(packed, results):
             lp = batch_lib.unpack(host(out.logprobs), pb)
             el = batch_lib.unpack(host(out.elementwise_loss), pb)
-            datum_loss = host(out.datum_loss)
+            datum_loss, datum_clipped = host(out.datum_loss), host(out.clipped)
             members = sorted(p.index for p in pb.placements)
             for slot_i, j in enumerate(members):
                 outputs[j] = {"logprobs": lp[j], "elementwise_loss": el[j],
                               "loss:sum": float(datum_loss[slot_i])}
+                if losses_lib.LOSSES[checked[j].loss_fn].clips:
+                    outputs[j]["clipped_tokens:sum"] = int(datum_clipped[slot_i])
                 losses_lib.check_finite_outputs(j, checked[j], outputs[j])
             if finite_A is not None and not host(finite_A).all():
                 bad = sorted({int(a) for a, ok in zip(pb.active, host(finite_A)) if not ok})
                 raise InputError(f"the gradient of adapter(s) {bad} is not finite in float32 "
                                  f"for this batch (datums {members}); nothing was accumulated")
             total += float(host(loss))
-            clipped += int(host(out.clipped))
+            clipped += int(datum_clipped.sum())
             if out.expert_counts is not None:
                 c = host(out.expert_counts).astype(np.int64)
                 counts = c if counts is None else counts + c

@@ -380,3 +380,42 @@ def test_cancel_and_retrieve_futures(env):
     assert post(env, "retrieve_futures", {"target": {"sampling_session_id": ssid}},
                 "tml-bob").status_code == 404
     post(env, f"sessions/{sid}/finish", {})
+
+
+def test_fused_requests_report_their_own_metrics(env):
+    """Two models' ppo forwards fused into one Trainer call return, per request, the
+    metrics (loss:sum and clipped_tokens:sum) and log-probs each gets alone."""
+    srv = env["srv"]
+    sched = srv.scheduler
+    tcs = [client(env).create_lora_training_client(base_model=MODEL, rank=RANK, seed=s)
+           .result() for s in (21, 22)]
+    reqs = []
+    for i, tc in enumerate(tcs):
+        plain = [data(40 + 2 * i + k, 16 + 3 * k)[0] for k in range(2)]
+        lps = tc.forward(plain, "cross_entropy").result().loss_fn_outputs
+        rng = np.random.default_rng(i)
+        reqs.append([types.Datum(model_input=d.model_input, loss_fn_inputs={
+            "target_tokens": d.loss_fn_inputs["target_tokens"],
+            "logprobs": (o["logprobs"].to_numpy() + 0.3 * rng.normal(size=len(
+                o["logprobs"].to_numpy()))).astype(np.float32),
+            "advantages": rng.normal(size=len(o["logprobs"].to_numpy())).astype(np.float32)})
+            for d, o in zip(plain, lps)])
+    before = sched.counters.fused_passes
+    sched.hold()
+    try:
+        futs = [tc.forward(r, "ppo") for tc, r in zip(tcs, reqs)]
+        wait_until(lambda: sched.pending() == 2, "both requests queued")
+    finally:
+        sched.release()
+    fused = [f.result() for f in futs]
+    assert sched.counters.fused_passes == before + 1
+    alone = [tc.forward(r, "ppo").result() for tc, r in zip(tcs, reqs)]
+    assert sched.counters.fused_passes == before + 1
+    assert fused[0].metrics["clipped_tokens:sum"] != fused[1].metrics["clipped_tokens:sum"]
+    for f, a in zip(fused, alone):
+        assert f.metrics.keys() == a.metrics.keys() == {"loss:sum", "clipped_tokens:sum"}
+        assert f.metrics["clipped_tokens:sum"] == a.metrics["clipped_tokens:sum"] > 0
+        np.testing.assert_allclose(f.metrics["loss:sum"], a.metrics["loss:sum"], rtol=1e-5)
+        for x, y in zip(f.loss_fn_outputs, a.loss_fn_outputs):
+            np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(),
+                                       rtol=1e-5, atol=1e-6)

@@ -245,6 +245,12 @@ class Engine:
 
     def _fwd(self, group: list[Work]) -> None:
         """One fused Trainer call; on refusal, each request alone."""
+        if len(group) > 1 and self.tr.cfg.is_moe:
+            # MoE load metrics and the router auxiliary loss are batch-level figures: a
+            # fused pass could not report each request's own, so each runs alone.
+            for w in group:
+                self._fwd([w])
+            return
         self.sched.note_pass(group)
         try:
             outs = self._run_fwd(group)
@@ -291,7 +297,11 @@ class Engine:
         results = []
         for a, b in spans:
             per = out.loss_fn_outputs[a:b]
+            # A request's metrics from its own datums: what it would get alone.
             metrics = {"loss:sum": float(sum(np.float64(d["loss:sum"]) for d in per))}
+            if any("clipped_tokens:sum" in d for d in per):
+                metrics["clipped_tokens:sum"] = float(sum(d.get("clipped_tokens:sum", 0)
+                                                          for d in per))
             if len(group) == 1:
                 metrics = {k: float(v) for k, v in out.metrics.items()}
             body = wire.encode_forward_backward_output(
