@@ -24,7 +24,7 @@ from jcp import attention as attention_lib
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import model as model_lib
-from jcp import moe as moe_lib
+from jcp.model import moe as moe_lib
 from jcp.config import QwenConfig
 from jcp.mesh import BATCH_AXES, CP, SPECS, TP
 

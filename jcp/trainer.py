@@ -27,7 +27,7 @@ from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import mesh as mesh_lib
 from jcp import model as model_lib
-from jcp import moe as moe_lib
+from jcp.model import moe as moe_lib
 from jcp import peft as peft_lib
 from jcp import sample as sample_lib
 from jcp import train_step
@@ -85,7 +85,7 @@ class Trainer:
     Tuning (keyword-only): remat — recompute each layer in the backward pass (keeping only
     the attention output); attn_impl — "blockwise" (the reference kernel, the default),
     "pallas" (a fused Pallas flash-attention kernel for GPUs, Triton; interpreted — slowly,
-    for tests — on CPU; see jcp/pallas_attention.py) or "dense" (tests only); attn_block —
+    for tests — on CPU; see jcp/attention/pallas.py) or "dense" (tests only); attn_block —
     attention tile rows (None: 64 on CPU, where the masked half of diagonal tiles
     dominates, 512 on accelerators); logprob_chunk — tokens per
     log-prob chunk (None: at most 1024, fewer for large vocabularies so that one chunk's

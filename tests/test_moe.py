@@ -1,4 +1,4 @@
-"""Qwen3-MoE (jcp.moe, model.moe_mlp, hf loading): exact against transformers'
+"""Qwen3-MoE (jcp.model.moe, model.moe_mlp, hf loading): exact against transformers'
 Qwen3MoeForCausalLM at every mesh, experts split over tp; the grouped matmul against
 jax.lax.ragged_dot; empty experts; an attention adapter trains alike on two meshes.
 
@@ -22,7 +22,7 @@ import jcp
 import model_harness as MH
 from jcp import hf as hf_lib
 from jcp import model as model_lib
-from jcp import moe as moe_lib
+from jcp.model import moe as moe_lib
 
 # tp = 4 must divide the kv heads and the experts.
 HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, FE = 8, 4, 16, 8, 2, 32

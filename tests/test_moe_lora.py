@@ -1,4 +1,4 @@
-"""LoRA on the experts of a Qwen3-MoE model (jcp.moe, model.moe_mlp, lora's expert slots).
+"""LoRA on the experts of a Qwen3-MoE model (jcp.model.moe, model.moe_mlp, lora's expert slots).
 
 The reference is transformers' Qwen3MoeForCausalLM in float64 with every LoRA factor merged
 into its weights by hand (W + scale·(A @ B)ᵀ, per expert) through torch.func.functional_call,
@@ -20,7 +20,7 @@ import jcp
 import model_harness as MH
 import test_moe as TM
 from jcp import lora as lora_lib
-from jcp import moe as moe_lib
+from jcp.model import moe as moe_lib
 
 RANK, ALPHA = 4, 8.0
 # peft warns that the gate_up rank / alpha pattern of an exported adapter "did not match

@@ -23,7 +23,7 @@ import jcp
 import model_harness as MH
 import test_moe as TM
 import test_moe_lora as TML
-from jcp import moe as moe_lib
+from jcp.model import moe as moe_lib
 
 MESHES = ((1, 1, 1), (1, 2, 2), (2, 1, 2))
 LENGTHS = (37, 52, 23, 41)  # odd lengths: zigzag padding at cp = 2
