@@ -419,3 +419,24 @@ def test_fused_requests_report_their_own_metrics(env):
         for x, y in zip(f.loss_fn_outputs, a.loss_fn_outputs):
             np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(),
                                        rtol=1e-5, atol=1e-6)
+
+
+def test_train_mlp_means_the_experts_on_moe(tmp_path):
+    """On a MoE model the SDK's default train_mlp=True trains the experts (as Tinker does);
+    train_mlp=False leaves them out."""
+    tr = jcp.Trainer(jcp.QwenConfig.tiny_moe(), jcp.make_mesh(1, 1, 1), max_adapters=2,
+                     max_rank=RANK)
+    srv = Server(tr, MODEL, str(tmp_path)).start()
+    sc = tinker.ServiceClient(base_url=srv.url, api_key="tml-local")
+    try:
+        on = sc.create_lora_training_client(base_model=MODEL, rank=RANK).result()
+        off = sc.create_lora_training_client(base_model=MODEL, rank=RANK,
+                                             train_mlp=False).result()
+        targets = {tc: set(tr.adapters[srv.store.models[tc.model_id].slot].targets)
+                   for tc in (on, off)}
+        experts = {"expert_gate", "expert_up", "expert_down"}
+        assert experts <= targets[on] and not experts & targets[off]
+        assert targets[on] - experts == targets[off] and "q_proj" in targets[off]
+    finally:
+        sc.close("success").result()
+        srv.stop()
