@@ -5,7 +5,10 @@ a scheduler.Work; they answer with a future ({request_id}) at once and never wai
 worker. `retrieve_future` long-polls a future for up to POLL_S (below the SDK's 45 s) and
 then answers 408, which the SDK retries. A request that fails before it is queued (unknown
 model, undecodable body) still gets a future, completed with the error, so the SDK raises
-RequestFailedError for that request only. It must never import jax or the worker.
+RequestFailedError for that request only. REST routes (training runs, checkpoints, TTLs,
+weights info, copies, external-weights download URLs with expiring per-file tokens,
+cancel_future, retrieve_futures) answer from the state store, or wait for the worker when
+they touch folders a load might be reading. It must never import jax or the worker.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import numpy as np
 import pyrage
@@ -72,6 +72,7 @@ class Engine:
         self._offloaded: dict[str, object] = {}                     # model id -> HostSlot
         self._closing: set[str] = set()     # models of ended sessions, unloaded when idle
         self.offloads = self.restores = 0
+        self.busy_s: Counter[str] = Counter()  # worker seconds per request kind
         self._next_expiry_scan = 0.0
         self._thread = threading.Thread(target=self._loop, name="jcp-serve-worker", daemon=True)
 
@@ -91,6 +92,7 @@ class Engine:
                 if self.sched.closed:
                     return
             else:
+                t0 = time.perf_counter()
                 try:
                     if group[0].kind in ("forward", "forward_backward"):
                         self._fwd(group)
@@ -100,6 +102,7 @@ class Engine:
                 except Exception as e:  # noqa: BLE001 — one request's failure is only its own
                     for w in group:
                         self._complete(w.request_id, _error(e))
+                self.busy_s[group[0].kind] += time.perf_counter() - t0
             try:
                 self._reap()
             except Exception as e:  # noqa: BLE001 — never let cleanup stop the worker
