@@ -49,6 +49,10 @@ class AdapterInfo:
     def shared_outer(self) -> bool:
         return self.expert_lora == "shared_outer"
 
+    @property
+    def tied_gate_up(self) -> bool:
+        return self.expert_lora == "fused_gate_up"
+
 
 @dataclasses.dataclass(frozen=True)
 class SlotState:
@@ -139,18 +143,19 @@ class AdapterState:
         self._weights, self._grads, self._mu, self._nu = zeros(), zeros(), zeros(), zeros()
         self._count = self._replicated(np.zeros(max_adapters, np.int32))
         self._meta = lora_lib.SlotMeta(*(self._replicated(np.zeros(max_adapters, np.float32))
-                                         for _ in range(2)))
+                                         for _ in range(3)))
         self._infos: dict[int, AdapterInfo] = {}
 
         tables = (self._shardings,) * 4 + (rep, rep)
 
         @functools.partial(jax.jit, donate_argnums=(0,), out_shardings=tables)
-        def install(tables, slot, weights, grads, mu, nu, count, scale, shared):
+        def install(tables, slot, weights, grads, mu, nu, count, scale, shared, tied):
             w, g, m, n, c, meta = tables
             return (_pad_into(w, slot, weights), _pad_into(g, slot, grads),
                     _pad_into(m, slot, mu), _pad_into(n, slot, nu), c.at[slot].set(count),
                     lora_lib.SlotMeta(meta.scale_G.at[slot].set(scale),
-                                      meta.shared_G.at[slot].set(shared)))
+                                      meta.shared_G.at[slot].set(shared),
+                                      meta.tied_G.at[slot].set(tied)))
 
         self._install = install
         self._take_rows = jax.jit(lambda tree, rows: jax.tree.map(lambda x: x[rows], tree))
@@ -200,10 +205,10 @@ class AdapterState:
 
     def tables(self) -> dict:
         """Every table as global arrays, for snapshots and tests: weights, grads, mu, nu,
-        count [G], scale [G], shared [G]."""
+        count [G], scale [G], shared [G], tied [G]."""
         return {"weights": self._weights, "grads": self._grads, "mu": self._mu,
                 "nu": self._nu, "count": self._count, "scale": self._meta.scale_G,
-                "shared": self._meta.shared_G}
+                "shared": self._meta.shared_G, "tied": self._meta.tied_G}
 
     def free_slot(self) -> int:
         """The lowest free slot; InputError when all are in use."""
@@ -259,7 +264,8 @@ class AdapterState:
         (self._weights, self._grads, self._mu, self._nu, self._count,
          self._meta) = self._install(tables, np.int32(slot), weights, grads or {}, mu or {},
                                      nu or {}, np.int32(count), np.float32(info.scale),
-                                     np.float32(info.shared_outer))
+                                     np.float32(info.shared_outer),
+                                     np.float32(info.tied_gate_up))
         self._infos[slot] = info
 
     def offload(self, slot: int) -> HostSlot:
@@ -291,7 +297,7 @@ class AdapterState:
         tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._meta)
         (self._weights, self._grads, self._mu, self._nu, self._count,
          self._meta) = self._install(tables, np.int32(slot), {}, {}, {}, {}, np.int32(0),
-                                     np.float32(0.0), np.float32(0.0))
+                                     np.float32(0.0), np.float32(0.0), np.float32(0.0))
         del self._infos[slot]
 
     @contextlib.contextmanager

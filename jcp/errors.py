@@ -30,6 +30,9 @@ def float32_number(value, what: str) -> float:
         out = float(value)
     except (TypeError, ValueError):
         raise InputError(f"{what} must be a number, got {value!r}") from None
+    except OverflowError:  # an int beyond float64 (10**400)
+        raise InputError(f"{what} = {_short(value)} overflows float32 (largest finite "
+                         f"{F32.max:.4g})") from None
     if not math.isfinite(out):
         raise InputError(f"{what} must be finite, got {out}")
     with np.errstate(over="ignore"):
@@ -37,3 +40,8 @@ def float32_number(value, what: str) -> float:
     if not np.isfinite(out32):
         raise InputError(f"{what} = {out} overflows float32 (largest finite {F32.max:.4g})")
     return float(out32)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"

@@ -31,10 +31,11 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 
 TARGET_GROUPS = {"attn": ATTN, "mlp": MLP, "experts": EXPERT, "unembed": (HEAD,),
                  "all": ALL_MODULES}
-# How an adapter parameterises the experts: one factor pair per expert (what PEFT
-# expresses), or Tinker's shared-outer scheme — the hidden-size side (gate.A, up.A,
-# down.B) one factor shared by all experts of a layer, the other side per expert.
-EXPERT_LORA = ("shared_outer", "per_expert")
+# How an adapter parameterises the experts: one factor pair per expert; Tinker's
+# shared-outer scheme — the hidden-size side (gate.A, up.A, down.B) one factor shared by
+# all experts of a layer, the other side per expert; or PEFT's fused gate_up — per expert,
+# with gate and up sharing one A (peft's lora_A of gate_up_proj), what a PEFT folder holds.
+EXPERT_LORA = ("shared_outer", "per_expert", "fused_gate_up")
 
 
 def table_modules(cfg: QwenConfig) -> tuple[str, ...]:
@@ -59,16 +60,22 @@ def expert_keys(module: str, mode: str | None) -> tuple[str, str]:
 
     ("a", "b") except on the hidden-size side of a shared-outer expert module: gate / up
     ("a_shared" [Lm, D, r], "b" [Lm, E, r, Fe]) and down ("a" [Lm, E, Fe, r], "b_shared"
-    [Lm, r, D]). A slot table holds all three keys of an expert module; an adapter's
-    unused one stays exactly zero (the model reads only the key its mode selects).
+    [Lm, r, D]). Under fused_gate_up, expert_up holds only "b": its A is expert_gate's
+    (tied, so one parameter gets both gradients, as peft's fused gate_up lora_A does). A
+    slot table holds all three keys of an expert module; an adapter's unused one stays
+    exactly zero (the model reads only the key its mode selects).
     """
-    if module not in EXPERT or mode == "per_expert":
+    if mode == "fused_gate_up" and module == "expert_up":
+        return ("b",)
+    if module not in EXPERT or mode in ("per_expert", "fused_gate_up"):
         return ("a", "b")
     return ("a", "b_shared") if module == "expert_down" else ("a_shared", "b")
 
 
 def tree_expert_lora(tree: dict) -> str | None:
     """The expert parameterisation an adapter tree's keys show (None without experts)."""
+    if "expert_up" in tree and set(tree["expert_up"]) == {"b"}:
+        return "fused_gate_up"
     for m in EXPERT:
         if m in tree:
             return "per_expert" if set(tree[m]) == {"a", "b"} else "shared_outer"
@@ -198,13 +205,15 @@ class Routing:
     active_A: slot of each active adapter; spans_Ax2: [start, end) rows of this shard's
     stream routed to it (adapters are contiguous because packing sorts by adapter);
     scale_A: alpha / rank of each active slot; shared_A: 1 where the slot's experts are
-    shared-outer, 0 where per-expert (see expert_keys).
+    shared-outer, 0 where per-expert (see expert_keys); tied_A: 1 where the slot's
+    expert_up reads expert_gate's A (fused_gate_up), None in tables without that mode.
     """
 
     active_A: jax.Array
     spans_Ax2: jax.Array
     scale_A: jax.Array
     shared_A: jax.Array
+    tied_A: jax.Array | None = None
 
     def mask_SxA(self, s_len: int) -> jax.Array:
         t = jnp.arange(s_len)[:, None]
@@ -212,26 +221,30 @@ class Routing:
 
 
 jax.tree_util.register_dataclass(
-    Routing, data_fields=["active_A", "spans_Ax2", "scale_A", "shared_A"], meta_fields=[])
+    Routing, data_fields=["active_A", "spans_Ax2", "scale_A", "shared_A", "tied_A"],
+    meta_fields=[])
 
 
 @dataclasses.dataclass(frozen=True)
 class SlotMeta:
     """What the model reads per slot besides its weights: scale_G alpha / rank (0 for a
-    free slot), shared_G 1.0 where the slot's experts are shared-outer."""
+    free slot), shared_G 1.0 where the slot's experts are shared-outer, tied_G 1.0 where
+    they are fused_gate_up (None: no such slot possible)."""
 
     scale_G: jax.Array
     shared_G: jax.Array
+    tied_G: jax.Array | None = None
 
     def routing(self, active_A, spans_Ax2) -> Routing:
         """Routing of the active slots (entries < 0: the base model, no LoRA, scale 0)."""
         slot_A = jnp.maximum(active_A, 0)
         scale_A = jnp.where(active_A < 0, 0.0, jnp.take(self.scale_G, slot_A))
+        tied_A = None if self.tied_G is None else jnp.take(self.tied_G, slot_A)
         return Routing(active_A=slot_A, spans_Ax2=spans_Ax2, scale_A=scale_A,
-                       shared_A=jnp.take(self.shared_G, slot_A))
+                       shared_A=jnp.take(self.shared_G, slot_A), tied_A=tied_A)
 
 
-jax.tree_util.register_dataclass(SlotMeta, data_fields=["scale_G", "shared_G"],
+jax.tree_util.register_dataclass(SlotMeta, data_fields=["scale_G", "shared_G", "tied_G"],
                                  meta_fields=[])
 
 

@@ -16,10 +16,13 @@ The experts in files. transformers 5 holds Qwen3-MoE experts as two fused 3-D pa
 gate_up_proj [E, 2F, D] (gate rows first) and down_proj [E, D, F], and peft adapts them with
 `target_parameters` (ParamWrapper): one LoRA per parameter, lora_A [r·E, I] with rows
 ordered (expert, rank), lora_B [O, r·E] with columns ordered (rank, expert) (pack_experts),
-scale alpha / r. jcp's separate gate and up factors are one LoRA over the fused [gate; up]
-output: at rank 2r with A_e = [gate.A_e | up.A_e] and block-diagonal B_e, alpha 2·alpha
-through rank_pattern / alpha_pattern (exactly what peft's own per-expert -> fused
-conversion writes); reading such a file gives rank r back. vLLM reads Qwen3-MoE adapters
+scale alpha / r. A folder peft wrote is read as jcp's "fused_gate_up" adapter: gate and
+up share that one A_e (a tied parameter, so it trains as peft trains it) and split B_e's
+columns; it is written back the same way, at rank r. jcp's separate gate and up factors
+(per_expert, shared_outer) are one LoRA over the fused [gate; up] output: at rank 2r with
+A_e = [gate.A_e | up.A_e] and block-diagonal B_e, alpha 2·alpha through rank_pattern /
+alpha_pattern (exactly what peft's own per-expert -> fused conversion writes); reading
+such a file gives rank r back, gate and up untied. vLLM reads Qwen3-MoE adapters
 as per-expert 2-D keys instead (write_vllm_folder).
 """
 
@@ -171,14 +174,21 @@ def fuse_gate_up(gate, up) -> tuple[np.ndarray, np.ndarray]:
 def experts_to_peft(tree: dict, rank: int, experts, cfg: QwenConfig) -> dict[str, np.ndarray]:
     """The expert modules of an adapter tree (either parameterisation) -> peft's fused 3-D
     tensors of every MoE layer: gate_up at rank 2r when gate and up are both targeted (r
-    when one is), down at rank r (see expert_key, pack_experts, fuse_gate_up)."""
+    when one is, or when they share A: fused_gate_up), down at rank r (see expert_key,
+    pack_experts, fuse_gate_up)."""
     gate_up = [m for m in ("expert_gate", "expert_up") if m in experts]
     nested = bool(gate_up) and "expert_down" in experts
-    f = {m: per_expert(tree[m], rank, cfg.num_experts) for m in experts}
+    tied = lora_lib.tree_expert_lora(tree) == "fused_gate_up"
+    f = {m: per_expert(tree[m], rank, cfg.num_experts) for m in experts
+         if not (tied and m == "expert_up")}
     out = {}
     for lm, li in enumerate(moe_layer_ids(cfg)):
         pairs = []
-        if gate_up:
+        if tied:  # already peft's one LoRA over [gate; up], at rank r
+            up_b = lora_lib.at_rank("b", np.asarray(tree["expert_up"]["b"][lm]), rank)
+            pairs.append((GATE_UP, (f["expert_gate"][0][lm],
+                                    np.concatenate([f["expert_gate"][1][lm], up_b], -1))))
+        elif gate_up:
             pairs.append((GATE_UP, fuse_gate_up(
                 *((f[m][0][lm], f[m][1][lm]) if m in f else None
                   for m in ("expert_gate", "expert_up")))))
@@ -207,7 +217,10 @@ def to_vllm(tree: dict, rank: int, targets, cfg: QwenConfig) -> dict[str, np.nda
     if not set(targets) & set(lora_lib.EXPERT):
         return out
     for m in lora_lib.EXPERT:
-        if m in targets:
+        if m in targets and set(tree[m]) == {"b"}:  # fused_gate_up: up's A is gate's
+            a = per_expert(tree["expert_gate"], rank, cfg.num_experts)[0]
+            b = per_expert({"a": a, "b": tree[m]["b"]}, rank, cfg.num_experts)[1]
+        elif m in targets:
             a, b = per_expert(tree[m], rank, cfg.num_experts)
         else:
             i, o = lora_lib.module_dims(cfg, m)
@@ -239,8 +252,9 @@ def from_peft(tensors, cfg: QwenConfig, rank: int, targets, where: str,
     Expert modules (a MoE cfg) come back per expert. The fused gate_up is read at
     gate_up_rank k (default r) and gives gate and up alike (targets hold both): when
     k = 2r and every expert's B is block-diagonal (fuse_gate_up's form) gate and up get
-    rank r back; otherwise each is the whole LoRA at rank k, A shared, B its half of the
-    rows. The tree's rank is then max(r, k), every module zero-padded to it (exact).
+    rank r back (per_expert); otherwise they keep the one A (expert_up holds only its B
+    half, gate's the first F columns: fused_gate_up), at rank k. The tree's rank is then
+    max(r, k), every module zero-padded to it (exact).
     """
     def plain(name):
         return name.replace(".default.weight", ".weight")
@@ -319,9 +333,9 @@ def _experts_from_peft(fetch, cfg: QwenConfig, rank: int, experts, gate_up_rank:
                 and not np.any(b_LxExkx2F[:, :, h:, :f])):
             out["expert_gate"] = {"a": a_LxExDxk[..., :h], "b": b_LxExkx2F[:, :, :h, :f]}
             out["expert_up"] = {"a": a_LxExDxk[..., h:], "b": b_LxExkx2F[:, :, h:, f:]}
-        else:
+        else:  # peft's own form: one A for gate and up, kept tied (fused_gate_up)
             out["expert_gate"] = {"a": a_LxExDxk, "b": b_LxExkx2F[..., :f]}
-            out["expert_up"] = {"a": a_LxExDxk.copy(), "b": b_LxExkx2F[..., f:]}
+            out["expert_up"] = {"b": b_LxExkx2F[..., f:]}
     if "expert_down" in experts:
         a, b = read(DOWN, rank, f, d)
         out["expert_down"] = {"a": a, "b": b}
@@ -381,6 +395,30 @@ def _write(path, cfg: QwenConfig, config: dict, weights: dict) -> None:
                   lambda p: open(p, "w").write(json.dumps(config, indent=2)))
 
 
+def check_export_path(path, what: str) -> str:
+    """path as a str where a folder can be written, or InputError naming `what`: not a
+    path, a NUL byte, a component longer than the file-name limit, or an existing
+    non-folder at the path or above it. Nothing is created."""
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        raise InputError(f"{what} must be a path, got {type(path).__name__}") from None
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not path or "\0" in path:
+        raise InputError(f"{what} {path!r} is empty or holds a NUL byte")
+    for part in path.split(os.sep):
+        if len(os.fsencode(part)) > 255:
+            raise InputError(f"{what}: the name {part[:20]!r}... is longer than 255 bytes")
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "" if probe == os.path.abspath(path) else f" (at {probe!r})"
+        raise InputError(f"{what} {path!r} exists and is not a folder{where}")
+    return path
+
+
 def write_folder(path, cfg: QwenConfig, info, tree: dict) -> None:
     """A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) of an adapter
     tree; `info` has rank, alpha and targets.
@@ -396,7 +434,7 @@ def write_folder(path, cfg: QwenConfig, info, tree: dict) -> None:
         gate_up = [m for m in ("expert_gate", "expert_up") if m in experts]
         config["target_parameters"] = ([GATE_UP] if gate_up else []) + (
             [DOWN] if "expert_down" in experts else [])
-        if len(gate_up) == 2:
+        if len(gate_up) == 2 and info.expert_lora != "fused_gate_up":
             config["rank_pattern"] = {GATE_UP_PATTERN: 2 * info.rank}
             config["alpha_pattern"] = {GATE_UP_PATTERN: 2 * info.alpha}
     _write(path, cfg, config, to_peft(tree, info.rank, info.targets, cfg.num_layers, cfg=cfg))

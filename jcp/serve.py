@@ -2,7 +2,8 @@
 
     jcp-serve [--hf-model DIR] [--model-name NAME] [--mesh dp,cp,tp] [--host 127.0.0.1]
               [--port 8000] [--max-adapters N] [--max-rank R] [--max-tokens-per-device N]
-              [--api-keys FILE] [--state-dir DIR] [--max-offload-gb G]
+              [--api-keys FILE] [--state-dir DIR] [--max-body-bytes N] [--max-datums N]
+              [--max-num-samples N] [--max-futures N] [--max-offload-gb G]
               [--session-timeout S]
 
 With no --hf-model it serves the tiny random model, on 8 fake CPU devices when there is no
@@ -37,6 +38,17 @@ def parse_args(argv):
     p.add_argument("--api-keys", help="file of `key [name]` lines; enables key checks")
     p.add_argument("--state-dir", help="checkpoints and sampler weights (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
+    from jcp.server.edge import Limits
+
+    d = Limits()
+    p.add_argument("--max-body-bytes", type=int, default=d.body_bytes,
+                   help="largest HTTP body, and zstd body once decompressed (413 beyond)")
+    p.add_argument("--max-datums", type=int, default=d.datums,
+                   help="datums per forward / forward_backward request")
+    p.add_argument("--max-num-samples", type=int, default=d.num_samples,
+                   help="num_samples per sample request")
+    p.add_argument("--max-futures", type=int, default=d.futures,
+                   help="request results kept per tenant (pending ones are never evicted)")
     p.add_argument("--max-offload-gb", type=float, default=16.0,
                    help="host memory for training models moved out of their adapter slot "
                    "when slots are short (bounds how many models may exist)")
@@ -52,7 +64,8 @@ def parse_args(argv):
             assert len(args.mesh) == 3 and min(args.mesh) >= 1
         except (ValueError, AssertionError):
             raise CliError(f"--mesh must be dp,cp,tp positive integers, got {args.mesh!r}")
-    for name in ("max_adapters", "max_rank"):
+    for name in ("max_adapters", "max_rank", "max_body_bytes", "max_datums",
+                 "max_num_samples", "max_futures"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be ≥ 1")
     for name in ("max_offload_gb", "session_timeout"):
@@ -85,23 +98,27 @@ class Server:
 
     def __init__(self, trainer, model_name: str, state_dir: str, api_keys=None,
                  host: str = "127.0.0.1", port: int = 0, tokenizer_id: str | None = None,
-                 max_offload_bytes: int = 16 << 30, session_timeout_s: float = 180.0):
+                 limits=None, max_offload_bytes: int = 16 << 30,
+                 session_timeout_s: float = 180.0):
         import uvicorn
 
         from jcp.server.app import FutureTable, ServedModel, create_app
+        from jcp.server.edge import Limits
         from jcp.server.engine import Engine
         from jcp.server.scheduler import Scheduler
         from jcp.server.state import StateStore
 
         self.store = StateStore(state_dir, api_keys)
         self.scheduler = Scheduler()
-        self.futures = FutureTable()
+        self.limits = limits if limits is not None else Limits()
+        self.futures = FutureTable(self.limits.futures)
         self.engine = Engine(trainer, self.store, self.scheduler, model_name,
                              self.futures.complete, tokenizer_id, max_offload_bytes,
                              session_timeout_s)
         served = ServedModel(model_name, self.engine.token_cap, self.engine.max_rank,
                              tokenizer_id)
-        self.app = create_app(self.store, self.scheduler, self.futures, served)
+        self.app = create_app(self.store, self.scheduler, self.futures, served, self.limits,
+                              alive=self.engine.alive)
         if port == 0:
             with socket.socket() as s:
                 s.bind((host, 0))
@@ -133,15 +150,19 @@ class Server:
 def main(argv=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        setup_devices(args)
         from jcp.server.state import read_api_keys
 
         keys = None
-        if args.api_keys:
+        if args.api_keys:  # before any device work: a bad key file costs nothing
             try:
                 keys = read_api_keys(args.api_keys)
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, UnicodeDecodeError) as e:
                 raise CliError(f"--api-keys: {e}") from None
+        setup_devices(args)
+        from jcp.server.edge import Limits
+
+        limits = Limits(body_bytes=args.max_body_bytes, datums=args.max_datums,
+                        num_samples=args.max_num_samples, futures=args.max_futures)
         tr = build_trainer(args)
     except CliError as e:
         print(f"jcp-serve: error: {e}", file=sys.stderr)
@@ -150,7 +171,7 @@ def main(argv=None) -> int:
                                if args.hf_model else "jcp-tiny")
     state_dir = args.state_dir or tempfile.mkdtemp(prefix="jcp-serve-")
     srv = Server(tr, name, state_dir, keys, args.host, args.port,
-                 _tokenizer_dir(args.hf_model), int(args.max_offload_gb * (1 << 30)),
+                 _tokenizer_dir(args.hf_model), limits, int(args.max_offload_gb * (1 << 30)),
                  args.session_timeout)
     print(f"jcp-serve: {srv.url}  model {name!r}  mesh dp={tr.dp} cp={tr.cp} tp={tr.tp}  "
           f"max_context_length {tr.token_cap}  state {state_dir}", flush=True)

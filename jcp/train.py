@@ -29,6 +29,8 @@ import sys
 SFT, RL = "sft", "rl"
 PROMPT = 16  # leading tokens of every synthetic datum that carry no weight/advantage
 RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
+MAX_STEP_TOKENS = 1 << 24  # per adapter per step: ~64 MiB per int32 host array
+NAME_MAX = 255  # bytes in a file name: adapter names become checkpoint folders
 
 
 class CliError(Exception):
@@ -111,6 +113,7 @@ def parse_args(argv):
     # The checks that need jcp (and so JAX) come last, so that a mistyped flag fails fast.
     # Importing JAX touches no backend; setup_devices still runs before one starts.
     import jcp
+    from jcp.errors import float32_number
     from jcp.losses import check_loss_fn
 
     if a.loss_fn is not None:
@@ -118,6 +121,17 @@ def parse_args(argv):
             check_loss_fn(a.loss_fn)
         except jcp.InputError as e:
             raise CliError(f"--loss-fn: {e}") from None
+    try:
+        float32_number(a.alpha, "--alpha")
+    except jcp.InputError as e:
+        raise CliError(str(e)) from None
+    # Host arrays of one step hold every adapter's tokens (a few int32/float32 vectors
+    # each): bound them before anything is built.
+    step_tokens = a.batch_size * max(a.seq_len, a.group_size * (PROMPT + a.rl_tokens))
+    if step_tokens > MAX_STEP_TOKENS:
+        raise CliError(f"--batch-size {a.batch_size}: a step of {step_tokens} tokens per "
+                       f"adapter exceeds {MAX_STEP_TOKENS} (lower --batch-size, --seq-len, "
+                       "--group-size or --rl-tokens)")
     a.adam = jcp.AdamParams(learning_rate=a.lr)
     try:
         a.adam.checked()  # in float32, as the optimizer will see it
@@ -309,9 +323,10 @@ def _parse_datum(obj, default_loss: str):
     adapter = obj.get("adapter", "default")
     # The name becomes a folder under checkpoints/.
     if not isinstance(adapter, str) or adapter in ("", ".", "..") or "/" in adapter \
-            or os.sep in adapter:
-        raise jcp.InputError(f"adapter must be a name usable as a folder name, got "
-                             f"{json.dumps(adapter)[:40]}")
+            or os.sep in adapter or "\0" in adapter \
+            or len(adapter.encode("utf-8", "surrogatepass")) > NAME_MAX:
+        raise jcp.InputError(f"adapter must be a name usable as a folder name (no / or NUL, "
+                             f"at most {NAME_MAX} bytes), got {json.dumps(adapter)[:40]}")
     return jcp.Datum.from_json(obj), adapter, loss
 
 
@@ -327,6 +342,8 @@ def read_jsonl(path: str, default_loss: str) -> DataFile:
             datum, adapter, loss = _parse_datum(json.loads(line), default_loss)
         except json.JSONDecodeError as e:
             raise CliError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+        except RecursionError:
+            raise CliError(f"{path}:{lineno}: JSON nested too deeply") from None
         except jcp.InputError as e:
             raise CliError(f"{path}:{lineno}: {e}") from None
         datums.append(datum)
@@ -483,6 +500,31 @@ def build_trainer(args, adapter_names: list[str]):
         raise CliError(str(e)) from None
 
 
+def check_fits(tr, args, src: DataFile | None) -> None:
+    """Every datum the run will train on fits the Trainer (token cap, vocabulary, inputs),
+    checked before any adapter exists: CliError naming FILE:LINE or the flag."""
+    import jcp
+    from jcp import batch as batch_lib
+
+    cap = tr.token_cap
+    why = (f"--max-tokens-per-device {args.max_tokens_per_device}" if
+           args.max_tokens_per_device is not None else f"--mesh {tr.dp},{tr.cp},{tr.tp}")
+    if src is not None:
+        for i, (d, loss) in enumerate(zip(src.datums, src.losses)):
+            try:
+                batch_lib.validate([d], [loss], tr.cfg.vocab_size, cap)
+            except jcp.InputError as e:
+                raise CliError(f"{src.where(i)}: {str(e).removeprefix('datum 0: ')} (with "
+                               f"{why}, a datum holds at most {cap} tokens)") from None
+        return
+    if args.seq_len > cap:
+        raise CliError(f"--seq-len {args.seq_len}: {why} lets a datum hold at most {cap} "
+                       "tokens")
+    if PROMPT + args.rl_tokens > cap:
+        raise CliError(f"--rl-tokens {args.rl_tokens}: a {PROMPT}-token prompt plus "
+                       f"completion exceeds the {cap} tokens {why} allows per sequence")
+
+
 def restore_or_create(tr, args, adapter_names: list[str], latest: dict | None
                       ) -> tuple[dict, int]:
     """-> ({adapter name: id}, the step they are at): the checkpoint `latest` points at,
@@ -588,6 +630,7 @@ def run(args) -> dict:
     adapter_names = src.adapter_names if src else [SFT, RL]
     latest = read_latest(args.out, adapter_names) if args.resume else None
     tr = build_trainer(args, adapter_names)
+    check_fits(tr, args, src)
     adapters, start = restore_or_create(tr, args, adapter_names, latest)
     if start >= args.steps:
         print(f"jcp-train: already at step {start} of {args.steps}", file=sys.stderr)

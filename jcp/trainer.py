@@ -119,6 +119,10 @@ class Trainer:
     are pure token sums.
     """
 
+    # Micro-batches of one call dispatched ahead of the oldest's completion: enough to keep
+    # the device fed, few enough that XLA:CPU's collective rendezvous never times out.
+    MAX_IN_FLIGHT = 4
+
     def __init__(self, cfg: QwenConfig, mesh, base_params=None, max_adapters: int = 4,
                  max_rank: int = 16, seed: int = 0, max_tokens_per_device: int | None = None,
                  *, remat: bool = True, attn_impl: str = "blockwise",
@@ -219,6 +223,9 @@ class Trainer:
         elif expert_lora not in lora_lib.EXPERT_LORA:
             raise InputError(f"expert_lora must be one of {lora_lib.EXPERT_LORA}, got "
                              f"{expert_lora!r}")
+        elif expert_lora == "fused_gate_up" and not {"expert_gate", "expert_up"} <= set(targets):
+            raise InputError("expert_lora 'fused_gate_up' ties expert_up's A to expert_gate's: "
+                             f"target both, got {sorted(set(targets) & set(lora_lib.EXPERT))}")
         elif expert_lora not in self.state.expert_lora_modes:
             raise InputError(f"a {expert_lora!r} adapter of the experts does not fit this "
                              f"Trainer's slots (expert_lora_modes="
@@ -236,7 +243,8 @@ class Trainer:
         default all the model has (dense: attn + mlp + unembed; MoE: attn + experts +
         unembed). expert_lora, for expert targets: "shared_outer" (Tinker's scheme: gate.A,
         up.A and down.B one factor per layer shared by all experts, the other factors per
-        expert) or "per_expert" (every factor per expert, what PEFT expresses).
+        expert), "per_expert" (every factor per expert) or "fused_gate_up" (per expert,
+        gate and up sharing one A: PEFT's fused gate_up_proj LoRA, what load_peft gives).
         seed: a non-negative integer (default: from the Trainer's seed and the slot).
         """
         info = self._check_new_adapter(rank, alpha, targets, expert_lora)
@@ -311,8 +319,10 @@ class Trainer:
         return bool(host(_array_equal(w if w is not None else self.params["embed"], other)))
 
     def export_peft(self, adapter: int, path) -> None:
-        """Write the adapter as a PEFT folder (adapter_config.json + adapter_model.safetensors)."""
+        """Write the adapter as a PEFT folder (adapter_config.json + adapter_model.safetensors).
+        A path that cannot be such a folder (an existing file) is refused (InputError)."""
         slot = self._check_adapter(adapter)
+        path = peft_lib.check_export_path(path, "export_peft: path")
         peft_lib.write_folder(path, self.cfg, self.adapters[slot],
                               self.state.read(slot, "weights"))
 
@@ -321,6 +331,7 @@ class Trainer:
         Qwen3-MoE (`…mlp.experts.{e}.{gate,up,down}_proj.lora_{A,B}.weight`; a shared-outer
         factor repeated over experts). For dense models it equals export_peft's folder."""
         slot = self._check_adapter(adapter)
+        path = peft_lib.check_export_path(path, "export_vllm: path")
         peft_lib.write_vllm_folder(path, self.cfg, self.adapters[slot],
                                    self.state.read(slot, "weights"))
 
@@ -381,9 +392,9 @@ class Trainer:
         checked, packed, cfg_arrays = self._prepare(data, loss_fn, loss_fn_config, adapters)
         loss_cfg = jax.tree.map(lambda v: replicate(self.mesh, v), cfg_arrays)
         call_tokens = sum(int(np.sum(pb.segment >= 0)) for pb in packed)
-        batches = [self._device_batch(pb, call_tokens) for pb in packed]
 
-        def step(pb, b, accumulate):
+        def step(pb, accumulate):
+            b = self._device_batch(pb, call_tokens)
             args = (self.params, self.state.meta, b, {k: loss_cfg[k] for k in pb.loss_fns})
             kw = dict(loss_fns=pb.loss_fns, num_slots=pb.num_slots)
             if accumulate is None:
@@ -391,14 +402,22 @@ class Trainer:
             return accumulate(lambda acc: _split_first(
                 self._forward_backward(acc, self.state.weights, *args, **kw)))
 
+        def dispatch(accumulate):
+            # Micro-batches are dispatched ahead of reading any result back, so the device
+            # never waits on a host transfer, but at most MAX_IN_FLIGHT of them: dozens of
+            # queued programs made XLA:CPU's collectives miss their rendezvous timeout and
+            # abort the process.
+            results = []
+            for i, pb in enumerate(packed):
+                if i >= self.MAX_IN_FLIGHT:
+                    jax.block_until_ready(results[i - self.MAX_IN_FLIGHT])
+                results.append(step(pb, accumulate))
+            return self._outputs(checked, packed, results)
+
         if not backward:
-            # Every micro-batch is dispatched before any result is read back, so the device
-            # never waits on a host transfer.
-            results = [step(pb, b, None) for pb, b in zip(packed, batches)]
-            return self._outputs(checked, packed, results)
+            return dispatch(None)
         with self.state.accumulating(per_datum_slots(packed)) as accumulate:
-            results = [step(pb, b, accumulate) for pb, b in zip(packed, batches)]
-            return self._outputs(checked, packed, results)
+            return dispatch(accumulate)
 
     def _outputs(self, checked, packed, results) -> ForwardBackwardOutput:
         """Read back every micro-batch's results; InputError (the caller rolls back) when a

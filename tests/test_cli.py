@@ -227,6 +227,15 @@ USER_ERRORS = [
     # A fresh process: a NumPy overflow warning would be a second line on stderr.
     ("lr-overflows-float32", _flag("--lr", "1e39"), False),
     ("seed-negative", _flag("--seed", "-1"), True),
+    ("alpha-overflows-float32", _flag("--alpha", "1e39"), True),
+    ("max-tokens-per-device-tiny", _flag("--max-tokens-per-device", "3"), True),
+    ("rl-tokens-beyond-the-cap", _flag("--rl-tokens", "100000"), True),
+    ("batch-size-huge", _flag("--batch-size", "1000000000"), True),
+    ("data-adapter-with-nul", _data_case(_datum(), _datum("a\u0000b"), bad_line=2), True),
+    ("data-adapter-name-too-long", _data_case(_datum("n" * 300), bad_line=1), True),
+    ("data-nested-deep", _data_case(
+        _datum(), b'{"model_input": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", bad_line=2),
+     True),
     ("loss-fn-unknown", _loss_fn_unknown, True),
     ("data-loss-fn-not-a-string", _data_case(_datum(), _datum(loss_fn=["ppo"]), bad_line=2), True),
     ("data-inputs-a-list", _data_case(_datum(loss_fn_inputs=[1, 2]), bad_line=1), True),
@@ -271,3 +280,6 @@ def test_user_error_is_one_line(tmp_path, request, capfd, make, in_process):
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
     assert lines[0].startswith("jcp-train: error: ") and str(needle) in lines[0], lines[0]
+    if not needs_run:  # refused before any work: no checkpoint was begun
+        out = argv[argv.index("--out") + 1]
+        assert not os.path.exists(os.path.join(out, "checkpoints")), os.listdir(out)

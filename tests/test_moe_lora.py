@@ -67,6 +67,8 @@ def merged(params64, tree, scale, leaves):
             out[name] = params64[name] + scale * (t[m]["a"][li] @ t[m]["b"][li]).T
     for j, li in enumerate(MOE_LAYERS):
         def per_expert(m, key):
+            if key == "a" and set(t[m]) == {"b"}:  # fused_gate_up: up's A is gate's leaf
+                m = "expert_gate"
             x = t[m][key][j] if key in t[m] else t[m][key + "_shared"][j]
             return x if x.dim() == 3 else x.expand(TM.EXPERTS, *x.shape)
 
@@ -107,17 +109,19 @@ def test_expert_lora_matches_torch(tmp, mesh_shape):
     hm, path = model(tmp)
     cfg, base = jcp.load_hf(path)
     assert cfg.moe_layers == (False, True, True) and cfg.is_moe
-    trees = [random_adapter(cfg, "shared_outer", 1), random_adapter(cfg, "per_expert", 2)]
+    modes = ("shared_outer", "per_expert", "fused_gate_up")
+    trees = [random_adapter(cfg, m, i + 1) for i, m in enumerate(modes)]
     assert "a_shared" in trees[0]["expert_gate"] and "a_shared" not in trees[1]["expert_gate"]
-    seqs, targets, weights = MH.random_data([23, 40, 17], seed=4)
-    data_adapters = [0, 1, 0]
+    assert set(trees[2]["expert_up"]) == {"b"}  # tied to expert_gate's A
+    seqs, targets, weights = MH.random_data([23, 40, 17, 21], seed=4)
+    data_adapters = [0, 1, 2, 0]
     want_lp, want_loss, want_g = reference(hm, trees, data_adapters, seqs, targets, weights)
 
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=3,
+    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=4,
                      max_rank=8, seed=0)
     assert tr.mesh.shape["tp"] == mesh_shape[2]
-    ids = [install(tr, trees[0], "shared_outer"), install(tr, trees[1], "per_expert")]
-    assert [tr.adapters[i].expert_lora for i in ids] == ["shared_outer", "per_expert"]
+    ids = [install(tr, tree, m) for tree, m in zip(trees, modes)]
+    assert [tr.adapters[i].expert_lora for i in ids] == list(modes)
     data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
             for s, t, w in zip(seqs, targets, weights)]
     out = tr.forward_backward(data, "cross_entropy", adapters=[ids[k] for k in data_adapters])
@@ -318,24 +322,6 @@ def peft_folder(tmp):
             "lps": lps, "loss": float(total.detach()), "grads": grads}
 
 
-def peft_expert_grads(tree, layer_ids):
-    """jcp's per-expert gradients of an imported adapter as peft's fused parameters'
-    gradients. The import gives gate and up the same A_e (peft's one A of the fused
-    gate_up), so peft's A gradient is their sum; B stacks gate's rows over up's. lora_A
-    [r·E, in] rows are (expert, rank); lora_B [out, r·E] columns are (rank, expert)."""
-    out = {}
-    for j, li in enumerate(layer_ids):
-        gate, up, down = (tree[m] for m in lora_lib.EXPERT)
-        a_gu = gate["a"][j] + up["a"][j]  # [E, D, r]
-        b_gu = np.concatenate([gate["b"][j], up["b"][j]], axis=-1)  # [E, r, 2F]
-        for name, a, b in (("experts.base_layer", a_gu, b_gu),
-                           ("experts", down["a"][j], down["b"][j])):
-            prefix = f"base_model.model.model.layers.{li}.mlp.{name}"
-            out[f"{prefix}.lora_A.weight"] = np.transpose(a, (0, 2, 1)).reshape(-1, a.shape[1])
-            out[f"{prefix}.lora_B.weight"] = np.transpose(b, (2, 1, 0)).reshape(b.shape[2], -1)
-    return out
-
-
 @pytest.mark.parametrize("mesh_shape", PEFT_MESHES)
 def test_peft_expert_adapter_matches_peft(peft_folder, mesh_shape, tmp_path):
     cfg, base = jcp.load_hf(peft_folder["base"])
@@ -343,7 +329,8 @@ def test_peft_expert_adapter_matches_peft(peft_folder, mesh_shape, tmp_path):
                      max_rank=8, seed=0)
     a = tr.load_peft(peft_folder["path"])
     info = tr.adapters[a]
-    assert info.expert_lora == "per_expert" and info.rank == RANK
+    # peft's parameterisation: gate and up share the fused gate_up's one A per expert
+    assert info.expert_lora == "fused_gate_up" and info.rank == RANK
     assert set(lora_lib.EXPERT) <= set(info.targets)
     seqs, targets, weights = peft_folder["data"]
     data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
@@ -352,10 +339,11 @@ def test_peft_expert_adapter_matches_peft(peft_folder, mesh_shape, tmp_path):
     for o, want in zip(out.loss_fn_outputs, peft_folder["lps"]):
         np.testing.assert_allclose(o["logprobs"], want, atol=2e-4, rtol=0)
     np.testing.assert_allclose(out.metrics["loss:sum"], peft_folder["loss"], rtol=2e-5)
-    want = peft_folder["grads"]
-    got = {k: v for k, v in tr.gradients(a).items() if "experts" not in k}
-    got.update(peft_expert_grads(tr.state.read(a, "grads"), MOE_LAYERS))
-    assert set(got) == set(want)
+    # peft's keys and shapes exactly: gate_up lora_A [r·E, D], not 2r·E rows
+    want, got = peft_folder["grads"], tr.gradients(a)
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
+    gate_up_a = f"base_model.model.model.layers.{MOE_LAYERS[0]}.mlp.experts.base_layer.lora_A.weight"
+    assert got[gate_up_a].shape == (RANK * TM.EXPERTS, MH.D)
     scale = max(float(np.max(np.abs(g))) for g in want.values())
     for k in want:
         np.testing.assert_allclose(got[k], want[k], atol=2e-5 * scale, rtol=1e-3, err_msg=k)
@@ -370,6 +358,60 @@ def test_peft_expert_adapter_matches_peft(peft_folder, mesh_shape, tmp_path):
                 logits = pm(torch.tensor(np.asarray(s))[None]).logits[0].double()
             lp = torch.log_softmax(logits, -1)[torch.arange(len(s)), torch.tensor(np.asarray(t))]
             np.testing.assert_allclose(lp.numpy(), want, atol=2e-4, rtol=0)
+
+
+def test_peft_expert_adapter_trains_as_peft_does(peft_folder, tmp_path):
+    """Two AdamW steps of the imported adapter equal torch's AdamW on the peft model (fp64),
+    parameter by parameter under peft's names, and the export is still at rank r."""
+    import peft
+    cfg, base = jcp.load_hf(peft_folder["base"])
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), base_params=base, max_adapters=1,
+                     max_rank=8, seed=0)
+    a = tr.load_peft(peft_folder["path"])
+    seqs, targets, weights = peft_folder["data"]
+    data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
+            for s, t, w in zip(seqs, targets, weights)]
+    # eps well above float32's gradient noise, so Adam's sign-like first step cannot
+    # amplify it; weight decay on, no clipping
+    hp = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.1)
+    adam = jcp.AdamParams(learning_rate=hp["lr"], beta1=0.9, beta2=0.95, eps=hp["eps"],
+                          weight_decay=hp["weight_decay"], grad_clip_norm=0.0)
+
+    pm = peft.PeftModel.from_pretrained(transformers_model(peft_folder["base"]),
+                                        peft_folder["path"], is_trainable=True).double()
+    params = {n.replace(".default", ""): p for n, p in pm.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(list(params.values()), **hp)
+    start = {k: v.detach().numpy().copy() for k, v in params.items()}
+    assert {k: v.shape for k, v in tr.adapter_weights(a).items()} == \
+        {k: v.shape for k, v in start.items()}
+    for _ in range(2):
+        tr.forward_backward(data, "cross_entropy", adapters=a)
+        tr.optim_step(a, adam)
+        opt.zero_grad()
+        total = 0.0
+        for s, t, w in zip(seqs, targets, weights):
+            logits = pm(torch.tensor(np.asarray(s))[None]).logits[0]
+            lp = torch.log_softmax(logits, -1)[torch.arange(len(s)),
+                                               torch.tensor(np.asarray(t))]
+            total = total - (torch.tensor(np.asarray(w, np.float64)) * lp).sum()
+        total.backward()
+        opt.step()
+    got = tr.adapter_weights(a)
+    moved = max(float(np.max(np.abs(p.detach().numpy() - start[k]))) for k, p in params.items())
+    assert moved > 1e-3  # the two steps really moved the weights (20x the tolerance)
+    for k, p in params.items():
+        np.testing.assert_allclose(got[k], p.detach().numpy(), atol=5e-5, rtol=0, err_msg=k)
+
+    tr.export_peft(a, tmp_path / "trained")
+    with open(tmp_path / "trained" / "adapter_config.json") as f:
+        pc = __import__("json").load(f)
+    assert pc["r"] == RANK and not pc["rank_pattern"]
+    back = peft.PeftModel.from_pretrained(transformers_model(peft_folder["base"]),
+                                          str(tmp_path / "trained"))
+    for n, p in back.named_parameters():
+        if "lora_" in n:
+            k = n.replace(".default", "")
+            np.testing.assert_array_equal(p.detach().numpy(), got[k], err_msg=k)
 
 
 def transformers_model(path):

@@ -120,6 +120,8 @@ def random_tree(cfg, rank, targets, mode, seed):
 def factors(tree, m, lm, e):
     """Expert e's (A [I, r], B [r, O]) of MoE layer lm, either parameterisation, fp64."""
     ab = tree[m]
+    if set(ab) == {"b"}:  # fused_gate_up: expert_up's A is expert_gate's
+        ab = {**ab, "a": tree["expert_gate"]["a"]}
     a = ab["a"][lm, e] if "a" in ab else ab["a_shared"][lm]
     b = ab["b"][lm, e] if "b" in ab else ab["b_shared"][lm]
     return np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -193,7 +195,9 @@ def test_read_folder_matches_peft_deltas_and_forward(hm, cfg, tmp_path, spec):
 
     rank, alpha, targets, tree = read(tmp_path / spec, cfg)
     assert targets == ("q_proj", "o_proj", "expert_gate", "expert_up", "expert_down")
-    assert lora_lib.tree_expert_lora(tree) == "per_expert"
+    # peft's one A of the fused gate_up stays one parameter (tied), not two copies
+    assert lora_lib.tree_expert_lora(tree) == "fused_gate_up"
+    assert set(tree["expert_up"]) == {"b"} and set(tree["expert_gate"]) == {"a", "b"}
     scale = pm.base_model.model.model.layers[1].self_attn.q_proj.scaling["default"]
     assert alpha / rank == pytest.approx(scale, rel=1e-12)
     if spec == "fused_2r":
@@ -247,15 +251,20 @@ def test_write_folder_loads_in_peft_with_the_trees_weights(hm, cfg, tmp_path, mo
         pc = json.load(f)
     assert pc["target_modules"] == ["q_proj", "v_proj", "o_proj", "lm_head"]
     assert pc["target_parameters"] == EXPERT_PARAMS
-    assert pc["rank_pattern"] == {r".*\.gate_up_proj": 2 * R}
-    assert pc["alpha_pattern"] == {r".*\.gate_up_proj": 2 * ALPHA}
+    # gate and up with their own A: one LoRA at 2r (block-diagonal B); sharing A: at r
+    k_gu = R if mode == "fused_gate_up" else 2 * R
+    if mode == "fused_gate_up":
+        assert not pc["rank_pattern"] and not pc["alpha_pattern"]
+    else:
+        assert pc["rank_pattern"] == {r".*\.gate_up_proj": 2 * R}
+        assert pc["alpha_pattern"] == {r".*\.gate_up_proj": 2 * ALPHA}
 
     pm = peft.PeftModel.from_pretrained(copy.deepcopy(hm), tmp_path / "x").eval()
     scale = ALPHA / R
     for i in MOE_IDS:
         w = wrappers(pm, i)
-        # peft honoured the rank pattern: gate_up at 2r, down at r, both at alpha / r.
-        assert w["gate_up_proj"].r["default"] == 2 * R and w["down_proj"].r["default"] == R
+        # peft honoured the rank pattern: gate_up at k, down at r, both at alpha / r.
+        assert w["gate_up_proj"].r["default"] == k_gu and w["down_proj"].r["default"] == R
         assert w["gate_up_proj"].scaling["default"] == pytest.approx(scale)
         assert w["down_proj"].scaling["default"] == pytest.approx(scale)
 
@@ -311,15 +320,17 @@ def test_round_trip_keeps_rank_and_factors(cfg, tmp_path, mode, which):
         assert (inner in saved) == (which == "all")
         rank, alpha, got_targets, got = read(path, cfg)
         assert (rank, alpha, got_targets) == (R, ALPHA, targets)
-        assert lora_lib.tree_expert_lora(got) == "per_expert"
+        back = "fused_gate_up" if mode == "fused_gate_up" else "per_expert"
+        assert lora_lib.tree_expert_lora(got) == (back if set(targets) & {"expert_up"}
+                                                  else "per_expert")
         assert got.keys() == tree.keys()
         for m in targets:
-            assert set(got[m]) == {"a", "b"}
+            assert set(got[m]) == set(lora_lib.expert_keys(m, back))
             for lm in (range(len(MOE_IDS)) if m in lora_lib.EXPERT else [None]):
                 for e in (range(EXPERTS) if m in lora_lib.EXPERT else [None]):
                     if m in lora_lib.EXPERT:
                         want = factors(tree, m, lm, e)
-                        have = (got[m]["a"][lm, e], got[m]["b"][lm, e])
+                        have = tuple(np.asarray(x, np.float32) for x in factors(got, m, lm, e))
                     else:
                         want, have = (tree[m]["a"], tree[m]["b"]), (got[m]["a"], got[m]["b"])
                     for w, h in zip(want, have):

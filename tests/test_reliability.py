@@ -208,6 +208,36 @@ def test_refused_micro_batch_rolls_back_the_earlier_ones(tr):
     H.assert_same_state(before, H.snapshot(small))
 
 
+def test_micro_batches_in_flight_are_bounded(tr, monkeypatch):
+    """A call of many micro-batches waits for the oldest before dispatching past
+    MAX_IN_FLIGHT (dozens queued at once aborted XLA:CPU), with the same results."""
+    small = jcp.Trainer(H.CFG, jcp.make_mesh(*MESH), max_tokens_per_device=N, **H.TRAINER_KW)
+    a = small.create_adapter(rank=4, alpha=8.0, seed=3)
+    data = [ce(seed=s) for s in range(7)]
+    free = small.forward(data, "cross_entropy", adapters=a)
+    waits = []
+    real = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: (waits.append(1), real(x))[1])
+    monkeypatch.setattr(small, "MAX_IN_FLIGHT", 2)
+    bounded = small.forward(data, "cross_entropy", adapters=a)
+    assert len(waits) == len(data) - 2   # one micro-batch per datum at this budget
+    for x, y in zip(free.loss_fn_outputs, bounded.loss_fn_outputs):
+        np.testing.assert_array_equal(x["logprobs"], y["logprobs"])
+
+
+@pytest.mark.parametrize("export", ["export_peft", "export_vllm"])
+def test_export_onto_a_file_is_an_input_error(tr, tmp_path, export):
+    a = tr.create_adapter(rank=2, alpha=4.0, seed=1)
+    f = tmp_path / "file"
+    f.write_text("keep")
+    for path, pattern in ((f, "exists and is not a folder"), (f / "sub", "not a folder"),
+                          (str(tmp_path / "x\0y"), "NUL"),
+                          (str(tmp_path / ("n" * 300)), "longer than 255")):
+        with pytest.raises(jcp.InputError, match=f"^{export}: path.*{pattern}"):
+            getattr(tr, export)(a, path)
+    assert f.read_text() == "keep" and sorted(os.listdir(tmp_path)) == ["file"]
+
+
 # ----------------------------------------------------------------------------------------
 # 3. optim_step applies nothing non-finite
 
@@ -256,6 +286,8 @@ def test_optim_step_with_non_finite_result_changes_nothing(tr, cause):
 
 @pytest.mark.parametrize("field, value, pattern", [
     ("learning_rate", 1e39, "learning_rate .*overflows float32"),
+    ("learning_rate", 10**400, "learning_rate .*overflows float32"),
+    ("weight_decay", -10**400, "weight_decay .*overflows float32"),
     ("learning_rate", float("inf"), "learning_rate must be finite"),
     ("learning_rate", "x", "learning_rate must be a number"),
     ("weight_decay", 1e39, "weight_decay .*overflows float32"),
@@ -279,6 +311,7 @@ def test_adam_params_refused_in_float32(tr, field, value, pattern):
 
 @pytest.mark.parametrize("loss_fn, config, pattern", [
     ("ppo", {"clip_high_threshold": 1e39}, "clip_high_threshold .*overflows float32"),
+    ("ppo", {"clip_high_threshold": 10**400}, "clip_high_threshold .*overflows float32"),
     ("dro", {"beta": 1e39}, "beta .*overflows float32"),
     ("dro", {"beta": -1.0}, "beta must be ≥ 0"),
     ("cispo", {"clip_low_threshold": -1.0}, "clip_low_threshold must be ≥ 0"),
@@ -306,6 +339,9 @@ def test_loss_fn_config_refused(tr, loss_fn, config, pattern):
     (lambda tr, a: tr.create_adapter(seed=-1), "seed must be a non-negative integer"),
     (lambda tr, a: tr.create_adapter(seed="x"), "seed must be a non-negative integer"),
     (lambda tr, a: tr.create_adapter(alpha=1e39), "alpha = 1e\\+39 overflows float32"),
+    (lambda tr, a: tr.create_adapter(alpha=10**400), "alpha = 1000.* overflows float32"),
+    (lambda tr, a: tr.sample([[1, 2]], jcp.SamplingParams(max_tokens=2, temperature=10**400)),
+     "temperature = 1000.* overflows float32"),
     (lambda tr, a: tr.forward_backward(
         [jcp.Datum(np.arange(N) + 0j, {"target_tokens": np.arange(N), "weights": np.ones(N)})],
         "cross_entropy", adapters=a), "datum 0: model_input must hold integer token ids"),
@@ -319,7 +355,8 @@ def test_loss_fn_config_refused(tr, loss_fn, config, pattern):
         [rl(-1.0, 1e39)], "ppo", adapters=a),
      r"datum 0: loss_fn_inputs.advantages\[0\] = 1e\+39 overflows float32"),
 ], ids=["loss_fn-nested", "loss_fn-int", "targets-int", "targets-nested", "seed-negative",
-        "seed-str", "alpha-overflow", "complex-tokens", "complex-weights", "weights-overflow",
+        "seed-str", "alpha-overflow", "alpha-int-overflow", "temperature-int-overflow",
+        "complex-tokens", "complex-weights", "weights-overflow",
         "advantages-overflow"])
 def test_malformed_arguments_are_input_errors(tr, call, pattern):
     a = _adapter(tr)

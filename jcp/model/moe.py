@@ -142,6 +142,16 @@ def _expert_lora(x_MxI, lora_m, sizes_E, token_M, route, token_w_SxA, u_shared_S
             + shared_b(jnp.where(shared_A, u_MxAxR, 0)))
 
 
+def _tied_up(lora, route) -> dict:
+    """expert_up's factors with a fused_gate_up slot's A taken from expert_gate (the one A
+    of peft's fused gate_up: both uses of it add into its gradient)."""
+    up, gate = lora["expert_up"], lora["expert_gate"]
+    if route.tied_A is None or "a" not in gate:
+        return up
+    tied = (route.tied_A > 0.5)[:, None, None, None]  # [A, 1, 1, 1] over a [A, E, D, R]
+    return {**up, "a": jnp.where(tied, gate["a"], up["a"]) if "a" in up else gate["a"]}
+
+
 def experts(x_SxD, weights_SxK, experts_SxK, gate_ExDxF, up_ExDxF, down_ExFxD, first: int,
             lora=None, route=None):
     """Σ over each token's chosen experts held here (global ids first … first+E−1) of
@@ -177,7 +187,7 @@ def experts(x_SxD, weights_SxK, experts_SxK, gate_ExDxF, up_ExDxF, down_ExFxD, f
 
         g_MxF = g_MxF + _expert_lora(x_MxD, lora["expert_gate"], sizes_E, token_M, route,
                                      token_w_SxA, shared_in("expert_gate")).astype(g_MxF.dtype)
-        u_MxF = u_MxF + _expert_lora(x_MxD, lora["expert_up"], sizes_E, token_M, route,
+        u_MxF = u_MxF + _expert_lora(x_MxD, _tied_up(lora, route), sizes_E, token_M, route,
                                      token_w_SxA, shared_in("expert_up")).astype(u_MxF.dtype)
     z_MxF = jax.nn.silu(g_MxF) * u_MxF
     y_MxD = grouped_matmul(z_MxF, down_ExFxD, sizes_E)

@@ -24,18 +24,20 @@ import time
 import uuid
 from collections import OrderedDict
 
-import zstandard
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from jcp.server import wire
+from jcp.server import edge, wire
+from jcp.server.edge import Limits, Refused
 from jcp.server.scheduler import Scheduler, Work
 from jcp.server.state import AuthError, NotFound, SessionEnded, StateStore, age_recipients
 
 POLL_S = 20.0
 MAX_TTL_S = 10 * 365 * 24 * 3600
 URL_TTL_S = 15 * 60
-KEEP_RESULTS = 20_000
+# Bounds of the download-token table and of each sampling session's completion log.
+MAX_URL_TOKENS = 20_000
+KEEP_COMPLETIONS = 20_000
 PROTO = "application/x-protobuf"
 
 
@@ -57,10 +59,17 @@ class _Entry:
 
 
 class FutureTable:
-    """request id -> its eventual result; completed from any thread."""
+    """request id -> its eventual result; completed from any thread.
 
-    def __init__(self):
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+    Bounded per tenant (`per_tenant` entries): a tenant's new request evicts that tenant's
+    oldest completed result, never a pending one and never another tenant's; with all of
+    its entries pending it is refused (429, which the SDK retries after a pause)."""
+
+    def __init__(self, per_tenant: int = Limits.futures):
+        self.per_tenant = per_tenant
+        self._entries: dict[str, _Entry] = {}
+        self._pending: dict[str, set[str]] = {}             # owner -> pending ids
+        self._done: dict[str, OrderedDict[str, None]] = {}  # owner -> completed ids, oldest first
         self._lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
         # (owner, group) -> completions [(cursor, request id, "finished" | "failed")], for
@@ -71,9 +80,16 @@ class FutureTable:
     def new(self, owner: str, group: str | None = None, **extra) -> str:
         rid = f"req-{uuid.uuid4().hex}"
         with self._lock:
+            pending = self._pending.setdefault(owner, set())
+            done = self._done.setdefault(owner, OrderedDict())
+            if len(pending) + len(done) >= self.per_tenant:
+                if not done:
+                    raise Refused(429, f"{len(pending)} requests of this tenant are pending "
+                                       f"(--max-futures {self.per_tenant}); retry when some "
+                                       "complete")
+                del self._entries[done.popitem(last=False)[0]]
             self._entries[rid] = _Entry(owner, extra, group)
-            while len(self._entries) > KEEP_RESULTS:
-                self._entries.popitem(last=False)
+            pending.add(rid)
         return rid
 
     def get(self, rid: str, owner: str) -> _Entry:
@@ -83,11 +99,17 @@ class FutureTable:
             raise NotFound(f"request {rid!r} not found")
         return e
 
+    def count(self, owner: str) -> int:
+        with self._lock:
+            return len(self._pending.get(owner, ())) + len(self._done.get(owner, ()))
+
     def complete(self, rid: str, result: tuple) -> None:
         with self._lock:
             e = self._entries.get(rid)
-        if e is None:
-            return
+            if e is None or rid not in self._pending[e.owner]:
+                return
+            self._pending[e.owner].discard(rid)
+            self._done[e.owner][rid] = None
 
         def done():
             e.result = result
@@ -97,7 +119,7 @@ class FutureTable:
                 log = self._logs.setdefault((e.owner, e.group), [])
                 log.append((self._cursor, rid, "failed" if result[0] == "error" else "finished",
                             len(result[1]) if result[0] == "proto" else None))
-                del log[:-KEEP_RESULTS]
+                del log[:-KEEP_COMPLETIONS]
         if self.loop is not None:
             self.loop.call_soon_threadsafe(done)
 
@@ -113,7 +135,8 @@ class FutureTable:
 
 
 def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
-               served: ServedModel) -> FastAPI:
+               served: ServedModel, limits: Limits = Limits(), alive=lambda: True) -> FastAPI:
+    """alive() -> whether the worker thread is running (/healthz reports it)."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         futures.loop = asyncio.get_running_loop()
@@ -137,9 +160,34 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
         # 410 is what stops the SDK's heartbeat loop for a session.
         return JSONResponse({"detail": str(exc)}, status_code=410)
 
-    def failed(who: str, message: str, **extra) -> dict:
+    @app.exception_handler(Refused)
+    async def _refused(request, exc):
+        return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+
+    def owned_slot(who: str, body: dict) -> tuple[str | None, int | None]:
+        """(model_id, seq_id) of a body whose model `who` owns and whose seq_id is valid,
+        else (None, None): what a refusal needs to keep its place in the model's order."""
+        mid, seq = body.get("model_id"), body.get("seq_id")
+        if not isinstance(mid, str) or not isinstance(seq, int) or isinstance(seq, bool) \
+                or not 0 <= seq <= edge.INT32_MAX:
+            return None, None
+        try:
+            store.model(mid, who)
+        except NotFound:
+            return None, None
+        return mid, seq
+
+    def failed(who: str, message: str, model_id: str | None = None,
+               seq_id: int | None = None, **extra) -> dict:
+        """A future completed with `message` (category "user"). With the model and seq_id
+        known it is completed by the worker in the model's order, so the model's next
+        request never waits for a seq_id that was refused here."""
         rid = futures.new(who, **extra)
-        futures.complete(rid, ("error", message, "user"))
+        if model_id is not None and seq_id is not None:
+            sched.submit(Work(request_id=rid, kind="refused", model_id=model_id,
+                              seq_id=seq_id, payload=message, owner=who))
+        else:
+            futures.complete(rid, ("error", message, "user"))
         return {"request_id": rid, **extra}
 
     def enqueue(who: str, kind: str, model_id, seq_id, payload, loss_key=None, group=None,
@@ -152,23 +200,29 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
             out["model_id"] = model_id
         return out
 
-    async def body_json(request: Request) -> dict:
-        try:
-            body = await request.json()
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):
-            raise _BadRequest("request body must be a JSON object")
-        return body
+    async def body_bytes(request: Request) -> bytes:
+        limit = limits.body_bytes
+        n = request.headers.get("content-length", "")
+        if n.isdigit() and int(n) > limit:
+            raise Refused(413, f"body: {n} bytes exceed {limit} (--max-body-bytes)")
+        chunks, size = [], 0
+        async for c in request.stream():
+            size += len(c)
+            if size > limit:
+                raise Refused(413, f"body: more than {limit} bytes (--max-body-bytes)")
+            chunks.append(c)
+        return b"".join(chunks)
 
-    @app.exception_handler(_BadRequest)
-    async def _bad(request, exc):
-        return JSONResponse({"detail": str(exc)}, status_code=422)
+    async def body_json(request: Request) -> dict:
+        return edge.parse_json(await body_bytes(request))
 
     # ------------------------------------------------------------------ service
 
     @app.api_route("/api/v1/healthz", methods=["GET", "POST"])
     async def healthz():
+        if not alive():
+            return JSONResponse({"status": "unhealthy", "detail": "the worker thread is not "
+                                 "running; no request will be served"}, status_code=503)
         return {"status": "ok"}
 
     @app.post("/api/v1/client/config")
@@ -201,7 +255,9 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request):
-        store.check_session((await body_json(request)).get("session_id"), owner(request))
+        who, body = owner(request), await body_json(request)
+        store.check_session(edge.parse(edge.SessionRef, body, "session_heartbeat").session_id,
+                            who)
         return {"type": "session_heartbeat"}
 
     @app.post("/api/v1/sessions/{session_id}/finish")
@@ -222,31 +278,28 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
     @app.post("/api/v1/create_model")
     async def create_model(request: Request):
         who, body = owner(request), await body_json(request)
-        store.check_session(body.get("session_id"), who)
-        seq = body.get("model_seq_id", 0)
-        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-            raise _BadRequest(f"model_seq_id must be a non-negative integer, got {seq!r}")
-        mid = store.model_id(body["session_id"], seq)
+        req = edge.parse(edge.CreateModel, body, "create_model")
+        store.check_session(req.session_id, who)
+        mid = store.model_id(req.session_id, req.model_seq_id)
         if mid in store.models:
-            return failed(who, f"model_seq_id {seq} of session {body['session_id']!r} is "
-                               f"already used by model {mid!r}", model_id=mid)
-        meta = body.get("user_metadata")
-        if meta is not None and not (isinstance(meta, dict) and len(meta) <= 64 and all(
-                isinstance(k, str) and len(k) <= 256 and len(str(v)) <= 4096
-                for k, v in meta.items())):
-            raise _BadRequest("user_metadata must be an object of at most 64 string keys "
-                              "(values up to 4096 characters)")
-        lora = body.get("lora_config") or {}
-        rank = lora.get("rank")
-        if not isinstance(rank, int) or not 1 <= rank <= served.max_rank:
-            return failed(who, f"lora rank {rank!r} must be an integer in [1, "
+            return failed(who, f"model_seq_id {req.model_seq_id} of session "
+                               f"{req.session_id!r} is already used by model {mid!r}",
+                          model_id=mid)
+        meta = req.user_metadata
+        if meta is not None and not (len(meta) <= 64 and all(
+                len(k) <= 256 and len(str(v)) <= 4096 for k, v in meta.items())):
+            raise Refused(422, "user_metadata must be an object of at most 64 keys (up to "
+                               "256 characters; values up to 4096)")
+        rank = req.lora_config.rank if req.lora_config is not None else None
+        if rank is None or not 1 <= rank <= served.max_rank:
+            return failed(who, f"lora_config.rank {rank!r} must be an integer in [1, "
                                f"{served.max_rank}] (--max-rank)", model_id=mid)
-        return enqueue(who, "create_model", mid, None, body)
+        return enqueue(who, "create_model", mid, None, req.model_dump(exclude_none=True))
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request):
         who, body = owner(request), await body_json(request)
-        rec = store.model(body.get("model_id"), who)
+        rec = store.model(edge.parse(edge.ModelRef, body, "get_info").model_id, who)
         return {"type": "get_info", "model_id": rec.model_id, "is_lora": True,
                 "lora_rank": rec.rank, "model_name": rec.base_model,
                 "model_data": {"arch": "qwen", "model_name": rec.base_model,
@@ -255,32 +308,41 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request):
         who = owner(request)
-        raw = await request.body()
+        raw = await body_bytes(request)
+        if request.headers.get("content-encoding", "").lower() == "zstd":
+            raw = edge.decompress(raw, limits.body_bytes)
         try:
-            if request.headers.get("content-encoding", "").lower() == "zstd":
-                raw = zstandard.ZstdDecompressor().decompressobj().decompress(raw)
-            req = wire.decode_forward_backward(raw)
-            store.model(req.model_id, who)
-        except (wire.WireError, zstandard.ZstdError, NotFound) as e:
+            head = wire.decode_forward_backward_head(raw)
+        except wire.WireError as e:
             return failed(who, str(e))
+        try:
+            store.model(head.model_id, who)
+        except NotFound as e:
+            return failed(who, str(e))
+        try:
+            req = wire.decode_forward_backward(head, limits.datums)
+        except wire.WireError as e:
+            return failed(who, str(e), model_id=head.model_id, seq_id=head.seq_id)
         kind = "forward" if req.forward_only else "forward_backward"
         key = (req.loss_fn, tuple(sorted((req.loss_fn_config or {}).items())))
         return enqueue(who, kind, req.model_id, req.seq_id, req, loss_key=key)
 
-    def model_op(kind: str):
+    def model_op(kind: str, schema: type[edge.ModelRef]):
         async def handler(request: Request):
             who, body = owner(request), await body_json(request)
-            mid = body.get("model_id")
             try:
-                store.model(mid, who)
-            except NotFound as e:
-                return failed(who, str(e))
-            return enqueue(who, kind, mid, body.get("seq_id"), body)
+                req = edge.parse(schema, body, kind)
+                store.model(req.model_id, who)
+            except (Refused, NotFound) as e:
+                return failed(who, str(e), *owned_slot(who, body))
+            return enqueue(who, kind, req.model_id, req.seq_id, req.model_dump(exclude_none=True))
         handler.__name__ = kind
         return handler
 
-    for kind in ("optim_step", "save_weights", "save_weights_for_sampler", "unload_model"):
-        app.post(f"/api/v1/{kind}")(model_op(kind))
+    for kind, schema in (("optim_step", edge.OptimStep), ("save_weights", edge.SaveWeights),
+                         ("save_weights_for_sampler", edge.SaveWeights),
+                         ("unload_model", edge.ModelRef)):
+        app.post(f"/api/v1/{kind}")(model_op(kind, schema))
 
     @app.post("/api/v1/save_weights_external")
     async def save_weights_external(request: Request):
@@ -293,40 +355,43 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
             if body.get("age_encryption_recipients") is not None:
                 age_recipients(body["age_encryption_recipients"])
         except (NotFound, ValueError) as e:
-            return failed(who, str(e))
+            return failed(who, str(e), *owned_slot(who, body))
         return enqueue(who, "save_weights_external", body["model_id"], body.get("seq_id"), body)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request):
         who, body = owner(request), await body_json(request)
         try:
-            store.resolve(body.get("path"), who, "weights")
-            if body.get("session_id") is not None:
-                store.check_session(body["session_id"], who)
-                mid = store.model_id(body["session_id"], body.get("model_seq_id", 0))
-                return enqueue(who, "load_weights", mid, None, body)
-            store.model(body.get("model_id"), who)
-        except NotFound as e:
-            return failed(who, str(e))
-        return enqueue(who, "load_weights", body["model_id"], body.get("seq_id"), body)
+            req = edge.parse(edge.LoadWeights, body, "load_weights")
+            store.resolve(req.path, who, "weights")
+            if req.session_id is not None:
+                store.check_session(req.session_id, who)
+                mid = store.model_id(req.session_id, req.model_seq_id)
+                return enqueue(who, "load_weights", mid, None, req.model_dump(exclude_none=True))
+            if req.model_id is None:
+                raise Refused(422, "load_weights: needs model_id or session_id")
+            store.model(req.model_id, who)
+        except (Refused, NotFound) as e:
+            return failed(who, str(e), *owned_slot(who, body))
+        return enqueue(who, "load_weights", req.model_id, req.seq_id, req.model_dump(exclude_none=True))
 
     # ------------------------------------------------------------------ sampling
 
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request):
         who, body = owner(request), await body_json(request)
-        store.check_session(body.get("session_id"), who)
-        path = body.get("model_path")
-        if path:
-            folder, base = store.resolve(path, who, "sampler_weights")
+        req = edge.parse(edge.CreateSamplingSession, body, "create_sampling_session")
+        store.check_session(req.session_id, who)
+        if req.model_path:
+            folder, base = store.resolve(req.model_path, who, "sampler_weights")
         else:
-            folder, base = None, body.get("base_model")
+            folder, base = None, req.base_model
             if base != served.name:
                 raise NotFound(f"base model {base!r} not found; this server serves "
                                f"{served.name!r}")
         return {"type": "create_sampling_session",
-                "sampling_session_id": store.add_sampler(who, base or served.name, path,
-                                                         folder)}
+                "sampling_session_id": store.add_sampler(who, base or served.name,
+                                                         req.model_path, folder)}
 
     @app.get("/api/v1/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str, request: Request):
@@ -338,19 +403,30 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
     async def asample(request: Request):
         who, body = owner(request), await body_json(request)
         n = body.get("num_samples", 1)
-        n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+        # The failed future still answers one id per sample the client asked for, but
+        # never more than the bound (the ids are built here, on the event loop).
+        n = n if isinstance(n, int) and not isinstance(n, bool) and \
+            1 <= n <= limits.num_samples else 1
         try:
-            sid = body.get("sampling_session_id")
-            if sid is None:
-                raise wire.WireError("sampling_session_id is required")
-            store.sampler(sid, who)
+            req = edge.parse(edge.Sample, body, "asample")
+            if req.num_samples > limits.num_samples:
+                raise Refused(422, f"asample: num_samples {req.num_samples} exceeds "
+                                   f"{limits.num_samples} (--max-num-samples)")
+            length = sum(len(c.tokens) for c in req.prompt.chunks)
+            cap = served.max_context_length
+            if length + req.sampling_params.max_tokens > cap:
+                raise Refused(422, f"asample: {length} prompt tokens + sampling_params."
+                                   f"max_tokens {req.sampling_params.max_tokens} exceed the "
+                                   f"max_context_length of {cap} tokens")
+            store.sampler(req.sampling_session_id, who)
             args = wire.decode_sample(body)
-        except (wire.WireError, NotFound) as e:
+        except (Refused, wire.WireError, NotFound) as e:
             return failed(who, str(e), sample_sequence_ids=[f"seq-{uuid.uuid4().hex}"
                                                              for _ in range(n)])
         ids = [f"seq-{uuid.uuid4().hex}" for _ in range(n)]
-        return enqueue(who, "sample", None, None, {"sampling_session_id": sid, "args": args},
-                       group=sid, sample_sequence_ids=ids)
+        return enqueue(who, "sample", None, None,
+                       {"sampling_session_id": req.sampling_session_id, "args": args},
+                       group=req.sampling_session_id, sample_sequence_ids=ids)
 
     # ------------------------------------------------------------------ REST: runs, checkpoints
 
@@ -369,13 +445,13 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
         await entry.event.wait()
         kind, *rest = entry.result
         if kind == "error":
-            raise _BadRequest(rest[0])
+            raise Refused(422, rest[0])
         return rest[0]
 
     @app.get("/api/v1/training_runs")
     async def training_runs(request: Request, limit: int = 20, offset: int = 0):
         if not (1 <= limit <= 1000 and offset >= 0):
-            raise _BadRequest("limit must be in [1, 1000] and offset ≥ 0")
+            raise Refused(422, "limit must be in [1, 1000] and offset ≥ 0")
         return store.training_runs(owner(request), offset, limit)
 
     @app.get("/api/v1/training_runs/{run}")
@@ -399,7 +475,7 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
         try:
             seconds = ttl(body.get("ttl_seconds"))
         except ValueError as e:
-            raise _BadRequest(str(e)) from None
+            raise Refused(422, str(e)) from None
         store.set_ttl(run, f"{kind}/{name}", who, seconds)
         return Response(status_code=200)
 
@@ -428,12 +504,12 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
         try:
             ttl(body.get("ttl_seconds"))
         except ValueError as e:
-            raise _BadRequest(str(e)) from None
+            raise Refused(422, str(e)) from None
         if body.get("session_id") is not None:
             store.check_session(body["session_id"], who)
             seq = body.get("model_seq_id")
             if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-                raise _BadRequest("copy_weights: model_seq_id must be a non-negative integer "
+                raise Refused(422, "copy_weights: model_seq_id must be a non-negative integer "
                                   "with session_id")
             dest = store.model_id(body["session_id"], seq)
         else:
@@ -465,7 +541,7 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
             tokens[tok] = (who, run, f"{kind}/{name}", f, expires)
             urls[f] = f"{base}/api/v1/external_weights/{tok}/{f}"
         now = time.time()
-        while tokens and (len(tokens) > KEEP_RESULTS or next(iter(tokens.values()))[4] < now):
+        while tokens and (len(tokens) > MAX_URL_TOKENS or next(iter(tokens.values()))[4] < now):
             tokens.popitem(last=False)
         return {"urls": urls, "expires": datetime.datetime.fromtimestamp(
             expires, datetime.timezone.utc).isoformat()}
@@ -499,13 +575,13 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
         target = body.get("target")
         if not isinstance(target, dict) or target.get("type", "sampling_session") != \
                 "sampling_session" or not isinstance(target.get("sampling_session_id"), str):
-            raise _BadRequest("target must be {type: sampling_session, sampling_session_id}")
+            raise Refused(422, "target must be {type: sampling_session, sampling_session_id}")
         sid = target["sampling_session_id"]
         store.sampler(sid, who)
         after, wait = body.get("prev_cursor", 0), body.get("timeout")
         if isinstance(after, bool) or not isinstance(after, int) or not (
                 wait is None or isinstance(wait, (int, float)) and wait >= 0):
-            raise _BadRequest("prev_cursor must be an integer and timeout a number ≥ 0")
+            raise Refused(422, "prev_cursor must be an integer and timeout a number ≥ 0")
         deadline = time.monotonic() + min(POLL_S, POLL_S if wait is None else wait)
         while True:
             done, cursor = futures.completions(who, sid, after)
@@ -518,11 +594,12 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request):
         who, body = owner(request), await body_json(request)
-        entry = futures.get(body.get("request_id"), who)
+        rid = edge.parse(edge.RequestRef, body, "retrieve_future").request_id
+        entry = futures.get(rid, who)
         try:
             await asyncio.wait_for(asyncio.shield(entry.event.wait()), POLL_S)
         except asyncio.TimeoutError:
-            return JSONResponse({"type": "try_again", "request_id": body.get("request_id"),
+            return JSONResponse({"type": "try_again", "request_id": rid,
                                  "queue_state": "active"}, status_code=408)
         kind, *rest = entry.result
         if kind == "proto":
@@ -532,7 +609,3 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
         return {"error": rest[0], "category": rest[1]}
 
     return app
-
-
-class _BadRequest(ValueError):
-    pass

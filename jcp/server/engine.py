@@ -79,6 +79,9 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         self.sched.close()
         self._thread.join(timeout=60)
@@ -87,21 +90,32 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            group = self.sched.next_pass(timeout=1.0)
+            try:
+                group = self.sched.next_pass(timeout=1.0)
+            except Exception:  # noqa: BLE001 — the worker must outlive any one failure
+                log.exception("worker: next_pass failed")
+                time.sleep(0.5)
+                continue
             if group is None:
                 if self.sched.closed:
                     return
             else:
                 t0 = time.perf_counter()
                 try:
-                    if group[0].kind in ("forward", "forward_backward"):
+                    if group[0].failure is not None:
+                        self._complete(group[0].request_id,
+                                       ("error", group[0].failure, "server"))
+                    elif group[0].kind in ("forward", "forward_backward"):
                         self._fwd(group)
                     else:
                         w = group[0]
                         self._complete(w.request_id, getattr(self, "_" + w.kind)(w))
                 except Exception as e:  # noqa: BLE001 — one request's failure is only its own
                     for w in group:
-                        self._complete(w.request_id, _error(e))
+                        try:
+                            self._complete(w.request_id, _error(e))
+                        except Exception:  # noqa: BLE001
+                            log.exception("worker: could not complete %s", w.request_id)
                 self.busy_s[group[0].kind] += time.perf_counter() - t0
             try:
                 self._reap()
@@ -246,6 +260,10 @@ class Engine:
             raise
         self._adopt(w.model_id, slot)
 
+    def _refused(self, w: Work) -> tuple:
+        """A request refused at the edge, answered in its model's seq_id order."""
+        raise InputError(w.payload)
+
     def _fwd(self, group: list[Work]) -> None:
         """One fused Trainer call; on refusal, each request alone."""
         if len(group) > 1 and self.tr.cfg.is_moe:
@@ -384,7 +402,7 @@ class Engine:
     def _load_weights(self, w: Work) -> tuple:
         p = w.payload
         folder, base = self.store.resolve(p.get("path"), w.owner, "weights")
-        with_opt = bool(p.get("optimizer"))
+        with_opt = p["optimizer"]  # a strict bool (edge.LoadWeights)
         if p.get("session_id") is not None:  # a new model, created by the load
             self._check_new_model(w)
             self._free_slot("load a checkpoint into a new model")
@@ -394,7 +412,10 @@ class Engine:
                 info["user_metadata"] = p["user_metadata"]
             self._register(w, slot, info)
         else:
-            self.tr.load_state(folder, self._slot(w), with_optimizer=with_opt)
+            rec = self.store.model(w.model_id, w.owner)
+            slot = self.tr.load_state(folder, self._slot(w), with_optimizer=with_opt)
+            # The checkpoint's rank replaces the model's: get_info must say so.
+            rec.rank = self.tr.adapters[slot].rank
         return ("json", {"path": p.get("path"), "model_id": w.model_id, "type": "load_weights"})
 
     def _save_weights_for_sampler(self, w: Work) -> tuple:

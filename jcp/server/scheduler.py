@@ -6,17 +6,23 @@ request, or every ready forward (or every ready forward_backward) request of eve
 whose loss settings agree, fused into one multi-LoRA Trainer call. optim_step,
 load_weights, save_* and unload_model are therefore barriers for their own model only:
 they head its queue and nothing of that model behind them can join a fused pass. Samples
-have no model order and run one per pass, oldest first. It must never import jax or touch
-the Trainer; HTTP handlers only call `submit`.
+have no model order and run one per pass, oldest first. A request refused at the edge whose
+model and seq_id are known is queued as kind "refused", so that it still takes its seq_id.
+If the policy itself ever raises, the oldest queued request is handed out failed (`failure`)
+instead, so the worker goes on. It must never import jax or touch the Trainer; HTTP
+handlers only call `submit`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from typing import Any
+
+log = logging.getLogger("jcp.serve")
 
 FUSABLE = ("forward", "forward_backward")
 # A model's next seq_id that never arrives (a client that died mid-call) stops blocking
@@ -37,6 +43,7 @@ class Work:
     loss_key: tuple | None = None  # (loss_fn, sorted config items) for fusable kinds
     arrival: int = 0
     arrived_at: float = 0.0
+    failure: str | None = None  # set when the scheduler could not place it
 
 
 @dataclasses.dataclass
@@ -61,6 +68,9 @@ class Scheduler:
     # ------------------------------------------------------------------ producer side
 
     def submit(self, work: Work) -> None:
+        seq = work.seq_id
+        if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or seq < 0):
+            raise ValueError(f"seq_id must be an integer ≥ 0 or None, got {seq!r}")
         with self._cv:
             work.arrival, work.arrived_at = next(self._arrivals), time.monotonic()
             if work.model_id is None or work.kind == "sample":
@@ -127,7 +137,12 @@ class Scheduler:
                 if self._closed:
                     return None
                 if not self._held:
-                    group = self._take()
+                    try:
+                        group = self._take()
+                    except Exception:  # noqa: BLE001 — a policy bug must not stop the worker
+                        log.exception("scheduler: could not pick a pass; failing the oldest "
+                                      "queued request")
+                        group = self._fail_oldest()
                     if group:
                         self.counters.passes += 1
                         return group
@@ -174,6 +189,21 @@ class Scheduler:
                 group.append(w)
         self._remove(group)
         return group
+
+    def _fail_oldest(self) -> list[Work] | None:
+        queued = self._samples + [w for q in self._queues.values() for w in q]
+        if not queued:
+            return None
+        w = min(queued, key=lambda w: w.arrival)
+        if w in self._samples:
+            self._samples.remove(w)
+        else:
+            q = self._queues[w.model_id]
+            q.remove(w)
+            if not q:
+                del self._queues[w.model_id]
+        w.failure = "the server's scheduler failed on this request"
+        return [w]
 
     def _remove(self, works: list[Work]) -> None:
         for w in works:

@@ -110,7 +110,10 @@ class SamplerRecord:
 
 
 def read_api_keys(path: str) -> dict[str, str]:
-    """`key [name]` per line (# comments, blank lines skipped) -> {key: tenant name}."""
+    """`key name` per line (# comments, blank lines skipped) -> {key: tenant name}.
+
+    The tenant name is what the state folder records as a run's owner, so a line without
+    one is refused (the key itself would be written to disk), as is a repeated key."""
     keys = {}
     with open(path) as f:
         for i, line in enumerate(f, 1):
@@ -118,9 +121,17 @@ def read_api_keys(path: str) -> dict[str, str]:
             if not line:
                 continue
             parts = line.split()
-            if len(parts) > 2:
-                raise ValueError(f"{path}:{i}: expected `key [name]`, got {line!r}")
-            keys[parts[0]] = parts[1] if len(parts) == 2 else parts[0]
+            if len(parts) != 2:
+                # Never echo the line: it holds a key.
+                raise ValueError(f"{path}:{i}: expected `key name` (two fields), got "
+                                 f"{len(parts)} field(s)")
+            if parts[0] in keys:
+                raise ValueError(f"{path}:{i}: this key already appears on an earlier line")
+            if parts[1] in keys:
+                raise ValueError(f"{path}:{i}: tenant name equals a key")
+            keys[parts[0]] = parts[1]
+    if set(keys) & set(keys.values()):
+        raise ValueError(f"{path}: a tenant name equals a key")
     return keys
 
 

@@ -93,12 +93,25 @@ def tokens_of_chunks(chunks, what: str) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
-def decode_forward_backward(body: bytes) -> FwdBwdRequest:
+def decode_forward_backward_head(body: bytes):
+    """Parse a ForwardBackwardRequest -> the message (model_id and seq_id readable, datums
+    not yet checked)."""
     msg = ForwardBackwardRequestPb()
     try:
         msg.ParseFromString(body)
     except Exception as e:  # noqa: BLE001 — any parse failure is the client's
         raise WireError(f"forward_backward: not a ForwardBackwardRequest protobuf ({e})") from None
+    if msg.seq_id < 0:
+        raise WireError(f"forward_backward: seq_id {msg.seq_id} must be ≥ 0")
+    return msg
+
+
+def decode_forward_backward(msg, max_datums: int) -> FwdBwdRequest:
+    """A parsed request's datums and loss settings; WireError naming the datum and field,
+    or the bound on datums per request."""
+    if len(msg.data) > max_datums:
+        raise WireError(f"forward_backward: {len(msg.data)} datums exceed {max_datums} per "
+                        "request (--max-datums); split the batch")
     config: dict[str, float] = {}
     for k, v in msg.loss_fn_config_v2.items():
         if v.WhichOneof("value") != "number":
