@@ -11,13 +11,15 @@ unmodified) drives it through the Tinker SDK:
 - rl.train (sync, importance_sampling): the arithmetic env, batch 2 groups × 4 samples,
   max_tokens 8.
 
-Each loop first runs --warm steps in a throw-away log (compiles every program), then
---steps steps timed end to end. The worker's seconds per request kind (Engine.busy_s) split
+Each loop runs twice over the same batches: a cold run (a fresh server process would pay
+this: every new packed-batch shape compiles its forward_backward, ~20 s each on CPU, and
+the shapes follow the data's lengths) and a warm run, timed end to end, that reuses the
+compiled programs (the steady state of a long run, once its shape buckets are seen). The worker's seconds per request kind (Engine.busy_s) split
 the time: sampling (asample), training (forward_backward, forward, optim_step), weights
 (save_* / load_*, the per-step sampler snapshot included) and the rest — HTTP, the SDK,
 the cookbook's own work and idle gaps — as "client + server overhead".
 
-    python benchmarks/cookbook.py [--steps 3] [--warm 1] [--mesh 1,1,1]
+    python benchmarks/cookbook.py [--steps 3] [--mesh 1,1,1]
 
 Needs tinker-cookbook (pip install --no-deps tinker-cookbook==0.6.1 chz blobfile datasets
 aiohttp termcolor cloudpickle).
@@ -51,22 +53,22 @@ def split(busy: dict, wall: float, steps: int) -> str:
             f"{per(w)} + client/server overhead {per(rest)}")
 
 
-def run(srv, make_config, steps: int, warm: int) -> tuple[float, dict]:
-    main, cfg = make_config(tempfile.mkdtemp(), warm)
-    asyncio.run(main(cfg))
-    main, cfg = make_config(tempfile.mkdtemp(), steps)
-    before = dict(srv.engine.busy_s)
-    t0 = time.perf_counter()
-    asyncio.run(main(cfg))
-    wall = time.perf_counter() - t0
-    busy = {k: v - before.get(k, 0.0) for k, v in srv.engine.busy_s.items()}
-    return wall, busy
+def run(srv, make_config, steps: int) -> list[tuple[float, dict]]:
+    """[(wall, worker seconds by kind)] of a cold and a warm run of `steps` steps."""
+    out = []
+    for _ in range(2):
+        main, cfg = make_config(tempfile.mkdtemp(), steps)
+        before = dict(srv.engine.busy_s)
+        t0 = time.perf_counter()
+        asyncio.run(main(cfg))
+        wall = time.perf_counter() - t0
+        out.append((wall, {k: v - before.get(k, 0.0) for k, v in srv.engine.busy_s.items()}))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warm", type=int, default=1)
     ap.add_argument("--mesh", default="1,1,1")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
@@ -108,12 +110,12 @@ def main() -> None:
 
     try:
         print(f"tiny Qwen3 (V 512, D 64, 2 layers), LoRA rank 8, mesh {args.mesh}, "
-              f"{args.steps} timed steps after {args.warm} warm-up step(s)")
+              f"{args.steps} steps per run (the final checkpoint included)")
         for name, make in (("supervised.train", sl), ("rl.train (sync)", rl)):
-            wall, busy = run(srv, make, args.steps, args.warm)
-            print(f"{name:18s} {split(busy, wall, args.steps)}")
-            print(f"{'':18s} worker seconds by kind: "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in sorted(busy.items())))
+            for label, (wall, busy) in zip(("cold", "warm"), run(srv, make, args.steps)):
+                print(f"{name:17s} {label} {split(busy, wall, args.steps)}")
+                print(f"{'':22s} worker seconds by kind: "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in sorted(busy.items())))
     finally:
         srv.stop()
 
