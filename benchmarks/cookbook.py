@@ -1,7 +1,7 @@
 """Seconds per step of the Tinker cookbook's own loops against jcp-serve, split into where
 the time goes.
 
-The tiny local Qwen3 of tests/cookbook_harness.py (vocab 512, hidden 64, 2 layers, a BPE
+The tiny local Qwen3 of tests/helpers/cookbook_harness.py (vocab 512, hidden 64, 2 layers, a BPE
 chat tokenizer), LoRA rank 8, on --mesh (default 1,1,1: one CPU device). The server runs
 in this process (jcp.serve.Server on 127.0.0.1); the cookbook (tinker-cookbook 0.6.1,
 unmodified) drives it through the Tinker SDK:
@@ -73,7 +73,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.disable(logging.WARNING)
 
-    import cookbook_harness as C
+    from helpers import cookbook_harness as C
 
     import jcp
     from jcp.serve import Server

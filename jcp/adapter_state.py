@@ -29,6 +29,7 @@ from jcp import lora as lora_lib
 from jcp import train_step
 from jcp.errors import InputError
 from jcp.config import QwenConfig
+from jcp.mesh import host, replicate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,18 +86,6 @@ class HostSlot:
     def nbytes(self) -> int:
         return sum(x.nbytes for t in (self.weights, self.grads, self.mu, self.nu)
                    for ab in t.values() for x in ab.values())
-
-
-def host(x) -> np.ndarray:
-    """A replicated global array as NumPy, readable on every process."""
-    return np.asarray(x.addressable_data(0))
-
-
-def replicate(mesh, x: np.ndarray) -> jax.Array:
-    """A host array as a global array replicated over the mesh (every process passes the
-    same value)."""
-    x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, P()), lambda idx: x[idx])
 
 
 def _sans_slot(spec) -> P:

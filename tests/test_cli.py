@@ -283,3 +283,19 @@ def test_user_error_is_one_line(tmp_path, request, capfd, make, in_process):
     if not needs_run:  # refused before any work: no checkpoint was begun
         out = argv[argv.index("--out") + 1]
         assert not os.path.exists(os.path.join(out, "checkpoints")), os.listdir(out)
+
+
+def test_shared_parser_and_mesh_flag_raise_cli_errors():
+    """jcp.cli (shared by jcp-train and jcp-serve): usage errors and bad --mesh values are
+    CliError naming the problem, not SystemExit."""
+    from jcp.cli import CliError, Parser, parse_mesh
+
+    p = Parser(prog="x")
+    p.add_argument("--n", type=int)
+    assert p.parse_args(["--n", "3"]).n == 3
+    with pytest.raises(CliError, match="--n"):
+        p.parse_args(["--n", "three"])
+    assert parse_mesh("1,2,4") == (1, 2, 4)
+    for bad, pattern in (("1,x,2", "integers"), ("1,2", "three"), ("1,0,2", "positive")):
+        with pytest.raises(CliError, match=pattern):
+            parse_mesh(bad)

@@ -28,7 +28,7 @@ pytest.importorskip(
     reason="tinker-cookbook not installed (pip install --no-deps tinker-cookbook==0.6.1 "
            "chz blobfile datasets aiohttp termcolor cloudpickle)")
 
-import cookbook_harness as C  # noqa: E402
+from helpers import cookbook_harness as C  # noqa: E402
 
 import jcp  # noqa: E402
 from jcp.serve import Server  # noqa: E402

@@ -29,7 +29,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jcp
-import trainer_harness as TH
+from helpers import trainer_harness as TH
 from jcp import attention
 from jcp import mesh as mesh_lib
 from jcp import model
@@ -353,7 +353,7 @@ def test_kernels_lower_to_triton(monkeypatch):
 
     def inner(params, tokens, seg, pos):
         attend = attention.cp_attend(seg[0], pos[0], implementation="pallas", block=BLOCK)
-        h, _ = model.hidden_states(cfg, params, tokens[0], pos[0], attend, remat=True)
+        h = model.hidden_states(cfg, params, tokens[0], pos[0], attend, remat=True).h_SxD
         return jax.lax.psum(jnp.sum(h), mesh_lib.CP)
 
     f = jax.shard_map(inner, mesh=jcp.make_mesh(1, 2, 1), in_specs=(P(),) + (ROWS,) * 3,

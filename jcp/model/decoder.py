@@ -14,6 +14,7 @@ Q/tp and K/tp heads (widths Q·H and K·H), gate/up/down F/tp.
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -131,11 +132,11 @@ def moe_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing |
     their experts; the router is not adapted. The caller adds the residual.
     """
     x_SxD = rms_norm(h_SxD, layer["post_norm"], cfg.rms_norm_eps)
-    weights_SxK, experts_SxK = moe_lib.route(x_SxD, layer["router"], cfg.num_experts_per_tok,
+    weights_SxX, experts_SxX = moe_lib.route(x_SxD, layer["router"], cfg.num_experts_per_tok,
                                              cfg.norm_topk_prob)
     # The same tp-invariant routing on every rank: its statistics need no collective here.
     stats = None if count_S is None else moe_lib.router_stats(
-        moe_lib.router_probs(x_SxD, layer["router"]), experts_SxK, count_S)
+        moe_lib.router_probs(x_SxD, layer["router"]), experts_SxX, count_S)
     num_local = layer["expert_gate"].shape[0]
     # x is invariant over tp but each rank uses its own rows of it: cast it to varying
     # explicitly so its cotangent is psum'd over tp by that cast's transpose. Left to the
@@ -147,7 +148,7 @@ def moe_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing |
     if lora_layer is not None and lora_lib.EXPERT[0] in lora_layer:
         lora = jax.tree.map(lambda w: mesh_lib.vary(w, (TP,)),
                             {m: lora_layer[m] for m in lora_lib.EXPERT})
-    y_SxD = moe_lib.experts(mesh_lib.vary(x_SxD, (TP,)), weights_SxK, experts_SxK,
+    y_SxD = moe_lib.experts(mesh_lib.vary(x_SxD, (TP,)), weights_SxX, experts_SxX,
                             layer["expert_gate"], layer["expert_up"], layer["expert_down"],
                             jax.lax.axis_index(TP) * num_local, lora, route)
     return jax.lax.psum(y_SxD, TP), stats
@@ -193,11 +194,21 @@ def layer_slices(cfg: QwenConfig, params, lora=None) -> tuple:
     return tuple(out)
 
 
+class Hidden(NamedTuple):
+    """hidden_states' result: h_SxD the final-norm hidden states; attn_state the attention
+    state after the layers (stacked [L, …]; None for training); router_stats the MoE
+    routing statistics (moe.RouterStats, [Lm, E] each) when asked for, else None."""
+
+    h_SxD: jax.Array
+    attn_state: Any
+    router_stats: Any
+
+
 def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attention_lib.Attend,
                   lora=None, route: lora_lib.Routing | None = None, *, attn_state=None,
                   mlp=dense_mlp, remat: bool = True, layers=None, count_S=None):
-    """(final-norm hidden states [S, D] of this shard's tokens, new attention state), and
-    with count_S a third value, the routing statistics.
+    """Hidden(final-norm hidden states [S, D] of this shard's tokens, new attention state,
+    the routing statistics when count_S is given, else None).
 
     params: this shard's base weights (see param_shapes); lora: active adapters
     {module: {"a": [L, A, I, R], "b": [L, A, R, O]}} or None; route: their token spans.
@@ -211,10 +222,9 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
     lora) taken by the caller — the layers then run unrolled on those slices
     (params["layers"] and lora's layer modules are not read; attn_state is sliced and
     restacked per layer); inference only. count_S: bool [S], the tokens whose routing to
-    record (training passes its real tokens), or None; given, a third value follows:
+    record (training passes its real tokens), or None; given, router_stats is
     moe.RouterStats of this shard's counted tokens stacked over the MoE layers in order
-    ([Lm, E] each, local: not summed over dp / cp), None for a dense model. Opt-in so that
-    the callers that want only hidden states (sampling) keep the pair.
+    ([Lm, E] each, local: not summed over dp / cp), None for a dense model.
     """
     dtype = jnp.dtype(cfg.dtype)
     h = embed(params["embed"], tokens_S).astype(dtype)
@@ -231,11 +241,9 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
     def finish(h, attn_state, records):
         """The final norm, and the MoE layers' records (one [n, E] stack per run) joined."""
         h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-        if count_S is None:
-            return h, attn_state
-        stats = (jax.tree.map(lambda *xs: jnp.concatenate(xs), *records) if records
-                 else None)
-        return h, attn_state, stats
+        stats = (jax.tree.map(lambda *xs: jnp.concatenate(xs), *records)
+                 if records and count_S is not None else None)
+        return Hidden(h, attn_state, stats)
 
     if layers is not None:
         states, records = [], []

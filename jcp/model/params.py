@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from jcp.config import QwenConfig
-from jcp.mesh import SPECS
+from jcp.mesh import SPECS, put
 
 # Layer modules in the stacked `layers` tree: name -> spec field.
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -93,23 +92,10 @@ def random_params(cfg: QwenConfig, seed: int = 0) -> dict:
 
 
 def place(tree_host, specs, mesh, dtype=None):
-    """Host arrays (or callables index -> array) -> global arrays in their sharded layout.
-
-    Each device receives only its own slice (`jax.make_array_from_callback`), so no device
-    ever holds a full replicated copy of a sharded weight, and every process supplies only
-    the slices of its own devices.
-    """
-    def one(x, spec):
-        sharding = NamedSharding(mesh, spec)
-        shape = x.shape
-        dt = dtype or x.dtype
-
-        def cb(index):
-            return np.asarray(x[index], dtype=dt)
-
-        return jax.make_array_from_callback(shape, sharding, cb)
-
-    return jax.tree.map(one, tree_host, specs)
+    """Host arrays (or lazy tensors) -> global arrays in their sharded layout (mesh.put:
+    each device receives only its own slice, so no device ever holds a full replicated copy
+    of a sharded weight, and every process reads only the slices of its own devices)."""
+    return jax.tree.map(lambda x, spec: put(mesh, x, spec, dtype), tree_host, specs)
 
 
 def check_shapes(cfg: QwenConfig, params) -> None:
