@@ -68,6 +68,26 @@ class SlotState:
     count: jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class HostSlot:
+    """One adapter moved off the device (AdapterState.offload): everything a slot holds —
+    weights, accumulated gradient, AdamW moments as host NumPy {module: {"a": [L, I, r],
+    "b": [L, r, O]}} at its own rank over its targets, and the step count — so that
+    `restore` puts it back bit for bit."""
+
+    info: AdapterInfo
+    weights: dict
+    grads: dict
+    mu: dict
+    nu: dict
+    count: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for t in (self.weights, self.grads, self.mu, self.nu)
+                   for ab in t.values() for x in ab.values())
+
+
 def _sans_slot(spec) -> P:
     """The PartitionSpec of one slot: the table's spec without its leading G axis."""
     return P(*tuple(spec)[1:])
@@ -118,9 +138,9 @@ class AdapterState:
         tables = (self._shardings,) * 4 + (rep, rep)
 
         @functools.partial(jax.jit, donate_argnums=(0,), out_shardings=tables)
-        def install(tables, slot, weights, mu, nu, count, scale, shared, tied):
+        def install(tables, slot, weights, grads, mu, nu, count, scale, shared, tied):
             w, g, m, n, c, meta = tables
-            return (_pad_into(w, slot, weights), _pad_into(g, slot, {}),
+            return (_pad_into(w, slot, weights), _pad_into(g, slot, grads),
                     _pad_into(m, slot, mu), _pad_into(n, slot, nu), c.at[slot].set(count),
                     lora_lib.SlotMeta(meta.scale_G.at[slot].set(scale),
                                       meta.shared_G.at[slot].set(shared),
@@ -188,10 +208,12 @@ class AdapterState:
                          "one or raise max_adapters")
 
     def read(self, slot: int, which: str = "weights") -> dict:
-        """One slot's weights or accumulated gradient as host NumPy at its own rank over its
-        targets: {module: {"a": [L, I, r], "b": [L, r, O]}} (lora.adapter_shapes)."""
+        """One slot's weights, accumulated gradient or AdamW moment ("weights", "grads",
+        "mu", "nu") as host NumPy at its own rank over its targets: {module: {"a": [L, I, r],
+        "b": [L, r, O]}} (lora.adapter_shapes)."""
         info = self._infos[slot]
-        table = {"weights": self._weights, "grads": self._grads}[which]
+        table = {"weights": self._weights, "grads": self._grads, "mu": self._mu,
+                 "nu": self._nu}[which]
         keys = {m: lora_lib.expert_keys(m, info.expert_lora) for m in info.targets}
         full = jax.tree.map(host, self._read({m: {k: table[m][k] for k in keys[m]}
                                               for m in info.targets}, slot))
@@ -219,21 +241,39 @@ class AdapterState:
     # ------------------------------------------------------------------ writes
 
     def install(self, slot: int, info: AdapterInfo, weights: dict, mu: dict | None = None,
-                nu: dict | None = None, count: int = 0) -> None:
-        """Put an adapter in `slot`: weights (and optionally AdamW moments and step count)
-        at its own rank over its targets (NumPy or device arrays); the accumulator is
-        zeroed, untargeted modules and rank padding are zero."""
+                nu: dict | None = None, count: int = 0, grads: dict | None = None) -> None:
+        """Put an adapter in `slot`: weights (and optionally AdamW moments, step count and
+        accumulated gradient) at its own rank over its targets (NumPy or device arrays);
+        the accumulator is zero unless given, untargeted modules and rank padding are zero."""
         self._check_tree(weights, info, "weights")
-        for name, tree in (("mu", mu), ("nu", nu)):
+        for name, tree in (("mu", mu), ("nu", nu), ("grads", grads)):
             if tree is not None:
                 self._check_tree(tree, info, name)
         tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._meta)
         (self._weights, self._grads, self._mu, self._nu, self._count,
-         self._meta) = self._install(tables, np.int32(slot), weights, mu or {}, nu or {},
-                                     np.int32(count), np.float32(info.scale),
+         self._meta) = self._install(tables, np.int32(slot), weights, grads or {}, mu or {},
+                                     nu or {}, np.int32(count), np.float32(info.scale),
                                      np.float32(info.shared_outer),
                                      np.float32(info.tied_gate_up))
         self._infos[slot] = info
+
+    def offload(self, slot: int) -> HostSlot:
+        """Move one adapter to host memory and free its slot. Rank padding and untargeted
+        modules of a slot are always zero (install pads with zeros; their gradients and
+        AdamW updates are zero), so the adapter's own-rank arrays are all of its state and
+        `restore` of the result continues bit for bit."""
+        info = self._infos[slot]
+        out = HostSlot(info, *(self.read(slot, w) for w in ("weights", "grads", "mu", "nu")),
+                       count=int(host(self._read(self._count, slot))))
+        self.reset(slot)
+        return out
+
+    def restore(self, slot: int, saved: HostSlot) -> None:
+        """Put an offloaded adapter back into the free `slot`, bit for bit."""
+        if slot in self._infos:
+            raise InputError(f"slot {slot} is in use; restore needs a free slot")
+        self.install(slot, saved.info, saved.weights, saved.mu, saved.nu, saved.count,
+                     saved.grads)
 
     def _check_tree(self, tree: dict, info: AdapterInfo, what: str) -> None:
         want = {m: {ab: s.shape for ab, s in v.items()} for m, v in self.layout(info).items()}
@@ -245,7 +285,7 @@ class AdapterState:
         """Free a slot: weights, accumulator, moments, count and scale all zero."""
         tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._meta)
         (self._weights, self._grads, self._mu, self._nu, self._count,
-         self._meta) = self._install(tables, np.int32(slot), {}, {}, {}, np.int32(0),
+         self._meta) = self._install(tables, np.int32(slot), {}, {}, {}, {}, np.int32(0),
                                      np.float32(0.0), np.float32(0.0), np.float32(0.0))
         del self._infos[slot]
 

@@ -353,7 +353,8 @@ class ShardOutputs:
     """Per-datum outputs, identical on every device.
 
     logprobs / elementwise_loss: [DP, CP, S] streams (the host un-zigzags them);
-    datum_loss: [B] per-datum loss sums; clipped: number of clipped real tokens.
+    datum_loss: [B] per-datum loss sums; clipped: [B] per-datum numbers of clipped real
+    tokens (so a fused call can report each request's count).
     MoE models only (train_step.model_loss adds them; None otherwise): expert_counts, int32
     [Lm, E], each MoE layer's (token, choice) assignments per expert over the real tokens
     of every (dp, cp) shard; router_aux_loss, float32 [], the router auxiliary term that
@@ -455,12 +456,14 @@ def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn
 
     lp_out = jax.lax.stop_gradient(jnp.where(real_S, lp_S, 0.0))
     el_out = jax.lax.stop_gradient(tok_loss_S)
-    datum_loss = jax.ops.segment_sum(el_out, jnp.where(real_S, segment_S, num_slots),
-                                     num_segments=num_slots + 1)[:num_slots]
+    slot_S = jnp.where(real_S, segment_S, num_slots)
+    datum_loss = jax.ops.segment_sum(el_out, slot_S, num_segments=num_slots + 1)[:num_slots]
+    clipped = jax.ops.segment_sum((clipped_S & real_S).astype(jnp.int32), slot_S,
+                                  num_segments=num_slots + 1)[:num_slots]
     outputs = ShardOutputs(
         logprobs=gather_stream(lp_out),
         elementwise_loss=gather_stream(el_out),
         datum_loss=jax.lax.psum(datum_loss, BATCH_AXES),
-        clipped=jax.lax.psum(jnp.sum(clipped_S & real_S, dtype=jnp.int32), BATCH_AXES),
+        clipped=jax.lax.psum(clipped, BATCH_AXES),
     )
     return loss, outputs

@@ -3,7 +3,8 @@
     jcp-serve [--hf-model DIR] [--model-name NAME] [--mesh dp,cp,tp] [--host 127.0.0.1]
               [--port 8000] [--max-adapters N] [--max-rank R] [--max-tokens-per-device N]
               [--api-keys FILE] [--state-dir DIR] [--max-body-bytes N] [--max-datums N]
-              [--max-num-samples N] [--max-futures N]
+              [--max-num-samples N] [--max-futures N] [--max-offload-gb G]
+              [--session-timeout S]
 
 With no --hf-model it serves the tiny random model, on 8 fake CPU devices when there is no
 accelerator (like jcp-train). Owns the command line and the assembly of the pieces in
@@ -48,6 +49,12 @@ def parse_args(argv):
                    help="num_samples per sample request")
     p.add_argument("--max-futures", type=int, default=d.futures,
                    help="request results kept per tenant (pending ones are never evicted)")
+    p.add_argument("--max-offload-gb", type=float, default=16.0,
+                   help="host memory for training models moved out of their adapter slot "
+                   "when slots are short (bounds how many models may exist)")
+    p.add_argument("--session-timeout", type=float, default=180.0,
+                   help="seconds without a heartbeat after which a session ends and its "
+                   "models are unloaded")
     # setup_devices reads these (multi-process is not supported by the server).
     p.set_defaults(coordinator_address=None, num_processes=None, process_id=None)
     args = p.parse_args(argv)
@@ -57,6 +64,9 @@ def parse_args(argv):
                  "max_num_samples", "max_futures"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be ≥ 1")
+    for name in ("max_offload_gb", "session_timeout"):
+        if not getattr(args, name) >= 0:
+            raise CliError(f"--{name.replace('_', '-')} must be ≥ 0")
     return args
 
 
@@ -84,7 +94,8 @@ class Server:
 
     def __init__(self, trainer, model_name: str, state_dir: str, api_keys=None,
                  host: str = "127.0.0.1", port: int = 0, tokenizer_id: str | None = None,
-                 limits=None):
+                 limits=None, max_offload_bytes: int = 16 << 30,
+                 session_timeout_s: float = 180.0):
         import uvicorn
 
         from jcp.server.app import FutureTable, ServedModel, create_app
@@ -98,7 +109,8 @@ class Server:
         self.limits = limits if limits is not None else Limits()
         self.futures = FutureTable(self.limits.futures)
         self.engine = Engine(trainer, self.store, self.scheduler, model_name,
-                             self.futures.complete, tokenizer_id)
+                             self.futures.complete, tokenizer_id, max_offload_bytes,
+                             session_timeout_s)
         served = ServedModel(model_name, self.engine.token_cap, self.engine.max_rank,
                              tokenizer_id)
         self.app = create_app(self.store, self.scheduler, self.futures, served, self.limits,
@@ -155,7 +167,8 @@ def main(argv=None) -> int:
                                if args.hf_model else "jcp-tiny")
     state_dir = args.state_dir or tempfile.mkdtemp(prefix="jcp-serve-")
     srv = Server(tr, name, state_dir, keys, args.host, args.port,
-                 _tokenizer_dir(args.hf_model), limits)
+                 _tokenizer_dir(args.hf_model), limits, int(args.max_offload_gb * (1 << 30)),
+                 args.session_timeout)
     print(f"jcp-serve: {srv.url}  model {name!r}  mesh dp={tr.dp} cp={tr.cp} tp={tr.tp}  "
           f"max_context_length {tr.token_cap}  state {state_dir}", flush=True)
     print("jcp-serve: " + (f"{len(keys)} API keys from {args.api_keys}" if keys is not None

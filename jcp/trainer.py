@@ -30,7 +30,7 @@ from jcp.model import moe as moe_lib
 from jcp import peft as peft_lib
 from jcp import sample as sample_lib
 from jcp import train_step
-from jcp.adapter_state import AdapterInfo, AdapterState
+from jcp.adapter_state import AdapterInfo, AdapterState, HostSlot
 from jcp.errors import F32, InputError, float32_number
 from jcp.config import QwenConfig
 from jcp.mesh import host, put, replicate
@@ -254,6 +254,28 @@ class Trainer:
         """Free a slot: zero its weights, accumulator and optimizer state."""
         self.state.reset(self._check_adapter(adapter))
 
+    def offload_adapter(self, adapter: int) -> HostSlot:
+        """Move an adapter (weights, accumulated gradient, AdamW moments, step count) to
+        host memory and free its slot; restore_adapter puts it back bit for bit."""
+        return self.state.offload(self._check_adapter(adapter))
+
+    def restore_adapter(self, saved: HostSlot, adapter: int | None = None) -> int:
+        """Put an offloaded adapter back into a free slot (`adapter`, or the lowest free
+        one) -> its id. It continues exactly as if it had never left."""
+        if not isinstance(saved, HostSlot):
+            raise InputError(f"restore_adapter needs what offload_adapter returned, got "
+                             f"{type(saved).__name__}")
+        if adapter is None:
+            slot = self.state.free_slot()
+        elif isinstance(adapter, (bool, np.bool_)) or not isinstance(adapter, (int, np.integer)) \
+                or not 0 <= adapter < self.max_adapters:
+            raise InputError(f"adapter must be a slot id in [0, {self.max_adapters}), got "
+                             f"{adapter!r}")
+        else:
+            slot = int(adapter)
+        self.state.restore(slot, saved)
+        return slot
+
     def adapter_weights(self, adapter: int) -> dict[str, np.ndarray]:
         """The adapter's weights: PEFT keys, torch layout, its own rank and targets."""
         return self._peft(self._check_adapter(adapter), "weights")
@@ -397,18 +419,20 @@ class Trainer:
         for pb, (loss, out, finite_A) in zip(packed, results):
             lp = batch_lib.unpack(host(out.logprobs), pb)
             el = batch_lib.unpack(host(out.elementwise_loss), pb)
-            datum_loss = host(out.datum_loss)
+            datum_loss, datum_clipped = host(out.datum_loss), host(out.clipped)
             members = sorted(p.index for p in pb.placements)
             for slot_i, j in enumerate(members):
                 outputs[j] = {"logprobs": lp[j], "elementwise_loss": el[j],
                               "loss:sum": float(datum_loss[slot_i])}
+                if losses_lib.LOSSES[checked[j].loss_fn].clips:
+                    outputs[j]["clipped_tokens:sum"] = int(datum_clipped[slot_i])
                 losses_lib.check_finite_outputs(j, checked[j], outputs[j])
             if finite_A is not None and not host(finite_A).all():
                 bad = sorted({int(a) for a, ok in zip(pb.active, host(finite_A)) if not ok})
                 raise InputError(f"the gradient of adapter(s) {bad} is not finite in float32 "
                                  f"for this batch (datums {members}); nothing was accumulated")
             total += float(host(loss))
-            clipped += int(host(out.clipped))
+            clipped += int(datum_clipped.sum())
             if out.expert_counts is not None:
                 c = host(out.expert_counts).astype(np.int64)
                 counts = c if counts is None else counts + c

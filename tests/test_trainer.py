@@ -502,3 +502,45 @@ def test_delete_frees_slot_and_new_adapter_starts_clean(folders, data):
                     np.testing.assert_array_equal(before[part][a][k], fresh[part][a][k])
         # A different rank than the deleted one fits the same slot; the old one is gone.
         assert tr.adapters[new].rank == 3
+
+
+def test_offload_and_restore_are_bit_exact(folders, data):
+    """An adapter moved to host memory and back (the server's slot cache) holds exactly what
+    it held: weights, accumulated gradient, AdamW moments, step count — the whole slot
+    table is bit-identical, although the slot was reused meanwhile."""
+    tr = H.trainer(REF)
+    with H.borrowed(tr):
+        ids = H.load_adapters(tr, folders)
+        tr.forward_backward(data, "cross_entropy", adapters=_ids(ids, H.ASSIGN))
+        tr.optim_step(ids["q"], jcp.AdamParams(learning_rate=1e-2, weight_decay=0.1))
+        tr.forward_backward(data, "cross_entropy", adapters=_ids(ids, H.ASSIGN))
+        q = ids["q"]
+        before = H.snapshot(tr)
+        assert H.max_abs(before["grads"][q]) > 0 and before["opt"].count[q] == 1
+        assert np.max(np.abs(before["tables"]["mu"]["q_proj"]["a"][q])) > 0
+
+        saved = tr.offload_adapter(q)
+        assert q not in tr.adapters and saved.count == 1 and saved.nbytes > 0
+        gone = H.snapshot(tr)
+        assert all(np.all(x[q] == 0) for x in jax.tree.leaves(gone["tables"]["grads"]))
+        # Someone else uses the slot meanwhile, and leaves it.
+        filler = tr.create_adapter(rank=8, alpha=8.0, seed=1)
+        assert filler == q
+        tr.forward_backward(data, "cross_entropy", adapters=filler)
+        tr.optim_step(filler, jcp.AdamParams(learning_rate=1e-2))
+        tr.delete_adapter(filler)
+
+        assert tr.restore_adapter(saved, q) == q
+        H.assert_same_state(before, H.snapshot(tr))
+
+        # Into another slot, it is the same adapter there (weights, gradient, count).
+        moved = tr.offload_adapter(q)
+        spare = next(g for g in range(tr.max_adapters) if g not in tr.adapters and g != q)
+        other = tr.restore_adapter(moved, spare)
+        assert other != q
+        for part, read in (("weights", tr.adapter_weights), ("grads", tr.gradients)):
+            for k, v in before[part][q].items():
+                np.testing.assert_array_equal(read(other)[k], v, err_msg=k)
+        assert H.snapshot(tr)["opt"].count[other] == 1
+        with pytest.raises(jcp.InputError, match="in use"):
+            tr.restore_adapter(moved, ids["p"])

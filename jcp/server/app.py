@@ -5,7 +5,10 @@ a scheduler.Work; they answer with a future ({request_id}) at once and never wai
 worker. `retrieve_future` long-polls a future for up to POLL_S (below the SDK's 45 s) and
 then answers 408, which the SDK retries. A request that fails before it is queued (unknown
 model, undecodable body) still gets a future, completed with the error, so the SDK raises
-RequestFailedError for that request only. It must never import jax or the worker.
+RequestFailedError for that request only. REST routes (training runs, checkpoints, TTLs,
+weights info, copies, external-weights download URLs with expiring per-file tokens,
+cancel_future, retrieve_futures) answer from the state store, or wait for the worker when
+they touch folders a load might be reading. It must never import jax or the worker.
 """
 
 from __future__ import annotations
@@ -13,19 +16,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
+import os
+import secrets
 import threading
+import time
 import uuid
 from collections import OrderedDict
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 
 from jcp.server import edge, wire
 from jcp.server.edge import Limits, Refused
 from jcp.server.scheduler import Scheduler, Work
-from jcp.server.state import AuthError, NotFound, StateStore
+from jcp.server.state import AuthError, NotFound, SessionEnded, StateStore, age_recipients
 
 POLL_S = 20.0
+MAX_TTL_S = 10 * 365 * 24 * 3600
+URL_TTL_S = 15 * 60
+# Bounds of the download-token table and of each sampling session's completion log.
+MAX_URL_TOKENS = 20_000
+KEEP_COMPLETIONS = 20_000
 PROTO = "application/x-protobuf"
 
 
@@ -38,10 +50,10 @@ class ServedModel:
 
 
 class _Entry:
-    __slots__ = ("owner", "event", "result", "extra")
+    __slots__ = ("owner", "event", "result", "extra", "group")
 
-    def __init__(self, owner: str, extra: dict):
-        self.owner, self.extra = owner, extra
+    def __init__(self, owner: str, extra: dict, group: str | None = None):
+        self.owner, self.extra, self.group = owner, extra, group
         self.event = asyncio.Event()
         self.result = None
 
@@ -60,8 +72,12 @@ class FutureTable:
         self._done: dict[str, OrderedDict[str, None]] = {}  # owner -> completed ids, oldest first
         self._lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
+        # (owner, group) -> completions [(cursor, request id, "finished" | "failed")], for
+        # retrieve_futures; a group is a sampling session.
+        self._logs: dict[tuple, list] = {}
+        self._cursor = 0
 
-    def new(self, owner: str, **extra) -> str:
+    def new(self, owner: str, group: str | None = None, **extra) -> str:
         rid = f"req-{uuid.uuid4().hex}"
         with self._lock:
             pending = self._pending.setdefault(owner, set())
@@ -72,7 +88,7 @@ class FutureTable:
                                        f"(--max-futures {self.per_tenant}); retry when some "
                                        "complete")
                 del self._entries[done.popitem(last=False)[0]]
-            self._entries[rid] = _Entry(owner, extra)
+            self._entries[rid] = _Entry(owner, extra, group)
             pending.add(rid)
         return rid
 
@@ -98,8 +114,24 @@ class FutureTable:
         def done():
             e.result = result
             e.event.set()
+            if e.group is not None:
+                self._cursor += 1
+                log = self._logs.setdefault((e.owner, e.group), [])
+                log.append((self._cursor, rid, "failed" if result[0] == "error" else "finished",
+                            len(result[1]) if result[0] == "proto" else None))
+                del log[:-KEEP_COMPLETIONS]
         if self.loop is not None:
             self.loop.call_soon_threadsafe(done)
+
+    def completions(self, owner: str, group: str, after: int) -> tuple[list[dict], int]:
+        """Completions of a group after cursor `after` -> (FutureCompletion dicts, cursor).
+        Runs on the event loop (like `done`), so no lock is needed."""
+        log = self._logs.get((owner, group), [])
+        new = [c for c in log if c[0] > after]
+        out = [{"state": st, "request_id": rid,
+                **({"response_payload_uncompressed_size": n} if st == "finished" else {})}
+               for _, rid, st, n in new]
+        return out, (new[-1][0] if new else after)
 
 
 def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
@@ -122,6 +154,11 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
     @app.exception_handler(NotFound)
     async def _missing(request, exc):
         return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(SessionEnded)
+    async def _ended(request, exc):
+        # 410 is what stops the SDK's heartbeat loop for a session.
+        return JSONResponse({"detail": str(exc)}, status_code=410)
 
     @app.exception_handler(Refused)
     async def _refused(request, exc):
@@ -153,9 +190,9 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
             futures.complete(rid, ("error", message, "user"))
         return {"request_id": rid, **extra}
 
-    def enqueue(who: str, kind: str, model_id, seq_id, payload, loss_key=None,
+    def enqueue(who: str, kind: str, model_id, seq_id, payload, loss_key=None, group=None,
                 **extra) -> dict:
-        rid = futures.new(who, **extra)
+        rid = futures.new(who, group, **extra)
         sched.submit(Work(request_id=rid, kind=kind, model_id=model_id, seq_id=seq_id,
                           payload=payload, owner=who, loss_key=loss_key))
         out = {"request_id": rid, **extra}
@@ -225,7 +262,15 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request):
-        store.check_session(session_id, owner(request))
+        """The session's models are unloaded after their queued work (their checkpoints
+        stay loadable); finishing twice is harmless."""
+        who = owner(request)
+        try:
+            store.check_session(session_id, who)
+        except SessionEnded:
+            return {}
+        store.end_session(session_id)
+        enqueue(who, "end_session", None, None, {"session_id": session_id})
         return {}
 
     # ------------------------------------------------------------------ training
@@ -236,6 +281,15 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
         req = edge.parse(edge.CreateModel, body, "create_model")
         store.check_session(req.session_id, who)
         mid = store.model_id(req.session_id, req.model_seq_id)
+        if mid in store.models:
+            return failed(who, f"model_seq_id {req.model_seq_id} of session "
+                               f"{req.session_id!r} is already used by model {mid!r}",
+                          model_id=mid)
+        meta = req.user_metadata
+        if meta is not None and not (len(meta) <= 64 and all(
+                len(k) <= 256 and len(str(v)) <= 4096 for k, v in meta.items())):
+            raise Refused(422, "user_metadata must be an object of at most 64 keys (up to "
+                               "256 characters; values up to 4096)")
         rank = req.lora_config.rank if req.lora_config is not None else None
         if rank is None or not 1 <= rank <= served.max_rank:
             return failed(who, f"lora_config.rank {rank!r} must be an integer in [1, "
@@ -289,6 +343,20 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
                          ("save_weights_for_sampler", edge.SaveWeights),
                          ("unload_model", edge.ModelRef)):
         app.post(f"/api/v1/{kind}")(model_op(kind, schema))
+
+    @app.post("/api/v1/save_weights_external")
+    async def save_weights_external(request: Request):
+        who, body = owner(request), await body_json(request)
+        try:
+            store.model(body.get("model_id"), who)
+            if not isinstance(body.get("path"), str):
+                raise ValueError("save_weights_external: path (a name) is required")
+            ttl(body.get("ttl_seconds"))
+            if body.get("age_encryption_recipients") is not None:
+                age_recipients(body["age_encryption_recipients"])
+        except (NotFound, ValueError) as e:
+            return failed(who, str(e), *owned_slot(who, body))
+        return enqueue(who, "save_weights_external", body["model_id"], body.get("seq_id"), body)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request):
@@ -358,9 +426,170 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
         ids = [f"seq-{uuid.uuid4().hex}" for _ in range(n)]
         return enqueue(who, "sample", None, None,
                        {"sampling_session_id": req.sampling_session_id, "args": args},
-                       sample_sequence_ids=ids)
+                       group=req.sampling_session_id, sample_sequence_ids=ids)
+
+    # ------------------------------------------------------------------ REST: runs, checkpoints
+
+    def ttl(v):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)
+                              or not 1 <= v <= MAX_TTL_S):
+            raise ValueError(f"ttl_seconds must be an integer in [1, {MAX_TTL_S}] or null, "
+                             f"got {v!r}")
+        return v
+
+    async def run_now(who: str, kind: str, payload: dict):
+        """Queue unordered work for the worker and wait for its result (REST routes that
+        answer directly, not with a future)."""
+        rid = enqueue(who, kind, None, None, payload)["request_id"]
+        entry = futures.get(rid, who)
+        await entry.event.wait()
+        kind, *rest = entry.result
+        if kind == "error":
+            raise Refused(422, rest[0])
+        return rest[0]
+
+    @app.get("/api/v1/training_runs")
+    async def training_runs(request: Request, limit: int = 20, offset: int = 0):
+        if not (1 <= limit <= 1000 and offset >= 0):
+            raise Refused(422, "limit must be in [1, 1000] and offset ≥ 0")
+        return store.training_runs(owner(request), offset, limit)
+
+    @app.get("/api/v1/training_runs/{run}")
+    async def training_run(run: str, request: Request):
+        return store.training_run(run, owner(request))
+
+    @app.get("/api/v1/training_runs/{run}/checkpoints")
+    async def checkpoints(run: str, request: Request):
+        return store.checkpoints(run, owner(request))
+
+    @app.delete("/api/v1/training_runs/{run}/checkpoints/{kind}/{name}")
+    async def delete_checkpoint(run: str, kind: str, name: str, request: Request):
+        who = owner(request)
+        folder = store.checkpoint_folder(run, f"{kind}/{name}", who)
+        await run_now(who, "delete_checkpoint", {"folder": folder})
+        return Response(status_code=200)
+
+    @app.put("/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/ttl")
+    async def set_ttl(run: str, kind: str, name: str, request: Request):
+        who, body = owner(request), await body_json(request)
+        try:
+            seconds = ttl(body.get("ttl_seconds"))
+        except ValueError as e:
+            raise Refused(422, str(e)) from None
+        store.set_ttl(run, f"{kind}/{name}", who, seconds)
+        return Response(status_code=200)
+
+    @app.post("/api/v1/weights_info")
+    async def weights_info(request: Request):
+        who, body = owner(request), await body_json(request)
+        path = body.get("tinker_path")
+        parts = path[len("tinker://"):].split("/") if isinstance(path, str) else []
+        if len(parts) != 3:
+            raise NotFound(f"path {path!r} not found")
+        store.checkpoint_folder(parts[0], f"{parts[1]}/{parts[2]}", who)
+        run = store.training_run(parts[0], who)
+        info = store.run_info(path, who) if parts[1] == "weights" else {}
+        return {"base_model": run["base_model"], "is_lora": True,
+                "lora_rank": run["lora_rank"], "optimizer_config": {"type": "adamw"},
+                **{k: info.get(k) for k in ("train_unembed", "train_mlp", "train_attn")}}
+
+    @app.post("/api/v1/copy_weights")
+    async def copy_weights(request: Request):
+        who, body = owner(request), await body_json(request)
+        path = body.get("source_path")
+        parts = path[len("tinker://"):].split("/") if isinstance(path, str) else []
+        if len(parts) != 3:
+            raise NotFound(f"path {path!r} not found")
+        folder = store.checkpoint_folder(parts[0], f"{parts[1]}/{parts[2]}", who)
+        try:
+            ttl(body.get("ttl_seconds"))
+        except ValueError as e:
+            raise Refused(422, str(e)) from None
+        if body.get("session_id") is not None:
+            store.check_session(body["session_id"], who)
+            seq = body.get("model_seq_id")
+            if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+                raise Refused(422, "copy_weights: model_seq_id must be a non-negative integer "
+                                  "with session_id")
+            dest = store.model_id(body["session_id"], seq)
+        else:
+            dest = f"copy-{uuid.uuid4().hex[:16]}"
+        info = store.run_info(f"tinker://{parts[0]}/weights/x", who, must_exist=False)
+        return await run_now(who, "copy_weights", {
+            "folder": folder, "kind": parts[1], "dest_run": dest,
+            "run_info": {**info, "lora_rank": store.training_run(parts[0], who)["lora_rank"]},
+            "ttl_seconds": body.get("ttl_seconds")})
+
+    # ------------------------------------------------------------------ REST: downloads
+    # Every file of an external-weights checkpoint gets its own URL token: random,
+    # expiring after URL_TTL_S, bound to the tenant and the checkpoint that issued it (a
+    # token whose checkpoint is deleted, expired or no longer the tenant's is refused).
+
+    tokens: OrderedDict[str, tuple] = OrderedDict()
+
+    @app.get("/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/external_weights_urls")
+    async def external_weights_urls(run: str, kind: str, name: str, request: Request):
+        who = owner(request)
+        if kind != "external_weights":
+            raise NotFound(f"checkpoint {kind}/{name!r} is not external weights")
+        folder = store.checkpoint_folder(run, f"{kind}/{name}", who)
+        expires = time.time() + URL_TTL_S
+        base = str(request.base_url).rstrip("/")
+        urls = {}
+        for f in sorted(os.listdir(folder)):
+            tok = secrets.token_urlsafe(32)
+            tokens[tok] = (who, run, f"{kind}/{name}", f, expires)
+            urls[f] = f"{base}/api/v1/external_weights/{tok}/{f}"
+        now = time.time()
+        while tokens and (len(tokens) > MAX_URL_TOKENS or next(iter(tokens.values()))[4] < now):
+            tokens.popitem(last=False)
+        return {"urls": urls, "expires": datetime.datetime.fromtimestamp(
+            expires, datetime.timezone.utc).isoformat()}
+
+    @app.get("/api/v1/external_weights/{token}/{file}")
+    async def download(token: str, file: str):
+        rec = tokens.get(token)
+        if rec is None or rec[4] < time.time() or rec[3] != file:
+            raise NotFound("download URL unknown or expired; request new URLs")
+        who, run, ckpt, f, _ = rec
+        folder = store.checkpoint_folder(run, ckpt, who)
+        return FileResponse(os.path.join(folder, f), filename=f)
 
     # ------------------------------------------------------------------ futures
+
+    @app.post("/api/v1/cancel_future")
+    async def cancel_future(request: Request):
+        """Cancel a request still queued (one already running completes normally)."""
+        who, body = owner(request), await body_json(request)
+        rid = body.get("request_id")
+        futures.get(rid, who)
+        if sched.cancel(rid):
+            futures.complete(rid, ("error", "cancelled by the client", "user"))
+        return Response(status_code=200)
+
+    @app.post("/api/v1/retrieve_futures")
+    async def retrieve_futures(request: Request):
+        """Completions of a sampling session's requests after `prev_cursor`, long-polled
+        up to `timeout` (POLL_S at most); payloads are then read with retrieve_future."""
+        who, body = owner(request), await body_json(request)
+        target = body.get("target")
+        if not isinstance(target, dict) or target.get("type", "sampling_session") != \
+                "sampling_session" or not isinstance(target.get("sampling_session_id"), str):
+            raise Refused(422, "target must be {type: sampling_session, sampling_session_id}")
+        sid = target["sampling_session_id"]
+        store.sampler(sid, who)
+        after, wait = body.get("prev_cursor", 0), body.get("timeout")
+        if isinstance(after, bool) or not isinstance(after, int) or not (
+                wait is None or isinstance(wait, (int, float)) and wait >= 0):
+            raise Refused(422, "prev_cursor must be an integer and timeout a number ≥ 0")
+        deadline = time.monotonic() + min(POLL_S, POLL_S if wait is None else wait)
+        while True:
+            done, cursor = futures.completions(who, sid, after)
+            if done or time.monotonic() >= deadline:
+                return {"completions": done, "cursor": cursor}
+            await asyncio.sleep(0.02)
+
+    # ------------------------------------------------------------------ futures (one)
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import zstandard
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
@@ -128,6 +128,7 @@ class CreateModel(_Body):
     model_seq_id: SeqId = 0
     base_model: str
     lora_config: LoraConfig | None = None
+    user_metadata: dict[str, Any] | None = None
 
 
 class AdamParams(_Body):
@@ -147,6 +148,8 @@ class OptimStep(ModelRef):
 
 class SaveWeights(ModelRef):
     path: str | None = None
+    ttl_seconds: Annotated[StrictInt, Field(ge=1, le=10 * 365 * 24 * 3600)] | None = None
+    user_metadata: dict[str, Any] | None = None
 
 
 class LoadWeights(_Body):
@@ -156,6 +159,7 @@ class LoadWeights(_Body):
     seq_id: SeqId | None = None
     session_id: str | None = None
     model_seq_id: SeqId = 0
+    user_metadata: dict[str, Any] | None = None
 
 
 class CreateSamplingSession(_Body):

@@ -11,40 +11,69 @@ side of the server: the HTTP modules never import it or jax.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import threading
 import time
 import traceback
-from collections import OrderedDict
+import uuid
+from collections import Counter, OrderedDict
 
 import numpy as np
+import pyrage
 
 import jcp
+from jcp import lora as lora_lib
 from jcp.errors import InputError
 from jcp.server import wire
 from jcp.server.scheduler import Scheduler, Work
-from jcp.server.state import ModelRecord, NotFound, StateStore
+from jcp.server.state import ModelRecord, NotFound, StateStore, age_recipients
 
 log = logging.getLogger("jcp.serve")
 
+# How often the worker looks for checkpoints whose TTL has passed.
+EXPIRY_SCAN_S = 5.0
 # Tinker does not expose alpha; its LoRA uses a fixed alpha of 32.
 LORA_ALPHA = 32.0
 REFUSED_LOSSES = {
-    "stable_reinforce": "stable_reinforce needs sampling-time stability records, which this "
-                        "server does not keep",
+    "stable_reinforce": "stable_reinforce is not served: its objective is not published (provenance "
+                        "spans and record_stability_info are accepted and ignored; use "
+                        "importance_sampling, ppo, cispo, dro or gspo)",
     "custom": "server-side custom losses are not supported; forward_backward_custom works "
               "client-side (through cross_entropy)",
 }
 
 
 class Engine:
+    """The worker over `trainer`.
+
+    Adapter slots are a cache: a training model is resident (in a slot) or offloaded (its
+    whole state — weights, accumulated gradient, AdamW moments, step count — in host
+    memory, Trainer.offload_adapter). When a slot is needed and none is free, a cached
+    sampler adapter is dropped first, else the least recently used training model not in
+    the current pass is offloaded; it is restored, bit for bit, on its next request. So
+    `--max-adapters` bounds resident slots, and `max_offload_bytes` bounds the host memory
+    of offloaded models. A model lives as long as its session: a finished or expired
+    session's models are unloaded once their queued work is done (checkpoints stay).
+    """
+
     def __init__(self, trainer, store: StateStore, scheduler: Scheduler, model_name: str,
-                 complete, tokenizer_id: str | None = None):
+                 complete, tokenizer_id: str | None = None,
+                 max_offload_bytes: int = 16 << 30, session_timeout_s: float = 180.0):
         self.tr, self.store, self.sched = trainer, store, scheduler
         self.model_name, self.tokenizer_id = model_name, tokenizer_id
         self.token_cap = int(trainer.token_cap)
         self.max_rank = int(trainer.max_rank)
+        self.max_offload_bytes = int(max_offload_bytes)
+        self.session_timeout_s = float(session_timeout_s)
         self._complete = complete
         self._sampler_slots: OrderedDict[str, int] = OrderedDict()  # PEFT folder -> slot
+        self._resident: OrderedDict[str, int] = OrderedDict()       # model id -> slot, LRU first
+        self._offloaded: dict[str, object] = {}                     # model id -> HostSlot
+        self._closing: set[str] = set()     # models of ended sessions, unloaded when idle
+        self.offloads = self.restores = 0
+        self.busy_s: Counter[str] = Counter()  # worker seconds per request kind
+        self._next_expiry_scan = 0.0
         self._thread = threading.Thread(target=self._loop, name="jcp-serve-worker", daemon=True)
 
     def start(self) -> None:
@@ -62,43 +91,133 @@ class Engine:
     def _loop(self) -> None:
         while True:
             try:
-                group = self.sched.next_pass()
+                group = self.sched.next_pass(timeout=1.0)
             except Exception:  # noqa: BLE001 — the worker must outlive any one failure
                 log.exception("worker: next_pass failed")
                 time.sleep(0.5)
                 continue
             if group is None:
-                return
+                if self.sched.closed:
+                    return
+            else:
+                t0 = time.perf_counter()
+                try:
+                    if group[0].failure is not None:
+                        self._complete(group[0].request_id,
+                                       ("error", group[0].failure, "server"))
+                    elif group[0].kind in ("forward", "forward_backward"):
+                        self._fwd(group)
+                    else:
+                        w = group[0]
+                        self._complete(w.request_id, getattr(self, "_" + w.kind)(w))
+                except Exception as e:  # noqa: BLE001 — one request's failure is only its own
+                    for w in group:
+                        try:
+                            self._complete(w.request_id, _error(e))
+                        except Exception:  # noqa: BLE001
+                            log.exception("worker: could not complete %s", w.request_id)
+                self.busy_s[group[0].kind] += time.perf_counter() - t0
             try:
-                if group[0].failure is not None:
-                    self._complete(group[0].request_id, ("error", group[0].failure, "server"))
-                elif group[0].kind in ("forward", "forward_backward"):
-                    self._fwd(group)
-                else:
-                    w = group[0]
-                    self._complete(w.request_id, getattr(self, "_" + w.kind)(w))
-            except Exception as e:  # noqa: BLE001 — one request's failure is only its own
-                for w in group:
-                    try:
-                        self._complete(w.request_id, _error(e))
-                    except Exception:  # noqa: BLE001
-                        log.exception("worker: could not complete %s", w.request_id)
+                self._reap()
+            except Exception as e:  # noqa: BLE001 — never let cleanup stop the worker
+                log.error("unloading ended sessions failed: %s", e)
 
     # ------------------------------------------------------------------ slots
 
-    def _free_slot(self, why: str) -> None:
-        """Make room by dropping cached sampler weights (never a training model)."""
+    def _free_slot(self, why: str, keep: frozenset = frozenset()) -> None:
+        """Make one slot free: drop the oldest cached sampler adapter, else offload the
+        least recently used training model not in `keep` to host memory."""
         if len(self.tr.adapters) < self.tr.max_adapters:
             return
-        if not self._sampler_slots:
-            raise InputError(f"all {self.tr.max_adapters} adapter slots hold training models; "
-                             f"cannot {why} (unload a model or raise --max-adapters)")
-        _, slot = self._sampler_slots.popitem(last=False)
-        self.tr.delete_adapter(slot)
+        if self._sampler_slots:
+            _, slot = self._sampler_slots.popitem(last=False)
+            self.tr.delete_adapter(slot)
+            return
+        victim = next((m for m in self._resident if m not in keep), None)
+        if victim is None:
+            raise InputError(f"all {self.tr.max_adapters} adapter slots are in use by this "
+                             f"pass; cannot {why} (raise --max-adapters)")
+        used = sum(h.nbytes for h in self._offloaded.values())
+        info = self.tr.adapters[self._resident[victim]]
+        if used + self._nbytes(info) > self.max_offload_bytes:
+            raise InputError(f"cannot {why}: every adapter slot is in use and host memory "
+                             f"for offloaded models is full ({used} of "
+                             f"{self.max_offload_bytes} bytes, --max-offload-gb); finish "
+                             "sessions you no longer need")
+        slot = self._resident.pop(victim)
+        self._offloaded[victim] = self.tr.offload_adapter(slot)
+        self.offloads += 1
+        self._set_slot(victim, None)
 
-    def _slot(self, w: Work) -> int:
-        rec = self.store.model(w.model_id, w.owner)
-        return rec.slot
+    def _nbytes(self, info) -> int:
+        """Host bytes of an offloaded adapter (4 float32 trees at its rank)."""
+        shapes = lora_lib.adapter_shapes(self.tr.cfg, info.rank, info.targets,
+                                         info.expert_lora)
+        return 16 * sum(int(np.prod(sh)) for ks in shapes.values() for sh in ks.values())
+
+    def _set_slot(self, model_id: str, slot: int | None) -> None:
+        rec = self.store.models.get(model_id)
+        if rec is not None:
+            rec.slot = slot
+
+    def _slot(self, w: Work, keep: frozenset = frozenset()) -> int:
+        """The model's slot, restoring it from host memory if it was offloaded."""
+        self.store.model(w.model_id, w.owner)
+        mid = w.model_id
+        if mid in self._resident:
+            self._resident.move_to_end(mid)
+            return self._resident[mid]
+        saved = self._offloaded.get(mid)
+        if saved is None:
+            raise NotFound(f"model {mid!r} not found")
+        self._free_slot("restore an offloaded model", keep | {mid})
+        slot = self.tr.restore_adapter(saved)
+        del self._offloaded[mid]
+        self.restores += 1
+        self._adopt(mid, slot)
+        return slot
+
+    def _adopt(self, model_id: str, slot: int) -> None:
+        self._resident[model_id] = slot
+        self._resident.move_to_end(model_id)
+        self._set_slot(model_id, slot)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _end_session(self, w: Work) -> tuple:
+        self._closing.update(self.store.end_session(w.payload["session_id"]))
+        return ("json", {})
+
+    def _reap(self) -> None:
+        """Unload the models of ended sessions whose queued work is done; end sessions
+        whose heartbeats stopped."""
+        for sid in self.store.expired_sessions(self.session_timeout_s):
+            log.info("session %s expired (no heartbeat for %.0f s)", sid,
+                     self.session_timeout_s)
+            self._closing.update(self.store.end_session(sid))
+        for mid in sorted(self._closing):
+            if self.sched.pending_for(mid):
+                continue
+            self._closing.discard(mid)
+            self._drop(mid)
+        if time.monotonic() >= self._next_expiry_scan:
+            self._next_expiry_scan = time.monotonic() + EXPIRY_SCAN_S
+            for folder in self.store.expired_folders():
+                log.info("checkpoint %s expired (TTL)", folder)
+                self._delete_folder(folder)
+
+    def _drop(self, model_id: str) -> None:
+        """Forget a model: its slot or host copy, its record, its seq_id history and its
+        unnamed sampler weights on disk (named checkpoints stay)."""
+        slot = self._resident.pop(model_id, None)
+        if slot is not None:
+            self.tr.delete_adapter(slot)
+        self._offloaded.pop(model_id, None)
+        for folder in self.store.drop_model(model_id):
+            s = self._sampler_slots.pop(folder, None)
+            if s is not None:
+                self.tr.delete_adapter(s)
+        self.sched.forget(model_id)
 
     # ------------------------------------------------------------------ requests
 
@@ -108,17 +227,38 @@ class Engine:
         if p.get("base_model") != self.model_name:
             raise InputError(f"base_model {p.get('base_model')!r} is not served here; this "
                              f"server serves {self.model_name!r}")
-        targets = [g for g, on in (("attn", lora.get("train_attn", True)),
-                                   ("mlp", lora.get("train_mlp", True)),
-                                   ("unembed", lora.get("train_unembed", True))) if on]
+        flags = {k: bool(lora.get(k, True)) for k in ("train_attn", "train_mlp",
+                                                          "train_unembed")}
+        # train_mlp means the experts on a MoE model, as Tinker trains them.
+        mlp = "experts" if self.tr.cfg.is_moe else "mlp"
+        targets = [g for g, k in (("attn", "train_attn"), (mlp, "train_mlp"),
+                                  ("unembed", "train_unembed")) if flags[k]]
         if not targets:
             raise InputError("at least one of train_attn, train_mlp, train_unembed must be true")
+        self._check_new_model(w)
         self._free_slot("create a model")
         slot = self.tr.create_adapter(rank=lora.get("rank", 32), alpha=LORA_ALPHA,
                                       seed=lora.get("seed"), targets=targets)
-        self.store.add_model(ModelRecord(w.model_id, w.owner, self.model_name,
-                                         self.tr.adapters[slot].rank, slot))
+        self._register(w, slot, {**flags, "user_metadata": p.get("user_metadata")})
         return ("json", {"model_id": w.model_id, "type": "create_model"})
+
+    def _check_new_model(self, w: Work) -> None:
+        if w.model_id in self.store.models:
+            raise InputError(f"model {w.model_id!r} already exists (its model_seq_id is "
+                             "already used in this session)")
+
+    def _register(self, w: Work, slot: int, run_info: dict) -> None:
+        """Record a model just put in `slot`; if that fails, free the slot (a create that
+        fails leaves no trace)."""
+        sid = w.model_id.split(":train:")[0]
+        try:
+            self.store.add_model(ModelRecord(w.model_id, w.owner, self.model_name,
+                                             self.tr.adapters[slot].rank, slot, sid),
+                                 run_info)
+        except BaseException:
+            self.tr.delete_adapter(slot)
+            raise
+        self._adopt(w.model_id, slot)
 
     def _refused(self, w: Work) -> tuple:
         """A request refused at the edge, answered in its model's seq_id order."""
@@ -126,6 +266,12 @@ class Engine:
 
     def _fwd(self, group: list[Work]) -> None:
         """One fused Trainer call; on refusal, each request alone."""
+        if len(group) > 1 and self.tr.cfg.is_moe:
+            # MoE load metrics and the router auxiliary loss are batch-level figures: a
+            # fused pass could not report each request's own, so each runs alone.
+            for w in group:
+                self._fwd([w])
+            return
         self.sched.note_pass(group)
         try:
             outs = self._run_fwd(group)
@@ -146,11 +292,12 @@ class Engine:
 
     def _run_fwd(self, group: list[Work]) -> list[tuple]:
         data, adapters, losses, configs, spans = [], [], [], {}, []
+        keep = frozenset(w.model_id for w in group)
         for w in group:
             req: wire.FwdBwdRequest = w.payload
             if req.loss_fn in REFUSED_LOSSES:
                 raise InputError(REFUSED_LOSSES[req.loss_fn])
-            slot = self._slot(w)
+            slot = self._slot(w, keep)
             start = len(data)
             for tokens, inputs in req.data:
                 data.append(jcp.Datum(model_input=tokens, loss_fn_inputs=inputs))
@@ -171,7 +318,11 @@ class Engine:
         results = []
         for a, b in spans:
             per = out.loss_fn_outputs[a:b]
+            # A request's metrics from its own datums: what it would get alone.
             metrics = {"loss:sum": float(sum(np.float64(d["loss:sum"]) for d in per))}
+            if any("clipped_tokens:sum" in d for d in per):
+                metrics["clipped_tokens:sum"] = float(sum(d.get("clipped_tokens:sum", 0)
+                                                          for d in per))
             if len(group) == 1:
                 metrics = {k: float(v) for k, v in out.metrics.items()}
             body = wire.encode_forward_backward_output(
@@ -185,35 +336,93 @@ class Engine:
             raise InputError("optim_step: only adam_params are supported")
         fields = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
         adam = jcp.AdamParams(**{k: p[k] for k in fields if k in p})
-        metrics = self.tr.optim_step(self._slot(w), adam)
-        return ("json", {"metrics": {k: float(v) for k, v in metrics.items()
-                                     if isinstance(v, (int, float))}})
+        m = self.tr.optim_step(self._slot(w), adam)
+        # Client loops merge these into their own log rows (the cookbook's
+        # `metrics.update(optim_result.metrics)`), so no key may be one they log themselves
+        # (`step`, `learning_rate`): Tinker-style `name:reduction` keys only.
+        return ("json", {"metrics": {"grad_norm:mean": float(m["grad_norm"]),
+                                     "adam_step:max": float(m["step"])}})
 
     def _save_weights(self, w: Work) -> tuple:
         path, folder = self.store.new_path(w.model_id, "weights", w.payload.get("path"))
         self.tr.save_state(self._slot(w), folder)
+        self._note(path, w.payload)
         return ("json", {"path": path, "type": "save_weights"})
+
+    def _note(self, path: str, p: dict) -> None:
+        self.store.note_checkpoint(path, p.get("ttl_seconds"), p.get("user_metadata"))
+
+    def _save_weights_external(self, w: Work) -> tuple:
+        """The adapter as a PEFT folder for download (GET …/external_weights_urls); with
+        age_encryption_recipients every file is age-encrypted to them (`<file>.age`)."""
+        p = w.payload
+        path, folder = self.store.new_path(w.model_id, "external_weights", p.get("path"))
+        tmp = f"{folder}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            self.tr.export_peft(self._slot(w), tmp)
+            if p.get("age_encryption_recipients"):
+                recipients = age_recipients(p["age_encryption_recipients"])
+                for name in os.listdir(tmp):
+                    f = os.path.join(tmp, name)
+                    with open(f, "rb") as src:
+                        data = pyrage.encrypt(src.read(), recipients)
+                    with open(f + ".age", "wb") as dst:
+                        dst.write(data)
+                    os.remove(f)
+            if os.path.isdir(folder):
+                shutil.rmtree(folder)
+            os.replace(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._note(path, p)
+        size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+        return ("json", {"path": path, "size_bytes": size, "type": "save_weights_external"})
+
+    def _delete_checkpoint(self, w: Work) -> tuple:
+        self._delete_folder(w.payload["folder"])
+        return ("json", {})
+
+    def _delete_folder(self, folder: str) -> None:
+        slot = self._sampler_slots.pop(folder, None)
+        if slot is not None:
+            self.tr.delete_adapter(slot)
+        self.store.delete_folder(folder)
+
+    def _copy_weights(self, w: Work) -> tuple:
+        """A checkpoint into a new run of the same owner (files hard-linked, not copied)."""
+        p = w.payload
+        src, kind, run_info = p["folder"], p["kind"], p["run_info"]
+        dest_run = p["dest_run"]
+        self.store.add_run(dest_run, w.owner, self.model_name, run_info)
+        path, folder = self.store.new_path(dest_run, kind, os.path.basename(src))
+        shutil.copytree(src, folder, copy_function=os.link, dirs_exist_ok=True)
+        self._note(path, p)
+        return ("json", {"tinker_path": path})
 
     def _load_weights(self, w: Work) -> tuple:
         p = w.payload
         folder, base = self.store.resolve(p.get("path"), w.owner, "weights")
         with_opt = p["optimizer"]  # a strict bool (edge.LoadWeights)
         if p.get("session_id") is not None:  # a new model, created by the load
+            self._check_new_model(w)
             self._free_slot("load a checkpoint into a new model")
             slot = self.tr.load_state(folder, None, with_optimizer=with_opt)
-            self.store.add_model(ModelRecord(w.model_id, w.owner, self.model_name,
-                                             self.tr.adapters[slot].rank, slot))
+            info = self.store.run_info(p.get("path"), w.owner)
+            if p.get("user_metadata") is not None:  # the new run's own, else its source's
+                info["user_metadata"] = p["user_metadata"]
+            self._register(w, slot, info)
         else:
             rec = self.store.model(w.model_id, w.owner)
-            self.tr.load_state(folder, rec.slot, with_optimizer=with_opt)
+            slot = self.tr.load_state(folder, self._slot(w), with_optimizer=with_opt)
             # The checkpoint's rank replaces the model's: get_info must say so.
-            rec.rank = self.tr.adapters[rec.slot].rank
+            rec.rank = self.tr.adapters[slot].rank
         return ("json", {"path": p.get("path"), "model_id": w.model_id, "type": "load_weights"})
 
     def _save_weights_for_sampler(self, w: Work) -> tuple:
         name = w.payload.get("path")
         path, folder = self.store.new_path(w.model_id, "sampler_weights", name)
         self.tr.export_peft(self._slot(w), folder)
+        self._note(path, w.payload)
         out = {"path": path, "type": "save_weights_for_sampler"}
         if name is None:
             out["sampling_session_id"] = self.store.add_sampler(w.owner, self.model_name, path,
@@ -221,10 +430,8 @@ class Engine:
         return ("json", out)
 
     def _unload_model(self, w: Work) -> tuple:
-        rec = self.store.model(w.model_id, w.owner)
-        self.tr.delete_adapter(rec.slot)
-        self.store.drop_model(w.model_id)
-        self.sched.forget(w.model_id)
+        self.store.model(w.model_id, w.owner)
+        self._drop(w.model_id)
         return ("json", {"model_id": w.model_id, "type": "unload_model"})
 
     def _sample(self, w: Work) -> tuple:

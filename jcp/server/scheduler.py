@@ -101,6 +101,26 @@ class Scheduler:
             self._closed = True
             self._cv.notify_all()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def pending_for(self, model_id: str) -> int:
+        """How many requests of the model are queued (not yet taken by the worker)."""
+        with self._cv:
+            return len(self._queues.get(model_id) or [])
+
+    def cancel(self, request_id: str) -> bool:
+        """Remove a request that no pass has taken yet -> whether it was still queued. A
+        cancelled ordered request counts as taken, so its model's later ones still run."""
+        with self._cv:
+            for w in self._samples + [w for q in self._queues.values() for w in q]:
+                if w.request_id == request_id:
+                    self._remove([w])
+                    self._cv.notify_all()
+                    return True
+        return False
+
     def forget(self, model_id: str) -> None:
         """Drop a model's seq_id history (after unload)."""
         with self._cv:

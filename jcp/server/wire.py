@@ -121,15 +121,46 @@ def decode_forward_backward(msg, max_datums: int) -> FwdBwdRequest:
         config = dict(msg.loss_fn_config.items())
     data = []
     for i, d in enumerate(msg.data):
-        if len(d.model_input_spans) or len(d.loss_fn_input_spans):
-            raise WireError(f"datum {i}: provenance spans are not supported (they serve "
-                            "stable_reinforce, which this server does not implement)")
         tokens = tokens_of_chunks(d.model_input, f"datum {i}: model_input")
         inputs = {k: _tensor(t, f"datum {i}: loss_fn_inputs[{k!r}]")
                   for k, t in d.loss_fn_inputs.items()}
+        _check_provenance(d, i, len(tokens), inputs)
         data.append((tokens, inputs))
     return FwdBwdRequest(model_id=msg.model_id, seq_id=msg.seq_id, loss_fn=msg.loss_fn,
                          loss_fn_config=config or None, forward_only=msg.forward_only, data=data)
+
+
+def _check_provenance(d, i: int, n_inputs: int, inputs: dict[str, np.ndarray]) -> None:
+    """Provenance spans (tinker/types/provenance_spans.py) are metadata: accepted for every
+    loss and ignored in the math, but they must be well formed — both lists or neither,
+    each span one of prompt_tokens / sampled_tokens with a non-empty sequence_id, offset
+    >= 0, length >= 0, and the runs tiling their field exactly (model_input_spans the input
+    tokens, loss_fn_input_spans target_tokens)."""
+    fields = (("model_input_spans", d.model_input_spans, n_inputs),
+              ("loss_fn_input_spans", d.loss_fn_input_spans,
+               len(inputs["target_tokens"]) if "target_tokens" in inputs else n_inputs))
+    if bool(len(d.model_input_spans)) != bool(len(d.loss_fn_input_spans)):
+        raise WireError(f"datum {i}: provenance comes as a pair: model_input_spans and "
+                        "loss_fn_input_spans must both be set or both be empty")
+    for name, spans, want in fields:
+        if not len(spans):
+            continue
+        total = 0
+        for j, span in enumerate(spans):
+            kind = span.WhichOneof("span")
+            if kind is None:
+                raise WireError(f"datum {i}: {name}[{j}] is neither prompt_tokens nor "
+                                "sampled_tokens")
+            run = getattr(span, kind)
+            if not run.sequence_id:
+                raise WireError(f"datum {i}: {name}[{j}].sequence_id must be non-empty")
+            if run.offset < 0 or run.length < 0:
+                raise WireError(f"datum {i}: {name}[{j}]: offset and length must be >= 0 "
+                                f"(got offset {run.offset}, length {run.length})")
+            total += run.length
+        if total != want:
+            raise WireError(f"datum {i}: {name} cover {total} positions but the field has "
+                            f"{want}; the runs must tile it exactly")
 
 
 def encode_forward_backward_output(per_datum: list[dict[str, np.ndarray]],

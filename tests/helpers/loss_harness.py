@@ -251,7 +251,7 @@ def run_case(case: Case, mesh_shape, overrides=None, noise_padding: bool = True)
             logprobs=from_stream(replicated_value(outs.logprobs, n_dev), pb),
             elementwise=from_stream(replicated_value(outs.elementwise_loss, n_dev), pb),
             datum_loss=datum_loss[slots],
-            clipped=int(replicated_value(outs.clipped, n_dev)),
+            clipped=int(replicated_value(outs.clipped, n_dev).sum()),
             d_hidden_stream=dh,
             d_hidden=from_stream(dh, pb),
             d_unembed=np.asarray(dw),
