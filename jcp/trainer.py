@@ -407,6 +407,12 @@ class Trainer:
             results = [step(pb, b, accumulate) for pb, b in zip(packed, batches)]
             return self._outputs(checked, packed, results)
 
+    @property
+    def forward_backward_programs(self) -> dict:
+        """The compiled forward_backward programs so far (jax.stages.Compiled), keyed as
+        remat_decisions: for profiling and memory or cost analysis."""
+        return dict(self._fb_programs)
+
     def remat_budget_bytes(self) -> int:
         """The per-device bytes a forward_backward program may take without recomputation
         (remat="auto"; see the class docstring)."""
