@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -64,14 +65,15 @@ def _time_steps(step, warmup: int, steps: int, n_tokens: int = DATUMS * TOKENS) 
     first = time.perf_counter() - t0
     for _ in range(warmup - 1):
         step()
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     med = statistics.median(times)
     return {"first_step_s": first, "step_s": times, "median_step_s": med,
-            "tokens_per_s": n_tokens / med}
+            "tokens_per_s": n_tokens / med, "cpu_s_per_step": statistics.median(cpu)}
 
 
 # ----------------------------------------------------------------------------------------
@@ -84,6 +86,8 @@ def side_torch(args) -> dict:
     import transformers
 
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     base_rss = _rss_mib()
     cfg = transformers.Qwen3Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=LAYERS,
@@ -197,6 +201,10 @@ def measure(side: str, args, devices: int = 1, **kw) -> dict:
     env["JAX_PLATFORMS"] = "cpu"
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
+    if kw.get("threads") == 1:  # XLA:CPU on one thread, like torch.set_num_threads(1)
+        flags += ["--xla_cpu_multi_thread_eigen=false"]
+        if shutil.which("taskset"):  # and both sides on the same one core
+            cmd = ["taskset", "-c", "0"] + cmd
     if devices > 1:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
     env["XLA_FLAGS"] = " ".join(flags)
@@ -260,6 +268,10 @@ def main() -> None:
     p.add_argument("--remat", default="1", help=argparse.SUPPRESS)
     p.add_argument("--attn_block", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--cp_attention", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=0,
+                   help="parity section: 1 runs both sides on one thread (torch "
+                        "set_num_threads(1), XLA:CPU single-threaded) — steadier than the "
+                        "default threads on a machine shared with other work")
     p.add_argument("--datums", type=int, default=DATUMS, help=argparse.SUPPRESS)
     p.add_argument("--tokens", type=int, default=TOKENS, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -280,19 +292,23 @@ def main() -> None:
     if args.only in (None, "parity"):
         print("\n[0] torch parity (the issue's table): jcp defaults vs torch + peft, 1 CPU "
               "device, the two alternated round by round")
-        print("  goal: jcp ≥ 1.0× torch tok/s in every row")
+        print(f"  goal: jcp ≥ 1.0× torch tok/s in every row; threads: "
+              f"{args.threads or 'default'}; CPU s/step: process CPU time per step")
         hdr = (f"  {'workload':<10} {'torch tok/s':>12} {'jcp tok/s':>10} {'ratio':>6} "
-               f"{'RSS ratio':>9}  rounds torch | jcp")
+               f"{'RSS ratio':>9} {'CPU s/step t|j':>15}  rounds torch | jcp")
         print(hdr)
         for datums, n in ((8, 512), (1, 8192), (1, 16384)):
+            th = dict(threads=args.threads) if args.threads else {}
             rs = measure_rounds({
-                "torch": ("torch", dict(datums=datums, tokens=n)),
-                "jcp": ("jcp", dict(slots=1, cp=1, remat="auto", datums=datums, tokens=n)),
+                "torch": ("torch", dict(datums=datums, tokens=n, **th)),
+                "jcp": ("jcp", dict(slots=1, cp=1, remat="auto", datums=datums, tokens=n,
+                                    **th)),
             }, args)
             t, j = rs["torch"], rs["jcp"]
             print(f"  {datums} x {n:<6} {t['tokens_per_s']:>12.0f} {j['tokens_per_s']:>10.0f} "
                   f"{j['tokens_per_s'] / t['tokens_per_s']:>5.2f}× "
-                  f"{j['peak_rss_mib'] / t['peak_rss_mib']:>8.2f}×  "
+                  f"{j['peak_rss_mib'] / t['peak_rss_mib']:>8.2f}× "
+                  f"{t['cpu_s_per_step']:>7.2f}|{j['cpu_s_per_step']:<7.2f}  "
                   + "/".join(f"{x:.0f}" for x in t["rounds_tokens_per_s"]) + " | "
                   + "/".join(f"{x:.0f}" for x in j["rounds_tokens_per_s"]), flush=True)
 
