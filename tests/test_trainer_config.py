@@ -50,7 +50,7 @@ def test_remat_auto_decides_from_compiled_memory():
     """remat="auto" compiles the forward_backward without recomputation and keeps it iff
     its compiled memory fits the budget: a budget of exactly that many bytes keeps it, one
     byte less recomputes — and both programs give the same numbers."""
-    import trainer_harness as H
+    from helpers import trainer_harness as H
 
     cfg = jcp.QwenConfig.tiny()
     data = H.random_data((37, 20, 5), seed=1)
