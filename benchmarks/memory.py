@@ -197,11 +197,13 @@ def model_config(args, tokens):
         c = dict(QWEN3_8B)
         if args.layers is not None:
             c["num_layers"] = args.layers
+        if args.dtype is not None:
+            c["dtype"] = args.dtype
     else:
         c = dict(vocab_size=args.vocab, hidden_size=args.hidden,
                  intermediate_size=args.intermediate, num_layers=args.layers or 2,
                  num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                 dtype=args.dtype)
+                 dtype=args.dtype or "float32")
     return jcp.QwenConfig(**c, max_position_embeddings=max(tokens, 32768))
 
 
@@ -231,7 +233,12 @@ def main(argv=None):
     ap.add_argument("--attn-block", type=int, default=attention.DEFAULT_BLOCK)
     ap.add_argument("--chunk", type=int, default=losses.DEFAULT_CHUNK,
                     help="log-prob token chunk (capped as the Trainer caps it)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                    help="default float32 (small), bfloat16 (qwen3-8b); on CPU, XLA computes "
+                         "bf16 dots in f32 and converts the stacked bf16 weights to f32 before "
+                         "the layer loops: a cp-independent ~2× the bf16 weights in temp that "
+                         "a GPU program does not have (benchmarks/gpu.py checks), so the "
+                         "qwen3-8b scaling is best read in float32 on CPU")
     ap.add_argument("--out", default="/tmp/jcp_memory.json")
     ap.add_argument("--explain", type=int, default=0, metavar="N",
                     help="also print the N largest groups of buffers live at the peak of "

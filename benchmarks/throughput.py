@@ -272,6 +272,8 @@ def main() -> None:
                    help="parity section: 1 runs both sides on one thread (torch "
                         "set_num_threads(1), XLA:CPU single-threaded) — steadier than the "
                         "default threads on a machine shared with other work")
+    p.add_argument("--rows", default="8x512,1x8192,1x16384",
+                   help="parity section: workloads DATUMSxTOKENS, comma-separated")
     p.add_argument("--datums", type=int, default=DATUMS, help=argparse.SUPPRESS)
     p.add_argument("--tokens", type=int, default=TOKENS, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -297,7 +299,7 @@ def main() -> None:
         hdr = (f"  {'workload':<10} {'torch tok/s':>12} {'jcp tok/s':>10} {'ratio':>6} "
                f"{'RSS ratio':>9} {'CPU s/step t|j':>15}  rounds torch | jcp")
         print(hdr)
-        for datums, n in ((8, 512), (1, 8192), (1, 16384)):
+        for datums, n in (tuple(int(x) for x in r.split("x")) for r in args.rows.split(",")):
             th = dict(threads=args.threads) if args.threads else {}
             rs = measure_rounds({
                 "torch": ("torch", dict(datums=datums, tokens=n, **th)),
