@@ -4,7 +4,7 @@ Workload: a Qwen3-8B-shaped model (hidden 4096, 36 layers, 32 query heads, 8 kv 
 head dim 128, MLP 12288, vocab 151936, untied, qk_norm), bf16 random weights made on the
 device (no files), one LoRA adapter of rank 32 (alpha 64) on every target (q, k, v, o,
 gate, up, down and lm_head), one datum of --tokens tokens (default 32768), token-sum
-cross_entropy, through the public jcp.Trainer (remat on, its defaults). A step is one
+cross_entropy, through the public jcp.Trainer (its defaults: remat "auto"). A step is one
 Trainer.forward_backward; tokens/s = tokens / median step time after --warmup untimed
 steps (the first one compiles, and is reported apart). The AdamW step (adapter-only,
 negligible) is not timed.
@@ -32,7 +32,8 @@ layers, Q query heads, H head dim, r the LoRA rank:
 
 The attention kernel: --attn-impl auto picks "pallas" (the fused Triton kernels of
 jcp/attention/pallas.py) on GPU and "blockwise" elsewhere ("pallas" on CPU runs the
-kernels in Pallas interpret mode: a correctness check, not a speed). Not yet run on a GPU.
+kernels in Pallas interpret mode: a correctness check, not a speed); both the all-gather
+and the ring path use it. Not yet run on a GPU (benchmarks/gpu.py runs it there).
 
     python benchmarks/mfu.py                       # GPU: Qwen3-8B shape, 32768 tokens
     python benchmarks/mfu.py --attn-impl blockwise # the same with the XLA kernel
@@ -207,11 +208,7 @@ def main(argv=None) -> dict:
     s_len = 2 * mesh_lib.zigzag_chunk(args.tokens, cp)
     path = attention.choose_cp_attention(args.cp_attention, cp, s_len, cfg.num_kv_heads // tp,
                                          cfg.head_dim, jnp.dtype(cfg.dtype).itemsize)
-    print(f"attention: {impl}, cp path {path}; one datum of {args.tokens} tokens; remat on")
-    if impl == "pallas" and path == "ring":
-        # train_step.training_attend does not yet pass attn_impl on to ring_attend.
-        print("note: the ring path runs the blockwise kernel whatever --attn-impl says; "
-              "pass --cp-attention gather to time the pallas kernels at cp > 1")
+    print(f"attention: {impl}, cp path {path}; one datum of {args.tokens} tokens")
 
     t0 = time.perf_counter()
     kw = {} if args.attn_block is None else {"attn_block": args.attn_block}
@@ -238,7 +235,13 @@ def main(argv=None) -> dict:
     times = [step()[0] for _ in range(args.steps)]
     med = statistics.median(times)
 
+    # The device's own count of its peak (accelerators; None on CPU): weights, adapter
+    # state and the step's activations, whatever XLA allocated.
+    stats = devices[0].memory_stats() if platform != "cpu" else None
+    peak_bytes = stats.get("peak_bytes_in_use") if stats else None
     res = dict(platform=platform, devices=n_dev, mesh=[dp, cp, tp], attn_impl=impl,
+               peak_bytes_in_use=peak_bytes, remat=[d["remat"] for d in
+                                                    tr.remat_decisions.values()],
                tokens=args.tokens, layers=cfg.num_layers, shrink=args.shrink, rank=args.rank,
                setup_s=setup_s, first_step_s=first_s, step_s=times, median_step_s=med,
                tokens_per_s=args.tokens / med, loss_sum=loss,
@@ -256,6 +259,8 @@ def main(argv=None) -> dict:
     print(f"MFU (LoRA step FLOPs): {100 * res['mfu']:.2f}%   "
           f"[conventional 6N+attention: {100 * res['mfu_6n']:.2f}%]   peak "
           f"{args.peak_tflops:.0f} TFLOP/s x {n_dev}")
+    if peak_bytes is not None:
+        print(f"device memory: peak {peak_bytes / 2**30:.2f} GiB in use (memory_stats)")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=2)

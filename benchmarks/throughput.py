@@ -13,8 +13,10 @@ shared machine has slow spells (torch's OpenMP threads suffer most), so sections
 run their configurations round-robin for --rounds rounds and keep each one's best round;
 every round's figure is printed too.
 
-1. jcp on one CPU device (mesh 1,1,1), defaults (remat on, attn_block 64 on CPU), vs
-   torch + peft (eager, SDPA attention, torch.optim.AdamW). Also jcp with remat off and
+0. The parity table: jcp (defaults) vs torch + peft at 8 × 512, 1 × 8192 and 1 × 16384
+   tokens, alternated round by round; the CPU model is printed. Goal ≥ 1.0× in each row.
+1. jcp on one CPU device (mesh 1,1,1), defaults (remat "auto", attn_block 64 on CPU), vs
+   torch + peft (eager, SDPA attention, torch.optim.AdamW). Also jcp with remat on and
    with attn_block 512, the accelerator default (see the note printed with the figures).
    Goal: default jcp ≥ 1.0× torch tokens/s at ≤ 1.5× its peak RSS.
 2. jcp with max_adapters = 1, 4, 32 on the same batch (one adapter used).
@@ -24,7 +26,7 @@ every round's figure is printed too.
    speed-up.
 
     python benchmarks/throughput.py [--quick] [--steps N] [--warmup N] [--rounds N]
-                                    [--only torch|slots|cp]
+                                    [--only parity|torch|slots|cp|long|ring]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -62,14 +65,15 @@ def _time_steps(step, warmup: int, steps: int, n_tokens: int = DATUMS * TOKENS) 
     first = time.perf_counter() - t0
     for _ in range(warmup - 1):
         step()
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     med = statistics.median(times)
     return {"first_step_s": first, "step_s": times, "median_step_s": med,
-            "tokens_per_s": n_tokens / med}
+            "tokens_per_s": n_tokens / med, "cpu_s_per_step": statistics.median(cpu)}
 
 
 # ----------------------------------------------------------------------------------------
@@ -82,6 +86,8 @@ def side_torch(args) -> dict:
     import transformers
 
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     base_rss = _rss_mib()
     cfg = transformers.Qwen3Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=LAYERS,
@@ -131,7 +137,8 @@ def side_jcp(args) -> dict:
                          max_position_embeddings=max(4096, args.tokens))
     mesh = jcp.make_mesh(1, args.cp, 1)
     extra = {"attn_block": args.attn_block} if args.attn_block else {}
-    tr = jcp.Trainer(cfg, mesh, max_adapters=args.slots, max_rank=RANK, remat=bool(args.remat),
+    remat = {"auto": "auto", "1": True, "0": False}[str(args.remat)]
+    tr = jcp.Trainer(cfg, mesh, max_adapters=args.slots, max_rank=RANK, remat=remat,
                      cp_attention=args.cp_attention, **extra)
     a = tr.create_adapter(rank=RANK, alpha=ALPHA, targets=["attn", "mlp"])
     tokens, targets = _data(args.datums, args.tokens)
@@ -146,7 +153,8 @@ def side_jcp(args) -> dict:
 
     res = _time_steps(step, args.warmup, args.steps, args.datums * args.tokens)
     res.update(devices=len(jax.devices()), mesh=[tr.dp, tr.cp, tr.tp], slots=args.slots,
-               remat=bool(args.remat), attn_block=tr.step_cfg.attn_block,
+               remat=[d["remat"] for d in tr.remat_decisions.values()],
+               attn_block=tr.step_cfg.attn_block,
                cp_attention=tr.step_cfg.cp_attention,
                rss_after_import_mib=base_rss)
     return res
@@ -160,6 +168,18 @@ def run_side(args) -> None:
 
 # ----------------------------------------------------------------------------------------
 # Driver
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or "?"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "?"
 
 
 def _cpu_times() -> tuple[int, int]:
@@ -181,6 +201,10 @@ def measure(side: str, args, devices: int = 1, **kw) -> dict:
     env["JAX_PLATFORMS"] = "cpu"
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
+    if kw.get("threads") == 1:  # XLA:CPU on one thread, like torch.set_num_threads(1)
+        flags += ["--xla_cpu_multi_thread_eigen=false"]
+        if shutil.which("taskset"):  # and both sides on the same one core
+            cmd = ["taskset", "-c", "0"] + cmd
     if devices > 1:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
     env["XLA_FLAGS"] = " ".join(flags)
@@ -236,13 +260,20 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (≥ 1, compiles)")
     p.add_argument("--rounds", type=int, default=None,
                    help="round-robin repeats of sections 1 and 2 (best round kept)")
-    p.add_argument("--only", choices=("torch", "slots", "cp", "long", "ring"), default=None)
+    p.add_argument("--only", choices=("parity", "torch", "slots", "cp", "long", "ring"),
+                   default=None)
     p.add_argument("--side", choices=("torch", "jcp"), help=argparse.SUPPRESS)
     p.add_argument("--slots", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--cp", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--remat", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--remat", default="1", help=argparse.SUPPRESS)
     p.add_argument("--attn_block", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--cp_attention", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=0,
+                   help="parity section: 1 runs both sides on one thread (torch "
+                        "set_num_threads(1), XLA:CPU single-threaded) — steadier than the "
+                        "default threads on a machine shared with other work")
+    p.add_argument("--rows", default="8x512,1x8192,1x16384",
+                   help="parity section: workloads DATUMSxTOKENS, comma-separated")
     p.add_argument("--datums", type=int, default=DATUMS, help=argparse.SUPPRESS)
     p.add_argument("--tokens", type=int, default=TOKENS, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -257,21 +288,44 @@ def main() -> None:
           f"untied; LoRA r{RANK} on q,k,v,o,gate,up,down; {DATUMS}x{TOKENS} tokens; "
           f"cross_entropy sum; fp32; AdamW step included")
     print(f"steps: {args.warmup} warm-up + {args.steps} timed (median); rounds {args.rounds} "
-          f"(best kept); cpus {os.cpu_count()}; load average "
+          f"(best kept); CPU {cpu_model()}, {os.cpu_count()} cores; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+    if args.only in (None, "parity"):
+        print("\n[0] torch parity (the issue's table): jcp defaults vs torch + peft, 1 CPU "
+              "device, the two alternated round by round")
+        print(f"  goal: jcp ≥ 1.0× torch tok/s in every row; threads: "
+              f"{args.threads or 'default'}; CPU s/step: process CPU time per step")
+        hdr = (f"  {'workload':<10} {'torch tok/s':>12} {'jcp tok/s':>10} {'ratio':>6} "
+               f"{'RSS ratio':>9} {'CPU s/step t|j':>15}  rounds torch | jcp")
+        print(hdr)
+        for datums, n in (tuple(int(x) for x in r.split("x")) for r in args.rows.split(",")):
+            th = dict(threads=args.threads) if args.threads else {}
+            rs = measure_rounds({
+                "torch": ("torch", dict(datums=datums, tokens=n, **th)),
+                "jcp": ("jcp", dict(slots=1, cp=1, remat="auto", datums=datums, tokens=n,
+                                    **th)),
+            }, args)
+            t, j = rs["torch"], rs["jcp"]
+            print(f"  {datums} x {n:<6} {t['tokens_per_s']:>12.0f} {j['tokens_per_s']:>10.0f} "
+                  f"{j['tokens_per_s'] / t['tokens_per_s']:>5.2f}× "
+                  f"{j['peak_rss_mib'] / t['peak_rss_mib']:>8.2f}× "
+                  f"{t['cpu_s_per_step']:>7.2f}|{j['cpu_s_per_step']:<7.2f}  "
+                  + "/".join(f"{x:.0f}" for x in t["rounds_tokens_per_s"]) + " | "
+                  + "/".join(f"{x:.0f}" for x in j["rounds_tokens_per_s"]), flush=True)
 
     if args.only in (None, "torch"):
         print("\n[1] jcp (1 CPU device, mesh 1,1,1) vs torch + peft")
         rs = measure_rounds({
             "torch": ("torch", {}),
-            "jcp": ("jcp", dict(slots=1, cp=1, remat=1)),
-            "jcp remat off": ("jcp", dict(slots=1, cp=1, remat=0)),
+            "jcp": ("jcp", dict(slots=1, cp=1, remat="auto")),
+            "jcp remat on": ("jcp", dict(slots=1, cp=1, remat=1)),
             "jcp attn_block 512": ("jcp", dict(slots=1, cp=1, remat=1, attn_block=512)),
         }, args)
         t = rs["torch"]
         print(_row(f"torch+peft ({t['threads']} thr, {t['attn']})", t))
-        print(_row("jcp (defaults: remat, block 64)", rs["jcp"], t))
-        print(_row("jcp remat off", rs["jcp remat off"], t))
+        print(_row("jcp (defaults: remat auto, block 64)", rs["jcp"], t))
+        print(_row("jcp remat on", rs["jcp remat on"], t))
         print(_row("jcp attn_block 512", rs["jcp attn_block 512"], t))
         ok = (rs["jcp"]["tokens_per_s"] >= t["tokens_per_s"]
               and rs["jcp"]["peak_rss_mib"] <= 1.5 * t["peak_rss_mib"])

@@ -5,9 +5,10 @@ all local devices (8 fake CPU devices when there is no accelerator; mesh dp2 cp2
 two adapters trained in the same passes — "sft" (cross_entropy on a counting task) and
 "rl" (on-policy RL: each step it samples --group-size completions of every prompt from
 its current weights with Trainer.sample, scores them with a verifiable reward, and trains
-on GRPO advantages with --rl-loss and the sampler's own log-probs) — with a progress bar,
-metrics.jsonl (the rl rows carry reward:mean), orbax checkpoints every K steps and
---resume.
+on GRPO advantages with --rl-loss and the sampler's own log-probs) — with a progress bar
+(the rl adapter's mean reward, the others' loss per token), metrics.jsonl (the rl rows
+carry reward:mean), orbax checkpoints every K steps and --resume; the run ends by writing
+metrics.png (each adapter's loss and reward per step) next to metrics.jsonl.
 
 With jcp/cli.py (the pieces it shares with jcp-serve) this is the only place that parses
 strings from the command line; bad options and files end in a one-line error, never a
@@ -397,6 +398,55 @@ def write_metrics(path: str, rows: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+def progress_postfix(rows: list[dict]) -> dict[str, str]:
+    """What the progress bar shows per adapter: the mean reward of an adapter whose rows
+    carry one (rl: its on-policy loss is ~0 and tells nothing), else loss per token."""
+    return {r["adapter"]: (f"reward {r['reward:mean']:.3f}" if "reward:mean" in r
+                           else f"loss {r['loss:sum'] / max(r['tokens:sum'], 1):.4f}")
+            for r in rows}
+
+
+def plot_metrics(metrics_path: str, png_path: str) -> dict[str, dict[str, list]]:
+    """Write a PNG of each adapter's loss per token and (where rows carry one) mean reward
+    against the step, from every row of metrics.jsonl (a resumed run plots its whole
+    history). Returns the plotted series {adapter: {"step", "loss", "reward_step",
+    "reward"}}."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display, no GUI toolkit
+    import matplotlib.pyplot as plt
+
+    series: dict[str, dict[str, list]] = {}
+    for _, line in _text_lines(metrics_path):
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        s = series.setdefault(r["adapter"], {"step": [], "loss": [], "reward_step": [],
+                                             "reward": []})
+        s["step"].append(r["step"])
+        s["loss"].append(r["loss:sum"] / max(r["tokens:sum"], 1))
+        if "reward:mean" in r:
+            s["reward_step"].append(r["step"])
+            s["reward"].append(r["reward:mean"])
+    rewarded = any(s["reward"] for s in series.values())
+    fig, axes = plt.subplots(1, 2 if rewarded else 1, figsize=(10 if rewarded else 5.5, 3.8),
+                             squeeze=False)
+    for name, s in series.items():
+        axes[0, 0].plot(s["step"], s["loss"], marker=".", label=name)
+        if s["reward"]:
+            axes[0, 1].plot(s["reward_step"], s["reward"], marker=".", label=name)
+    axes[0, 0].set(title="loss per token", xlabel="step")
+    if rewarded:
+        axes[0, 1].set(title="mean reward", xlabel="step")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return series
+
+
 # ----------------------------------------------------------------------------------------
 # Main
 
@@ -531,8 +581,7 @@ def train_loop(tr, args, src: DataFile | None, adapters: dict, start: int) -> di
                 last[name] = rows[-1]
             if primary:
                 write_metrics(metrics_path, rows)
-                bar.set_postfix({r["adapter"]: f"{r['loss:sum'] / max(r['tokens:sum'], 1):.4f}"
-                                 for r in rows})
+                bar.set_postfix(progress_postfix(rows))
             if step % args.save_every == 0 or step == args.steps:
                 save_run(tr, adapters, args.out, step)
     return last
@@ -570,8 +619,12 @@ def main(argv=None) -> int:
             summary = ", ".join(f"{n} loss/token {r['loss:sum'] / max(r['tokens:sum'], 1):.4f}"
                                 + (f" reward {r['reward:mean']:.3f}" if "reward:mean" in r
                                    else "") for n, r in last.items())
+            metrics_path = os.path.join(args.out, "metrics.jsonl")
             print(f"jcp-train: done at step {max(r['step'] for r in last.values())} "
-                  f"({summary}); metrics in {os.path.join(args.out, 'metrics.jsonl')}")
+                  f"({summary}); metrics in {metrics_path}")
+            png = os.path.join(args.out, "metrics.png")
+            plot_metrics(metrics_path, png)
+            print(f"jcp-train: plot of each adapter's loss and reward per step in {png}")
     return 0
 
 

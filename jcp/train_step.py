@@ -34,7 +34,10 @@ class StepConfig:
     """Static settings of the compiled steps, each validated here and only here (Trainer
     builds one before anything else; ValueError naming the setting)."""
 
-    remat: bool = True
+    # True / False: recompute each layer in the backward pass or not; "auto" is the
+    # Trainer's (it compiles the step with each as the compiled memory requires); the
+    # steps themselves recompute only for True.
+    remat: bool | str = True
     attn_impl: str = "blockwise"
     attn_block: int = 128
     logprob_chunk: int = 1024
@@ -46,6 +49,8 @@ class StepConfig:
     router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
+        if not (self.remat is True or self.remat is False or self.remat == "auto"):
+            raise ValueError(f"remat must be True, False or 'auto', got {self.remat!r}")
         if self.attn_impl not in attention_lib.IMPLEMENTATIONS:
             raise ValueError(f"attn_impl must be one of {attention_lib.IMPLEMENTATIONS}, got "
                              f"{self.attn_impl!r}")
@@ -121,7 +126,7 @@ def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, token
     attend = training_attend(cfg, step_cfg, segment_S, position_S)
     real_S = segment_S >= 0
     h_SxD, _, stats = model_lib.hidden_states(cfg, params, tokens_S, position_S, attend, lora,
-                                              route, remat=step_cfg.remat, count_S=real_S)
+                                              route, remat=step_cfg.remat is True, count_S=real_S)
     lefts, rights = model_lib.unembed_factors(params, h_SxD, lora, route)
     loss, outputs = losses_lib.shard_loss(
         lefts, rights, targets_S, segment_S, inputs, loss_fn, loss_cfg, num_slots,

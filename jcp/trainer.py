@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Sequence
 
 import jax
@@ -82,8 +83,18 @@ class Trainer:
     See DESIGN.md for the contract. Gradients are raw sums over tokens and datums and
     accumulate across forward_backward calls until optim_step.
 
-    Tuning (keyword-only): remat — recompute each layer in the backward pass (keeping only
-    the attention output); attn_impl — "blockwise" (the reference kernel, the default),
+    Tuning (keyword-only): remat — True: recompute each layer in the backward pass
+    (keeping only the attention kernel's output and log-sum-exp); False: keep every
+    activation the backward needs; "auto" (the default): decided per compiled
+    forward_backward program (one per batch shape) from the compiled memory — the program
+    without recomputation is compiled first, and it is used iff XLA's memory analysis of
+    it (arguments + outputs + temporaries per device, donated buffers once) fits
+    remat_budget_bytes; otherwise the recomputing program is compiled and used. Both give
+    the same numbers; recomputation only costs time (about one more forward pass), so it is
+    spent only where memory requires it. remat_budget_bytes (None: 90% of the device's
+    memory limit on an accelerator; on CPU, half the host's physical memory shared by its
+    local devices; with several processes, the smallest of theirs, so that every process
+    compiles the same programs); remat_decisions says what was chosen. attn_impl — "blockwise" (the reference kernel, the default),
     "pallas" (a fused Pallas flash-attention kernel for GPUs, Triton; interpreted — slowly,
     for tests — on CPU; see jcp/attention/pallas.py) or "dense" (tests only); attn_block —
     attention tile rows (None: 64 on CPU, where the masked half of diagonal tiles
@@ -125,12 +136,18 @@ class Trainer:
 
     def __init__(self, cfg: QwenConfig, mesh, base_params=None, max_adapters: int = 4,
                  max_rank: int = 16, seed: int = 0, max_tokens_per_device: int | None = None,
-                 *, remat: bool = True, attn_impl: str = "blockwise",
+                 *, remat: bool | str = "auto", remat_budget_bytes: int | None = None,
+                 attn_impl: str = "blockwise",
                  attn_block: int | None = None, logprob_chunk: int | None = None,
                  cp_attention: str = "auto", router_aux_loss_coef: float = 0.0,
                  expert_lora_modes: tuple[str, ...] = lora_lib.EXPERT_LORA):
         if tuple(mesh.axis_names) != mesh_lib.AXES:
             raise ValueError(f"mesh axes must be {mesh_lib.AXES}, got {mesh.axis_names}")
+        if remat_budget_bytes is not None and (isinstance(remat_budget_bytes, bool) or not
+                                               isinstance(remat_budget_bytes, int)
+                                               or remat_budget_bytes < 1):
+            raise ValueError(f"remat_budget_bytes must be a positive integer or None, got "
+                             f"{remat_budget_bytes!r}")
         self.cfg, self.mesh = cfg, mesh
         self.dp, self.cp, self.tp = (mesh_lib.axis_size(mesh, a) for a in mesh_lib.AXES)
         cfg.check_mesh(self.tp)
@@ -146,6 +163,7 @@ class Trainer:
                                               attn_block=attn_block, logprob_chunk=logprob_chunk,
                                               cp_attention=cp_attention,
                                               router_aux_loss_coef=router_aux_loss_coef)
+        self.remat = self.step_cfg.remat
         if self.step_cfg.router_aux_loss_coef and not cfg.is_moe:
             raise ValueError("router_aux_loss_coef needs a mixture-of-experts model; this "
                              "config has no router")
@@ -178,7 +196,15 @@ class Trainer:
                              f"{lora_lib.EXPERT_LORA}, got {expert_lora_modes!r}")
         self.state = AdapterState(cfg, mesh, max_adapters, max_rank, modes)
         self._forward = train_step.make_forward(cfg, mesh, self.step_cfg)
-        self._forward_backward = train_step.make_forward_backward(cfg, mesh, self.step_cfg)
+        self._fb_steps = {r: train_step.make_forward_backward(
+            cfg, mesh, dataclasses.replace(self.step_cfg, remat=r)) for r in (True, False)
+            if remat in (r, "auto")}
+        self._remat_budget = remat_budget_bytes
+        self._fb_programs: dict = {}
+        self.remat_decisions: dict = {}
+        """Per compiled forward_backward program, keyed (stream shape [DP, CP, S], active
+        slots, loss names): {"remat": bool, "bytes": its per-device memory without
+        recomputation (None unless remat="auto"), "budget": remat_budget_bytes used}."""
 
     @property
     def adapters(self):
@@ -407,6 +433,43 @@ class Trainer:
         with self.state.accumulating(per_datum_slots(packed)) as accumulate:
             return dispatch(accumulate)
 
+    @property
+    def forward_backward_programs(self) -> dict:
+        """The compiled forward_backward programs so far (jax.stages.Compiled), keyed as
+        remat_decisions: for profiling and memory or cost analysis."""
+        return dict(self._fb_programs)
+
+    def remat_budget_bytes(self) -> int:
+        """The per-device bytes a forward_backward program may take without recomputation
+        (remat="auto"; see the class docstring)."""
+        if self._remat_budget is None:
+            self._remat_budget = _default_remat_budget(self.mesh)
+        return self._remat_budget
+
+    def _forward_backward(self, acc, lora, params, slot_meta, batch, loss_cfg, *, loss_fns,
+                          num_slots):
+        """train_step's forward_backward through the program compiled for this batch's
+        shapes. With remat="auto" that program is compiled without recomputation first and
+        kept iff its memory fits the budget."""
+        args = (acc, lora, params, slot_meta, batch, loss_cfg)
+        key = (tuple(batch.tokens.shape), tuple(batch.active.shape), loss_fns, num_slots)
+        if key not in self._fb_programs:
+            def compile_(remat):
+                return self._fb_steps[remat].lower(*args, loss_fns=loss_fns,
+                                                   num_slots=num_slots).compile()
+
+            if self.remat != "auto":
+                program, need, budget, remat = compile_(self.remat), None, None, self.remat
+            else:
+                program, budget = compile_(False), self.remat_budget_bytes()
+                need = program_bytes(program)
+                remat = need > budget
+                if remat:
+                    program = compile_(True)
+            self._fb_programs[key] = program
+            self.remat_decisions[key] = {"remat": remat, "bytes": need, "budget": budget}
+        return self._fb_programs[key](*args)
+
     def _outputs(self, checked, packed, results) -> ForwardBackwardOutput:
         """Read back every micro-batch's results; InputError (the caller rolls back) when a
         datum's loss or an adapter's gradient is not finite in float32.
@@ -542,6 +605,31 @@ class Trainer:
 @functools.partial(jax.jit, out_shardings=None)
 def _array_equal(a, b):
     return jnp.array_equal(a, b)
+
+
+def program_bytes(compiled) -> int:
+    """Per-device bytes of a compiled program by XLA's memory analysis: arguments, outputs
+    and temporaries, donated (aliased) buffers counted once."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+
+
+def _default_remat_budget(mesh) -> int:
+    """90% of a device's memory limit (accelerators), or half the host's physical memory
+    over its local devices (CPU); the smallest over processes."""
+    device = mesh.devices.flat[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        budget = int(0.9 * stats["bytes_limit"])
+    else:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        budget = int(0.5 * physical / max(1, jax.local_device_count()))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
+    return budget
 
 
 def _split_first(result):

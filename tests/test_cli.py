@@ -33,11 +33,16 @@ def _rows(out):
 
 
 @pytest.fixture(scope="module")
-def straight_out(tmp_path_factory):
-    """The output folder of an uninterrupted 5-step default run (checkpoints at 4 and 5)."""
+def straight_run(tmp_path_factory):
+    """(output folder, stdout) of an uninterrupted 5-step default run (checkpoints at 4
+    and 5)."""
     out = str(tmp_path_factory.mktemp("straight"))
-    _run("--out", out, "--steps", "5", *SMALL)
-    return out
+    return out, _run("--out", out, "--steps", "5", *SMALL).stdout
+
+
+@pytest.fixture(scope="module")
+def straight_out(straight_run):
+    return straight_run[0]
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +82,37 @@ def test_default_run_learns_on_policy(straight):
     assert len({x["reward:mean"] for x in rl}) > 1  # fresh rollouts every step
     assert all(x["sampler_logprob_diff:max"] < 1e-4 for x in rl)
     assert {x["loss_fn"] for x in straight} == {"cross_entropy", "importance_sampling"}
+
+
+def test_run_ends_with_a_plot_named_last(straight_run, straight):
+    """The last line printed names metrics.png next to metrics.jsonl; it is a PNG of the
+    rows' loss per token and the rl adapter's reward, step by step."""
+    from jcp.train import plot_metrics
+
+    out, stdout = straight_run
+    png = os.path.join(out, "metrics.png")
+    assert stdout.strip().splitlines()[-1].endswith(png)
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    series = plot_metrics(os.path.join(out, "metrics.jsonl"), str(out) + "/again.png")
+    for name in ("sft", "rl"):
+        mine = [r for r in straight if r["adapter"] == name]
+        assert series[name]["step"] == [r["step"] for r in mine]
+        assert series[name]["loss"] == [r["loss:sum"] / r["tokens:sum"] for r in mine]
+    assert series["rl"]["reward"] == [r["reward:mean"] for r in straight if r["adapter"] == "rl"]
+    assert series["sft"]["reward"] == []
+
+
+def test_progress_bar_shows_rl_reward_not_loss(straight):
+    from jcp.train import progress_postfix
+
+    last = [r for r in straight if r["step"] == 5]
+    shown = progress_postfix(last)
+    rl = next(r for r in last if r["adapter"] == "rl")
+    sft = next(r for r in last if r["adapter"] == "sft")
+    assert rl["loss:sum"] / rl["tokens:sum"] != rl["reward:mean"]
+    assert shown["rl"] == f"reward {rl['reward:mean']:.3f}"
+    assert shown["sft"] == f"loss {sft['loss:sum'] / sft['tokens:sum']:.4f}"
 
 
 def test_data_file(tmp_path):

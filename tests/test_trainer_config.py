@@ -1,5 +1,6 @@
 """Trainer construction: clear errors for meshes and settings it cannot run, tuned defaults."""
 
+import numpy as np
 import pytest
 
 import jcp
@@ -18,6 +19,9 @@ def test_kv_heads_must_divide_tp():
     (dict(max_adapters=0), "max_adapters"),
     (dict(max_rank=2.5), "max_rank"),
     (dict(max_tokens_per_device=1), "max_tokens_per_device"),
+    (dict(remat="sometimes"), "remat"),
+    (dict(remat=1), "remat"),
+    (dict(remat_budget_bytes=0), "remat_budget_bytes"),
 ])
 def test_bad_settings(kw, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -40,3 +44,34 @@ def test_token_cap_follows_max_tokens_per_device():
     b = jcp.Trainer(cfg, jcp.make_mesh(1, 2, 1))
     assert a.token_cap == 100 * 2  # floor to even, times cp
     assert b.token_cap == cfg.max_position_embeddings
+
+
+def test_remat_auto_decides_from_compiled_memory():
+    """remat="auto" compiles the forward_backward without recomputation and keeps it iff
+    its compiled memory fits the budget: a budget of exactly that many bytes keeps it, one
+    byte less recomputes — and both programs give the same numbers."""
+    from helpers import trainer_harness as H
+
+    cfg = jcp.QwenConfig.tiny()
+    data = H.random_data((37, 20, 5), seed=1)
+    results, decisions = [], []
+    need = None
+    for budget in (1 << 50, None):
+        tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=4,
+                         attn_block=16, logprob_chunk=16, remat_budget_bytes=budget or need - 1)
+        assert tr.remat == "auto"
+        a = tr.create_adapter(rank=4, alpha=8.0, seed=3)
+        out = tr.forward_backward(data, "cross_entropy", adapters=a)
+        (decision,) = tr.remat_decisions.values()
+        need = decision["bytes"]
+        decisions.append(decision["remat"])
+        results.append((out, tr.gradients(a)))
+    assert decisions == [False, True]
+    (out_a, g_a), (out_b, g_b) = results
+    assert out_a.metrics["loss:sum"] == pytest.approx(out_b.metrics["loss:sum"], rel=1e-6)
+    for x, y in zip(out_a.loss_fn_outputs, out_b.loss_fn_outputs):
+        np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-6, atol=1e-6)
+    assert any(np.abs(v).max() > 0 for v in g_a.values())
+    for k in g_a:
+        np.testing.assert_allclose(g_a[k], g_b[k], rtol=1e-5,
+                                   atol=1e-6 * np.abs(g_a[k]).max(), err_msg=k)

@@ -27,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jcp.attention.tiling import (SAVED_NAMES, SoftmaxState, block_kinds, needed_range, no_grads,
                                   online_softmax_finish, online_softmax_step, ring_fold,
                                   ring_fold_grads, visible)
-from jcp.mesh import vary_all, vary_like
+from jcp.mesh import vary_all
 
 
 def _scores(q_BqxKxMxH, k_BkxKxH, scale):
@@ -157,24 +157,26 @@ def _finish_blocks(states, per_kv, dtype):
             checkpoint_name(lse, SAVED_NAMES[1]))
 
 
-def _grad_keys(dq, q_KxWxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, do_KxWxH, lse_KxW,
-               delta_KxW, block_q, block_k):
+def _grad_keys(dq, dk, dv, q_KxWxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, do_KxWxH,
+               lse_KxW, delta_KxW, block_q, block_k):
     """Backward of q's attention over one key stream k, v [K, Tk, H] (seg_k, pos_k [Tk]).
 
     lse and delta = Σ_h d_out·out [K, W] are of the whole attention (every stream), so the
-    streams' gradients simply add. dq [K, W, H] fp32 accumulates; returns (dq, dk, dv),
-    dk and dv [K, Tk, H] fp32.
+    streams' gradients simply add. dq [K, W, H], dk and dv [K, Tk, H], all fp32,
+    accumulate: this stream's gradients are added into them (never into fresh buffers:
+    see tiling.ring_fold_grads) and (dq, dk, dv) returned.
     """
     scale, rq, nq, nk, kinds, need, seg_r, pos_r, skb, pkb = _tiling(
         q_KxWxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k)
     q_lo, q_hi = needed_range(need.T)
-    kv_heads, _, head_dim = q_KxWxH.shape
+    kv_heads = q_KxWxH.shape[0]
     qb, dob = _split_blocks(q_KxWxH, nq), _split_blocks(do_KxWxH, nq)
     kb, vb = _split_blocks(k_KxTxH, nk), _split_blocks(v_KxTxH.astype(jnp.float32), nk)
     lseb = jnp.einsum("knr->nkr", lse_KxW.reshape(kv_heads, nq, rq))
     deltab = jnp.einsum("knr->nkr", delta_KxW.reshape(kv_heads, nq, rq))
 
-    def k_block(dq, j):
+    def k_block(carry, j):
+        dq, dkb, dvb = carry
         kj, vj, skj, pkj = kb[j], vb[j], skb[j], pkb[j]
         kj32 = kj.astype(jnp.float32)
 
@@ -197,13 +199,14 @@ def _grad_keys(dq, q_KxWxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, do_KxW
                 kinds[i, j] > 1, lambda c: compute(c, False), lambda c: compute(c, True), c),
                 lambda c: c, carry)
 
-        zeros = vary_like(jnp.zeros((kv_heads, block_k, head_dim), jnp.float32), dq)
-        dq, dk, dv = jax.lax.fori_loop(q_lo[j], q_hi[j], q_step, (dq, zeros, zeros))
-        return dq, (dk, dv)
+        dq, dk, dv = jax.lax.fori_loop(q_lo[j], q_hi[j], q_step, (dq, dkb[j], dvb[j]))
+        return (dq, dkb.at[j].set(dk), dvb.at[j].set(dv)), None
 
-    dq = vary_all(_split_blocks(dq, nq), q_KxWxH, k_KxTxH, v_KxTxH, do_KxWxH)
-    dq, (dk, dv) = jax.lax.scan(k_block, dq, jnp.arange(nk))  # [nk, K, Bk, H]
-    return _join_blocks(dq), _join_blocks(dk), _join_blocks(dv)
+    refs = (q_KxWxH, k_KxTxH, v_KxTxH, do_KxWxH, dq, dk, dv)
+    dq, dkb, dvb = (vary_all(_split_blocks(x, n), *refs)
+                    for x, n in ((dq, nq), (dk, nk), (dv, nk)))  # [n, K, B, H]
+    (dq, dkb, dvb), _ = jax.lax.scan(k_block, (dq, dkb, dvb), jnp.arange(nk))
+    return _join_blocks(dq), _join_blocks(dkb), _join_blocks(dvb)
 
 
 def _delta_KxW(d_out, out):
@@ -238,10 +241,11 @@ def _flash_fwd(q, k, v, seg_q, pos_q, seg_k, pos_k, block_q, block_k):
 def _flash_bwd(block_q, block_k, res, d_out):
     q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse = res
     per_kv = q.shape[2]
-    q_r = _rows(q)
+    q_r, k_h, v_h = _rows(q), _heads_first(k), _heads_first(v)
     dq = jnp.zeros(q_r.shape, jnp.float32)
-    dq, dk, dv = _grad_keys(dq, q_r, _heads_first(k), _heads_first(v), seg_q, pos_q, seg_k,
-                            pos_k, _rows(d_out.astype(jnp.float32)), lse, _delta_KxW(d_out, out),
+    dk = jnp.zeros(k_h.shape, jnp.float32)
+    dq, dk, dv = _grad_keys(dq, dk, dk, q_r, k_h, v_h, seg_q, pos_q, seg_k, pos_k,
+                            _rows(d_out.astype(jnp.float32)), lse, _delta_KxW(d_out, out),
                             block_q, block_k)
     return (_unrows(dq, per_kv).astype(q.dtype), _heads_last(dk).astype(k.dtype),
             _heads_last(dv).astype(v.dtype), *no_grads(seg_q, pos_q, seg_k, pos_k))
@@ -300,9 +304,9 @@ def _ring_bwd(block, cp, res, d_out):
     q_r, do_r, delta = _rows(q), _rows(d_out.astype(jnp.float32)), _delta_KxW(d_out, out)
     kv, meta = jnp.stack([_heads_first(k), _heads_first(v)]), jnp.stack([seg, pos])
 
-    def grad(dq, kv, meta):
-        dq, dk, dv = _grad_keys(dq, q_r, kv[0], kv[1], seg, pos, meta[0], meta[1], do_r, lse,
-                                delta, block, block)
+    def grad(dq, dkv, kv, meta):
+        dq, dk, dv = _grad_keys(dq, dkv[0], dkv[1], q_r, kv[0], kv[1], seg, pos, meta[0],
+                                meta[1], do_r, lse, delta, block, block)
         return dq, jnp.stack([dk, dv])
 
     dq, dkv = ring_fold_grads(grad, jnp.zeros(q_r.shape, jnp.float32),

@@ -402,10 +402,10 @@ def _ring_bwd(block, cp, res, d_out):
     do, delta = d_out.astype(q.dtype), _delta_QxS(d_out, out)
     kv, meta = jnp.stack([k, v]), jnp.stack([seg, pos])
 
-    def grad(dq, kv, meta):
+    def grad(dq, dkv, kv, meta):
         dq_t, dk, dv = _backward(q, kv[0], kv[1], seg, pos, meta[0], meta[1], do, lse, delta,
                                  block, TILES, jnp.float32)
-        return dq + dq_t, jnp.stack([dk, dv])
+        return dq + dq_t, dkv + jnp.stack([dk, dv])
 
     dq, dkv = ring_fold_grads(grad, vary_all(jnp.zeros(q.shape, jnp.float32), q, kv, d_out),
                               vary_all(jnp.zeros(kv.shape, jnp.float32), q, kv, d_out),

@@ -212,14 +212,20 @@ def ring_fold(fold, carry, kv, meta, cp: int):
 def ring_fold_grads(grad, carry, dkv, kv, meta, cp: int):
     """The backward of a ring_fold: the key blocks go round again, and each block's
     gradient (dkv, fp32, the shape of kv) travels with it, gathering every rank's part;
-    one last hop returns it to its owner. grad(carry, kv, meta) -> (carry, this rank's
-    part of the held block's gradient). Returns (carry, the gradient of this rank's kv)."""
+    one last hop returns it to its owner. grad(carry, dkv, kv, meta) -> (carry, dkv with
+    this rank's part of the held block's gradient added). Returns (carry, the gradient of
+    this rank's kv).
+
+    grad adds into the dkv it is given rather than returning a part to add: a part
+    computed into a fresh zero buffer needs no input, so XLA may allocate (and zero) the
+    buffers of every step before the first one — cp of them live at once, O(CP·S) per
+    rank. Found with benchmarks/memory.py --explain (15 × 2 MiB at cp = 8, 32k tokens).
+    """
     for step in range(cp):
         last = step + 1 == cp
         if not last:
             kv_next, meta_next = jax.lax.ppermute((kv, meta), CP, ring_perm(cp))
-        carry, part = grad(carry, kv, meta)
-        dkv = dkv + part
+        carry, dkv = grad(carry, dkv, kv, meta)
         if cp > 1:  # to the rank that holds this block next; after the last step, its owner
             dkv = jax.lax.ppermute(dkv, CP, ring_perm(cp))
         if not last:

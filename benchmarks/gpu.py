@@ -1,0 +1,369 @@
+"""One prepared accelerator run: everything issue 22 asks of a GPU, in one go, one table.
+
+On one H200 it is meant to finish well under 10 minutes: each part runs in its own
+subprocess under a hard time limit (a part that fails or runs out of time shows its error
+in the table and the others still run; the limits add up to 9 minutes, a normal run takes
+about half of that). Parts:
+
+  kernels  Pallas kernels (jcp/pallas_attention.py, Triton) against the blockwise kernel
+           on the device, values and gradients (d q, k, v), bf16 and fp32: one datum of
+           8192 tokens, Qwen3-8B's heads (32 query, 8 kv, head dim 128); max |Δ| relative
+           to the blockwise result's largest entry, and fwd / fwd+bwd times of each.
+  mfu_pallas, mfu_blockwise
+           benchmarks/mfu.py (Qwen3-8B shape, one datum of 32768 tokens, LoRA r32 on every
+           target) through the Trainer with attn_impl "pallas" (36 layers) and with
+           "blockwise" (--blockwise-layers, default 8: the XLA kernel is the slow path and
+           MFU is per-layer work, so fewer layers measure the same rate in less time):
+           tokens/s, MFU, the remat choice (remat "auto"), and the device's own peak memory
+           (memory_stats: weights + adapter state + the step; each part is its own process,
+           so the peak is its own).
+  memory   per-device compiled memory of bf16 training (benchmarks/memory.py's program:
+           Qwen3-8B shape, 36 layers, gradient through every layer, cp = 1) at 32768 and
+           65536 tokens, and whether the compiled program holds f32 copies of the stacked
+           bf16 weights (f32 arrays of a stacked weight's shape; the CPU compile has them,
+           because XLA:CPU computes bf16 dots in f32).
+  decode   sampling decode tokens/s at batch 1, 64 and 512 (Qwen3-8B shape, bf16, one
+           adapter, 16-token prompts, 64 new tokens at T = 1, no stop tokens): batch ×
+           new tokens / wall time of one Trainer.sample call after a warm-up call with
+           the same shapes (prefill of the short prompts included).
+
+    python benchmarks/gpu.py                 # on the GPU machine
+    python benchmarks/gpu.py --smoke         # CPU check of every part: tiny shapes, in
+                                             # one process (tests/test_benchmarks.py)
+    python benchmarks/gpu.py --parts kernels,decode --out /tmp/gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PARTS = ("kernels", "memory", "mfu_pallas", "mfu_blockwise", "decode")
+LIMITS_S = {"kernels": 60, "memory": 90, "mfu_pallas": 200, "mfu_blockwise": 120,
+            "decode": 90}
+GiB = float(1 << 30)
+
+
+# ----------------------------------------------------------------------------------------
+# Parts (each runs in its own process: python gpu.py --part NAME [--smoke])
+
+
+def _timed(f, *args, reps=3):
+    """Median seconds of f(*args) over reps calls after one warm-up call (compiles)."""
+    import jax
+
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def part_kernels(smoke: bool) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    import jcp
+    from jcp import attention
+    from jcp.mesh import SPECS
+
+    s_len, q_heads, kv_heads, head_dim, block = ((128, 4, 2, 16, 32) if smoke
+                                                 else (8192, 32, 8, 128, 512))
+    mesh = jcp.make_mesh(1, 1, 1)
+    seg = np.zeros(s_len, np.int32)
+    pos = np.arange(s_len, dtype=np.int32)
+    rng = np.random.default_rng(0)
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        q, k, v, g = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in (
+            (s_len, q_heads, head_dim), (s_len, kv_heads, head_dim),
+            (s_len, kv_heads, head_dim), (s_len, q_heads, head_dim)))
+
+        def attend(impl):
+            def f(q, k, v, seg, pos):
+                return attention.cp_attention(q, k, v, seg, pos, implementation=impl,
+                                              block=block)
+
+            return jax.shard_map(f, mesh=mesh, in_specs=(P(),) * 3 + (SPECS.replicated,) * 2,
+                                 out_specs=P(), check_vma=False)
+
+        res = {}
+        for impl in ("blockwise", "pallas"):
+            fwd = jax.jit(attend(impl))
+            grad = jax.jit(lambda q, k, v, f=attend(impl): jax.vjp(
+                lambda q, k, v: f(q, k, v, seg, pos), q, k, v)[1](g))
+            out = fwd(q, k, v, seg, pos)
+            grads = grad(q, k, v)
+            res[impl] = dict(out=np.asarray(out, np.float32),
+                             grads=[np.asarray(x, np.float32) for x in grads],
+                             fwd_s=_timed(fwd, q, k, v, seg, pos),
+                             fwd_bwd_s=_timed(grad, q, k, v))
+        ref, got = res["blockwise"], res["pallas"]
+
+        def rel(a, b):
+            return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+        rows.append(dict(dtype=dtype, tokens=s_len, heads=f"{q_heads}/{kv_heads}x{head_dim}",
+                         out_rel_err=rel(got["out"], ref["out"]),
+                         grad_rel_err=max(rel(a, b) for a, b in zip(got["grads"],
+                                                                     ref["grads"])),
+                         finite=bool(np.isfinite(got["out"]).all()
+                                     and all(np.isfinite(x).all() for x in got["grads"])),
+                         **{f"{impl}_{k}": res[impl][k] for impl in res
+                            for k in ("fwd_s", "fwd_bwd_s")}))
+    return rows
+
+
+def part_memory(smoke: bool) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    import jcp
+    from jcp import model
+
+    sys.path.insert(0, HERE)
+    import memory  # noqa: E402  (benchmarks/memory.py: its compiled program)
+
+    base = dict(memory.QWEN3_8B)
+    if smoke:
+        base.update(vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=32)
+    rows = []
+    for tokens in ((1024, 2048) if smoke else (32768, 65536)):
+        cfg = jcp.QwenConfig(**base, max_position_embeddings=max(tokens, 40960))
+        compiled, _, secs = memory.compiled_step(cfg, 1, tokens, 512, 256 if smoke else
+                                                 memory.logprob_chunk(cfg, 1024))
+        m = compiled.memory_analysis()
+        shapes = [s for s in jax.tree.leaves(model.param_shapes(cfg)["layers"],
+                                             is_leaf=lambda x: isinstance(x, tuple))
+                  if len(s) == 3]
+        text = compiled.as_text()
+        # A stacked weight [L, I, O] in f32, or one layer's slice [I, O] of it (activations
+        # are [tokens, …], so at these lengths no activation has a weight's shape).
+        f32_copies = sorted({f"f32[{','.join(map(str, sh))}]" for s in shapes
+                             for sh in (s, s[1:])
+                             if f"f32[{','.join(map(str, sh))}]" in text})
+        rows.append(dict(tokens=tokens, platform=jax.devices()[0].platform,
+                         argument_gib=m.argument_size_in_bytes / GiB,
+                         output_gib=m.output_size_in_bytes / GiB,
+                         temp_gib=m.temp_size_in_bytes / GiB,
+                         total_gib=(m.argument_size_in_bytes + m.output_size_in_bytes
+                                    + m.temp_size_in_bytes) / GiB,
+                         bf16_weights=jnp.dtype(cfg.dtype).name,
+                         f32_copies_of_stacked_weights=f32_copies, compile_s=secs))
+    return rows
+
+
+def part_mfu(smoke: bool, impl: str, blockwise_layers: int) -> list[dict]:
+    sys.path.insert(0, HERE)
+    import mfu  # noqa: E402
+
+    argv = ["--attn-impl", impl, "--steps", "2", "--warmup", "1", "--mesh", "1,1,1"]
+    if smoke:
+        argv += ["--smoke", "--attn-block", "64"]
+    elif impl == "blockwise":
+        argv += ["--layers", str(blockwise_layers)]
+    res = mfu.main(argv)
+    return [dict(attn_impl=impl, **{k: res.get(k) for k in (
+        "layers", "tokens", "tokens_per_s", "median_step_s", "first_step_s", "mfu", "mfu_6n",
+        "peak_bytes_in_use", "remat")})]
+
+
+def part_decode(smoke: bool) -> list[dict]:
+    import numpy as np
+
+    import jcp
+
+    sys.path.insert(0, HERE)
+    import mfu  # noqa: E402
+
+    cfg = mfu.config(1, 8, 1024) if smoke else mfu.config(36, 1, 1024)
+    mesh = jcp.make_mesh(1, 1, 1)
+    tr = jcp.Trainer(cfg, mesh, mfu.device_random_params(cfg), max_adapters=1, max_rank=32)
+    a = tr.create_adapter(rank=32, alpha=64.0, targets=list(mfu.TARGETS))
+    new = 8 if smoke else 64
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in ((1, 4) if smoke else (1, 64, 512)):
+        prompts = [rng.integers(0, cfg.vocab_size, 16) for _ in range(batch)]
+        sp = jcp.SamplingParams(max_tokens=new, temperature=1.0, stop=[], seed=0)
+        t = time.perf_counter()
+        tr.sample(prompts, sp, adapters=a)
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        res = tr.sample(prompts, sp, adapters=a)
+        secs = time.perf_counter() - t
+        made = sum(len(s.tokens) for r in res for s in r.sequences)
+        rows.append(dict(batch=batch, new_tokens=new, tokens=made, seconds=secs,
+                         tokens_per_s=made / secs, first_call_s=first))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------
+# Driver
+
+
+def _subprocess_json(cmd, timeout):
+    """Run cmd; its last 'RESULT {json}' line as a dict, or {"error": why}."""
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           env=_env(), cwd=os.path.dirname(HERE))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode != 0 or not lines:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["?"]
+        return {"error": f"exit {p.returncode}: {tail[0][:200]}"}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _env():
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # peaks are the program's own
+    env.setdefault("JAX_PLATFORMS", "cuda")
+    return env
+
+
+def run_part(name: str, args) -> list[dict]:
+    if name == "kernels":
+        rows = part_kernels(args.smoke)
+    elif name == "memory":
+        rows = part_memory(args.smoke)
+    elif name.startswith("mfu_"):
+        rows = part_mfu(args.smoke, name[len("mfu_"):], args.blockwise_layers)
+    else:
+        rows = part_decode(args.smoke)
+    return json.loads(json.dumps(rows, default=str))
+
+
+def _fmt(x, spec):
+    return "—" if x is None else format(x, spec)
+
+
+def table(results: dict, device: str) -> str:
+    out = [f"jcp GPU run on {device}", ""]
+    r = results.get("kernels")
+    out.append("Pallas vs blockwise attention (one datum, causal; rel = max |Δ| / max |ref|)")
+    if isinstance(r, dict):
+        out.append(f"  error: {r['error']}")
+    else:
+        out.append(f"  {'dtype':<9} {'tokens':>6} {'heads':>10} {'out rel':>9} {'grad rel':>9} "
+                   f"{'pallas fwd':>11} {'block fwd':>10} {'pallas f+b':>11} {'block f+b':>10}")
+        for x in r:
+            out.append(f"  {x['dtype']:<9} {x['tokens']:>6} {x['heads']:>10} "
+                       f"{x['out_rel_err']:>9.2e} {x['grad_rel_err']:>9.2e} "
+                       f"{x['pallas_fwd_s'] * 1e3:>9.2f}ms {x['blockwise_fwd_s'] * 1e3:>8.2f}ms "
+                       f"{x['pallas_fwd_bwd_s'] * 1e3:>9.2f}ms "
+                       f"{x['blockwise_fwd_bwd_s'] * 1e3:>8.2f}ms"
+                       + ("" if x["finite"] else "  NOT FINITE"))
+    out.append("")
+    out.append("MFU: Qwen3-8B shape, LoRA r32, one datum (benchmarks/mfu.py)")
+    out.append(f"  {'attention':<10} {'layers':>6} {'tokens':>6} {'tok/s':>8} {'step s':>8} "
+               f"{'MFU':>7} {'MFU 6N':>7} {'peak GiB':>9} {'remat':>6}")
+    for impl in ("pallas", "blockwise"):
+        r = results.get(f"mfu_{impl}")
+        if r is None:
+            continue
+        if isinstance(r, dict):
+            out.append(f"  {impl:<10} error: {r['error']}")
+            continue
+        for x in r:
+            peak = None if x["peak_bytes_in_use"] is None else x["peak_bytes_in_use"] / GiB
+            out.append(f"  {x['attn_impl']:<10} {x['layers']:>6} {x['tokens']:>6} "
+                       f"{x['tokens_per_s']:>8.0f} {x['median_step_s']:>8.2f} "
+                       f"{100 * x['mfu']:>6.1f}% {100 * x['mfu_6n']:>6.1f}% "
+                       f"{_fmt(peak, '9.2f'):>9} {str(x['remat']):>6}")
+    out.append("")
+    r = results.get("memory")
+    out.append("Per-device compiled memory, bf16 training (memory.py's program, cp = 1)")
+    if isinstance(r, dict):
+        out.append(f"  error: {r['error']}")
+    else:
+        out.append(f"  {'tokens':>6} {'arg GiB':>8} {'out GiB':>8} {'temp GiB':>9} "
+                   f"{'total GiB':>10}  f32 copies of stacked bf16 weights")
+        for x in r:
+            copies = ", ".join(x["f32_copies_of_stacked_weights"]) or "none"
+            out.append(f"  {x['tokens']:>6} {x['argument_gib']:>8.2f} {x['output_gib']:>8.2f} "
+                       f"{x['temp_gib']:>9.2f} {x['total_gib']:>10.2f}  {copies}")
+    out.append("")
+    r = results.get("decode")
+    out.append("Sampling decode (Qwen3-8B shape, bf16, 16-token prompts, T = 1)")
+    if isinstance(r, dict):
+        out.append(f"  error: {r['error']}")
+    else:
+        out.append(f"  {'batch':>5} {'new':>4} {'tokens':>7} {'seconds':>8} {'tok/s':>9} "
+                   f"{'first call s':>13}")
+        for x in r:
+            out.append(f"  {x['batch']:>5} {x['new_tokens']:>4} {x['tokens']:>7} "
+                       f"{x['seconds']:>8.2f} {x['tokens_per_s']:>9.0f} "
+                       f"{x['first_call_s']:>13.1f}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU, tiny shapes: checks that every part runs")
+    ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument("--blockwise-layers", type=int, default=8)
+    ap.add_argument("--out", default=None, help="also write the results as JSON here")
+    ap.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.part:
+        print("RESULT " + json.dumps(run_part(args.part, args)))
+        return {}
+
+    t0 = time.perf_counter()
+    if args.smoke:  # in this process (no device to isolate; saves a JAX start per part)
+        import jax
+
+        d = jax.devices()
+        device = f"{len(d)} x {d[0].device_kind} ({d[0].platform}), jax {jax.__version__}"
+    else:
+        info = _subprocess_json([sys.executable, "-c", (
+            "import jax, json; d = jax.devices(); "
+            "print('RESULT ' + json.dumps(f'{len(d)} x {d[0].device_kind} ({d[0].platform}),"
+            " jax {jax.__version__}'))")], timeout=120)
+        device = info if isinstance(info, str) else f"? ({info.get('error')})"
+    print(f"device: {device}", flush=True)
+    results = {}
+    limits = LIMITS_S
+    for name in args.parts.split(","):
+        if name not in PARTS:
+            raise SystemExit(f"unknown part {name!r}; parts: {', '.join(PARTS)}")
+        t = time.perf_counter()
+        cmd = [sys.executable, os.path.abspath(__file__), "--part", name,
+               "--blockwise-layers", str(args.blockwise_layers)] + (["--smoke"] if args.smoke
+                                                                   else [])
+        if args.smoke:
+            try:
+                results[name] = run_part(name, args)
+            except Exception as e:  # noqa: BLE001  (the table reports it; others still run)
+                results[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        else:
+            results[name] = _subprocess_json(cmd, limits[name])
+        print(f"  part {name}: {time.perf_counter() - t:.0f} s"
+              + (f" — {results[name]['error']}" if isinstance(results[name], dict) else ""),
+              flush=True)
+    print()
+    print(table(results, device))
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=device, results=results), f, indent=2, default=str)
+    return results
+
+
+if __name__ == "__main__":
+    res = main()
+    sys.exit(0 if all(not isinstance(r, dict) for r in res.values()) else 1)

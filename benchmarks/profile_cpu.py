@@ -1,0 +1,225 @@
+"""Where one CPU training step's time goes: jcp (jax.profiler trace) against torch + peft
+(torch.profiler), on throughput.py's workload, grouped into the same few categories.
+
+jcp: the step (forward_backward + optim_step) is traced with jax.profiler (a Perfetto
+trace); every XLA:CPU thunk's *exclusive* time (its duration minus the thunks nested in
+it: while / cond bodies) is put into a category from the op_name metadata of its HLO
+instruction in the compiled program (XLA fusions keep the op_name of their root):
+
+  attention     the blockwise kernel (its block loops and conds, scores, p·v, dq/dk/dv)
+  linear        the layers' projections x @ W (base + LoRA: "si,io->so", "si,ir->sr", …)
+  logprobs      the chunked vocab log-probs (logits chunk, softmax, their backward)
+  elementwise   everything else (norms, RoPE, silu, adds, copies, slices, transposes)
+
+torch: torch.profiler's self CPU time per aten op over one step, in the same categories
+(scaled_dot_product / flash attention ops, mm / addmm / bmm / linear, log_softmax /
+cross_entropy, everything else). Both sides run in this process one after the other,
+torch with its default threads; the machine's other load affects both (timings are
+noisy on a shared machine: compare shares, not milliseconds).
+
+    python benchmarks/profile_cpu.py [--datums 8 --tokens 512] [--remat auto|1|0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import throughput as T  # noqa: E402  (the workload)
+
+CATEGORIES = ("attention", "linear", "logprobs", "elementwise")
+
+
+def jcp_category(op_name: str) -> str:
+    if re.search(r"krh|kth|krt|kmst|kmsh|/cond|knr|nkr|ksmh|skmh", op_name):
+        return "attention"
+    # Inside the attention kernel's loops (block loops nested in the layer scan).
+    if re.search(r"closed_call/while/body/closed_call/while", op_name):
+        return "attention"
+    if re.search(r"sv,dv|sd,dv|sd,sv|log|reduce_max|take_along_axis|scatter", op_name):
+        return "logprobs"
+    if re.search(r"si,io->so|si,ir->sr|sr,ro->so|so,ro->sr|si,so->io|dot_general|ai,", op_name):
+        return "linear"
+    return "elementwise"
+
+
+def torch_category(name: str) -> str:
+    n = name.lower()
+    if "attention" in n or "sdpa" in n or "flash" in n or "scaled_dot" in n:
+        return "attention"
+    if re.search(r"aten::(mm|addmm|bmm|matmul|linear)\b", n):
+        return "linear"
+    if "log_softmax" in n or "cross_entropy" in n or "nll_loss" in n:
+        return "logprobs"
+    return "elementwise"
+
+
+def exclusive_times(events):
+    """{name: exclusive µs} of complete ('X') events, nesting taken per thread."""
+    out = collections.Counter()
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e:
+            by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack = []  # [end, name, child time]
+        for e in evs:
+            while stack and stack[-1][0] <= e["ts"]:
+                end, name, child, dur = stack.pop()
+                out[name] += dur - child
+                if stack:
+                    stack[-1][2] += dur
+            stack.append([e["ts"] + e["dur"], e["name"], 0.0, e["dur"]])
+        while stack:
+            end, name, child, dur = stack.pop()
+            out[name] += dur - child
+            if stack:
+                stack[-1][2] += dur
+    return out
+
+
+def profile_jcp(args) -> dict:
+    import jax
+    import numpy as np
+
+    import jcp
+
+    cfg = jcp.QwenConfig(vocab_size=T.VOCAB, hidden_size=T.HIDDEN, intermediate_size=T.MLP,
+                         num_layers=T.LAYERS, num_heads=T.HEADS, num_kv_heads=T.KV_HEADS,
+                         head_dim=T.HEAD_DIM, rope_theta=10_000.0, tie_word_embeddings=False,
+                         max_position_embeddings=max(4096, args.tokens))
+    remat = {"auto": "auto", "1": True, "0": False}[args.remat]
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=T.RANK,
+                     remat=remat)
+    a = tr.create_adapter(rank=T.RANK, alpha=T.ALPHA, targets=["attn", "mlp"])
+    tokens, targets = T._data(args.datums, args.tokens)
+    data = [jcp.Datum(model_input=tokens[i], loss_fn_inputs={
+        "target_tokens": targets[i], "weights": np.ones(args.tokens, np.float32)})
+        for i in range(args.datums)]
+    adam = jcp.AdamParams(learning_rate=T.LR, beta1=0.9, beta2=0.95, eps=1e-12)
+
+    def step():
+        tr.forward_backward(data, "cross_entropy", adapters=a)
+        tr.optim_step(a, adam)
+
+    step()
+    step()
+    t = time.perf_counter()
+    step()
+    wall = time.perf_counter() - t
+    # The HLO of every compiled program the step ran: instruction name -> op_name.
+    ops = {}
+    for text in [p.as_text() for p in tr.forward_backward_programs.values()]:
+        for line in text.splitlines():
+            m = re.match(r"\s*(?:ROOT )?%(\S+) = ", line)
+            if m:
+                op = re.search(r'op_name="([^"]*)"', line)
+                ops[m[1]] = op[1] if op else ""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            t = time.perf_counter()
+            step()
+            traced_wall = time.perf_counter() - t
+        path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)[0]
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    excl = exclusive_times(events)
+    cats = collections.Counter()
+    for name, us in excl.items():
+        if name in ops:  # XLA thunks of the forward_backward program
+            cats[jcp_category(ops[name])] += us / 1e6
+    return dict(wall_s=wall, traced_wall_s=traced_wall, categories=dict(cats),
+                remat=[v["remat"] for v in tr.remat_decisions.values()],
+                flops=_flops(tr))
+
+
+def _flops(tr):
+    out = 0.0
+    for p in tr.forward_backward_programs.values():
+        ca = p.cost_analysis()
+        ca = ca[0] if isinstance(ca, list) else ca
+        out += float(ca.get("flops", 0.0))
+    return out
+
+
+def profile_torch(args) -> dict:
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=T.VOCAB, hidden_size=T.HIDDEN, intermediate_size=T.MLP,
+        num_hidden_layers=T.LAYERS, num_attention_heads=T.HEADS,
+        num_key_value_heads=T.KV_HEADS, head_dim=T.HEAD_DIM, tie_word_embeddings=False,
+        max_position_embeddings=max(4096, args.tokens), rope_theta=10_000.0)
+    model = peft.get_peft_model(transformers.Qwen3ForCausalLM(cfg).float(), peft.LoraConfig(
+        r=T.RANK, lora_alpha=T.ALPHA, lora_dropout=0.0, bias="none",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj"], task_type="CAUSAL_LM"))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=T.LR,
+                            betas=(0.9, 0.95), eps=1e-12)
+    tokens, targets = T._data(args.datums, args.tokens)
+    ids, tgt = torch.tensor(tokens), torch.tensor(targets)
+
+    def step():
+        logits = model(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, T.VOCAB), tgt.reshape(-1),
+                                                 reduction="sum")
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    t = time.perf_counter()
+    step()
+    wall = time.perf_counter() - t
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    cats = collections.Counter()
+    for e in prof.key_averages():
+        cats[torch_category(e.key)] += e.self_cpu_time_total / 1e6
+    return dict(wall_s=wall, categories=dict(cats), threads=torch.get_num_threads(),
+                attn=getattr(model.config, "_attn_implementation", "?"))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--datums", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--remat", default="auto", choices=("auto", "1", "0"))
+    args = ap.parse_args(argv)
+    print(f"CPU: {T.cpu_model()}, {os.cpu_count()} cores; load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"workload: throughput.py's model, {args.datums} x {args.tokens} tokens, one step "
+          f"(forward + backward + AdamW)")
+    j = profile_jcp(args)
+    t = profile_torch(args)
+    print(f"\n{'category':<12} {'jcp s':>8} {'share':>6} {'torch s':>8} {'share':>6}")
+    jt, tt = sum(j["categories"].values()), sum(t["categories"].values())
+    for c in CATEGORIES:
+        a, b = j["categories"].get(c, 0.0), t["categories"].get(c, 0.0)
+        print(f"{c:<12} {a:>8.3f} {a / jt:>6.0%} {b:>8.3f} {b / tt:>6.0%}")
+    print(f"{'sum':<12} {jt:>8.3f} {'':>6} {tt:>8.3f}   (thread-seconds: summed over threads)")
+    print(f"wall of one untraced step: jcp {j['wall_s']:.3f} s (remat {j['remat']}), torch "
+          f"{t['wall_s']:.3f} s ({t['threads']} threads, {t['attn']}); jcp program "
+          f"{j['flops'] / 1e9:.1f} GFLOP (XLA cost analysis)")
+    return dict(jcp=j, torch=t)
+
+
+if __name__ == "__main__":
+    main()
