@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import traceback
+import uuid
 from collections import OrderedDict
 
 import numpy as np
@@ -30,9 +31,10 @@ LORA_ALPHA = 32.0
 REFUSED_LOSSES = {
     "stable_reinforce": "stable_reinforce needs sampling-time stability records, which this "
                         "server does not keep",
-    "custom": "server-side custom losses are not supported; forward_backward_custom works "
-              "client-side (through cross_entropy)",
 }
+# Custom losses a session may hold (create_custom_loss), and in all.
+MAX_CUSTOM_LOSSES_PER_SESSION = 64
+MAX_CUSTOM_LOSSES = 4096
 
 
 class Engine:
@@ -44,6 +46,8 @@ class Engine:
         self.max_rank = int(trainer.max_rank)
         self._complete = complete
         self._sampler_slots: OrderedDict[str, int] = OrderedDict()  # PEFT folder -> slot
+        # loss_id -> (owner, session id, jcp.custom_loss.CustomLoss), oldest first.
+        self._custom_losses: OrderedDict[str, tuple] = OrderedDict()
         self._thread = threading.Thread(target=self._loop, name="jcp-serve-worker", daemon=True)
 
     def start(self) -> None:
@@ -103,8 +107,39 @@ class Engine:
                                          self.tr.adapters[slot].rank, slot))
         return ("json", {"model_id": w.model_id, "type": "create_model"})
 
+    def _create_custom_loss(self, w: Work) -> tuple:
+        """Rebuild an uploaded CustomLossGraph from jcp's allowed operations (InputError
+        naming the node otherwise) and keep it for the session -> {loss_id}."""
+        p = w.payload
+        session = p.get("session_id")
+        loss = jcp.CustomLoss.from_graph(p.get("graph"), p.get("inputs"),
+                                         str(p.get("name") or "custom"))
+        mine = [k for k, (_, s, _) in self._custom_losses.items() if s == session]
+        if len(mine) >= MAX_CUSTOM_LOSSES_PER_SESSION:
+            raise InputError(f"this session already holds {len(mine)} custom losses (at most "
+                             f"{MAX_CUSTOM_LOSSES_PER_SESSION})")
+        while len(self._custom_losses) >= MAX_CUSTOM_LOSSES:
+            self._custom_losses.popitem(last=False)
+        loss_id = f"loss-{uuid.uuid4().hex}"
+        self._custom_losses[loss_id] = (w.owner, session, loss)
+        return ("json", {"loss_id": loss_id, "type": "create_custom_loss"})
+
+    def _custom_loss(self, w: Work, config) -> "jcp.CustomLoss":
+        """The custom loss a forward_backward names, if its model's session created it."""
+        loss_id = (config or {}).get("loss_id")
+        entry = self._custom_losses.get(loss_id) if isinstance(loss_id, str) else None
+        session = w.model_id.rsplit(":train:", 1)[0] if w.model_id else None
+        if entry is None or entry[0] != w.owner or entry[1] != session:
+            raise InputError(f"custom loss {loss_id!r} not found in this model's session "
+                             "(create it with create_custom_loss in the same session)")
+        return entry[2]
+
     def _fwd(self, group: list[Work]) -> None:
         """One fused Trainer call; on refusal, each request alone."""
+        if len(group) > 1 and group[0].payload.loss_fn == "custom":
+            for w in group:  # its metrics are per request: one Trainer call each
+                self._fwd([w])
+            return
         self.sched.note_pass(group)
         try:
             outs = self._run_fwd(group)
@@ -139,7 +174,10 @@ class Engine:
             spans.append((start, len(data)))
         if not data:
             raise InputError("forward_backward needs at least one datum")
-        if len(configs) == 1:
+        if losses[0] == "custom":  # _fwd runs a custom request alone
+            loss_fn, config = self._custom_loss(group[0], configs["custom"]), None
+            data = [_custom_datum(d, loss_fn) for d in data]
+        elif len(configs) == 1:
             config = next(iter(configs.values()))
             loss_fn = losses[0]
         else:
@@ -220,6 +258,17 @@ class Engine:
         res = self.tr.sample([args.prompt], sp, adapters=adapter, num_samples=args.num_samples,
                              prompt_logprobs=args.prompt_logprobs)[0]
         return ("proto", wire.encode_sample_response(res.sequences, res.prompt_logprobs))
+
+
+def _custom_datum(d: "jcp.Datum", loss: "jcp.CustomLoss") -> "jcp.Datum":
+    """The wire has no shape for a scalar: an input the loss declares rank 0 arrives as
+    one value [1]; make it the scalar."""
+    inputs = dict(d.loss_fn_inputs)
+    for name, rank in loss.inputs[1:]:
+        v = inputs.get(name)
+        if rank == 0 and isinstance(v, np.ndarray) and v.shape == (1,):
+            inputs[name] = v.reshape(())
+    return jcp.Datum(model_input=d.model_input, loss_fn_inputs=inputs)
 
 
 def _error(e: Exception) -> tuple:
