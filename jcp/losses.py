@@ -6,7 +6,9 @@ never let the per-datum outputs reach the gradient.
 
 The one loss table (LOSSES) registers each Tinker loss: its function, the loss_fn_inputs
 it reads, its loss_fn_config settings and defaults, and whether it clips. Adding a loss is
-one entry there.
+one entry there. Custom losses (CUSTOM, jcp.custom_loss) are per datum, not token sums:
+their tokens add 0 here and train_step adds the datums' losses outside the shard_map.
+Targets may be [S] or [S, K] (several scored targets per token; −1 pads).
 
 Shapes: see the legend in jcp/mesh.py.
 """
