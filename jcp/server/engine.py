@@ -1,6 +1,8 @@
 """The worker: the one thread that owns the Trainer and runs the scheduler's passes.
 
-Owns every Trainer call and the map from models / sampler folders to adapter slots. A
+Owns every Trainer call, the map from models / sampler folders to adapter slots, and the
+sessions' custom losses (create_custom_loss: the uploaded graph rebuilt as a
+jcp.CustomLoss, kept per session; a custom forward_backward runs as its own Trainer call). A
 fused pass is one Trainer.forward / forward_backward over the datums of all its requests
 (adapters per datum); if that call refuses the batch (InputError: nothing was changed), each
 request is rerun alone so that only the bad one fails. Results go back through `complete`,
@@ -136,8 +138,8 @@ class Engine:
 
     def _fwd(self, group: list[Work]) -> None:
         """One fused Trainer call; on refusal, each request alone."""
-        if len(group) > 1 and group[0].payload.loss_fn == "custom":
-            for w in group:  # its metrics are per request: one Trainer call each
+        if len(group) > 1 and any(w.payload.loss_fn == "custom" for w in group):
+            for w in group:  # a custom loss's metrics are per request: one call each
                 self._fwd([w])
             return
         self.sched.note_pass(group)
