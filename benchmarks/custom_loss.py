@@ -68,6 +68,11 @@ def main(argv=None) -> int:
     tr = jcp.Trainer(cfg, jcp.make_mesh(*args.mesh), max_adapters=8, max_rank=RANK,
                      max_tokens_per_device=DATUMS * TOKENS)
     rng = np.random.default_rng(0)
+
+    def floats(x):
+        return types.TensorData(data=np.asarray(x, np.float32).tolist(), dtype="float32",
+                                shape=[len(x)])
+
     data = []
     for _ in range(DATUMS):
         t = rng.integers(0, cfg.vocab_size, TOKENS + 1)
@@ -75,10 +80,9 @@ def main(argv=None) -> int:
             model_input=types.ModelInput.from_ints(t[:-1].tolist()),
             loss_fn_inputs={
                 "target_tokens": t[1:].tolist(),
-                "sampling_logprobs": (-np.log(cfg.vocab_size)
-                                      + 0.1 * rng.normal(size=TOKENS)).astype(
-                                          np.float32).tolist(),
-                "advantages": rng.normal(size=TOKENS).astype(np.float32).tolist()}))
+                "sampling_logprobs": floats(-np.log(cfg.vocab_size)
+                                            + 0.1 * rng.normal(size=TOKENS)),
+                "advantages": floats(rng.normal(size=TOKENS))}))
 
     srv = Server(tr, "jcp-tiny", tempfile.mkdtemp(prefix="jcp-custom-bench-")).start()
     sc = tinker.ServiceClient(base_url=srv.url, api_key="tml-bench")
