@@ -165,3 +165,31 @@ def test_two_d_validation_names_datum_and_field():
         assert all(np.array_equal(before[k], after[k]) for k in before)
     finally:
         tr.delete_adapter(a)
+
+
+def test_custom_loss_refusals_in_process():
+    """The in-process custom-loss API refuses before any device work, state unchanged."""
+    tr = trainer()
+    a = tr.create_adapter(rank=4, alpha=8.0, seed=7)
+    try:
+        (x, t, w), = topk_data(lengths=(8,))
+        loss = jcp.CustomLoss.from_function(
+            lambda logprobs, weights: (-(weights * logprobs).sum(), {}),
+            {"logprobs": 2, "weights": 2})
+        before = tr.gradients(a)
+        with pytest.raises(jcp.InputError, match="'custom' takes a jcp.custom_loss.CustomLoss"):
+            tr.forward_backward([jcp.Datum(x, {"target_tokens": t, "weights": w})], "custom",
+                                adapters=a)
+        with pytest.raises(jcp.InputError, match="a custom loss takes no settings"):
+            tr.forward_backward([jcp.Datum(x, {"target_tokens": t, "weights": w})], loss,
+                                loss_fn_config={"beta": 1.0}, adapters=a)
+        with pytest.raises(jcp.InputError, match="datum 0: loss_fn_inputs.target_tokens has "
+                                                 "rank 1, but custom loss"):
+            tr.forward_backward([jcp.Datum(x, {"target_tokens": t[:, 0], "weights": w})], loss,
+                                adapters=a)
+        with pytest.raises(jcp.InputError, match="datum 0: loss_fn_inputs.weights is missing"):
+            tr.forward_backward([jcp.Datum(x, {"target_tokens": t})], loss, adapters=a)
+        after = tr.gradients(a)
+        assert all(np.array_equal(before[k], after[k]) for k in before)
+    finally:
+        tr.delete_adapter(a)
