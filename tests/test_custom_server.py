@@ -139,7 +139,7 @@ def test_refusals_change_nothing(env):
     if env["tr"].dp * env["tr"].cp * env["tr"].tp != 1:
         pytest.skip("refusals happen before any device work: one mesh shows them")
     sc, engine = env["sc"], env["srv"].engine
-    held = dict(engine._custom_losses)
+    held = engine.custom_loss_ids()
 
     def lgamma_loss(logprobs):
         return torch.lgamma(-logprobs).sum(), {}
@@ -163,7 +163,7 @@ def test_refusals_change_nothing(env):
               {"session_id": session, "custom_loss_seq_id": 99, "name": "deep",
                "inputs": inputs, "graph": deep})
     assert r["category"] == "user" and "deeper than" in r["error"]
-    assert engine._custom_losses == held
+    assert engine.custom_loss_ids() == held
 
     # A handle of this session, used by a model of another session (same tenant, and
     # another tenant): refused, that model's gradient untouched.

@@ -126,6 +126,10 @@ class Engine:
         self._custom_losses[loss_id] = (w.owner, session, loss)
         return ("json", {"loss_id": loss_id, "type": "create_custom_loss"})
 
+    def custom_loss_ids(self) -> list[str]:
+        """The loss_ids of every session's custom losses, oldest first."""
+        return list(self._custom_losses)
+
     def _custom_loss(self, w: Work, config) -> "jcp.CustomLoss":
         """The custom loss a forward_backward names, if its model's session created it."""
         loss_id = (config or {}).get("loss_id")
