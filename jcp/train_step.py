@@ -103,8 +103,9 @@ def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, token
     embed → hidden_states (CP attention, the training strategy) → unembed_factors →
     losses.shard_loss. Streams are this device's [S] rows; lora: the active adapters
     (take_active) or None for the base model alone, routed by `route`; loss_fn, loss_cfg,
-    num_slots, loss_id_S, keep_token_logprobs as in losses.shard_loss. base_unembed_grad: differentiate the base
-    unembedding too (training never does: it is frozen; tests of base gradients do).
+    num_slots, loss_id_S, keep_token_logprobs as in losses.shard_loss. base_unembed_grad:
+    differentiate the base unembedding too (training never does: it is frozen; tests of
+    base gradients do).
 
     MoE models: outputs.expert_counts [Lm, E] counts every MoE layer's assignments of the
     real tokens of all (dp, cp) shards (psum over dp and cp only: every tp rank routes the

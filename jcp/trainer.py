@@ -407,10 +407,11 @@ class Trainer:
             el = batch_lib.unpack(host(out.elementwise_loss), pb)
             datum_loss = host(out.datum_loss)
             members = sorted(p.index for p in pb.placements)
-            custom_loss = dict(zip((c[0] for c in pb.custom), host(out.custom_loss))) if (
-                pb.custom) else {}
-            for key, values in (jax.tree.map(host, out.custom_metrics) if pb.custom else {}).items():
-                custom_metrics.setdefault(key, []).extend(float(v) for v in values)
+            custom_loss = {}
+            if pb.custom:  # per-datum custom losses and metrics, in pb.custom's order
+                custom_loss = dict(zip((c[0] for c in pb.custom), host(out.custom_loss)))
+                for key, values in out.custom_metrics.items():
+                    custom_metrics.setdefault(key, []).extend(map(float, host(values)))
             for slot_i, j in enumerate(members):
                 lp_j = lp[j]
                 if lp_j.ndim == 2:  # a [DP, CP, S, K] stream: the datum's own K columns
