@@ -314,10 +314,7 @@ def _assign(lengths_rows: list[int], dp: int, capacity: int) -> list[list[list[i
 
 def active_bucket(k: int, max_adapters: int) -> int:
     """Static number of active-adapter entries: next power of two ≥ k, at most max_adapters."""
-    b = 1
-    while b < k:
-        b *= 2
-    return max(k, min(b, max_adapters))
+    return max(k, min(mesh_lib.pow2_at_least(k), max_adapters))
 
 
 def pack(datums: Sequence[CheckedDatum], adapters: Sequence[int], dp: int, cp: int,
@@ -415,6 +412,28 @@ def _stream_index(idx_CPx2C, valid, shard: int, offset: int, cp: int, s_len: int
     if targets.ndim == 1:
         return (pos * width).astype(np.int32)
     return (pos[:, None] * width + np.arange(targets.shape[1])[None, :]).astype(np.int32)
+
+
+def pad_streams(pb: PackedBatch, s_len: int) -> PackedBatch:
+    """pb with every [DP, CP, S] stream (tokens, targets, segment, position, loss_id and the
+    client vectors) right-padded to s_len rows of padding (segment −1); pb itself when it
+    is already that long."""
+    pad = s_len - pb.tokens.shape[-1]
+    if pad < 0:
+        raise ValueError(f"cannot pad streams of {pb.tokens.shape[-1]} rows to {s_len}")
+    if pad == 0:
+        return pb
+    if pb.custom:  # its stream indices are positions in the unpadded streams
+        raise ValueError("pad_streams: a batch with custom-loss datums cannot be re-padded")
+
+    def grow(x, value=0):  # [DP, CP, S] or [DP, CP, S, K] (2-D targets and weights)
+        return np.pad(x, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3),
+                      constant_values=-1 if x is pb.targets and x.ndim == 4 else value)
+
+    return dataclasses.replace(
+        pb, tokens=grow(pb.tokens), targets=grow(pb.targets), segment=grow(pb.segment, -1),
+        position=grow(pb.position), loss_id=grow(pb.loss_id),
+        floats={k: grow(v) for k, v in pb.floats.items()})
 
 
 def unpack(stream_DPxCPxS: np.ndarray, batch: PackedBatch) -> dict[int, np.ndarray]:

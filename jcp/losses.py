@@ -1,14 +1,18 @@
 """Token log-probs (chunked, vocab-parallel), the Tinker losses, and per-datum outputs.
 
-Everything here runs per shard inside the one shard_map. It must never build an array of
-[tokens, vocab] (forward or backward), never average a loss (Tinker losses are sums), and
-never let the per-datum outputs reach the gradient.
+The device side (target_logprobs, the loss functions, token_losses, shard_loss and the
+per-datum gathers) runs per shard inside the one shard_map. It must never build an array
+of [tokens, vocab] (forward or backward), never average a loss (Tinker losses are sums),
+and never let the per-datum outputs reach the gradient.
 
 The one loss table (LOSSES) registers each Tinker loss: its function, the loss_fn_inputs
 it reads, its loss_fn_config settings and defaults, and whether it clips. Adding a loss is
-one entry there. Custom losses (CUSTOM, jcp.custom_loss) are per datum, not token sums:
-their tokens add 0 here and train_step adds the datums' losses outside the shard_map.
-Targets may be [S] or [S, K] (several scored targets per token; −1 pads).
+one entry there. The host side of the table (check_loss_fn, resolve_config,
+check_finite_outputs) validates names, settings and outputs on the host, before (or
+after) any device work, and touches no device. Custom losses (CUSTOM, jcp.custom_loss)
+are per datum, not token sums: their tokens add 0 here and train_step adds the datums'
+losses outside the shard_map. Targets may be [S] or [S, K] (several scored targets per
+token; −1 pads).
 
 Shapes: see the legend in jcp/mesh.py.
 """

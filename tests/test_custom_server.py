@@ -2,7 +2,7 @@
 the traced graph, forward_backward_custom runs it in one server-side pass — and it gives
 what the SDK's own client-side two-pass path gives on the same data and weights.
 
-For each loss of the zoo (tests/test_custom_loss.py: sequence-mean importance sampling, a
+For each loss of the zoo (tests/helpers/custom_zoo.py: sequence-mean importance sampling, a
 clipped ratio with a KL penalty, a DPO-style pair loss inside one datum, top-k distillation
 on 2-D targets, metrics), two models of the same seed train on one server: one with the
 uploaded handle (loss_id set: server-side), one with the same handle with loss_id None
@@ -28,7 +28,7 @@ from tinker import types  # noqa: E402
 
 import jcp  # noqa: E402
 from jcp.serve import Server  # noqa: E402
-from test_custom_loss import ZOO, encoded, zoo_inputs  # noqa: E402
+from helpers.custom_zoo import ZOO, encoded, zoo_inputs  # noqa: E402
 
 MODEL = "jcp-tiny"
 KEYS = {"tml-alice": "alice", "tml-bob": "bob"}
@@ -121,6 +121,9 @@ def test_server_side_equals_the_sdks_client_side_path(env, name):
         np.testing.assert_allclose(ga[k], gb[k], rtol=1e-4, atol=1e-5 * scale, err_msg=k)
     if name == "topk_distill":
         assert a.loss_fn_outputs[0]["logprobs"].to_numpy().ndim == 2
+    for tc in (server_tc, client_tc):  # free the slots for the next loss
+        assert _post(env, "/api/v1/unload_model", {"model_id": tc.model_id})["model_id"] == (
+            tc.model_id)
 
 
 # ----------------------------------------------------------------------------------------

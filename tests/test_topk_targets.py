@@ -20,7 +20,7 @@ import pytest
 import jcp
 from jcp import losses
 from jcp import mesh as mesh_lib
-import trainer_harness as TH
+from helpers import trainer_harness as TH
 
 V, D, N, K, CHUNK = 64, 16, 24, 5, 8
 
