@@ -230,6 +230,18 @@ def vary(x, axes):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def vary_like(x, ref):
+    """Cast x to vary over every mesh axis that ref varies over (for scan carries)."""
+    return vary(x, varying_axes(ref))
+
+
+def vary_all(x, *refs):
+    """Cast x to vary over every mesh axis that any of refs varies over."""
+    for r in refs:
+        x = vary_like(x, r)
+    return x
+
+
 # ----------------------------------------------------------------------------------------
 # Host arrays <-> global arrays
 

@@ -26,7 +26,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jcp.attention.tiling import (SAVED_NAMES, SoftmaxState, block_kinds, needed_range, no_grads,
                                   online_softmax_finish, online_softmax_step, ring_fold,
-                                  ring_fold_grads, vary_all, vary_like, visible)
+                                  ring_fold_grads, visible)
+from jcp.mesh import vary_all, vary_like
 
 
 def _scores(q_BqxKxMxH, k_BkxKxH, scale):

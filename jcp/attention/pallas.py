@@ -53,8 +53,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from jcp.attention.tiling import (SAVED_NAMES, SoftmaxState, block_kinds, no_grads,
                                   online_softmax_finish, online_softmax_step, ring_fold,
-                                  ring_fold_grads, vary_all, visible)
-from jcp.mesh import CP, block_size, varying_axes
+                                  ring_fold_grads, visible)
+from jcp.mesh import CP, block_size, vary_all, varying_axes
 
 
 @dataclasses.dataclass(frozen=True)

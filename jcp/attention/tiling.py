@@ -3,9 +3,9 @@ share, in one place.
 
 Owns the (segment, position) mask, the per-block summaries and the predicate that skips
 blocks the mask empties (and its host-side work counts), the tile sizes, the one
-online-softmax step, the one ring schedule, the names of the residuals a remat policy may
-keep, and the small shard_map typing helpers the kernels' custom VJPs need. It must never
-build an array of [local tokens, all tokens].
+online-softmax step, the one ring schedule, and the names of the residuals a remat policy
+may keep (the shard_map typing helpers they use, vary_all / vary_like, are mesh.py's). It
+must never build an array of [local tokens, all tokens].
 
 Shapes: see the legend in jcp/mesh.py (S queries on this rank, T keys, Bq and Bk block rows).
 """
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcp.mesh import CP, block_size, vary, varying_axes
+from jcp.mesh import CP, block_size
 
 DEFAULT_BLOCK = 512
 
@@ -32,11 +32,6 @@ GROWN_TILE, TILES_PER_STREAM = 256, 64
 
 # Residuals of the blockwise kernel that a remat policy may save (see model.hidden_states).
 SAVED_NAMES = ("attention_out", "attention_lse")
-
-
-def vary_like(x, ref):
-    """Cast x to vary over every mesh axis that ref varies over (for scan carries)."""
-    return vary(x, varying_axes(ref))
 
 
 def block_summary(segment, position, block, xp=jnp):
@@ -78,13 +73,6 @@ def visible(seg_q, pos_q, seg_k, pos_k):
     """[Bq, Bk] bool, jcp's attention mask: same datum, key not after query, query is a real token."""
     return ((seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] >= 0)
             & (pos_k[None, :] <= pos_q[:, None]))
-
-
-def vary_all(x, *refs):
-    """Cast x to vary over every mesh axis that any of refs varies over."""
-    for r in refs:
-        x = vary_like(x, r)
-    return x
 
 
 def block_kinds(seg_q, pos_q, seg_k, pos_k, block_q, block_k):
