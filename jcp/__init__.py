@@ -1,6 +1,7 @@
 """jcp: multi-LoRA training of Qwen-style models at long context in JAX."""
 
 from jcp.batch import Datum
+from jcp.custom_loss import CustomLoss
 from jcp.errors import InputError
 from jcp.config import QwenConfig
 from jcp.hf import load_hf
@@ -8,5 +9,5 @@ from jcp.mesh import make_mesh, unzigzag, zigzag_indices
 from jcp.sample import SampledSequence, SampleResult, SamplingParams
 from jcp.trainer import AdamParams, ForwardBackwardOutput, Trainer
 
-__all__ = ["AdamParams", "Datum", "ForwardBackwardOutput", "Trainer", "InputError", "QwenConfig", "SampleResult", "SampledSequence", "SamplingParams", "load_hf", "make_mesh", "unzigzag",
+__all__ = ["AdamParams", "CustomLoss", "Datum", "ForwardBackwardOutput", "Trainer", "InputError", "QwenConfig", "SampleResult", "SampledSequence", "SamplingParams", "load_hf", "make_mesh", "unzigzag",
            "zigzag_indices"]

@@ -16,6 +16,7 @@ import numpy as np
 
 from jcp import losses as losses_lib
 from jcp import mesh as mesh_lib
+from jcp.custom_loss import CustomLoss
 from jcp.errors import InputError
 
 FLOAT_FIELDS = losses_lib.FLOAT_INPUTS
@@ -47,26 +48,32 @@ class Datum:
 
 @dataclasses.dataclass(frozen=True)
 class CheckedDatum:
-    """A validated private copy of a Datum: tokens, targets int32 [N]; floats float32 [N];
-    the name of its loss."""
+    """A validated private copy of a Datum: tokens int32 [N]; targets int32 [N], or [N, K]
+    (cross_entropy and custom losses; −1 pads); floats float32 [N] (weights [N, K] with
+    2-D targets); the name of its loss; extra: a custom loss's inputs (float32 or int32 at
+    their declared ranks), by name."""
 
     tokens: np.ndarray
     targets: np.ndarray
     floats: dict[str, np.ndarray]
     loss_fn: str = "cross_entropy"
+    extra: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def n(self) -> int:
         return int(self.tokens.shape[0])
 
 
-def _int_vector(i: int, field: str, value, vocab_size: int) -> np.ndarray:
+def _int_vector(i: int, field: str, value, vocab_size: int, two_d: bool = False
+                ) -> np.ndarray:
+    """Token ids [N]; with two_d also [N, K] (K ≥ 1), where −1 marks a padding target."""
     try:
         arr = np.array(value, copy=True)
     except Exception as e:  # ragged lists and the like
         raise InputError(f"datum {i}: {field} is not a vector of token ids ({e})") from None
-    if arr.ndim != 1:
-        raise InputError(f"datum {i}: {field} must be 1-D, got shape {arr.shape}")
+    if arr.ndim != 1 and not (two_d and arr.ndim == 2 and arr.shape[1] >= 1):
+        raise InputError(f"datum {i}: {field} must be 1-D"
+                         + (" or 2-D [N, K]" if two_d else "") + f", got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         if (arr.dtype == object or not np.issubdtype(arr.dtype, np.number)
                 or np.issubdtype(arr.dtype, np.complexfloating)):
@@ -74,18 +81,21 @@ def _int_vector(i: int, field: str, value, vocab_size: int) -> np.ndarray:
         if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
             raise InputError(f"datum {i}: {field} must hold integer token ids")
     if arr.size:
-        bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
+        low = -1 if arr.ndim == 2 else 0
+        bad = np.argwhere((arr < low) | (arr >= vocab_size))
         if bad.size:
-            j = int(bad[0])
+            j = tuple(int(x) for x in bad[0])
+            where = ", ".join(map(str, j))
             raise InputError(
-                f"datum {i}: {field}[{j}] = {arr[j]} is outside the vocabulary [0, {vocab_size})"
-            )
+                f"datum {i}: {field}[{where}] = {arr[j]} is outside the vocabulary "
+                f"[0, {vocab_size})" + (" (−1 pads)" if low < 0 else ""))
     return arr.astype(np.int32)
 
 
-def _float_vector(i: int, field: str, value, n: int) -> np.ndarray:
+def _float_vector(i: int, field: str, value, n: int, shape=None) -> np.ndarray:
     """A float32 copy of a client vector, checked finite *in float32* (the device's dtype):
-    1e39 passes as a float64 but is inf on the device, so it is refused here."""
+    1e39 passes as a float64 but is inf on the device, so it is refused here. shape: the
+    exact shape wanted instead of [n]."""
     try:
         arr = np.array(value, copy=True)
         if arr.dtype.kind not in "biuf":
@@ -94,22 +104,70 @@ def _float_vector(i: int, field: str, value, n: int) -> np.ndarray:
             arr32 = arr.astype(np.float32)
     except Exception as e:
         raise InputError(f"datum {i}: {field} is not a vector of numbers ({e})") from None
-    if arr32.ndim != 1:
+    if shape is not None:
+        if arr32.shape != tuple(shape):
+            raise InputError(f"datum {i}: {field} has shape {list(arr32.shape)}, expected "
+                             f"{list(shape)} (the shape of target_tokens)")
+    elif arr32.ndim != 1:
         raise InputError(f"datum {i}: {field} must be 1-D, got shape {arr32.shape}")
-    if arr32.shape[0] != n:
+    elif arr32.shape[0] != n:
         raise InputError(
             f"datum {i}: {field} has length {arr32.shape[0]}, model_input has length {n}"
         )
-    bad = np.flatnonzero(~np.isfinite(arr32))
+    bad = np.argwhere(~np.isfinite(arr32))
     if bad.size:
-        j = int(bad[0])
+        j = tuple(int(x) for x in bad[0]) if arr32.ndim > 1 else int(bad[0][0])
         what = "is not finite" if not np.isfinite(float(arr[j])) else "overflows float32"
         raise InputError(f"datum {i}: {field}[{j}] = {arr[j]} {what}")
     return arr32
 
 
+def _custom_input(i: int, name: str, value) -> np.ndarray:
+    """A custom loss input: a float32 (finite in float32) or int32 copy, any shape."""
+    field = f"loss_fn_inputs.{name}"
+    try:
+        arr = np.array(value, copy=True)
+    except Exception as e:
+        raise InputError(f"datum {i}: {field} is not an array of numbers ({e})") from None
+    if arr.dtype.kind in "iu":
+        if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+            raise InputError(f"datum {i}: {field} overflows int32")
+        return arr.astype(np.int32)
+    if arr.dtype.kind not in "bf":
+        raise InputError(f"datum {i}: {field} must hold numbers, got {arr.dtype}")
+    if arr.ndim > 2:
+        raise InputError(f"datum {i}: {field} has rank {arr.ndim}; at most 2")
+    return _float_vector(i, field, arr, 0, shape=arr.shape)
+
+
+def _check_custom(i: int, d, custom: CustomLoss, vocab_size: int, n: int,
+                  shapes_seen: set) -> CheckedDatum:
+    inputs = d.loss_fn_inputs
+    for key in inputs:
+        if key not in KNOWN_FIELDS and key not in custom.input_names:
+            raise InputError(f"datum {i}: loss_fn_inputs.{key} is not read by custom loss "
+                             f"{custom.name!r} (it reads {list(custom.input_names)})")
+    for key in ("target_tokens",) + custom.input_names:
+        if key not in inputs:
+            raise InputError(f"datum {i}: loss_fn_inputs.{key} is missing (needed by custom "
+                             f"loss {custom.name!r})")
+    targets = _int_vector(i, "loss_fn_inputs.target_tokens", inputs["target_tokens"],
+                          vocab_size, two_d=True)
+    if targets.shape[0] != n:
+        raise InputError(f"datum {i}: loss_fn_inputs.target_tokens has length "
+                         f"{targets.shape[0]}, model_input has length {n}")
+    extra = {k: _custom_input(i, k, inputs[k]) for k in custom.input_names}
+    key = (targets.shape, tuple((v.shape, v.dtype.str) for v in extra.values()))
+    if key not in shapes_seen:  # evaluating the shapes traces the graph: once per shape
+        custom.check(i, targets.shape, extra)
+        shapes_seen.add(key)
+    return CheckedDatum(np.zeros(0), targets, {}, losses_lib.CUSTOM, extra)
+
+
 def per_datum_losses(loss_fn, n: int) -> list[str]:
-    """One loss name or one per datum -> a checked list of n names."""
+    """One loss name (or a CustomLoss) or one name per datum -> a checked list of n names."""
+    if isinstance(loss_fn, CustomLoss):
+        return [losses_lib.CUSTOM] * n
     if isinstance(loss_fn, str):
         return [losses_lib.check_loss_fn(loss_fn)] * n
     if not isinstance(loss_fn, Sequence) or len(loss_fn) != n:
@@ -123,8 +181,14 @@ def validate(data: Sequence[Datum], loss_fn, vocab_size: int, token_cap: int
     """Check every datum for its loss (`loss_fn`: one name, or one per datum); return
     private validated copies.
 
+    loss_fn may be a jcp.custom_loss.CustomLoss (every datum's loss): target_tokens [N] or
+    [N, K] at its logprobs rank, and the inputs it reads at their declared ranks, checked
+    by evaluating the loss's shapes. Built-in losses: target_tokens [N]; cross_entropy
+    also [N, K] (−1 pads) with weights of the same shape.
+
     Raises InputError naming the datum index and the field. Nothing is mutated.
     """
+    custom = loss_fn if isinstance(loss_fn, CustomLoss) else None
     if isinstance(loss_fn, str):
         losses_lib.check_loss_fn(loss_fn)
     if isinstance(data, (Datum, Mapping)) or not isinstance(data, Sequence):
@@ -133,9 +197,9 @@ def validate(data: Sequence[Datum], loss_fn, vocab_size: int, token_cap: int
         raise InputError("data is empty: pass at least one Datum")
     names = per_datum_losses(loss_fn, len(data))
     out = []
+    shapes_seen: set = set()
     for i, d in enumerate(data):
         loss_fn = names[i]
-        needed = ("target_tokens",) + losses_lib.LOSSES[loss_fn].inputs
         if not isinstance(d, Datum):
             raise InputError(f"datum {i}: expected jcp.Datum, got {type(d).__name__}")
         tokens = _int_vector(i, "model_input", d.model_input, vocab_size)
@@ -150,6 +214,11 @@ def validate(data: Sequence[Datum], loss_fn, vocab_size: int, token_cap: int
         inputs = d.loss_fn_inputs
         if not isinstance(inputs, Mapping):
             raise InputError(f"datum {i}: loss_fn_inputs must be a dict")
+        if custom is not None:
+            c = _check_custom(i, d, custom, vocab_size, n, shapes_seen)
+            out.append(dataclasses.replace(c, tokens=tokens))
+            continue
+        needed = ("target_tokens",) + losses_lib.LOSSES[loss_fn].inputs
         for key in inputs:
             if key not in KNOWN_FIELDS:
                 raise InputError(
@@ -159,13 +228,17 @@ def validate(data: Sequence[Datum], loss_fn, vocab_size: int, token_cap: int
         for key in needed:
             if key not in inputs:
                 raise InputError(f"datum {i}: loss_fn_inputs.{key} is missing (needed by {loss_fn})")
-        targets = _int_vector(i, "loss_fn_inputs.target_tokens", inputs["target_tokens"], vocab_size)
+        two_d = loss_fn == "cross_entropy"
+        targets = _int_vector(i, "loss_fn_inputs.target_tokens", inputs["target_tokens"],
+                              vocab_size, two_d=two_d)
         if targets.shape[0] != n:
             raise InputError(
                 f"datum {i}: loss_fn_inputs.target_tokens has length {targets.shape[0]}, "
                 f"model_input has length {n}"
             )
-        floats = {k: _float_vector(i, f"loss_fn_inputs.{k}", inputs[k], n)
+        floats = {k: _float_vector(i, f"loss_fn_inputs.{k}", inputs[k], n,
+                                   shape=targets.shape if k == "weights" and targets.ndim == 2
+                                   else None)
                   for k in FLOAT_FIELDS if k in inputs}
         out.append(CheckedDatum(tokens, targets, floats, loss_fn))
     return out
@@ -207,6 +280,9 @@ class PackedBatch:
     num_slots: int
     placements: tuple[Placement, ...]
     loss_fns: tuple[str, ...] = ("cross_entropy",)
+    # Custom-loss datums: (caller's index, flat index [N] or [N, K] of its log-probs in
+    # the [DP, CP, S(, K)] log-prob stream, its inputs in the loss's order).
+    custom: tuple[tuple[int, np.ndarray, tuple[np.ndarray, ...]], ...] = ()
 
 
 def _assign(lengths_rows: list[int], dp: int, capacity: int) -> list[list[list[int]]]:
@@ -248,9 +324,16 @@ def pack(datums: Sequence[CheckedDatum], adapters: Sequence[int], dp: int, cp: i
     Datums are spread over dp by token count (longest first onto the lightest shard),
     sorted by adapter within a shard so adapters form contiguous spans, and zigzag-cut
     over cp. S is bucketed (see mesh.bucket_length) and never exceeds max_rows.
+    With any 2-D target_tokens, targets and weights are [DP, CP, S, K] (K the widest in
+    the micro-batch; −1 targets and 0 weights pad, a 1-D datum in column 0).
     """
     rows = [2 * mesh_lib.zigzag_chunk(d.n, cp) for d in datums]
     loss_fns = tuple(sorted({d.loss_fn for d in datums}))
+    if any(d.targets.ndim == 2 for d in datums) and not set(loss_fns) <= {
+            "cross_entropy", losses_lib.CUSTOM}:
+        j = next(j for j, d in enumerate(datums) if d.targets.ndim == 2)
+        raise InputError(f"datum {j}: 2-D target_tokens are for cross_entropy and custom "
+                         f"losses; this call also has {sorted(loss_fns)}")
     out = []
     for shards in _assign(rows, dp, max_rows):
         need = max(sum(rows[j] for j in shard) for shard in shards)
@@ -263,14 +346,18 @@ def pack(datums: Sequence[CheckedDatum], adapters: Sequence[int], dp: int, cp: i
         slot_of = {j: b for b, j in enumerate(members)}
         num_slots = mesh_lib.bucket_length(len(members), minimum=8)
 
+        widths = [datums[j].targets.shape[1] for j in members if datums[j].targets.ndim == 2]
+        kk = (max(widths),) if widths else ()
         tokens = np.zeros((dp, cp, s_len), np.int32)
-        targets = np.zeros((dp, cp, s_len), np.int32)
+        targets = np.full((dp, cp, s_len) + kk, -1 if kk else 0, np.int32)
         segment = np.full((dp, cp, s_len), -1, np.int32)
         position = np.zeros((dp, cp, s_len), np.int32)
         loss_id = np.zeros((dp, cp, s_len), np.int32)
-        floats = {k_: np.zeros((dp, cp, s_len), np.float32) for k_ in FLOAT_FIELDS}
+        floats = {k_: np.zeros((dp, cp, s_len) + (kk if k_ == "weights" else ()), np.float32)
+                  for k_ in FLOAT_FIELDS}
         spans = np.zeros((dp, cp, k, 2), np.int32)
         placements = []
+        custom = []
         for s, shard in enumerate(shards):
             off = 0
             for j in sorted(shard, key=lambda j: (int(adapters[j]), j)):
@@ -280,12 +367,25 @@ def pack(datums: Sequence[CheckedDatum], adapters: Sequence[int], dp: int, cp: i
                 safe = np.where(valid, idx, 0)
                 sl = slice(off, off + rows[j])
                 tokens[s, :, sl] = np.where(valid, d.tokens[safe], 0)
-                targets[s, :, sl] = np.where(valid, d.targets[safe], 0)
+                tgt = d.targets if d.targets.ndim == len(kk) + 1 else d.targets[:, None]
+                cut = np.where(valid[(...,) + (None,) * len(kk)], tgt[safe], 0)
+                if kk:
+                    targets[s, :, sl, :cut.shape[-1]] = cut
+                else:
+                    targets[s, :, sl] = cut
                 segment[s, :, sl] = np.where(valid, slot_of[j], -1)
                 position[s, :, sl] = np.where(valid, idx, 0)
                 loss_id[s, :, sl] = loss_fns.index(d.loss_fn)
                 for name, vec in d.floats.items():
-                    floats[name][s, :, sl] = np.where(valid, vec[safe], 0.0)
+                    if name == "weights" and kk:
+                        vec = vec if vec.ndim == 2 else vec[:, None]
+                        floats[name][s, :, sl, :vec.shape[1]] = np.where(
+                            valid[..., None], vec[safe], 0.0)
+                    else:
+                        floats[name][s, :, sl] = np.where(valid, vec[safe], 0.0)
+                if d.loss_fn == losses_lib.CUSTOM:
+                    custom.append((j, _stream_index(idx, valid, s, off, cp, s_len, kk,
+                                                    d.targets), tuple(d.extra.values())))
                 a = where[int(adapters[j])]
                 if spans[s, 0, a, 1] == 0:
                     spans[s, :, a, 0] = off
@@ -293,8 +393,25 @@ def pack(datums: Sequence[CheckedDatum], adapters: Sequence[int], dp: int, cp: i
                 placements.append(Placement(j, s, off, d.n, rows[j]))
                 off += rows[j]
         out.append(PackedBatch(tokens, targets, segment, position, loss_id, floats, spans,
-                               active, num_slots, tuple(placements), loss_fns))
+                               active, num_slots, tuple(placements), loss_fns,
+                               tuple(sorted(custom, key=lambda c: c[0]))))
     return out
+
+
+def _stream_index(idx_CPx2C, valid, shard: int, offset: int, cp: int, s_len: int, kk: tuple,
+                  targets: np.ndarray) -> np.ndarray:
+    """Where a datum's log-probs lie in the flattened [DP, CP, S(, K)] stream: int32 [N]
+    (1-D targets) or [N, K_d] (2-D), in original token order."""
+    rows = np.arange(idx_CPx2C.shape[1])[None, :] + offset
+    flat = (shard * cp + np.arange(cp)[:, None]) * s_len + rows  # [cp, 2C] stream rows
+    pos = np.empty(targets.shape[0], np.int64)
+    pos[idx_CPx2C[valid]] = flat[valid]
+    if not kk:
+        return pos.astype(np.int32)
+    width = kk[0]
+    if targets.ndim == 1:
+        return (pos * width).astype(np.int32)
+    return (pos[:, None] * width + np.arange(targets.shape[1])[None, :]).astype(np.int32)
 
 
 def pad_streams(pb: PackedBatch, s_len: int) -> PackedBatch:
@@ -306,9 +423,12 @@ def pad_streams(pb: PackedBatch, s_len: int) -> PackedBatch:
         raise ValueError(f"cannot pad streams of {pb.tokens.shape[-1]} rows to {s_len}")
     if pad == 0:
         return pb
+    if pb.custom:  # its stream indices are positions in the unpadded streams
+        raise ValueError("pad_streams: a batch with custom-loss datums cannot be re-padded")
 
-    def grow(x, value=0):
-        return np.pad(x, ((0, 0), (0, 0), (0, pad)), constant_values=value)
+    def grow(x, value=0):  # [DP, CP, S] or [DP, CP, S, K] (2-D targets and weights)
+        return np.pad(x, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3),
+                      constant_values=-1 if x is pb.targets and x.ndim == 4 else value)
 
     return dataclasses.replace(
         pb, tokens=grow(pb.tokens), targets=grow(pb.targets), segment=grow(pb.segment, -1),
@@ -317,7 +437,8 @@ def pad_streams(pb: PackedBatch, s_len: int) -> PackedBatch:
 
 
 def unpack(stream_DPxCPxS: np.ndarray, batch: PackedBatch) -> dict[int, np.ndarray]:
-    """Per-token stream values -> {caller's datum index: vector [N] in original order}."""
+    """Per-token stream values -> {caller's datum index: vector [N] (or [N, K] for a
+    [DP, CP, S, K] stream) in original order}."""
     out = {}
     for p in batch.placements:
         local = stream_DPxCPxS[p.shard, :, p.offset:p.offset + p.rows]

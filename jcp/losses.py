@@ -9,7 +9,10 @@ The one loss table (LOSSES) registers each Tinker loss: its function, the loss_f
 it reads, its loss_fn_config settings and defaults, and whether it clips. Adding a loss is
 one entry there. The host side of the table (check_loss_fn, resolve_config,
 check_finite_outputs) validates names, settings and outputs on the host, before (or
-after) any device work, and touches no device.
+after) any device work, and touches no device. Custom losses (CUSTOM, jcp.custom_loss)
+are per datum, not token sums: their tokens add 0 here and train_step adds the datums'
+losses outside the shard_map. Targets may be [S] or [S, K] (several scored targets per
+token; −1 pads).
 
 Shapes: see the legend in jcp/mesh.py.
 """
@@ -44,49 +47,50 @@ def _chunk_logits(lefts, rights, i, chunk):
     return out
 
 
-def _local_targets(targets_S, v_local):
-    """Targets as indices into this tp rank's vocab slice, and whether they fall in it."""
-    local = targets_S - jax.lax.axis_index(TP) * v_local
+def _local_targets(targets_SxK, v_local):
+    """Targets as indices into this tp rank's vocab slice, and whether they fall in it
+    (a padding target −1 falls in no slice: its log-prob is −lse, masked by the caller)."""
+    local = targets_SxK - jax.lax.axis_index(TP) * v_local
     inside = (local >= 0) & (local < v_local)
     return jnp.where(inside, local, 0), inside
 
 
-def _lp_fwd_impl(lefts, rights, targets_S, chunk):
-    s_len = targets_S.shape[0]
+def _lp_fwd_impl(lefts, rights, targets_SxK, chunk):
+    s_len = targets_SxK.shape[0]
     v_local = rights[0].shape[1]
     n_chunks = s_len // chunk
-    tgt_S, inside_S = _local_targets(targets_S, v_local)
+    tgt_SxK, inside_SxK = _local_targets(targets_SxK, v_local)
 
     def body(_, i):
         logits = _chunk_logits(lefts, rights, i, chunk)
         m = jax.lax.pmax(jnp.max(logits, axis=-1), TP)
         se = jax.lax.psum(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1), TP)
         lse = m + jnp.log(se)
-        t = jax.lax.dynamic_slice_in_dim(tgt_S, i * chunk, chunk)
-        ins = jax.lax.dynamic_slice_in_dim(inside_S, i * chunk, chunk)
-        picked = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+        t = jax.lax.dynamic_slice_in_dim(tgt_SxK, i * chunk, chunk)
+        ins = jax.lax.dynamic_slice_in_dim(inside_SxK, i * chunk, chunk)
+        picked = jnp.take_along_axis(logits, t, axis=-1)  # [chunk, K]
         picked = jax.lax.psum(jnp.where(ins, picked, 0.0), TP)
-        return None, (picked - lse, lse)
+        return None, (picked - lse[:, None], lse)
 
     _, (lp, lse) = jax.lax.scan(body, None, jnp.arange(n_chunks))
-    return lp.reshape(s_len), lse.reshape(s_len)
+    return lp.reshape(targets_SxK.shape), lse.reshape(s_len)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _target_logprobs(lefts, rights, targets_S, chunk, right_grads):
-    return _lp_fwd_impl(lefts, rights, targets_S, chunk)[0]
+def _target_logprobs(lefts, rights, targets_SxK, chunk, right_grads):
+    return _lp_fwd_impl(lefts, rights, targets_SxK, chunk)[0]
 
 
-def _lp_fwd(lefts, rights, targets_S, chunk, right_grads):
-    lp, lse = _lp_fwd_impl(lefts, rights, targets_S, chunk)
-    return lp, (lefts, rights, targets_S, lse)
+def _lp_fwd(lefts, rights, targets_SxK, chunk, right_grads):
+    lp, lse = _lp_fwd_impl(lefts, rights, targets_SxK, chunk)
+    return lp, (lefts, rights, targets_SxK, lse)
 
 
-def _lp_bwd(chunk, right_grads, res, g_S):
-    lefts, rights, targets_S, lse_S = res
-    s_len = targets_S.shape[0]
+def _lp_bwd(chunk, right_grads, res, g_SxK):
+    lefts, rights, targets_SxK, lse_S = res
+    s_len = targets_SxK.shape[0]
     v_local = rights[0].shape[1]
-    tgt_S, inside_S = _local_targets(targets_S, v_local)
+    tgt_SxK, inside_SxK = _local_targets(targets_SxK, v_local)
     # Frozen factors (the base unembedding) get no gradient work at all.
     d_rights0 = tuple(vary(jnp.zeros(r.shape if want else (), jnp.float32), varying_axes(r))
                       for r, want in zip(rights, right_grads))
@@ -94,13 +98,13 @@ def _lp_bwd(chunk, right_grads, res, g_S):
     def body(d_rights, i):
         logits = _chunk_logits(lefts, rights, i, chunk)
         lse = jax.lax.dynamic_slice_in_dim(lse_S, i * chunk, chunk)
-        g = jax.lax.dynamic_slice_in_dim(g_S, i * chunk, chunk)
-        t = jax.lax.dynamic_slice_in_dim(tgt_S, i * chunk, chunk)
-        ins = jax.lax.dynamic_slice_in_dim(inside_S, i * chunk, chunk)
-        # d lp / d logits = onehot(target) − softmax; the one-hot part is a scatter of g, so
-        # no [chunk, V] index or mask array is built.
-        d_logits = -g[:, None] * jnp.exp(logits - lse[:, None])
-        d_logits = d_logits.at[jnp.arange(chunk), t].add(jnp.where(ins, g, 0.0))
+        g = jax.lax.dynamic_slice_in_dim(g_SxK, i * chunk, chunk)
+        t = jax.lax.dynamic_slice_in_dim(tgt_SxK, i * chunk, chunk)
+        ins = jax.lax.dynamic_slice_in_dim(inside_SxK, i * chunk, chunk)
+        # d lp_k / d logits = onehot(target_k) − softmax; the one-hot parts are a scatter
+        # of g, so no [chunk, V] index or mask array is built.
+        d_logits = -jnp.sum(g, axis=-1)[:, None] * jnp.exp(logits - lse[:, None])
+        d_logits = d_logits.at[jnp.arange(chunk)[:, None], t].add(jnp.where(ins, g, 0.0))
         d_lefts = []
         new_d_rights = []
         for left, right, dr, want in zip(lefts, rights, d_rights, right_grads):
@@ -118,7 +122,7 @@ def _lp_bwd(chunk, right_grads, res, g_S):
     )
     d_rights = tuple(dr.astype(r.dtype) if want else jnp.zeros_like(r)
                      for dr, r, want in zip(d_rights, rights, right_grads))
-    targets_ct = np.zeros(targets_S.shape, dtype=jax.dtypes.float0)
+    targets_ct = np.zeros(targets_SxK.shape, dtype=jax.dtypes.float0)
     return d_lefts, d_rights, targets_ct
 
 
@@ -126,7 +130,9 @@ _target_logprobs.defvjp(_lp_fwd, _lp_bwd)
 
 
 def target_logprobs(lefts, rights, targets_S, chunk: int = DEFAULT_CHUNK, right_grads=None):
-    """log p(target) [S] for logits = Σ_i lefts[i] @ rights[i], vocab split over "tp".
+    """log p(target) [S] for logits = Σ_i lefts[i] @ rights[i], vocab split over "tp";
+    [S, K] for targets [S, K] (K scored targets per token, e.g. a teacher's top-k: one
+    softmax per token, K picks; a target −1 gets −lse, for the caller to mask).
 
     lefts[i]: [S, D_i], the same on every tp rank; rights[i]: [D_i, V/tp], this rank's
     vocab slice (rank t holds vocab rows t·V/tp …). The softmax pieces are combined with
@@ -143,6 +149,8 @@ def target_logprobs(lefts, rights, targets_S, chunk: int = DEFAULT_CHUNK, right_
     rights = tuple(vary(r, BATCH_AXES) for r in rights)
     lefts = tuple(vary(x, BATCH_AXES) for x in lefts)
     right_grads = (True,) * len(rights) if right_grads is None else tuple(right_grads)
+    if targets_S.ndim == 1:
+        return _target_logprobs(lefts, rights, targets_S[:, None], chunk, right_grads)[:, 0]
     return _target_logprobs(lefts, rights, targets_S, chunk, right_grads)
 
 
@@ -278,12 +286,19 @@ LOSSES: dict[str, LossSpec] = {
                      {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, clips=True),
 }
 
+# A client-defined per-datum loss (jcp.custom_loss.CustomLoss): not in LOSSES, because its
+# loss is not a token sum; datums carry it as their loss name and train_step adds it.
+CUSTOM = "custom"
+
 # The per-token float vectors any loss reads, in a fixed order (packed as streams).
 FLOAT_INPUTS = tuple(dict.fromkeys(f for spec in LOSSES.values() for f in spec.inputs))
 
 
 def check_loss_fn(loss_fn, what: str = "loss_fn") -> str:
     """A registered loss name, or InputError naming `what`."""
+    if loss_fn == CUSTOM:
+        raise InputError(f"{what} 'custom' takes a jcp.custom_loss.CustomLoss (pass the "
+                         "object as loss_fn), not the name")
     if not isinstance(loss_fn, str) or loss_fn not in LOSSES:
         raise InputError(f"unknown {what} {loss_fn!r}; expected one of {sorted(LOSSES)}"
                          if what == "loss_fn" else
@@ -359,6 +374,9 @@ class ShardOutputs:
     [Lm, E], each MoE layer's (token, choice) assignments per expert over the real tokens
     of every (dp, cp) shard; router_aux_loss, float32 [], the router auxiliary term that
     was added to the loss (only when enabled).
+    Custom losses only (train_step): token_logprobs, this shard's differentiable log-probs
+    (inside the shard_map; taken out before it returns); custom_loss [n], the custom
+    datums' losses; custom_metrics {key: [n]}, their metrics.
     """
 
     logprobs: jax.Array
@@ -367,11 +385,15 @@ class ShardOutputs:
     clipped: jax.Array
     expert_counts: jax.Array | None = None
     router_aux_loss: jax.Array | None = None
+    token_logprobs: jax.Array | None = None
+    custom_loss: jax.Array | None = None
+    custom_metrics: dict | None = None
 
 
 jax.tree_util.register_dataclass(
     ShardOutputs, data_fields=["logprobs", "elementwise_loss", "datum_loss", "clipped",
-                               "expert_counts", "router_aux_loss"],
+                               "expert_counts", "router_aux_loss", "token_logprobs",
+                               "custom_loss", "custom_metrics"],
     meta_fields=[])
 
 
@@ -416,13 +438,19 @@ def token_losses(lp_S, inputs: TokenInputs, loss_fn, cfg, loss_id_S=None):
     and loss_id_S the index of each token's loss in that tuple. With several, each loss
     sees neutral inputs (A = 0, s = lp, w = 0) on the other losses' tokens, so a vector a
     datum carries for no loss of its own can never reach the result or its gradient.
+    Tokens of a custom loss (CUSTOM) get 0 here: that loss is per datum, taken outside the
+    shard_map (train_step.custom_terms).
     """
     if isinstance(loss_fn, str):
+        if loss_fn == CUSTOM:
+            return jnp.zeros(lp_S.shape, lp_S.dtype), jnp.zeros(lp_S.shape, bool)
         return LOSSES[loss_fn](lp_S, inputs, cfg)
     tok_loss_S = jnp.zeros(lp_S.shape, lp_S.dtype)
     clipped_S = jnp.zeros(lp_S.shape, bool)
     lp_value = jax.lax.stop_gradient(lp_S)
     for k, name in enumerate(loss_fn):
+        if name == CUSTOM:
+            continue
         here = loss_id_S == k
         mask = inputs.sequence_ratio_mask
         mine = dataclasses.replace(
@@ -438,7 +466,7 @@ def token_losses(lp_S, inputs: TokenInputs, loss_fn, cfg, loss_id_S=None):
 
 def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn,
                cfg, num_slots: int, chunk: int = DEFAULT_CHUNK, right_grads=None,
-               loss_id_S=None):
+               loss_id_S=None, keep_token_logprobs: bool = False):
     """Loss of this shard's tokens and the complete per-datum outputs.
 
     loss_fn / cfg / loss_id_S as in token_losses (one loss, or one per token).
@@ -446,15 +474,26 @@ def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn
     is replicated and `jax.grad` of it taken outside the shard_map is the CP = 1 gradient;
     outputs (ShardOutputs) are built under stop_gradient and gathered so every device holds
     every datum's vectors.
+
+    2-D targets [S, K] (padding −1): log-probs [S, K], zero (and no gradient) at padding
+    targets; the batch holds only cross_entropy (token loss Σ_k −w_k·lp_k, weights [S, K])
+    and custom datums. keep_token_logprobs: also return this shard's log-probs, not
+    gathered and still differentiable, as outputs.token_logprobs (for a custom loss).
     """
     lp_S = target_logprobs(lefts, rights, targets_S, chunk, right_grads)
     real_S = segment_S >= 0
     inputs = dataclasses.replace(inputs, datum_sum=datum_sum(segment_S, num_slots))
-    tok_loss_S, clipped_S = token_losses(lp_S, inputs, loss_fn, cfg, loss_id_S)
+    if lp_S.ndim == 2:
+        lp_S = jnp.where(real_S[:, None] & (targets_S >= 0), lp_S, 0.0)
+        tok_loss_S = jnp.sum(-inputs.weights * lp_S, axis=-1)
+        clipped_S = jnp.zeros(real_S.shape, bool)
+    else:
+        tok_loss_S, clipped_S = token_losses(lp_S, inputs, loss_fn, cfg, loss_id_S)
     tok_loss_S = jnp.where(real_S, tok_loss_S, 0.0)
     loss = jax.lax.psum(jnp.sum(tok_loss_S), BATCH_AXES)
 
-    lp_out = jax.lax.stop_gradient(jnp.where(real_S, lp_S, 0.0))
+    real = real_S if lp_S.ndim == 1 else real_S[:, None]
+    lp_out = jax.lax.stop_gradient(jnp.where(real, lp_S, 0.0))
     el_out = jax.lax.stop_gradient(tok_loss_S)
     slot_S = jnp.where(real_S, segment_S, num_slots)
     datum_loss = jax.ops.segment_sum(el_out, slot_S, num_segments=num_slots + 1)[:num_slots]
@@ -465,5 +504,6 @@ def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn
         elementwise_loss=gather_stream(el_out),
         datum_loss=jax.lax.psum(datum_loss, BATCH_AXES),
         clipped=jax.lax.psum(clipped, BATCH_AXES),
+        token_logprobs=jnp.where(real, lp_S, 0.0) if keep_token_logprobs else None,
     )
     return loss, outputs

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jcp import attention as attention_lib
+from jcp import custom_loss as custom_loss_lib
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import model as model_lib
@@ -106,14 +107,15 @@ def batch_specs() -> Batch:
 def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, tokens_S,
                segment_S, position_S, targets_S, inputs: losses_lib.TokenInputs, loss_fn,
                loss_cfg, num_slots: int, *, loss_id_S=None, base_unembed_grad: bool = False,
-               call_tokens=None):
+               call_tokens=None, keep_token_logprobs: bool = False):
     """Model + loss of this device's stream, inside the shard_map: (loss, ShardOutputs).
 
     embed → hidden_states (CP attention, the training strategy) → unembed_factors →
     losses.shard_loss. Streams are this device's [S] rows; lora: the active adapters
     (take_active) or None for the base model alone, routed by `route`; loss_fn, loss_cfg,
-    num_slots, loss_id_S as in losses.shard_loss. base_unembed_grad: differentiate the base
-    unembedding too (training never does: it is frozen; tests of base gradients do).
+    num_slots, loss_id_S, keep_token_logprobs as in losses.shard_loss. base_unembed_grad:
+    differentiate the base unembedding too (training never does: it is frozen; tests of
+    base gradients do).
 
     MoE models: outputs.expert_counts [Lm, E] counts every MoE layer's assignments of the
     real tokens of all (dp, cp) shards (psum over dp and cp only: every tp rank routes the
@@ -131,7 +133,8 @@ def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, token
     loss, outputs = losses_lib.shard_loss(
         lefts, rights, targets_S, segment_S, inputs, loss_fn, loss_cfg, num_slots,
         chunk=step_cfg.logprob_chunk,
-        right_grads=(base_unembed_grad,) + (True,) * (len(rights) - 1), loss_id_S=loss_id_S)
+        right_grads=(base_unembed_grad,) + (True,) * (len(rights) - 1), loss_id_S=loss_id_S,
+        keep_token_logprobs=keep_token_logprobs)
     if stats is None:
         return loss, outputs
     counts_LxE = jax.lax.psum(stats.counts, BATCH_AXES)
@@ -164,11 +167,14 @@ def training_attend(cfg: QwenConfig, step_cfg: StepConfig, segment_S, position_S
 
 
 def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tuple[str, ...],
-                      num_slots: int, lora_active, params, slot_meta, batch: Batch, loss_cfg):
-    """The shard_map'd model + loss. Returns (replicated loss, ShardOutputs).
+                      num_slots: int, lora_active, params, slot_meta, batch: Batch, loss_cfg,
+                      custom=None, custom_args=()):
+    """The shard_map'd model + loss, and a custom loss after it. Returns (replicated loss,
+    ShardOutputs).
 
     loss_fns: the losses in the batch (tokens pick theirs by loss_id); loss_cfg
-    {name: {setting: scalar}}.
+    {name: {setting: scalar}}; custom: the call's CustomLoss (static) or None, with
+    custom_args its datums (see custom_terms).
     """
 
     def shard(lora_active, params, slot_meta, b: Batch, loss_cfg):
@@ -176,45 +182,84 @@ def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tup
         route = slot_meta.routing(b.active, one(b.spans))
         inputs = losses_lib.TokenInputs(
             **{k: one(getattr(b, k)) for k in losses_lib.FLOAT_INPUTS})
-        return model_loss(cfg, step_cfg, params, lora_active, route, one(b.tokens),
-                          one(b.segment), one(b.position), one(b.targets), inputs, loss_fns,
-                          loss_cfg, num_slots, loss_id_S=one(b.loss_id),
-                          call_tokens=b.call_tokens)
+        loss, out = model_loss(cfg, step_cfg, params, lora_active, route, one(b.tokens),
+                               one(b.segment), one(b.position), one(b.targets), inputs,
+                               loss_fns, loss_cfg, num_slots, loss_id_S=one(b.loss_id),
+                               call_tokens=b.call_tokens,
+                               keep_token_logprobs=custom is not None)
+        if custom is None:
+            return loss, out, None
+        lp = out.token_logprobs
+        return loss, dataclasses.replace(out, token_logprobs=None), lp[None, None]
 
     in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
                 SPECS.slot_G,
                 batch_specs(), SPECS.replicated)
-    return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()))(
+    loss, out, lp = jax.shard_map(
+        shard, mesh=mesh, in_specs=in_specs,
+        out_specs=(P(), P(), P() if custom is None else SPECS.stream_DPxCPxS))(
         lora_active, params, slot_meta, batch, loss_cfg)
+    if custom is None:
+        return loss, out
+    c_loss, c_metrics = custom_terms(custom, lp, custom_args)
+    # Replicated, like everything else the host reads back.
+    rep = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))  # noqa: E731
+    out = dataclasses.replace(out, custom_loss=rep(jax.lax.stop_gradient(c_loss)),
+                              custom_metrics=jax.tree.map(rep, jax.lax.stop_gradient(c_metrics)))
+    return rep(loss + jnp.sum(c_loss)), out
+
+
+def custom_terms(custom: custom_loss_lib.CustomLoss, lp_DPxCPxS, custom_args):
+    """A custom loss on each of its datums -> (losses [n], {metric: [n]}).
+
+    Outside the shard_map, on the global log-prob stream lp_DPxCPxS ([DP, CP, S] or
+    [DP, CP, S, K], zero at padding): custom_args holds per datum (index, inputs), index
+    int32 [N] or [N, K_d] into the flattened stream (batch.PackedBatch.custom) — so each
+    datum's loss sees its whole log-prob vector, in original order, whatever the mesh.
+    Each loss is one replicated scalar, counted once; its gradient reaches each rank's own
+    log-probs through the gather's transpose, so it equals CP = 1's.
+    """
+    flat = lp_DPxCPxS.reshape(-1)
+    losses, metrics = [], []
+    for index, inputs in custom_args:
+        loss, m = custom(flat[index], *inputs)
+        losses.append(loss)
+        metrics.append(m)
+    return jnp.stack(losses), {k: jnp.stack([m[k] for m in metrics]) for k in metrics[0]}
 
 
 def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
-    """jit(forward)(lora, params, slot_meta, batch, loss_cfg, *, loss_fns, num_slots) -> (loss, out)."""
+    """jit(forward)(lora, params, slot_meta, batch, loss_cfg, custom_args, *, loss_fns,
+    num_slots, custom) -> (loss, out)."""
 
-    @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots"))
-    def forward(lora, params, slot_meta, batch, loss_cfg, *, loss_fns, num_slots):
+    @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots", "custom"))
+    def forward(lora, params, slot_meta, batch, loss_cfg, custom_args=(), *, loss_fns,
+                num_slots, custom=None):
         active = lora_lib.take_active(lora, batch.active)
         return _loss_and_outputs(cfg, mesh, step_cfg, loss_fns, num_slots, active, params,
-                                 slot_meta, batch, loss_cfg)
+                                 slot_meta, batch, loss_cfg, custom, custom_args)
 
     return forward
 
 
 def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
-    """jit(fb)(acc, lora, params, slot_meta, batch, loss_cfg) -> (acc + grad, loss, out,
-    finite_A).
+    """jit(fb)(acc, lora, params, slot_meta, batch, loss_cfg, custom_args) -> (acc + grad,
+    loss, out, finite_A).
 
     The gradient is taken w.r.t. the A active slots only (outside the shard_map) and
     scatter-added into the donated accumulators; padding entries of `active` route no
     tokens, so their gradient is zero. finite_A: whether each active adapter's gradient
     is finite (the caller refuses the call and restores the accumulators otherwise).
+    custom (static): a CustomLoss for the batch's custom datums (custom_args), or None.
     """
 
-    @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots"), donate_argnums=(0,))
-    def forward_backward(acc, lora, params, slot_meta, batch, loss_cfg, *, loss_fns, num_slots):
+    @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots", "custom"),
+                       donate_argnums=(0,))
+    def forward_backward(acc, lora, params, slot_meta, batch, loss_cfg, custom_args=(), *,
+                         loss_fns, num_slots, custom=None):
         def loss_of(active):
             return _loss_and_outputs(cfg, mesh, step_cfg, loss_fns, num_slots, active, params,
-                                     slot_meta, batch, loss_cfg)
+                                     slot_meta, batch, loss_cfg, custom, custom_args)
 
         active = lora_lib.take_active(lora, batch.active)
         (loss, out), grads = jax.value_and_grad(loss_of, has_aux=True)(active)

@@ -23,6 +23,7 @@ import numpy as np
 from jcp import attention as attention_lib
 from jcp import batch as batch_lib
 from jcp import checkpoint
+from jcp import custom_loss as custom_loss_lib
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import mesh as mesh_lib
@@ -359,7 +360,13 @@ class Trainer:
         if isinstance(data, batch_lib.Datum) or not isinstance(data, Sequence):
             raise InputError("data must be a list of Datum")
         names = batch_lib.per_datum_losses(loss_fn, len(data))
-        loss_cfg = self._loss_configs(sorted(set(names)), loss_fn_config)
+        if isinstance(loss_fn, custom_loss_lib.CustomLoss):
+            if loss_fn_config:
+                raise InputError("loss_fn_config: a custom loss takes no settings (close "
+                                 "over them, or pass them as loss_fn_inputs)")
+            loss_cfg = {losses_lib.CUSTOM: {}}
+        else:
+            loss_cfg = self._loss_configs(sorted(set(names)), loss_fn_config)
         if isinstance(adapters, (int, np.integer)) and not isinstance(adapters, bool):
             per_datum = [self._check_adapter(adapters)] * len(data)
         elif isinstance(adapters, Sequence) and not isinstance(adapters, str):
@@ -370,7 +377,9 @@ class Trainer:
         else:
             raise InputError(f"adapters must be an adapter id or one id per datum, got "
                              f"{adapters!r}")
-        checked = batch_lib.validate(data, names, self.cfg.vocab_size, self.token_cap)
+        checked = batch_lib.validate(
+            data, loss_fn if isinstance(loss_fn, custom_loss_lib.CustomLoss) else names,
+            self.cfg.vocab_size, self.token_cap)
         packed = batch_lib.pack(checked, per_datum, self.dp, self.cp,
                                 self.max_tokens_per_device, self.max_adapters)
         return checked, packed, loss_cfg
@@ -404,13 +413,18 @@ class Trainer:
 
     def _run(self, data, loss_fn, loss_fn_config, adapters, backward: bool):
         checked, packed, cfg_arrays = self._prepare(data, loss_fn, loss_fn_config, adapters)
+        custom = loss_fn if isinstance(loss_fn, custom_loss_lib.CustomLoss) else None
         loss_cfg = jax.tree.map(lambda v: replicate(self.mesh, v), cfg_arrays)
         call_tokens = sum(int(np.sum(pb.segment >= 0)) for pb in packed)
 
         def step(pb, accumulate):
             b = self._device_batch(pb, call_tokens)
-            args = (self.params, self.state.meta, b, {k: loss_cfg[k] for k in pb.loss_fns})
-            kw = dict(loss_fns=pb.loss_fns, num_slots=pb.num_slots)
+            custom_args = tuple((replicate(self.mesh, idx),
+                                 tuple(replicate(self.mesh, x) for x in inputs))
+                                for _, idx, inputs in pb.custom)
+            args = (self.params, self.state.meta, b, {k: loss_cfg[k] for k in pb.loss_fns},
+                    custom_args)
+            kw = dict(loss_fns=pb.loss_fns, num_slots=pb.num_slots, custom=custom)
             if accumulate is None:
                 return self._forward(self.state.weights, *args, **kw) + (None,)
             return accumulate(lambda acc: _split_first(
@@ -446,17 +460,18 @@ class Trainer:
             self._remat_budget = _default_remat_budget(self.mesh)
         return self._remat_budget
 
-    def _forward_backward(self, acc, lora, params, slot_meta, batch, loss_cfg, *, loss_fns,
-                          num_slots):
+    def _forward_backward(self, acc, lora, params, slot_meta, batch, loss_cfg, custom_args=(),
+                          *, loss_fns, num_slots, custom=None):
         """train_step's forward_backward through the program compiled for this batch's
         shapes. With remat="auto" that program is compiled without recomputation first and
         kept iff its memory fits the budget."""
-        args = (acc, lora, params, slot_meta, batch, loss_cfg)
-        key = (tuple(batch.tokens.shape), tuple(batch.active.shape), loss_fns, num_slots)
+        args = (acc, lora, params, slot_meta, batch, loss_cfg, custom_args)
+        key = (jax.tree.structure(custom_args), tuple(x.shape for x in jax.tree.leaves(custom_args)),
+               tuple(batch.tokens.shape), tuple(batch.active.shape), loss_fns, num_slots, custom)
         if key not in self._fb_programs:
             def compile_(remat):
-                return self._fb_steps[remat].lower(*args, loss_fns=loss_fns,
-                                                   num_slots=num_slots).compile()
+                return self._fb_steps[remat].lower(*args, loss_fns=loss_fns, num_slots=num_slots,
+                                                   custom=custom).compile()
 
             if self.remat != "auto":
                 program, need, budget, remat = compile_(self.remat), None, None, self.remat
@@ -479,17 +494,28 @@ class Trainer:
         the step's loss includes them, loss:sum does not)."""
         outputs: list[dict | None] = [None] * len(checked)
         total, clipped, counts, aux = 0.0, 0, None, None
+        custom_metrics: dict[str, list[float]] = {}
         for pb, (loss, out, finite_A) in zip(packed, results):
             lp = batch_lib.unpack(host(out.logprobs), pb)
             el = batch_lib.unpack(host(out.elementwise_loss), pb)
             datum_loss, datum_clipped = host(out.datum_loss), host(out.clipped)
             members = sorted(p.index for p in pb.placements)
+            custom_loss = {}
+            if pb.custom:  # per-datum custom losses and metrics, in pb.custom's order
+                custom_loss = dict(zip((c[0] for c in pb.custom), host(out.custom_loss)))
+                for key, values in out.custom_metrics.items():
+                    custom_metrics.setdefault(key, []).extend(map(float, host(values)))
             for slot_i, j in enumerate(members):
-                outputs[j] = {"logprobs": lp[j], "elementwise_loss": el[j],
-                              "loss:sum": float(datum_loss[slot_i])}
-                if losses_lib.LOSSES[checked[j].loss_fn].clips:
+                lp_j = lp[j]
+                if lp_j.ndim == 2:  # a [DP, CP, S, K] stream: the datum's own K columns
+                    lp_j = lp_j[:, :checked[j].targets.shape[1]] if (
+                        checked[j].targets.ndim == 2) else lp_j[:, 0]
+                outputs[j] = {"logprobs": lp_j, "elementwise_loss": el[j],
+                              "loss:sum": float(custom_loss.get(j, datum_loss[slot_i]))}
+                if checked[j].loss_fn in losses_lib.LOSSES and (
+                        losses_lib.LOSSES[checked[j].loss_fn].clips):
                     outputs[j]["clipped_tokens:sum"] = int(datum_clipped[slot_i])
-                losses_lib.check_finite_outputs(j, checked[j], outputs[j])
+                _check_finite(j, checked[j], outputs[j])
             if finite_A is not None and not host(finite_A).all():
                 bad = sorted({int(a) for a, ok in zip(pb.active, host(finite_A)) if not ok})
                 raise InputError(f"the gradient of adapter(s) {bad} is not finite in float32 "
@@ -507,7 +533,10 @@ class Trainer:
             raise InputError(f"the batch's loss:sum overflows float32 ({total}) although every "
                              "datum's loss is finite; split the batch")
         metrics = {"loss:sum": total}
-        if any(losses_lib.LOSSES[d.loss_fn].clips for d in checked):
+        for key, values in custom_metrics.items():  # combined over datums as named
+            metrics[key] = float(np.sum(values) if key.endswith(":sum") else np.mean(values))
+        if any(d.loss_fn in losses_lib.LOSSES and losses_lib.LOSSES[d.loss_fn].clips
+               for d in checked):
             metrics["clipped_tokens:sum"] = clipped
         if counts is not None:
             metrics.update(moe_lib.load_metrics(counts))
@@ -520,13 +549,22 @@ class Trainer:
         """Per-datum log-probs and losses; no gradient is touched.
 
         loss_fn: one Tinker loss for all datums, or one per datum (then loss_fn_config, if
-        given, maps loss names to their settings). adapters: one id, or one per datum.
+        given, maps loss names to their settings); or a jcp.custom_loss.CustomLoss for all
+        datums (a JAX function or the SDK's traced graph; see forward_backward).
+        adapters: one id, or one per datum.
         """
         return self._run(data, loss_fn, loss_fn_config, adapters, backward=False)
 
     def forward_backward(self, data, loss_fn="cross_entropy", loss_fn_config=None,
                          adapters=0) -> ForwardBackwardOutput:
-        """forward, and add the gradient of the summed loss into each adapter's accumulator."""
+        """forward, and add the gradient of the summed loss into each adapter's accumulator.
+
+        loss_fn may be a jcp.custom_loss.CustomLoss: each datum's loss is fn(logprobs,
+        *its inputs) on the datum's whole log-prob vector ([N], or [N, K] for 2-D
+        target_tokens), the call's loss their sum, all in this one pass (exact under any
+        mesh); per datum "loss:sum" is its custom loss, and the loss's custom/<name>:sum /
+        :mean metrics are summed / averaged over the datums.
+        """
         return self._run(data, loss_fn, loss_fn_config, adapters, backward=True)
 
     def optim_step(self, adapter: int, adam: AdamParams | None = None) -> dict:
@@ -600,6 +638,15 @@ class Trainer:
         """Prompt log-probs float32 [len(prompt)] per prompt (NaN at 0), through the chunked
         forward path (no [tokens, vocab] logits). adapters as in `sample`."""
         return self._sampler.compute_logprobs(prompts, adapters)
+
+
+def _check_finite(i: int, datum, out: dict) -> None:
+    """losses.check_finite_outputs, and for a custom loss: its value must be finite."""
+    if datum.loss_fn != losses_lib.CUSTOM:
+        return losses_lib.check_finite_outputs(i, datum, out)
+    if not np.isfinite(out["loss:sum"]):
+        raise InputError(f"datum {i}: its custom loss is {out['loss:sum']} (not finite in "
+                         "float32); nothing was accumulated")
 
 
 @functools.partial(jax.jit, out_shardings=None)

@@ -229,7 +229,10 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
     async def client_config(request: Request):
         owner(request)
         # zstd request bodies: the SDK compresses fwd/bwd payloads when we ask.
-        return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": True}
+        # custom_loss_server_side: create_custom_loss uploads the traced loss, and
+        # forward_backward_custom runs it here in one pass (engine._create_custom_loss).
+        return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": True,
+                "custom_loss_server_side": True}
 
     @app.post("/api/v1/client/dynamic_config")
     async def dynamic_config(request: Request):
@@ -374,6 +377,12 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
         except (Refused, NotFound) as e:
             return failed(who, str(e), *owned_slot(who, body))
         return enqueue(who, "load_weights", req.model_id, req.seq_id, req.model_dump(exclude_none=True))
+
+    @app.post("/api/v1/create_custom_loss")
+    async def create_custom_loss(request: Request):
+        who, body = owner(request), await body_json(request)
+        store.check_session(body.get("session_id"), who)
+        return enqueue(who, "create_custom_loss", None, None, body)
 
     # ------------------------------------------------------------------ sampling
 

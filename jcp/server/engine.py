@@ -1,6 +1,8 @@
 """The worker: the one thread that owns the Trainer and runs the scheduler's passes.
 
-Owns every Trainer call and the map from models / sampler folders to adapter slots. A
+Owns every Trainer call, the map from models / sampler folders to adapter slots, and the
+sessions' custom losses (create_custom_loss: the uploaded graph rebuilt as a
+jcp.CustomLoss, kept per session; a custom forward_backward runs as its own Trainer call). A
 fused pass is one Trainer.forward / forward_backward over the datums of all its requests
 (adapters per datum); if that call refuses the batch (InputError: nothing was changed), each
 request is rerun alone so that only the bad one fails. Results go back through `complete`,
@@ -39,9 +41,10 @@ REFUSED_LOSSES = {
     "stable_reinforce": "stable_reinforce is not served: its objective is not published (provenance "
                         "spans and record_stability_info are accepted and ignored; use "
                         "importance_sampling, ppo, cispo, dro or gspo)",
-    "custom": "server-side custom losses are not supported; forward_backward_custom works "
-              "client-side (through cross_entropy)",
 }
+# Custom losses a session may hold (create_custom_loss), and in all.
+MAX_CUSTOM_LOSSES_PER_SESSION = 64
+MAX_CUSTOM_LOSSES = 4096
 
 
 class Engine:
@@ -74,6 +77,8 @@ class Engine:
         self.offloads = self.restores = 0
         self.busy_s: Counter[str] = Counter()  # worker seconds per request kind
         self._next_expiry_scan = 0.0
+        # loss_id -> (owner, session id, jcp.custom_loss.CustomLoss), oldest first.
+        self._custom_losses: OrderedDict[str, tuple] = OrderedDict()
         self._thread = threading.Thread(target=self._loop, name="jcp-serve-worker", daemon=True)
 
     def start(self) -> None:
@@ -264,11 +269,44 @@ class Engine:
         """A request refused at the edge, answered in its model's seq_id order."""
         raise InputError(w.payload)
 
+    def _create_custom_loss(self, w: Work) -> tuple:
+        """Rebuild an uploaded CustomLossGraph from jcp's allowed operations (InputError
+        naming the node otherwise) and keep it for the session -> {loss_id}."""
+        p = w.payload
+        session = p.get("session_id")
+        loss = jcp.CustomLoss.from_graph(p.get("graph"), p.get("inputs"),
+                                         str(p.get("name") or "custom"))
+        mine = [k for k, (_, s, _) in self._custom_losses.items() if s == session]
+        if len(mine) >= MAX_CUSTOM_LOSSES_PER_SESSION:
+            raise InputError(f"this session already holds {len(mine)} custom losses (at most "
+                             f"{MAX_CUSTOM_LOSSES_PER_SESSION})")
+        while len(self._custom_losses) >= MAX_CUSTOM_LOSSES:
+            self._custom_losses.popitem(last=False)
+        loss_id = f"loss-{uuid.uuid4().hex}"
+        self._custom_losses[loss_id] = (w.owner, session, loss)
+        return ("json", {"loss_id": loss_id, "type": "create_custom_loss"})
+
+    def custom_loss_ids(self) -> list[str]:
+        """The loss_ids of every session's custom losses, oldest first."""
+        return list(self._custom_losses)
+
+    def _custom_loss(self, w: Work, config) -> "jcp.CustomLoss":
+        """The custom loss a forward_backward names, if its model's session created it."""
+        loss_id = (config or {}).get("loss_id")
+        entry = self._custom_losses.get(loss_id) if isinstance(loss_id, str) else None
+        session = w.model_id.rsplit(":train:", 1)[0] if w.model_id else None
+        if entry is None or entry[0] != w.owner or entry[1] != session:
+            raise InputError(f"custom loss {loss_id!r} not found in this model's session "
+                             "(create it with create_custom_loss in the same session)")
+        return entry[2]
+
     def _fwd(self, group: list[Work]) -> None:
         """One fused Trainer call; on refusal, each request alone."""
-        if len(group) > 1 and self.tr.cfg.is_moe:
-            # MoE load metrics and the router auxiliary loss are batch-level figures: a
-            # fused pass could not report each request's own, so each runs alone.
+        if len(group) > 1 and (self.tr.cfg.is_moe
+                               or any(w.payload.loss_fn == "custom" for w in group)):
+            # MoE load metrics and the router auxiliary loss are batch-level figures, and a
+            # custom loss's metrics are per request: a fused pass could not report each
+            # request's own, so each runs alone.
             for w in group:
                 self._fwd([w])
             return
@@ -307,7 +345,10 @@ class Engine:
             spans.append((start, len(data)))
         if not data:
             raise InputError("forward_backward needs at least one datum")
-        if len(configs) == 1:
+        if losses[0] == "custom":  # _fwd runs a custom request alone
+            loss_fn, config = self._custom_loss(group[0], configs["custom"]), None
+            data = [_custom_datum(d, loss_fn) for d in data]
+        elif len(configs) == 1:
             config = next(iter(configs.values()))
             loss_fn = losses[0]
         else:
@@ -451,6 +492,17 @@ class Engine:
         res = self.tr.sample([args.prompt], sp, adapters=adapter, num_samples=args.num_samples,
                              prompt_logprobs=args.prompt_logprobs)[0]
         return ("proto", wire.encode_sample_response(res.sequences, res.prompt_logprobs))
+
+
+def _custom_datum(d: "jcp.Datum", loss: "jcp.CustomLoss") -> "jcp.Datum":
+    """The wire has no shape for a scalar: an input the loss declares rank 0 arrives as
+    one value [1]; make it the scalar."""
+    inputs = dict(d.loss_fn_inputs)
+    for name, rank in loss.inputs[1:]:
+        v = inputs.get(name)
+        if rank == 0 and isinstance(v, np.ndarray) and v.shape == (1,):
+            inputs[name] = v.reshape(())
+    return jcp.Datum(model_input=d.model_input, loss_fn_inputs=inputs)
 
 
 def _error(e: Exception) -> tuple:

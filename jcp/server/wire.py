@@ -63,9 +63,11 @@ def _tensor(t, what: str) -> np.ndarray:
     shape = tuple(t.shape)
     if shape and int(np.prod(shape)) != arr.size:
         raise WireError(f"{what}: shape {list(shape)} does not match {arr.size} values")
-    if len(shape) > 1:
-        raise WireError(f"{what}: must be 1-D, got shape {list(shape)}")
-    return arr
+    if len(shape) > 2:
+        raise WireError(f"{what}: must be 1-D or 2-D, got shape {list(shape)}")
+    # No shape: 1-D (the SDK sends a scalar's shape [] the same way; the custom loss that
+    # declares the input rank 0 reshapes it).
+    return arr.reshape(shape) if len(shape) == 2 else arr
 
 
 def tokens_of_chunks(chunks, what: str) -> np.ndarray:
@@ -112,8 +114,11 @@ def decode_forward_backward(msg, max_datums: int) -> FwdBwdRequest:
     if len(msg.data) > max_datums:
         raise WireError(f"forward_backward: {len(msg.data)} datums exceed {max_datums} per "
                         "request (--max-datums); split the batch")
-    config: dict[str, float] = {}
+    config: dict[str, float | str] = {}
     for k, v in msg.loss_fn_config_v2.items():
+        if k == "loss_id" and v.WhichOneof("value") == "text" and msg.loss_fn == "custom":
+            config[k] = v.text[:128]  # the handle of a server-side custom loss
+            continue
         if v.WhichOneof("value") != "number":
             raise WireError(f"loss_fn_config[{k!r}]: only numbers are supported")
         config[k] = v.number
@@ -165,17 +170,27 @@ def _check_provenance(d, i: int, n_inputs: int, inputs: dict[str, np.ndarray]) -
 
 def encode_forward_backward_output(per_datum: list[dict[str, np.ndarray]],
                                    metrics: dict[str, float]) -> bytes:
-    """ForwardBackwardOutput with one batched ArrayRecord (float32 fields per datum)."""
+    """ForwardBackwardOutput: batched ArrayRecords (float32 fields per datum), one per run
+    of consecutive datums whose fields share trailing shapes (logprobs [N, K] of 2-D
+    targets: the SDK reads each record's trailing_shape)."""
     out = ForwardBackwardOutputPb(loss_fn_output_type="ArrayRecord")
-    rec = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(per_datum))
     names = sorted(per_datum[0]) if per_datum else []
-    for name in names:
-        arrays = [np.ascontiguousarray(d[name], np.float32) for d in per_datum]
-        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
-        bt = rec.fields[name]
-        bt.data = b"".join(a.tobytes() for a in arrays)
-        bt.offsets = offsets.tobytes()
-        bt.dtype = _DTYPE["DTYPE_FLOAT32"]
+    runs: list[list[dict]] = []
+    for d in per_datum:
+        trailing = [np.shape(d[n])[1:] for n in names]
+        if not runs or trailing != [np.shape(runs[-1][0][n])[1:] for n in names]:
+            runs.append([])
+        runs[-1].append(d)
+    for run in runs:
+        rec = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(run))
+        for name in names:
+            arrays = [np.ascontiguousarray(d[name], np.float32) for d in run]
+            offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
+            bt = rec.fields[name]
+            bt.data = b"".join(a.tobytes() for a in arrays)
+            bt.offsets = offsets.tobytes()
+            bt.dtype = _DTYPE["DTYPE_FLOAT32"]
+            bt.trailing_shape.extend(arrays[0].shape[1:])
     for k, v in metrics.items():
         out.metrics[k] = float(v)
     return out.SerializeToString()

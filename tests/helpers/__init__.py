@@ -6,5 +6,6 @@
 - trainer_harness: Trainer tests' config, data, PEFT folders, cached Trainers.
 - loss_harness: loss tests' data and NumPy formulas.
 - moe_harness: the tiny Qwen3-MoE reference and its random expert adapters.
+- custom_zoo: custom losses written in torch as users write them, the SDK's encoding.
 - mp_case / mp_worker, ckpt_kill_child: code run in child processes.
 """
