@@ -450,8 +450,8 @@ def test_layers_are_sliced_out_of_the_loop_only_when_small(root, monkeypatch):
     assert tr._sampler.slice_layers
     sp = jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=2)
     sliced = tr.sample(PROMPTS, sp, adapters=a)
-    monkeypatch.setattr(sample_lib, "SLICE_LAYERS_MAX_BYTES", 0)
-    monkeypatch.setattr(tr, "_sampler", sample_lib.Sampler(tr))
+    monkeypatch.setattr(sample_lib.programs, "SLICE_LAYERS_MAX_BYTES", 0)
+    monkeypatch.setattr(tr, "_sampler", tr.make_sampler())
     assert not tr._sampler.slice_layers
     scanned = tr.sample(PROMPTS, sp, adapters=a)
     for x, y in zip(sliced, scanned):
