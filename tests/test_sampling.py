@@ -223,17 +223,17 @@ def test_split_cache_equals_batch_cache_and_hf_generate(mesh_shape, root):
 def _prefill_jaxprs(tr, call):
     """(result of call(), the jaxpr text of every prefill program it ran)."""
     sampler = tr._sampler
-    jitted, seen = sampler._prefill, []
+    jitted, seen = sampler.prefill, []
 
     def spy(*args, **kwargs):
         seen.append(str(jax.make_jaxpr(functools.partial(jitted, **kwargs))(*args)))
         return jitted(*args, **kwargs)
 
-    sampler._prefill = spy
+    sampler.prefill = spy
     try:
         return call(), seen
     finally:
-        sampler._prefill = jitted
+        sampler.prefill = jitted
 
 
 @pytest.mark.parametrize("mesh_shape,cache_mode", [((1, 2, 1), None), ((1, 4, 1), "split")])

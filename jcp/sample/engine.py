@@ -54,7 +54,7 @@ class EngineError(RuntimeError):
     """A request the engine could not finish (cancelled, adapter changed, device failure)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Request:
     rid: int
     prompt: np.ndarray
@@ -112,6 +112,7 @@ class Engine:
         self._ids = itertools.count()
         self.cache = None
         self.steps = 0
+        self.peak_live = 0  # the most sequences one decode call has held
 
     # ------------------------------------------------------------------ requests
 
@@ -240,7 +241,10 @@ class Engine:
                     "was sampling from it; its sequences were dropped, none mixes weights"))
 
     def _admit(self) -> None:
-        free = [s for s in range(self.slots) if self.owner[s] is None]
+        # Lowest local row first, devices in turn: the live slots stay a small window of
+        # every device's rows (decode runs over that window only).
+        free = sorted((s for s in range(self.slots) if self.owner[s] is None),
+                      key=lambda s: (s % self.b_local, s // self.b_local))
         admitted, budget = [], self.prefill_tokens
         # First come, first served: a request that does not fit waits, and so does
         # everything behind it (no starvation of large requests).
@@ -315,7 +319,19 @@ class Engine:
             self._end(r, lp)
 
     def _decode(self) -> None:
-        s, b = self.s, self.slots
+        s = self.s
+        live = [x for x, own in enumerate(self.owner) if own is not None
+                and not own[0].done[own[1]]]
+        if not live:
+            return
+        groups = s.dp * s.cp
+        # The window decoded: the first w_b rows of each device, cache rows [0, w_t).
+        w_b = min(self.b_local, layout_lib.pow2(max(x % self.b_local for x in live) + 1))
+        need = max(len(self.owner[x][0].prompt) - 1 + len(self.owner[x][0].tokens[self.owner[x][1]])
+                   for x in live) + self.chunk
+        w_t = min(self.max_len, layout_lib.pow2(need, 64))
+        b = groups * w_b
+        at = {x: (x // self.b_local) * w_b + x % self.b_local for x in live}
         token = np.zeros(b, np.int32)
         position = np.zeros(b, np.int32)
         base = np.zeros(b, np.int32)
@@ -328,54 +344,51 @@ class Engine:
         keys = np.zeros((b, 2), np.uint32)
         adapter = np.full(b, layout_lib.PADDING, np.int64)
         stops = [()] * b
-        live = []
-        for slot, own in enumerate(self.owner):
-            if own is None:
-                continue
-            req, j = own
-            if req.done[j]:
-                continue
+        for slot in live:
+            req, j = self.owner[slot]
+            i = at[slot]
             p = req.params
             n = len(req.prompt) - 1
             c = len(req.tokens[j])
-            token[slot] = req.tokens[j][-1] if c else req.prompt[-1]
-            position[slot], base[slot], count[slot], done[slot] = n + c, n, c, False
-            max_tokens[slot], temperature[slot] = p["max_tokens"], p["temperature"]
-            top_k[slot], top_p[slot] = p["top_k"], p["top_p"]
-            keys[slot] = sequence_keys(p["seed"], 0, req.num_samples)[j]
-            adapter[slot], stops[slot] = req.adapter, p["stop"]
-            live.append(slot)
-        if not live:
-            return
-        n_active = len({int(adapter[x]) for x in live})
+            token[i] = req.tokens[j][-1] if c else req.prompt[-1]
+            position[i], base[i], count[i], done[i] = n + c, n, c, False
+            max_tokens[i], temperature[i] = p["max_tokens"], p["temperature"]
+            top_k[i], top_p[i] = p["top_k"], p["top_p"]
+            keys[i] = sequence_keys(p["seed"], 0, req.num_samples)[j]
+            adapter[i], stops[i] = req.adapter, p["stop"]
+        rows_live = [at[x] for x in live]
+        self.peak_live = max(self.peak_live, len(live))
+        n_active = len({int(adapter[x]) for x in rows_live})
         a_len = batch_lib.active_bucket(n_active, s.limits.max_adapters + 1)
         active, index = layout_lib.active_index(adapter, a_len, BASE)
-        greedy = bool(np.all(temperature[live] == 0.0))
-        filtered = bool(np.any((temperature[live] > 0) & ((top_k[live] > 0)
-                                                           | (top_p[live] < 1.0))))
+        greedy = bool(np.all(temperature[rows_live] == 0.0))
+        filtered = bool(np.any((temperature[rows_live] > 0)
+                               & ((top_k[rows_live] > 0) | (top_p[rows_live] < 1.0))))
         rows = programs.DecodeRows(token, position, base, done, count, index, max_tokens,
                                    temperature, top_k, top_p, keys,
                                    layout_lib.stop_table(stops))
         rows = jax.tree.map(s.put, rows, programs.DecodeRows.specs(self.lay))
         cache = kv_cache.Cache(self.cache.k, self.cache.v,
                                s.put(self.row_position, self.lay.position_BxT))
-        modes = programs.DecodeModes("batch", self.chunk, greedy, filtered, s.slice_layers)
+        modes = programs.DecodeModes("batch", self.chunk, greedy, filtered, s.slice_layers,
+                                     window=(w_b, w_t))
         try:
             out_tok, out_lp, cache = s.decode(s.state.weights, s.params, s.state.meta, cache,
                                               rows, replicate(s.mesh, active), modes=modes)
             out_tok, out_lp = host(out_tok), host(out_lp)
         except Exception as e:  # noqa: BLE001 — the cache was donated: every live request fails
             self.cache = None
-            for req in {self.owner[x][0] for x in live}:
+            for req in {id(r): r for r in (self.owner[x][0] for x in live)}.values():
                 self._end(req, EngineError(f"decode failed: {e}"))
             return
         self.cache = kv_cache.KV(cache.k, cache.v)
         ended = []
         for slot in live:
             req, j = self.owner[slot]
-            got = out_tok[slot] >= 0
-            req.tokens[j].extend(int(t) for t in out_tok[slot][got])
-            req.lps[j].extend(float(x) for x in out_lp[slot][got])
+            i = at[slot]
+            got = out_tok[i] >= 0
+            req.tokens[j].extend(int(t) for t in out_tok[i][got])
+            req.lps[j].extend(float(x) for x in out_lp[i][got])
             c = len(req.tokens[j])
             n = len(req.prompt) - 1
             if c >= req.params["max_tokens"] or (c and req.tokens[j][-1] in req.params["stop"]):

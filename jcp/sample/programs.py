@@ -106,13 +106,16 @@ class DecodeModes:
     """layout: kv_cache.LAYOUTS name; out_len: most steps of the call (bucketed); greedy:
     every row is greedy (no draw at all); filtered: some row truncates by top-k / top-p;
     slice_layers: take the layers out of their stacks once before the loop (see
-    make_decode)."""
+    make_decode); window: (rows, cache rows) — decode only the first `rows` sequences of
+    each device's cache over its first `cache rows` rows (the engine's live slots and
+    lengths, bucketed), writing them back in place; None: the whole cache."""
 
     layout: str
     out_len: int
     greedy: bool
     filtered: bool
     slice_layers: bool = True
+    window: tuple[int, int] | None = None
 
 
 def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
@@ -188,6 +191,11 @@ def make_decode(cfg: QwenConfig, mesh):
         lora_active = lora_lib.take_active(lora, jnp.maximum(active, 0))
 
         def shard(lora_active, params, slot_meta, cache, r: DecodeRows, active):
+            full = cache
+            if modes.window is not None:
+                w_b, w_t = modes.window
+                cache = kv_cache.Cache(full.k[:, :w_b, :w_t], full.v[:, :w_b, :w_t],
+                                       full.position[:w_b, :w_t])
             route = slot_meta.routing(active, None, r.index)
             b, t_len = cache.position.shape
             # The A factors enter the loop as [I, A, R] and are viewed back as [A, I, R]
@@ -239,6 +247,9 @@ def make_decode(cfg: QwenConfig, mesh):
                      out_lp)
             carry = jax.lax.while_loop(cond, body, carry)
             cache, out_tok, out_lp = carry[5:]
+            if modes.window is not None:
+                cache = kv_cache.Cache(*(jax.lax.dynamic_update_slice(f, c, (0,) * f.ndim)
+                                         for f, c in zip(full, cache)))
             return (draws.gather_batch(out_tok, lay.seq_axes),
                     draws.gather_batch(out_lp, lay.seq_axes), cache)
 
