@@ -1,7 +1,24 @@
 """The worker: the one thread that owns the Trainer and runs the scheduler's passes.
 
-Owns every Trainer call and the map from models / sampler folders to adapter slots. A
-fused pass is one Trainer.forward / forward_backward over the datums of all its requests
+Owns every Trainer call, the running sampling engine (jcp.sample.engine.Engine) and the
+map from models / sampler weights to adapter slots. Every asample of every tenant is
+admitted into the one running engine batch (a sample whose prompt + max_tokens exceed the
+engine's rows runs beside it, Trainer.sample, whose cache may split over cp).
+
+Interleaving policy: each turn of the loop runs at most one training pass (a fused
+forward / forward_backward, or one model operation) and then one engine step (at most
+`prefill_tokens` of newly admitted prompts, then up to `chunk` decode steps of every live
+sequence). So a training pass waits for at most one engine step, and running sequences
+wait for at most one training pass between decode chunks; neither starves.
+
+Sampler weights: save_weights_for_sampler without a name makes an in-memory snapshot (a
+device copy of the model's slot into a free slot, no disk); with a name it writes the PEFT
+folder, and a sampler of that folder loads it afresh (a cached load of an older save under
+the same name is retired). Snapshot and loaded sampler slots are an LRU cache: when a slot
+is needed, the least recently used one that no running sequence reads is freed (a sampler
+whose snapshot was freed fails clearly and asks for a new save).
+
+A fused pass is one Trainer.forward / forward_backward over the datums of all its requests
 (adapters per datum); if that call refuses the batch (InputError: nothing was changed), each
 request is rerun alone so that only the bad one fails. Results go back through `complete`,
 as ("proto", bytes) / ("json", dict) / ("error", message, category). This is the owner
@@ -19,6 +36,7 @@ import numpy as np
 
 import jcp
 from jcp.errors import InputError
+from jcp.sample.engine import Engine as SampleEngine
 from jcp.server import wire
 from jcp.server.scheduler import Scheduler, Work
 from jcp.server.state import ModelRecord, NotFound, StateStore
@@ -27,6 +45,10 @@ log = logging.getLogger("jcp.serve")
 
 # Tinker does not expose alpha; its LoRA uses a fixed alpha of 32.
 LORA_ALPHA = 32.0
+# The sampling engine's KV cache: rows per sequence, and at most this many bytes per device.
+SAMPLE_ROWS = 256
+SAMPLE_SLOTS = 512
+SAMPLE_CACHE_BYTES = 1 << 30
 REFUSED_LOSSES = {
     "stable_reinforce": "stable_reinforce needs sampling-time stability records, which this "
                         "server does not keep",
@@ -37,13 +59,23 @@ REFUSED_LOSSES = {
 
 class Engine:
     def __init__(self, trainer, store: StateStore, scheduler: Scheduler, model_name: str,
-                 complete, tokenizer_id: str | None = None):
+                 complete, tokenizer_id: str | None = None, sample_slots: int | None = None,
+                 sample_rows: int | None = None, chunk: int = 8):
         self.tr, self.store, self.sched = trainer, store, scheduler
         self.model_name, self.tokenizer_id = model_name, tokenizer_id
         self.token_cap = int(trainer.token_cap)
         self.max_rank = int(trainer.max_rank)
         self._complete = complete
-        self._sampler_slots: OrderedDict[str, int] = OrderedDict()  # PEFT folder -> slot
+        # tinker path (snapshots) or PEFT folder (named saves) -> slot, least recent first.
+        self._sampler_slots: OrderedDict[str, int] = OrderedDict()
+        self._retired: set[int] = set()  # sampler slots to free once no sequence reads them
+        sampler = trainer.make_sampler()
+        groups = sampler.dp * sampler.cp
+        rows = sample_rows or min(self.token_cap, SAMPLE_ROWS)
+        if sample_slots is None:
+            fit = SAMPLE_CACHE_BYTES // (rows * sampler.row_bytes) * groups
+            sample_slots = max(groups, min(SAMPLE_SLOTS, fit) // groups * groups)
+        self.sampling = SampleEngine(sampler, slots=sample_slots, max_len=rows, chunk=chunk)
         self._thread = threading.Thread(target=self._loop, name="jcp-serve-worker", daemon=True)
 
     def start(self) -> None:
@@ -56,28 +88,67 @@ class Engine:
     # ------------------------------------------------------------------ loop
 
     def _loop(self) -> None:
-        while (group := self.sched.next_pass()) is not None:
-            try:
-                if group[0].kind in ("forward", "forward_backward"):
-                    self._fwd(group)
-                else:
-                    w = group[0]
-                    self._complete(w.request_id, getattr(self, "_" + w.kind)(w))
-            except Exception as e:  # noqa: BLE001 — one request's failure is only its own
-                for w in group:
-                    self._complete(w.request_id, _error(e))
+        while (got := self.sched.next_work(block=self.sampling.idle)) is not None:
+            group, samples = got
+            for w in samples:
+                self._admit_sample(w)
+            if group:
+                self._run_pass(group)
+            if not self.sampling.idle:
+                try:
+                    self.sampling.step()
+                except Exception as e:  # noqa: BLE001 — the engine's requests fail, not the server
+                    for rid in list(self.sampling.requests):
+                        self.sampling.cancel(rid)
+                    log.error("sampling step failed: %s", e)
+            self._sweep_retired()
+
+    def _run_pass(self, group: list[Work]) -> None:
+        try:
+            if group[0].kind in ("forward", "forward_backward"):
+                self._fwd(group)
+            else:
+                w = group[0]
+                self._complete(w.request_id, getattr(self, "_" + w.kind)(w))
+        except Exception as e:  # noqa: BLE001 — one request's failure is only its own
+            for w in group:
+                self._complete(w.request_id, _error(e))
 
     # ------------------------------------------------------------------ slots
 
+    def _in_use(self) -> set[int]:
+        """Slots some queued or running sequence of the sampling engine reads."""
+        return {r.adapter for r in self.sampling.requests.values()}
+
     def _free_slot(self, why: str) -> None:
-        """Make room by dropping cached sampler weights (never a training model)."""
+        """Make room by dropping the least recently used sampler weights that no running
+        sequence reads (never a training model)."""
+        self._sweep_retired()
         if len(self.tr.adapters) < self.tr.max_adapters:
             return
-        if not self._sampler_slots:
-            raise InputError(f"all {self.tr.max_adapters} adapter slots hold training models; "
-                             f"cannot {why} (unload a model or raise --max-adapters)")
-        _, slot = self._sampler_slots.popitem(last=False)
-        self.tr.delete_adapter(slot)
+        busy = self._in_use()
+        for key, slot in self._sampler_slots.items():
+            if slot not in busy:
+                del self._sampler_slots[key]
+                self.tr.delete_adapter(slot)
+                return
+        raise InputError(f"all {self.tr.max_adapters} adapter slots hold training models or "
+                         f"sampler weights in use; cannot {why} (unload a model or raise "
+                         "--max-adapters)")
+
+    def _sweep_retired(self) -> None:
+        if self._retired:
+            for slot in self._retired - self._in_use():
+                self.tr.delete_adapter(slot)
+                self._retired.discard(slot)
+
+    def _snapshot(self, slot: int) -> int:
+        """A device copy of `slot` in a free slot (no disk) -> the copy's slot."""
+        self._free_slot("snapshot sampler weights")
+        st = self.tr.state
+        dst = st.free_slot()
+        st.install(dst, self.tr.adapters[slot], st.export(slot).weights)
+        return dst
 
     def _slot(self, w: Work) -> int:
         rec = self.store.model(w.model_id, w.owner)
@@ -189,11 +260,16 @@ class Engine:
     def _save_weights_for_sampler(self, w: Work) -> tuple:
         name = w.payload.get("path")
         path, folder = self.store.new_path(w.model_id, "sampler_weights", name)
-        self.tr.export_peft(self._slot(w), folder)
         out = {"path": path, "type": "save_weights_for_sampler"}
-        if name is None:
+        if name is None:  # an in-memory snapshot of the slot
+            self._sampler_slots[path] = self._snapshot(self._slot(w))
             out["sampling_session_id"] = self.store.add_sampler(w.owner, self.model_name, path,
-                                                                folder)
+                                                                None)
+            return ("json", out)
+        self.tr.export_peft(self._slot(w), folder)
+        old = self._sampler_slots.pop(folder, None)
+        if old is not None:  # an older save under this name: samplers load the new one
+            self._retired.add(old)
         return ("json", out)
 
     def _unload_model(self, w: Work) -> tuple:
@@ -203,23 +279,50 @@ class Engine:
         self.sched.forget(w.model_id)
         return ("json", {"model_id": w.model_id, "type": "unload_model"})
 
-    def _sample(self, w: Work) -> tuple:
-        rec = self.store.sampler(w.payload["sampling_session_id"], w.owner)
-        args: wire.SampleArgs = w.payload["args"]
-        adapter = None
-        if rec.folder is not None:
-            adapter = self._sampler_slots.get(rec.folder)
-            if adapter is None:
-                self._free_slot("load sampler weights")
-                adapter = self.tr.load_peft(rec.folder)
-                self._sampler_slots[rec.folder] = adapter
-            self._sampler_slots.move_to_end(rec.folder)
-        sp = jcp.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, stop=args.stop,
-                                seed=args.seed)
-        res = self.tr.sample([args.prompt], sp, adapters=adapter, num_samples=args.num_samples,
-                             prompt_logprobs=args.prompt_logprobs)[0]
-        return ("proto", wire.encode_sample_response(res.sequences, res.prompt_logprobs))
+    def _sampler_adapter(self, rec) -> int | None:
+        """The slot a sampling session reads (None: the base model)."""
+        if rec.model_path is None:
+            return None
+        key = rec.folder if rec.folder is not None else rec.model_path
+        slot = self._sampler_slots.get(key)
+        if slot is None:
+            if rec.folder is None:
+                raise InputError(f"the in-memory sampler weights {rec.model_path} were freed "
+                                 "to make room; save_weights_for_sampler again")
+            self._free_slot("load sampler weights")
+            slot = self.tr.load_peft(rec.folder)
+            self._sampler_slots[key] = slot
+        self._sampler_slots.move_to_end(key)
+        return slot
+
+    def _admit_sample(self, w: Work) -> None:
+        """Admit one asample into the running engine (or run it beside, if too long)."""
+        try:
+            rec = self.store.sampler(w.payload["sampling_session_id"], w.owner)
+            args: wire.SampleArgs = w.payload["args"]
+            adapter = self._sampler_adapter(rec)
+            sp = jcp.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                    top_k=args.top_k, top_p=args.top_p, stop=args.stop,
+                                    seed=args.seed)
+            if len(args.prompt) - 1 + args.max_tokens > self.sampling.max_len:
+                res = self.tr.sample([args.prompt], sp, adapters=adapter,
+                                     num_samples=args.num_samples,
+                                     prompt_logprobs=args.prompt_logprobs)[0]
+                self._complete(w.request_id, _encode_sample(res))
+                return
+
+            def done(rid, outcome, request_id=w.request_id):
+                self._complete(request_id, _error(outcome) if isinstance(outcome, Exception)
+                               else _encode_sample(outcome))
+
+            self.sampling.submit(args.prompt, sp, adapter, args.num_samples,
+                                 args.prompt_logprobs, callback=done)
+        except Exception as e:  # noqa: BLE001
+            self._complete(w.request_id, _error(e))
+
+
+def _encode_sample(res) -> tuple:
+    return ("proto", wire.encode_sample_response(res.sequences, res.prompt_logprobs))
 
 
 def _error(e: Exception) -> tuple:

@@ -6,8 +6,10 @@ request, or every ready forward (or every ready forward_backward) request of eve
 whose loss settings agree, fused into one multi-LoRA Trainer call. optim_step,
 load_weights, save_* and unload_model are therefore barriers for their own model only:
 they head its queue and nothing of that model behind them can join a fused pass. Samples
-have no model order and run one per pass, oldest first. It must never import jax or touch
-the Trainer; HTTP handlers only call `submit`.
+are not passes: they have no model order, and the worker takes every queued sample at
+each turn (`next_work`) and admits it into the running sampling engine, so one decode
+batch serves all tenants. It must never import jax or touch the Trainer; HTTP handlers
+only call `submit`.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._queues: dict[str, list[Work]] = {}  # model id -> its pending work
         self._samples: list[Work] = []
+        self._unordered: list[Work] = []          # model-less work (create_model)
         self._last_seq: dict[str, int] = {}       # model id -> last seq_id taken
         self._arrivals = itertools.count()
         self._held = 0
@@ -63,8 +66,10 @@ class Scheduler:
     def submit(self, work: Work) -> None:
         with self._cv:
             work.arrival, work.arrived_at = next(self._arrivals), time.monotonic()
-            if work.model_id is None or work.kind == "sample":
+            if work.kind == "sample":
                 self._samples.append(work)
+            elif work.model_id is None:
+                self._unordered.append(work)
             else:
                 q = self._queues.setdefault(work.model_id, [])
                 q.append(work)
@@ -73,7 +78,8 @@ class Scheduler:
 
     def pending(self) -> int:
         with self._cv:
-            return len(self._samples) + sum(map(len, self._queues.values()))
+            return (len(self._samples) + len(self._unordered)
+                    + sum(map(len, self._queues.values())))
 
     def hold(self) -> None:
         """Stop handing out passes (requests still queue) until `release`. For tests and
@@ -98,23 +104,22 @@ class Scheduler:
 
     # ------------------------------------------------------------------ worker side
 
-    def next_pass(self, timeout: float | None = None) -> list[Work] | None:
-        """Block until a pass is ready -> its requests (one, or a fused group), or None on
-        close / timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def next_work(self, block: bool = True) -> tuple[list[Work], list[Work]] | None:
+        """(a pass — one request or a fused group, possibly empty —, every queued sample),
+        or None once closed. block: wait until either exists; else return at once."""
         with self._cv:
             while True:
                 if self._closed:
                     return None
+                group, samples = [], []
                 if not self._held:
-                    group = self._take()
+                    group = self._take() or []
+                    samples, self._samples = self._samples, []
                     if group:
                         self.counters.passes += 1
-                        return group
-                wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
-                if wait <= 0:
-                    return None
-                self._cv.wait(wait)
+                if group or samples or not block:
+                    return group, samples
+                self._cv.wait(0.5)
 
     def _ready_run(self, model_id: str, now: float) -> list[Work]:
         """The model's queued requests that may run now, in order: a run of consecutive
@@ -135,7 +140,7 @@ class Scheduler:
     def _take(self) -> list[Work] | None:
         now = time.monotonic()
         runs = {m: r for m in self._queues if (r := self._ready_run(m, now))}
-        heads = [r[0] for r in runs.values()] + self._samples[:1]
+        heads = [r[0] for r in runs.values()] + self._unordered[:1]
         if not heads:
             return None
         first = min(heads, key=lambda w: w.arrival)
@@ -157,8 +162,8 @@ class Scheduler:
 
     def _remove(self, works: list[Work]) -> None:
         for w in works:
-            if w.kind == "sample" or w.model_id is None:
-                self._samples.remove(w)
+            if w.model_id is None:
+                self._unordered.remove(w)
                 continue
             q = self._queues[w.model_id]
             q.remove(w)
