@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import jcp
-import model_harness as MH
+from helpers import model_harness as MH
 from jcp.sample.engine import Engine, EngineError
 
 PROMPTS = ([3, 17, 42, 8, 99, 1, 64, 30, 2, 77, 12], [50], [6, 7, 120, 33, 4], [11, 90])
