@@ -265,7 +265,7 @@ def test_automatic_cache_mode(monkeypatch, root):
     assert long.split_bytes <= 1.2 / 2 * long.batch_bytes
     many = tr2._sampler.plan([100] * 64, 16)  # many short: splitting saves nothing
     assert many.split_bytes >= many.batch_bytes
-    monkeypatch.setattr(sample_lib, "SPLIT_ABOVE_BYTES", min(long.batch_bytes,
+    monkeypatch.setattr(sample_lib.layout, "SPLIT_ABOVE_BYTES", min(long.batch_bytes,
                                                              many.batch_bytes) - 1)
     assert tr2._sampler.plan([3000], 16).mode == "split"
     assert tr2._sampler.plan([100] * 64, 16).mode == "batch"

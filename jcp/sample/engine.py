@@ -70,6 +70,7 @@ class _Request:
     done: list = dataclasses.field(default_factory=list)      # per sample: bool
     plp: np.ndarray | None = None
     cancelled: bool = False
+    keys: np.ndarray | None = None  # uint32 [num_samples, 2], made once at admission
 
 
 class Engine:
@@ -258,6 +259,7 @@ class Engine:
             req.tokens = [[] for _ in req.slots]
             req.lps = [[] for _ in req.slots]
             req.done = [False] * len(req.slots)
+            req.keys = sequence_keys(req.params["seed"], 0, req.num_samples)
             admitted.append(req)
         if not admitted:
             return
@@ -354,7 +356,7 @@ class Engine:
             position[i], base[i], count[i], done[i] = n + c, n, c, False
             max_tokens[i], temperature[i] = p["max_tokens"], p["temperature"]
             top_k[i], top_p[i] = p["top_k"], p["top_p"]
-            keys[i] = sequence_keys(p["seed"], 0, req.num_samples)[j]
+            keys[i] = req.keys[j]
             adapter[i], stops[i] = req.adapter, p["stop"]
         rows_live = [at[x] for x in live]
         self.peak_live = max(self.peak_live, len(live))
