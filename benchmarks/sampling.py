@@ -40,7 +40,7 @@ import transformers  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import jcp  # noqa: E402
-from jcp import kv_cache  # noqa: E402
+from jcp.sample import kv_cache, programs  # noqa: E402
 from jcp import sample as sample_lib  # noqa: E402
 from jcp.mesh import SPECS  # noqa: E402
 
@@ -183,7 +183,7 @@ def main():
         ps = [rng.integers(0, cfg.vocab_size, int(rng.integers(1, 301))) for _ in range(4)]
         tr2.sample(ps, sp, adapters=[a, None, a, a])
     s2 = tr2._sampler
-    counts = {name: getattr(s2, name)._cache_size() for name in ("_prefill", "_decode")}
+    counts = {name: getattr(s2, name)._cache_size() for name in ("prefill", "decode")}
     print(f"5. compiled programs over 50 calls (4 prompts of 1–300 tokens, mesh (1,2,2)): "
           f"{sum(counts.values())} {counts} (goal ≤ 10); {time.perf_counter() - t:.1f} s")
 
@@ -203,17 +203,18 @@ def long_prompt_memory(cfg, cp, mode, n):
     plan = s.plan([n], 16, cache_mode=mode)
     lay = kv_cache.LAYOUTS[mode]
     prompt = np.arange(n, dtype=np.int32) % cfg.vocab_size
-    _, (pb,) = s._packed([prompt], [sample_lib.BASE])
+    _, (pb,) = s.packed([prompt], [sample_lib.BASE])
     groups = 1 if mode == "split" else cp
     b, t = plan.b_local * groups, plan.t_local * (cp if mode == "split" else 1)
     st = SPECS.stream_DPxCPxS
-    put = s._put
+    put = s.put
     source = np.full((b, t), -1, np.int32)
-    prefill = s._prefill.lower(
-        tr.state.weights, tr.params, tr.state.meta, put(pb.tokens, st), put(pb.segment, st),
-        put(pb.position, st), put(pb.targets, st), put(pb.spans, SPECS.spans_DPxCPxAx2),
-        put(pb.active, SPECS.replicated), put(source, lay.position_BxT), None,
-        layout=mode, with_logprobs=False).compile()
+    args = programs.PrefillArgs(put(pb.tokens, st), put(pb.segment, st), put(pb.position, st),
+                                put(pb.targets, st), put(pb.spans, SPECS.spans_DPxCPxAx2),
+                                put(pb.active, SPECS.replicated))
+    prefill = s.prefill.lower(
+        tr.state.weights, tr.params, tr.state.meta, args, put(source, lay.position_BxT), None,
+        modes=programs.PrefillModes(mode, False)).compile()
     kv_shape = (cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim)
     dt = jax.numpy.dtype(cfg.dtype)
     sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
@@ -222,15 +223,15 @@ def long_prompt_memory(cfg, cp, mode, n):
                            sds(kv_shape, dt, lay.kv_LxBxTxKxH),
                            sds((b, t), np.int32, lay.position_BxT))
     seq = lambda dtype: sds((b,), dtype, lay.seqs_B)  # noqa: E731
-    rep = lambda x: put(np.asarray(x), SPECS.replicated)  # noqa: E731
-    a_len = 2
-    spans = sds((1, 1 if mode == "split" else cp, a_len, 2), np.int32, lay.spans)
-    decode = s._decode.lower(
-        tr.state.weights, tr.params, tr.state.meta, cache, seq(np.int32), seq(np.int32),
-        seq(np.int32), seq(bool), sds((b, 2), np.uint32, lay.seqs_Bx2), spans,
-        rep(np.full(a_len, -1, np.int32)), rep(np.full(8, -1, np.int32)), rep(np.int32(16)),
-        rep(np.float32(0)), rep(np.int32(-1)), rep(np.float32(1)), layout=mode, out_len=16,
-        greedy=True, filtered=False).compile()
+    i32 = seq(np.int32)
+    rows = programs.DecodeRows(
+        token=i32, position=i32, base=i32, done=seq(bool), count=i32, index=i32,
+        max_tokens=i32, temperature=seq(np.float32), top_k=i32, top_p=seq(np.float32),
+        keys=sds((b, 2), np.uint32, lay.seqs_Bx2), stop=sds((b, 8), np.int32, lay.seqs_Bx2))
+    decode = s.decode.lower(
+        tr.state.weights, tr.params, tr.state.meta, cache, rows,
+        put(np.full(2, -1, np.int32), SPECS.replicated),
+        modes=programs.DecodeModes(mode, 16, greedy=True, filtered=False)).compile()
     return {"cache": plan.cache_bytes, "decode": _peak(decode), "prefill": _peak(prefill),
             "decode_temp": decode.memory_analysis().temp_size_in_bytes}
 

@@ -134,6 +134,9 @@ class AdapterState:
         self._meta = lora_lib.SlotMeta(*(self._replicated(np.zeros(max_adapters, np.float32))
                                          for _ in range(3)))
         self._infos: dict[int, AdapterInfo] = {}
+        # Bumped by every write of a slot's weights (install, reset, step): a reader that
+        # must not mix weights (the sampling engine) compares it before and after.
+        self._versions = np.zeros(max_adapters, np.int64)
 
         tables = (self._shardings,) * 4 + (rep, rep)
 
@@ -199,6 +202,10 @@ class AdapterState:
                 "nu": self._nu, "count": self._count, "scale": self._meta.scale_G,
                 "shared": self._meta.shared_G, "tied": self._meta.tied_G}
 
+    def version(self, slot: int) -> int:
+        """A counter of the writes of `slot`'s weights (install, reset, optimizer step)."""
+        return int(self._versions[slot])
+
     def free_slot(self) -> int:
         """The lowest free slot; InputError when all are in use."""
         for g in range(self.max_adapters):
@@ -256,6 +263,7 @@ class AdapterState:
                                      np.float32(info.shared_outer),
                                      np.float32(info.tied_gate_up))
         self._infos[slot] = info
+        self._versions[slot] += 1
 
     def offload(self, slot: int) -> HostSlot:
         """Move one adapter to host memory and free its slot. Rank padding and untargeted
@@ -288,6 +296,7 @@ class AdapterState:
          self._meta) = self._install(tables, np.int32(slot), {}, {}, {}, {}, np.int32(0),
                                      np.float32(0.0), np.float32(0.0), np.float32(0.0))
         del self._infos[slot]
+        self._versions[slot] += 1
 
     @contextlib.contextmanager
     def accumulating(self, slots):
@@ -323,6 +332,7 @@ class AdapterState:
             train_step.OptState(mu=self._mu, nu=self._nu, count=self._count),
             self._replicated(np.asarray(slot, np.int32)), self._replicated(hp_6))
         self._mu, self._nu, self._count = opt.mu, opt.nu, opt.count
+        self._versions[slot] += 1
         m = {k: host(v).item() for k, v in metrics.items()}
         if not m["grad_finite"]:
             raise InputError(f"adapter {slot}: the accumulated gradient is not finite; nothing "

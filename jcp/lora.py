@@ -207,6 +207,9 @@ class Routing:
     scale_A: alpha / rank of each active slot; shared_A: 1 where the slot's experts are
     shared-outer, 0 where per-expert (see expert_keys); tied_A: 1 where the slot's
     expert_up reads expert_gate's A (fused_gate_up), None in tables without that mode.
+    index_S: instead of spans, each row's index into active_A (int32 [S]) — the sampling
+    engine's decode batch, whose rows come and go in any adapter order; spans_Ax2 is then
+    unused.
     """
 
     active_A: jax.Array
@@ -214,14 +217,17 @@ class Routing:
     scale_A: jax.Array
     shared_A: jax.Array
     tied_A: jax.Array | None = None
+    index_S: jax.Array | None = None
 
     def mask_SxA(self, s_len: int) -> jax.Array:
+        if self.index_S is not None:
+            return self.index_S[:, None] == jnp.arange(self.active_A.shape[0])[None, :]
         t = jnp.arange(s_len)[:, None]
         return (t >= self.spans_Ax2[None, :, 0]) & (t < self.spans_Ax2[None, :, 1])
 
 
 jax.tree_util.register_dataclass(
-    Routing, data_fields=["active_A", "spans_Ax2", "scale_A", "shared_A", "tied_A"],
+    Routing, data_fields=["active_A", "spans_Ax2", "scale_A", "shared_A", "tied_A", "index_S"],
     meta_fields=[])
 
 
@@ -235,13 +241,15 @@ class SlotMeta:
     shared_G: jax.Array
     tied_G: jax.Array | None = None
 
-    def routing(self, active_A, spans_Ax2) -> Routing:
-        """Routing of the active slots (entries < 0: the base model, no LoRA, scale 0)."""
+    def routing(self, active_A, spans_Ax2, index_S=None) -> Routing:
+        """Routing of the active slots (entries < 0: the base model, no LoRA, scale 0), by
+        spans_Ax2 or, given index_S, by each row's index into active_A."""
         slot_A = jnp.maximum(active_A, 0)
         scale_A = jnp.where(active_A < 0, 0.0, jnp.take(self.scale_G, slot_A))
         tied_A = None if self.tied_G is None else jnp.take(self.tied_G, slot_A)
         return Routing(active_A=slot_A, spans_Ax2=spans_Ax2, scale_A=scale_A,
-                       shared_A=jnp.take(self.shared_G, slot_A), tied_A=tied_A)
+                       shared_A=jnp.take(self.shared_G, slot_A), tied_A=tied_A,
+                       index_S=index_S)
 
 
 jax.tree_util.register_dataclass(SlotMeta, data_fields=["scale_G", "shared_G", "tied_G"],
@@ -285,7 +293,7 @@ def low_rank_input(x_SxI, a_AxIxR, route: Routing):
     # ("si,air->sar") makes XLA copy A into [I, A, R] inside the dot, where no caller can
     # reach it: per module and decode step (1.2–1.3× the decode time at A = 4, tiny model).
     # Written out, a loop can hold A as [I, A, R] and XLA folds the two transposes
-    # (sample.make_decode does).
+    # (sample.programs.make_decode does).
     a_IxAR = jnp.moveaxis(a_AxIxR, 0, 1).reshape(i_len, n_a * rank)
     xa_SxAR = jnp.einsum("si,ir->sr", x_SxI, a_IxAR.astype(x_SxI.dtype),
                          preferred_element_type=jnp.float32)

@@ -81,7 +81,7 @@ class Specs:
     lora_expert_GxLxExRxO: P = P(None, None, TP, None, None)
     lora_shared_GxLxIxR: P = P(None, None, None, None)
     slot_G: P = P(None)
-    # Sampling (jcp/kv_cache.py, jcp/sample.py), kv heads over tp throughout.
+    # Sampling (jcp/sample/kv_cache.py, jcp/sample/), kv heads over tp throughout.
     # Cache mode "batch": the decode batch of B sequences spread over (dp, cp) — cp ranks
     # act as extra data parallelism — each sequence's whole cache (T rows) on one device.
     cache_LxBxTxKxH: P = P(None, (DP, CP), None, TP, None)

@@ -608,7 +608,15 @@ class Trainer:
 
     @functools.cached_property
     def _sampler(self) -> sample_lib.Sampler:
-        return sample_lib.Sampler(self)
+        return self.make_sampler()
+
+    def make_sampler(self) -> sample_lib.Sampler:
+        """A Sampler over this Trainer's base weights and adapter table (read only)."""
+        limits = sample_lib.Limits(token_cap=self.token_cap,
+                                   max_tokens_per_device=self.max_tokens_per_device,
+                                   max_adapters=self.max_adapters)
+        return sample_lib.Sampler(self.cfg, self.mesh, self.params, self.state, self.step_cfg,
+                                  limits, self._check_adapter)
 
     def sample(self, prompts, sampling_params: sample_lib.SamplingParams, adapters=None,
                num_samples: int = 1, prompt_logprobs: bool = False, *,

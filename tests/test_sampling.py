@@ -214,17 +214,17 @@ def test_split_cache_equals_batch_cache_and_hf_generate(mesh_shape, root):
 def _prefill_jaxprs(tr, call):
     """(result of call(), the jaxpr text of every prefill program it ran)."""
     sampler = tr._sampler
-    jitted, seen = sampler._prefill, []
+    jitted, seen = sampler.prefill, []
 
     def spy(*args, **kwargs):
         seen.append(str(jax.make_jaxpr(functools.partial(jitted, **kwargs))(*args)))
         return jitted(*args, **kwargs)
 
-    sampler._prefill = spy
+    sampler.prefill = spy
     try:
         return call(), seen
     finally:
-        sampler._prefill = jitted
+        sampler.prefill = jitted
 
 
 @pytest.mark.parametrize("mesh_shape,cache_mode", [((1, 2, 1), None), ((1, 4, 1), "split")])
@@ -265,7 +265,7 @@ def test_automatic_cache_mode(monkeypatch, root):
     assert long.split_bytes <= 1.2 / 2 * long.batch_bytes
     many = tr2._sampler.plan([100] * 64, 16)  # many short: splitting saves nothing
     assert many.split_bytes >= many.batch_bytes
-    monkeypatch.setattr(sample_lib, "SPLIT_ABOVE_BYTES", min(long.batch_bytes,
+    monkeypatch.setattr(sample_lib.layout, "SPLIT_ABOVE_BYTES", min(long.batch_bytes,
                                                              many.batch_bytes) - 1)
     assert tr2._sampler.plan([3000], 16).mode == "split"
     assert tr2._sampler.plan([100] * 64, 16).mode == "batch"
@@ -441,8 +441,8 @@ def test_layers_are_sliced_out_of_the_loop_only_when_small(root, monkeypatch):
     assert tr._sampler.slice_layers
     sp = jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=2)
     sliced = tr.sample(PROMPTS, sp, adapters=a)
-    monkeypatch.setattr(sample_lib, "SLICE_LAYERS_MAX_BYTES", 0)
-    monkeypatch.setattr(tr, "_sampler", sample_lib.Sampler(tr))
+    monkeypatch.setattr(sample_lib.programs, "SLICE_LAYERS_MAX_BYTES", 0)
+    monkeypatch.setattr(tr, "_sampler", tr.make_sampler())
     assert not tr._sampler.slice_layers
     scanned = tr.sample(PROMPTS, sp, adapters=a)
     for x, y in zip(sliced, scanned):

@@ -374,10 +374,10 @@ def test_key_file_line_without_a_name_is_refused_at_startup(tmp_path, capsys):
 def test_healthz_is_unhealthy_when_the_worker_is_gone(env, monkeypatch):
     srv = env["srv"]
 
-    def die(timeout=None):
+    def die(block=True, timeout=None):
         raise SystemExit("injected worker death")
-    monkeypatch.setattr(srv.scheduler, "next_pass", die)
-    # The worker is waiting inside the real next_pass: one request brings it back round.
+    monkeypatch.setattr(srv.scheduler, "next_work", die)
+    # The worker is waiting inside the real next_work: one request brings it back round.
     post(env, "get_info", {"model_id": "x"})
     post(env, "unload_model", {"model_id": env["m0"]})
     deadline = time.monotonic() + 10

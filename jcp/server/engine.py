@@ -1,9 +1,26 @@
 """The worker: the one thread that owns the Trainer and runs the scheduler's passes.
 
-Owns every Trainer call, the map from models / sampler folders to adapter slots, and the
-sessions' custom losses (create_custom_loss: the uploaded graph rebuilt as a
-jcp.CustomLoss, kept per session; a custom forward_backward runs as its own Trainer call). A
-fused pass is one Trainer.forward / forward_backward over the datums of all its requests
+Owns every Trainer call, the running sampling engine (jcp.sample.engine.Engine), the map
+from models / sampler weights to adapter slots, and the sessions' custom losses
+(create_custom_loss: the uploaded graph rebuilt as a jcp.CustomLoss, kept per session; a
+custom forward_backward runs as its own Trainer call). Every asample of every tenant is
+admitted into the one running engine batch (a sample whose prompt + max_tokens exceed the
+engine's rows runs beside it, Trainer.sample, whose cache may split over cp).
+
+Interleaving policy: each turn of the loop runs at most one training pass (a fused
+forward / forward_backward, or one model operation) and then one engine step (at most
+`prefill_tokens` of newly admitted prompts, then up to `chunk` decode steps of every live
+sequence). So a training pass waits for at most one engine step, and running sequences
+wait for at most one training pass between decode chunks; neither starves.
+
+Sampler weights: save_weights_for_sampler without a name makes an in-memory snapshot (a
+device copy of the model's slot into a free slot, no disk); with a name it writes the PEFT
+folder, and a sampler of that folder loads it afresh (a cached load of an older save under
+the same name is retired). Snapshot and loaded sampler slots are an LRU cache: when a slot
+is needed, the least recently used one that no running sequence reads is freed (a sampler
+whose snapshot was freed fails clearly and asks for a new save).
+
+A fused pass is one Trainer.forward / forward_backward over the datums of all its requests
 (adapters per datum); if that call refuses the batch (InputError: nothing was changed), each
 request is rerun alone so that only the bad one fails. Results go back through `complete`,
 as ("proto", bytes) / ("json", dict) / ("error", message, category). This is the owner
@@ -27,6 +44,7 @@ import pyrage
 import jcp
 from jcp import lora as lora_lib
 from jcp.errors import InputError
+from jcp.sample.engine import Engine as SampleEngine
 from jcp.server import wire
 from jcp.server.scheduler import Scheduler, Work
 from jcp.server.state import ModelRecord, NotFound, StateStore, age_recipients
@@ -37,6 +55,10 @@ log = logging.getLogger("jcp.serve")
 EXPIRY_SCAN_S = 5.0
 # Tinker does not expose alpha; its LoRA uses a fixed alpha of 32.
 LORA_ALPHA = 32.0
+# The sampling engine's KV cache: rows per sequence, and at most this many bytes per device.
+SAMPLE_ROWS = 256
+SAMPLE_SLOTS = 512
+SAMPLE_CACHE_BYTES = 1 << 30
 REFUSED_LOSSES = {
     "stable_reinforce": "stable_reinforce is not served: its objective is not published (provenance "
                         "spans and record_stability_info are accepted and ignored; use "
@@ -62,7 +84,9 @@ class Engine:
 
     def __init__(self, trainer, store: StateStore, scheduler: Scheduler, model_name: str,
                  complete, tokenizer_id: str | None = None,
-                 max_offload_bytes: int = 16 << 30, session_timeout_s: float = 180.0):
+                 max_offload_bytes: int = 16 << 30, session_timeout_s: float = 180.0,
+                 sample_slots: int | None = None, sample_rows: int | None = None,
+                 chunk: int = 8):
         self.tr, self.store, self.sched = trainer, store, scheduler
         self.model_name, self.tokenizer_id = model_name, tokenizer_id
         self.token_cap = int(trainer.token_cap)
@@ -70,7 +94,16 @@ class Engine:
         self.max_offload_bytes = int(max_offload_bytes)
         self.session_timeout_s = float(session_timeout_s)
         self._complete = complete
-        self._sampler_slots: OrderedDict[str, int] = OrderedDict()  # PEFT folder -> slot
+        # tinker path (snapshots) or PEFT folder (named saves) -> slot, least recent first.
+        self._sampler_slots: OrderedDict[str, int] = OrderedDict()
+        self._retired: set[int] = set()  # sampler slots to free once no sequence reads them
+        sampler = trainer.make_sampler()
+        groups = sampler.dp * sampler.cp
+        rows = sample_rows or min(self.token_cap, SAMPLE_ROWS)
+        if sample_slots is None:
+            fit = SAMPLE_CACHE_BYTES // (rows * sampler.row_bytes) * groups
+            sample_slots = max(groups, min(SAMPLE_SLOTS, fit) // groups * groups)
+        self.sampling = SampleEngine(sampler, slots=sample_slots, max_len=rows, chunk=chunk)
         self._resident: OrderedDict[str, int] = OrderedDict()       # model id -> slot, LRU first
         self._offloaded: dict[str, object] = {}                     # model id -> HostSlot
         self._closing: set[str] = set()     # models of ended sessions, unloaded when idle
@@ -96,52 +129,75 @@ class Engine:
     def _loop(self) -> None:
         while True:
             try:
-                group = self.sched.next_pass(timeout=1.0)
+                got = self.sched.next_work(block=self.sampling.idle, timeout=1.0)
             except Exception:  # noqa: BLE001 — the worker must outlive any one failure
-                log.exception("worker: next_pass failed")
+                log.exception("worker: next_work failed")
                 time.sleep(0.5)
                 continue
-            if group is None:
-                if self.sched.closed:
-                    return
-            else:
+            if got is None:
+                return
+            group, samples = got
+            for w in samples:
+                self._admit_sample(w)
+            if group:
+                self._run_pass(group)
+            if not self.sampling.idle:
                 t0 = time.perf_counter()
                 try:
-                    if group[0].failure is not None:
-                        self._complete(group[0].request_id,
-                                       ("error", group[0].failure, "server"))
-                    elif group[0].kind in ("forward", "forward_backward"):
-                        self._fwd(group)
-                    else:
-                        w = group[0]
-                        self._complete(w.request_id, getattr(self, "_" + w.kind)(w))
-                except Exception as e:  # noqa: BLE001 — one request's failure is only its own
-                    for w in group:
-                        try:
-                            self._complete(w.request_id, _error(e))
-                        except Exception:  # noqa: BLE001
-                            log.exception("worker: could not complete %s", w.request_id)
-                self.busy_s[group[0].kind] += time.perf_counter() - t0
+                    self.sampling.step()
+                except Exception as e:  # noqa: BLE001 — the engine's requests fail, not the server
+                    for rid in list(self.sampling.requests):
+                        self.sampling.cancel(rid)
+                    log.error("sampling step failed: %s", e)
+                self.busy_s["sample"] += time.perf_counter() - t0
             try:
+                self._sweep_retired()
                 self._reap()
             except Exception as e:  # noqa: BLE001 — never let cleanup stop the worker
                 log.error("unloading ended sessions failed: %s", e)
 
+    def _run_pass(self, group: list[Work]) -> None:
+        t0 = time.perf_counter()
+        try:
+            if group[0].failure is not None:
+                self._complete(group[0].request_id, ("error", group[0].failure, "server"))
+            elif group[0].kind in ("forward", "forward_backward"):
+                self._fwd(group)
+            else:
+                w = group[0]
+                self._complete(w.request_id, getattr(self, "_" + w.kind)(w))
+        except Exception as e:  # noqa: BLE001 — one request's failure is only its own
+            for w in group:
+                try:
+                    self._complete(w.request_id, _error(e))
+                except Exception:  # noqa: BLE001
+                    log.exception("worker: could not complete %s", w.request_id)
+        self.busy_s[group[0].kind] += time.perf_counter() - t0
+
     # ------------------------------------------------------------------ slots
 
+    def _in_use(self) -> set[int]:
+        """Slots some queued or running sequence of the sampling engine reads."""
+        return {r.adapter for r in self.sampling.requests.values()}
+
     def _free_slot(self, why: str, keep: frozenset = frozenset()) -> None:
-        """Make one slot free: drop the oldest cached sampler adapter, else offload the
-        least recently used training model not in `keep` to host memory."""
+        """Make one slot free: drop the least recently used sampler weights that no running
+        sequence reads, else offload the least recently used training model not in `keep`
+        to host memory."""
+        self._sweep_retired()
         if len(self.tr.adapters) < self.tr.max_adapters:
             return
-        if self._sampler_slots:
-            _, slot = self._sampler_slots.popitem(last=False)
-            self.tr.delete_adapter(slot)
-            return
+        busy = self._in_use()
+        for key, slot in self._sampler_slots.items():
+            if slot not in busy:
+                del self._sampler_slots[key]
+                self.tr.delete_adapter(slot)
+                return
         victim = next((m for m in self._resident if m not in keep), None)
         if victim is None:
             raise InputError(f"all {self.tr.max_adapters} adapter slots are in use by this "
-                             f"pass; cannot {why} (raise --max-adapters)")
+                             f"pass or by running samples; cannot {why} (raise "
+                             "--max-adapters)")
         used = sum(h.nbytes for h in self._offloaded.values())
         info = self.tr.adapters[self._resident[victim]]
         if used + self._nbytes(info) > self.max_offload_bytes:
@@ -153,6 +209,21 @@ class Engine:
         self._offloaded[victim] = self.tr.offload_adapter(slot)
         self.offloads += 1
         self._set_slot(victim, None)
+
+    def _sweep_retired(self) -> None:
+        if self._retired:
+            for slot in self._retired - self._in_use():
+                self.tr.delete_adapter(slot)
+                self._retired.discard(slot)
+
+    def _snapshot(self, slot: int) -> int:
+        """A device copy of `slot` in a free slot (no disk) -> the copy's slot."""
+        self._free_slot("snapshot sampler weights", frozenset(
+            m for m, s in self._resident.items() if s == slot))
+        st = self.tr.state
+        dst = st.free_slot()
+        st.install(dst, self.tr.adapters[slot], st.export(slot).weights)
+        return dst
 
     def _nbytes(self, info) -> int:
         """Host bytes of an offloaded adapter (4 float32 trees at its rank)."""
@@ -218,10 +289,12 @@ class Engine:
         if slot is not None:
             self.tr.delete_adapter(slot)
         self._offloaded.pop(model_id, None)
-        for folder in self.store.drop_model(model_id):
-            s = self._sampler_slots.pop(folder, None)
-            if s is not None:
-                self.tr.delete_adapter(s)
+        snapshots = [k for k in self._sampler_slots if k.startswith(f"tinker://{model_id}/")]
+        for key in snapshots + self.store.drop_model(model_id):
+            s = self._sampler_slots.pop(key, None)
+            if s is not None:  # freed once no running sequence reads it
+                self._retired.add(s)
+        self._sweep_retired()
         self.sched.forget(model_id)
 
     # ------------------------------------------------------------------ requests
@@ -462,12 +535,17 @@ class Engine:
     def _save_weights_for_sampler(self, w: Work) -> tuple:
         name = w.payload.get("path")
         path, folder = self.store.new_path(w.model_id, "sampler_weights", name)
+        out = {"path": path, "type": "save_weights_for_sampler"}
+        if name is None:  # an in-memory snapshot of the slot
+            self._sampler_slots[path] = self._snapshot(self._slot(w))
+            out["sampling_session_id"] = self.store.add_sampler(w.owner, self.model_name, path,
+                                                                None)
+            return ("json", out)
         self.tr.export_peft(self._slot(w), folder)
         self._note(path, w.payload)
-        out = {"path": path, "type": "save_weights_for_sampler"}
-        if name is None:
-            out["sampling_session_id"] = self.store.add_sampler(w.owner, self.model_name, path,
-                                                                folder)
+        old = self._sampler_slots.pop(folder, None)
+        if old is not None:  # an older save under this name: samplers load the new one
+            self._retired.add(old)
         return ("json", out)
 
     def _unload_model(self, w: Work) -> tuple:
@@ -475,23 +553,50 @@ class Engine:
         self._drop(w.model_id)
         return ("json", {"model_id": w.model_id, "type": "unload_model"})
 
-    def _sample(self, w: Work) -> tuple:
-        rec = self.store.sampler(w.payload["sampling_session_id"], w.owner)
-        args: wire.SampleArgs = w.payload["args"]
-        adapter = None
-        if rec.folder is not None:
-            adapter = self._sampler_slots.get(rec.folder)
-            if adapter is None:
-                self._free_slot("load sampler weights")
-                adapter = self.tr.load_peft(rec.folder)
-                self._sampler_slots[rec.folder] = adapter
-            self._sampler_slots.move_to_end(rec.folder)
-        sp = jcp.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, stop=args.stop,
-                                seed=args.seed)
-        res = self.tr.sample([args.prompt], sp, adapters=adapter, num_samples=args.num_samples,
-                             prompt_logprobs=args.prompt_logprobs)[0]
-        return ("proto", wire.encode_sample_response(res.sequences, res.prompt_logprobs))
+    def _sampler_adapter(self, rec) -> int | None:
+        """The slot a sampling session reads (None: the base model)."""
+        if rec.model_path is None:
+            return None
+        key = rec.folder if rec.folder is not None else rec.model_path
+        slot = self._sampler_slots.get(key)
+        if slot is None:
+            if rec.folder is None:
+                raise InputError(f"the in-memory sampler weights {rec.model_path} were freed "
+                                 "to make room; save_weights_for_sampler again")
+            self._free_slot("load sampler weights")
+            slot = self.tr.load_peft(rec.folder)
+            self._sampler_slots[key] = slot
+        self._sampler_slots.move_to_end(key)
+        return slot
+
+    def _admit_sample(self, w: Work) -> None:
+        """Admit one asample into the running engine (or run it beside, if too long)."""
+        try:
+            rec = self.store.sampler(w.payload["sampling_session_id"], w.owner)
+            args: wire.SampleArgs = w.payload["args"]
+            adapter = self._sampler_adapter(rec)
+            sp = jcp.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                    top_k=args.top_k, top_p=args.top_p, stop=args.stop,
+                                    seed=args.seed)
+            if len(args.prompt) - 1 + args.max_tokens > self.sampling.max_len:
+                res = self.tr.sample([args.prompt], sp, adapters=adapter,
+                                     num_samples=args.num_samples,
+                                     prompt_logprobs=args.prompt_logprobs)[0]
+                self._complete(w.request_id, _encode_sample(res))
+                return
+
+            def done(rid, outcome, request_id=w.request_id):
+                self._complete(request_id, _error(outcome) if isinstance(outcome, Exception)
+                               else _encode_sample(outcome))
+
+            self.sampling.submit(args.prompt, sp, adapter, args.num_samples,
+                                 args.prompt_logprobs, callback=done)
+        except Exception as e:  # noqa: BLE001
+            self._complete(w.request_id, _error(e))
+
+
+def _encode_sample(res) -> tuple:
+    return ("proto", wire.encode_sample_response(res.sequences, res.prompt_logprobs))
 
 
 def _custom_datum(d: "jcp.Datum", loss: "jcp.CustomLoss") -> "jcp.Datum":

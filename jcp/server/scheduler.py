@@ -6,11 +6,12 @@ request, or every ready forward (or every ready forward_backward) request of eve
 whose loss settings agree, fused into one multi-LoRA Trainer call. optim_step,
 load_weights, save_* and unload_model are therefore barriers for their own model only:
 they head its queue and nothing of that model behind them can join a fused pass. Samples
-have no model order and run one per pass, oldest first. A request refused at the edge whose
-model and seq_id are known is queued as kind "refused", so that it still takes its seq_id.
-If the policy itself ever raises, the oldest queued request is handed out failed (`failure`)
-instead, so the worker goes on. It must never import jax or touch the Trainer; HTTP
-handlers only call `submit`.
+are not passes: they have no model order, and the worker takes every queued sample at
+each turn (`next_work`) and admits it into the running sampling engine, so one decode
+batch serves all tenants. A request refused at the edge whose model and seq_id are known is
+queued as kind "refused", so that it still takes its seq_id. If the policy itself ever
+raises, the oldest queued request is handed out failed (`failure`) instead, so the worker
+goes on. It must never import jax or touch the Trainer; HTTP handlers only call `submit`.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._queues: dict[str, list[Work]] = {}  # model id -> its pending work
         self._samples: list[Work] = []
+        self._unordered: list[Work] = []          # model-less work (create_model)
         self._last_seq: dict[str, int] = {}       # model id -> last seq_id taken
         self._arrivals = itertools.count()
         self._held = 0
@@ -73,8 +75,10 @@ class Scheduler:
             raise ValueError(f"seq_id must be an integer ≥ 0 or None, got {seq!r}")
         with self._cv:
             work.arrival, work.arrived_at = next(self._arrivals), time.monotonic()
-            if work.model_id is None or work.kind == "sample":
+            if work.kind == "sample":
                 self._samples.append(work)
+            elif work.model_id is None:
+                self._unordered.append(work)
             else:
                 q = self._queues.setdefault(work.model_id, [])
                 q.append(work)
@@ -83,7 +87,8 @@ class Scheduler:
 
     def pending(self) -> int:
         with self._cv:
-            return len(self._samples) + sum(map(len, self._queues.values()))
+            return (len(self._samples) + len(self._unordered)
+                    + sum(map(len, self._queues.values())))
 
     def hold(self) -> None:
         """Stop handing out passes (requests still queue) until `release`. For tests and
@@ -114,7 +119,11 @@ class Scheduler:
         """Remove a request that no pass has taken yet -> whether it was still queued. A
         cancelled ordered request counts as taken, so its model's later ones still run."""
         with self._cv:
-            for w in self._samples + [w for q in self._queues.values() for w in q]:
+            for w in self._samples:
+                if w.request_id == request_id:
+                    self._samples.remove(w)
+                    return True
+            for w in self._unordered + [w for q in self._queues.values() for w in q]:
                 if w.request_id == request_id:
                     self._remove([w])
                     self._cv.notify_all()
@@ -128,27 +137,32 @@ class Scheduler:
 
     # ------------------------------------------------------------------ worker side
 
-    def next_pass(self, timeout: float | None = None) -> list[Work] | None:
-        """Block until a pass is ready -> its requests (one, or a fused group), or None on
-        close / timeout."""
+    def next_work(self, block: bool = True,
+                  timeout: float | None = None) -> tuple[list[Work], list[Work]] | None:
+        """(a pass — one request or a fused group, possibly empty —, every queued sample),
+        or None once closed. block: wait until either exists (at most `timeout` seconds,
+        then ([], [])); else return at once."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while True:
                 if self._closed:
                     return None
+                group, samples = [], []
                 if not self._held:
                     try:
-                        group = self._take()
+                        group = self._take() or []
                     except Exception:  # noqa: BLE001 — a policy bug must not stop the worker
                         log.exception("scheduler: could not pick a pass; failing the oldest "
                                       "queued request")
-                        group = self._fail_oldest()
+                        group = self._fail_oldest() or []
+                    samples, self._samples = self._samples, []
                     if group:
                         self.counters.passes += 1
-                        return group
+                if group or samples or not block:
+                    return group, samples
                 wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
                 if wait <= 0:
-                    return None
+                    return [], []
                 self._cv.wait(wait)
 
     def _ready_run(self, model_id: str, now: float) -> list[Work]:
@@ -170,7 +184,7 @@ class Scheduler:
     def _take(self) -> list[Work] | None:
         now = time.monotonic()
         runs = {m: r for m in self._queues if (r := self._ready_run(m, now))}
-        heads = [r[0] for r in runs.values()] + self._samples[:1]
+        heads = [r[0] for r in runs.values()] + self._unordered[:1]
         if not heads:
             return None
         first = min(heads, key=lambda w: w.arrival)
@@ -191,12 +205,14 @@ class Scheduler:
         return group
 
     def _fail_oldest(self) -> list[Work] | None:
-        queued = self._samples + [w for q in self._queues.values() for w in q]
+        queued = self._samples + self._unordered + [w for q in self._queues.values() for w in q]
         if not queued:
             return None
         w = min(queued, key=lambda w: w.arrival)
         if w in self._samples:
             self._samples.remove(w)
+        elif w in self._unordered:
+            self._unordered.remove(w)
         else:
             q = self._queues[w.model_id]
             q.remove(w)
@@ -207,8 +223,8 @@ class Scheduler:
 
     def _remove(self, works: list[Work]) -> None:
         for w in works:
-            if w.kind == "sample" or w.model_id is None:
-                self._samples.remove(w)
+            if w.model_id is None:
+                self._unordered.remove(w)
                 continue
             q = self._queues[w.model_id]
             q.remove(w)

@@ -216,15 +216,16 @@ def write_rows(cache: Cache, new: KV, row_B, position_B) -> Cache:
     return Cache(k, v, pos)
 
 
-def step_rows(step, base_B, layout: Layout, t_len: int):
-    """Where this device writes step `step`'s new rows: int32 [B] (t_len = nowhere).
+def step_rows(count_B, base_B, layout: Layout, t_len: int):
+    """Where this device writes each row's next cache row: int32 [B] (t_len = nowhere).
 
-    Sequence b's decode rows start at base_B[b] on every rank of its row axes; step i goes
-    to rank i mod n (n = size of the row axes, 1 for "batch"), row base + i // n — round
-    robin, so every rank of a "split" cache gains the same number of rows.
+    Sequence b's decode rows start at base_B[b] on every rank of its row axes; its draw
+    number count_B[b] goes to rank count mod n (n = size of the row axes, 1 for "batch"),
+    row base + count // n — round robin, so every rank of a "split" cache gains the same
+    number of rows.
     """
     if not layout.row_axes:
-        return base_B + step
+        return base_B + count_B
     n = jax.lax.axis_size(layout.row_axes)
-    mine = jax.lax.axis_index(layout.row_axes) == step % n
-    return jnp.where(mine, base_B + step // n, t_len)
+    mine = jax.lax.axis_index(layout.row_axes) == count_B % n
+    return jnp.where(mine, base_B + count_B // n, t_len)

@@ -1,0 +1,150 @@
+"""The continuous-batching engine (jcp.sample.engine) against the static sampler and
+through the server. Tiny Qwen3 (jcp.QwenConfig.tiny()), LoRA rank 8, --mesh (default
+1,2,2 on fake CPU devices). Every figure is a ratio within one run, after a warm-up that
+compiles the programs; the machine is shared, so treat them as rough.
+
+1. Equal batch: R prompts × S samples × T tokens (drawn, stop=[]) through
+   Trainer.sample (one static call) and through Engine.sample (same sequences): tokens/s
+   of the engine ÷ static (goal ≥ 1.0).
+2. Mixed adapters: 8 sequences over 4 adapters vs all on 1 adapter, through the engine:
+   time ratio (goal ≤ 1.15).
+3. Time to first token of one request submitted while --busy sequences decode, in engine
+   steps and seconds, against one engine step's time.
+4. Server: R concurrent SDK asample requests × S samples × T tokens against one
+   in-process Trainer.sample over the same R·S sequences: tokens/s ratio (goal ≥ 0.8).
+5. KV memory: the engine's cache bytes per device and the rows one decode call reads.
+
+    python benchmarks/engine.py [--mesh 1,2,2] [--r 128] [--s 8] [--t 32] [--busy 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mesh", default="1,2,2")
+    p.add_argument("--r", type=int, default=128, help="requests (prompts)")
+    p.add_argument("--s", type=int, default=8, help="samples per request")
+    p.add_argument("--t", type=int, default=32, help="new tokens per sequence")
+    p.add_argument("--busy", type=int, default=256, help="sequences decoding in 3.")
+    p.add_argument("--skip-server", action="store_true")
+    args = p.parse_args(argv)
+    args.mesh = tuple(int(x) for x in args.mesh.split(","))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    n_dev = args.mesh[0] * args.mesh[1] * args.mesh[2]
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={max(n_dev, 1)}")
+    import concurrent.futures as cf
+
+    import numpy as np
+
+    import jcp
+    from jcp.sample.engine import Engine
+
+    cfg = jcp.QwenConfig.tiny()
+    tr = jcp.Trainer(cfg, jcp.make_mesh(*args.mesh), max_adapters=6, max_rank=8)
+    ads = [tr.create_adapter(rank=8, seed=k) for k in range(4)]
+    rng = np.random.default_rng(0)
+    n_seq = args.r * args.s
+    prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(4, 17))).tolist()
+               for _ in range(args.r)]
+    sp = jcp.SamplingParams(max_tokens=args.t, temperature=1.0, seed=1, stop=[])
+    groups = args.mesh[0] * args.mesh[1]
+    slots = -(-n_seq // groups) * groups
+    eng = Engine(tr.make_sampler(), slots=slots, max_len=64, chunk=8)
+
+    def timed(fn, reps=2):
+        fn()  # warm-up: compiles
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    # 1. equal batch
+    t_static = timed(lambda: tr.sample(prompts, sp, adapters=ads[0], num_samples=args.s))
+    t_engine = timed(lambda: eng.sample(prompts, sp, adapters=ads[0], num_samples=args.s))
+    print(f"1. equal batch {args.r}×{args.s}×{args.t}: static {n_seq * args.t / t_static:.0f} "
+          f"tok/s, engine {n_seq * args.t / t_engine:.0f} tok/s -> engine/static "
+          f"{t_static / t_engine:.2f}× (goal ≥ 1.0)", flush=True)
+
+    # 2. mixed adapters
+    eight = prompts[:8]
+    t_one = timed(lambda: eng.sample(eight, sp, adapters=[ads[0]] * 8), reps=3)
+    t_mix = timed(lambda: eng.sample(eight, sp, adapters=[ads[k % 4] for k in range(8)]),
+                  reps=3)
+    print(f"2. 8 sequences over 4 adapters vs 1: {t_mix / t_one:.2f}× the time "
+          f"(goal ≤ 1.15)", flush=True)
+
+    # 3. time to first token while many decode
+    long_sp = jcp.SamplingParams(max_tokens=48, temperature=1.0, seed=2, stop=[])
+    busy = [eng.submit(prompts[k % args.r], long_sp, ads[k % 4]) for k in range(args.busy)]
+    eng.step()
+    eng.step()
+    t_step = timed(lambda: eng.step(), reps=1)
+    rid = eng.submit(prompts[0], sp, ads[1])
+    t0, steps = time.perf_counter(), 0
+    while not eng.requests[rid].tokens or not eng.requests[rid].tokens[0]:
+        eng.step()
+        steps += 1
+    ttft = time.perf_counter() - t0
+    print(f"3. first token of a request arriving while {eng.live} sequences decode: "
+          f"{steps} engine step(s), {ttft:.3f} s (one step {t_step:.3f} s)", flush=True)
+    for r in busy + [rid]:
+        eng.cancel(r)
+    eng.run()
+
+    # 5. memory
+    row = eng.s.row_bytes
+    print(f"5. KV cache: {eng.slots // groups} slots × {eng.max_len} rows × {row} B = "
+          f"{eng.slots // groups * eng.max_len * row / 2**20:.1f} MiB per device (fixed slot "
+          f"rows); a decode call reads only the live window (rows ≤ pow2(longest live + "
+          f"chunk), ≥ 64)", flush=True)
+
+    if args.skip_server:
+        return 0
+    # 4. server
+    import tinker
+    from tinker import types
+
+    from jcp.serve import Server
+
+    srv = Server(tr, "jcp-tiny", tempfile.mkdtemp(), {"tml-k": "k"}).start()
+    try:
+        sc = tinker.ServiceClient(base_url=srv.url, api_key="tml-k")
+        samp = sc.create_sampling_client(base_model="jcp-tiny")
+        tsp = types.SamplingParams(max_tokens=args.t, temperature=1.0, seed=1, stop=[])
+
+        def served():
+            with cf.ThreadPoolExecutor(min(args.r, 64)) as pool:
+                futs = [pool.submit(samp.sample, types.ModelInput.from_ints(p), args.s, tsp)
+                        for p in prompts]
+                for f in futs:
+                    f.result().result()
+
+        t_srv = timed(served, reps=1)
+        t_in = timed(lambda: tr.sample(prompts, sp, num_samples=args.s), reps=1)
+        print(f"4. server {args.r}×{args.s}×{args.t} concurrent SDK requests: "
+              f"{n_seq * args.t / t_srv:.0f} tok/s vs in-process "
+              f"{n_seq * args.t / t_in:.0f} tok/s -> {t_in / t_srv:.2f}× (goal ≥ 0.8)",
+              flush=True)
+        sc._session_holder and sc._session_holder.close()
+    finally:
+        srv.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

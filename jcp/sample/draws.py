@@ -1,0 +1,93 @@
+"""Token draws on vocab-parallel logits, each row with its own sampling parameters.
+
+Owns the draw of one decode step (greedy, temperature, top-k, top-p; Gumbel-max with a
+per-sequence key folded with the sequence's own token count, so a draw never depends on
+the rows around it or on how steps are grouped into calls) and the two gathers a decode
+step needs inside shard_map. It must never read weights or caches.
+
+Shapes: see the legend in jcp/mesh.py; B = rows of the decode batch on this device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jcp.mesh import TP
+from jcp.sample.params import MIN_TEMPERATURE
+
+
+def nucleus_mask(x_BxV, top_k_B, top_p_B):
+    """[B, V] bool: the tokens top-k then top-p keep (by rank, so exactly k survive top-k).
+
+    top_k_B int32 [B] (≤ 0: all), top_p_B float32 [B] (scalars broadcast). top-p keeps a
+    token iff the probability (renormalised over the top-k survivors) of the tokens ranked
+    strictly above it is < top_p: the smallest set reaching top_p.
+    """
+    b, v = x_BxV.shape
+    top_k_B = jnp.broadcast_to(jnp.asarray(top_k_B), (b,))
+    top_p_B = jnp.broadcast_to(jnp.asarray(top_p_B, jnp.float32), (b,))
+    order_BxV = jnp.argsort(-x_BxV, axis=-1, stable=True)
+    sorted_BxV = jnp.take_along_axis(x_BxV, order_BxV, axis=-1)
+    rank_V = jnp.arange(v)
+    in_k = rank_V[None, :] < jnp.where(top_k_B > 0, top_k_B, v)[:, None]
+    p_BxV = jax.nn.softmax(jnp.where(in_k, sorted_BxV, -jnp.inf), axis=-1)
+    before = jnp.cumsum(p_BxV, axis=-1) - p_BxV
+    keep_sorted = in_k & ((top_p_B[:, None] >= 1.0) | (before < top_p_B[:, None]))
+    return jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], order_BxV].set(keep_sorted)
+
+
+def sample_tokens(logits_BxV, keys_Bx2, count_B, temperature_B, top_k_B, top_p_B, *,
+                  greedy: bool, filtered: bool):
+    """(token int32 [B], log-prob float32 [B]) of one decode step, per row.
+
+    Row b with temperature 0 (or every row when `greedy`): argmax (the first, as torch),
+    log-prob log_softmax(logits). Else x = logits / T_b; log-prob log_softmax(x) of the
+    drawn token (before truncation); with `filtered` (some row truncates) the draw is
+    restricted to nucleus_mask(x, top_k, top_p). The draw is Gumbel-max with key
+    fold_in(key_b, count_b), count_b = tokens the sequence has drawn before: a sequence's
+    draws depend on its key and its own step only. Scalars broadcast over rows.
+    """
+    logits_BxV = logits_BxV.astype(jnp.float32)
+    b = logits_BxV.shape[0]
+    if greedy:
+        tok_B = jnp.argmax(logits_BxV, axis=-1)
+        logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
+    else:
+        temperature_B = jnp.broadcast_to(jnp.asarray(temperature_B, jnp.float32), (b,))
+        cold_B = temperature_B == 0.0
+        # Greedy rows divide by exactly 1, so their log-probs are log_softmax(logits).
+        t_B = jnp.where(cold_B, 1.0, jnp.maximum(temperature_B, MIN_TEMPERATURE))
+        x_BxV = logits_BxV / t_B[:, None]
+        logp_BxV = jax.nn.log_softmax(x_BxV, axis=-1)
+        if filtered:
+            x_BxV = jnp.where(nucleus_mask(x_BxV, top_k_B, top_p_B), x_BxV, -jnp.inf)
+
+        def draw(key_2, count, row_V):
+            key = jax.random.fold_in(jax.random.wrap_key_data(key_2, impl="threefry2x32"),
+                                     count)
+            return jnp.argmax(row_V + jax.random.gumbel(key, row_V.shape, jnp.float32))
+
+        count_B = jnp.broadcast_to(jnp.asarray(count_B, jnp.int32), (b,))
+        drawn_B = jax.vmap(draw)(keys_Bx2, count_B, x_BxV)
+        tok_B = jnp.where(cold_B, jnp.argmax(logits_BxV, axis=-1), drawn_B)
+    lp_B = jnp.take_along_axis(logp_BxV, tok_B[:, None], axis=-1)[:, 0]
+    return tok_B.astype(jnp.int32), lp_B
+
+
+def gather_vocab(x_BxVloc):
+    """[B, V/tp] on each tp rank -> [B, V] on all: a psum of each rank's slice placed in a
+    zero grid (typed replicated over tp, unlike all_gather), vocab order rank-major."""
+    tp = jax.lax.axis_size(TP)
+    grid = jnp.zeros((tp,) + x_BxVloc.shape, x_BxVloc.dtype)
+    grid = grid.at[jax.lax.axis_index(TP)].set(x_BxVloc)
+    b, v_loc = x_BxVloc.shape
+    return jnp.moveaxis(jax.lax.psum(grid, TP), 0, 1).reshape(b, tp * v_loc)
+
+
+def gather_batch(x_BxN, axes):
+    """[B, …] on each device along `axes` -> [n·B, …] on all (device-major over axes in
+    order, n = their total size), replicated over them."""
+    grid = jnp.zeros((jax.lax.axis_size(axes),) + x_BxN.shape, x_BxN.dtype)
+    grid = grid.at[jax.lax.axis_index(axes)].set(x_BxN)
+    return jax.lax.psum(grid, axes).reshape((-1,) + x_BxN.shape[1:])

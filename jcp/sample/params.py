@@ -1,0 +1,161 @@
+"""Sampling parameters, results and the validation of a sampling call (host only).
+
+Owns SamplingParams, SampledSequence / SampleResult, the checks that refuse bad input
+before any device work (InputError naming the argument and field), and the per-sequence
+seed streams. It must never touch devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jcp.errors import InputError, float32_number
+
+# Temperatures below this are treated as this: logits / T stays finite in float32, and the
+# draw is then the greedy token except for exact ties.
+MIN_TEMPERATURE = 1e-6
+BASE = -1  # adapter key of "no adapter" (the base model alone)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample (Tinker's SamplingParams, token stops only).
+
+    max_tokens: most new tokens per sequence (≥ 1). temperature: 0 = greedy; otherwise
+    logits / T (values below 1e-6 act as 1e-6). top_k: keep the k most likely tokens (−1 =
+    all). top_p: then keep the smallest set of most likely tokens whose probability
+    reaches top_p (1 = all). stop: token ids that end a sequence (the stop token is
+    included in the result); None = the model's EOS ids (QwenConfig.eos_token_ids, from
+    config.json / generation_config.json); [] = never stop early. seed: makes the call
+    reproducible (each sequence of each prompt gets its own stream from it); None =
+    fresh entropy.
+
+    Returned log-probs are log_softmax(logits / T) of the sampled token, before top-k /
+    top-p truncation (T = 1 for greedy), so at T = 1 they are the Trainer's own
+    log-probs of those tokens.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    stop: Sequence[int] | None = None
+    seed: int | None = None
+
+
+@dataclasses.dataclass
+class SampledSequence:
+    """One completion: tokens int32 [n] (a stop token that ended it included), logprobs
+    float32 [n] (see SamplingParams), stop_reason "stop" | "length"."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    stop_reason: str
+
+
+@dataclasses.dataclass
+class SampleResult:
+    """The num_samples sequences of one prompt; prompt_logprobs float32 [len(prompt)]
+    (NaN at 0) when asked for, else None."""
+
+    sequences: list[SampledSequence]
+    prompt_logprobs: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A validated sampling call."""
+
+    prompts: list[np.ndarray]
+    adapters: list[int]  # per prompt; BASE = none
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    stop: tuple[int, ...]
+    seed: int
+    num_samples: int
+
+
+def is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_prompts(prompts, vocab_size: int, what: str = "prompts") -> list[np.ndarray]:
+    """A list of non-empty token vectors inside the vocabulary -> int32 copies."""
+    if isinstance(prompts, (str, bytes, np.ndarray)) or not isinstance(prompts, Sequence):
+        raise InputError(f"{what} must be a list of token sequences")
+    if len(prompts) == 0:
+        raise InputError(f"{what} is empty: pass at least one prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)):
+            raise InputError(f"{what}[{i}] must be a sequence of token ids, got a string")
+        try:
+            arr = np.array(p, copy=True)
+        except Exception as e:  # ragged and the like
+            raise InputError(f"{what}[{i}] is not a vector of token ids ({e})") from None
+        if arr.ndim != 1:
+            raise InputError(f"{what}[{i}] must be 1-D, got shape {arr.shape}")
+        if arr.size == 0:
+            raise InputError(f"{what}[{i}] is empty")
+        if not np.issubdtype(arr.dtype, np.integer):
+            if arr.dtype.kind != "f" or not np.all(np.isfinite(arr)) \
+                    or np.any(arr != np.round(arr)):
+                raise InputError(f"{what}[{i}] must hold integer token ids, got {arr.dtype}")
+        bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
+        if bad.size:
+            j = int(bad[0])
+            raise InputError(f"{what}[{i}][{j}] = {arr[j]} is outside the vocabulary "
+                             f"[0, {vocab_size})")
+        out.append(arr.astype(np.int32))
+    return out
+
+
+def check_params(sp, vocab_size: int, eos: tuple[int, ...]) -> dict:
+    """SamplingParams -> checked values (float32 for the floats); InputError names the field."""
+    if not isinstance(sp, SamplingParams):
+        raise InputError(f"sampling_params must be jcp.SamplingParams, got {type(sp).__name__}")
+    if not is_int(sp.max_tokens) or sp.max_tokens < 1:
+        raise InputError(f"SamplingParams.max_tokens must be an integer ≥ 1, got "
+                         f"{sp.max_tokens!r}")
+    temperature = float32_number(sp.temperature, "SamplingParams.temperature")
+    if temperature < 0:
+        raise InputError(f"SamplingParams.temperature must be ≥ 0, got {sp.temperature}")
+    if not is_int(sp.top_k) or not (sp.top_k == -1 or sp.top_k >= 1):
+        raise InputError(f"SamplingParams.top_k must be −1 (no limit) or an integer ≥ 1, got "
+                         f"{sp.top_k!r}")
+    top_p = float32_number(sp.top_p, "SamplingParams.top_p")
+    if not 0.0 < top_p <= 1.0:
+        raise InputError(f"SamplingParams.top_p must lie in (0, 1], got {sp.top_p}")
+    if sp.stop is None:
+        stop = tuple(eos)
+    else:
+        if isinstance(sp.stop, (str, bytes)) or not isinstance(sp.stop, (Sequence, np.ndarray)):
+            raise InputError(f"SamplingParams.stop must be a list of token ids or None, got "
+                             f"{sp.stop!r}")
+        for j, t in enumerate(sp.stop):
+            if not is_int(t) or not 0 <= t < vocab_size:
+                raise InputError(f"SamplingParams.stop[{j}] = {t!r} is not a token id in "
+                                 f"[0, {vocab_size})")
+        stop = tuple(int(t) for t in sp.stop)
+    if sp.seed is None:
+        seed = int(np.random.SeedSequence().entropy % (1 << 63))
+    elif not is_int(sp.seed) or not 0 <= sp.seed < 1 << 63:
+        raise InputError(f"SamplingParams.seed must be an integer in [0, 2^63) or None, got "
+                         f"{sp.seed!r}")
+    else:
+        seed = int(sp.seed)
+    return dict(max_tokens=int(sp.max_tokens), temperature=temperature,
+                top_k=int(min(sp.top_k, vocab_size)) if sp.top_k > 0 else -1,
+                top_p=top_p, stop=stop, seed=seed)
+
+
+def sequence_keys(seed: int, prompt: int, num_samples: int) -> np.ndarray:
+    """Raw threefry keys uint32 [num_samples, 2] of one prompt's sequences: a pure function
+    of (seed, prompt index, sample index), so a draw never depends on the batch around it."""
+    return np.stack([np.random.SeedSequence([seed, prompt, j]).generate_state(2, np.uint32)
+                     for j in range(num_samples)])

@@ -1,0 +1,273 @@
+"""The compiled sampling programs: prefill and decode.
+
+Owns the two jitted device programs and their arguments. Arguments are registered
+dataclasses with a `specs()` (as train_step.Batch), so the shard_map specs cannot drift
+from the arguments; what selects a program variant is one frozen, hashable value
+(PrefillModes / DecodeModes). Both programs run the one decoder (model.hidden_states)
+with an attention strategy from kv_cache, the LoRA routing of jcp/lora.py and the
+log-prob code of jcp/losses.py; they must never write a second decoder, never copy
+adapter weights per token, and never change adapter state (sampling only reads).
+
+Shapes: see the legend in jcp/mesh.py; B = rows of the decode batch (on this device
+inside shard_map), T = cache rows per sequence, N = out tokens per row (bucketed), A =
+active adapters, NS = stop-table width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jcp import lora as lora_lib
+from jcp import losses as losses_lib
+from jcp import model as model_lib
+from jcp import train_step
+from jcp.config import QwenConfig
+from jcp.mesh import SPECS, vary
+from jcp.sample import draws
+from jcp.sample import kv_cache
+
+# The largest per-device layer weights the decode loop copies out of their stacks.
+SLICE_LAYERS_MAX_BYTES = 256 << 20
+
+
+def _register(cls):
+    jax.tree_util.register_dataclass(
+        cls, data_fields=[f.name for f in dataclasses.fields(cls)], meta_fields=[])
+    return cls
+
+
+@_register
+@dataclasses.dataclass(frozen=True)
+class PrefillArgs:
+    """Packed prefill streams (batch.pack of prompt[:-1] → prompt[1:]) as global arrays:
+    tokens, segment, position, targets [DP, CP, S], spans [DP, CP, A, 2], active [A]."""
+
+    tokens: jax.Array
+    segment: jax.Array
+    position: jax.Array
+    targets: jax.Array
+    spans: jax.Array
+    active: jax.Array
+
+    @staticmethod
+    def specs() -> PrefillArgs:
+        s = SPECS.stream_DPxCPxS
+        return PrefillArgs(s, s, s, s, SPECS.spans_DPxCPxAx2, SPECS.replicated)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillModes:
+    """layout: kv_cache.LAYOUTS name the prefill fills, or None (no cache: log-probs only);
+    with_logprobs: also return the streams' target log-probs."""
+
+    layout: str | None
+    with_logprobs: bool
+
+
+@_register
+@dataclasses.dataclass(frozen=True)
+class DecodeRows:
+    """Per-row state and parameters of a decode batch (global arrays, [B] unless noted).
+
+    token: the newest token (not yet in the cache); position: its position; base: the
+    first decode row of the sequence's cache; done: the row decodes nothing; count:
+    tokens the sequence has drawn so far (seeds its draws; its rows go to base + count);
+    index: the row's adapter as an index into the call's active [A]; max_tokens,
+    temperature, top_k (≤ 0: all), top_p: the sequence's SamplingParams; keys [B, 2]:
+    raw threefry keys; stop [B, NS]: stop token ids, −1 padded.
+    """
+
+    token: jax.Array
+    position: jax.Array
+    base: jax.Array
+    done: jax.Array
+    count: jax.Array
+    index: jax.Array
+    max_tokens: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    keys: jax.Array
+    stop: jax.Array
+
+    @staticmethod
+    def specs(layout: kv_cache.Layout) -> DecodeRows:
+        b, b2 = layout.seqs_B, layout.seqs_Bx2
+        return DecodeRows(b, b, b, b, b, b, b, b, b, b, b2, b2)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeModes:
+    """layout: kv_cache.LAYOUTS name; out_len: most steps of the call (bucketed); greedy:
+    every row is greedy (no draw at all); filtered: some row truncates by top-k / top-p;
+    slice_layers: take the layers out of their stacks once before the loop (see
+    make_decode); window: (rows, cache rows) — decode only the first `rows` sequences of
+    each device's cache over its first `cache rows` rows (the engine's live slots and
+    lengths, bucketed), writing them back in place; None: the whole cache."""
+
+    layout: str
+    out_len: int
+    greedy: bool
+    filtered: bool
+    slice_layers: bool = True
+    window: tuple[int, int] | None = None
+
+
+def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
+    """jit(prefill)(lora, params, slot_meta, args: PrefillArgs, source, old, *, modes) ->
+    (KV [L, B, T, K, H] or None, log-probs [DP, CP, S] replicated or None).
+
+    The packed streams through the decoder with training's CP attention
+    (train_step.training_attend: gathered K/V or the ring, by step_cfg.cp_attention and
+    the stream's size) and each token's adapter (active < 0: none). With a cache layout
+    (modes.layout), every layer's K/V is moved into the cache in the same program
+    (kv_cache.fill): row (b, t) ← flat stream row source[b, t] ([B, T] int32, sharded like
+    the cache positions; −1 keeps `old`'s row, or zero when old is None). `old` is
+    donated. layout None: no cache (source and old None).
+    """
+
+    @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("old",))
+    def prefill(lora, params, slot_meta, args: PrefillArgs, source, old, *,
+                modes: PrefillModes):
+        lora_active = lora_lib.take_active(lora, jnp.maximum(args.active, 0))
+        lay = None if modes.layout is None else kv_cache.LAYOUTS[modes.layout]
+
+        def shard(lora_active, params, slot_meta, a: PrefillArgs, source, old):
+            one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
+            route = slot_meta.routing(a.active, one(a.spans))
+            attend = kv_cache.prefill_attend(
+                train_step.training_attend(cfg, step_cfg, one(a.segment), one(a.position)))
+            h_SxD, kv, _ = model_lib.hidden_states(cfg, params, one(a.tokens), one(a.position),
+                                                attend, lora_active, route, remat=False)
+            kv = None if lay is None else kv_cache.fill(kv, source, lay, old)
+            lp = None
+            if modes.with_logprobs:
+                lefts, rights = model_lib.unembed_factors(params, h_SxD, lora_active, route)
+                lp_S = losses_lib.target_logprobs(lefts, rights, one(a.targets),
+                                                  step_cfg.logprob_chunk)
+                lp = losses_lib.gather_stream(jnp.where(one(a.segment) >= 0, lp_S, 0.0))
+            return kv, lp
+
+        kv_spec = None if lay is None else kv_cache.KV(lay.kv_LxBxTxKxH, lay.kv_LxBxTxKxH)
+        in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
+                    SPECS.slot_G, PrefillArgs.specs(),
+                    None if lay is None else lay.position_BxT,
+                    None if old is None else kv_spec)
+        out_specs = (kv_spec, P() if modes.with_logprobs else None)
+        return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
+            lora_active, params, slot_meta, args, source, old)
+
+    return prefill
+
+
+def make_decode(cfg: QwenConfig, mesh):
+    """jit(decode)(lora, params, slot_meta, cache, rows: DecodeRows, active, *, modes) ->
+    (tokens [B, N] (−1 where a row drew nothing), log-probs [B, N], both replicated; the
+    final cache, less the rows of the steps that ended a sequence — nothing reads those).
+
+    One lax.while_loop of at most modes.out_len steps: each step runs every row's newest
+    token through the decoder (decode_attend over its cache — merged over cp under layout
+    "split" — LoRA routed by each row's own adapter index), draws the next token with the
+    row's own parameters, writes the step's K/V rows (kv_cache.step_rows: from base on,
+    by the row's own count), and stops when no row is live. A row ends at a stop token of
+    its own or its own max_tokens. cache: kv_cache.Cache in the layout's specs, donated
+    and returned, so the loop updates it in place. modes.slice_layers: take every layer's
+    weights out of the stacked arrays once, before the loop, and run the layers unrolled
+    on them (model.layer_slices), instead of a lax.scan that slices them per layer and
+    step (the Sampler slices iff the per-device layer weights are at most
+    SLICE_LAYERS_MAX_BYTES).
+    """
+
+    @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("cache",))
+    def decode(lora, params, slot_meta, cache, rows: DecodeRows, active, *,
+               modes: DecodeModes):
+        lay = kv_cache.LAYOUTS[modes.layout]
+        # Gathered once, outside the loop: the A active slots, layers leading.
+        lora_active = lora_lib.take_active(lora, jnp.maximum(active, 0))
+
+        def shard(lora_active, params, slot_meta, cache, r: DecodeRows, active):
+            full = cache
+            if modes.window is not None:
+                w_b, w_t = modes.window
+                cache = kv_cache.Cache(full.k[:, :w_b, :w_t], full.v[:, :w_b, :w_t],
+                                       full.position[:w_b, :w_t])
+            route = slot_meta.routing(active, None, r.index)
+            b, t_len = cache.position.shape
+            # The A factors enter the loop as [I, A, R] and are viewed back as [A, I, R]
+            # inside it (swap_a_factors): XLA folds that view into low_rank_input's own
+            # transpose to [I, A·R], so no step copies them (XLA:CPU hoists no loop
+            # invariants; this cost 1.2× the decode time at A = 4 on the tiny model).
+            lora_outside = swap_a_factors(lora_active)
+            layers_outside = (model_lib.layer_slices(cfg, params, lora_outside)
+                              if modes.slice_layers else None)
+
+            def body(carry):
+                i, tok_B, pos_B, done_B, count_B, cache, out_tok, out_lp = carry
+                lora_active = swap_a_factors(lora_outside)
+                layers = (None if layers_outside is None else
+                          tuple((w, swap_a_factors(lo)) for w, lo in layers_outside))
+                attend = kv_cache.decode_attend(pos_B, cache.position, lay.row_axes)
+                h_BxD, new, _ = model_lib.hidden_states(
+                    cfg, params, tok_B, pos_B, attend, lora_active, route,
+                    attn_state=kv_cache.KV(cache.k, cache.v), remat=False, layers=layers)
+                lefts, rights = model_lib.unembed_factors(params, h_BxD, lora_active, route)
+                logits = sum(jnp.einsum("bd,dv->bv", l, r, preferred_element_type=jnp.float32)
+                             for l, r in zip(lefts, rights))
+                nxt_B, lp_B = draws.sample_tokens(
+                    draws.gather_vocab(logits), r.keys, count_B, r.temperature, r.top_k,
+                    r.top_p, greedy=modes.greedy, filtered=modes.filtered)
+                live_B = ~done_B
+                out_tok = out_tok.at[:, i].set(jnp.where(live_B, nxt_B, -1))
+                out_lp = out_lp.at[:, i].set(jnp.where(live_B, lp_B, 0.0))
+                done_B = (done_B | jnp.any(nxt_B[:, None] == r.stop, axis=1)
+                          | (count_B + 1 >= r.max_tokens))
+                # A finished sequence needs no more rows. Skipping them also makes the write
+                # depend on this step's draw, hence on every layer's reads of the cache (the
+                # last layer's feed nothing else): only then does XLA order the reads before
+                # the in-place write instead of copying the whole cache twice per step.
+                rows_B = jnp.where(done_B, t_len,
+                                   kv_cache.step_rows(count_B, r.base, lay, t_len))
+                cache = kv_cache.write_rows(cache, new, rows_B, pos_B)
+                count_B = count_B + live_B.astype(jnp.int32)
+                return i + 1, nxt_B, pos_B + 1, done_B, count_B, cache, out_tok, out_lp
+
+            def cond(carry):
+                i, done_B = carry[0], carry[3]
+                left = jax.lax.psum(jnp.sum(~done_B, dtype=jnp.int32), lay.seq_axes)
+                return (i < modes.out_len) & (left > 0)
+
+            out_tok = vary(jnp.full((b, modes.out_len), -1, jnp.int32), lay.seq_axes)
+            out_lp = vary(jnp.zeros((b, modes.out_len), jnp.float32), lay.seq_axes)
+            carry = (jnp.int32(0), r.token, r.position, r.done, r.count, cache, out_tok,
+                     out_lp)
+            carry = jax.lax.while_loop(cond, body, carry)
+            cache, out_tok, out_lp = carry[5:]
+            if modes.window is not None:
+                cache = kv_cache.Cache(*(jax.lax.dynamic_update_slice(f, c, (0,) * f.ndim)
+                                         for f, c in zip(full, cache)))
+            return (draws.gather_batch(out_tok, lay.seq_axes),
+                    draws.gather_batch(out_lp, lay.seq_axes), cache)
+
+        in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
+                    SPECS.slot_G, lay.specs, DecodeRows.specs(lay), SPECS.replicated)
+        return jax.shard_map(shard, mesh=mesh, in_specs=in_specs,
+                             out_specs=(P(), P(), lay.specs))(
+            lora_active, params, slot_meta, cache, rows, active)
+
+    return decode
+
+
+def swap_a_factors(lora):
+    """The A factors of the dense LoRA modules with their adapter and input axes swapped:
+    [.., A, I, R] <-> [.., I, A, R] (an involution; other factors unchanged). None: None."""
+    if lora is None:
+        return None
+    dense = lora_lib.LAYER_MODULES + (lora_lib.HEAD,)
+    return {m: {k: jnp.swapaxes(x, -3, -2) if m in dense and k == "a" else x
+                for k, x in ab.items()} if ab is not None else ab
+            for m, ab in lora.items()}

@@ -1,0 +1,245 @@
+"""The continuous-batching engine (jcp.sample.engine) against HF generate + PEFT, forward,
+and the same request served alone.
+
+Evidence:
+1. greedy tokens equal transformers' generate(do_sample=False) (its PeftModel for each of
+   two adapters, the plain model for none) for requests that arrive at different steps,
+   mixing adapters and greedy with sampled rows, at meshes (1,1,1), (1,2,2), (2,2,1);
+2. every request — greedy or drawn with its own temperature / top-k / top-p / seed,
+   stop set and max_tokens — equals Trainer.sample of that request alone (tokens exactly,
+   log-probs fp32): batch mates and arrival step change nothing;
+3. sampled log-probs (T = 1) and prompt log-probs equal tr.forward; submit_logprobs equals
+   compute_logprobs;
+4. a full engine makes admission wait (nothing dropped or corrupted); a cancelled request
+   fails and its batch mates finish unchanged; an adapter changed mid-flight fails its
+   requests clearly while others finish; bad input is refused with nothing queued.
+
+One Trainer and one Engine per mesh (cached); tiny Qwen3; prompts < 16 tokens,
+max_tokens ≤ 10, so one cache shape serves every call.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import numpy as np
+import peft
+import pytest
+import torch
+
+import jcp
+from helpers import model_harness as MH
+from jcp.sample.engine import Engine, EngineError
+
+PROMPTS = ([3, 17, 42, 8, 99, 1, 64, 30, 2, 77, 12], [50], [6, 7, 120, 33, 4], [11, 90])
+MAX_TOKENS = 10
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "lm_head"]
+GREEDY = jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[])
+LP_ATOL = 2e-4
+
+
+@functools.lru_cache(maxsize=None)
+def _world(root):
+    hm = MH.hf_model("qwen3", tied=False, seed=11)
+    pms, folders = [], []
+    for k in range(2):
+        cfg = peft.LoraConfig(r=4 + 4 * k, lora_alpha=8 + 4 * k, target_modules=TARGETS,
+                              lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+        pm = peft.get_peft_model(copy.deepcopy(hm), cfg)
+        g = torch.Generator().manual_seed(30 + k)
+        with torch.no_grad():
+            for name, p in pm.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.05 * torch.randn(p.shape, generator=g))
+        folder = f"{root}/adapter{k}"
+        pm.eval().save_pretrained(folder)
+        pms.append(pm)
+        folders.append(folder)
+    base = f"{root}/base"
+    MH.save(hm, base)
+    return hm, pms, base, folders
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("engine"))
+
+
+@functools.lru_cache(maxsize=None)
+def _setup(mesh_shape, root):
+    _, _, base, folders = _world(root)
+    cfg, params = jcp.load_hf(base)
+    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=params, max_adapters=3,
+                     max_rank=8)
+    ids = [tr.load_peft(f) for f in folders]
+    eng = Engine(tr.make_sampler(), slots=8, max_len=32, chunk=4)
+    return tr, ids, eng
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_greedy(root, which):
+    hm, pms, _, _ = _world(root)
+    model = hm if which is None else pms[which]
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                               do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None,
+                               pad_token_id=0)
+            out.append(g[0, len(p):].numpy().astype(np.int32))
+    return out
+
+
+def _alone(tr, prompt, sp, adapter, n=1):
+    return tr.sample([prompt], sp, adapters=adapter, num_samples=n)[0]
+
+
+def _same(got, want, what):
+    assert len(got.sequences) == len(want.sequences), what
+    for j, (x, y) in enumerate(zip(got.sequences, want.sequences)):
+        np.testing.assert_array_equal(x.tokens, y.tokens, err_msg=f"{what} sample {j}")
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5, rtol=0,
+                                   err_msg=f"{what} sample {j}")
+        assert x.stop_reason == y.stop_reason, what
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 2, 2), (2, 2, 1)])
+def test_greedy_matches_hf_for_requests_arriving_at_different_steps(mesh_shape, root):
+    tr, (a, b), eng = _setup(mesh_shape, root)
+    assert (tr.dp, tr.cp, tr.tp) == mesh_shape
+    want = {None: _hf_greedy(root, None), a: _hf_greedy(root, 0), b: _hf_greedy(root, 1)}
+    # The adapters change what is generated, so mixing them is a real test.
+    assert not np.array_equal(want[a][0], want[None][0])
+    assert not np.array_equal(want[a][0], want[b][0])
+    drawn = jcp.SamplingParams(max_tokens=7, temperature=0.8, top_k=20, top_p=0.9, seed=3,
+                               stop=[5, 9])
+    waves = [[(0, a), (1, None)], [(2, b), (3, a)], [(0, b), (2, None)]]
+    rids, extra = [], None
+    for w, wave in enumerate(waves):
+        rids += [(eng.submit(PROMPTS[i], GREEDY, ad), i, ad) for i, ad in wave]
+        if w == 1:  # a drawn request joins mid-flight with its own params
+            extra = eng.submit(PROMPTS[2], drawn, b, num_samples=2)
+        eng.step()
+        assert eng.live > 0
+    eng.run()
+    for rid, i, ad in rids:
+        (seq,) = eng.result(rid).sequences
+        np.testing.assert_array_equal(seq.tokens, want[ad][i], err_msg=f"prompt {i} {ad}")
+    _same(eng.result(extra), _alone(tr, PROMPTS[2], drawn, b, 2), "drawn request")
+    assert eng.idle and eng.live == 0
+
+
+def test_every_request_equals_itself_alone(root):
+    """Per-row params, seeds, stops and max_tokens: results do not depend on batch mates."""
+    tr, (a, b), eng = _setup((1, 1, 1), root)
+    cases = [
+        (PROMPTS[0], jcp.SamplingParams(max_tokens=9, temperature=1.0, seed=1, stop=[]), a, 3),
+        (PROMPTS[1], jcp.SamplingParams(max_tokens=4, temperature=0.0, stop=[]), None, 1),
+        (PROMPTS[2], jcp.SamplingParams(max_tokens=8, temperature=0.7, top_k=3, seed=2,
+                                        stop=[]), b, 2),
+        (PROMPTS[3], jcp.SamplingParams(max_tokens=10, temperature=1.3, top_p=0.8, seed=4),
+         a, 1),
+    ]
+    alone = [_alone(tr, p, sp, ad, n) for p, sp, ad, n in cases]
+    # A stop set that really ends a sequence early: the first token the request draws.
+    first = int(alone[0].sequences[0].tokens[2])
+    stop_sp = jcp.SamplingParams(max_tokens=9, temperature=1.0, seed=1, stop=[first])
+    cases.append((PROMPTS[0], stop_sp, a, 3))
+    alone.append(_alone(tr, PROMPTS[0], stop_sp, a, 3))
+    assert alone[-1].sequences[0].stop_reason == "stop"
+    assert len(alone[-1].sequences[0].tokens) == 3
+    assert len(alone[1].sequences[0].tokens) == 4
+    rids = []
+    for k, (p, sp, ad, n) in enumerate(cases):  # one request joins per step
+        rids.append(eng.submit(p, sp, ad, num_samples=n))
+        eng.step()
+    eng.run()
+    for k, (rid, want) in enumerate(zip(rids, alone)):
+        _same(eng.result(rid), want, f"case {k}")
+    # A different seed really changes the draws.
+    other = _alone(tr, PROMPTS[0], jcp.SamplingParams(max_tokens=9, seed=7, stop=[]), a)
+    assert not np.array_equal(other.sequences[0].tokens, alone[0].sequences[0].tokens)
+
+
+def _forward_logprobs(tr, prompt, tokens, adapter):
+    full = np.concatenate([prompt, tokens]).astype(np.int32)
+    d = jcp.Datum(model_input=full[:-1],
+                  loss_fn_inputs={"target_tokens": full[1:],
+                                  "weights": np.zeros(len(full) - 1, np.float32)})
+    return tr.forward([d], adapters=adapter).loss_fn_outputs[0]["logprobs"]
+
+
+def test_logprobs_equal_forward(root):
+    tr, (a, b), eng = _setup((1, 2, 2), root)
+    sp = jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=5, stop=[])
+    rids = [eng.submit(PROMPTS[i], sp, ad, num_samples=2, prompt_logprobs=True)
+            for i, ad in ((0, a), (2, b))]
+    lp_rids = [eng.submit_logprobs(PROMPTS[i], ad) for i, ad in ((0, a), (3, None))]
+    eng.run()
+    for rid, i, ad in zip(rids, (0, 2), (a, b)):
+        r = eng.result(rid)
+        p = np.asarray(PROMPTS[i])
+        assert np.isnan(r.prompt_logprobs[0])
+        for seq in r.sequences:
+            lp = _forward_logprobs(tr, p, seq.tokens, ad)
+            np.testing.assert_allclose(seq.logprobs, lp[len(p) - 1:], atol=LP_ATOL, rtol=0)
+            np.testing.assert_allclose(r.prompt_logprobs[1:], lp[:len(p) - 1], atol=LP_ATOL,
+                                       rtol=0)
+    want = tr.compute_logprobs([PROMPTS[0], PROMPTS[3]], adapters=[a, None])
+    for rid, w in zip(lp_rids, want):
+        np.testing.assert_array_equal(eng.result(rid), w)
+
+
+def test_full_engine_makes_admission_wait(root):
+    tr, (a, _), _ = _setup((1, 1, 1), root)
+    eng = Engine(tr.make_sampler(), slots=4, max_len=32, chunk=4)
+    sp = jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=9, stop=[])
+    first = eng.submit(PROMPTS[0], sp, a, num_samples=3)
+    second = eng.submit(PROMPTS[2], sp, None, num_samples=3)
+    eng.step()
+    assert eng.live == 3 and len(eng.waiting) == 1  # 3 + 3 > 4 slots: the second waits
+    eng.run()
+    _same(eng.result(first), _alone(tr, PROMPTS[0], sp, a, 3), "first")
+    _same(eng.result(second), _alone(tr, PROMPTS[2], sp, None, 3), "second")
+
+
+def test_cancel_and_adapter_change_mid_flight(root):
+    tr, _, _ = _setup((1, 1, 1), root)
+    c = tr.create_adapter(rank=4, seed=3)
+    try:
+        eng = Engine(tr.make_sampler(), slots=8, max_len=32, chunk=2)
+        keep = eng.submit(PROMPTS[0], GREEDY, None)
+        gone = eng.submit(PROMPTS[2], GREEDY, None)
+        changed = eng.submit(PROMPTS[3], GREEDY, c)
+        eng.step()
+        assert all(len(t) == 2 for t in eng.requests[keep].tokens)
+        eng.cancel(gone)
+        d = jcp.Datum(model_input=[1, 2, 3], loss_fn_inputs={"target_tokens": [2, 3, 4],
+                                                             "weights": [1.0, 1.0, 1.0]})
+        tr.forward_backward([d], adapters=c)
+        tr.optim_step(c, jcp.AdamParams(learning_rate=1e-2))
+        eng.run()
+        with pytest.raises(EngineError, match="cancelled"):
+            eng.result(gone)
+        with pytest.raises(EngineError, match=f"adapter {c} changed"):
+            eng.result(changed)
+        _same(eng.result(keep), _alone(tr, PROMPTS[0], GREEDY, None), "kept request")
+    finally:
+        tr.delete_adapter(c)
+
+
+@pytest.mark.parametrize("what,kwargs", [
+    ("too long", dict(prompt=list(range(30)), sampling_params=GREEDY)),
+    ("num_samples", dict(prompt=[1, 2], sampling_params=GREEDY, num_samples=9)),
+    ("adapter", dict(prompt=[1, 2], sampling_params=GREEDY, adapter=2)),
+    ("vocab", dict(prompt=[1, 1000], sampling_params=GREEDY)),
+    ("params", dict(prompt=[1, 2], sampling_params=jcp.SamplingParams(top_p=0.0))),
+])
+def test_bad_requests_are_refused_with_nothing_queued(what, kwargs, root):
+    _, _, eng = _setup((1, 1, 1), root)
+    with pytest.raises(jcp.InputError):
+        eng.submit(**kwargs)
+    assert eng.idle and not eng.waiting
