@@ -466,8 +466,12 @@ class Trainer:
         shapes. With remat="auto" that program is compiled without recomputation first and
         kept iff its memory fits the budget."""
         args = (acc, lora, params, slot_meta, batch, loss_cfg, custom_args)
-        key = (jax.tree.structure(custom_args), tuple(x.shape for x in jax.tree.leaves(custom_args)),
-               tuple(batch.tokens.shape), tuple(batch.active.shape), loss_fns, num_slots, custom)
+        # Everything the compiled program is specialised on: the per-call arguments' tree and
+        # every leaf's shape and dtype (2-D targets, custom inputs), and the static arguments.
+        per_call = (batch, loss_cfg, custom_args)
+        key = (jax.tree.structure(per_call),
+               tuple((x.shape, x.dtype) for x in jax.tree.leaves(per_call)),
+               loss_fns, num_slots, custom)
         if key not in self._fb_programs:
             def compile_(remat):
                 return self._fb_steps[remat].lower(*args, loss_fns=loss_fns, num_slots=num_slots,
