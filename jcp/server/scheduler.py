@@ -136,7 +136,8 @@ class Scheduler:
             while True:
                 if self._closed:
                     return None
-                if not self._held:
+                # Nothing queued, nothing to pick (the worker also wakes just to reap).
+                if not self._held and (self._samples or self._queues):
                     try:
                         group = self._take()
                     except Exception:  # noqa: BLE001 — a policy bug must not stop the worker
