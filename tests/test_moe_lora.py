@@ -3,7 +3,7 @@
 The reference is transformers' Qwen3MoeForCausalLM in float64 with every LoRA factor merged
 into its weights by hand (W + scale·(A @ B)ᵀ, per expert) through torch.func.functional_call,
 so torch autograd gives the factors' gradients independently of jcp's grouped, routed
-computation. Both parameterisations (per-expert and shared-outer) share one batch.
+computation. All three parameterisations (per-expert, shared-outer, fused gate_up) share one batch.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_optim_step_isolates_adapters_and_keeps_unused_factors_zero(tmp):
     cfg, base = jcp.load_hf(path)
     tr = jcp.Trainer(cfg, jcp.make_mesh(1, 2, 2), base_params=base, max_adapters=3,
                      max_rank=8, seed=0)
-    modes = ("shared_outer", "per_expert", "shared_outer")
+    modes = ("shared_outer", "per_expert", "fused_gate_up")
     ids = [install(tr, random_adapter(cfg, m, 10 + i), m) for i, m in enumerate(modes)]
     seqs, targets, weights = MH.random_data([20, 31, 12], seed=6)
     data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
@@ -118,6 +118,17 @@ def test_optim_step_isolates_adapters_and_keeps_unused_factors_zero(tmp):
             if not used:  # the per-expert hidden-side factor of a shared-outer slot
                 assert not np.any(after["weights"][m][k][ids[0]])
                 assert not np.any(after["mu"][m][k][ids[0]])
+    # A fused_gate_up slot: expert_up's own A is never used (it reads expert_gate's) and
+    # stays exactly zero through a step; its used factors move.
+    tr.optim_step(ids[2], jcp.AdamParams(learning_rate=1e-2, weight_decay=0.1))
+    last = jax.tree.map(np.asarray, tr.state.tables())
+    for m in lora_lib.EXPERT:
+        for k in last["weights"][m]:
+            used = k in lora_lib.expert_keys(m, "fused_gate_up")
+            w = last["weights"][m][k][ids[2]]
+            assert (not np.array_equal(w, after["weights"][m][k][ids[2]])) == used, (m, k)
+            if not used:
+                assert not np.any(w) and not np.any(last["mu"][m][k][ids[2]]), (m, k)
 
 
 def test_experts_unit_reference_empty_expert_and_all_elsewhere():
@@ -363,6 +374,13 @@ def test_peft_expert_adapter_trains_as_peft_does(peft_folder, tmp_path):
         if "lora_" in n:
             k = n.replace(".default", "")
             np.testing.assert_array_equal(p.detach().numpy(), got[k], err_msg=k)
+    # a checkpoint keeps the tie
+    tr.save_state(a, tmp_path / "ck")
+    tr.delete_adapter(a)
+    b = tr.load_state(tmp_path / "ck")
+    assert tr.adapters[b].expert_lora == "fused_gate_up"
+    for k, v in tr.adapter_weights(b).items():
+        np.testing.assert_array_equal(v, got[k], err_msg=k)
 
 
 def transformers_model(path):
