@@ -148,7 +148,8 @@ class Scheduler:
                 if self._closed:
                     return None
                 group, samples = [], []
-                if not self._held:
+                # Nothing queued, nothing to pick (the worker also wakes just to reap).
+                if not self._held and (self._samples or self._unordered or self._queues):
                     try:
                         group = self._take() or []
                     except Exception:  # noqa: BLE001 — a policy bug must not stop the worker
