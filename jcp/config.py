@@ -21,6 +21,13 @@ class QwenConfig:
     decides; a MoE layer routes each token to num_experts_per_tok of num_experts SwiGLU
     experts of width moe_intermediate_size (weights renormalised when norm_topk_prob);
     dense layers use intermediate_size.
+    Hybrid linear attention (Qwen3.5; layer_types () : every layer full attention):
+    layer_types[i] is "full_attention" or "linear_attention" (Gated DeltaNet, with
+    linear_num_key_heads / linear_num_value_heads heads of linear_key_head_dim /
+    linear_value_head_dim, a depthwise causal conv of linear_conv_kernel_dim);
+    attn_output_gate: q_proj also yields a per-head gate, the attention output is multiplied
+    by sigmoid(gate); partial_rotary_factor: RoPE turns the first head_dim · factor dims.
+    Qwen3.5's RMSNorm weights are stored as offsets (x · (1 + w)): jcp holds 1 + w.
     """
 
     vocab_size: int
@@ -46,6 +53,14 @@ class QwenConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()
+    attn_output_gate: bool = False
+    partial_rotary_factor: float = 1.0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -72,6 +87,58 @@ class QwenConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"QwenConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         self._check_moe()
+        self._check_hybrid()
+
+    def _check_hybrid(self):
+        kinds = self.layer_types
+        if not isinstance(kinds, tuple) or (kinds and (
+                len(kinds) != self.num_layers
+                or not set(kinds) <= {"full_attention", "linear_attention"})):
+            raise ValueError(f"QwenConfig.layer_types must be () or a tuple of "
+                             f"{self.num_layers} of 'full_attention' / 'linear_attention', "
+                             f"got {kinds!r}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or not self.rotary_dim:
+            raise ValueError(f"QwenConfig.partial_rotary_factor must be in (0, 1] and turn an "
+                             f"even number of dims, got {self.partial_rotary_factor!r}")
+        if not self.is_hybrid:
+            return
+        if self.is_moe:
+            raise ValueError("a hybrid (linear attention) model with mixture-of-experts "
+                             "layers is not supported yet")
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"QwenConfig.{name} must be a positive integer for linear "
+                                 f"attention layers, got {v!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"QwenConfig.linear_num_value_heads ({self.linear_num_value_heads})"
+                             f" must be a multiple of linear_num_key_heads "
+                             f"({self.linear_num_key_heads})")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are linear attention (Gated DeltaNet)."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def linear_layers(self) -> tuple[bool, ...]:
+        """Whether each layer is a linear-attention layer."""
+        return tuple(t == "linear_attention" for t in self.layer_types) or (
+            (False,) * self.num_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE turns (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
 
     def _check_moe(self):
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
@@ -137,6 +204,17 @@ class QwenConfig:
         return cls.tiny(**base)
 
     @classmethod
+    def tiny_qwen3_5(cls, **overrides) -> "QwenConfig":
+        """A small Qwen3.5-style hybrid: layers 0–2 Gated DeltaNet (2 key heads, 4 value
+        heads), layer 3 gated full attention with RoPE on a quarter of each head."""
+        base = dict(num_layers=4, layer_types=("linear_attention",) * 3 + ("full_attention",),
+                    attn_output_gate=True, partial_rotary_factor=0.25,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=4)
+        base.update(overrides)
+        return cls.tiny(**base)
+
+    @classmethod
     def from_hf(cls, config) -> "QwenConfig":
         """From a Hugging Face config: a dict, a config.json path, or a model folder."""
         from jcp import hf
@@ -150,6 +228,11 @@ class QwenConfig:
                         ("vocab_size", self.vocab_size)):
             if n % tp:
                 raise ValueError(f"tp={tp} does not divide {name}={n}; choose tp dividing it")
+        if self.is_hybrid:
+            for name in ("linear_num_key_heads", "linear_num_value_heads"):
+                if getattr(self, name) % tp:
+                    raise ValueError(f"tp={tp} does not divide {name}={getattr(self, name)}; "
+                                     "choose tp dividing it")
         if self.is_moe and self.num_experts % tp:
             # Experts are split whole over tp (E/tp per rank), never cut inside.
             raise ValueError(f"tp={tp} does not divide num_experts={self.num_experts}; choose "
@@ -164,4 +247,9 @@ class QwenConfig:
             for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                       "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
                 d.pop(k)
+        if not self.layer_types and not self.attn_output_gate and self.partial_rotary_factor == 1:
+            for k in ("layer_types", "attn_output_gate", "partial_rotary_factor",
+                      "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                      "linear_value_head_dim", "linear_conv_kernel_dim"):
+                d.pop(k)  # older configs keep their fingerprint
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

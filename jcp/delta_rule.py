@@ -353,3 +353,31 @@ def gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, segment_S,
     o, _ = chunked(q_SxHkxDk, k_SxHkxDk, v32, g, beta, pcs.start_S, pcs.piece_S,
                    _own(pcs, inc_x, p), chunk)
     return o
+
+
+# ----------------------------------------------------------------------------------------
+# The mixing strategy the decoder's Gated DeltaNet layers call
+
+
+@dataclasses.dataclass(frozen=True)
+class CPMix:
+    """Training's (and prefill's) sequence mixing of Gated DeltaNet layers over cp shards:
+    `conv` and `rule`, closing over the stream's pieces so the model threads no flags.
+    Build it once per step with cp_mix; every linear layer reuses its pieces."""
+
+    segment_S: jax.Array
+    pcs: Pieces
+    chunk: int
+
+    def conv(self, x_SxC, w_KxC):
+        return causal_conv(x_SxC, w_KxC, self.pcs)
+
+    def rule(self, q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH):
+        return gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH,
+                                self.segment_S, self.pcs, self.chunk)
+
+
+def cp_mix(segment_S, position_S, max_pieces: int, axis: str | None,
+           chunk: int = DEFAULT_CHUNK) -> CPMix:
+    """CPMix of a packed stream (see pieces for max_pieces and axis)."""
+    return CPMix(segment_S, pieces(segment_S, position_S, max_pieces, axis), chunk)

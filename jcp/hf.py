@@ -19,7 +19,7 @@ from jcp import model as model_lib
 from jcp.config import QwenConfig
 
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Qwen3MoeForCausalLM": "qwen3_moe"}
+                 "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen3_5ForCausalLM": "qwen3_5"}
 
 
 def _read_config(config) -> dict:
@@ -53,19 +53,41 @@ def _eos_ids(d: dict, config) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+def _qwen3_5_fields(d: dict, rope: dict) -> dict:
+    """Qwen3.5's hybrid fields of QwenConfig (text positions only: the mrope sections all
+    see the same position, which is plain RoPE on the rotary dims)."""
+    layers = d["num_hidden_layers"]
+    kinds = d.get("layer_types") or [
+        "linear_attention" if (i + 1) % d.get("full_attention_interval", 4) else
+        "full_attention" for i in range(layers)]
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {d.get('hidden_act')!r} is not supported (silu only)")
+    return dict(layer_types=tuple(kinds), attn_output_gate=True,
+                partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                                     d.get("partial_rotary_factor", 0.25))),
+                linear_num_key_heads=d.get("linear_num_key_heads", 16),
+                linear_num_value_heads=d.get("linear_num_value_heads", 32),
+                linear_key_head_dim=d.get("linear_key_head_dim", 128),
+                linear_value_head_dim=d.get("linear_value_head_dim", 128),
+                linear_conv_kernel_dim=d.get("linear_conv_kernel_dim", 4))
+
+
 def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
     """QwenConfig from a Hugging Face config (dict, config.json, or model folder)."""
     d = _read_config(config)
     archs = d.get("architectures") or []
     kind = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if kind is None and not archs:
-        kind = {"qwen2": "qwen2", "qwen3": "qwen3",
-                "qwen3_moe": "qwen3_moe"}.get(d.get("model_type"))
+        kind = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+                "qwen3_5_text": "qwen3_5"}.get(d.get("model_type"))
     if kind is None:
         raise ValueError(
             f"unsupported architecture {archs or d.get('model_type')!r}; jcp loads "
             f"{sorted(ARCHITECTURES)}")
     rope = d.get("rope_parameters") or {}
+    hybrid = {}
+    if kind == "qwen3_5":
+        hybrid = _qwen3_5_fields(d, rope)
     theta = d.get("rope_theta", rope.get("rope_theta"))
     if theta is None:
         raise ValueError("the Hugging Face config has no rope_theta (nor rope_parameters.rope_theta)")
@@ -73,7 +95,7 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
     rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", "default")
     if rope_type not in ("default", None):
         raise ValueError(f"rope scaling {rope_type!r} is not supported; jcp implements plain RoPE")
-    if kind in ("qwen3", "qwen3_moe") and d.get("attention_bias"):
+    if kind in ("qwen3", "qwen3_moe", "qwen3_5") and d.get("attention_bias"):
         # Qwen3's attention_bias also puts a bias on o_proj, which jcp's decoder lacks.
         raise ValueError("Qwen3 with attention_bias (biases on q, k, v and o_proj) is not "
                          "supported")
@@ -100,10 +122,10 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rope_theta=float(theta), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qk_norm=kind in ("qwen3", "qwen3_moe"),
+            qk_norm=kind in ("qwen3", "qwen3_moe", "qwen3_5"),
             attention_bias=True if kind == "qwen2" else bool(d.get("attention_bias", False)),
             max_position_embeddings=d.get("max_position_embeddings", 32768), dtype=dtype,
-            eos_token_ids=_eos_ids(d, config), **moe)
+            eos_token_ids=_eos_ids(d, config), **moe, **hybrid)
     except KeyError as e:
         raise ValueError(f"the Hugging Face config lacks {e.args[0]!r}") from None
 
@@ -277,6 +299,16 @@ def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) 
     out = {"embed": plain("model.embed_tokens.weight", shapes["embed"]),
            "final_norm": plain("model.norm.weight", shapes["final_norm"]),
            "layers": {k: stacked(k, s) for k, s in shapes["layers"].items()}}
+    if cfg.is_hybrid:
+        out.update(_hybrid_tensors(cfg, shapes, stacked, fetch))
+        # Qwen3.5's RMSNorms hold offsets (x · (1 + w)); jcp's hold the factor 1 + w.
+        # (The gated norm of Gated DeltaNet is a plain one.)
+        out["final_norm"] = _plus_one(out["final_norm"])
+        out["layers"] = {k: _plus_one(t) if k.endswith("_norm") else t
+                         for k, t in out["layers"].items()}
+        if "full_attn" in out:
+            out["full_attn"] = {k: _plus_one(t) if k.endswith("_norm") else t
+                                for k, t in out["full_attn"].items()}
     if cfg.is_moe:
         kinds = cfg.moe_layers
         dense_ids = [i for i, k in enumerate(kinds) if not k]
@@ -297,6 +329,64 @@ def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) 
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise ValueError(f"checkpoint has tensor {extra[0]}{more}, which this config does not "
                          "describe")
+    return out
+
+
+def _plus_one(t: LazyTensor) -> LazyTensor:
+    return LazyTensor(t.shape, np.float32, lambda index: np.asarray(t[index]) + np.float32(1))
+
+
+def _stack(per_layer: list) -> LazyTensor:
+    """[L, …] LazyTensor over per-layer LazyTensors."""
+    def read(index):
+        li, rest = index[0], index[1:]
+        return np.stack([np.asarray(per_layer[i][rest])
+                         for i in range(*li.indices(len(per_layer)))]).astype(np.float32)
+    return LazyTensor((len(per_layer),) + per_layer[0].shape, np.float32, read)
+
+
+def _rows_t(arr, r0: int, r1: int, squeeze_mid: bool = False) -> LazyTensor:
+    """Rows r0:r1 of a torch [out, in] (or conv [out, 1, Kc]) tensor, transposed: [in, r1−r0]."""
+    inner = arr.shape[-1]
+
+    def read(index):
+        ii, oi = index
+        o0, o1, step = oi.indices(r1 - r0)
+        rows = slice(r0 + o0, r0 + o1, step)
+        block = arr[rows, 0, ii] if squeeze_mid else arr[rows, ii]
+        return np.asarray(block).T.astype(np.float32)
+    return LazyTensor((inner, r1 - r0), np.float32, read)
+
+
+def _hybrid_tensors(cfg: QwenConfig, shapes, stacked, fetch) -> dict:
+    """full_attn [Lf, …] (self_attn.*) and linear_attn [Ll, …] (linear_attn.*) of a
+    Qwen3.5 checkpoint; in_proj_qkv and conv1d are cut into their q, k, v parts."""
+    out = {}
+    kinds = cfg.linear_layers
+    full_ids = [i for i, k in enumerate(kinds) if not k]
+    lin_ids = [i for i, k in enumerate(kinds) if k]
+    if full_ids:
+        out["full_attn"] = {k: stacked(k, s, full_ids) for k, s in shapes["full_attn"].items()}
+    d, kd, vd = cfg.hidden_size, cfg.linear_key_dim, cfg.linear_value_dim
+    hv, kc = cfg.linear_num_value_heads, cfg.linear_conv_kernel_dim
+    parts = {"q": (0, kd), "k": (kd, 2 * kd), "v": (2 * kd, 2 * kd + vd)}
+    per = {k: [] for k in shapes["linear_attn"]}
+    for i in lin_ids:
+        pre = f"model.layers.{i}.linear_attn"
+        qkv = fetch(f"{pre}.in_proj_qkv.weight", (2 * kd + vd, d))
+        conv = fetch(f"{pre}.conv1d.weight", (2 * kd + vd, 1, kc))
+        for p, (r0, r1) in parts.items():
+            per[f"in_proj_{p}"].append(_rows_t(qkv, r0, r1))
+            per[f"conv_{p}"].append(_rows_t(conv, r0, r1, squeeze_mid=True))
+        for m, rows in (("in_proj_z", vd), ("in_proj_b", hv), ("in_proj_a", hv)):
+            per[m].append(_rows_t(fetch(f"{pre}.{m}.weight", (rows, d)), 0, rows))
+        per["out_proj"].append(_rows_t(fetch(f"{pre}.out_proj.weight", (d, vd)), 0, d))
+        for m, name, n in (("dt_bias", "dt_bias", hv), ("a_log", "A_log", hv),
+                           ("gated_norm", "norm.weight", cfg.linear_value_head_dim)):
+            arr = fetch(f"{pre}.{name}", (n,))
+            per[m].append(LazyTensor((n,), np.float32,
+                                     lambda index, a=arr: np.asarray(a[index], np.float32)))
+    out["linear_attn"] = {k: _stack(v) for k, v in per.items()}
     return out
 
 
