@@ -31,7 +31,7 @@ layers, Q query heads, H head dim, r the LoRA rank:
     --peak-tflops to change).
 
 The attention kernel: --attn-impl auto picks "pallas" (the fused Triton kernels of
-jcp/pallas_attention.py) on GPU and "blockwise" elsewhere ("pallas" on CPU runs the
+jcp/attention/pallas.py) on GPU and "blockwise" elsewhere ("pallas" on CPU runs the
 kernels in Pallas interpret mode: a correctness check, not a speed). Not yet run on a GPU.
 
     python benchmarks/mfu.py                       # GPU: Qwen3-8B shape, 32768 tokens

@@ -29,6 +29,7 @@ from jcp import lora as lora_lib
 from jcp import train_step
 from jcp.errors import InputError
 from jcp.config import QwenConfig
+from jcp.mesh import host, replicate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,18 +62,6 @@ class SlotState:
     mu: dict
     nu: dict
     count: jax.Array
-
-
-def host(x) -> np.ndarray:
-    """A replicated global array as NumPy, readable on every process."""
-    return np.asarray(x.addressable_data(0))
-
-
-def replicate(mesh, x: np.ndarray) -> jax.Array:
-    """A host array as a global array replicated over the mesh (every process passes the
-    same value)."""
-    x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, P()), lambda idx: x[idx])
 
 
 def _sans_slot(spec) -> P:

@@ -238,10 +238,7 @@ def _assign(lengths_rows: list[int], dp: int, capacity: int) -> list[list[list[i
 
 def active_bucket(k: int, max_adapters: int) -> int:
     """Static number of active-adapter entries: next power of two ≥ k, at most max_adapters."""
-    b = 1
-    while b < k:
-        b *= 2
-    return max(k, min(b, max_adapters))
+    return max(k, min(mesh_lib.pow2_at_least(k), max_adapters))
 
 
 def pack(datums: Sequence[CheckedDatum], adapters: Sequence[int], dp: int, cp: int,
@@ -298,6 +295,25 @@ def pack(datums: Sequence[CheckedDatum], adapters: Sequence[int], dp: int, cp: i
         out.append(PackedBatch(tokens, targets, segment, position, loss_id, floats, spans,
                                active, num_slots, tuple(placements), loss_fns))
     return out
+
+
+def pad_streams(pb: PackedBatch, s_len: int) -> PackedBatch:
+    """pb with every [DP, CP, S] stream (tokens, targets, segment, position, loss_id and the
+    client vectors) right-padded to s_len rows of padding (segment −1); pb itself when it
+    is already that long."""
+    pad = s_len - pb.tokens.shape[-1]
+    if pad < 0:
+        raise ValueError(f"cannot pad streams of {pb.tokens.shape[-1]} rows to {s_len}")
+    if pad == 0:
+        return pb
+
+    def grow(x, value=0):
+        return np.pad(x, ((0, 0), (0, 0), (0, pad)), constant_values=value)
+
+    return dataclasses.replace(
+        pb, tokens=grow(pb.tokens), targets=grow(pb.targets), segment=grow(pb.segment, -1),
+        position=grow(pb.position), loss_id=grow(pb.loss_id),
+        floats={k: grow(v) for k, v in pb.floats.items()})
 
 
 def unpack(stream_DPxCPxS: np.ndarray, batch: PackedBatch) -> dict[int, np.ndarray]:

@@ -49,6 +49,8 @@ from jax.sharding import PartitionSpec as P
 from jcp.adapter_state import AdapterState
 from jcp.config import QwenConfig
 from jcp.errors import InputError
+from jcp.files import fsync, fsync_tree, write_durably
+from jcp.mesh import gather
 
 # Format 1 was a bare orbax folder at PATH without checksums; it is refused
 # with a message saying so rather than loaded unverified.
@@ -98,7 +100,7 @@ def save_state(state: AdapterState, cfg: QwenConfig, slot: int, path) -> None:
             "count": exported.count}
     meta = {"format": STATE_FORMAT, "rank": info.rank, "alpha": info.alpha,
             "targets": list(info.targets), "base_fingerprint": cfg.fingerprint(),
-            "arrays": {name: _describe(_global_value(x)) for name, x in _flat(tree).items()}}
+            "arrays": {name: _describe(gather(x)) for name, x in _flat(tree).items()}}
     if info.expert_lora is not None:  # only adapters of experts say how they hold them
         meta["expert_lora"] = info.expert_lora
     primary = jax.process_index() == 0
@@ -117,16 +119,16 @@ def save_state(state: AdapterState, cfg: QwenConfig, slot: int, path) -> None:
     if primary:
         vpath = os.path.join(path, f"v-{version}")
         files = json.dumps(_file_digests(vpath), indent=1, sort_keys=True).encode()
-        _write_durably(os.path.join(vpath, FILES), files)
-        _fsync_tree(vpath)  # all of the new version is durable before CURRENT names it
-        _fsync(path)
+        write_durably(os.path.join(vpath, FILES), files)
+        fsync_tree(vpath)  # all of the new version is durable before CURRENT names it
+        fsync(path)
         pointer = {"format": STATE_FORMAT, "version": version,
                    "files_sha256": hashlib.sha256(files).hexdigest()}
         tmp = os.path.join(path, _POINTER_TMP)
-        _write_durably(tmp, (json.dumps(pointer) + "\n").encode())
+        write_durably(tmp, (json.dumps(pointer) + "\n").encode())
         _reached("pointer-staged")
         os.replace(tmp, os.path.join(path, POINTER))
-        _fsync(path)
+        fsync(path)
         _reached("pointer-moved")
         _remove_all_but(path, POINTER, f"v-{version}")
     _sync("jcp-save-done")
@@ -168,31 +170,6 @@ def _remove_all_but(path: str, *keep: str) -> None:
                 os.remove(full)
 
 
-def _write_durably(file: str, data: bytes) -> None:
-    with open(file, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync(path: str) -> None:
-    """fsync a file or a folder (its entries) by path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: str) -> None:
-    """fsync every file and folder under `path` (orbax syncs its array data, not all of its
-    metadata files or folder entries)."""
-    for root, _, names in os.walk(path):
-        for name in names:
-            _fsync(os.path.join(root, name))
-        _fsync(root)
-
-
 def _sync(name: str) -> None:
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
@@ -206,11 +183,6 @@ def _flat(tree: dict) -> dict:
     """{"weights": {"q_proj": {"a": x}}, "count": c} -> {"weights/q_proj/a": x, "count": c}."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {"/".join(str(k.key) for k in keys): x for keys, x in leaves}
-
-
-def _global_value(x) -> np.ndarray:
-    """A global array's whole value on this host (a collective: every process calls it)."""
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _digest(x: np.ndarray) -> str:
@@ -424,7 +396,7 @@ def load_state(state: AdapterState, cfg: QwenConfig, path, slot: int,
     except Exception as e:  # orbax and TensorStore raise many types for damaged files
         raise InputError(f"{vpath}: cannot read the arrays ({_brief(e)})") from None
     for name, x in _flat(restored).items():
-        value = _global_value(x)
+        value = gather(x)
         if _digest(value) != meta["arrays"][name]["sha256"]:
             raise InputError(f"{vpath}: array {name} does not match the sha256 recorded when "
                              "it was saved; the checkpoint is corrupt")

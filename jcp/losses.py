@@ -1,12 +1,15 @@
 """Token log-probs (chunked, vocab-parallel), the Tinker losses, and per-datum outputs.
 
-Everything here runs per shard inside the one shard_map. It must never build an array of
-[tokens, vocab] (forward or backward), never average a loss (Tinker losses are sums), and
-never let the per-datum outputs reach the gradient.
+The device side (target_logprobs, the loss functions, token_losses, shard_loss and the
+per-datum gathers) runs per shard inside the one shard_map. It must never build an array
+of [tokens, vocab] (forward or backward), never average a loss (Tinker losses are sums),
+and never let the per-datum outputs reach the gradient.
 
 The one loss table (LOSSES) registers each Tinker loss: its function, the loss_fn_inputs
 it reads, its loss_fn_config settings and defaults, and whether it clips. Adding a loss is
-one entry there.
+one entry there. The host side of the table (check_loss_fn, resolve_config,
+check_finite_outputs) validates names, settings and outputs on the host, before (or
+after) any device work, and touches no device.
 
 Shapes: see the legend in jcp/mesh.py.
 """

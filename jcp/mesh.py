@@ -1,8 +1,10 @@
 """The device mesh, its axis names, every PartitionSpec, and the zigzag sequence layout.
 
 This module owns the three axis names and the one table of PartitionSpecs; no other module
-writes an axis string. It must never touch model weights or data values: it only says
-where things live and which original position each rank holds.
+writes an axis string. It also owns the moves between host arrays and global arrays (put,
+replicate, host, gather) and the bucketing of sizes. It must never look at model weights
+or data values: it only says where things live and which original position each rank
+holds.
 
 Shape legend — the one set of letters every jcp module uses in names and docstrings:
 
@@ -16,8 +18,13 @@ Shape legend — the one set of letters every jcp module uses in names and docst
     S  tokens of one device's stream        T  key tokens a query block may see (CP·S);
                                             in a KV cache, its rows per sequence
     N  tokens of one datum                  C  zigzag chunk length
-    B  datum slots of one micro-batch       Bq, Bk  attention block rows (queries, keys)
-    E  experts (MoE)
+    B  datum slots of one micro-batch (in decoding: the sequences of the decode batch)
+    Bq, Bk  attention block rows (queries, keys)
+    W = S·M  query rows of an attention kernel (one per token and query head of a kv group)
+    Nb  blocks of a tiled stream
+    E  experts (MoE)                        X  experts chosen per token (num_experts_per_tok)
+    Z = S·X  (token, choice) rows of the expert matmuls
+    Fe  an expert's MLP width               Lm, Ld  MoE / dense layers of a MoE model
 
 Under tp the per-device sizes of split axes are the local ones (Q/tp heads, F/tp, V/tp).
 """
@@ -29,7 +36,8 @@ import math
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 DP = "dp"
@@ -190,6 +198,15 @@ def bucket_length(n: int, minimum: int = 16, maximum: int | None = None) -> int:
     return b
 
 
+def pow2_at_least(n: int, minimum: int = 1) -> int:
+    """The smallest power of two ≥ max(n, minimum): the bucket of a count (active adapters,
+    sampling streams and lengths), so a run compiles few distinct shapes."""
+    b = 1
+    while b < max(n, minimum):
+        b *= 2
+    return b
+
+
 def block_size(n: int, maximum: int) -> int:
     """Largest power of two ≤ maximum that divides n (n > 0): the tile of a stream."""
     b = 1
@@ -211,3 +228,44 @@ def vary(x, axes):
     """Cast x to varying over `axes` where it is not already (scan carries, custom VJPs)."""
     missing = tuple(a for a in axes if a not in varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def vary_like(x, ref):
+    """Cast x to vary over every mesh axis that ref varies over (for scan carries)."""
+    return vary(x, varying_axes(ref))
+
+
+def vary_all(x, *refs):
+    """Cast x to vary over every mesh axis that any of refs varies over."""
+    for r in refs:
+        x = vary_like(x, r)
+    return x
+
+
+# ----------------------------------------------------------------------------------------
+# Host arrays <-> global arrays
+
+
+def put(mesh: Mesh, x, spec: P, dtype=None) -> jax.Array:
+    """A host array (or anything NumPy-indexable, e.g. a lazy tensor) -> a global array laid
+    out by `spec`, each device receiving only its own slice (jax.make_array_from_callback):
+    no device ever holds a replicated copy of a sharded array, and each process reads only
+    the slices of its own devices. Every process passes the same value. dtype: cast each
+    slice (default: x's dtype)."""
+    return jax.make_array_from_callback(tuple(x.shape), NamedSharding(mesh, spec),
+                                        lambda idx: np.asarray(x[idx], dtype))
+
+
+def replicate(mesh: Mesh, x) -> jax.Array:
+    """A host array as a global array replicated over the mesh (put with P())."""
+    return put(mesh, np.asarray(x), SPECS.replicated)
+
+
+def host(x) -> np.ndarray:
+    """A replicated global array as NumPy, readable on every process (no collective)."""
+    return np.asarray(x.addressable_data(0))
+
+
+def gather(x) -> np.ndarray:
+    """Any global array's whole value on this host. A collective: every process calls it."""
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

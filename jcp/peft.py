@@ -29,13 +29,13 @@ import json
 import math
 import os
 import re
-import tempfile
 
 import numpy as np
 from safetensors.numpy import save_file
 
 from jcp import lora as lora_lib
 from jcp.errors import InputError
+from jcp.files import atomic_write
 from jcp.config import QwenConfig
 from jcp.hf import SafetensorsFile
 
@@ -345,19 +345,6 @@ def _pad_rank(tree: dict, rank: int) -> dict:
     return {m: {k: pad(k, x) for k, x in ab.items()} for m, ab in tree.items()}
 
 
-def _atomic_write(path: str, write) -> None:
-    """write(tmp_path) beside `path`, then rename it into place."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def _config(info, target_modules) -> dict:
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": info.rank,
@@ -372,13 +359,12 @@ def _config(info, target_modules) -> dict:
 def _write(path, cfg: QwenConfig, config: dict, weights: dict) -> None:
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    _atomic_write(os.path.join(path, WEIGHTS_FILE),
+    atomic_write(os.path.join(path, WEIGHTS_FILE),
                   lambda p: save_file({k: np.ascontiguousarray(v, np.float32)
                                        for k, v in weights.items()}, p,
                                       metadata={"format": "pt",
                                                 "jcp_base_fingerprint": cfg.fingerprint()}))
-    _atomic_write(os.path.join(path, CONFIG_FILE),
-                  lambda p: open(p, "w").write(json.dumps(config, indent=2)))
+    atomic_write(os.path.join(path, CONFIG_FILE), json.dumps(config, indent=2))
 
 
 def write_folder(path, cfg: QwenConfig, info, tree: dict) -> None:
@@ -436,13 +422,28 @@ def read_folder(path, cfg: QwenConfig, max_rank: int, is_base_head=None):
     rank_pattern / alpha_pattern may set the fused gate_up's rank and alpha only, at the
     adapter's scale (_gate_up_rank). The rank is r unless gate and up need more.
     """
+    cfg_path, w_path = _folder_files(path)
+    pc = _read_config(cfg_path)
+    _refuse_options(pc, cfg_path, cfg.is_moe)
+    rank, alpha, file_alpha = _rank_and_alpha(pc, cfg_path, max_rank)
+    targets, gate_up_rank = _targets(pc, cfg, cfg_path, rank, file_alpha)
+    tree = _read_tensors(w_path, cfg, rank, targets, is_base_head, gate_up_rank)
+    full, alpha = _whole_rank(tree, rank, alpha, max_rank, cfg_path)
+    return full, alpha, targets, tree
+
+
+def _folder_files(path) -> tuple[str, str]:
+    """(config path, weights path) of a PEFT folder; InputError unless both exist."""
     path = os.fspath(path)
     cfg_path = os.path.join(path, CONFIG_FILE)
     w_path = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(cfg_path) or not os.path.isfile(w_path):
         raise InputError(f"{path} is not a PEFT folder: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
-    pc = _read_config(cfg_path)
-    moe = cfg.is_moe
+    return cfg_path, w_path
+
+
+def _refuse_options(pc: dict, cfg_path: str, moe: bool) -> None:
+    """InputError for every adapter_config option that changes what the tensors mean."""
     if pc.get("peft_type", "LORA") != "LORA":
         raise InputError(f"{cfg_path}: peft_type {pc.get('peft_type')!r} is not LORA")
     for key in ("rank_pattern", "alpha_pattern"):
@@ -459,6 +460,10 @@ def read_folder(path, cfg: QwenConfig, max_rank: int, is_base_head=None):
         raise InputError(f"{cfg_path}: bias {pc.get('bias')!r} is not supported")
     if pc.get("use_dora"):
         raise InputError(f"{cfg_path}: DoRA is not supported")
+
+
+def _rank_and_alpha(pc: dict, cfg_path: str, max_rank: int) -> tuple[int, float, float]:
+    """(r, alpha with rsLoRA's √r folded in, lora_alpha as the file has it)."""
     rank = pc.get("r")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise InputError(f"{cfg_path}: r must be a positive integer, got {rank!r}")
@@ -471,6 +476,13 @@ def read_folder(path, cfg: QwenConfig, max_rank: int, is_base_head=None):
     alpha = float(alpha)
     if pc.get("use_rslora"):
         alpha = alpha * math.sqrt(rank)  # rsLoRA scales by alpha/√r = (alpha·√r)/r
+    return rank, alpha, file_alpha
+
+
+def _targets(pc: dict, cfg: QwenConfig, cfg_path: str, rank: int, file_alpha):
+    """(jcp target modules, the fused gate_up's rank or None) of target_modules and, on a
+    MoE model, target_parameters."""
+    moe = cfg.is_moe
     targets = pc.get("target_modules")
     if isinstance(targets, str):
         raise InputError(f"{cfg_path}: target_modules as a pattern ({targets!r}) is not "
@@ -482,42 +494,49 @@ def read_folder(path, cfg: QwenConfig, max_rank: int, is_base_head=None):
             or not all(isinstance(t, str) and t in PEFT_MODULES for t in targets)):
         raise InputError(f"{cfg_path}: target_modules {targets!r} must be a non-empty list, a "
                          f"subset of {list(PEFT_MODULES)}")
-    gate_up_rank = None
-    if moe:
-        dense_mlp = sorted(set(targets) & set(lora_lib.MLP))
-        if dense_mlp:
-            raise InputError(
-                f"{cfg_path}: target_modules {dense_mlp} are dense MLP modules, which jcp does "
-                "not adapt on a mixture-of-experts model; its experts are read from "
-                f"target_parameters {[GATE_UP, DOWN]} (per-expert 2-D adapters, as vLLM and "
-                "transformers 4 name them, are not read)")
-        gate_up_rank = _gate_up_rank(pc, cfg, cfg_path, rank, file_alpha, targets, params)
-        experts = ((("expert_gate", "expert_up") if GATE_UP in params else ())
-                   + (("expert_down",) if DOWN in params else ()))
-        targets = lora_lib.resolve_targets(list(targets) + list(experts), cfg)
-    else:
-        targets = lora_lib.resolve_targets(targets)
+    if not moe:
+        return lora_lib.resolve_targets(targets), None
+    dense_mlp = sorted(set(targets) & set(lora_lib.MLP))
+    if dense_mlp:
+        raise InputError(
+            f"{cfg_path}: target_modules {dense_mlp} are dense MLP modules, which jcp does "
+            "not adapt on a mixture-of-experts model; its experts are read from "
+            f"target_parameters {[GATE_UP, DOWN]} (per-expert 2-D adapters, as vLLM and "
+            "transformers 4 name them, are not read)")
+    gate_up_rank = _gate_up_rank(pc, cfg, cfg_path, rank, file_alpha, targets, params)
+    experts = ((("expert_gate", "expert_up") if GATE_UP in params else ())
+               + (("expert_down",) if DOWN in params else ()))
+    return lora_lib.resolve_targets(list(targets) + list(experts), cfg), gate_up_rank
+
+
+def _read_tensors(w_path: str, cfg: QwenConfig, rank: int, targets, is_base_head,
+                  gate_up_rank) -> dict:
+    """The adapter tree of the safetensors file (from_peft); InputError naming the file."""
     try:
         f = SafetensorsFile(w_path)
     except ValueError as e:
         raise InputError(str(e)) from None
     tensors = {n: (lambda n: lambda: f.tensor(n))(n) for n in f.header}
     try:
-        tree = from_peft(tensors, cfg, rank, targets, w_path, is_base_head, gate_up_rank)
+        return from_peft(tensors, cfg, rank, targets, w_path, is_base_head, gate_up_rank)
     except ValueError as e:
         if isinstance(e, InputError):
             raise
         raise InputError(str(e)) from None
+
+
+def _whole_rank(tree: dict, rank: int, alpha: float, max_rank: int, cfg_path: str):
+    """(the tree's rank, alpha at it): r, unless a fused gate_up that is not jcp's
+    block-diagonal form makes gate and up each keep its whole rank — every other module
+    then zero-padded to it, alpha keeping alpha / rank."""
     full = tree_rank(tree)
-    if full != rank:
-        # The fused gate_up is not jcp's block-diagonal form: gate and up each keep its
-        # whole rank, every other module zero-padded to it, alpha keeping alpha / rank.
-        if full > max_rank:
-            raise InputError(f"{cfg_path}: the experts' gate and up take rank {full} each "
-                             f"(the fused gate_up's, not jcp's block-diagonal form), which "
-                             f"exceeds max_rank {max_rank} of this Trainer")
-        alpha = alpha * full / rank
-    return full, alpha, targets, tree
+    if full == rank:
+        return full, alpha
+    if full > max_rank:
+        raise InputError(f"{cfg_path}: the experts' gate and up take rank {full} each "
+                         f"(the fused gate_up's, not jcp's block-diagonal form), which "
+                         f"exceeds max_rank {max_rank} of this Trainer")
+    return full, alpha * full / rank
 
 
 def _target_parameters(names, cfg_path: str) -> list[str]:

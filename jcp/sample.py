@@ -294,7 +294,7 @@ def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
             route = slot_meta.routing(active, one(spans))
             attend = kv_cache.prefill_attend(
                 train_step.training_attend(cfg, step_cfg, one(segment), one(position)))
-            h_SxD, kv = model_lib.hidden_states(cfg, params, one(tokens), one(position), attend,
+            h_SxD, kv, _ = model_lib.hidden_states(cfg, params, one(tokens), one(position), attend,
                                                 lora_active, route, remat=False)
             kv = None if lay is None else kv_cache.fill(kv, source, lay, old)
             lp = None
@@ -370,7 +370,7 @@ def make_decode(cfg: QwenConfig, mesh):
                 layers = (None if layers_outside is None else
                           tuple((w, _swap_a_factors(lo)) for w, lo in layers_outside))
                 attend = kv_cache.decode_attend(pos_B, cache.position, lay.row_axes)
-                h_BxD, new = model_lib.hidden_states(
+                h_BxD, new, _ = model_lib.hidden_states(
                     cfg, params, tok_B, pos_B, attend, lora_active, route,
                     attn_state=kv_cache.KV(cache.k, cache.v), remat=False, layers=layers)
                 lefts, rights = model_lib.unembed_factors(params, h_BxD, lora_active, route)

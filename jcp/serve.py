@@ -19,11 +19,11 @@ import tempfile
 import threading
 import time
 
-from jcp.train import CliError, _Parser, load_model_and_mesh, setup_devices
+from jcp.cli import CliError, Parser, load_model_and_mesh, parse_mesh, setup_devices
 
 
 def parse_args(argv):
-    p = _Parser(prog="jcp-serve", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="jcp-serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--hf-model", help="Hugging Face folder (config.json + safetensors)")
     p.add_argument("--model-name", help="the base_model name clients use (default: the "
                    "folder's name, or jcp-tiny)")
@@ -40,11 +40,7 @@ def parse_args(argv):
     p.set_defaults(coordinator_address=None, num_processes=None, process_id=None)
     args = p.parse_args(argv)
     if args.mesh:
-        try:
-            args.mesh = tuple(int(x) for x in args.mesh.split(","))
-            assert len(args.mesh) == 3 and min(args.mesh) >= 1
-        except (ValueError, AssertionError):
-            raise CliError(f"--mesh must be dp,cp,tp positive integers, got {args.mesh!r}")
+        args.mesh = parse_mesh(args.mesh)
     for name in ("max_adapters", "max_rank"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be ≥ 1")

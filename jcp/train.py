@@ -9,16 +9,15 @@ on GRPO advantages with --rl-loss and the sampler's own log-probs) — with a pr
 metrics.jsonl (the rl rows carry reward:mean), orbax checkpoints every K steps and
 --resume.
 
-This is the only place that parses strings from the command line; bad options and files
-end in a one-line error, never a traceback.
+With jcp/cli.py (the pieces it shares with jcp-serve) this is the only place that parses
+strings from the command line; bad options and files end in a one-line error, never a
+traceback.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -26,22 +25,16 @@ import re
 import shutil
 import sys
 
+from jcp.cli import CliError, Parser, load_model_and_mesh, parse_mesh, setup_devices
+from jcp.files import atomic_write
+
 SFT, RL = "sft", "rl"
 PROMPT = 16  # leading tokens of every synthetic datum that carry no weight/advantage
 RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
 
 
-class CliError(Exception):
-    """A user error: printed as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise CliError(message)
-
-
 def parse_args(argv):
-    p = _Parser(prog="jcp-train", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="jcp-train", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100, help="optimizer steps in all (default 100)")
     p.add_argument("--mesh", default=None,
                    help="dp,cp,tp (default 2,2,2 on 8 devices, else 1,<devices>,1)")
@@ -92,12 +85,7 @@ def parse_args(argv):
     if a.seed < 0:
         raise CliError(f"--seed must be ≥ 0, got {a.seed}")
     if a.mesh is not None:
-        try:
-            a.mesh = tuple(int(x) for x in a.mesh.split(","))
-        except ValueError:
-            raise CliError(f"--mesh must be dp,cp,tp integers, got {a.mesh!r}") from None
-        if len(a.mesh) != 3 or min(a.mesh) < 1:
-            raise CliError(f"--mesh must be three positive integers dp,cp,tp, got {a.mesh}")
+        a.mesh = parse_mesh(a.mesh)
     if a.moe and a.hf_model is not None:
         raise CliError("--moe picks the tiny random MoE model; with --hf-model the folder's "
                        "config says whether the model is a mixture of experts")
@@ -124,46 +112,6 @@ def parse_args(argv):
     except jcp.InputError as e:
         raise CliError(f"--lr: {e}") from None
     return a
-
-
-# ----------------------------------------------------------------------------------------
-# Devices
-
-
-def _has_accelerator() -> bool:
-    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
-    return any(importlib.util.find_spec(p) for p in plugins)
-
-
-def setup_devices(args) -> None:
-    """Start jax.distributed when asked, and give a CPU-only machine 8 fake devices.
-
-    Must run before anything touches a JAX backend.
-    """
-    import jax
-
-    addr = args.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    nproc = args.num_processes or _env_int("JAX_NUM_PROCESSES")
-    pid = args.process_id if args.process_id is not None else _env_int("JAX_PROCESS_ID")
-    accel = _has_accelerator() and os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu",
-                                                                            "tpu", "rocm")
-    if not accel and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        jax.config.update("jax_num_cpu_devices", 8 // (nproc or 1) or 1)
-    if addr or (nproc and nproc > 1):
-        if not accel:
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=addr, num_processes=nproc,
-                                   process_id=pid)
-
-
-def _env_int(name):
-    v = os.environ.get(name)
-    if v is None:
-        return None
-    try:
-        return int(v)
-    except ValueError:
-        raise CliError(f"{name} must be an integer, got {v!r}") from None
 
 
 # ----------------------------------------------------------------------------------------
@@ -389,13 +337,6 @@ def read_latest(out: str, adapter_names: list[str]):
     return latest
 
 
-def _write_json_atomic(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
-
-
 def save_run(tr, adapters: dict, out: str, step: int, keep: int = 2) -> None:
     """Checkpoint every adapter at `step`, then point latest.json at it (atomic)."""
     import jax
@@ -405,9 +346,9 @@ def save_run(tr, adapters: dict, out: str, step: int, keep: int = 2) -> None:
     for name, aid in adapters.items():
         tr.save_state(aid, os.path.join(d, name))
     if jax.process_index() == 0:
-        _write_json_atomic(os.path.join(root, "latest.json"),
-                           {"step": step, "dir": os.path.basename(d),
-                            "adapters": sorted(adapters)})
+        atomic_write(os.path.join(root, "latest.json"),
+                     json.dumps({"step": step, "dir": os.path.basename(d),
+                                 "adapters": sorted(adapters)}))
         steps = sorted(p for p in os.listdir(root) if p.startswith("step_"))
         for old in steps[:-keep]:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
@@ -430,9 +371,7 @@ def _trim_metrics(path: str, last_step: int) -> None:
             raise CliError(f"--resume: {path}:{lineno}: not a metrics row (no integer step)")
         if step <= last_step:
             rows.append(line)
-    with open(path + ".tmp", "w") as f:
-        f.writelines(rows)
-    os.replace(path + ".tmp", path)
+    atomic_write(path, "".join(rows))
 
 
 def write_metrics(path: str, rows: list[dict]) -> None:
@@ -443,31 +382,6 @@ def write_metrics(path: str, rows: list[dict]) -> None:
 
 # ----------------------------------------------------------------------------------------
 # Main
-
-
-def load_model_and_mesh(args):
-    """(config, base parameters, mesh) from --hf-model (or the tiny random model) and
-    --mesh (default 2,2,2 on 8 devices, else 1,<devices>,1); CliError naming the flag."""
-    import jax
-
-    import jcp
-
-    if args.hf_model:
-        try:
-            cfg, base = jcp.load_hf(args.hf_model)
-        except (ValueError, OSError) as e:
-            raise CliError(f"--hf-model {args.hf_model}: {e}") from None
-    else:
-        moe = getattr(args, "moe", False)
-        cfg, base = (jcp.QwenConfig.tiny_moe() if moe else jcp.QwenConfig.tiny()), None
-    n_dev = jax.device_count()
-    mesh_shape = args.mesh or ((2, 2, 2) if n_dev == 8 else (1, n_dev, 1))
-    try:
-        mesh = jcp.make_mesh(*mesh_shape)
-        cfg.check_mesh(mesh_shape[2])
-    except ValueError as e:
-        raise CliError(f"--mesh {','.join(map(str, mesh_shape))}: {e}") from None
-    return cfg, base, mesh
 
 
 def build_trainer(args, adapter_names: list[str]):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -25,14 +24,16 @@ from jcp import delta_rule as delta_rule_lib
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import model as model_lib
-from jcp import moe as moe_lib
+from jcp.model import moe as moe_lib
 from jcp.config import QwenConfig
+from jcp.errors import float32_number
 from jcp.mesh import BATCH_AXES, CP, SPECS, TP
 
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    """Static settings of the compiled steps."""
+    """Static settings of the compiled steps, each validated here and only here (Trainer
+    builds one before anything else; ValueError naming the setting)."""
 
     remat: bool = True
     attn_impl: str = "blockwise"
@@ -42,20 +43,24 @@ class StepConfig:
     # attention.choose_cp_attention).
     cp_attention: str = "auto"
     # MoE only: the weight of the router auxiliary loss added to the differentiated loss
-    # (model_loss); 0 adds nothing and compiles nothing for it.
+    # (model_loss); 0 adds nothing and compiles nothing for it. Kept as its float32 value.
     router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
-        coef = self.router_aux_loss_coef
-        if (isinstance(coef, bool) or not isinstance(coef, (int, float))
-                or not math.isfinite(coef) or coef < 0):
-            raise ValueError(f"router_aux_loss_coef must be a finite number ≥ 0, got {coef!r}")
         if self.attn_impl not in attention_lib.IMPLEMENTATIONS:
             raise ValueError(f"attn_impl must be one of {attention_lib.IMPLEMENTATIONS}, got "
                              f"{self.attn_impl!r}")
         if self.cp_attention not in attention_lib.CP_ATTENTION:
             raise ValueError(f"cp_attention must be one of {attention_lib.CP_ATTENTION}, got "
                              f"{self.cp_attention!r}")
+        coef = float32_number(self.router_aux_loss_coef, "router_aux_loss_coef")
+        if coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be ≥ 0, got {coef}")
+        object.__setattr__(self, "router_aux_loss_coef", coef)
+        for name in ("attn_block", "logprob_chunk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.cp_attention == "ring" and self.attn_impl == "dense":
             raise ValueError("cp_attention='ring' needs attn_impl 'blockwise' or 'pallas', "
                              "got 'dense'")

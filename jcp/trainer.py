@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from jcp import attention as attention_lib
 from jcp import batch as batch_lib
@@ -27,13 +26,14 @@ from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import mesh as mesh_lib
 from jcp import model as model_lib
-from jcp import moe as moe_lib
+from jcp.model import moe as moe_lib
 from jcp import peft as peft_lib
 from jcp import sample as sample_lib
 from jcp import train_step
-from jcp.adapter_state import AdapterInfo, AdapterState, host, replicate
+from jcp.adapter_state import AdapterInfo, AdapterState
 from jcp.errors import F32, InputError, float32_number
 from jcp.config import QwenConfig
+from jcp.mesh import host, put, replicate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,7 @@ class Trainer:
     Tuning (keyword-only): remat — recompute each layer in the backward pass (keeping only
     the attention output); attn_impl — "blockwise" (the reference kernel, the default),
     "pallas" (a fused Pallas flash-attention kernel for GPUs, Triton; interpreted — slowly,
-    for tests — on CPU; see jcp/pallas_attention.py) or "dense" (tests only); attn_block —
+    for tests — on CPU; see jcp/attention/pallas.py) or "dense" (tests only); attn_block —
     attention tile rows (None: 64 on CPU, where the masked half of diagonal tiles
     dominates, 512 on accelerators); logprob_chunk — tokens per
     log-prob chunk (None: at most 1024, fewer for large vocabularies so that one chunk's
@@ -127,18 +127,6 @@ class Trainer:
                  expert_lora_modes: tuple[str, ...] = lora_lib.EXPERT_LORA):
         if tuple(mesh.axis_names) != mesh_lib.AXES:
             raise ValueError(f"mesh axes must be {mesh_lib.AXES}, got {mesh.axis_names}")
-        if attn_impl not in attention_lib.IMPLEMENTATIONS:
-            raise ValueError(f"attn_impl must be one of {attention_lib.IMPLEMENTATIONS}, got "
-                             f"{attn_impl!r}")
-        if cp_attention not in attention_lib.CP_ATTENTION:
-            raise ValueError(f"cp_attention must be one of {attention_lib.CP_ATTENTION}, got "
-                             f"{cp_attention!r}")
-        router_aux_loss_coef = float32_number(router_aux_loss_coef, "router_aux_loss_coef")
-        if router_aux_loss_coef < 0:
-            raise ValueError(f"router_aux_loss_coef must be ≥ 0, got {router_aux_loss_coef}")
-        if router_aux_loss_coef and not cfg.is_moe:
-            raise ValueError("router_aux_loss_coef needs a mixture-of-experts model; this "
-                             "config has no router")
         self.cfg, self.mesh = cfg, mesh
         self.dp, self.cp, self.tp = (mesh_lib.axis_size(mesh, a) for a in mesh_lib.AXES)
         cfg.check_mesh(self.tp)
@@ -148,8 +136,16 @@ class Trainer:
         if logprob_chunk is None:
             per_chunk = max(16, (1 << 26) // (cfg.vocab_size // self.tp))
             logprob_chunk = 1 << (min(1024, per_chunk).bit_length() - 1)
-        for name, v in (("attn_block", attn_block), ("logprob_chunk", logprob_chunk),
-                        ("max_adapters", max_adapters), ("max_rank", max_rank)):
+        # Every step setting is checked by StepConfig (the one place); what needs the
+        # model's config is checked here.
+        self.step_cfg = train_step.StepConfig(remat=remat, attn_impl=attn_impl,
+                                              attn_block=attn_block, logprob_chunk=logprob_chunk,
+                                              cp_attention=cp_attention,
+                                              router_aux_loss_coef=router_aux_loss_coef)
+        if self.step_cfg.router_aux_loss_coef and not cfg.is_moe:
+            raise ValueError("router_aux_loss_coef needs a mixture-of-experts model; this "
+                             "config has no router")
+        for name, v in (("max_adapters", max_adapters), ("max_rank", max_rank)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         self.max_adapters, self.max_rank = max_adapters, max_rank
@@ -164,10 +160,6 @@ class Trainer:
                                  f"{max_tokens_per_device!r}")
             self.max_tokens_per_device = max_tokens_per_device
             self.token_cap = mesh_lib.datum_token_cap(max_tokens_per_device, self.cp, self.tp)
-        self.step_cfg = train_step.StepConfig(remat=remat, attn_impl=attn_impl,
-                                              attn_block=attn_block, logprob_chunk=logprob_chunk,
-                                              cp_attention=cp_attention,
-                                              router_aux_loss_coef=router_aux_loss_coef)
 
         if base_params is None:
             base_params = model_lib.random_params(cfg, seed)
@@ -284,8 +276,7 @@ class Trainer:
         spec = mesh_lib.SPECS.unembed_DxV if w is not None else mesh_lib.SPECS.embed_VxD
         x = head_VxD.T if w is not None else head_VxD
         x = np.asarray(x, jnp.dtype(self.cfg.dtype))
-        other = jax.make_array_from_callback(x.shape, NamedSharding(self.mesh, spec),
-                                             lambda idx: x[idx])
+        other = put(self.mesh, x, spec)
         return bool(host(_array_equal(w if w is not None else self.params["embed"], other)))
 
     def export_peft(self, adapter: int, path) -> None:
@@ -345,15 +336,12 @@ class Trainer:
                 for name in distinct}
 
     def _device_batch(self, pb: batch_lib.PackedBatch, call_tokens: int) -> train_step.Batch:
-        def put(x, spec):
-            return jax.make_array_from_callback(x.shape, NamedSharding(self.mesh, spec),
-                                                lambda idx: x[idx])
         specs = train_step.batch_specs()
         host = train_step.Batch(tokens=pb.tokens, targets=pb.targets, segment=pb.segment,
                                 position=pb.position, loss_id=pb.loss_id, **pb.floats,
                                 spans=pb.spans, active=pb.active,
                                 call_tokens=np.asarray(call_tokens, np.int32))
-        return jax.tree.map(put, host, specs)
+        return jax.tree.map(lambda x, spec: put(self.mesh, x, spec), host, specs)
 
     def _run(self, data, loss_fn, loss_fn_config, adapters, backward: bool):
         checked, packed, cfg_arrays = self._prepare(data, loss_fn, loss_fn_config, adapters)

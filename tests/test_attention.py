@@ -129,7 +129,7 @@ def test_blockwise_matches_dense_and_numpy(mesh_shape):
     assert 0 < need.sum() < need.size
     # …and the kinds of block occur: skipped, masked, and (where a key block of the gathered
     # stream lies within one datum, at cp = 1) fully visible, computed without the mask.
-    kinds, _ = attention._block_kinds(seg[0], pos[0], seg.reshape(-1), pos.reshape(-1), bq, bk)
+    kinds, _ = attention.tiling.block_kinds(seg[0], pos[0], seg.reshape(-1), pos.reshape(-1), bq, bk)
     kinds = set(np.unique(np.asarray(kinds)).tolist())
     assert {0, 1} <= kinds and (cp > 1 or 2 in kinds), kinds
 

@@ -499,3 +499,23 @@ def test_unpack_inverts_the_layout_of_any_stream():
     for p in pb.placements:
         slot = pb.segment[p.shard, 0, p.offset]
         np.testing.assert_array_equal(got[p.index], slot * 1000 + np.arange(p.n))
+
+
+def test_pad_streams_pads_every_stream_loss_id_included():
+    data = [jcp.Datum(model_input=[1, 2, 3, 4, 5], loss_fn_inputs={
+        "target_tokens": [2, 3, 4, 5, 6], "weights": [1.0] * 5})]
+    checked = batch_lib.validate(data, "cross_entropy", 64, 10**6)
+    (pb,) = batch_lib.pack(checked, [0], 1, 2, 64, 1)
+    s_len = pb.tokens.shape[-1]
+    out = batch_lib.pad_streams(pb, s_len + 3)
+    assert out is not pb and batch_lib.pad_streams(pb, s_len) is pb
+    for name in ("tokens", "targets", "segment", "position", "loss_id"):
+        old, new = getattr(pb, name), getattr(out, name)
+        assert new.shape == old.shape[:-1] + (s_len + 3,), name
+        np.testing.assert_array_equal(new[..., :s_len], old)
+        assert (new[..., s_len:] == (-1 if name == "segment" else 0)).all(), name
+    for k, v in pb.floats.items():
+        np.testing.assert_array_equal(out.floats[k][..., :s_len], v)
+        assert (out.floats[k][..., s_len:] == 0).all()
+    with pytest.raises(ValueError, match="cannot pad"):
+        batch_lib.pad_streams(pb, s_len - 1)

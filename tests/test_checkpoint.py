@@ -1,5 +1,11 @@
-"""orbax adapter state: mesh-independent save/load, atomicity, refusals."""
+"""orbax adapter state: mesh-independent save/load, atomicity, refusals.
 
+Trainers are the cached ones of trainer_harness (one per mesh for this module), borrowed:
+every slot a test allocates is freed after it; only the refusal test builds Trainers of
+other settings.
+"""
+
+import contextlib
 import os
 
 import jax
@@ -8,8 +14,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jcp
+from helpers import trainer_harness as H
 
-CFG = jcp.QwenConfig.tiny()
+CFG = H.CFG
 ADAM = jcp.AdamParams(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=5.0)
 
 
@@ -21,9 +28,12 @@ def _data(seed=0, lens=(23, 1, 40, 9)):
             for n in lens]
 
 
-def _trainer(dp, cp, tp, **kw):
-    return jcp.Trainer(CFG, jcp.make_mesh(dp, cp, tp), max_rank=8, attn_block=16,
-                       logprob_chunk=16, **kw)
+@pytest.fixture
+def trainer():
+    """trainer(dp, cp, tp): the cached Trainer of that mesh (max_rank 8, blocks and chunks
+    of 16), borrowed for this test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda *mesh: stack.enter_context(H.borrowed(H.trainer(mesh)))
 
 
 def _slot_state(tr, a):
@@ -38,7 +48,11 @@ def saved(tmp_path_factory):
     """An adapter trained two steps under mesh (1, 2, 2), then saved; plus what the next
     forward / forward_backward / optim_step give there."""
     path = str(tmp_path_factory.mktemp("ck") / "b")
-    tr = _trainer(1, 2, 2)
+    with H.borrowed(H.trainer((1, 2, 2))) as tr:
+        return _train_and_save(tr, path)
+
+
+def _train_and_save(tr, path):
     a = tr.create_adapter(rank=4, alpha=8.0)
     b = tr.create_adapter(rank=6, alpha=12.0, targets=["attn", "unembed"])
     data = _data()
@@ -58,8 +72,8 @@ def saved(tmp_path_factory):
                 after=after, data=data, mesh=tr.mesh)
 
 
-def test_save_122_load_241(saved):
-    tr = _trainer(2, 4, 1)
+def test_save_122_load_241(trainer, saved):
+    tr = trainer(2, 4, 1)
     assert tr.mesh.shape != saved["mesh"].shape
     b = tr.load_state(saved["path"])
     w = tr.adapter_weights(b)
@@ -85,8 +99,8 @@ def test_save_122_load_241(saved):
         np.testing.assert_allclose(v, saved["after"][k], rtol=1e-4, atol=1e-6)
 
 
-def test_weights_only(saved):
-    tr = _trainer(1, 1, 1)
+def test_weights_only(trainer, saved):
+    tr = trainer(1, 1, 1)
     b = tr.load_state(saved["path"], with_optimizer=False)
     for k, v in tr.adapter_weights(b).items():
         np.testing.assert_array_equal(v, saved["weights"][k])
@@ -101,8 +115,8 @@ def test_weights_only(saved):
     assert any(np.any(full["nu"][m][ab]) for m in full["nu"] for ab in ("a", "b"))
 
 
-def test_load_into_existing_slot(saved):
-    tr = _trainer(1, 2, 1)
+def test_load_into_existing_slot(trainer, saved):
+    tr = trainer(1, 2, 1)
     a = tr.create_adapter(rank=2)
     other = tr.create_adapter(rank=3)
     before = tr.adapter_weights(other)
@@ -124,11 +138,11 @@ def _assert_previous_loads(tr, path, saved):
         np.testing.assert_array_equal(v, saved["weights"][k])
 
 
-def test_interrupted_save_keeps_previous(saved, tmp_path, monkeypatch):
+def test_interrupted_save_keeps_previous(trainer, saved, tmp_path, monkeypatch):
     import shutil
     path = str(tmp_path / "ck")
     shutil.copytree(saved["path"], path)
-    tr = _trainer(1, 2, 1)
+    tr = trainer(1, 2, 1)
     a = tr.create_adapter(rank=8, seed=5)
 
     real = ocp.Checkpointer.save
@@ -144,12 +158,12 @@ def test_interrupted_save_keeps_previous(saved, tmp_path, monkeypatch):
     _assert_previous_loads(tr, path, saved)
 
 
-def test_interrupt_inside_orbax_keeps_previous(saved, tmp_path, monkeypatch):
+def test_interrupt_inside_orbax_keeps_previous(trainer, saved, tmp_path, monkeypatch):
     """Interrupt orbax itself mid-write (the JSON item fails after the arrays are written)."""
     import shutil
     path = str(tmp_path / "ck")
     shutil.copytree(saved["path"], path)
-    tr = _trainer(1, 1, 1)
+    tr = trainer(1, 1, 1)
     a = tr.create_adapter(rank=8, seed=5)
 
     def boom(*a, **k):
@@ -163,8 +177,8 @@ def test_interrupt_inside_orbax_keeps_previous(saved, tmp_path, monkeypatch):
     _assert_previous_loads(tr, path, saved)
 
 
-def test_save_replaces_existing(saved, tmp_path):
-    tr = _trainer(1, 1, 1)
+def test_save_replaces_existing(trainer, saved, tmp_path):
+    tr = trainer(1, 1, 1)
     a = tr.create_adapter(rank=3, seed=9)
     path = str(tmp_path / "ck")
     tr.save_state(a, path)
@@ -192,7 +206,7 @@ def _assert_same(a, b):
 ], ids=["base_mismatch", "rank_over_max"])
 def test_load_refused_state_untouched(saved, cfg, max_rank, pattern):
     assert (cfg, max_rank) != (CFG, 8)  # differs from the saving trainer
-    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_rank=max_rank)
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_rank=max_rank)  # other settings: fresh
     tr.create_adapter(rank=2)
     before = _snapshot(tr)
     with pytest.raises(jcp.InputError, match=pattern):
@@ -200,8 +214,8 @@ def test_load_refused_state_untouched(saved, cfg, max_rank, pattern):
     _assert_same(before, _snapshot(tr))
 
 
-def test_not_a_checkpoint(tmp_path):
-    tr = _trainer(1, 1, 1)
+def test_not_a_checkpoint(trainer, tmp_path):
+    tr = trainer(1, 1, 1)
     with pytest.raises(jcp.InputError, match="no adapter checkpoint"):
         tr.load_state(str(tmp_path / "missing"))
     (tmp_path / "junk").mkdir()

@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-import ckpt_kill_child as kc
+from helpers import ckpt_kill_child as kc
 import jcp
 
 HERE = os.path.dirname(__file__)
@@ -110,7 +110,7 @@ def killed(tmp_path_factory):
             path, log = str(root / f"{mode}-{phase}"), str(root / f"{mode}-{phase}.log")
             with open(log, "w") as f:
                 proc = subprocess.Popen(
-                    [sys.executable, os.path.join(HERE, "ckpt_kill_child.py"), path, phase, mode],
+                    [sys.executable, os.path.join(HERE, "helpers", "ckpt_kill_child.py"), path, phase, mode],
                     env=env, stdout=f, stderr=subprocess.STDOUT)
             running[case] = (path, log, proc)
         for case, (path, log, proc) in list(running.items()):

@@ -271,3 +271,19 @@ def test_user_error_is_one_line(tmp_path, request, capfd, make, in_process):
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
     assert lines[0].startswith("jcp-train: error: ") and str(needle) in lines[0], lines[0]
+
+
+def test_shared_parser_and_mesh_flag_raise_cli_errors():
+    """jcp.cli (shared by jcp-train and jcp-serve): usage errors and bad --mesh values are
+    CliError naming the problem, not SystemExit."""
+    from jcp.cli import CliError, Parser, parse_mesh
+
+    p = Parser(prog="x")
+    p.add_argument("--n", type=int)
+    assert p.parse_args(["--n", "3"]).n == 3
+    with pytest.raises(CliError, match="--n"):
+        p.parse_args(["--n", "three"])
+    assert parse_mesh("1,2,4") == (1, 2, 4)
+    for bad, pattern in (("1,x,2", "integers"), ("1,2", "three"), ("1,0,2", "positive")):
+        with pytest.raises(CliError, match=pattern):
+            parse_mesh(bad)

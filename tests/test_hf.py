@@ -20,7 +20,7 @@ import torch
 import transformers
 
 import jcp
-import model_harness as MH
+from helpers import model_harness as MH
 from jcp import hf as hf_lib
 
 # ----------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import loss_harness as H
+from helpers import loss_harness as H
 from jcp import losses
 from jcp import mesh as mesh_lib
 

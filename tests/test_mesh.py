@@ -182,3 +182,30 @@ def test_bucket_length_minimum_and_maximum():
             assert n <= b == min(mesh_lib.bucket_length(n), 200)
         else:  # a maximum below n does not apply
             assert b == mesh_lib.bucket_length(n)
+
+
+@pytest.mark.parametrize("n, minimum, want", [(0, 1, 1), (1, 1, 1), (3, 1, 4), (4, 1, 4),
+                                              (5, 1, 8), (5, 16, 16), (17, 16, 32)])
+def test_pow2_at_least(n, minimum, want):
+    assert mesh_lib.pow2_at_least(n, minimum) == want
+
+
+# ----------------------------------------------------------------------------------------
+# Host arrays <-> global arrays
+
+
+def test_put_gives_each_device_its_slice_and_host_gather_read_back():
+    mesh = jcp.make_mesh(2, 2, 2)
+    x = np.arange(4 * 6, dtype=np.float32).reshape(4, 6)
+    spec = jax.sharding.PartitionSpec(mesh_lib.DP, mesh_lib.TP)
+    g = mesh_lib.put(mesh, x, spec, dtype=np.int32)
+    assert g.shape == (4, 6) and g.dtype == np.int32
+    for shard in g.addressable_shards:  # each device holds exactly its own block
+        assert shard.data.shape == (2, 3)
+        np.testing.assert_array_equal(np.asarray(shard.data), x[shard.index].astype(np.int32))
+    np.testing.assert_array_equal(mesh_lib.gather(g), x.astype(np.int32))
+
+    r = mesh_lib.replicate(mesh, x)
+    assert all(s.data.shape == (4, 6) for s in r.addressable_shards)
+    np.testing.assert_array_equal(mesh_lib.host(r), x)
+    assert len({s.device for s in r.addressable_shards}) == 8

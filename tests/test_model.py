@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jcp
-import model_harness as MH
+from helpers import model_harness as MH
 from jcp import mesh as mesh_lib
 
 ATOL = 2e-4

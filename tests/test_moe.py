@@ -1,4 +1,4 @@
-"""Qwen3-MoE (jcp.moe, model.moe_mlp, hf loading): exact against transformers'
+"""Qwen3-MoE (jcp.model.moe, model.moe_mlp, hf loading): exact against transformers'
 Qwen3MoeForCausalLM at every mesh, experts split over tp; the grouped matmul against
 jax.lax.ragged_dot; empty experts; an attention adapter trains alike on two meshes.
 
@@ -15,44 +15,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.torch
-import torch
-import transformers
 
 import jcp
-import model_harness as MH
+from helpers import model_harness as MH
+from helpers import moe_harness as MoE
 from jcp import hf as hf_lib
 from jcp import model as model_lib
-from jcp import moe as moe_lib
+from jcp.model import moe as moe_lib
 
 # tp = 4 must divide the kv heads and the experts.
-HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, FE = 8, 4, 16, 8, 2, 32
-LAYERS = 3  # layer 0 dense, 1 and 2 MoE
-
-
-def hf_moe(norm_topk_prob: bool, seed: int = 0):
-    torch.manual_seed(seed)
-    hcfg = transformers.Qwen3MoeConfig(
-        vocab_size=MH.V, hidden_size=MH.D, intermediate_size=MH.F, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-        num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=FE,
-        norm_topk_prob=norm_topk_prob, mlp_only_layers=[0], decoder_sparse_step=1,
-        rope_theta=10_000.0, rms_norm_eps=1e-6, max_position_embeddings=1024,
-        tie_word_embeddings=False, experts_implementation="eager")
-    hm = transformers.Qwen3MoeForCausalLM(hcfg)
-    with torch.no_grad():
-        for name, p in hm.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.copy_(0.3 * torch.randn_like(p))  # decisive routing, no near-ties
-            else:
-                p.copy_(0.05 * torch.randn_like(p))
-    return hm.eval().float()
+EXPERTS, TOP_K, FE = MoE.EXPERTS, MoE.TOP_K, MoE.FE
 
 
 @functools.lru_cache(maxsize=None)
 def saved(norm_topk_prob: bool, tmp):
-    hm = hf_moe(norm_topk_prob)
+    hm = MoE.hf_moe(norm_topk_prob)
     path = MH.save(hm, f"{tmp}/moe_{norm_topk_prob}")
     return hm, path
 

@@ -1,4 +1,4 @@
-"""LoRA on the experts of a Qwen3-MoE model (jcp.moe, model.moe_mlp, lora's expert slots).
+"""LoRA on the experts of a Qwen3-MoE model (jcp.model.moe, model.moe_mlp, lora's expert slots).
 
 The reference is transformers' Qwen3MoeForCausalLM in float64 with every LoRA factor merged
 into its weights by hand (W + scale·(A @ B)ᵀ, per expert) through torch.func.functional_call,
@@ -8,7 +8,6 @@ computation. Both parameterisations (per-expert and shared-outer) share one batc
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,68 +16,22 @@ import pytest
 import torch
 
 import jcp
-import model_harness as MH
-import test_moe as TM
+from helpers import model_harness as MH
+from helpers import moe_harness as TM
+from helpers.moe_harness import ALPHA, MOE_LAYERS, RANK, install, merged, model, random_adapter
 from jcp import lora as lora_lib
-from jcp import moe as moe_lib
+from jcp.model import moe as moe_lib
 
-RANK, ALPHA = 4, 8.0
 # peft warns that the gate_up rank / alpha pattern of an exported adapter "did not match
 # any targeted module": it checks module names only, and does apply it to the parameter.
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The following (rank|alpha)_pattern keys did not match:RuntimeWarning")
 MESHES = ((1, 1, 1), (2, 1, 4))  # test_peft_expert_adapter_matches_peft adds (1, 2, 2)
-MOE_LAYERS = (1, 2)  # model layers of TM.hf_moe that are MoE (layer 0 is dense)
-
-
-@functools.lru_cache(maxsize=None)
-def model(tmp):
-    hm = TM.hf_moe(True)
-    return hm, MH.save(hm, f"{tmp}/moe_lora")
 
 
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory):
     return str(tmp_path_factory.mktemp("moe_lora"))
-
-
-def random_adapter(cfg, expert_lora, seed):
-    """Nonzero factors of every target in lora.adapter_shapes' layout."""
-    rng = np.random.default_rng(seed)
-    targets = lora_lib.resolve_targets(None, cfg)
-    shapes = lora_lib.adapter_shapes(cfg, RANK, targets, expert_lora)
-    return {m: {k: (0.15 * rng.standard_normal(s)).astype(np.float32) for k, s in ks.items()}
-            for m, ks in shapes.items()}
-
-
-def install(tr, tree, expert_lora):
-    a = tr.create_adapter(rank=RANK, alpha=ALPHA, expert_lora=expert_lora)
-    tr.state.install(a, tr.adapters[a], tree)
-    return a
-
-
-def merged(params64, tree, scale, leaves):
-    """functional_call overrides: every targeted weight with its LoRA merged in (torch)."""
-    t = {m: {k: leaves[(id(tree), m, k)] for k in ab} for m, ab in tree.items()}
-    out = {}
-    for li in range(TM.LAYERS):
-        for m in lora_lib.ATTN:
-            name = f"model.layers.{li}.self_attn.{m}.weight"
-            out[name] = params64[name] + scale * (t[m]["a"][li] @ t[m]["b"][li]).T
-    for j, li in enumerate(MOE_LAYERS):
-        def per_expert(m, key):
-            x = t[m][key][j] if key in t[m] else t[m][key + "_shared"][j]
-            return x if x.dim() == 3 else x.expand(TM.EXPERTS, *x.shape)
-
-        d = {m: scale * torch.einsum("eir,ero->eoi", per_expert(m, "a"), per_expert(m, "b"))
-             for m in lora_lib.EXPERT}
-        gu = f"model.layers.{li}.mlp.experts.gate_up_proj"  # [E, 2F, D], gate rows first
-        out[gu] = params64[gu] + torch.cat([d["expert_gate"], d["expert_up"]], dim=1)
-        dn = f"model.layers.{li}.mlp.experts.down_proj"  # [E, D, F]
-        out[dn] = params64[dn] + d["expert_down"]
-    out["lm_head.weight"] = params64["lm_head.weight"] + scale * (
-        t["lm_head"]["a"] @ t["lm_head"]["b"]).T
-    return out
 
 
 def reference(hm, trees, data_adapters, seqs, targets, weights):

@@ -20,10 +20,9 @@ import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 import jcp
-import model_harness as MH
-import test_moe as TM
-import test_moe_lora as TML
-from jcp import moe as moe_lib
+from helpers import model_harness as MH
+from helpers import moe_harness as TM
+from jcp.model import moe as moe_lib
 
 MESHES = ((1, 1, 1), (1, 2, 2), (2, 1, 2))
 LENGTHS = (37, 52, 23, 41)  # odd lengths: zigzag padding at cp = 2
@@ -56,9 +55,9 @@ def numpy_metrics(experts_per_layer, num_experts):
 def setup(tmp):
     """(hm, cfg, base, adapter tree, data, reference) — reference: picked experts per MoE
     layer [Σ N, top_k], the CE loss and its gradient, the aux loss and its gradient."""
-    hm, path = TML.model(tmp)
+    hm, path = TM.model(tmp)
     cfg, base = jcp.load_hf(path)
-    tree = TML.random_adapter(cfg, "shared_outer", 3)
+    tree = TM.random_adapter(cfg, "shared_outer", 3)
     seqs, targets, weights = MH.random_data(LENGTHS, seed=3)  # no near-tie (see margin)
     data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
             for s, t, w in zip(seqs, targets, weights)]
@@ -70,8 +69,8 @@ def reference(hm, tree, seqs, targets, weights):
     params64 = {n: p.detach() for n, p in hm64.named_parameters()}
     leaves = {(id(tree), m, k): torch.tensor(x, dtype=torch.float64, requires_grad=True)
               for m, ab in tree.items() for k, x in ab.items()}
-    over = TML.merged(params64, tree, TML.ALPHA / TML.RANK, leaves)
-    picked = {li: [] for li in TML.MOE_LAYERS}
+    over = TM.merged(params64, tree, TM.ALPHA / TM.RANK, leaves)
+    picked = {li: [] for li in TM.MOE_LAYERS}
     margins = []
 
     def capture(li):
@@ -83,8 +82,8 @@ def reference(hm, tree, seqs, targets, weights):
         return hook
 
     hooks = [hm64.model.layers[li].mlp.gate.register_forward_hook(capture(li))
-             for li in TML.MOE_LAYERS]
-    ce, logits_per_layer = 0.0, [[] for _ in TML.MOE_LAYERS]
+             for li in TM.MOE_LAYERS]
+    ce, logits_per_layer = 0.0, [[] for _ in TM.MOE_LAYERS]
     for s, t, w in zip(seqs, targets, weights):
         out = torch.func.functional_call(hm64, {**params64, **over},
                                          (torch.tensor(np.asarray(s))[None],),
@@ -92,7 +91,7 @@ def reference(hm, tree, seqs, targets, weights):
         lp = torch.log_softmax(out.logits[0], -1)[torch.arange(len(s)),
                                                   torch.tensor(np.asarray(t))]
         ce = ce - (torch.tensor(np.asarray(w, np.float64)) * lp).sum()
-        assert len(out.router_logits) == len(TML.MOE_LAYERS)
+        assert len(out.router_logits) == len(TM.MOE_LAYERS)
         for j, rl in enumerate(out.router_logits):
             logits_per_layer[j].append(rl)
     for h in hooks:
@@ -108,7 +107,7 @@ def reference(hm, tree, seqs, targets, weights):
     as_tree = lambda gs: {m: {k: g.numpy() for (_, mm, k), g in zip(keys, gs) if mm == m}
                           for m in tree}
     hm.float()
-    return dict(picked=[np.concatenate(picked[li]) for li in TML.MOE_LAYERS],
+    return dict(picked=[np.concatenate(picked[li]) for li in TM.MOE_LAYERS],
                 margin=min(margins), ce=float(ce.detach()), g_ce=as_tree(g_ce),
                 aux=float(aux.detach()), g_aux=as_tree(g_aux))
 
@@ -116,7 +115,7 @@ def reference(hm, tree, seqs, targets, weights):
 def trainer(cfg, base, tree, mesh_shape, **kw):
     tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=2,
                      max_rank=8, seed=0, **kw)
-    return tr, TML.install(tr, tree, "shared_outer")
+    return tr, TM.install(tr, tree, "shared_outer")
 
 
 # ----------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import sys
 import jax
 import numpy as np
 
-import mp_case
+from helpers import mp_case
 
 HERE = os.path.dirname(__file__)
 
@@ -24,7 +24,7 @@ def test_two_processes_match_one(tmp_path):
     port = str(_free_port())
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "mp_worker.py"), str(i), port,
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "helpers", "mp_worker.py"), str(i), port,
                                str(tmp_path)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
     logs = []

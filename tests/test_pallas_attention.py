@@ -1,4 +1,4 @@
-"""The "pallas" attention implementation (jcp.pallas_attention) in Pallas interpret mode.
+"""The "pallas" attention implementation (jcp.attention.pallas) in Pallas interpret mode.
 
 Evidence:
 1. the fused kernels (forward, dQ, dK/dV) equal the dense reference and the blockwise
@@ -29,11 +29,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jcp
-import trainer_harness as TH
+from helpers import trainer_harness as TH
 from jcp import attention
 from jcp import mesh as mesh_lib
 from jcp import model
-from jcp import pallas_attention as pa
+from jcp.attention import pallas as pa
 
 H = 16
 BLOCK = 16
@@ -78,7 +78,7 @@ def _pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, tiles=EVEN):
 def _dense(q, k, v, seg_q, pos_q, seg_k, pos_k):
     s_len, q_heads, _ = q.shape
     kv_heads = k.shape[1]
-    out = attention._dense(q.reshape(s_len, kv_heads, q_heads // kv_heads, H), k, v, seg_q,
+    out = attention.blockwise.dense(q.reshape(s_len, kv_heads, q_heads // kv_heads, H), k, v, seg_q,
                            pos_q, seg_k, pos_k)
     return out.reshape(q.shape)
 
@@ -86,7 +86,7 @@ def _dense(q, k, v, seg_q, pos_q, seg_k, pos_k):
 def _blockwise(q, k, v, seg_q, pos_q, seg_k, pos_k):
     s_len, q_heads, _ = q.shape
     t_len, kv_heads, _ = k.shape
-    out = attention._flash(q.reshape(s_len, kv_heads, q_heads // kv_heads, H), k, v, seg_q,
+    out = attention.blockwise.flash(q.reshape(s_len, kv_heads, q_heads // kv_heads, H), k, v, seg_q,
                            pos_q, seg_k, pos_k, attention.tile(s_len, BLOCK),
                            attention.tile(t_len, BLOCK))
     return out.reshape(q.shape)
@@ -155,7 +155,7 @@ def test_pallas_matches_dense_and_blockwise(name):
         bq = pa._tile(seg_q.shape[0], getattr(tiles, side + "_q"), 2 * BLOCK, True)
         bk = pa._tile(seg_k.shape[0], getattr(tiles, side + "_k"), 2 * BLOCK, True)
         assert seg_q.shape[0] // bq > 1 and seg_k.shape[0] // bk > 1
-        kinds, _ = attention._block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)
+        kinds, _ = attention.tiling.block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)
         assert set(np.unique(np.asarray(kinds)).tolist()) == {0, 1, 2}, side
 
     out_p, g_p = run("pallas", *args, tiles=tiles)
@@ -265,7 +265,7 @@ def test_cp_attention_and_ring_in_shard_map():
             for key in (("pallas", "gather"), ("pallas", "ring"), ("dense", "gather"))}
     # The paths really differ: pallas kernels vs none; all-gather vs ppermute (the ring
     # gathers nothing but, in interpret mode, the kernels' inputs: see
-    # pallas_attention._interpret_invariant).
+    # attention.pallas._interpret_invariant).
     assert "pallas_call" in text["pallas", "gather"] and "all_gather" in text["pallas", "gather"]
     assert "pallas_call" in text["pallas", "ring"] and "ppermute" in text["pallas", "ring"]
     assert "all_gather" not in text["pallas", "ring"]
@@ -353,7 +353,7 @@ def test_kernels_lower_to_triton(monkeypatch):
 
     def inner(params, tokens, seg, pos):
         attend = attention.cp_attend(seg[0], pos[0], implementation="pallas", block=BLOCK)
-        h, _ = model.hidden_states(cfg, params, tokens[0], pos[0], attend, remat=True)
+        h = model.hidden_states(cfg, params, tokens[0], pos[0], attend, remat=True).h_SxD
         return jax.lax.psum(jnp.sum(h), mesh_lib.CP)
 
     f = jax.shard_map(inner, mesh=jcp.make_mesh(1, 2, 1), in_specs=(P(),) + (ROWS,) * 3,

@@ -20,11 +20,12 @@ import numpy as np
 import peft
 import pytest
 import torch
-import transformers
 from safetensors.numpy import load_file
 
 import jcp
-import trainer_harness as H
+from helpers import hf_models
+from helpers import trainer_harness as H
+from helpers.hf_models import tiny_hf
 
 MESH = (2, 2, 2)
 V, D, F, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 128, 64, 96, 2, 4, 2, 24
@@ -46,33 +47,16 @@ GRAD_RTOL, GRAD_ATOL = 1e-4, 2e-5  # atol times the adapter's largest gradient
 
 def hf_model(seed=0):
     """A tiny random Qwen3ForCausalLM (untied, head_dim ≠ D / heads, non-unit norms)."""
-    torch.manual_seed(seed)
-    hm = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-        tie_word_embeddings=False, rope_theta=10_000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=1024))
-    with torch.no_grad():
-        for name, p in hm.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            else:
-                p.copy_(0.05 * torch.randn_like(p))
-    return hm.eval().float()
+    return tiny_hf("qwen3", seed=seed, vocab_size=V, hidden_size=D, intermediate_size=F,
+                   num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                   num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
 
 
 def peft_model(hm, spec):
-    """get_peft_model on a copy of hm, with B randomised (PEFT initialises it to zero)."""
-    cfg = peft.LoraConfig(r=spec["r"], lora_alpha=spec["lora_alpha"],
-                          target_modules=spec["target_modules"], use_rslora=spec["use_rslora"],
-                          lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
-    pm = peft.get_peft_model(copy.deepcopy(hm), cfg)
-    g = torch.Generator().manual_seed(spec["seed"])
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    return pm.eval()
+    """hm in peft's LoRA of one ADAPTERS spec, B randomised."""
+    return hf_models.peft_model(hm, spec["seed"], r=spec["r"], lora_alpha=spec["lora_alpha"],
+                                target_modules=spec["target_modules"],
+                                use_rslora=spec["use_rslora"])
 
 
 def design_key(peft_param_name: str) -> str:

@@ -29,12 +29,13 @@ import numpy as np
 import peft
 import pytest
 import torch
-import transformers
 from safetensors.numpy import load_file, save_file
 
 import jcp
 from jcp import lora as lora_lib
 from jcp import peft as peft_lib
+from helpers import hf_models
+from helpers.hf_models import tiny_hf
 from jcp.adapter_state import AdapterInfo
 
 V, D, F_DENSE, FE, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 16, 24, 12, 3, 2, 1, 8
@@ -57,24 +58,11 @@ pytestmark = pytest.mark.filterwarnings(
 
 @pytest.fixture(scope="module")
 def hm():
-    torch.manual_seed(0)
-    hcfg = transformers.Qwen3MoeConfig(
-        vocab_size=V, hidden_size=D, intermediate_size=F_DENSE, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-        num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=FE,
-        norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1, rope_theta=10_000.0,
-        rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False,
-        experts_implementation="eager")
-    m = transformers.Qwen3MoeForCausalLM(hcfg)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.copy_(0.3 * torch.randn_like(p))
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
-    return m.eval().float()
+    return tiny_hf("qwen3_moe", seed=0, weight_std=0.1, vocab_size=V, hidden_size=D,
+                   intermediate_size=F_DENSE, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                   num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_experts=EXPERTS,
+                   num_experts_per_tok=TOP_K, moe_intermediate_size=FE, norm_topk_prob=True,
+                   mlp_only_layers=[0], max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")
@@ -90,15 +78,8 @@ def cfg(hm):
 
 
 def peft_model(hm, seed, **lora_kw):
-    """get_peft_model on a copy of hm with every lora_A / lora_B random (non-zero)."""
-    pm = peft.get_peft_model(copy.deepcopy(hm), peft.LoraConfig(
-        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **lora_kw))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    return pm.eval()
+    """hm in peft's LoRA (LoraConfig(**lora_kw)) with every lora_A / lora_B random."""
+    return hf_models.peft_model(hm, seed, std=0.3, factors="lora_", **lora_kw)
 
 
 def wrappers(pm, layer):

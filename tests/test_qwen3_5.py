@@ -17,7 +17,7 @@ from transformers import Qwen3_5ForCausalLM
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 import jcp
-import model_harness as mh
+from helpers import model_harness as mh
 from jcp import model as model_lib
 
 LENGTHS = (37, 1, 20, 64)

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import jcp
-import trainer_harness as H
+from helpers import trainer_harness as H
 
 N = 16
 MESH = (1, 1, 1)

@@ -25,18 +25,17 @@ every call uses max_tokens ≤ 16 and prompts < 48 tokens, so one cache bucket s
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import peft
 import pytest
 import torch
 
 import jcp
-import model_harness as MH
+from helpers import hf_models
+from helpers import model_harness as MH
 from jcp import sample as sample_lib
 
 PROMPTS = ([3, 17, 42, 8, 99, 1, 64, 30, 2, 77, 12], [50], [6, 7, 120, 33, 4], [11, 90])
@@ -47,16 +46,8 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def peft_model(hm, seed, r=4, alpha=8):
-    """get_peft_model on a copy of hm with B randomised (PEFT initialises it to zero)."""
-    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=ALL_TARGETS, lora_dropout=0.0,
-                          bias="none", task_type="CAUSAL_LM")
-    pm = peft.get_peft_model(copy.deepcopy(hm), cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    return pm.eval()
+    """hm in peft's LoRA of every target, B randomised."""
+    return hf_models.peft_model(hm, seed, r=r, lora_alpha=alpha, target_modules=ALL_TARGETS)
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,7 +17,7 @@ Evidence:
 6. every refused input raises InputError naming the datum and field and changes nothing;
 7. delete_adapter frees its slot, and a new adapter there starts from a clean state.
 
-Compiling dominates: one Trainer per mesh is cached (trainer_harness.trainer) and tests
+Compiling dominates: one Trainer per mesh is cached (helpers.trainer_harness.trainer) and tests
 reuse batches of the same shapes, so most calls hit the jit cache.
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 import jcp
-import trainer_harness as H
+from helpers import trainer_harness as H
 from jcp import attention
 
 REF = (1, 1, 1)

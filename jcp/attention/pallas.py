@@ -1,7 +1,7 @@
 """The "pallas" attention implementation: fused flash-attention kernels in Pallas (Triton).
 
 Owns three Pallas kernels — the forward (output and log-sum-exp), dQ, and dK/dV — that
-apply exactly jcp's (segment, position) mask (attention._mask: same datum, segment ≥ 0,
+apply exactly jcp's (segment, position) mask (attention.tiling.visible: same datum, segment ≥ 0,
 key position ≤ query position) with GQA, the plan that tells each kernel program which
 blocks to visit, and the two strategies built on them: `flash_attention` (the all-gather
 path of attention.cp_attention, custom VJP) and `ring_attention` (the cp ring, one kernel
@@ -12,7 +12,7 @@ interpret mode, which is for tests only (attention.cp_attention defaults to "blo
 and inside a shard_map each device then also computes every other device's kernels
 (_interpret_invariant says why).
 
-Block skipping. Outside the kernels, attention._block_kinds classifies every (query block,
+Block skipping. Outside the kernels, attention.tiling.block_kinds classifies every (query block,
 key block) pair from per-block min/max segment and position as skipped, masked or fully
 visible. visit_plan turns each row of that table into a list — its masked blocks, then
 its fully visible ones — so a program loops over exactly the blocks it needs (no branch
@@ -51,8 +51,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jcp.attention import SAVED_NAMES, _block_kinds, _mask, _no_grads, _ring_perm, _vary_all
-from jcp.mesh import CP, block_size, varying_axes
+from jcp.attention.tiling import (SAVED_NAMES, SoftmaxState, block_kinds, no_grads,
+                                  online_softmax_finish, online_softmax_step, ring_fold,
+                                  ring_fold_grads, visible)
+from jcp.mesh import CP, block_size, vary_all, varying_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +128,7 @@ def _visit(plan_ref, body, carry):
                              lambda t, c: body(plan_ref[2 + t], False, c), carry)
 
 
-def _rows(i, b):
+def _block_slice(i, b):
     return pl.ds(pl.multiple_of(i * b, b), b)
 
 
@@ -140,28 +142,23 @@ def _fwd_kernel(plan_ref, q_ref, k_ref, v_ref, segq_ref, posq_ref, segk_ref, pos
     q_BqxH = q_ref[...]
     seg_q, pos_q = segq_ref[...], posq_ref[...]
 
-    def body(j, masked, carry):
-        acc_BqxH, m_Bq, l_Bq = carry
-        keys = _rows(j, block_k)
+    def body(j, masked, state):
+        keys = _block_slice(j, block_k)
         s_BqxBk = plgpu.dot(q_BqxH, k_ref[keys, :], trans_b=True) * scale
         if masked:
-            s_BqxBk = jnp.where(_mask(seg_q, pos_q, segk_ref[keys], posk_ref[keys]), s_BqxBk,
+            s_BqxBk = jnp.where(visible(seg_q, pos_q, segk_ref[keys], posk_ref[keys]), s_BqxBk,
                                 -jnp.inf)
-        m_new = jnp.maximum(m_Bq, s_BqxBk.max(-1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing visible yet: stay 0
-        p_BqxBk = jnp.exp(s_BqxBk - m_safe[:, None])
-        corr = jnp.exp(m_Bq - m_safe)
         v_BkxH = v_ref[keys, :]
-        acc_BqxH = acc_BqxH * corr[:, None] + plgpu.dot(p_BqxBk.astype(v_BkxH.dtype), v_BkxH)
-        return acc_BqxH, m_new, l_Bq * corr + p_BqxBk.sum(-1)
+        return online_softmax_step(state, s_BqxBk,
+                                   lambda p: plgpu.dot(p.astype(v_BkxH.dtype), v_BkxH))
 
     rows, head_dim = q_BqxH.shape
-    acc, m, l = _visit(plan_ref, body, (jnp.zeros((rows, head_dim), jnp.float32),
-                                        jnp.full((rows,), -jnp.inf, jnp.float32),
-                                        jnp.zeros((rows,), jnp.float32)))
-    empty = l == 0.0
-    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+    state = _visit(plan_ref, body, SoftmaxState(jnp.full((rows,), -jnp.inf, jnp.float32),
+                                                jnp.zeros((rows,), jnp.float32),
+                                                jnp.zeros((rows, head_dim), jnp.float32)))
+    out_BqxH, lse_Bq = online_softmax_finish(state, empty_lse=-jnp.inf)
+    o_ref[...] = out_BqxH.astype(o_ref.dtype)
+    lse_ref[...] = lse_Bq
 
 
 def _probs(q_BqxH, k_BkxH, lse_Bq, mask, scale):
@@ -178,9 +175,9 @@ def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_r
     seg_q, pos_q = segq_ref[...], posq_ref[...]
 
     def body(j, masked, dq_BqxH):
-        keys = _rows(j, block_k)
+        keys = _block_slice(j, block_k)
         k_BkxH = k_ref[keys, :]
-        mask = _mask(seg_q, pos_q, segk_ref[keys], posk_ref[keys]) if masked else None
+        mask = visible(seg_q, pos_q, segk_ref[keys], posk_ref[keys]) if masked else None
         p = _probs(q_BqxH, k_BkxH, lse_Bq, mask, scale)
         dp = plgpu.dot(do_BqxH, v_ref[keys, :], trans_b=True)
         ds = p * (dp - delta_Bq[:, None]) * scale
@@ -199,9 +196,9 @@ def _dkv_kernel(plan_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_
 
     def body(m, i, masked, carry):
         dk_BkxH, dv_BkxH = carry
-        rows = _rows(i, block_q)
+        rows = _block_slice(i, block_q)
         q_BqxH, do_BqxH = q_ref[rows, m, :], do_ref[rows, m, :]
-        mask = _mask(segq_ref[rows], posq_ref[rows], seg_k, pos_k) if masked else None
+        mask = visible(segq_ref[rows], posq_ref[rows], seg_k, pos_k) if masked else None
         p = _probs(q_BqxH, k_BkxH, lse_ref[m, rows], mask, scale)
         dv_BkxH = dv_BkxH + plgpu.dot(p.astype(do_BqxH.dtype), do_BqxH, trans_a=True)
         dp = plgpu.dot(do_BqxH, v_BkxH, trans_b=True)
@@ -222,7 +219,7 @@ def _dkv_kernel(plan_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_
 def _call(kernel, grid, in_specs, out_specs, out_shapes, args, name, head_dim, interpret):
     """pallas_call with every input cast to vary alike (inside shard_map) and the outputs
     varying as the inputs do."""
-    args = [_vary_all(a, *args) for a in args]
+    args = [vary_all(a, *args) for a in args]
 
     def call(*args):
         mat = jax.typeof(args[1]).manual_axis_type
@@ -261,7 +258,7 @@ def _forward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, block, tiles
     _check_head_dim(head_dim, interpret)
     bq = _tile(s_len, tiles.fwd_q, block, interpret)
     bk = _tile(t_len, tiles.fwd_k, block, interpret)
-    plan = visit_plan(_block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)[0])  # [nq, 2 + nk]
+    plan = visit_plan(block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)[0])  # [nq, 2 + nk]
     kv_spec = pl.BlockSpec((t_len, None, head_dim), lambda i, h: (0, h // per_kv, 0))
     q_spec = pl.BlockSpec((bq, None, head_dim), lambda i, h: (i, h, 0))
     out, lse = _call(
@@ -291,7 +288,7 @@ def _backward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_SxQxH, l
 
     bq, bk = _tile(s_len, tiles.dq_q, block, interpret), _tile(t_len, tiles.dq_k, block,
                                                                    interpret)
-    plan = visit_plan(_block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)[0])  # [nq, 2 + nk]
+    plan = visit_plan(block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)[0])  # [nq, 2 + nk]
     q_spec = pl.BlockSpec((bq, None, head_dim), lambda i, h: (i, h, 0))
     kv_spec = pl.BlockSpec((t_len, None, head_dim), lambda i, h: (0, h // per_kv, 0))
     row_spec = pl.BlockSpec((None, bq), lambda i, h: (h, i))
@@ -305,7 +302,7 @@ def _backward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_SxQxH, l
 
     bq, bk = _tile(s_len, tiles.dkv_q, block, interpret), _tile(t_len, tiles.dkv_k, block,
                                                                     interpret)
-    plan = visit_plan(_block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)[0].T)  # [nk, 2 + nq]
+    plan = visit_plan(block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)[0].T)  # [nk, 2 + nq]
     group_spec = pl.BlockSpec((s_len, per_kv, head_dim), lambda j, g: (0, g, 0))
     group_rows_spec = pl.BlockSpec((per_kv, s_len), lambda j, g: (g, 0))
     kv_spec = pl.BlockSpec((bk, None, head_dim), lambda j, g: (j, g, 0))
@@ -321,7 +318,7 @@ def _backward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_SxQxH, l
     return dq, dk, dv
 
 
-def _delta(do_SxQxH, out_SxQxH):
+def _delta_QxS(do_SxQxH, out_SxQxH):
     """Σ_h do·out: [Q, S] fp32, the softmax-backward row term."""
     return jnp.einsum("sqh,sqh->qs", do_SxQxH.astype(jnp.float32),
                       out_SxQxH.astype(jnp.float32))
@@ -356,9 +353,9 @@ def _flash_bwd(block, tiles, res, d_out):
     # Each program sums its block's whole gradient in fp32 registers: written once, in
     # the inputs' dtype.
     dq, dk, dv = _backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out.astype(q.dtype), lse,
-                           _delta(d_out, out), block, tiles, q.dtype)
+                           _delta_QxS(d_out, out), block, tiles, q.dtype)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-            *_no_grads(seg_q, pos_q, seg_k, pos_k))
+            *no_grads(seg_q, pos_q, seg_k, pos_k))
 
 
 flash_attention.defvjp(_flash_fwd, _flash_bwd)
@@ -386,42 +383,35 @@ def _ring(q, k, v, seg, pos, block, cp):
 
 
 def _ring_fwd(q, k, v, seg, pos, block, cp):
-    """Like attention._ring_fwd (same hops, K and V travelling as one [2, S, K, H] message,
-    the next hop issued before the compute), with fp32 partials merged by _merge."""
-    kv, meta = jnp.stack([k, v]), jnp.stack([seg, pos])
-    out = lse = None
-    for step in range(cp):
-        if step + 1 < cp:
-            kv_next, meta_next = jax.lax.ppermute((kv, meta), CP, _ring_perm(cp))
-        part = _forward(q, kv[0], kv[1], seg, pos, meta[0], meta[1], block, TILES,
-                        jnp.float32)
-        out, lse = part if out is None else _merge(out, lse, *part)
-        if step + 1 < cp:
-            kv, meta = kv_next, meta_next
+    """tiling.ring_fold, as the blockwise ring (K and V travelling as one [2, S, K, H]
+    message), with fp32 partials merged by _merge."""
+
+    def fold(partial, kv, meta):
+        part = _forward(q, kv[0], kv[1], seg, pos, meta[0], meta[1], block, TILES, jnp.float32)
+        return part if partial is None else _merge(*partial, *part)
+
+    out, lse = ring_fold(fold, None, jnp.stack([k, v]), jnp.stack([seg, pos]), cp)
     out, lse = _saved(out.astype(q.dtype), lse)
     return out, (q, k, v, seg, pos, out, lse)
 
 
 def _ring_bwd(block, cp, res, d_out):
-    """The keys go round again; each block's dK/dV (fp32 [2, S, K, H]) travels with it and
-    one last hop returns it to its owner (as attention._ring_bwd)."""
+    """tiling.ring_fold_grads: the keys go round again; each block's dK/dV (fp32
+    [2, S, K, H]) travels with it and returns to its owner."""
     q, k, v, seg, pos, out, lse = res
-    do, delta = d_out.astype(q.dtype), _delta(d_out, out)
+    do, delta = d_out.astype(q.dtype), _delta_QxS(d_out, out)
     kv, meta = jnp.stack([k, v]), jnp.stack([seg, pos])
-    dq = _vary_all(jnp.zeros(q.shape, jnp.float32), q, kv, d_out)
-    dkv = _vary_all(jnp.zeros(kv.shape, jnp.float32), q, kv, d_out)
-    for step in range(cp):
-        if step + 1 < cp:
-            kv_next, meta_next = jax.lax.ppermute((kv, meta), CP, _ring_perm(cp))
+
+    def grad(dq, kv, meta):
         dq_t, dk, dv = _backward(q, kv[0], kv[1], seg, pos, meta[0], meta[1], do, lse, delta,
                                  block, TILES, jnp.float32)
-        dq, dkv = dq + dq_t, dkv + jnp.stack([dk, dv])
-        if cp > 1:  # to the rank that holds this block next; after the last step, its owner
-            dkv = jax.lax.ppermute(dkv, CP, _ring_perm(cp))
-        if step + 1 < cp:
-            kv, meta = kv_next, meta_next
+        return dq + dq_t, jnp.stack([dk, dv])
+
+    dq, dkv = ring_fold_grads(grad, vary_all(jnp.zeros(q.shape, jnp.float32), q, kv, d_out),
+                              vary_all(jnp.zeros(kv.shape, jnp.float32), q, kv, d_out),
+                              kv, meta, cp)
     return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype),
-            *_no_grads(seg, pos))
+            *no_grads(seg, pos))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -6,9 +6,8 @@ computation over this tp rank's E/tp whole experts. model.moe_mlp assembles them
 MLP block. It must never drop a token (no capacity factor), never add a collective (the
 MLP's psum over tp combines the experts of all ranks), and never hold or place weights.
 
-Shapes: see the legend in jcp/mesh.py; here E is this rank's experts (E/tp of them), Kt
-the experts per token (num_experts_per_tok), M = S·Kt the (token, choice) rows, F the
-expert width (moe_intermediate_size).
+Shapes: see the legend in jcp/mesh.py (X experts per token, Z = S·X (token, choice) rows,
+Fe an expert's width); here E is this rank's experts (E/tp of them).
 """
 
 from __future__ import annotations
@@ -50,52 +49,52 @@ def router_probs(x_SxD, router_DxE):
 
 
 def route(x_SxD, router_DxE, top_k: int, normalize: bool):
-    """(weights [S, Kt] in x's dtype, experts [S, Kt] int32) as transformers routes:
+    """(weights [S, X] in x's dtype, experts [S, X] int32) as transformers routes:
     logits x @ W in x's dtype, softmax in fp32, top-k, renormalised when `normalize`."""
     probs_SxE = router_probs(x_SxD, router_DxE)
-    top_SxK, experts_SxK = jax.lax.top_k(probs_SxE, top_k)
+    top_SxX, experts_SxX = jax.lax.top_k(probs_SxE, top_k)
     if normalize:
-        top_SxK = top_SxK / jnp.sum(top_SxK, axis=-1, keepdims=True)
-    return top_SxK.astype(x_SxD.dtype), experts_SxK.astype(jnp.int32)
+        top_SxX = top_SxX / jnp.sum(top_SxX, axis=-1, keepdims=True)
+    return top_SxX.astype(x_SxD.dtype), experts_SxX.astype(jnp.int32)
 
 
-def grouped_matmul(x_MxI, w_ExIxO, sizes_E):
-    """Row block g of x (rows sorted by group, sizes_E[g] rows each) times w[g]: [M, O].
+def grouped_matmul(x_ZxI, w_ExIxO, sizes_E):
+    """Row block g of x (rows sorted by group, sizes_E[g] rows each) times w[g]: [Z, O].
 
     Rows past Σ sizes_E belong to no group and come back as zeros. Accelerators use
     jax.lax.ragged_dot. On CPU (jax 0.10.2) ragged_dot is a masked dense matmul (every row
     times every group); there each group is padded to a multiple of TILE rows and a
-    lax.map runs one [TILE, I] @ [I, O] per tile — (M + E·TILE)·I·O work, not E·M·I·O.
-    Measured at M=1024, I=256, O=128, E=8 (fwd / grad of x): ragged_dot 9.2 / 5.9 ms,
+    lax.map runs one [TILE, I] @ [I, O] per tile — (Z + E·TILE)·I·O work, not E·Z·I·O.
+    Measured at Z=1024, I=256, O=128, E=8 (fwd / grad of x): ragged_dot 9.2 / 5.9 ms,
     all-experts dense then select 6.6 / 0.6 ms, tiles 1.5 / 2.3 ms.
     """
     if jax.default_backend() != "cpu":
-        return jax.lax.ragged_dot(x_MxI, w_ExIxO.astype(x_MxI.dtype), sizes_E)
-    m, num_groups = x_MxI.shape[0], w_ExIxO.shape[0]
+        return jax.lax.ragged_dot(x_ZxI, w_ExIxO.astype(x_ZxI.dtype), sizes_E)
+    m, num_groups = x_ZxI.shape[0], w_ExIxO.shape[0]
     tiles = -(-m // TILE) + num_groups
     padded_E = (sizes_E + TILE - 1) // TILE * TILE
     pad_end_E = jnp.cumsum(padded_E)
-    row_group_M = jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(m), side="right")
-    in_group = row_group_M < num_groups
-    g = jnp.minimum(row_group_M, num_groups - 1)
+    row_group_Z = jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(m), side="right")
+    in_group = row_group_Z < num_groups
+    g = jnp.minimum(row_group_Z, num_groups - 1)
     rank_in_group = jnp.arange(m) - (jnp.cumsum(sizes_E) - sizes_E)[g]
     # Destination row in the padded buffer; rows of no group go past its end (dropped).
-    dest_M = jnp.where(in_group, pad_end_E[g] - padded_E[g] + rank_in_group, tiles * TILE)
-    buf = jnp.zeros((tiles * TILE, x_MxI.shape[1]), x_MxI.dtype).at[dest_M].set(
-        x_MxI, mode="drop")
+    dest_Z = jnp.where(in_group, pad_end_E[g] - padded_E[g] + rank_in_group, tiles * TILE)
+    buf = jnp.zeros((tiles * TILE, x_ZxI.shape[1]), x_ZxI.dtype).at[dest_Z].set(
+        x_ZxI, mode="drop")
     tile_group = jnp.minimum(
         jnp.searchsorted(pad_end_E, jnp.arange(tiles) * TILE, side="right"), num_groups - 1)
-    w = w_ExIxO.astype(x_MxI.dtype)
+    w = w_ExIxO.astype(x_ZxI.dtype)
 
     # Rematerialised, so the backward pass keeps each tile's rows, not a [tiles, I, O]
-    # stack of the weight slices the tiles read (measured at M=8192, I=512, O=768, E=8:
+    # stack of the weight slices the tiles read (measured at Z=8192, I=512, O=768, E=8:
     # grad temp 329 -> 125 MiB). Tiles past the groups' rows (other tp ranks' experts)
     # still run on zeros: skipping them with lax.cond deadlocked under tp (the zero
     # branch must be cast to varying over tp, and that cast's transpose is a psum that
     # only the ranks taking the branch would enter).
     y = jax.lax.map(jax.checkpoint(lambda t: t[0] @ w[t[1]]),
                     (buf.reshape(tiles, TILE, -1), tile_group))
-    return y.reshape(tiles * TILE, -1).at[dest_M].get(mode="fill", fill_value=0)
+    return y.reshape(tiles * TILE, -1).at[dest_Z].get(mode="fill", fill_value=0)
 
 
 def _per_expert(w_AxExIxO):
@@ -105,8 +104,8 @@ def _per_expert(w_AxExIxO):
     return jnp.transpose(w_AxExIxO, (1, 2, 0, 3)).reshape(e, i, a * o)
 
 
-def _expert_lora(x_MxI, lora_m, sizes_E, token_M, route, token_w_SxA, u_shared_SxAxR=None):
-    """One expert module's LoRA update of the sorted rows: [M, O].
+def _expert_lora(x_ZxI, lora_m, sizes_E, token_Z, route, token_w_SxA, u_shared_SxAxR=None):
+    """One expert module's LoRA update of the sorted rows: [Z, O].
 
     Row m (token t, its local expert e, t's adapter k) gets scale_k · x_m @ A_ke @ B_ke;
     the other adapters' columns of u = x @ [A_1e … A_Ae] are zeroed by token_w (the
@@ -114,16 +113,16 @@ def _expert_lora(x_MxI, lora_m, sizes_E, token_M, route, token_w_SxA, u_shared_S
     layer) is applied per token before the sort (u_shared_SxAxR), its B (b_shared) after
     the per-expert side; jnp.where keeps the unused factor of each mode without gradient.
     """
-    m_rows, num_a = x_MxI.shape[0], token_w_SxA.shape[1]
+    m_rows, num_a = x_ZxI.shape[0], token_w_SxA.shape[1]
     shared_A = (route.shared_A > 0.5)[None, :, None]
     if "a" not in lora_m:  # a table of shared-outer adapters only
-        u_MxAxR = u_shared_SxAxR[token_M]
+        u_ZxAxR = u_shared_SxAxR[token_Z]
     else:
-        u_MxAxR = grouped_matmul(x_MxI, _per_expert(lora_m["a"]), sizes_E).reshape(
+        u_ZxAxR = grouped_matmul(x_ZxI, _per_expert(lora_m["a"]), sizes_E).reshape(
             m_rows, num_a, -1)
         if u_shared_SxAxR is not None:
-            u_MxAxR = jnp.where(shared_A, u_shared_SxAxR[token_M], u_MxAxR)
-    u_MxAxR = u_MxAxR * token_w_SxA[token_M][:, :, None].astype(u_MxAxR.dtype)
+            u_ZxAxR = jnp.where(shared_A, u_shared_SxAxR[token_Z], u_ZxAxR)
+    u_ZxAxR = u_ZxAxR * token_w_SxA[token_Z][:, :, None].astype(u_ZxAxR.dtype)
 
     def per_expert_b(u):
         b = lora_m["b"]  # [A, E, R, O]
@@ -135,14 +134,14 @@ def _expert_lora(x_MxI, lora_m, sizes_E, token_M, route, token_w_SxA, u_shared_S
         return u.reshape(m_rows, -1) @ b_sh.reshape(-1, b_sh.shape[-1]).astype(u.dtype)
 
     if "b_shared" not in lora_m:
-        return per_expert_b(u_MxAxR)
+        return per_expert_b(u_ZxAxR)
     if "b" not in lora_m:
-        return shared_b(u_MxAxR)
-    return (per_expert_b(jnp.where(shared_A, 0, u_MxAxR))
-            + shared_b(jnp.where(shared_A, u_MxAxR, 0)))
+        return shared_b(u_ZxAxR)
+    return (per_expert_b(jnp.where(shared_A, 0, u_ZxAxR))
+            + shared_b(jnp.where(shared_A, u_ZxAxR, 0)))
 
 
-def experts(x_SxD, weights_SxK, experts_SxK, gate_ExDxF, up_ExDxF, down_ExFxD, first: int,
+def experts(x_SxD, weights_SxX, experts_SxX, gate_ExDxFe, up_ExDxFe, down_ExFexD, first: int,
             lora=None, route=None):
     """Σ over each token's chosen experts held here (global ids first … first+E−1) of
     weight · down(silu(gate(x)) · up(x)): [S, D], this rank's part (psum over tp after).
@@ -151,21 +150,21 @@ def experts(x_SxD, weights_SxK, experts_SxK, gate_ExDxF, up_ExDxF, down_ExFxD, f
     last, with weight 0 (on CPU their tiles still multiply zeros: the static tile count
     covers every row, dropless). An expert that receives no row adds no tile.
     lora: this layer's expert factors of the active adapters ({"expert_gate": {"a":
-    [A, E, D, R], "a_shared": [A, D, R], "b": [A, E, R, F]}, "expert_up": likewise,
-    "expert_down": {"a": [A, E, F, R], "b": [A, E, R, D], "b_shared": [A, R, D]}}, E this
+    [A, E, D, R], "a_shared": [A, D, R], "b": [A, E, R, Fe]}, "expert_up": likewise,
+    "expert_down": {"a": [A, E, Fe, R], "b": [A, E, R, D], "b_shared": [A, R, D]}}, E this
     rank's experts) or None; route: the tokens' adapters (lora.Routing).
     """
-    s_len, top_k = experts_SxK.shape
-    num_local = gate_ExDxF.shape[0]
-    local_M = experts_SxK.reshape(-1) - first
-    mine_M = (local_M >= 0) & (local_M < num_local)
-    key_M = jnp.where(mine_M, local_M, num_local)
-    order_M = jnp.argsort(key_M, stable=True)
-    sizes_E = jnp.bincount(key_M, length=num_local + 1)[:num_local].astype(jnp.int32)
-    token_M = order_M // top_k
-    x_MxD = x_SxD[token_M]
-    g_MxF = grouped_matmul(x_MxD, gate_ExDxF, sizes_E)
-    u_MxF = grouped_matmul(x_MxD, up_ExDxF, sizes_E)
+    s_len, top_k = experts_SxX.shape
+    num_local = gate_ExDxFe.shape[0]
+    local_Z = experts_SxX.reshape(-1) - first
+    mine_Z = (local_Z >= 0) & (local_Z < num_local)
+    key_Z = jnp.where(mine_Z, local_Z, num_local)
+    order_Z = jnp.argsort(key_Z, stable=True)
+    sizes_E = jnp.bincount(key_Z, length=num_local + 1)[:num_local].astype(jnp.int32)
+    token_Z = order_Z // top_k
+    x_ZxD = x_SxD[token_Z]
+    g_ZxFe = grouped_matmul(x_ZxD, gate_ExDxFe, sizes_E)
+    u_ZxFe = grouped_matmul(x_ZxD, up_ExDxFe, sizes_E)
     if lora is not None:
         token_w_SxA = jnp.where(route.mask_SxA(s_len), route.scale_A[None, :], 0.0)
 
@@ -175,17 +174,17 @@ def experts(x_SxD, weights_SxK, experts_SxK, gate_ExDxF, up_ExDxF, down_ExFxD, f
             a_sh = lora[m]["a_shared"]  # [A, D, R]
             return jnp.einsum("sd,adr->sar", x_SxD, a_sh.astype(x_SxD.dtype))
 
-        g_MxF = g_MxF + _expert_lora(x_MxD, lora["expert_gate"], sizes_E, token_M, route,
-                                     token_w_SxA, shared_in("expert_gate")).astype(g_MxF.dtype)
-        u_MxF = u_MxF + _expert_lora(x_MxD, lora["expert_up"], sizes_E, token_M, route,
-                                     token_w_SxA, shared_in("expert_up")).astype(u_MxF.dtype)
-    z_MxF = jax.nn.silu(g_MxF) * u_MxF
-    y_MxD = grouped_matmul(z_MxF, down_ExFxD, sizes_E)
+        g_ZxFe = g_ZxFe + _expert_lora(x_ZxD, lora["expert_gate"], sizes_E, token_Z, route,
+                                     token_w_SxA, shared_in("expert_gate")).astype(g_ZxFe.dtype)
+        u_ZxFe = u_ZxFe + _expert_lora(x_ZxD, lora["expert_up"], sizes_E, token_Z, route,
+                                     token_w_SxA, shared_in("expert_up")).astype(u_ZxFe.dtype)
+    z_ZxFe = jax.nn.silu(g_ZxFe) * u_ZxFe
+    y_ZxD = grouped_matmul(z_ZxFe, down_ExFexD, sizes_E)
     if lora is not None:
-        y_MxD = y_MxD + _expert_lora(z_MxF, lora["expert_down"], sizes_E, token_M, route,
-                                     token_w_SxA).astype(y_MxD.dtype)
-    w_M = jnp.where(mine_M, weights_SxK.reshape(-1), 0)[order_M]
-    return jnp.zeros_like(x_SxD).at[token_M].add(y_MxD * w_M[:, None].astype(y_MxD.dtype))
+        y_ZxD = y_ZxD + _expert_lora(z_ZxFe, lora["expert_down"], sizes_E, token_Z, route,
+                                     token_w_SxA).astype(y_ZxD.dtype)
+    w_Z = jnp.where(mine_Z, weights_SxX.reshape(-1), 0)[order_Z]
+    return jnp.zeros_like(x_SxD).at[token_Z].add(y_ZxD * w_Z[:, None].astype(y_ZxD.dtype))
 
 
 # ----------------------------------------------------------------------------------------
@@ -198,7 +197,7 @@ class RouterStats:
     """How one shard routed the tokens it counts, per MoE layer: [E] each, [Lm, E] once
     stacked over the MoE layers.
 
-    counts: int32, the (token, choice) assignments each expert received (Σ = tokens · Kt);
+    counts: int32, the (token, choice) assignments each expert received (Σ = tokens · X);
     prob_sum: float32, Σ over those tokens of the router's probability of each expert — it
     carries the auxiliary loss's gradient to everything upstream of the router.
     """
@@ -211,12 +210,12 @@ jax.tree_util.register_dataclass(RouterStats, data_fields=["counts", "prob_sum"]
                                  meta_fields=[])
 
 
-def router_stats(probs_SxE, experts_SxK, count_S) -> RouterStats:
+def router_stats(probs_SxE, experts_SxX, count_S) -> RouterStats:
     """RouterStats [E] of the tokens where count_S (bool [S]; training counts its real
     tokens, padding excluded). The counts are integers: no gradient passes through them."""
     num_experts = probs_SxE.shape[1]
-    key_M = jnp.where(count_S[:, None], experts_SxK, num_experts).reshape(-1)
-    counts_E = jnp.bincount(key_M, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    key_Z = jnp.where(count_S[:, None], experts_SxX, num_experts).reshape(-1)
+    counts_E = jnp.bincount(key_Z, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     prob_sum_E = jnp.sum(jnp.where(count_S[:, None], probs_SxE, 0.0), axis=0)
     return RouterStats(counts_E, prob_sum_E)
 
@@ -224,13 +223,13 @@ def router_stats(probs_SxE, experts_SxK, count_S) -> RouterStats:
 def load_balancing_loss(counts_LxE, prob_sum_LxE, num_tokens, top_k: int):
     """Switch Transformer's auxiliary loss, summed over the MoE layers: float32 [].
 
-        aux = Σ_l E · Σ_e f_le · P_le,  f_le = counts_le / (N · Kt),  P_le = prob_sum_le / N
+        aux = Σ_l E · Σ_e f_le · P_le,  f_le = counts_le / (n · X),  P_le = prob_sum_le / n
 
-    with N = num_tokens (the counted tokens, Σ_e counts_le = N · Kt): f_le is the fraction
+    with n = num_tokens (the counted tokens, Σ_e counts_le = n · X): f_le is the fraction
     of layer l's (token, choice) assignments that went to expert e (a constant of the
     gradient), P_le the mean router probability of e. A layer's term is 1 when routing is
-    uniform. transformers' load_balancing_loss_func of a single layer normalises f by N
-    alone, so it is Kt times that layer's term (over several layers it pools them first).
+    uniform. transformers' load_balancing_loss_func of a single layer normalises f by n
+    alone, so it is X times that layer's term (over several layers it pools them first).
     """
     n = jnp.maximum(num_tokens, 1).astype(jnp.float32)
     f_LxE = jax.lax.stop_gradient(counts_LxE.astype(jnp.float32)) / (n * top_k)
@@ -246,7 +245,7 @@ def load_metrics(counts_LxE) -> dict[str, float]:
     counts [Lm, E] over a whole batch.
 
     Per layer l, with c_e its (token, choice) assignments to expert e and perfect balance
-    b = Σ_e c_e / E (every expert an equal share; Σ_e c_e = tokens · Kt):
+    b = Σ_e c_e / E (every expert an equal share; Σ_e c_e = tokens · X):
       frac_with_tokens   = #{e : c_e ≥ 1} / E
       frac_oversubscribed = #{e : c_e > b} / E
       max_violation      = (max_e c_e − b) / b     (≥ 0; 2.0: the busiest expert got 3 b)

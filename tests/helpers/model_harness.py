@@ -12,7 +12,6 @@ V vocab; D hidden.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import re
@@ -21,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-import transformers
 from jax.sharding import PartitionSpec as P
 
 import jcp
+from helpers.hf_models import tiny_hf
 from jcp import batch as batch_lib
 from jcp import hf as hf_lib
 from jcp import losses
@@ -46,29 +45,13 @@ LOSS_FN = "cross_entropy"
 
 
 def hf_model(arch: str, tied: bool, seed: int = 0, attention_bias: bool | None = None):
-    """A tiny random Qwen2ForCausalLM / Qwen3ForCausalLM in fp32, eval mode."""
-    torch.manual_seed(seed)
-    common = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=LAYERS,
-                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                  tie_word_embeddings=tied, rope_theta=10_000.0, rms_norm_eps=1e-6,
-                  max_position_embeddings=1024)
-    if arch == "qwen3":
-        if attention_bias is not None:
-            common["attention_bias"] = attention_bias
-        hm = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
-    elif arch == "qwen2":
-        hm = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    else:
-        raise ValueError(arch)
-    with torch.no_grad():
-        for name, p in hm.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.05 * torch.randn_like(p))
-    return hm.eval().float()
+    """A tiny random Qwen2ForCausalLM / Qwen3ForCausalLM of this harness's sizes
+    (hf_models.tiny_hf)."""
+    extra = {} if attention_bias is None or arch != "qwen3" else {"attention_bias": attention_bias}
+    return tiny_hf(arch, seed=seed, vocab_size=V, hidden_size=D, intermediate_size=F,
+                   num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                   num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, tie_word_embeddings=tied,
+                   **extra)
 
 
 def save(hm, path, **kwargs) -> str:
@@ -129,17 +112,7 @@ def pack(cfg, mesh_shape, seqs, targets, weights=None) -> batch_lib.PackedBatch:
             for s, t, w in zip(seqs, targets, weights)]
     checked = batch_lib.validate(data, LOSS_FN, cfg.vocab_size, 10**6)
     (pb,) = batch_lib.pack(checked, [0] * len(checked), dp, cp, 1 << 16, 1)
-    return pad_streams(pb, max(STREAM_TOKENS // cp, pb.tokens.shape[-1]))
-
-
-def pad_streams(pb: batch_lib.PackedBatch, s_len: int) -> batch_lib.PackedBatch:
-    """Right-pad every [DP, CP, S] stream to s_len with padding rows (segment −1)."""
-    extra = s_len - pb.tokens.shape[-1]
-    assert extra >= 0
-    pad = lambda x, v=0: np.pad(x, ((0, 0), (0, 0), (0, extra)), constant_values=v)
-    return dataclasses.replace(
-        pb, tokens=pad(pb.tokens), targets=pad(pb.targets), segment=pad(pb.segment, -1),
-        position=pad(pb.position), floats={k: pad(v) for k, v in pb.floats.items()})
+    return batch_lib.pad_streams(pb, max(STREAM_TOKENS // cp, pb.tokens.shape[-1]))
 
 
 # ----------------------------------------------------------------------------------------

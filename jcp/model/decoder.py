@@ -1,9 +1,8 @@
 """The Qwen2/Qwen3 decoder as a per-shard function (runs inside the one shard_map).
 
-Owns the base-parameter tree (names, shapes, PartitionSpecs), its random initialisation
-and placement, and the forward pass from tokens to final hidden states. The layer is
-built from two blocks, attention and MLP, and the differing piece of each use is passed
-in: the attention strategy (`attend`, see attention.Attend: training's CP attention, or
+Owns the forward pass from tokens to final hidden states (over the parameter tree of
+model.params). The layer is built from two blocks, attention and MLP, and the differing
+piece of each use is passed in: the attention strategy (`attend`, see attention.Attend: training's CP attention, or
 prefill / decode over a KV cache) and the MLP block (dense SwiGLU, or an MoE block with
 the same signature). It must never compute the unembedding's full logits (losses.py does
 that, chunked) and never update base weights: they are frozen and not differentiated.
@@ -15,173 +14,18 @@ Q/tp and K/tp heads (widths Q·H and K·H), gate/up/down F/tp.
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding
 
 from jcp import attention as attention_lib
 from jcp import delta_rule as delta_rule_lib
 from jcp import lora as lora_lib
 from jcp import mesh as mesh_lib
-from jcp import moe as moe_lib
 from jcp.config import QwenConfig
-from jcp.mesh import SPECS, TP
-
-# Layer modules in the stacked `layers` tree: name -> spec field.
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
-          # Gated DeltaNet (hybrid models): in_proj_qkv held as its q, k, v parts (and the
-          # conv's channels likewise) so that a column split gives each tp rank whole heads.
-          "in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a",
-          "conv_q", "conv_k", "conv_v")
-ROW = ("o_proj", "down_proj", "out_proj")
-# Per-head vectors of Gated DeltaNet, split over tp with their heads.
-HEAD_VECTORS = ("dt_bias", "a_log")
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_bias", "k_bias", "v_bias", "q_norm",
-             "k_norm")
-
-
-def param_shapes(cfg: QwenConfig) -> dict:
-    """The base-parameter tree as shapes. Projections are stored [in, out] (x @ W).
-
-    A MoE config moves the MLP weights out of `layers` (which keeps attention and norms of
-    all L layers) into `dense_mlp` ([Ld, …], its dense layers, if any) and `moe_mlp`
-    (router [Lm, D, E], expert_gate / expert_up [Lm, E, D, F], expert_down [Lm, E, F, D]).
-    """
-    L, d, f, v = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    layers = {
-        "input_norm": (L, d), "post_norm": (L, d),
-        "q_proj": (L, d, cfg.q_dim), "k_proj": (L, d, cfg.kv_dim), "v_proj": (L, d, cfg.kv_dim),
-        "o_proj": (L, cfg.q_dim, d),
-        "gate_proj": (L, d, f), "up_proj": (L, d, f), "down_proj": (L, f, d),
-    }
-    if cfg.attention_bias:
-        layers.update(q_bias=(L, cfg.q_dim), k_bias=(L, cfg.kv_dim), v_bias=(L, cfg.kv_dim))
-    if cfg.qk_norm:
-        layers.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
-    out = {"embed": (v, d), "final_norm": (d,), "layers": layers}
-    if cfg.is_moe:
-        # MLP weights stacked per kind of layer (layers[i] keeps attention and norms);
-        # hidden_states scans each run of same-kind layers (moe.layer_runs).
-        dense = {m: layers.pop(m) for m in ("gate_proj", "up_proj", "down_proj")}
-        lm, ld = sum(cfg.moe_layers), L - sum(cfg.moe_layers)
-        if ld:
-            out["dense_mlp"] = {m: (ld,) + s[1:] for m, s in dense.items()}
-        e, fe = cfg.num_experts, cfg.moe_intermediate_size
-        out["moe_mlp"] = {"router": (lm, d, e), "expert_gate": (lm, e, d, fe),
-                          "expert_up": (lm, e, d, fe), "expert_down": (lm, e, fe, d)}
-    if cfg.attn_output_gate:  # q_proj yields each head's query then its gate
-        layers["q_proj"] = (L, d, 2 * cfg.q_dim)
-    if cfg.is_hybrid:
-        # Mixer weights stacked per kind (layers keeps norms and MLP of all L layers).
-        lf = cfg.linear_layers.count(False)
-        ll = L - lf
-        if lf:
-            out["full_attn"] = {m: (lf,) + layers[m][1:] for m in ATTENTION if m in layers}
-        for m in ATTENTION:
-            layers.pop(m, None)
-        kd, vd, hv = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
-        kc = cfg.linear_conv_kernel_dim
-        out["linear_attn"] = {
-            "in_proj_q": (ll, d, kd), "in_proj_k": (ll, d, kd), "in_proj_v": (ll, d, vd),
-            "conv_q": (ll, kc, kd), "conv_k": (ll, kc, kd), "conv_v": (ll, kc, vd),
-            "in_proj_z": (ll, d, vd), "in_proj_b": (ll, d, hv), "in_proj_a": (ll, d, hv),
-            "dt_bias": (ll, hv), "a_log": (ll, hv),
-            "gated_norm": (ll, cfg.linear_value_head_dim), "out_proj": (ll, vd, d)}
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = (d, v)
-    return out
-
-
-def param_specs(cfg: QwenConfig) -> dict:
-    """The PartitionSpec of every base parameter, from the one table in mesh.py."""
-    def layer_spec(name):
-        if name in COLUMN:
-            return SPECS.column_LxDxO
-        if name in ROW:
-            return SPECS.row_LxIxD
-        if name.endswith("_bias") or name in HEAD_VECTORS:
-            return SPECS.column_bias_LxO
-        return SPECS.norm_LxD
-
-    shapes = param_shapes(cfg)
-    out = {"embed": SPECS.embed_VxD, "final_norm": SPECS.norm_D,
-           "layers": {k: layer_spec(k) for k in shapes["layers"]}}
-    if "lm_head" in shapes:
-        out["lm_head"] = SPECS.unembed_DxV
-    if "dense_mlp" in shapes:
-        out["dense_mlp"] = {k: layer_spec(k) for k in shapes["dense_mlp"]}
-    for group in ("full_attn", "linear_attn"):
-        if group in shapes:
-            out[group] = {k: layer_spec(k) for k in shapes[group]}
-    if "moe_mlp" in shapes:
-        out["moe_mlp"] = {k: SPECS.router_LxDxE if k == "router" else SPECS.experts_LxExIxO
-                          for k in shapes["moe_mlp"]}
-    return out
-
-
-def random_params(cfg: QwenConfig, seed: int = 0) -> dict:
-    """Random host weights (NumPy float32) for tests and the demo: N(0, 0.02), norms ~1."""
-    rng = np.random.default_rng(seed)
-
-    def make(name, shape):
-        if "norm" in name:
-            return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-        if name == "a_log":
-            return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
-        if name.startswith("conv_"):
-            return (0.3 * rng.standard_normal(shape)).astype(np.float32)
-        return (0.02 * rng.standard_normal(shape)).astype(np.float32)
-
-    return {k: {kk: make(kk, ss) for kk, ss in s.items()} if isinstance(s, dict) else make(k, s)
-            for k, s in param_shapes(cfg).items()}
-
-
-def place(tree_host, specs, mesh, dtype=None):
-    """Host arrays (or callables index -> array) -> global arrays in their sharded layout.
-
-    Each device receives only its own slice (`jax.make_array_from_callback`), so no device
-    ever holds a full replicated copy of a sharded weight, and every process supplies only
-    the slices of its own devices.
-    """
-    def one(x, spec):
-        sharding = NamedSharding(mesh, spec)
-        shape = x.shape
-        dt = dtype or x.dtype
-
-        def cb(index):
-            return np.asarray(x[index], dtype=dt)
-
-        return jax.make_array_from_callback(shape, sharding, cb)
-
-    return jax.tree.map(one, tree_host, specs)
-
-
-def check_shapes(cfg: QwenConfig, params) -> None:
-    """Raise ValueError naming the first parameter whose shape differs from cfg's."""
-    want = param_shapes(cfg)
-    groups = {k for k, s in want.items() if isinstance(s, dict)}
-    have_keys, want_keys = set(params) - groups, set(want) - groups
-    if have_keys != want_keys or any(
-            not isinstance(params.get(g), dict) or set(params[g]) != set(want[g])
-            for g in groups):
-        have = {g: sorted(params[g]) if isinstance(params.get(g), dict) else None
-                for g in sorted(groups)}
-        raise ValueError(
-            f"base parameters do not match the config: expected {sorted(want_keys)} and "
-            f"{ {g: sorted(want[g]) for g in sorted(groups)} }, got {sorted(have_keys)} and "
-            f"{have}")
-    for k, s in want.items():
-        for name, arr, ss in ([(f"{k}.{kk}", params[k][kk], sss) for kk, sss in s.items()]
-                              if k in groups else [(k, params[k], s)]):
-            if tuple(arr.shape) != ss:
-                raise ValueError(f"base parameter {name} has shape {tuple(arr.shape)}, "
-                                 f"expected {ss}")
-
-
-# ----------------------------------------------------------------------------------------
-# Per-shard forward
+from jcp.mesh import TP
+from jcp.model import moe as moe_lib
 
 
 def rms_norm(x, w, eps):
@@ -293,7 +137,7 @@ def linear_attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer,
     widths = (q.shape[1], k.shape[1])
     mixed = mix.conv(jnp.concatenate([q, k, v], axis=-1),
                      jnp.concatenate([layer["conv_q"], layer["conv_k"], layer["conv_v"]], -1))
-    q, k, v = jnp.split(mixed, np.cumsum(widths), axis=-1)
+    q, k, v = jnp.split(mixed, [widths[0], widths[0] + widths[1]], axis=-1)
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     q_SxHkxDk = delta_rule_lib.l2norm(q.reshape(s_len, -1, dk))
     k_SxHkxDk = delta_rule_lib.l2norm(k.reshape(s_len, -1, dk))
@@ -339,11 +183,11 @@ def moe_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing |
     their experts; the router is not adapted. The caller adds the residual.
     """
     x_SxD = rms_norm(h_SxD, layer["post_norm"], cfg.rms_norm_eps)
-    weights_SxK, experts_SxK = moe_lib.route(x_SxD, layer["router"], cfg.num_experts_per_tok,
+    weights_SxX, experts_SxX = moe_lib.route(x_SxD, layer["router"], cfg.num_experts_per_tok,
                                              cfg.norm_topk_prob)
     # The same tp-invariant routing on every rank: its statistics need no collective here.
     stats = None if count_S is None else moe_lib.router_stats(
-        moe_lib.router_probs(x_SxD, layer["router"]), experts_SxK, count_S)
+        moe_lib.router_probs(x_SxD, layer["router"]), experts_SxX, count_S)
     num_local = layer["expert_gate"].shape[0]
     # x is invariant over tp but each rank uses its own rows of it: cast it to varying
     # explicitly so its cotangent is psum'd over tp by that cast's transpose. Left to the
@@ -355,7 +199,7 @@ def moe_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing |
     if lora_layer is not None and lora_lib.EXPERT[0] in lora_layer:
         lora = jax.tree.map(lambda w: mesh_lib.vary(w, (TP,)),
                             {m: lora_layer[m] for m in lora_lib.EXPERT})
-    y_SxD = moe_lib.experts(mesh_lib.vary(x_SxD, (TP,)), weights_SxK, experts_SxK,
+    y_SxD = moe_lib.experts(mesh_lib.vary(x_SxD, (TP,)), weights_SxX, experts_SxX,
                             layer["expert_gate"], layer["expert_up"], layer["expert_down"],
                             jax.lax.axis_index(TP) * num_local, lora, route)
     return jax.lax.psum(y_SxD, TP), stats
@@ -401,11 +245,21 @@ def layer_slices(cfg: QwenConfig, params, lora=None) -> tuple:
     return tuple(out)
 
 
+class Hidden(NamedTuple):
+    """hidden_states' result: h_SxD the final-norm hidden states; attn_state the attention
+    state after the layers (stacked [L, …]; None for training); router_stats the MoE
+    routing statistics (moe.RouterStats, [Lm, E] each) when asked for, else None."""
+
+    h_SxD: jax.Array
+    attn_state: Any
+    router_stats: Any
+
+
 def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attention_lib.Attend,
                   lora=None, route: lora_lib.Routing | None = None, *, attn_state=None,
                   mlp=dense_mlp, remat: bool = True, layers=None, count_S=None, mix=None):
-    """(final-norm hidden states [S, D] of this shard's tokens, new attention state), and
-    with count_S a third value, the routing statistics.
+    """Hidden(final-norm hidden states [S, D] of this shard's tokens, new attention state,
+    the routing statistics when count_S is given, else None).
 
     params: this shard's base weights (see param_shapes); lora: active adapters
     {module: {"a": [L, A, I, R], "b": [L, A, R, O]}} or None; route: their token spans.
@@ -419,10 +273,9 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
     lora) taken by the caller — the layers then run unrolled on those slices
     (params["layers"] and lora's layer modules are not read; attn_state is sliced and
     restacked per layer); inference only. count_S: bool [S], the tokens whose routing to
-    record (training passes its real tokens), or None; given, a third value follows:
+    record (training passes its real tokens), or None; given, router_stats is
     moe.RouterStats of this shard's counted tokens stacked over the MoE layers in order
-    ([Lm, E] each, local: not summed over dp / cp), None for a dense model. Opt-in so that
-    the callers that want only hidden states (sampling) keep the pair.
+    ([Lm, E] each, local: not summed over dp / cp), None for a dense model.
     mix: the sequence-mixing strategy of a hybrid model's Gated DeltaNet layers
     (delta_rule.cp_mix for training); hybrid layers run as scans over runs of one kind.
     """
@@ -441,11 +294,9 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
     def finish(h, attn_state, records):
         """The final norm, and the MoE layers' records (one [n, E] stack per run) joined."""
         h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-        if count_S is None:
-            return h, attn_state
-        stats = (jax.tree.map(lambda *xs: jnp.concatenate(xs), *records) if records
-                 else None)
-        return h, attn_state, stats
+        stats = (jax.tree.map(lambda *xs: jnp.concatenate(xs), *records)
+                 if records and count_S is not None else None)
+        return Hidden(h, attn_state, stats)
 
     if layers is not None:
         states, records = [], []

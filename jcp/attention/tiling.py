@@ -1,0 +1,227 @@
+"""Tiling of attention into blocks, and every piece the kernels (blockwise, Pallas, decode)
+share, in one place.
+
+Owns the (segment, position) mask, the per-block summaries and the predicate that skips
+blocks the mask empties (and its host-side work counts), the tile sizes, the one
+online-softmax step, the one ring schedule, and the names of the residuals a remat policy
+may keep (the shard_map typing helpers they use, vary_all / vary_like, are mesh.py's). It
+must never build an array of [local tokens, all tokens].
+
+Shapes: see the legend in jcp/mesh.py (S queries on this rank, T keys, Bq and Bk block rows).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jcp.mesh import CP, block_size
+
+DEFAULT_BLOCK = 512
+
+
+# Tiles grow with the stream: at least `block` rows, and up to GROWN_TILE rows while a
+# stream still spans ≥ TILES_PER_STREAM of them (on CPU, 64-row tiles skip the most masked
+# work on short datums, but their loop overhead dominates long ones; measured 1.36× faster
+# fwd+bwd at 16k tokens with 256-row tiles than with 64).
+GROWN_TILE, TILES_PER_STREAM = 256, 64
+
+
+# Residuals of the blockwise kernel that a remat policy may save (see model.hidden_states).
+SAVED_NAMES = ("attention_out", "attention_lse")
+
+
+def block_summary(segment, position, block, xp=jnp):
+    """Per block of `block` tokens: (any real token, min/max segment, min/max position).
+
+    Padding (segment < 0) is left out. Works on NumPy (xp=np) and jax arrays alike.
+    """
+    seg = segment.reshape(-1, block)
+    pos = position.reshape(-1, block)
+    real = seg >= 0
+    big = np.iinfo(np.int32).max
+    return (real.any(-1),
+            xp.where(real, seg, big).min(-1), xp.where(real, seg, -1).max(-1),
+            xp.where(real, pos, big).min(-1), xp.where(real, pos, -1).max(-1))
+
+
+def blocks_needed(q_summary, k_summary, xp=jnp):
+    """[nq, nk] bool: may some query of block i see some key of block j?
+
+    Conservative: segment ranges overlap and the earliest key is not after the latest query.
+    """
+    qa, qs0, qs1, _, qp1 = q_summary
+    ka, ks0, ks1, kp0, _ = k_summary
+    return (qa[:, None] & ka[None, :] & (qs0[:, None] <= ks1[None, :])
+            & (ks0[None, :] <= qs1[:, None]) & (kp0[None, :] <= qp1[:, None]))
+
+
+def needed_range(need_AxB):
+    """Per row a of the [A, B] block predicate: [lo, hi) spanning its needed columns
+    (lo = hi = 0 when none), so loops visit only that range, not all B columns."""
+    b = need_AxB.shape[1]
+    anyb = need_AxB.any(axis=1)
+    lo = jnp.argmax(need_AxB, axis=1)
+    hi = b - jnp.argmax(need_AxB[:, ::-1], axis=1)
+    return jnp.where(anyb, lo, 0), jnp.where(anyb, hi, 0)
+
+
+def visible(seg_q, pos_q, seg_k, pos_k):
+    """[Bq, Bk] bool, jcp's attention mask: same datum, key not after query, query is a real token."""
+    return ((seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] >= 0)
+            & (pos_k[None, :] <= pos_q[:, None]))
+
+
+def block_kinds(seg_q, pos_q, seg_k, pos_k, block_q, block_k):
+    """[nq, nk] int32: 0 = no query of the block sees a key of the block (skipped),
+    1 = some pairs visible (masked), 2 = every pair visible (no mask arithmetic)."""
+    need = blocks_needed(block_summary(seg_q, pos_q, block_q), block_summary(seg_k, pos_k, block_k))
+    _, qs0, qs1, qp0, _ = block_summary(seg_q, pos_q, block_q)
+    _, ks0, ks1, _, kp1 = block_summary(seg_k, pos_k, block_k)
+    q_one = (seg_q.reshape(-1, block_q) >= 0).all(-1) & (qs0 == qs1)
+    k_one = (seg_k.reshape(-1, block_k) >= 0).all(-1) & (ks0 == ks1)
+    full = (q_one[:, None] & k_one[None, :] & (qs0[:, None] == ks0[None, :])
+            & (kp1[None, :] <= qp0[:, None]))
+    return need.astype(jnp.int32) + (need & full).astype(jnp.int32), need
+
+
+def no_grads(*xs):
+    return [np.zeros(x.shape, jax.dtypes.float0) for x in xs]
+
+
+def tile(n: int, block: int) -> int:
+    """Rows of a tile of a stream of n rows: a power of two dividing n, ≥ min(block, its
+    largest such) and grown toward GROWN_TILE on long streams."""
+    return block_size(n, max(block, min(n // TILES_PER_STREAM, GROWN_TILE)))
+
+
+def block_work(segment_CPxS: np.ndarray, position_CPxS: np.ndarray,
+               block: int = DEFAULT_BLOCK) -> np.ndarray:
+    """Host-side count of attention blocks each cp rank computes: int [CP].
+
+    Uses the same skip predicate as the kernel, on one dp row of a packed batch.
+    """
+    cp, s_len = segment_CPxS.shape
+    bq, bk = tile(s_len, block), tile(cp * s_len, block)
+    k_sum = block_summary(segment_CPxS.reshape(-1), position_CPxS.reshape(-1), bk, xp=np)
+    return np.array([
+        blocks_needed(block_summary(segment_CPxS[r], position_CPxS[r], bq, xp=np), k_sum,
+                      xp=np).sum() for r in range(cp)])
+
+
+def ring_perm(cp: int):
+    """One hop around the cp ring: rank r sends to r + 1 (so at step t it holds r − t's)."""
+    return [(r, (r + 1) % cp) for r in range(cp)]
+
+
+def ring_block_work(segment_CPxS: np.ndarray, position_CPxS: np.ndarray,
+                    block: int = DEFAULT_BLOCK) -> np.ndarray:
+    """Host-side count of attention blocks each rank computes at each ring step: int
+    [CP steps, CP ranks] (at step t, rank r holds the keys of rank r − t)."""
+    cp, s_len = segment_CPxS.shape
+    b = tile(s_len, block)
+    summ = [block_summary(segment_CPxS[r], position_CPxS[r], b, xp=np) for r in range(cp)]
+    return np.array([[blocks_needed(summ[r], summ[(r - t) % cp], xp=np).sum()
+                      for r in range(cp)] for t in range(cp)])
+
+
+# ----------------------------------------------------------------------------------------
+# Online softmax: visit key blocks one at a time, keep a running max, sum and accumulator
+
+
+class SoftmaxState(NamedTuple):
+    """Running online-softmax state of a block of queries, all fp32.
+
+    max_KxMxBq: largest score seen (−inf while every key so far was masked);
+    sum_KxMxBq: Σ exp(score − max); acc_KxMxBqxH: Σ exp(score − max) · v.
+    """
+
+    max_KxMxBq: jax.Array
+    sum_KxMxBq: jax.Array
+    acc_KxMxBqxH: jax.Array
+
+
+def online_softmax_init(kv_heads: int, per_kv: int, rows: int, head_dim: int) -> SoftmaxState:
+    """The state before any key: max −inf, sum 0, accumulator 0 ([K, M, Bq(, H)])."""
+    return SoftmaxState(jnp.full((kv_heads, per_kv, rows), -jnp.inf, jnp.float32),
+                        jnp.zeros((kv_heads, per_kv, rows), jnp.float32),
+                        jnp.zeros((kv_heads, per_kv, rows, head_dim), jnp.float32))
+
+
+def online_softmax_update(state: SoftmaxState, s_KxMxBqxBk, v_BkxKxH) -> SoftmaxState:
+    """Fold one key block into the state.
+
+    s: fp32 scores with invisible pairs already −inf; v: that block's values. The old sum
+    and accumulator are rescaled by exp(old max − new max); a row whose max is still −inf
+    (nothing visible yet) subtracts 0 instead, so it stays exactly 0, never NaN.
+    """
+    return online_softmax_step(state, s_KxMxBqxBk, lambda p: jnp.einsum(
+        "kmst,tkh->kmsh", p, v_BkxKxH.astype(jnp.float32)))
+
+
+def online_softmax_step(state: SoftmaxState, s, pv) -> SoftmaxState:
+    """online_softmax_update for any layout, the one online-softmax step of every kernel
+    (blockwise, the Pallas forward kernel, decode): s [..., rows, Bk] fp32 scores (−inf
+    where invisible); pv(p) -> [..., rows, H], the probabilities' product with the block's
+    values."""
+    m_new = jnp.maximum(state.max_KxMxBq, s.max(-1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_safe[..., None])
+    corr = jnp.exp(state.max_KxMxBq - m_safe)
+    l_new = state.sum_KxMxBq * corr + p.sum(-1)
+    return SoftmaxState(m_new, l_new, state.acc_KxMxBqxH * corr[..., None] + pv(p))
+
+
+def online_softmax_finish(state: SoftmaxState, empty_lse: float = 0.0):
+    """(out [K, M, Bq, H], lse [K, M, Bq]) in fp32: acc / sum and max + log(sum).
+
+    Rows that saw no key (padding queries) give out 0 and lse `empty_lse`.
+    """
+    m, l, acc = state
+    empty = l == 0.0
+    out = acc / jnp.where(empty, 1.0, l)[..., None]
+    lse = jnp.where(empty, empty_lse, m + jnp.log(jnp.where(empty, 1.0, l)))
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------
+# The ring schedule over cp, shared by the blockwise and Pallas ring kernels
+
+
+def ring_fold(fold, carry, kv, meta, cp: int):
+    """carry = fold(carry, kv, meta) over the key blocks of all cp ranks, in ring order.
+
+    kv: this rank's keys and values as one packed [2, …] message, meta its [2, S] segment
+    and position. Step t (unrolled: a loop would cost one more transfer) folds the block of
+    rank r − t while the block of rank r − t − 1 travels: the ppermute of the next block is
+    issued before the compute that does not depend on it. Runs inside shard_map over "cp".
+    """
+    for step in range(cp):
+        last = step + 1 == cp
+        if not last:
+            kv_next, meta_next = jax.lax.ppermute((kv, meta), CP, ring_perm(cp))
+        carry = fold(carry, kv, meta)
+        if not last:
+            kv, meta = kv_next, meta_next
+    return carry
+
+
+def ring_fold_grads(grad, carry, dkv, kv, meta, cp: int):
+    """The backward of a ring_fold: the key blocks go round again, and each block's
+    gradient (dkv, fp32, the shape of kv) travels with it, gathering every rank's part;
+    one last hop returns it to its owner. grad(carry, kv, meta) -> (carry, this rank's
+    part of the held block's gradient). Returns (carry, the gradient of this rank's kv)."""
+    for step in range(cp):
+        last = step + 1 == cp
+        if not last:
+            kv_next, meta_next = jax.lax.ppermute((kv, meta), CP, ring_perm(cp))
+        carry, part = grad(carry, kv, meta)
+        dkv = dkv + part
+        if cp > 1:  # to the rank that holds this block next; after the last step, its owner
+            dkv = jax.lax.ppermute(dkv, CP, ring_perm(cp))
+        if not last:
+            kv, meta = kv_next, meta_next
+    return carry, dkv

@@ -1,0 +1,23 @@
+"""The model: its parameter tree, the decoder layer and its blocks, and the MoE block.
+
+- params: base-parameter names, shapes, PartitionSpecs, random init, placement (what
+  jcp.hf needs; imports neither attention nor lora).
+- decoder: RMSNorm, RoPE, embedding, attention / dense / MoE MLP blocks, the layer and
+  the layer stack (hidden_states), the unembedding's factors.
+- moe: routing, grouped expert matmuls, router statistics.
+
+`from jcp import model` gives the names callers use; the modules hold the rest.
+"""
+
+from jcp.model import decoder, moe, params
+from jcp.model.decoder import (attention_block, decoder_layer, dense_mlp, embed, hidden_states,
+                               layer_slices, moe_mlp, rms_norm, rope, unembed_factors)
+from jcp.model.params import (COLUMN, ROW, check_shapes, param_shapes, param_specs, place,
+                              random_params)
+
+__all__ = [
+    "decoder", "moe", "params",
+    "attention_block", "decoder_layer", "dense_mlp", "embed", "hidden_states", "layer_slices",
+    "moe_mlp", "rms_norm", "rope", "unembed_factors",
+    "COLUMN", "ROW", "check_shapes", "param_shapes", "param_specs", "place", "random_params",
+]

@@ -1,0 +1,143 @@
+"""The package's import graph: no import cycle, no module importing another's private name.
+
+An AST walk of jcp/ (nothing is imported): every `import jcp.x` / `from jcp.x import y`
+in module m, at any depth (lazy imports inside functions count too), is an edge m -> x of
+the graph of jcp modules (`from jcp import model` names the module jcp.model; a package is
+its __init__.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jcp")
+
+
+def _modules() -> dict[str, str]:
+    """Dotted module name -> file path, for every .py under jcp/."""
+    out = {}
+    for folder, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, f), os.path.dirname(ROOT))
+                name = rel[:-3].replace(os.sep, ".")
+                out[name.removesuffix(".__init__")] = os.path.join(folder, f)
+    return out
+
+
+def _resolve(name: str, modules) -> str | None:
+    """The jcp module a dotted import names (a name inside a module resolves to it)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(modules) -> dict[str, list[tuple[str, str | None, int]]]:
+    """module -> [(imported module, imported name or None, line)] over jcp modules."""
+    out = {}
+    for mod, path in modules.items():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        is_pkg = path.endswith("__init__.py")
+        edges = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("jcp"):
+                        edges.append((_resolve(a.name, modules), None, node.lineno))
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = mod if is_pkg else mod.rpartition(".")[0]
+                    for _ in range(node.level - 1):
+                        base = base.rpartition(".")[0]
+                    src = base + ("." + node.module if node.module else "")
+                else:
+                    src = node.module or ""
+                if not src.startswith("jcp"):
+                    continue
+                for a in node.names:
+                    sub = f"{src}.{a.name}"
+                    if sub in modules:  # `from jcp import model`: the module itself
+                        edges.append((sub, None, node.lineno))
+                    else:
+                        edges.append((_resolve(src, modules), a.name, node.lineno))
+        out[mod] = [e for e in edges if e[0] is not None]
+    return out
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def graph_of(edges) -> dict[str, set[str]]:
+    """module -> the jcp modules it imports (itself left out)."""
+    return {m: {t for t, _, _ in es if t != m} for m, es in edges.items()}
+
+
+def test_the_walk_sees_the_package():
+    """The walk finds the modules and edges it must (so the checks below can fail)."""
+    modules = _modules()
+    assert {"jcp", "jcp.trainer", "jcp.attention", "jcp.attention.blockwise", "jcp.model",
+            "jcp.model.params", "jcp.config", "jcp.server.app"} <= set(modules)
+    edges = imports(modules)
+    assert ("jcp.config", "QwenConfig") in {(t, n) for t, n, _ in edges["jcp.hf"]}
+    assert "jcp.model.params" in graph_of(edges)["jcp.hf"]
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle():
+    cycle = _find_cycle(graph_of(imports(_modules())))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_cross_module_private_import():
+    bad = [f"{m}:{line} imports {t}.{n}" for m, es in imports(_modules()).items()
+           for t, n, line in es
+           if n is not None and n.startswith("_") and not n.startswith("__") and t != m]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("module", ["jcp.server.app", "jcp.server.state", "jcp.server.wire",
+                                    "jcp.server.scheduler"])
+def test_server_http_side_never_imports_jax(module):
+    """The HTTP side of the server imports no jax, directly or through jcp modules."""
+    modules = _modules()
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        with open(modules[m]) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            assert not any(n == "jax" or n.startswith("jax.") for n in names), (m, names)
+        todo += [t for t, _, _ in imports(modules)[m]]
