@@ -7,6 +7,7 @@ saved with save_pretrained and read back by jcp.load_hf. Datums are packed ragge
 inside and at kernel blocks, a one-token datum, and at cp = 4 ranks holding padding only.
 """
 
+import copy
 import functools
 
 import jax
@@ -77,3 +78,80 @@ def test_logprobs_equal_transformers(mesh_shape):
     got = mh.logprobs(cfg, base, mesh_shape, seqs, targets)
     for g, r in zip(got, ref):
         np.testing.assert_allclose(g, r, atol=2e-4)
+
+
+# ----------------------------------------------------------------------------------------
+# Training: LoRA (MLP + unembedding so far) through the Trainer, against peft and cp = 1
+
+MLP_TARGETS = ["gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+@functools.lru_cache(maxsize=None)
+def _peft_world():
+    """(peft model in fp64, its folder, data) on the reference Qwen3.5."""
+    import tempfile
+
+    import peft
+    hm, _, _ = _reference()
+    pm = peft.get_peft_model(copy.deepcopy(hm), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=MLP_TARGETS, lora_dropout=0.0, bias="none",
+        task_type="CAUSAL_LM"))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    folder = tempfile.mkdtemp(prefix="jcp_qwen3_5_peft_")
+    pm.save_pretrained(folder)
+    seqs, targets, weights = mh.random_data(LENGTHS, seed=4)
+    data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
+            for s, t, w in zip(seqs, targets, weights)]
+    return pm.double().eval(), folder, data
+
+
+def _torch_grads(pm, data):
+    pm.zero_grad()
+    total = 0.0
+    for d in data:
+        logits = pm(torch.tensor(np.asarray(d.model_input))[None]).logits[0]
+        lp = torch.log_softmax(logits.double(), -1)[
+            torch.arange(len(d.model_input)),
+            torch.tensor(np.asarray(d.loss_fn_inputs["target_tokens"]))]
+        total = total - (torch.tensor(np.asarray(d.loss_fn_inputs["weights"], np.float64))
+                         * lp).sum()
+    total.backward()
+    return {n.replace(".default.", "."): p.grad.numpy().copy()
+            for n, p in pm.named_parameters() if "lora_" in n}
+
+
+def _jcp_grads(mesh_shape, folder, data):
+    _, cfg, base = _reference()
+    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=2,
+                     max_rank=4)
+    a = tr.load_peft(folder)
+    out = tr.forward_backward(data, "cross_entropy", adapters=a)
+    return out, tr.gradients(a)
+
+
+def test_lora_gradients_equal_peft_and_cp1():
+    pm, folder, data = _peft_world()
+    want = _torch_grads(pm, data)
+    out1, g1 = _jcp_grads((1, 1, 1), folder, data)
+    out2, g2 = _jcp_grads((1, 2, 2), folder, data)
+    assert g1.keys() == want.keys() and any("mlp.down_proj" in k for k in want)
+    scale = max(float(np.abs(v).max()) for v in want.values())
+    assert scale > 1e-3
+    for k in want:
+        np.testing.assert_allclose(g1[k], want[k], atol=1e-4 * scale, rtol=1e-3, err_msg=k)
+        np.testing.assert_allclose(g2[k], g1[k], atol=1e-5 * scale, rtol=1e-4, err_msg=k)
+    for a, b in zip(out1.loss_fn_outputs, out2.loss_fn_outputs):
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=2e-5)
+
+
+def test_attention_targets_are_refused_on_a_hybrid_model():
+    _, cfg, _ = _reference()
+    from jcp import lora as lora_lib
+    with pytest.raises(ValueError, match="attention modules"):
+        lora_lib.resolve_targets(["q_proj", "gate_proj"], cfg)
+    assert lora_lib.resolve_targets(None, cfg) == ("gate_proj", "up_proj", "down_proj",
+                                                   "lm_head")
