@@ -155,3 +155,13 @@ def test_attention_targets_are_refused_on_a_hybrid_model():
         lora_lib.resolve_targets(["q_proj", "gate_proj"], cfg)
     assert lora_lib.resolve_targets(None, cfg) == ("gate_proj", "up_proj", "down_proj",
                                                    "lm_head")
+
+
+def test_sampling_a_hybrid_model_is_refused_before_any_work():
+    _, cfg, base = _reference()
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), base_params=base, max_adapters=1,
+                     max_rank=2)
+    with pytest.raises(jcp.InputError, match="hybrid"):
+        tr.sample([[1, 2, 3]], jcp.SamplingParams(max_tokens=2))
+    with pytest.raises(jcp.InputError, match="hybrid"):
+        tr.compute_logprobs([[1, 2, 3]])
