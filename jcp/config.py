@@ -24,6 +24,13 @@ class QwenConfig:
     decides; a MoE layer routes each token to num_experts_per_tok of num_experts SwiGLU
     experts of width moe_intermediate_size (weights renormalised when norm_topk_prob);
     dense layers use intermediate_size.
+    Hybrid linear attention (Qwen3.5; layer_types () : every layer full attention):
+    layer_types[i] is "full_attention" or "linear_attention" (Gated DeltaNet, with
+    linear_num_key_heads / linear_num_value_heads heads of linear_key_head_dim /
+    linear_value_head_dim, a depthwise causal conv of linear_conv_kernel_dim);
+    attn_output_gate: q_proj also yields a per-head gate, the attention output is multiplied
+    by sigmoid(gate); partial_rotary_factor: RoPE turns the first head_dim · factor dims.
+    Qwen3.5's RMSNorm weights are stored as offsets (x · (1 + w)): jcp holds 1 + w.
     """
 
     vocab_size: int
@@ -49,6 +56,14 @@ class QwenConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()
+    attn_output_gate: bool = False
+    partial_rotary_factor: float = 1.0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -75,6 +90,58 @@ class QwenConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"QwenConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         self._check_moe()
+        self._check_hybrid()
+
+    def _check_hybrid(self):
+        kinds = self.layer_types
+        if not isinstance(kinds, tuple) or (kinds and (
+                len(kinds) != self.num_layers
+                or not set(kinds) <= {"full_attention", "linear_attention"})):
+            raise ValueError(f"QwenConfig.layer_types must be () or a tuple of "
+                             f"{self.num_layers} of 'full_attention' / 'linear_attention', "
+                             f"got {kinds!r}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or not self.rotary_dim:
+            raise ValueError(f"QwenConfig.partial_rotary_factor must be in (0, 1] and turn an "
+                             f"even number of dims, got {self.partial_rotary_factor!r}")
+        if not self.is_hybrid:
+            return
+        if self.is_moe:
+            raise ValueError("a hybrid (linear attention) model with mixture-of-experts "
+                             "layers is not supported yet")
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"QwenConfig.{name} must be a positive integer for linear "
+                                 f"attention layers, got {v!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"QwenConfig.linear_num_value_heads ({self.linear_num_value_heads})"
+                             f" must be a multiple of linear_num_key_heads "
+                             f"({self.linear_num_key_heads})")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are linear attention (Gated DeltaNet)."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def linear_layers(self) -> tuple[bool, ...]:
+        """Whether each layer is a linear-attention layer."""
+        return tuple(t == "linear_attention" for t in self.layer_types) or (
+            (False,) * self.num_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE turns (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
 
     def _check_moe(self):
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
@@ -140,6 +207,17 @@ class QwenConfig:
         return cls.tiny(**base)
 
     @classmethod
+    def tiny_qwen3_5(cls, **overrides) -> "QwenConfig":
+        """A small Qwen3.5-style hybrid: layers 0–2 Gated DeltaNet (2 key heads, 4 value
+        heads), layer 3 gated full attention with RoPE on a quarter of each head."""
+        base = dict(num_layers=4, layer_types=("linear_attention",) * 3 + ("full_attention",),
+                    attn_output_gate=True, partial_rotary_factor=0.25,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=4)
+        base.update(overrides)
+        return cls.tiny(**base)
+
+    @classmethod
     def from_hf(cls, config) -> "QwenConfig":
         """From a Hugging Face config: a dict, a config.json path, or a model folder."""
         return config_from_hf(config)
@@ -151,6 +229,11 @@ class QwenConfig:
                         ("vocab_size", self.vocab_size)):
             if n % tp:
                 raise ValueError(f"tp={tp} does not divide {name}={n}; choose tp dividing it")
+        if self.is_hybrid:
+            for name in ("linear_num_key_heads", "linear_num_value_heads"):
+                if getattr(self, name) % tp:
+                    raise ValueError(f"tp={tp} does not divide {name}={getattr(self, name)}; "
+                                     "choose tp dividing it")
         if self.is_moe and self.num_experts % tp:
             # Experts are split whole over tp (E/tp per rank), never cut inside.
             raise ValueError(f"tp={tp} does not divide num_experts={self.num_experts}; choose "
@@ -165,6 +248,11 @@ class QwenConfig:
             for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                       "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
                 d.pop(k)
+        if not self.layer_types and not self.attn_output_gate and self.partial_rotary_factor == 1:
+            for k in ("layer_types", "attn_output_gate", "partial_rotary_factor",
+                      "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                      "linear_value_head_dim", "linear_conv_kernel_dim"):
+                d.pop(k)  # older configs keep their fingerprint
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -172,7 +260,8 @@ class QwenConfig:
 # Hugging Face configs
 
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Qwen3MoeForCausalLM": "qwen3_moe"}
+                 "Qwen3MoeForCausalLM": "qwen3_moe",
+                 "Qwen3_5ForCausalLM": "qwen3_5"}
 
 
 def _read_config(config) -> dict:
@@ -206,19 +295,39 @@ def _eos_ids(d: dict, config) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+def _qwen3_5_fields(d: dict, rope: dict) -> dict:
+    """Qwen3.5's hybrid fields of QwenConfig (text positions only: the mrope sections all
+    see the same position, which is plain RoPE on the rotary dims)."""
+    layers = d["num_hidden_layers"]
+    kinds = d.get("layer_types") or [
+        "linear_attention" if (i + 1) % d.get("full_attention_interval", 4) else
+        "full_attention" for i in range(layers)]
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {d.get('hidden_act')!r} is not supported (silu only)")
+    return dict(layer_types=tuple(kinds), attn_output_gate=True,
+                partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                                     d.get("partial_rotary_factor", 0.25))),
+                linear_num_key_heads=d.get("linear_num_key_heads", 16),
+                linear_num_value_heads=d.get("linear_num_value_heads", 32),
+                linear_key_head_dim=d.get("linear_key_head_dim", 128),
+                linear_value_head_dim=d.get("linear_value_head_dim", 128),
+                linear_conv_kernel_dim=d.get("linear_conv_kernel_dim", 4))
+
+
 def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
     """QwenConfig from a Hugging Face config (dict, config.json, or model folder)."""
     d = _read_config(config)
     archs = d.get("architectures") or []
     kind = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if kind is None and not archs:
-        kind = {"qwen2": "qwen2", "qwen3": "qwen3",
-                "qwen3_moe": "qwen3_moe"}.get(d.get("model_type"))
+        kind = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+                "qwen3_5_text": "qwen3_5"}.get(d.get("model_type"))
     if kind is None:
         raise ValueError(
             f"unsupported architecture {archs or d.get('model_type')!r}; jcp loads "
             f"{sorted(ARCHITECTURES)}")
     rope = d.get("rope_parameters") or {}
+    hybrid = _qwen3_5_fields(d, rope) if kind == "qwen3_5" else {}
     theta = d.get("rope_theta", rope.get("rope_theta"))
     if theta is None:
         raise ValueError("the Hugging Face config has no rope_theta (nor rope_parameters.rope_theta)")
@@ -226,7 +335,7 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
     rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", "default")
     if rope_type not in ("default", None):
         raise ValueError(f"rope scaling {rope_type!r} is not supported; jcp implements plain RoPE")
-    if kind in ("qwen3", "qwen3_moe") and d.get("attention_bias"):
+    if kind in ("qwen3", "qwen3_moe", "qwen3_5") and d.get("attention_bias"):
         # Qwen3's attention_bias also puts a bias on o_proj, which jcp's decoder lacks.
         raise ValueError("Qwen3 with attention_bias (biases on q, k, v and o_proj) is not "
                          "supported")
@@ -253,9 +362,9 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rope_theta=float(theta), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qk_norm=kind in ("qwen3", "qwen3_moe"),
+            qk_norm=kind in ("qwen3", "qwen3_moe", "qwen3_5"),
             attention_bias=True if kind == "qwen2" else bool(d.get("attention_bias", False)),
             max_position_embeddings=d.get("max_position_embeddings", 32768), dtype=dtype,
-            eos_token_ids=_eos_ids(d, config), **moe)
+            eos_token_ids=_eos_ids(d, config), **moe, **hybrid)
     except KeyError as e:
         raise ValueError(f"the Hugging Face config lacks {e.args[0]!r}") from None

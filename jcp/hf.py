@@ -188,6 +188,16 @@ def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) 
     out = {"embed": plain("model.embed_tokens.weight", shapes["embed"]),
            "final_norm": plain("model.norm.weight", shapes["final_norm"]),
            "layers": {k: stacked(k, s) for k, s in shapes["layers"].items()}}
+    if cfg.is_hybrid:
+        out.update(_hybrid_tensors(cfg, shapes, stacked, fetch))
+        # Qwen3.5's RMSNorms hold offsets (x · (1 + w)); jcp's hold the factor 1 + w.
+        # (The gated norm of Gated DeltaNet is a plain one.)
+        out["final_norm"] = _plus_one(out["final_norm"])
+        out["layers"] = {k: _plus_one(t) if k.endswith("_norm") else t
+                         for k, t in out["layers"].items()}
+        if "full_attn" in out:
+            out["full_attn"] = {k: _plus_one(t) if k.endswith("_norm") else t
+                                for k, t in out["full_attn"].items()}
     if cfg.is_moe:
         kinds = cfg.moe_layers
         dense_ids = [i for i, k in enumerate(kinds) if not k]
@@ -208,6 +218,64 @@ def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) 
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise ValueError(f"checkpoint has tensor {extra[0]}{more}, which this config does not "
                          "describe")
+    return out
+
+
+def _plus_one(t: LazyTensor) -> LazyTensor:
+    return LazyTensor(t.shape, np.float32, lambda index: np.asarray(t[index]) + np.float32(1))
+
+
+def _stack(per_layer: list) -> LazyTensor:
+    """[L, …] LazyTensor over per-layer LazyTensors."""
+    def read(index):
+        li, rest = index[0], index[1:]
+        return np.stack([np.asarray(per_layer[i][rest])
+                         for i in range(*li.indices(len(per_layer)))]).astype(np.float32)
+    return LazyTensor((len(per_layer),) + per_layer[0].shape, np.float32, read)
+
+
+def _rows_t(arr, r0: int, r1: int, squeeze_mid: bool = False) -> LazyTensor:
+    """Rows r0:r1 of a torch [out, in] (or conv [out, 1, Kc]) tensor, transposed: [in, r1−r0]."""
+    inner = arr.shape[-1]
+
+    def read(index):
+        ii, oi = index
+        o0, o1, step = oi.indices(r1 - r0)
+        rows = slice(r0 + o0, r0 + o1, step)
+        block = arr[rows, 0, ii] if squeeze_mid else arr[rows, ii]
+        return np.asarray(block).T.astype(np.float32)
+    return LazyTensor((inner, r1 - r0), np.float32, read)
+
+
+def _hybrid_tensors(cfg: QwenConfig, shapes, stacked, fetch) -> dict:
+    """full_attn [Lf, …] (self_attn.*) and linear_attn [Ll, …] (linear_attn.*) of a
+    Qwen3.5 checkpoint; in_proj_qkv and conv1d are cut into their q, k, v parts."""
+    out = {}
+    kinds = cfg.linear_layers
+    full_ids = [i for i, k in enumerate(kinds) if not k]
+    lin_ids = [i for i, k in enumerate(kinds) if k]
+    if full_ids:
+        out["full_attn"] = {k: stacked(k, s, full_ids) for k, s in shapes["full_attn"].items()}
+    d, kd, vd = cfg.hidden_size, cfg.linear_key_dim, cfg.linear_value_dim
+    hv, kc = cfg.linear_num_value_heads, cfg.linear_conv_kernel_dim
+    parts = {"q": (0, kd), "k": (kd, 2 * kd), "v": (2 * kd, 2 * kd + vd)}
+    per = {k: [] for k in shapes["linear_attn"]}
+    for i in lin_ids:
+        pre = f"model.layers.{i}.linear_attn"
+        qkv = fetch(f"{pre}.in_proj_qkv.weight", (2 * kd + vd, d))
+        conv = fetch(f"{pre}.conv1d.weight", (2 * kd + vd, 1, kc))
+        for p, (r0, r1) in parts.items():
+            per[f"in_proj_{p}"].append(_rows_t(qkv, r0, r1))
+            per[f"conv_{p}"].append(_rows_t(conv, r0, r1, squeeze_mid=True))
+        for m, rows in (("in_proj_z", vd), ("in_proj_b", hv), ("in_proj_a", hv)):
+            per[m].append(_rows_t(fetch(f"{pre}.{m}.weight", (rows, d)), 0, rows))
+        per["out_proj"].append(_rows_t(fetch(f"{pre}.out_proj.weight", (d, vd)), 0, d))
+        for m, name, n in (("dt_bias", "dt_bias", hv), ("a_log", "A_log", hv),
+                           ("gated_norm", "norm.weight", cfg.linear_value_head_dim)):
+            arr = fetch(f"{pre}.{name}", (n,))
+            per[m].append(LazyTensor((n,), np.float32,
+                                     lambda index, a=arr: np.asarray(a[index], np.float32)))
+    out["linear_attn"] = {k: _stack(v) for k, v in per.items()}
     return out
 
 

@@ -40,7 +40,12 @@ EXPERT_LORA = ("shared_outer", "per_expert", "fused_gate_up")
 
 def table_modules(cfg: QwenConfig) -> tuple[str, ...]:
     """The modules a slot table holds for this model: dense MLP modules on a dense model,
-    the experts on a MoE model (its dense layers' MLPs, if any, are not adaptable)."""
+    the experts on a MoE model (its dense layers' MLPs, if any, are not adaptable); on a
+    hybrid (Qwen3.5) model the MLP and the unembedding only, for now: its attention and
+    Gated DeltaNet projections live in per-kind stacks that the slot table does not yet
+    mirror."""
+    if cfg.is_hybrid:
+        return MLP + (HEAD,)
     return tuple(m for m in ALL_MODULES if m not in (EXPERT if not cfg.is_moe else MLP))
 
 
@@ -122,6 +127,10 @@ def resolve_targets(targets, cfg: QwenConfig | None = None) -> tuple[str, ...]:
         raise ValueError(f"LoRA targets {sorted(chosen & set(MLP))} are dense MLP modules, "
                          "which a mixture-of-experts model does not adapt; target its experts "
                          "('experts'), attention ('attn') and the unembedding ('unembed')")
+    if cfg is not None and cfg.is_hybrid and chosen & set(ATTN):
+        raise ValueError(f"LoRA targets {sorted(chosen & set(ATTN))} are attention modules; on "
+                         "a hybrid (Qwen3.5) model jcp adapts the MLP ('mlp') and the "
+                         "unembedding ('unembed') so far")
     if cfg is not None and not moe and chosen & set(EXPERT):
         raise ValueError(f"LoRA targets {sorted(chosen & set(EXPERT))} are experts, but this "
                          "is a dense model (no mixture-of-experts layers)")

@@ -42,7 +42,7 @@ def parse_args(argv):
     p.add_argument("--mesh", default=None,
                    help="dp,cp,tp (default 2,2,2 on 8 devices, else 1,<devices>,1)")
     p.add_argument("--hf-model", default=None,
-                   help="Hugging Face Qwen2/Qwen3/Qwen3-MoE folder")
+                   help="Hugging Face Qwen2/Qwen3/Qwen3-MoE/Qwen3.5 folder")
     p.add_argument("--moe", action="store_true",
                    help="without --hf-model: the tiny random mixture-of-experts model "
                         "(QwenConfig.tiny_moe()) instead of the dense one")

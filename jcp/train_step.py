@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jcp import attention as attention_lib
 from jcp import custom_loss as custom_loss_lib
+from jcp import delta_rule as delta_rule_lib
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import model as model_lib
@@ -127,8 +128,13 @@ def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, token
     """
     attend = training_attend(cfg, step_cfg, segment_S, position_S)
     real_S = segment_S >= 0
+    # Gated DeltaNet layers (hybrid models): a stream holds at most two pieces (zigzag
+    # chunks) of each of its num_slots datums, and one padding piece.
+    mix = (delta_rule_lib.cp_mix(segment_S, position_S, 2 * num_slots + 1, CP)
+           if cfg.is_hybrid else None)
     h_SxD, _, stats = model_lib.hidden_states(cfg, params, tokens_S, position_S, attend, lora,
-                                              route, remat=step_cfg.remat is True, count_S=real_S)
+                                              route, remat=step_cfg.remat is True, count_S=real_S,
+                                              mix=mix)
     lefts, rights = model_lib.unembed_factors(params, h_SxD, lora, route)
     loss, outputs = losses_lib.shard_loss(
         lefts, rights, targets_S, segment_S, inputs, loss_fn, loss_cfg, num_slots,

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jcp import attention as attention_lib
+from jcp import delta_rule as delta_rule_lib
 from jcp import lora as lora_lib
 from jcp import mesh as mesh_lib
 from jcp.config import QwenConfig
@@ -48,6 +49,15 @@ def rope(x, position_S, theta):
     half = head_dim // 2
     rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     return (xf * cos + rot * sin).astype(x.dtype)
+
+
+def partial_rope(x, position_S, theta, rotary_dim):
+    """rope on the first rotary_dim dims of each head (Qwen3.5's partial_rotary_factor);
+    the rest pass unchanged."""
+    if rotary_dim == x.shape[-1]:
+        return rope(x, position_S, theta)
+    turned = rope(x[..., :rotary_dim], position_S, theta)
+    return jnp.concatenate([turned, x[..., rotary_dim:]], axis=-1)
 
 
 def embed(embed_VxD, tokens_S):
@@ -89,18 +99,59 @@ def attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.R
     q = _linear(x_SxD, layer["q_proj"], _lora(lora_layer, "q_proj"), route, layer.get("q_bias"))
     k = _linear(x_SxD, layer["k_proj"], _lora(lora_layer, "k_proj"), route, layer.get("k_bias"))
     v = _linear(x_SxD, layer["v_proj"], _lora(lora_layer, "v_proj"), route, layer.get("v_bias"))
+    gate_SxQH = None
+    if cfg.attn_output_gate:  # per head [query | gate] (transformers' torch.chunk)
+        q_gate = q.reshape(s_len, -1, 2 * cfg.head_dim)
+        q, gate_SxQH = q_gate[..., :cfg.head_dim], q_gate[..., cfg.head_dim:]
+        gate_SxQH = gate_SxQH.reshape(s_len, -1)
     q_SxQxH = q.reshape(s_len, -1, cfg.head_dim)
     k_SxKxH = k.reshape(s_len, -1, cfg.head_dim)
     v_SxKxH = v.reshape(s_len, -1, cfg.head_dim)
     if cfg.qk_norm:
         q_SxQxH = rms_norm(q_SxQxH, layer["q_norm"], cfg.rms_norm_eps)
         k_SxKxH = rms_norm(k_SxKxH, layer["k_norm"], cfg.rms_norm_eps)
-    q_SxQxH = rope(q_SxQxH, position_S, cfg.rope_theta)
-    k_SxKxH = rope(k_SxKxH, position_S, cfg.rope_theta)
+    q_SxQxH = partial_rope(q_SxQxH, position_S, cfg.rope_theta, cfg.rotary_dim)
+    k_SxKxH = partial_rope(k_SxKxH, position_S, cfg.rope_theta, cfg.rotary_dim)
     o_SxQxH, attn_state = attend(q_SxQxH, k_SxKxH, v_SxKxH, attn_state)
-    o_SxD = _linear(o_SxQxH.reshape(s_len, -1), layer["o_proj"], _lora(lora_layer, "o_proj"),
-                    route)
+    o_SxQH = o_SxQxH.reshape(s_len, -1)
+    if gate_SxQH is not None:
+        o_SxQH = o_SxQH * jax.nn.sigmoid(gate_SxQH)
+    o_SxD = _linear(o_SxQH, layer["o_proj"], _lora(lora_layer, "o_proj"), route)
     return jax.lax.psum(o_SxD, TP), attn_state
+
+
+def linear_attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer,
+                           route: lora_lib.Routing | None, mix):
+    """Pre-norm Gated DeltaNet of one layer (Qwen3.5's linear attention): its output [S, D],
+    psum'd over tp.
+
+    norm → in_proj q, k, v (this rank's heads) → mix.conv (depthwise causal conv + SiLU over
+    each datum) → L2-normalised q, k → β = sigmoid(b), g = −exp(A_log)·softplus(a + dt_bias)
+    → mix.rule (the gated delta rule over each datum, delta_rule.CPMix in training) →
+    RMSNorm gated by SiLU(z) → out_proj → psum over tp. The caller adds the residual.
+    """
+    s_len = h_SxD.shape[0]
+    x_SxD = rms_norm(h_SxD, layer["input_norm"], cfg.rms_norm_eps)
+    lin = lambda m: _linear(x_SxD, layer[m], _lora(lora_layer, m), route)  # noqa: E731
+    q, k, v = lin("in_proj_q"), lin("in_proj_k"), lin("in_proj_v")
+    widths = (q.shape[1], k.shape[1])
+    mixed = mix.conv(jnp.concatenate([q, k, v], axis=-1),
+                     jnp.concatenate([layer["conv_q"], layer["conv_k"], layer["conv_v"]], -1))
+    q, k, v = jnp.split(mixed, [widths[0], widths[0] + widths[1]], axis=-1)
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    q_SxHkxDk = delta_rule_lib.l2norm(q.reshape(s_len, -1, dk))
+    k_SxHkxDk = delta_rule_lib.l2norm(k.reshape(s_len, -1, dk))
+    v_SxHxDv = v.reshape(s_len, -1, dv)
+    beta_SxH = jax.nn.sigmoid(lin("in_proj_b")).astype(jnp.float32)
+    g_SxH = -jnp.exp(layer["a_log"].astype(jnp.float32)) * jax.nn.softplus(
+        lin("in_proj_a").astype(jnp.float32) + layer["dt_bias"].astype(jnp.float32))
+    o_SxHxDv = mix.rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH).astype(x_SxD.dtype)
+    z_SxHxDv = lin("in_proj_z").reshape(s_len, -1, dv)
+    normed = rms_norm(o_SxHxDv, layer["gated_norm"], cfg.rms_norm_eps)
+    gated = (normed.astype(jnp.float32) * jax.nn.silu(z_SxHxDv.astype(jnp.float32)))
+    o_SxD = _linear(gated.astype(x_SxD.dtype).reshape(s_len, -1), layer["out_proj"],
+                    _lora(lora_layer, "out_proj"), route)
+    return jax.lax.psum(o_SxD, TP)
 
 
 def dense_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None):
@@ -206,7 +257,7 @@ class Hidden(NamedTuple):
 
 def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attention_lib.Attend,
                   lora=None, route: lora_lib.Routing | None = None, *, attn_state=None,
-                  mlp=dense_mlp, remat: bool = True, layers=None, count_S=None):
+                  mlp=dense_mlp, remat: bool = True, layers=None, count_S=None, mix=None):
     """Hidden(final-norm hidden states [S, D] of this shard's tokens, new attention state,
     the routing statistics when count_S is given, else None).
 
@@ -225,6 +276,8 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
     record (training passes its real tokens), or None; given, router_stats is
     moe.RouterStats of this shard's counted tokens stacked over the MoE layers in order
     ([Lm, E] each, local: not summed over dp / cp), None for a dense model.
+    mix: the sequence-mixing strategy of a hybrid model's Gated DeltaNet layers
+    (delta_rule.cp_mix for training); hybrid layers run as scans over runs of one kind.
     """
     dtype = jnp.dtype(cfg.dtype)
     h = embed(params["embed"], tokens_S).astype(dtype)
@@ -256,6 +309,11 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
         attn_state = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
         return finish(h, attn_state, records)
 
+    if cfg.is_hybrid:
+        if layers is not None or attn_state is not None:
+            raise NotImplementedError("sampling a hybrid (linear attention) model")
+        return _hybrid_hidden(cfg, params, h, position_S, attend, mix, layer_lora, route,
+                              mlp, remat, finish)
     if remat:
         # Recompute each layer in the backward pass except the attention kernel's output and
         # log-sum-exp: O(S·Q·H) per layer saved buys not running attention twice.
@@ -280,6 +338,52 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
             records.append(record)
     attn_state = jax.tree.map(lambda *xs: jnp.concatenate(xs), *states)
     return finish(h, attn_state, records)
+
+
+def kind_runs(kinds) -> tuple[tuple[bool, int, int, int], ...]:
+    """Maximal runs of consecutive layers of one kind: (kind, start, end, first) with layers
+    [start, end) and `first` their index among the layers of that kind.
+    Example: (lin, lin, lin, full) -> ((True, 0, 3, 0), (False, 3, 4, 0))."""
+    runs, seen = [], {}
+    for i, kind in enumerate(kinds):
+        if runs and runs[-1][0] == kind:
+            runs[-1][2] = i + 1
+        else:
+            runs.append([kind, i, i + 1, seen.get(kind, 0)])
+        seen[kind] = seen.get(kind, 0) + 1
+    return tuple(tuple(r) for r in runs)
+
+
+def _hybrid_hidden(cfg: QwenConfig, params, h, position_S, attend, mix, layer_lora, route,
+                   mlp, remat, finish):
+    """hidden_states of a hybrid model: each run of same-kind layers (gated full attention
+    or Gated DeltaNet) one lax.scan over its slice of `layers` (norms, MLP) and of its
+    kind's mixer weights (full_attn [Lf, …] / linear_attn [Ll, …])."""
+
+    def body_of(linear):
+        def body(h, xs):
+            layer, lora_layer = xs
+            if linear:
+                a_SxD = linear_attention_block(cfg, h, layer, lora_layer, route, mix)
+            else:
+                a_SxD, _ = attention_block(cfg, h, layer, lora_layer, route, position_S,
+                                           attend, None)
+            h = h + a_SxD
+            y_SxD, _ = mlp(cfg, h, layer, lora_layer, route)
+            return h + y_SxD, None
+
+        if remat:
+            policy = jax.checkpoint_policies.save_only_these_names(*attention_lib.SAVED_NAMES)
+            body = jax.checkpoint(body, prevent_cse=False, policy=policy)
+        return body
+
+    for linear, start, end, first in kind_runs(cfg.linear_layers):
+        cut = lambda t, a=start, b=end: jax.tree.map(lambda x: x[a:b], t)
+        mixer = jax.tree.map(lambda x, a=first, n=end - start: x[a:a + n],
+                             params["linear_attn" if linear else "full_attn"])
+        h, _ = jax.lax.scan(body_of(linear), h, ({**cut(params["layers"]), **mixer},
+                                                 cut(layer_lora)))
+    return finish(h, None, [])
 
 
 def unembed_factors(params, h_SxD, lora=None, route: lora_lib.Routing | None = None):

@@ -16,8 +16,16 @@ from jcp.config import QwenConfig
 from jcp.mesh import SPECS, put
 
 # Layer modules in the stacked `layers` tree: name -> spec field.
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW = ("o_proj", "down_proj")
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
+          # Gated DeltaNet (hybrid models): in_proj_qkv held as its q, k, v parts (and the
+          # conv's channels likewise) so that a column split gives each tp rank whole heads.
+          "in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a",
+          "conv_q", "conv_k", "conv_v")
+ROW = ("o_proj", "down_proj", "out_proj")
+# Per-head vectors of Gated DeltaNet, split over tp with their heads.
+HEAD_VECTORS = ("dt_bias", "a_log")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_bias", "k_bias", "v_bias", "q_norm",
+             "k_norm")
 
 
 def param_shapes(cfg: QwenConfig) -> dict:
@@ -49,6 +57,24 @@ def param_shapes(cfg: QwenConfig) -> dict:
         e, fe = cfg.num_experts, cfg.moe_intermediate_size
         out["moe_mlp"] = {"router": (lm, d, e), "expert_gate": (lm, e, d, fe),
                           "expert_up": (lm, e, d, fe), "expert_down": (lm, e, fe, d)}
+    if cfg.attn_output_gate:  # q_proj yields each head's query then its gate
+        layers["q_proj"] = (L, d, 2 * cfg.q_dim)
+    if cfg.is_hybrid:
+        # Mixer weights stacked per kind (layers keeps norms and MLP of all L layers).
+        lf = cfg.linear_layers.count(False)
+        ll = L - lf
+        if lf:
+            out["full_attn"] = {m: (lf,) + layers[m][1:] for m in ATTENTION if m in layers}
+        for m in ATTENTION:
+            layers.pop(m, None)
+        kd, vd, hv = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
+        kc = cfg.linear_conv_kernel_dim
+        out["linear_attn"] = {
+            "in_proj_q": (ll, d, kd), "in_proj_k": (ll, d, kd), "in_proj_v": (ll, d, vd),
+            "conv_q": (ll, kc, kd), "conv_k": (ll, kc, kd), "conv_v": (ll, kc, vd),
+            "in_proj_z": (ll, d, vd), "in_proj_b": (ll, d, hv), "in_proj_a": (ll, d, hv),
+            "dt_bias": (ll, hv), "a_log": (ll, hv),
+            "gated_norm": (ll, cfg.linear_value_head_dim), "out_proj": (ll, vd, d)}
     if not cfg.tie_word_embeddings:
         out["lm_head"] = (d, v)
     return out
@@ -61,7 +87,7 @@ def param_specs(cfg: QwenConfig) -> dict:
             return SPECS.column_LxDxO
         if name in ROW:
             return SPECS.row_LxIxD
-        if name.endswith("_bias"):
+        if name.endswith("_bias") or name in HEAD_VECTORS:
             return SPECS.column_bias_LxO
         return SPECS.norm_LxD
 
@@ -72,6 +98,9 @@ def param_specs(cfg: QwenConfig) -> dict:
         out["lm_head"] = SPECS.unembed_DxV
     if "dense_mlp" in shapes:
         out["dense_mlp"] = {k: layer_spec(k) for k in shapes["dense_mlp"]}
+    for group in ("full_attn", "linear_attn"):
+        if group in shapes:
+            out[group] = {k: layer_spec(k) for k in shapes[group]}
     if "moe_mlp" in shapes:
         out["moe_mlp"] = {k: SPECS.router_LxDxE if k == "router" else SPECS.experts_LxExIxO
                           for k in shapes["moe_mlp"]}
@@ -85,6 +114,10 @@ def random_params(cfg: QwenConfig, seed: int = 0) -> dict:
     def make(name, shape):
         if "norm" in name:
             return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        if name == "a_log":
+            return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+        if name.startswith("conv_"):
+            return (0.3 * rng.standard_normal(shape)).astype(np.float32)
         return (0.02 * rng.standard_normal(shape)).astype(np.float32)
 
     return {k: {kk: make(kk, ss) for kk, ss in s.items()} if isinstance(s, dict) else make(k, s)

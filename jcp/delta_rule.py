@@ -1,0 +1,383 @@
+"""Gated DeltaNet's sequence mixing (Qwen3.5's linear attention), exact over cp zigzag shards.
+
+Owns the gated delta rule in its recurrent form (the reference, and decode) and its chunked
+WY / UT-transform form, the depthwise causal conv1d with SiLU in front of it, and how both
+cross context-parallel ranks: a rank's stream holds *pieces* — maximal runs of consecutive
+positions of one datum (in the zigzag layout, chunks r and 2cp−1−r of each datum, merged
+when adjacent) — and every piece needs what came before it in its datum: the conv's last
+(kernel − 1) inputs and the delta rule's state. Both are found by exchanging one small
+summary per piece over "cp" (all_gather) and composing the summaries in datum order; they
+never grow with the number of tokens. It must never hold a [tokens, dk, dv] array: states
+are per chunk (kernel block) and per piece. Standalone: it imports only mesh-level helpers.
+
+The rule, per value head (transformers' torch_recurrent_gated_delta_rule):
+    S_t = exp(g_t) · (I − β_t k_t k_tᵀ) · S_{t−1} + β_t k_t v_tᵀ,   o_t = S_tᵀ q_t · dk^−½
+with S [dk, dv]. Over a piece, S_out = M · S_in + U (M [dk, dk], U [dk, dv]): affine in the
+incoming state, so pieces compose. A piece that starts a datum starts from S = 0.
+
+Shapes: S tokens of this stream, H value heads (local under tp), Hk key heads, dk / dv key /
+value head dims (letters Dk, Dv in names), Ck the kernel block (chunk) length, P the static
+bound on pieces per stream, Kc the conv kernel, C conv channels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+from jcp.mesh import varying_axes, vary
+
+DEFAULT_CHUNK = 64
+
+
+def l2norm(x, eps: float = 1e-6):
+    """x / sqrt(Σ x² + eps) over the last axis, in fp32 (as transformers' / FLA's l2norm)."""
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+def _expand_heads(q_SxHkxDk, k_SxHkxDk, heads: int):
+    """Each key head serves heads/Hk consecutive value heads (transformers' repeat_interleave)."""
+    rep = heads // q_SxHkxDk.shape[1]
+    return jnp.repeat(q_SxHkxDk, rep, axis=1), jnp.repeat(k_SxHkxDk, rep, axis=1)
+
+
+def recurrent(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, initial_HxDkxDv=None):
+    """The gated delta rule token by token: (o [S, H, Dv] fp32, final state [H, Dk, Dv]).
+
+    q, k already L2-normalised (the layer does it); q is scaled by dk^−½ here, as
+    transformers does inside its kernels.
+    """
+    h, dk, dv = v_SxHxDv.shape[1], q_SxHkxDk.shape[-1], v_SxHxDv.shape[-1]
+    q, k = _expand_heads(q_SxHkxDk, k_SxHkxDk, h)
+    q = q.astype(jnp.float32) * dk ** -0.5
+    s0 = (jnp.zeros((h, dk, dv), jnp.float32) if initial_HxDkxDv is None
+          else initial_HxDkxDv.astype(jnp.float32))
+
+    def step(s_HxDkxDv, xs):
+        q_t, k_t, v_t, g_t, b_t = xs
+        s = s_HxDkxDv * jnp.exp(g_t)[:, None, None]
+        delta = (v_t - jnp.einsum("hkv,hk->hv", s, k_t)) * b_t[:, None]
+        s = s + k_t[:, :, None] * delta[:, None, :]
+        return s, jnp.einsum("hkv,hk->hv", s, q_t)
+
+    xs = (q, k.astype(jnp.float32), v_SxHxDv.astype(jnp.float32), g_SxH.astype(jnp.float32),
+          beta_SxH.astype(jnp.float32))
+    s, o = jax.lax.scan(step, s0, xs)
+    return o, s
+
+
+# ----------------------------------------------------------------------------------------
+# Chunked form with pieces
+
+
+def _block(q_CxHxDk, k_CxHxDk, v_CxHxDv, g_CxH, beta_CxH, start_C, init_CxHxDkxDv, s0_HxDkxDv,
+           row):
+    """One kernel block of Ck tokens: (o [Ck, H, Dv], state just after token `row`).
+
+    Tokens before the block's first piece start continue from s0 (the carry); a token with
+    start_C begins a piece whose incoming state is init_C at that token (init rows of other
+    tokens are ignored). Within a piece, the UT transform: with A_ij = β_i k_i·k_j
+    exp(γ_i − γ_j) (j < i, same piece; γ the cumulative log decay), T = (I + A)^−1,
+    v_new = T (βv − β k exp(γ − γ_0) · S_init), o_i = exp(γ_i − γ_0) q_i·S_init +
+    Σ_{j ≤ i, same piece} q_i·k_j exp(γ_i − γ_j) v_new_j — transformers'
+    torch_chunk_gated_delta_rule with the state entering at each piece's first token.
+    """
+    ck = q_CxHxDk.shape[0]
+    idx = jnp.arange(ck)
+    head = jax.lax.cummax(jnp.where(start_C, idx, -1))  # first token of each token's piece
+    cum_HxC = jnp.cumsum(g_CxH, axis=0).T
+    before = jnp.where(head >= 0, (cum_HxC - g_CxH.T)[:, jnp.maximum(head, 0)], 0.0)
+    x_CxHxDkxDv = jnp.where((head >= 0)[:, None, None, None],
+                            init_CxHxDkxDv[jnp.maximum(head, 0)], s0_HxDkxDv[None])
+    same_CxC = (head[:, None] == head[None, :]) & (idx[None, :] <= idx[:, None])
+    diff_HxCxC = cum_HxC[:, :, None] - cum_HxC[:, None, :]
+    decay_HxCxC = jnp.where(same_CxC, jnp.exp(jnp.where(same_CxC, diff_HxCxC, 0.0)), 0.0)
+    lower_CxC = idx[None, :] < idx[:, None]
+    kk_HxCxC = jnp.einsum("ihd,jhd->hij", k_CxHxDk, k_CxHxDk)
+    a_HxCxC = jnp.where(lower_CxC, beta_CxH.T[:, :, None] * kk_HxCxC * decay_HxCxC, 0.0)
+    from_init_HxC = jnp.exp(cum_HxC - before)
+    kb_CxHxDk = k_CxHxDk * (beta_CxH * from_init_HxC.T)[:, :, None]
+    w_CxHxDv = jnp.einsum("chk,chkv->chv", kb_CxHxDk, x_CxHxDkxDv)
+    rhs_HxCxDv = jnp.swapaxes(v_CxHxDv * beta_CxH[:, :, None] - w_CxHxDv, 0, 1)
+    eye = jnp.eye(ck, dtype=a_HxCxC.dtype)
+    vnew_HxCxDv = solve_triangular(eye + a_HxCxC, rhs_HxCxDv, lower=True, unit_diagonal=True)
+    qk_HxCxC = jnp.einsum("ihd,jhd->hij", q_CxHxDk, k_CxHxDk) * decay_HxCxC
+    o_CxHxDv = (jnp.einsum("chk,chkv->chv", q_CxHxDk * from_init_HxC.T[:, :, None],
+                           x_CxHxDkxDv)
+                + jnp.swapaxes(jnp.einsum("hij,hjv->hiv", qk_HxCxC, vnew_HxCxDv), 0, 1))
+    # State after `row`: the decayed incoming state of row's piece plus its updates so far.
+    d_row_HxC = decay_HxCxC[:, row, :]
+    s_HxDkxDv = (x_CxHxDkxDv[row] * from_init_HxC[:, row][:, None, None]
+                 + jnp.einsum("hj,jhk,hjv->hkv", d_row_HxC, k_CxHxDk, vnew_HxCxDv))
+    return o_CxHxDv, s_HxDkxDv
+
+
+def _blocks(x, chunk):
+    """[S, …] -> [S/Ck, Ck, …]."""
+    return x.reshape((x.shape[0] // chunk, chunk) + x.shape[1:])
+
+
+def chunked(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, start_S=None, piece_S=None,
+            init_PxHxDkxDv=None, chunk: int = DEFAULT_CHUNK, ends_P=None):
+    """The gated delta rule in blocks of `chunk` tokens (a power of two; S is padded to
+    whole blocks with tokens that leave the state unchanged).
+
+    Without pieces (start_S None): one sequence from state init_PxHxDkxDv[0] (or 0).
+    With pieces: token t with start_S[t] begins piece piece_S[t], whose incoming state is
+    init_PxHxDkxDv[piece_S[t]]; other tokens continue the state of the token before them.
+    Returns (o [S, H, Dv] fp32, state after each token ends_P [P] ([P, H, Dk, Dv]), or the
+    final state [H, Dk, Dv] when ends_P is None).
+    """
+    s_len, h = v_SxHxDv.shape[:2]
+    dk, dv = q_SxHkxDk.shape[-1], v_SxHxDv.shape[-1]
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two, got {chunk}")
+    q, k = _expand_heads(q_SxHkxDk, k_SxHkxDk, h)
+    q = jnp.asarray(q, jnp.float32) * dk ** -0.5
+    k = jnp.asarray(k, jnp.float32)
+    v = jnp.asarray(v_SxHxDv, jnp.float32)
+    g, beta = jnp.asarray(g_SxH, jnp.float32), jnp.asarray(beta_SxH, jnp.float32)
+    if init_PxHxDkxDv is None:
+        init_PxHxDkxDv = jnp.zeros((1, h, dk, dv), jnp.float32)
+    if start_S is None:
+        start_S = jnp.arange(s_len) == 0
+        piece_S = jnp.zeros((s_len,), jnp.int32)
+    init_P = jnp.asarray(init_PxHxDkxDv, jnp.float32)
+    start_S, piece_S = jnp.asarray(start_S), jnp.asarray(piece_S, jnp.int32)
+    pad = -s_len % chunk  # identity tokens (g = 0, β = 0) up to whole blocks
+    if pad:
+        q, k, v, g, beta, start_S, piece_S = (
+            jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)])
+            for x in (q, k, v, g, beta, start_S, piece_S))
+
+    def run(s0, blk, row):
+        qb, kb, vb, gb, bb, stb, pb = blk
+        return _block(qb, kb, vb, gb, bb, stb, init_P[pb], s0, row)
+
+    blocks = tuple(_blocks(x, chunk) for x in (q, k, v, g, beta, start_S, piece_S))
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def body(s0, blk):
+        o, s1 = run(s0, blk, chunk - 1)
+        return s1, (o, s0)
+
+    axes = sorted({a for x in (q, k, v, g, beta, init_P) for a in varying_axes(x)})
+    s0 = vary(jnp.zeros((h, dk, dv), jnp.float32), axes)
+    final, (o_NxCxHxDv, carries) = jax.lax.scan(body, s0, blocks)
+    o = o_NxCxHxDv.reshape(-1, h, dv)[:s_len]
+    if ends_P is None:
+        return o, final
+    # The state after each piece's last token: rerun that token's block from its carry.
+    def at(end):
+        b = end // chunk
+        return run(carries[b], jax.tree.map(lambda x: x[b], blocks), end % chunk)[1]
+
+    return o, jax.vmap(at)(ends_P)
+
+
+# ----------------------------------------------------------------------------------------
+# Pieces of a stream and their order across cp ranks
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """The pieces of this rank's stream and, over all cp ranks, who precedes whom.
+
+    start_S: token begins a piece (a datum's first local token, a jump in position, the
+    stream's first token); piece_S: its piece, 0 … P−1 in stream order; end_P: stream index
+    of each piece's last real token (0 for an unused or all-padding piece); length_P: its
+    real tokens. Over the X = CP·P pieces of all ranks (rank-major): pred_X, the piece
+    holding each piece's preceding position of the same datum (−1: it starts its datum, or
+    is unused); rank: this rank's index on the axis (its pieces are X = rank·P + p).
+    """
+
+    start_S: jax.Array
+    piece_S: jax.Array
+    end_P: jax.Array
+    length_P: jax.Array
+    pred_X: jax.Array
+    rank: jax.Array
+    axis: str | None
+    depth: int
+
+
+jax.tree_util.register_dataclass(
+    Pieces, data_fields=["start_S", "piece_S", "end_P", "length_P", "pred_X", "rank"],
+    meta_fields=["axis", "depth"])
+
+
+def _gather(x, axis):
+    """[P, …] of every rank, rank-major: [CP·P, …] (the identity without an axis)."""
+    return x if axis is None else jax.lax.all_gather(x, axis, axis=0, tiled=True)
+
+
+def pieces(segment_S, position_S, max_pieces: int, axis: str | None = None) -> Pieces:
+    """The Pieces of a packed stream (segment: datum slot, −1 padding; position: index in
+    the datum). max_pieces: a static bound on pieces per stream — a datum makes at most two
+    on a rank (zigzag chunks r and 2cp−1−r), and a stream that begins with padding one more:
+    2·B + 1 for B datum slots. axis: the cp mesh axis inside shard_map (None: one stream).
+    """
+    s_len = segment_S.shape[0]
+    t = jnp.arange(s_len)
+    real = segment_S >= 0
+    prev_seg = jnp.concatenate([jnp.full((1,), -2, segment_S.dtype), segment_S[:-1]])
+    prev_pos = jnp.concatenate([jnp.full((1,), -2, position_S.dtype), position_S[:-1]])
+    start = (t == 0) | (real & ((segment_S != prev_seg) | (position_S != prev_pos + 1)))
+    piece = jnp.cumsum(start) - 1
+    p = max_pieces
+    first_seg = jnp.full((p,), -1, jnp.int32).at[piece].max(
+        jnp.where(start & real, segment_S, -1))
+    first_pos = jnp.full((p,), -1, jnp.int32).at[piece].max(jnp.where(start, position_S, -1))
+    last_pos = jnp.full((p,), -1, jnp.int32).at[piece].max(jnp.where(real, position_S, -1))
+    end = jnp.full((p,), -1, jnp.int32).at[piece].max(jnp.where(real, t, -1))
+    length = jnp.zeros((p,), jnp.int32).at[piece].add(real.astype(jnp.int32))
+    seg_x, first_x, last_x, len_x = (_gather(x, axis) for x in (first_seg, first_pos, last_pos,
+                                                                 length))
+    link = ((seg_x[:, None] == seg_x[None, :]) & (seg_x[:, None] >= 0) & (first_x[:, None] > 0)
+            & (last_x[None, :] == first_x[:, None] - 1) & (len_x[None, :] > 0))
+    pred = jnp.where(link.any(1), jnp.argmax(link, axis=1), -1)
+    cp = seg_x.shape[0] // p
+    rank = jnp.zeros((), jnp.int32) if axis is None else jax.lax.axis_index(axis)
+    return Pieces(start_S=start, piece_S=piece.astype(jnp.int32), end_P=jnp.maximum(end, 0),
+                  length_P=length, pred_X=pred.astype(jnp.int32), rank=rank, axis=axis,
+                  depth=2 * cp)
+
+
+def _incoming(pcs: Pieces, out_of, own_X, zero):
+    """Each piece's incoming summary (what its datum's earlier pieces leave it).
+
+    out_of(incoming, own) -> outgoing summary of a piece; a piece without a predecessor
+    receives `zero`. Jacobi iterations: after i of them, every piece at most i links from
+    its datum's start is exact; no chain is longer than 2·CP pieces (pcs.depth).
+    """
+    has = pcs.pred_X >= 0
+    src = jnp.maximum(pcs.pred_X, 0)
+    inc = jax.tree.map(lambda z: jnp.broadcast_to(z, has.shape + z.shape), zero)
+    for _ in range(pcs.depth):
+        out = out_of(inc, own_X)
+        inc = jax.tree.map(
+            lambda o, z: jnp.where(has.reshape((-1,) + (1,) * (o.ndim - 1)), o[src], z),
+            out, zero)
+    return inc
+
+
+def _own(pcs: Pieces, x_X, p: int):
+    """This rank's P rows of a rank-major [CP·P, …] table."""
+    return jax.lax.dynamic_slice_in_dim(x_X, pcs.rank * p, p, axis=0)
+
+
+def causal_conv(x_SxC, w_KxC, pcs: Pieces):
+    """SiLU(depthwise causal conv1d) over each datum: [S, C] (transformers' causal_conv1d_fn
+    with weight [C, 1, Kc] as w [Kc, C]: out_t = Σ_j w[j] · x_{t−Kc+1+j}, no bias).
+
+    Inputs before a piece's first token come from its datum's earlier pieces — a halo of
+    Kc − 1 rows, built from each piece's last Kc − 1 inputs exchanged over cp (a piece
+    shorter than the halo passes on part of its own incoming halo too); before a datum's
+    first token, zeros.
+    """
+    kc = w_KxC.shape[0]
+    halo = kc - 1
+    s_len = x_SxC.shape[0]
+    p = pcs.end_P.shape[0]
+    x32 = x_SxC.astype(jnp.float32)
+    # Own tail: rows end−halo+1 … end (slot halo−1 = the last); rows before the piece
+    # start are filled from the incoming halo in out_of.
+    back = halo - 1 - jnp.arange(halo)  # slot j holds the input `back[j]` rows before end
+    rows = pcs.end_P[:, None] - back[None, :]
+    tail_PxHxC = x32[jnp.clip(rows, 0, s_len - 1)]
+    len_x = _gather(pcs.length_P, pcs.axis)
+    tail_x = _gather(tail_PxHxC, pcs.axis)
+
+    def out_of(inc_XxHxC, own):
+        tail, length = own
+        inside = back[None, :] < length[:, None]  # [X, halo]
+        src = jnp.clip(jnp.arange(halo)[None, :] + length[:, None], 0, halo - 1)
+        from_inc = jnp.take_along_axis(inc_XxHxC, src[:, :, None], axis=1)
+        return jnp.where(inside[:, :, None], tail, from_inc)
+
+    zero = jnp.zeros((halo, x_SxC.shape[1]), jnp.float32)
+    inc_x = _incoming(pcs, lambda inc, own: out_of(inc, own), (tail_x, len_x), zero)
+    inc_PxHxC = _own(pcs, inc_x, p)
+    # Each token's offset in its piece; lag l reads x[t − l] inside the piece, else the
+    # incoming halo's row halo − (l − offset).
+    t = jnp.arange(s_len)
+    first = jax.lax.cummax(jnp.where(pcs.start_S, t, 0))
+    offset = t - first
+    out = x32 * w_KxC[halo].astype(jnp.float32)
+    for lag in range(1, kc):
+        shifted = jnp.concatenate([jnp.zeros((lag, x32.shape[1]), x32.dtype), x32[:-lag]])
+        slot = jnp.clip(halo - (lag - offset), 0, halo - 1)
+        halo_row = inc_PxHxC[pcs.piece_S, slot]
+        val = jnp.where((offset >= lag)[:, None], shifted, halo_row)
+        out = out + val * w_KxC[halo - lag].astype(jnp.float32)
+    return jax.nn.silu(out).astype(x_SxC.dtype)
+
+
+def gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, segment_S,
+                     pcs: Pieces, chunk: int = DEFAULT_CHUNK):
+    """The gated delta rule over a packed stream, every piece from its datum's true state:
+    o [S, H, Dv] fp32 (q, k L2-normalised; padding tokens' rows are meaningless).
+
+    Pass 1: each piece's transition S_out = M·S_in + U, from the chunked kernel run on
+    values [v | 0] from the state [0 | I] (the state's right block then tracks M). The
+    [P, H, Dk, Dk + Dv] transitions are exchanged over cp (all_gather) and composed in
+    datum order (_incoming) into each piece's incoming state. Pass 2: the chunked kernel
+    from those states. Padding tokens are made identities (g = 0, β = 0) so they never
+    touch a state.
+    """
+    h, dk, dv = v_SxHxDv.shape[1], q_SxHkxDk.shape[-1], v_SxHxDv.shape[-1]
+    p = pcs.end_P.shape[0]
+    real = (segment_S >= 0)[:, None]
+    g = jnp.where(real, g_SxH.astype(jnp.float32), 0.0)
+    beta = jnp.where(real, beta_SxH.astype(jnp.float32), 0.0)
+    v32 = v_SxHxDv.astype(jnp.float32)
+    v_aug = jnp.concatenate([v32, jnp.zeros(v32.shape[:2] + (dk,), jnp.float32)], axis=-1)
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (h, dk, dk))
+    init_aug = jnp.concatenate([jnp.zeros((h, dk, dv), jnp.float32), eye], axis=-1)[None]
+    zeros_piece = jnp.zeros((v32.shape[0],), jnp.int32)
+    _, ends = chunked(q_SxHkxDk, k_SxHkxDk, v_aug, g, beta, pcs.start_S, zeros_piece,
+                      init_aug, chunk, ends_P=pcs.end_P)
+    u_x = _gather(ends[..., :dv], pcs.axis)
+    m_x = _gather(ends[..., dv:], pcs.axis)
+
+    def out_of(inc_XxHxDkxDv, own):
+        m, u = own
+        return jnp.einsum("xhkj,xhjv->xhkv", m, inc_XxHxDkxDv) + u
+
+    inc_x = _incoming(pcs, out_of, (m_x, u_x), jnp.zeros((h, dk, dv), jnp.float32))
+    o, _ = chunked(q_SxHkxDk, k_SxHkxDk, v32, g, beta, pcs.start_S, pcs.piece_S,
+                   _own(pcs, inc_x, p), chunk)
+    return o
+
+
+# ----------------------------------------------------------------------------------------
+# The mixing strategy the decoder's Gated DeltaNet layers call
+
+
+@dataclasses.dataclass(frozen=True)
+class CPMix:
+    """Training's (and prefill's) sequence mixing of Gated DeltaNet layers over cp shards:
+    `conv` and `rule`, closing over the stream's pieces so the model threads no flags.
+    Build it once per step with cp_mix; every linear layer reuses its pieces."""
+
+    segment_S: jax.Array
+    pcs: Pieces
+    chunk: int
+
+    def conv(self, x_SxC, w_KxC):
+        return causal_conv(x_SxC, w_KxC, self.pcs)
+
+    def rule(self, q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH):
+        return gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH,
+                                self.segment_S, self.pcs, self.chunk)
+
+
+def cp_mix(segment_S, position_S, max_pieces: int, axis: str | None,
+           chunk: int = DEFAULT_CHUNK) -> CPMix:
+    """CPMix of a packed stream (see pieces for max_pieces and axis)."""
+    return CPMix(segment_S, pieces(segment_S, position_S, max_pieces, axis), chunk)

@@ -1,0 +1,167 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + gated full attention): config, loading, and log-probs
+equal to transformers' Qwen3_5ForCausalLM at several meshes.
+
+The reference is a tiny random Qwen3_5ForCausalLM built here (both layer kinds, v heads >
+k heads, partial rotary, non-zero RMSNorm offsets, float32, transformers' torch fallbacks),
+saved with save_pretrained and read back by jcp.load_hf. Datums are packed ragged: borders
+inside and at kernel blocks, a one-token datum, and at cp = 4 ranks holding padding only.
+"""
+
+import copy
+import functools
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3_5ForCausalLM
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+import jcp
+from helpers import model_harness as mh
+from jcp import model as model_lib
+
+LENGTHS = (37, 1, 20, 64)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference():
+    """(HF model, its folder's jcp config, jcp base params as NumPy)."""
+    torch.manual_seed(0)
+    hc = Qwen3_5TextConfig(
+        vocab_size=mh.V, hidden_size=mh.D, intermediate_size=mh.F, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]})
+    hm = Qwen3_5ForCausalLM(hc)
+    with torch.no_grad():
+        for name, p in hm.named_parameters():
+            if "norm" in name:  # offsets ≠ 0 (gated norm: a plain weight around 1)
+                p.copy_(0.3 * torch.randn_like(p) + (1.0 if "linear_attn.norm" in name else 0.0))
+            elif "A_log" in name or "dt_bias" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+            elif "conv1d" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+            else:
+                p.copy_(0.05 * torch.randn_like(p))
+    hm = hm.eval().float()
+    import tempfile
+    path = mh.save(hm, tempfile.mkdtemp(prefix="jcp_qwen3_5_"))
+    cfg, base = jcp.load_hf(path)
+    return hm, cfg, jax.tree.map(np.asarray, base)
+
+
+def test_config_from_hf_reads_the_hybrid_fields():
+    _, cfg, base = _reference()
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert cfg.attn_output_gate and cfg.rotary_dim == 4 and cfg.qk_norm
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (2, 4)
+    model_lib.check_shapes(cfg, base)
+    assert base["linear_attn"]["in_proj_q"].shape == (3, mh.D, 32)
+    assert base["full_attn"]["q_proj"].shape == (1, mh.D, 2 * 4 * 16)
+    with pytest.raises(ValueError, match="linear_num_value_heads"):
+        jcp.QwenConfig.tiny_qwen3_5(linear_num_value_heads=3)
+    with pytest.raises(ValueError, match="tp=4 does not divide linear_num_key_heads"):
+        jcp.QwenConfig.tiny_qwen3_5(linear_num_key_heads=2, num_kv_heads=4,
+                                    num_heads=4).check_mesh(4)
+    assert jcp.QwenConfig.tiny().fingerprint() != jcp.QwenConfig.tiny_qwen3_5().fingerprint()
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 4, 1), (1, 2, 2)])
+def test_logprobs_equal_transformers(mesh_shape):
+    hm, cfg, base = _reference()
+    seqs, targets, _ = mh.random_data(LENGTHS)
+    ref = mh.reference_logprobs(hm, seqs, targets)
+    got = mh.logprobs(cfg, base, mesh_shape, seqs, targets)
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g, r, atol=2e-4)
+
+
+# ----------------------------------------------------------------------------------------
+# Training: LoRA (MLP + unembedding so far) through the Trainer, against peft and cp = 1
+
+MLP_TARGETS = ["gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+@functools.lru_cache(maxsize=None)
+def _peft_world():
+    """(peft model in fp64, its folder, data) on the reference Qwen3.5."""
+    import tempfile
+
+    import peft
+    hm, _, _ = _reference()
+    pm = peft.get_peft_model(copy.deepcopy(hm), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=MLP_TARGETS, lora_dropout=0.0, bias="none",
+        task_type="CAUSAL_LM"))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    folder = tempfile.mkdtemp(prefix="jcp_qwen3_5_peft_")
+    pm.save_pretrained(folder)
+    seqs, targets, weights = mh.random_data(LENGTHS, seed=4)
+    data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
+            for s, t, w in zip(seqs, targets, weights)]
+    return pm.double().eval(), folder, data
+
+
+def _torch_grads(pm, data):
+    pm.zero_grad()
+    total = 0.0
+    for d in data:
+        logits = pm(torch.tensor(np.asarray(d.model_input))[None]).logits[0]
+        lp = torch.log_softmax(logits.double(), -1)[
+            torch.arange(len(d.model_input)),
+            torch.tensor(np.asarray(d.loss_fn_inputs["target_tokens"]))]
+        total = total - (torch.tensor(np.asarray(d.loss_fn_inputs["weights"], np.float64))
+                         * lp).sum()
+    total.backward()
+    return {n.replace(".default.", "."): p.grad.numpy().copy()
+            for n, p in pm.named_parameters() if "lora_" in n}
+
+
+def _jcp_grads(mesh_shape, folder, data):
+    _, cfg, base = _reference()
+    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=2,
+                     max_rank=4)
+    a = tr.load_peft(folder)
+    out = tr.forward_backward(data, "cross_entropy", adapters=a)
+    return out, tr.gradients(a)
+
+
+def test_lora_gradients_equal_peft_and_cp1():
+    pm, folder, data = _peft_world()
+    want = _torch_grads(pm, data)
+    out1, g1 = _jcp_grads((1, 1, 1), folder, data)
+    out2, g2 = _jcp_grads((1, 2, 2), folder, data)
+    assert g1.keys() == want.keys() and any("mlp.down_proj" in k for k in want)
+    scale = max(float(np.abs(v).max()) for v in want.values())
+    assert scale > 1e-3
+    for k in want:
+        np.testing.assert_allclose(g1[k], want[k], atol=1e-4 * scale, rtol=1e-3, err_msg=k)
+        np.testing.assert_allclose(g2[k], g1[k], atol=1e-5 * scale, rtol=1e-4, err_msg=k)
+    for a, b in zip(out1.loss_fn_outputs, out2.loss_fn_outputs):
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=2e-5)
+
+
+def test_attention_targets_are_refused_on_a_hybrid_model():
+    _, cfg, _ = _reference()
+    from jcp import lora as lora_lib
+    with pytest.raises(ValueError, match="attention modules"):
+        lora_lib.resolve_targets(["q_proj", "gate_proj"], cfg)
+    assert lora_lib.resolve_targets(None, cfg) == ("gate_proj", "up_proj", "down_proj",
+                                                   "lm_head")
+
+
+def test_sampling_a_hybrid_model_is_refused_before_any_work():
+    _, cfg, base = _reference()
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), base_params=base, max_adapters=1,
+                     max_rank=2)
+    with pytest.raises(jcp.InputError, match="hybrid"):
+        tr.sample([[1, 2, 3]], jcp.SamplingParams(max_tokens=2))
+    with pytest.raises(jcp.InputError, match="hybrid"):
+        tr.compute_logprobs([[1, 2, 3]])
