@@ -243,3 +243,46 @@ def test_bad_requests_are_refused_with_nothing_queued(what, kwargs, root):
     with pytest.raises(jcp.InputError):
         eng.submit(**kwargs)
     assert eng.idle and not eng.waiting
+
+
+def _compiled(eng):
+    return eng.s.prefill._cache_size() + eng.s.decode._cache_size()
+
+
+def test_varied_requests_after_warm_up_compile_nothing(root):
+    """Every dynamic dimension is bucketed: after warm-up over each bucket (prefill
+    streams 16 / 32 / 64, live-row windows 2 / 4 / 8), requests of random prompt lengths,
+    num_samples and max_tokens, joining at different steps or alone, compile no new
+    program (counted by jax's caches and by the engine's program_keys)."""
+    tr, (a, _), _ = _setup((1, 1, 1), root)
+    eng = Engine(tr.make_sampler(), slots=8, max_len=64, chunk=4, prefill_tokens=48)
+    sp = lambda n: jcp.SamplingParams(max_tokens=n, temperature=1.0, seed=n, stop=[])  # noqa: E731
+    rng = np.random.default_rng(0)
+    prompt = lambda n: rng.integers(0, 128, n).tolist()  # noqa: E731
+    for length, samples in ((40, 8), (20, 3), (5, 1)):  # one bucket of each kind at a time
+        eng.submit(prompt(length), sp(8), a, num_samples=samples)
+        eng.run()
+    warm = set(eng.program_keys)
+    assert len({k for k in warm if k[0] == "prefill"}) == 3
+    assert len({k for k in warm if k[0] == "decode"}) == 3
+    compiled = _compiled(eng)
+    assert compiled == len(warm)
+    eng.program_keys.clear()
+    rids = []
+    for wave in range(4):
+        for _ in range(2):
+            length = int(rng.integers(2, 41))
+            n = int(rng.integers(1, 64 - length + 2))
+            rids.append((eng.submit(prompt(length), sp(min(n, 20)), a,
+                                    num_samples=int(rng.integers(1, 5))), min(n, 20)))
+        eng.step()
+    eng.run()
+    for length, samples in ((33, 2), (3, 1), (12, 5), (7, 2)):  # alone: small windows
+        n = int(rng.integers(1, 21))
+        rids.append((eng.submit(prompt(length), sp(n), a, num_samples=samples), n))
+        eng.run()
+    for rid, n in rids:
+        assert all(len(x.tokens) == n for x in eng.result(rid).sequences)
+    assert len(eng.program_keys) >= 3  # the random requests ran several program shapes
+    assert eng.program_keys <= warm, eng.program_keys - warm
+    assert _compiled(eng) == compiled

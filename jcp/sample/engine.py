@@ -22,6 +22,16 @@ each slot `max_len` rows on one device; a slot's rows hold exactly its sequence'
 slots × max_len rows whatever the sequences' lengths. Long single prompts whose cache
 should be split over cp run beside the engine (Sampler.sample, cache_mode "split").
 
+Programs: every dynamic dimension of the engine's device programs is bucketed to a few
+values, so that after a short warm-up a stream of requests of any prompt lengths,
+num_samples and max_tokens compiles nothing new (compiling a program costs tens of
+seconds on CPU, hundreds of engine steps). Prefill streams: powers of two from
+`min_stream` (pow2(max_len) / 4, ≥ 16) to a device's rows; decode windows: live rows per
+device pow2 from b_local / 4 to b_local, cache rows pow2 from max(64, max_len / 4) to
+max_len (at most 3 values each); active adapters: powers of two (batch.active_bucket);
+draw kinds: greedy / drawn / drawn and filtered. `program_keys` holds the static
+signature of every program the engine has run (`programs()` counts them).
+
 Adapters: a sequence records its adapter slot's version (AdapterState.version) at
 admission; if the slot changes (optimizer step, load, delete) before the sequence ends,
 the request fails with a clear error — never a mix of old and new weights.
@@ -38,6 +48,7 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jcp import batch as batch_lib
 from jcp.adapter_state import host, replicate
@@ -112,6 +123,11 @@ class Engine:
         self.callbacks: dict[int, Callable] = {}
         self._ids = itertools.count()
         self.cache = None
+        # Bucket floors (module docstring, "Programs").
+        self.min_stream = max(16, layout_lib.pow2(max_len) // 4)
+        self.min_window = (max(1, layout_lib.pow2(self.b_local) // 4),
+                           max(64, layout_lib.pow2(max_len) // 4))
+        self.program_keys: set[tuple] = set()
         self.steps = 0
         self.peak_live = 0  # the most sequences one decode call has held
 
@@ -184,6 +200,11 @@ class Engine:
     def live(self) -> int:
         """Slots holding a sequence."""
         return sum(o is not None for o in self.owner)
+
+    def programs(self) -> int:
+        """How many distinct device programs (prefill and decode signatures) the engine
+        has run."""
+        return len(self.program_keys)
 
     def _version(self, adapter: int) -> int:
         return -1 if adapter == BASE else int(self.version(adapter))
@@ -289,30 +310,43 @@ class Engine:
             self.row_position[r.slots, :n] = np.arange(n)
         call = layout_lib.CallLayout(row_of, self.row_position, None, None,
                                      s.dp * s.cp, self.b_local, self.max_len, False)
-        which, packed = s.packed(prompts, adapters)
+        which, packed = s.packed(prompts, adapters, self.min_stream)
         want_lp = any(r.prompt_logprobs for r in admitted)
         lps = []
         for pb in packed:
             source = layout_lib.prefill_source(call, pb.placements, which,
                                                pb.tokens.shape[-1], s.cp)
+            self.program_keys.add(("prefill", "batch", pb.tokens.shape, pb.spans.shape,
+                                   want_lp))
             kv, lp = s.run_prefill(pb, source, kv_cache.KV(*self.cache), layout="batch",
                                    with_logprobs=want_lp)
-            self.cache = kv
+            self._keep(kv.k, kv.v)
+            del kv
             lps.append(lp)
-        plp = s.prompt_logprobs(prompts, adapters, lps) if want_lp else None
+        plp = s.prompt_logprobs(prompts, adapters, lps, self.min_stream) if want_lp else None
         for i, r in enumerate(admitted):
             r.plp = plp[i] if (plp is not None and r.prompt_logprobs) else None
             for j, slot in enumerate(r.slots):
                 self.owner[slot] = (r, j)
+
+    def _keep(self, k, v) -> None:
+        """Hold a program's output cache under the one sharding the engine made it with (a
+        relabel, no copy): XLA may report an equivalent sharding with another spec (e.g.
+        P() on one device), and a different input sharding would compile the next program
+        anew."""
+        sharding = NamedSharding(self.s.mesh, self.lay.kv_LxBxTxKxH)
+        self.cache = kv_cache.KV(jax.device_put(k, sharding), jax.device_put(v, sharding))
 
     def _logprobs(self) -> None:
         if not self.logprob_waiting:
             return
         reqs = list(self.logprob_waiting)
         self.logprob_waiting.clear()
+        prompts, adapters = [r.prompt for r in reqs], [r.adapter for r in reqs]
         try:
-            out = self.s.prompt_logprobs([r.prompt for r in reqs], [r.adapter for r in reqs],
-                                         None)
+            for pb in self.s.packed(prompts, adapters, self.min_stream)[1]:
+                self.program_keys.add(("prefill", None, pb.tokens.shape, pb.spans.shape, True))
+            out = self.s.prompt_logprobs(prompts, adapters, None, self.min_stream)
         except Exception as e:  # noqa: BLE001
             for r in reqs:
                 self._end(r, e)
@@ -327,11 +361,13 @@ class Engine:
         if not live:
             return
         groups = s.dp * s.cp
-        # The window decoded: the first w_b rows of each device, cache rows [0, w_t).
-        w_b = min(self.b_local, layout_lib.pow2(max(x % self.b_local for x in live) + 1))
+        # The window decoded: the first w_b rows of each device, cache rows [0, w_t), each
+        # bucketed (module docstring, "Programs").
+        w_b = min(self.b_local, layout_lib.pow2(max(x % self.b_local for x in live) + 1,
+                                                self.min_window[0]))
         need = max(len(self.owner[x][0].prompt) - 1 + len(self.owner[x][0].tokens[self.owner[x][1]])
                    for x in live) + self.chunk
-        w_t = min(self.max_len, layout_lib.pow2(need, 64))
+        w_t = min(self.max_len, layout_lib.pow2(need, self.min_window[1]))
         b = groups * w_b
         at = {x: (x // self.b_local) * w_b + x % self.b_local for x in live}
         token = np.zeros(b, np.int32)
@@ -374,6 +410,7 @@ class Engine:
                                s.put(self.row_position, self.lay.position_BxT))
         modes = programs.DecodeModes("batch", self.chunk, greedy, filtered, s.slice_layers,
                                      window=(w_b, w_t))
+        self.program_keys.add(("decode", modes, a_len, rows.stop.shape))
         try:
             out_tok, out_lp, cache = s.decode(s.state.weights, s.params, s.state.meta, cache,
                                               rows, replicate(s.mesh, active), modes=modes)
@@ -383,7 +420,8 @@ class Engine:
             for req in {id(r): r for r in (self.owner[x][0] for x in live)}.values():
                 self._end(req, EngineError(f"decode failed: {e}"))
             return
-        self.cache = kv_cache.KV(cache.k, cache.v)
+        self._keep(cache.k, cache.v)
+        del cache
         ended = []
         for slot in live:
             req, j = self.owner[slot]

@@ -130,11 +130,12 @@ class Sampler:
         return jax.make_array_from_callback(
             shape, sharding, lambda idx: np.zeros(local, jnp.dtype(self.cfg.dtype)))
 
-    def packed(self, prompts, adapters) -> tuple[list[int], list[batch_lib.PackedBatch]]:
+    def packed(self, prompts, adapters, min_stream: int = 1
+               ) -> tuple[list[int], list[batch_lib.PackedBatch]]:
         """(prompt index of each prefill datum, packed micro-batches) of prompt[:-1] →
         prompt[1:] for every prompt longer than one token. Streams are padded on to a power
-        of two (at most a device's rows): sampling's prefill also varies with the cache
-        shape, so coarser stream buckets keep the number of programs down."""
+        of two ≥ min_stream (at most a device's rows): sampling's prefill also varies with
+        the cache shape, so coarser stream buckets keep the number of programs down."""
         which = [i for i, x in enumerate(prompts) if len(x) > 1]
         if not which:
             return which, []
@@ -142,9 +143,8 @@ class Sampler:
         cap = self.limits.max_tokens_per_device
         packed = batch_lib.pack(data, [adapters[i] for i in which], self.dp, self.cp,
                                 cap, self.limits.max_adapters + 1)
-        return which, [layout_lib.pad_streams(pb, min(layout_lib.pow2(pb.tokens.shape[-1]),
-                                                      cap))
-                       for pb in packed]
+        return which, [layout_lib.pad_streams(
+            pb, min(layout_lib.pow2(pb.tokens.shape[-1], min_stream), cap)) for pb in packed]
 
     def run_prefill(self, pb, source=None, old=None, *, layout=None, with_logprobs):
         """One packed micro-batch through the prefill program (see programs.make_prefill)."""
@@ -170,9 +170,11 @@ class Sampler:
                                  f"{self.limits.token_cap} tokens per sequence")
         return self.prompt_logprobs(prompts, per_prompt, None)
 
-    def prompt_logprobs(self, prompts, adapters, packed_results) -> list[np.ndarray]:
-        """Prompt log-probs from prefill results (run here when packed_results is None)."""
-        which, packed = self.packed(prompts, adapters)
+    def prompt_logprobs(self, prompts, adapters, packed_results,
+                        min_stream: int = 1) -> list[np.ndarray]:
+        """Prompt log-probs from prefill results (run here when packed_results is None);
+        min_stream as the `packed` call that made them."""
+        which, packed = self.packed(prompts, adapters, min_stream)
         if packed_results is None:
             packed_results = [self.run_prefill(pb, with_logprobs=True)[1] for pb in packed]
         out = [np.full(len(x), np.nan, np.float32) for x in prompts]
