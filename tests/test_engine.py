@@ -251,35 +251,38 @@ def _compiled(eng):
 
 def test_varied_requests_after_warm_up_compile_nothing(root):
     """Every dynamic dimension is bucketed: after warm-up over each bucket (prefill
-    streams 16 / 32 / 64, live-row windows 2 / 4 / 8), requests of random prompt lengths,
-    num_samples and max_tokens, joining at different steps or alone, compile no new
-    program (counted by jax's caches and by the engine's program_keys)."""
+    streams 32 / 64; decode windows of 8 / 32 live rows × 64 / 128 cache rows), requests
+    of random prompt lengths, num_samples and max_tokens, joining at different steps or
+    alone, compile no new program (counted by jax's caches and by the engine's
+    program_keys)."""
     tr, (a, _), _ = _setup((1, 1, 1), root)
-    eng = Engine(tr.make_sampler(), slots=8, max_len=64, chunk=4, prefill_tokens=48)
+    eng = Engine(tr.make_sampler(), slots=32, max_len=128, chunk=4, prefill_tokens=48)
     sp = lambda n: jcp.SamplingParams(max_tokens=n, temperature=1.0, seed=n, stop=[])  # noqa: E731
     rng = np.random.default_rng(0)
     prompt = lambda n: rng.integers(0, 128, n).tolist()  # noqa: E731
-    for length, samples in ((40, 8), (20, 3), (5, 1)):  # one bucket of each kind at a time
-        eng.submit(prompt(length), sp(8), a, num_samples=samples)
+    # Each alone: (rows, cache rows) windows (8, 64), (32, 64), (8, 128), (32, 128).
+    for length, samples, n in ((5, 1, 8), (40, 12, 8), (60, 1, 30), (60, 12, 30)):
+        eng.submit(prompt(length), sp(n), a, num_samples=samples)
         eng.run()
     warm = set(eng.program_keys)
-    assert len({k for k in warm if k[0] == "prefill"}) == 3
-    assert len({k for k in warm if k[0] == "decode"}) == 3
+    assert len({k for k in warm if k[0] == "prefill"}) == 2
+    assert len({k for k in warm if k[0] == "decode"}) == 4
     compiled = _compiled(eng)
     assert compiled == len(warm)
     eng.program_keys.clear()
     rids = []
-    for wave in range(4):
+
+    def submit(length, samples):
+        n = int(rng.integers(1, min(40, 129 - length)))
+        rids.append((eng.submit(prompt(length), sp(n), a, num_samples=samples), n))
+
+    for wave in range(4):  # requests join a running batch
         for _ in range(2):
-            length = int(rng.integers(2, 41))
-            n = int(rng.integers(1, 64 - length + 2))
-            rids.append((eng.submit(prompt(length), sp(min(n, 20)), a,
-                                    num_samples=int(rng.integers(1, 5))), min(n, 20)))
+            submit(int(rng.integers(2, 61)), int(rng.integers(1, 13)))
         eng.step()
     eng.run()
-    for length, samples in ((33, 2), (3, 1), (12, 5), (7, 2)):  # alone: small windows
-        n = int(rng.integers(1, 21))
-        rids.append((eng.submit(prompt(length), sp(n), a, num_samples=samples), n))
+    for length in rng.integers(2, 61, 3):  # alone
+        submit(int(length), int(rng.integers(1, 13)))
         eng.run()
     for rid, n in rids:
         assert all(len(x.tokens) == n for x in eng.result(rid).sequences)

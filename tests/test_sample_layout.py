@@ -69,3 +69,12 @@ def test_plan_refuses_unknown_mode_and_splits_only_when_it_pays():
     assert L.plan([3000], 16, 1, 1, 2, big).mode == "split"
     assert L.plan([100] * 64, 16, 1, 1, 2, big).mode == "batch"
     assert L.plan([3000], 16, 1, 1, 1, big).mode == "batch"
+
+
+def test_ladder_rungs_step_down_by_four_to_the_floor():
+    # The engine's decode windows: few values, each the least rung that holds n.
+    assert {L.ladder(n, 512, 8) for n in range(1, 513)} == {512, 128, 32, 8}
+    assert [L.ladder(n, 512, 8) for n in (8, 9, 32, 33, 128, 129)] == [8, 32, 32, 128, 128, 512]
+    assert {L.ladder(n, 256, 64) for n in range(1, 257)} == {256, 64}
+    assert {L.ladder(n, 200, 64) for n in range(1, 201)} == {200, 64}
+    assert L.ladder(1, 6, 8) == 6  # a floor above the whole cache: the whole cache

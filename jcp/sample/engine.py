@@ -26,10 +26,11 @@ Programs: every dynamic dimension of the engine's device programs is bucketed to
 values, so that after a short warm-up a stream of requests of any prompt lengths,
 num_samples and max_tokens compiles nothing new (compiling a program costs tens of
 seconds on CPU, hundreds of engine steps). Prefill streams: powers of two from
-`min_stream` (pow2(max_len) / 4, ≥ 16) to a device's rows; decode windows: live rows per
-device pow2 from b_local / 4 to b_local, cache rows pow2 from max(64, max_len / 4) to
-max_len (at most 3 values each); active adapters: powers of two (batch.active_bucket);
-draw kinds: greedy / drawn / drawn and filtered. `program_keys` holds the static
+`min_stream` (pow2(max_len) / 4, ≥ 16) to a device's rows; decode windows
+(layout.ladder, steps of 4 down from the whole cache): live rows per device b_local,
+b_local / 4, … ≥ 8, cache rows max_len, max_len / 4, … ≥ 64 (e.g. 512 slots per device:
+512, 128, 32, 8 rows; 256 rows: 256, 64); active adapters: powers of two
+(batch.active_bucket); draw kinds: greedy / drawn / drawn and filtered. `program_keys` holds the static
 signature of every program the engine has run (`programs()` counts them).
 
 Adapters: a sequence records its adapter slot's version (AdapterState.version) at
@@ -59,6 +60,12 @@ from jcp.sample import programs
 from jcp.sample.params import (BASE, SampledSequence, SampleResult, check_prompts, is_int,
                                sequence_keys)
 from jcp.sample.sampler import Sampler
+
+
+# The smallest decode window: live rows per device, cache rows (module docstring,
+# "Programs"). Decode reads every weight once per step whatever the rows, so a few more
+# rows cost little while each window compiled costs tens of seconds.
+WINDOW_FLOOR = (8, 64)
 
 
 class EngineError(RuntimeError):
@@ -125,8 +132,6 @@ class Engine:
         self.cache = None
         # Bucket floors (module docstring, "Programs").
         self.min_stream = max(16, layout_lib.pow2(max_len) // 4)
-        self.min_window = (max(1, layout_lib.pow2(self.b_local) // 4),
-                           max(64, layout_lib.pow2(max_len) // 4))
         self.program_keys: set[tuple] = set()
         self.steps = 0
         self.peak_live = 0  # the most sequences one decode call has held
@@ -363,11 +368,11 @@ class Engine:
         groups = s.dp * s.cp
         # The window decoded: the first w_b rows of each device, cache rows [0, w_t), each
         # bucketed (module docstring, "Programs").
-        w_b = min(self.b_local, layout_lib.pow2(max(x % self.b_local for x in live) + 1,
-                                                self.min_window[0]))
+        w_b = layout_lib.ladder(max(x % self.b_local for x in live) + 1, self.b_local,
+                                WINDOW_FLOOR[0])
         need = max(len(self.owner[x][0].prompt) - 1 + len(self.owner[x][0].tokens[self.owner[x][1]])
                    for x in live) + self.chunk
-        w_t = min(self.max_len, layout_lib.pow2(need, self.min_window[1]))
+        w_t = layout_lib.ladder(min(need, self.max_len), self.max_len, WINDOW_FLOOR[1])
         b = groups * w_b
         at = {x: (x // self.b_local) * w_b + x % self.b_local for x in live}
         token = np.zeros(b, np.int32)

@@ -35,6 +35,19 @@ def pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
+def ladder(n: int, full: int, floor: int, step: int = 4) -> int:
+    """The least rung ≥ n of full, max(floor, ⌈full / step⌉), max(floor, ⌈full / step²⌉),
+    … (n ≤ full). Few rungs keep the number of compiled programs small: e.g. full 512,
+    floor 8 → 512, 128, 32, 8."""
+    b = full
+    while b > floor:
+        nxt = max(floor, -(-b // step))
+        if nxt < n:
+            break
+        b = nxt
+    return b
+
+
 def choose_cache_mode(requested: str | None, cp: int, batch_bytes: int,
                       split_bytes: int) -> str:
     """The cache layout of a call: `requested` when given; else "split" iff cp > 1, the
