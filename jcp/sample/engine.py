@@ -30,8 +30,9 @@ seconds on CPU, hundreds of engine steps). Prefill streams: powers of two from
 (layout.ladder, steps of 4 down from the whole cache): live rows per device b_local,
 b_local / 4, … ≥ 8, cache rows max_len, max_len / 4, … ≥ 64 (e.g. 512 slots per device:
 512, 128, 32, 8 rows; 256 rows: 256, 64); active adapters: powers of two
-(batch.active_bucket); draw kinds: greedy / drawn / drawn and filtered. `program_keys` holds the static
-signature of every program the engine has run (`programs()` counts them).
+(batch.active_bucket); draw kinds: greedy / drawn / drawn and filtered. `program_keys`
+holds the static signature of every program the engine has run (`programs()` counts
+them).
 
 Adapters: a sequence records its adapter slot's version (AdapterState.version) at
 admission; if the slot changes (optimizer step, load, delete) before the sequence ends,
