@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -194,3 +195,21 @@ def test_refusals_change_nothing(env):
                        match="datum 0: loss_fn_inputs.mask has rank 2, but custom loss"):
         tc.forward_backward(bad, "custom", {"loss_id": handle.loss_id}).result()
     assert all(not np.any(g) for g in grads(env, tc).values())
+
+
+def test_a_finished_sessions_custom_losses_are_released(env):
+    """close() forgets the session's custom losses (they are bounded per session, but a
+    finished session must not keep holding them)."""
+    sc = tinker.ServiceClient(base_url=env["srv"].url, api_key="tml-alice")
+
+    def total(logprobs):
+        return logprobs.sum(), {}
+
+    handle = sc.create_custom_loss(total, {"logprobs": 1}).result()
+    engine = env["srv"].engine
+    assert handle.loss_id in engine.custom_loss_ids()
+    sc.close("success").result()
+    deadline = time.monotonic() + 30
+    while handle.loss_id in engine.custom_loss_ids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert handle.loss_id not in engine.custom_loss_ids()

@@ -261,8 +261,15 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
 
     def _end_session(self, w: Work) -> tuple:
-        self._closing.update(self.store.end_session(w.payload["session_id"]))
+        self._session_ended(w.payload["session_id"])
         return ("json", {})
+
+    def _session_ended(self, sid: str) -> None:
+        """A finished or expired session: its models unload once idle (`_reap`) and its
+        custom losses are forgotten."""
+        self._closing.update(self.store.end_session(sid))
+        for loss_id in [k for k, (_, s, _) in self._custom_losses.items() if s == sid]:
+            del self._custom_losses[loss_id]
 
     def _reap(self) -> None:
         """Unload the models of ended sessions whose queued work is done; end sessions
@@ -270,7 +277,7 @@ class Engine:
         for sid in self.store.expired_sessions(self.session_timeout_s):
             log.info("session %s expired (no heartbeat for %.0f s)", sid,
                      self.session_timeout_s)
-            self._closing.update(self.store.end_session(sid))
+            self._session_ended(sid)
         for mid in sorted(self._closing):
             if self.sched.pending_for(mid):
                 continue
