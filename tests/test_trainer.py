@@ -65,7 +65,8 @@ _MESH_RESULTS: dict = {}
 @contextlib.contextmanager
 def _counting_attention(counts):
     """Count the traced calls of the two cp attention paths (gather and ring)."""
-    saved = attention.cp_attention, attention.ring_attention
+    paths = attention.strategies  # where cp_attend / ring_attend look the paths up
+    saved = paths.cp_attention, paths.ring_attention
 
     def counted(name, f):
         def g(*a, **kw):
@@ -73,12 +74,12 @@ def _counting_attention(counts):
             return f(*a, **kw)
         return g
 
-    attention.cp_attention = counted("gather", saved[0])
-    attention.ring_attention = counted("ring", saved[1])
+    paths.cp_attention = counted("gather", saved[0])
+    paths.ring_attention = counted("ring", saved[1])
     try:
         yield counts
     finally:
-        attention.cp_attention, attention.ring_attention = saved
+        paths.cp_attention, paths.ring_attention = saved
 
 
 def _mesh_results(mesh_shape, folders, data, cp_attention="auto"):
@@ -317,9 +318,9 @@ def test_micro_batches_match_single_pass(folders):
     def spy(tr):
         inner = tr._forward_backward
 
-        def wrapped(acc, lora, params, scale, b, loss_cfg, **kw):
+        def wrapped(acc, lora, params, scale, b, *rest, **kw):
             seen.append((tr, np.asarray(b.segment)))
-            return inner(acc, lora, params, scale, b, loss_cfg, **kw)
+            return inner(acc, lora, params, scale, b, *rest, **kw)
 
         tr._forward_backward = wrapped
         return inner
