@@ -9,7 +9,6 @@ server is idle. Every comparison first checks that the two sides are different o
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 
 import numpy as np
@@ -21,6 +20,7 @@ httpx = pytest.importorskip("httpx")
 from tinker import types  # noqa: E402
 
 import jcp  # noqa: E402
+from helpers.server_harness import client, serving  # noqa: E402
 from jcp.serve import Server  # noqa: E402
 
 MODEL = "jcp-tiny"
@@ -33,22 +33,8 @@ RTOL, ATOL = 1e-5, 1e-6
 def env():
     tr = jcp.Trainer(jcp.QwenConfig.tiny(), jcp.make_mesh(1, 2, 2), max_adapters=8,
                      max_rank=8, attn_block=16, logprob_chunk=16)
-    state = {"tr": tr, "dir": tempfile.mkdtemp(prefix="jcp-serve-test-")}
-    state["srv"] = Server(tr, MODEL, state["dir"], KEYS).start()
-    state["clients"] = []
-    yield state
-    # The SDK heartbeats its sessions from a background thread until a client is closed;
-    # left open they would complain about the stopped server for the rest of the run.
-    for sc in state["clients"]:
-        if sc._session_holder is not None:
-            sc._session_holder.close()
-    state["srv"].stop()
-
-
-def client(env, key="tml-alice"):
-    sc = tinker.ServiceClient(base_url=env["srv"].url, api_key=key)
-    env["clients"].append(sc)
-    return sc
+    with serving(tr, MODEL, KEYS, "jcp-serve-test-") as state:
+        yield state
 
 
 def datum(seed: int, n: int = 24):

@@ -10,7 +10,6 @@ metrics that do not collide with client loops' own keys.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 
 import numpy as np
@@ -24,6 +23,7 @@ from tinker import types  # noqa: E402
 from tinker.types.provenance_spans import PromptProvenanceSpan, SampledProvenanceSpan  # noqa: E402
 
 import jcp  # noqa: E402
+from helpers.server_harness import client, serving  # noqa: E402
 from jcp.serve import Server  # noqa: E402
 
 MODEL = "jcp-tiny"
@@ -38,19 +38,8 @@ VOCAB = jcp.QwenConfig.tiny().vocab_size
 def env():
     tr = jcp.Trainer(jcp.QwenConfig.tiny(), jcp.make_mesh(1, 1, 1), max_adapters=2,
                      max_rank=RANK, attn_block=16, logprob_chunk=16)
-    state = {"tr": tr, "dir": tempfile.mkdtemp(prefix="jcp-serve-life-"), "clients": []}
-    state["srv"] = Server(tr, MODEL, state["dir"], KEYS).start()
-    yield state
-    for sc in state["clients"]:
-        if sc._session_holder is not None:
-            sc._session_holder.close()
-    state["srv"].stop()
-
-
-def client(env, key="tml-alice"):
-    sc = tinker.ServiceClient(base_url=env["srv"].url, api_key=key)
-    env["clients"].append(sc)
-    return sc
+    with serving(tr, MODEL, KEYS, "jcp-serve-life-") as state:
+        yield state
 
 
 def data(seed: int, n: int = 20):

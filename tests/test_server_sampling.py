@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import tempfile
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 import jcp  # noqa: E402
-from jcp.serve import Server  # noqa: E402
+from helpers.server_harness import client, serving  # noqa: E402
 
 MODEL = "jcp-tiny"
 KEYS = {"tml-alice": "alice", "tml-bob": "bob"}
@@ -36,20 +35,8 @@ ADAM = types.AdamParams(learning_rate=2e-2)
 def env():
     tr = jcp.Trainer(jcp.QwenConfig.tiny(), jcp.make_mesh(1, 2, 1), max_adapters=6,
                      max_rank=8, attn_block=16, logprob_chunk=16)
-    state = {"tr": tr, "dir": tempfile.mkdtemp(prefix="jcp-serve-sampling-")}
-    state["srv"] = Server(tr, MODEL, state["dir"], KEYS).start()
-    state["clients"] = []
-    yield state
-    for sc in state["clients"]:
-        if sc._session_holder is not None:
-            sc._session_holder.close()
-    state["srv"].stop()
-
-
-def client(env, key):
-    sc = tinker.ServiceClient(base_url=env["srv"].url, api_key=key)
-    env["clients"].append(sc)
-    return sc
+    with serving(tr, MODEL, KEYS, "jcp-serve-sampling-") as state:
+        yield state
 
 
 def _train(tc, seed):
