@@ -20,10 +20,11 @@ compiles the programs; the machine is shared, so treat them as rough.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
+
+from common import fake_cpu_devices  # benchmarks/ is sys.path[0]
 
 
 def parse_args(argv):
@@ -41,10 +42,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    n_dev = args.mesh[0] * args.mesh[1] * args.mesh[2]
-    os.environ.setdefault("TINKER_TELEMETRY", "0")
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={max(n_dev, 1)}")
+    fake_cpu_devices(args.mesh)
     import concurrent.futures as cf
 
     import numpy as np

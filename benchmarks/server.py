@@ -24,12 +24,13 @@ this process (jcp.serve.Server, 127.0.0.1, a free port) and is driven by the Tin
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
+
+from common import fake_cpu_devices  # benchmarks/ is sys.path[0]
 
 DATUMS, TOKENS, RANK, SEED = 8, 512, 8, 0
 
@@ -48,11 +49,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    n_dev = args.mesh[0] * args.mesh[1] * args.mesh[2]
-    os.environ.setdefault("TINKER_TELEMETRY", "0")
-    if n_dev > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={n_dev}")
+    fake_cpu_devices(args.mesh)
     import numpy as np
     import tinker
     from tinker import types
