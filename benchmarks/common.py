@@ -13,3 +13,8 @@ def fake_cpu_devices(mesh: tuple[int, int, int]) -> None:
     if n_dev > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={n_dev}")
+
+
+def mesh_arg(text: str) -> tuple[int, int, int]:
+    """argparse type of --mesh: "dp,cp,tp" -> (dp, cp, tp)."""
+    return tuple(int(x) for x in text.split(","))

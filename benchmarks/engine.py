@@ -24,19 +24,18 @@ import sys
 import tempfile
 import time
 
-from common import fake_cpu_devices  # benchmarks/ is sys.path[0]
+from common import fake_cpu_devices, mesh_arg  # benchmarks/ is sys.path[0]
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mesh", default="1,2,2")
+    p.add_argument("--mesh", type=mesh_arg, default="1,2,2")
     p.add_argument("--r", type=int, default=128, help="requests (prompts)")
     p.add_argument("--s", type=int, default=8, help="samples per request")
     p.add_argument("--t", type=int, default=32, help="new tokens per sequence")
     p.add_argument("--busy", type=int, default=256, help="sequences decoding in 3.")
     p.add_argument("--skip-server", action="store_true")
     args = p.parse_args(argv)
-    args.mesh = tuple(int(x) for x in args.mesh.split(","))
     return args
 
 

@@ -30,20 +30,19 @@ import tempfile
 import threading
 import time
 
-from common import fake_cpu_devices  # benchmarks/ is sys.path[0]
+from common import fake_cpu_devices, mesh_arg  # benchmarks/ is sys.path[0]
 
 DATUMS, TOKENS, RANK, SEED = 8, 512, 8, 0
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mesh", default="1,1,1", help="dp,cp,tp (fake CPU devices as needed)")
+    p.add_argument("--mesh", type=mesh_arg, default="1,1,1", help="dp,cp,tp (fake CPU devices as needed)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--fusion-datums", type=int, default=2, help="datums per client request")
     args = p.parse_args(argv)
-    args.mesh = tuple(int(x) for x in args.mesh.split(","))
     return args
 
 

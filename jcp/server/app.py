@@ -488,14 +488,19 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
         store.set_ttl(run, f"{kind}/{name}", who, seconds)
         return Response(status_code=200)
 
+    def checkpoint(path, who: str) -> tuple[list[str], str]:
+        """tinker://<run>/<kind>/<name> of a checkpoint `who` owns -> ([run, kind, name],
+        its folder); NotFound otherwise."""
+        parts = path[len("tinker://"):].split("/") if isinstance(path, str) else []
+        if len(parts) != 3:
+            raise NotFound(f"path {path!r} not found")
+        return parts, store.checkpoint_folder(parts[0], f"{parts[1]}/{parts[2]}", who)
+
     @app.post("/api/v1/weights_info")
     async def weights_info(request: Request):
         who, body = owner(request), await body_json(request)
         path = body.get("tinker_path")
-        parts = path[len("tinker://"):].split("/") if isinstance(path, str) else []
-        if len(parts) != 3:
-            raise NotFound(f"path {path!r} not found")
-        store.checkpoint_folder(parts[0], f"{parts[1]}/{parts[2]}", who)
+        parts, _ = checkpoint(path, who)
         run = store.training_run(parts[0], who)
         info = store.run_info(path, who) if parts[1] == "weights" else {}
         return {"base_model": run["base_model"], "is_lora": True,
@@ -506,10 +511,7 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
     async def copy_weights(request: Request):
         who, body = owner(request), await body_json(request)
         path = body.get("source_path")
-        parts = path[len("tinker://"):].split("/") if isinstance(path, str) else []
-        if len(parts) != 3:
-            raise NotFound(f"path {path!r} not found")
-        folder = store.checkpoint_folder(parts[0], f"{parts[1]}/{parts[2]}", who)
+        parts, folder = checkpoint(path, who)
         try:
             ttl(body.get("ttl_seconds"))
         except ValueError as e:
