@@ -34,7 +34,8 @@ from jcp.sample import kv_cache
 from jcp.sample import layout as layout_lib
 from jcp.sample import programs
 from jcp.sample.params import (BASE, MIN_TEMPERATURE, Checked, PromptFields, SampledSequence,
-                               SampleResult, TopK, alt_key, check_params, check_prompts,
+                               SampleResult, TopK, alt_key, check_fields, check_params,
+                               check_prompts,
                                is_int, k_bucket, sequence_keys)
 
 
@@ -250,15 +251,23 @@ class Sampler:
 
     # ------------------------------------------------------------------ log-probs
 
-    def compute_logprobs(self, prompts, adapters=None) -> list[np.ndarray]:
-        """log p(prompt[t] | prompt[:t]) float32 [len(prompt)] per prompt, NaN at 0."""
+    def compute_logprobs(self, prompts, adapters=None,
+                         prompt_logprobs_last_n: int | None = None) -> list[np.ndarray]:
+        """log p(prompt[t] | prompt[:t]) float32 [len(prompt)] per prompt, NaN at 0 (and
+        before the last prompt_logprobs_last_n positions, when given)."""
         prompts = check_prompts(prompts, self.cfg.vocab_size)
         per_prompt = self.check_adapters(adapters, len(prompts))
         for i, x in enumerate(prompts):
             if len(x) > self.limits.token_cap:
                 raise InputError(f"prompts[{i}] has {len(x)} tokens, over the cap of "
                                  f"{self.limits.token_cap} tokens per sequence")
-        return self.prompt_logprobs(prompts, per_prompt, None)
+        self.check_fields(prompts, PromptFields(prompt_logprobs_last_n=prompt_logprobs_last_n),
+                          True)
+        out = self.prompt_logprobs(prompts, per_prompt, None)
+        if prompt_logprobs_last_n is not None:
+            for lp in out:
+                lp[:len(lp) - prompt_logprobs_last_n] = np.nan
+        return out
 
     def prompt_outputs(self, prompts, adapters, packed_results, min_stream: int = 1,
                        fields=None, stats: PromptStatsCall | None = None) -> list[dict]:
@@ -301,11 +310,28 @@ class Sampler:
 
     # ------------------------------------------------------------------ sample
 
+    def check_fields(self, prompts, fields, prompt_logprobs) -> list[PromptFields]:
+        """None / one PromptFields for every prompt / one per prompt -> checked, per prompt."""
+        if fields is None or isinstance(fields, PromptFields):
+            per = [fields] * len(prompts)
+        elif isinstance(fields, Sequence) and len(fields) == len(prompts):
+            per = list(fields)
+        else:
+            raise InputError(f"fields must be None, a PromptFields, or one per prompt "
+                             f"({len(prompts)}), got {fields!r}")
+        return [check_fields(f, len(x), self.cfg.vocab_size, bool(prompt_logprobs),
+                             f"prompts[{i}]: ") for i, (f, x) in enumerate(zip(per, prompts))]
+
     def sample(self, prompts, sampling_params, adapters=None, num_samples=1,
-               prompt_logprobs=False, cache_mode=None) -> list[SampleResult]:
+               prompt_logprobs=False, cache_mode=None, fields=None) -> list[SampleResult]:
         c = self.check(prompts, sampling_params, adapters, num_samples)
         if not isinstance(prompt_logprobs, (bool, np.bool_)):
             raise InputError(f"prompt_logprobs must be a bool, got {prompt_logprobs!r}")
+        fields = self.check_fields(c.prompts, fields, prompt_logprobs)
+        want_lp = bool(prompt_logprobs) or any(f.prompt_stats for f in fields)
+        n_prompts = len(c.prompts)
+        stats = PromptStatsCall.of(c.prompts, fields, [c.temperature] * n_prompts,
+                                   [c.seed] * n_prompts, range(n_prompts))
         plan = self.plan([len(x) for x in c.prompts], c.max_tokens, c.num_samples, cache_mode)
         lay = kv_cache.LAYOUTS[plan.mode]
         call = layout_lib.call_layout([len(x) for x in c.prompts], c.adapters, c.num_samples,
@@ -314,13 +340,13 @@ class Sampler:
 
         # Prefill every prompt once, for all its num_samples sequences, straight into the
         # cache.
-        which, packed = self.packed(c.prompts, c.adapters)
+        which, packed = self.packed(c.prompts, c.adapters, 1, fields)
         kv, lps = None, []
         for pb in packed:
             source = layout_lib.prefill_source(call, pb.placements, which,
                                                pb.tokens.shape[-1], self.cp)
             kv, lp = self.run_prefill(pb, source, kv, layout=plan.mode,
-                                      with_logprobs=bool(prompt_logprobs))
+                                      with_logprobs=want_lp, stats=stats)
             lps.append(lp)
         if kv is None:  # every prompt is one token: nothing to prefill
             shape = (self.cfg.num_layers, b_total, t_total, self.cfg.num_kv_heads,
@@ -348,16 +374,19 @@ class Sampler:
             top_k=full(c.top_k, np.int32), top_p=full(c.top_p, np.float32), keys=keys,
             stop=layout_lib.stop_table([c.stop] * b_total))
         rows = jax.tree.map(self.put, rows, programs.DecodeRows.specs(lay))
+        topk = max(f.topk_sample_logprobs for f in fields)
         modes = programs.DecodeModes(
             layout=plan.mode, out_len=plan.out_len, greedy=greedy,
             filtered=not greedy and (c.top_k > 0 or c.top_p < 1.0),
-            slice_layers=self.slice_layers)
+            slice_layers=self.slice_layers, topk=k_bucket(topk))
         self.last_plan = plan
-        out_tok, out_lp, _ = self.decode(self.state.weights, self.params, self.state.meta,
-                                         cache, rows, replicate(self.mesh, active), modes=modes)
-        plp = (self.prompt_logprobs(c.prompts, c.adapters, lps) if prompt_logprobs
-               else None)
+        out_tok, out_lp, *out_tk, _ = self.decode(
+            self.state.weights, self.params, self.state.meta, cache, rows,
+            replicate(self.mesh, active), modes=modes)
+        outs = (self.prompt_outputs(c.prompts, c.adapters, lps, 1, fields) if want_lp
+                else None)
         out_tok, out_lp = host(out_tok), host(out_lp)
+        out_tk = [host(x) for x in out_tk]
 
         stops = set(c.stop)
         results = []
@@ -368,7 +397,12 @@ class Sampler:
                 n = int(np.sum(out_tok[r] >= 0))
                 toks = out_tok[r, :n].astype(np.int32)
                 reason = "stop" if n and int(toks[-1]) in stops else "length"
+                k = fields[i].topk_sample_logprobs
+                tk = (TopK(out_tk[0][r, :n, :k].astype(np.int32),
+                           out_tk[1][r, :n, :k].astype(np.float32)) if k else None)
                 sequences.append(SampledSequence(toks, out_lp[r, :n].astype(np.float32),
-                                                 reason))
-            results.append(SampleResult(sequences, None if plp is None else plp[i]))
+                                                 reason, tk))
+            extra = ({} if outs is None else
+                     prompt_results(outs[i], len(c.prompts[i]), fields[i], prompt_logprobs))
+            results.append(SampleResult(sequences, **extra))
         return results
