@@ -131,6 +131,7 @@ class Engine:
         self.logprob_waiting: deque[_Request] = deque()
         self.requests: dict[int, _Request] = {}
         self.outcomes: dict[int, SampleResult | list | Exception] = {}
+        self._ended: list[int] = []
         self.callbacks: dict[int, Callable] = {}
         self._ids = itertools.count()
         self.cache = None
@@ -148,7 +149,8 @@ class Engine:
         """Queue one prompt's num_samples sequences -> request id. Refused (InputError)
         before anything is queued: as Trainer.sample, and when the prompt plus max_tokens
         exceed max_len or num_samples exceeds the slots. callback(rid, outcome) runs when
-        the request ends (outcome: SampleResult or the exception). fields: the SDK 0.38
+        the request ends (outcome: SampleResult or the exception; then result() has
+        nothing to return). fields: the SDK 0.38
         top-k / target / prompt-draw / last_n fields (params.PromptFields)."""
         c = self.s.check([prompt], sampling_params, adapter, num_samples)
         if not isinstance(prompt_logprobs, (bool, np.bool_)):
@@ -235,23 +237,25 @@ class Engine:
         for q in (self.waiting, self.logprob_waiting):
             if req in q:
                 q.remove(req)
-        self.outcomes[req.rid] = outcome
+        self._ended.append(req.rid)
         cb = self.callbacks.pop(req.rid, None)
-        if cb is not None:
+        if cb is not None:  # the callback owns the outcome: nothing is kept for result()
             cb(req.rid, outcome)
+        else:
+            self.outcomes[req.rid] = outcome
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[int]:
         """One engine step (see the module docstring) -> ids of the requests it ended."""
-        before = set(self.outcomes)
+        self._ended = []
         self._fail_stale()
         self._admit()
         self._logprobs()
         if self.live:
             self._decode()
         self.steps += 1
-        return [r for r in self.outcomes if r not in before]
+        return self._ended
 
     def run(self, max_steps: int | None = None) -> None:
         """Step until no request is left (or max_steps)."""

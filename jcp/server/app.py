@@ -237,7 +237,9 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
     @app.post("/api/v1/client/dynamic_config")
     async def dynamic_config(request: Request):
         owner(request)
-        return {}
+        # The SDK then sends cancel_future for a sample future it abandons (cancel or
+        # timeout), and the engine frees its slots at the next step boundary.
+        return {"sample_cancel_enabled": True}
 
     @app.post("/api/v1/telemetry")
     async def telemetry():
