@@ -9,7 +9,7 @@ it):
    sampled tokens' own log-probs sit in their top-k rows; prompt_logprobs_last_n gives
    the tail of the full prompt log-probs and hides the rest (and the top-k rows there);
    greedy prompt draws are the argmax; Trainer.sample (static sampler) returns the same
-   fields as the engine; compute_logprobs / submit_logprobs honour last_n;
+   fields as the engine; compute_logprobs honours last_n;
 2. bad values are refused with an InputError naming the field, before anything is queued.
 """
 
@@ -38,13 +38,15 @@ def folders(tmp_path_factory):
     return TH.adapter_folders(str(tmp_path_factory.mktemp("fields")))
 
 
-def _log_softmax(tr, seq, adapter) -> np.ndarray:
-    """forward's log_softmax [len(seq) − 1, V]: row i is the distribution of seq[i + 1]."""
-    n = len(seq) - 1
-    d = jcp.Datum(seq[:-1], {"target_tokens": np.tile(np.arange(V), (n, 1)),
-                             "weights": np.ones((n, V), np.float32)})
-    out = tr.forward([d], adapters=adapter).loss_fn_outputs[0]["logprobs"]
-    return np.asarray(out, np.float64).reshape(n, V)
+def _log_softmax(tr, seqs, adapter) -> list[np.ndarray]:
+    """forward's log_softmax [len(seq) − 1, V] of each sequence (one call): row i is the
+    distribution of seq[i + 1]."""
+    data = [jcp.Datum(x[:-1], {"target_tokens": np.tile(np.arange(V), (len(x) - 1, 1)),
+                               "weights": np.ones((len(x) - 1, V), np.float32)})
+            for x in seqs]
+    out = tr.forward(data, adapters=adapter).loss_fn_outputs
+    return [np.asarray(o["logprobs"], np.float64).reshape(len(x) - 1, V)
+            for o, x in zip(out, seqs)]
 
 
 def _top(lsm, k):
@@ -54,9 +56,9 @@ def _top(lsm, k):
     return order, np.take_along_axis(lsm, order, 1)
 
 
-def _check_sampled(tr, a, res):
-    for s in res.sequences:
-        lsm = _log_softmax(tr, PROMPT + s.tokens.tolist(), a)[len(PROMPT) - 1:]
+def _check_sampled(res, lsms):
+    for s, lsm in zip(res.sequences, lsms):
+        lsm = lsm[len(PROMPT) - 1:]
         ids, lps = _top(lsm, 3)
         np.testing.assert_array_equal(s.topk_logprobs.token_ids, ids)
         np.testing.assert_allclose(s.topk_logprobs.logprobs, lps, atol=ATOL)
@@ -76,7 +78,8 @@ def test_fields_equal_numpy_of_forward(mesh, folders):
             topk_prompt_logprobs=2, prompt_logprobs_last_n=4, prompt_alt_tokens_k=2))
         eng.run()
         res, res_tail = eng.result(rid), eng.result(tail)
-        lsm = _log_softmax(tr, PROMPT, a)
+        lsm, *lsm_seqs = _log_softmax(
+            tr, [PROMPT] + [PROMPT + s.tokens.tolist() for s in res.sequences], a)
 
         np.testing.assert_allclose(res.prompt_logprobs[1:], lsm[np.arange(12), PROMPT[1:]],
                                    atol=ATOL)
@@ -94,7 +97,7 @@ def test_fields_equal_numpy_of_forward(mesh, folders):
         np.testing.assert_allclose(alt.logprobs, np.take_along_axis(lsm, alt.token_ids, 1),
                                    atol=ATOL)  # T = 1: the logits' own log-probs
         assert len(np.unique(alt.token_ids)) > 12  # independent draws, not one token
-        _check_sampled(tr, a, res)
+        _check_sampled(res, lsm_seqs)
 
         # last_n: the tail of the full prompt log-probs, nothing before it.
         lp = res_tail.prompt_logprobs
@@ -123,14 +126,10 @@ def test_fields_equal_numpy_of_forward(mesh, folders):
                                           ref.prompt_alt_tokens.token_ids)
             np.testing.assert_allclose(res.target_prompt_logprobs,
                                        ref.target_prompt_logprobs, atol=ATOL)
-            # compute_logprobs with last_n, in-process and through the engine.
-            full = tr.compute_logprobs([PROMPT], a)[0]
+            # compute_logprobs with last_n.
             got = tr.compute_logprobs([PROMPT], a, prompt_logprobs_last_n=3)[0]
-            rid = eng.submit_logprobs(PROMPT, a, prompt_logprobs_last_n=3)
-            eng.run()
-            for x in (got, eng.result(rid)):
-                assert np.all(np.isnan(x[:10]))
-                np.testing.assert_allclose(x[10:], full[10:], atol=ATOL)
+            assert np.all(np.isnan(got[:10]))
+            np.testing.assert_allclose(got[10:], res.prompt_logprobs[10:], atol=ATOL)
 
 
 @pytest.mark.parametrize("fields, prompt_logprobs, match", [
