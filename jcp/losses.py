@@ -1,6 +1,7 @@
 """Token log-probs (chunked, vocab-parallel), the Tinker losses, and per-datum outputs.
 
-The device side (target_logprobs, the loss functions, token_losses, shard_loss and the
+The device side (target_logprobs; prompt_stats — sampling's forward-only top-k and draws
+of the same log_softmax; the loss functions, token_losses, shard_loss and the
 per-datum gathers) runs per shard inside the one shard_map. It must never build an array
 of [tokens, vocab] (forward or backward), never average a loss (Tinker losses are sums),
 and never let the per-datum outputs reach the gradient.

@@ -153,3 +153,59 @@ def test_bad_fields_are_refused_before_queueing(fields, prompt_logprobs, match):
     assert eng.idle and not eng.waiting
     with pytest.raises(jcp.InputError, match=match):
         tr.sample([PROMPT], GREEDY, prompt_logprobs=prompt_logprobs, fields=fields)
+
+
+def test_prompt_draws_follow_the_tempered_distribution():
+    """losses.prompt_stats at tp = 2 (vocab 8, 4 per rank) on one repeated distribution:
+    the top-4 equals NumPy's; 64 tokens × 64 draws at T = 1 and at T = 0.5 match
+    softmax(logits / T) (every category within 5 σ of its expected count), their log-probs
+    are log_softmax(logits / T) of the drawn ids, and T = 0 draws the argmax."""
+    import jax
+    import jax.numpy as jnp
+
+    from jcp import losses
+    from jcp import mesh as mesh_lib
+
+    s_len, d, v, k_alt = 192, 4, 8, 64
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(d, v)).astype(np.float32)
+    h = np.tile(rng.normal(size=(1, d)).astype(np.float32), (s_len, 1))
+    temp = np.repeat(np.array([1.0, 0.5, 0.0], np.float32), s_len // 3)
+    keys = rng.integers(0, 2**32, (s_len, 2), dtype=np.uint32)
+    mesh = jcp.make_mesh(1, 1, 2)
+    sp = mesh_lib.SPECS
+
+    def inner(h, w, t, temp, keys, pos):
+        out = losses.prompt_stats((h[0, 0],), (w,), t[0, 0][:, None], 16, topk=4, alt=k_alt,
+                                  temperature_S=temp[0, 0], keys_Sx2=keys[0, 0],
+                                  position_S=pos[0, 0])
+        return {k_: losses.gather_stream(x) for k_, x in out.items()}
+
+    specs = ("lp", "topk_ids", "topk_lp", "alt_ids", "alt_lp")
+    run = jax.jit(jax.shard_map(inner, mesh=mesh, in_specs=(
+        sp.stream_DPxCPxSxD, sp.unembed_DxV, sp.stream_DPxCPxS, sp.stream_DPxCPxS,
+        sp.stream_DPxCPxS, sp.stream_DPxCPxS), out_specs={k_: sp.replicated for k_ in specs}))
+    b = lambda x: x[None, None]  # noqa: E731
+    out = {k_: np.asarray(x)[0, 0] for k_, x in run(
+        b(h), w, b(np.zeros(s_len, np.int32)), b(temp), b(keys),
+        b(np.arange(s_len, dtype=np.int32))).items()}
+    logits = h[0].astype(np.float64) @ w.astype(np.float64)
+
+    def lsm(x):
+        return x - np.log(np.sum(np.exp(x - x.max()))) - x.max()
+
+    order = np.argsort(-logits)[:4]
+    np.testing.assert_array_equal(out["topk_ids"], np.tile(order, (s_len, 1)))
+    np.testing.assert_allclose(out["topk_lp"], np.tile(lsm(logits)[order], (s_len, 1)),
+                               atol=1e-5)
+    for t, rows in ((1.0, slice(0, 64)), (0.5, slice(64, 128))):
+        p = np.exp(lsm(logits / t))
+        ids = out["alt_ids"][rows].ravel()
+        np.testing.assert_allclose(out["alt_lp"][rows].ravel(), lsm(logits / t)[ids],
+                                   atol=1e-5)
+        n = ids.size
+        count = np.bincount(ids, minlength=v)
+        assert np.all(np.abs(count - n * p) <= 5 * np.sqrt(n * p * (1 - p)) + 1), (t, count,
+                                                                                 n * p)
+    assert np.all(out["alt_ids"][128:] == order[0])
+    np.testing.assert_allclose(out["alt_lp"][128:], lsm(logits)[order[0]], atol=1e-5)

@@ -10,7 +10,10 @@ running sequences for more than one bounded prefill), run every compute_logprobs
 waiting (one prefill, no cache), then decode every live slot for up to `chunk` steps in
 one device loop. Every row carries its own adapter (routed by index, lora.Routing.index_S:
 a row costs its adapter's rank, not the slot table), temperature, top-k, top-p, seed
-stream, stop set and max_tokens; the num_samples of one prompt share one prefill.
+stream, stop set and max_tokens; the num_samples of one prompt share one prefill. A
+request may also ask for the SDK 0.38 fields (params.PromptFields: top-k prompt / sample
+log-probs, target ids, prompt draws, last_n), computed in the same prefill and decode
+programs (losses.prompt_stats, draws.sample_tokens).
 
 Results equal Trainer.sample of the same request alone (one prompt, the same seed), token
 for token, whatever else is in the batch: a sequence's draws depend on its own key and
@@ -32,7 +35,8 @@ b_local / 4, … ≥ 8, cache rows max_len, max_len / 4, … ≥ 64 (e.g. 512 sl
 512, 128, 32, 8 rows; 256 rows: 256, 64); active adapters: powers of two
 (batch.active_bucket); draw kinds: greedy / drawn / drawn and filtered. `program_keys`
 holds the static signature of every program the engine has run (`programs()` counts
-them).
+them); `warmup` runs the set for chosen buckets up front, on padding. The SDK fields add
+their widths, bucketed (params.k_bucket: 4 / 16 / 64), to the prefill and decode modes.
 
 Adapters: a sequence records its adapter slot's version (AdapterState.version) at
 admission; if the slot changes (optimizer step, load, delete) before the sequence ends,

@@ -11,7 +11,9 @@ Interleaving policy: each turn of the loop runs at most one training pass (a fus
 forward / forward_backward, or one model operation) and then one engine step (at most
 `prefill_tokens` of newly admitted prompts, then up to `chunk` decode steps of every live
 sequence). So a training pass waits for at most one engine step, and running sequences
-wait for at most one training pass between decode chunks; neither starves.
+wait for at most one training pass between decode chunks; neither starves. A sample the
+client cancels after admission (cancel_future -> Scheduler.cancel_running) is cancelled in
+the engine at the start of the next turn and ends at that step boundary, its slots freed.
 
 Sampler weights: save_weights_for_sampler without a name makes an in-memory snapshot (a
 device copy of the model's slot into a free slot, no disk); with a name it writes the PEFT
