@@ -59,7 +59,7 @@ import dataclasses
 import hashlib
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -71,9 +71,10 @@ from jcp.errors import InputError
 from jcp.sample import layout as layout_lib
 from jcp.sample import paged
 from jcp.sample import programs
-from jcp.sample.params import (BASE, SampledSequence, SampleResult, check_prompts, is_int,
+from jcp.sample.params import (BASE, NO_FIELDS, PromptFields, SampledSequence, SampleResult,
+                               TopK, check_fields, check_prompts, is_int, k_bucket,
                                sequence_keys)
-from jcp.sample.sampler import Sampler
+from jcp.sample.sampler import PromptStatsCall, Sampler, prompt_results
 
 
 # The smallest decode window: live rows per device, cache positions (module docstring,
@@ -181,6 +182,7 @@ class _Seq:
     lps: list = dataclasses.field(default_factory=list)
     done: bool = False
     decoding: bool = False      # forked (prefill over), decodes
+    topk: list = dataclasses.field(default_factory=list)  # [(ids, lps)] per decode call
 
 
 @dataclasses.dataclass(eq=False)
@@ -206,6 +208,14 @@ class _Request:
     plp: np.ndarray | None = None
     cancelled: bool = False
     keys: np.ndarray | None = None  # uint32 [num_samples, 2], made once at admission
+    fields: PromptFields = NO_FIELDS
+    prompt_out: dict = dataclasses.field(default_factory=dict)  # SampleResult prompt fields
+
+    @property
+    def extend_logprobs(self) -> bool:
+        """Prompt log-probs come from the chunked prefill (else, with the SDK prompt
+        fields, from one cache-less prefill at admission)."""
+        return self.prompt_logprobs and not self.fields.prompt_stats
 
     @property
     def n(self) -> int:
@@ -259,6 +269,9 @@ class Engine:
         if not is_int(self.n_pages) or self.n_pages < 1:
             raise ValueError(f"pages must be a positive integer, got {pages!r}")
         self.prefix_cache = bool(prefix_cache)
+        # Hybrid (Gated DeltaNet) models: their recurrent state has no paged form yet;
+        # submit refuses them (submit_logprobs runs them; jcp-serve samples them beside).
+        self.runs_model = not sampler.cfg.is_hybrid
         self.pool = PagePool(groups, self.n_pages)
         self.cache: paged.Pool | None = None       # the device pages
         self.rows_used = [0] * groups              # sequences holding a decode row
@@ -268,6 +281,7 @@ class Engine:
         self.decoding: list[_Seq] = []
         self.requests: dict[int, _Request] = {}
         self.outcomes: dict[int, SampleResult | list | Exception] = {}
+        self._ended: list[int] = []
         self.callbacks: dict[int, Callable] = {}
         self._ids = itertools.count()
         top = max(MIN_CHUNK, min(layout_lib.pow2(self.prefill_tokens),
@@ -284,16 +298,24 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def submit(self, prompt, sampling_params, adapter=None, num_samples: int = 1,
-               prompt_logprobs: bool = False, callback: Callable | None = None) -> int:
+               prompt_logprobs: bool = False, callback: Callable | None = None,
+               fields: PromptFields | None = None) -> int:
         """Queue one prompt's num_samples sequences -> request id. Refused (InputError)
         before anything is queued: as Trainer.sample, and when the prompt plus max_tokens
         exceed max_len, num_samples exceeds the slots, or the request could never fit
         the pages. callback(rid, outcome) runs when the request ends (outcome:
-        SampleResult or the exception)."""
+        SampleResult or the exception; then result() has nothing to return). fields: the
+        SDK 0.38 top-k / target / prompt-draw / last_n fields (params.PromptFields); the
+        prompt-side ones run one cache-less prefill of the prompt at admission
+        (Sampler.prompt_outputs), beside the chunked prefill that fills its pages."""
+        if not self.runs_model:
+            raise InputError("the paged engine does not sample hybrid (Gated DeltaNet) models "
+                             "yet; use Trainer.sample")
         c = self.s.check([prompt], sampling_params, adapter, num_samples)
         if not isinstance(prompt_logprobs, (bool, np.bool_)):
             raise InputError(f"prompt_logprobs must be a bool, got {prompt_logprobs!r}")
         n = len(c.prompts[0])
+        fields = check_fields(fields, n, self.s.cfg.vocab_size, bool(prompt_logprobs))
         if n - 1 + c.max_tokens > self.max_len:
             raise InputError(f"prompt of {n} tokens + max_tokens {c.max_tokens} exceed the "
                              f"engine's {self.max_len} cache rows per sequence")
@@ -307,20 +329,25 @@ class Engine:
                       top_p=c.top_p, stop=c.stop, seed=c.seed)
         req = _Request(next(self._ids), c.prompts[0], c.adapters[0],
                        self._version(c.adapters[0]), params, c.num_samples,
-                       bool(prompt_logprobs))
+                       bool(prompt_logprobs), fields=fields)
         self._queue(req, callback)
         self.waiting.append(req)
         return req.rid
 
-    def submit_logprobs(self, prompt, adapter=None, callback: Callable | None = None) -> int:
+    def submit_logprobs(self, prompt, adapter=None, callback: Callable | None = None,
+                        prompt_logprobs_last_n: int | None = None) -> int:
         """Queue a compute_logprobs request -> request id; its result is float32
-        [len(prompt)] (NaN at 0), as Trainer.compute_logprobs."""
+        [len(prompt)] (NaN at 0, and before the last prompt_logprobs_last_n positions), as
+        Trainer.compute_logprobs."""
         (p,) = check_prompts([prompt], self.s.cfg.vocab_size)
         (a,) = self.s.check_adapters(adapter, 1)
         if len(p) > self.s.limits.token_cap:
             raise InputError(f"prompt has {len(p)} tokens, over the cap of "
                              f"{self.s.limits.token_cap} tokens per sequence")
-        req = _Request(next(self._ids), p, a, self._version(a), {}, 0, True, logprobs_only=True)
+        fields = check_fields(PromptFields(prompt_logprobs_last_n=prompt_logprobs_last_n),
+                              len(p), self.s.cfg.vocab_size, True)
+        req = _Request(next(self._ids), p, a, self._version(a), {}, 0, True, logprobs_only=True,
+                       fields=fields)
         self._queue(req, callback)
         self.logprob_waiting.append(req)
         return req.rid
@@ -391,10 +418,12 @@ class Engine:
         for q in (self.waiting, self.logprob_waiting):
             if req in q:
                 q.remove(req)
-        self.outcomes[req.rid] = outcome
+        self._ended.append(req.rid)
         cb = self.callbacks.pop(req.rid, None)
-        if cb is not None:
+        if cb is not None:  # the callback owns the outcome: nothing is kept for result()
             cb(req.rid, outcome)
+        else:
+            self.outcomes[req.rid] = outcome
 
     def _lost(self, e: Exception) -> None:
         """The device pages were donated to a program that failed: every request holding
@@ -409,7 +438,7 @@ class Engine:
 
     def step(self) -> list[int]:
         """One engine step (see the module docstring) -> ids of the requests it ended."""
-        before = set(self.outcomes)
+        self._ended = []
         self._fail_stale()
         self._admit()
         if self.prefilling:
@@ -418,7 +447,7 @@ class Engine:
         if self.decoding:
             self._decode()
         self.steps += 1
-        return [r for r in self.outcomes if r not in before]
+        return self._ended
 
     def run(self, max_steps: int | None = None) -> None:
         """Step until no request is left (or max_steps)."""
@@ -451,17 +480,20 @@ class Engine:
     def _admit(self) -> None:
         # First come, first served: a request that does not fit waits, and so does
         # everything behind it (no starvation of large requests).
+        stats = []
         while self.waiting:
             req = self.waiting[0]
             keys = (page_keys(req.prompt, req.adapter, req.version, self.page)
                     if self.prefix_cache else [])
             plan = self._place(req, keys)
             if plan is None:
-                return
+                break
             self.waiting.popleft()
             req.keys = sequence_keys(req.params["seed"], 0, req.num_samples)
-            req.plp = np.full(len(req.prompt), np.nan, np.float32) if req.prompt_logprobs \
+            req.plp = np.full(len(req.prompt), np.nan, np.float32) if req.extend_logprobs \
                 else None
+            if req.fields.prompt_stats:
+                stats.append(req)
             j = 0
             for g, k, hits in plan:
                 group = _Group([])
@@ -472,6 +504,28 @@ class Engine:
                     req.seqs.append(seq)
                 self._start_group(req, group, g, hits, keys)
                 req.groups.append(group)
+        if stats:
+            self._prompt_stats(stats)
+
+    def _prompt_stats(self, reqs: list[_Request]) -> None:
+        """The SDK prompt fields of newly admitted requests: one cache-less prefill."""
+        s = self.s
+        prompts, adapters = [r.prompt for r in reqs], [r.adapter for r in reqs]
+        fields = [r.fields for r in reqs]
+        call = PromptStatsCall.of(prompts, fields, [r.params["temperature"] for r in reqs],
+                                  [r.params["seed"] for r in reqs], [0] * len(reqs))
+        try:
+            for pb in s.packed(prompts, adapters, self.min_stream, fields)[1]:
+                self.program_keys.add(("prefill", None, pb.tokens.shape, pb.targets.shape,
+                                       pb.spans.shape, True,
+                                       (call.topk, call.alt) if call else (0, 0)))
+            outs = s.prompt_outputs(prompts, adapters, None, self.min_stream, fields, call)
+        except Exception as e:  # noqa: BLE001 — these requests fail, nothing else
+            for r in reqs:
+                self._end(r, e)
+            return
+        for r, out in zip(reqs, outs):
+            r.prompt_out = prompt_results(out, len(r.prompt), r.fields, r.prompt_logprobs)
 
     def _need(self, req: _Request, g: int, k: int, hits: list[int]) -> int:
         """Pages device g must promise for k samples of req sharing a prefill that takes
@@ -485,7 +539,7 @@ class Engine:
         """[(device, samples, cached pages)] for req, or None if it must wait: all samples
         on one device when one fits them (the device with the longest cached prefix
         first), else spread over devices."""
-        hits = {g: self.pool.lookup(g, keys, req.prompt_logprobs) if keys else []
+        hits = {g: self.pool.lookup(g, keys, req.extend_logprobs) if keys else []
                 for g in range(self.groups)}
         order = sorted(range(self.groups),
                        key=lambda g: (-len(hits[g]), -self.pool.available(g), g))
@@ -600,8 +654,12 @@ class Engine:
         for g, items in enumerate(per):
             for i, (_, a, b) in enumerate(items):
                 src[g * n + i], dst[g * n + i] = a, b
-        self.program_keys.add(("copy", n))
+        self._run_copy(src, dst)
+
+    def _run_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
         s = self.s
+        self.program_keys.add(("copy", len(src) // self.groups))
+        self._ensure_cache()
         out = s.paged.copy(self.cache, s.put(src, paged.ROWS_SPEC), s.put(dst, paged.ROWS_SPEC))
         self._keep(out)
 
@@ -647,19 +705,10 @@ class Engine:
         at_seq = {id(g.seqs[0]): at[id(g)] for g, _ in work}
         table = self._table([g.seqs[0] for g, _ in work], at_seq, b, m)
         a_len, active, index = self._active(adapter, [at[id(g)] for g, _ in work])
-        want_lp = any(g.seqs[0].req.prompt_logprobs for g, _ in work)
-        s = self.s
+        want_lp = any(g.seqs[0].req.plp is not None for g, _ in work)
         rows = paged.ExtendRows(tokens, targets, valid, start, index, table)
-        rows = jax.tree.map(s.put, rows, paged.ExtendRows.specs())
-        modes = paged.ExtendModes(want_lp, s.slice_layers)
-        self.program_keys.add(("extend", b, c_len, m, a_len, modes))
-        self._ensure_cache()
         try:
-            pool, lp = s.paged.extend(s.state.weights, s.params, s.state.meta, self.cache, rows,
-                                      replicate(s.mesh, active), modes=modes)
-            self._keep(pool)
-            del pool
-            lp = host(lp) if want_lp else None
+            lp = self._run_extend(rows, paged.ExtendModes(want_lp, self.s.slice_layers), active)
         except Exception as e:  # noqa: BLE001 — the pages were donated: all fail
             self._lost(e)
             return
@@ -679,6 +728,20 @@ class Engine:
             self._copy(copies)
         except Exception as e:  # noqa: BLE001
             self._lost(e)
+
+    def _run_extend(self, rows: paged.ExtendRows, modes: paged.ExtendModes,
+                    active: np.ndarray) -> np.ndarray | None:
+        """One extend call over the engine's pages (kept, donated) -> host log-probs."""
+        s = self.s
+        self.program_keys.add(("extend",) + rows.tokens.shape + (rows.table.shape[1],
+                                                                 len(active), modes))
+        rows = jax.tree.map(s.put, rows, paged.ExtendRows.specs())
+        self._ensure_cache()
+        pool, lp = s.paged.extend(s.state.weights, s.params, s.state.meta, self.cache, rows,
+                                  replicate(s.mesh, active), modes=modes)
+        self._keep(pool)
+        del pool
+        return host(lp) if modes.with_logprobs else None
 
     def _register(self, group: _Group) -> None:
         """The group's full prompt pages into the prefix cache."""
@@ -700,13 +763,17 @@ class Engine:
         prompts, adapters = [r.prompt for r in reqs], [r.adapter for r in reqs]
         try:
             for pb in self.s.packed(prompts, adapters, self.min_stream)[1]:
-                self.program_keys.add(("prefill", None, pb.tokens.shape, pb.spans.shape, True))
+                self.program_keys.add(("prefill", None, pb.tokens.shape, pb.targets.shape,
+                                       pb.spans.shape, True, (0, 0)))
             out = self.s.prompt_logprobs(prompts, adapters, None, self.min_stream)
         except Exception as e:  # noqa: BLE001
             for r in reqs:
                 self._end(r, e)
             return
         for r, lp in zip(reqs, out):
+            last_n = r.fields.prompt_logprobs_last_n
+            if last_n is not None:
+                lp[:len(lp) - last_n] = np.nan
             self._end(r, lp)
 
     # ------------------------------------------------------------------ decode
@@ -757,18 +824,11 @@ class Engine:
         rows = programs.DecodeRows(token, position, np.zeros(b, np.int32), done, count, index,
                                    max_tokens, temperature, top_k, top_p, keys,
                                    layout_lib.stop_table(stops))
-        rows = jax.tree.map(s.put, rows, programs.DecodeRows.specs(paged.LAYOUT))
-        table = s.put(self._table(live, at, b, m), paged.TABLE_SPEC)
-        modes = paged.PagedDecodeModes(self.chunk, greedy, filtered, s.slice_layers)
-        self.program_keys.add(("decode", b, m, a_len, modes, rows.stop.shape))
-        self._ensure_cache()
+        table = self._table(live, at, b, m)
+        topk = k_bucket(max(x.req.fields.topk_sample_logprobs for x in live))
+        modes = paged.PagedDecodeModes(self.chunk, greedy, filtered, s.slice_layers, topk)
         try:
-            out_tok, out_lp, pool = s.paged.decode(s.state.weights, s.params, s.state.meta,
-                                                   self.cache, table, rows,
-                                                   replicate(s.mesh, active), modes=modes)
-            self._keep(pool)
-            del pool
-            out_tok, out_lp = host(out_tok), host(out_lp)
+            out_tok, out_lp, *out_tk = self._run_decode(table, rows, modes, active)
         except Exception as e:  # noqa: BLE001 — the pages were donated: every request fails
             self._lost(e)
             return
@@ -778,6 +838,9 @@ class Engine:
             got = out_tok[i] >= 0
             seq.tokens.extend(int(t) for t in out_tok[i][got])
             seq.lps.extend(float(x) for x in out_lp[i][got])
+            k = req.fields.topk_sample_logprobs
+            if k:
+                seq.topk.append((out_tk[0][i][got, :k], out_tk[1][i][got, :k]))
             c = len(seq.tokens)
             if c >= req.params["max_tokens"] or (c and seq.tokens[-1] in req.params["stop"]):
                 self._release(seq)
@@ -786,7 +849,129 @@ class Engine:
         self.decoding = [x for x in self.decoding if not x.done]
         for req in ended:
             stops = set(req.params["stop"])
+            k = req.fields.topk_sample_logprobs
             seqs = [SampledSequence(np.array(x.tokens, np.int32), np.array(x.lps, np.float32),
-                                    "stop" if x.tokens and x.tokens[-1] in stops else "length")
+                                    "stop" if x.tokens and x.tokens[-1] in stops else "length",
+                                    _stack_topk(x.topk, k) if k else None)
                     for x in req.seqs]
-            self._end(req, SampleResult(seqs, req.plp))
+            if req.plp is not None:
+                req.prompt_out = prompt_results({"lp": req.plp}, len(req.prompt), req.fields,
+                                                True)
+            self._end(req, SampleResult(seqs, **req.prompt_out))
+
+    def _run_decode(self, table, rows: programs.DecodeRows, modes: paged.PagedDecodeModes,
+                    active: np.ndarray) -> list[np.ndarray]:
+        """One decode call over the engine's pages (kept, donated) -> its host outputs
+        (tokens, log-probs[, top-k ids, top-k log-probs])."""
+        s = self.s
+        self.program_keys.add(("decode", len(rows.token), table.shape[1], len(active), modes,
+                               rows.stop.shape))
+        rows = jax.tree.map(s.put, rows, programs.DecodeRows.specs(paged.LAYOUT))
+        self._ensure_cache()
+        *out, pool = s.paged.decode(s.state.weights, s.params, s.state.meta, self.cache,
+                                    s.put(table, paged.TABLE_SPEC), rows,
+                                    replicate(s.mesh, active), modes=modes)
+        self._keep(pool)
+        del pool
+        return [host(x) for x in out]
+
+
+    # ------------------------------------------------------------------ warm-up
+
+    def warmup(self, active: Sequence[int] = (1,), draws: Sequence[str] = ("greedy", "drawn"),
+               prompt_logprobs: Sequence[bool] = (False,), compute_logprobs: bool = False,
+               stop_width: Sequence[int] = (8,), topk: Sequence[int] = (0,)) -> int:
+        """Compile, up front, the programs the engine can run for these buckets -> how many
+        it ran (program_keys then holds them). The bounded set (module docstring,
+        "Programs"): every prefill (extend) rows × chunk × table-pages rung × active-adapter
+        bucket × prompt_logprobs (with compute_logprobs: also the cache-less log-prob
+        prefill's stream buckets), every decode rows × table-pages rung × active bucket ×
+        draw kind ("greedy", "drawn", "filtered": some row top-k / top-p) × stop-table
+        width × topk_sample_logprobs bucket, and every page-copy rung. active: distinct
+        adapters (the base model counts as one) per step. Runs each program once on
+        padding (no request; every write is dropped), so later requests of those shapes
+        compile nothing. Only on an idle engine."""
+        if not self.idle:
+            raise RuntimeError("Engine.warmup runs on an idle engine only")
+        kinds = {"greedy": (True, False), "drawn": (False, False), "filtered": (False, True)}
+        for d in draws:
+            if d not in kinds:
+                raise ValueError(f"draws: {d!r} is not one of {sorted(kinds)}")
+        s, groups = self.s, self.groups
+        a_lens = sorted({batch_lib.active_bucket(a, s.limits.max_adapters + 1) for a in active})
+        before = set(self.program_keys)
+        pages = _rungs(self.max_pages, max(1, WINDOW_FLOOR[1] // self.page))
+
+        def padding(b, a):
+            return layout_lib.active_index(np.full(b, layout_lib.PADDING), a, BASE)
+
+        for e_b in _rungs(*PREFILL_ROWS):
+            b = groups * e_b
+            for c in _rungs(self.chunk_top, MIN_CHUNK):
+                z = np.zeros((b, c), np.int32)
+                for m in pages:
+                    for a in a_lens:
+                        act, index = padding(b, a)
+                        rows = paged.ExtendRows(z, z, np.zeros((b, c), bool),
+                                                np.zeros(b, np.int32), index,
+                                                np.full((b, m), -1, np.int32))
+                        for lp in prompt_logprobs:
+                            self._run_extend(rows, paged.ExtendModes(bool(lp), s.slice_layers),
+                                             act)
+        if compute_logprobs:
+            cap, x = s.limits.max_tokens_per_device, self.min_stream
+            while True:
+                for a in a_lens:
+                    pb = _padding_batch(s.dp, s.cp, min(x, cap), a)
+                    self.program_keys.add(("prefill", None, pb.tokens.shape, pb.targets.shape,
+                                           pb.spans.shape, True, (0, 0)))
+                    host(s.run_prefill(pb, with_logprobs=True)[1])
+                if x >= cap or x >= layout_lib.pow2(max(self.max_len, self.prefill_tokens)):
+                    break
+                x *= 2
+        for w_b in _rungs(self.b_local, WINDOW_FLOOR[0]):
+            b = groups * w_b
+            z = np.zeros(b, np.int32)
+            for m in pages:
+                for a in a_lens:
+                    act, index = padding(b, a)
+                    for d in draws:
+                        for ns in stop_width:
+                            rows = programs.DecodeRows(
+                                z, z, z, np.ones(b, bool), z, index, np.ones(b, np.int32),
+                                np.zeros(b, np.float32), np.full(b, -1, np.int32),
+                                np.ones(b, np.float32), np.zeros((b, 2), np.uint32),
+                                layout_lib.stop_table([()] * b, ns))
+                            for k in topk:
+                                modes = paged.PagedDecodeModes(self.chunk, *kinds[d],
+                                                               s.slice_layers, k_bucket(k))
+                                self._run_decode(np.full((b, m), -1, np.int32), rows, modes,
+                                                 act)
+        for n in _rungs(self.b_local, WINDOW_FLOOR[0]):
+            self._run_copy(np.zeros(groups * n, np.int32),
+                           np.full(groups * n, self.n_pages, np.int32))
+        return len(self.program_keys - before)
+
+
+def _rungs(full: int, floor: int) -> list[int]:
+    """Every value layout.ladder(n, full, floor) takes."""
+    out = [full]
+    while out[-1] > floor:
+        out.append(max(floor, -(-out[-1] // 4)))
+    return out
+
+
+def _padding_batch(dp: int, cp: int, length: int, active: int) -> batch_lib.PackedBatch:
+    """A packed prefill batch of `length` rows per stream that holds only padding, with
+    `active` adapter entries (for Engine.warmup)."""
+    z = np.zeros((dp, cp, length), np.int32)
+    return batch_lib.PackedBatch(
+        tokens=z, targets=z, segment=np.full((dp, cp, length), -1, np.int32), position=z,
+        loss_id=z, floats={}, spans=np.zeros((dp, cp, active, 2), np.int32),
+        active=np.full(active, BASE, np.int32), num_slots=8, placements=())
+
+
+def _stack_topk(parts, k: int) -> TopK:
+    ids = [p[0] for p in parts] or [np.zeros((0, k), np.int32)]
+    lps = [p[1] for p in parts] or [np.zeros((0, k), np.float32)]
+    return TopK(np.concatenate(ids).astype(np.int32), np.concatenate(lps).astype(np.float32))

@@ -216,18 +216,20 @@ def make_copy(mesh):
 
 @dataclasses.dataclass(frozen=True)
 class PagedDecodeModes:
-    """out_len: most steps of the call; greedy / filtered / slice_layers: as
+    """out_len: most steps of the call; greedy / filtered / slice_layers / topk: as
     programs.DecodeModes."""
 
     out_len: int
     greedy: bool
     filtered: bool
     slice_layers: bool = True
+    topk: int = 0
 
 
 def make_decode(cfg: QwenConfig, mesh):
     """jit(decode)(lora, params, slot_meta, pool, table, rows: DecodeRows, active, *,
-    modes) -> (tokens [B, N] (−1: nothing drawn), log-probs [B, N], both replicated; pool).
+    modes) -> (tokens [B, N] (−1: nothing drawn), log-probs [B, N], both replicated[, top-k
+    ids [B, N, k], top-k log-probs [B, N, k] with modes.topk]; pool).
 
     programs.make_decode's loop (every row's newest token through the decoder, drawn with
     its own parameters, ended by its own stop set or max_tokens), reading each row's cache
@@ -249,7 +251,7 @@ def make_decode(cfg: QwenConfig, mesh):
                               if modes.slice_layers else None)
 
             def body(carry):
-                i, tok_B, pos_B, done_B, count_B, pool, out_tok, out_lp = carry
+                i, tok_B, pos_B, done_B, count_B, pool, out_tok, out_lp, out_tk = carry
                 lora_active = swap_a_factors(lora_outside)
                 layers = (None if layers_outside is None else
                           tuple((w, swap_a_factors(lo)) for w, lo in layers_outside))
@@ -260,12 +262,14 @@ def make_decode(cfg: QwenConfig, mesh):
                 lefts, rights = model_lib.unembed_factors(params, h_BxD, lora_active, route)
                 logits = sum(jnp.einsum("bd,dv->bv", l, r, preferred_element_type=jnp.float32)
                              for l, r in zip(lefts, rights))
-                nxt_B, lp_B = draws.sample_tokens(
+                nxt_B, lp_B, *tk = draws.sample_tokens(
                     draws.gather_vocab(logits), r.keys, count_B, r.temperature, r.top_k,
-                    r.top_p, greedy=modes.greedy, filtered=modes.filtered)
+                    r.top_p, greedy=modes.greedy, filtered=modes.filtered, topk=modes.topk)
                 live_B = ~done_B
                 out_tok = out_tok.at[:, i].set(jnp.where(live_B, nxt_B, -1))
                 out_lp = out_lp.at[:, i].set(jnp.where(live_B, lp_B, 0.0))
+                if tk:
+                    out_tk = (out_tk[0].at[:, i].set(tk[0]), out_tk[1].at[:, i].set(tk[1]))
                 done_B = (done_B | jnp.any(nxt_B[:, None] == r.stop, axis=1)
                           | (count_B + 1 >= r.max_tokens))
                 # As in programs.make_decode: skipping the rows of finished sequences makes
@@ -274,7 +278,7 @@ def make_decode(cfg: QwenConfig, mesh):
                                             n_pages, page)
                 pool = write_pages(pool, new, page_B, row_B)
                 count_B = count_B + live_B.astype(jnp.int32)
-                return i + 1, nxt_B, pos_B + 1, done_B, count_B, pool, out_tok, out_lp
+                return i + 1, nxt_B, pos_B + 1, done_B, count_B, pool, out_tok, out_lp, out_tk
 
             def cond(carry):
                 i, done_B = carry[0], carry[3]
@@ -283,19 +287,25 @@ def make_decode(cfg: QwenConfig, mesh):
 
             out_tok = vary(jnp.full((b, modes.out_len), -1, jnp.int32), SEQ_AXES)
             out_lp = vary(jnp.zeros((b, modes.out_len), jnp.float32), SEQ_AXES)
+            out_tk = ()
+            if modes.topk:
+                k = modes.topk
+                out_tk = (vary(jnp.full((b, modes.out_len, k), -1, jnp.int32), SEQ_AXES),
+                          vary(jnp.zeros((b, modes.out_len, k), jnp.float32), SEQ_AXES))
             carry = (jnp.int32(0), r.token, r.position, r.done, r.count, pool, out_tok,
-                     out_lp)
+                     out_lp, out_tk)
             carry = jax.lax.while_loop(cond, body, carry)
-            pool, out_tok, out_lp = carry[5:]
+            pool, out_tok, out_lp, out_tk = carry[5:]
             return (draws.gather_batch(out_tok, SEQ_AXES), draws.gather_batch(out_lp, SEQ_AXES),
-                    pool)
+                    *(draws.gather_batch(x, SEQ_AXES) for x in out_tk), pool)
 
         pool_spec = Pool(POOL_SPEC, POOL_SPEC)
         in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
                     SPECS.slot_G, pool_spec, TABLE_SPEC, DecodeRows.specs(LAYOUT),
                     SPECS.replicated)
         return jax.shard_map(shard, mesh=mesh, in_specs=in_specs,
-                             out_specs=(P(), P(), pool_spec))(
+                             out_specs=(P(), P()) + (P(), P()) * bool(modes.topk)
+                             + (pool_spec,))(
             lora_active, params, slot_meta, pool, table, rows, active)
 
     return decode
