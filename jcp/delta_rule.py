@@ -27,7 +27,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 from jcp.mesh import varying_axes, vary
 
@@ -75,25 +74,50 @@ def recurrent(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, initial_HxDkxDv=N
 # Chunked form with pieces
 
 
-def _block(q_CxHxDk, k_CxHxDk, v_CxHxDv, g_CxH, beta_CxH, start_C, init_CxHxDkxDv, s0_HxDkxDv,
+def unit_lower_inverse(a_XxCxC):
+    """(I + a)^−1 for strictly lower-triangular a [..., Ck, Ck] (Ck a power of two), exact:
+    blockwise, doubling the diagonal block each round — [[T1, 0], [A21, T2]]^−1 =
+    [[T1⁻¹, 0], [−T2⁻¹ A21 T1⁻¹, T2⁻¹]] — so log2(Ck) rounds of batched matmuls. XLA:CPU
+    runs jax.scipy.linalg.solve_triangular as a slow loop (8 ms per 64-row block of 4
+    heads, 60× this); transformers and FLA substitute row by row.
+    """
+    c = a_XxCxC.shape[-1]
+    lead = a_XxCxC.shape[:-2]
+    t = jnp.ones(lead + (c, 1, 1), a_XxCxC.dtype)  # inverses of the 1×1 diagonal blocks
+    b = 1
+    while b < c:
+        n = c // (2 * b)
+        pairs = a_XxCxC.reshape(lead + (n, 2 * b, n, 2 * b))
+        diag = jnp.moveaxis(jnp.diagonal(pairs, axis1=-4, axis2=-2), -1, -3)  # [.., n, 2b, 2b]
+        t1, t2 = t[..., 0::2, :, :], t[..., 1::2, :, :]
+        low = -jnp.matmul(t2, jnp.matmul(diag[..., b:, :b], t1))
+        t = jnp.concatenate([jnp.concatenate([t1, jnp.zeros_like(t1)], -1),
+                             jnp.concatenate([low, t2], -1)], -2)
+        b *= 2
+    return t[..., 0, :, :]
+
+
+def _block(q_CxHxDk, k_CxHxDk, v_CxHxDv, g_CxH, beta_CxH, start_C, piece_C, cand_XxHxDkxDv,
            row):
     """One kernel block of Ck tokens: (o [Ck, H, Dv], state just after token `row`).
 
-    Tokens before the block's first piece start continue from s0 (the carry); a token with
-    start_C begins a piece whose incoming state is init_C at that token (init rows of other
-    tokens are ignored). Within a piece, the UT transform: with A_ij = β_i k_i·k_j
-    exp(γ_i − γ_j) (j < i, same piece; γ the cumulative log decay), T = (I + A)^−1,
-    v_new = T (βv − β k exp(γ − γ_0) · S_init), o_i = exp(γ_i − γ_0) q_i·S_init +
-    Σ_{j ≤ i, same piece} q_i·k_j exp(γ_i − γ_j) v_new_j — transformers'
-    torch_chunk_gated_delta_rule with the state entering at each piece's first token.
+    cand: the block's candidate incoming states [1 + P, H, Dk, Dv] — row 0 the carry (the
+    state before the block, continued by tokens before the block's first piece start),
+    row 1 + p piece p's incoming state; a token with start_C begins piece piece_C there.
+    Within a piece, the UT transform: with A_ij = β_i k_i·k_j exp(γ_i − γ_j) (j < i, same
+    piece; γ the cumulative log decay), T = (I + A)^−1, v_new = T (βv − β k exp(γ − γ_0) ·
+    S_init), o_i = exp(γ_i − γ_0) q_i·S_init + Σ_{j ≤ i, same piece} q_i·k_j exp(γ_i − γ_j)
+    v_new_j — transformers' torch_chunk_gated_delta_rule with the state entering at each
+    piece's first token. The incoming-state products run as matmuls against every
+    candidate ([Ck, Dk] × [Dk, Dv] per candidate), then each token keeps its own: a
+    per-token gather of states ([Ck, H, Dk, Dv]) and matvecs cost 80 % of the block.
     """
     ck = q_CxHxDk.shape[0]
     idx = jnp.arange(ck)
     head = jax.lax.cummax(jnp.where(start_C, idx, -1))  # first token of each token's piece
+    which_C = jnp.where(head >= 0, piece_C[jnp.maximum(head, 0)] + 1, 0)  # its candidate
     cum_HxC = jnp.cumsum(g_CxH, axis=0).T
     before = jnp.where(head >= 0, (cum_HxC - g_CxH.T)[:, jnp.maximum(head, 0)], 0.0)
-    x_CxHxDkxDv = jnp.where((head >= 0)[:, None, None, None],
-                            init_CxHxDkxDv[jnp.maximum(head, 0)], s0_HxDkxDv[None])
     same_CxC = (head[:, None] == head[None, :]) & (idx[None, :] <= idx[:, None])
     diff_HxCxC = cum_HxC[:, :, None] - cum_HxC[:, None, :]
     decay_HxCxC = jnp.where(same_CxC, jnp.exp(jnp.where(same_CxC, diff_HxCxC, 0.0)), 0.0)
@@ -101,18 +125,21 @@ def _block(q_CxHxDk, k_CxHxDk, v_CxHxDv, g_CxH, beta_CxH, start_C, init_CxHxDkxD
     kk_HxCxC = jnp.einsum("ihd,jhd->hij", k_CxHxDk, k_CxHxDk)
     a_HxCxC = jnp.where(lower_CxC, beta_CxH.T[:, :, None] * kk_HxCxC * decay_HxCxC, 0.0)
     from_init_HxC = jnp.exp(cum_HxC - before)
+
+    def against_own(x_CxHxDk):
+        """x_t · (token t's incoming state): [Ck, H, Dv]."""
+        all_XxCxHxDv = jnp.einsum("chk,xhkv->xchv", x_CxHxDk, cand_XxHxDkxDv)
+        return jnp.take_along_axis(all_XxCxHxDv, which_C[None, :, None, None], axis=0)[0]
+
     kb_CxHxDk = k_CxHxDk * (beta_CxH * from_init_HxC.T)[:, :, None]
-    w_CxHxDv = jnp.einsum("chk,chkv->chv", kb_CxHxDk, x_CxHxDkxDv)
-    rhs_HxCxDv = jnp.swapaxes(v_CxHxDv * beta_CxH[:, :, None] - w_CxHxDv, 0, 1)
-    eye = jnp.eye(ck, dtype=a_HxCxC.dtype)
-    vnew_HxCxDv = solve_triangular(eye + a_HxCxC, rhs_HxCxDv, lower=True, unit_diagonal=True)
+    rhs_HxCxDv = jnp.swapaxes(v_CxHxDv * beta_CxH[:, :, None] - against_own(kb_CxHxDk), 0, 1)
+    vnew_HxCxDv = jnp.matmul(unit_lower_inverse(a_HxCxC), rhs_HxCxDv)
     qk_HxCxC = jnp.einsum("ihd,jhd->hij", q_CxHxDk, k_CxHxDk) * decay_HxCxC
-    o_CxHxDv = (jnp.einsum("chk,chkv->chv", q_CxHxDk * from_init_HxC.T[:, :, None],
-                           x_CxHxDkxDv)
+    o_CxHxDv = (against_own(q_CxHxDk * from_init_HxC.T[:, :, None])
                 + jnp.swapaxes(jnp.einsum("hij,hjv->hiv", qk_HxCxC, vnew_HxCxDv), 0, 1))
     # State after `row`: the decayed incoming state of row's piece plus its updates so far.
     d_row_HxC = decay_HxCxC[:, row, :]
-    s_HxDkxDv = (x_CxHxDkxDv[row] * from_init_HxC[:, row][:, None, None]
+    s_HxDkxDv = (cand_XxHxDkxDv[which_C[row]] * from_init_HxC[:, row][:, None, None]
                  + jnp.einsum("hj,jhk,hjv->hkv", d_row_HxC, k_CxHxDk, vnew_HxCxDv))
     return o_CxHxDv, s_HxDkxDv
 
@@ -157,7 +184,7 @@ def chunked(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, start_S=None, piece
 
     def run(s0, blk, row):
         qb, kb, vb, gb, bb, stb, pb = blk
-        return _block(qb, kb, vb, gb, bb, stb, init_P[pb], s0, row)
+        return _block(qb, kb, vb, gb, bb, stb, pb, jnp.concatenate([s0[None], init_P]), row)
 
     blocks = tuple(_blocks(x, chunk) for x in (q, k, v, g, beta, start_S, piece_S))
 
