@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -298,9 +299,11 @@ def _own(pcs: Pieces, x_X, p: int):
     return jax.lax.dynamic_slice_in_dim(x_X, pcs.rank * p, p, axis=0)
 
 
-def causal_conv(x_SxC, w_KxC, pcs: Pieces):
+def causal_conv(x_SxC, w_KxC, pcs: Pieces, hand_out: bool = False):
     """SiLU(depthwise causal conv1d) over each datum: [S, C] (transformers' causal_conv1d_fn
     with weight [C, 1, Kc] as w [Kc, C]: out_t = Σ_j w[j] · x_{t−Kc+1+j}, no bias).
+    hand_out: also return each of this rank's pieces' last Kc − 1 inputs of its datum
+    [P, Kc − 1, C] fp32 (oldest first; the conv window decode continues from).
 
     Inputs before a piece's first token come from its datum's earlier pieces — a halo of
     Kc − 1 rows, built from each piece's last Kc − 1 inputs exchanged over cp (a piece
@@ -330,6 +333,7 @@ def causal_conv(x_SxC, w_KxC, pcs: Pieces):
     zero = jnp.zeros((halo, x_SxC.shape[1]), jnp.float32)
     inc_x = _incoming(pcs, lambda inc, own: out_of(inc, own), (tail_x, len_x), zero)
     inc_PxHxC = _own(pcs, inc_x, p)
+    window_PxHxC = _own(pcs, out_of(inc_x, (tail_x, len_x)), p) if hand_out else None
     # Each token's offset in its piece; lag l reads x[t − l] inside the piece, else the
     # incoming halo's row halo − (l − offset).
     t = jnp.arange(s_len)
@@ -342,13 +346,16 @@ def causal_conv(x_SxC, w_KxC, pcs: Pieces):
         halo_row = inc_PxHxC[pcs.piece_S, slot]
         val = jnp.where((offset >= lag)[:, None], shifted, halo_row)
         out = out + val * w_KxC[halo - lag].astype(jnp.float32)
-    return jax.nn.silu(out).astype(x_SxC.dtype)
+    y = jax.nn.silu(out).astype(x_SxC.dtype)
+    return (y, window_PxHxC) if hand_out else y
 
 
 def gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, segment_S,
-                     pcs: Pieces, chunk: int = DEFAULT_CHUNK):
+                     pcs: Pieces, chunk: int = DEFAULT_CHUNK, hand_out: bool = False):
     """The gated delta rule over a packed stream, every piece from its datum's true state:
     o [S, H, Dv] fp32 (q, k L2-normalised; padding tokens' rows are meaningless).
+    hand_out: (o, the state after each of this rank's pieces [P, H, Dk, Dv]) — after a
+    datum's last piece, the state decode continues from.
 
     Pass 1: each piece's transition S_out = M·S_in + U, from the chunked kernel run on
     values [v | 0] from the state [0 | I] (the state's right block then tracks M). The
@@ -377,34 +384,78 @@ def gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, segment_S,
         return jnp.einsum("xhkj,xhjv->xhkv", m, inc_XxHxDkxDv) + u
 
     inc_x = _incoming(pcs, out_of, (m_x, u_x), jnp.zeros((h, dk, dv), jnp.float32))
-    o, _ = chunked(q_SxHkxDk, k_SxHkxDk, v32, g, beta, pcs.start_S, pcs.piece_S,
-                   _own(pcs, inc_x, p), chunk)
-    return o
+    o, final = chunked(q_SxHkxDk, k_SxHkxDk, v32, g, beta, pcs.start_S, pcs.piece_S,
+                       _own(pcs, inc_x, p), chunk, ends_P=pcs.end_P if hand_out else None)
+    return (o, final) if hand_out else o
 
 
 # ----------------------------------------------------------------------------------------
 # The mixing strategy the decoder's Gated DeltaNet layers call
 
 
+class Recurrent(NamedTuple):
+    """A Gated DeltaNet layer's recurrent state per sequence (or, stacked on a leading
+    axis, per layer): conv [.., B, Kc − 1, C] the last Kc − 1 conv inputs (oldest first),
+    ssm [.., B, H, Dk, Dv] the delta rule's state, both fp32. In prefill's hand-out, B is
+    this rank's pieces P instead (the state after each piece)."""
+
+    conv: jax.Array
+    ssm: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class CPMix:
     """Training's (and prefill's) sequence mixing of Gated DeltaNet layers over cp shards:
     `conv` and `rule`, closing over the stream's pieces so the model threads no flags.
-    Build it once per step with cp_mix; every linear layer reuses its pieces."""
+    Build it once per step with cp_mix; every linear layer reuses its pieces. Each takes
+    the layer's incoming state (ignored: a stream starts its datums from zero) and returns
+    (output, its part of the outgoing state): None, or with hand_out the state after each
+    of this rank's pieces (Recurrent's conv / ssm fields, [P, …])."""
 
     segment_S: jax.Array
     pcs: Pieces
     chunk: int
+    hand_out: bool = False
 
-    def conv(self, x_SxC, w_KxC):
-        return causal_conv(x_SxC, w_KxC, self.pcs)
+    def conv(self, x_SxC, w_KxC, state=None):
+        out = causal_conv(x_SxC, w_KxC, self.pcs, self.hand_out)
+        return out if self.hand_out else (out, None)
 
-    def rule(self, q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH):
-        return gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH,
-                                self.segment_S, self.pcs, self.chunk)
+    def rule(self, q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, state=None):
+        out = gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH,
+                               self.segment_S, self.pcs, self.chunk, self.hand_out)
+        return out if self.hand_out else (out, None)
 
 
 def cp_mix(segment_S, position_S, max_pieces: int, axis: str | None,
-           chunk: int = DEFAULT_CHUNK) -> CPMix:
-    """CPMix of a packed stream (see pieces for max_pieces and axis)."""
-    return CPMix(segment_S, pieces(segment_S, position_S, max_pieces, axis), chunk)
+           chunk: int = DEFAULT_CHUNK, hand_out: bool = False) -> CPMix:
+    """CPMix of a packed stream (see pieces for max_pieces and axis; hand_out: CPMix)."""
+    return CPMix(segment_S, pieces(segment_S, position_S, max_pieces, axis), chunk, hand_out)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMix:
+    """Decode's sequence mixing: one new token per sequence (rows B), continuing each
+    sequence's Recurrent state (conv window, delta-rule state) by the recurrent form.
+    fresh_B: the row's token is its sequence's first (position 0) — it continues from
+    zeros whatever the state rows hold (a reused slot, a one-token prompt)."""
+
+    fresh_B: jax.Array
+
+    def _start(self, state):
+        return jnp.where(self.fresh_B.reshape((-1,) + (1,) * (state.ndim - 1)), 0.0, state)
+
+    def conv(self, x_BxC, w_KxC, window_BxHxC):
+        """(SiLU(Σ_j w[j] · [window | x][j]) [B, C], the new window [B, Kc − 1, C])."""
+        full = jnp.concatenate([self._start(window_BxHxC),
+                                x_BxC.astype(jnp.float32)[:, None]], axis=1)
+        out = jnp.einsum("bjc,jc->bc", full, w_KxC.astype(jnp.float32))
+        return jax.nn.silu(out).astype(x_BxC.dtype), full[:, 1:]
+
+    def rule(self, q_BxHkxDk, k_BxHkxDk, v_BxHxDv, g_BxH, beta_BxH, s_BxHxDkxDv):
+        """(o [B, H, Dv] fp32, the new state [B, H, Dk, Dv]): one step of `recurrent`."""
+        one = lambda q, k, v, g, b, s: recurrent(q[None], k[None], v[None], g[None], b[None],
+                                                 s)  # noqa: E731
+        o, s = jax.vmap(one)(q_BxHkxDk, k_BxHkxDk, v_BxHxDv, g_BxH, beta_BxH,
+                             self._start(s_BxHxDkxDv))
+        return o[:, 0], s

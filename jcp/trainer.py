@@ -643,19 +643,12 @@ class Trainer:
         would exceed sample.SPLIT_ABOVE_BYTES (1 GiB) and splitting makes it smaller. The
         results do not depend on it (fp32 rounding).
         """
-        if self.cfg.is_hybrid:
-            # Decode needs each linear layer's recurrent state beside the KV cache.
-            raise InputError("sampling a hybrid (Qwen3.5, linear attention) model is not "
-                             "supported yet; forward / forward_backward are")
         return self._sampler.sample(prompts, sampling_params, adapters, num_samples,
                                     prompt_logprobs, cache_mode)
 
     def compute_logprobs(self, prompts, adapters=None) -> list[np.ndarray]:
         """Prompt log-probs float32 [len(prompt)] per prompt (NaN at 0), through the chunked
         forward path (no [tokens, vocab] logits). adapters as in `sample`."""
-        if self.cfg.is_hybrid:
-            raise InputError("compute_logprobs of a hybrid (Qwen3.5, linear attention) model "
-                             "is not supported yet; forward gives the same log-probs")
         return self._sampler.compute_logprobs(prompts, adapters)
 
 

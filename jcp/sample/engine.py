@@ -303,10 +303,7 @@ class Engine:
     def _prefill(self, admitted: list[_Request]) -> None:
         s = self.s
         if self.cache is None:
-            shape = (s.cfg.num_layers, self.slots, self.max_len, s.cfg.num_kv_heads,
-                     s.cfg.head_dim)
-            self.cache = kv_cache.KV(*(s.zeros(shape, self.lay.kv_LxBxTxKxH)
-                                       for _ in range(2)))
+            self.cache = s.empty_cache(self.slots, self.max_len, self.lay)
         prompts = [r.prompt for r in admitted]
         adapters = [r.adapter for r in admitted]
         row_of = [r.slots for r in admitted]
@@ -324,9 +321,9 @@ class Engine:
                                                pb.tokens.shape[-1], s.cp)
             self.program_keys.add(("prefill", "batch", pb.tokens.shape, pb.spans.shape,
                                    want_lp))
-            kv, lp = s.run_prefill(pb, source, kv_cache.KV(*self.cache), layout="batch",
-                                   with_logprobs=want_lp)
-            self._keep(kv.k, kv.v)
+            kv, lp = s.run_prefill(pb, source, self.cache, layout="batch",
+                                   with_logprobs=want_lp, row_of=row_of, prompt_of=which)
+            self._keep(kv)
             del kv
             lps.append(lp)
         plp = s.prompt_logprobs(prompts, adapters, lps, self.min_stream) if want_lp else None
@@ -335,13 +332,14 @@ class Engine:
             for j, slot in enumerate(r.slots):
                 self.owner[slot] = (r, j)
 
-    def _keep(self, k, v) -> None:
-        """Hold a program's output cache under the one sharding the engine made it with (a
-        relabel, no copy): XLA may report an equivalent sharding with another spec (e.g.
-        P() on one device), and a different input sharding would compile the next program
-        anew."""
-        sharding = NamedSharding(self.s.mesh, self.lay.kv_LxBxTxKxH)
-        self.cache = kv_cache.KV(jax.device_put(k, sharding), jax.device_put(v, sharding))
+    def _keep(self, kv: kv_cache.KV) -> None:
+        """Hold a program's output cache (K, V and a hybrid model's recurrent states) under
+        the one sharding the engine made it with (a relabel, no copy): XLA may report an
+        equivalent sharding with another spec (e.g. P() on one device), and a different
+        input sharding would compile the next program anew."""
+        specs = self.lay.kv_specs(kv.rec is not None)
+        self.cache = jax.tree.map(lambda x, spec: jax.device_put(
+            x, NamedSharding(self.s.mesh, spec)), kv_cache.KV(kv.k, kv.v, kv.rec), specs)
 
     def _logprobs(self) -> None:
         if not self.logprob_waiting:
@@ -413,7 +411,7 @@ class Engine:
                                    layout_lib.stop_table(stops))
         rows = jax.tree.map(s.put, rows, programs.DecodeRows.specs(self.lay))
         cache = kv_cache.Cache(self.cache.k, self.cache.v,
-                               s.put(self.row_position, self.lay.position_BxT))
+                               s.put(self.row_position, self.lay.position_BxT), self.cache.rec)
         modes = programs.DecodeModes("batch", self.chunk, greedy, filtered, s.slice_layers,
                                      window=(w_b, w_t))
         self.program_keys.add(("decode", modes, a_len, rows.stop.shape))
@@ -426,7 +424,7 @@ class Engine:
             for req in {id(r): r for r in (self.owner[x][0] for x in live)}.values():
                 self._end(req, EngineError(f"decode failed: {e}"))
             return
-        self._keep(cache.k, cache.v)
+        self._keep(kv_cache.KV(cache.k, cache.v, cache.rec))
         del cache
         ended = []
         for slot in live:
