@@ -221,7 +221,8 @@ class Pieces:
     of each piece's last real token (0 for an unused or all-padding piece); length_P: its
     real tokens. Over the X = CP·P pieces of all ranks (rank-major): pred_X, the piece
     holding each piece's preceding position of the same datum (−1: it starts its datum, or
-    is unused); rank: this rank's index on the axis (its pieces are X = rank·P + p).
+    is unused); length_X, the real tokens of each; rank: this rank's index on the axis (its
+    pieces are X = rank·P + p).
     """
 
     start_S: jax.Array
@@ -229,18 +230,25 @@ class Pieces:
     end_P: jax.Array
     length_P: jax.Array
     pred_X: jax.Array
+    length_X: jax.Array
     rank: jax.Array
     axis: str | None
     depth: int
 
 
 jax.tree_util.register_dataclass(
-    Pieces, data_fields=["start_S", "piece_S", "end_P", "length_P", "pred_X", "rank"],
+    Pieces, data_fields=["start_S", "piece_S", "end_P", "length_P", "pred_X", "length_X",
+                         "rank"],
     meta_fields=["axis", "depth"])
 
 
 def _gather(x, axis):
-    """[P, …] of every rank, rank-major: [CP·P, …] (the identity without an axis)."""
+    """[P, …] of every rank, rank-major: [CP·P, …] (the identity without an axis).
+
+    One all_gather per exchange, never several independent ones side by side: XLA:CPU
+    may start independent collectives in a different order on each device, and with 8
+    devices on a few cores the in-process rendezvous then deadlocked (mesh (2,2,2) and
+    (1,8,1) hung in the Qwen3.5 model test). Callers stack what they exchange."""
     return x if axis is None else jax.lax.all_gather(x, axis, axis=0, tiled=True)
 
 
@@ -264,16 +272,16 @@ def pieces(segment_S, position_S, max_pieces: int, axis: str | None = None) -> P
     last_pos = jnp.full((p,), -1, jnp.int32).at[piece].max(jnp.where(real, position_S, -1))
     end = jnp.full((p,), -1, jnp.int32).at[piece].max(jnp.where(real, t, -1))
     length = jnp.zeros((p,), jnp.int32).at[piece].add(real.astype(jnp.int32))
-    seg_x, first_x, last_x, len_x = (_gather(x, axis) for x in (first_seg, first_pos, last_pos,
-                                                                 length))
+    seg_x, first_x, last_x, len_x = jnp.moveaxis(
+        _gather(jnp.stack([first_seg, first_pos, last_pos, length], axis=1), axis), 1, 0)
     link = ((seg_x[:, None] == seg_x[None, :]) & (seg_x[:, None] >= 0) & (first_x[:, None] > 0)
             & (last_x[None, :] == first_x[:, None] - 1) & (len_x[None, :] > 0))
     pred = jnp.where(link.any(1), jnp.argmax(link, axis=1), -1)
     cp = seg_x.shape[0] // p
     rank = jnp.zeros((), jnp.int32) if axis is None else jax.lax.axis_index(axis)
     return Pieces(start_S=start, piece_S=piece.astype(jnp.int32), end_P=jnp.maximum(end, 0),
-                  length_P=length, pred_X=pred.astype(jnp.int32), rank=rank, axis=axis,
-                  depth=2 * cp)
+                  length_P=length, pred_X=pred.astype(jnp.int32), length_X=len_x, rank=rank,
+                  axis=axis, depth=2 * cp)
 
 
 def _incoming(pcs: Pieces, out_of, own_X, zero):
@@ -320,7 +328,7 @@ def causal_conv(x_SxC, w_KxC, pcs: Pieces, hand_out: bool = False):
     back = halo - 1 - jnp.arange(halo)  # slot j holds the input `back[j]` rows before end
     rows = pcs.end_P[:, None] - back[None, :]
     tail_PxHxC = x32[jnp.clip(rows, 0, s_len - 1)]
-    len_x = _gather(pcs.length_P, pcs.axis)
+    len_x = pcs.length_X
     tail_x = _gather(tail_PxHxC, pcs.axis)
 
     def out_of(inc_XxHxC, own):
@@ -376,8 +384,8 @@ def gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, segment_S,
     zeros_piece = jnp.zeros((v32.shape[0],), jnp.int32)
     _, ends = chunked(q_SxHkxDk, k_SxHkxDk, v_aug, g, beta, pcs.start_S, zeros_piece,
                       init_aug, chunk, ends_P=pcs.end_P)
-    u_x = _gather(ends[..., :dv], pcs.axis)
-    m_x = _gather(ends[..., dv:], pcs.axis)
+    ends_x = _gather(ends, pcs.axis)  # one exchange of [U | M] (see _gather)
+    u_x, m_x = ends_x[..., :dv], ends_x[..., dv:]
 
     def out_of(inc_XxHxDkxDv, own):
         m, u = own

@@ -138,6 +138,11 @@ def linear_attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer,
     x_SxD = rms_norm(h_SxD, layer["input_norm"], cfg.rms_norm_eps)
     lin = lambda m: _linear(x_SxD, layer[m], _lora(lora_layer, m), route)  # noqa: E731
     q, k, v = lin("in_proj_q"), lin("in_proj_k"), lin("in_proj_v")
+    qkv_lora = _lora(lora_layer, lora_lib.QKV)
+    if qkv_lora is not None:  # one A, its B split into this rank's q, k, v columns
+        u_SxAR = lora_lib.low_rank_input(x_SxD, qkv_lora["a"], route)
+        q, k, v = (y + lora_lib.expand(u_SxAR, qkv_lora[b], y.dtype)
+                   for y, b in zip((q, k, v), lora_lib.QKV_B))
     widths = (q.shape[1], k.shape[1])
     mixed, conv_state = mix.conv(
         jnp.concatenate([q, k, v], axis=-1),
@@ -184,7 +189,9 @@ def moe_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing |
     """Pre-norm sparse MoE MLP of one layer (Qwen3-MoE): (output psum'd over tp [S, D];
     moe.RouterStats [E] of the tokens where count_S (bool [S]), or None without count_S).
 
-    Same signature as dense_mlp (count_S bound by the caller). h is identical on every tp
+    Same signature as dense_mlp (count_S bound by the caller). A shared expert
+    (cfg.shared_expert_intermediate_size, Qwen3.5-MoE) is added to every token, gated by
+    sigmoid(x · shared_expert_gate); it is not adapted. h is identical on every tp
     rank, so every rank routes alike (moe.route: softmax in fp32, top-k, renormalised when
     cfg.norm_topk_prob), runs only its own E/tp experts (layer["expert_*"]: [E/tp, …]) on
     the rows routed to them, dropless, and the psum over tp adds the ranks' parts. The
@@ -211,6 +218,15 @@ def moe_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing |
     y_SxD = moe_lib.experts(mesh_lib.vary(x_SxD, (TP,)), weights_SxX, experts_SxX,
                             layer["expert_gate"], layer["expert_up"], layer["expert_down"],
                             jax.lax.axis_index(TP) * num_local, lora, route)
+    if "shared_gate" in layer:
+        # Qwen3.5-MoE's shared expert: this rank's F/tp of a SwiGLU MLP (row-parallel down,
+        # summed by the psum below), scaled by the tp-invariant sigmoid(x · w_gate).
+        shared_SxD = jnp.einsum(
+            "sf,fd->sd", jax.nn.silu(x_SxD @ layer["shared_gate"].astype(x_SxD.dtype))
+            * (x_SxD @ layer["shared_up"].astype(x_SxD.dtype)),
+            layer["shared_down"].astype(x_SxD.dtype))
+        gate_Sx1 = jax.nn.sigmoid(x_SxD @ layer["shared_expert_gate"].astype(x_SxD.dtype))
+        y_SxD = y_SxD + (gate_Sx1 * shared_SxD).astype(y_SxD.dtype)
     return jax.lax.psum(y_SxD, TP), stats
 
 
@@ -325,7 +341,8 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
         if layers is not None:
             raise NotImplementedError("unrolled layer slices of a hybrid model")
         return _hybrid_hidden(cfg, params, h, position_S, attend, mix, layer_lora, route,
-                              mlp, remat, finish, attn_state)
+                              moe_block if cfg.is_moe else mlp, remat, finish, expert_lora,
+                              count_S is not None, attn_state)
     if remat:
         # Recompute each layer in the backward pass except the attention kernel's output and
         # log-sum-exp: O(S·Q·H) per layer saved buys not running attention twice.
@@ -382,10 +399,13 @@ def _concat(parts):
 
 
 def _hybrid_hidden(cfg: QwenConfig, params, h, position_S, attend, mix, layer_lora, route,
-                   mlp, remat, finish, state: HybridState | None):
+                   mlp, remat, finish, expert_lora=None, record=False,
+                   state: HybridState | None = None):
     """hidden_states of a hybrid model: each run of same-kind layers (gated full attention
     or Gated DeltaNet) one lax.scan over its slice of `layers` (norms, MLP), of its kind's
-    mixer weights (full_attn [Lf, …] / linear_attn [Ll, …]) and of its kind's state."""
+    mixer weights (full_attn [Lf, …] / linear_attn [Ll, …]) and of its kind's state. A
+    hybrid MoE model (Qwen3.5-MoE) has MoE MLPs in every layer: moe_mlp [L, …] and the
+    experts' LoRA are cut like `layers`; `record`: collect their routing statistics."""
 
     def body_of(linear):
         def body(h, xs):
@@ -396,8 +416,8 @@ def _hybrid_hidden(cfg: QwenConfig, params, h, position_S, attend, mix, layer_lo
                 a_SxD, st = attention_block(cfg, h, layer, lora_layer, route, position_S,
                                             attend, st)
             h = h + a_SxD
-            y_SxD, _ = mlp(cfg, h, layer, lora_layer, route)
-            return h + y_SxD, st
+            y_SxD, stats = mlp(cfg, h, layer, lora_layer, route)
+            return h + y_SxD, (st, stats)
 
         if remat:
             policy = jax.checkpoint_policies.save_only_these_names(*attention_lib.SAVED_NAMES)
@@ -406,15 +426,27 @@ def _hybrid_hidden(cfg: QwenConfig, params, h, position_S, attend, mix, layer_lo
 
     state = state or HybridState(None, None)
     outs = {False: [], True: []}
+    records = []
     for linear, start, end, first in kind_runs(cfg.linear_layers):
         cut = lambda t, a=start, b=end: jax.tree.map(lambda x: x[a:b], t)
         cut_kind = lambda t, a=first, n=end - start: jax.tree.map(lambda x: x[a:a + n], t)
         mixer = cut_kind(params["linear_attn" if linear else "full_attn"])
         st = cut_kind(state.linear if linear else state.full)
-        h, out = jax.lax.scan(body_of(linear), h, ({**cut(params["layers"]), **mixer},
-                                                   cut(layer_lora), st))
+        # LoRA likewise: the MLP's factors are [L, …], the mixer's per kind (lora.LINEAR
+        # [Ll, …], lora.ATTN [Lf, …]; lora.module_layer_ids).
+        lora_w = None if layer_lora is None else {
+            **cut({m: x for m, x in layer_lora.items() if m in lora_lib.MLP}),
+            **cut_kind({m: x for m, x in layer_lora.items()
+                        if m in (lora_lib.LINEAR if linear else lora_lib.ATTN)}),
+            **cut(expert_lora or {})}
+        mlp_w = cut(params["moe_mlp"]) if cfg.is_moe else {}
+        h, (out, stats) = jax.lax.scan(body_of(linear), h,
+                                       ({**cut(params["layers"]), **mixer, **mlp_w}, lora_w,
+                                        st))
         outs[linear].append(out)
-    return finish(h, HybridState(_concat(outs[False]), _concat(outs[True])), [])
+        if record:
+            records.append(stats)
+    return finish(h, HybridState(_concat(outs[False]), _concat(outs[True])), records)
 
 
 def unembed_factors(params, h_SxD, lora=None, route: lora_lib.Routing | None = None):
