@@ -234,8 +234,10 @@ def pad_streams(pb: batch_lib.PackedBatch, s_len: int) -> batch_lib.PackedBatch:
     if pad <= 0:
         return pb
 
-    def grow(x, value=0):
-        return np.pad(x, ((0, 0), (0, 0), (0, pad)), constant_values=value)
+    def grow(x, value=0):  # [DP, CP, S] or [DP, CP, S, K] (2-D targets: −1 pads)
+        value = -1 if x is pb.targets and x.ndim == 4 else value
+        return np.pad(x, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3),
+                      constant_values=value)
 
     return dataclasses.replace(
         pb, tokens=grow(pb.tokens), targets=grow(pb.targets), segment=grow(pb.segment, -1),

@@ -46,7 +46,10 @@ def _register(cls):
 @dataclasses.dataclass(frozen=True)
 class PrefillArgs:
     """Packed prefill streams (batch.pack of prompt[:-1] → prompt[1:]) as global arrays:
-    tokens, segment, position, targets [DP, CP, S], spans [DP, CP, A, 2], active [A]."""
+    tokens, segment, position, targets [DP, CP, S] (or [DP, CP, S, K]: column 0 the next
+    prompt token, the others requested targets, −1 padded), spans [DP, CP, A, 2], active
+    [A]; for prompt draws (PrefillModes.alt) each token's temperature [DP, CP, S] (0:
+    greedy) and raw threefry key [DP, CP, S, 2], else None."""
 
     tokens: jax.Array
     segment: jax.Array
@@ -54,23 +57,33 @@ class PrefillArgs:
     targets: jax.Array
     spans: jax.Array
     active: jax.Array
+    temperature: jax.Array | None = None
+    keys: jax.Array | None = None
 
     @staticmethod
-    def specs() -> PrefillArgs:
+    def specs(draws: bool = False) -> PrefillArgs:
         s = SPECS.stream_DPxCPxS
-        return PrefillArgs(s, s, s, s, SPECS.spans_DPxCPxAx2, SPECS.replicated)
+        return PrefillArgs(s, s, s, s, SPECS.spans_DPxCPxAx2, SPECS.replicated,
+                           s if draws else None, s if draws else None)
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefillModes:
     """layout: kv_cache.LAYOUTS name the prefill fills, or None (no cache: log-probs only);
-    with_logprobs: also return the streams' target log-probs; pieces: a hybrid model's
-    static bound on pieces per stream (delta_rule.pieces; layout.stream_pieces), 0
-    otherwise."""
+    with_logprobs: also return the streams' target log-probs; topk / alt (bucketed, 0:
+    none): also each token's top-k log-probs / alt draws (losses.prompt_stats; then the
+    log-probs come back as a dict, see make_prefill); pieces: a hybrid model's static
+    bound on pieces per stream (delta_rule.pieces; layout.stream_pieces), 0 otherwise."""
 
     layout: str | None
     with_logprobs: bool
+    topk: int = 0
+    alt: int = 0
     pieces: int = 0
+
+    @property
+    def stats(self) -> bool:
+        return bool(self.topk or self.alt)
 
 
 @_register
@@ -112,7 +125,8 @@ class DecodeModes:
     slice_layers: take the layers out of their stacks once before the loop (see
     make_decode); window: (rows, cache rows) — decode only the first `rows` sequences of
     each device's cache over its first `cache rows` rows (the engine's live slots and
-    lengths, bucketed), writing them back in place; None: the whole cache."""
+    lengths, bucketed), writing them back in place; None: the whole cache. topk
+    (bucketed, 0: none): also return each step's top-k log-probs (draws.sample_tokens)."""
 
     layout: str
     out_len: int
@@ -120,11 +134,14 @@ class DecodeModes:
     filtered: bool
     slice_layers: bool = True
     window: tuple[int, int] | None = None
+    topk: int = 0
 
 
 def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
     """jit(prefill)(lora, params, slot_meta, args: PrefillArgs, source, old, rec_source,
-    *, modes) -> (KV [L, B, T, K, H] or None, log-probs [DP, CP, S] replicated or None).
+    *, modes) -> (KV [L, B, T, K, H] or None, log-probs [DP, CP, S] (or [DP, CP, S, K] for
+    2-D targets) replicated or None; with modes.topk / modes.alt a dict of replicated
+    [DP, CP, S, …] arrays, the keys of losses.prompt_stats).
 
     The packed streams through the decoder with training's CP attention
     (train_step.training_attend: gathered K/V or the ring, by step_cfg.cp_attention and
@@ -166,20 +183,38 @@ def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
                 kv = kv._replace(rec=kv_cache.fill_recurrent(
                     rec, rec_source, None if old is None else old.rec, lay))
             lp = None
-            if modes.with_logprobs:
+            if modes.with_logprobs and modes.stats:
+                lefts, rights = model_lib.unembed_factors(params, h_SxD, lora_active, route)
+                stats = losses_lib.prompt_stats(
+                    lefts, rights, one(a.targets).reshape(one(a.tokens).shape[0], -1),
+                    step_cfg.logprob_chunk, topk=modes.topk, alt=modes.alt,
+                    temperature_S=None if a.temperature is None else one(a.temperature),
+                    keys_Sx2=None if a.keys is None else one(a.keys),
+                    position_S=one(a.position))
+                real = one(a.segment) >= 0
+                lp = {k: losses_lib.gather_stream(
+                    jnp.where(real.reshape((-1,) + (1,) * (v.ndim - 1)), v,
+                              jnp.zeros((), v.dtype))) for k, v in stats.items()}
+            elif modes.with_logprobs:
                 lefts, rights = model_lib.unembed_factors(params, h_SxD, lora_active, route)
                 lp_S = losses_lib.target_logprobs(lefts, rights, one(a.targets),
                                                   step_cfg.logprob_chunk)
-                lp = losses_lib.gather_stream(jnp.where(one(a.segment) >= 0, lp_S, 0.0))
+                real = one(a.segment) >= 0
+                lp = losses_lib.gather_stream(
+                    jnp.where(real.reshape((-1,) + (1,) * (lp_S.ndim - 1)), lp_S, 0.0))
             return kv, lp
 
         kv_spec = None if lay is None else lay.kv_specs(hybrid)
         in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
-                    SPECS.slot_G, PrefillArgs.specs(),
+                    SPECS.slot_G, PrefillArgs.specs(args.keys is not None),
                     None if lay is None else lay.position_BxT,
                     None if old is None else kv_spec,
                     None if rec_source is None else lay.seqs_B)
-        out_specs = (kv_spec, P() if modes.with_logprobs else None)
+        lp_spec = P() if modes.with_logprobs else None
+        if modes.with_logprobs and modes.stats:
+            lp_spec = {k: P() for k in ("lp",) + ("topk_ids", "topk_lp") * bool(modes.topk)
+                       + ("alt_ids", "alt_lp") * bool(modes.alt)}
+        out_specs = (kv_spec, lp_spec)
         return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
             lora_active, params, slot_meta, args, source, old, rec_source)
 
@@ -189,7 +224,9 @@ def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
 def make_decode(cfg: QwenConfig, mesh):
     """jit(decode)(lora, params, slot_meta, cache, rows: DecodeRows, active, *, modes) ->
     (tokens [B, N] (−1 where a row drew nothing), log-probs [B, N], both replicated; the
-    final cache, less the rows of the steps that ended a sequence — nothing reads those).
+    final cache, less the rows of the steps that ended a sequence — nothing reads those);
+    with modes.topk, (tokens, log-probs, top-k ids [B, N, k], top-k log-probs [B, N, k],
+    cache).
 
     One lax.while_loop of at most modes.out_len steps: each step runs every row's newest
     token through the decoder (decode_attend over its cache — merged over cp under layout
@@ -233,7 +270,7 @@ def make_decode(cfg: QwenConfig, mesh):
                               if modes.slice_layers else None)
 
             def body(carry):
-                i, tok_B, pos_B, done_B, count_B, cache, out_tok, out_lp = carry
+                i, tok_B, pos_B, done_B, count_B, cache, out_tok, out_lp, out_tk = carry
                 lora_active = swap_a_factors(lora_outside)
                 layers = (None if layers_outside is None else
                           tuple((w, swap_a_factors(lo)) for w, lo in layers_outside))
@@ -248,12 +285,14 @@ def make_decode(cfg: QwenConfig, mesh):
                 lefts, rights = model_lib.unembed_factors(params, h_BxD, lora_active, route)
                 logits = sum(jnp.einsum("bd,dv->bv", l, r, preferred_element_type=jnp.float32)
                              for l, r in zip(lefts, rights))
-                nxt_B, lp_B = draws.sample_tokens(
+                nxt_B, lp_B, *tk = draws.sample_tokens(
                     draws.gather_vocab(logits), r.keys, count_B, r.temperature, r.top_k,
-                    r.top_p, greedy=modes.greedy, filtered=modes.filtered)
+                    r.top_p, greedy=modes.greedy, filtered=modes.filtered, topk=modes.topk)
                 live_B = ~done_B
                 out_tok = out_tok.at[:, i].set(jnp.where(live_B, nxt_B, -1))
                 out_lp = out_lp.at[:, i].set(jnp.where(live_B, lp_B, 0.0))
+                if tk:
+                    out_tk = (out_tk[0].at[:, i].set(tk[0]), out_tk[1].at[:, i].set(tk[1]))
                 done_B = (done_B | jnp.any(nxt_B[:, None] == r.stop, axis=1)
                           | (count_B + 1 >= r.max_tokens))
                 # A finished sequence needs no more rows. Skipping them also makes the write
@@ -268,7 +307,7 @@ def make_decode(cfg: QwenConfig, mesh):
                     new = new.full
                 cache = kv_cache.write_rows(cache, new, rows_B, pos_B)
                 count_B = count_B + live_B.astype(jnp.int32)
-                return i + 1, nxt_B, pos_B + 1, done_B, count_B, cache, out_tok, out_lp
+                return i + 1, nxt_B, pos_B + 1, done_B, count_B, cache, out_tok, out_lp, out_tk
 
             def cond(carry):
                 i, done_B = carry[0], carry[3]
@@ -277,21 +316,28 @@ def make_decode(cfg: QwenConfig, mesh):
 
             out_tok = vary(jnp.full((b, modes.out_len), -1, jnp.int32), lay.seq_axes)
             out_lp = vary(jnp.zeros((b, modes.out_len), jnp.float32), lay.seq_axes)
+            out_tk = ()
+            if modes.topk:
+                k = modes.topk
+                out_tk = (vary(jnp.full((b, modes.out_len, k), -1, jnp.int32), lay.seq_axes),
+                          vary(jnp.zeros((b, modes.out_len, k), jnp.float32), lay.seq_axes))
             carry = (jnp.int32(0), r.token, r.position, r.done, r.count, cache, out_tok,
-                     out_lp)
+                     out_lp, out_tk)
             carry = jax.lax.while_loop(cond, body, carry)
-            cache, out_tok, out_lp = carry[5:]
+            cache, out_tok, out_lp, out_tk = carry[5:]
             if modes.window is not None:
                 cache = jax.tree.map(
                     lambda f, c: jax.lax.dynamic_update_slice(f, c, (0,) * f.ndim), full, cache)
             return (draws.gather_batch(out_tok, lay.seq_axes),
-                    draws.gather_batch(out_lp, lay.seq_axes), cache)
+                    draws.gather_batch(out_lp, lay.seq_axes),
+                    *(draws.gather_batch(x, lay.seq_axes) for x in out_tk), cache)
 
         in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
                     SPECS.slot_G, lay.cache_specs(hybrid), DecodeRows.specs(lay),
                     SPECS.replicated)
         return jax.shard_map(shard, mesh=mesh, in_specs=in_specs,
-                             out_specs=(P(), P(), lay.cache_specs(hybrid)))(
+                             out_specs=(P(), P()) + (P(), P()) * bool(modes.topk)
+                             + (lay.cache_specs(hybrid),))(
             lora_active, params, slot_meta, cache, rows, active)
 
     return decode
