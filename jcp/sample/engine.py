@@ -446,6 +446,8 @@ class Engine:
         self._logprobs()
         if self.decoding:
             self._decode()
+        self.peak_pages = max([self.peak_pages] + [self.pool.used(g)
+                                                   for g in range(self.groups)])
         self.steps += 1
         return self._ended
 
@@ -591,7 +593,6 @@ class Engine:
             seq.pages.append(self.pool.alloc(seq.g))
             seq.reserve -= 1
             self.pool.reserved[seq.g] -= 1
-        self.peak_pages = max(self.peak_pages, self.pool.used(seq.g))
 
     def _fork(self, group: _Group, copies: list) -> None:
         """Prefill over: every further sample takes the prompt's full pages (shared) and a
@@ -826,7 +827,8 @@ class Engine:
                                    layout_lib.stop_table(stops))
         table = self._table(live, at, b, m)
         topk = k_bucket(max(x.req.fields.topk_sample_logprobs for x in live))
-        modes = paged.PagedDecodeModes(self.chunk, greedy, filtered, s.slice_layers, topk)
+        modes = paged.PagedDecodeModes(self.chunk, greedy, filtered, s.slice_layers, topk,
+                                       rows.stop.shape[1])
         try:
             out_tok, out_lp, *out_tk = self._run_decode(table, rows, modes, active)
         except Exception as e:  # noqa: BLE001 — the pages were donated: every request fails
@@ -864,12 +866,11 @@ class Engine:
         """One decode call over the engine's pages (kept, donated) -> its host outputs
         (tokens, log-probs[, top-k ids, top-k log-probs])."""
         s = self.s
-        self.program_keys.add(("decode", len(rows.token), table.shape[1], len(active), modes,
-                               rows.stop.shape))
-        rows = jax.tree.map(s.put, rows, programs.DecodeRows.specs(paged.LAYOUT))
+        self.program_keys.add(("decode", len(rows.token), table.shape[1], len(active), modes))
+        ints, floats = paged.pack_rows(rows, table)
         self._ensure_cache()
         *out, pool = s.paged.decode(s.state.weights, s.params, s.state.meta, self.cache,
-                                    s.put(table, paged.TABLE_SPEC), rows,
+                                    s.put(ints, paged.TABLE_SPEC), s.put(floats, paged.TABLE_SPEC),
                                     replicate(s.mesh, active), modes=modes)
         self._keep(pool)
         del pool
@@ -944,7 +945,8 @@ class Engine:
                                 layout_lib.stop_table([()] * b, ns))
                             for k in topk:
                                 modes = paged.PagedDecodeModes(self.chunk, *kinds[d],
-                                                               s.slice_layers, k_bucket(k))
+                                                               s.slice_layers, k_bucket(k),
+                                                               rows.stop.shape[1])
                                 self._run_decode(np.full((b, m), -1, np.int32), rows, modes,
                                                  act)
         for n in _rungs(self.b_local, WINDOW_FLOOR[0]):

@@ -214,6 +214,33 @@ def make_copy(mesh):
     return copy
 
 
+_INT_FIELDS = ("token", "position", "base", "done", "count", "index", "max_tokens", "top_k")
+
+
+def pack_rows(rows: DecodeRows, table_BxM: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Host DecodeRows and page table as two arrays, so a decode call moves 2 host arrays
+    to the devices instead of 13 (each transfer costs ~ms of host time on CPU): int32
+    [B, 8 + 2 + NS + M] (the int fields, done as 0/1, keys' bits, stop table, page table)
+    and float32 [B, 2] (temperature, top_p). unpack_rows inverts it inside the program."""
+    ints = np.concatenate(
+        [np.stack([np.asarray(getattr(rows, f)).astype(np.int32) for f in _INT_FIELDS], 1),
+         np.ascontiguousarray(rows.keys, np.uint32).view(np.int32), rows.stop, table_BxM],
+        axis=1).astype(np.int32)
+    floats = np.stack([rows.temperature, rows.top_p], 1).astype(np.float32)
+    return ints, floats
+
+
+def unpack_rows(ints, floats, stop_width: int) -> tuple[DecodeRows, jax.Array]:
+    """(DecodeRows, table [B, M]) from pack_rows' arrays (traced)."""
+    f = {name: ints[:, i] for i, name in enumerate(_INT_FIELDS)}
+    f["done"] = f["done"] != 0
+    n = len(_INT_FIELDS)
+    keys = jax.lax.bitcast_convert_type(ints[:, n:n + 2], jnp.uint32)
+    stop = ints[:, n + 2:n + 2 + stop_width]
+    return (DecodeRows(keys=keys, stop=stop, temperature=floats[:, 0], top_p=floats[:, 1], **f),
+            ints[:, n + 2 + stop_width:])
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedDecodeModes:
     """out_len: most steps of the call; greedy / filtered / slice_layers / topk: as
@@ -224,23 +251,24 @@ class PagedDecodeModes:
     filtered: bool
     slice_layers: bool = True
     topk: int = 0
+    stop_width: int = 8
 
 
 def make_decode(cfg: QwenConfig, mesh):
-    """jit(decode)(lora, params, slot_meta, pool, table, rows: DecodeRows, active, *,
-    modes) -> (tokens [B, N] (−1: nothing drawn), log-probs [B, N], both replicated[, top-k
+    """jit(decode)(lora, params, slot_meta, pool, ints, floats, active, *, modes) -> (tokens [B, N] (−1: nothing drawn), log-probs [B, N], both replicated[, top-k
     ids [B, N, k], top-k log-probs [B, N, k] with modes.topk]; pool).
 
     programs.make_decode's loop (every row's newest token through the decoder, drawn with
     its own parameters, ended by its own stop set or max_tokens), reading each row's cache
     through its page table [B, M] and writing each step's K/V to page
-    table[position // page]. rows.base is unused. The pool is donated.
+    table[position // page]. ints, floats: pack_rows of the DecodeRows and the page tables
+    [B, M] (stop tables modes.stop_width wide); rows.base is unused. The pool is donated.
     """
 
     @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("pool",))
-    def decode(lora, params, slot_meta, pool, table, rows: DecodeRows, active, *,
-               modes: PagedDecodeModes):
+    def decode(lora, params, slot_meta, pool, ints, floats, active, *, modes: PagedDecodeModes):
         lora_active = lora_lib.take_active(lora, jnp.maximum(active, 0))
+        rows, table = unpack_rows(ints, floats, modes.stop_width)
 
         def shard(lora_active, params, slot_meta, pool, table, r: DecodeRows, active):
             route = slot_meta.routing(active, None, r.index)
