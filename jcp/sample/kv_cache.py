@@ -195,6 +195,84 @@ def fill_recurrent(rec: delta_rule.Recurrent, source_B, old: delta_rule.Recurren
     return keep_recurrent(old, new, keep)
 
 
+# ----------------------------------------------------------------------------------------
+# Decode
+
+
+def merge_partials(state: attention_lib.SoftmaxState, axes) -> attention_lib.SoftmaxState:
+    """Log-sum-exp merge of online-softmax states over mesh `axes` (flash-decoding).
+
+    Each device holds the state of its own key rows (max m_i, sum l_i, acc_i, any shape);
+    with m = pmax(m_i): l = psum(l_i·e^(m_i − m)), acc = psum(acc_i·e^(m_i − m)) — the state
+    of all rows together, the same on every device. A device that saw no visible key
+    (m_i = −inf) contributes exactly 0. axes = (): the state unchanged.
+    Example: two ranks with one key each, scores 0 and log 3, values 1 and 5: m = log 3,
+    l = 1/3 + 1, acc = 1/3 + 5, acc / l = 4.
+    """
+    if not axes:
+        return state
+    m_i, l_i, acc_i = state
+    m = jax.lax.pmax(m_i, axes)
+    corr = jnp.exp(m_i - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = jax.lax.psum(l_i * corr, axes)
+    acc = jax.lax.psum(acc_i * corr[..., None], axes)
+    return attention_lib.SoftmaxState(m, l, acc)
+
+
+def decode_attend(position_B, row_position_BxT, merge_axes=()) -> attention_lib.Attend:
+    """The decode strategy: one new token per sequence against that sequence's cache.
+
+    position_B: the true position of each sequence's new token; row_position_BxT: the
+    position held by each of this device's cache rows (−1 = empty). A query sees a row iff
+    0 ≤ row position < its own position, then its own new key. merge_axes: the mesh axes
+    a sequence's rows are split over (the layout's row_axes). state: this layer's
+    KV(k [B, T, K, H], v [B, T, K, H]); returns (out [B, Q, H], KV(k_new [B, K, H],
+    v_new [B, K, H])) — the caller writes the new rows (write_rows).
+    """
+    visible_BxT = (row_position_BxT >= 0) & (row_position_BxT < position_B[:, None])
+
+    def attend(q_BxQxH, k_BxKxH, v_BxKxH, state: KV):
+        b, q_heads, head_dim = q_BxQxH.shape
+        kv_heads = k_BxKxH.shape[1]
+        per_kv = q_heads // kv_heads
+        scale = 1.0 / np.sqrt(head_dim)
+        q_BxKxMxH = q_BxQxH.reshape(b, kv_heads, per_kv, head_dim)
+
+        def rows(q_KxMxH, k_TxKxH, v_TxKxH, visible_T):
+            s_KxMxT = jnp.einsum("kmh,tkh->kmt", q_KxMxH, k_TxKxH,
+                                 preferred_element_type=jnp.float32) * scale
+            s_KxMxT = jnp.where(visible_T, s_KxMxT, -jnp.inf)
+            init = attention_lib.online_softmax_init(kv_heads, per_kv, 1, head_dim)
+            return attention_lib.online_softmax_update(init, s_KxMxT[:, :, None, :], v_TxKxH)
+
+        def own(st, q_KxMxH, k_new_KxH, v_new_KxH):
+            s_KxM = jnp.einsum("kmh,kh->km", q_KxMxH, k_new_KxH,
+                               preferred_element_type=jnp.float32) * scale
+            st = attention_lib.online_softmax_update(st, s_KxM[:, :, None, None],
+                                                     v_new_KxH[None])
+            return attention_lib.online_softmax_finish(st)[0][:, :, 0]
+
+        st = jax.vmap(rows)(q_BxKxMxH, state.k, state.v, visible_BxT)
+        st = merge_partials(st, merge_axes)
+        out = jax.vmap(own)(st, q_BxKxMxH, k_BxKxH, v_BxKxH)
+        return out.reshape(b, q_heads, head_dim).astype(q_BxQxH.dtype), KV(k_BxKxH, v_BxKxH)
+
+    return attend
+
+
+def write_rows(cache: Cache, new: KV, row_B, position_B) -> Cache:
+    """cache with row row_B[b] of sequence b set to new [L, B, K, H] at position_B[b].
+
+    Rows ≥ T are dropped, never wrapped: a finished sequence running on, or (layout
+    "split") a rank that is not this step's writer.
+    """
+    b = jnp.arange(row_B.shape[0])
+    k, v = (c.at[:, b, row_B].set(n.astype(c.dtype), mode="drop")
+            for c, n in zip((cache.k, cache.v), new))
+    pos = cache.position.at[b, row_B].set(position_B.astype(jnp.int32), mode="drop")
+    return cache._replace(k=k, v=v, position=pos)
+
+
 def keep_recurrent(old: delta_rule.Recurrent, new: delta_rule.Recurrent, live_B
                    ) -> delta_rule.Recurrent:
     """The recurrent state after a decode step: new [Ll, B, …] on live rows, old elsewhere
