@@ -649,10 +649,6 @@ class Trainer:
         target_prompt_logprobs, prompt_alt_tokens_k (results in SampleResult /
         SampledSequence). Each is computed vocab-parallel with forward's log_softmax.
         """
-        if self.cfg.is_hybrid:
-            # Decode needs each linear layer's recurrent state beside the KV cache.
-            raise InputError("sampling a hybrid (Qwen3.5, linear attention) model is not "
-                             "supported yet; forward / forward_backward are")
         return self._sampler.sample(prompts, sampling_params, adapters, num_samples,
                                     prompt_logprobs, cache_mode, fields)
 
@@ -662,9 +658,6 @@ class Trainer:
         forward path (no [tokens, vocab] logits). adapters as in `sample`.
         prompt_logprobs_last_n: only the last n positions are returned (earlier ones NaN);
         1 ≤ n ≤ len(prompt) − 1 for every prompt."""
-        if self.cfg.is_hybrid:
-            raise InputError("compute_logprobs of a hybrid (Qwen3.5, linear attention) model "
-                             "is not supported yet; forward gives the same log-probs")
         return self._sampler.compute_logprobs(prompts, adapters, prompt_logprobs_last_n)
 
 

@@ -16,6 +16,7 @@ cache on one device; "split" keeps each sequence's cache split over cp along the
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -24,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jcp import batch as batch_lib
+from jcp import delta_rule
 from jcp import mesh as mesh_lib
 from jcp import train_step
 from jcp.adapter_state import AdapterState, host, replicate
@@ -32,6 +34,7 @@ from jcp.errors import InputError
 from jcp.mesh import SPECS
 from jcp.sample import kv_cache
 from jcp.sample import layout as layout_lib
+from jcp.sample import paged as paged_lib
 from jcp.sample import programs
 from jcp.sample.params import (BASE, MIN_TEMPERATURE, Checked, PromptFields, SampledSequence,
                                SampleResult, TopK, alt_key, check_fields, check_params,
@@ -131,7 +134,7 @@ class Sampler:
                  step_cfg: train_step.StepConfig, limits: Limits,
                  check_adapter: Callable[[object, str], int]):
         self.cfg, self.mesh, self.params, self.state = cfg, mesh, params, state
-        self.limits, self.check_adapter = limits, check_adapter
+        self.limits, self.check_adapter, self.step_cfg = limits, check_adapter, step_cfg
         self.dp, self.cp, self.tp = (mesh_lib.axis_size(mesh, a) for a in mesh_lib.AXES)
         self.prefill = programs.make_prefill(cfg, mesh, step_cfg)
         self.decode = programs.make_decode(cfg, mesh)
@@ -142,9 +145,23 @@ class Sampler:
         # slices the stacks anew each step). Worth it only while that copy is small.
         layer_bytes = sum(x.addressable_data(0).nbytes for k, t in params.items()
                           if isinstance(t, dict) for x in jax.tree.leaves(t))
-        self.slice_layers = layer_bytes <= programs.SLICE_LAYERS_MAX_BYTES
-        self.row_bytes = layout_lib.kv_row_bytes(cfg.num_layers, cfg.num_kv_heads // self.tp,
+        # A hybrid model's layers run as scans by kind (model.layer_slices is per layer).
+        self.slice_layers = (layer_bytes <= programs.SLICE_LAYERS_MAX_BYTES
+                             and not cfg.is_hybrid)
+        # Cache rows hold the full-attention layers only; a hybrid model's Gated DeltaNet
+        # layers keep one recurrent state per sequence instead (kv_cache.Cache.rec).
+        self.kv_layers = (cfg.linear_layers.count(False) if cfg.is_hybrid
+                          else cfg.num_layers)
+        self.row_bytes = layout_lib.kv_row_bytes(self.kv_layers, cfg.num_kv_heads // self.tp,
                                                  cfg.head_dim, jnp.dtype(cfg.dtype).itemsize)
+
+    @functools.cached_property
+    def paged(self) -> paged_lib.Programs:
+        """The engine's paged-cache programs (paged.py), made once per Sampler so that every
+        Engine over it shares their compiled variants."""
+        return paged_lib.Programs(
+            paged_lib.make_extend(self.cfg, self.mesh, self.step_cfg.logprob_chunk),
+            paged_lib.make_decode(self.cfg, self.mesh), paged_lib.make_copy(self.mesh))
 
     # ------------------------------------------------------------------ validation
 
@@ -190,12 +207,14 @@ class Sampler:
         return jax.make_array_from_callback(x.shape, NamedSharding(self.mesh, spec),
                                             lambda idx: x[idx])
 
-    def zeros(self, shape, spec):
-        """A zero array in the model's dtype, each device making only its own slice."""
+    def zeros(self, shape, spec, dtype=None):
+        """A zero array (in the model's dtype by default), each device making only its own
+        slice."""
         sharding = NamedSharding(self.mesh, spec)
         local = sharding.shard_shape(shape)
-        return jax.make_array_from_callback(
-            shape, sharding, lambda idx: np.zeros(local, jnp.dtype(self.cfg.dtype)))
+        dtype = jnp.dtype(self.cfg.dtype) if dtype is None else dtype
+        return jax.make_array_from_callback(shape, sharding,
+                                            lambda idx: np.zeros(local, dtype))
 
     def packed(self, prompts, adapters, min_stream: int = 1, fields=None
                ) -> tuple[list[int], list[batch_lib.PackedBatch]]:
@@ -229,10 +248,20 @@ class Sampler:
             pb, min(layout_lib.pow2(pb.tokens.shape[-1], min_stream), cap)) for pb in packed]
 
     def run_prefill(self, pb, source=None, old=None, *, layout=None, with_logprobs,
-                    stats: PromptStatsCall | None = None):
+                    stats: PromptStatsCall | None = None, row_of=None, prompt_of=None):
         """One packed micro-batch through the prefill program (see programs.make_prefill);
-        stats: the top-k / prompt draws to compute with the log-probs."""
+        stats: the top-k / prompt draws to compute with the log-probs. A hybrid model
+        filling a cache also needs row_of (the decode rows of each prompt) and prompt_of
+        (the prompt of each prefill datum) to place the recurrent states."""
         s = SPECS.stream_DPxCPxS
+        rec_source, pieces = None, 0
+        if self.cfg.is_hybrid:
+            piece, pieces = layout_lib.stream_pieces(pb.segment, pb.position)
+            if source is not None:
+                rec_source = self.put(
+                    layout_lib.recurrent_source(row_of, pb.placements, prompt_of, piece,
+                                                pieces, source.shape[0], self.cp),
+                    kv_cache.LAYOUTS[layout].seqs_B)
         if source is not None:
             source = self.put(source, kv_cache.LAYOUTS[layout].position_BxT)
         topk, alt = (stats.topk, stats.alt) if stats is not None else (0, 0)
@@ -245,9 +274,27 @@ class Sampler:
             self.put(pb.targets, s), self.put(pb.spans, SPECS.spans_DPxCPxAx2),
             replicate(self.mesh, pb.active), temperature, keys)
         modes = programs.PrefillModes(layout, bool(with_logprobs), topk if with_logprobs else 0,
-                                      alt if with_logprobs else 0)
+                                      alt if with_logprobs else 0, pieces)
         return self.prefill(self.state.weights, self.params, self.state.meta, args, source,
-                            old, modes=modes)
+                            old, rec_source, modes=modes)
+
+    def empty_cache(self, b: int, t: int, layout: kv_cache.Layout) -> kv_cache.KV:
+        """A zero cache of b sequences × t rows in `layout` (with a hybrid model's zero
+        recurrent states)."""
+        cfg = self.cfg
+        shape = (self.kv_layers, b, t, cfg.num_kv_heads, cfg.head_dim)
+        kv = kv_cache.KV(*(self.zeros(shape, layout.kv_LxBxTxKxH) for _ in range(2)))
+        if not cfg.is_hybrid:
+            return kv
+        ll = cfg.num_layers - self.kv_layers
+        conv = (ll, b, cfg.linear_conv_kernel_dim - 1,
+                2 * cfg.linear_key_dim + cfg.linear_value_dim)
+        ssm = (ll, b, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+               cfg.linear_value_head_dim)
+        specs = layout.rec_specs
+        return kv._replace(rec=delta_rule.Recurrent(
+            *(self.zeros(x, spec, np.float32) for x, spec in ((conv, specs.conv),
+                                                              (ssm, specs.ssm)))))
 
     # ------------------------------------------------------------------ log-probs
 
@@ -346,13 +393,13 @@ class Sampler:
             source = layout_lib.prefill_source(call, pb.placements, which,
                                                pb.tokens.shape[-1], self.cp)
             kv, lp = self.run_prefill(pb, source, kv, layout=plan.mode,
-                                      with_logprobs=want_lp, stats=stats)
+                                      with_logprobs=want_lp, stats=stats,
+                                      row_of=call.row_of, prompt_of=which)
             lps.append(lp)
         if kv is None:  # every prompt is one token: nothing to prefill
-            shape = (self.cfg.num_layers, b_total, t_total, self.cfg.num_kv_heads,
-                     self.cfg.head_dim)
-            kv = kv_cache.KV(*(self.zeros(shape, lay.kv_LxBxTxKxH) for _ in range(2)))
-        cache = kv_cache.Cache(kv.k, kv.v, self.put(call.row_position, lay.position_BxT))
+            kv = self.empty_cache(b_total, t_total, lay)
+        cache = kv_cache.Cache(kv.k, kv.v, self.put(call.row_position, lay.position_BxT),
+                               kv.rec)
 
         # Per-row start state and parameters.
         token = np.zeros(b_total, np.int32)
