@@ -27,7 +27,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 from jcp.mesh import varying_axes, vary
 
@@ -104,8 +103,7 @@ def _block(q_CxHxDk, k_CxHxDk, v_CxHxDv, g_CxH, beta_CxH, start_C, init_CxHxDkxD
     kb_CxHxDk = k_CxHxDk * (beta_CxH * from_init_HxC.T)[:, :, None]
     w_CxHxDv = jnp.einsum("chk,chkv->chv", kb_CxHxDk, x_CxHxDkxDv)
     rhs_HxCxDv = jnp.swapaxes(v_CxHxDv * beta_CxH[:, :, None] - w_CxHxDv, 0, 1)
-    eye = jnp.eye(ck, dtype=a_HxCxC.dtype)
-    vnew_HxCxDv = solve_triangular(eye + a_HxCxC, rhs_HxCxDv, lower=True, unit_diagonal=True)
+    vnew_HxCxDv = jnp.einsum("hij,hjv->hiv", unit_lower_inverse(a_HxCxC), rhs_HxCxDv)
     qk_HxCxC = jnp.einsum("ihd,jhd->hij", q_CxHxDk, k_CxHxDk) * decay_HxCxC
     o_CxHxDv = (jnp.einsum("chk,chkv->chv", q_CxHxDk * from_init_HxC.T[:, :, None],
                            x_CxHxDkxDv)
@@ -115,6 +113,39 @@ def _block(q_CxHxDk, k_CxHxDk, v_CxHxDv, g_CxH, beta_CxH, start_C, init_CxHxDkxD
     s_HxDkxDv = (x_CxHxDkxDv[row] * from_init_HxC[:, row][:, None, None]
                  + jnp.einsum("hj,jhk,hjv->hkv", d_row_HxC, k_CxHxDk, vnew_HxCxDv))
     return o_CxHxDv, s_HxDkxDv
+
+
+def unit_lower_inverse(a_HxCxC):
+    """(I + A)⁻¹ of strictly lower-triangular A [.., C, C], C a power of two, by recursive
+    2×2 block inversion: inv [[L11, 0], [L21, L22]] = [[T11, 0], [−T22·L21·T11, T22]],
+    from 1×1 blocks up in log2(C) rounds of batched matmuls.
+
+    Not jax.scipy.linalg.solve_triangular: on XLA:CPU its LAPACK kernel splits the batch
+    over the intra-op thread pool and blocks a pool thread until the parts finish; with
+    8 devices each in that kernel at once every pool thread waited on parts queued behind
+    them — the Qwen3.5 model test hung at meshes (2,2,2) and (1,8,1) (all 8 tf_XLAEigen
+    threads in jax::ParallelBatchMap's BlockingCounter::Wait, seen with gdb).
+    """
+    c = a_HxCxC.shape[-1]
+    lead = a_HxCxC.shape[:-2]
+    t = jnp.broadcast_to(jnp.eye(c, dtype=a_HxCxC.dtype), a_HxCxC.shape)
+    size = 1
+    while size < c:
+        n, w = c // (2 * size), 2 * size
+        diag = jnp.arange(n)
+
+        def blocks(x):  # the n diagonal blocks of width w: [.., n, w, w]
+            x = x.reshape(lead + (n, w, n, w))
+            return jnp.moveaxis(x[..., diag, :, diag, :], 0, -3)
+
+        ab, tb = blocks(a_HxCxC), blocks(t)
+        off = -tb[..., size:, size:] @ ab[..., size:, :size] @ tb[..., :size, :size]
+        tb = tb.at[..., size:, :size].set(off)
+        # Write the n blocks back on the diagonal (t is zero off the diagonal blocks).
+        eye_n = jnp.eye(n, dtype=t.dtype)
+        t = jnp.einsum("...piq,pr->...pirq", tb, eye_n).reshape(lead + (c, c))
+        size *= 2
+    return t
 
 
 def _blocks(x, chunk):
