@@ -250,22 +250,20 @@ def _compiled(eng):
 
 
 def test_varied_requests_after_warm_up_compile_nothing(root):
-    """Every dynamic dimension is bucketed: after warm-up over each bucket (prefill
-    streams 32 / 64; decode windows of 8 / 32 live rows × 64 / 128 cache rows), requests
-    of random prompt lengths, num_samples and max_tokens, joining at different steps or
-    alone, compile no new program (counted by jax's caches and by the engine's
-    program_keys)."""
+    """Every dynamic dimension is bucketed: after Engine.warmup (drawn rows, one active
+    adapter: prefill streams 32 / 64 / 128; decode windows of 8 / 32 live rows × 64 / 128
+    cache rows, run on padding), requests of random prompt lengths, num_samples and
+    max_tokens, joining at different steps or alone, compile no new program (counted by
+    jax's caches and by the engine's program_keys)."""
     tr, (a, _), _ = _setup((1, 1, 1), root)
     eng = Engine(tr.make_sampler(), slots=32, max_len=128, chunk=4, prefill_tokens=48)
     sp = lambda n: jcp.SamplingParams(max_tokens=n, temperature=1.0, seed=n, stop=[])  # noqa: E731
     rng = np.random.default_rng(0)
     prompt = lambda n: rng.integers(0, 128, n).tolist()  # noqa: E731
-    # Each alone: (rows, cache rows) windows (8, 64), (32, 64), (8, 128), (32, 128).
-    for length, samples, n in ((5, 1, 8), (40, 12, 8), (60, 1, 30), (60, 12, 30)):
-        eng.submit(prompt(length), sp(n), a, num_samples=samples)
-        eng.run()
+    assert eng.warmup(active=(1,), draws=("drawn",)) == 7
+    assert eng.idle and eng.live == 0 and np.all(eng.row_position == -1)
     warm = set(eng.program_keys)
-    assert len({k for k in warm if k[0] == "prefill"}) == 2
+    assert len({k for k in warm if k[0] == "prefill"}) == 3
     assert len({k for k in warm if k[0] == "decode"}) == 4
     compiled = _compiled(eng)
     assert compiled == len(warm)

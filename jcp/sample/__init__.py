@@ -2,7 +2,8 @@
 
 The package, by owner:
 
-    params.py    SamplingParams, results, validation of a call, per-sequence seed streams
+    params.py    SamplingParams, PromptFields (SDK 0.38 extras), results, validation of a
+                 call, per-sequence seed streams
     draws.py     the token draw of one decode step, per-row parameters, vocab-parallel
     layout.py    the host-side layout of a call (pure NumPy): cache plan, rows, positions,
                  prefill sources, adapter indices
@@ -17,12 +18,14 @@ it never writes a second decoder and never changes adapter state.
 
 from jcp.sample.draws import nucleus_mask, sample_tokens
 from jcp.sample.layout import CACHE_MODES, SPLIT_ABOVE_BYTES, Plan, choose_cache_mode
-from jcp.sample.params import (BASE, MIN_TEMPERATURE, SampledSequence, SampleResult,
-                               SamplingParams, check_params, check_prompts, sequence_keys)
+from jcp.sample.params import (BASE, MAX_TOPK, MIN_TEMPERATURE, PromptFields, SampledSequence,
+                               SampleResult, SamplingParams, TopK, check_fields, check_params,
+                               check_prompts, sequence_keys)
 from jcp.sample.programs import SLICE_LAYERS_MAX_BYTES, make_decode, make_prefill
 from jcp.sample.sampler import Limits, Sampler
 
-__all__ = ["BASE", "CACHE_MODES", "Limits", "MIN_TEMPERATURE", "Plan", "SLICE_LAYERS_MAX_BYTES",
-           "SPLIT_ABOVE_BYTES", "SampleResult", "SampledSequence", "Sampler", "SamplingParams",
-           "check_params", "check_prompts", "choose_cache_mode", "make_decode", "make_prefill",
-           "nucleus_mask", "sample_tokens", "sequence_keys"]
+__all__ = ["BASE", "CACHE_MODES", "Limits", "MAX_TOPK", "MIN_TEMPERATURE", "Plan", "PromptFields",
+           "SLICE_LAYERS_MAX_BYTES", "SPLIT_ABOVE_BYTES", "SampleResult", "SampledSequence",
+           "Sampler", "SamplingParams", "TopK", "check_fields", "check_params", "check_prompts",
+           "choose_cache_mode", "make_decode", "make_prefill", "nucleus_mask", "sample_tokens",
+           "sequence_keys"]

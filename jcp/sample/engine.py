@@ -10,7 +10,10 @@ running sequences for more than one bounded prefill), run every compute_logprobs
 waiting (one prefill, no cache), then decode every live slot for up to `chunk` steps in
 one device loop. Every row carries its own adapter (routed by index, lora.Routing.index_S:
 a row costs its adapter's rank, not the slot table), temperature, top-k, top-p, seed
-stream, stop set and max_tokens; the num_samples of one prompt share one prefill.
+stream, stop set and max_tokens; the num_samples of one prompt share one prefill. A
+request may also ask for the SDK 0.38 fields (params.PromptFields: top-k prompt / sample
+log-probs, target ids, prompt draws, last_n), computed in the same prefill and decode
+programs (losses.prompt_stats, draws.sample_tokens).
 
 Results equal Trainer.sample of the same request alone (one prompt, the same seed), token
 for token, whatever else is in the batch: a sequence's draws depend on its own key and
@@ -32,7 +35,8 @@ b_local / 4, … ≥ 8, cache rows max_len, max_len / 4, … ≥ 64 (e.g. 512 sl
 512, 128, 32, 8 rows; 256 rows: 256, 64); active adapters: powers of two
 (batch.active_bucket); draw kinds: greedy / drawn / drawn and filtered. `program_keys`
 holds the static signature of every program the engine has run (`programs()` counts
-them).
+them); `warmup` runs the set for chosen buckets up front, on padding. The SDK fields add
+their widths, bucketed (params.k_bucket: 4 / 16 / 64), to the prefill and decode modes.
 
 Adapters: a sequence records its adapter slot's version (AdapterState.version) at
 admission; if the slot changes (optimizer step, load, delete) before the sequence ends,
@@ -46,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -58,9 +62,10 @@ from jcp.errors import InputError
 from jcp.sample import kv_cache
 from jcp.sample import layout as layout_lib
 from jcp.sample import programs
-from jcp.sample.params import (BASE, SampledSequence, SampleResult, check_prompts, is_int,
+from jcp.sample.params import (BASE, NO_FIELDS, PromptFields, SampledSequence, SampleResult,
+                               TopK, check_fields, check_prompts, is_int, k_bucket,
                                sequence_keys)
-from jcp.sample.sampler import Sampler
+from jcp.sample.sampler import PromptStatsCall, Sampler, prompt_results
 
 
 # The smallest decode window: live rows per device, cache rows (module docstring,
@@ -87,9 +92,11 @@ class _Request:
     tokens: list = dataclasses.field(default_factory=list)    # per sample: list[int]
     lps: list = dataclasses.field(default_factory=list)       # per sample: list[float]
     done: list = dataclasses.field(default_factory=list)      # per sample: bool
-    plp: np.ndarray | None = None
     cancelled: bool = False
     keys: np.ndarray | None = None  # uint32 [num_samples, 2], made once at admission
+    fields: PromptFields = NO_FIELDS
+    topk: list = dataclasses.field(default_factory=list)      # per sample: [(ids, lps)]
+    prompt_out: dict = dataclasses.field(default_factory=dict)  # SampleResult prompt fields
 
 
 class Engine:
@@ -128,6 +135,7 @@ class Engine:
         self.logprob_waiting: deque[_Request] = deque()
         self.requests: dict[int, _Request] = {}
         self.outcomes: dict[int, SampleResult | list | Exception] = {}
+        self._ended: list[int] = []
         self.callbacks: dict[int, Callable] = {}
         self._ids = itertools.count()
         self.cache = None
@@ -140,15 +148,19 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def submit(self, prompt, sampling_params, adapter=None, num_samples: int = 1,
-               prompt_logprobs: bool = False, callback: Callable | None = None) -> int:
+               prompt_logprobs: bool = False, callback: Callable | None = None,
+               fields: PromptFields | None = None) -> int:
         """Queue one prompt's num_samples sequences -> request id. Refused (InputError)
         before anything is queued: as Trainer.sample, and when the prompt plus max_tokens
         exceed max_len or num_samples exceeds the slots. callback(rid, outcome) runs when
-        the request ends (outcome: SampleResult or the exception)."""
+        the request ends (outcome: SampleResult or the exception; then result() has
+        nothing to return). fields: the SDK 0.38
+        top-k / target / prompt-draw / last_n fields (params.PromptFields)."""
         c = self.s.check([prompt], sampling_params, adapter, num_samples)
         if not isinstance(prompt_logprobs, (bool, np.bool_)):
             raise InputError(f"prompt_logprobs must be a bool, got {prompt_logprobs!r}")
         n = len(c.prompts[0])
+        fields = check_fields(fields, n, self.s.cfg.vocab_size, bool(prompt_logprobs))
         if n - 1 + c.max_tokens > self.max_len:
             raise InputError(f"prompt of {n} tokens + max_tokens {c.max_tokens} exceed the "
                              f"engine's {self.max_len} cache rows per sequence")
@@ -159,20 +171,25 @@ class Engine:
                       top_p=c.top_p, stop=c.stop, seed=c.seed)
         req = _Request(next(self._ids), c.prompts[0], c.adapters[0],
                        self._version(c.adapters[0]), params, c.num_samples,
-                       bool(prompt_logprobs))
+                       bool(prompt_logprobs), fields=fields)
         self._queue(req, callback)
         self.waiting.append(req)
         return req.rid
 
-    def submit_logprobs(self, prompt, adapter=None, callback: Callable | None = None) -> int:
+    def submit_logprobs(self, prompt, adapter=None, callback: Callable | None = None,
+                        prompt_logprobs_last_n: int | None = None) -> int:
         """Queue a compute_logprobs request -> request id; its result is float32
-        [len(prompt)] (NaN at 0), as Trainer.compute_logprobs."""
+        [len(prompt)] (NaN at 0, and before the last prompt_logprobs_last_n positions), as
+        Trainer.compute_logprobs."""
         (p,) = check_prompts([prompt], self.s.cfg.vocab_size)
         (a,) = self.s.check_adapters(adapter, 1)
         if len(p) > self.s.limits.token_cap:
             raise InputError(f"prompt has {len(p)} tokens, over the cap of "
                              f"{self.s.limits.token_cap} tokens per sequence")
-        req = _Request(next(self._ids), p, a, self._version(a), {}, 0, True, logprobs_only=True)
+        fields = check_fields(PromptFields(prompt_logprobs_last_n=prompt_logprobs_last_n),
+                              len(p), self.s.cfg.vocab_size, True)
+        req = _Request(next(self._ids), p, a, self._version(a), {}, 0, True, logprobs_only=True,
+                       fields=fields)
         self._queue(req, callback)
         self.logprob_waiting.append(req)
         return req.rid
@@ -224,23 +241,25 @@ class Engine:
         for q in (self.waiting, self.logprob_waiting):
             if req in q:
                 q.remove(req)
-        self.outcomes[req.rid] = outcome
+        self._ended.append(req.rid)
         cb = self.callbacks.pop(req.rid, None)
-        if cb is not None:
+        if cb is not None:  # the callback owns the outcome: nothing is kept for result()
             cb(req.rid, outcome)
+        else:
+            self.outcomes[req.rid] = outcome
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[int]:
         """One engine step (see the module docstring) -> ids of the requests it ended."""
-        before = set(self.outcomes)
+        self._ended = []
         self._fail_stale()
         self._admit()
         self._logprobs()
         if self.live:
             self._decode()
         self.steps += 1
-        return [r for r in self.outcomes if r not in before]
+        return self._ended
 
     def run(self, max_steps: int | None = None) -> None:
         """Step until no request is left (or max_steps)."""
@@ -287,6 +306,7 @@ class Engine:
             req.lps = [[] for _ in req.slots]
             req.done = [False] * len(req.slots)
             req.keys = sequence_keys(req.params["seed"], 0, req.num_samples)
+            req.topk = [[] for _ in req.slots]
             admitted.append(req)
         if not admitted:
             return
@@ -300,13 +320,13 @@ class Engine:
                 if req.slots:
                     self._end(req, EngineError(f"the engine's cache was lost: {e}"))
 
+    def _ensure_cache(self) -> None:
+        if self.cache is None:
+            self.cache = self.s.empty_cache(self.slots, self.max_len, self.lay)
+
     def _prefill(self, admitted: list[_Request]) -> None:
         s = self.s
-        if self.cache is None:
-            shape = (s.cfg.num_layers, self.slots, self.max_len, s.cfg.num_kv_heads,
-                     s.cfg.head_dim)
-            self.cache = kv_cache.KV(*(s.zeros(shape, self.lay.kv_LxBxTxKxH)
-                                       for _ in range(2)))
+        self._ensure_cache()
         prompts = [r.prompt for r in admitted]
         adapters = [r.adapter for r in admitted]
         row_of = [r.slots for r in admitted]
@@ -316,32 +336,44 @@ class Engine:
             self.row_position[r.slots, :n] = np.arange(n)
         call = layout_lib.CallLayout(row_of, self.row_position, None, None,
                                      s.dp * s.cp, self.b_local, self.max_len, False)
-        which, packed = s.packed(prompts, adapters, self.min_stream)
-        want_lp = any(r.prompt_logprobs for r in admitted)
+        fields = [r.fields for r in admitted]
+        which, packed = s.packed(prompts, adapters, self.min_stream, fields)
+        want_lp = any(r.prompt_logprobs or r.fields.prompt_stats for r in admitted)
+        stats = PromptStatsCall.of(prompts, fields, [r.params["temperature"] for r in admitted],
+                                   [r.params["seed"] for r in admitted], [0] * len(admitted))
         lps = []
         for pb in packed:
             source = layout_lib.prefill_source(call, pb.placements, which,
                                                pb.tokens.shape[-1], s.cp)
-            self.program_keys.add(("prefill", "batch", pb.tokens.shape, pb.spans.shape,
-                                   want_lp))
-            kv, lp = s.run_prefill(pb, source, kv_cache.KV(*self.cache), layout="batch",
-                                   with_logprobs=want_lp)
-            self._keep(kv.k, kv.v)
+            self.program_keys.add(self._prefill_key("batch", pb, want_lp, stats))
+            kv, lp = s.run_prefill(pb, source, self.cache, layout="batch",
+                                   with_logprobs=want_lp, stats=stats, row_of=row_of,
+                                   prompt_of=which)
+            self._keep(kv)
             del kv
             lps.append(lp)
-        plp = s.prompt_logprobs(prompts, adapters, lps, self.min_stream) if want_lp else None
+        outs = (s.prompt_outputs(prompts, adapters, lps, self.min_stream, fields)
+                if want_lp else None)
         for i, r in enumerate(admitted):
-            r.plp = plp[i] if (plp is not None and r.prompt_logprobs) else None
+            if outs is not None:
+                r.prompt_out = prompt_results(outs[i], len(r.prompt), r.fields,
+                                              r.prompt_logprobs)
             for j, slot in enumerate(r.slots):
                 self.owner[slot] = (r, j)
 
-    def _keep(self, k, v) -> None:
-        """Hold a program's output cache under the one sharding the engine made it with (a
-        relabel, no copy): XLA may report an equivalent sharding with another spec (e.g.
-        P() on one device), and a different input sharding would compile the next program
-        anew."""
-        sharding = NamedSharding(self.s.mesh, self.lay.kv_LxBxTxKxH)
-        self.cache = kv_cache.KV(jax.device_put(k, sharding), jax.device_put(v, sharding))
+    @staticmethod
+    def _prefill_key(layout, pb, want_lp: bool, stats: PromptStatsCall | None) -> tuple:
+        return ("prefill", layout, pb.tokens.shape, pb.targets.shape, pb.spans.shape, want_lp,
+                (stats.topk, stats.alt) if (stats is not None and want_lp) else (0, 0))
+
+    def _keep(self, kv: kv_cache.KV) -> None:
+        """Hold a program's output cache (K, V and a hybrid model's recurrent states) under
+        the one sharding the engine made it with (a relabel, no copy): XLA may report an
+        equivalent sharding with another spec (e.g. P() on one device), and a different
+        input sharding would compile the next program anew."""
+        specs = self.lay.kv_specs(kv.rec is not None)
+        self.cache = jax.tree.map(lambda x, spec: jax.device_put(
+            x, NamedSharding(self.s.mesh, spec)), kv_cache.KV(kv.k, kv.v, kv.rec), specs)
 
     def _logprobs(self) -> None:
         if not self.logprob_waiting:
@@ -351,13 +383,16 @@ class Engine:
         prompts, adapters = [r.prompt for r in reqs], [r.adapter for r in reqs]
         try:
             for pb in self.s.packed(prompts, adapters, self.min_stream)[1]:
-                self.program_keys.add(("prefill", None, pb.tokens.shape, pb.spans.shape, True))
+                self.program_keys.add(self._prefill_key(None, pb, True, None))
             out = self.s.prompt_logprobs(prompts, adapters, None, self.min_stream)
         except Exception as e:  # noqa: BLE001
             for r in reqs:
                 self._end(r, e)
             return
         for r, lp in zip(reqs, out):
+            last_n = r.fields.prompt_logprobs_last_n
+            if last_n is not None:
+                lp[:len(lp) - last_n] = np.nan
             self._end(r, lp)
 
     def _decode(self) -> None:
@@ -408,26 +443,19 @@ class Engine:
         greedy = bool(np.all(temperature[rows_live] == 0.0))
         filtered = bool(np.any((temperature[rows_live] > 0)
                                & ((top_k[rows_live] > 0) | (top_p[rows_live] < 1.0))))
+        topk = k_bucket(max(self.owner[x][0].fields.topk_sample_logprobs for x in live))
         rows = programs.DecodeRows(token, position, base, done, count, index, max_tokens,
                                    temperature, top_k, top_p, keys,
                                    layout_lib.stop_table(stops))
-        rows = jax.tree.map(s.put, rows, programs.DecodeRows.specs(self.lay))
-        cache = kv_cache.Cache(self.cache.k, self.cache.v,
-                               s.put(self.row_position, self.lay.position_BxT))
         modes = programs.DecodeModes("batch", self.chunk, greedy, filtered, s.slice_layers,
-                                     window=(w_b, w_t))
-        self.program_keys.add(("decode", modes, a_len, rows.stop.shape))
+                                     window=(w_b, w_t), topk=topk)
         try:
-            out_tok, out_lp, cache = s.decode(s.state.weights, s.params, s.state.meta, cache,
-                                              rows, replicate(s.mesh, active), modes=modes)
-            out_tok, out_lp = host(out_tok), host(out_lp)
+            out_tok, out_lp, *out_tk = self._run_decode(rows, modes, active)
         except Exception as e:  # noqa: BLE001 — the cache was donated: every live request fails
             self.cache = None
             for req in {id(r): r for r in (self.owner[x][0] for x in live)}.values():
                 self._end(req, EngineError(f"decode failed: {e}"))
             return
-        self._keep(cache.k, cache.v)
-        del cache
         ended = []
         for slot in live:
             req, j = self.owner[slot]
@@ -435,6 +463,9 @@ class Engine:
             got = out_tok[i] >= 0
             req.tokens[j].extend(int(t) for t in out_tok[i][got])
             req.lps[j].extend(float(x) for x in out_lp[i][got])
+            k = req.fields.topk_sample_logprobs
+            if k:
+                req.topk[j].append((out_tk[0][i][got, :k], out_tk[1][i][got, :k]))
             c = len(req.tokens[j])
             n = len(req.prompt) - 1
             if c >= req.params["max_tokens"] or (c and req.tokens[j][-1] in req.params["stop"]):
@@ -447,7 +478,113 @@ class Engine:
                 self.row_position[slot, :n + c] = np.arange(n + c)
         for req in ended:
             stops = set(req.params["stop"])
+            k = req.fields.topk_sample_logprobs
             seqs = [SampledSequence(np.array(t, np.int32), np.array(lp, np.float32),
-                                    "stop" if t and t[-1] in stops else "length")
-                    for t, lp in zip(req.tokens, req.lps)]
-            self._end(req, SampleResult(seqs, req.plp))
+                                    "stop" if t and t[-1] in stops else "length",
+                                    _stack_topk(tk, k) if k else None)
+                    for t, lp, tk in zip(req.tokens, req.lps, req.topk)]
+            self._end(req, SampleResult(seqs, **req.prompt_out))
+
+    def _run_decode(self, rows: programs.DecodeRows, modes: programs.DecodeModes,
+                    active: np.ndarray) -> list[np.ndarray]:
+        """One decode call over the engine's cache (kept, donated) -> its host outputs
+        (tokens, log-probs[, top-k ids, top-k log-probs])."""
+        s = self.s
+        self.program_keys.add(("decode", modes, len(active), rows.stop.shape))
+        rows = jax.tree.map(s.put, rows, programs.DecodeRows.specs(self.lay))
+        cache = kv_cache.Cache(self.cache.k, self.cache.v,
+                               s.put(self.row_position, self.lay.position_BxT), self.cache.rec)
+        *out, cache = s.decode(s.state.weights, s.params, s.state.meta, cache, rows,
+                               replicate(s.mesh, active), modes=modes)
+        out = [host(x) for x in out]
+        self._keep(kv_cache.KV(cache.k, cache.v, cache.rec))
+        return out
+
+    # ------------------------------------------------------------------ warm-up
+
+    def warmup(self, active: Sequence[int] = (1,), draws: Sequence[str] = ("greedy", "drawn"),
+               prompt_logprobs: Sequence[bool] = (False,), compute_logprobs: bool = False,
+               stop_width: Sequence[int] = (8,), topk: Sequence[int] = (0,)) -> int:
+        """Compile, up front, the programs the engine can run for these buckets -> how many
+        it ran (program_keys then holds them). The bounded set (module docstring,
+        "Programs"): every prefill stream bucket × active-adapter bucket × prompt_logprobs
+        (with compute_logprobs: also the cache-less log-prob prefill), and every decode
+        window (live rows × cache rows) × active bucket × draw kind ("greedy", "drawn",
+        "filtered": some row top-k / top-p) × stop-table width × topk_sample_logprobs
+        bucket. active: distinct adapters (the base model counts as one) per step. Runs
+        each program once on padding (no request, no cache row changes), so later requests
+        of those shapes compile nothing. Only on an idle engine."""
+        if not self.idle:
+            raise RuntimeError("Engine.warmup runs on an idle engine only")
+        kinds = {"greedy": (True, False), "drawn": (False, False), "filtered": (False, True)}
+        for d in draws:
+            if d not in kinds:
+                raise ValueError(f"draws: {d!r} is not one of {sorted(kinds)}")
+        s, groups = self.s, self.s.dp * self.s.cp
+        cap = s.limits.max_tokens_per_device
+        a_lens = sorted({batch_lib.active_bucket(a, s.limits.max_adapters + 1) for a in active})
+        self._ensure_cache()
+        before = set(self.program_keys)
+        streams, x = set(), self.min_stream
+        while True:
+            streams.add(min(x, cap))
+            if x >= cap or x >= layout_lib.pow2(max(self.max_len, self.prefill_tokens)):
+                break
+            x *= 2
+        source = np.full((self.slots, self.max_len), -1, np.int32)
+        for length in sorted(streams):
+            for a in a_lens:
+                pb = _padding_batch(s.dp, s.cp, length, a)
+                for lp in prompt_logprobs:
+                    self.program_keys.add(self._prefill_key("batch", pb, bool(lp), None))
+                    kv, _ = s.run_prefill(pb, source, self.cache, layout="batch",
+                                          with_logprobs=bool(lp), row_of=[], prompt_of=[])
+                    self._keep(kv)
+                    del kv
+                if compute_logprobs:
+                    self.program_keys.add(self._prefill_key(None, pb, True, None))
+                    host(s.run_prefill(pb, with_logprobs=True)[1])
+        windows = [(w_b, w_t) for w_b in _rungs(self.b_local, WINDOW_FLOOR[0])
+                   for w_t in _rungs(self.max_len, WINDOW_FLOOR[1])]
+        for (w_b, w_t) in windows:
+            b = groups * w_b
+            for a in a_lens:
+                act, index = layout_lib.active_index(np.full(b, layout_lib.PADDING), a, BASE)
+                for d in draws:
+                    for ns in stop_width:
+                        for k in topk:
+                            z = np.zeros(b, np.int32)
+                            rows = programs.DecodeRows(
+                                z, z, z, np.ones(b, bool), z, index, np.ones(b, np.int32),
+                                np.zeros(b, np.float32), np.full(b, -1, np.int32),
+                                np.ones(b, np.float32), np.zeros((b, 2), np.uint32),
+                                layout_lib.stop_table([()] * b, ns))
+                            modes = programs.DecodeModes("batch", self.chunk, *kinds[d],
+                                                         s.slice_layers, window=(w_b, w_t),
+                                                         topk=k_bucket(k))
+                            self._run_decode(rows, modes, act)
+        return len(self.program_keys - before)
+
+
+def _rungs(full: int, floor: int) -> list[int]:
+    """Every value layout.ladder(n, full, floor) takes."""
+    out = [full]
+    while out[-1] > floor:
+        out.append(max(floor, -(-out[-1] // 4)))
+    return out
+
+
+def _padding_batch(dp: int, cp: int, length: int, active: int) -> batch_lib.PackedBatch:
+    """A packed prefill batch of `length` rows per stream that holds only padding, with
+    `active` adapter entries (for Engine.warmup)."""
+    z = np.zeros((dp, cp, length), np.int32)
+    return batch_lib.PackedBatch(
+        tokens=z, targets=z, segment=np.full((dp, cp, length), -1, np.int32), position=z,
+        loss_id=z, floats={}, spans=np.zeros((dp, cp, active, 2), np.int32),
+        active=np.full(active, BASE, np.int32), num_slots=8, placements=())
+
+
+def _stack_topk(parts, k: int) -> TopK:
+    ids = [p[0] for p in parts] or [np.zeros((0, k), np.int32)]
+    lps = [p[1] for p in parts] or [np.zeros((0, k), np.float32)]
+    return TopK(np.concatenate(ids).astype(np.int32), np.concatenate(lps).astype(np.float32))
