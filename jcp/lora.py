@@ -52,6 +52,8 @@ def table_modules(cfg: QwenConfig) -> tuple[str, ...]:
     the experts on a MoE model (its dense layers' MLPs, if any, are not adaptable); the
     Gated DeltaNet projections (LINEAR) on a hybrid (Qwen3.5) model only."""
     skip = (EXPERT if not cfg.is_moe else MLP) + (() if cfg.is_hybrid else LINEAR)
+    if all(cfg.linear_layers):  # a hybrid without full-attention layers
+        skip += ATTN
     return tuple(m for m in ALL_MODULES if m not in skip)
 
 
