@@ -86,7 +86,7 @@ class Engine:
                  complete, tokenizer_id: str | None = None,
                  max_offload_bytes: int = 16 << 30, session_timeout_s: float = 180.0,
                  sample_slots: int | None = None, sample_rows: int | None = None,
-                 chunk: int = 8):
+                 chunk: int = 8, leader=None):
         self.tr, self.store, self.sched = trainer, store, scheduler
         self.model_name, self.tokenizer_id = model_name, tokenizer_id
         self.token_cap = int(trainer.token_cap)
@@ -103,7 +103,13 @@ class Engine:
         if sample_slots is None:
             fit = SAMPLE_CACHE_BYTES // (rows * sampler.row_bytes) * groups
             sample_slots = max(groups, min(SAMPLE_SLOTS, fit) // groups * groups)
-        self.sampling = SampleEngine(sampler, slots=sample_slots, max_len=rows, chunk=chunk)
+        engine_kw = dict(slots=sample_slots, max_len=rows, chunk=chunk)
+        self.sampling = SampleEngine(sampler, **engine_kw)
+        # A multi-process job (jcp/server/replica.py): every Trainer and sampling-engine
+        # call below also runs, in the same order, on every other process.
+        self.leader = leader
+        if leader is not None:
+            self.tr, self.sampling = leader.wrap(trainer, self.sampling, engine_kw)
         self._resident: OrderedDict[str, int] = OrderedDict()       # model id -> slot, LRU first
         self._offloaded: dict[str, object] = {}                     # model id -> HostSlot
         self._closing: set[str] = set()     # models of ended sessions, unloaded when idle
@@ -118,11 +124,18 @@ class Engine:
         self._thread.start()
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.failure() is None
+
+    def failure(self) -> str | None:
+        """Why a multi-process job can serve nothing more (None: it can)."""
+        return self.leader.failure if self.leader is not None else None
 
     def stop(self) -> None:
         self.sched.close()
-        self._thread.join(timeout=60)
+        # A failed job's worker may be blocked in a collective that never completes.
+        self._thread.join(timeout=60 if self.failure() is None else 1)
+        if self.leader is not None:
+            self.leader.stop()
 
     # ------------------------------------------------------------------ loop
 
@@ -220,10 +233,7 @@ class Engine:
         """A device copy of `slot` in a free slot (no disk) -> the copy's slot."""
         self._free_slot("snapshot sampler weights", frozenset(
             m for m, s in self._resident.items() if s == slot))
-        st = self.tr.state
-        dst = st.free_slot()
-        st.install(dst, self.tr.adapters[slot], st.export(slot).weights)
-        return dst
+        return self.tr.copy_adapter(slot)
 
     def _nbytes(self, info) -> int:
         """Host bytes of an offloaded adapter (4 float32 trees at its rank)."""
@@ -295,7 +305,9 @@ class Engine:
         slot = self._resident.pop(model_id, None)
         if slot is not None:
             self.tr.delete_adapter(slot)
-        self._offloaded.pop(model_id, None)
+        saved = self._offloaded.pop(model_id, None)
+        if saved is not None and self.leader is not None:
+            self.leader.discard(saved)  # the followers' host copies too
         snapshots = [k for k in self._sampler_slots if k.startswith(f"tinker://{model_id}/")]
         for key in snapshots + self.store.drop_model(model_id):
             s = self._sampler_slots.pop(key, None)
