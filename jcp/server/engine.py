@@ -279,7 +279,7 @@ class Engine:
         custom losses are forgotten."""
         self._closing.update(self.store.end_session(sid))
         for loss_id in [k for k, (_, s, _) in self._custom_losses.items() if s == sid]:
-            del self._custom_losses[loss_id]
+            self._forget_loss(loss_id)
 
     def _reap(self) -> None:
         """Unload the models of ended sessions whose queued work is done; end sessions
@@ -373,10 +373,18 @@ class Engine:
             raise InputError(f"this session already holds {len(mine)} custom losses (at most "
                              f"{MAX_CUSTOM_LOSSES_PER_SESSION})")
         while len(self._custom_losses) >= MAX_CUSTOM_LOSSES:
-            self._custom_losses.popitem(last=False)
+            self._forget_loss(next(iter(self._custom_losses)))
         loss_id = f"loss-{uuid.uuid4().hex}"
+        if self.leader is not None:  # the followers rebuild it from the same graph
+            self.leader.share(loss, "custom_loss", p.get("graph"), p.get("inputs"),
+                              str(p.get("name") or "custom"))
         self._custom_losses[loss_id] = (w.owner, session, loss)
         return ("json", {"loss_id": loss_id, "type": "create_custom_loss"})
+
+    def _forget_loss(self, loss_id: str) -> None:
+        loss = self._custom_losses.pop(loss_id)[2]
+        if self.leader is not None:
+            self.leader.discard(loss)
 
     def custom_loss_ids(self) -> list[str]:
         """The loss_ids of every session's custom losses, oldest first."""

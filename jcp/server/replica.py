@@ -51,6 +51,7 @@ import time
 import numpy as np
 
 from jcp import peft as peft_lib
+from jcp.custom_loss import CustomLoss
 from jcp.sample.engine import Engine as SampleEngine
 from jcp.sample.params import SamplingParams
 
@@ -60,8 +61,10 @@ PREFIX = "jcp-serve"
 CHUNK_BYTES = 1 << 20
 HEARTBEAT_S = 0.5
 POLL_MS = 500
-# Objects a call returns that a later call passes back (the follower keeps its own).
+# Objects a call returns that a later call passes back (the follower keeps its own), and
+# the calls that use such an object up.
 KEPT_RESULTS = frozenset({"offload_adapter"})
+CONSUMING = frozenset({"restore_adapter"})
 
 
 class JobFailed(RuntimeError):
@@ -71,7 +74,7 @@ class JobFailed(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Op:
     """One call for every process: `target` ("trainer", "sampling", "init_sampling",
-    "discard", "stop"), its method and arguments."""
+    "share", "discard", "stop"), its method and arguments."""
     target: str
     method: str = ""
     args: tuple = ()
@@ -80,7 +83,8 @@ class Op:
 
 @dataclasses.dataclass(frozen=True)
 class Ref:
-    """An object a follower kept from op `n` (what offload_adapter returned there)."""
+    """An object a follower kept from op `n` (what offload_adapter returned there, or the
+    custom loss it built)."""
     n: int
 
 
@@ -129,8 +133,21 @@ class Leader:
         self._send_only(Op("init_sampling", kwargs=dict(engine_kw)))
         return _Proxy(self, "trainer", trainer), _Proxy(self, "sampling", sampling)
 
+    def share(self, obj, kind: str, *recipe) -> None:
+        """Have every follower build its own `obj` from `recipe` (kind "custom_loss":
+        CustomLoss.from_graph's arguments) and keep it: a call given `obj` here is given
+        theirs there, until `discard(obj)`."""
+        with self._lock:
+            self._check()
+            self.ops += 1
+            n = self.ops
+            self._send(n, Op("share", kind, recipe))
+            self._acks(n, f"share {kind}", None)
+            self._kept[id(obj)] = (n, obj)
+
     def discard(self, obj) -> None:
-        """Forget a kept result (an offloaded model dropped without being restored)."""
+        """Forget a kept object (an offloaded model dropped without being restored, a
+        custom loss of an ended session)."""
         kept = self._kept.pop(id(obj), None)
         if kept is not None:
             self._send_only(Op("discard", args=(kept[0],)))
@@ -151,8 +168,9 @@ class Leader:
             except Exception as e:  # noqa: BLE001 — raised after the followers answered
                 out, err = None, e
             self._acks(n, method, err)
-            for a in args:  # a kept object is used once (restore_adapter)
-                self._kept.pop(id(a), None)
+            if method in CONSUMING:
+                for a in args:
+                    self._kept.pop(id(a), None)
             if err is None and method in KEPT_RESULTS:
                 self._kept[id(out)] = (n, out)
         if err is not None:
@@ -320,7 +338,7 @@ def follow(trainer, client=None, process_id: int | None = None) -> int:
             status = "ok"
             try:
                 out = _run(op, objs, kept, trainer)
-                if op.method in KEPT_RESULTS:
+                if op.method in KEPT_RESULTS or op.target == "share":
                     kept[n] = out
             except Exception as e:  # noqa: BLE001 — reported to process 0, which decides
                 status = f"{type(e).__name__}: {e}"
@@ -356,8 +374,11 @@ def _run(op: Op, objs: dict, kept: dict, trainer):
     if op.target == "discard":
         kept.pop(op.args[0], None)
         return None
-    args = tuple(kept.pop(a.n) if isinstance(a, Ref) else a for a in op.args)
-    kwargs = {k: kept.pop(v.n) if isinstance(v, Ref) else v for k, v in op.kwargs.items()}
+    if op.target == "share":  # op.method == "custom_loss"
+        return CustomLoss.from_graph(*op.args)
+    take = kept.pop if op.method in CONSUMING else kept.__getitem__
+    args = tuple(take(a.n) if isinstance(a, Ref) else a for a in op.args)
+    kwargs = {k: take(v.n) if isinstance(v, Ref) else v for k, v in op.kwargs.items()}
     if op.target == "trainer" and op.method in ("export_peft", "export_vllm"):
         # The same device read, no file: only process 0 writes the folder.
         return trainer.adapter_weights(args[0] if args else kwargs["adapter"])

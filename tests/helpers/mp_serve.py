@@ -30,7 +30,8 @@ class Job:
     """`processes` jcp-serve processes started alike (the jax.distributed flags), process 0
     serving HTTP on 127.0.0.1; logs in files of `state_dir`'s parent."""
 
-    def __init__(self, processes: int, state_dir: str, *extra: str, follower_timeout: float = 8):
+    def __init__(self, processes: int, state_dir: str, *extra: str, follower_timeout: float = 8,
+                 cache: str | None = None):
         self.state_dir = state_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -41,6 +42,10 @@ class Job:
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)  # jcp-serve gives each process 8 / processes devices
         env.setdefault("TINKER_TELEMETRY", "0")
+        if cache:  # a restarted job reads what the first one compiled
+            env.update(JAX_COMPILATION_CACHE_DIR=cache,
+                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
         cmd = [sys.executable, "-m", "jcp.serve", "--port", str(self.port), "--state-dir",
                state_dir, "--api-keys", keyfile, "--mesh", "2,2,2", "--max-rank", "8",
                "--follower-timeout", str(follower_timeout), *extra]
@@ -125,10 +130,11 @@ def session(url: str, clients: list) -> dict:
     alice = tinker.ServiceClient(base_url=url, api_key="tml-alice")
     bob = tinker.ServiceClient(base_url=url, api_key="tml-bob")
     clients += [alice, bob]
-    ta = alice.create_lora_training_client(base_model=MODEL, rank=4, seed=3)
-    tb = bob.create_lora_training_client(base_model=MODEL, rank=8, seed=4)
+    ta = alice.create_lora_training_client(base_model=MODEL, rank=4, seed=3).result()
+    tb = bob.create_lora_training_client(base_model=MODEL, rank=8, seed=4).result()
     # Both tenants' passes queued together (the scheduler may fuse them).
-    fa, fb = ta.forward_backward(data, "cross_entropy"), tb.forward_backward(data[:1], "cross_entropy")
+    fa = ta.forward_backward(data, "cross_entropy")
+    fb = tb.forward_backward(data[:1], "cross_entropy")
     for name, f in (("a", fa), ("b", fb)):
         out = f.result()
         res[f"{name}_fb_loss"] = out.metrics["loss:sum"]
@@ -148,7 +154,7 @@ def session(url: str, clients: list) -> dict:
     prompt = types.ModelInput.from_ints([3, 1, 4, 1, 5])
     sp = types.SamplingParams(max_tokens=6, seed=7, temperature=1.0)
     named = tb.save_weights_for_sampler("b1").result().path
-    sb = bob.create_sampling_client(model_path=named)
+    sb = bob.create_sampling_client(model_path=named).result()
     out = sb.sample(prompt, 2, sp, include_prompt_logprobs=True).result()
     res["b_tokens"] = [list(s.tokens) for s in out.sequences]
     res["b_sample_lp"] = [np.asarray(s.logprobs) for s in out.sequences]
