@@ -25,6 +25,11 @@ A fused pass is one Trainer.forward / forward_backward over the datums of all it
 request is rerun alone so that only the bad one fails. Results go back through `complete`,
 as ("proto", bytes) / ("json", dict) / ("error", message, category). This is the owner
 side of the server: the HTTP modules never import it or jax.
+
+In a multi-process job (`leader`, jcp/server/replica.py) this worker runs on process 0 and
+its Trainer and sampling engine are proxies: each call on them runs on every process, in
+the order made here; everything else here (the store, slots, losses, scheduling) is
+decided on process 0 alone.
 """
 
 from __future__ import annotations
