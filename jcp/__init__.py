@@ -6,8 +6,8 @@ from jcp.errors import InputError
 from jcp.config import QwenConfig
 from jcp.hf import load_hf
 from jcp.mesh import make_mesh, unzigzag, zigzag_indices
-from jcp.sample import SampledSequence, SampleResult, SamplingParams
+from jcp.sample import PromptFields, SampledSequence, SampleResult, SamplingParams, TopK
 from jcp.trainer import AdamParams, ForwardBackwardOutput, Trainer
 
-__all__ = ["AdamParams", "CustomLoss", "Datum", "ForwardBackwardOutput", "Trainer", "InputError", "QwenConfig", "SampleResult", "SampledSequence", "SamplingParams", "load_hf", "make_mesh", "unzigzag",
+__all__ = ["AdamParams", "CustomLoss", "Datum", "ForwardBackwardOutput", "Trainer", "InputError", "PromptFields", "QwenConfig", "SampleResult", "SampledSequence", "SamplingParams", "TopK", "load_hf", "make_mesh", "unzigzag",
            "zigzag_indices"]

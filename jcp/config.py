@@ -64,6 +64,9 @@ class QwenConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
+    # Qwen3.5-MoE: every MoE layer also runs one shared SwiGLU expert of this width, its
+    # output scaled by sigmoid(x · shared_expert_gate) (0: none).
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -105,9 +108,11 @@ class QwenConfig:
                              f"even number of dims, got {self.partial_rotary_factor!r}")
         if not self.is_hybrid:
             return
-        if self.is_moe:
-            raise ValueError("a hybrid (linear attention) model with mixture-of-experts "
-                             "layers is not supported yet")
+        if self.is_moe and not all(self.moe_layers):
+            raise ValueError("a hybrid (linear attention) mixture-of-experts model must have "
+                             "MoE MLPs in every layer (as Qwen3.5-MoE), got mlp_only_layers="
+                             f"{self.mlp_only_layers!r}, decoder_sparse_step="
+                             f"{self.decoder_sparse_step!r}")
         for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                      "linear_value_head_dim", "linear_conv_kernel_dim"):
             v = getattr(self, name)
@@ -144,7 +149,8 @@ class QwenConfig:
         return self.linear_num_value_heads * self.linear_value_head_dim
 
     def _check_moe(self):
-        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "shared_expert_intermediate_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"QwenConfig.{name} must be a non-negative integer, got {v!r}")
@@ -168,6 +174,8 @@ class QwenConfig:
                              f"{self.num_experts}], got {self.num_experts_per_tok}")
         if self.moe_intermediate_size < 1:
             raise ValueError("QwenConfig.moe_intermediate_size must be positive for a MoE model")
+        if self.shared_expert_intermediate_size and not self.num_experts:
+            raise ValueError("QwenConfig.shared_expert_intermediate_size needs num_experts > 0")
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
@@ -218,6 +226,15 @@ class QwenConfig:
         return cls.tiny(**base)
 
     @classmethod
+    def tiny_qwen3_5_moe(cls, **overrides) -> "QwenConfig":
+        """tiny_qwen3_5 with a Qwen3.5-MoE MLP in every layer: 8 experts, top 2
+        (renormalised), and a shared expert of width 48."""
+        base = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                    norm_topk_prob=True, shared_expert_intermediate_size=48)
+        base.update(overrides)
+        return cls.tiny_qwen3_5(**base)
+
+    @classmethod
     def from_hf(cls, config) -> "QwenConfig":
         """From a Hugging Face config: a dict, a config.json path, or a model folder."""
         return config_from_hf(config)
@@ -234,6 +251,9 @@ class QwenConfig:
                 if getattr(self, name) % tp:
                     raise ValueError(f"tp={tp} does not divide {name}={getattr(self, name)}; "
                                      "choose tp dividing it")
+        if self.shared_expert_intermediate_size % tp:
+            raise ValueError(f"tp={tp} does not divide shared_expert_intermediate_size="
+                             f"{self.shared_expert_intermediate_size}; choose tp dividing it")
         if self.is_moe and self.num_experts % tp:
             # Experts are split whole over tp (E/tp per rank), never cut inside.
             raise ValueError(f"tp={tp} does not divide num_experts={self.num_experts}; choose "
@@ -244,6 +264,8 @@ class QwenConfig:
         d = dataclasses.asdict(self)
         d.pop("dtype")
         d.pop("eos_token_ids")
+        if not self.shared_expert_intermediate_size:
+            d.pop("shared_expert_intermediate_size")
         if not self.num_experts:  # dense configs keep the fingerprint they had before MoE
             for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                       "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
@@ -261,7 +283,32 @@ class QwenConfig:
 
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "Qwen3MoeForCausalLM": "qwen3_moe",
-                 "Qwen3_5ForCausalLM": "qwen3_5"}
+                 "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5MoeForCausalLM": "qwen3_5_moe"}
+# Image-text checkpoints whose text model jcp reads (text_config; weights under
+# model.language_model., see hf.text_model_tensors): the causal LM each holds.
+MULTIMODAL = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+              "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
+
+
+def _text_config(d: dict) -> dict:
+    """A multimodal config (MULTIMODAL, or model_type qwen3_5 / qwen3_5_moe with a
+    text_config) -> its text model's config as a causal LM's, the top level's
+    tie_word_embeddings and eos_token_id winning (the top-level model owns lm_head)."""
+    archs = d.get("architectures") or []
+    causal = next((MULTIMODAL[a] for a in archs if a in MULTIMODAL), None)
+    if causal is None and not archs and isinstance(d.get("text_config"), Mapping):
+        causal = {"qwen3_5": "Qwen3_5ForCausalLM",
+                  "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}.get(d.get("model_type"))
+    if causal is None:
+        return d
+    text = d.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError(f"the {archs or d.get('model_type')} config lacks its text_config")
+    out = {**text, "architectures": [causal]}
+    for key in ("tie_word_embeddings", "eos_token_id"):
+        if key in d:
+            out[key] = d[key]
+    return out
 
 
 def _read_config(config) -> dict:
@@ -316,18 +363,19 @@ def _qwen3_5_fields(d: dict, rope: dict) -> dict:
 
 def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
     """QwenConfig from a Hugging Face config (dict, config.json, or model folder)."""
-    d = _read_config(config)
+    d = _text_config(_read_config(config))
     archs = d.get("architectures") or []
     kind = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if kind is None and not archs:
         kind = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-                "qwen3_5_text": "qwen3_5"}.get(d.get("model_type"))
+                "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}.get(
+                    d.get("model_type"))
     if kind is None:
         raise ValueError(
             f"unsupported architecture {archs or d.get('model_type')!r}; jcp loads "
             f"{sorted(ARCHITECTURES)}")
     rope = d.get("rope_parameters") or {}
-    hybrid = _qwen3_5_fields(d, rope) if kind == "qwen3_5" else {}
+    hybrid = _qwen3_5_fields(d, rope) if kind in ("qwen3_5", "qwen3_5_moe") else {}
     theta = d.get("rope_theta", rope.get("rope_theta"))
     if theta is None:
         raise ValueError("the Hugging Face config has no rope_theta (nor rope_parameters.rope_theta)")
@@ -335,7 +383,7 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
     rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", "default")
     if rope_type not in ("default", None):
         raise ValueError(f"rope scaling {rope_type!r} is not supported; jcp implements plain RoPE")
-    if kind in ("qwen3", "qwen3_moe", "qwen3_5") and d.get("attention_bias"):
+    if kind in ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe") and d.get("attention_bias"):
         # Qwen3's attention_bias also puts a bias on o_proj, which jcp's decoder lacks.
         raise ValueError("Qwen3 with attention_bias (biases on q, k, v and o_proj) is not "
                          "supported")
@@ -353,16 +401,28 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
                    norm_topk_prob=bool(d.get("norm_topk_prob", False)),
                    decoder_sparse_step=d.get("decoder_sparse_step", 1),
                    mlp_only_layers=tuple(d.get("mlp_only_layers") or ()))
+    if kind == "qwen3_5_moe":
+        # transformers' Qwen3_5MoeSparseMoeBlock: every layer MoE, top-k weights always
+        # renormalised, plus a gated shared expert.
+        moe = dict(num_experts=d.get("num_experts", d.get("num_local_experts")),
+                   num_experts_per_tok=d.get("num_experts_per_tok"),
+                   moe_intermediate_size=d.get("moe_intermediate_size"), norm_topk_prob=True,
+                   shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 0))
+        if None in moe.values():
+            raise ValueError(f"the Hugging Face config lacks one of {sorted(moe)}")
     try:
         heads = d["num_attention_heads"]
         return QwenConfig(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
+            # Qwen3.5-MoE has no dense MLP width (every layer is MoE): the shared one's.
+            intermediate_size=(d["intermediate_size"] if kind != "qwen3_5_moe" else
+                               d.get("intermediate_size") or moe["moe_intermediate_size"]),
+            num_layers=d["num_hidden_layers"],
             num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rope_theta=float(theta), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qk_norm=kind in ("qwen3", "qwen3_moe", "qwen3_5"),
+            qk_norm=kind in ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"),
             attention_bias=True if kind == "qwen2" else bool(d.get("attention_bias", False)),
             max_position_embeddings=d.get("max_position_embeddings", 32768), dtype=dtype,
             eos_token_ids=_eos_ids(d, config), **moe, **hybrid)

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 from jcp.mesh import varying_axes, vary
 
@@ -75,25 +75,50 @@ def recurrent(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, initial_HxDkxDv=N
 # Chunked form with pieces
 
 
-def _block(q_CxHxDk, k_CxHxDk, v_CxHxDv, g_CxH, beta_CxH, start_C, init_CxHxDkxDv, s0_HxDkxDv,
+def unit_lower_inverse(a_XxCxC):
+    """(I + a)^−1 for strictly lower-triangular a [..., Ck, Ck] (Ck a power of two), exact:
+    blockwise, doubling the diagonal block each round — [[T1, 0], [A21, T2]]^−1 =
+    [[T1⁻¹, 0], [−T2⁻¹ A21 T1⁻¹, T2⁻¹]] — so log2(Ck) rounds of batched matmuls. XLA:CPU
+    runs jax.scipy.linalg.solve_triangular as a slow loop (8 ms per 64-row block of 4
+    heads, 60× this); transformers and FLA substitute row by row.
+    """
+    c = a_XxCxC.shape[-1]
+    lead = a_XxCxC.shape[:-2]
+    t = jnp.ones(lead + (c, 1, 1), a_XxCxC.dtype)  # inverses of the 1×1 diagonal blocks
+    b = 1
+    while b < c:
+        n = c // (2 * b)
+        pairs = a_XxCxC.reshape(lead + (n, 2 * b, n, 2 * b))
+        diag = jnp.moveaxis(jnp.diagonal(pairs, axis1=-4, axis2=-2), -1, -3)  # [.., n, 2b, 2b]
+        t1, t2 = t[..., 0::2, :, :], t[..., 1::2, :, :]
+        low = -jnp.matmul(t2, jnp.matmul(diag[..., b:, :b], t1))
+        t = jnp.concatenate([jnp.concatenate([t1, jnp.zeros_like(t1)], -1),
+                             jnp.concatenate([low, t2], -1)], -2)
+        b *= 2
+    return t[..., 0, :, :]
+
+
+def _block(q_CxHxDk, k_CxHxDk, v_CxHxDv, g_CxH, beta_CxH, start_C, piece_C, cand_XxHxDkxDv,
            row):
     """One kernel block of Ck tokens: (o [Ck, H, Dv], state just after token `row`).
 
-    Tokens before the block's first piece start continue from s0 (the carry); a token with
-    start_C begins a piece whose incoming state is init_C at that token (init rows of other
-    tokens are ignored). Within a piece, the UT transform: with A_ij = β_i k_i·k_j
-    exp(γ_i − γ_j) (j < i, same piece; γ the cumulative log decay), T = (I + A)^−1,
-    v_new = T (βv − β k exp(γ − γ_0) · S_init), o_i = exp(γ_i − γ_0) q_i·S_init +
-    Σ_{j ≤ i, same piece} q_i·k_j exp(γ_i − γ_j) v_new_j — transformers'
-    torch_chunk_gated_delta_rule with the state entering at each piece's first token.
+    cand: the block's candidate incoming states [1 + P, H, Dk, Dv] — row 0 the carry (the
+    state before the block, continued by tokens before the block's first piece start),
+    row 1 + p piece p's incoming state; a token with start_C begins piece piece_C there.
+    Within a piece, the UT transform: with A_ij = β_i k_i·k_j exp(γ_i − γ_j) (j < i, same
+    piece; γ the cumulative log decay), T = (I + A)^−1, v_new = T (βv − β k exp(γ − γ_0) ·
+    S_init), o_i = exp(γ_i − γ_0) q_i·S_init + Σ_{j ≤ i, same piece} q_i·k_j exp(γ_i − γ_j)
+    v_new_j — transformers' torch_chunk_gated_delta_rule with the state entering at each
+    piece's first token. The incoming-state products run as matmuls against every
+    candidate ([Ck, Dk] × [Dk, Dv] per candidate), then each token keeps its own: a
+    per-token gather of states ([Ck, H, Dk, Dv]) and matvecs cost 80 % of the block.
     """
     ck = q_CxHxDk.shape[0]
     idx = jnp.arange(ck)
     head = jax.lax.cummax(jnp.where(start_C, idx, -1))  # first token of each token's piece
+    which_C = jnp.where(head >= 0, piece_C[jnp.maximum(head, 0)] + 1, 0)  # its candidate
     cum_HxC = jnp.cumsum(g_CxH, axis=0).T
     before = jnp.where(head >= 0, (cum_HxC - g_CxH.T)[:, jnp.maximum(head, 0)], 0.0)
-    x_CxHxDkxDv = jnp.where((head >= 0)[:, None, None, None],
-                            init_CxHxDkxDv[jnp.maximum(head, 0)], s0_HxDkxDv[None])
     same_CxC = (head[:, None] == head[None, :]) & (idx[None, :] <= idx[:, None])
     diff_HxCxC = cum_HxC[:, :, None] - cum_HxC[:, None, :]
     decay_HxCxC = jnp.where(same_CxC, jnp.exp(jnp.where(same_CxC, diff_HxCxC, 0.0)), 0.0)
@@ -101,18 +126,21 @@ def _block(q_CxHxDk, k_CxHxDk, v_CxHxDv, g_CxH, beta_CxH, start_C, init_CxHxDkxD
     kk_HxCxC = jnp.einsum("ihd,jhd->hij", k_CxHxDk, k_CxHxDk)
     a_HxCxC = jnp.where(lower_CxC, beta_CxH.T[:, :, None] * kk_HxCxC * decay_HxCxC, 0.0)
     from_init_HxC = jnp.exp(cum_HxC - before)
+
+    def against_own(x_CxHxDk):
+        """x_t · (token t's incoming state): [Ck, H, Dv]."""
+        all_XxCxHxDv = jnp.einsum("chk,xhkv->xchv", x_CxHxDk, cand_XxHxDkxDv)
+        return jnp.take_along_axis(all_XxCxHxDv, which_C[None, :, None, None], axis=0)[0]
+
     kb_CxHxDk = k_CxHxDk * (beta_CxH * from_init_HxC.T)[:, :, None]
-    w_CxHxDv = jnp.einsum("chk,chkv->chv", kb_CxHxDk, x_CxHxDkxDv)
-    rhs_HxCxDv = jnp.swapaxes(v_CxHxDv * beta_CxH[:, :, None] - w_CxHxDv, 0, 1)
-    eye = jnp.eye(ck, dtype=a_HxCxC.dtype)
-    vnew_HxCxDv = solve_triangular(eye + a_HxCxC, rhs_HxCxDv, lower=True, unit_diagonal=True)
+    rhs_HxCxDv = jnp.swapaxes(v_CxHxDv * beta_CxH[:, :, None] - against_own(kb_CxHxDk), 0, 1)
+    vnew_HxCxDv = jnp.matmul(unit_lower_inverse(a_HxCxC), rhs_HxCxDv)
     qk_HxCxC = jnp.einsum("ihd,jhd->hij", q_CxHxDk, k_CxHxDk) * decay_HxCxC
-    o_CxHxDv = (jnp.einsum("chk,chkv->chv", q_CxHxDk * from_init_HxC.T[:, :, None],
-                           x_CxHxDkxDv)
+    o_CxHxDv = (against_own(q_CxHxDk * from_init_HxC.T[:, :, None])
                 + jnp.swapaxes(jnp.einsum("hij,hjv->hiv", qk_HxCxC, vnew_HxCxDv), 0, 1))
     # State after `row`: the decayed incoming state of row's piece plus its updates so far.
     d_row_HxC = decay_HxCxC[:, row, :]
-    s_HxDkxDv = (x_CxHxDkxDv[row] * from_init_HxC[:, row][:, None, None]
+    s_HxDkxDv = (cand_XxHxDkxDv[which_C[row]] * from_init_HxC[:, row][:, None, None]
                  + jnp.einsum("hj,jhk,hjv->hkv", d_row_HxC, k_CxHxDk, vnew_HxCxDv))
     return o_CxHxDv, s_HxDkxDv
 
@@ -157,7 +185,7 @@ def chunked(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, start_S=None, piece
 
     def run(s0, blk, row):
         qb, kb, vb, gb, bb, stb, pb = blk
-        return _block(qb, kb, vb, gb, bb, stb, init_P[pb], s0, row)
+        return _block(qb, kb, vb, gb, bb, stb, pb, jnp.concatenate([s0[None], init_P]), row)
 
     blocks = tuple(_blocks(x, chunk) for x in (q, k, v, g, beta, start_S, piece_S))
 
@@ -193,7 +221,8 @@ class Pieces:
     of each piece's last real token (0 for an unused or all-padding piece); length_P: its
     real tokens. Over the X = CP·P pieces of all ranks (rank-major): pred_X, the piece
     holding each piece's preceding position of the same datum (−1: it starts its datum, or
-    is unused); rank: this rank's index on the axis (its pieces are X = rank·P + p).
+    is unused); length_X, the real tokens of each; rank: this rank's index on the axis (its
+    pieces are X = rank·P + p).
     """
 
     start_S: jax.Array
@@ -201,18 +230,25 @@ class Pieces:
     end_P: jax.Array
     length_P: jax.Array
     pred_X: jax.Array
+    length_X: jax.Array
     rank: jax.Array
     axis: str | None
     depth: int
 
 
 jax.tree_util.register_dataclass(
-    Pieces, data_fields=["start_S", "piece_S", "end_P", "length_P", "pred_X", "rank"],
+    Pieces, data_fields=["start_S", "piece_S", "end_P", "length_P", "pred_X", "length_X",
+                         "rank"],
     meta_fields=["axis", "depth"])
 
 
 def _gather(x, axis):
-    """[P, …] of every rank, rank-major: [CP·P, …] (the identity without an axis)."""
+    """[P, …] of every rank, rank-major: [CP·P, …] (the identity without an axis).
+
+    One all_gather per exchange, never several independent ones side by side: XLA:CPU
+    may start independent collectives in a different order on each device, and with 8
+    devices on a few cores the in-process rendezvous then deadlocked (mesh (2,2,2) and
+    (1,8,1) hung in the Qwen3.5 model test). Callers stack what they exchange."""
     return x if axis is None else jax.lax.all_gather(x, axis, axis=0, tiled=True)
 
 
@@ -236,16 +272,16 @@ def pieces(segment_S, position_S, max_pieces: int, axis: str | None = None) -> P
     last_pos = jnp.full((p,), -1, jnp.int32).at[piece].max(jnp.where(real, position_S, -1))
     end = jnp.full((p,), -1, jnp.int32).at[piece].max(jnp.where(real, t, -1))
     length = jnp.zeros((p,), jnp.int32).at[piece].add(real.astype(jnp.int32))
-    seg_x, first_x, last_x, len_x = (_gather(x, axis) for x in (first_seg, first_pos, last_pos,
-                                                                 length))
+    seg_x, first_x, last_x, len_x = jnp.moveaxis(
+        _gather(jnp.stack([first_seg, first_pos, last_pos, length], axis=1), axis), 1, 0)
     link = ((seg_x[:, None] == seg_x[None, :]) & (seg_x[:, None] >= 0) & (first_x[:, None] > 0)
             & (last_x[None, :] == first_x[:, None] - 1) & (len_x[None, :] > 0))
     pred = jnp.where(link.any(1), jnp.argmax(link, axis=1), -1)
     cp = seg_x.shape[0] // p
     rank = jnp.zeros((), jnp.int32) if axis is None else jax.lax.axis_index(axis)
     return Pieces(start_S=start, piece_S=piece.astype(jnp.int32), end_P=jnp.maximum(end, 0),
-                  length_P=length, pred_X=pred.astype(jnp.int32), rank=rank, axis=axis,
-                  depth=2 * cp)
+                  length_P=length, pred_X=pred.astype(jnp.int32), length_X=len_x, rank=rank,
+                  axis=axis, depth=2 * cp)
 
 
 def _incoming(pcs: Pieces, out_of, own_X, zero):
@@ -271,9 +307,11 @@ def _own(pcs: Pieces, x_X, p: int):
     return jax.lax.dynamic_slice_in_dim(x_X, pcs.rank * p, p, axis=0)
 
 
-def causal_conv(x_SxC, w_KxC, pcs: Pieces):
+def causal_conv(x_SxC, w_KxC, pcs: Pieces, hand_out: bool = False):
     """SiLU(depthwise causal conv1d) over each datum: [S, C] (transformers' causal_conv1d_fn
     with weight [C, 1, Kc] as w [Kc, C]: out_t = Σ_j w[j] · x_{t−Kc+1+j}, no bias).
+    hand_out: also return each of this rank's pieces' last Kc − 1 inputs of its datum
+    [P, Kc − 1, C] fp32 (oldest first; the conv window decode continues from).
 
     Inputs before a piece's first token come from its datum's earlier pieces — a halo of
     Kc − 1 rows, built from each piece's last Kc − 1 inputs exchanged over cp (a piece
@@ -290,7 +328,7 @@ def causal_conv(x_SxC, w_KxC, pcs: Pieces):
     back = halo - 1 - jnp.arange(halo)  # slot j holds the input `back[j]` rows before end
     rows = pcs.end_P[:, None] - back[None, :]
     tail_PxHxC = x32[jnp.clip(rows, 0, s_len - 1)]
-    len_x = _gather(pcs.length_P, pcs.axis)
+    len_x = pcs.length_X
     tail_x = _gather(tail_PxHxC, pcs.axis)
 
     def out_of(inc_XxHxC, own):
@@ -303,6 +341,7 @@ def causal_conv(x_SxC, w_KxC, pcs: Pieces):
     zero = jnp.zeros((halo, x_SxC.shape[1]), jnp.float32)
     inc_x = _incoming(pcs, lambda inc, own: out_of(inc, own), (tail_x, len_x), zero)
     inc_PxHxC = _own(pcs, inc_x, p)
+    window_PxHxC = _own(pcs, out_of(inc_x, (tail_x, len_x)), p) if hand_out else None
     # Each token's offset in its piece; lag l reads x[t − l] inside the piece, else the
     # incoming halo's row halo − (l − offset).
     t = jnp.arange(s_len)
@@ -315,13 +354,16 @@ def causal_conv(x_SxC, w_KxC, pcs: Pieces):
         halo_row = inc_PxHxC[pcs.piece_S, slot]
         val = jnp.where((offset >= lag)[:, None], shifted, halo_row)
         out = out + val * w_KxC[halo - lag].astype(jnp.float32)
-    return jax.nn.silu(out).astype(x_SxC.dtype)
+    y = jax.nn.silu(out).astype(x_SxC.dtype)
+    return (y, window_PxHxC) if hand_out else y
 
 
 def gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, segment_S,
-                     pcs: Pieces, chunk: int = DEFAULT_CHUNK):
+                     pcs: Pieces, chunk: int = DEFAULT_CHUNK, hand_out: bool = False):
     """The gated delta rule over a packed stream, every piece from its datum's true state:
     o [S, H, Dv] fp32 (q, k L2-normalised; padding tokens' rows are meaningless).
+    hand_out: (o, the state after each of this rank's pieces [P, H, Dk, Dv]) — after a
+    datum's last piece, the state decode continues from.
 
     Pass 1: each piece's transition S_out = M·S_in + U, from the chunked kernel run on
     values [v | 0] from the state [0 | I] (the state's right block then tracks M). The
@@ -342,42 +384,86 @@ def gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, segment_S,
     zeros_piece = jnp.zeros((v32.shape[0],), jnp.int32)
     _, ends = chunked(q_SxHkxDk, k_SxHkxDk, v_aug, g, beta, pcs.start_S, zeros_piece,
                       init_aug, chunk, ends_P=pcs.end_P)
-    u_x = _gather(ends[..., :dv], pcs.axis)
-    m_x = _gather(ends[..., dv:], pcs.axis)
+    ends_x = _gather(ends, pcs.axis)  # one exchange of [U | M] (see _gather)
+    u_x, m_x = ends_x[..., :dv], ends_x[..., dv:]
 
     def out_of(inc_XxHxDkxDv, own):
         m, u = own
         return jnp.einsum("xhkj,xhjv->xhkv", m, inc_XxHxDkxDv) + u
 
     inc_x = _incoming(pcs, out_of, (m_x, u_x), jnp.zeros((h, dk, dv), jnp.float32))
-    o, _ = chunked(q_SxHkxDk, k_SxHkxDk, v32, g, beta, pcs.start_S, pcs.piece_S,
-                   _own(pcs, inc_x, p), chunk)
-    return o
+    o, final = chunked(q_SxHkxDk, k_SxHkxDk, v32, g, beta, pcs.start_S, pcs.piece_S,
+                       _own(pcs, inc_x, p), chunk, ends_P=pcs.end_P if hand_out else None)
+    return (o, final) if hand_out else o
 
 
 # ----------------------------------------------------------------------------------------
 # The mixing strategy the decoder's Gated DeltaNet layers call
 
 
+class Recurrent(NamedTuple):
+    """A Gated DeltaNet layer's recurrent state per sequence (or, stacked on a leading
+    axis, per layer): conv [.., B, Kc − 1, C] the last Kc − 1 conv inputs (oldest first),
+    ssm [.., B, H, Dk, Dv] the delta rule's state, both fp32. In prefill's hand-out, B is
+    this rank's pieces P instead (the state after each piece)."""
+
+    conv: jax.Array
+    ssm: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class CPMix:
     """Training's (and prefill's) sequence mixing of Gated DeltaNet layers over cp shards:
     `conv` and `rule`, closing over the stream's pieces so the model threads no flags.
-    Build it once per step with cp_mix; every linear layer reuses its pieces."""
+    Build it once per step with cp_mix; every linear layer reuses its pieces. Each takes
+    the layer's incoming state (ignored: a stream starts its datums from zero) and returns
+    (output, its part of the outgoing state): None, or with hand_out the state after each
+    of this rank's pieces (Recurrent's conv / ssm fields, [P, …])."""
 
     segment_S: jax.Array
     pcs: Pieces
     chunk: int
+    hand_out: bool = False
 
-    def conv(self, x_SxC, w_KxC):
-        return causal_conv(x_SxC, w_KxC, self.pcs)
+    def conv(self, x_SxC, w_KxC, state=None):
+        out = causal_conv(x_SxC, w_KxC, self.pcs, self.hand_out)
+        return out if self.hand_out else (out, None)
 
-    def rule(self, q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH):
-        return gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH,
-                                self.segment_S, self.pcs, self.chunk)
+    def rule(self, q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, state=None):
+        out = gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH,
+                               self.segment_S, self.pcs, self.chunk, self.hand_out)
+        return out if self.hand_out else (out, None)
 
 
 def cp_mix(segment_S, position_S, max_pieces: int, axis: str | None,
-           chunk: int = DEFAULT_CHUNK) -> CPMix:
-    """CPMix of a packed stream (see pieces for max_pieces and axis)."""
-    return CPMix(segment_S, pieces(segment_S, position_S, max_pieces, axis), chunk)
+           chunk: int = DEFAULT_CHUNK, hand_out: bool = False) -> CPMix:
+    """CPMix of a packed stream (see pieces for max_pieces and axis; hand_out: CPMix)."""
+    return CPMix(segment_S, pieces(segment_S, position_S, max_pieces, axis), chunk, hand_out)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMix:
+    """Decode's sequence mixing: one new token per sequence (rows B), continuing each
+    sequence's Recurrent state (conv window, delta-rule state) by the recurrent form.
+    fresh_B: the row's token is its sequence's first (position 0) — it continues from
+    zeros whatever the state rows hold (a reused slot, a one-token prompt)."""
+
+    fresh_B: jax.Array
+
+    def _start(self, state):
+        return jnp.where(self.fresh_B.reshape((-1,) + (1,) * (state.ndim - 1)), 0.0, state)
+
+    def conv(self, x_BxC, w_KxC, window_BxHxC):
+        """(SiLU(Σ_j w[j] · [window | x][j]) [B, C], the new window [B, Kc − 1, C])."""
+        full = jnp.concatenate([self._start(window_BxHxC),
+                                x_BxC.astype(jnp.float32)[:, None]], axis=1)
+        out = jnp.einsum("bjc,jc->bc", full, w_KxC.astype(jnp.float32))
+        return jax.nn.silu(out).astype(x_BxC.dtype), full[:, 1:]
+
+    def rule(self, q_BxHkxDk, k_BxHkxDk, v_BxHxDv, g_BxH, beta_BxH, s_BxHxDkxDv):
+        """(o [B, H, Dv] fp32, the new state [B, H, Dk, Dv]): one step of `recurrent`."""
+        one = lambda q, k, v, g, b, s: recurrent(q[None], k[None], v[None], g[None], b[None],
+                                                 s)  # noqa: E731
+        o, s = jax.vmap(one)(q_BxHkxDk, k_BxHkxDk, v_BxHxDv, g_BxH, beta_BxH,
+                             self._start(s_BxHxDkxDv))
+        return o[:, 0], s

@@ -138,6 +138,8 @@ def _hf_layer_names(module: str, layer: int) -> str:
         return f"model.layers.{layer}.post_attention_layernorm.weight"
     if module == "router":
         return f"model.layers.{layer}.mlp.gate.weight"
+    if module in ("shared_gate", "shared_up", "shared_down"):
+        return f"model.layers.{layer}.mlp.shared_expert.{module[7:]}_proj.weight"
     return f"model.layers.{layer}.mlp.{module}.weight"
 
 
@@ -207,6 +209,8 @@ def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) 
                                 for k, s in shapes["dense_mlp"].items()}
         out["moe_mlp"] = {"router": stacked("router", shapes["moe_mlp"]["router"], moe_ids)}
         out["moe_mlp"].update(_expert_tensors(cfg, moe_ids, tensors, fetch))
+        out["moe_mlp"].update({k: stacked(k, shapes["moe_mlp"][k], moe_ids)
+                               for k in shapes["moe_mlp"] if k.startswith("shared_")})
     if "lm_head" in shapes:
         out["lm_head"] = plain("lm_head.weight", shapes["lm_head"], transpose=True)
     # A tensor the config does not account for (an o_proj bias, extra layers, …) means the
@@ -334,4 +338,19 @@ def load_hf(path, dtype: str = "float32") -> tuple[QwenConfig, dict]:
     if not os.path.isdir(path):
         raise ValueError(f"{path} is not a Hugging Face model folder")
     cfg = config_from_hf(path, dtype=dtype)
-    return cfg, hf_params(cfg, _open_checkpoint(path))
+    return cfg, hf_params(cfg, text_model_tensors(_open_checkpoint(path)))
+
+
+TEXT_PREFIX = "model.language_model."
+
+
+def text_model_tensors(tensors: dict) -> dict:
+    """The causal LM's tensors of a checkpoint: unchanged for a causal LM; for an image-text
+    one (Qwen3_5ForConditionalGeneration, config.MULTIMODAL) its language model's, renamed
+    model.language_model.X -> model.X, with lm_head — the vision tower (model.visual.*) and
+    any multi-token-prediction head (mtp.*) are left unread."""
+    if not any(n.startswith(TEXT_PREFIX) for n in tensors):
+        return tensors
+    return {("model." + n[len(TEXT_PREFIX):] if n.startswith(TEXT_PREFIX) else n): t
+            for n, t in tensors.items()
+            if n.startswith(TEXT_PREFIX) or n.startswith("lm_head.")}

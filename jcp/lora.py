@@ -21,16 +21,23 @@ from jcp.mesh import SPECS
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
-LAYER_MODULES = ATTN + MLP
+# Gated DeltaNet (Qwen3.5's linear attention). in_proj_qkv's output is q, k and v of
+# different widths side by side, each split over tp by heads like the base in_proj_q / _k /
+# _v: its B is held as three factors "b_q", "b_k", "b_v" (module_keys) so that every rank
+# gets the columns of its own heads.
+LINEAR = ("in_proj_qkv", "in_proj_z", "out_proj")
+QKV = "in_proj_qkv"
+QKV_B = ("b_q", "b_k", "b_v")
+LAYER_MODULES = ATTN + MLP + LINEAR
 # The experts of a MoE layer ([Lm] MoE layers, E experts each, see expert_keys).
 EXPERT = ("expert_gate", "expert_up", "expert_down")
 HEAD = "lm_head"
 ALL_MODULES = LAYER_MODULES + EXPERT + (HEAD,)
 # Row-parallel modules are split on their input under tp; the rest on their output.
-ROW_PARALLEL = ("o_proj", "down_proj")
+ROW_PARALLEL = ("o_proj", "down_proj", "out_proj")
 
-TARGET_GROUPS = {"attn": ATTN, "mlp": MLP, "experts": EXPERT, "unembed": (HEAD,),
-                 "all": ALL_MODULES}
+TARGET_GROUPS = {"attn": ATTN, "mlp": MLP, "linear_attn": LINEAR, "experts": EXPERT,
+                 "unembed": (HEAD,), "all": ALL_MODULES}
 # How an adapter parameterises the experts: one factor pair per expert; Tinker's
 # shared-outer scheme — the hidden-size side (gate.A, up.A, down.B) one factor shared by
 # all experts of a layer, the other side per expert; or PEFT's fused gate_up — per expert,
@@ -40,36 +47,59 @@ EXPERT_LORA = ("shared_outer", "per_expert", "fused_gate_up")
 
 def table_modules(cfg: QwenConfig) -> tuple[str, ...]:
     """The modules a slot table holds for this model: dense MLP modules on a dense model,
-    the experts on a MoE model (its dense layers' MLPs, if any, are not adaptable); on a
-    hybrid (Qwen3.5) model the MLP and the unembedding only, for now: its attention and
-    Gated DeltaNet projections live in per-kind stacks that the slot table does not yet
-    mirror."""
-    if cfg.is_hybrid:
-        return MLP + (HEAD,)
-    return tuple(m for m in ALL_MODULES if m not in (EXPERT if not cfg.is_moe else MLP))
+    the experts on a MoE model (its dense layers' MLPs, if any, are not adaptable); the
+    Gated DeltaNet projections (LINEAR) on a hybrid (Qwen3.5) model only."""
+    skip = (EXPERT if not cfg.is_moe else MLP) + (() if cfg.is_hybrid else LINEAR)
+    return tuple(m for m in ALL_MODULES if m not in skip)
 
 
 def module_dims(cfg: QwenConfig, module: str) -> tuple[int, int]:
-    """(in, out) features of a target module (of one expert, for the expert modules)."""
+    """(in, out) features of a target module (of one expert, for the expert modules).
+    With an output gate q_proj yields each head's query and gate (2·Q·H); in_proj_qkv
+    yields q, k (Hk·dk each) and v (H·dv)."""
     d, f, fe = cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size
+    q_out = 2 * cfg.q_dim if cfg.attn_output_gate else cfg.q_dim
+    kd, vd = cfg.linear_key_dim, cfg.linear_value_dim
     return {
-        "q_proj": (d, cfg.q_dim), "k_proj": (d, cfg.kv_dim), "v_proj": (d, cfg.kv_dim),
+        "q_proj": (d, q_out), "k_proj": (d, cfg.kv_dim), "v_proj": (d, cfg.kv_dim),
         "o_proj": (cfg.q_dim, d), "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d),
+        "in_proj_qkv": (d, 2 * kd + vd), "in_proj_z": (d, vd), "out_proj": (vd, d),
         "expert_gate": (d, fe), "expert_up": (d, fe), "expert_down": (fe, d),
         HEAD: (d, cfg.vocab_size),
     }[module]
 
 
+def qkv_widths(cfg: QwenConfig) -> dict[str, int]:
+    """Output width of each of in_proj_qkv's B factors: {"b_q": Hk·dk, "b_k": Hk·dk,
+    "b_v": H·dv} (peft's lora_B is their concatenation, in this order)."""
+    kd = cfg.linear_key_dim
+    return dict(zip(QKV_B, (kd, kd, cfg.linear_value_dim)))
+
+
+def module_layer_ids(cfg: QwenConfig, module: str) -> tuple[int, ...]:
+    """The model layers a layer module's stacked factors [n, …] belong to, in order: on a
+    hybrid model the attention modules live in its full-attention layers and the Gated
+    DeltaNet ones in its linear-attention layers (the per-kind stacks of the base weights);
+    otherwise every layer."""
+    if cfg.is_hybrid and module in ATTN + LINEAR:
+        want = module in LINEAR
+        return tuple(i for i, lin in enumerate(cfg.linear_layers) if lin == want)
+    return tuple(range(cfg.num_layers))
+
+
 def expert_keys(module: str, mode: str | None) -> tuple[str, str]:
     """The factor keys an adapter holds for `module` under expert parameterisation `mode`.
 
-    ("a", "b") except on the hidden-size side of a shared-outer expert module: gate / up
+    ("a", "b") except in_proj_qkv's ("a", "b_q", "b_k", "b_v") (see LINEAR) and on the
+    hidden-size side of a shared-outer expert module: gate / up
     ("a_shared" [Lm, D, r], "b" [Lm, E, r, Fe]) and down ("a" [Lm, E, Fe, r], "b_shared"
     [Lm, r, D]). Under fused_gate_up, expert_up holds only "b": its A is expert_gate's
     (tied, so one parameter gets both gradients, as peft's fused gate_up lora_A does). A
     slot table holds all three keys of an expert module; an adapter's unused one stays
     exactly zero (the model reads only the key its mode selects).
     """
+    if module == QKV:
+        return ("a",) + QKV_B
     if mode == "fused_gate_up" and module == "expert_up":
         return ("b",)
     if module not in EXPERT or mode in ("per_expert", "fused_gate_up"):
@@ -102,7 +132,7 @@ def resolve_targets(targets, cfg: QwenConfig | None = None) -> tuple[str, ...]:
     moe = cfg is not None and cfg.is_moe
     # "all" (and the default): what the model has; without a cfg, a dense model's modules.
     every = table_modules(cfg) if cfg is not None else tuple(
-        m for m in ALL_MODULES if m not in EXPERT)
+        m for m in ALL_MODULES if m not in EXPERT + LINEAR)
     if targets is None:
         return every
     if isinstance(targets, str):
@@ -127,10 +157,9 @@ def resolve_targets(targets, cfg: QwenConfig | None = None) -> tuple[str, ...]:
         raise ValueError(f"LoRA targets {sorted(chosen & set(MLP))} are dense MLP modules, "
                          "which a mixture-of-experts model does not adapt; target its experts "
                          "('experts'), attention ('attn') and the unembedding ('unembed')")
-    if cfg is not None and cfg.is_hybrid and chosen & set(ATTN):
-        raise ValueError(f"LoRA targets {sorted(chosen & set(ATTN))} are attention modules; on "
-                         "a hybrid (Qwen3.5) model jcp adapts the MLP ('mlp') and the "
-                         "unembedding ('unembed') so far")
+    if cfg is not None and not cfg.is_hybrid and chosen & set(LINEAR):
+        raise ValueError(f"LoRA targets {sorted(chosen & set(LINEAR))} are Gated DeltaNet "
+                         "modules, but this model has no linear-attention layers")
     if cfg is not None and not moe and chosen & set(EXPERT):
         raise ValueError(f"LoRA targets {sorted(chosen & set(EXPERT))} are experts, but this "
                          "is a dense model (no mixture-of-experts layers)")
@@ -149,7 +178,10 @@ def factor_shapes(cfg: QwenConfig, module: str, rank: int, lead=(),
     if module == HEAD:
         return {"a": lead + (i, rank), "b": lead + (rank, o)}
     if module not in EXPERT:
-        lead = lead + (cfg.num_layers,)
+        lead = lead + (len(module_layer_ids(cfg, module)),)
+        if module == QKV:
+            return {"a": lead + (i, rank),
+                    **{k: lead + (rank, w) for k, w in qkv_widths(cfg).items()}}
         return {"a": lead + (i, rank), "b": lead + (rank, o)}
     lead = lead + (sum(cfg.moe_layers),)
     e = cfg.num_experts
@@ -179,7 +211,8 @@ def slot_specs(cfg: QwenConfig, modes=EXPERT_LORA) -> dict:
                                       ("b_shared", SPECS.lora_shared_GxLxIxR)) if k in keys}
         if m in ROW_PARALLEL:
             return {"a": SPECS.lora_a_row_GxLxIxR, "b": SPECS.lora_b_row_GxLxRxD}
-        return {"a": SPECS.lora_a_column_GxLxDxR, "b": SPECS.lora_b_column_GxLxRxO}
+        bs = QKV_B if m == QKV else ("b",)
+        return {"a": SPECS.lora_a_column_GxLxDxR, **{b: SPECS.lora_b_column_GxLxRxO for b in bs}}
 
     return {m: spec(m) for m in table_modules(cfg)}
 
@@ -312,7 +345,12 @@ def low_rank_input(x_SxI, a_AxIxR, route: Routing):
 
 def delta(x_SxI, a_AxIxR, b_AxRxO, route: Routing):
     """LoRA update of each token by its own adapter: [S, O]."""
-    u = low_rank_input(x_SxI, a_AxIxR, route)
+    return expand(low_rank_input(x_SxI, a_AxIxR, route), b_AxRxO, x_SxI.dtype)
+
+
+def expand(u_SxAR, b_AxRxO, dtype):
+    """The second half of delta: low_rank_input's u [S, A·R] @ the stacked B -> [S, O]
+    (several B of one A, as in_proj_qkv's, share one u)."""
     b = b_AxRxO.reshape(-1, b_AxRxO.shape[-1])
-    return jnp.einsum("sr,ro->so", u.astype(x_SxI.dtype), b.astype(x_SxI.dtype),
-                      preferred_element_type=jnp.float32).astype(x_SxI.dtype)
+    return jnp.einsum("sr,ro->so", u_SxAR.astype(dtype), b.astype(dtype),
+                      preferred_element_type=jnp.float32).astype(dtype)

@@ -1,6 +1,7 @@
 """Token log-probs (chunked, vocab-parallel), the Tinker losses, and per-datum outputs.
 
-The device side (target_logprobs, the loss functions, token_losses, shard_loss and the
+The device side (target_logprobs; prompt_stats — sampling's forward-only top-k and draws
+of the same log_softmax; the loss functions, token_losses, shard_loss and the
 per-datum gathers) runs per shard inside the one shard_map. It must never build an array
 of [tokens, vocab] (forward or backward), never average a loss (Tinker losses are sums),
 and never let the per-datum outputs reach the gradient.
@@ -152,6 +153,89 @@ def target_logprobs(lefts, rights, targets_S, chunk: int = DEFAULT_CHUNK, right_
     if targets_S.ndim == 1:
         return _target_logprobs(lefts, rights, targets_S[:, None], chunk, right_grads)[:, 0]
     return _target_logprobs(lefts, rights, targets_S, chunk, right_grads)
+
+
+def _gather_tp(x_CxK):
+    """[C, K] on each tp rank -> [C, tp·K] on all (rank-major), typed replicated over tp."""
+    tp = jax.lax.axis_size(TP)
+    grid = jnp.zeros((tp,) + x_CxK.shape, x_CxK.dtype).at[jax.lax.axis_index(TP)].set(x_CxK)
+    return jnp.moveaxis(jax.lax.psum(grid, TP), 0, 1).reshape(x_CxK.shape[0], -1)
+
+
+def prompt_stats(lefts, rights, targets_SxK, chunk: int = DEFAULT_CHUNK, *, topk: int = 0,
+                 alt: int = 0, temperature_S=None, keys_Sx2=None, position_S=None) -> dict:
+    """Forward-only log-prob statistics of every token, vocab-parallel over "tp" (no
+    [tokens, V] array, no vocab gather): {"lp": [S, K] log_softmax(logits) of targets
+    (as target_logprobs; −1 gets −lse, for the caller to mask)} and, with topk > 0,
+    "topk_ids" int32 / "topk_lp" [S, topk]: the topk most likely tokens and their
+    log-probs (each rank's own top-k of its vocab slice, merged: tp·topk candidates per
+    token; ids −1 / −inf past the vocabulary); with alt > 0, "alt_ids" int32 / "alt_lp"
+    [S, alt]: alt independent draws from softmax(logits / T) (T = temperature_S; T = 0:
+    the argmax every time) with their log-probs log_softmax(logits / T) (T = 0: of the
+    logits) — Gumbel-max on each rank's slice, the max merged over tp; draw j of a token
+    uses key fold_in(fold_in(fold_in(keys_Sx2, position_S), j), tp rank), so draws
+    depend on the seed, the position and tp, not on the batch around the token.
+    """
+    lefts = tuple(vary(x, BATCH_AXES) for x in lefts)
+    rights = tuple(vary(r, BATCH_AXES) for r in rights)
+    s_len = targets_SxK.shape[0]
+    chunk = block_size(s_len, chunk)
+    v_local = rights[0].shape[1]
+    rank = jax.lax.axis_index(TP)
+    v_total = v_local * jax.lax.axis_size(TP)
+    offset = rank * v_local
+    tgt_SxK, inside_SxK = _local_targets(targets_SxK, v_local)
+
+    def lse_of(x):
+        m = jax.lax.pmax(jnp.max(x, axis=-1), TP)
+        return m + jnp.log(jax.lax.psum(jnp.sum(jnp.exp(x - m[:, None]), axis=-1), TP))
+
+    def body(_, i):
+        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk)  # noqa: E731
+        logits = _chunk_logits(lefts, rights, i, chunk)
+        lse = lse_of(logits)
+        picked = jnp.take_along_axis(logits, sl(tgt_SxK), axis=-1)
+        out = {"lp": jax.lax.psum(jnp.where(sl(inside_SxK), picked, 0.0), TP) - lse[:, None]}
+        if topk:
+            k_loc = min(topk, v_local)
+            val, idx = jax.lax.top_k(logits, k_loc)
+            val, idx = _gather_tp(val), _gather_tp(idx.astype(jnp.int32) + offset)
+            val, at = jax.lax.top_k(val, min(topk, val.shape[1]))
+            idx = jnp.take_along_axis(idx, at, axis=-1)
+            pad = topk - val.shape[1]
+            out["topk_lp"] = jnp.pad(val - lse[:, None], ((0, 0), (0, pad)),
+                                     constant_values=-jnp.inf)
+            out["topk_ids"] = jnp.pad(idx, ((0, 0), (0, pad)), constant_values=-1)
+        if alt:
+            t_C = sl(temperature_S)
+            x = logits / jnp.where(t_C > 0, t_C, 1.0)[:, None]
+            lse_t = lse_of(x)
+            keys, pos = sl(keys_Sx2), sl(position_S)
+
+            def draw(_, j):
+                def noise(key_2, p):
+                    key = jax.random.wrap_key_data(key_2, impl="threefry2x32")
+                    key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(
+                        key, p), j), rank)
+                    return jax.random.gumbel(key, (v_local,), jnp.float32)
+
+                y = jnp.where((t_C > 0)[:, None], x + jax.vmap(noise)(keys, pos), x)
+                best = jnp.max(y, axis=-1)
+                top = jax.lax.pmax(best, TP)
+                tok = jax.lax.pmin(jnp.where(best == top, jnp.argmax(y, axis=-1) + offset,
+                                             v_total), TP)
+                here = (tok >= offset) & (tok < offset + v_local)
+                xi = jnp.take_along_axis(x, jnp.clip(tok - offset, 0, v_local - 1)[:, None],
+                                         axis=-1)[:, 0]
+                return None, (tok.astype(jnp.int32),
+                              jax.lax.psum(jnp.where(here, xi, 0.0), TP) - lse_t)
+
+            _, (ids, lps) = jax.lax.scan(draw, None, jnp.arange(alt))
+            out["alt_ids"], out["alt_lp"] = ids.T, lps.T
+        return None, out
+
+    _, out = jax.lax.scan(body, None, jnp.arange(s_len // chunk))
+    return {k: v.reshape((s_len,) + v.shape[2:]) for k, v in out.items()}
 
 
 # ----------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from jcp.hf import SafetensorsFile
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # What PEFT can name in target_modules (the expert modules are parameters, not modules).
-PEFT_MODULES = lora_lib.ATTN + lora_lib.MLP + (lora_lib.HEAD,)
+PEFT_MODULES = lora_lib.ATTN + lora_lib.MLP + lora_lib.LINEAR + (lora_lib.HEAD,)
 # peft's target_parameters for the fused experts, and the rank_pattern / alpha_pattern key
 # its own per-expert -> fused conversion uses for gate_up.
 GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
@@ -62,12 +62,22 @@ def peft_key(module: str, layer: int | None, which: str) -> str:
     ab = {"a": "lora_A", "b": "lora_B"}[which]
     if module == lora_lib.HEAD:
         return f"base_model.model.lm_head.{ab}.weight"
-    sub = "self_attn" if module in lora_lib.ATTN else "mlp"
+    sub = ("self_attn" if module in lora_lib.ATTN else
+           "linear_attn" if module in lora_lib.LINEAR else "mlp")
     return f"base_model.model.model.layers.{layer}.{sub}.{module}.{ab}.weight"
 
 
-def _layers(module: str, num_layers: int):
-    return [None] if module == lora_lib.HEAD else range(num_layers)
+def _layers(module: str, num_layers: int, cfg: QwenConfig | None = None):
+    """The HF layer index of each row of a module's stacked factors (None: lm_head)."""
+    if module == lora_lib.HEAD:
+        return [None]
+    return lora_lib.module_layer_ids(cfg, module) if cfg is not None else range(num_layers)
+
+
+def _b_of(ab: dict) -> np.ndarray:
+    """A module's whole B [.., R, O]: in_proj_qkv's b_q | b_k | b_v side by side."""
+    keys = lora_lib.QKV_B if "b_q" in ab else ("b",)
+    return np.concatenate([np.asarray(ab[k]) for k in keys], axis=-1)
 
 
 def to_peft(tree: dict, rank: int, targets, num_layers: int, *,
@@ -79,10 +89,10 @@ def to_peft(tree: dict, rank: int, targets, num_layers: int, *,
     for m in targets:
         if m in lora_lib.EXPERT:
             continue
-        a, b = np.asarray(tree[m]["a"]), np.asarray(tree[m]["b"])
-        for li in _layers(m, num_layers):
-            al = a if li is None else a[li]
-            bl = b if li is None else b[li]
+        a, b = np.asarray(tree[m]["a"]), _b_of(tree[m])
+        for row, li in enumerate(_layers(m, num_layers, cfg)):
+            al = a if li is None else a[row]
+            bl = b if li is None else b[row]
             out[peft_key(m, li, "a")] = np.ascontiguousarray(al[:, :rank].T)
             out[peft_key(m, li, "b")] = np.ascontiguousarray(bl[:rank, :].T)
     experts = [m for m in targets if m in lora_lib.EXPERT]
@@ -278,14 +288,19 @@ def from_peft(tensors, cfg: QwenConfig, rank: int, targets, where: str,
         if m in lora_lib.EXPERT:
             continue
         i, o = lora_lib.module_dims(cfg, m)
-        lead = () if m == lora_lib.HEAD else (cfg.num_layers,)
+        ids = _layers(m, cfg.num_layers, cfg)
+        lead = () if m == lora_lib.HEAD else (len(ids),)
         tree[m] = {"a": np.zeros(lead + (i, rank), np.float32),
                    "b": np.zeros(lead + (rank, o), np.float32)}
-        for li in _layers(m, cfg.num_layers):
+        for row, li in enumerate(ids):
             for which, want in (("a", (rank, i)), ("b", (o, rank))):
                 t = fetch(peft_key(m, li, which), want)
-                dst = tree[m][which] if li is None else tree[m][which][li]
+                dst = tree[m][which] if li is None else tree[m][which][row]
                 dst[...] = t.T
+        if m == lora_lib.QKV:  # split B into q, k, v columns (lora.LINEAR)
+            cuts = np.cumsum(list(lora_lib.qkv_widths(cfg).values()))[:-1]
+            b = tree[m].pop("b")
+            tree[m].update(zip(lora_lib.QKV_B, map(np.ascontiguousarray, np.split(b, cuts, axis=-1))))
     experts = [m for m in targets if m in lora_lib.EXPERT]
     if experts:
         tree.update(_experts_from_peft(fetch, cfg, rank, experts, gate_up_rank or rank, where))
@@ -533,7 +548,10 @@ def _targets(pc: dict, cfg: QwenConfig, cfg_path: str, rank: int, file_alpha):
         raise InputError(f"{cfg_path}: target_modules {targets!r} must be a non-empty list, a "
                          f"subset of {list(PEFT_MODULES)}")
     if not moe:
-        return lora_lib.resolve_targets(targets), None
+        try:
+            return lora_lib.resolve_targets(targets, cfg), None
+        except ValueError as e:
+            raise InputError(f"{cfg_path}: {e}") from None
     dense_mlp = sorted(set(targets) & set(lora_lib.MLP))
     if dense_mlp:
         raise InputError(

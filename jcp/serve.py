@@ -4,8 +4,10 @@
               [--port 8000] [--max-adapters N] [--max-rank R] [--max-tokens-per-device N]
               [--api-keys FILE] [--state-dir DIR] [--max-body-bytes N] [--max-datums N]
               [--max-num-samples N] [--max-futures N] [--max-offload-gb G]
-              [--session-timeout S] [--coordinator-address HOST:PORT --num-processes N
-              --process-id I] [--follower-timeout S]
+              [--session-timeout S] [--sample-slots N] [--sample-max-len N]
+              [--sample-chunk N] [--prefill-tokens N] [--warmup]
+              [--coordinator-address HOST:PORT --num-processes N --process-id I]
+              [--follower-timeout S]
 
 With no --hf-model it serves the tiny random model, on 8 fake CPU devices when there is no
 accelerator (like jcp-train). Owns the command line and the assembly of the pieces in
@@ -60,6 +62,22 @@ def parse_args(argv):
     p.add_argument("--session-timeout", type=float, default=180.0,
                    help="seconds without a heartbeat after which a session ends and its "
                    "models are unloaded")
+    p.add_argument("--sample-slots", type=int, default=None,
+                   help="sampling engine: sequences decoded together (a multiple of dp·cp; "
+                   "default: as many as fit 1 GiB of KV cache per device, at most 512)")
+    p.add_argument("--sample-max-len", type=int, default=None,
+                   help="sampling engine: KV rows per sequence, prompt + max_tokens − 1 "
+                   "(default min(256, max_context_length)); longer requests run beside "
+                   "the engine")
+    p.add_argument("--sample-chunk", type=int, default=8,
+                   help="sampling engine: decode steps per engine step (requests join and "
+                   "leave between them; a training pass waits at most one engine step)")
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help="sampling engine: most prompt tokens prefilled per engine step "
+                   "(default max_tokens_per_device · dp)")
+    p.add_argument("--warmup", action="store_true",
+                   help="compile the sampling engine's programs before serving (greedy and "
+                   "drawn rows, 1–2 active adapters; see Engine.warmup)")
     p.add_argument("--coordinator-address", default=None,
                    help="jax.distributed coordinator host:port (or JAX_COORDINATOR_ADDRESS); "
                    "every process gets the same flags, process 0 serves HTTP")
@@ -72,8 +90,9 @@ def parse_args(argv):
     if args.mesh:
         args.mesh = parse_mesh(args.mesh)
     for name in ("max_adapters", "max_rank", "max_body_bytes", "max_datums",
-                 "max_num_samples", "max_futures"):
-        if getattr(args, name) < 1:
+                 "max_num_samples", "max_futures", "sample_slots", "sample_max_len",
+                 "sample_chunk", "prefill_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be ≥ 1")
     if not args.follower_timeout > 0:
         raise CliError("--follower-timeout must be > 0")
@@ -108,7 +127,9 @@ class Server:
     def __init__(self, trainer, model_name: str, state_dir: str, api_keys=None,
                  host: str = "127.0.0.1", port: int = 0, tokenizer_id: str | None = None,
                  limits=None, max_offload_bytes: int = 16 << 30,
-                 session_timeout_s: float = 180.0, leader=None):
+                 session_timeout_s: float = 180.0, sample_slots: int | None = None,
+                 sample_max_len: int | None = None, sample_chunk: int = 8,
+                 prefill_tokens: int | None = None, leader=None):
         import uvicorn
 
         from jcp.server.app import FutureTable, ServedModel, create_app
@@ -121,9 +142,13 @@ class Server:
         self.scheduler = Scheduler()
         self.limits = limits if limits is not None else Limits()
         self.futures = FutureTable(self.limits.futures)
-        self.engine = Engine(trainer, self.store, self.scheduler, model_name,
-                             self.futures.complete, tokenizer_id, max_offload_bytes,
-                             session_timeout_s, leader=leader)
+        try:
+            self.engine = Engine(trainer, self.store, self.scheduler, model_name,
+                                 self.futures.complete, tokenizer_id, max_offload_bytes,
+                                 session_timeout_s, sample_slots, sample_max_len, sample_chunk,
+                                 prefill_tokens, leader=leader)
+        except ValueError as e:  # an engine size that does not fit the mesh
+            raise CliError(f"sampling engine: {e}") from None
         if leader is not None:  # a follower lost: pending requests fail, new ones are refused
             leader.on_failure = self._job_failed
         served = ServedModel(model_name, self.engine.token_cap, self.engine.max_rank,
@@ -196,14 +221,30 @@ def main(argv=None) -> int:
     name = args.model_name or (os.path.basename(os.path.normpath(args.hf_model))
                                if args.hf_model else "jcp-tiny")
     state_dir = args.state_dir or tempfile.mkdtemp(prefix="jcp-serve-")
-    srv = Server(tr, name, state_dir, keys, args.host, args.port,
-                 _tokenizer_dir(args.hf_model), limits, int(args.max_offload_gb * (1 << 30)),
-                 args.session_timeout, leader)
+    try:
+        srv = Server(tr, name, state_dir, keys, args.host, args.port,
+                     _tokenizer_dir(args.hf_model), limits,
+                     int(args.max_offload_gb * (1 << 30)), args.session_timeout,
+                     args.sample_slots, args.sample_max_len, args.sample_chunk,
+                     args.prefill_tokens, leader)
+    except CliError as e:
+        if leader is not None:  # the followers wait for process 0's first call: release them
+            leader.stop()
+        print(f"jcp-serve: error: {e}", file=sys.stderr)
+        return 2
     print(f"jcp-serve: {srv.url}  model {name!r}  mesh dp={tr.dp} cp={tr.cp} tp={tr.tp}  "
           f"max_context_length {tr.token_cap}  state {state_dir}  processes "
           f"{jax.process_count()}", flush=True)
     print("jcp-serve: " + (f"{len(keys)} API keys from {args.api_keys}" if keys is not None
                            else "no --api-keys: accepting any key (local use)"), flush=True)
+    eng = srv.engine.sampling
+    print(f"jcp-serve: sampling engine {eng.slots} slots × {eng.max_len} rows, chunk "
+          f"{eng.chunk}, {eng.prefill_tokens} prefill tokens per step", flush=True)
+    if args.warmup:
+        t0 = time.monotonic()
+        n = eng.warmup(active=(1, 2), draws=("greedy", "drawn"))
+        print(f"jcp-serve: warm-up compiled {n} sampling programs in "
+              f"{time.monotonic() - t0:.1f} s", flush=True)
     srv.engine.start()
     try:
         srv._uv.run()

@@ -632,7 +632,8 @@ class Trainer:
 
     def sample(self, prompts, sampling_params: sample_lib.SamplingParams, adapters=None,
                num_samples: int = 1, prompt_logprobs: bool = False, *,
-               cache_mode: str | None = None) -> list[sample_lib.SampleResult]:
+               cache_mode: str | None = None,
+               fields=None) -> list[sample_lib.SampleResult]:
         """Sample num_samples completions of every prompt -> one SampleResult per prompt.
 
         prompts: token sequences (lists or arrays); adapters: None (the base model), one
@@ -650,21 +651,22 @@ class Trainer:
         for long prompts), or None: "split" iff cp > 1 and the per-device cache of "batch"
         would exceed sample.SPLIT_ABOVE_BYTES (1 GiB) and splitting makes it smaller. The
         results do not depend on it (fp32 rounding).
-        """
-        if self.cfg.is_hybrid:
-            # Decode needs each linear layer's recurrent state beside the KV cache.
-            raise InputError("sampling a hybrid (Qwen3.5, linear attention) model is not "
-                             "supported yet; forward / forward_backward are")
-        return self._sampler.sample(prompts, sampling_params, adapters, num_samples,
-                                    prompt_logprobs, cache_mode)
 
-    def compute_logprobs(self, prompts, adapters=None) -> list[np.ndarray]:
+        fields: the SDK 0.38 extras — a sample.PromptFields for every prompt, or one per
+        prompt: topk_prompt_logprobs, topk_sample_logprobs, prompt_logprobs_last_n,
+        target_prompt_logprobs, prompt_alt_tokens_k (results in SampleResult /
+        SampledSequence). Each is computed vocab-parallel with forward's log_softmax.
+        """
+        return self._sampler.sample(prompts, sampling_params, adapters, num_samples,
+                                    prompt_logprobs, cache_mode, fields)
+
+    def compute_logprobs(self, prompts, adapters=None,
+                         prompt_logprobs_last_n: int | None = None) -> list[np.ndarray]:
         """Prompt log-probs float32 [len(prompt)] per prompt (NaN at 0), through the chunked
-        forward path (no [tokens, vocab] logits). adapters as in `sample`."""
-        if self.cfg.is_hybrid:
-            raise InputError("compute_logprobs of a hybrid (Qwen3.5, linear attention) model "
-                             "is not supported yet; forward gives the same log-probs")
-        return self._sampler.compute_logprobs(prompts, adapters)
+        forward path (no [tokens, vocab] logits). adapters as in `sample`.
+        prompt_logprobs_last_n: only the last n positions are returned (earlier ones NaN);
+        1 ≤ n ≤ len(prompt) − 1 for every prompt."""
+        return self._sampler.compute_logprobs(prompts, adapters, prompt_logprobs_last_n)
 
 
 def _check_finite(i: int, datum, out: dict) -> None:

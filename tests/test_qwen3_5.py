@@ -81,20 +81,23 @@ def test_logprobs_equal_transformers(mesh_shape):
 
 
 # ----------------------------------------------------------------------------------------
-# Training: LoRA (MLP + unembedding so far) through the Trainer, against peft and cp = 1
+# Training: LoRA on every projection (gated q_proj, Gated DeltaNet's in_proj_qkv / in_proj_z
+# / out_proj, MLP, lm_head) through the Trainer, against peft and cp = 1
 
-MLP_TARGETS = ["gate_proj", "up_proj", "down_proj", "lm_head"]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
+           "gate_proj", "up_proj", "down_proj", "lm_head"]
 
 
 @functools.lru_cache(maxsize=None)
 def _peft_world():
-    """(peft model in fp64, its folder, data) on the reference Qwen3.5."""
+    """(peft model in fp64, its folder, data) on the reference Qwen3.5; every lora_B
+    random so each factor has a gradient."""
     import tempfile
 
     import peft
     hm, _, _ = _reference()
     pm = peft.get_peft_model(copy.deepcopy(hm), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=MLP_TARGETS, lora_dropout=0.0, bias="none",
+        r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, bias="none",
         task_type="CAUSAL_LM"))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -124,44 +127,195 @@ def _torch_grads(pm, data):
             for n, p in pm.named_parameters() if "lora_" in n}
 
 
-def _jcp_grads(mesh_shape, folder, data):
+@functools.lru_cache(maxsize=None)
+def _trainer(mesh_shape):
     _, cfg, base = _reference()
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=2,
-                     max_rank=4)
+    return jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=2,
+                       max_rank=4)
+
+
+def _jcp_grads(mesh_shape, folder, data):
+    tr = _trainer(mesh_shape)
     a = tr.load_peft(folder)
-    out = tr.forward_backward(data, "cross_entropy", adapters=a)
-    return out, tr.gradients(a)
+    try:
+        out = tr.forward_backward(data, "cross_entropy", adapters=a)
+        return out, tr.gradients(a)
+    finally:
+        tr.delete_adapter(a)
 
 
 def test_lora_gradients_equal_peft_and_cp1():
+    """Every target's gradient = peft's fp64 gradient on the HF model, and (1,2,2) = (1,1,1):
+    the tp split of in_proj_qkv's B (q, k, v columns of each rank's heads) and of the gated
+    q_proj's B must match the base weights' for this to hold."""
     pm, folder, data = _peft_world()
     want = _torch_grads(pm, data)
     out1, g1 = _jcp_grads((1, 1, 1), folder, data)
     out2, g2 = _jcp_grads((1, 2, 2), folder, data)
-    assert g1.keys() == want.keys() and any("mlp.down_proj" in k for k in want)
+    assert g1.keys() == want.keys()
+    for key in ("layers.0.linear_attn.in_proj_qkv.lora_B", "layers.3.self_attn.q_proj.lora_A",
+                "layers.2.linear_attn.out_proj.lora_A", "layers.1.linear_attn.in_proj_z"):
+        assert any(key in k for k in want), key
     scale = max(float(np.abs(v).max()) for v in want.values())
     assert scale > 1e-3
     for k in want:
+        assert np.abs(want[k]).max() > 1e-4 * scale, k  # every factor is really exercised
         np.testing.assert_allclose(g1[k], want[k], atol=1e-4 * scale, rtol=1e-3, err_msg=k)
         np.testing.assert_allclose(g2[k], g1[k], atol=1e-5 * scale, rtol=1e-4, err_msg=k)
     for a, b in zip(out1.loss_fn_outputs, out2.loss_fn_outputs):
         np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=2e-5)
 
 
-def test_attention_targets_are_refused_on_a_hybrid_model():
+def test_peft_round_trip(tmp_path):
+    """load_peft then export_peft: peft reads the folder back onto the HF model, each
+    tensor equal to the original's, and its log-probs equal jcp's forward."""
+    import peft
+    from safetensors.numpy import load_file
+    pm, folder, data = _peft_world()
+    tr = _trainer((1, 1, 1))
+    a = tr.load_peft(folder)
+    try:
+        tr.export_peft(a, tmp_path)
+        out = tr.forward(data[:2], "cross_entropy", adapters=a)
+    finally:
+        tr.delete_adapter(a)
+    src = load_file(f"{folder}/adapter_model.safetensors")
+    back = load_file(f"{tmp_path}/adapter_model.safetensors")
+    src = {k: v for k, v in src.items() if "lora_" in k}  # peft also saves the base lm_head
+    assert back.keys() == src.keys() and any("in_proj_qkv" in k for k in src)
+    for k in src:
+        np.testing.assert_array_equal(back[k], src[k], err_msg=k)
+    hm, _, _ = _reference()
+    reread = peft.PeftModel.from_pretrained(copy.deepcopy(hm), tmp_path).double().eval()
+    for d, got in zip(data[:2], out.loss_fn_outputs):
+        lp = mh.reference_logprobs(reread, [d.model_input], [d.loss_fn_inputs["target_tokens"]])
+        np.testing.assert_allclose(got["logprobs"], lp[0], atol=2e-4)
+
+
+def test_lora_targets_on_a_hybrid_model():
     _, cfg, _ = _reference()
     from jcp import lora as lora_lib
-    with pytest.raises(ValueError, match="attention modules"):
-        lora_lib.resolve_targets(["q_proj", "gate_proj"], cfg)
-    assert lora_lib.resolve_targets(None, cfg) == ("gate_proj", "up_proj", "down_proj",
-                                                   "lm_head")
+    assert lora_lib.resolve_targets(None, cfg) == tuple(
+        m for m in lora_lib.ALL_MODULES if m in TARGETS)
+    assert lora_lib.resolve_targets(["linear_attn"], cfg) == ("in_proj_qkv", "in_proj_z",
+                                                              "out_proj")
+    with pytest.raises(ValueError, match="no linear-attention layers"):
+        lora_lib.resolve_targets(["in_proj_qkv"], jcp.QwenConfig.tiny())
+    assert "in_proj_qkv" not in lora_lib.resolve_targets(None, jcp.QwenConfig.tiny())
 
 
-def test_sampling_a_hybrid_model_is_refused_before_any_work():
+# Sampling: prompt lengths cover a one-token prompt (no prefill: the state starts from
+# zeros), prompts inside one kernel block and across blocks (64).
+SAMPLE_PROMPTS = ([5], [3, 9, 14, 2, 7], list(range(1, 71)), [11, 4, 8, 20, 6, 1, 13, 2, 9])
+SAMPLE_TOKENS = 6
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_greedy():
+    hm = _reference()[0]
+    out = []
+    with torch.no_grad():
+        for p in SAMPLE_PROMPTS:
+            ids = torch.tensor([p])
+            g = hm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                            max_new_tokens=SAMPLE_TOKENS, min_new_tokens=SAMPLE_TOKENS,
+                            pad_token_id=0)
+            out.append(g[0, len(p):].numpy().astype(np.int32))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _sampling_trainer(mesh_shape):
+    """(Trainer, an adapter with PEFT's initialisation: B = 0, the base model's outputs)."""
     _, cfg, base = _reference()
-    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), base_params=base, max_adapters=1,
-                     max_rank=2)
+    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=1,
+                     max_rank=2, attn_block=16, logprob_chunk=16)
+    return tr, tr.create_adapter(rank=2, seed=0)
+
+
+def _no_stop(n=SAMPLE_TOKENS, **kw):
+    return jcp.SamplingParams(max_tokens=n, stop=[], **kw)
+
+
+@pytest.mark.parametrize("mesh_shape,cache_mode", [((1, 1, 1), None), ((1, 2, 2), "batch"),
+                                                   ((1, 2, 2), "split")])
+def test_greedy_sampling_equals_hf_generate(mesh_shape, cache_mode):
+    """Recurrent states beside the KV cache: prefill (over the cp pieces) hands each prompt's
+    final conv window and delta-rule state to its decode rows — both samples of a prompt
+    copy one — and decode continues them by the recurrent form."""
+    tr, _ = _sampling_trainer(mesh_shape)
+    want = _hf_greedy()
+    assert len({tuple(w) for w in want}) > 1
+    res = tr.sample(list(SAMPLE_PROMPTS), _no_stop(temperature=0.0), num_samples=2,
+                    cache_mode=cache_mode)
+    assert tr._sampler.last_plan.mode == (cache_mode or "batch")
+    for i, (r, w) in enumerate(zip(res, want)):
+        for seq in r.sequences:
+            np.testing.assert_array_equal(seq.tokens, w, err_msg=f"prompt {i}")
+
+
+def test_sampled_logprobs_equal_forward_and_transformers():
+    tr, a = _sampling_trainer((1, 2, 2))
+    res = tr.sample(list(SAMPLE_PROMPTS), _no_stop(temperature=1.0, seed=3), num_samples=2,
+                    prompt_logprobs=True, adapters=a)
+    hm = _reference()[0]
+    seqs = [np.concatenate([p, s.tokens]).astype(np.int32)
+            for p, r in zip(SAMPLE_PROMPTS, res) for s in r.sequences]
+    assert len({tuple(x) for x in seqs}) == len(seqs)  # the draws differ
+    ref = mh.reference_logprobs(hm, [x[:-1] for x in seqs], [x[1:] for x in seqs])
+    data = [jcp.Datum(x[:-1], {"target_tokens": x[1:],
+                               "weights": np.zeros(len(x) - 1, np.float32)}) for x in seqs]
+    fwd = [o["logprobs"] for o in tr.forward(data, adapters=a).loss_fn_outputs]
+    plain = tr.compute_logprobs([list(p) for p in SAMPLE_PROMPTS], adapters=a)
+    k = 0
+    for p, r, pl in zip(SAMPLE_PROMPTS, res, plain):
+        n = len(p)
+        np.testing.assert_allclose(pl[1:], ref[k][:n - 1], atol=2e-4)
+        np.testing.assert_array_equal(r.prompt_logprobs, pl)
+        for s in r.sequences:
+            np.testing.assert_allclose(s.logprobs, fwd[k][n - 1:], atol=2e-5)
+            np.testing.assert_allclose(s.logprobs, ref[k][n - 1:], atol=2e-4)
+            k += 1
+
+
+def test_paged_engine_refuses_hybrid_sampling_before_queueing():
+    """The paged engine has no paged form of the recurrent state yet: submit refuses a
+    hybrid model clearly, with nothing queued (jcp-serve samples it beside the engine)."""
+    from jcp.sample.engine import Engine
+    tr, _ = _sampling_trainer((1, 2, 1))
+    eng = Engine(tr.make_sampler(), slots=2, max_len=128, chunk=4)
     with pytest.raises(jcp.InputError, match="hybrid"):
-        tr.sample([[1, 2, 3]], jcp.SamplingParams(max_tokens=2))
-    with pytest.raises(jcp.InputError, match="hybrid"):
-        tr.compute_logprobs([[1, 2, 3]])
+        eng.submit(list(SAMPLE_PROMPTS[0]), _no_stop(temperature=0.0))
+    assert eng.idle and not eng.waiting
+
+
+def test_load_hf_reads_the_text_model_of_an_image_text_checkpoint(tmp_path):
+    """A Qwen3_5ForConditionalGeneration folder (nested text_config, weights under
+    model.language_model., a vision tower beside them) loads as its text model: the same
+    config and weights as the Qwen3_5ForCausalLM it was built from, whose log-probs equal
+    transformers' (test_logprobs_equal_transformers); the vision tower is not read."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    hm, cfg, base = _reference()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, patch_size=4,
+                  out_hidden_size=mh.D, num_position_embeddings=16)
+    vc = Qwen3_5Config(text_config=hm.config.to_dict(), vision_config=vision,
+                       tie_word_embeddings=False)
+    vm = Qwen3_5ForConditionalGeneration(vc).eval()
+    missing, unexpected = vm.model.language_model.load_state_dict(
+        hm.model.state_dict(), strict=True)
+    assert not missing and not unexpected
+    with torch.no_grad():
+        vm.lm_head.weight.copy_(hm.lm_head.weight)
+        ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+        np.testing.assert_allclose(vm(ids).logits.numpy(), hm(ids).logits.numpy(), atol=1e-5)
+    path = mh.save(vm, tmp_path / "vlm")
+    import json
+    saved = json.load(open(tmp_path / "vlm" / "config.json"))
+    assert saved["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    assert "text_config" in saved
+    cfg2, base2 = jcp.load_hf(path)
+    assert cfg2 == cfg
+    flat, flat2 = jax.tree_util.tree_leaves_with_path(base), jax.tree.leaves(base2)
+    assert len(flat) == len(flat2)
+    for (key, x), y in zip(flat, flat2):
+        np.testing.assert_array_equal(np.asarray(y), x, err_msg=jax.tree_util.keystr(key))

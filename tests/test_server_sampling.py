@@ -8,13 +8,22 @@ Evidence:
    equals the same request served alone in-process (tokens exactly, log-probs fp32);
 2. save_weights_and_get_sampling_client writes nothing to disk; a named save writes the
    PEFT folder, and a sampling client created after a re-save under the same name
-   samples the new weights (not a cached older load).
+   samples the new weights (not a cached older load);
+3. the SDK 0.38 fields (topk_prompt_logprobs, topk_sample_logprobs, sparse
+   target_prompt_logprobs, prompt_alt_tokens_k, prompt_logprobs_last_n) reach the SDK's
+   SampleResponse equal to Trainer.sample with the same PromptFields (the sparse target
+   layout comes back sparse; rows before last_n are None); a bad value fails that request
+   naming the field;
+4. cancelling an SDK sample future whose request is already decoding in the engine ends
+   it at a step boundary (its slots freed) while a request beside it runs on and equals
+   the same request served alone.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import time
 
 import numpy as np
 import pytest
@@ -35,8 +44,25 @@ ADAM = types.AdamParams(learning_rate=2e-2)
 def env():
     tr = jcp.Trainer(jcp.QwenConfig.tiny(), jcp.make_mesh(1, 2, 1), max_adapters=6,
                      max_rank=8, attn_block=16, logprob_chunk=16)
-    with serving(tr, MODEL, KEYS, "jcp-serve-sampling-") as state:
+    with serving(tr, MODEL, KEYS, "jcp-serve-sampling-", sample_slots=16, sample_max_len=256,
+                 sample_chunk=8, prefill_tokens=512) as state:
+        eng = state["srv"].engine.sampling
+        assert (eng.slots, eng.max_len, eng.chunk, eng.prefill_tokens) == (16, 256, 8, 512)
         yield state
+
+
+def test_engine_size_flags():
+    from jcp.cli import CliError
+    from jcp.serve import parse_args
+
+    args = parse_args(["--sample-slots", "64", "--sample-max-len", "512", "--sample-chunk",
+                       "4", "--prefill-tokens", "2048", "--warmup"])
+    assert (args.sample_slots, args.sample_max_len, args.sample_chunk, args.prefill_tokens,
+            args.warmup) == (64, 512, 4, 2048, True)
+    assert parse_args([]).sample_slots is None and not parse_args([]).warmup
+    for flag in ("--sample-slots", "--sample-max-len", "--sample-chunk", "--prefill-tokens"):
+        with pytest.raises(CliError, match=flag):
+            parse_args([flag, "0"])
 
 
 def _train(tc, seed):
@@ -121,3 +147,83 @@ def test_resave_under_the_same_name_is_sampled(env):
                      adapters=_slot(env, tc))[0].sequences[0].tokens.tolist()
     assert new == want
     assert new != old
+
+
+def test_sdk_fields_equal_in_process(env):
+    torch = pytest.importorskip("torch")
+    tr = env["tr"]
+    sc = client(env, "tml-bob").create_sampling_client(base_model=MODEL).result()
+    prompt = [(7 * i + 3) % 256 for i in range(13)]
+    ids = torch.full((12, 2), -1, dtype=torch.int64)
+    ids[3, 0], ids[11, 0], ids[11, 1] = 7, 1, 200
+    target = types.TensorData.from_torch_sparse(ids, pad_value=-1)
+    assert target.sparse_crow_indices is not None  # sent sparse
+    sp = dict(max_tokens=5, temperature=1.0, seed=7, stop=[])
+    res = sc.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(**sp),
+                    include_prompt_logprobs=True, topk_prompt_logprobs=4,
+                    topk_sample_logprobs=2, target_prompt_logprobs=target,
+                    prompt_alt_tokens_k=2, prompt_logprobs_last_n=5).result()
+    fields = jcp.PromptFields(topk_prompt_logprobs=4, topk_sample_logprobs=2,
+                              prompt_logprobs_last_n=5, target_prompt_logprobs=ids.numpy(),
+                              prompt_alt_tokens_k=2)
+    ref = tr.sample([prompt], jcp.SamplingParams(**sp), num_samples=2, prompt_logprobs=True,
+                    fields=fields)[0]
+    assert res.prompt_logprobs[:8] == [None] * 8
+    np.testing.assert_allclose(res.prompt_logprobs[8:], ref.prompt_logprobs[8:], atol=1e-5)
+    assert res.topk_prompt_logprobs[:8] == [None] * 8
+    for p in range(8, 13):
+        got = res.topk_prompt_logprobs[p]
+        assert [t for t, _ in got] == ref.topk_prompt_logprobs.token_ids[p].tolist()
+        np.testing.assert_allclose([x for _, x in got], ref.topk_prompt_logprobs.logprobs[p],
+                                   atol=1e-5)
+    t = res.target_prompt_logprobs
+    assert t.sparse_crow_indices == target.sparse_crow_indices  # the request's layout
+    assert t.sparse_col_indices == target.sparse_col_indices
+    np.testing.assert_allclose(t.to_numpy(), ref.target_prompt_logprobs, atol=1e-5)
+    assert np.count_nonzero(t.to_numpy()) == 3
+    np.testing.assert_array_equal(res.prompt_alt_tokens.tokens.to_numpy(),
+                                  ref.prompt_alt_tokens.token_ids)
+    np.testing.assert_allclose(res.prompt_alt_tokens.logprobs.to_numpy(),
+                               ref.prompt_alt_tokens.logprobs, atol=1e-5)
+    for s, r in zip(res.sequences, ref.sequences):
+        assert list(s.tokens) == r.tokens.tolist()
+        assert [[t for t, _ in row] for row in s.topk_logprobs] == \
+            r.topk_logprobs.token_ids.tolist()
+    with pytest.raises(Exception, match="topk_prompt_logprobs"):
+        sc.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(**sp),
+                  topk_prompt_logprobs=10_000).result()
+
+
+def _until(cond, what, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_cancel_of_an_admitted_sample_frees_its_slots(env):
+    tr = env["tr"]
+    sampling = env["srv"].engine.sampling
+    cancelled = []
+    real_cancel = sampling.cancel
+    sampling.cancel = lambda rid: (cancelled.append(rid), real_cancel(rid))[1]
+    try:
+        sc = client(env, "tml-bob").create_sampling_client(base_model=MODEL).result()
+        endless = types.SamplingParams(max_tokens=250, temperature=0.0, stop=[])
+        other_sp = dict(max_tokens=48, temperature=0.9, seed=5, stop=[])
+        victim = sc.sample(types.ModelInput.from_ints([1, 2, 3]), 3, endless)
+        other = sc.sample(types.ModelInput.from_ints([4, 5, 6, 7]), 2,
+                          types.SamplingParams(**other_sp))
+        _until(lambda: sampling.live == 5, "both requests decoding in the engine")
+        victim.future().cancel()
+        _until(lambda: cancelled, "the SDK's cancel_future reached the engine")
+        _until(lambda: cancelled[0] not in sampling.requests, "the victim ended")
+        assert sampling.live <= 2  # the victim's three slots were freed
+        got = other.result()
+        assert len(cancelled) == 1
+    finally:
+        sampling.cancel = real_cancel
+    ref = tr.sample([[4, 5, 6, 7]], jcp.SamplingParams(**other_sp), num_samples=2)[0]
+    for s, r in zip(got.sequences, ref.sequences):
+        assert list(s.tokens) == r.tokens.tolist()
+        np.testing.assert_allclose(s.logprobs, r.logprobs, rtol=1e-5, atol=1e-6)

@@ -121,9 +121,13 @@ def attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.R
 
 
 def linear_attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer,
-                           route: lora_lib.Routing | None, mix):
-    """Pre-norm Gated DeltaNet of one layer (Qwen3.5's linear attention): its output [S, D],
-    psum'd over tp.
+                           route: lora_lib.Routing | None, mix, state=None):
+    """Pre-norm Gated DeltaNet of one layer (Qwen3.5's linear attention): (its output
+    [S, D], psum'd over tp; its outgoing state).
+
+    state: the layer's incoming delta_rule.Recurrent (decode: one row per sequence) or None
+    (training, prefill); the outgoing one is the mix's (None in training; prefill hands out
+    each piece's, decode each row's).
 
     norm → in_proj q, k, v (this rank's heads) → mix.conv (depthwise causal conv + SiLU over
     each datum) → L2-normalised q, k → β = sigmoid(b), g = −exp(A_log)·softplus(a + dt_bias)
@@ -134,9 +138,16 @@ def linear_attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer,
     x_SxD = rms_norm(h_SxD, layer["input_norm"], cfg.rms_norm_eps)
     lin = lambda m: _linear(x_SxD, layer[m], _lora(lora_layer, m), route)  # noqa: E731
     q, k, v = lin("in_proj_q"), lin("in_proj_k"), lin("in_proj_v")
+    qkv_lora = _lora(lora_layer, lora_lib.QKV)
+    if qkv_lora is not None:  # one A, its B split into this rank's q, k, v columns
+        u_SxAR = lora_lib.low_rank_input(x_SxD, qkv_lora["a"], route)
+        q, k, v = (y + lora_lib.expand(u_SxAR, qkv_lora[b], y.dtype)
+                   for y, b in zip((q, k, v), lora_lib.QKV_B))
     widths = (q.shape[1], k.shape[1])
-    mixed = mix.conv(jnp.concatenate([q, k, v], axis=-1),
-                     jnp.concatenate([layer["conv_q"], layer["conv_k"], layer["conv_v"]], -1))
+    mixed, conv_state = mix.conv(
+        jnp.concatenate([q, k, v], axis=-1),
+        jnp.concatenate([layer["conv_q"], layer["conv_k"], layer["conv_v"]], -1),
+        None if state is None else state.conv)
     q, k, v = jnp.split(mixed, [widths[0], widths[0] + widths[1]], axis=-1)
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     q_SxHkxDk = delta_rule_lib.l2norm(q.reshape(s_len, -1, dk))
@@ -145,13 +156,16 @@ def linear_attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer,
     beta_SxH = jax.nn.sigmoid(lin("in_proj_b")).astype(jnp.float32)
     g_SxH = -jnp.exp(layer["a_log"].astype(jnp.float32)) * jax.nn.softplus(
         lin("in_proj_a").astype(jnp.float32) + layer["dt_bias"].astype(jnp.float32))
-    o_SxHxDv = mix.rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH).astype(x_SxD.dtype)
+    o_SxHxDv, ssm_state = mix.rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH,
+                                   None if state is None else state.ssm)
+    o_SxHxDv = o_SxHxDv.astype(x_SxD.dtype)
     z_SxHxDv = lin("in_proj_z").reshape(s_len, -1, dv)
     normed = rms_norm(o_SxHxDv, layer["gated_norm"], cfg.rms_norm_eps)
     gated = (normed.astype(jnp.float32) * jax.nn.silu(z_SxHxDv.astype(jnp.float32)))
     o_SxD = _linear(gated.astype(x_SxD.dtype).reshape(s_len, -1), layer["out_proj"],
                     _lora(lora_layer, "out_proj"), route)
-    return jax.lax.psum(o_SxD, TP)
+    new = None if ssm_state is None else delta_rule_lib.Recurrent(conv_state, ssm_state)
+    return jax.lax.psum(o_SxD, TP), new
 
 
 def dense_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None):
@@ -175,7 +189,9 @@ def moe_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing |
     """Pre-norm sparse MoE MLP of one layer (Qwen3-MoE): (output psum'd over tp [S, D];
     moe.RouterStats [E] of the tokens where count_S (bool [S]), or None without count_S).
 
-    Same signature as dense_mlp (count_S bound by the caller). h is identical on every tp
+    Same signature as dense_mlp (count_S bound by the caller). A shared expert
+    (cfg.shared_expert_intermediate_size, Qwen3.5-MoE) is added to every token, gated by
+    sigmoid(x · shared_expert_gate); it is not adapted. h is identical on every tp
     rank, so every rank routes alike (moe.route: softmax in fp32, top-k, renormalised when
     cfg.norm_topk_prob), runs only its own E/tp experts (layer["expert_*"]: [E/tp, …]) on
     the rows routed to them, dropless, and the psum over tp adds the ranks' parts. The
@@ -202,6 +218,15 @@ def moe_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing |
     y_SxD = moe_lib.experts(mesh_lib.vary(x_SxD, (TP,)), weights_SxX, experts_SxX,
                             layer["expert_gate"], layer["expert_up"], layer["expert_down"],
                             jax.lax.axis_index(TP) * num_local, lora, route)
+    if "shared_gate" in layer:
+        # Qwen3.5-MoE's shared expert: this rank's F/tp of a SwiGLU MLP (row-parallel down,
+        # summed by the psum below), scaled by the tp-invariant sigmoid(x · w_gate).
+        shared_SxD = jnp.einsum(
+            "sf,fd->sd", jax.nn.silu(x_SxD @ layer["shared_gate"].astype(x_SxD.dtype))
+            * (x_SxD @ layer["shared_up"].astype(x_SxD.dtype)),
+            layer["shared_down"].astype(x_SxD.dtype))
+        gate_Sx1 = jax.nn.sigmoid(x_SxD @ layer["shared_expert_gate"].astype(x_SxD.dtype))
+        y_SxD = y_SxD + (gate_Sx1 * shared_SxD).astype(y_SxD.dtype)
     return jax.lax.psum(y_SxD, TP), stats
 
 
@@ -277,7 +302,10 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
     moe.RouterStats of this shard's counted tokens stacked over the MoE layers in order
     ([Lm, E] each, local: not summed over dp / cp), None for a dense model.
     mix: the sequence-mixing strategy of a hybrid model's Gated DeltaNet layers
-    (delta_rule.cp_mix for training); hybrid layers run as scans over runs of one kind.
+    (delta_rule.cp_mix for training and prefill, delta_rule.StepMix for decode); hybrid
+    layers run as scans over runs of one kind. A hybrid model's attn_state is a
+    HybridState: the full-attention layers' states stacked [Lf, …] and the linear layers'
+    delta_rule.Recurrent stacked [Ll, …]; its result likewise.
     """
     dtype = jnp.dtype(cfg.dtype)
     h = embed(params["embed"], tokens_S).astype(dtype)
@@ -310,10 +338,11 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
         return finish(h, attn_state, records)
 
     if cfg.is_hybrid:
-        if layers is not None or attn_state is not None:
-            raise NotImplementedError("sampling a hybrid (linear attention) model")
+        if layers is not None:
+            raise NotImplementedError("unrolled layer slices of a hybrid model")
         return _hybrid_hidden(cfg, params, h, position_S, attend, mix, layer_lora, route,
-                              mlp, remat, finish)
+                              moe_block if cfg.is_moe else mlp, remat, finish, expert_lora,
+                              count_S is not None, attn_state)
     if remat:
         # Recompute each layer in the backward pass except the attention kernel's output and
         # log-sum-exp: O(S·Q·H) per layer saved buys not running attention twice.
@@ -354,36 +383,70 @@ def kind_runs(kinds) -> tuple[tuple[bool, int, int, int], ...]:
     return tuple(tuple(r) for r in runs)
 
 
+class HybridState(NamedTuple):
+    """A hybrid model's per-layer state: full, the full-attention layers' attention states
+    stacked [Lf, …] (the attend strategy's); linear, the Gated DeltaNet layers'
+    delta_rule.Recurrent stacked [Ll, …]. Either is None where nothing is carried."""
+
+    full: Any
+    linear: Any
+
+
+def _concat(parts):
+    """The runs' stacked states joined along the layer axis (None when none carries one)."""
+    parts = [p for p in parts if p is not None and jax.tree.leaves(p)]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts) if parts else None
+
+
 def _hybrid_hidden(cfg: QwenConfig, params, h, position_S, attend, mix, layer_lora, route,
-                   mlp, remat, finish):
+                   mlp, remat, finish, expert_lora=None, record=False,
+                   state: HybridState | None = None):
     """hidden_states of a hybrid model: each run of same-kind layers (gated full attention
-    or Gated DeltaNet) one lax.scan over its slice of `layers` (norms, MLP) and of its
-    kind's mixer weights (full_attn [Lf, …] / linear_attn [Ll, …])."""
+    or Gated DeltaNet) one lax.scan over its slice of `layers` (norms, MLP), of its kind's
+    mixer weights (full_attn [Lf, …] / linear_attn [Ll, …]) and of its kind's state. A
+    hybrid MoE model (Qwen3.5-MoE) has MoE MLPs in every layer: moe_mlp [L, …] and the
+    experts' LoRA are cut like `layers`; `record`: collect their routing statistics."""
 
     def body_of(linear):
         def body(h, xs):
-            layer, lora_layer = xs
+            layer, lora_layer, st = xs
             if linear:
-                a_SxD = linear_attention_block(cfg, h, layer, lora_layer, route, mix)
+                a_SxD, st = linear_attention_block(cfg, h, layer, lora_layer, route, mix, st)
             else:
-                a_SxD, _ = attention_block(cfg, h, layer, lora_layer, route, position_S,
-                                           attend, None)
+                a_SxD, st = attention_block(cfg, h, layer, lora_layer, route, position_S,
+                                            attend, st)
             h = h + a_SxD
-            y_SxD, _ = mlp(cfg, h, layer, lora_layer, route)
-            return h + y_SxD, None
+            y_SxD, stats = mlp(cfg, h, layer, lora_layer, route)
+            return h + y_SxD, (st, stats)
 
         if remat:
             policy = jax.checkpoint_policies.save_only_these_names(*attention_lib.SAVED_NAMES)
             body = jax.checkpoint(body, prevent_cse=False, policy=policy)
         return body
 
+    state = state or HybridState(None, None)
+    outs = {False: [], True: []}
+    records = []
     for linear, start, end, first in kind_runs(cfg.linear_layers):
         cut = lambda t, a=start, b=end: jax.tree.map(lambda x: x[a:b], t)
-        mixer = jax.tree.map(lambda x, a=first, n=end - start: x[a:a + n],
-                             params["linear_attn" if linear else "full_attn"])
-        h, _ = jax.lax.scan(body_of(linear), h, ({**cut(params["layers"]), **mixer},
-                                                 cut(layer_lora)))
-    return finish(h, None, [])
+        cut_kind = lambda t, a=first, n=end - start: jax.tree.map(lambda x: x[a:a + n], t)
+        mixer = cut_kind(params["linear_attn" if linear else "full_attn"])
+        st = cut_kind(state.linear if linear else state.full)
+        # LoRA likewise: the MLP's factors are [L, …], the mixer's per kind (lora.LINEAR
+        # [Ll, …], lora.ATTN [Lf, …]; lora.module_layer_ids).
+        lora_w = None if layer_lora is None else {
+            **cut({m: x for m, x in layer_lora.items() if m in lora_lib.MLP}),
+            **cut_kind({m: x for m, x in layer_lora.items()
+                        if m in (lora_lib.LINEAR if linear else lora_lib.ATTN)}),
+            **cut(expert_lora or {})}
+        mlp_w = cut(params["moe_mlp"]) if cfg.is_moe else {}
+        h, (out, stats) = jax.lax.scan(body_of(linear), h,
+                                       ({**cut(params["layers"]), **mixer, **mlp_w}, lora_w,
+                                        st))
+        outs[linear].append(out)
+        if record:
+            records.append(stats)
+    return finish(h, HybridState(_concat(outs[False]), _concat(outs[True])), records)
 
 
 def unembed_factors(params, h_SxD, lora=None, route: lora_lib.Routing | None = None):

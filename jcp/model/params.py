@@ -20,8 +20,10 @@ COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
           # Gated DeltaNet (hybrid models): in_proj_qkv held as its q, k, v parts (and the
           # conv's channels likewise) so that a column split gives each tp rank whole heads.
           "in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a",
-          "conv_q", "conv_k", "conv_v")
-ROW = ("o_proj", "down_proj", "out_proj")
+          "conv_q", "conv_k", "conv_v", "shared_gate", "shared_up")
+ROW = ("o_proj", "down_proj", "out_proj", "shared_down")
+# Qwen3.5-MoE's shared expert (in moe_mlp, beside the router and experts).
+SHARED_EXPERT = ("shared_gate", "shared_up", "shared_down")
 # Per-head vectors of Gated DeltaNet, split over tp with their heads.
 HEAD_VECTORS = ("dt_bias", "a_log")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_bias", "k_bias", "v_bias", "q_norm",
@@ -57,6 +59,10 @@ def param_shapes(cfg: QwenConfig) -> dict:
         e, fe = cfg.num_experts, cfg.moe_intermediate_size
         out["moe_mlp"] = {"router": (lm, d, e), "expert_gate": (lm, e, d, fe),
                           "expert_up": (lm, e, d, fe), "expert_down": (lm, e, fe, d)}
+        fs = cfg.shared_expert_intermediate_size
+        if fs:  # Qwen3.5-MoE's shared expert, split over tp like a dense MLP
+            out["moe_mlp"].update(shared_gate=(lm, d, fs), shared_up=(lm, d, fs),
+                                  shared_down=(lm, fs, d), shared_expert_gate=(lm, d, 1))
     if cfg.attn_output_gate:  # q_proj yields each head's query then its gate
         layers["q_proj"] = (L, d, 2 * cfg.q_dim)
     if cfg.is_hybrid:
@@ -102,7 +108,8 @@ def param_specs(cfg: QwenConfig) -> dict:
         if group in shapes:
             out[group] = {k: layer_spec(k) for k in shapes[group]}
     if "moe_mlp" in shapes:
-        out["moe_mlp"] = {k: SPECS.router_LxDxE if k == "router" else SPECS.experts_LxExIxO
+        out["moe_mlp"] = {k: SPECS.router_LxDxE if k in ("router", "shared_expert_gate") else
+                          layer_spec(k) if k in SHARED_EXPERT else SPECS.experts_LxExIxO
                           for k in shapes["moe_mlp"]}
     return out
 

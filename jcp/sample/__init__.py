@@ -2,14 +2,18 @@
 
 The package, by owner:
 
-    params.py    SamplingParams, results, validation of a call, per-sequence seed streams
+    params.py    SamplingParams, PromptFields (SDK 0.38 extras), results, validation of a
+                 call, per-sequence seed streams
     draws.py     the token draw of one decode step, per-row parameters, vocab-parallel
     layout.py    the host-side layout of a call (pure NumPy): cache plan, rows, positions,
                  prefill sources, adapter indices
     kv_cache.py  the KV cache: its layouts, prefill's fill, decode's attention and writes
     programs.py  the compiled prefill and decode programs (dataclass arguments + specs)
     sampler.py   the static sampler behind Trainer.sample / compute_logprobs
-    engine.py    the continuous-batching engine (requests join and leave between steps)
+    paged.py     the engine's paged KV cache: page-table attention and the extend (chunked
+                 prefill), decode and page-copy programs
+    engine.py    the continuous-batching engine (requests join and leave between steps),
+                 its page pool and prefix cache
 
 Sampling reuses the one decoder (model.hidden_states), LoRA routing and log-prob code;
 it never writes a second decoder and never changes adapter state.
@@ -17,12 +21,14 @@ it never writes a second decoder and never changes adapter state.
 
 from jcp.sample.draws import nucleus_mask, sample_tokens
 from jcp.sample.layout import CACHE_MODES, SPLIT_ABOVE_BYTES, Plan, choose_cache_mode
-from jcp.sample.params import (BASE, MIN_TEMPERATURE, SampledSequence, SampleResult,
-                               SamplingParams, check_params, check_prompts, sequence_keys)
+from jcp.sample.params import (BASE, MAX_TOPK, MIN_TEMPERATURE, PromptFields, SampledSequence,
+                               SampleResult, SamplingParams, TopK, check_fields, check_params,
+                               check_prompts, sequence_keys)
 from jcp.sample.programs import SLICE_LAYERS_MAX_BYTES, make_decode, make_prefill
 from jcp.sample.sampler import Limits, Sampler
 
-__all__ = ["BASE", "CACHE_MODES", "Limits", "MIN_TEMPERATURE", "Plan", "SLICE_LAYERS_MAX_BYTES",
-           "SPLIT_ABOVE_BYTES", "SampleResult", "SampledSequence", "Sampler", "SamplingParams",
-           "check_params", "check_prompts", "choose_cache_mode", "make_decode", "make_prefill",
-           "nucleus_mask", "sample_tokens", "sequence_keys"]
+__all__ = ["BASE", "CACHE_MODES", "Limits", "MAX_TOPK", "MIN_TEMPERATURE", "Plan", "PromptFields",
+           "SLICE_LAYERS_MAX_BYTES", "SPLIT_ABOVE_BYTES", "SampleResult", "SampledSequence",
+           "Sampler", "SamplingParams", "TopK", "check_fields", "check_params", "check_prompts",
+           "choose_cache_mode", "make_decode", "make_prefill", "nucleus_mask", "sample_tokens",
+           "sequence_keys"]

@@ -38,8 +38,10 @@ def nucleus_mask(x_BxV, top_k_B, top_p_B):
 
 
 def sample_tokens(logits_BxV, keys_Bx2, count_B, temperature_B, top_k_B, top_p_B, *,
-                  greedy: bool, filtered: bool):
-    """(token int32 [B], log-prob float32 [B]) of one decode step, per row.
+                  greedy: bool, filtered: bool, topk: int = 0):
+    """(token int32 [B], log-prob float32 [B]) of one decode step, per row; with topk > 0
+    also (ids int32 [B, topk], log-probs [B, topk]): the topk most likely tokens of the
+    distribution the log-probs are taken from (ids −1 past the vocabulary).
 
     Row b with temperature 0 (or every row when `greedy`): argmax (the first, as torch),
     log-prob log_softmax(logits). Else x = logits / T_b; log-prob log_softmax(x) of the
@@ -72,7 +74,13 @@ def sample_tokens(logits_BxV, keys_Bx2, count_B, temperature_B, top_k_B, top_p_B
         drawn_B = jax.vmap(draw)(keys_Bx2, count_B, x_BxV)
         tok_B = jnp.where(cold_B, jnp.argmax(logits_BxV, axis=-1), drawn_B)
     lp_B = jnp.take_along_axis(logp_BxV, tok_B[:, None], axis=-1)[:, 0]
-    return tok_B.astype(jnp.int32), lp_B
+    if not topk:
+        return tok_B.astype(jnp.int32), lp_B
+    val, idx = jax.lax.top_k(logp_BxV, min(topk, logp_BxV.shape[1]))
+    pad = ((0, 0), (0, topk - val.shape[1]))
+    return (tok_B.astype(jnp.int32), lp_B,
+            jnp.pad(idx.astype(jnp.int32), pad, constant_values=-1),
+            jnp.pad(val, pad, constant_values=-jnp.inf))
 
 
 def gather_vocab(x_BxVloc):

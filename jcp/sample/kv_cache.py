@@ -40,23 +40,31 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jcp import attention as attention_lib
-from jcp.mesh import CP, DP, SPECS
+from jcp import delta_rule
+from jcp.mesh import CP, DP, SPECS, TP
 
 
 class KV(NamedTuple):
-    """Keys and values of one layer (or, stacked on a leading [L], of every layer)."""
+    """Keys and values of one layer (or, stacked on a leading [L], of every layer); rec: a
+    hybrid model's recurrent state of its Gated DeltaNet layers beside them
+    (delta_rule.Recurrent [Ll, B, …]; None for a model without linear attention)."""
 
     k: jax.Array
     v: jax.Array
+    rec: delta_rule.Recurrent | None = None
 
 
 class Cache(NamedTuple):
-    """The cache: k, v [L, B, T, K, H] and position int32 [B, T] (the true position of each
-    row's key in its sequence; −1 = empty)."""
+    """The cache: k, v [L, B, T, K, H] (L: the full-attention layers), position int32
+    [B, T] (the true position of each row's key in its sequence; −1 = empty) and, for a
+    hybrid model, rec: every sequence's recurrent state (delta_rule.Recurrent: conv
+    [Ll, B, Kc − 1, C], ssm [Ll, B, H, Dk, Dv], fp32) — one row per sequence, beside the
+    rows of the full-attention layers."""
 
     k: jax.Array
     v: jax.Array
     position: jax.Array
+    rec: delta_rule.Recurrent | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +87,22 @@ class Layout:
     @property
     def specs(self) -> Cache:
         return Cache(self.kv_LxBxTxKxH, self.kv_LxBxTxKxH, self.position_BxT)
+
+    @property
+    def rec_specs(self) -> delta_rule.Recurrent:
+        """The recurrent state's specs: a sequence's row on the devices of its sequence
+        axes (replicated over cp under "split": every rank of the sequence runs its
+        recurrent step alike), channels and heads over tp."""
+        return delta_rule.Recurrent(P(None, self.seq_axes, None, TP),
+                                    P(None, self.seq_axes, TP, None, None))
+
+    def cache_specs(self, hybrid: bool) -> Cache:
+        """specs, with rec_specs for a hybrid model."""
+        return self.specs._replace(rec=self.rec_specs if hybrid else None)
+
+    def kv_specs(self, hybrid: bool) -> KV:
+        """The KV the prefill program takes and returns (rec for a hybrid model)."""
+        return KV(self.kv_LxBxTxKxH, self.kv_LxBxTxKxH, self.rec_specs if hybrid else None)
 
 
 LAYOUTS = {
@@ -135,7 +159,40 @@ def fill(kv: KV, source_BxT, layout: Layout, old: KV | None) -> KV:
         return jnp.where(keep, rows, old_LxBxTxKxH)
 
     return KV(*(one(x, None if old is None else o)
-                for x, o in zip(kv, (None, None) if old is None else old)))
+                for x, o in zip(kv[:2], (None, None) if old is None else old[:2])))
+
+
+def fill_recurrent(rec: delta_rule.Recurrent, source_B, old: delta_rule.Recurrent | None,
+                   layout: Layout) -> delta_rule.Recurrent:
+    """Inside shard_map: this device's rows of the recurrent state from prefill's hand-out.
+
+    rec: the state after each of this device's stream pieces [Ll, P, …]. All-gathered over
+    (dp, cp) (device-major: flat row (d·CP + c)·P + p); row b takes flat row source_B[b]
+    — its prompt's last prefill piece, so the num_samples rows of one prompt copy one
+    state — and source −1 keeps `old`'s row (zeros when old is None). Returns [Ll, B, …]
+    (under "split", the same on every cp rank: one rank's rows, psum'd over cp, so that
+    the result is typed cp-invariant as its spec says).
+    """
+    keep = source_B >= 0
+    spread = tuple(a for a in (DP, CP) if a not in layout.seq_axes)
+    # One all_gather of both fields side by side (flattened), never two independent ones
+    # (see delta_rule._gather: XLA:CPU may order independent collectives differently on
+    # each device).
+    ll, p = rec.conv.shape[:2]
+    flat = jax.lax.all_gather(
+        jnp.concatenate([x.reshape(ll, p, -1) for x in rec], axis=-1), (DP, CP), axis=1,
+        tiled=True)
+    rows = jnp.take(flat, jnp.maximum(source_B, 0), axis=1)  # [Ll, B, conv + ssm]
+    if spread:
+        first = sum(jax.lax.axis_index(a) for a in spread) == 0
+        rows = jax.lax.psum(jnp.where(first, rows, 0.0), spread)
+    cut = rec.conv[0, 0].size
+    b = source_B.shape[0]
+    new = delta_rule.Recurrent(rows[..., :cut].reshape((ll, b) + rec.conv.shape[2:]),
+                               rows[..., cut:].reshape((ll, b) + rec.ssm.shape[2:]))
+    if old is None:
+        old = jax.tree.map(jnp.zeros_like, new)
+    return keep_recurrent(old, new, keep)
 
 
 # ----------------------------------------------------------------------------------------
@@ -213,7 +270,15 @@ def write_rows(cache: Cache, new: KV, row_B, position_B) -> Cache:
     k, v = (c.at[:, b, row_B].set(n.astype(c.dtype), mode="drop")
             for c, n in zip((cache.k, cache.v), new))
     pos = cache.position.at[b, row_B].set(position_B.astype(jnp.int32), mode="drop")
-    return Cache(k, v, pos)
+    return cache._replace(k=k, v=v, position=pos)
+
+
+def keep_recurrent(old: delta_rule.Recurrent, new: delta_rule.Recurrent, live_B
+                   ) -> delta_rule.Recurrent:
+    """The recurrent state after a decode step: new [Ll, B, …] on live rows, old elsewhere
+    (a finished or empty row keeps what it had)."""
+    return jax.tree.map(
+        lambda o, n: jnp.where(live_B.reshape((1, -1) + (1,) * (o.ndim - 2)), n, o), old, new)
 
 
 def step_rows(count_B, base_B, layout: Layout, t_len: int):

@@ -234,10 +234,43 @@ def pad_streams(pb: batch_lib.PackedBatch, s_len: int) -> batch_lib.PackedBatch:
     if pad <= 0:
         return pb
 
-    def grow(x, value=0):
-        return np.pad(x, ((0, 0), (0, 0), (0, pad)), constant_values=value)
+    def grow(x, value=0):  # [DP, CP, S] or [DP, CP, S, K] (2-D targets: −1 pads)
+        value = -1 if x is pb.targets and x.ndim == 4 else value
+        return np.pad(x, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3),
+                      constant_values=value)
 
     return dataclasses.replace(
         pb, tokens=grow(pb.tokens), targets=grow(pb.targets), segment=grow(pb.segment, -1),
         position=grow(pb.position), loss_id=grow(pb.loss_id),
         floats={k: grow(v) for k, v in pb.floats.items()})
+
+
+def stream_pieces(segment: np.ndarray, position: np.ndarray) -> tuple[np.ndarray, int]:
+    """(piece index of every token [..., S], pieces bound P): NumPy's copy of
+    delta_rule.pieces' numbering (a piece starts at a stream's first token, a new datum or
+    a jump in position; padding continues the piece before it). P: the most pieces of any
+    stream, as a power of two (the prefill program's static bound)."""
+    real = segment >= 0
+    lead = segment.shape[:-1]
+    prev_seg = np.concatenate([np.full(lead + (1,), -2), segment[..., :-1]], axis=-1)
+    prev_pos = np.concatenate([np.full(lead + (1,), -2), position[..., :-1]], axis=-1)
+    start = real & ((segment != prev_seg) | (position != prev_pos + 1))
+    start[..., 0] = True
+    piece = np.cumsum(start, axis=-1) - 1
+    return piece.astype(np.int32), pow2(int(piece.max()) + 1)
+
+
+def recurrent_source(row_of, placements, prompt_of, piece: np.ndarray, pieces: int,
+                     n_rows: int, cp: int) -> np.ndarray:
+    """int32 [B]: the flat prefill piece whose final recurrent state each decode row takes
+    (−1: none), for kv_cache.fill_recurrent — its prompt's last prefill token's piece, on
+    the device holding that token (flat row (d·CP + r)·P + p over (dp, cp), whatever the
+    cache layout). row_of[i]: the decode rows of prompt i; placements, prompt_of as in
+    prefill_source; piece: stream_pieces' numbering [DP, CP, S]."""
+    source = np.full(n_rows, -1, np.int32)
+    for pl in placements:
+        idx = zigzag_indices(pl.n, cp)  # [cp, 2C] positions
+        (r,), (q,) = np.nonzero(idx == pl.n - 1)
+        p = piece[pl.shard, r, pl.offset + q]
+        source[np.asarray(row_of[prompt_of[pl.index]])] = (pl.shard * cp + r) * pieces + p
+    return source

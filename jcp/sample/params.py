@@ -46,23 +46,140 @@ class SamplingParams:
     seed: int | None = None
 
 
+# The most top-k entries, target ids per position, or prompt draws per position a request
+# may ask for; the device programs see these widths bucketed (k_bucket).
+MAX_TOPK = 64
+
+
+def k_bucket(k: int) -> int:
+    """The compiled width of a requested k: 0, or 4, 16, 64 (the smallest ≥ k)."""
+    if k <= 0:
+        return 0
+    b = 4
+    while b < k:
+        b *= 4
+    return b
+
+
+@dataclasses.dataclass
+class TopK:
+    """Tokens and log-probs at each position: token_ids int32 [n, k], logprobs float32
+    [n, k], most likely first. A position with nothing computed (prompt position 0,
+    positions before prompt_logprobs_last_n) has ids −1 and log-probs NaN."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+
+
 @dataclasses.dataclass
 class SampledSequence:
     """One completion: tokens int32 [n] (a stop token that ended it included), logprobs
-    float32 [n] (see SamplingParams), stop_reason "stop" | "length"."""
+    float32 [n] (see SamplingParams), stop_reason "stop" | "length"; topk_logprobs (when
+    topk_sample_logprobs = k > 0): TopK [n, k] of the distribution each token was drawn
+    from (the one `logprobs` are taken from)."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
     stop_reason: str
+    topk_logprobs: TopK | None = None
 
 
 @dataclasses.dataclass
 class SampleResult:
     """The num_samples sequences of one prompt; prompt_logprobs float32 [len(prompt)]
-    (NaN at 0) when asked for, else None."""
+    (NaN at 0, and before the last prompt_logprobs_last_n positions) when asked for, else
+    None. With the PromptFields of the request: topk_prompt_logprobs TopK [len(prompt), k]
+    (log_softmax(logits) at each position, as forward); target_prompt_logprobs float32
+    [len(prompt) − 1, K] (row i: the log-probs of the requested ids at position i + 1;
+    0.0 where the id was −1); prompt_alt_tokens TopK [len(prompt) − 1, k] (row i: k
+    independent draws at position i + 1, at the request's temperature, and their
+    log-probs log_softmax(logits / T), T = 1 when greedy)."""
 
     sequences: list[SampledSequence]
     prompt_logprobs: np.ndarray | None = None
+    topk_prompt_logprobs: TopK | None = None
+    target_prompt_logprobs: np.ndarray | None = None
+    prompt_alt_tokens: TopK | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptFields:
+    """The SDK 0.38 per-request fields beyond prompt_logprobs (SampleRequest):
+    topk_prompt_logprobs, topk_sample_logprobs, prompt_alt_tokens_k (each 0 = none, at
+    most MAX_TOPK and the vocabulary); prompt_logprobs_last_n (None = all; 1 ≤ n ≤
+    len(prompt) − 1, needs prompt_logprobs; applies to prompt_logprobs and
+    topk_prompt_logprobs); target_prompt_logprobs: token ids int [len(prompt) − 1, K]
+    (−1 = none, K ≤ MAX_TOPK, at least one id). See SampleResult for the results."""
+
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+    target_prompt_logprobs: np.ndarray | None = None
+    prompt_alt_tokens_k: int = 0
+
+    @property
+    def prompt_stats(self) -> bool:
+        """Whether the prefill must compute more than prompt log-probs."""
+        return bool(self.topk_prompt_logprobs or self.prompt_alt_tokens_k
+                    or self.target_prompt_logprobs is not None)
+
+    @property
+    def target_width(self) -> int:
+        t = self.target_prompt_logprobs
+        return 0 if t is None else int(t.shape[1])
+
+
+NO_FIELDS = PromptFields()
+
+
+def check_fields(fields, prompt_len: int, vocab_size: int, prompt_logprobs: bool,
+                 what: str = "") -> PromptFields:
+    """PromptFields (or None) for a prompt of prompt_len tokens -> a checked private copy;
+    InputError naming the field."""
+    if fields is None:
+        return NO_FIELDS
+    if not isinstance(fields, PromptFields):
+        raise InputError(f"{what}fields must be jcp.sample.PromptFields, got "
+                         f"{type(fields).__name__}")
+    cap = min(MAX_TOPK, vocab_size)
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        k = getattr(fields, name)
+        if not is_int(k) or not 0 <= k <= cap:
+            raise InputError(f"{what}{name} must be an integer in [0, {cap}], got {k!r}")
+    n = fields.prompt_logprobs_last_n
+    if n is not None:
+        if not is_int(n) or not 1 <= n <= prompt_len - 1:
+            raise InputError(f"{what}prompt_logprobs_last_n must be an integer in [1, "
+                             f"len(prompt) − 1 = {prompt_len - 1}] or None, got {n!r}")
+        if not prompt_logprobs:
+            raise InputError(f"{what}prompt_logprobs_last_n applies to prompt log-probs; "
+                             "set prompt_logprobs")
+    t = fields.target_prompt_logprobs
+    if t is not None:
+        try:
+            arr = np.array(t, copy=True)
+        except Exception as e:  # noqa: BLE001 — ragged and the like
+            raise InputError(f"{what}target_prompt_logprobs is not an array of token ids "
+                             f"({e})") from None
+        if arr.ndim != 2 or arr.shape[0] != prompt_len - 1:
+            raise InputError(f"{what}target_prompt_logprobs must have shape [len(prompt) − 1 "
+                             f"= {prompt_len - 1}, K], got {list(arr.shape)}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise InputError(f"{what}target_prompt_logprobs must hold integer token ids, got "
+                             f"{arr.dtype}")
+        if not 1 <= arr.shape[1] <= MAX_TOPK:
+            raise InputError(f"{what}target_prompt_logprobs has K = {arr.shape[1]} ids per "
+                             f"position; 1 ≤ K ≤ {MAX_TOPK}")
+        bad = np.argwhere((arr < -1) | (arr >= vocab_size))
+        if bad.size:
+            i, j = (int(x) for x in bad[0])
+            raise InputError(f"{what}target_prompt_logprobs[{i}][{j}] = {arr[i, j]} is "
+                             f"neither −1 nor a token id in [0, {vocab_size})")
+        if not np.any(arr >= 0):
+            raise InputError(f"{what}target_prompt_logprobs names no token id (all −1)")
+        t = arr.astype(np.int32)
+    return PromptFields(int(fields.topk_prompt_logprobs), int(fields.topk_sample_logprobs),
+                        None if n is None else int(n), t, int(fields.prompt_alt_tokens_k))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +269,12 @@ def check_params(sp, vocab_size: int, eos: tuple[int, ...]) -> dict:
     return dict(max_tokens=int(sp.max_tokens), temperature=temperature,
                 top_k=int(min(sp.top_k, vocab_size)) if sp.top_k > 0 else -1,
                 top_p=top_p, stop=stop, seed=seed)
+
+
+def alt_key(seed: int, prompt: int) -> np.ndarray:
+    """The raw threefry key uint32 [2] of one prompt's prompt_alt_tokens draws (a stream
+    apart from its sequences' keys)."""
+    return np.random.SeedSequence([seed, prompt, 0, 1]).generate_state(2, np.uint32)
 
 
 def sequence_keys(seed: int, prompt: int, num_samples: int) -> np.ndarray:

@@ -22,12 +22,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jcp import delta_rule as delta_rule_lib
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import model as model_lib
 from jcp import train_step
 from jcp.config import QwenConfig
-from jcp.mesh import SPECS, vary
+from jcp.mesh import CP, SPECS, vary
 from jcp.sample import draws
 from jcp.sample import kv_cache
 
@@ -45,7 +46,10 @@ def _register(cls):
 @dataclasses.dataclass(frozen=True)
 class PrefillArgs:
     """Packed prefill streams (batch.pack of prompt[:-1] → prompt[1:]) as global arrays:
-    tokens, segment, position, targets [DP, CP, S], spans [DP, CP, A, 2], active [A]."""
+    tokens, segment, position, targets [DP, CP, S] (or [DP, CP, S, K]: column 0 the next
+    prompt token, the others requested targets, −1 padded), spans [DP, CP, A, 2], active
+    [A]; for prompt draws (PrefillModes.alt) each token's temperature [DP, CP, S] (0:
+    greedy) and raw threefry key [DP, CP, S, 2], else None."""
 
     tokens: jax.Array
     segment: jax.Array
@@ -53,20 +57,33 @@ class PrefillArgs:
     targets: jax.Array
     spans: jax.Array
     active: jax.Array
+    temperature: jax.Array | None = None
+    keys: jax.Array | None = None
 
     @staticmethod
-    def specs() -> PrefillArgs:
+    def specs(draws: bool = False) -> PrefillArgs:
         s = SPECS.stream_DPxCPxS
-        return PrefillArgs(s, s, s, s, SPECS.spans_DPxCPxAx2, SPECS.replicated)
+        return PrefillArgs(s, s, s, s, SPECS.spans_DPxCPxAx2, SPECS.replicated,
+                           s if draws else None, s if draws else None)
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefillModes:
     """layout: kv_cache.LAYOUTS name the prefill fills, or None (no cache: log-probs only);
-    with_logprobs: also return the streams' target log-probs."""
+    with_logprobs: also return the streams' target log-probs; topk / alt (bucketed, 0:
+    none): also each token's top-k log-probs / alt draws (losses.prompt_stats; then the
+    log-probs come back as a dict, see make_prefill); pieces: a hybrid model's static
+    bound on pieces per stream (delta_rule.pieces; layout.stream_pieces), 0 otherwise."""
 
     layout: str | None
     with_logprobs: bool
+    topk: int = 0
+    alt: int = 0
+    pieces: int = 0
+
+    @property
+    def stats(self) -> bool:
+        return bool(self.topk or self.alt)
 
 
 @_register
@@ -108,7 +125,8 @@ class DecodeModes:
     slice_layers: take the layers out of their stacks once before the loop (see
     make_decode); window: (rows, cache rows) — decode only the first `rows` sequences of
     each device's cache over its first `cache rows` rows (the engine's live slots and
-    lengths, bucketed), writing them back in place; None: the whole cache."""
+    lengths, bucketed), writing them back in place; None: the whole cache. topk
+    (bucketed, 0: none): also return each step's top-k log-probs (draws.sample_tokens)."""
 
     layout: str
     out_len: int
@@ -116,11 +134,14 @@ class DecodeModes:
     filtered: bool
     slice_layers: bool = True
     window: tuple[int, int] | None = None
+    topk: int = 0
 
 
 def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
-    """jit(prefill)(lora, params, slot_meta, args: PrefillArgs, source, old, *, modes) ->
-    (KV [L, B, T, K, H] or None, log-probs [DP, CP, S] replicated or None).
+    """jit(prefill)(lora, params, slot_meta, args: PrefillArgs, source, old, rec_source,
+    *, modes) -> (KV [L, B, T, K, H] or None, log-probs [DP, CP, S] (or [DP, CP, S, K] for
+    2-D targets) replicated or None; with modes.topk / modes.alt a dict of replicated
+    [DP, CP, S, …] arrays, the keys of losses.prompt_stats).
 
     The packed streams through the decoder with training's CP attention
     (train_step.training_attend: gathered K/V or the ring, by step_cfg.cp_attention and
@@ -129,38 +150,73 @@ def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
     (kv_cache.fill): row (b, t) ← flat stream row source[b, t] ([B, T] int32, sharded like
     the cache positions; −1 keeps `old`'s row, or zero when old is None). `old` is
     donated. layout None: no cache (source and old None).
+
+    A hybrid model (Gated DeltaNet layers) runs them as training does (delta_rule.CPMix
+    over the cp pieces, exact), L above counts its full-attention layers, and with a cache
+    layout each piece's final recurrent state is handed out and moved into the cache's
+    per-sequence rows (kv_cache.fill_recurrent): row b ← flat piece rec_source[b] ([B]
+    int32 in the layout's sequence specs, −1 keeps old.rec's row).
     """
+    hybrid = cfg.is_hybrid
 
     @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("old",))
-    def prefill(lora, params, slot_meta, args: PrefillArgs, source, old, *,
+    def prefill(lora, params, slot_meta, args: PrefillArgs, source, old, rec_source=None, *,
                 modes: PrefillModes):
         lora_active = lora_lib.take_active(lora, jnp.maximum(args.active, 0))
         lay = None if modes.layout is None else kv_cache.LAYOUTS[modes.layout]
 
-        def shard(lora_active, params, slot_meta, a: PrefillArgs, source, old):
+        def shard(lora_active, params, slot_meta, a: PrefillArgs, source, old, rec_source):
             one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
             route = slot_meta.routing(a.active, one(a.spans))
             attend = kv_cache.prefill_attend(
                 train_step.training_attend(cfg, step_cfg, one(a.segment), one(a.position)))
+            mix = (delta_rule_lib.cp_mix(one(a.segment), one(a.position), modes.pieces, CP,
+                                         hand_out=lay is not None) if hybrid else None)
             h_SxD, kv, _ = model_lib.hidden_states(cfg, params, one(a.tokens), one(a.position),
-                                                attend, lora_active, route, remat=False)
+                                                   attend, lora_active, route, remat=False,
+                                                   mix=mix)
+            rec = None
+            if hybrid:
+                kv, rec = kv.full, kv.linear
             kv = None if lay is None else kv_cache.fill(kv, source, lay, old)
+            if lay is not None and hybrid:
+                kv = kv._replace(rec=kv_cache.fill_recurrent(
+                    rec, rec_source, None if old is None else old.rec, lay))
             lp = None
-            if modes.with_logprobs:
+            if modes.with_logprobs and modes.stats:
+                lefts, rights = model_lib.unembed_factors(params, h_SxD, lora_active, route)
+                stats = losses_lib.prompt_stats(
+                    lefts, rights, one(a.targets).reshape(one(a.tokens).shape[0], -1),
+                    step_cfg.logprob_chunk, topk=modes.topk, alt=modes.alt,
+                    temperature_S=None if a.temperature is None else one(a.temperature),
+                    keys_Sx2=None if a.keys is None else one(a.keys),
+                    position_S=one(a.position))
+                real = one(a.segment) >= 0
+                lp = {k: losses_lib.gather_stream(
+                    jnp.where(real.reshape((-1,) + (1,) * (v.ndim - 1)), v,
+                              jnp.zeros((), v.dtype))) for k, v in stats.items()}
+            elif modes.with_logprobs:
                 lefts, rights = model_lib.unembed_factors(params, h_SxD, lora_active, route)
                 lp_S = losses_lib.target_logprobs(lefts, rights, one(a.targets),
                                                   step_cfg.logprob_chunk)
-                lp = losses_lib.gather_stream(jnp.where(one(a.segment) >= 0, lp_S, 0.0))
+                real = one(a.segment) >= 0
+                lp = losses_lib.gather_stream(
+                    jnp.where(real.reshape((-1,) + (1,) * (lp_S.ndim - 1)), lp_S, 0.0))
             return kv, lp
 
-        kv_spec = None if lay is None else kv_cache.KV(lay.kv_LxBxTxKxH, lay.kv_LxBxTxKxH)
+        kv_spec = None if lay is None else lay.kv_specs(hybrid)
         in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
-                    SPECS.slot_G, PrefillArgs.specs(),
+                    SPECS.slot_G, PrefillArgs.specs(args.keys is not None),
                     None if lay is None else lay.position_BxT,
-                    None if old is None else kv_spec)
-        out_specs = (kv_spec, P() if modes.with_logprobs else None)
+                    None if old is None else kv_spec,
+                    None if rec_source is None else lay.seqs_B)
+        lp_spec = P() if modes.with_logprobs else None
+        if modes.with_logprobs and modes.stats:
+            lp_spec = {k: P() for k in ("lp",) + ("topk_ids", "topk_lp") * bool(modes.topk)
+                       + ("alt_ids", "alt_lp") * bool(modes.alt)}
+        out_specs = (kv_spec, lp_spec)
         return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
-            lora_active, params, slot_meta, args, source, old)
+            lora_active, params, slot_meta, args, source, old, rec_source)
 
     return prefill
 
@@ -168,7 +224,9 @@ def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
 def make_decode(cfg: QwenConfig, mesh):
     """jit(decode)(lora, params, slot_meta, cache, rows: DecodeRows, active, *, modes) ->
     (tokens [B, N] (−1 where a row drew nothing), log-probs [B, N], both replicated; the
-    final cache, less the rows of the steps that ended a sequence — nothing reads those).
+    final cache, less the rows of the steps that ended a sequence — nothing reads those);
+    with modes.topk, (tokens, log-probs, top-k ids [B, N, k], top-k log-probs [B, N, k],
+    cache).
 
     One lax.while_loop of at most modes.out_len steps: each step runs every row's newest
     token through the decoder (decode_attend over its cache — merged over cp under layout
@@ -180,8 +238,12 @@ def make_decode(cfg: QwenConfig, mesh):
     weights out of the stacked arrays once, before the loop, and run the layers unrolled
     on them (model.layer_slices), instead of a lax.scan that slices them per layer and
     step (the Sampler slices iff the per-device layer weights are at most
-    SLICE_LAYERS_MAX_BYTES).
+    SLICE_LAYERS_MAX_BYTES). A hybrid model's cache carries each row's recurrent state
+    (cache.rec); its Gated DeltaNet layers take one recurrent step per row
+    (delta_rule.StepMix; a row at position 0 starts from zeros) and live rows keep the new
+    state.
     """
+    hybrid = cfg.is_hybrid
 
     @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("cache",))
     def decode(lora, params, slot_meta, cache, rows: DecodeRows, active, *,
@@ -194,8 +256,9 @@ def make_decode(cfg: QwenConfig, mesh):
             full = cache
             if modes.window is not None:
                 w_b, w_t = modes.window
-                cache = kv_cache.Cache(full.k[:, :w_b, :w_t], full.v[:, :w_b, :w_t],
-                                       full.position[:w_b, :w_t])
+                cache = kv_cache.Cache(
+                    full.k[:, :w_b, :w_t], full.v[:, :w_b, :w_t], full.position[:w_b, :w_t],
+                    None if full.rec is None else jax.tree.map(lambda x: x[:, :w_b], full.rec))
             route = slot_meta.routing(active, None, r.index)
             b, t_len = cache.position.shape
             # The A factors enter the loop as [I, A, R] and are viewed back as [A, I, R]
@@ -207,23 +270,29 @@ def make_decode(cfg: QwenConfig, mesh):
                               if modes.slice_layers else None)
 
             def body(carry):
-                i, tok_B, pos_B, done_B, count_B, cache, out_tok, out_lp = carry
+                i, tok_B, pos_B, done_B, count_B, cache, out_tok, out_lp, out_tk = carry
                 lora_active = swap_a_factors(lora_outside)
                 layers = (None if layers_outside is None else
                           tuple((w, swap_a_factors(lo)) for w, lo in layers_outside))
                 attend = kv_cache.decode_attend(pos_B, cache.position, lay.row_axes)
+                state, mix = kv_cache.KV(cache.k, cache.v), None
+                if hybrid:
+                    state = model_lib.HybridState(state, cache.rec)
+                    mix = delta_rule_lib.StepMix(pos_B == 0)
                 h_BxD, new, _ = model_lib.hidden_states(
                     cfg, params, tok_B, pos_B, attend, lora_active, route,
-                    attn_state=kv_cache.KV(cache.k, cache.v), remat=False, layers=layers)
+                    attn_state=state, remat=False, layers=layers, mix=mix)
                 lefts, rights = model_lib.unembed_factors(params, h_BxD, lora_active, route)
                 logits = sum(jnp.einsum("bd,dv->bv", l, r, preferred_element_type=jnp.float32)
                              for l, r in zip(lefts, rights))
-                nxt_B, lp_B = draws.sample_tokens(
+                nxt_B, lp_B, *tk = draws.sample_tokens(
                     draws.gather_vocab(logits), r.keys, count_B, r.temperature, r.top_k,
-                    r.top_p, greedy=modes.greedy, filtered=modes.filtered)
+                    r.top_p, greedy=modes.greedy, filtered=modes.filtered, topk=modes.topk)
                 live_B = ~done_B
                 out_tok = out_tok.at[:, i].set(jnp.where(live_B, nxt_B, -1))
                 out_lp = out_lp.at[:, i].set(jnp.where(live_B, lp_B, 0.0))
+                if tk:
+                    out_tk = (out_tk[0].at[:, i].set(tk[0]), out_tk[1].at[:, i].set(tk[1]))
                 done_B = (done_B | jnp.any(nxt_B[:, None] == r.stop, axis=1)
                           | (count_B + 1 >= r.max_tokens))
                 # A finished sequence needs no more rows. Skipping them also makes the write
@@ -232,9 +301,13 @@ def make_decode(cfg: QwenConfig, mesh):
                 # the in-place write instead of copying the whole cache twice per step.
                 rows_B = jnp.where(done_B, t_len,
                                    kv_cache.step_rows(count_B, r.base, lay, t_len))
+                if hybrid:
+                    cache = cache._replace(rec=kv_cache.keep_recurrent(cache.rec, new.linear,
+                                                                       live_B))
+                    new = new.full
                 cache = kv_cache.write_rows(cache, new, rows_B, pos_B)
                 count_B = count_B + live_B.astype(jnp.int32)
-                return i + 1, nxt_B, pos_B + 1, done_B, count_B, cache, out_tok, out_lp
+                return i + 1, nxt_B, pos_B + 1, done_B, count_B, cache, out_tok, out_lp, out_tk
 
             def cond(carry):
                 i, done_B = carry[0], carry[3]
@@ -243,20 +316,28 @@ def make_decode(cfg: QwenConfig, mesh):
 
             out_tok = vary(jnp.full((b, modes.out_len), -1, jnp.int32), lay.seq_axes)
             out_lp = vary(jnp.zeros((b, modes.out_len), jnp.float32), lay.seq_axes)
+            out_tk = ()
+            if modes.topk:
+                k = modes.topk
+                out_tk = (vary(jnp.full((b, modes.out_len, k), -1, jnp.int32), lay.seq_axes),
+                          vary(jnp.zeros((b, modes.out_len, k), jnp.float32), lay.seq_axes))
             carry = (jnp.int32(0), r.token, r.position, r.done, r.count, cache, out_tok,
-                     out_lp)
+                     out_lp, out_tk)
             carry = jax.lax.while_loop(cond, body, carry)
-            cache, out_tok, out_lp = carry[5:]
+            cache, out_tok, out_lp, out_tk = carry[5:]
             if modes.window is not None:
-                cache = kv_cache.Cache(*(jax.lax.dynamic_update_slice(f, c, (0,) * f.ndim)
-                                         for f, c in zip(full, cache)))
+                cache = jax.tree.map(
+                    lambda f, c: jax.lax.dynamic_update_slice(f, c, (0,) * f.ndim), full, cache)
             return (draws.gather_batch(out_tok, lay.seq_axes),
-                    draws.gather_batch(out_lp, lay.seq_axes), cache)
+                    draws.gather_batch(out_lp, lay.seq_axes),
+                    *(draws.gather_batch(x, lay.seq_axes) for x in out_tk), cache)
 
         in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
-                    SPECS.slot_G, lay.specs, DecodeRows.specs(lay), SPECS.replicated)
+                    SPECS.slot_G, lay.cache_specs(hybrid), DecodeRows.specs(lay),
+                    SPECS.replicated)
         return jax.shard_map(shard, mesh=mesh, in_specs=in_specs,
-                             out_specs=(P(), P(), lay.specs))(
+                             out_specs=(P(), P()) + (P(), P()) * bool(modes.topk)
+                             + (lay.cache_specs(hybrid),))(
             lora_active, params, slot_meta, cache, rows, active)
 
     return decode

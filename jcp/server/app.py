@@ -251,7 +251,9 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
     @app.post("/api/v1/client/dynamic_config")
     async def dynamic_config(request: Request):
         owner(request)
-        return {}
+        # The SDK then sends cancel_future for a sample future it abandons (cancel or
+        # timeout), and the engine frees its slots at the next step boundary.
+        return {"sample_cancel_enabled": True}
 
     @app.post("/api/v1/telemetry")
     async def telemetry():
@@ -584,12 +586,16 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
 
     @app.post("/api/v1/cancel_future")
     async def cancel_future(request: Request):
-        """Cancel a request still queued (one already running completes normally)."""
+        """Cancel a request: a queued one at once; a sample already in the sampling engine
+        at the engine's next step boundary (its slots freed, other sequences unaffected);
+        any other request already running completes normally."""
         who, body = owner(request), await body_json(request)
         rid = body.get("request_id")
         futures.get(rid, who)
         if sched.cancel(rid):
             futures.complete(rid, ("error", "cancelled by the client", "user"))
+        else:
+            sched.cancel_running(rid)
         return Response(status_code=200)
 
     @app.post("/api/v1/retrieve_futures")

@@ -11,7 +11,9 @@ Interleaving policy: each turn of the loop runs at most one training pass (a fus
 forward / forward_backward, or one model operation) and then one engine step (at most
 `prefill_tokens` of newly admitted prompts, then up to `chunk` decode steps of every live
 sequence). So a training pass waits for at most one engine step, and running sequences
-wait for at most one training pass between decode chunks; neither starves.
+wait for at most one training pass between decode chunks; neither starves. A sample the
+client cancels after admission (cancel_future -> Scheduler.cancel_running) is cancelled in
+the engine at the start of the next turn and ends at that step boundary, its slots freed.
 
 Sampler weights: save_weights_for_sampler without a name makes an in-memory snapshot (a
 device copy of the model's slot into a free slot, no disk); with a name it writes the PEFT
@@ -91,7 +93,7 @@ class Engine:
                  complete, tokenizer_id: str | None = None,
                  max_offload_bytes: int = 16 << 30, session_timeout_s: float = 180.0,
                  sample_slots: int | None = None, sample_rows: int | None = None,
-                 chunk: int = 8, leader=None):
+                 chunk: int = 8, prefill_tokens: int | None = None, leader=None):
         self.tr, self.store, self.sched = trainer, store, scheduler
         self.model_name, self.tokenizer_id = model_name, tokenizer_id
         self.token_cap = int(trainer.token_cap)
@@ -108,13 +110,16 @@ class Engine:
         if sample_slots is None:
             fit = SAMPLE_CACHE_BYTES // (rows * sampler.row_bytes) * groups
             sample_slots = max(groups, min(SAMPLE_SLOTS, fit) // groups * groups)
-        engine_kw = dict(slots=sample_slots, max_len=rows, chunk=chunk)
+        engine_kw = dict(slots=sample_slots, max_len=rows, chunk=chunk,
+                         prefill_tokens=prefill_tokens)
         self.sampling = SampleEngine(sampler, **engine_kw)
         # A multi-process job (jcp/server/replica.py): every Trainer and sampling-engine
         # call below also runs, in the same order, on every other process.
         self.leader = leader
         if leader is not None:
             self.tr, self.sampling = leader.wrap(trainer, self.sampling, engine_kw)
+        self._running: dict[str, int] = {}  # request id -> engine request id (admitted)
+        self._cancelled: set[str] = set()   # admitted request ids their clients cancelled
         self._resident: OrderedDict[str, int] = OrderedDict()       # model id -> slot, LRU first
         self._offloaded: dict[str, object] = {}                     # model id -> HostSlot
         self._closing: set[str] = set()     # models of ended sessions, unloaded when idle
@@ -157,6 +162,7 @@ class Engine:
             group, samples = got
             for w in samples:
                 self._admit_sample(w)
+            self._cancel_running()
             if group:
                 self._run_pass(group)
             if not self.sampling.idle:
@@ -610,25 +616,48 @@ class Engine:
             sp = jcp.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, stop=args.stop,
                                     seed=args.seed)
-            if len(args.prompt) - 1 + args.max_tokens > self.sampling.max_len:
+            target = args.target_prompt_logprobs
+            fields = jcp.PromptFields(
+                topk_prompt_logprobs=args.topk_prompt_logprobs,
+                topk_sample_logprobs=args.topk_sample_logprobs,
+                prompt_logprobs_last_n=args.prompt_logprobs_last_n,
+                target_prompt_logprobs=None if target is None else target.ids,
+                prompt_alt_tokens_k=args.prompt_alt_tokens_k)
+            if (not self.sampling.runs_model
+                    or len(args.prompt) - 1 + args.max_tokens > self.sampling.max_len):
                 res = self.tr.sample([args.prompt], sp, adapters=adapter,
                                      num_samples=args.num_samples,
-                                     prompt_logprobs=args.prompt_logprobs)[0]
-                self._complete(w.request_id, _encode_sample(res))
+                                     prompt_logprobs=args.prompt_logprobs, fields=fields)[0]
+                self._complete(w.request_id, _encode_sample(res, target))
                 return
 
             def done(rid, outcome, request_id=w.request_id):
+                self._running.pop(request_id, None)
+                if request_id in self._cancelled:
+                    self._cancelled.discard(request_id)
+                    self._complete(request_id, ("error", "cancelled by the client", "user"))
+                    return
                 self._complete(request_id, _error(outcome) if isinstance(outcome, Exception)
-                               else _encode_sample(outcome))
+                               else _encode_sample(outcome, target))
 
-            self.sampling.submit(args.prompt, sp, adapter, args.num_samples,
-                                 args.prompt_logprobs, callback=done)
+            rid = self.sampling.submit(args.prompt, sp, adapter, args.num_samples,
+                                       args.prompt_logprobs, callback=done, fields=fields)
+            self._running[w.request_id] = rid
         except Exception as e:  # noqa: BLE001
             self._complete(w.request_id, _error(e))
 
+    def _cancel_running(self) -> None:
+        """Cancel the engine requests whose clients cancelled them (cancel_future after
+        admission): they end at this step boundary, their slots freed; others run on."""
+        for request_id in self.sched.take_cancels():
+            rid = self._running.get(request_id)
+            if rid is not None:
+                self._cancelled.add(request_id)
+                self.sampling.cancel(rid)
 
-def _encode_sample(res) -> tuple:
-    return ("proto", wire.encode_sample_response(res.sequences, res.prompt_logprobs))
+
+def _encode_sample(res, target=None) -> tuple:
+    return ("proto", wire.encode_sample_response(res, target))
 
 
 def _custom_datum(d: "jcp.Datum", loss: "jcp.CustomLoss") -> "jcp.Datum":

@@ -376,6 +376,10 @@ def _run(op: Op, objs: dict, kept: dict, trainer):
         return None
     if op.target == "share":  # op.method == "custom_loss"
         return CustomLoss.from_graph(*op.args)
+    if op.target == "sampling" and op.method in ("submit", "submit_logprobs"):
+        # Process 0 answers the client; here a finished request is just forgotten (an
+        # engine keeps no outcome of a request that has a callback).
+        op.kwargs["callback"] = _forget
     take = kept.pop if op.method in CONSUMING else kept.__getitem__
     args = tuple(take(a.n) if isinstance(a, Ref) else a for a in op.args)
     kwargs = {k: take(v.n) if isinstance(v, Ref) else v for k, v in op.kwargs.items()}
@@ -383,3 +387,7 @@ def _run(op: Op, objs: dict, kept: dict, trainer):
         # The same device read, no file: only process 0 writes the folder.
         return trainer.adapter_weights(args[0] if args else kwargs["adapter"])
     return getattr(objs[op.target], op.method)(*args, **kwargs)
+
+
+def _forget(rid, outcome) -> None:
+    """A follower's completion callback: nothing to answer."""

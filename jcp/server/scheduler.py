@@ -64,6 +64,7 @@ class Scheduler:
         self._last_seq: dict[str, int] = {}       # model id -> last seq_id taken
         self._arrivals = itertools.count()
         self._held = 0
+        self._cancels: list[str] = []             # taken request ids to cancel (worker)
         self._closed = False
         self.counters = Counters()
 
@@ -129,6 +130,19 @@ class Scheduler:
                     self._cv.notify_all()
                     return True
         return False
+
+    def cancel_running(self, request_id: str) -> None:
+        """Ask the worker to cancel a request it already took (a sample in the engine): it
+        ends at the worker's next step boundary (take_cancels)."""
+        with self._cv:
+            self._cancels.append(request_id)
+            self._cv.notify_all()
+
+    def take_cancels(self) -> list[str]:
+        """The request ids cancel_running asked for since the last call (worker side)."""
+        with self._cv:
+            out, self._cancels = self._cancels, []
+            return out
 
     def forget(self, model_id: str) -> None:
         """Drop a model's seq_id history (after unload)."""

@@ -196,18 +196,109 @@ def encode_forward_backward_output(per_datum: list[dict[str, np.ndarray]],
     return out.SerializeToString()
 
 
-def encode_sample_response(sequences, prompt_logprobs: np.ndarray | None) -> bytes:
-    """sequences: objects with .tokens int [n], .logprobs float [n], .stop_reason."""
+# The SDK's filler of a top-k cell that holds nothing (tinker/types/topk_logprobs.py): a
+# row whose first cell is (0, MASK_LOGPROB) reads as None.
+MASK_LOGPROB = -99999.0
+
+
+def _topk(msg, topk) -> None:
+    """Fill a TopkLogprobs message from token_ids / logprobs [n, k] (ids −1: nothing)."""
+    ids, lps = np.asarray(topk.token_ids), np.asarray(topk.logprobs, np.float32)
+    empty = ids < 0
+    msg.token_ids = np.where(empty, 0, ids).astype(np.int32).tobytes()
+    msg.logprobs = np.where(empty, MASK_LOGPROB, lps).astype(np.float32).tobytes()
+    msg.length, msg.k = ids.shape
+
+
+def _dense(msg, arr: np.ndarray, dtype: str) -> None:
+    msg.dense = np.ascontiguousarray(arr, {"DTYPE_FLOAT32": np.float32,
+                                           "DTYPE_INT64": np.int64}[dtype]).tobytes()
+    msg.dtype = _DTYPE[dtype]
+    msg.shape.extend(arr.shape)
+
+
+def encode_sample_response(res, target_layout: TargetIds | None = None) -> bytes:
+    """A SampleResult (jcp.sample.params) as the SDK's SampleResponse: sequences (tokens,
+    log-probs, stop reason, top-k), prompt log-probs (NaN = none), top-k prompt log-probs,
+    target_prompt_logprobs (in the request's layout, target_layout: dense or CSR) and
+    prompt_alt_tokens."""
     out = SampleResponsePb()
-    for s in sequences:
-        out.sequences.add(
+    for s in res.sequences:
+        seq = out.sequences.add(
             stop_reason=_STOP["STOP_REASON_LENGTH" if s.stop_reason == "length"
                               else "STOP_REASON_STOP"],
             tokens=np.asarray(s.tokens, np.int32).tobytes(),
             logprobs=np.asarray(s.logprobs, np.float32).tobytes())
-    if prompt_logprobs is not None:
-        out.prompt_logprobs = np.asarray(prompt_logprobs, np.float32).tobytes()
+        if getattr(s, "topk_logprobs", None) is not None:
+            _topk(seq.topk_sampled_logprobs, s.topk_logprobs)
+    if res.prompt_logprobs is not None:
+        out.prompt_logprobs = np.asarray(res.prompt_logprobs, np.float32).tobytes()
+    if getattr(res, "topk_prompt_logprobs", None) is not None:
+        _topk(out.topk_prompt_logprobs, res.topk_prompt_logprobs)
+    t = getattr(res, "target_prompt_logprobs", None)
+    if t is not None:
+        if target_layout is not None and target_layout.crow is not None:
+            csr = out.target_prompt_logprobs.sparse_csr
+            rows = np.repeat(np.arange(len(target_layout.crow) - 1), np.diff(target_layout.crow))
+            csr.values = np.asarray(t, np.float32)[rows, target_layout.col].tobytes()
+            csr.crow_indices = target_layout.crow.astype(np.int64).tobytes()
+            csr.col_indices = target_layout.col.astype(np.int64).tobytes()
+            out.target_prompt_logprobs.dtype = _DTYPE["DTYPE_FLOAT32"]
+            out.target_prompt_logprobs.shape.extend(np.shape(t))
+        else:
+            _dense(out.target_prompt_logprobs, np.asarray(t), "DTYPE_FLOAT32")
+    alt = getattr(res, "prompt_alt_tokens", None)
+    if alt is not None:
+        _dense(out.prompt_alt_tokens.tokens, np.asarray(alt.token_ids), "DTYPE_INT64")
+        _dense(out.prompt_alt_tokens.logprobs, np.asarray(alt.logprobs), "DTYPE_FLOAT32")
     return out.SerializeToString()
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetIds:
+    """A decoded target_prompt_logprobs: ids int64 [rows, K] (−1 = none) and, when it came
+    as sparse CSR, its crow / col indices (the response uses the same layout)."""
+
+    ids: np.ndarray
+    crow: np.ndarray | None = None
+    col: np.ndarray | None = None
+
+
+def decode_target_ids(td) -> TargetIds:
+    """The SDK's TensorData JSON of target_prompt_logprobs (int64, 2-D, dense or CSR with
+    −1 for unlisted cells) -> TargetIds; WireError naming what is malformed."""
+    what = "target_prompt_logprobs"
+    if not isinstance(td, dict):
+        raise WireError(f"{what} must be a TensorData object")
+    if td.get("dtype") != "int64":
+        raise WireError(f"{what} must be an int64 tensor of token ids, got {td.get('dtype')!r}")
+    shape, data = td.get("shape"), td.get("data")
+    if not (isinstance(shape, list) and len(shape) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)):
+        raise WireError(f"{what}.shape must be 2-D, [len(prompt) - 1, K], got {shape!r}")
+    if not isinstance(data, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                             for x in data):
+        raise WireError(f"{what}.data must be a list of integers")
+    values = np.asarray(data, np.int64)
+    crow, col = td.get("sparse_crow_indices"), td.get("sparse_col_indices")
+    if crow is None and col is None:
+        if values.size != shape[0] * shape[1]:
+            raise WireError(f"{what}: {values.size} values do not fill shape {shape}")
+        return TargetIds(values.reshape(shape))
+    if crow is None or col is None:
+        raise WireError(f"{what}: sparse_crow_indices and sparse_col_indices come together")
+    try:
+        crow, col = np.asarray(crow, np.int64), np.asarray(col, np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise WireError(f"{what}: CSR indices must be integers") from None
+    if (crow.ndim != 1 or col.ndim != 1 or len(crow) != shape[0] + 1 or crow[0] != 0
+            or np.any(np.diff(crow) < 0) or crow[-1] != len(col) or len(col) != values.size
+            or np.any((col < 0) | (col >= shape[1]))):
+        raise WireError(f"{what}: malformed CSR (crow_indices {len(crow)} entries, "
+                        f"col_indices {len(col)}, values {values.size}, shape {shape})")
+    ids = np.full(shape, -1, np.int64)
+    ids[np.repeat(np.arange(shape[0]), np.diff(crow)), col] = values
+    return TargetIds(ids, crow, col)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +314,11 @@ class SampleArgs:
     stop: tuple[int, ...] | None
     seed: int | None
     prompt_logprobs: bool
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+    target_prompt_logprobs: TargetIds | None = None
 
 
 def decode_sample(body: dict) -> SampleArgs:
@@ -233,12 +329,17 @@ def decode_sample(body: dict) -> SampleArgs:
     sp = body.get("sampling_params") or {}
     if not isinstance(sp, dict):
         raise WireError("sampling_params must be an object")
+    ks = {}
     for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-        if body.get(key):
-            raise WireError(f"{key} is not supported by this server")
-    for key in ("target_prompt_logprobs", "prompt_logprobs_last_n"):
-        if body.get(key) is not None:
-            raise WireError(f"{key} is not supported by this server")
+        k = body.get(key) or 0
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise WireError(f"{key} must be an integer ≥ 0, got {k!r}")
+        ks[key] = k
+    last_n = body.get("prompt_logprobs_last_n")
+    if last_n is not None and (isinstance(last_n, bool) or not isinstance(last_n, int)):
+        raise WireError(f"prompt_logprobs_last_n must be an integer or null, got {last_n!r}")
+    target = body.get("target_prompt_logprobs")
+    target = None if target is None else decode_target_ids(target)
     stop = sp.get("stop")
     if stop is not None:
         if isinstance(stop, str) or (isinstance(stop, list) and any(isinstance(s, str)
@@ -252,4 +353,5 @@ def decode_sample(body: dict) -> SampleArgs:
     return SampleArgs(prompt=tokens, num_samples=body.get("num_samples", 1),
                       max_tokens=max_tokens, temperature=sp.get("temperature", 1.0),
                       top_k=sp.get("top_k", -1), top_p=sp.get("top_p", 1.0), stop=stop,
-                      seed=sp.get("seed"), prompt_logprobs=bool(body.get("prompt_logprobs")))
+                      seed=sp.get("seed"), prompt_logprobs=bool(body.get("prompt_logprobs")),
+                      prompt_logprobs_last_n=last_n, target_prompt_logprobs=target, **ks)

@@ -1,0 +1,107 @@
+"""Qwen3.5-MoE (hybrid Gated DeltaNet + gated attention, a routed-expert MLP with a gated
+shared expert in every layer): config parsing, load_hf, and a peft adapter on the new
+projections and the fused experts, against transformers' Qwen3_5MoeForCausalLM + peft in
+fp64 at two meshes (log-probs, loss and every LoRA gradient under peft's names)."""
+
+import copy
+import functools
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3_5MoeForCausalLM
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+import jcp
+from helpers import model_harness as mh
+
+LENGTHS = (37, 1, 20)
+MODULES = ["q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "lm_head"]
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@functools.lru_cache(maxsize=None)
+def _world():
+    """(base folder, peft folder, data, peft fp64 log-probs, loss, gradients by name)."""
+    import peft
+    torch.manual_seed(0)
+    hc = Qwen3_5MoeTextConfig(
+        vocab_size=mh.V, hidden_size=mh.D, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+        num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention"], max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]})
+    hm = Qwen3_5MoeForCausalLM(hc)
+    with torch.no_grad():
+        for name, p in hm.named_parameters():
+            if "norm" in name:
+                p.copy_(0.3 * torch.randn_like(p) + (1.0 if "linear_attn.norm" in name else 0.0))
+            elif "A_log" in name or "dt_bias" in name or "conv1d" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    hm = hm.eval().float()
+    base = mh.save(hm, tempfile.mkdtemp(prefix="jcp_qwen3_5_moe_"))
+    pm = peft.get_peft_model(hm, peft.LoraConfig(
+        r=3, lora_alpha=6, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+        target_modules=MODULES, target_parameters=EXPERT_PARAMS))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    folder = tempfile.mkdtemp(prefix="jcp_qwen3_5_moe_peft_")
+    pm.save_pretrained(folder)
+    seqs, targets, weights = mh.random_data(LENGTHS, seed=5)
+    pm = pm.double().eval()
+    total, lps = 0.0, []
+    for s, t, w in zip(seqs, targets, weights):
+        logits = pm(torch.tensor(np.asarray(s))[None]).logits[0]
+        lp = torch.log_softmax(logits, -1)[torch.arange(len(s)), torch.tensor(np.asarray(t))]
+        total = total - (torch.tensor(np.asarray(w, np.float64)) * lp).sum()
+        lps.append(lp.detach().numpy())
+    total.backward()
+    grads = {n.replace(".default", ""): p.grad.numpy() for n, p in pm.named_parameters()
+             if p.grad is not None}
+    data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
+            for s, t, w in zip(seqs, targets, weights)]
+    return base, folder, data, lps, float(total.detach()), grads
+
+
+def test_config_reads_qwen3_5_moe():
+    base, *_ = _world()
+    cfg = jcp.QwenConfig.from_hf(base)
+    assert cfg.is_hybrid and cfg.moe_layers == (True, True) and cfg.norm_topk_prob
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size) == (4, 2, 24, 40)
+    tiny = jcp.QwenConfig.tiny_qwen3_5_moe()
+    assert tiny.is_hybrid and all(tiny.moe_layers) and tiny.shared_expert_intermediate_size
+    with pytest.raises(ValueError, match="MoE MLPs in every layer"):
+        jcp.QwenConfig.tiny_qwen3_5_moe(mlp_only_layers=(0,))
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        tiny.check_mesh(32)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 2, 2)])
+def test_logprobs_and_lora_gradients_equal_peft(mesh_shape):
+    base, folder, data, lps, loss, want = _world()
+    cfg, params = jcp.load_hf(base)
+    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=params, max_adapters=1,
+                     max_rank=4)
+    a = tr.load_peft(folder)
+    assert tr.adapters[a].expert_lora == "fused_gate_up"
+    out = tr.forward_backward(data, "cross_entropy", adapters=a)
+    for o, w in zip(out.loss_fn_outputs, lps):
+        np.testing.assert_allclose(o["logprobs"], w, atol=2e-4, rtol=0)
+    np.testing.assert_allclose(out.metrics["loss:sum"], loss, rtol=2e-5)
+    got = tr.gradients(a)
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
+    assert any("in_proj_qkv" in k for k in want) and any("experts" in k for k in want)
+    scale = max(float(np.abs(g).max()) for g in want.values())
+    for k in want:
+        assert np.abs(want[k]).max() > 1e-4 * scale, k
+        np.testing.assert_allclose(got[k], want[k], atol=2e-5 * scale, rtol=1e-3, err_msg=k)
