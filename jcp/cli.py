@@ -45,10 +45,12 @@ def _has_accelerator() -> bool:
     return any(importlib.util.find_spec(p) for p in plugins)
 
 
-def setup_devices(args) -> None:
+def setup_devices(args, recoverable: bool = False) -> None:
     """Start jax.distributed when asked, and give a CPU-only machine 8 fake devices.
 
-    Must run before anything touches a JAX backend.
+    recoverable: the job outlives a process that dies (jax_enable_recoverability), so that
+    the survivors can report it instead of being aborted by the coordination service
+    (jcp-serve). Must run before anything touches a JAX backend.
     """
     import jax
 
@@ -62,6 +64,8 @@ def setup_devices(args) -> None:
     if addr or (nproc and nproc > 1):
         if not accel:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if recoverable:
+            jax.config.update("jax_enable_recoverability", True)
         jax.distributed.initialize(coordinator_address=addr, num_processes=nproc,
                                    process_id=pid)
 

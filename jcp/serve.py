@@ -6,11 +6,17 @@
               [--max-num-samples N] [--max-futures N] [--max-offload-gb G]
               [--session-timeout S] [--sample-slots N] [--sample-max-len N]
               [--sample-chunk N] [--prefill-tokens N] [--warmup]
+              [--coordinator-address HOST:PORT --num-processes N --process-id I]
+              [--follower-timeout S]
 
 With no --hf-model it serves the tiny random model, on 8 fake CPU devices when there is no
 accelerator (like jcp-train). Owns the command line and the assembly of the pieces in
 jcp/server/ (state store, scheduler, worker, app); `Server` also runs one in a background
 thread for tests and benchmarks.
+
+Started as a multi-process JAX job (the jax.distributed flags, or JAX_COORDINATOR_ADDRESS /
+JAX_NUM_PROCESSES / JAX_PROCESS_ID, on every process alike), process 0 serves HTTP and
+leads; every other process follows it call by call (jcp/server/replica.py).
 """
 
 from __future__ import annotations
@@ -72,8 +78,14 @@ def parse_args(argv):
     p.add_argument("--warmup", action="store_true",
                    help="compile the sampling engine's programs before serving (greedy and "
                    "drawn rows, 1–2 active adapters; see Engine.warmup)")
-    # setup_devices reads these (multi-process is not supported by the server).
-    p.set_defaults(coordinator_address=None, num_processes=None, process_id=None)
+    p.add_argument("--coordinator-address", default=None,
+                   help="jax.distributed coordinator host:port (or JAX_COORDINATOR_ADDRESS); "
+                   "every process gets the same flags, process 0 serves HTTP")
+    p.add_argument("--num-processes", type=int, default=None, help="(or JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None, help="(or JAX_PROCESS_ID)")
+    p.add_argument("--follower-timeout", type=float, default=60.0,
+                   help="seconds after which a follower process that stopped answering "
+                   "fails the job (/healthz 503, requests refused)")
     args = p.parse_args(argv)
     if args.mesh:
         args.mesh = parse_mesh(args.mesh)
@@ -82,6 +94,8 @@ def parse_args(argv):
                  "sample_chunk", "prefill_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be ≥ 1")
+    if not args.follower_timeout > 0:
+        raise CliError("--follower-timeout must be > 0")
     for name in ("max_offload_gb", "session_timeout"):
         if not getattr(args, name) >= 0:
             raise CliError(f"--{name.replace('_', '-')} must be ≥ 0")
@@ -115,7 +129,7 @@ class Server:
                  limits=None, max_offload_bytes: int = 16 << 30,
                  session_timeout_s: float = 180.0, sample_slots: int | None = None,
                  sample_max_len: int | None = None, sample_chunk: int = 8,
-                 prefill_tokens: int | None = None):
+                 prefill_tokens: int | None = None, leader=None):
         import uvicorn
 
         from jcp.server.app import FutureTable, ServedModel, create_app
@@ -132,13 +146,15 @@ class Server:
             self.engine = Engine(trainer, self.store, self.scheduler, model_name,
                                  self.futures.complete, tokenizer_id, max_offload_bytes,
                                  session_timeout_s, sample_slots, sample_max_len, sample_chunk,
-                                 prefill_tokens)
+                                 prefill_tokens, leader=leader)
         except ValueError as e:  # an engine size that does not fit the mesh
             raise CliError(f"sampling engine: {e}") from None
+        if leader is not None:  # a follower lost: pending requests fail, new ones are refused
+            leader.on_failure = self._job_failed
         served = ServedModel(model_name, self.engine.token_cap, self.engine.max_rank,
                              tokenizer_id)
         self.app = create_app(self.store, self.scheduler, self.futures, served, self.limits,
-                              alive=self.engine.alive)
+                              alive=self.engine.alive, failure=self.engine.failure)
         if port == 0:
             with socket.socket() as s:
                 s.bind((host, 0))
@@ -148,6 +164,10 @@ class Server:
         self._uv = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port,
                                                  log_level="warning", access_log=False))
         self._thread: threading.Thread | None = None
+
+    def _job_failed(self, message: str) -> None:
+        self.scheduler.close()
+        self.futures.fail_pending(message)
 
     def start(self) -> "Server":
         self.engine.start()
@@ -178,7 +198,7 @@ def main(argv=None) -> int:
                 keys = read_api_keys(args.api_keys)
             except (OSError, ValueError, UnicodeDecodeError) as e:
                 raise CliError(f"--api-keys: {e}") from None
-        setup_devices(args)
+        setup_devices(args, recoverable=True)
         from jcp.server.edge import Limits
 
         limits = Limits(body_bytes=args.max_body_bytes, datums=args.max_datums,
@@ -187,6 +207,17 @@ def main(argv=None) -> int:
     except CliError as e:
         print(f"jcp-serve: error: {e}", file=sys.stderr)
         return 2
+    import jax
+
+    leader = None
+    if jax.process_count() > 1:
+        from jcp.server.replica import Leader, follow
+
+        if jax.process_index() != 0:
+            print(f"jcp-serve: process {jax.process_index()} of {jax.process_count()} "
+                  "follows process 0", flush=True)
+            return follow(tr)
+        leader = Leader(range(1, jax.process_count()), args.follower_timeout)
     name = args.model_name or (os.path.basename(os.path.normpath(args.hf_model))
                                if args.hf_model else "jcp-tiny")
     state_dir = args.state_dir or tempfile.mkdtemp(prefix="jcp-serve-")
@@ -195,12 +226,15 @@ def main(argv=None) -> int:
                      _tokenizer_dir(args.hf_model), limits,
                      int(args.max_offload_gb * (1 << 30)), args.session_timeout,
                      args.sample_slots, args.sample_max_len, args.sample_chunk,
-                     args.prefill_tokens)
+                     args.prefill_tokens, leader)
     except CliError as e:
+        if leader is not None:  # the followers wait for process 0's first call: release them
+            leader.stop()
         print(f"jcp-serve: error: {e}", file=sys.stderr)
         return 2
     print(f"jcp-serve: {srv.url}  model {name!r}  mesh dp={tr.dp} cp={tr.cp} tp={tr.tp}  "
-          f"max_context_length {tr.token_cap}  state {state_dir}", flush=True)
+          f"max_context_length {tr.token_cap}  state {state_dir}  processes "
+          f"{jax.process_count()}", flush=True)
     print("jcp-serve: " + (f"{len(keys)} API keys from {args.api_keys}" if keys is not None
                            else "no --api-keys: accepting any key (local use)"), flush=True)
     eng = srv.engine.sampling
@@ -216,6 +250,11 @@ def main(argv=None) -> int:
         srv._uv.run()
     finally:
         srv.engine.stop()
+        if srv.engine.failure() is not None:
+            # The worker may be blocked in a collective with the lost process: exiting
+            # normally would wait for it (and for jax.distributed's shutdown) forever.
+            print(f"jcp-serve: {srv.engine.failure()}", file=sys.stderr, flush=True)
+            os._exit(1)
     return 0
 
 

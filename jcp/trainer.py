@@ -277,6 +277,14 @@ class Trainer:
         self.state.install(slot, info, weights)
         return slot
 
+    def copy_adapter(self, adapter: int) -> int:
+        """A device copy of an adapter's weights in the lowest free slot -> its id (fresh
+        AdamW moments and no gradient: a read-only snapshot, e.g. sampler weights)."""
+        slot = self._check_adapter(adapter)
+        dst = self.state.free_slot()
+        self.state.install(dst, self.adapters[slot], self.state.export(slot).weights)
+        return dst
+
     def delete_adapter(self, adapter: int) -> None:
         """Free a slot: zero its weights, accumulator and optimizer state."""
         self.state.reset(self._check_adapter(adapter))

@@ -123,6 +123,13 @@ class FutureTable:
         if self.loop is not None:
             self.loop.call_soon_threadsafe(done)
 
+    def fail_pending(self, message: str) -> None:
+        """Complete every pending request with `message` (category "server")."""
+        with self._lock:
+            pending = [rid for ids in self._pending.values() for rid in ids]
+        for rid in pending:
+            self.complete(rid, ("error", message, "server"))
+
     def completions(self, owner: str, group: str, after: int) -> tuple[list[dict], int]:
         """Completions of a group after cursor `after` -> (FutureCompletion dicts, cursor).
         Runs on the event loop (like `done`), so no lock is needed."""
@@ -135,8 +142,11 @@ class FutureTable:
 
 
 def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
-               served: ServedModel, limits: Limits = Limits(), alive=lambda: True) -> FastAPI:
-    """alive() -> whether the worker thread is running (/healthz reports it)."""
+               served: ServedModel, limits: Limits = Limits(), alive=lambda: True,
+               failure=lambda: None) -> FastAPI:
+    """alive() -> whether the worker can serve (/healthz reports it); failure() -> why a
+    multi-process job cannot (a follower died or stopped answering): /healthz says so and
+    every new request is refused with it (503)."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         futures.loop = asyncio.get_running_loop()
@@ -192,6 +202,9 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
 
     def enqueue(who: str, kind: str, model_id, seq_id, payload, loss_key=None, group=None,
                 **extra) -> dict:
+        down = failure()
+        if down is not None:
+            raise Refused(503, down)
         rid = futures.new(who, group, **extra)
         sched.submit(Work(request_id=rid, kind=kind, model_id=model_id, seq_id=seq_id,
                           payload=payload, owner=who, loss_key=loss_key))
@@ -221,8 +234,9 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
     @app.api_route("/api/v1/healthz", methods=["GET", "POST"])
     async def healthz():
         if not alive():
-            return JSONResponse({"status": "unhealthy", "detail": "the worker thread is not "
-                                 "running; no request will be served"}, status_code=503)
+            return JSONResponse({"status": "unhealthy", "detail": failure() or "the worker "
+                                 "thread is not running; no request will be served"},
+                                status_code=503)
         return {"status": "ok"}
 
     @app.post("/api/v1/client/config")

@@ -27,6 +27,11 @@ A fused pass is one Trainer.forward / forward_backward over the datums of all it
 request is rerun alone so that only the bad one fails. Results go back through `complete`,
 as ("proto", bytes) / ("json", dict) / ("error", message, category). This is the owner
 side of the server: the HTTP modules never import it or jax.
+
+In a multi-process job (`leader`, jcp/server/replica.py) this worker runs on process 0 and
+its Trainer and sampling engine are proxies: each call on them runs on every process, in
+the order made here; everything else here (the store, slots, losses, scheduling) is
+decided on process 0 alone.
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ class Engine:
                  complete, tokenizer_id: str | None = None,
                  max_offload_bytes: int = 16 << 30, session_timeout_s: float = 180.0,
                  sample_slots: int | None = None, sample_rows: int | None = None,
-                 chunk: int = 8, prefill_tokens: int | None = None):
+                 chunk: int = 8, prefill_tokens: int | None = None, leader=None):
         self.tr, self.store, self.sched = trainer, store, scheduler
         self.model_name, self.tokenizer_id = model_name, tokenizer_id
         self.token_cap = int(trainer.token_cap)
@@ -105,8 +110,14 @@ class Engine:
         if sample_slots is None:
             fit = SAMPLE_CACHE_BYTES // (rows * sampler.row_bytes) * groups
             sample_slots = max(groups, min(SAMPLE_SLOTS, fit) // groups * groups)
-        self.sampling = SampleEngine(sampler, slots=sample_slots, max_len=rows, chunk=chunk,
-                                     prefill_tokens=prefill_tokens)
+        engine_kw = dict(slots=sample_slots, max_len=rows, chunk=chunk,
+                         prefill_tokens=prefill_tokens)
+        self.sampling = SampleEngine(sampler, **engine_kw)
+        # A multi-process job (jcp/server/replica.py): every Trainer and sampling-engine
+        # call below also runs, in the same order, on every other process.
+        self.leader = leader
+        if leader is not None:
+            self.tr, self.sampling = leader.wrap(trainer, self.sampling, engine_kw)
         self._running: dict[str, int] = {}  # request id -> engine request id (admitted)
         self._cancelled: set[str] = set()   # admitted request ids their clients cancelled
         self._resident: OrderedDict[str, int] = OrderedDict()       # model id -> slot, LRU first
@@ -123,11 +134,18 @@ class Engine:
         self._thread.start()
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.failure() is None
+
+    def failure(self) -> str | None:
+        """Why a multi-process job can serve nothing more (None: it can)."""
+        return self.leader.failure if self.leader is not None else None
 
     def stop(self) -> None:
         self.sched.close()
-        self._thread.join(timeout=60)
+        # A failed job's worker may be blocked in a collective that never completes.
+        self._thread.join(timeout=60 if self.failure() is None else 1)
+        if self.leader is not None:
+            self.leader.stop()
 
     # ------------------------------------------------------------------ loop
 
@@ -226,10 +244,7 @@ class Engine:
         """A device copy of `slot` in a free slot (no disk) -> the copy's slot."""
         self._free_slot("snapshot sampler weights", frozenset(
             m for m, s in self._resident.items() if s == slot))
-        st = self.tr.state
-        dst = st.free_slot()
-        st.install(dst, self.tr.adapters[slot], st.export(slot).weights)
-        return dst
+        return self.tr.copy_adapter(slot)
 
     def _nbytes(self, info) -> int:
         """Host bytes of an offloaded adapter (4 float32 trees at its rank)."""
@@ -275,7 +290,7 @@ class Engine:
         custom losses are forgotten."""
         self._closing.update(self.store.end_session(sid))
         for loss_id in [k for k, (_, s, _) in self._custom_losses.items() if s == sid]:
-            del self._custom_losses[loss_id]
+            self._forget_loss(loss_id)
 
     def _reap(self) -> None:
         """Unload the models of ended sessions whose queued work is done; end sessions
@@ -301,7 +316,9 @@ class Engine:
         slot = self._resident.pop(model_id, None)
         if slot is not None:
             self.tr.delete_adapter(slot)
-        self._offloaded.pop(model_id, None)
+        saved = self._offloaded.pop(model_id, None)
+        if saved is not None and self.leader is not None:
+            self.leader.discard(saved)  # the followers' host copies too
         snapshots = [k for k in self._sampler_slots if k.startswith(f"tinker://{model_id}/")]
         for key in snapshots + self.store.drop_model(model_id):
             s = self._sampler_slots.pop(key, None)
@@ -370,10 +387,18 @@ class Engine:
             raise InputError(f"this session already holds {len(mine)} custom losses (at most "
                              f"{MAX_CUSTOM_LOSSES_PER_SESSION})")
         while len(self._custom_losses) >= MAX_CUSTOM_LOSSES:
-            self._custom_losses.popitem(last=False)
+            self._forget_loss(next(iter(self._custom_losses)))
         loss_id = f"loss-{uuid.uuid4().hex}"
+        if self.leader is not None:  # the followers rebuild it from the same graph
+            self.leader.share(loss, "custom_loss", p.get("graph"), p.get("inputs"),
+                              str(p.get("name") or "custom"))
         self._custom_losses[loss_id] = (w.owner, session, loss)
         return ("json", {"loss_id": loss_id, "type": "create_custom_loss"})
+
+    def _forget_loss(self, loss_id: str) -> None:
+        loss = self._custom_losses.pop(loss_id)[2]
+        if self.leader is not None:
+            self.leader.discard(loss)
 
     def custom_loss_ids(self) -> list[str]:
         """The loss_ids of every session's custom losses, oldest first."""
