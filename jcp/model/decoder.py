@@ -255,6 +255,65 @@ class Hidden(NamedTuple):
     router_stats: Any
 
 
+def scan_layers(body, h, weights, xs, remat: bool):
+    """jax.lax.scan of body(h, (layer weights, *layer xs)) -> (h, ys) over the layers.
+
+    weights: base weights stacked [L, …] (frozen); xs: a tuple of the other per-layer
+    pytrees (LoRA, attention state) stacked likewise. remat: recompute each layer in the
+    backward pass except the attention kernel's output and log-sum-exp (O(S·Q·H) per layer
+    saved buys not running attention twice).
+
+    On XLA:CPU the low-precision (bf16 / f16) weights are not scanned but indexed inside
+    the body from a uint16 view (_layer_of): XLA:CPU has no bf16 dynamic-slice, and its
+    float normalization would otherwise slice an f32 conversion of the whole stack, which
+    loop-invariant code motion then hoists out of the loop — an f32 copy of every stacked
+    weight (twice the bf16 model, ~29 GB at Qwen3-8B's shape; forward and backward loops
+    each held one). Indexed this way, one layer's slice is converted at a time.
+    """
+    leaves, tree = jax.tree.flatten(weights)
+    held = [jax.default_backend() == "cpu" and x.dtype.itemsize == 2
+            and jnp.issubdtype(x.dtype, jnp.floating) for x in leaves]
+    stacks = [x for x, h_ in zip(leaves, held) if h_]
+    n_layers = jax.tree.leaves((weights, xs))[0].shape[0]
+
+    def step(h, args):
+        index, scanned, layer_xs = args
+        scanned, stacked = iter(scanned), iter(stacks)
+        layer = tree.unflatten([_layer_of(next(stacked), index) if h_ else next(scanned)
+                                for h_ in held])
+        return body(h, (layer, *layer_xs))
+
+    if remat:
+        policy = jax.checkpoint_policies.save_only_these_names(*attention_lib.SAVED_NAMES)
+        step = jax.checkpoint(step, prevent_cse=False, policy=policy)
+    scanned = [x for x, h_ in zip(leaves, held) if not h_]
+    return jax.lax.scan(step, h, (jnp.arange(n_layers), scanned, xs))
+
+
+@jax.custom_vjp
+def _layer_of(stack_LxN, index):
+    """stack[index] of a 16-bit float stack, sliced as uint16 (see scan_layers)."""
+    bits = jax.lax.bitcast_convert_type(stack_LxN, jnp.uint16)
+    return jax.lax.bitcast_convert_type(jax.lax.dynamic_index_in_dim(bits, index, 0, False),
+                                        stack_LxN.dtype)
+
+
+def _layer_of_fwd(stack_LxN, index):
+    # Residuals: the index and an empty [L, 0] array carrying the number of layers.
+    return _layer_of(stack_LxN, index), (index, jnp.zeros((stack_LxN.shape[0], 0), jnp.int8))
+
+
+def _layer_of_bwd(res, g_N):
+    # Base weights are frozen (not differentiated by jcp); this only serves callers that
+    # differentiate them (benchmarks/memory.py takes norm-weight gradients).
+    index, layers_Lx0 = res
+    zeros = jnp.zeros((layers_Lx0.shape[0],) + g_N.shape, g_N.dtype)
+    return jax.lax.dynamic_update_index_in_dim(zeros, g_N, index, 0), None
+
+
+_layer_of.defvjp(_layer_of_fwd, _layer_of_bwd)
+
+
 def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attention_lib.Attend,
                   lora=None, route: lora_lib.Routing | None = None, *, attn_state=None,
                   mlp=dense_mlp, remat: bool = True, layers=None, count_S=None, mix=None):
@@ -314,13 +373,9 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
             raise NotImplementedError("sampling a hybrid (linear attention) model")
         return _hybrid_hidden(cfg, params, h, position_S, attend, mix, layer_lora, route,
                               mlp, remat, finish)
-    if remat:
-        # Recompute each layer in the backward pass except the attention kernel's output and
-        # log-sum-exp: O(S·Q·H) per layer saved buys not running attention twice.
-        policy = jax.checkpoint_policies.save_only_these_names(*attention_lib.SAVED_NAMES)
-        body = jax.checkpoint(body, prevent_cse=False, policy=policy)
     if not cfg.is_moe:
-        h, (attn_state, _) = jax.lax.scan(body, h, (params["layers"], layer_lora, attn_state))
+        h, (attn_state, _) = scan_layers(body, h, params["layers"], (layer_lora, attn_state),
+                                         remat)
         return finish(h, attn_state, [])
     # MoE and dense layers have different MLP weights, so each run of same-kind layers is
     # its own scan over its slice of the stacks (one scan when every layer is MoE).
@@ -331,8 +386,8 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
         mlp_w = cut_kind(params["moe_mlp" if is_moe else "dense_mlp"])
         lora_w = None if lora is None else {
             **cut(layer_lora), **(cut_kind(expert_lora) if is_moe else {})}
-        h, (state, record) = jax.lax.scan(body, h, ({**cut(params["layers"]), **mlp_w},
-                                                    lora_w, cut(attn_state)))
+        h, (state, record) = scan_layers(body, h, {**cut(params["layers"]), **mlp_w},
+                                         (lora_w, cut(attn_state)), remat)
         states.append(state)
         if is_moe and count_S is not None:
             records.append(record)
@@ -372,17 +427,14 @@ def _hybrid_hidden(cfg: QwenConfig, params, h, position_S, attend, mix, layer_lo
             y_SxD, _ = mlp(cfg, h, layer, lora_layer, route)
             return h + y_SxD, None
 
-        if remat:
-            policy = jax.checkpoint_policies.save_only_these_names(*attention_lib.SAVED_NAMES)
-            body = jax.checkpoint(body, prevent_cse=False, policy=policy)
         return body
 
     for linear, start, end, first in kind_runs(cfg.linear_layers):
         cut = lambda t, a=start, b=end: jax.tree.map(lambda x: x[a:b], t)
         mixer = jax.tree.map(lambda x, a=first, n=end - start: x[a:a + n],
                              params["linear_attn" if linear else "full_attn"])
-        h, _ = jax.lax.scan(body_of(linear), h, ({**cut(params["layers"]), **mixer},
-                                                 cut(layer_lora)))
+        h, _ = scan_layers(body_of(linear), h, {**cut(params["layers"]), **mixer},
+                           (cut(layer_lora),), remat)
     return finish(h, None, [])
 
 
