@@ -220,10 +220,10 @@ def test_backward_memory_is_linear_in_tokens(mesh_shape, tmp_root):
 
 
 def test_bf16_layer_scan_holds_no_f32_weight_stack():
-    """scan_layers indexes bf16 stacked weights as uint16 on XLA:CPU: the compiled forward
-    + backward holds no f32 copy of a whole [L, …] weight stack (a plain lax.scan over the
-    same weights does: XLA:CPU's float normalization slices an f32 conversion of the
-    stack), with the same values and gradients (also w.r.t. the weights themselves)."""
+    """scan_layers on XLA:CPU: the compiled forward + backward of a bf16 layer scan holds
+    no f32 copy of a whole [L, …] weight stack (a plain lax.scan over the same weights
+    does: XLA:CPU's float normalization slices an f32 conversion of the stack, hoisted out
+    of the loop), with the same values and gradients (also w.r.t. the weights)."""
     from jcp.model import decoder
 
     import jax.numpy as jnp
@@ -248,11 +248,11 @@ def test_bf16_layer_scan_holds_no_f32_weight_stack():
     def grad_of(f, argnums):
         return jax.jit(jax.value_and_grad(functools.partial(loss, f), argnums=argnums))
 
-    # As jcp trains: the weights frozen, gradients w.r.t. the adapter and the input.
-    stack = f"f32[{layers},{d},{d}]"
-    texts = {n: grad_of(f, (1, 2)).lower(w, lora, h0).compile().as_text()
-             for n, f in (("ours", ours), ("plain", plain))}
-    assert stack in texts["plain"] and stack not in texts["ours"]
+    # As jcp trains: the weights frozen, gradients w.r.t. the adapter and the input. The
+    # plain scan's temporaries hold the f32 stack (and more); ours do not.
+    temp = {n: grad_of(f, (1, 2)).lower(w, lora, h0).compile().memory_analysis()
+            .temp_size_in_bytes for n, f in (("ours", ours), ("plain", plain))}
+    assert temp["plain"] - temp["ours"] >= layers * d * d * 4, temp
     grads = {n: grad_of(f, (0, 1, 2)) for n, f in (("ours", ours), ("plain", plain))}
     (v1, g1), (v2, g2) = (g(w, lora, h0) for g in grads.values())
     assert float(v1) == float(v2) and np.isfinite(float(v1))

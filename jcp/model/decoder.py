@@ -264,11 +264,13 @@ def scan_layers(body, h, weights, xs, remat: bool):
     saved buys not running attention twice).
 
     On XLA:CPU the low-precision (bf16 / f16) weights are not scanned but indexed inside
-    the body from a uint16 view (_layer_of): XLA:CPU has no bf16 dynamic-slice, and its
-    float normalization would otherwise slice an f32 conversion of the whole stack, which
-    loop-invariant code motion then hoists out of the loop — an f32 copy of every stacked
-    weight (twice the bf16 model, ~29 GB at Qwen3-8B's shape; forward and backward loops
-    each held one). Indexed this way, one layer's slice is converted at a time.
+    the body (_layer_of), each stack passed with the layer index through an optimization
+    barrier: XLA:CPU has no bf16 dynamic-slice, so its float normalization slices an f32
+    conversion of the whole stack, and loop-invariant code motion hoists that conversion
+    out of the loop — an f32 copy of every stacked weight (twice the bf16 layers, 13 GB at
+    Qwen3-8B's shape, benchmarks/memory.py). Tied to the index, the conversion is no longer
+    loop-invariant; it stays fused with the slice and converts one layer at a time.
+    (Slicing a uint16 view instead does not help: the hoisted bitcast is a copy too.)
     """
     leaves, tree = jax.tree.flatten(weights)
     held = [jax.default_backend() == "cpu" and x.dtype.itemsize == 2
@@ -290,28 +292,11 @@ def scan_layers(body, h, weights, xs, remat: bool):
     return jax.lax.scan(step, h, (jnp.arange(n_layers), scanned, xs))
 
 
-@jax.custom_vjp
 def _layer_of(stack_LxN, index):
-    """stack[index] of a 16-bit float stack, sliced as uint16 (see scan_layers)."""
-    bits = jax.lax.bitcast_convert_type(stack_LxN, jnp.uint16)
-    return jax.lax.bitcast_convert_type(jax.lax.dynamic_index_in_dim(bits, index, 0, False),
-                                        stack_LxN.dtype)
-
-
-def _layer_of_fwd(stack_LxN, index):
-    # Residuals: the index and an empty [L, 0] array carrying the number of layers.
-    return _layer_of(stack_LxN, index), (index, jnp.zeros((stack_LxN.shape[0], 0), jnp.int8))
-
-
-def _layer_of_bwd(res, g_N):
-    # Base weights are frozen (not differentiated by jcp); this only serves callers that
-    # differentiate them (benchmarks/memory.py takes norm-weight gradients).
-    index, layers_Lx0 = res
-    zeros = jnp.zeros((layers_Lx0.shape[0],) + g_N.shape, g_N.dtype)
-    return jax.lax.dynamic_update_index_in_dim(zeros, g_N, index, 0), None
-
-
-_layer_of.defvjp(_layer_of_fwd, _layer_of_bwd)
+    """stack[index], the stack tied to the (loop-variant) index by a barrier (see
+    scan_layers)."""
+    stack_LxN, index = jax.lax.optimization_barrier((stack_LxN, index))
+    return jax.lax.dynamic_index_in_dim(stack_LxN, index, 0, keepdims=False)
 
 
 def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attention_lib.Attend,
