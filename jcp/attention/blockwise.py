@@ -105,12 +105,12 @@ def _fold_keys(states, q_KxWxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, bl
 
             def full(state):
                 s = jnp.einsum("krh,kth->krt", qi, kj, preferred_element_type=jnp.float32)
-                return online_softmax_step(state, s * scale, pv)
+                return online_softmax_step(state, s, pv, scale)
 
             def masked(state):
                 s = jnp.einsum("krh,kth->krt", qi, kj, preferred_element_type=jnp.float32)
                 mask = visible(sr, pr, skb[j], pkb[j])
-                return online_softmax_step(state, jnp.where(mask, s * scale, -jnp.inf), pv)
+                return online_softmax_step(state, jnp.where(mask, s, -jnp.inf), pv, scale)
 
             return jax.lax.cond(kinds[i, j] > 0, lambda c: jax.lax.cond(
                 kinds[i, j] > 1, full, masked, c), lambda c: c, state)
@@ -165,48 +165,64 @@ def _grad_keys(dq, dk, dv, q_KxWxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k
     streams' gradients simply add. dq [K, W, H], dk and dv [K, Tk, H], all fp32,
     accumulate: this stream's gradients are added into them (never into fresh buffers:
     see tiling.ring_fold_grads) and (dq, dk, dv) returned.
+
+    Key-major: a tile's scores are computed transposed, [K, Bk, rows] (t before r), so
+    every one of its five products is a plain (batched) GEMM — A·B or A·Bᵀ — with no
+    transposed left operand (which XLA:CPU runs off its fast GEMM path): dV += Pᵀ·dO,
+    dK += dSᵀ·Q, and dQ is accumulated transposed, dQᵀ [H, rows] += Kᵀ·dSᵀ, with Kᵀ
+    [H, Bk] made once per call.
     """
     scale, rq, nq, nk, kinds, need, seg_r, pos_r, skb, pkb = _tiling(
         q_KxWxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k)
     q_lo, q_hi = needed_range(need.T)
-    kv_heads = q_KxWxH.shape[0]
+    kv_heads, _, head_dim = q_KxWxH.shape
     qb, dob = _split_blocks(q_KxWxH, nq), _split_blocks(do_KxWxH, nq)
     kb, vb = _split_blocks(k_KxTxH, nk), _split_blocks(v_KxTxH.astype(jnp.float32), nk)
+    k_tb = jnp.einsum("nkth->nkht", kb.astype(jnp.float32))  # [nk, K, H, Bk]
     lseb = jnp.einsum("knr->nkr", lse_KxW.reshape(kv_heads, nq, rq))
     deltab = jnp.einsum("knr->nkr", delta_KxW.reshape(kv_heads, nq, rq))
 
     def k_block(carry, j):
-        dq, dkb, dvb = carry
-        kj, vj, skj, pkj = kb[j], vb[j], skb[j], pkb[j]
-        kj32 = kj.astype(jnp.float32)
+        dq_t, dkb, dvb = carry
+        kj, vj, k_tj, skj, pkj = kb[j], vb[j], k_tb[j], skb[j], pkb[j]
 
         def q_step(i, carry):
-            def compute(carry, masked):
-                dq, dk, dv = carry
+            def compute(dkv, masked):
+                dk, dv = dkv
                 qi, doi = qb[i], dob[i]
-                s = jnp.einsum("krh,kth->krt", qi, kj, preferred_element_type=jnp.float32)
-                p = jnp.exp(s * scale - lseb[i][..., None])
+                s_t = jnp.einsum("kth,krh->ktr", kj, qi, preferred_element_type=jnp.float32)
+                p_t = jnp.exp(s_t * scale - lseb[i][:, None, :])
                 if masked:
-                    p = jnp.where(visible(seg_r[i], pos_r[i], skj, pkj), p, 0.0)
-                dv = dv + jnp.einsum("krt,krh->kth", p, doi)
-                dp = jnp.einsum("krh,kth->krt", doi, vj)
-                ds = p * (dp - deltab[i][..., None]) * scale
-                dq = dq.at[i].add(jnp.einsum("krt,kth->krh", ds, kj32))
-                dk = dk + jnp.einsum("krt,krh->kth", ds, qi.astype(jnp.float32))
-                return dq, dk, dv
+                    p_t = jnp.where(visible(seg_r[i], pos_r[i], skj, pkj).T, p_t, 0.0)
+                dv = dv + jnp.einsum("ktr,krh->kth", p_t, doi)
+                dp_t = jnp.einsum("kth,krh->ktr", vj, doi)
+                ds_t = p_t * (dp_t - deltab[i][:, None, :]) * scale
+                dk = dk + jnp.einsum("ktr,krh->kth", ds_t, qi.astype(jnp.float32))
+                return jnp.einsum("kht,ktr->khr", k_tj, ds_t), (dk, dv)
 
-            return jax.lax.cond(kinds[i, j] > 0, lambda c: jax.lax.cond(
+            def skip(dkv):
+                return vary_all(jnp.zeros(dq_t.shape[1:], jnp.float32), dq_t), dkv
+
+            # The conds return this q block's dQᵀ part and dQᵀ is updated outside them: a
+            # buffer updated inside a cond branch is copied whole at every visit.
+            dq_t, dk, dv = carry
+            part, (dk, dv) = jax.lax.cond(kinds[i, j] > 0, lambda c: jax.lax.cond(
                 kinds[i, j] > 1, lambda c: compute(c, False), lambda c: compute(c, True), c),
-                lambda c: c, carry)
+                skip, (dk, dv))
+            dq_t = jax.lax.dynamic_update_index_in_dim(
+                dq_t, jax.lax.dynamic_index_in_dim(dq_t, i, 0, keepdims=False) + part, i, 0)
+            return dq_t, dk, dv
 
-        dq, dk, dv = jax.lax.fori_loop(q_lo[j], q_hi[j], q_step, (dq, dkb[j], dvb[j]))
-        return (dq, dkb.at[j].set(dk), dvb.at[j].set(dv)), None
+        dq_t, dk, dv = jax.lax.fori_loop(q_lo[j], q_hi[j], q_step, (dq_t, dkb[j], dvb[j]))
+        return (dq_t, dkb.at[j].set(dk), dvb.at[j].set(dv)), None
 
     refs = (q_KxWxH, k_KxTxH, v_KxTxH, do_KxWxH, dq, dk, dv)
-    dq, dkb, dvb = (vary_all(_split_blocks(x, n), *refs)
-                    for x, n in ((dq, nq), (dk, nk), (dv, nk)))  # [n, K, B, H]
-    (dq, dkb, dvb), _ = jax.lax.scan(k_block, (dq, dkb, dvb), jnp.arange(nk))
-    return _join_blocks(dq), _join_blocks(dkb), _join_blocks(dvb)
+    dq_t = jnp.einsum("knrh->nkhr", dq.reshape(kv_heads, nq, rq, head_dim))  # [nq, K, H, rq]
+    dq_t, dkb, dvb = (vary_all(x, *refs)
+                      for x in (dq_t, _split_blocks(dk, nk), _split_blocks(dv, nk)))
+    (dq_t, dkb, dvb), _ = jax.lax.scan(k_block, (dq_t, dkb, dvb), jnp.arange(nk))
+    dq = jnp.einsum("nkhr->knrh", dq_t).reshape(kv_heads, nq * rq, head_dim)
+    return dq, _join_blocks(dkb), _join_blocks(dvb)
 
 
 def _delta_KxW(d_out, out):

@@ -280,6 +280,50 @@ class Hidden(NamedTuple):
     router_stats: Any
 
 
+def scan_layers(body, h, weights, xs, remat: bool):
+    """jax.lax.scan of body(h, (layer weights, *layer xs)) -> (h, ys) over the layers.
+
+    weights: base weights stacked [L, …] (frozen); xs: a tuple of the other per-layer
+    pytrees (LoRA, attention state) stacked likewise. remat: recompute each layer in the
+    backward pass except the attention kernel's output and log-sum-exp (O(S·Q·H) per layer
+    saved buys not running attention twice).
+
+    On XLA:CPU the low-precision (bf16 / f16) weights are not scanned but indexed inside
+    the body (_layer_of), each stack passed with the layer index through an optimization
+    barrier: XLA:CPU has no bf16 dynamic-slice, so its float normalization slices an f32
+    conversion of the whole stack, and loop-invariant code motion hoists that conversion
+    out of the loop — an f32 copy of every stacked weight (twice the bf16 layers, 13 GB at
+    Qwen3-8B's shape, benchmarks/memory.py). Tied to the index, the conversion is no longer
+    loop-invariant; it stays fused with the slice and converts one layer at a time.
+    (Slicing a uint16 view instead does not help: the hoisted bitcast is a copy too.)
+    """
+    leaves, tree = jax.tree.flatten(weights)
+    held = [jax.default_backend() == "cpu" and x.dtype.itemsize == 2
+            and jnp.issubdtype(x.dtype, jnp.floating) for x in leaves]
+    stacks = [x for x, h_ in zip(leaves, held) if h_]
+    n_layers = jax.tree.leaves((weights, xs))[0].shape[0]
+
+    def step(h, args):
+        index, scanned, layer_xs = args
+        scanned, stacked = iter(scanned), iter(stacks)
+        layer = tree.unflatten([_layer_of(next(stacked), index) if h_ else next(scanned)
+                                for h_ in held])
+        return body(h, (layer, *layer_xs))
+
+    if remat:
+        policy = jax.checkpoint_policies.save_only_these_names(*attention_lib.SAVED_NAMES)
+        step = jax.checkpoint(step, prevent_cse=False, policy=policy)
+    scanned = [x for x, h_ in zip(leaves, held) if not h_]
+    return jax.lax.scan(step, h, (jnp.arange(n_layers), scanned, xs))
+
+
+def _layer_of(stack_LxN, index):
+    """stack[index], the stack tied to the (loop-variant) index by a barrier (see
+    scan_layers)."""
+    stack_LxN, index = jax.lax.optimization_barrier((stack_LxN, index))
+    return jax.lax.dynamic_index_in_dim(stack_LxN, index, 0, keepdims=False)
+
+
 def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attention_lib.Attend,
                   lora=None, route: lora_lib.Routing | None = None, *, attn_state=None,
                   mlp=dense_mlp, remat: bool = True, layers=None, count_S=None, mix=None):
@@ -343,13 +387,9 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
         return _hybrid_hidden(cfg, params, h, position_S, attend, mix, layer_lora, route,
                               moe_block if cfg.is_moe else mlp, remat, finish, expert_lora,
                               count_S is not None, attn_state)
-    if remat:
-        # Recompute each layer in the backward pass except the attention kernel's output and
-        # log-sum-exp: O(S·Q·H) per layer saved buys not running attention twice.
-        policy = jax.checkpoint_policies.save_only_these_names(*attention_lib.SAVED_NAMES)
-        body = jax.checkpoint(body, prevent_cse=False, policy=policy)
     if not cfg.is_moe:
-        h, (attn_state, _) = jax.lax.scan(body, h, (params["layers"], layer_lora, attn_state))
+        h, (attn_state, _) = scan_layers(body, h, params["layers"], (layer_lora, attn_state),
+                                         remat)
         return finish(h, attn_state, [])
     # MoE and dense layers have different MLP weights, so each run of same-kind layers is
     # its own scan over its slice of the stacks (one scan when every layer is MoE).
@@ -360,8 +400,8 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
         mlp_w = cut_kind(params["moe_mlp" if is_moe else "dense_mlp"])
         lora_w = None if lora is None else {
             **cut(layer_lora), **(cut_kind(expert_lora) if is_moe else {})}
-        h, (state, record) = jax.lax.scan(body, h, ({**cut(params["layers"]), **mlp_w},
-                                                    lora_w, cut(attn_state)))
+        h, (state, record) = scan_layers(body, h, {**cut(params["layers"]), **mlp_w},
+                                         (lora_w, cut(attn_state)), remat)
         states.append(state)
         if is_moe and count_S is not None:
             records.append(record)
@@ -419,9 +459,6 @@ def _hybrid_hidden(cfg: QwenConfig, params, h, position_S, attend, mix, layer_lo
             y_SxD, stats = mlp(cfg, h, layer, lora_layer, route)
             return h + y_SxD, (st, stats)
 
-        if remat:
-            policy = jax.checkpoint_policies.save_only_these_names(*attention_lib.SAVED_NAMES)
-            body = jax.checkpoint(body, prevent_cse=False, policy=policy)
         return body
 
     state = state or HybridState(None, None)
@@ -440,9 +477,9 @@ def _hybrid_hidden(cfg: QwenConfig, params, h, position_S, attend, mix, layer_lo
                         if m in (lora_lib.LINEAR if linear else lora_lib.ATTN)}),
             **cut(expert_lora or {})}
         mlp_w = cut(params["moe_mlp"]) if cfg.is_moe else {}
-        h, (out, stats) = jax.lax.scan(body_of(linear), h,
-                                       ({**cut(params["layers"]), **mixer, **mlp_w}, lora_w,
-                                        st))
+        h, (out, stats) = scan_layers(body_of(linear), h,
+                                      {**cut(params["layers"]), **mixer, **mlp_w}, (lora_w, st),
+                                      remat)
         outs[linear].append(out)
         if record:
             records.append(stats)
