@@ -53,6 +53,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jcp import batch as batch_lib
+from jcp import mesh as mesh_lib
 from jcp.adapter_state import host, replicate
 from jcp.errors import InputError
 from jcp.sample import kv_cache
@@ -132,7 +133,7 @@ class Engine:
         self._ids = itertools.count()
         self.cache = None
         # Bucket floors (module docstring, "Programs").
-        self.min_stream = max(16, layout_lib.pow2(max_len) // 4)
+        self.min_stream = max(16, mesh_lib.pow2_at_least(max_len) // 4)
         self.program_keys: set[tuple] = set()
         self.steps = 0
         self.peak_live = 0  # the most sequences one decode call has held
