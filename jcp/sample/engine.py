@@ -66,6 +66,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jcp import batch as batch_lib
+from jcp import mesh as mesh_lib
 from jcp.adapter_state import host, replicate
 from jcp.errors import InputError
 from jcp.sample import layout as layout_lib
@@ -284,11 +285,11 @@ class Engine:
         self._ended: list[int] = []
         self.callbacks: dict[int, Callable] = {}
         self._ids = itertools.count()
-        top = max(MIN_CHUNK, min(layout_lib.pow2(self.prefill_tokens),
-                                 layout_lib.pow2(max_len)))
+        top = max(MIN_CHUNK, min(mesh_lib.pow2_at_least(self.prefill_tokens),
+                                 mesh_lib.pow2_at_least(max_len)))
         self.chunk_top = top                       # the largest prefill chunk bucket
         # compute_logprobs requests run the Sampler's packed prefill.
-        self.min_stream = max(16, layout_lib.pow2(max_len) // 4)
+        self.min_stream = max(16, mesh_lib.pow2_at_least(max_len) // 4)
         self.program_keys: set[tuple] = set()
         self.steps = 0
         self.peak_live = 0  # the most sequences one decode call has held
@@ -927,7 +928,7 @@ class Engine:
                     self.program_keys.add(("prefill", None, pb.tokens.shape, pb.targets.shape,
                                            pb.spans.shape, True, (0, 0)))
                     host(s.run_prefill(pb, with_logprobs=True)[1])
-                if x >= cap or x >= layout_lib.pow2(max(self.max_len, self.prefill_tokens)):
+                if x >= cap or x >= mesh_lib.pow2_at_least(max(self.max_len, self.prefill_tokens)):
                     break
                 x *= 2
         for w_b in _rungs(self.b_local, WINDOW_FLOOR[0]):

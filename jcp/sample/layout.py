@@ -14,25 +14,18 @@ under "split").
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import numpy as np
 
-from jcp import batch as batch_lib
 from jcp.errors import InputError
-from jcp.mesh import zigzag_chunk, zigzag_indices
+from jcp.mesh import pow2_at_least, zigzag_chunk, zigzag_indices
 
 CACHE_MODES = ("batch", "split")
 # Auto choice: the cp-split cache when the per-device cache of mode "batch" would exceed
 # this and splitting makes it smaller. Below it, "batch" decodes faster (no collective per
 # layer and step, no work repeated over cp).
 SPLIT_ABOVE_BYTES = 1 << 30
-
-
-def pow2(n: int, minimum: int = 1) -> int:
-    """The least power of two ≥ max(n, minimum)."""
-    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
 def ladder(n: int, full: int, floor: int, step: int = 4) -> int:
@@ -94,22 +87,22 @@ def plan(prompt_lengths: Sequence[int], max_tokens: int, num_samples: int, dp: i
     "batch": b_local = pow2(⌈sequences / (dp·cp)⌉), t_local = pow2(longest − 1 +
     max_tokens, ≥ 64). "split": b_local = pow2(⌈sequences / dp⌉), t_local = pow2(2C +
     ⌈max_tokens / cp⌉, ≥ 16) with 2C the zigzag rows per rank of the longest prompt's
-    prefill. cache_mode None: choose_cache_mode.
+    prefill; pow2 = mesh.pow2_at_least. cache_mode None: choose_cache_mode.
     """
     if cache_mode is not None and cache_mode not in CACHE_MODES:
         raise InputError(f"cache_mode must be None (automatic), \"batch\" or \"split\", "
                          f"got {cache_mode!r}")
     n_seq = len(prompt_lengths) * num_samples
     longest = max(prompt_lengths)
-    b_batch = pow2(-(-n_seq // (dp * cp)))
-    t_batch = pow2(longest - 1 + max_tokens, 64)
-    b_split = pow2(-(-n_seq // dp))
-    t_split = pow2(2 * zigzag_chunk(max(longest - 1, 1), cp) + -(-max_tokens // cp), 16)
+    b_batch = pow2_at_least(-(-n_seq // (dp * cp)))
+    t_batch = pow2_at_least(longest - 1 + max_tokens, 64)
+    b_split = pow2_at_least(-(-n_seq // dp))
+    t_split = pow2_at_least(2 * zigzag_chunk(max(longest - 1, 1), cp) + -(-max_tokens // cp), 16)
     batch_bytes = b_batch * t_batch * row_bytes
     split_bytes = b_split * t_split * row_bytes
     mode = choose_cache_mode(cache_mode, cp, batch_bytes, split_bytes)
     b_local, t_local = (b_batch, t_batch) if mode == "batch" else (b_split, t_split)
-    return Plan(mode, b_local, t_local, pow2(max_tokens, 16), batch_bytes, split_bytes)
+    return Plan(mode, b_local, t_local, pow2_at_least(max_tokens, 16), batch_bytes, split_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,29 +213,12 @@ def active_index(adapter_B: np.ndarray, bucket: int, base_key: int) -> tuple[np.
 
 
 def stop_table(stops: Sequence[Sequence[int]], minimum: int = 8) -> np.ndarray:
-    """int32 [B, NS]: each row's stop ids, −1 padded, NS = pow2(longest, ≥ minimum)."""
-    width = pow2(max((len(s) for s in stops), default=0), minimum)
+    """int32 [B, NS]: each row's stop ids, −1 padded, NS = pow2_at_least(longest, minimum)."""
+    width = pow2_at_least(max((len(s) for s in stops), default=0), minimum)
     out = np.full((len(stops), width), -1, np.int32)
     for b, s in enumerate(stops):
         out[b, :len(s)] = s
     return out
-
-
-def pad_streams(pb: batch_lib.PackedBatch, s_len: int) -> batch_lib.PackedBatch:
-    """pb with its [DP, CP, S] streams right-padded to s_len rows (segment −1: padding)."""
-    pad = s_len - pb.tokens.shape[-1]
-    if pad <= 0:
-        return pb
-
-    def grow(x, value=0):  # [DP, CP, S] or [DP, CP, S, K] (2-D targets: −1 pads)
-        value = -1 if x is pb.targets and x.ndim == 4 else value
-        return np.pad(x, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3),
-                      constant_values=value)
-
-    return dataclasses.replace(
-        pb, tokens=grow(pb.tokens), targets=grow(pb.targets), segment=grow(pb.segment, -1),
-        position=grow(pb.position), loss_id=grow(pb.loss_id),
-        floats={k: grow(v) for k, v in pb.floats.items()})
 
 
 def stream_pieces(segment: np.ndarray, position: np.ndarray) -> tuple[np.ndarray, int]:
@@ -257,7 +233,7 @@ def stream_pieces(segment: np.ndarray, position: np.ndarray) -> tuple[np.ndarray
     start = real & ((segment != prev_seg) | (position != prev_pos + 1))
     start[..., 0] = True
     piece = np.cumsum(start, axis=-1) - 1
-    return piece.astype(np.int32), pow2(int(piece.max()) + 1)
+    return piece.astype(np.int32), pow2_at_least(int(piece.max()) + 1)
 
 
 def recurrent_source(row_of, placements, prompt_of, piece: np.ndarray, pieces: int,

@@ -244,8 +244,8 @@ class Sampler:
         cap = self.limits.max_tokens_per_device
         packed = batch_lib.pack(data, [adapters[i] for i in which], self.dp, self.cp,
                                 cap, self.limits.max_adapters + 1)
-        return which, [layout_lib.pad_streams(
-            pb, min(layout_lib.pow2(pb.tokens.shape[-1], min_stream), cap)) for pb in packed]
+        return which, [batch_lib.pad_streams(
+            pb, min(mesh_lib.pow2_at_least(pb.tokens.shape[-1], min_stream), cap)) for pb in packed]
 
     def run_prefill(self, pb, source=None, old=None, *, layout=None, with_logprobs,
                     stats: PromptStatsCall | None = None, row_of=None, prompt_of=None):
