@@ -9,10 +9,13 @@ cleared: each module starts from nothing compiled (it compiles its own programs 
 Compiling dominates the suite's time on CI's 2 cores, so the tests compile differently from
 a user's run in two ways that change no program's meaning:
 - LLVM at -O0 (`--xla_backend_optimization_level=0`): measured on a Trainer's
-  forward_backward at (1,2,1), 10.3 instead of 16.6 CPU s per compile, the same losses;
-  the tiny models' run time does not notice. Child processes (jcp-train, the two-process
-  and the killed-save tests) set their own XLA_FLAGS and compile at the default level.
-  JCP_TEST_XLA_OPT=default compiles the in-process tests as users do.
+  forward_backward at (1,2,1), 10.3 instead of 16.6 CPU s per compile; values differ from
+  the default level's in the last bits only (≤ 1.7e-6 of the largest magnitude; every
+  in-process comparison runs both sides at -O0); the tiny models' run time does not
+  notice. Child processes (jcp-train, the two-process and the killed-save tests) set their
+  own XLA_FLAGS and compile at the default level (test_multiprocess compares them with
+  this process within rtol 1e-5). JCP_TEST_XLA_OPT=default compiles the in-process tests
+  as users do.
 - JAX's persistent compilation cache in a fresh folder per session (removed at exit), for
   programs that took ≥ 1 s to compile: the same program built again (a new Trainer, a
   module after the caches below were cleared, the jcp-train child processes, which inherit
