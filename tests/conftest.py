@@ -5,16 +5,45 @@ kernel allows a process vm.max_map_count = 65,530 of them. A whole session of ca
 Trainers and jitted helpers went past that, and LLVM then segfaulted while compiling. So
 after each test module, the tests' own caches (tests/ and tests/helpers/) are emptied and JAX's compilation caches
 cleared: each module starts from nothing compiled (it compiles its own programs anyway).
+
+Compiling dominates the suite's time on CI's 2 cores, so the tests compile differently from
+a user's run in two ways that change no program's meaning:
+- LLVM at -O0 (`--xla_backend_optimization_level=0`): measured on a Trainer's
+  forward_backward at (1,2,1), 10.3 instead of 16.6 CPU s per compile; values differ from
+  the default level's in the last bits only (≤ 1.7e-6 of the largest magnitude; every
+  in-process comparison runs both sides at -O0); the tiny models' run time does not
+  notice. Child processes (jcp-train, the two-process and the killed-save tests) set their
+  own XLA_FLAGS and compile at the default level (test_multiprocess compares them with
+  this process within rtol 1e-5). JCP_TEST_XLA_OPT=default compiles the in-process tests
+  as users do.
+- JAX's persistent compilation cache in a fresh folder per session (removed at exit), for
+  programs that took ≥ 1 s to compile: the same program built again (a new Trainer, a
+  module after the caches below were cleared, the jcp-train child processes, which inherit
+  the folder through the environment) is loaded instead of compiled. JCP_TEST_COMPILE_CACHE=0
+  turns it off.
 """
 
+import atexit
 import gc
 import os
+import shutil
 import sys
+import tempfile
 
+_OPT = ("" if os.environ.get("JCP_TEST_XLA_OPT") == "default"
+        else " --xla_backend_optimization_level=0")
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _OPT
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if (os.environ.get("JCP_TEST_COMPILE_CACHE", "1") == "1"
+        and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
+    _CACHE = tempfile.mkdtemp(prefix="jcp-test-xla-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = os.environ.get(
+        "JCP_TEST_CACHE_MIN_SECS", "1")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
