@@ -12,7 +12,7 @@ compiles the programs; the machine is shared, so treat them as rough.
    steps and seconds, against one engine step's time.
 4. Server: R concurrent SDK asample requests × S samples × T tokens against one
    in-process Trainer.sample over the same R·S sequences: tokens/s ratio (goal ≥ 0.8).
-5. KV memory: the engine's cache bytes per device and the rows one decode call reads.
+5. KV memory: pages each sequence holds against its real length (paged cache).
 
     python benchmarks/engine.py [--mesh 1,2,2] [--r 128] [--s 8] [--t 32] [--busy 256]
 """
@@ -103,12 +103,30 @@ def main(argv=None) -> int:
         eng.cancel(r)
     eng.run()
 
-    # 5. memory
-    row = eng.s.row_bytes
-    print(f"5. KV cache: {eng.slots // groups} slots × {eng.max_len} rows × {row} B = "
-          f"{eng.slots // groups * eng.max_len * row / 2**20:.1f} MiB per device (fixed slot "
-          f"rows); a decode call reads only the live window (layout.ladder rungs); "
-          f"{eng.programs()} engine programs run in 1-3", flush=True)
+    # 5. memory: pages held per sequence against its real length
+    page_b = eng.kv_bytes(1)
+    held = {}
+    mem_sp = [jcp.SamplingParams(max_tokens=t, temperature=1.0, seed=3, stop=[])
+              for t in (4, 16, 40)]
+    rids = [eng.submit(prompts[k], mem_sp[k % 3], ads[0], num_samples=2) for k in range(6)]
+    while not eng.idle:
+        eng.step()
+        for r in rids:
+            req = eng.requests.get(r)
+            for x in (req.seqs if req else []):
+                held[(r, x.j)] = (len(req.prompt) - 1 + len(x.tokens), len(x.pages))
+    real = sum(n for n, _ in held.values())
+    pages = sum(p for _, p in held.values())
+    print(f"5. KV cache: {eng.page}-position pages of {page_b} B; 12 sequences of real length "
+          f"{min(n for n, _ in held.values())}-{max(n for n, _ in held.values())} "
+          f"(sum {real}) held {pages} table entries = {pages * page_b / real:.0f} B per real "
+          f"position (one position = {eng.s.row_bytes - 4} B; prompt pages shared by the 2 "
+          f"samples counted twice); a slot-row cache holds {eng.max_len} rows = "
+          f"{eng.max_len * (eng.s.row_bytes - 4)} B per sequence; "
+          f"peak pages on one device {eng.peak_pages} of {eng.n_pages}; "
+          f"{eng.programs()} engine programs run in 1-3, 5", flush=True)
+    for r in rids:
+        eng.result(r)
 
     if args.skip_server:
         return 0

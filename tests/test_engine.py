@@ -246,27 +246,27 @@ def test_bad_requests_are_refused_with_nothing_queued(what, kwargs, root):
 
 
 def _compiled(eng):
-    return eng.s.prefill._cache_size() + eng.s.decode._cache_size()
+    p = eng.s.paged
+    return p.extend._cache_size() + p.decode._cache_size() + p.copy._cache_size()
 
 
 def test_varied_requests_after_warm_up_compile_nothing(root):
     """Every dynamic dimension is bucketed: after Engine.warmup (drawn rows, one active
-    adapter: prefill streams 32 / 64 / 128; decode windows of 8 / 32 live rows × 64 / 128
-    cache rows, run on padding), requests of random prompt lengths, num_samples and
-    max_tokens, joining at different steps or alone, compile no new program (counted by
-    jax's caches and by the engine's program_keys)."""
+    adapter, run on padding: prefill rows 8 / 2 × chunks 64 / 16 × table pages 8 / 4,
+    decode rows 32 / 8 × pages 8 / 4, page copies 32 / 8), requests of random prompt
+    lengths, num_samples and max_tokens, joining at different steps or alone, compile no
+    new program (counted by jax's caches and by the engine's program_keys)."""
     tr, (a, _), _ = _setup((1, 1, 1), root)
     eng = Engine(tr.make_sampler(), slots=32, max_len=128, chunk=4, prefill_tokens=48)
     sp = lambda n: jcp.SamplingParams(max_tokens=n, temperature=1.0, seed=n, stop=[])  # noqa: E731
     rng = np.random.default_rng(0)
     prompt = lambda n: rng.integers(0, 128, n).tolist()  # noqa: E731
-    assert eng.warmup(active=(1,), draws=("drawn",)) == 7
-    assert eng.idle and eng.live == 0 and np.all(eng.row_position == -1)
+    before = _compiled(eng)
+    assert eng.warmup(active=(1,), draws=("drawn",)) == 8 + 4 + 2
+    assert eng.idle and eng.live == 0 and eng.pool.used(0) == 0
     warm = set(eng.program_keys)
-    assert len({k for k in warm if k[0] == "prefill"}) == 3
-    assert len({k for k in warm if k[0] == "decode"}) == 4
+    assert _compiled(eng) - before == len(warm)
     compiled = _compiled(eng)
-    assert compiled == len(warm)
     eng.program_keys.clear()
     rids = []
 
@@ -284,6 +284,82 @@ def test_varied_requests_after_warm_up_compile_nothing(root):
         eng.run()
     for rid, n in rids:
         assert all(len(x.tokens) == n for x in eng.result(rid).sequences)
-    assert len(eng.program_keys) >= 3  # the random requests ran several program shapes
-    assert eng.program_keys <= warm, eng.program_keys - warm
+    keys = eng.program_keys
+    assert len({k[0] for k in keys}) == 3 and len(keys) >= 5  # several shapes ran
+    assert keys <= warm, keys - warm
     assert _compiled(eng) == compiled
+
+
+PAGED = dict(slots=8, max_len=32, chunk=4, page_size=4, prefill_tokens=8)
+
+
+def test_prefix_cache_hit_equals_miss_and_samples_share_prompt_pages(root):
+    """A prompt of 13 prefilled positions (3 full pages of 4 and one partial): its 3
+    samples share the 3 full pages and each has its own partial page; pages held never
+    exceed ⌈real length / page⌉ per sequence; the same prompt again (same adapter) takes
+    the 3 cached pages and prefills 1 position — same tokens, log-probs and prompt
+    log-probs as the miss; another adapter misses."""
+    tr, (a, b), _ = _setup((1, 1, 1), root)
+    eng = Engine(tr.make_sampler(), **PAGED)
+    prompt = list(range(40, 54))
+    sp = jcp.SamplingParams(max_tokens=8, temperature=1.0, seed=4, stop=[])
+    rid = eng.submit(prompt, sp, a, num_samples=3, prompt_logprobs=True)
+    shared = None
+    while not eng.finished(rid):
+        eng.step()
+        seqs = [x for x in eng.requests[rid].seqs] if rid in eng.requests else []
+        for x in seqs:
+            written = len(prompt) - 1 + len(x.tokens) + PAGED["chunk"]
+            assert len(x.pages) <= -(-written // 4), (len(x.pages), written)
+        if seqs and all(x.decoding for x in seqs) and not all(x.done for x in seqs):
+            tables = [x.pages for x in seqs]
+            shared = tables[0][:3]
+            assert all(t[:3] == shared for t in tables)
+            tails = [t[3] for t in tables]
+            assert len(set(tails)) == 3
+            assert eng.pool.used(0) == len({p for t in tables for p in t})
+    assert shared is not None
+    miss = eng.result(rid)
+    assert eng.pool.used(0) == 0 and sorted(eng.pool.lru[0]) == sorted(shared)
+    assert eng.prefilled == 13 and eng.pool.hits == 0
+
+    rid = eng.submit(prompt, sp, a, num_samples=3, prompt_logprobs=True)
+    eng.run()
+    hit = eng.result(rid)
+    assert eng.prefilled == 14 and eng.pool.hits == 3  # one position prefilled, 3 pages hit
+    _same(hit, miss, "prefix-cache hit vs miss")
+    np.testing.assert_allclose(hit.prompt_logprobs, miss.prompt_logprobs, atol=1e-5, rtol=0)
+    _same(miss, _alone(tr, prompt, sp, a, 3), "miss vs alone")
+
+    rid = eng.submit(prompt, sp, b, num_samples=1)
+    eng.run()
+    other = eng.result(rid)
+    assert eng.prefilled == 27 and eng.pool.hits == 3  # another adapter: no hit
+    assert not np.array_equal(other.sequences[0].tokens, miss.sequences[0].tokens)
+
+
+def test_long_prompt_prefills_over_steps_while_others_decode(root):
+    """With 8 prompt tokens per step, a 25-position prompt prefills over 4 steps; the
+    running request gains `chunk` tokens in every one of them; both equal alone."""
+    tr, (a, _), _ = _setup((1, 1, 1), root)
+    eng = Engine(tr.make_sampler(), **PAGED)
+    run_sp = jcp.SamplingParams(max_tokens=22, temperature=0.0, stop=[])
+    long_sp = jcp.SamplingParams(max_tokens=4, temperature=1.0, seed=3, stop=[])
+    running = eng.submit(PROMPTS[2], run_sp, a)
+    eng.step()
+    long_prompt = list(range(100, 126))
+    late = eng.submit(long_prompt, long_sp, None, prompt_logprobs=True)
+    req = eng.requests[late]
+    filled, counts = [], []
+    for _ in range(4):
+        eng.step()
+        filled.append(req.groups[0].filled)
+        counts.append(len(eng.requests[running].tokens[0]))
+    assert filled == [8, 16, 24, 25]
+    assert counts == [8, 12, 16, 20]  # 4 more tokens per step while the long prompt fills
+    eng.run()
+    _same(eng.result(running), _alone(tr, PROMPTS[2], run_sp, a), "running")
+    got = eng.result(late)
+    want = tr.sample([long_prompt], long_sp, prompt_logprobs=True)[0]
+    _same(got, want, "long prompt")
+    np.testing.assert_allclose(got.prompt_logprobs, want.prompt_logprobs, atol=1e-5, rtol=0)

@@ -278,23 +278,15 @@ def test_sampled_logprobs_equal_forward_and_transformers():
             k += 1
 
 
-def test_engine_reuses_slots_and_copies_prefilled_states():
-    """More requests than slots, arriving at different steps: a reused slot's state is
-    replaced (prefill) or restarted (a one-token prompt), never continued."""
+def test_paged_engine_refuses_hybrid_sampling_before_queueing():
+    """The paged engine has no paged form of the recurrent state yet: submit refuses a
+    hybrid model clearly, with nothing queued (jcp-serve samples it beside the engine)."""
     from jcp.sample.engine import Engine
     tr, _ = _sampling_trainer((1, 2, 1))
-    want = _hf_greedy()
     eng = Engine(tr.make_sampler(), slots=2, max_len=128, chunk=4)
-    order = [2, 0, 1, 3, 0]  # long prompt first, so later ones land in used slots
-    rids = []
-    for step, i in enumerate(order):
-        rids.append(eng.submit(list(SAMPLE_PROMPTS[i]), _no_stop(temperature=0.0),
-                               num_samples=2 if i == 3 else 1))
-        eng.step()
-    eng.run()
-    for rid, i in zip(rids, order):
-        for seq in eng.result(rid).sequences:
-            np.testing.assert_array_equal(seq.tokens, want[i], err_msg=f"prompt {i}")
+    with pytest.raises(jcp.InputError, match="hybrid"):
+        eng.submit(list(SAMPLE_PROMPTS[0]), _no_stop(temperature=0.0))
+    assert eng.idle and not eng.waiting
 
 
 def test_load_hf_reads_the_text_model_of_an_image_text_checkpoint(tmp_path):

@@ -44,8 +44,25 @@ ADAM = types.AdamParams(learning_rate=2e-2)
 def env():
     tr = jcp.Trainer(jcp.QwenConfig.tiny(), jcp.make_mesh(1, 2, 1), max_adapters=6,
                      max_rank=8, attn_block=16, logprob_chunk=16)
-    with serving(tr, MODEL, KEYS, "jcp-serve-sampling-") as state:
+    with serving(tr, MODEL, KEYS, "jcp-serve-sampling-", sample_slots=16, sample_max_len=256,
+                 sample_chunk=8, prefill_tokens=512) as state:
+        eng = state["srv"].engine.sampling
+        assert (eng.slots, eng.max_len, eng.chunk, eng.prefill_tokens) == (16, 256, 8, 512)
         yield state
+
+
+def test_engine_size_flags():
+    from jcp.cli import CliError
+    from jcp.serve import parse_args
+
+    args = parse_args(["--sample-slots", "64", "--sample-max-len", "512", "--sample-chunk",
+                       "4", "--prefill-tokens", "2048", "--warmup"])
+    assert (args.sample_slots, args.sample_max_len, args.sample_chunk, args.prefill_tokens,
+            args.warmup) == (64, 512, 4, 2048, True)
+    assert parse_args([]).sample_slots is None and not parse_args([]).warmup
+    for flag in ("--sample-slots", "--sample-max-len", "--sample-chunk", "--prefill-tokens"):
+        with pytest.raises(CliError, match=flag):
+            parse_args([flag, "0"])
 
 
 def _train(tc, seed):

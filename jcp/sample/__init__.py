@@ -10,7 +10,10 @@ The package, by owner:
     kv_cache.py  the KV cache: its layouts, prefill's fill, decode's attention and writes
     programs.py  the compiled prefill and decode programs (dataclass arguments + specs)
     sampler.py   the static sampler behind Trainer.sample / compute_logprobs
-    engine.py    the continuous-batching engine (requests join and leave between steps)
+    paged.py     the engine's paged KV cache: page-table attention and the extend (chunked
+                 prefill), decode and page-copy programs
+    engine.py    the continuous-batching engine (requests join and leave between steps),
+                 its page pool and prefix cache
 
 Sampling reuses the one decoder (model.hidden_states), LoRA routing and log-prob code;
 it never writes a second decoder and never changes adapter state.

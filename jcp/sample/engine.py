@@ -1,46 +1,54 @@
 """The continuous-batching sampling engine: a persistent decode batch that requests join
 and leave between steps.
 
-Owns the engine's host state — the waiting queue, which request holds which decode slot,
-each sequence's tokens, log-probs and parameters — and the persistent KV cache of its
-slots. A step (`step`) is: fail what must fail (cancelled requests, sequences whose
-adapter changed), admit waiting requests into free slots and prefill them (at most
-`prefill_tokens` prompt tokens per step, so a burst of long prompts never stalls the
-running sequences for more than one bounded prefill), run every compute_logprobs request
-waiting (one prefill, no cache), then decode every live slot for up to `chunk` steps in
-one device loop. Every row carries its own adapter (routed by index, lora.Routing.index_S:
-a row costs its adapter's rank, not the slot table), temperature, top-k, top-p, seed
-stream, stop set and max_tokens; the num_samples of one prompt share one prefill. A
-request may also ask for the SDK 0.38 fields (params.PromptFields: top-k prompt / sample
-log-probs, target ids, prompt draws, last_n), computed in the same prefill and decode
-programs (losses.prompt_stats, draws.sample_tokens).
+Owns the engine's host state — the waiting queue, each sequence's tokens, log-probs,
+parameters and page table, the page pool's free list, reference counts and prefix cache
+(PagePool) — and the paged KV cache on the devices (paged.py). A step (`step`) is: fail
+what must fail (cancelled requests, sequences whose adapter changed), admit waiting
+requests while decode rows and pages last, prefill one chunk of every admitted prompt
+(at most `prefill_tokens` prompt tokens per step over all prompts: a long prompt is split
+over steps, and running sequences decode between its chunks), run every compute_logprobs
+request waiting (one prefill, no cache), then decode every live sequence for up to
+`chunk` steps in one device loop. Every row carries its own adapter (routed by index,
+lora.Routing.index_S: a row costs its adapter's rank, not the slot table), temperature,
+top-k, top-p, seed stream, stop set and max_tokens.
 
 Results equal Trainer.sample of the same request alone (one prompt, the same seed), token
 for token, whatever else is in the batch: a sequence's draws depend on its own key and
-token count only (draws.sample_tokens), and masks read only its own cache rows.
+token count only (draws.sample_tokens), and attention reads only its own pages.
 
-The cache is slot rows in the "batch" layout (kv_cache.LAYOUTS): slots over (dp, cp),
-each slot `max_len` rows on one device; a slot's rows hold exactly its sequence's tokens
-(row t = position t; rows past its length are masked by position −1), so the cache holds
-slots × max_len rows whatever the sequences' lengths. Long single prompts whose cache
-should be split over cp run beside the engine (Sampler.sample, cache_mode "split").
+Memory (paged.py): each device holds `pages` pages of `page_size` positions. A sequence's
+positions 0, 1, … live in the pages its table lists, so it holds ⌈real length / page⌉
+pages, not max_len rows. The num_samples of one prompt on one device share the prompt's
+full pages read-only; its partial last page is copied once per further sample when
+prefill ends (copy on write at the fork). Admission reserves a request's worst case
+(prompt pages + ⌈(prompt + max_tokens) / page⌉ per sample, less shared pages) so a running
+sequence never runs out of pages, but pages are taken only as the sequence grows, and a
+sequence that stops early gives back its pages and reservation. A request that does not
+fit waits (first come, first served); one that could never fit is refused at submit.
+
+Prefix cache: every full page of a prefilled prompt is registered under a hash chained
+over (adapter slot, its version, the previous page's hash, the page's tokens); a later
+prompt with the same adapter and leading pages on the same device takes those pages
+(reference counted) and prefills only the rest. Pages no sequence holds stay cached and
+are evicted least recently used when a page is needed. A hit gives the same tokens and
+log-probs as a miss (the K/V of a position depend on the tokens up to it only).
 
 Programs: every dynamic dimension of the engine's device programs is bucketed to a few
-values, so that after a short warm-up a stream of requests of any prompt lengths,
-num_samples and max_tokens compiles nothing new (compiling a program costs tens of
-seconds on CPU, hundreds of engine steps). Prefill streams: powers of two from
-`min_stream` (pow2(max_len) / 4, ≥ 16) to a device's rows; decode windows
-(layout.ladder, steps of 4 down from the whole cache): live rows per device b_local,
-b_local / 4, … ≥ 8, cache rows max_len, max_len / 4, … ≥ 64 (e.g. 512 slots per device:
-512, 128, 32, 8 rows; 256 rows: 256, 64); active adapters: powers of two
-(batch.active_bucket); draw kinds: greedy / drawn / drawn and filtered. `program_keys`
+values (layout.ladder rungs, steps of 4 from the top): decode rows per device (b_local,
+b_local / 4, … ≥ 8), table pages (max_len / page, … ≥ 64 / page), prefill rows per
+device (≤ 8: 8, 2), prefill chunk (pow2(prefill_tokens) capped at max_len, ÷ 4, … ≥ 16),
+active adapters (powers of two), draw kinds, page copies (rows rungs). `program_keys`
 holds the static signature of every program the engine has run (`programs()` counts
-them); `warmup` runs the set for chosen buckets up front, on padding. The SDK fields add
-their widths, bucketed (params.k_bucket: 4 / 16 / 64), to the prefill and decode modes.
+them); `program_space()` bounds them.
 
 Adapters: a sequence records its adapter slot's version (AdapterState.version) at
 admission; if the slot changes (optimizer step, load, delete) before the sequence ends,
-the request fails with a clear error — never a mix of old and new weights.
+the request fails with a clear error — never a mix of old and new weights (and a changed
+adapter's version keys no prefix-cache page).
+
+Long single prompts whose cache should be split over cp run beside the engine
+(Sampler.sample, cache_mode "split").
 
 It must never change adapter state, and never run a device program outside `step`.
 """
@@ -48,8 +56,9 @@ It must never change adapter state, and never run a device program outside `step
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 import jax
@@ -59,8 +68,8 @@ from jax.sharding import NamedSharding
 from jcp import batch as batch_lib
 from jcp.adapter_state import host, replicate
 from jcp.errors import InputError
-from jcp.sample import kv_cache
 from jcp.sample import layout as layout_lib
+from jcp.sample import paged
 from jcp.sample import programs
 from jcp.sample.params import (BASE, NO_FIELDS, PromptFields, SampledSequence, SampleResult,
                                TopK, check_fields, check_prompts, is_int, k_bucket,
@@ -68,14 +77,120 @@ from jcp.sample.params import (BASE, NO_FIELDS, PromptFields, SampledSequence, S
 from jcp.sample.sampler import PromptStatsCall, Sampler, prompt_results
 
 
-# The smallest decode window: live rows per device, cache rows (module docstring,
+# The smallest decode window: live rows per device, cache positions (module docstring,
 # "Programs"). Decode reads every weight once per step whatever the rows, so a few more
 # rows cost little while each window compiled costs tens of seconds.
 WINDOW_FLOOR = (8, 64)
+PREFILL_ROWS = (8, 2)    # prefill rows per device: the most per step, the smallest rung
+MIN_CHUNK = 16           # the smallest prefill chunk bucket
 
 
 class EngineError(RuntimeError):
     """A request the engine could not finish (cancelled, adapter changed, device failure)."""
+
+
+class PagePool:
+    """The host side of the paged cache: per device, a free list, reference counts,
+    reservations and the prefix cache (hash -> page, LRU of unreferenced cached pages).
+
+    available(g): pages device g can still promise (free + evictable − reserved).
+    """
+
+    def __init__(self, groups: int, pages: int):
+        self.pages = pages
+        self.free = [deque(range(pages)) for _ in range(groups)]
+        self.ref = np.zeros((groups, pages), np.int64)
+        self.reserved = [0] * groups
+        self.index: list[dict[bytes, int]] = [{} for _ in range(groups)]
+        self.key_of: list[dict[int, bytes]] = [{} for _ in range(groups)]
+        self.logprobs: list[dict[int, np.ndarray]] = [{} for _ in range(groups)]
+        self.lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(groups)]
+        self.hits = self.lookups = 0  # pages found / pages looked up
+
+    def available(self, g: int) -> int:
+        return len(self.free[g]) + len(self.lru[g]) - self.reserved[g]
+
+    def used(self, g: int) -> int:
+        """Pages some sequence holds on device g."""
+        return int(np.sum(self.ref[g] > 0))
+
+    def alloc(self, g: int) -> int:
+        """A fresh page (from the free list, else the least recently used cached page)."""
+        if self.free[g]:
+            p = self.free[g].popleft()
+        else:
+            p, _ = self.lru[g].popitem(last=False)
+            del self.index[g][self.key_of[g].pop(p)]
+            self.logprobs[g].pop(p, None)
+        self.ref[g, p] = 1
+        return p
+
+    def take(self, g: int, p: int) -> None:
+        if self.ref[g, p] == 0:
+            self.lru[g].pop(p)
+        self.ref[g, p] += 1
+
+    def release(self, g: int, p: int) -> None:
+        self.ref[g, p] -= 1
+        if self.ref[g, p] == 0:
+            if p in self.key_of[g]:
+                self.lru[g][p] = None
+            else:
+                self.free[g].append(p)
+
+    def lookup(self, g: int, keys: list[bytes], need_logprobs: bool) -> list[int]:
+        """The pages of the longest cached prefix of `keys` on device g (with prompt
+        log-probs stored, if need_logprobs)."""
+        out = []
+        for k in keys:
+            p = self.index[g].get(k)
+            if p is None or (need_logprobs and p not in self.logprobs[g]):
+                break
+            out.append(p)
+        return out
+
+    def register(self, g: int, key: bytes, p: int, logprobs: np.ndarray | None) -> None:
+        if key in self.index[g] or p in self.key_of[g]:
+            if logprobs is not None and self.index[g].get(key) == p:
+                self.logprobs[g][p] = logprobs
+            return
+        self.index[g][key] = p
+        self.key_of[g][p] = key
+        if logprobs is not None:
+            self.logprobs[g][p] = logprobs
+
+
+def page_keys(prompt: np.ndarray, adapter: int, version: int, page: int) -> list[bytes]:
+    """The chained hash of every full page of prompt[:-1] (the prefilled positions)."""
+    h = np.array([adapter, version], np.int64).tobytes()
+    out = []
+    for i in range((len(prompt) - 1) // page):
+        h = hashlib.blake2b(h + np.asarray(prompt[i * page:(i + 1) * page], np.int64).tobytes(),
+                            digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+@dataclasses.dataclass(eq=False)
+class _Seq:
+    req: _Request
+    j: int                      # sample index
+    g: int                      # device (along the sequence axes)
+    pages: list = dataclasses.field(default_factory=list)
+    reserve: int = 0            # pages it may still take
+    tokens: list = dataclasses.field(default_factory=list)
+    lps: list = dataclasses.field(default_factory=list)
+    done: bool = False
+    decoding: bool = False      # forked (prefill over), decodes
+    topk: list = dataclasses.field(default_factory=list)  # [(ids, lps)] per decode call
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    """A request's samples on one device, sharing one prefill (the leader's pages)."""
+
+    seqs: list
+    filled: int = 0             # prompt positions cached so far
 
 
 @dataclasses.dataclass(eq=False)
@@ -88,25 +203,42 @@ class _Request:
     num_samples: int
     prompt_logprobs: bool
     logprobs_only: bool = False
-    slots: list = dataclasses.field(default_factory=list)
-    tokens: list = dataclasses.field(default_factory=list)    # per sample: list[int]
-    lps: list = dataclasses.field(default_factory=list)       # per sample: list[float]
-    done: list = dataclasses.field(default_factory=list)      # per sample: bool
+    seqs: list = dataclasses.field(default_factory=list)
+    groups: list = dataclasses.field(default_factory=list)
+    plp: np.ndarray | None = None
     cancelled: bool = False
     keys: np.ndarray | None = None  # uint32 [num_samples, 2], made once at admission
     fields: PromptFields = NO_FIELDS
-    topk: list = dataclasses.field(default_factory=list)      # per sample: [(ids, lps)]
     prompt_out: dict = dataclasses.field(default_factory=dict)  # SampleResult prompt fields
+
+    @property
+    def extend_logprobs(self) -> bool:
+        """Prompt log-probs come from the chunked prefill (else, with the SDK prompt
+        fields, from one cache-less prefill at admission)."""
+        return self.prompt_logprobs and not self.fields.prompt_stats
+
+    @property
+    def n(self) -> int:
+        """Prefilled positions (prompt[:-1])."""
+        return len(self.prompt) - 1
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        """The tokens drawn so far, per sample (empty before admission)."""
+        return [x.tokens for x in self.seqs]
 
 
 class Engine:
     """Continuous batching over a Sampler's model and adapter table.
 
-    sampler: the Sampler (Trainer.make_sampler()); slots: decode rows (a multiple of
-    dp·cp); max_len: cache rows per slot (prompt − 1 + max_tokens must fit); chunk: decode
-    steps per device call (requests join and leave between calls); prefill_tokens: most
-    prompt tokens admitted per step (None: max_tokens_per_device · dp); adapter_version:
-    slot -> version counter (the AdapterState's by default).
+    sampler: the Sampler (Trainer.make_sampler()); slots: most sequences decoding at once
+    (a multiple of dp·cp; slots / (dp·cp) per device); max_len: most positions per
+    sequence (prompt − 1 + max_tokens must fit); chunk: decode steps per device call
+    (requests join and leave between calls); prefill_tokens: most prompt tokens prefilled
+    per step (None: max_tokens_per_device · dp); page_size: positions per page; pages:
+    pages per device (None: what slots × max_len rows would take); prefix_cache: reuse
+    cached prompt pages; adapter_version: slot -> version counter (the AdapterState's by
+    default).
 
     Use: rid = engine.submit(prompt, params, adapter, num_samples); engine.step() until
     engine.finished(rid); engine.result(rid) -> SampleResult (raises EngineError /
@@ -116,9 +248,11 @@ class Engine:
 
     def __init__(self, sampler: Sampler, slots: int = 64, max_len: int = 256, chunk: int = 8,
                  prefill_tokens: int | None = None,
-                 adapter_version: Callable[[int], int] | None = None):
+                 adapter_version: Callable[[int], int] | None = None, page_size: int = 16,
+                 pages: int | None = None, prefix_cache: bool = True):
         groups = sampler.dp * sampler.cp
-        for name, v in (("slots", slots), ("max_len", max_len), ("chunk", chunk)):
+        for name, v in (("slots", slots), ("max_len", max_len), ("chunk", chunk),
+                        ("page_size", page_size)):
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if slots % groups:
@@ -127,23 +261,39 @@ class Engine:
         self.prefill_tokens = (prefill_tokens if prefill_tokens is not None
                                else sampler.limits.max_tokens_per_device * sampler.dp)
         self.version = adapter_version or sampler.state.version
-        self.lay = kv_cache.LAYOUTS["batch"]
+        self.groups = groups
         self.b_local = slots // groups
-        self.row_position = np.full((slots, max_len), -1, np.int32)
-        self.owner = [None] * slots               # slot -> (request, sample index)
+        self.page = page_size
+        self.max_pages = -(-max_len // page_size)   # table entries of the longest sequence
+        self.n_pages = pages if pages is not None else self.b_local * self.max_pages
+        if not is_int(self.n_pages) or self.n_pages < 1:
+            raise ValueError(f"pages must be a positive integer, got {pages!r}")
+        self.prefix_cache = bool(prefix_cache)
+        # Hybrid (Gated DeltaNet) models: their recurrent state has no paged form yet;
+        # submit refuses them (submit_logprobs runs them; jcp-serve samples them beside).
+        self.runs_model = not sampler.cfg.is_hybrid
+        self.pool = PagePool(groups, self.n_pages)
+        self.cache: paged.Pool | None = None       # the device pages
+        self.rows_used = [0] * groups              # sequences holding a decode row
         self.waiting: deque[_Request] = deque()
         self.logprob_waiting: deque[_Request] = deque()
+        self.prefilling: list[_Group] = []         # groups whose prompt is not all cached
+        self.decoding: list[_Seq] = []
         self.requests: dict[int, _Request] = {}
         self.outcomes: dict[int, SampleResult | list | Exception] = {}
         self._ended: list[int] = []
         self.callbacks: dict[int, Callable] = {}
         self._ids = itertools.count()
-        self.cache = None
-        # Bucket floors (module docstring, "Programs").
+        top = max(MIN_CHUNK, min(layout_lib.pow2(self.prefill_tokens),
+                                 layout_lib.pow2(max_len)))
+        self.chunk_top = top                       # the largest prefill chunk bucket
+        # compute_logprobs requests run the Sampler's packed prefill.
         self.min_stream = max(16, layout_lib.pow2(max_len) // 4)
         self.program_keys: set[tuple] = set()
         self.steps = 0
         self.peak_live = 0  # the most sequences one decode call has held
+        self.peak_pages = 0  # the most pages held on one device
+        self.prefilled = 0  # prompt positions run through extend (cache hits skip theirs)
 
     # ------------------------------------------------------------------ requests
 
@@ -152,10 +302,15 @@ class Engine:
                fields: PromptFields | None = None) -> int:
         """Queue one prompt's num_samples sequences -> request id. Refused (InputError)
         before anything is queued: as Trainer.sample, and when the prompt plus max_tokens
-        exceed max_len or num_samples exceeds the slots. callback(rid, outcome) runs when
-        the request ends (outcome: SampleResult or the exception; then result() has
-        nothing to return). fields: the SDK 0.38
-        top-k / target / prompt-draw / last_n fields (params.PromptFields)."""
+        exceed max_len, num_samples exceeds the slots, or the request could never fit
+        the pages. callback(rid, outcome) runs when the request ends (outcome:
+        SampleResult or the exception; then result() has nothing to return). fields: the
+        SDK 0.38 top-k / target / prompt-draw / last_n fields (params.PromptFields); the
+        prompt-side ones run one cache-less prefill of the prompt at admission
+        (Sampler.prompt_outputs), beside the chunked prefill that fills its pages."""
+        if not self.runs_model:
+            raise InputError("the paged engine does not sample hybrid (Gated DeltaNet) models "
+                             "yet; use Trainer.sample")
         c = self.s.check([prompt], sampling_params, adapter, num_samples)
         if not isinstance(prompt_logprobs, (bool, np.bool_)):
             raise InputError(f"prompt_logprobs must be a bool, got {prompt_logprobs!r}")
@@ -167,6 +322,9 @@ class Engine:
         if c.num_samples > self.slots:
             raise InputError(f"num_samples {c.num_samples} exceeds the engine's "
                              f"{self.slots} slots")
+        if self._pages_per_seq(n - 1, c.max_tokens) > self.n_pages:
+            raise InputError(f"prompt of {n} tokens + max_tokens {c.max_tokens} need more "
+                             f"than the engine's {self.n_pages} pages per device")
         params = dict(max_tokens=c.max_tokens, temperature=c.temperature, top_k=c.top_k,
                       top_p=c.top_p, stop=c.stop, seed=c.seed)
         req = _Request(next(self._ids), c.prompts[0], c.adapters[0],
@@ -221,22 +379,41 @@ class Engine:
 
     @property
     def live(self) -> int:
-        """Slots holding a sequence."""
-        return sum(o is not None for o in self.owner)
+        """Sequences holding a decode row."""
+        return sum(self.rows_used)
 
     def programs(self) -> int:
-        """How many distinct device programs (prefill and decode signatures) the engine
-        has run."""
+        """How many distinct device programs the engine has run."""
         return len(self.program_keys)
+
+    def kv_bytes(self, pages: int = 1) -> int:
+        """Bytes of `pages` pages on one device (K and V of every layer)."""
+        return pages * self.page * (self.s.row_bytes - 4)
 
     def _version(self, adapter: int) -> int:
         return -1 if adapter == BASE else int(self.version(adapter))
 
+    def _pages_per_seq(self, n: int, max_tokens: int) -> int:
+        return -(-(n + max_tokens) // self.page)
+
+    # ------------------------------------------------------------------ ending
+
+    def _release(self, seq: _Seq) -> None:
+        """Give back a sequence's pages, reservation and decode row."""
+        for p in seq.pages:
+            self.pool.release(seq.g, p)
+        seq.pages = []
+        self.pool.reserved[seq.g] -= seq.reserve
+        seq.reserve = 0
+        if not seq.done:
+            seq.done = True
+            self.rows_used[seq.g] -= 1
+
     def _end(self, req: _Request, outcome) -> None:
-        for s in req.slots:
-            if self.owner[s] is not None and self.owner[s][0] is req:
-                self.owner[s] = None
-                self.row_position[s] = -1
+        for seq in req.seqs:
+            self._release(seq)
+        self.prefilling = [gr for gr in self.prefilling if gr.seqs[0].req is not req]
+        self.decoding = [x for x in self.decoding if x.req is not req]
         self.requests.pop(req.rid, None)
         for q in (self.waiting, self.logprob_waiting):
             if req in q:
@@ -248,6 +425,15 @@ class Engine:
         else:
             self.outcomes[req.rid] = outcome
 
+    def _lost(self, e: Exception) -> None:
+        """The device pages were donated to a program that failed: every request holding
+        pages fails, and the pool starts empty."""
+        self.cache = None
+        for req in list(self.requests.values()):
+            if req.seqs:
+                self._end(req, EngineError(f"the engine's cache was lost: {e}"))
+        self.pool = PagePool(self.groups, self.n_pages)
+
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[int]:
@@ -255,9 +441,13 @@ class Engine:
         self._ended = []
         self._fail_stale()
         self._admit()
+        if self.prefilling:
+            self._prefill()
         self._logprobs()
-        if self.live:
+        if self.decoding:
             self._decode()
+        self.peak_pages = max([self.peak_pages] + [self.pool.used(g)
+                                                   for g in range(self.groups)])
         self.steps += 1
         return self._ended
 
@@ -287,93 +477,284 @@ class Engine:
                     f"adapter {req.adapter} changed (or was deleted) while request {req.rid} "
                     "was sampling from it; its sequences were dropped, none mixes weights"))
 
+    # ------------------------------------------------------------------ admission
+
     def _admit(self) -> None:
-        # Lowest local row first, devices in turn: the live slots stay a small window of
-        # every device's rows (decode runs over that window only).
-        free = sorted((s for s in range(self.slots) if self.owner[s] is None),
-                      key=lambda s: (s % self.b_local, s // self.b_local))
-        admitted, budget = [], self.prefill_tokens
         # First come, first served: a request that does not fit waits, and so does
         # everything behind it (no starvation of large requests).
-        while self.waiting and self.waiting[0].num_samples <= len(free):
+        stats = []
+        while self.waiting:
             req = self.waiting[0]
-            if admitted and len(req.prompt) > budget:
+            keys = (page_keys(req.prompt, req.adapter, req.version, self.page)
+                    if self.prefix_cache else [])
+            plan = self._place(req, keys)
+            if plan is None:
                 break
             self.waiting.popleft()
-            budget -= len(req.prompt)
-            req.slots = [free.pop(0) for _ in range(req.num_samples)]
-            req.tokens = [[] for _ in req.slots]
-            req.lps = [[] for _ in req.slots]
-            req.done = [False] * len(req.slots)
             req.keys = sequence_keys(req.params["seed"], 0, req.num_samples)
-            req.topk = [[] for _ in req.slots]
-            admitted.append(req)
-        if not admitted:
-            return
+            req.plp = np.full(len(req.prompt), np.nan, np.float32) if req.extend_logprobs \
+                else None
+            if req.fields.prompt_stats:
+                stats.append(req)
+            j = 0
+            for g, k, hits in plan:
+                group = _Group([])
+                for _ in range(k):
+                    seq = _Seq(req, j, g)
+                    j += 1
+                    group.seqs.append(seq)
+                    req.seqs.append(seq)
+                self._start_group(req, group, g, hits, keys)
+                req.groups.append(group)
+        if stats:
+            self._prompt_stats(stats)
+
+    def _prompt_stats(self, reqs: list[_Request]) -> None:
+        """The SDK prompt fields of newly admitted requests: one cache-less prefill."""
+        s = self.s
+        prompts, adapters = [r.prompt for r in reqs], [r.adapter for r in reqs]
+        fields = [r.fields for r in reqs]
+        call = PromptStatsCall.of(prompts, fields, [r.params["temperature"] for r in reqs],
+                                  [r.params["seed"] for r in reqs], [0] * len(reqs))
         try:
-            self._prefill(admitted)
-        except Exception as e:  # noqa: BLE001 — the admitted requests fail, nothing else
-            self.cache = None  # donated: rebuild
-            for req in admitted:
-                self._end(req, e)
-            for req in list(self.requests.values()):
-                if req.slots:
-                    self._end(req, EngineError(f"the engine's cache was lost: {e}"))
+            for pb in s.packed(prompts, adapters, self.min_stream, fields)[1]:
+                self.program_keys.add(("prefill", None, pb.tokens.shape, pb.targets.shape,
+                                       pb.spans.shape, True,
+                                       (call.topk, call.alt) if call else (0, 0)))
+            outs = s.prompt_outputs(prompts, adapters, None, self.min_stream, fields, call)
+        except Exception as e:  # noqa: BLE001 — these requests fail, nothing else
+            for r in reqs:
+                self._end(r, e)
+            return
+        for r, out in zip(reqs, outs):
+            r.prompt_out = prompt_results(out, len(r.prompt), r.fields, r.prompt_logprobs)
+
+    def _need(self, req: _Request, g: int, k: int, hits: list[int]) -> int:
+        """Pages device g must promise for k samples of req sharing a prefill that takes
+        `hits` cached pages."""
+        full = req.n // self.page
+        own = self._pages_per_seq(req.n, req.params["max_tokens"]) - full
+        cached_idle = sum(1 for p in hits if self.pool.ref[g, p] == 0)
+        return (full - len(hits)) + cached_idle + k * own
+
+    def _place(self, req: _Request, keys) -> list[tuple[int, int, list[int]]] | None:
+        """[(device, samples, cached pages)] for req, or None if it must wait: all samples
+        on one device when one fits them (the device with the longest cached prefix
+        first), else spread over devices."""
+        hits = {g: self.pool.lookup(g, keys, req.extend_logprobs) if keys else []
+                for g in range(self.groups)}
+        order = sorted(range(self.groups),
+                       key=lambda g: (-len(hits[g]), -self.pool.available(g), g))
+        rows = lambda g: self.b_local - self.rows_used[g]  # noqa: E731
+        fits = lambda g, k: (rows(g) >= k and  # noqa: E731
+                             self._need(req, g, k, hits[g]) <= self.pool.available(g))
+        for g in order:
+            if fits(g, req.num_samples):
+                return [(g, req.num_samples, hits[g])]
+        plan, left = [], req.num_samples
+        for g in order:
+            k = min(left, rows(g))
+            while k and not fits(g, k):
+                k -= 1
+            if k:
+                plan.append((g, k, hits[g]))
+                left -= k
+            if not left:
+                return plan
+        return None
+
+    def _start_group(self, req: _Request, group: _Group, g: int, hits: list[int],
+                     keys) -> None:
+        full = req.n // self.page
+        own = self._pages_per_seq(req.n, req.params["max_tokens"]) - full
+        lead = group.seqs[0]
+        self.pool.lookups += len(keys)
+        self.pool.hits += len(hits)
+        for p in hits:
+            self.pool.take(g, p)
+        lead.pages = list(hits)
+        lead.reserve = (full - len(hits)) + own
+        for seq in group.seqs[1:]:
+            seq.reserve = own
+        self.pool.reserved[g] += sum(s.reserve for s in group.seqs)
+        self.rows_used[g] += len(group.seqs)
+        group.filled = len(hits) * self.page
+        if req.plp is not None:
+            for i, p in enumerate(hits):
+                req.plp[i * self.page + 1:(i + 1) * self.page + 1] = self.pool.logprobs[g][p]
+        if group.filled >= req.n:
+            self._fork(group, [])
+        else:
+            self.prefilling.append(group)
+
+    def _grow(self, seq: _Seq, positions: int) -> None:
+        """Give seq pages for its first `positions` positions (from its reservation)."""
+        while len(seq.pages) * self.page < positions:
+            seq.pages.append(self.pool.alloc(seq.g))
+            seq.reserve -= 1
+            self.pool.reserved[seq.g] -= 1
+
+    def _fork(self, group: _Group, copies: list) -> None:
+        """Prefill over: every further sample takes the prompt's full pages (shared) and a
+        copy of its partial last page (appended to copies as (device, src, dst))."""
+        req, lead = group.seqs[0].req, group.seqs[0]
+        full = req.n // self.page
+        for seq in group.seqs[1:]:
+            for p in lead.pages[:full]:
+                self.pool.take(seq.g, p)
+            seq.pages = list(lead.pages[:full])
+            if req.n % self.page:
+                self._grow(seq, req.n)
+                copies.append((seq.g, lead.pages[full], seq.pages[full]))
+        for seq in group.seqs:
+            seq.decoding = True
+            self.decoding.append(seq)
+
+    # ------------------------------------------------------------------ device arrays
 
     def _ensure_cache(self) -> None:
         if self.cache is None:
-            self.cache = self.s.empty_cache(self.slots, self.max_len, self.lay)
+            c = self.s.cfg
+            shape = (c.num_layers, self.groups * self.n_pages, self.page, c.num_kv_heads,
+                     c.head_dim)
+            self.cache = paged.Pool(*(self.s.zeros(shape, paged.POOL_SPEC) for _ in range(2)))
 
-    def _prefill(self, admitted: list[_Request]) -> None:
+    def _keep(self, pool) -> None:
+        """Hold a program's output pages under the one sharding the engine made them with
+        (a relabel, no copy): XLA may report an equivalent sharding with another spec, and a
+        different input sharding would compile the next program anew."""
+        sharding = NamedSharding(self.s.mesh, paged.POOL_SPEC)
+        self.cache = paged.Pool(*(jax.device_put(x, sharding) for x in pool))
+
+    def _rows(self, per_device: list[list], width: int):
+        """Row index of each item when every device's items fill its first rows of a
+        [groups · width] batch."""
+        return {id(x): g * width + i for g, items in enumerate(per_device)
+                for i, x in enumerate(items)}
+
+    def _table(self, seqs, at, b: int, m: int) -> np.ndarray:
+        table = np.full((b, m), -1, np.int32)
+        for seq in seqs:
+            table[at[id(seq)], :len(seq.pages)] = seq.pages[:m]
+        return table
+
+    def _active(self, adapter_B, rows_live):
+        n_active = len({int(adapter_B[x]) for x in rows_live})
+        a_len = batch_lib.active_bucket(n_active, self.s.limits.max_adapters + 1)
+        active, index = layout_lib.active_index(adapter_B, a_len, BASE)
+        return a_len, active, index
+
+    def _copy(self, copies) -> None:
+        """Run the page copies of this step's forks (one program call)."""
+        if not copies:
+            return
+        per = [[c for c in copies if c[0] == g] for g in range(self.groups)]
+        n = layout_lib.ladder(max(len(x) for x in per), self.b_local, WINDOW_FLOOR[0])
+        src = np.zeros(self.groups * n, np.int32)
+        dst = np.full(self.groups * n, self.n_pages, np.int32)
+        for g, items in enumerate(per):
+            for i, (_, a, b) in enumerate(items):
+                src[g * n + i], dst[g * n + i] = a, b
+        self._run_copy(src, dst)
+
+    def _run_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
         s = self.s
+        self.program_keys.add(("copy", len(src) // self.groups))
         self._ensure_cache()
-        prompts = [r.prompt for r in admitted]
-        adapters = [r.adapter for r in admitted]
-        row_of = [r.slots for r in admitted]
-        for r in admitted:
-            n = len(r.prompt) - 1
-            self.row_position[r.slots] = -1
-            self.row_position[r.slots, :n] = np.arange(n)
-        call = layout_lib.CallLayout(row_of, self.row_position, None, None,
-                                     s.dp * s.cp, self.b_local, self.max_len, False)
-        fields = [r.fields for r in admitted]
-        which, packed = s.packed(prompts, adapters, self.min_stream, fields)
-        want_lp = any(r.prompt_logprobs or r.fields.prompt_stats for r in admitted)
-        stats = PromptStatsCall.of(prompts, fields, [r.params["temperature"] for r in admitted],
-                                   [r.params["seed"] for r in admitted], [0] * len(admitted))
-        lps = []
-        for pb in packed:
-            source = layout_lib.prefill_source(call, pb.placements, which,
-                                               pb.tokens.shape[-1], s.cp)
-            self.program_keys.add(self._prefill_key("batch", pb, want_lp, stats))
-            kv, lp = s.run_prefill(pb, source, self.cache, layout="batch",
-                                   with_logprobs=want_lp, stats=stats, row_of=row_of,
-                                   prompt_of=which)
-            self._keep(kv)
-            del kv
-            lps.append(lp)
-        outs = (s.prompt_outputs(prompts, adapters, lps, self.min_stream, fields)
-                if want_lp else None)
-        for i, r in enumerate(admitted):
-            if outs is not None:
-                r.prompt_out = prompt_results(outs[i], len(r.prompt), r.fields,
-                                              r.prompt_logprobs)
-            for j, slot in enumerate(r.slots):
-                self.owner[slot] = (r, j)
+        out = s.paged.copy(self.cache, s.put(src, paged.ROWS_SPEC), s.put(dst, paged.ROWS_SPEC))
+        self._keep(out)
 
-    @staticmethod
-    def _prefill_key(layout, pb, want_lp: bool, stats: PromptStatsCall | None) -> tuple:
-        return ("prefill", layout, pb.tokens.shape, pb.targets.shape, pb.spans.shape, want_lp,
-                (stats.topk, stats.alt) if (stats is not None and want_lp) else (0, 0))
+    # ------------------------------------------------------------------ prefill
 
-    def _keep(self, kv: kv_cache.KV) -> None:
-        """Hold a program's output cache (K, V and a hybrid model's recurrent states) under
-        the one sharding the engine made it with (a relabel, no copy): XLA may report an
-        equivalent sharding with another spec (e.g. P() on one device), and a different
-        input sharding would compile the next program anew."""
-        specs = self.lay.kv_specs(kv.rec is not None)
-        self.cache = jax.tree.map(lambda x, spec: jax.device_put(
-            x, NamedSharding(self.s.mesh, spec)), kv_cache.KV(kv.k, kv.v, kv.rec), specs)
+    def _prefill(self) -> None:
+        """One chunk of every prefilling prompt (FIFO, within the prefill_tokens budget)."""
+        budget = self.prefill_tokens
+        per = [[] for _ in range(self.groups)]
+        work = []
+        for group in self.prefilling:
+            lead = group.seqs[0]
+            if budget <= 0:
+                break
+            if len(per[lead.g]) >= PREFILL_ROWS[0]:
+                continue
+            c = min(lead.req.n - group.filled, budget, self.chunk_top)
+            budget -= c
+            per[lead.g].append(group)
+            work.append((group, c))
+        if not work:
+            return
+        e_b = layout_lib.ladder(max(len(x) for x in per), PREFILL_ROWS[0], PREFILL_ROWS[1])
+        c_len = layout_lib.ladder(max(c for _, c in work), self.chunk_top, MIN_CHUNK)
+        for group, c in work:
+            self._grow(group.seqs[0], group.filled + c)
+        m = layout_lib.ladder(max(len(g.seqs[0].pages) for g, _ in work), self.max_pages,
+                              max(1, WINDOW_FLOOR[1] // self.page))
+        b = self.groups * e_b
+        at = self._rows(per, e_b)
+        tokens = np.zeros((b, c_len), np.int32)
+        targets = np.zeros((b, c_len), np.int32)
+        valid = np.zeros((b, c_len), bool)
+        start = np.zeros(b, np.int32)
+        adapter = np.full(b, layout_lib.PADDING, np.int64)
+        for group, c in work:
+            req, i, f = group.seqs[0].req, at[id(group)], group.filled
+            tokens[i, :c] = req.prompt[f:f + c]
+            targets[i, :c] = req.prompt[f + 1:f + c + 1]
+            valid[i, :c] = True
+            start[i] = f
+            adapter[i] = req.adapter
+        at_seq = {id(g.seqs[0]): at[id(g)] for g, _ in work}
+        table = self._table([g.seqs[0] for g, _ in work], at_seq, b, m)
+        a_len, active, index = self._active(adapter, [at[id(g)] for g, _ in work])
+        want_lp = any(g.seqs[0].req.plp is not None for g, _ in work)
+        rows = paged.ExtendRows(tokens, targets, valid, start, index, table)
+        try:
+            lp = self._run_extend(rows, paged.ExtendModes(want_lp, self.s.slice_layers), active)
+        except Exception as e:  # noqa: BLE001 — the pages were donated: all fail
+            self._lost(e)
+            return
+        copies, done = [], []
+        for group, c in work:
+            req, i, f = group.seqs[0].req, at[id(group)], group.filled
+            if req.plp is not None:
+                req.plp[f + 1:f + c + 1] = lp[i, :c]
+            group.filled = f + c
+            self.prefilled += c
+            if group.filled >= req.n:
+                done.append(group)
+                self._register(group)
+                self._fork(group, copies)
+        self.prefilling = [g for g in self.prefilling if g not in done]
+        try:
+            self._copy(copies)
+        except Exception as e:  # noqa: BLE001
+            self._lost(e)
+
+    def _run_extend(self, rows: paged.ExtendRows, modes: paged.ExtendModes,
+                    active: np.ndarray) -> np.ndarray | None:
+        """One extend call over the engine's pages (kept, donated) -> host log-probs."""
+        s = self.s
+        self.program_keys.add(("extend",) + rows.tokens.shape + (rows.table.shape[1],
+                                                                 len(active), modes))
+        rows = jax.tree.map(s.put, rows, paged.ExtendRows.specs())
+        self._ensure_cache()
+        pool, lp = s.paged.extend(s.state.weights, s.params, s.state.meta, self.cache, rows,
+                                  replicate(s.mesh, active), modes=modes)
+        self._keep(pool)
+        del pool
+        return host(lp) if modes.with_logprobs else None
+
+    def _register(self, group: _Group) -> None:
+        """The group's full prompt pages into the prefix cache."""
+        if not self.prefix_cache:
+            return
+        lead = group.seqs[0]
+        req = lead.req
+        keys = page_keys(req.prompt, req.adapter, req.version, self.page)
+        for i, key in enumerate(keys):
+            lp = (None if req.plp is None
+                  else req.plp[i * self.page + 1:(i + 1) * self.page + 1].copy())
+            self.pool.register(lead.g, key, lead.pages[i], lp)
 
     def _logprobs(self) -> None:
         if not self.logprob_waiting:
@@ -383,7 +764,8 @@ class Engine:
         prompts, adapters = [r.prompt for r in reqs], [r.adapter for r in reqs]
         try:
             for pb in self.s.packed(prompts, adapters, self.min_stream)[1]:
-                self.program_keys.add(self._prefill_key(None, pb, True, None))
+                self.program_keys.add(("prefill", None, pb.tokens.shape, pb.targets.shape,
+                                       pb.spans.shape, True, (0, 0)))
             out = self.s.prompt_logprobs(prompts, adapters, None, self.min_stream)
         except Exception as e:  # noqa: BLE001
             for r in reqs:
@@ -395,25 +777,27 @@ class Engine:
                 lp[:len(lp) - last_n] = np.nan
             self._end(r, lp)
 
+    # ------------------------------------------------------------------ decode
+
     def _decode(self) -> None:
         s = self.s
-        live = [x for x, own in enumerate(self.owner) if own is not None
-                and not own[0].done[own[1]]]
-        if not live:
-            return
-        groups = s.dp * s.cp
-        # The window decoded: the first w_b rows of each device, cache rows [0, w_t), each
-        # bucketed (module docstring, "Programs").
-        w_b = layout_lib.ladder(max(x % self.b_local for x in live) + 1, self.b_local,
-                                WINDOW_FLOOR[0])
-        need = max(len(self.owner[x][0].prompt) - 1 + len(self.owner[x][0].tokens[self.owner[x][1]])
-                   for x in live) + self.chunk
-        w_t = layout_lib.ladder(min(need, self.max_len), self.max_len, WINDOW_FLOOR[1])
-        b = groups * w_b
-        at = {x: (x // self.b_local) * w_b + x % self.b_local for x in live}
+        live = self.decoding
+        per = [[] for _ in range(self.groups)]
+        for seq in live:
+            per[seq.g].append(seq)
+        # The batch: each device's live sequences in its first w_b rows, their tables
+        # m pages wide, each bucketed (module docstring, "Programs").
+        w_b = layout_lib.ladder(max(len(x) for x in per), self.b_local, WINDOW_FLOOR[0])
+        for seq in live:
+            req = seq.req
+            end = req.n + req.params["max_tokens"]
+            self._grow(seq, min(req.n + len(seq.tokens) + self.chunk, end))
+        m = layout_lib.ladder(max(len(x.pages) for x in live), self.max_pages,
+                              max(1, WINDOW_FLOOR[1] // self.page))
+        b = self.groups * w_b
+        at = self._rows(per, w_b)
         token = np.zeros(b, np.int32)
         position = np.zeros(b, np.int32)
-        base = np.zeros(b, np.int32)
         done = np.ones(b, bool)
         count = np.zeros(b, np.int32)
         max_tokens = np.ones(b, np.int32)
@@ -423,82 +807,75 @@ class Engine:
         keys = np.zeros((b, 2), np.uint32)
         adapter = np.full(b, layout_lib.PADDING, np.int64)
         stops = [()] * b
-        for slot in live:
-            req, j = self.owner[slot]
-            i = at[slot]
-            p = req.params
-            n = len(req.prompt) - 1
-            c = len(req.tokens[j])
-            token[i] = req.tokens[j][-1] if c else req.prompt[-1]
-            position[i], base[i], count[i], done[i] = n + c, n, c, False
+        for seq in live:
+            req, i, p = seq.req, at[id(seq)], seq.req.params
+            c = len(seq.tokens)
+            token[i] = seq.tokens[-1] if c else req.prompt[-1]
+            position[i], count[i], done[i] = req.n + c, c, False
             max_tokens[i], temperature[i] = p["max_tokens"], p["temperature"]
             top_k[i], top_p[i] = p["top_k"], p["top_p"]
-            keys[i] = req.keys[j]
+            keys[i] = req.keys[seq.j]
             adapter[i], stops[i] = req.adapter, p["stop"]
-        rows_live = [at[x] for x in live]
+        rows_live = [at[id(x)] for x in live]
         self.peak_live = max(self.peak_live, len(live))
-        n_active = len({int(adapter[x]) for x in rows_live})
-        a_len = batch_lib.active_bucket(n_active, s.limits.max_adapters + 1)
-        active, index = layout_lib.active_index(adapter, a_len, BASE)
+        a_len, active, index = self._active(adapter, rows_live)
         greedy = bool(np.all(temperature[rows_live] == 0.0))
         filtered = bool(np.any((temperature[rows_live] > 0)
                                & ((top_k[rows_live] > 0) | (top_p[rows_live] < 1.0))))
-        topk = k_bucket(max(self.owner[x][0].fields.topk_sample_logprobs for x in live))
-        rows = programs.DecodeRows(token, position, base, done, count, index, max_tokens,
-                                   temperature, top_k, top_p, keys,
+        rows = programs.DecodeRows(token, position, np.zeros(b, np.int32), done, count, index,
+                                   max_tokens, temperature, top_k, top_p, keys,
                                    layout_lib.stop_table(stops))
-        modes = programs.DecodeModes("batch", self.chunk, greedy, filtered, s.slice_layers,
-                                     window=(w_b, w_t), topk=topk)
+        table = self._table(live, at, b, m)
+        topk = k_bucket(max(x.req.fields.topk_sample_logprobs for x in live))
+        modes = paged.PagedDecodeModes(self.chunk, greedy, filtered, s.slice_layers, topk,
+                                       rows.stop.shape[1])
         try:
-            out_tok, out_lp, *out_tk = self._run_decode(rows, modes, active)
-        except Exception as e:  # noqa: BLE001 — the cache was donated: every live request fails
-            self.cache = None
-            for req in {id(r): r for r in (self.owner[x][0] for x in live)}.values():
-                self._end(req, EngineError(f"decode failed: {e}"))
+            out_tok, out_lp, *out_tk = self._run_decode(table, rows, modes, active)
+        except Exception as e:  # noqa: BLE001 — the pages were donated: every request fails
+            self._lost(e)
             return
         ended = []
-        for slot in live:
-            req, j = self.owner[slot]
-            i = at[slot]
+        for seq in live:
+            req, i = seq.req, at[id(seq)]
             got = out_tok[i] >= 0
-            req.tokens[j].extend(int(t) for t in out_tok[i][got])
-            req.lps[j].extend(float(x) for x in out_lp[i][got])
+            seq.tokens.extend(int(t) for t in out_tok[i][got])
+            seq.lps.extend(float(x) for x in out_lp[i][got])
             k = req.fields.topk_sample_logprobs
             if k:
-                req.topk[j].append((out_tk[0][i][got, :k], out_tk[1][i][got, :k]))
-            c = len(req.tokens[j])
-            n = len(req.prompt) - 1
-            if c >= req.params["max_tokens"] or (c and req.tokens[j][-1] in req.params["stop"]):
-                req.done[j] = True
-                self.owner[slot] = None
-                self.row_position[slot] = -1
-                if all(req.done):
+                seq.topk.append((out_tk[0][i][got, :k], out_tk[1][i][got, :k]))
+            c = len(seq.tokens)
+            if c >= req.params["max_tokens"] or (c and seq.tokens[-1] in req.params["stop"]):
+                self._release(seq)
+                if all(x.done for x in req.seqs):
                     ended.append(req)
-            else:
-                self.row_position[slot, :n + c] = np.arange(n + c)
+        self.decoding = [x for x in self.decoding if not x.done]
         for req in ended:
             stops = set(req.params["stop"])
             k = req.fields.topk_sample_logprobs
-            seqs = [SampledSequence(np.array(t, np.int32), np.array(lp, np.float32),
-                                    "stop" if t and t[-1] in stops else "length",
-                                    _stack_topk(tk, k) if k else None)
-                    for t, lp, tk in zip(req.tokens, req.lps, req.topk)]
+            seqs = [SampledSequence(np.array(x.tokens, np.int32), np.array(x.lps, np.float32),
+                                    "stop" if x.tokens and x.tokens[-1] in stops else "length",
+                                    _stack_topk(x.topk, k) if k else None)
+                    for x in req.seqs]
+            if req.plp is not None:
+                req.prompt_out = prompt_results({"lp": req.plp}, len(req.prompt), req.fields,
+                                                True)
             self._end(req, SampleResult(seqs, **req.prompt_out))
 
-    def _run_decode(self, rows: programs.DecodeRows, modes: programs.DecodeModes,
+    def _run_decode(self, table, rows: programs.DecodeRows, modes: paged.PagedDecodeModes,
                     active: np.ndarray) -> list[np.ndarray]:
-        """One decode call over the engine's cache (kept, donated) -> its host outputs
+        """One decode call over the engine's pages (kept, donated) -> its host outputs
         (tokens, log-probs[, top-k ids, top-k log-probs])."""
         s = self.s
-        self.program_keys.add(("decode", modes, len(active), rows.stop.shape))
-        rows = jax.tree.map(s.put, rows, programs.DecodeRows.specs(self.lay))
-        cache = kv_cache.Cache(self.cache.k, self.cache.v,
-                               s.put(self.row_position, self.lay.position_BxT), self.cache.rec)
-        *out, cache = s.decode(s.state.weights, s.params, s.state.meta, cache, rows,
-                               replicate(s.mesh, active), modes=modes)
-        out = [host(x) for x in out]
-        self._keep(kv_cache.KV(cache.k, cache.v, cache.rec))
-        return out
+        self.program_keys.add(("decode", len(rows.token), table.shape[1], len(active), modes))
+        ints, floats = paged.pack_rows(rows, table)
+        self._ensure_cache()
+        *out, pool = s.paged.decode(s.state.weights, s.params, s.state.meta, self.cache,
+                                    s.put(ints, paged.TABLE_SPEC), s.put(floats, paged.TABLE_SPEC),
+                                    replicate(s.mesh, active), modes=modes)
+        self._keep(pool)
+        del pool
+        return [host(x) for x in out]
+
 
     # ------------------------------------------------------------------ warm-up
 
@@ -507,62 +884,74 @@ class Engine:
                stop_width: Sequence[int] = (8,), topk: Sequence[int] = (0,)) -> int:
         """Compile, up front, the programs the engine can run for these buckets -> how many
         it ran (program_keys then holds them). The bounded set (module docstring,
-        "Programs"): every prefill stream bucket × active-adapter bucket × prompt_logprobs
-        (with compute_logprobs: also the cache-less log-prob prefill), and every decode
-        window (live rows × cache rows) × active bucket × draw kind ("greedy", "drawn",
-        "filtered": some row top-k / top-p) × stop-table width × topk_sample_logprobs
-        bucket. active: distinct adapters (the base model counts as one) per step. Runs
-        each program once on padding (no request, no cache row changes), so later requests
-        of those shapes compile nothing. Only on an idle engine."""
+        "Programs"): every prefill (extend) rows × chunk × table-pages rung × active-adapter
+        bucket × prompt_logprobs (with compute_logprobs: also the cache-less log-prob
+        prefill's stream buckets), every decode rows × table-pages rung × active bucket ×
+        draw kind ("greedy", "drawn", "filtered": some row top-k / top-p) × stop-table
+        width × topk_sample_logprobs bucket, and every page-copy rung. active: distinct
+        adapters (the base model counts as one) per step. Runs each program once on
+        padding (no request; every write is dropped), so later requests of those shapes
+        compile nothing. Only on an idle engine."""
         if not self.idle:
             raise RuntimeError("Engine.warmup runs on an idle engine only")
         kinds = {"greedy": (True, False), "drawn": (False, False), "filtered": (False, True)}
         for d in draws:
             if d not in kinds:
                 raise ValueError(f"draws: {d!r} is not one of {sorted(kinds)}")
-        s, groups = self.s, self.s.dp * self.s.cp
-        cap = s.limits.max_tokens_per_device
+        s, groups = self.s, self.groups
         a_lens = sorted({batch_lib.active_bucket(a, s.limits.max_adapters + 1) for a in active})
-        self._ensure_cache()
         before = set(self.program_keys)
-        streams, x = set(), self.min_stream
-        while True:
-            streams.add(min(x, cap))
-            if x >= cap or x >= layout_lib.pow2(max(self.max_len, self.prefill_tokens)):
-                break
-            x *= 2
-        source = np.full((self.slots, self.max_len), -1, np.int32)
-        for length in sorted(streams):
-            for a in a_lens:
-                pb = _padding_batch(s.dp, s.cp, length, a)
-                for lp in prompt_logprobs:
-                    self.program_keys.add(self._prefill_key("batch", pb, bool(lp), None))
-                    kv, _ = s.run_prefill(pb, source, self.cache, layout="batch",
-                                          with_logprobs=bool(lp), row_of=[], prompt_of=[])
-                    self._keep(kv)
-                    del kv
-                if compute_logprobs:
-                    self.program_keys.add(self._prefill_key(None, pb, True, None))
+        pages = _rungs(self.max_pages, max(1, WINDOW_FLOOR[1] // self.page))
+
+        def padding(b, a):
+            return layout_lib.active_index(np.full(b, layout_lib.PADDING), a, BASE)
+
+        for e_b in _rungs(*PREFILL_ROWS):
+            b = groups * e_b
+            for c in _rungs(self.chunk_top, MIN_CHUNK):
+                z = np.zeros((b, c), np.int32)
+                for m in pages:
+                    for a in a_lens:
+                        act, index = padding(b, a)
+                        rows = paged.ExtendRows(z, z, np.zeros((b, c), bool),
+                                                np.zeros(b, np.int32), index,
+                                                np.full((b, m), -1, np.int32))
+                        for lp in prompt_logprobs:
+                            self._run_extend(rows, paged.ExtendModes(bool(lp), s.slice_layers),
+                                             act)
+        if compute_logprobs:
+            cap, x = s.limits.max_tokens_per_device, self.min_stream
+            while True:
+                for a in a_lens:
+                    pb = _padding_batch(s.dp, s.cp, min(x, cap), a)
+                    self.program_keys.add(("prefill", None, pb.tokens.shape, pb.targets.shape,
+                                           pb.spans.shape, True, (0, 0)))
                     host(s.run_prefill(pb, with_logprobs=True)[1])
-        windows = [(w_b, w_t) for w_b in _rungs(self.b_local, WINDOW_FLOOR[0])
-                   for w_t in _rungs(self.max_len, WINDOW_FLOOR[1])]
-        for (w_b, w_t) in windows:
+                if x >= cap or x >= layout_lib.pow2(max(self.max_len, self.prefill_tokens)):
+                    break
+                x *= 2
+        for w_b in _rungs(self.b_local, WINDOW_FLOOR[0]):
             b = groups * w_b
-            for a in a_lens:
-                act, index = layout_lib.active_index(np.full(b, layout_lib.PADDING), a, BASE)
-                for d in draws:
-                    for ns in stop_width:
-                        for k in topk:
-                            z = np.zeros(b, np.int32)
+            z = np.zeros(b, np.int32)
+            for m in pages:
+                for a in a_lens:
+                    act, index = padding(b, a)
+                    for d in draws:
+                        for ns in stop_width:
                             rows = programs.DecodeRows(
                                 z, z, z, np.ones(b, bool), z, index, np.ones(b, np.int32),
                                 np.zeros(b, np.float32), np.full(b, -1, np.int32),
                                 np.ones(b, np.float32), np.zeros((b, 2), np.uint32),
                                 layout_lib.stop_table([()] * b, ns))
-                            modes = programs.DecodeModes("batch", self.chunk, *kinds[d],
-                                                         s.slice_layers, window=(w_b, w_t),
-                                                         topk=k_bucket(k))
-                            self._run_decode(rows, modes, act)
+                            for k in topk:
+                                modes = paged.PagedDecodeModes(self.chunk, *kinds[d],
+                                                               s.slice_layers, k_bucket(k),
+                                                               rows.stop.shape[1])
+                                self._run_decode(np.full((b, m), -1, np.int32), rows, modes,
+                                                 act)
+        for n in _rungs(self.b_local, WINDOW_FLOOR[0]):
+            self._run_copy(np.zeros(groups * n, np.int32),
+                           np.full(groups * n, self.n_pages, np.int32))
         return len(self.program_keys - before)
 
 

@@ -16,6 +16,7 @@ cache on one device; "split" keeps each sequence's cache split over cp along the
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -33,6 +34,7 @@ from jcp.errors import InputError
 from jcp.mesh import SPECS
 from jcp.sample import kv_cache
 from jcp.sample import layout as layout_lib
+from jcp.sample import paged as paged_lib
 from jcp.sample import programs
 from jcp.sample.params import (BASE, MIN_TEMPERATURE, Checked, PromptFields, SampledSequence,
                                SampleResult, TopK, alt_key, check_fields, check_params,
@@ -132,7 +134,7 @@ class Sampler:
                  step_cfg: train_step.StepConfig, limits: Limits,
                  check_adapter: Callable[[object, str], int]):
         self.cfg, self.mesh, self.params, self.state = cfg, mesh, params, state
-        self.limits, self.check_adapter = limits, check_adapter
+        self.limits, self.check_adapter, self.step_cfg = limits, check_adapter, step_cfg
         self.dp, self.cp, self.tp = (mesh_lib.axis_size(mesh, a) for a in mesh_lib.AXES)
         self.prefill = programs.make_prefill(cfg, mesh, step_cfg)
         self.decode = programs.make_decode(cfg, mesh)
@@ -152,6 +154,14 @@ class Sampler:
                           else cfg.num_layers)
         self.row_bytes = layout_lib.kv_row_bytes(self.kv_layers, cfg.num_kv_heads // self.tp,
                                                  cfg.head_dim, jnp.dtype(cfg.dtype).itemsize)
+
+    @functools.cached_property
+    def paged(self) -> paged_lib.Programs:
+        """The engine's paged-cache programs (paged.py), made once per Sampler so that every
+        Engine over it shares their compiled variants."""
+        return paged_lib.Programs(
+            paged_lib.make_extend(self.cfg, self.mesh, self.step_cfg.logprob_chunk),
+            paged_lib.make_decode(self.cfg, self.mesh), paged_lib.make_copy(self.mesh))
 
     # ------------------------------------------------------------------ validation
 
