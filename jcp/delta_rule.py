@@ -80,7 +80,11 @@ def unit_lower_inverse(a_XxCxC):
     blockwise, doubling the diagonal block each round — [[T1, 0], [A21, T2]]^−1 =
     [[T1⁻¹, 0], [−T2⁻¹ A21 T1⁻¹, T2⁻¹]] — so log2(Ck) rounds of batched matmuls. XLA:CPU
     runs jax.scipy.linalg.solve_triangular as a slow loop (8 ms per 64-row block of 4
-    heads, 60× this); transformers and FLA substitute row by row.
+    heads, 60× this); transformers and FLA substitute row by row. solve_triangular also
+    hung: its LAPACK kernel splits the batch over the intra-op thread pool and blocks a pool
+    thread until the parts finish; with 8 devices in it at once every pool thread waited on
+    parts queued behind them (the Qwen3.5 model test at meshes (2,2,2) and (1,8,1): all 8
+    tf_XLAEigen threads in jax::ParallelBatchMap's BlockingCounter::Wait, seen with gdb).
     """
     c = a_XxCxC.shape[-1]
     lead = a_XxCxC.shape[:-2]
@@ -275,10 +279,8 @@ jax.tree_util.register_dataclass(
 def _gather(x, axis):
     """[P, …] of every rank, rank-major: [CP·P, …] (the identity without an axis).
 
-    One all_gather per exchange, never several independent ones side by side: XLA:CPU
-    may start independent collectives in a different order on each device, and with 8
-    devices on a few cores the in-process rendezvous then deadlocked (mesh (2,2,2) and
-    (1,8,1) hung in the Qwen3.5 model test). Callers stack what they exchange."""
+    Callers stack what they exchange: one all_gather per exchange (pieces' four counts,
+    the transitions' U and M), not several small ones side by side."""
     return x if axis is None else jax.lax.all_gather(x, axis, axis=0, tiled=True)
 
 

@@ -1,7 +1,9 @@
 """Multi-LoRA: the slot layout, initialisation, target modules and span routing.
 
 Owns the layout of the stacked slots (`a [G, L, I, R]`, `b [G, L, R, O]` per target
-module, lm_head without L; the experts of a MoE model add an E axis, see slot_shapes),
+module, lm_head without L; the experts of a MoE model add an E axis, see slot_shapes; on a
+hybrid model the attention modules stack over its full-attention layers only and the Gated
+DeltaNet ones over its linear layers, module_layer_ids),
 PEFT's initialisation, and the span routing used inside the model. It must never copy adapter weights per token, and never hold base weights or slot
 arrays (jcp/adapter_state.py owns those).
 
@@ -50,6 +52,8 @@ def table_modules(cfg: QwenConfig) -> tuple[str, ...]:
     the experts on a MoE model (its dense layers' MLPs, if any, are not adaptable); the
     Gated DeltaNet projections (LINEAR) on a hybrid (Qwen3.5) model only."""
     skip = (EXPERT if not cfg.is_moe else MLP) + (() if cfg.is_hybrid else LINEAR)
+    if all(cfg.linear_layers):  # a hybrid without full-attention layers
+        skip += ATTN
     return tuple(m for m in ALL_MODULES if m not in skip)
 
 

@@ -642,8 +642,10 @@ def _gate_up_rank(pc: dict, cfg: QwenConfig, cfg_path: str, rank: int, alpha, mo
         return tuple(out)
 
     ids = moe_layer_ids(cfg)
-    names = ([f"model.layers.{i}.self_attn.{m}" for m in modules if m in lora_lib.ATTN
-              for i in range(cfg.num_layers)]
+    names = ([peft_key(m, i, "a").removeprefix("base_model.model.").removesuffix(
+                  ".lora_A.weight")
+              for m in modules if m in lora_lib.ATTN + lora_lib.LINEAR
+              for i in lora_lib.module_layer_ids(cfg, m)]
              + (["lm_head"] if lora_lib.HEAD in modules else [])
              + [f"model.layers.{i}.{DOWN}" for i in ids if DOWN in params])
     for name in names:

@@ -32,6 +32,7 @@ def _world():
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
         linear_conv_kernel_dim=4, moe_intermediate_size=24, shared_expert_intermediate_size=40,
         num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+        experts_implementation="eager",
         layer_types=["linear_attention", "full_attention"], max_position_embeddings=1024,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                          "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]})
@@ -82,8 +83,8 @@ def test_config_reads_qwen3_5_moe():
     assert tiny.is_hybrid and all(tiny.moe_layers) and tiny.shared_expert_intermediate_size
     with pytest.raises(ValueError, match="MoE MLPs in every layer"):
         jcp.QwenConfig.tiny_qwen3_5_moe(mlp_only_layers=(0,))
-    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
-        tiny.check_mesh(32)
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size=45"):
+        jcp.QwenConfig.tiny_qwen3_5_moe(shared_expert_intermediate_size=45).check_mesh(2)
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 2, 2)])

@@ -322,8 +322,11 @@ class Engine:
                                                           "train_unembed")}
         # train_mlp means the experts on a MoE model, as Tinker trains them.
         mlp = "experts" if self.tr.cfg.is_moe else "mlp"
-        targets = [g for g, k in (("attn", "train_attn"), (mlp, "train_mlp"),
-                                  ("unembed", "train_unembed")) if flags[k]]
+        # train_attn covers both mixers of a hybrid (Qwen3.5) model: the full-attention
+        # projections and Gated DeltaNet's (lora.LINEAR).
+        attn = ("attn", "linear_attn") if self.tr.cfg.is_hybrid else ("attn",)
+        targets = [g for gs, k in ((attn, "train_attn"), ((mlp,), "train_mlp"),
+                                   (("unembed",), "train_unembed")) if flags[k] for g in gs]
         if not targets:
             raise InputError("at least one of train_attn, train_mlp, train_unembed must be true")
         self._check_new_model(w)
