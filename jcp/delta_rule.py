@@ -102,9 +102,40 @@ def unit_lower_inverse(a_XxCxC):
     return t[..., 0, :, :]
 
 
+def _piece_decay(g_CxH, start_C):
+    """(first token of each token's piece [Ck] (−1: before the block's first piece start),
+    cumulative log decay γ [H, Ck], exp(γ_i − γ_j) for j ≤ i in one piece, else 0
+    [H, Ck, Ck])."""
+    ck = g_CxH.shape[0]
+    idx = jnp.arange(ck)
+    head = jax.lax.cummax(jnp.where(start_C, idx, -1))
+    cum_HxC = jnp.cumsum(g_CxH, axis=0).T
+    same_CxC = (head[:, None] == head[None, :]) & (idx[None, :] <= idx[:, None])
+    diff_HxCxC = cum_HxC[:, :, None] - cum_HxC[:, None, :]
+    return head, cum_HxC, jnp.where(same_CxC, jnp.exp(jnp.where(same_CxC, diff_HxCxC, 0.0)),
+                                     0.0)
+
+
+def block_factors(q_CxHxDk, k_CxHxDk, g_CxH, beta_CxH, start_C):
+    """The state-independent factors of one block: (T = (I + A)^−1 [H, Ck, Ck] with A_ij =
+    β_i k_i·k_j exp(γ_i − γ_j) for j < i in one piece; P_ij = q_i·k_j exp(γ_i − γ_j) for
+    j ≤ i in one piece [H, Ck, Ck]) — the O(Ck²) work of the block (jcp.delta_rule_pallas
+    computes the same in a Pallas kernel, every block at once)."""
+    ck = q_CxHxDk.shape[0]
+    idx = jnp.arange(ck)
+    _, _, decay_HxCxC = _piece_decay(g_CxH, start_C)
+    lower_CxC = idx[None, :] < idx[:, None]
+    kk_HxCxC = jnp.einsum("ihd,jhd->hij", k_CxHxDk, k_CxHxDk)
+    a_HxCxC = jnp.where(lower_CxC, beta_CxH.T[:, :, None] * kk_HxCxC * decay_HxCxC, 0.0)
+    qk_HxCxC = jnp.einsum("ihd,jhd->hij", q_CxHxDk, k_CxHxDk) * decay_HxCxC
+    return unit_lower_inverse(a_HxCxC), qk_HxCxC
+
+
 def _block(q_CxHxDk, k_CxHxDk, v_CxHxDv, g_CxH, beta_CxH, start_C, piece_C, cand_XxHxDkxDv,
-           row):
+           row, factors=None):
     """One kernel block of Ck tokens: (o [Ck, H, Dv], state just after token `row`).
+    factors: block_factors of the block when computed outside (the Pallas path), else
+    computed here.
 
     cand: the block's candidate incoming states [1 + P, H, Dk, Dv] — row 0 the carry (the
     state before the block, continued by tokens before the block's first piece start),
@@ -117,18 +148,11 @@ def _block(q_CxHxDk, k_CxHxDk, v_CxHxDv, g_CxH, beta_CxH, start_C, piece_C, cand
     candidate ([Ck, Dk] × [Dk, Dv] per candidate), then each token keeps its own: a
     per-token gather of states ([Ck, H, Dk, Dv]) and matvecs cost 80 % of the block.
     """
-    ck = q_CxHxDk.shape[0]
-    idx = jnp.arange(ck)
-    head = jax.lax.cummax(jnp.where(start_C, idx, -1))  # first token of each token's piece
+    head, cum_HxC, decay_HxCxC = _piece_decay(g_CxH, start_C)
     which_C = jnp.where(head >= 0, piece_C[jnp.maximum(head, 0)] + 1, 0)  # its candidate
-    cum_HxC = jnp.cumsum(g_CxH, axis=0).T
     before = jnp.where(head >= 0, (cum_HxC - g_CxH.T)[:, jnp.maximum(head, 0)], 0.0)
-    same_CxC = (head[:, None] == head[None, :]) & (idx[None, :] <= idx[:, None])
-    diff_HxCxC = cum_HxC[:, :, None] - cum_HxC[:, None, :]
-    decay_HxCxC = jnp.where(same_CxC, jnp.exp(jnp.where(same_CxC, diff_HxCxC, 0.0)), 0.0)
-    lower_CxC = idx[None, :] < idx[:, None]
-    kk_HxCxC = jnp.einsum("ihd,jhd->hij", k_CxHxDk, k_CxHxDk)
-    a_HxCxC = jnp.where(lower_CxC, beta_CxH.T[:, :, None] * kk_HxCxC * decay_HxCxC, 0.0)
+    t_HxCxC, qk_HxCxC = (block_factors(q_CxHxDk, k_CxHxDk, g_CxH, beta_CxH, start_C)
+                         if factors is None else factors)
     from_init_HxC = jnp.exp(cum_HxC - before)
 
     def against_own(x_CxHxDk):
@@ -138,8 +162,7 @@ def _block(q_CxHxDk, k_CxHxDk, v_CxHxDv, g_CxH, beta_CxH, start_C, piece_C, cand
 
     kb_CxHxDk = k_CxHxDk * (beta_CxH * from_init_HxC.T)[:, :, None]
     rhs_HxCxDv = jnp.swapaxes(v_CxHxDv * beta_CxH[:, :, None] - against_own(kb_CxHxDk), 0, 1)
-    vnew_HxCxDv = jnp.matmul(unit_lower_inverse(a_HxCxC), rhs_HxCxDv)
-    qk_HxCxC = jnp.einsum("ihd,jhd->hij", q_CxHxDk, k_CxHxDk) * decay_HxCxC
+    vnew_HxCxDv = jnp.matmul(t_HxCxC, rhs_HxCxDv)
     o_CxHxDv = (against_own(q_CxHxDk * from_init_HxC.T[:, :, None])
                 + jnp.swapaxes(jnp.einsum("hij,hjv->hiv", qk_HxCxC, vnew_HxCxDv), 0, 1))
     # State after `row`: the decayed incoming state of row's piece plus its updates so far.
@@ -155,9 +178,13 @@ def _blocks(x, chunk):
 
 
 def chunked(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, start_S=None, piece_S=None,
-            init_PxHxDkxDv=None, chunk: int = DEFAULT_CHUNK, ends_P=None):
+            init_PxHxDkxDv=None, chunk: int = DEFAULT_CHUNK, ends_P=None, factors=None):
     """The gated delta rule in blocks of `chunk` tokens (a power of two; S is padded to
     whole blocks with tokens that leave the state unchanged).
+
+    factors: None (each block's block_factors inside the block scan), or a function of
+    the blocked (q, k, g, β, start) [N, Ck, …] -> (T, P) [N, H, Ck, Ck] of every block at
+    once, run before the scan (delta_rule_pallas.block_factors, the Pallas path).
 
     Without pieces (start_S None): one sequence from state init_PxHxDkxDv[0] (or 0).
     With pieces: token t with start_S[t] begins piece piece_S[t], whose incoming state is
@@ -188,10 +215,13 @@ def chunked(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, start_S=None, piece
             for x in (q, k, v, g, beta, start_S, piece_S))
 
     def run(s0, blk, row):
-        qb, kb, vb, gb, bb, stb, pb = blk
-        return _block(qb, kb, vb, gb, bb, stb, pb, jnp.concatenate([s0[None], init_P]), row)
+        qb, kb, vb, gb, bb, stb, pb, fb = blk
+        return _block(qb, kb, vb, gb, bb, stb, pb, jnp.concatenate([s0[None], init_P]), row,
+                      fb)
 
     blocks = tuple(_blocks(x, chunk) for x in (q, k, v, g, beta, start_S, piece_S))
+    blocks = blocks + (None if factors is None else factors(*(blocks[i] for i in
+                                                              (0, 1, 3, 4, 5))),)
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def body(s0, blk):

@@ -79,6 +79,41 @@ def test_chunked_pieces_start_from_their_own_states():
         np.testing.assert_allclose(states[p], rs, atol=2e-6)
 
 
+def test_pallas_block_factors_equal_the_reference_in_interpret_mode():
+    """delta_rule_pallas.block_factors (Pallas, interpret mode on CPU) inside the chunked
+    rule: outputs and states equal the recurrent form per piece (pieces inside a block, at
+    a border, one token long), and gradients equal the XLA path's."""
+    from jcp import delta_rule_pallas as dp
+    d = _inputs(40, 1)
+    q, k = np.asarray(dr.l2norm(d["q"])), np.asarray(dr.l2norm(d["k"]))
+    cuts = [0, 13, 16, 17, 40]
+    start = np.zeros(40, bool)
+    start[cuts[:-1]] = True
+    piece = (np.cumsum(start) - 1).astype(np.int32)
+    inits = np.random.default_rng(2).standard_normal((4, H, DK, DV)).astype(np.float32)
+
+    def run(factors, q, k, v, g, b):
+        return dr.chunked(q, k, v, g, b, start, piece, inits, chunk=8, factors=factors,
+                          ends_P=np.array(cuts[1:]) - 1)
+
+    args = (q, k, d["v"], d["g"], d["b"])
+    o, states = jax.jit(functools.partial(run, dp.block_factors))(*args)
+    for p, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+        ro, rs = dr.recurrent(*(x[a:b] for x in args), inits[p])
+        np.testing.assert_allclose(o[a:b], ro, atol=2e-6)
+        np.testing.assert_allclose(states[p], rs, atol=2e-6)
+
+    def loss(factors, *x):
+        o, s = run(factors, *x)
+        return jnp.sum(o ** 2) + jnp.sum(s ** 2)
+
+    want = jax.grad(functools.partial(loss, None), argnums=range(5))(*args)
+    got = jax.jit(jax.grad(functools.partial(loss, dp.block_factors), argnums=range(5)))(*args)
+    assert max(float(jnp.abs(w).max()) for w in want) > 1e-2
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4)
+
+
 def test_chunked_gradients_equal_torch_fp64():
     d = _inputs(21, 3, np.float64)
     cot = np.random.default_rng(4).standard_normal((21, H, DV))
