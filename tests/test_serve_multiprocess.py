@@ -26,7 +26,7 @@ httpx = pytest.importorskip("httpx")
 
 from helpers import mp_serve  # noqa: E402
 
-TIMEOUT = 8  # --follower-timeout of the 2-process job
+TIMEOUT = 15  # --follower-timeout of the 2-process job
 
 
 def assert_same(a, b, key):
@@ -123,3 +123,17 @@ def test_two_processes_serve_as_one_and_fail_cleanly(tmp_path):
         for job in (single, multi, again):
             if job is not None:
                 job.stop()
+
+
+def test_multiprocess_flags_parse():
+    from jcp.cli import CliError
+    from jcp.serve import parse_args
+
+    args = parse_args(["--coordinator-address", "h:1", "--num-processes", "2",
+                       "--process-id", "1", "--follower-timeout", "5"])
+    assert (args.coordinator_address, args.num_processes, args.process_id,
+            args.follower_timeout) == ("h:1", 2, 1, 5.0)
+    assert parse_args([]).follower_timeout == 60.0 and parse_args([]).num_processes is None
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(CliError, match="--follower-timeout"):
+            parse_args(["--follower-timeout", bad])

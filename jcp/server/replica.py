@@ -23,7 +23,8 @@ followers' acknowledgements and heartbeats.
 Failure: each follower sets a heartbeat key every HEARTBEAT_S from a thread of its own; a
 watcher thread on process 0 declares the job failed when a follower's heartbeat stops for
 `timeout_s` (it died or stopped answering), as does an acknowledgement that does not come
-within `timeout_s` of process 0 finishing the call, or one that disagrees. A failed job runs
+within ACK_FACTOR × `timeout_s` of process 0 finishing the call (a call returns once
+dispatched, so a follower may be a compile behind), or one that disagrees. A failed job runs
 `on_failure` (jcp-serve: /healthz answers 503 with the reason, pending requests fail,
 new ones are refused) within about `timeout_s`, even while process 0's worker is blocked in
 a collective that will never complete (jax.distributed is started with recoverability on,
@@ -61,6 +62,7 @@ PREFIX = "jcp-serve"
 CHUNK_BYTES = 1 << 20
 HEARTBEAT_S = 0.5
 POLL_MS = 500
+ACK_FACTOR = 10  # a call's acknowledgement may come this many heartbeat timeouts late
 # Objects a call returns that a later call passes back (the follower keeps its own), and
 # the calls that use such an object up.
 KEPT_RESULTS = frozenset({"offload_adapter"})
@@ -110,10 +112,15 @@ class Leader:
     methods go through `call`. `on_failure(message)` runs once, from the thread that saw the
     failure."""
 
-    def __init__(self, followers, timeout_s: float = 60.0, on_failure=None, client=None):
+    def __init__(self, followers, timeout_s: float = 60.0, on_failure=None, client=None,
+                 ack_timeout_s: float | None = None):
         self.c = client or _client()
         self.followers = list(followers)
         self.timeout_s = float(timeout_s)
+        # Calls return once dispatched (JAX runs them asynchronously), so a follower may
+        # finish a call a whole compile later than process 0: its acknowledgement gets
+        # longer than its heartbeat (which shows it alive).
+        self.ack_timeout_s = float(ack_timeout_s or ACK_FACTOR * self.timeout_s)
         self.on_failure = on_failure
         self.failure: str | None = None
         self.ops = 0
@@ -212,7 +219,7 @@ class Leader:
         self._pieces = len(pieces)
 
     def _acks(self, n: int, what: str, err: Exception | None) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.ack_timeout_s
         for pid in self.followers:
             key = f"{PREFIX}/ack/{n}/{pid}"
             while True:
@@ -225,7 +232,7 @@ class Leader:
                         self.fail(f"the coordination service failed: {e}")
                     elif time.monotonic() > deadline:
                         self.fail(f"process {pid} did not finish {what} (call {n}) within "
-                                  f"{self.timeout_s:.0f} s of process 0")
+                                  f"{self.ack_timeout_s:.0f} s of process 0")
             self.c.key_value_delete(key)
             if (status == "ok") != (err is None):
                 mine = "ok" if err is None else f"{type(err).__name__}: {err}"
