@@ -368,7 +368,7 @@ def test_jcp_serve_trains_a_qwen3_5_model():
     """The tinker SDK against jcp-serve over a Qwen3.5 Trainer: forward_backward and
     optim_step equal the Trainer's own on an adapter of the same seed (every target, the
     Gated DeltaNet projections included)."""
-    tinker = pytest.importorskip("tinker")
+    pytest.importorskip("tinker")
     from tinker import types
     from helpers.server_harness import client, serving
     _, cfg, _ = _reference()

@@ -3,7 +3,6 @@ shared expert in every layer): config parsing, load_hf, and a peft adapter on th
 projections and the fused experts, against transformers' Qwen3_5MoeForCausalLM + peft in
 fp64 at two meshes (log-probs, loss and every LoRA gradient under peft's names)."""
 
-import copy
 import functools
 import tempfile
 

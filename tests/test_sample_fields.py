@@ -161,7 +161,6 @@ def test_prompt_draws_follow_the_tempered_distribution():
     softmax(logits / T) (every category within 5 σ of its expected count), their log-probs
     are log_softmax(logits / T) of the drawn ids, and T = 0 draws the argmax."""
     import jax
-    import jax.numpy as jnp
 
     from jcp import losses
     from jcp import mesh as mesh_lib
