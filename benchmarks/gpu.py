@@ -153,7 +153,7 @@ def part_memory(smoke: bool) -> list[dict]:
         # (a buffer of its own; inside a fusion it is computed slice by slice). Activations
         # are [tokens, …], so at these lengths no activation has a weight's shape.
         stacks = {f"f32[{','.join(map(str, s))}]" for s in shapes}
-        f32_copies = sorted({m for m in _unfused_shapes(compiled.as_text()) if m in stacks})
+        f32_copies = sorted({m for m in unfused_shapes(compiled.as_text()) if m in stacks})
         rows.append(dict(tokens=tokens, platform=jax.devices()[0].platform,
                          argument_gib=m.argument_size_in_bytes / GiB,
                          output_gib=m.output_size_in_bytes / GiB,
@@ -165,7 +165,7 @@ def part_memory(smoke: bool) -> list[dict]:
     return rows
 
 
-def _unfused_shapes(hlo_text: str) -> set[str]:
+def unfused_shapes(hlo_text: str) -> set[str]:
     """Result shapes ("f32[2,3]") of the instructions of an optimized HLO module's
     computations other than fusion bodies (*_computation*: XLA's fused computations)."""
     out, fused = set(), False

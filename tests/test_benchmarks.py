@@ -38,7 +38,7 @@ def test_gpu_script_smoke(capsys):
 
 
 def test_gpu_f32_copy_detector():
-    """_unfused_shapes finds an f32 weight stack made outside a fusion (a plain lax.scan
+    """unfused_shapes finds an f32 weight stack made outside a fusion (a plain lax.scan
     over bf16 stacks on XLA:CPU makes one), not one computed inside a fusion."""
     import jax
     import jax.numpy as jnp
@@ -49,7 +49,7 @@ def test_gpu_f32_copy_detector():
     body = lambda h, xs: (jnp.tanh(h @ xs[0]), None)  # noqa: E731
     plain = lambda w, h: jax.lax.scan(body, h, (w,))[0].sum()  # noqa: E731
     ours = lambda w, h: decoder.scan_layers(body, h, w, (), False)[0].sum()  # noqa: E731
-    shapes = {n: gpu._unfused_shapes(jax.jit(f).lower(w, jnp.ones((4, 16), jnp.bfloat16))
+    shapes = {n: gpu.unfused_shapes(jax.jit(f).lower(w, jnp.ones((4, 16), jnp.bfloat16))
                                      .compile().as_text()) for n, f in (("plain", plain),
                                                                          ("ours", ours))}
     assert "f32[3,16,16]" in shapes["plain"] and "f32[3,16,16]" not in shapes["ours"]
