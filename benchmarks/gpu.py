@@ -20,8 +20,9 @@ about half of that). Parts:
   memory   per-device compiled memory of bf16 training (benchmarks/memory.py's program:
            Qwen3-8B shape, 36 layers, gradient through every layer, cp = 1) at 32768 and
            65536 tokens, and whether the compiled program holds f32 copies of the stacked
-           bf16 weights (f32 arrays of a stacked weight's shape; the CPU compile has them,
-           because XLA:CPU computes bf16 dots in f32).
+           bf16 weights (unfused f32 arrays of a stacked weight's shape; XLA:CPU computes
+           bf16 dots in f32 and made them until model.scan_layers tied each stack to the
+           layer index: now it converts one layer's slice at a time).
   decode   sampling decode tokens/s at batch 1, 64 and 512 (Qwen3-8B shape, bf16, one
            adapter, 16-token prompts, 64 new tokens at T = 1, no stop tokens): batch ×
            new tokens / wall time of one Trainer.sample call after a warm-up call with
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -147,12 +149,11 @@ def part_memory(smoke: bool) -> list[dict]:
         shapes = [s for s in jax.tree.leaves(model.param_shapes(cfg)["layers"],
                                              is_leaf=lambda x: isinstance(x, tuple))
                   if len(s) == 3]
-        text = compiled.as_text()
-        # A stacked weight [L, I, O] in f32, or one layer's slice [I, O] of it (activations
-        # are [tokens, …], so at these lengths no activation has a weight's shape).
-        f32_copies = sorted({f"f32[{','.join(map(str, sh))}]" for s in shapes
-                             for sh in (s, s[1:])
-                             if f"f32[{','.join(map(str, sh))}]" in text})
+        # A stacked weight [L, I, O] in f32 made by an instruction outside fused computations
+        # (a buffer of its own; inside a fusion it is computed slice by slice). Activations
+        # are [tokens, …], so at these lengths no activation has a weight's shape.
+        stacks = {f"f32[{','.join(map(str, s))}]" for s in shapes}
+        f32_copies = sorted({m for m in unfused_shapes(compiled.as_text()) if m in stacks})
         rows.append(dict(tokens=tokens, platform=jax.devices()[0].platform,
                          argument_gib=m.argument_size_in_bytes / GiB,
                          output_gib=m.output_size_in_bytes / GiB,
@@ -162,6 +163,20 @@ def part_memory(smoke: bool) -> list[dict]:
                          bf16_weights=jnp.dtype(cfg.dtype).name,
                          f32_copies_of_stacked_weights=f32_copies, compile_s=secs))
     return rows
+
+
+def unfused_shapes(hlo_text: str) -> set[str]:
+    """Result shapes ("f32[2,3]") of the instructions of an optimized HLO module's
+    computations other than fusion bodies (*_computation*: XLA's fused computations)."""
+    out, fused = set(), False
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace():  # a computation's header (or the module's)
+            fused = "_computation" in line.split("(")[0]
+            continue
+        m = None if fused else re.match(r"\s*(?:ROOT )?%\S+ = (\w+\[[\d,]*\])", line)
+        if m:
+            out.add(m[1])
+    return out
 
 
 def part_mfu(smoke: bool, impl: str, blockwise_layers: int) -> list[dict]:

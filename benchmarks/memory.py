@@ -33,7 +33,12 @@ Measured (jax 0.10.2, 8 fake CPU devices, compile only; M(cp)/M(1) at cp = 2, 4,
     after                32k 0.518 / 0.264 / 0.139   64k 0.515 / 0.260 / 0.135
   Qwen3-8B shape, 36 layers, 32k, float32: temp 0.507 / 0.259 / 0.135; total 0.694 /
     0.540 / 0.463 (31 GB of weights replicated over cp); bfloat16: temp 0.689 / 0.533 /
-    0.456, of which ~29 GB at every cp are XLA:CPU's f32 copies of the stacked weights.
+    0.456, of which ~26 GB at every cp were XLA:CPU's f32 copies of the stacked weights.
+    Those are gone (model.scan_layers): bf16 temp at cp = 1 76,408 -> 49,911 MiB, cp = 2
+    ring 26,142 MiB (temp/t1 0.524). What XLA:CPU still holds in f32 is activations: the
+    layer scan's saved hidden states [L, S, D] and attention outputs [L, S, K, M, H]
+    (18 GB each at cp = 1, bf16 in the program; XLA:CPU has no bf16 dynamic-update-slice,
+    so it keeps the stacks in f32). --explain shows them.
 
     python benchmarks/memory.py [--tokens 32768,65536] [--attention ring,gather]
                                 [--explain 12] [--out /tmp/jcp_memory.json]
@@ -243,11 +248,10 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=losses.DEFAULT_CHUNK,
                     help="log-prob token chunk (capped as the Trainer caps it)")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
-                    help="default float32 (small), bfloat16 (qwen3-8b); on CPU, XLA computes "
-                         "bf16 dots in f32 and converts the stacked bf16 weights to f32 before "
-                         "the layer loops: a cp-independent ~2× the bf16 weights in temp that "
-                         "a GPU program does not have (benchmarks/gpu.py checks), so the "
-                         "qwen3-8b scaling is best read in float32 on CPU")
+                    help="default float32 (small), bfloat16 (qwen3-8b); on CPU, XLA holds the "
+                         "layer scan's stacked bf16 activations (saved hidden states, "
+                         "attention outputs) in f32, twice their bf16 size, so the qwen3-8b "
+                         "scaling is best read in float32 on CPU")
     ap.add_argument("--out", default="/tmp/jcp_memory.json")
     ap.add_argument("--explain", type=int, default=0, metavar="N",
                     help="also print the N largest groups of buffers live at the peak of "
