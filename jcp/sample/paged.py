@@ -42,10 +42,10 @@ from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import model as model_lib
 from jcp.config import QwenConfig
-from jcp.mesh import SPECS, vary
+from jcp.mesh import SPECS
 from jcp.sample import draws
 from jcp.sample import kv_cache
-from jcp.sample.programs import DecodeRows, swap_a_factors
+from jcp.sample.programs import DecodeRows, decode_loop
 
 POOL_SPEC = SPECS.cache_LxBxTxKxH   # [L, P, page, K, H]: pages over (dp, cp), heads over tp
 ROWS_SPEC = SPECS.seqs_B            # [B]
@@ -258,7 +258,7 @@ def make_decode(cfg: QwenConfig, mesh):
     """jit(decode)(lora, params, slot_meta, pool, ints, floats, active, *, modes) -> (tokens [B, N] (−1: nothing drawn), log-probs [B, N], both replicated[, top-k
     ids [B, N, k], top-k log-probs [B, N, k] with modes.topk]; pool).
 
-    programs.make_decode's loop (every row's newest token through the decoder, drawn with
+    programs.decode_loop (every row's newest token through the decoder, drawn with
     its own parameters, ended by its own stop set or max_tokens), reading each row's cache
     through its page table [B, M] and writing each step's K/V to page
     table[position // page]. ints, floats: pack_rows of the DecodeRows and the page tables
@@ -274,58 +274,24 @@ def make_decode(cfg: QwenConfig, mesh):
             route = slot_meta.routing(active, None, r.index)
             b = r.token.shape[0]
             n_pages, page = pool.k.shape[1], pool.k.shape[2]
-            lora_outside = swap_a_factors(lora_active)  # see programs.make_decode
-            layers_outside = (model_lib.layer_slices(cfg, params, lora_outside)
-                              if modes.slice_layers else None)
 
-            def body(carry):
-                i, tok_B, pos_B, done_B, count_B, pool, out_tok, out_lp, out_tk = carry
-                lora_active = swap_a_factors(lora_outside)
-                layers = (None if layers_outside is None else
-                          tuple((w, swap_a_factors(lo)) for w, lo in layers_outside))
+            def run(tok_B, pos_B, pool, lora_active, layers):
                 attend = paged_attend(table, pos_B, jnp.ones((b, 1), bool))
                 h_BxD, new, _ = model_lib.hidden_states(
                     cfg, params, tok_B, pos_B, attend, lora_active, route,
                     attn_state=kv_cache.KV(pool.k, pool.v), remat=False, layers=layers)
-                lefts, rights = model_lib.unembed_factors(params, h_BxD, lora_active, route)
-                logits = sum(jnp.einsum("bd,dv->bv", l, r, preferred_element_type=jnp.float32)
-                             for l, r in zip(lefts, rights))
-                nxt_B, lp_B, *tk = draws.sample_tokens(
-                    draws.gather_vocab(logits), r.keys, count_B, r.temperature, r.top_k,
-                    r.top_p, greedy=modes.greedy, filtered=modes.filtered, topk=modes.topk)
-                live_B = ~done_B
-                out_tok = out_tok.at[:, i].set(jnp.where(live_B, nxt_B, -1))
-                out_lp = out_lp.at[:, i].set(jnp.where(live_B, lp_B, 0.0))
-                if tk:
-                    out_tk = (out_tk[0].at[:, i].set(tk[0]), out_tk[1].at[:, i].set(tk[1]))
-                done_B = (done_B | jnp.any(nxt_B[:, None] == r.stop, axis=1)
-                          | (count_B + 1 >= r.max_tokens))
+                return h_BxD, new
+
+            def write(pool, new, pos_B, done_B, count_B, live_B):
                 # As in programs.make_decode: skipping the rows of finished sequences makes
                 # the write depend on the draw, so XLA orders the reads before it (no copy).
                 page_B, row_B = token_pages(table, pos_B[:, None], ~done_B[:, None],
                                             n_pages, page)
-                pool = write_pages(pool, new, page_B, row_B)
-                count_B = count_B + live_B.astype(jnp.int32)
-                return i + 1, nxt_B, pos_B + 1, done_B, count_B, pool, out_tok, out_lp, out_tk
+                return write_pages(pool, new, page_B, row_B)
 
-            def cond(carry):
-                i, done_B = carry[0], carry[3]
-                left = jax.lax.psum(jnp.sum(~done_B, dtype=jnp.int32), SEQ_AXES)
-                return (i < modes.out_len) & (left > 0)
-
-            out_tok = vary(jnp.full((b, modes.out_len), -1, jnp.int32), SEQ_AXES)
-            out_lp = vary(jnp.zeros((b, modes.out_len), jnp.float32), SEQ_AXES)
-            out_tk = ()
-            if modes.topk:
-                k = modes.topk
-                out_tk = (vary(jnp.full((b, modes.out_len, k), -1, jnp.int32), SEQ_AXES),
-                          vary(jnp.zeros((b, modes.out_len, k), jnp.float32), SEQ_AXES))
-            carry = (jnp.int32(0), r.token, r.position, r.done, r.count, pool, out_tok,
-                     out_lp, out_tk)
-            carry = jax.lax.while_loop(cond, body, carry)
-            pool, out_tok, out_lp, out_tk = carry[5:]
-            return (draws.gather_batch(out_tok, SEQ_AXES), draws.gather_batch(out_lp, SEQ_AXES),
-                    *(draws.gather_batch(x, SEQ_AXES) for x in out_tk), pool)
+            pool, outs = decode_loop(cfg, params, lora_active, route, r, pool, modes,
+                                     SEQ_AXES, run, write)
+            return (*outs, pool)
 
         pool_spec = Pool(POOL_SPEC, POOL_SPEC)
         in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),

@@ -228,12 +228,12 @@ def make_decode(cfg: QwenConfig, mesh):
     with modes.topk, (tokens, log-probs, top-k ids [B, N, k], top-k log-probs [B, N, k],
     cache).
 
-    One lax.while_loop of at most modes.out_len steps: each step runs every row's newest
-    token through the decoder (decode_attend over its cache — merged over cp under layout
-    "split" — LoRA routed by each row's own adapter index), draws the next token with the
-    row's own parameters, writes the step's K/V rows (kv_cache.step_rows: from base on,
-    by the row's own count), and stops when no row is live. A row ends at a stop token of
-    its own or its own max_tokens. cache: kv_cache.Cache in the layout's specs, donated
+    decode_loop: one lax.while_loop of at most modes.out_len steps; each step runs every
+    row's newest token through the decoder (decode_attend over its cache — merged over cp
+    under layout "split" — LoRA routed by each row's own adapter index), draws the next
+    token with the row's own parameters, writes the step's K/V rows (kv_cache.step_rows:
+    from base on, by the row's own count), and stops when no row is live. A row ends at a
+    stop token of its own or its own max_tokens. cache: kv_cache.Cache in the layout's specs, donated
     and returned, so the loop updates it in place. modes.slice_layers: take every layer's
     weights out of the stacked arrays once, before the loop, and run the layers unrolled
     on them (model.layer_slices), instead of a lax.scan that slices them per layer and
@@ -265,15 +265,7 @@ def make_decode(cfg: QwenConfig, mesh):
             # inside it (swap_a_factors): XLA folds that view into low_rank_input's own
             # transpose to [I, A·R], so no step copies them (XLA:CPU hoists no loop
             # invariants; this cost 1.2× the decode time at A = 4 on the tiny model).
-            lora_outside = swap_a_factors(lora_active)
-            layers_outside = (model_lib.layer_slices(cfg, params, lora_outside)
-                              if modes.slice_layers else None)
-
-            def body(carry):
-                i, tok_B, pos_B, done_B, count_B, cache, out_tok, out_lp, out_tk = carry
-                lora_active = swap_a_factors(lora_outside)
-                layers = (None if layers_outside is None else
-                          tuple((w, swap_a_factors(lo)) for w, lo in layers_outside))
+            def run(tok_B, pos_B, cache, lora_active, layers):
                 attend = kv_cache.decode_attend(pos_B, cache.position, lay.row_axes)
                 state, mix = kv_cache.KV(cache.k, cache.v), None
                 if hybrid:
@@ -282,19 +274,9 @@ def make_decode(cfg: QwenConfig, mesh):
                 h_BxD, new, _ = model_lib.hidden_states(
                     cfg, params, tok_B, pos_B, attend, lora_active, route,
                     attn_state=state, remat=False, layers=layers, mix=mix)
-                lefts, rights = model_lib.unembed_factors(params, h_BxD, lora_active, route)
-                logits = sum(jnp.einsum("bd,dv->bv", l, r, preferred_element_type=jnp.float32)
-                             for l, r in zip(lefts, rights))
-                nxt_B, lp_B, *tk = draws.sample_tokens(
-                    draws.gather_vocab(logits), r.keys, count_B, r.temperature, r.top_k,
-                    r.top_p, greedy=modes.greedy, filtered=modes.filtered, topk=modes.topk)
-                live_B = ~done_B
-                out_tok = out_tok.at[:, i].set(jnp.where(live_B, nxt_B, -1))
-                out_lp = out_lp.at[:, i].set(jnp.where(live_B, lp_B, 0.0))
-                if tk:
-                    out_tk = (out_tk[0].at[:, i].set(tk[0]), out_tk[1].at[:, i].set(tk[1]))
-                done_B = (done_B | jnp.any(nxt_B[:, None] == r.stop, axis=1)
-                          | (count_B + 1 >= r.max_tokens))
+                return h_BxD, new
+
+            def write(cache, new, pos_B, done_B, count_B, live_B):
                 # A finished sequence needs no more rows. Skipping them also makes the write
                 # depend on this step's draw, hence on every layer's reads of the cache (the
                 # last layer's feed nothing else): only then does XLA order the reads before
@@ -305,32 +287,14 @@ def make_decode(cfg: QwenConfig, mesh):
                     cache = cache._replace(rec=kv_cache.keep_recurrent(cache.rec, new.linear,
                                                                        live_B))
                     new = new.full
-                cache = kv_cache.write_rows(cache, new, rows_B, pos_B)
-                count_B = count_B + live_B.astype(jnp.int32)
-                return i + 1, nxt_B, pos_B + 1, done_B, count_B, cache, out_tok, out_lp, out_tk
+                return kv_cache.write_rows(cache, new, rows_B, pos_B)
 
-            def cond(carry):
-                i, done_B = carry[0], carry[3]
-                left = jax.lax.psum(jnp.sum(~done_B, dtype=jnp.int32), lay.seq_axes)
-                return (i < modes.out_len) & (left > 0)
-
-            out_tok = vary(jnp.full((b, modes.out_len), -1, jnp.int32), lay.seq_axes)
-            out_lp = vary(jnp.zeros((b, modes.out_len), jnp.float32), lay.seq_axes)
-            out_tk = ()
-            if modes.topk:
-                k = modes.topk
-                out_tk = (vary(jnp.full((b, modes.out_len, k), -1, jnp.int32), lay.seq_axes),
-                          vary(jnp.zeros((b, modes.out_len, k), jnp.float32), lay.seq_axes))
-            carry = (jnp.int32(0), r.token, r.position, r.done, r.count, cache, out_tok,
-                     out_lp, out_tk)
-            carry = jax.lax.while_loop(cond, body, carry)
-            cache, out_tok, out_lp, out_tk = carry[5:]
+            cache, outs = decode_loop(cfg, params, lora_active, route, r, cache, modes,
+                                      lay.seq_axes, run, write)
             if modes.window is not None:
                 cache = jax.tree.map(
                     lambda f, c: jax.lax.dynamic_update_slice(f, c, (0,) * f.ndim), full, cache)
-            return (draws.gather_batch(out_tok, lay.seq_axes),
-                    draws.gather_batch(out_lp, lay.seq_axes),
-                    *(draws.gather_batch(x, lay.seq_axes) for x in out_tk), cache)
+            return (*outs, cache)
 
         in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
                     SPECS.slot_G, lay.cache_specs(hybrid), DecodeRows.specs(lay),
@@ -341,6 +305,72 @@ def make_decode(cfg: QwenConfig, mesh):
             lora_active, params, slot_meta, cache, rows, active)
 
     return decode
+
+
+def decode_loop(cfg: QwenConfig, params, lora_active, route, r: DecodeRows, store, modes,
+                seq_axes, run, write):
+    """The decode loop both decoders run inside their shard_map (this module's make_decode
+    over slot rows, paged.make_decode over pages) -> (store, (tokens [B, N], log-probs
+    [B, N][, top-k ids [B, N, k], top-k log-probs [B, N, k]]) gathered over seq_axes).
+
+    One lax.while_loop of at most modes.out_len steps: run(tok_B, pos_B, store, lora, layers)
+    -> (h [B, D], the step's new K/V) puts every row's newest token through the decoder over
+    the store; the next token is drawn with the row's own parameters (r) and recorded;
+    write(store, new, pos_B, done_B, count_B, live_B) -> store keeps the step's K/V (done_B
+    already holds the rows this step ended); the loop stops when no row is live. A row ends
+    at a stop token of its own or its own max_tokens. modes: out_len, greedy, filtered,
+    topk, slice_layers (take every layer's weights out of the stacked arrays once, before
+    the loop, and run the layers unrolled on them — model.layer_slices).
+    """
+    b = r.token.shape[0]
+    # The A factors enter the loop as [I, A, R] and are viewed back as [A, I, R] inside it
+    # (swap_a_factors): XLA folds that view into low_rank_input's own transpose to
+    # [I, A·R], so no step copies them (XLA:CPU hoists no loop invariants; this cost 1.2×
+    # the decode time at A = 4 on the tiny model).
+    lora_outside = swap_a_factors(lora_active)
+    layers_outside = (model_lib.layer_slices(cfg, params, lora_outside)
+                      if modes.slice_layers else None)
+
+    def body(carry):
+        i, tok_B, pos_B, done_B, count_B, store, out_tok, out_lp, out_tk = carry
+        lora_active = swap_a_factors(lora_outside)
+        layers = (None if layers_outside is None else
+                  tuple((w, swap_a_factors(lo)) for w, lo in layers_outside))
+        h_BxD, new = run(tok_B, pos_B, store, lora_active, layers)
+        lefts, rights = model_lib.unembed_factors(params, h_BxD, lora_active, route)
+        logits = sum(jnp.einsum("bd,dv->bv", left, right, preferred_element_type=jnp.float32)
+                     for left, right in zip(lefts, rights))
+        nxt_B, lp_B, *tk = draws.sample_tokens(
+            draws.gather_vocab(logits), r.keys, count_B, r.temperature, r.top_k,
+            r.top_p, greedy=modes.greedy, filtered=modes.filtered, topk=modes.topk)
+        live_B = ~done_B
+        out_tok = out_tok.at[:, i].set(jnp.where(live_B, nxt_B, -1))
+        out_lp = out_lp.at[:, i].set(jnp.where(live_B, lp_B, 0.0))
+        if tk:
+            out_tk = (out_tk[0].at[:, i].set(tk[0]), out_tk[1].at[:, i].set(tk[1]))
+        done_B = (done_B | jnp.any(nxt_B[:, None] == r.stop, axis=1)
+                  | (count_B + 1 >= r.max_tokens))
+        store = write(store, new, pos_B, done_B, count_B, live_B)
+        count_B = count_B + live_B.astype(jnp.int32)
+        return i + 1, nxt_B, pos_B + 1, done_B, count_B, store, out_tok, out_lp, out_tk
+
+    def cond(carry):
+        i, done_B = carry[0], carry[3]
+        left = jax.lax.psum(jnp.sum(~done_B, dtype=jnp.int32), seq_axes)
+        return (i < modes.out_len) & (left > 0)
+
+    out_tok = vary(jnp.full((b, modes.out_len), -1, jnp.int32), seq_axes)
+    out_lp = vary(jnp.zeros((b, modes.out_len), jnp.float32), seq_axes)
+    out_tk = ()
+    if modes.topk:
+        k = modes.topk
+        out_tk = (vary(jnp.full((b, modes.out_len, k), -1, jnp.int32), seq_axes),
+                  vary(jnp.zeros((b, modes.out_len, k), jnp.float32), seq_axes))
+    carry = (jnp.int32(0), r.token, r.position, r.done, r.count, store, out_tok, out_lp,
+             out_tk)
+    carry = jax.lax.while_loop(cond, body, carry)
+    store, out_tok, out_lp, out_tk = carry[5:]
+    return store, tuple(draws.gather_batch(x, seq_axes) for x in (out_tok, out_lp, *out_tk))
 
 
 def swap_a_factors(lora):
