@@ -268,20 +268,10 @@ def peft_folder(tmp):
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
     pm.save_pretrained(f"{tmp}/peft_experts")
     seqs, targets, weights = MH.random_data([29, 44], seed=9)
-    pm = pm.double().eval()
-    total = 0.0
-    lps = []
-    for s, t, w in zip(seqs, targets, weights):
-        logits = pm(torch.tensor(np.asarray(s))[None]).logits[0]
-        lp = torch.log_softmax(logits, -1)[torch.arange(len(s)), torch.tensor(np.asarray(t))]
-        total = total - (torch.tensor(np.asarray(w, np.float64)) * lp).sum()
-        lps.append(lp.detach().numpy())
-    total.backward()
-    grads = {n.replace(".default", ""): p.grad.numpy() for n, p in pm.named_parameters()
-             if p.grad is not None}
+    lps, total, grads = MH.peft_fp64_reference(pm, seqs, targets, weights)
     assert any("experts.base_layer.lora_A" in n for n in grads)  # gate_up really targeted
     return {"path": f"{tmp}/peft_experts", "base": base_path, "data": (seqs, targets, weights),
-            "lps": lps, "loss": float(total.detach()), "grads": grads}
+            "lps": lps, "loss": total, "grads": grads}
 
 
 @pytest.mark.parametrize("mesh_shape", PEFT_MESHES)

@@ -57,19 +57,10 @@ def _world():
     folder = tempfile.mkdtemp(prefix="jcp_qwen3_5_moe_peft_")
     pm.save_pretrained(folder)
     seqs, targets, weights = mh.random_data(LENGTHS, seed=5)
-    pm = pm.double().eval()
-    total, lps = 0.0, []
-    for s, t, w in zip(seqs, targets, weights):
-        logits = pm(torch.tensor(np.asarray(s))[None]).logits[0]
-        lp = torch.log_softmax(logits, -1)[torch.arange(len(s)), torch.tensor(np.asarray(t))]
-        total = total - (torch.tensor(np.asarray(w, np.float64)) * lp).sum()
-        lps.append(lp.detach().numpy())
-    total.backward()
-    grads = {n.replace(".default", ""): p.grad.numpy() for n, p in pm.named_parameters()
-             if p.grad is not None}
+    lps, total, grads = mh.peft_fp64_reference(pm, seqs, targets, weights)
     data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
             for s, t, w in zip(seqs, targets, weights)]
-    return base, folder, data, lps, float(total.detach()), grads
+    return base, folder, data, lps, total, grads
 
 
 def test_config_reads_qwen3_5_moe():

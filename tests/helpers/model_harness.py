@@ -216,3 +216,19 @@ def largest_hlo_arrays(compiled, top=5) -> list[tuple[int, str]]:
         n = int(np.prod([int(d) for d in dims.split(",")]))
         found[f"{dtype}[{dims}]"] = n
     return sorted(((n, s) for s, n in found.items()), reverse=True)[:top]
+
+
+def peft_fp64_reference(pm, seqs, targets, weights):
+    """(per-datum log-probs, loss, {parameter name without ".default": gradient}) of the
+    peft model pm in fp64: loss = −Σ weights · log p(target), every datum alone."""
+    pm = pm.double().eval()
+    total, lps = 0.0, []
+    for s, t, w in zip(seqs, targets, weights):
+        logits = pm(torch.tensor(np.asarray(s))[None]).logits[0]
+        lp = torch.log_softmax(logits, -1)[torch.arange(len(s)), torch.tensor(np.asarray(t))]
+        total = total - (torch.tensor(np.asarray(w, np.float64)) * lp).sum()
+        lps.append(lp.detach().numpy())
+    total.backward()
+    grads = {n.replace(".default", ""): p.grad.numpy() for n, p in pm.named_parameters()
+             if p.grad is not None}
+    return lps, float(total.detach()), grads
