@@ -19,6 +19,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 import jcp
 from helpers import model_harness as mh
+from helpers.hf_models import peft_model
 from jcp import model as model_lib
 
 LENGTHS = (37, 1, 20, 64)
@@ -103,16 +104,8 @@ def _peft_world():
     random so each factor has a gradient."""
     import tempfile
 
-    import peft
     hm, _, _ = _reference()
-    pm = peft.get_peft_model(copy.deepcopy(hm), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, bias="none",
-        task_type="CAUSAL_LM"))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    pm = peft_model(hm, 1, r=4, lora_alpha=8, target_modules=TARGETS)
     folder = tempfile.mkdtemp(prefix="jcp_qwen3_5_peft_")
     pm.save_pretrained(folder)
     seqs, targets, weights = mh.random_data(LENGTHS, seed=4)

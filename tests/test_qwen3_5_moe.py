@@ -14,6 +14,7 @@ from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5Moe
 
 import jcp
 from helpers import model_harness as mh
+from helpers.hf_models import peft_model
 
 LENGTHS = (37, 1, 20)
 MODULES = ["q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "lm_head"]
@@ -23,7 +24,6 @@ EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 @functools.lru_cache(maxsize=None)
 def _world():
     """(base folder, peft folder, data, peft fp64 log-probs, loss, gradients by name)."""
-    import peft
     torch.manual_seed(0)
     hc = Qwen3_5MoeTextConfig(
         vocab_size=mh.V, hidden_size=mh.D, num_hidden_layers=2, num_attention_heads=4,
@@ -46,14 +46,8 @@ def _world():
                 p.copy_(0.1 * torch.randn_like(p))
     hm = hm.eval().float()
     base = mh.save(hm, tempfile.mkdtemp(prefix="jcp_qwen3_5_moe_"))
-    pm = peft.get_peft_model(hm, peft.LoraConfig(
-        r=3, lora_alpha=6, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
-        target_modules=MODULES, target_parameters=EXPERT_PARAMS))
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    pm = peft_model(hm, 2, std=0.2, factors="lora_", r=3, lora_alpha=6,
+                    target_modules=MODULES, target_parameters=EXPERT_PARAMS)
     folder = tempfile.mkdtemp(prefix="jcp_qwen3_5_moe_peft_")
     pm.save_pretrained(folder)
     seqs, targets, weights = mh.random_data(LENGTHS, seed=5)
