@@ -255,8 +255,10 @@ class Pieces:
     of each piece's last real token (0 for an unused or all-padding piece); length_P: its
     real tokens. Over the X = CP·P pieces of all ranks (rank-major): pred_X, the piece
     holding each piece's preceding position of the same datum (−1: it starts its datum, or
-    is unused); length_X, the real tokens of each; rank: this rank's index on the axis (its
-    pieces are X = rank·P + p).
+    is unused); length_X, the real tokens of each; order_X, the pieces in datum order
+    (by datum, then first position; unused pieces last) — a piece with a predecessor comes
+    right after it there, since one datum's pieces are disjoint runs of its positions;
+    rank: this rank's index on the axis (its pieces are X = rank·P + p).
     """
 
     start_S: jax.Array
@@ -265,15 +267,15 @@ class Pieces:
     length_P: jax.Array
     pred_X: jax.Array
     length_X: jax.Array
+    order_X: jax.Array
     rank: jax.Array
     axis: str | None
-    depth: int
 
 
 jax.tree_util.register_dataclass(
     Pieces, data_fields=["start_S", "piece_S", "end_P", "length_P", "pred_X", "length_X",
-                         "rank"],
-    meta_fields=["axis", "depth"])
+                         "order_X", "rank"],
+    meta_fields=["axis"])
 
 
 def _gather(x, axis):
@@ -309,34 +311,42 @@ def pieces(segment_S, position_S, max_pieces: int, axis: str | None = None) -> P
     link = ((seg_x[:, None] == seg_x[None, :]) & (seg_x[:, None] >= 0) & (first_x[:, None] > 0)
             & (last_x[None, :] == first_x[:, None] - 1) & (len_x[None, :] > 0))
     pred = jnp.where(link.any(1), jnp.argmax(link, axis=1), -1)
-    cp = seg_x.shape[0] // p
+    used = (seg_x >= 0) & (len_x > 0)
+    order = jnp.lexsort((first_x, jnp.where(used, seg_x, jnp.iinfo(jnp.int32).max)))
     rank = jnp.zeros((), jnp.int32) if axis is None else jax.lax.axis_index(axis)
     return Pieces(start_S=start, piece_S=piece.astype(jnp.int32), end_P=jnp.maximum(end, 0),
-                  length_P=length, pred_X=pred.astype(jnp.int32), length_X=len_x, rank=rank,
-                  axis=axis, depth=2 * cp)
+                  length_P=length, pred_X=pred.astype(jnp.int32), length_X=len_x,
+                  order_X=order.astype(jnp.int32), rank=rank, axis=axis)
 
 
 def _incoming(pcs: Pieces, out_of, own_X, zero):
-    """Each piece's incoming summary (what its datum's earlier pieces leave it).
+    """This rank's pieces' incoming summaries (what their datums' earlier pieces leave
+    them) and outgoing ones: ([P, …], [P, …]).
 
-    out_of(incoming, own) -> outgoing summary of a piece; a piece without a predecessor
-    receives `zero`. Jacobi iterations: after i of them, every piece at most i links from
-    its datum's start is exact; no chain is longer than 2·CP pieces (pcs.depth).
+    out_of(incoming, own) -> outgoing summary of one piece (own: its row of own_X); a
+    piece without a predecessor receives `zero`. One scan over all CP·P pieces in datum
+    order (pcs.order_X), carrying the previous piece's outgoing summary: a piece's
+    predecessor is the piece just before it there. Its backward keeps one summary per
+    piece (the carries) — [CP·P, …] once, where composing by Jacobi iterations over the
+    whole table (2·CP of them, the longest chain) kept 2·CP copies, which grew as cp².
     """
-    has = pcs.pred_X >= 0
-    src = jnp.maximum(pcs.pred_X, 0)
-    inc = jax.tree.map(lambda z: jnp.broadcast_to(z, has.shape + z.shape), zero)
-    for _ in range(pcs.depth):
-        out = out_of(inc, own_X)
-        inc = jax.tree.map(
-            lambda o, z: jnp.where(has.reshape((-1,) + (1,) * (o.ndim - 1)), o[src], z),
-            out, zero)
-    return inc
+    order = pcs.order_X
+    has = jnp.take(pcs.pred_X, order) >= 0
 
+    def step(prev_out, xs):
+        has_pred, x = xs  # own_X is read in place (a sorted copy would be one more table)
+        inc = jax.tree.map(lambda o, z: jnp.where(has_pred, o, z), prev_out, zero)
+        out = out_of(inc, jax.tree.map(lambda t: t[x], own_X))
+        return out, (inc, out)
 
-def _own(pcs: Pieces, x_X, p: int):
-    """This rank's P rows of a rank-major [CP·P, …] table."""
-    return jax.lax.dynamic_slice_in_dim(x_X, pcs.rank * p, p, axis=0)
+    axes = sorted({a for x in jax.tree.leaves(own_X) for a in varying_axes(x)})
+    start = jax.tree.map(lambda z: vary(z, axes), zero)
+    _, (inc_sorted, out_sorted) = jax.lax.scan(step, start, (has, order))
+    # Where this rank's pieces (rows rank·P + p of the rank-major table) fall in `order`.
+    p = pcs.end_P.shape[0]
+    where = jnp.argsort(order)[pcs.rank * p + jnp.arange(p)]
+    mine = lambda t: jax.tree.map(lambda x: jnp.take(x, where, axis=0), t)  # noqa: E731
+    return mine(inc_sorted), mine(out_sorted)
 
 
 def causal_conv(x_SxC, w_KxC, pcs: Pieces, hand_out: bool = False):
@@ -353,7 +363,6 @@ def causal_conv(x_SxC, w_KxC, pcs: Pieces, hand_out: bool = False):
     kc = w_KxC.shape[0]
     halo = kc - 1
     s_len = x_SxC.shape[0]
-    p = pcs.end_P.shape[0]
     x32 = x_SxC.astype(jnp.float32)
     # Own tail: rows end−halo+1 … end (slot halo−1 = the last); rows before the piece
     # start are filled from the incoming halo in out_of.
@@ -363,17 +372,15 @@ def causal_conv(x_SxC, w_KxC, pcs: Pieces, hand_out: bool = False):
     len_x = pcs.length_X
     tail_x = _gather(tail_PxHxC, pcs.axis)
 
-    def out_of(inc_XxHxC, own):
-        tail, length = own
-        inside = back[None, :] < length[:, None]  # [X, halo]
-        src = jnp.clip(jnp.arange(halo)[None, :] + length[:, None], 0, halo - 1)
-        from_inc = jnp.take_along_axis(inc_XxHxC, src[:, :, None], axis=1)
-        return jnp.where(inside[:, :, None], tail, from_inc)
+    def out_of(inc_HxC, own):
+        """A piece's last Kc − 1 inputs: its own, preceded by its incoming halo's."""
+        tail_HxC, length = own
+        inside = back < length  # [halo]
+        src = jnp.clip(jnp.arange(halo) + length, 0, halo - 1)
+        return jnp.where(inside[:, None], tail_HxC, inc_HxC[src])
 
     zero = jnp.zeros((halo, x_SxC.shape[1]), jnp.float32)
-    inc_x = _incoming(pcs, lambda inc, own: out_of(inc, own), (tail_x, len_x), zero)
-    inc_PxHxC = _own(pcs, inc_x, p)
-    window_PxHxC = _own(pcs, out_of(inc_x, (tail_x, len_x)), p) if hand_out else None
+    inc_PxHxC, window_PxHxC = _incoming(pcs, out_of, (tail_x, len_x), zero)
     # Each token's offset in its piece; lag l reads x[t − l] inside the piece, else the
     # incoming halo's row halo − (l − offset).
     t = jnp.arange(s_len)
@@ -405,7 +412,6 @@ def gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, segment_S,
     touch a state.
     """
     h, dk, dv = v_SxHxDv.shape[1], q_SxHkxDk.shape[-1], v_SxHxDv.shape[-1]
-    p = pcs.end_P.shape[0]
     real = (segment_S >= 0)[:, None]
     g = jnp.where(real, g_SxH.astype(jnp.float32), 0.0)
     beta = jnp.where(real, beta_SxH.astype(jnp.float32), 0.0)
@@ -417,15 +423,14 @@ def gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, segment_S,
     _, ends = chunked(q_SxHkxDk, k_SxHkxDk, v_aug, g, beta, pcs.start_S, zeros_piece,
                       init_aug, chunk, ends_P=pcs.end_P)
     ends_x = _gather(ends, pcs.axis)  # one exchange of [U | M] (see _gather)
-    u_x, m_x = ends_x[..., :dv], ends_x[..., dv:]
 
-    def out_of(inc_XxHxDkxDv, own):
-        m, u = own
-        return jnp.einsum("xhkj,xhjv->xhkv", m, inc_XxHxDkxDv) + u
+    def out_of(inc_HxDkxDv, um_HxDkxDvDk):
+        m_HxDkxDk, u_HxDkxDv = um_HxDkxDvDk[..., dv:], um_HxDkxDvDk[..., :dv]
+        return jnp.einsum("hkj,hjv->hkv", m_HxDkxDk, inc_HxDkxDv) + u_HxDkxDv
 
-    inc_x = _incoming(pcs, out_of, (m_x, u_x), jnp.zeros((h, dk, dv), jnp.float32))
+    inc_PxHxDkxDv, _ = _incoming(pcs, out_of, ends_x, jnp.zeros((h, dk, dv), jnp.float32))
     o, final = chunked(q_SxHkxDk, k_SxHkxDk, v32, g, beta, pcs.start_S, pcs.piece_S,
-                       _own(pcs, inc_x, p), chunk, ends_P=pcs.end_P if hand_out else None)
+                       inc_PxHxDkxDv, chunk, ends_P=pcs.end_P if hand_out else None)
     return (o, final) if hand_out else o
 
 
