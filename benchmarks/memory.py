@@ -145,42 +145,72 @@ def _tuple_parts(text):
     return parts + [cur.strip()] if cur.strip() else parts
 
 
-def peak_buffers(dump_dir, top):
-    """The buffers live at the peak of the compiled program's heap (XLA's live-range dump),
-    grouped by (what made them, shape), largest total first: [(MiB, count, shape, op)].
-
-    op is the tail of the JAX op_name that made the buffer ("…/ppermute", "…/checkpoint/
-    while"); a group of many equal buffers from one op (one per ring step, say) is what
-    grows with the number of steps rather than with the tokens on a rank."""
+def _peak(dump_dir):
+    """The buffers live at the peak of the compiled program's heap (XLA's live-range dump):
+    [(name, shape, bytes)], and per instruction of the program its full JAX op_name — for
+    one XLA made without metadata (a copy, a fusion of such), its first operand's (so a
+    copy counts for what it copies)."""
     files = os.listdir(dump_dir)
     ranges = max((f for f in files if f.endswith("live-range.txt")),
                  key=lambda f: os.path.getsize(os.path.join(dump_dir, f)))
     hlo = ranges.replace("-live-range.txt", ".txt")
-    shapes, ops = {}, {}
+    shapes, ops, operand = {}, {}, {}
     with open(os.path.join(dump_dir, hlo)) as f:
         for line in f:
-            m = re.match(r"\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([\w-]+)\(", line)
+            m = re.match(r"\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([\w-]+)\((.*)", line)
             if m:
                 shapes[m[1]] = m[2]
                 op = re.search(r'op_name="([^"]*)"', line)
-                # Without JAX metadata (copies XLA adds), the opcode names the group.
-                ops[m[1]] = "/".join(op[1].split("/")[-3:]) if op else f"({m[3]})"
-    groups = {}
+                ops[m[1]] = op[1] if op else f"({m[3]})"
+                first = re.search(r"%([\w.\-]+)", m[4])
+                if not op and first:
+                    operand[m[1]] = first[1]
+    for name in ops:  # follow copies of copies to the op that made the data
+        seen, cur = 0, name
+        while ops[cur].startswith("(") and cur in operand and operand[cur] in ops and seen < 8:
+            cur, seen = operand[cur], seen + 1
+        if cur != name and not ops[cur].startswith("("):
+            ops[name] = ops[cur] + f" ({ops[name][1:-1]})"
     with open(os.path.join(dump_dir, ranges)) as f:
         text = f.read()
     peak = text[text.index("(peak):"):text.index("Stack trace breakdown")]
+    out = []
     for name, index, size in re.findall(r"^\s+(\S+?)\{([\d,]*)\}: (\d+) bytes", peak, re.M):
         shape = shapes.get(name, "?")
         if shape.startswith("(") and index:
             parts = _tuple_parts(shape)
             i = int(index.split(",")[0])
             shape = parts[i] if i < len(parts) else shape
-        key = (re.sub(r"\{[\d,]*\}$", "", shape), ops.get(name, "") or name)
+        out.append((name, re.sub(r"\{[\d,]*\}$", "", shape), int(size)))
+    return out, ops
+
+
+def peak_buffers(dump_dir, top):
+    """The buffers live at the peak of the compiled program's heap, grouped by (what made
+    them, shape), largest total first: [(MiB, count, shape, op)].
+
+    op is the tail of the JAX op_name that made the buffer ("…/ppermute", "…/checkpoint/
+    while"; a copy XLA added is named by what it copies); a group of many equal buffers
+    from one op (one per ring step, say) is what grows with the number of steps rather
+    than with the tokens on a rank."""
+    live, ops = _peak(dump_dir)
+    groups = {}
+    for name, shape, size in live:
+        op = ops.get(name, "")
+        key = (shape, "/".join(op.split("/")[-3:]) if op else name)
         n, b = groups.get(key, (0, 0))
-        groups[key] = (n + 1, b + int(size))
+        groups[key] = (n + 1, b + size)
     rows = sorted(((b / MiB, n, shape, op) for (shape, op), (n, b) in groups.items()),
                   reverse=True)
     return rows[:top]
+
+
+def peak_split(dump_dir, scope):
+    """(bytes, total bytes) live at the heap's peak, of which made by ops inside
+    jax.named_scope(scope) (their op_name holds it)."""
+    live, ops = _peak(dump_dir)
+    inside = sum(size for name, _, size in live if f"/{scope}/" in ops.get(name, "") + "/")
+    return inside, sum(size for _, _, size in live)
 
 
 def block_balance(tokens, cp, block):

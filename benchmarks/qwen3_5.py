@@ -168,37 +168,52 @@ def all_gathers(compiled) -> list[tuple[str, int]]:
     return out
 
 
-def memory(tokens: int) -> dict:
+def memory(token_list: list[int], cps=(1, 2, 4, 8), attention: str = "ring") -> dict:
+    """Compiled memory per device against cp at each length; the linear layers' share is
+    what ops inside jax.named_scope("gated_delta_net") (decoder.linear_attention_block)
+    made of the buffers live at the heap's peak (memory.peak_split), the rest everything
+    else there (the layer scan's saved hidden states, the full-attention and MLP blocks, the
+    loss). Returns {tokens: {cp: (temp bytes, linear bytes at peak, rest bytes at peak)}}."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import memory as memory_bench  # noqa: E402  (its compiled_step: grad of one datum)
+    import tempfile  # noqa: E402
 
-    cfg = jcp.QwenConfig.tiny_qwen3_5(**MODEL, max_position_embeddings=max(4096, tokens))
-    print(f"\n3. compiled memory per device, one datum of {tokens} tokens, grad(loss), remat "
-          "on; M = arguments + temporaries")
-    res, base = {}, None
-    for cp in (1, 2, 4, 8):
-        compiled, s_len, secs = memory_bench.compiled_step(cfg, cp, tokens, 64, 1024)
-        mem = compiled.memory_analysis()
-        total = mem.temp_size_in_bytes + mem.argument_size_in_bytes
-        base = base or mem.temp_size_in_bytes
-        res[cp] = (total, mem.temp_size_in_bytes)
-        print(f"  cp={cp}: stream {s_len:6d} rows/rank  temp {mem.temp_size_in_bytes / MiB:8.1f} "
-              f"MiB ({mem.temp_size_in_bytes / base:.3f} of cp=1)  M {total / MiB:8.1f} MiB  "
-              f"(compile {secs:.0f} s)")
-        if cp == 4:
-            half, _, _ = memory_bench.compiled_step(cfg, cp, tokens // 2, 64, 1024)
-            a, b = all_gathers(compiled), all_gathers(half)
-            print(f"  cp=4 all-gathers at {tokens} tokens (each once per scanned layer body); "
-                  f"'same' = also at {tokens // 2} tokens")
-            for shape, size in sorted(set(a)):
-                tag = "same" if (shape, size) in set(b) else "grows with tokens"
-                print(f"    {shape:28s} {size:>12,d} B   {tag}")
-            h = cfg.linear_num_value_heads
-            dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-            p = 2 * 8 + 1
-            print(f"  linear layer, cp=4: transitions cp·P·H·dk·(dk+dv)·4 = "
-                  f"{4 * p * h * dk * (dk + dv) * 4:,d} B (P = {p} piece slots), independent "
-                  "of tokens")
+    import memory as memory_bench  # noqa: E402  (compiled_step: grad of one datum; peak_split)
+
+    print(f"\n3. compiled memory per device, one datum, grad(loss), remat on, full-attention "
+          f"layer cp path {attention!r}; temp = XLA's temporaries; at the heap's peak: "
+          "linear = bytes made by the Gated DeltaNet layers' ops, rest = the others; "
+          "ratios to cp = 1, goal 1.2/cp")
+    res, gathers = {}, {}
+    for tokens in token_list:
+        cfg = jcp.QwenConfig.tiny_qwen3_5(**MODEL, max_position_embeddings=max(4096, tokens))
+        res[tokens] = {}
+        for cp in cps:
+            with tempfile.TemporaryDirectory() as dump:
+                compiled, s_len, secs = memory_bench.compiled_step(
+                    cfg, cp, tokens, 64, 1024, attention if cp > 1 else "gather", dump)
+                linear, peak = memory_bench.peak_split(dump, "gated_delta_net")
+            temp = compiled.memory_analysis().temp_size_in_bytes
+            res[tokens][cp] = (temp, linear, peak - linear)
+            t1, l1, r1 = res[tokens][cps[0]]
+            print(f"  {tokens:6d} tokens cp={cp}: {s_len:6d} rows/rank  temp "
+                  f"{temp / MiB:7.1f} MiB ({temp / t1:.3f})  peak: linear "
+                  f"{linear / MiB:6.1f} MiB ({linear / l1:.3f})  rest "
+                  f"{(peak - linear) / MiB:6.1f} MiB ({(peak - linear) / r1:.3f})  goal "
+                  f"{1.2 / cp:.3f}  (compile {secs:.0f} s)", flush=True)
+            if cp == 4:
+                gathers[tokens] = all_gathers(compiled)
+    if len(gathers) >= 2:
+        (ta, a), (tb, b) = sorted(gathers.items())[-1], sorted(gathers.items())[0]
+        print(f"  cp=4 all-gathers at {ta} tokens (each once per scanned layer body); 'same' = "
+              f"also at {tb} tokens")
+        for shape, size in sorted(set(a)):
+            tag = "same" if (shape, size) in set(b) else "grows with tokens"
+            print(f"    {shape:28s} {size:>12,d} B   {tag}")
+    h, dk, dv = MODEL["linear_num_value_heads"], MODEL["linear_key_head_dim"], MODEL[
+        "linear_value_head_dim"]
+    p = 2 * 8 + 1  # pieces per rank: two zigzag chunks of each of 8 datum slots, + padding
+    print(f"  linear layer, cp=4: transitions cp·P·H·dk·(dk+dv)·4 = "
+          f"{4 * p * h * dk * (dk + dv) * 4:,d} B (P = {p} piece slots), independent of tokens")
     return res
 
 
@@ -207,7 +222,11 @@ def main(argv=None):
     p.add_argument("--only", choices=("kernel", "model", "memory"))
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--kernel-tokens", type=int, default=16384)
-    p.add_argument("--mem-tokens", type=int, default=16384)
+    p.add_argument("--mem-tokens", default="8192,16384",
+                   help="lengths of the memory section (comma list)")
+    p.add_argument("--mem-cps", default="1,2,4,8")
+    p.add_argument("--attention", default="ring", choices=("ring", "gather", "auto"),
+                   help="the full-attention layer's cp path in the memory section")
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
     print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
@@ -216,7 +235,8 @@ def main(argv=None):
     if args.only in (None, "model"):
         model(args.tokens, args.rounds)
     if args.only in (None, "memory"):
-        memory(args.mem_tokens)
+        memory([int(t) for t in args.mem_tokens.split(",")],
+               tuple(int(c) for c in args.mem_cps.split(",")), args.attention)
 
 
 if __name__ == "__main__":

@@ -120,6 +120,7 @@ def attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.R
     return jax.lax.psum(o_SxD, TP), attn_state
 
 
+@jax.named_scope("gated_delta_net")  # names its ops in compiled programs (memory reports)
 def linear_attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer,
                            route: lora_lib.Routing | None, mix, state=None):
     """Pre-norm Gated DeltaNet of one layer (Qwen3.5's linear attention): (its output
