@@ -134,7 +134,7 @@ def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, token
            if cfg.is_hybrid else None)
     h_SxD, _, stats = model_lib.hidden_states(cfg, params, tokens_S, position_S, attend, lora,
                                               route, remat=step_cfg.remat is True, count_S=real_S,
-                                              mix=mix)
+                                              mix=mix, unroll=unroll_layers(cfg))
     lefts, rights = model_lib.unembed_factors(params, h_SxD, lora, route)
     loss, outputs = losses_lib.shard_loss(
         lefts, rights, targets_S, segment_S, inputs, loss_fn, loss_cfg, num_slots,
@@ -155,6 +155,19 @@ def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, token
                                                tokens, cfg.num_experts_per_tok)
     outputs = dataclasses.replace(outputs, router_aux_loss=jax.lax.stop_gradient(aux))
     return loss + aux.astype(loss.dtype), outputs
+
+
+# Training unrolls the layer loop on XLA:CPU up to this many layers (unroll_layers).
+CPU_UNROLL_LAYERS = 8
+
+
+def unroll_layers(cfg: QwenConfig) -> bool:
+    """Whether the training step unrolls its layer loop (model.scan_layers): on XLA:CPU with
+    ≤ CPU_UNROLL_LAYERS layers. A rolled loop slices every weight stack per layer and copies
+    every saved activation into an [L, …] stack, ~10 % of the CPU step of throughput.py's
+    4-layer model; unrolled, compile time grows ∝ L, which is why deep models keep the loop
+    (on accelerators those copies are cheap next to the layers' work)."""
+    return jax.default_backend() == "cpu" and cfg.num_layers <= CPU_UNROLL_LAYERS
 
 
 def training_attend(cfg: QwenConfig, step_cfg: StepConfig, segment_S, position_S):
@@ -234,14 +247,22 @@ def custom_terms(custom: custom_loss_lib.CustomLoss, lp_DPxCPxS, custom_args):
     return jnp.stack(losses), {k: jnp.stack([m[k] for m in metrics]) for k in metrics[0]}
 
 
+def used_modules(lora: dict, modules) -> dict:
+    """The slot tables of `modules` only (None: all). An adapter's untargeted modules hold
+    zeros, so leaving out those no adapter of the batch targets changes no value or
+    gradient and skips their work: an attention + MLP adapter's lm_head factor costs
+    ~5 % of throughput.py's CPU step (its B gradient is a transposed-lhs GEMM)."""
+    return lora if modules is None else {m: lora[m] for m in modules if m in lora}
+
+
 def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
     """jit(forward)(lora, params, slot_meta, batch, loss_cfg, custom_args, *, loss_fns,
     num_slots, custom) -> (loss, out)."""
 
-    @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots", "custom"))
+    @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots", "custom", "modules"))
     def forward(lora, params, slot_meta, batch, loss_cfg, custom_args=(), *, loss_fns,
-                num_slots, custom=None):
-        active = lora_lib.take_active(lora, batch.active)
+                num_slots, custom=None, modules=None):
+        active = lora_lib.take_active(used_modules(lora, modules), batch.active)
         return _loss_and_outputs(cfg, mesh, step_cfg, loss_fns, num_slots, active, params,
                                  slot_meta, batch, loss_cfg, custom, custom_args)
 
@@ -257,20 +278,23 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
     tokens, so their gradient is zero. finite_A: whether each active adapter's gradient
     is finite (the caller refuses the call and restores the accumulators otherwise).
     custom (static): a CustomLoss for the batch's custom datums (custom_args), or None.
+    modules (static): the LoRA modules the batch's adapters target (used_modules), or None
+    for all; the others' accumulators are left as they are.
     """
 
-    @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots", "custom"),
+    @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots", "custom", "modules"),
                        donate_argnums=(0,))
     def forward_backward(acc, lora, params, slot_meta, batch, loss_cfg, custom_args=(), *,
-                         loss_fns, num_slots, custom=None):
+                         loss_fns, num_slots, custom=None, modules=None):
         def loss_of(active):
             return _loss_and_outputs(cfg, mesh, step_cfg, loss_fns, num_slots, active, params,
                                      slot_meta, batch, loss_cfg, custom, custom_args)
 
-        active = lora_lib.take_active(lora, batch.active)
+        active = lora_lib.take_active(used_modules(lora, modules), batch.active)
         (loss, out), grads = jax.value_and_grad(loss_of, has_aux=True)(active)
         grads = lora_lib.untake_active(grads)
-        acc = jax.tree.map(lambda a, g: a.at[batch.active].add(g), acc, grads)
+        acc = {**acc, **jax.tree.map(lambda a, g: a.at[batch.active].add(g),
+                                     used_modules(acc, modules), grads)}
         finite_A = jnp.all(jnp.stack([
             jnp.all(jnp.isfinite(g), axis=tuple(range(1, g.ndim)))
             for g in jax.tree.leaves(grads)]), axis=0)

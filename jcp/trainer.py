@@ -204,7 +204,7 @@ class Trainer:
         self._fb_programs: dict = {}
         self.remat_decisions: dict = {}
         """Per compiled forward_backward program, keyed (stream shape [DP, CP, S], active
-        slots, loss names): {"remat": bool, "bytes": its per-device memory without
+        slots, loss names, targeted modules): {"remat": bool, "bytes": its per-device memory without
         recomputation (None unless remat="auto"), "budget": remat_budget_bytes used}."""
 
     @property
@@ -424,6 +424,10 @@ class Trainer:
         custom = loss_fn if isinstance(loss_fn, custom_loss_lib.CustomLoss) else None
         loss_cfg = jax.tree.map(lambda v: replicate(self.mesh, v), cfg_arrays)
         call_tokens = sum(int(np.sum(pb.segment >= 0)) for pb in packed)
+        # Only the modules the call's adapters target are computed (train_step.used_modules).
+        targeted = {m for slot in per_datum_slots(packed) if slot >= 0
+                    for m in self.adapters[slot].targets}
+        modules = tuple(m for m in self.state.weights if m in targeted)
 
         def step(pb, accumulate):
             b = self._device_batch(pb, call_tokens)
@@ -432,7 +436,8 @@ class Trainer:
                                 for _, idx, inputs in pb.custom)
             args = (self.params, self.state.meta, b, {k: loss_cfg[k] for k in pb.loss_fns},
                     custom_args)
-            kw = dict(loss_fns=pb.loss_fns, num_slots=pb.num_slots, custom=custom)
+            kw = dict(loss_fns=pb.loss_fns, num_slots=pb.num_slots, custom=custom,
+                      modules=modules)
             if accumulate is None:
                 return self._forward(self.state.weights, *args, **kw) + (None,)
             return accumulate(lambda acc: _split_first(
@@ -469,7 +474,7 @@ class Trainer:
         return self._remat_budget
 
     def _forward_backward(self, acc, lora, params, slot_meta, batch, loss_cfg, custom_args=(),
-                          *, loss_fns, num_slots, custom=None):
+                          *, loss_fns, num_slots, custom=None, modules=None):
         """train_step's forward_backward through the program compiled for this batch's
         shapes. With remat="auto" that program is compiled without recomputation first and
         kept iff its memory fits the budget."""
@@ -479,11 +484,11 @@ class Trainer:
         per_call = (batch, loss_cfg, custom_args)
         key = (jax.tree.structure(per_call),
                tuple((x.shape, x.dtype) for x in jax.tree.leaves(per_call)),
-               loss_fns, num_slots, custom)
+               loss_fns, num_slots, custom, modules)
         if key not in self._fb_programs:
             def compile_(remat):
                 return self._fb_steps[remat].lower(*args, loss_fns=loss_fns, num_slots=num_slots,
-                                                   custom=custom).compile()
+                                                   custom=custom, modules=modules).compile()
 
             if self.remat != "auto":
                 program, need, budget, remat = compile_(self.remat), None, None, self.remat

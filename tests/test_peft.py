@@ -193,6 +193,22 @@ def test_forward_backward_matches_torch_peft(world, loss_fn):
     _compare(out, grads, ref_outs, ref_grads, ref_total, loss_fn)
 
 
+def test_call_of_subset_targets_computes_only_those(world):
+    """A call whose adapters target a subset of the slot table's modules (adapter 1 alone:
+    q, v, down, lm_head) runs a program of those modules only (train_step.used_modules)
+    and still matches torch + peft."""
+    tr = world.tr
+    ref_outs, ref_grads, ref_total = torch_reference(world.models[1:], world.data,
+                                                     (0,) * len(world.data), "cross_entropy")
+    with H.borrowed(tr):
+        ids = _load(world)
+        out = tr.forward_backward(world.data, "cross_entropy", adapters=ids[1])
+        grads = [tr.gradients(ids[1])]
+    keys = [k for k in tr.remat_decisions if set(k[-1]) == set(ADAPTERS[1]["target_modules"])]
+    assert keys, list(tr.remat_decisions)
+    _compare(out, grads, ref_outs, ref_grads, ref_total, "adapter 1 alone")
+
+
 def test_export_peft_round_trips_through_peft(world, tmp_path):
     tr = world.tr
     with H.borrowed(tr):

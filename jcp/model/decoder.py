@@ -281,13 +281,17 @@ class Hidden(NamedTuple):
     router_stats: Any
 
 
-def scan_layers(body, h, weights, xs, remat: bool):
+def scan_layers(body, h, weights, xs, remat: bool, unroll: bool = False):
     """jax.lax.scan of body(h, (layer weights, *layer xs)) -> (h, ys) over the layers.
 
     weights: base weights stacked [L, …] (frozen); xs: a tuple of the other per-layer
     pytrees (LoRA, attention state) stacked likewise. remat: recompute each layer in the
     backward pass except the attention kernel's output and log-sum-exp (O(S·Q·H) per layer
-    saved buys not running attention twice).
+    saved buys not running attention twice). unroll: unroll the loop (lax.scan's unroll) —
+    each layer then reads static slices of the stacks and writes its saved activations
+    apart, where a rolled loop dynamic-slices every stack and dynamic-update-slices every
+    saved activation into an [L, …] stack, each a copy (on XLA:CPU ~10 % of a small
+    model's training step); it costs compile time ∝ L (see unroll_layers).
 
     On XLA:CPU the low-precision (bf16 / f16) weights are not scanned but indexed inside
     the body (_layer_of), each stack passed with the layer index through an optimization
@@ -315,7 +319,8 @@ def scan_layers(body, h, weights, xs, remat: bool):
         policy = jax.checkpoint_policies.save_only_these_names(*attention_lib.SAVED_NAMES)
         step = jax.checkpoint(step, prevent_cse=False, policy=policy)
     scanned = [x for x, h_ in zip(leaves, held) if not h_]
-    return jax.lax.scan(step, h, (jnp.arange(n_layers), scanned, xs))
+    return jax.lax.scan(step, h, (jnp.arange(n_layers), scanned, xs),
+                        unroll=n_layers if unroll else 1)
 
 
 def _layer_of(stack_LxN, index):
@@ -327,7 +332,8 @@ def _layer_of(stack_LxN, index):
 
 def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attention_lib.Attend,
                   lora=None, route: lora_lib.Routing | None = None, *, attn_state=None,
-                  mlp=dense_mlp, remat: bool = True, layers=None, count_S=None, mix=None):
+                  mlp=dense_mlp, remat: bool = True, layers=None, count_S=None, mix=None,
+                  unroll: bool = False):
     """Hidden(final-norm hidden states [S, D] of this shard's tokens, new attention state,
     the routing statistics when count_S is given, else None).
 
@@ -350,7 +356,8 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
     (delta_rule.cp_mix for training and prefill, delta_rule.StepMix for decode); hybrid
     layers run as scans over runs of one kind. A hybrid model's attn_state is a
     HybridState: the full-attention layers' states stacked [Lf, …] and the linear layers'
-    delta_rule.Recurrent stacked [Ll, …]; its result likewise.
+    delta_rule.Recurrent stacked [Ll, …]; its result likewise. unroll: unroll the layer
+    scans of a dense or MoE model (scan_layers).
     """
     dtype = jnp.dtype(cfg.dtype)
     h = embed(params["embed"], tokens_S).astype(dtype)
@@ -390,7 +397,7 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
                               count_S is not None, attn_state)
     if not cfg.is_moe:
         h, (attn_state, _) = scan_layers(body, h, params["layers"], (layer_lora, attn_state),
-                                         remat)
+                                         remat, unroll)
         return finish(h, attn_state, [])
     # MoE and dense layers have different MLP weights, so each run of same-kind layers is
     # its own scan over its slice of the stacks (one scan when every layer is MoE).
@@ -402,7 +409,7 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
         lora_w = None if lora is None else {
             **cut(layer_lora), **(cut_kind(expert_lora) if is_moe else {})}
         h, (state, record) = scan_layers(body, h, {**cut(params["layers"]), **mlp_w},
-                                         (lora_w, cut(attn_state)), remat)
+                                         (lora_w, cut(attn_state)), remat, unroll)
         states.append(state)
         if is_moe and count_S is not None:
             records.append(record)
