@@ -6,15 +6,21 @@
 2. model: training tokens/s (forward + backward of one datum of --tokens tokens, LoRA
    r = 8 on the MLP and lm_head, cross_entropy) — jcp (mesh 1,1,1) against torch +
    transformers' Qwen3_5ForCausalLM with its torch fallbacks (torch_chunk_gated_delta_rule,
-   SDPA) + peft, same config, same process, alternated for --rounds rounds, best of each.
-3. memory: compiled memory per device of one datum of --mem-tokens tokens against cp
-   (mesh 1,cp,1 on 8 fake CPU devices; XLA's memory analysis of grad(loss)), and the
-   collectives per layer: every all-gather of the compiled program with its bytes, at two
-   lengths — the linear layers' (conv halos and piece transitions) stay put while the
-   full-attention layer's K/V gather grows with tokens.
+   SDPA) + peft, same config, same process, alternated for --rounds rounds, best of each;
+   torch on --torch-threads threads (2: the machine's cores; more only contend). Default
+   2048 tokens: the issue's figure is `--only model --tokens 16384`, where torch's
+   fallback (its solve_triangular per chunk, a third of its step) takes minutes per step on
+   2 loaded cores (last session: 24 min for its first step, torch's default threads).
+3. memory: compiled memory per device of one datum at each of --mem-tokens tokens against
+   cp (mesh 1,cp,1 on 8 fake CPU devices; XLA's memory analysis of grad(loss), the
+   full-attention layer on the ring), split at the heap's peak into the Gated DeltaNet
+   layers' buffers (ops under jax.named_scope("gated_delta_net")) and the rest, each as a
+   ratio to cp = 1 (goal 1.2/cp); and every all-gather of the cp = 4 program with its
+   bytes at both lengths — the linear layers' (conv halos, piece transitions) stay put.
 
-    python benchmarks/qwen3_5.py [--only kernel|model|memory] [--tokens N]
-                                 [--kernel-tokens N] [--mem-tokens N] [--rounds N]
+    python benchmarks/qwen3_5.py [--only kernel|model|memory] [--tokens N] [--torch-threads N]
+                                 [--kernel-tokens N] [--mem-tokens N,N] [--mem-cps 1,2,4,8]
+                                 [--attention ring|gather|auto] [--rounds N]
 """
 
 from __future__ import annotations
@@ -80,7 +86,7 @@ def kernel(s_len: int, hk=2, h=4, d=64, chunk=64) -> dict:
 # ------------------------------------------------------------------------------ model
 
 
-def _torch_side(tokens: int):
+def _torch_side(tokens: int, threads: int):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3_5ForCausalLM
@@ -99,6 +105,7 @@ def _torch_side(tokens: int):
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                          "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1]})
     torch.manual_seed(0)
+    torch.set_num_threads(threads)
     hm = Qwen3_5ForCausalLM(hc).float()
     pm = get_peft_model(hm, LoraConfig(r=8, lora_alpha=16, target_modules=[
         "gate_proj", "up_proj", "down_proj", "lm_head"]))
@@ -129,10 +136,10 @@ def _jcp_side(tokens: int):
     return step
 
 
-def model(tokens: int, rounds: int) -> dict:
+def model(tokens: int, rounds: int, threads: int = 2) -> dict:
     print(f"\n2. training tokens/s, one datum of {tokens} tokens, forward + backward, LoRA r 8 "
-          f"(MLP, lm_head); model {MODEL}")
-    sides = {"torch + peft": _torch_side(tokens), "jcp (1,1,1)": _jcp_side(tokens)}
+          f"(MLP, lm_head); torch threads {threads}; model {MODEL}")
+    sides = {"torch + peft": _torch_side(tokens, threads), "jcp (1,1,1)": _jcp_side(tokens)}
     best = {}
     for name, step in sides.items():  # warm-up (compiles jcp)
         t = time.perf_counter()
@@ -220,7 +227,9 @@ def memory(token_list: list[int], cps=(1, 2, 4, 8), attention: str = "ring") -> 
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--only", choices=("kernel", "model", "memory"))
-    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--tokens", type=int, default=2048,
+                   help="model section's datum (the issue's figure: 16384)")
+    p.add_argument("--torch-threads", type=int, default=2)
     p.add_argument("--kernel-tokens", type=int, default=16384)
     p.add_argument("--mem-tokens", default="8192,16384",
                    help="lengths of the memory section (comma list)")
@@ -233,7 +242,7 @@ def main(argv=None):
     if args.only in (None, "kernel"):
         kernel(args.kernel_tokens)
     if args.only in (None, "model"):
-        model(args.tokens, args.rounds)
+        model(args.tokens, args.rounds, args.torch_threads)
     if args.only in (None, "memory"):
         memory([int(t) for t in args.mem_tokens.split(",")],
                tuple(int(c) for c in args.mem_cps.split(",")), args.attention)
