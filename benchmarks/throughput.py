@@ -15,6 +15,16 @@ every round's figure is printed too.
 
 0. The parity table: jcp (defaults) vs torch + peft at 8 × 512, 1 × 8192 and 1 × 16384
    tokens, alternated round by round; the CPU model is printed. Goal ≥ 1.0× in each row.
+   Judge it on a quiet machine: under load torch's OpenMP threads lose far more than
+   XLA:CPU's (at load 17 on 2 cores torch took 5.3 CPU s per 8 × 512 step, 5× its quiet
+   figure, and the table read 4.1× for jcp). `--threads 1` (both sides on one core) is the
+   steadier comparison of the work each side does: at 8 × 512, load 16, torch 1.26 and
+   jcp 1.45 CPU s per step (0.96× tok/s). With 2 threads on a quiet machine jcp both
+   does more CPU work (1.50 vs 1.05 s) and keeps fewer cores busy (~1.6 of 2, torch 2.0).
+   Where jcp's step goes (profile_cpu.py): XLA:CPU's GEMMs are as fast as torch's in
+   isolation (4096×256 @ 256×512, one thread: 8.3 vs 8.4 ms CPU); the rest is the
+   attention kernel (the larger share at 8k/16k) and the layers' elementwise work. Host
+   work per call is ~1 ms packing and ~20 ms optim_step of a ~1.3 CPU s step.
 1. jcp on one CPU device (mesh 1,1,1), defaults (remat "auto", attn_block 64 on CPU), vs
    torch + peft (eager, SDPA attention, torch.optim.AdamW). Also jcp with remat on and
    with attn_block 512, the accelerator default (see the note printed with the figures).

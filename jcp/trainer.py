@@ -427,6 +427,8 @@ class Trainer:
         # Only the modules the call's adapters target are computed (train_step.used_modules).
         targeted = {m for slot in per_datum_slots(packed) if slot >= 0
                     for m in self.adapters[slot].targets}
+        if targeted & set(lora_lib.EXPERT):  # the experts' factors go in as one piece
+            targeted |= set(lora_lib.EXPERT)
         modules = tuple(m for m in self.state.weights if m in targeted)
 
         def step(pb, accumulate):

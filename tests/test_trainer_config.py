@@ -75,3 +75,34 @@ def test_remat_auto_decides_from_compiled_memory():
     for k in g_a:
         np.testing.assert_allclose(g_a[k], g_b[k], rtol=1e-5,
                                    atol=1e-6 * np.abs(g_a[k]).max(), err_msg=k)
+
+
+def test_cpu_unrolled_layer_loop_equals_rolled(monkeypatch):
+    """On XLA:CPU a model of ≤ CPU_UNROLL_LAYERS layers trains with its layer loop unrolled
+    (train_step.unroll_layers): none of its layers' projections runs inside a loop, as all
+    of the rolled program's do, and the numbers are the same."""
+    from helpers import trainer_harness as H
+    from jcp import train_step
+
+    cfg = jcp.QwenConfig.tiny()
+    data = H.random_data((37, 20, 5), seed=1)
+    results, whiles = [], []
+    for limit in (train_step.CPU_UNROLL_LAYERS, 0):
+        monkeypatch.setattr(train_step, "CPU_UNROLL_LAYERS", limit)
+        tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=4,
+                         attn_block=16, logprob_chunk=16)
+        a = tr.create_adapter(rank=4, alpha=8.0, seed=3)
+        out = tr.forward_backward(data, "cross_entropy", adapters=a)
+        (program,) = tr.forward_backward_programs.values()
+        whiles.append(sum("si,io->so/dot_general" in ln and "while/body" in ln
+                          for ln in program.as_text().splitlines()))
+        results.append((out, tr.gradients(a)))
+    assert whiles[0] == 0 < whiles[1], whiles
+    (out_a, g_a), (out_b, g_b) = results
+    assert out_a.metrics["loss:sum"] == pytest.approx(out_b.metrics["loss:sum"], rel=1e-6)
+    for x, y in zip(out_a.loss_fn_outputs, out_b.loss_fn_outputs):
+        np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-6, atol=1e-6)
+    assert any(np.abs(v).max() > 0 for v in g_a.values())
+    for k in g_a:
+        np.testing.assert_allclose(g_a[k], g_b[k], rtol=1e-5,
+                                   atol=1e-6 * np.abs(g_a[k]).max(), err_msg=k)
