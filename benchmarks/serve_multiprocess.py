@@ -19,6 +19,8 @@ XLA:CPU with gloo still sends these over TCP), "cross" (devices of both processe
 "trivial" (groups of one device: no communication).
 
 Each mesh of --mesh (default: 8,1,1, the CPU recommendation, and 2,2,2) is measured alone.
+First, a probe times one psum of 4 KB per device over 4 devices of one process and over 2
+devices of two processes, in 1 process and in 2 (gloo).
 
     python benchmarks/serve_multiprocess.py [--mesh 8,1,1 --mesh 2,2,2] [--steps 5]
                                            [--rounds 3] [--warmup 2] [--direct-steps 10]
@@ -54,6 +56,7 @@ def parse_args(argv):
                    "and 2,2,2)")
     p.add_argument("--worker", nargs=3, type=int, help=argparse.SUPPRESS)  # pid nproc port
     p.add_argument("--dump", help=argparse.SUPPRESS)  # the worker's XLA dump folder
+    p.add_argument("--psum", action="store_true", help=argparse.SUPPRESS)  # worker: latency
     args = p.parse_args(argv)
     args.mesh = args.mesh or ["8,1,1", "2,2,2"]
     return args
@@ -169,9 +172,9 @@ def step_collectives(dump: str, mesh) -> dict:
     for prog in ("forward_backward", "optim_step"):
         files = sorted(glob.glob(os.path.join(
             dump, f"*jit_{prog}.*after_optimizations.txt")))
-        if len(files) != 1:
-            raise RuntimeError(f"expected one compiled {prog} in {dump}, found {files}")
-        with open(files[0]) as f:
+        if not files:
+            raise RuntimeError(f"no compiled {prog} in {dump}")
+        with open(files[-1]) as f:  # the last compiled: the one the timed steps ran
             ops += collectives(f.read(), procs.__getitem__)
     return summarize(ops)
 
@@ -201,20 +204,74 @@ def worker(pid: int, nproc: int, port: int, warmup: int, steps: int, mesh: str,
             for t in _batch(np.random.default_rng(0))]
     times = []
     for i in range(warmup + steps):
+        if i == warmup:
+            cpu = time.process_time()
         t = time.perf_counter()
         tr.forward_backward(data, "cross_entropy", adapters=[a] * DATUMS)
         tr.optim_step(a, jcp.AdamParams(learning_rate=1e-4))
         times.append(time.perf_counter() - t)
+    # CPU seconds per step of this process, all its threads (XLA's and the host's).
+    print(f"cpu_s {(time.process_time() - cpu) / steps}", flush=True)
     if pid == 0:
         print(f"median_s {statistics.median(times[warmup:])}", flush=True)
         if dump:
             print(f"collectives {json.dumps(step_collectives(dump, tr.mesh))}", flush=True)
 
 
+def psum_worker(pid: int, nproc: int, port: int) -> None:
+    """Process `pid` of the psum latency probe: the median time of one jitted psum of 4 KB
+    per device over each axis of a (2, 4) mesh of the 8 devices ("outer" splits the
+    processes, "inner" the devices of one process)."""
+    from jcp.cli import setup_devices
+
+    setup_devices(argparse.Namespace(coordinator_address=f"127.0.0.1:{port}" if nproc > 1
+                                     else None, num_processes=nproc, process_id=pid))
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 4), ("outer", "inner"))
+    spec = P(("outer", "inner"))
+    x = jax.device_put(np.ones((8, 1024), np.float32), NamedSharding(mesh, spec))
+    for axis in ("inner", "outer"):
+        f = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, axis), mesh=mesh, in_specs=spec,
+                                  out_specs=spec))
+        f(x).block_until_ready()
+        times = []
+        for _ in range(30):
+            t = time.perf_counter()
+            f(x).block_until_ready()
+            times.append(time.perf_counter() - t)
+        if pid == 0:
+            print(f"psum_{axis}_s {statistics.median(times)}", flush=True)
+
+
+def psum_latency(nproc: int) -> dict:
+    """{axis: median s} of psum_worker over `nproc` processes."""
+    import subprocess
+
+    import mp_serve
+
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    port = str(mp_serve.free_port())
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--psum",
+                               "--worker", str(i), str(nproc), port], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for i in range(nproc)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    found = {ln.split()[0][5:-2]: float(ln.split()[1]) for ln in outs[0].splitlines()
+             if ln.startswith("psum_")}
+    if set(found) != {"inner", "outer"}:
+        raise RuntimeError(f"psum probe of {nproc} processes failed: {outs}")
+    return found
+
+
 def direct(nproc: int, warmup: int, steps: int, mesh: str,
-           count: bool = False) -> tuple[float, dict | None]:
+           count: bool = False) -> tuple[float, dict | None, float]:
     """(median Trainer step (s) of `nproc` processes × 8 / nproc devices on `mesh`, the
-    step's collectives if `count`)."""
+    step's collectives if `count`, CPU seconds per step of all processes together)."""
     import subprocess
 
     import mp_serve
@@ -236,13 +293,18 @@ def direct(nproc: int, warmup: int, steps: int, mesh: str,
     outs = [p.communicate(timeout=1800)[0] for p in procs]
     found = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in outs[0].splitlines()
              if ln.startswith(("median_s ", "collectives "))}
-    if "median_s" not in found or (count and "collectives" not in found):
+    cpu = [float(ln.split()[1]) for out in outs for ln in out.splitlines()
+           if ln.startswith("cpu_s ")]
+    if "median_s" not in found or (count and "collectives" not in found) or len(cpu) != nproc:
         raise RuntimeError(f"direct run of {nproc} processes failed: {outs}")
-    return float(found["median_s"]), json.loads(found.get("collectives", "null"))
+    return float(found["median_s"]), json.loads(found.get("collectives", "null")), sum(cpu)
 
 
 def main(argv=None) -> dict:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.worker and args.psum:
+        psum_worker(*args.worker)
+        return {}
     if args.worker:
         worker(*args.worker, args.warmup, args.direct_steps, args.mesh[-1], args.dump)
         return {}
@@ -255,23 +317,30 @@ def main(argv=None) -> dict:
         data.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
                                 loss_fn_inputs={"target_tokens": toks[1:],
                                                 "weights": [1.0] * TOKENS}))
-    res = {}
+    res = {"psum": {n: psum_latency(n) for n in (1, 2)}}
+    print("one psum of 4 KB per device over a (2, 4) mesh, median ms: 1 process: "
+          f"{res['psum'][1]['inner'] * 1e3:.2f} (4 devices), {res['psum'][1]['outer'] * 1e3:.2f}"
+          f" (2 devices); 2 processes (gloo): {res['psum'][2]['inner'] * 1e3:.2f} (4 devices "
+          f"of one process), {res['psum'][2]['outer'] * 1e3:.2f} (2 devices, one per process)")
     for mesh in args.mesh:
         print(f"\n== mesh {mesh} (dp,cp,tp)", flush=True)
         out = res[mesh] = served(args, data, mesh) if args.rounds else {}
         if args.direct_steps:
-            one, _ = direct(1, args.warmup, args.direct_steps, mesh)
-            two, counts = direct(2, args.warmup, args.direct_steps, mesh, count=True)
-            out.update(direct_single_s=one, direct_multi_s=two, collectives=counts)
+            one, _, cpu1 = direct(1, args.warmup, args.direct_steps, mesh)
+            two, counts, cpu2 = direct(2, args.warmup, args.direct_steps, mesh, count=True)
+            out.update(direct_single_s=one, direct_multi_s=two, collectives=counts,
+                       cpu_single_s=cpu1, cpu_multi_s=cpu2)
             print("collectives per step (forward_backward + optim_step), count / bytes per "
                   "device: " + ", ".join(f"{k} {v['count']} / {v['bytes']:,}"
                                          for k, v in counts.items()))
             print(f"Trainer step without a server: 1 process {one * 1e3:.0f} ms, 2 processes "
-                  f"{two * 1e3:.0f} ms: {two / one:.3f}x (the devices' collectives)")
+                  f"{two * 1e3:.0f} ms: {two / one:.3f}x; CPU seconds per step (every "
+                  f"process, every thread): {cpu1:.2f} vs {cpu2:.2f} ({cpu2 / cpu1:.3f}x)")
             if "ratio" in out:
                 print(f"the server's own share: {out['ratio'] / (two / one):.3f}x")
     print("\nsummary (goal <= 1.15):")
-    for mesh, out in res.items():
+    for mesh in args.mesh:
+        out = res[mesh]
         c = out.get("collectives") or {}
         print(f"  mesh {mesh}: server {out.get('ratio', float('nan')):.3f}x, Trainer "
               f"{out.get('direct_multi_s', float('nan')) / out.get('direct_single_s', 1):.3f}x"
