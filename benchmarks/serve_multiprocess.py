@@ -1,27 +1,39 @@
 """jcp-serve as a 2-process jax.distributed job against one process, on the same 8 CPU devices.
 
 Two servers run side by side (the launcher of tests/helpers/mp_serve.py: subprocesses,
-127.0.0.1, tiny model, --mesh 2,2,2): one process × 8 fake CPU devices, and two processes ×
-4 (gloo), where process 0 sends each of its worker's calls to the follower before making it
-(jcp/server/replica.py). One training step = the SDK's forward_backward of 8 × 512 tokens
-(cross_entropy) + optim_step, submitted back to back and both awaited, on a rank-8 model.
-After --warmup steps on each, the two alternate for --rounds rounds of --steps steps (so a
-change of machine load hits both); the headline is the median over rounds of
-(multi-process median step) / (single-process median step). Goal: ≤ 1.15.
+127.0.0.1, tiny model, the --mesh under test): one process × 8 fake CPU devices, and two
+processes × 4 (gloo), where process 0 sends each of its worker's calls to the follower
+before making it (jcp/server/replica.py). One training step = the SDK's forward_backward of
+8 × 512 tokens (cross_entropy) + optim_step, submitted back to back and both awaited, on a
+rank-8 model. After --warmup steps on each, the two alternate for --rounds rounds of
+--steps steps (so a change of machine load hits both); the headline is the median over
+rounds of (multi-process median step) / (single-process median step). Goal: ≤ 1.15.
 
 The same step run directly on the Trainer (no server: 2 processes of jax.distributed
 against 1, `--direct-steps` timed steps each after the warm-up) gives the part of that
-ratio the devices' collectives cost (gloo over loopback TCP between the processes against
-XLA:CPU's in-process collectives); the server's own share is the quotient of the two.
+ratio the devices' collectives cost; the server's own share is the quotient of the two.
+The 2-process run also counts the collectives one step executes (its compiled
+forward_backward and optim_step, XLA's HLO after optimisation, each while loop's body
+times its trip count), by the devices each one joins: "local" (one process's devices —
+XLA:CPU with gloo still sends these over TCP), "cross" (devices of both processes), and
+"trivial" (groups of one device: no communication).
 
-    python benchmarks/serve_multiprocess.py [--steps 5] [--rounds 3] [--warmup 2]
-                                           [--direct-steps 10]
+Each mesh of --mesh (default: 8,1,1, the CPU recommendation, and 2,2,2) is measured alone.
+First, a probe times one psum of 4 KB per device over 4 devices of one process and over 2
+devices of two processes, in 1 process and in 2 (gloo).
+
+    python benchmarks/serve_multiprocess.py [--mesh 8,1,1 --mesh 2,2,2] [--steps 5]
+                                           [--rounds 3] [--warmup 2] [--direct-steps 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
+import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -40,8 +52,131 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--direct-steps", type=int, default=10,
                    help="timed Trainer steps of the no-server comparison (0: skip it)")
+    p.add_argument("--mesh", action="append", help="dp,cp,tp (repeatable; default 8,1,1 "
+                   "and 2,2,2)")
     p.add_argument("--worker", nargs=3, type=int, help=argparse.SUPPRESS)  # pid nproc port
-    return p.parse_args(argv)
+    p.add_argument("--dump", help=argparse.SUPPRESS)  # the worker's XLA dump folder
+    p.add_argument("--psum", action="store_true", help=argparse.SUPPRESS)  # worker: latency
+    args = p.parse_args(argv)
+    args.mesh = args.mesh or ["8,1,1", "2,2,2"]
+    return args
+
+
+# ----------------------------------------------------------------------------------------
+# Collectives of a compiled program (XLA's HLO text after optimisation)
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
+               "all-to-all", "collective-broadcast", "ragged-all-to-all")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = (.*?) ([a-z][a-z\-]*)\((.*)$")
+_SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
+_HEAD = re.compile(r"^(ENTRY\s+)?%([\w.\-]+) .*\{\s*$")
+
+
+def _groups(rest: str) -> list[list[int]] | None:
+    """The device groups of one collective (replica_groups, either spelling, or a
+    collective-permute's source_target_pairs); None if it names none (all devices)."""
+    m = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,{}]*\})\}", rest)
+    if m:
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}",
+                                                                         m.group(1))]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
+    if m:
+        import numpy as np
+
+        ids = np.arange(int(np.prod([int(x) for x in m.group(3).split(",")])))
+        ids = ids.reshape([int(x) for x in m.group(3).split(",")])
+        if m.group(4):
+            ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    return None
+
+
+def collectives(hlo: str, process_of) -> list[tuple[str, int, str]]:
+    """Every collective one run of the program executes: (op, bytes per device, kind).
+
+    Walks from the entry computation through calls, conditionals and while loops (a body
+    counts its known trip count times). kind: "trivial" (every group is one device),
+    "local" (each group within one process: process_of(logical device id)), or "cross".
+    """
+    comps, name, entry = {}, None, None
+    for line in hlo.splitlines():
+        head = _HEAD.match(line)
+        if head and name is None:
+            name, comps[head.group(2)] = head.group(2), []
+            entry = name if head.group(1) else entry
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            comps[name].append(line)
+    out = []
+
+    def walk(comp: str, times: int) -> None:
+        for line in comps.get(comp, ()):
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            shape, op, rest = m.groups()
+            base = op.removesuffix("-start")
+            if base in COLLECTIVES:
+                nbytes = sum(_BYTES[t] * _count(dims) for t, dims in _SHAPE.findall(shape))
+                groups = _groups(rest)
+                if groups is not None and all(len(g) == 1 for g in groups):
+                    kind = "trivial"
+                elif groups is not None and all(len({process_of(i) for i in g}) == 1
+                                                for g in groups):
+                    kind = "local"
+                else:
+                    kind = "cross"
+                out.extend([(base, nbytes, kind)] * times)
+            if op == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+                walk(re.search(r"body=%([\w.\-]+)", rest).group(1),
+                     times * (int(trips.group(1)) if trips else 1))
+                continue
+            for key in ("calls", "true_computation", "false_computation"):
+                called = re.search(key + r"=%([\w.\-]+)", rest)
+                if called:
+                    walk(called.group(1), times)
+            branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+            for called in re.findall(r"%([\w.\-]+)", branches.group(1) if branches else ""):
+                walk(called, times)
+
+    walk(entry, 1)
+    return out
+
+
+def _count(dims: str) -> int:
+    n = 1
+    for d in dims.split(","):
+        n *= int(d) if d else 1
+    return n
+
+
+def summarize(ops) -> dict:
+    """{kind: {"count": n, "bytes": b}} of collectives(...)'s list."""
+    out = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+    for _, nbytes, kind in ops:
+        out[kind]["count"] += 1
+        out[kind]["bytes"] += nbytes
+    return {k: dict(out[k]) for k in ("local", "cross", "trivial")}
+
+
+def step_collectives(dump: str, mesh) -> dict:
+    """The collectives of one training step (forward_backward + optim_step) from an XLA
+    dump folder, devices mapped to processes through the mesh (logical id = position in
+    mesh.devices)."""
+    procs = [d.process_index for d in mesh.devices.flat]
+    ops = []
+    for prog in ("forward_backward", "optim_step"):
+        files = sorted(glob.glob(os.path.join(
+            dump, f"*jit_{prog}.*after_optimizations.txt")))
+        if not files:
+            raise RuntimeError(f"no compiled {prog} in {dump}")
+        with open(files[-1]) as f:  # the last compiled: the one the timed steps ran
+            ops += collectives(f.read(), procs.__getitem__)
+    return summarize(ops)
 
 
 def _batch(rng):
@@ -49,8 +184,10 @@ def _batch(rng):
     return toks
 
 
-def worker(pid: int, nproc: int, port: int, warmup: int, steps: int) -> None:
-    """One process of the no-server comparison: jcp-serve's Trainer, the benchmark's step."""
+def worker(pid: int, nproc: int, port: int, warmup: int, steps: int, mesh: str,
+           dump: str | None) -> None:
+    """One process of the no-server comparison: jcp-serve's Trainer, the benchmark's step;
+    with `dump` (XLA's dump folder), process 0 also prints the step's collectives."""
     from jcp.cli import setup_devices
 
     setup_devices(argparse.Namespace(coordinator_address=f"127.0.0.1:{port}" if nproc > 1
@@ -59,23 +196,59 @@ def worker(pid: int, nproc: int, port: int, warmup: int, steps: int) -> None:
 
     import jcp
 
-    tr = jcp.Trainer(jcp.QwenConfig.tiny(), jcp.make_mesh(2, 2, 2), max_adapters=8,
+    tr = jcp.Trainer(jcp.QwenConfig.tiny(), jcp.make_mesh(*map(int, mesh.split(","))),
+                     max_adapters=8,
                      max_rank=RANK)
     a = tr.create_adapter(rank=RANK, alpha=32.0, seed=0)
     data = [jcp.Datum(t[:-1], {"target_tokens": t[1:], "weights": np.ones(TOKENS, np.float32)})
             for t in _batch(np.random.default_rng(0))]
     times = []
     for i in range(warmup + steps):
+        if i == warmup:
+            cpu = time.process_time()
         t = time.perf_counter()
         tr.forward_backward(data, "cross_entropy", adapters=[a] * DATUMS)
         tr.optim_step(a, jcp.AdamParams(learning_rate=1e-4))
         times.append(time.perf_counter() - t)
+    # CPU seconds per step of this process, all its threads (XLA's and the host's).
+    print(f"cpu_s {(time.process_time() - cpu) / steps}", flush=True)
     if pid == 0:
         print(f"median_s {statistics.median(times[warmup:])}", flush=True)
+        if dump:
+            print(f"collectives {json.dumps(step_collectives(dump, tr.mesh))}", flush=True)
 
 
-def direct(nproc: int, warmup: int, steps: int) -> float:
-    """Median Trainer step (s) of `nproc` processes × 8 / nproc devices."""
+def psum_worker(pid: int, nproc: int, port: int) -> None:
+    """Process `pid` of the psum latency probe: the median time of one jitted psum of 4 KB
+    per device over each axis of a (2, 4) mesh of the 8 devices ("outer" splits the
+    processes, "inner" the devices of one process)."""
+    from jcp.cli import setup_devices
+
+    setup_devices(argparse.Namespace(coordinator_address=f"127.0.0.1:{port}" if nproc > 1
+                                     else None, num_processes=nproc, process_id=pid))
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 4), ("outer", "inner"))
+    spec = P(("outer", "inner"))
+    x = jax.device_put(np.ones((8, 1024), np.float32), NamedSharding(mesh, spec))
+    for axis in ("inner", "outer"):
+        f = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, axis), mesh=mesh, in_specs=spec,
+                                  out_specs=spec))
+        f(x).block_until_ready()
+        times = []
+        for _ in range(30):
+            t = time.perf_counter()
+            f(x).block_until_ready()
+            times.append(time.perf_counter() - t)
+        if pid == 0:
+            print(f"psum_{axis}_s {statistics.median(times)}", flush=True)
+
+
+def psum_latency(nproc: int) -> dict:
+    """{axis: median s} of psum_worker over `nproc` processes."""
     import subprocess
 
     import mp_serve
@@ -83,21 +256,57 @@ def direct(nproc: int, warmup: int, steps: int) -> float:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     port = str(mp_serve.free_port())
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", str(i),
-                               str(nproc), port, "--warmup", str(warmup), "--direct-steps",
-                               str(steps)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True) for i in range(nproc)]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--psum",
+                               "--worker", str(i), str(nproc), port], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for i in range(nproc)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    found = {ln.split()[0][5:-2]: float(ln.split()[1]) for ln in outs[0].splitlines()
+             if ln.startswith("psum_")}
+    if set(found) != {"inner", "outer"}:
+        raise RuntimeError(f"psum probe of {nproc} processes failed: {outs}")
+    return found
+
+
+def direct(nproc: int, warmup: int, steps: int, mesh: str,
+           count: bool = False) -> tuple[float, dict | None, float]:
+    """(median Trainer step (s) of `nproc` processes × 8 / nproc devices on `mesh`, the
+    step's collectives if `count`, CPU seconds per step of all processes together)."""
+    import subprocess
+
+    import mp_serve
+
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    dump = tempfile.mkdtemp(prefix="jcp-bench-hlo-") if count else None
+    cmd = [sys.executable, os.path.abspath(__file__), "--warmup", str(warmup),
+           "--direct-steps", str(steps), "--mesh", mesh, "--worker"]
+    port = str(mp_serve.free_port())
+    procs = []
+    for i in range(nproc):
+        if dump:
+            env["XLA_FLAGS"] = (f"--xla_dump_to={dump}/p{i} --xla_dump_hlo_as_text "
+                                "--xla_dump_hlo_module_re=forward_backward|optim_step")
+        args = cmd + [str(i), str(nproc), port] + (["--dump", f"{dump}/p{i}"] if dump else [])
+        procs.append(subprocess.Popen(args, env=dict(env), stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, text=True))
     outs = [p.communicate(timeout=1800)[0] for p in procs]
-    line = [ln for ln in outs[0].splitlines() if ln.startswith("median_s")]
-    if not line:
+    found = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in outs[0].splitlines()
+             if ln.startswith(("median_s ", "collectives "))}
+    cpu = [float(ln.split()[1]) for out in outs for ln in out.splitlines()
+           if ln.startswith("cpu_s ")]
+    if "median_s" not in found or (count and "collectives" not in found) or len(cpu) != nproc:
         raise RuntimeError(f"direct run of {nproc} processes failed: {outs}")
-    return float(line[0].split()[1])
+    return float(found["median_s"]), json.loads(found.get("collectives", "null")), sum(cpu)
 
 
 def main(argv=None) -> dict:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.worker and args.psum:
+        psum_worker(*args.worker)
+        return {}
     if args.worker:
-        worker(*args.worker, args.warmup, args.direct_steps)
+        worker(*args.worker, args.warmup, args.direct_steps, args.mesh[-1], args.dump)
         return {}
     import numpy as np
     from tinker import types
@@ -108,18 +317,40 @@ def main(argv=None) -> dict:
         data.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
                                 loss_fn_inputs={"target_tokens": toks[1:],
                                                 "weights": [1.0] * TOKENS}))
-    out = served(args, data) if args.rounds else {}
-    if args.direct_steps:
-        one, two = (direct(n, args.warmup, args.direct_steps) for n in (1, 2))
-        out.update(direct_single_s=one, direct_multi_s=two)
-        print(f"Trainer step without a server: 1 process {one * 1e3:.0f} ms, 2 processes "
-              f"{two * 1e3:.0f} ms: {two / one:.3f}x (the devices' collectives)")
-        if "ratio" in out:
-            print(f"the server's own share: {out['ratio'] / (two / one):.3f}x")
-    return out
+    res = {"psum": {n: psum_latency(n) for n in (1, 2)}}
+    print("one psum of 4 KB per device over a (2, 4) mesh, median ms: 1 process: "
+          f"{res['psum'][1]['inner'] * 1e3:.2f} (4 devices), {res['psum'][1]['outer'] * 1e3:.2f}"
+          f" (2 devices); 2 processes (gloo): {res['psum'][2]['inner'] * 1e3:.2f} (4 devices "
+          f"of one process), {res['psum'][2]['outer'] * 1e3:.2f} (2 devices, one per process)")
+    for mesh in args.mesh:
+        print(f"\n== mesh {mesh} (dp,cp,tp)", flush=True)
+        out = res[mesh] = served(args, data, mesh) if args.rounds else {}
+        if args.direct_steps:
+            one, _, cpu1 = direct(1, args.warmup, args.direct_steps, mesh)
+            two, counts, cpu2 = direct(2, args.warmup, args.direct_steps, mesh, count=True)
+            out.update(direct_single_s=one, direct_multi_s=two, collectives=counts,
+                       cpu_single_s=cpu1, cpu_multi_s=cpu2)
+            print("collectives per step (forward_backward + optim_step), count / bytes per "
+                  "device: " + ", ".join(f"{k} {v['count']} / {v['bytes']:,}"
+                                         for k, v in counts.items()))
+            print(f"Trainer step without a server: 1 process {one * 1e3:.0f} ms, 2 processes "
+                  f"{two * 1e3:.0f} ms: {two / one:.3f}x; CPU seconds per step (every "
+                  f"process, every thread): {cpu1:.2f} vs {cpu2:.2f} ({cpu2 / cpu1:.3f}x)")
+            if "ratio" in out:
+                print(f"the server's own share: {out['ratio'] / (two / one):.3f}x")
+    print("\nsummary (goal <= 1.15):")
+    for mesh in args.mesh:
+        out = res[mesh]
+        c = out.get("collectives") or {}
+        print(f"  mesh {mesh}: server {out.get('ratio', float('nan')):.3f}x, Trainer "
+              f"{out.get('direct_multi_s', float('nan')) / out.get('direct_single_s', 1):.3f}x"
+              + (f", collectives per step: {c['cross']['count']} cross-process "
+                 f"({c['cross']['bytes']:,} B), {c['local']['count']} within a process "
+                 f"({c['local']['bytes']:,} B)" if c else ""))
+    return res
 
 
-def served(args, data) -> dict:
+def served(args, data, mesh: str) -> dict:
     """The headline: median over rounds of the two servers' median step ratio."""
     import tinker
     from tinker import types
@@ -127,8 +358,8 @@ def served(args, data) -> dict:
     import mp_serve
 
     adam = types.AdamParams(learning_rate=1e-4)
-    jobs = {"single": mp_serve.Job(1, tempfile.mkdtemp(prefix="jcp-bench-1-")),
-            "multi": mp_serve.Job(2, tempfile.mkdtemp(prefix="jcp-bench-2-"),
+    jobs = {"single": mp_serve.Job(1, tempfile.mkdtemp(prefix="jcp-bench-1-"), "--mesh", mesh),
+            "multi": mp_serve.Job(2, tempfile.mkdtemp(prefix="jcp-bench-2-"), "--mesh", mesh,
                                   follower_timeout=120)}
     clients = []
     try:
@@ -163,7 +394,7 @@ def served(args, data) -> dict:
         mp_serve.close(clients)
         for job in jobs.values():
             job.stop()
-    print(f"\nserver step, 2 processes x 4 devices / 1 process x 8 devices "
+    print(f"server step, 2 processes x 4 devices / 1 process x 8 devices "
           f"(forward_backward + optim_step, {DATUMS} x {TOKENS}): {ratio:.3f}x (goal <= 1.15)")
     return {"ratio": ratio, "rounds": rows}
 

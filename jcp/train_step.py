@@ -198,6 +198,7 @@ def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tup
 
     def shard(lora_active, params, slot_meta, b: Batch, loss_cfg):
         one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
+        lora_active = vary_on_entry(lora_active)
         route = slot_meta.routing(b.active, one(b.spans))
         inputs = losses_lib.TokenInputs(
             **{k: one(getattr(b, k)) for k in losses_lib.FLOAT_INPUTS})
@@ -226,6 +227,25 @@ def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tup
     out = dataclasses.replace(out, custom_loss=rep(jax.lax.stop_gradient(c_loss)),
                               custom_metrics=jax.tree.map(rep, jax.lax.stop_gradient(c_metrics)))
     return rep(loss + jnp.sum(c_loss)), out
+
+
+def vary_on_entry(tree):
+    """The adapters made device-varying over dp and cp on entry to the shard_map.
+
+    The gradient of an input the shard_map holds replicated is summed over the devices
+    (psum) where the input first meets varying data: left implicit, that is inside the
+    layer scan, one all-reduce per layer in the backward pass. Cast here, the whole
+    stacked gradient is summed once, after the scan, in one all-reduce (XLA combines the
+    leaves) — the same sums, L times fewer collectives, which is what a collective costs
+    across processes (gloo: each one is TCP round trips, benchmarks/serve_multiprocess.py).
+    """
+    axes = BATCH_AXES  # (tp: custom VJPs inside the layers keep the adapters' tp type)
+
+    def cast(x):
+        missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
 
 
 def custom_terms(custom: custom_loss_lib.CustomLoss, lp_DPxCPxS, custom_args):

@@ -53,3 +53,37 @@ def test_gpu_f32_copy_detector():
                                      .compile().as_text()) for n, f in (("plain", plain),
                                                                          ("ours", ours))}
     assert "f32[3,16,16]" in shapes["plain"] and "f32[3,16,16]" not in shapes["ours"]
+
+
+def test_collective_counter_classifies_and_counts_loops():
+    """serve_multiprocess.collectives on a compiled shard_map over a (2, 2, 2, 1) mesh of the
+    8 devices, read as 2 processes × 4 (devices 0-3, 4-7): a psum over the innermost axis
+    stays within a process, one over the outermost crosses, one over the size-1 axis moves
+    nothing, and a psum inside a 3-trip loop counts 3 times."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import serve_multiprocess as bench
+
+    mesh = jax.make_mesh((2, 2, 2, 1), ("a", "b", "c", "d"))
+
+    def body(x):
+        x = jax.lax.psum(x, "c")
+        x = jax.lax.psum(x * 2.0, "a")
+        x = jax.lax.psum(x * 3.0, "d")
+        return jax.lax.fori_loop(0, 3, lambda i, y: y * 0.5 + jax.lax.psum(y, "b"), x)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("a", "b", "c")),
+                              out_specs=P(("a", "b", "c"))))
+    x = jax.device_put(jnp.ones((8, 16), jnp.float32), NamedSharding(mesh, P(("a", "b", "c"))))
+    hlo = f.lower(x).compile().as_text()
+    ops = bench.collectives(hlo, lambda i: i // 4)
+    got = bench.summarize(ops)
+    assert {op for op, _, _ in ops} == {"all-reduce"}
+    assert got["cross"] == {"count": 1, "bytes": 16 * 4}
+    assert got["local"] == {"count": 1 + 3, "bytes": 4 * 16 * 4}
+    assert got["trivial"]["count"] <= 1  # XLA may drop the size-1 psum
+    # All 8 devices as one process: nothing crosses.
+    assert bench.summarize(bench.collectives(hlo, lambda i: 0))["cross"]["count"] == 0
