@@ -14,7 +14,8 @@ a user's run in two ways that change no program's meaning:
   in-process comparison runs both sides at -O0); the tiny models' run time does not
   notice. Child processes (jcp-train, jcp-serve, the two-process and the killed-save
   tests) choose their own device count and take the same level from
-  JCP_TEST_CHILD_XLA_FLAGS (a jcp-train MoE run: see the README's test section).
+  JCP_TEST_CHILD_XLA_FLAGS (a jcp-train --moe run of 3 steps: 73.5 -> 50.5 CPU s, the
+  same losses to the printed digits).
   JCP_TEST_XLA_OPT=default compiles the in-process tests and the children as users do.
 - JAX's persistent compilation cache in a fresh folder per session (removed at exit), for
   programs that took ≥ 1 s to compile: the same program built again (a new Trainer, a
