@@ -100,7 +100,7 @@ def killed(tmp_path_factory):
     """Every killed save, 3 children at a time -> {(phase, mode): (path, returncode, log)}."""
     root = tmp_path_factory.mktemp("killed")
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = os.environ.get("JCP_TEST_CHILD_XLA_FLAGS", "")
     pending = [(p, "replace") for p, _ in PHASES] + [(p, "fresh") for p, _ in FRESH]
     running, out = {}, {}
     deadline = time.monotonic() + 300

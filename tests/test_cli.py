@@ -13,8 +13,8 @@ SMALL = ["--seq-len", "64", "--batch-size", "2", "--no-progress", "--save-every"
 
 def _env():
     env = dict(os.environ)
-    # The job picks its own 8 fake devices; don't inherit the test process's flags.
-    env.pop("XLA_FLAGS", None)
+    # The job picks its own 8 fake devices; don't inherit the test process's device count.
+    env["XLA_FLAGS"] = os.environ.get("JCP_TEST_CHILD_XLA_FLAGS", "")
     env["JAX_PLATFORMS"] = "cpu"
     return env
 

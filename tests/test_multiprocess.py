@@ -23,7 +23,7 @@ def test_two_processes_match_one(tmp_path):
     assert jax.process_count() == 1 and jax.device_count() == 8
     port = str(_free_port())
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = os.environ.get("JCP_TEST_CHILD_XLA_FLAGS", "")
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "helpers", "mp_worker.py"), str(i), port,
                                str(tmp_path)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]

@@ -345,7 +345,8 @@ def test_jcp_train_runs_on_a_qwen3_5_folder(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "run"
-    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+    env = {**__import__("os").environ,
+           "XLA_FLAGS": __import__("os").environ.get("JCP_TEST_CHILD_XLA_FLAGS", "")}
     p = subprocess.run([sys.executable, "-m", "jcp.train", "--hf-model", path, "--out",
                         str(out), "--steps", "3", "--data", str(data), "--batch-size", "2",
                         "--lr", "1e-2", "--no-progress", "--save-every", "3", "--mesh", "1,2,2"],

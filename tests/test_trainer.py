@@ -6,7 +6,9 @@ Evidence:
    metrics and per-adapter gradients on meshes (1,2,1) (1,4,1) (1,8,1) (2,2,2) (1,2,2) as
    on (1,1,1), for all five Tinker losses, on one batch that mixes three adapters of
    ranks 2, 4, 8 (non-zero B, different target sets) with ragged and one-token datums —
-   and again with ring attention forced (cp_attention="ring") at (1,8,1) and (2,2,2);
+   and again with ring attention forced (cp_attention="ring") at (1,8,1) and (2,2,2).
+   One mixed-loss pass per mesh carries all five losses (each loss on its own copy of the
+   batch and its own copies of the adapters), so each mesh compiles one program;
 2. optim_step with weight decay and clipping on one adapter leaves every other slot's
    weights, gradient accumulator and AdamW state bit-identical;
 3. two forward_backward calls accumulate to one call on both batches; forward changes no
@@ -82,21 +84,40 @@ def _counting_attention(counts):
         paths.cp_attention, paths.ring_attention = saved
 
 
+# One forward_backward per mesh serves all five losses (one compiled program instead of
+# five): the batch is H.LENGTHS once per loss, each copy under its own loss and its own
+# three adapters (p, q, r loaded again per loss), so every (loss, adapter) gradient lands
+# in a slot of its own and every datum's outputs are those of its loss — the same
+# quantities one pass per loss gives (test_mixed_losses: a mixed pass = separate passes).
+MESH_TRAINER_KW = dict(max_adapters=len(H.LOSS_NAMES) * len(H.ADAPTERS) + 1)
+
+
 def _mesh_results(mesh_shape, folders, data, cp_attention="auto"):
-    """{loss: (output, {adapter name: gradients})} of one fresh forward_backward per loss,
-    and "paths": how often each cp attention path was traced meanwhile."""
+    """{loss: (output of its datums, {adapter name: gradients})}, "mixed": the whole
+    pass's output, and "paths": how often each cp attention path was traced meanwhile."""
     key = (mesh_shape, cp_attention)
     if key not in _MESH_RESULTS:
-        tr = H.trainer(mesh_shape, **({} if cp_attention == "auto"
-                                      else {"cp_attention": cp_attention}))
-        res = {}
-        with _counting_attention({"gather": 0, "ring": 0}) as counts:
+        tr = H.trainer(mesh_shape, **MESH_TRAINER_KW,
+                       **({} if cp_attention == "auto" else {"cp_attention": cp_attention}))
+        with _counting_attention({"gather": 0, "ring": 0}) as counts, H.borrowed(tr):
+            ids = {loss: H.load_adapters(tr, folders) for loss in H.LOSS_NAMES}
+            batch, losses, adapters = [], [], []
             for loss in H.LOSS_NAMES:
-                with H.borrowed(tr):  # fresh slots: accumulators start at zero for each loss
-                    ids = H.load_adapters(tr, folders)
-                    out = tr.forward_backward(data, loss, H.LOSS_CONFIGS[loss],
-                                              adapters=_ids(ids, H.ASSIGN))
-                    res[loss] = (out, {n: tr.gradients(a) for n, a in ids.items()})
+                batch += data
+                losses += [loss] * len(data)
+                adapters += _ids(ids[loss], H.ASSIGN)
+            configs = {k: v for k, v in H.LOSS_CONFIGS.items() if v is not None}
+            out = tr.forward_backward(batch, losses, configs, adapters=adapters)
+            res = {"mixed": out}
+            for i, loss in enumerate(H.LOSS_NAMES):
+                outputs = out.loss_fn_outputs[i * len(data):(i + 1) * len(data)]
+                metrics = {"loss:sum": sum(o["loss:sum"] for o in outputs)}
+                if "clipped_tokens:sum" in outputs[0]:
+                    metrics["clipped_tokens:sum"] = sum(o["clipped_tokens:sum"]
+                                                        for o in outputs)
+                res[loss] = (jcp.ForwardBackwardOutput(loss_fn_outputs=outputs,
+                                                       metrics=metrics),
+                             {n: tr.gradients(a) for n, a in ids[loss].items()})
         res["paths"] = counts
         _MESH_RESULTS[key] = res
     return _MESH_RESULTS[key]
@@ -120,9 +141,10 @@ def test_reference_results_are_informative(folders, data):
                 assert v.shape[0 if ".lora_A." in k else 1] == r
         if loss in ("ppo", "cispo"):
             assert 0 < out.metrics["clipped_tokens:sum"] < n_tokens, loss
-    # The losses really differ from one another.
+    # The losses really differ from one another, and the per-loss parts make up the pass.
     sums = [res[loss][0].metrics["loss:sum"] for loss in H.LOSS_NAMES]
     assert len(set(np.round(sums, 4))) == len(sums)
+    assert res["mixed"].metrics["loss:sum"] == pytest.approx(sum(sums), rel=1e-5)
 
 
 def _mesh_id(m):
@@ -138,7 +160,8 @@ RING_MESHES = ((1, 8, 1), (2, 2, 2))
                          + [pytest.param(m, "ring", id=_mesh_id(m) + "-ring")
                             for m in RING_MESHES])
 def test_forward_backward_same_on_every_mesh(mesh_shape, cp_attention, folders, data):
-    tr = H.trainer(mesh_shape, **({} if cp_attention == "auto" else {"cp_attention": "ring"}))
+    tr = H.trainer(mesh_shape, **MESH_TRAINER_KW,
+                   **({} if cp_attention == "auto" else {"cp_attention": "ring"}))
     assert mesh_shape != REF and (tr.dp, tr.cp, tr.tp) == mesh_shape
     assert tr.mesh.devices.size == np.prod(mesh_shape) > 1
     assert tr.step_cfg.cp_attention == cp_attention
@@ -149,6 +172,7 @@ def test_forward_backward_same_on_every_mesh(mesh_shape, cp_attention, folders, 
         assert got["paths"]["ring"] > 0 and got["paths"]["gather"] == 0, got["paths"]
     else:
         assert got["paths"]["ring"] == 0, got["paths"]
+    H.assert_outputs_close(got["mixed"], ref["mixed"], RTOL, ATOL, f"all losses {mesh_shape}")
     for loss in H.LOSS_NAMES:
         H.assert_outputs_close(got[loss][0], ref[loss][0], RTOL, ATOL, f"{loss} {mesh_shape}")
         for name in H.ADAPTERS:

@@ -14,7 +14,8 @@ import signal
 import sys
 
 if __name__ == "__main__":
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=1 "
+                               + os.environ.get("JCP_TEST_CHILD_XLA_FLAGS", ""))
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 import numpy as np  # noqa: E402

@@ -40,7 +40,8 @@ class Job:
         with open(keyfile, "w") as f:
             f.writelines(f"{k} {v}\n" for k, v in KEYS.items())
         env = dict(os.environ)
-        env.pop("XLA_FLAGS", None)  # jcp-serve gives each process 8 / processes devices
+        # jcp-serve gives each process 8 / processes devices
+        env["XLA_FLAGS"] = os.environ.get("JCP_TEST_CHILD_XLA_FLAGS", "")
         env.setdefault("TINKER_TELEMETRY", "0")
         if cache:  # a restarted job reads what the first one compiled
             env.update(JAX_COMPILATION_CACHE_DIR=cache,

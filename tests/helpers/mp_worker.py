@@ -7,7 +7,8 @@ import os
 import sys
 
 pid, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
+                           + os.environ.get("JCP_TEST_CHILD_XLA_FLAGS", ""))
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
