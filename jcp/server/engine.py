@@ -626,8 +626,7 @@ class Engine:
                 prompt_logprobs_last_n=args.prompt_logprobs_last_n,
                 target_prompt_logprobs=None if target is None else target.ids,
                 prompt_alt_tokens_k=args.prompt_alt_tokens_k)
-            if (not self.sampling.runs_model
-                    or len(args.prompt) - 1 + args.max_tokens > self.sampling.max_len):
+            if len(args.prompt) - 1 + args.max_tokens > self.sampling.max_len:
                 res = self.tr.sample([args.prompt], sp, adapters=adapter,
                                      num_samples=args.num_samples,
                                      prompt_logprobs=args.prompt_logprobs, fields=fields)[0]
