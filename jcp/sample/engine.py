@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -421,7 +422,7 @@ class Engine:
             seq.done = True
             self.rows_used[seq.g] -= 1
             if seq.row is not None:
-                self.free_rows[seq.g].append(seq.row)
+                heapq.heappush(self.free_rows[seq.g], seq.row)
                 seq.row = None
 
     def _end(self, req: _Request, outcome) -> None:
@@ -596,7 +597,7 @@ class Engine:
         self.rows_used[g] += len(group.seqs)
         if self.hybrid:
             for seq in group.seqs:
-                seq.row = self.free_rows[g].popleft()
+                seq.row = heapq.heappop(self.free_rows[g])  # the lowest free row
         group.filled = len(hits) * self.page
         if req.plp is not None:
             for i, p in enumerate(hits):
@@ -635,8 +636,9 @@ class Engine:
 
     # ------------------------------------------------------------------ device arrays
 
-    def _all_rows(self) -> list[deque]:
-        return [deque(range(self.b_local)) for _ in range(self.groups)]
+    def _all_rows(self) -> list[list[int]]:
+        """Every device's state rows, all free (heaps)."""
+        return [list(range(self.b_local)) for _ in range(self.groups)]
 
     def _ensure_cache(self) -> None:
         if self.cache is None:
