@@ -473,7 +473,8 @@ def test_jcp_train_runs_on_a_qwen3_5_folder(tmp_path):
 def test_jcp_serve_trains_a_qwen3_5_model():
     """The tinker SDK against jcp-serve over a Qwen3.5 Trainer: forward_backward and
     optim_step equal the Trainer's own on an adapter of the same seed (every target, the
-    Gated DeltaNet projections included)."""
+    Gated DeltaNet projections included); a sample of the trained weights (in-memory
+    snapshot), decoded by the server's paged engine, equals Trainer.sample."""
     pytest.importorskip("tinker")
     from tinker import types
     from helpers.server_harness import client, serving
@@ -508,6 +509,23 @@ def test_jcp_serve_trains_a_qwen3_5_model():
             assert any("in_proj_qkv" in k for k in moved)
             for k in want:
                 np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+            tr.delete_adapter(local)  # room for the sampler snapshot
+            # Sampling the trained weights goes through the server's paged engine.
+            sampling = env["srv"].engine.sampling
+            assert sampling.peak_live == 0
+            sc = tc.save_weights_and_get_sampling_client().result()
+            prompt = list(SAMPLE_PROMPTS[3])
+            res = sc.sample(types.ModelInput.from_ints(prompt), 2,
+                            types.SamplingParams(max_tokens=SAMPLE_TOKENS, temperature=1.0,
+                                                 seed=11, stop=[])).result()
+            assert sampling.peak_live == 2  # both samples decoded in the engine's batch
+            ref = tr.sample([prompt], _no_stop(temperature=1.0, seed=11), adapters=slot,
+                            num_samples=2)[0]
+            assert len(res.sequences) == 2
+            assert res.sequences[0].tokens != res.sequences[1].tokens
+            for x, y in zip(res.sequences, ref.sequences):
+                assert list(x.tokens) == y.tokens.tolist()
+                np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=1e-5, atol=1e-6)
         finally:
-            tr.delete_adapter(local)
-            tr.delete_adapter(slot)  # the cached Trainer's slots are free for other tests
+            for a in list(tr.adapters):  # the cached Trainer's slots (snapshot too) freed
+                tr.delete_adapter(a)

@@ -394,14 +394,9 @@ class Engine:
 
     def state_bytes(self) -> int:
         """Bytes of one sequence's recurrent-state row on one device (a hybrid model: conv
-        window and delta-rule state of every Gated DeltaNet layer, fp32; 0 otherwise)."""
-        if not self.hybrid:
-            return 0
-        c, tp = self.s.cfg, self.s.tp
-        ll = c.linear_layers.count(True)
-        conv = (c.linear_conv_kernel_dim - 1) * (2 * c.linear_key_dim + c.linear_value_dim)
-        ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
-        return 4 * ll * (conv + ssm) // tp
+        window and delta-rule state of every Gated DeltaNet layer, fp32; 0 otherwise).
+        Every decode slot holds one: slots / (dp·cp) rows per device."""
+        return self.s.state_bytes
 
     def _version(self, adapter: int) -> int:
         return -1 if adapter == BASE else int(self.version(adapter))
