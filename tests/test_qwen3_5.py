@@ -404,6 +404,37 @@ def test_engine_drawn_logprobs_equal_forward_and_one_prefill():
         np.testing.assert_array_equal(x.logprobs, y.logprobs)
 
 
+def test_engine_warmup_covers_a_hybrid_model():
+    """Engine.warmup on a hybrid model runs its program set (prefill rows 8 / 2 × chunk 16
+    × 4 table pages, decode rows 8 × 4 pages, one copy rung) on padding — state rows
+    untouched — and then requests of random lengths and sample counts compile nothing."""
+    from jcp.sample.engine import Engine
+    tr, (a, _), _ = _engine((1, 1, 1))
+    eng = Engine(tr.make_sampler(), slots=8, max_len=32, chunk=4, page_size=8,
+                 prefill_tokens=16)
+    p = eng.s.paged
+    compiled = lambda: (p.extend._cache_size() + p.decode._cache_size()  # noqa: E731
+                        + p.copy._cache_size())
+    assert eng.warmup(active=(1,), draws=("greedy",)) == 2 + 1 + 1
+    assert eng.idle and all(len(f) == eng.b_local for f in eng.free_rows)
+    warm, before = set(eng.program_keys), compiled()
+    eng.program_keys.clear()
+    rng = np.random.default_rng(1)
+    rids = []
+    for _ in range(2):
+        for _ in range(2):
+            n = int(rng.integers(2, 25))
+            rids.append(eng.submit(rng.integers(0, mh.V, n).tolist(),
+                                   _no_stop(n=int(rng.integers(1, 32 - n)), temperature=0.0),
+                                   a, num_samples=int(rng.integers(1, 4))))
+        eng.step()
+    eng.run()
+    assert all(eng.result(r).sequences for r in rids)
+    assert {k[0] for k in eng.program_keys} == {"extend", "decode", "copy"}
+    assert eng.program_keys <= warm, eng.program_keys - warm
+    assert compiled() == before
+
+
 def test_load_hf_reads_the_text_model_of_an_image_text_checkpoint(tmp_path):
     """A Qwen3_5ForConditionalGeneration folder (nested text_config, weights under
     model.language_model., a vision tower beside them) loads as its text model: the same

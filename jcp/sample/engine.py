@@ -34,6 +34,15 @@ prompt with the same adapter and leading pages on the same device takes those pa
 are evicted least recently used when a page is needed. A hit gives the same tokens and
 log-probs as a miss (the K/V of a position depend on the tokens up to it only).
 
+Hybrid models (Qwen3.5: Gated DeltaNet + gated full attention): the pages hold the full
+layers' K/V; every decode slot also has one recurrent-state row on its device (conv window
+and delta-rule state per linear layer, paged.Pool.rec). A sequence takes its device's
+lowest free row at admission and frees it when it ends; chunked prefill carries the
+leader's state across the prompt's chunks, the fork copies the prompt's final state into
+every further sample's row, and decode steps each row's state. No prefix cache: a state
+is not recoverable from K/V pages (and one per cached page boundary would cost ~100× the
+page), so prefix_cache is off for hybrids and every prompt prefills all its positions.
+
 Programs: every dynamic dimension of the engine's device programs is bucketed to a few
 values (layout.ladder rungs, steps of 4 from the top): decode rows per device (b_local,
 b_local / 4, … ≥ 8), table pages (max_len / page, … ≥ 64 / page), prefill rows per

@@ -21,7 +21,13 @@ Programs (each jitted, the pool donated and updated in place):
 - decode: the engine's decode loop (programs.make_decode's loop, the cache read through
   page tables).
 - copy: page contents copied between pages of one device (a prompt's partial last page,
-  copied for every further sample: copy on write at the fork).
+  copied for every further sample: copy on write at the fork), and state rows between
+  rows of one device (a hybrid prompt's final state, likewise).
+
+A hybrid model's pool also holds one recurrent-state row per engine sequence slot
+(Pool.rec): extend continues a row's state over its chunk (ChunkMix) and writes it back,
+decode takes the rows' states out before its loop and puts them back after, copy also
+copies state rows (the num_samples of a prompt start from its final state).
 
 Shapes: see jcp/mesh.py; B = rows of the call (b per device inside shard_map), C = new
 tokens per row, M = table entries per row, P = pool pages (per device inside shard_map).
