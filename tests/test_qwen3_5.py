@@ -228,10 +228,11 @@ def _hf_greedy():
 
 @functools.lru_cache(maxsize=None)
 def _sampling_trainer(mesh_shape):
-    """(Trainer, an adapter with PEFT's initialisation: B = 0, the base model's outputs)."""
+    """(Trainer, an adapter with PEFT's initialisation: B = 0, the base model's outputs).
+    Room for the engine tests' two peft adapters too (one Trainer: one compile set)."""
     _, cfg, base = _reference()
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=1,
-                     max_rank=2, attn_block=16, logprob_chunk=16)
+    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=3,
+                     max_rank=4, attn_block=16, logprob_chunk=16)
     return tr, tr.create_adapter(rank=2, seed=0)
 
 
@@ -318,11 +319,10 @@ def _hf_engine_greedy(which, i):
 
 @functools.lru_cache(maxsize=None)
 def _engine(mesh_shape):
-    """(Trainer, [adapter ids of the two peft folders], Engine) over the reference model."""
+    """(Trainer, [adapter ids of the two peft folders], Engine) over the reference model
+    (the static sampling tests' Trainer)."""
     from jcp.sample.engine import Engine
-    _, cfg, base = _reference()
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=3,
-                     max_rank=4, attn_block=16, logprob_chunk=16)
+    tr = _sampling_trainer(mesh_shape)[0]
     ids = [tr.load_peft(f) for f in _engine_adapters()[1]]
     return tr, ids, Engine(tr.make_sampler(), **ENGINE)
 
