@@ -248,17 +248,19 @@ class Engine:
     """
 
     def __init__(self, sampler: Sampler, slots: int = 64, max_len: int = 256, chunk: int = 8,
-                 prefill_tokens: int | None = None,
+                 prefill_tokens: int | None = None, max_chunk: int | None = None,
                  adapter_version: Callable[[int], int] | None = None, page_size: int = 16,
                  pages: int | None = None, prefix_cache: bool = True):
         groups = sampler.dp * sampler.cp
+        max_chunk = 4 * chunk if max_chunk is None else max_chunk
         for name, v in (("slots", slots), ("max_len", max_len), ("chunk", chunk),
-                        ("page_size", page_size)):
+                        ("page_size", page_size), ("max_chunk", max_chunk)):
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if slots % groups:
             raise ValueError(f"slots ({slots}) must be a multiple of dp·cp = {groups}")
         self.s, self.slots, self.max_len, self.chunk = sampler, slots, max_len, chunk
+        self.max_chunk = max(chunk, max_chunk)
         self.prefill_tokens = (prefill_tokens if prefill_tokens is not None
                                else sampler.limits.max_tokens_per_device * sampler.dp)
         self.version = adapter_version or sampler.state.version
@@ -437,8 +439,10 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self) -> list[int]:
-        """One engine step (see the module docstring) -> ids of the requests it ended."""
+    def step(self, hurry: bool = False) -> list[int]:
+        """One engine step (see the module docstring) -> ids of the requests it ended.
+        hurry: work outside the engine waits for this step to end (a server's queued
+        requests), so decode only `chunk` steps (module docstring, "Decode chunks")."""
         self._ended = []
         self._fail_stale()
         self._admit()
@@ -446,7 +450,7 @@ class Engine:
             self._prefill()
         self._logprobs()
         if self.decoding:
-            self._decode()
+            self._decode(self.decode_len(hurry))
         self.peak_pages = max([self.peak_pages] + [self.pool.used(g)
                                                    for g in range(self.groups)])
         self.steps += 1
@@ -780,7 +784,22 @@ class Engine:
 
     # ------------------------------------------------------------------ decode
 
-    def _decode(self) -> None:
+    def decode_len(self, hurry: bool = False) -> int:
+        """Decode steps of this step's device call (module docstring, "Decode chunks"):
+        `chunk` while other work waits (hurry, or a prompt still prefilling); else, if a
+        request waits for rows or pages, the largest rung that no live row's max_tokens
+        ends before (a row may end there and free its row); else the least rung by which
+        every live row's max_tokens has ended. Rungs: max_chunk, max_chunk / 4, … ≥ chunk
+        (layout.ladder); the device loop stops early once every row has ended."""
+        if hurry or self.prefilling or not self.decoding:
+            return self.chunk
+        left = [seq.req.params["max_tokens"] - len(seq.tokens) for seq in self.decoding]
+        if self.waiting:
+            return max([r for r in _rungs(self.max_chunk, self.chunk) if r <= min(left)]
+                       or [self.chunk])
+        return layout_lib.ladder(min(max(left), self.max_chunk), self.max_chunk, self.chunk)
+
+    def _decode(self, n_steps: int) -> None:
         s = self.s
         live = self.decoding
         per = [[] for _ in range(self.groups)]
@@ -792,7 +811,7 @@ class Engine:
         for seq in live:
             req = seq.req
             end = req.n + req.params["max_tokens"]
-            self._grow(seq, min(req.n + len(seq.tokens) + self.chunk, end))
+            self._grow(seq, min(req.n + len(seq.tokens) + n_steps, end))
         m = layout_lib.ladder(max(len(x.pages) for x in live), self.max_pages,
                               max(1, WINDOW_FLOOR[1] // self.page))
         b = self.groups * w_b
@@ -828,7 +847,7 @@ class Engine:
                                    layout_lib.stop_table(stops))
         table = self._table(live, at, b, m)
         topk = k_bucket(max(x.req.fields.topk_sample_logprobs for x in live))
-        modes = paged.PagedDecodeModes(self.chunk, greedy, filtered, s.slice_layers, topk,
+        modes = paged.PagedDecodeModes(n_steps, greedy, filtered, s.slice_layers, topk,
                                        rows.stop.shape[1])
         try:
             out_tok, out_lp, *out_tk = self._run_decode(table, rows, modes, active)
@@ -882,15 +901,20 @@ class Engine:
 
     def warmup(self, active: Sequence[int] = (1,), draws: Sequence[str] = ("greedy", "drawn"),
                prompt_logprobs: Sequence[bool] = (False,), compute_logprobs: bool = False,
-               stop_width: Sequence[int] = (8,), topk: Sequence[int] = (0,)) -> int:
+               stop_width: Sequence[int] = (8,), topk: Sequence[int] = (0,),
+               prompt_stats: Sequence[tuple[int, int, int]] = ()) -> int:
         """Compile, up front, the programs the engine can run for these buckets -> how many
         it ran (program_keys then holds them). The bounded set (module docstring,
         "Programs"): every prefill (extend) rows × chunk × table-pages rung × active-adapter
-        bucket × prompt_logprobs (with compute_logprobs: also the cache-less log-prob
-        prefill's stream buckets), every decode rows × table-pages rung × active bucket ×
+        bucket × prompt_logprobs, every decode rows × table-pages rung × active bucket ×
         draw kind ("greedy", "drawn", "filtered": some row top-k / top-p) × stop-table
-        width × topk_sample_logprobs bucket, and every page-copy rung. active: distinct
-        adapters (the base model counts as one) per step. Runs each program once on
+        width × topk_sample_logprobs bucket × decode-chunk rung, every page-copy rung, and
+        the cache-less prefill's stream buckets (min_stream … max(max_len,
+        prefill_tokens), doubling) × active bucket for compute_logprobs (if
+        compute_logprobs) and for each prompt_stats entry (topk_prompt_logprobs,
+        target_prompt_logprobs width, prompt_alt_tokens_k) of the SDK prompt fields (each
+        bucketed by params.k_bucket; a request's fields take the widest of those admitted
+        with it). active: distinct adapters (the base model counts as one) per step. Runs each program once on
         padding (no request; every write is dropped), so later requests of those shapes
         compile nothing. Only on an idle engine."""
         if not self.idle:
@@ -920,17 +944,21 @@ class Engine:
                         for lp in prompt_logprobs:
                             self._run_extend(rows, paged.ExtendModes(bool(lp), s.slice_layers),
                                              act)
-        if compute_logprobs:
-            cap, x = s.limits.max_tokens_per_device, self.min_stream
-            while True:
-                for a in a_lens:
-                    pb = _padding_batch(s.dp, s.cp, min(x, cap), a)
-                    self.program_keys.add(("prefill", None, pb.tokens.shape, pb.targets.shape,
-                                           pb.spans.shape, True, (0, 0)))
-                    host(s.run_prefill(pb, with_logprobs=True)[1])
-                if x >= cap or x >= mesh_lib.pow2_at_least(max(self.max_len, self.prefill_tokens)):
-                    break
-                x *= 2
+        # The cache-less prefills: compute_logprobs (no stats) and the SDK prompt fields.
+        variants = ([(0, 0, 0)] if compute_logprobs else []) + [
+            tuple(k_bucket(int(k)) for k in v) for v in prompt_stats]
+        cap, x = s.limits.max_tokens_per_device, self.min_stream
+        while variants:
+            for a, (k, width, alt) in itertools.product(a_lens, dict.fromkeys(variants)):
+                pb = _padding_batch(s.dp, s.cp, min(x, cap), a, width)
+                call = (PromptStatsCall(k, alt, np.zeros(1, np.float32),
+                                        np.zeros((1, 2), np.uint32), (0,)) if k or alt else None)
+                self.program_keys.add(("prefill", None, pb.tokens.shape, pb.targets.shape,
+                                       pb.spans.shape, True, (k, alt)))
+                jax.tree.map(host, s.run_prefill(pb, with_logprobs=True, stats=call)[1])
+            if x >= cap or x >= mesh_lib.pow2_at_least(max(self.max_len, self.prefill_tokens)):
+                break
+            x *= 2
         for w_b in _rungs(self.b_local, WINDOW_FLOOR[0]):
             b = groups * w_b
             z = np.zeros(b, np.int32)
@@ -944,10 +972,10 @@ class Engine:
                                 np.zeros(b, np.float32), np.full(b, -1, np.int32),
                                 np.ones(b, np.float32), np.zeros((b, 2), np.uint32),
                                 layout_lib.stop_table([()] * b, ns))
-                            for k in topk:
-                                modes = paged.PagedDecodeModes(self.chunk, *kinds[d],
-                                                               s.slice_layers, k_bucket(k),
-                                                               rows.stop.shape[1])
+                            for k, n in itertools.product(
+                                    topk, _rungs(self.max_chunk, self.chunk)):
+                                modes = paged.PagedDecodeModes(n, *kinds[d], s.slice_layers,
+                                                               k_bucket(k), rows.stop.shape[1])
                                 self._run_decode(np.full((b, m), -1, np.int32), rows, modes,
                                                  act)
         for n in _rungs(self.b_local, WINDOW_FLOOR[0]):
@@ -964,12 +992,15 @@ def _rungs(full: int, floor: int) -> list[int]:
     return out
 
 
-def _padding_batch(dp: int, cp: int, length: int, active: int) -> batch_lib.PackedBatch:
+def _padding_batch(dp: int, cp: int, length: int, active: int,
+                   target_width: int = 0) -> batch_lib.PackedBatch:
     """A packed prefill batch of `length` rows per stream that holds only padding, with
-    `active` adapter entries (for Engine.warmup)."""
+    `active` adapter entries and, if target_width, [.., 1 + target_width] targets (for
+    Engine.warmup)."""
     z = np.zeros((dp, cp, length), np.int32)
+    targets = np.zeros(z.shape + (1 + target_width,), np.int32) if target_width else z
     return batch_lib.PackedBatch(
-        tokens=z, targets=z, segment=np.full((dp, cp, length), -1, np.int32), position=z,
+        tokens=z, targets=targets, segment=np.full((dp, cp, length), -1, np.int32), position=z,
         loss_id=z, floats={}, spans=np.zeros((dp, cp, active, 2), np.int32),
         active=np.full(active, BASE, np.int32), num_slots=8, placements=())
 
