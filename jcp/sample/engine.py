@@ -9,9 +9,21 @@ requests while decode rows and pages last, prefill one chunk of every admitted p
 (at most `prefill_tokens` prompt tokens per step over all prompts: a long prompt is split
 over steps, and running sequences decode between its chunks), run every compute_logprobs
 request waiting (one prefill, no cache), then decode every live sequence for up to
-`chunk` steps in one device loop. Every row carries its own adapter (routed by index,
+`decode_len` steps in one device loop. Every row carries its own adapter (routed by index,
 lora.Routing.index_S: a row costs its adapter's rank, not the slot table), temperature,
 top-k, top-p, seed stream, stop set and max_tokens.
+
+Decode chunks (`decode_len`): a step's device loop runs `chunk` decode steps while other
+work waits — a prompt still prefilling, or step(hurry=True) from a caller whose queue
+holds requests (jcp-serve) —, so a newcomer's first token waits for at most one such
+chunk; when a request waits for rows or pages, the largest rung no live row's max_tokens
+ends before (it may join as soon as rows free); when nothing waits, the least rung by which
+every live row's max_tokens has ended, so a batch with nothing else to do decodes to its
+end in one call. Rungs: max_chunk (default 4 · chunk), max_chunk / 4, … ≥ chunk; the loop
+stops early once every row has ended (stop tokens). Bound: a request arriving during a
+long chunk waits for at most max_chunk decode steps of the running batch, then its own
+prefill. The chunk length changes no result (draws depend on a sequence's key and token
+count only).
 
 Results equal Trainer.sample of the same request alone (one prompt, the same seed), token
 for token, whatever else is in the batch: a sequence's draws depend on its own key and
@@ -37,8 +49,8 @@ log-probs as a miss (the K/V of a position depend on the tokens up to it only).
 Programs: every dynamic dimension of the engine's device programs is bucketed to a few
 values (layout.ladder rungs, steps of 4 from the top): decode rows per device (b_local,
 b_local / 4, … ≥ 8), table pages (max_len / page, … ≥ 64 / page), prefill rows per
-device (≤ 8: 8, 2), prefill chunk (pow2(prefill_tokens) capped at max_len, ÷ 4, … ≥ 16),
-active adapters (powers of two), draw kinds, page copies (rows rungs). `program_keys`
+device (min(64, b_local), ÷ 4, … ≥ 4), prefill chunk (pow2(prefill_tokens) capped at
+max_len, ÷ 4, … ≥ 16), decode steps per call (max_chunk, ÷ 4, … ≥ chunk), active adapters (powers of two), draw kinds, page copies (rows rungs). `program_keys`
 holds the static signature of every program the engine has run (`programs()` counts
 them); `program_space()` bounds them.
 
@@ -82,7 +94,7 @@ from jcp.sample.sampler import PromptStatsCall, Sampler, prompt_results
 # "Programs"). Decode reads every weight once per step whatever the rows, so a few more
 # rows cost little while each window compiled costs tens of seconds.
 WINDOW_FLOOR = (8, 64)
-PREFILL_ROWS = (8, 2)    # prefill rows per device: the most per step, the smallest rung
+PREFILL_ROWS = (64, 4)   # prefill rows per device: the most per step, the smallest rung
 MIN_CHUNK = 16           # the smallest prefill chunk bucket
 
 
@@ -266,6 +278,8 @@ class Engine:
         self.version = adapter_version or sampler.state.version
         self.groups = groups
         self.b_local = slots // groups
+        # Prompts prefilled per device and step (each is a request's group of samples).
+        self.prefill_rows = min(PREFILL_ROWS[0], self.b_local)
         self.page = page_size
         self.max_pages = -(-max_len // page_size)   # table entries of the longest sequence
         self.n_pages = pages if pages is not None else self.b_local * self.max_pages
@@ -680,7 +694,7 @@ class Engine:
             lead = group.seqs[0]
             if budget <= 0:
                 break
-            if len(per[lead.g]) >= PREFILL_ROWS[0]:
+            if len(per[lead.g]) >= self.prefill_rows:
                 continue
             c = min(lead.req.n - group.filled, budget, self.chunk_top)
             budget -= c
@@ -688,7 +702,7 @@ class Engine:
             work.append((group, c))
         if not work:
             return
-        e_b = layout_lib.ladder(max(len(x) for x in per), PREFILL_ROWS[0], PREFILL_ROWS[1])
+        e_b = layout_lib.ladder(max(len(x) for x in per), self.prefill_rows, PREFILL_ROWS[1])
         c_len = layout_lib.ladder(max(c for _, c in work), self.chunk_top, MIN_CHUNK)
         for group, c in work:
             self._grow(group.seqs[0], group.filled + c)
@@ -931,7 +945,7 @@ class Engine:
         def padding(b, a):
             return layout_lib.active_index(np.full(b, layout_lib.PADDING), a, BASE)
 
-        for e_b in _rungs(*PREFILL_ROWS):
+        for e_b in _rungs(self.prefill_rows, PREFILL_ROWS[1]):
             b = groups * e_b
             for c in _rungs(self.chunk_top, MIN_CHUNK):
                 z = np.zeros((b, c), np.int32)
