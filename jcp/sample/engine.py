@@ -46,6 +46,15 @@ prompt with the same adapter and leading pages on the same device takes those pa
 are evicted least recently used when a page is needed. A hit gives the same tokens and
 log-probs as a miss (the K/V of a position depend on the tokens up to it only).
 
+Hybrid models (Qwen3.5: Gated DeltaNet + gated full attention): the pages hold the full
+layers' K/V; every decode slot also has one recurrent-state row on its device (conv window
+and delta-rule state per linear layer, paged.Pool.rec). A sequence takes its device's
+lowest free row at admission and frees it when it ends; chunked prefill carries the
+leader's state across the prompt's chunks, the fork copies the prompt's final state into
+every further sample's row, and decode steps each row's state. No prefix cache: a state
+is not recoverable from K/V pages (and one per cached page boundary would cost ~100× the
+page), so prefix_cache is off for hybrids and every prompt prefills all its positions.
+
 Programs: every dynamic dimension of the engine's device programs is bucketed to a few
 values (layout.ladder rungs, steps of 4 from the top): decode rows per device (b_local,
 b_local / 4, … ≥ 8), table pages (max_len / page, … ≥ 64 / page), prefill rows per
@@ -69,6 +78,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -195,6 +205,7 @@ class _Seq:
     lps: list = dataclasses.field(default_factory=list)
     done: bool = False
     decoding: bool = False      # forked (prefill over), decodes
+    row: int | None = None      # its recurrent-state row on device g (a hybrid model)
     topk: list = dataclasses.field(default_factory=list)  # [(ids, lps)] per decode call
 
 
@@ -285,11 +296,13 @@ class Engine:
         self.n_pages = pages if pages is not None else self.b_local * self.max_pages
         if not is_int(self.n_pages) or self.n_pages < 1:
             raise ValueError(f"pages must be a positive integer, got {pages!r}")
-        self.prefix_cache = bool(prefix_cache)
-        # Hybrid (Gated DeltaNet) models: their recurrent state has no paged form yet;
-        # submit refuses them (submit_logprobs runs them; jcp-serve samples them beside).
-        self.runs_model = not sampler.cfg.is_hybrid
+        # A hybrid (Gated DeltaNet) model's sequences each hold a recurrent-state row beside
+        # their pages (module docstring, "Hybrid models"); its prompts are not prefix
+        # cached: a state is not recoverable from K/V pages.
+        self.hybrid = sampler.cfg.is_hybrid
+        self.prefix_cache = bool(prefix_cache) and not self.hybrid
         self.pool = PagePool(groups, self.n_pages)
+        self.free_rows = self._all_rows()          # per device: free state rows
         self.cache: paged.Pool | None = None       # the device pages
         self.rows_used = [0] * groups              # sequences holding a decode row
         self.waiting: deque[_Request] = deque()
@@ -325,9 +338,6 @@ class Engine:
         SDK 0.38 top-k / target / prompt-draw / last_n fields (params.PromptFields); the
         prompt-side ones run one cache-less prefill of the prompt at admission
         (Sampler.prompt_outputs), beside the chunked prefill that fills its pages."""
-        if not self.runs_model:
-            raise InputError("the paged engine does not sample hybrid (Gated DeltaNet) models "
-                             "yet; use Trainer.sample")
         c = self.s.check([prompt], sampling_params, adapter, num_samples)
         if not isinstance(prompt_logprobs, (bool, np.bool_)):
             raise InputError(f"prompt_logprobs must be a bool, got {prompt_logprobs!r}")
@@ -404,8 +414,14 @@ class Engine:
         return len(self.program_keys)
 
     def kv_bytes(self, pages: int = 1) -> int:
-        """Bytes of `pages` pages on one device (K and V of every layer)."""
+        """Bytes of `pages` pages on one device (K and V of every full-attention layer)."""
         return pages * self.page * (self.s.row_bytes - 4)
+
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's recurrent-state row on one device (a hybrid model: conv
+        window and delta-rule state of every Gated DeltaNet layer, fp32; 0 otherwise).
+        Every decode slot holds one: slots / (dp·cp) rows per device."""
+        return self.s.state_bytes
 
     def _version(self, adapter: int) -> int:
         return -1 if adapter == BASE else int(self.version(adapter))
@@ -416,7 +432,7 @@ class Engine:
     # ------------------------------------------------------------------ ending
 
     def _release(self, seq: _Seq) -> None:
-        """Give back a sequence's pages, reservation and decode row."""
+        """Give back a sequence's pages, reservation, decode row and state row."""
         for p in seq.pages:
             self.pool.release(seq.g, p)
         seq.pages = []
@@ -425,6 +441,9 @@ class Engine:
         if not seq.done:
             seq.done = True
             self.rows_used[seq.g] -= 1
+            if seq.row is not None:
+                heapq.heappush(self.free_rows[seq.g], seq.row)
+                seq.row = None
 
     def _end(self, req: _Request, outcome) -> None:
         for seq in req.seqs:
@@ -450,6 +469,7 @@ class Engine:
             if req.seqs:
                 self._end(req, EngineError(f"the engine's cache was lost: {e}"))
         self.pool = PagePool(self.groups, self.n_pages)
+        self.free_rows = self._all_rows()
 
     # ------------------------------------------------------------------ the step
 
@@ -597,6 +617,9 @@ class Engine:
             seq.reserve = own
         self.pool.reserved[g] += sum(s.reserve for s in group.seqs)
         self.rows_used[g] += len(group.seqs)
+        if self.hybrid:
+            for seq in group.seqs:
+                seq.row = heapq.heappop(self.free_rows[g])  # the lowest free row
         group.filled = len(hits) * self.page
         if req.plp is not None:
             for i, p in enumerate(hits):
@@ -615,7 +638,9 @@ class Engine:
 
     def _fork(self, group: _Group, copies: list) -> None:
         """Prefill over: every further sample takes the prompt's full pages (shared) and a
-        copy of its partial last page (appended to copies as (device, src, dst))."""
+        copy of its partial last page (appended to copies as (device, src, dst, "page")) —
+        and, for a hybrid model, a copy of the prompt's final recurrent state into its own
+        state row ((device, src, dst, "row"))."""
         req, lead = group.seqs[0].req, group.seqs[0]
         full = req.n // self.page
         for seq in group.seqs[1:]:
@@ -624,26 +649,37 @@ class Engine:
             seq.pages = list(lead.pages[:full])
             if req.n % self.page:
                 self._grow(seq, req.n)
-                copies.append((seq.g, lead.pages[full], seq.pages[full]))
+                copies.append((seq.g, lead.pages[full], seq.pages[full], "page"))
+            if self.hybrid:
+                copies.append((seq.g, lead.row, seq.row, "row"))
         for seq in group.seqs:
             seq.decoding = True
             self.decoding.append(seq)
 
     # ------------------------------------------------------------------ device arrays
 
+    def _all_rows(self) -> list[list[int]]:
+        """Every device's state rows, all free (heaps)."""
+        return [list(range(self.b_local)) for _ in range(self.groups)]
+
     def _ensure_cache(self) -> None:
         if self.cache is None:
             c = self.s.cfg
-            shape = (c.num_layers, self.groups * self.n_pages, self.page, c.num_kv_heads,
+            shape = (self.s.kv_layers, self.groups * self.n_pages, self.page, c.num_kv_heads,
                      c.head_dim)
-            self.cache = paged.Pool(*(self.s.zeros(shape, paged.POOL_SPEC) for _ in range(2)))
+            rec = None
+            if self.hybrid:  # one state row per decode slot (Sampler.empty_cache's shapes)
+                rec = self.s.empty_cache(self.slots, 1, paged.LAYOUT).rec
+            self.cache = paged.Pool(*(self.s.zeros(shape, paged.POOL_SPEC) for _ in range(2)),
+                                    rec)
 
     def _keep(self, pool) -> None:
         """Hold a program's output pages under the one sharding the engine made them with
         (a relabel, no copy): XLA may report an equivalent sharding with another spec, and a
         different input sharding would compile the next program anew."""
-        sharding = NamedSharding(self.s.mesh, paged.POOL_SPEC)
-        self.cache = paged.Pool(*(jax.device_put(x, sharding) for x in pool))
+        self.cache = jax.tree.map(
+            lambda x, spec: jax.device_put(x, NamedSharding(self.s.mesh, spec)), pool,
+            paged.pool_specs(self.hybrid))
 
     def _rows(self, per_device: list[list], width: int):
         """Row index of each item when every device's items fill its first rows of a
@@ -664,23 +700,30 @@ class Engine:
         return a_len, active, index
 
     def _copy(self, copies) -> None:
-        """Run the page copies of this step's forks (one program call)."""
+        """Run the page and state-row copies of this step's forks (one program call)."""
         if not copies:
             return
-        per = [[c for c in copies if c[0] == g] for g in range(self.groups)]
-        n = layout_lib.ladder(max(len(x) for x in per), self.b_local, WINDOW_FLOOR[0])
-        src = np.zeros(self.groups * n, np.int32)
-        dst = np.full(self.groups * n, self.n_pages, np.int32)
-        for g, items in enumerate(per):
-            for i, (_, a, b) in enumerate(items):
-                src[g * n + i], dst[g * n + i] = a, b
-        self._run_copy(src, dst)
+        per = {kind: [[c for c in copies if c[0] == g and c[3] == kind]
+                      for g in range(self.groups)] for kind in ("page", "row")}
+        n = layout_lib.ladder(max(len(x) for k in per.values() for x in k), self.b_local,
+                              WINDOW_FLOOR[0])
+        out = {}
+        for kind, none in (("page", self.n_pages), ("row", self.b_local)):
+            src = np.zeros(self.groups * n, np.int32)
+            dst = np.full(self.groups * n, none, np.int32)
+            for g, items in enumerate(per[kind]):
+                for i, (_, a, b, _) in enumerate(items):
+                    src[g * n + i], dst[g * n + i] = a, b
+            out[kind] = (src, dst)
+        self._run_copy(*out["page"], *out["row"])
 
-    def _run_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+    def _run_copy(self, src: np.ndarray, dst: np.ndarray, rec_src: np.ndarray,
+                  rec_dst: np.ndarray) -> None:
         s = self.s
         self.program_keys.add(("copy", len(src) // self.groups))
         self._ensure_cache()
-        out = s.paged.copy(self.cache, s.put(src, paged.ROWS_SPEC), s.put(dst, paged.ROWS_SPEC))
+        out = s.paged.copy(self.cache, *(s.put(x, paged.ROWS_SPEC)
+                                         for x in (src, dst, rec_src, rec_dst)))
         self._keep(out)
 
     # ------------------------------------------------------------------ prefill
@@ -714,6 +757,7 @@ class Engine:
         targets = np.zeros((b, c_len), np.int32)
         valid = np.zeros((b, c_len), bool)
         start = np.zeros(b, np.int32)
+        slot = np.full(b, self.b_local, np.int32)
         adapter = np.full(b, layout_lib.PADDING, np.int64)
         for group, c in work:
             req, i, f = group.seqs[0].req, at[id(group)], group.filled
@@ -722,11 +766,13 @@ class Engine:
             valid[i, :c] = True
             start[i] = f
             adapter[i] = req.adapter
+            if self.hybrid:
+                slot[i] = group.seqs[0].row
         at_seq = {id(g.seqs[0]): at[id(g)] for g, _ in work}
         table = self._table([g.seqs[0] for g, _ in work], at_seq, b, m)
         a_len, active, index = self._active(adapter, [at[id(g)] for g, _ in work])
         want_lp = any(g.seqs[0].req.plp is not None for g, _ in work)
-        rows = paged.ExtendRows(tokens, targets, valid, start, index, table)
+        rows = paged.ExtendRows(tokens, targets, valid, start, index, table, slot)
         try:
             lp = self._run_extend(rows, paged.ExtendModes(want_lp, self.s.slice_layers), active)
         except Exception as e:  # noqa: BLE001 — the pages were donated: all fail
@@ -839,10 +885,13 @@ class Engine:
         top_k = np.full(b, -1, np.int32)
         top_p = np.ones(b, np.float32)
         keys = np.zeros((b, 2), np.uint32)
+        slot = np.full(b, self.b_local, np.int32)
         adapter = np.full(b, layout_lib.PADDING, np.int64)
         stops = [()] * b
         for seq in live:
             req, i, p = seq.req, at[id(seq)], seq.req.params
+            if self.hybrid:
+                slot[i] = seq.row
             c = len(seq.tokens)
             token[i] = seq.tokens[-1] if c else req.prompt[-1]
             position[i], count[i], done[i] = req.n + c, c, False
@@ -864,7 +913,7 @@ class Engine:
         modes = paged.PagedDecodeModes(n_steps, greedy, filtered, s.slice_layers, topk,
                                        rows.stop.shape[1])
         try:
-            out_tok, out_lp, *out_tk = self._run_decode(table, rows, modes, active)
+            out_tok, out_lp, *out_tk = self._run_decode(table, rows, modes, active, slot)
         except Exception as e:  # noqa: BLE001 — the pages were donated: every request fails
             self._lost(e)
             return
@@ -896,12 +945,12 @@ class Engine:
             self._end(req, SampleResult(seqs, **req.prompt_out))
 
     def _run_decode(self, table, rows: programs.DecodeRows, modes: paged.PagedDecodeModes,
-                    active: np.ndarray) -> list[np.ndarray]:
+                    active: np.ndarray, slot: np.ndarray | None = None) -> list[np.ndarray]:
         """One decode call over the engine's pages (kept, donated) -> its host outputs
-        (tokens, log-probs[, top-k ids, top-k log-probs])."""
+        (tokens, log-probs[, top-k ids, top-k log-probs]). slot: each row's state row."""
         s = self.s
         self.program_keys.add(("decode", len(rows.token), table.shape[1], len(active), modes))
-        ints, floats = paged.pack_rows(rows, table)
+        ints, floats = paged.pack_rows(rows, table, slot)
         self._ensure_cache()
         *out, pool = s.paged.decode(s.state.weights, s.params, s.state.meta, self.cache,
                                     s.put(ints, paged.TABLE_SPEC), s.put(floats, paged.TABLE_SPEC),
@@ -954,7 +1003,8 @@ class Engine:
                         act, index = padding(b, a)
                         rows = paged.ExtendRows(z, z, np.zeros((b, c), bool),
                                                 np.zeros(b, np.int32), index,
-                                                np.full((b, m), -1, np.int32))
+                                                np.full((b, m), -1, np.int32),
+                                                np.full(b, self.b_local, np.int32))
                         for lp in prompt_logprobs:
                             self._run_extend(rows, paged.ExtendModes(bool(lp), s.slice_layers),
                                              act)
@@ -991,10 +1041,11 @@ class Engine:
                                 modes = paged.PagedDecodeModes(n, *kinds[d], s.slice_layers,
                                                                k_bucket(k), rows.stop.shape[1])
                                 self._run_decode(np.full((b, m), -1, np.int32), rows, modes,
-                                                 act)
+                                                 act, np.full(b, self.b_local, np.int32))
         for n in _rungs(self.b_local, WINDOW_FLOOR[0]):
-            self._run_copy(np.zeros(groups * n, np.int32),
-                           np.full(groups * n, self.n_pages, np.int32))
+            z = np.zeros(groups * n, np.int32)
+            self._run_copy(z, np.full(groups * n, self.n_pages, np.int32), z,
+                           np.full(groups * n, self.b_local, np.int32))
         return len(self.program_keys - before)
 
 

@@ -5,7 +5,8 @@ from models / sampler weights to adapter slots, and the sessions' custom losses
 (create_custom_loss: the uploaded graph rebuilt as a jcp.CustomLoss, kept per session; a
 custom forward_backward runs as its own Trainer call). Every asample of every tenant is
 admitted into the one running engine batch (a sample whose prompt + max_tokens exceed the
-engine's rows runs beside it, Trainer.sample, whose cache may split over cp).
+engine's rows runs beside it, Trainer.sample, whose cache may split over cp; hybrid
+Qwen3.5 models too go through the engine).
 
 Interleaving policy: each turn of the loop runs at most one training pass (a fused
 forward / forward_backward, or one model operation) and then one engine step (at most
@@ -115,7 +116,9 @@ class Engine:
         groups = sampler.dp * sampler.cp
         rows = sample_rows or min(self.token_cap, SAMPLE_ROWS)
         if sample_slots is None:
-            fit = SAMPLE_CACHE_BYTES // (rows * sampler.row_bytes) * groups
+            # A hybrid model's slots each hold a recurrent-state row too.
+            per_slot = rows * sampler.row_bytes + sampler.state_bytes
+            fit = SAMPLE_CACHE_BYTES // per_slot * groups
             sample_slots = max(groups, min(SAMPLE_SLOTS, fit) // groups * groups)
         engine_kw = dict(slots=sample_slots, max_len=rows, chunk=chunk,
                          prefill_tokens=prefill_tokens)
@@ -637,8 +640,7 @@ class Engine:
                 prompt_logprobs_last_n=args.prompt_logprobs_last_n,
                 target_prompt_logprobs=None if target is None else target.ids,
                 prompt_alt_tokens_k=args.prompt_alt_tokens_k)
-            if (not self.sampling.runs_model
-                    or len(args.prompt) - 1 + args.max_tokens > self.sampling.max_len):
+            if len(args.prompt) - 1 + args.max_tokens > self.sampling.max_len:
                 res = self.tr.sample([args.prompt], sp, adapters=adapter,
                                      num_samples=args.num_samples,
                                      prompt_logprobs=args.prompt_logprobs, fields=fields)[0]
