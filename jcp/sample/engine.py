@@ -9,9 +9,21 @@ requests while decode rows and pages last, prefill one chunk of every admitted p
 (at most `prefill_tokens` prompt tokens per step over all prompts: a long prompt is split
 over steps, and running sequences decode between its chunks), run every compute_logprobs
 request waiting (one prefill, no cache), then decode every live sequence for up to
-`chunk` steps in one device loop. Every row carries its own adapter (routed by index,
+`decode_len` steps in one device loop. Every row carries its own adapter (routed by index,
 lora.Routing.index_S: a row costs its adapter's rank, not the slot table), temperature,
 top-k, top-p, seed stream, stop set and max_tokens.
+
+Decode chunks (`decode_len`): a step's device loop runs `chunk` decode steps while other
+work waits — a prompt still prefilling, or step(hurry=True) from a caller whose queue
+holds requests (jcp-serve) —, so a newcomer's first token waits for at most one such
+chunk; when a request waits for rows or pages, the largest rung no live row's max_tokens
+ends before (it may join as soon as rows free); when nothing waits, the least rung by which
+every live row's max_tokens has ended, so a batch with nothing else to do decodes to its
+end in one call. Rungs: max_chunk (default 4 · chunk), max_chunk / 4, … ≥ chunk; the loop
+stops early once every row has ended (stop tokens). Bound: a request arriving during a
+long chunk waits for at most max_chunk decode steps of the running batch, then its own
+prefill. The chunk length changes no result (draws depend on a sequence's key and token
+count only).
 
 Results equal Trainer.sample of the same request alone (one prompt, the same seed), token
 for token, whatever else is in the batch: a sequence's draws depend on its own key and
@@ -46,8 +58,8 @@ page), so prefix_cache is off for hybrids and every prompt prefills all its posi
 Programs: every dynamic dimension of the engine's device programs is bucketed to a few
 values (layout.ladder rungs, steps of 4 from the top): decode rows per device (b_local,
 b_local / 4, … ≥ 8), table pages (max_len / page, … ≥ 64 / page), prefill rows per
-device (≤ 8: 8, 2), prefill chunk (pow2(prefill_tokens) capped at max_len, ÷ 4, … ≥ 16),
-active adapters (powers of two), draw kinds, page copies (rows rungs). `program_keys`
+device (min(64, b_local), ÷ 4, … ≥ 4), prefill chunk (pow2(prefill_tokens) capped at
+max_len, ÷ 4, … ≥ 16), decode steps per call (max_chunk, ÷ 4, … ≥ chunk), active adapters (powers of two), draw kinds, page copies (rows rungs). `program_keys`
 holds the static signature of every program the engine has run (`programs()` counts
 them); `program_space()` bounds them.
 
@@ -92,7 +104,7 @@ from jcp.sample.sampler import PromptStatsCall, Sampler, prompt_results
 # "Programs"). Decode reads every weight once per step whatever the rows, so a few more
 # rows cost little while each window compiled costs tens of seconds.
 WINDOW_FLOOR = (8, 64)
-PREFILL_ROWS = (8, 2)    # prefill rows per device: the most per step, the smallest rung
+PREFILL_ROWS = (64, 4)   # prefill rows per device: the most per step, the smallest rung
 MIN_CHUNK = 16           # the smallest prefill chunk bucket
 
 
@@ -259,22 +271,26 @@ class Engine:
     """
 
     def __init__(self, sampler: Sampler, slots: int = 64, max_len: int = 256, chunk: int = 8,
-                 prefill_tokens: int | None = None,
+                 prefill_tokens: int | None = None, max_chunk: int | None = None,
                  adapter_version: Callable[[int], int] | None = None, page_size: int = 16,
                  pages: int | None = None, prefix_cache: bool = True):
         groups = sampler.dp * sampler.cp
+        max_chunk = 4 * chunk if max_chunk is None else max_chunk
         for name, v in (("slots", slots), ("max_len", max_len), ("chunk", chunk),
-                        ("page_size", page_size)):
+                        ("page_size", page_size), ("max_chunk", max_chunk)):
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if slots % groups:
             raise ValueError(f"slots ({slots}) must be a multiple of dp·cp = {groups}")
         self.s, self.slots, self.max_len, self.chunk = sampler, slots, max_len, chunk
+        self.max_chunk = max(chunk, max_chunk)
         self.prefill_tokens = (prefill_tokens if prefill_tokens is not None
                                else sampler.limits.max_tokens_per_device * sampler.dp)
         self.version = adapter_version or sampler.state.version
         self.groups = groups
         self.b_local = slots // groups
+        # Prompts prefilled per device and step (each is a request's group of samples).
+        self.prefill_rows = min(PREFILL_ROWS[0], self.b_local)
         self.page = page_size
         self.max_pages = -(-max_len // page_size)   # table entries of the longest sequence
         self.n_pages = pages if pages is not None else self.b_local * self.max_pages
@@ -457,8 +473,10 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self) -> list[int]:
-        """One engine step (see the module docstring) -> ids of the requests it ended."""
+    def step(self, hurry: bool = False) -> list[int]:
+        """One engine step (see the module docstring) -> ids of the requests it ended.
+        hurry: work outside the engine waits for this step to end (a server's queued
+        requests), so decode only `chunk` steps (module docstring, "Decode chunks")."""
         self._ended = []
         self._fail_stale()
         self._admit()
@@ -466,7 +484,7 @@ class Engine:
             self._prefill()
         self._logprobs()
         if self.decoding:
-            self._decode()
+            self._decode(self.decode_len(hurry))
         self.peak_pages = max([self.peak_pages] + [self.pool.used(g)
                                                    for g in range(self.groups)])
         self.steps += 1
@@ -719,7 +737,7 @@ class Engine:
             lead = group.seqs[0]
             if budget <= 0:
                 break
-            if len(per[lead.g]) >= PREFILL_ROWS[0]:
+            if len(per[lead.g]) >= self.prefill_rows:
                 continue
             c = min(lead.req.n - group.filled, budget, self.chunk_top)
             budget -= c
@@ -727,7 +745,7 @@ class Engine:
             work.append((group, c))
         if not work:
             return
-        e_b = layout_lib.ladder(max(len(x) for x in per), PREFILL_ROWS[0], PREFILL_ROWS[1])
+        e_b = layout_lib.ladder(max(len(x) for x in per), self.prefill_rows, PREFILL_ROWS[1])
         c_len = layout_lib.ladder(max(c for _, c in work), self.chunk_top, MIN_CHUNK)
         for group, c in work:
             self._grow(group.seqs[0], group.filled + c)
@@ -826,7 +844,22 @@ class Engine:
 
     # ------------------------------------------------------------------ decode
 
-    def _decode(self) -> None:
+    def decode_len(self, hurry: bool = False) -> int:
+        """Decode steps of this step's device call (module docstring, "Decode chunks"):
+        `chunk` while other work waits (hurry, or a prompt still prefilling); else, if a
+        request waits for rows or pages, the largest rung that no live row's max_tokens
+        ends before (a row may end there and free its row); else the least rung by which
+        every live row's max_tokens has ended. Rungs: max_chunk, max_chunk / 4, … ≥ chunk
+        (layout.ladder); the device loop stops early once every row has ended."""
+        if hurry or self.prefilling or not self.decoding:
+            return self.chunk
+        left = [seq.req.params["max_tokens"] - len(seq.tokens) for seq in self.decoding]
+        if self.waiting:
+            return max([r for r in _rungs(self.max_chunk, self.chunk) if r <= min(left)]
+                       or [self.chunk])
+        return layout_lib.ladder(min(max(left), self.max_chunk), self.max_chunk, self.chunk)
+
+    def _decode(self, n_steps: int) -> None:
         s = self.s
         live = self.decoding
         per = [[] for _ in range(self.groups)]
@@ -838,7 +871,7 @@ class Engine:
         for seq in live:
             req = seq.req
             end = req.n + req.params["max_tokens"]
-            self._grow(seq, min(req.n + len(seq.tokens) + self.chunk, end))
+            self._grow(seq, min(req.n + len(seq.tokens) + n_steps, end))
         m = layout_lib.ladder(max(len(x.pages) for x in live), self.max_pages,
                               max(1, WINDOW_FLOOR[1] // self.page))
         b = self.groups * w_b
@@ -877,7 +910,7 @@ class Engine:
                                    layout_lib.stop_table(stops))
         table = self._table(live, at, b, m)
         topk = k_bucket(max(x.req.fields.topk_sample_logprobs for x in live))
-        modes = paged.PagedDecodeModes(self.chunk, greedy, filtered, s.slice_layers, topk,
+        modes = paged.PagedDecodeModes(n_steps, greedy, filtered, s.slice_layers, topk,
                                        rows.stop.shape[1])
         try:
             out_tok, out_lp, *out_tk = self._run_decode(table, rows, modes, active, slot)
@@ -931,15 +964,20 @@ class Engine:
 
     def warmup(self, active: Sequence[int] = (1,), draws: Sequence[str] = ("greedy", "drawn"),
                prompt_logprobs: Sequence[bool] = (False,), compute_logprobs: bool = False,
-               stop_width: Sequence[int] = (8,), topk: Sequence[int] = (0,)) -> int:
+               stop_width: Sequence[int] = (8,), topk: Sequence[int] = (0,),
+               prompt_stats: Sequence[tuple[int, int, int]] = ()) -> int:
         """Compile, up front, the programs the engine can run for these buckets -> how many
         it ran (program_keys then holds them). The bounded set (module docstring,
         "Programs"): every prefill (extend) rows × chunk × table-pages rung × active-adapter
-        bucket × prompt_logprobs (with compute_logprobs: also the cache-less log-prob
-        prefill's stream buckets), every decode rows × table-pages rung × active bucket ×
+        bucket × prompt_logprobs, every decode rows × table-pages rung × active bucket ×
         draw kind ("greedy", "drawn", "filtered": some row top-k / top-p) × stop-table
-        width × topk_sample_logprobs bucket, and every page-copy rung. active: distinct
-        adapters (the base model counts as one) per step. Runs each program once on
+        width × topk_sample_logprobs bucket × decode-chunk rung, every page-copy rung, and
+        the cache-less prefill's stream buckets (min_stream … max(max_len,
+        prefill_tokens), doubling) × active bucket for compute_logprobs (if
+        compute_logprobs) and for each prompt_stats entry (topk_prompt_logprobs,
+        target_prompt_logprobs width, prompt_alt_tokens_k) of the SDK prompt fields (each
+        bucketed by params.k_bucket; a request's fields take the widest of those admitted
+        with it). active: distinct adapters (the base model counts as one) per step. Runs each program once on
         padding (no request; every write is dropped), so later requests of those shapes
         compile nothing. Only on an idle engine."""
         if not self.idle:
@@ -956,7 +994,7 @@ class Engine:
         def padding(b, a):
             return layout_lib.active_index(np.full(b, layout_lib.PADDING), a, BASE)
 
-        for e_b in _rungs(*PREFILL_ROWS):
+        for e_b in _rungs(self.prefill_rows, PREFILL_ROWS[1]):
             b = groups * e_b
             for c in _rungs(self.chunk_top, MIN_CHUNK):
                 z = np.zeros((b, c), np.int32)
@@ -970,17 +1008,21 @@ class Engine:
                         for lp in prompt_logprobs:
                             self._run_extend(rows, paged.ExtendModes(bool(lp), s.slice_layers),
                                              act)
-        if compute_logprobs:
-            cap, x = s.limits.max_tokens_per_device, self.min_stream
-            while True:
-                for a in a_lens:
-                    pb = _padding_batch(s.dp, s.cp, min(x, cap), a)
-                    self.program_keys.add(("prefill", None, pb.tokens.shape, pb.targets.shape,
-                                           pb.spans.shape, True, (0, 0)))
-                    host(s.run_prefill(pb, with_logprobs=True)[1])
-                if x >= cap or x >= mesh_lib.pow2_at_least(max(self.max_len, self.prefill_tokens)):
-                    break
-                x *= 2
+        # The cache-less prefills: compute_logprobs (no stats) and the SDK prompt fields.
+        variants = ([(0, 0, 0)] if compute_logprobs else []) + [
+            tuple(k_bucket(int(k)) for k in v) for v in prompt_stats]
+        cap, x = s.limits.max_tokens_per_device, self.min_stream
+        while variants:
+            for a, (k, width, alt) in itertools.product(a_lens, dict.fromkeys(variants)):
+                pb = _padding_batch(s.dp, s.cp, min(x, cap), a, width)
+                call = (PromptStatsCall(k, alt, np.zeros(1, np.float32),
+                                        np.zeros((1, 2), np.uint32), (0,)) if k or alt else None)
+                self.program_keys.add(("prefill", None, pb.tokens.shape, pb.targets.shape,
+                                       pb.spans.shape, True, (k, alt)))
+                jax.tree.map(host, s.run_prefill(pb, with_logprobs=True, stats=call)[1])
+            if x >= cap or x >= mesh_lib.pow2_at_least(max(self.max_len, self.prefill_tokens)):
+                break
+            x *= 2
         for w_b in _rungs(self.b_local, WINDOW_FLOOR[0]):
             b = groups * w_b
             z = np.zeros(b, np.int32)
@@ -994,10 +1036,10 @@ class Engine:
                                 np.zeros(b, np.float32), np.full(b, -1, np.int32),
                                 np.ones(b, np.float32), np.zeros((b, 2), np.uint32),
                                 layout_lib.stop_table([()] * b, ns))
-                            for k in topk:
-                                modes = paged.PagedDecodeModes(self.chunk, *kinds[d],
-                                                               s.slice_layers, k_bucket(k),
-                                                               rows.stop.shape[1])
+                            for k, n in itertools.product(
+                                    topk, _rungs(self.max_chunk, self.chunk)):
+                                modes = paged.PagedDecodeModes(n, *kinds[d], s.slice_layers,
+                                                               k_bucket(k), rows.stop.shape[1])
                                 self._run_decode(np.full((b, m), -1, np.int32), rows, modes,
                                                  act, np.full(b, self.b_local, np.int32))
         for n in _rungs(self.b_local, WINDOW_FLOOR[0]):
@@ -1015,12 +1057,15 @@ def _rungs(full: int, floor: int) -> list[int]:
     return out
 
 
-def _padding_batch(dp: int, cp: int, length: int, active: int) -> batch_lib.PackedBatch:
+def _padding_batch(dp: int, cp: int, length: int, active: int,
+                   target_width: int = 0) -> batch_lib.PackedBatch:
     """A packed prefill batch of `length` rows per stream that holds only padding, with
-    `active` adapter entries (for Engine.warmup)."""
+    `active` adapter entries and, if target_width, [.., 1 + target_width] targets (for
+    Engine.warmup)."""
     z = np.zeros((dp, cp, length), np.int32)
+    targets = np.zeros(z.shape + (1 + target_width,), np.int32) if target_width else z
     return batch_lib.PackedBatch(
-        tokens=z, targets=z, segment=np.full((dp, cp, length), -1, np.int32), position=z,
+        tokens=z, targets=targets, segment=np.full((dp, cp, length), -1, np.int32), position=z,
         loss_id=z, floats={}, spans=np.zeros((dp, cp, active, 2), np.int32),
         active=np.full(active, BASE, np.int32), num_slots=8, placements=())
 

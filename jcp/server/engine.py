@@ -10,9 +10,11 @@ Qwen3.5 models too go through the engine).
 
 Interleaving policy: each turn of the loop runs at most one training pass (a fused
 forward / forward_backward, or one model operation) and then one engine step (at most
-`prefill_tokens` of newly admitted prompts, then up to `chunk` decode steps of every live
-sequence). So a training pass waits for at most one engine step, and running sequences
-wait for at most one training pass between decode chunks; neither starves. A sample the
+`prefill_tokens` of newly admitted prompts, then decode steps of every live sequence:
+`chunk` of them while any request is queued — Engine.step(hurry=True) —, else up to
+`max_chunk`, Engine.decode_len). So a training pass queued while nothing else was waits
+for at most one engine step of max_chunk decode steps, and running sequences wait for at
+most one training pass between decode chunks; neither starves. A sample the
 client cancels after admission (cancel_future -> Scheduler.cancel_running) is cancelled in
 the engine at the start of the next turn and ends at that step boundary, its slots freed.
 
@@ -59,6 +61,11 @@ from jcp.server.state import ModelRecord, NotFound, StateStore, age_recipients
 
 log = logging.getLogger("jcp.serve")
 
+# Samples reaching an idle engine are admitted together while each comes within
+# ADMIT_GAP_S of the one before, for at most ADMIT_WINDOW_S (so a lone sample waits
+# ADMIT_GAP_S more; a burst of concurrent ones shares one prefill and decode call).
+ADMIT_GAP_S = 0.01
+ADMIT_WINDOW_S = 0.05
 # How often the worker looks for checkpoints whose TTL has passed.
 EXPIRY_SCAN_S = 5.0
 # Tinker does not expose alpha; its LoRA uses a fixed alpha of 32.
@@ -163,6 +170,10 @@ class Engine:
             if got is None:
                 return
             group, samples = got
+            if samples and not group and self.sampling.idle:
+                # A burst of concurrent samples (an RL step's prompt groups) reaches an
+                # idle engine over some ms: admit it together, in one prefill and decode.
+                samples += self.sched.gather_samples(ADMIT_GAP_S, ADMIT_WINDOW_S)
             for w in samples:
                 self._admit_sample(w)
             self._cancel_running()
@@ -171,7 +182,7 @@ class Engine:
             if not self.sampling.idle:
                 t0 = time.perf_counter()
                 try:
-                    self.sampling.step()
+                    self.sampling.step(hurry=self.sched.pending() > 0)
                 except Exception as e:  # noqa: BLE001 — the engine's requests fail, not the server
                     for rid in list(self.sampling.requests):
                         self.sampling.cancel(rid)

@@ -151,6 +151,24 @@ class Scheduler:
 
     # ------------------------------------------------------------------ worker side
 
+    def gather_samples(self, gap: float, window: float) -> list[Work]:
+        """The samples that arrive from now on while each comes within `gap` seconds of
+        the one before, for at most `window` seconds (the worker admits a burst of
+        concurrent requests into one engine step); stops early when other work arrives."""
+        end = time.monotonic() + window
+        out: list[Work] = []
+        with self._cv:
+            while not self._closed:
+                wait = min(gap, end - time.monotonic())
+                if wait <= 0:
+                    break
+                self._cv.wait(wait)
+                if not self._samples or self._unordered or self._queues:
+                    break
+                out, self._samples = out + self._samples, []
+            out, self._samples = out + self._samples, []
+        return out
+
     def next_work(self, block: bool = True,
                   timeout: float | None = None) -> tuple[list[Work], list[Work]] | None:
         """(a pass — one request or a fused group, possibly empty —, every queued sample),
