@@ -405,9 +405,10 @@ def test_engine_drawn_logprobs_equal_forward_and_one_prefill():
 
 
 def test_engine_warmup_covers_a_hybrid_model():
-    """Engine.warmup on a hybrid model runs its program set (prefill rows 8 / 2 × chunk 16
-    × 4 table pages, decode rows 8 × 4 pages, one copy rung) on padding — state rows
-    untouched — and then requests of random lengths and sample counts compile nothing."""
+    """Engine.warmup on a hybrid model runs its program set (prefill rows 8 / 4 × chunk 16
+    × 4 table pages, decode rows 8 × 4 pages × 16 / 4 steps, one copy rung) on padding —
+    state rows untouched — and then requests of random lengths and sample counts compile
+    nothing."""
     from jcp.sample.engine import Engine
     tr, (a, _), _ = _engine((1, 1, 1))
     eng = Engine(tr.make_sampler(), slots=8, max_len=32, chunk=4, page_size=8,
@@ -415,7 +416,7 @@ def test_engine_warmup_covers_a_hybrid_model():
     p = eng.s.paged
     compiled = lambda: (p.extend._cache_size() + p.decode._cache_size()  # noqa: E731
                         + p.copy._cache_size())
-    assert eng.warmup(active=(1,), draws=("greedy",)) == 2 + 1 + 1
+    assert eng.warmup(active=(1,), draws=("greedy",)) == 2 + 2 + 1
     assert eng.idle and all(len(f) == eng.b_local for f in eng.free_rows)
     warm, before = set(eng.program_keys), compiled()
     eng.program_keys.clear()
