@@ -372,11 +372,10 @@ def test_engine_drawn_logprobs_equal_forward_and_one_prefill():
     assert not eng.prefix_cache
     before = eng.prefilled
     rid = eng.submit(prompt, sp, a, num_samples=3, prompt_logprobs=True)
-    filled = []
+    req, filled = eng.requests[rid], []
     while not eng.finished(rid):
         eng.step()
-        if rid in eng.requests:
-            filled.append(eng.requests[rid].groups[0].filled)
+        filled.append(req.groups[0].filled)
     assert filled[:3] == [32, 64, 69]
     got = eng.result(rid)
     seqs = [np.concatenate([prompt, x.tokens]).astype(np.int32) for x in got.sequences]
