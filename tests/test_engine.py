@@ -364,7 +364,7 @@ def test_served_warm_up_covers_top_k_fields_and_log_probs(root):
     assert every() == compiled
 
 
-PAGED = dict(slots=8, max_len=32, chunk=4, page_size=4, prefill_tokens=8)
+PAGED = dict(slots=8, max_len=32, chunk=4, max_chunk=4, page_size=4, prefill_tokens=8)
 
 
 def test_prefix_cache_hit_equals_miss_and_samples_share_prompt_pages(root):
