@@ -63,7 +63,8 @@ log = logging.getLogger("jcp.serve")
 
 # Samples reaching an idle engine are admitted together while each comes within
 # ADMIT_GAP_S of the one before, for at most ADMIT_WINDOW_S (so a lone sample waits
-# ADMIT_GAP_S more; a burst of concurrent ones shares one prefill and decode call).
+# ADMIT_GAP_S more; a burst of concurrent ones shares one prefill and decode call; one
+# still arriving at the window's end gets a short first step, Engine.step(hurry=True)).
 ADMIT_GAP_S = 0.01
 ADMIT_WINDOW_S = 0.05
 # How often the worker looks for checkpoints whose TTL has passed.
@@ -170,10 +171,14 @@ class Engine:
             if got is None:
                 return
             group, samples = got
+            arriving = False
             if samples and not group and self.sampling.idle:
                 # A burst of concurrent samples (an RL step's prompt groups) reaches an
-                # idle engine over some ms: admit it together, in one prefill and decode.
-                samples += self.sched.gather_samples(ADMIT_GAP_S, ADMIT_WINDOW_S)
+                # idle engine over some ms: admit it together, in one prefill and decode;
+                # if it is still arriving when the window ends, keep this step short so
+                # the rest joins at the next one.
+                more, arriving = self.sched.gather_samples(ADMIT_GAP_S, ADMIT_WINDOW_S)
+                samples += more
             for w in samples:
                 self._admit_sample(w)
             self._cancel_running()
@@ -182,7 +187,7 @@ class Engine:
             if not self.sampling.idle:
                 t0 = time.perf_counter()
                 try:
-                    self.sampling.step(hurry=self.sched.pending() > 0)
+                    self.sampling.step(hurry=arriving or self.sched.pending() > 0)
                 except Exception as e:  # noqa: BLE001 — the engine's requests fail, not the server
                     for rid in list(self.sampling.requests):
                         self.sampling.cancel(rid)

@@ -151,23 +151,26 @@ class Scheduler:
 
     # ------------------------------------------------------------------ worker side
 
-    def gather_samples(self, gap: float, window: float) -> list[Work]:
+    def gather_samples(self, gap: float, window: float) -> tuple[list[Work], bool]:
         """The samples that arrive from now on while each comes within `gap` seconds of
         the one before, for at most `window` seconds (the worker admits a burst of
-        concurrent requests into one engine step); stops early when other work arrives."""
+        concurrent requests into one engine step); stops early when other work arrives.
+        -> (samples, whether they were still arriving when the window ended)."""
         end = time.monotonic() + window
         out: list[Work] = []
+        arriving = False
         with self._cv:
             while not self._closed:
                 wait = min(gap, end - time.monotonic())
                 if wait <= 0:
+                    arriving = bool(out)
                     break
                 self._cv.wait(wait)
                 if not self._samples or self._unordered or self._queues:
                     break
                 out, self._samples = out + self._samples, []
             out, self._samples = out + self._samples, []
-        return out
+        return out, arriving
 
     def next_work(self, block: bool = True,
                   timeout: float | None = None) -> tuple[list[Work], list[Work]] | None:
