@@ -291,16 +291,16 @@ def _compiled(eng):
 def test_varied_requests_after_warm_up_compile_nothing(root):
     """Every dynamic dimension is bucketed: after Engine.warmup (drawn rows, one active
     adapter, run on padding: prefill rows 32 / 8 / 4 × chunks 64 / 16 × table pages 8 / 4,
-    decode rows 32 / 8 × pages 8 / 4 × decode chunks 16 / 4, page copies 32 / 8), requests of random prompt
-    lengths, num_samples and max_tokens, joining at different steps or alone, compile no
-    new program (counted by jax's caches and by the engine's program_keys)."""
+    decode rows 32 / 16 / 8 × pages 8 / 4 × decode chunks 16 / 4, page copies 32 / 8),
+    requests of random prompt lengths, num_samples and max_tokens, joining at different
+    steps or alone, compile no new program (counted by jax's caches and by the engine's program_keys)."""
     tr, (a, _), _ = _setup((1, 1, 1), root)
     eng = Engine(tr.make_sampler(), slots=32, max_len=128, chunk=4, prefill_tokens=48)
     sp = lambda n: jcp.SamplingParams(max_tokens=n, temperature=1.0, seed=n, stop=[])  # noqa: E731
     rng = np.random.default_rng(0)
     prompt = lambda n: rng.integers(0, 128, n).tolist()  # noqa: E731
     before = _compiled(eng)
-    assert eng.warmup(active=(1,), draws=("drawn",)) == 12 + 4 * 2 + 2
+    assert eng.warmup(active=(1,), draws=("drawn",)) == 12 + 6 * 2 + 2
     assert eng.idle and eng.live == 0 and eng.pool.used(0) == 0
     warm = set(eng.program_keys)
     assert _compiled(eng) - before == len(warm)
