@@ -161,12 +161,15 @@ class Scheduler:
         arriving = False
         with self._cv:
             while not self._closed:
-                wait = min(gap, end - time.monotonic())
-                if wait <= 0:
+                left = end - time.monotonic()
+                if left <= 0:
                     arriving = bool(out)
                     break
-                self._cv.wait(wait)
-                if not self._samples or self._unordered or self._queues:
+                self._cv.wait(min(gap, left))
+                if self._unordered or self._queues:
+                    break
+                if not self._samples:  # a quiet gap, or the window's end
+                    arriving = bool(out) and left <= gap
                     break
                 out, self._samples = out + self._samples, []
             out, self._samples = out + self._samples, []
