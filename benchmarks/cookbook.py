@@ -54,15 +54,17 @@ def split(busy: dict, wall: float, steps: int) -> str:
 
 
 def run(srv, make_config, steps: int) -> list[tuple[float, dict]]:
-    """[(wall, worker seconds by kind)] of a cold and a warm run of `steps` steps."""
+    """[(wall, worker seconds by kind, sampling programs compiled)] of a cold and a warm
+    run of `steps` steps."""
     out = []
     for _ in range(2):
         main, cfg = make_config(tempfile.mkdtemp(), steps)
-        before = dict(srv.engine.busy_s)
+        before, programs = dict(srv.engine.busy_s), srv.engine.sampling.programs()
         t0 = time.perf_counter()
         asyncio.run(main(cfg))
         wall = time.perf_counter() - t0
-        out.append((wall, {k: v - before.get(k, 0.0) for k, v in srv.engine.busy_s.items()}))
+        out.append((wall, {k: v - before.get(k, 0.0) for k, v in srv.engine.busy_s.items()},
+                    srv.engine.sampling.programs() - programs))
     return out
 
 
@@ -112,8 +114,9 @@ def main() -> None:
         print(f"tiny Qwen3 (V 512, D 64, 2 layers), LoRA rank 8, mesh {args.mesh}, "
               f"{args.steps} steps per run (the final checkpoint included)")
         for name, make in (("supervised.train", sl), ("rl.train (sync)", rl)):
-            for label, (wall, busy) in zip(("cold", "warm"), run(srv, make, args.steps)):
+            for label, (wall, busy, n) in zip(("cold", "warm"), run(srv, make, args.steps)):
                 print(f"{name:17s} {label} {split(busy, wall, args.steps)}")
+                print(f"{'':22s} sampling-engine programs compiled in this run: {n}")
                 print(f"{'':22s} worker seconds by kind: "
                       + ", ".join(f"{k} {v:.3f}" for k, v in sorted(busy.items())))
     finally:

@@ -30,6 +30,14 @@ import time
 
 from jcp.cli import CliError, Parser, load_model_and_mesh, parse_mesh, setup_devices
 
+# What `jcp-serve --warmup` compiles (Engine.warmup's buckets): steps with 1 or 2 distinct
+# adapters, greedy and drawn rows (no top-k / top-p), with and without prompt log-probs,
+# compute_logprobs, topk_sample_logprobs ≤ 4 and topk_prompt_logprobs ≤ 4. Other requests
+# (top-k / top-p rows, wider top-k, target_prompt_logprobs, prompt_alt_tokens_k, more
+# adapters in one step) compile their programs when first met.
+SAMPLING_WARMUP = dict(active=(1, 2), draws=("greedy", "drawn"), prompt_logprobs=(False, True),
+                       compute_logprobs=True, topk=(0, 4), prompt_stats=((4, 0, 0),))
+
 
 def parse_args(argv):
     p = Parser(prog="jcp-serve", description=__doc__.split("\n\n")[0])
@@ -76,8 +84,8 @@ def parse_args(argv):
                    help="sampling engine: most prompt tokens prefilled per engine step "
                    "(default max_tokens_per_device · dp)")
     p.add_argument("--warmup", action="store_true",
-                   help="compile the sampling engine's programs before serving (greedy and "
-                   "drawn rows, 1–2 active adapters; see Engine.warmup)")
+                   help="compile the sampling engine's programs before serving "
+                   "(SAMPLING_WARMUP; see Engine.warmup)")
     p.add_argument("--coordinator-address", default=None,
                    help="jax.distributed coordinator host:port (or JAX_COORDINATOR_ADDRESS); "
                    "every process gets the same flags, process 0 serves HTTP")
@@ -242,7 +250,7 @@ def main(argv=None) -> int:
           f"{eng.chunk}, {eng.prefill_tokens} prefill tokens per step", flush=True)
     if args.warmup:
         t0 = time.monotonic()
-        n = eng.warmup(active=(1, 2), draws=("greedy", "drawn"))
+        n = eng.warmup(**SAMPLING_WARMUP)
         print(f"jcp-serve: warm-up compiled {n} sampling programs in "
               f"{time.monotonic() - t0:.1f} s", flush=True)
     srv.engine.start()

@@ -74,7 +74,8 @@ def _setup(mesh_shape, root):
     tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=params, max_adapters=3,
                      max_rank=8)
     ids = [tr.load_peft(f) for f in folders]
-    eng = Engine(tr.make_sampler(), slots=8, max_len=32, chunk=4)
+    # max_chunk = chunk: every step decodes 4 tokens, so requests really join mid-flight.
+    eng = Engine(tr.make_sampler(), slots=8, max_len=32, chunk=4, max_chunk=4)
     return tr, ids, eng
 
 
@@ -206,11 +207,48 @@ def test_full_engine_makes_admission_wait(root):
     _same(eng.result(second), _alone(tr, PROMPTS[2], sp, None, 3), "second")
 
 
+def test_decode_chunks_grow_while_nothing_waits(root):
+    """Decode chunk policy (Engine.decode_len; chunk 4, max_chunk 16: rungs 16, 4): a
+    request alone decodes all its 10 tokens in one step; with hurry (work waiting outside)
+    4 per step; while a request waits for rows, steps of the largest rung no live row ends
+    before (4, 4, then 4 more where the rows end at 10), and the waiting one, admitted
+    alone, again all at once. Every result equals the request served alone."""
+    tr, (a, b), _ = _setup((1, 1, 1), root)
+    eng = Engine(tr.make_sampler(), slots=4, max_len=32, chunk=4, max_chunk=16)
+    sp = lambda n, seed: jcp.SamplingParams(max_tokens=n, temperature=1.0, seed=seed,  # noqa: E731
+                                            stop=[])
+    counts = lambda rid: [len(t) for t in eng.requests[rid].tokens]  # noqa: E731
+    got = {}
+    r1 = eng.submit(PROMPTS[0], sp(10, 1), a, num_samples=2)
+    eng.step()
+    assert eng.finished(r1)
+    got[r1] = (PROMPTS[0], sp(10, 1), a, 2)
+    r2 = eng.submit(PROMPTS[2], sp(10, 2), None, num_samples=2)
+    eng.step(hurry=True)
+    assert counts(r2) == [4, 4]
+    eng.step()
+    assert eng.finished(r2)
+    got[r2] = (PROMPTS[2], sp(10, 2), None, 2)
+    r3 = eng.submit(PROMPTS[0], sp(10, 3), b, num_samples=3)
+    r4 = eng.submit(PROMPTS[3], sp(9, 4), a, num_samples=3)
+    seen = []
+    while not eng.finished(r3):
+        eng.step()
+        assert len(eng.waiting) == 1  # 3 + 3 rows > 4 slots: r4 waits
+        seen.append(counts(r3)[0] if not eng.finished(r3) else 10)
+    assert seen == [4, 8, 10]
+    eng.step()  # r4 admitted, alone: all 9 tokens in this step
+    assert eng.finished(r4)
+    got[r3], got[r4] = (PROMPTS[0], sp(10, 3), b, 3), (PROMPTS[3], sp(9, 4), a, 3)
+    for rid, (p, spr, ad, n) in got.items():
+        _same(eng.result(rid), _alone(tr, p, spr, ad, n), f"request {rid}")
+
+
 def test_cancel_and_adapter_change_mid_flight(root):
     tr, _, _ = _setup((1, 1, 1), root)
     c = tr.create_adapter(rank=4, seed=3)
     try:
-        eng = Engine(tr.make_sampler(), slots=8, max_len=32, chunk=2)
+        eng = Engine(tr.make_sampler(), slots=8, max_len=32, chunk=2, max_chunk=2)
         keep = eng.submit(PROMPTS[0], GREEDY, None)
         gone = eng.submit(PROMPTS[2], GREEDY, None)
         changed = eng.submit(PROMPTS[3], GREEDY, c)
@@ -252,17 +290,17 @@ def _compiled(eng):
 
 def test_varied_requests_after_warm_up_compile_nothing(root):
     """Every dynamic dimension is bucketed: after Engine.warmup (drawn rows, one active
-    adapter, run on padding: prefill rows 8 / 2 × chunks 64 / 16 × table pages 8 / 4,
-    decode rows 32 / 8 × pages 8 / 4, page copies 32 / 8), requests of random prompt
-    lengths, num_samples and max_tokens, joining at different steps or alone, compile no
-    new program (counted by jax's caches and by the engine's program_keys)."""
+    adapter, run on padding: prefill rows 32 / 8 / 4 × chunks 64 / 16 × table pages 8 / 4,
+    decode rows 32 / 16 / 8 × pages 8 / 4 × decode chunks 16 / 4, page copies 32 / 8),
+    requests of random prompt lengths, num_samples and max_tokens, joining at different
+    steps or alone, compile no new program (counted by jax's caches and by the engine's program_keys)."""
     tr, (a, _), _ = _setup((1, 1, 1), root)
     eng = Engine(tr.make_sampler(), slots=32, max_len=128, chunk=4, prefill_tokens=48)
     sp = lambda n: jcp.SamplingParams(max_tokens=n, temperature=1.0, seed=n, stop=[])  # noqa: E731
     rng = np.random.default_rng(0)
     prompt = lambda n: rng.integers(0, 128, n).tolist()  # noqa: E731
     before = _compiled(eng)
-    assert eng.warmup(active=(1,), draws=("drawn",)) == 8 + 4 + 2
+    assert eng.warmup(active=(1,), draws=("drawn",)) == 12 + 6 * 2 + 2
     assert eng.idle and eng.live == 0 and eng.pool.used(0) == 0
     warm = set(eng.program_keys)
     assert _compiled(eng) - before == len(warm)
@@ -290,7 +328,43 @@ def test_varied_requests_after_warm_up_compile_nothing(root):
     assert _compiled(eng) == compiled
 
 
-PAGED = dict(slots=8, max_len=32, chunk=4, page_size=4, prefill_tokens=8)
+def test_served_warm_up_covers_top_k_fields_and_log_probs(root):
+    """jcp-serve --warmup's set (serve.SAMPLING_WARMUP; one active adapter here, to keep it
+    cheap) on a small engine: afterwards varied requests — greedy and drawn, with and
+    without prompt log-probs, topk_sample_logprobs and topk_prompt_logprobs up to 4,
+    compute_logprobs, joining at different steps, hurried or not — compile nothing."""
+    from jcp.serve import SAMPLING_WARMUP
+    tr, (a, _), _ = _setup((1, 1, 1), root)
+    eng = Engine(tr.make_sampler(), slots=8, max_len=64, chunk=4, prefill_tokens=16)
+    every = lambda: _compiled(eng) + eng.s.prefill._cache_size()  # noqa: E731
+    before = every()
+    n = eng.warmup(**{**SAMPLING_WARMUP, "active": (1,)})
+    assert every() - before == n == len(eng.program_keys)
+    warm, compiled = set(eng.program_keys), every()
+    eng.program_keys.clear()
+    rng = np.random.default_rng(1)
+    rids = []
+    for step in range(6):
+        length = int(rng.integers(2, 20))
+        sp = jcp.SamplingParams(max_tokens=int(rng.integers(1, 30)), stop=[],
+                                temperature=[0.0, 1.0][step % 2], seed=step)
+        fields = jcp.PromptFields(topk_sample_logprobs=int(rng.integers(0, 5)),
+                                  topk_prompt_logprobs=[0, 1, 4][step % 3])
+        rids.append(eng.submit(rng.integers(0, 128, length).tolist(), sp, a,
+                               num_samples=int(rng.integers(1, 4)),
+                               prompt_logprobs=bool(step % 3 == 1), fields=fields))
+        if step % 2:
+            rids.append(eng.submit_logprobs(rng.integers(0, 128, length).tolist(), a))
+        eng.step(hurry=bool(step % 3 == 2))
+    eng.run()
+    for rid in rids:
+        eng.result(rid)
+    assert {k[0] for k in eng.program_keys} == {"extend", "decode", "copy", "prefill"}
+    assert eng.program_keys <= warm, eng.program_keys - warm
+    assert every() == compiled
+
+
+PAGED = dict(slots=8, max_len=32, chunk=4, max_chunk=4, page_size=4, prefill_tokens=8)
 
 
 def test_prefix_cache_hit_equals_miss_and_samples_share_prompt_pages(root):

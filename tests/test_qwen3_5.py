@@ -228,10 +228,11 @@ def _hf_greedy():
 
 @functools.lru_cache(maxsize=None)
 def _sampling_trainer(mesh_shape):
-    """(Trainer, an adapter with PEFT's initialisation: B = 0, the base model's outputs)."""
+    """(Trainer, an adapter with PEFT's initialisation: B = 0, the base model's outputs).
+    Room for the engine tests' two peft adapters too (one Trainer: one compile set)."""
     _, cfg, base = _reference()
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=1,
-                     max_rank=2, attn_block=16, logprob_chunk=16)
+    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=3,
+                     max_rank=4, attn_block=16, logprob_chunk=16)
     return tr, tr.create_adapter(rank=2, seed=0)
 
 
@@ -280,15 +281,158 @@ def test_sampled_logprobs_equal_forward_and_transformers():
             k += 1
 
 
-def test_paged_engine_refuses_hybrid_sampling_before_queueing():
-    """The paged engine has no paged form of the recurrent state yet: submit refuses a
-    hybrid model clearly, with nothing queued (jcp-serve samples it beside the engine)."""
+# ----------------------------------------------------------------------------------------
+# The paged engine: a recurrent-state row per sequence beside the full layers' pages
+
+ENGINE = dict(slots=8, max_len=80, chunk=4, page_size=8, prefill_tokens=32)
+
+
+@functools.lru_cache(maxsize=None)
+def _engine_adapters():
+    """Two peft adapters on the reference model (every target, B random): (peft models,
+    their folders)."""
+    import tempfile
+
+    hm = _reference()[0]
+    pms, folders = [], []
+    for k in range(2):
+        pm = peft_model(hm, 20 + k, std=0.2, r=4, lora_alpha=8 + 8 * k, target_modules=TARGETS)
+        folder = tempfile.mkdtemp(prefix=f"jcp_qwen3_5_engine{k}_")
+        pm.save_pretrained(folder)
+        pms.append(pm)
+        folders.append(folder)
+    return pms, folders
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_engine_greedy(which, i):
+    """HF generate (greedy) of SAMPLE_PROMPTS[i] by the base model (which None) or peft
+    adapter `which`."""
+    model = _reference()[0] if which is None else _engine_adapters()[0][which]
+    ids = torch.tensor([SAMPLE_PROMPTS[i]])
+    with torch.no_grad():
+        g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                           max_new_tokens=SAMPLE_TOKENS, min_new_tokens=SAMPLE_TOKENS,
+                           pad_token_id=0)
+    return g[0, ids.shape[1]:].numpy().astype(np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _engine(mesh_shape):
+    """(Trainer, [adapter ids of the two peft folders], Engine) over the reference model
+    (the static sampling tests' Trainer)."""
     from jcp.sample.engine import Engine
-    tr, _ = _sampling_trainer((1, 2, 1))
-    eng = Engine(tr.make_sampler(), slots=2, max_len=128, chunk=4)
-    with pytest.raises(jcp.InputError, match="hybrid"):
-        eng.submit(list(SAMPLE_PROMPTS[0]), _no_stop(temperature=0.0))
-    assert eng.idle and not eng.waiting
+    tr = _sampling_trainer(mesh_shape)[0]
+    ids = [tr.load_peft(f) for f in _engine_adapters()[1]]
+    return tr, ids, Engine(tr.make_sampler(), **ENGINE)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 2, 2)])
+def test_engine_greedy_equals_hf_generate(mesh_shape):
+    """Requests arriving at different steps with different adapters (or none): every
+    sequence = HF generate (+ peft). Covered: a one-token prompt (no prefill: the state
+    starts from zeros), the 70-token prompt prefilled over 3 engine steps (32 prompt tokens
+    per step: its recurrent state carried across chunks) while others decode, 2 samples of
+    one prompt (the prompt's final state copied into each sample's row), and state rows of
+    finished sequences taken again by later ones."""
+    tr, (a, b), eng = _engine(mesh_shape)
+    assert (tr.dp, tr.cp, tr.tp) == mesh_shape and eng.hybrid
+    assert not np.array_equal(_hf_engine_greedy(0, 2), _hf_engine_greedy(None, 2))
+    assert not np.array_equal(_hf_engine_greedy(0, 3), _hf_engine_greedy(1, 3))
+    adapter = {None: None, a: 0, b: 1}
+    waves = [[(2, a, 1), (0, None, 1)], [(1, b, 1), (3, a, 2)], [], [(3, b, 1), (0, a, 1)],
+             [(2, None, 1)]]
+    rids, rows_seen = [], set()
+    for wave in waves:
+        rids += [(eng.submit(SAMPLE_PROMPTS[i], _no_stop(temperature=0.0), ad, n), i, ad)
+                 for i, ad, n in wave]
+        eng.step()
+        rows_seen |= {(x.g, x.row) for r in eng.requests.values() for x in r.seqs
+                      if x.row is not None}
+    assert eng.live > 0
+    eng.run()
+    assert eng.idle and eng.live == 0 and all(len(f) == eng.b_local for f in eng.free_rows)
+    assert len(rows_seen) < sum(n for wave in waves for _, _, n in wave)  # rows reused
+    for rid, i, ad in rids:
+        res = eng.result(rid)
+        for seq in res.sequences:
+            np.testing.assert_array_equal(seq.tokens, _hf_engine_greedy(adapter[ad], i),
+                                          err_msg=f"prompt {i} adapter {ad}")
+
+
+def test_engine_drawn_logprobs_equal_forward_and_one_prefill():
+    """A drawn request (T = 1, 3 samples) on the 70-token prompt, prefilled in 3 chunks:
+    its log-probs = forward; tokens and log-probs = Trainer.sample of it alone (the
+    prompt prefilled in one program); prompt log-probs = compute_logprobs. The prefix
+    cache is off for a hybrid model (a recurrent state is not recoverable from K/V
+    pages): the same request again prefills every position and gives the same result."""
+    tr, (a, _), eng = _engine((1, 2, 2))
+    prompt = SAMPLE_PROMPTS[2]
+    sp = _no_stop(temperature=1.0, seed=7)
+    assert not eng.prefix_cache
+    before = eng.prefilled
+    rid = eng.submit(prompt, sp, a, num_samples=3, prompt_logprobs=True)
+    req, filled = eng.requests[rid], []
+    while not eng.finished(rid):
+        eng.step()
+        filled.append(req.groups[0].filled)
+    assert filled[:3] == [32, 64, 69]
+    got = eng.result(rid)
+    seqs = [np.concatenate([prompt, x.tokens]).astype(np.int32) for x in got.sequences]
+    assert len({tuple(x) for x in seqs}) == 3  # the draws differ
+    data = [jcp.Datum(x[:-1], {"target_tokens": x[1:],
+                               "weights": np.zeros(len(x) - 1, np.float32)}) for x in seqs]
+    fwd = [o["logprobs"] for o in tr.forward(data, adapters=a).loss_fn_outputs]
+    n = len(prompt)
+    for x, f in zip(got.sequences, fwd):
+        np.testing.assert_allclose(x.logprobs, f[n - 1:], atol=2e-5)
+    alone = tr.sample([prompt], sp, adapters=a, num_samples=3, prompt_logprobs=True)[0]
+    for x, y in zip(got.sequences, alone.sequences):
+        np.testing.assert_array_equal(x.tokens, y.tokens)
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got.prompt_logprobs, alone.prompt_logprobs, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got.prompt_logprobs[1:],
+                               tr.compute_logprobs([prompt], adapters=a)[0][1:], atol=1e-5)
+    assert eng.prefilled - before == n - 1
+    rid = eng.submit(prompt, sp, a, num_samples=3, prompt_logprobs=True)
+    eng.run()
+    again = eng.result(rid)
+    assert eng.prefilled - before == 2 * (n - 1) and eng.pool.hits == 0
+    for x, y in zip(again.sequences, got.sequences):
+        np.testing.assert_array_equal(x.tokens, y.tokens)
+        np.testing.assert_array_equal(x.logprobs, y.logprobs)
+
+
+def test_engine_warmup_covers_a_hybrid_model():
+    """Engine.warmup on a hybrid model runs its program set (prefill rows 8 / 4 × chunk 16
+    × 4 table pages, decode rows 8 × 4 pages × 16 / 4 steps, one copy rung) on padding —
+    state rows untouched — and then requests of random lengths and sample counts compile
+    nothing."""
+    from jcp.sample.engine import Engine
+    tr, (a, _), _ = _engine((1, 1, 1))
+    eng = Engine(tr.make_sampler(), slots=8, max_len=32, chunk=4, page_size=8,
+                 prefill_tokens=16)
+    p = eng.s.paged
+    compiled = lambda: (p.extend._cache_size() + p.decode._cache_size()  # noqa: E731
+                        + p.copy._cache_size())
+    assert eng.warmup(active=(1,), draws=("greedy",)) == 2 + 2 + 1
+    assert eng.idle and all(len(f) == eng.b_local for f in eng.free_rows)
+    warm, before = set(eng.program_keys), compiled()
+    eng.program_keys.clear()
+    rng = np.random.default_rng(1)
+    rids = []
+    for _ in range(2):
+        for _ in range(2):
+            n = int(rng.integers(2, 25))
+            rids.append(eng.submit(rng.integers(0, mh.V, n).tolist(),
+                                   _no_stop(n=int(rng.integers(1, 32 - n)), temperature=0.0),
+                                   a, num_samples=int(rng.integers(1, 4))))
+        eng.step()
+    eng.run()
+    assert all(eng.result(r).sequences for r in rids)
+    assert {k[0] for k in eng.program_keys} == {"extend", "decode", "copy"}
+    assert eng.program_keys <= warm, eng.program_keys - warm
+    assert compiled() == before
 
 
 def test_load_hf_reads_the_text_model_of_an_image_text_checkpoint(tmp_path):
@@ -361,7 +505,8 @@ def test_jcp_train_runs_on_a_qwen3_5_folder(tmp_path):
 def test_jcp_serve_trains_a_qwen3_5_model():
     """The tinker SDK against jcp-serve over a Qwen3.5 Trainer: forward_backward and
     optim_step equal the Trainer's own on an adapter of the same seed (every target, the
-    Gated DeltaNet projections included)."""
+    Gated DeltaNet projections included); a sample of the trained weights (in-memory
+    snapshot), decoded by the server's paged engine, equals Trainer.sample."""
     pytest.importorskip("tinker")
     from tinker import types
     from helpers.server_harness import client, serving
@@ -396,6 +541,23 @@ def test_jcp_serve_trains_a_qwen3_5_model():
             assert any("in_proj_qkv" in k for k in moved)
             for k in want:
                 np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+            tr.delete_adapter(local)  # room for the sampler snapshot
+            # Sampling the trained weights goes through the server's paged engine.
+            sampling = env["srv"].engine.sampling
+            assert sampling.peak_live == 0
+            sc = tc.save_weights_and_get_sampling_client().result()
+            prompt = list(SAMPLE_PROMPTS[3])
+            res = sc.sample(types.ModelInput.from_ints(prompt), 2,
+                            types.SamplingParams(max_tokens=SAMPLE_TOKENS, temperature=1.0,
+                                                 seed=11, stop=[])).result()
+            assert sampling.peak_live == 2  # both samples decoded in the engine's batch
+            ref = tr.sample([prompt], _no_stop(temperature=1.0, seed=11), adapters=slot,
+                            num_samples=2)[0]
+            assert len(res.sequences) == 2
+            assert res.sequences[0].tokens != res.sequences[1].tokens
+            for x, y in zip(res.sequences, ref.sequences):
+                assert list(x.tokens) == y.tokens.tolist()
+                np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=1e-5, atol=1e-6)
         finally:
-            tr.delete_adapter(local)
-            tr.delete_adapter(slot)  # the cached Trainer's slots are free for other tests
+            for a in list(tr.adapters):  # the cached Trainer's slots (snapshot too) freed
+                tr.delete_adapter(a)

@@ -9,9 +9,21 @@ requests while decode rows and pages last, prefill one chunk of every admitted p
 (at most `prefill_tokens` prompt tokens per step over all prompts: a long prompt is split
 over steps, and running sequences decode between its chunks), run every compute_logprobs
 request waiting (one prefill, no cache), then decode every live sequence for up to
-`chunk` steps in one device loop. Every row carries its own adapter (routed by index,
+`decode_len` steps in one device loop. Every row carries its own adapter (routed by index,
 lora.Routing.index_S: a row costs its adapter's rank, not the slot table), temperature,
 top-k, top-p, seed stream, stop set and max_tokens.
+
+Decode chunks (`decode_len`): a step's device loop runs `chunk` decode steps while other
+work waits — a prompt still prefilling, or step(hurry=True) from a caller whose queue
+holds requests (jcp-serve) —, so a newcomer's first token waits for at most one such
+chunk; when a request waits for rows or pages, the largest rung no live row's max_tokens
+ends before (it may join as soon as rows free); when nothing waits, the least rung by which
+every live row's max_tokens has ended, so a batch with nothing else to do decodes to its
+end in one call. Rungs: max_chunk (default 4 · chunk), max_chunk / 4, … ≥ chunk; the loop
+stops early once every row has ended (stop tokens). Bound: a request arriving during a
+long chunk waits for at most max_chunk decode steps of the running batch, then its own
+prefill. The chunk length changes no result (draws depend on a sequence's key and token
+count only).
 
 Results equal Trainer.sample of the same request alone (one prompt, the same seed), token
 for token, whatever else is in the batch: a sequence's draws depend on its own key and
@@ -34,11 +46,20 @@ prompt with the same adapter and leading pages on the same device takes those pa
 are evicted least recently used when a page is needed. A hit gives the same tokens and
 log-probs as a miss (the K/V of a position depend on the tokens up to it only).
 
+Hybrid models (Qwen3.5: Gated DeltaNet + gated full attention): the pages hold the full
+layers' K/V; every decode slot also has one recurrent-state row on its device (conv window
+and delta-rule state per linear layer, paged.Pool.rec). A sequence takes its device's
+lowest free row at admission and frees it when it ends; chunked prefill carries the
+leader's state across the prompt's chunks, the fork copies the prompt's final state into
+every further sample's row, and decode steps each row's state. No prefix cache: a state
+is not recoverable from K/V pages (and one per cached page boundary would cost ~100× the
+page), so prefix_cache is off for hybrids and every prompt prefills all its positions.
+
 Programs: every dynamic dimension of the engine's device programs is bucketed to a few
-values (layout.ladder rungs, steps of 4 from the top): decode rows per device (b_local,
-b_local / 4, … ≥ 8), table pages (max_len / page, … ≥ 64 / page), prefill rows per
-device (≤ 8: 8, 2), prefill chunk (pow2(prefill_tokens) capped at max_len, ÷ 4, … ≥ 16),
-active adapters (powers of two), draw kinds, page copies (rows rungs). `program_keys`
+values (layout.ladder rungs, steps of 4 from the top unless said): decode rows per device
+(b_local, b_local / 2, … ≥ 8), table pages (max_len / page, … ≥ 64 / page), prefill rows per
+device (min(64, b_local), ÷ 4, … ≥ 4), prefill chunk (pow2(prefill_tokens) capped at
+max_len, ÷ 4, … ≥ 16), decode steps per call (max_chunk, ÷ 4, … ≥ chunk), active adapters (powers of two), draw kinds, page copies (rows rungs). `program_keys`
 holds the static signature of every program the engine has run (`programs()` counts
 them); `program_space()` bounds them.
 
@@ -57,6 +78,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -82,8 +104,12 @@ from jcp.sample.sampler import PromptStatsCall, Sampler, prompt_results
 # "Programs"). Decode reads every weight once per step whatever the rows, so a few more
 # rows cost little while each window compiled costs tens of seconds.
 WINDOW_FLOOR = (8, 64)
-PREFILL_ROWS = (8, 2)    # prefill rows per device: the most per step, the smallest rung
+PREFILL_ROWS = (64, 4)   # prefill rows per device: the most per step, the smallest rung
 MIN_CHUNK = 16           # the smallest prefill chunk bucket
+# Decode rows per device step down by 2 (b_local, b_local / 2, … ≥ 8): a decode call's
+# time grows with its rows on CPU, and ÷ 4 rungs ran up to 4× padding (257 sequences on
+# 2 devices decoded 512 rows each: 1.03 s instead of ~0.3 s).
+DECODE_ROWS_STEP = 2
 
 
 class EngineError(RuntimeError):
@@ -183,6 +209,7 @@ class _Seq:
     lps: list = dataclasses.field(default_factory=list)
     done: bool = False
     decoding: bool = False      # forked (prefill over), decodes
+    row: int | None = None      # its recurrent-state row on device g (a hybrid model)
     topk: list = dataclasses.field(default_factory=list)  # [(ids, lps)] per decode call
 
 
@@ -248,32 +275,38 @@ class Engine:
     """
 
     def __init__(self, sampler: Sampler, slots: int = 64, max_len: int = 256, chunk: int = 8,
-                 prefill_tokens: int | None = None,
+                 prefill_tokens: int | None = None, max_chunk: int | None = None,
                  adapter_version: Callable[[int], int] | None = None, page_size: int = 16,
                  pages: int | None = None, prefix_cache: bool = True):
         groups = sampler.dp * sampler.cp
+        max_chunk = 4 * chunk if max_chunk is None else max_chunk
         for name, v in (("slots", slots), ("max_len", max_len), ("chunk", chunk),
-                        ("page_size", page_size)):
+                        ("page_size", page_size), ("max_chunk", max_chunk)):
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if slots % groups:
             raise ValueError(f"slots ({slots}) must be a multiple of dp·cp = {groups}")
         self.s, self.slots, self.max_len, self.chunk = sampler, slots, max_len, chunk
+        self.max_chunk = max(chunk, max_chunk)
         self.prefill_tokens = (prefill_tokens if prefill_tokens is not None
                                else sampler.limits.max_tokens_per_device * sampler.dp)
         self.version = adapter_version or sampler.state.version
         self.groups = groups
         self.b_local = slots // groups
+        # Prompts prefilled per device and step (each is a request's group of samples).
+        self.prefill_rows = min(PREFILL_ROWS[0], self.b_local)
         self.page = page_size
         self.max_pages = -(-max_len // page_size)   # table entries of the longest sequence
         self.n_pages = pages if pages is not None else self.b_local * self.max_pages
         if not is_int(self.n_pages) or self.n_pages < 1:
             raise ValueError(f"pages must be a positive integer, got {pages!r}")
-        self.prefix_cache = bool(prefix_cache)
-        # Hybrid (Gated DeltaNet) models: their recurrent state has no paged form yet;
-        # submit refuses them (submit_logprobs runs them; jcp-serve samples them beside).
-        self.runs_model = not sampler.cfg.is_hybrid
+        # A hybrid (Gated DeltaNet) model's sequences each hold a recurrent-state row beside
+        # their pages (module docstring, "Hybrid models"); its prompts are not prefix
+        # cached: a state is not recoverable from K/V pages.
+        self.hybrid = sampler.cfg.is_hybrid
+        self.prefix_cache = bool(prefix_cache) and not self.hybrid
         self.pool = PagePool(groups, self.n_pages)
+        self.free_rows = self._all_rows()          # per device: free state rows
         self.cache: paged.Pool | None = None       # the device pages
         self.rows_used = [0] * groups              # sequences holding a decode row
         self.waiting: deque[_Request] = deque()
@@ -309,9 +342,6 @@ class Engine:
         SDK 0.38 top-k / target / prompt-draw / last_n fields (params.PromptFields); the
         prompt-side ones run one cache-less prefill of the prompt at admission
         (Sampler.prompt_outputs), beside the chunked prefill that fills its pages."""
-        if not self.runs_model:
-            raise InputError("the paged engine does not sample hybrid (Gated DeltaNet) models "
-                             "yet; use Trainer.sample")
         c = self.s.check([prompt], sampling_params, adapter, num_samples)
         if not isinstance(prompt_logprobs, (bool, np.bool_)):
             raise InputError(f"prompt_logprobs must be a bool, got {prompt_logprobs!r}")
@@ -388,8 +418,14 @@ class Engine:
         return len(self.program_keys)
 
     def kv_bytes(self, pages: int = 1) -> int:
-        """Bytes of `pages` pages on one device (K and V of every layer)."""
+        """Bytes of `pages` pages on one device (K and V of every full-attention layer)."""
         return pages * self.page * (self.s.row_bytes - 4)
+
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's recurrent-state row on one device (a hybrid model: conv
+        window and delta-rule state of every Gated DeltaNet layer, fp32; 0 otherwise).
+        Every decode slot holds one: slots / (dp·cp) rows per device."""
+        return self.s.state_bytes
 
     def _version(self, adapter: int) -> int:
         return -1 if adapter == BASE else int(self.version(adapter))
@@ -400,7 +436,7 @@ class Engine:
     # ------------------------------------------------------------------ ending
 
     def _release(self, seq: _Seq) -> None:
-        """Give back a sequence's pages, reservation and decode row."""
+        """Give back a sequence's pages, reservation, decode row and state row."""
         for p in seq.pages:
             self.pool.release(seq.g, p)
         seq.pages = []
@@ -409,6 +445,9 @@ class Engine:
         if not seq.done:
             seq.done = True
             self.rows_used[seq.g] -= 1
+            if seq.row is not None:
+                heapq.heappush(self.free_rows[seq.g], seq.row)
+                seq.row = None
 
     def _end(self, req: _Request, outcome) -> None:
         for seq in req.seqs:
@@ -434,11 +473,14 @@ class Engine:
             if req.seqs:
                 self._end(req, EngineError(f"the engine's cache was lost: {e}"))
         self.pool = PagePool(self.groups, self.n_pages)
+        self.free_rows = self._all_rows()
 
     # ------------------------------------------------------------------ the step
 
-    def step(self) -> list[int]:
-        """One engine step (see the module docstring) -> ids of the requests it ended."""
+    def step(self, hurry: bool = False) -> list[int]:
+        """One engine step (see the module docstring) -> ids of the requests it ended.
+        hurry: work outside the engine waits for this step to end (a server's queued
+        requests), so decode only `chunk` steps (module docstring, "Decode chunks")."""
         self._ended = []
         self._fail_stale()
         self._admit()
@@ -446,7 +488,7 @@ class Engine:
             self._prefill()
         self._logprobs()
         if self.decoding:
-            self._decode()
+            self._decode(self.decode_len(hurry))
         self.peak_pages = max([self.peak_pages] + [self.pool.used(g)
                                                    for g in range(self.groups)])
         self.steps += 1
@@ -579,6 +621,9 @@ class Engine:
             seq.reserve = own
         self.pool.reserved[g] += sum(s.reserve for s in group.seqs)
         self.rows_used[g] += len(group.seqs)
+        if self.hybrid:
+            for seq in group.seqs:
+                seq.row = heapq.heappop(self.free_rows[g])  # the lowest free row
         group.filled = len(hits) * self.page
         if req.plp is not None:
             for i, p in enumerate(hits):
@@ -597,7 +642,9 @@ class Engine:
 
     def _fork(self, group: _Group, copies: list) -> None:
         """Prefill over: every further sample takes the prompt's full pages (shared) and a
-        copy of its partial last page (appended to copies as (device, src, dst))."""
+        copy of its partial last page (appended to copies as (device, src, dst, "page")) —
+        and, for a hybrid model, a copy of the prompt's final recurrent state into its own
+        state row ((device, src, dst, "row"))."""
         req, lead = group.seqs[0].req, group.seqs[0]
         full = req.n // self.page
         for seq in group.seqs[1:]:
@@ -606,26 +653,37 @@ class Engine:
             seq.pages = list(lead.pages[:full])
             if req.n % self.page:
                 self._grow(seq, req.n)
-                copies.append((seq.g, lead.pages[full], seq.pages[full]))
+                copies.append((seq.g, lead.pages[full], seq.pages[full], "page"))
+            if self.hybrid:
+                copies.append((seq.g, lead.row, seq.row, "row"))
         for seq in group.seqs:
             seq.decoding = True
             self.decoding.append(seq)
 
     # ------------------------------------------------------------------ device arrays
 
+    def _all_rows(self) -> list[list[int]]:
+        """Every device's state rows, all free (heaps)."""
+        return [list(range(self.b_local)) for _ in range(self.groups)]
+
     def _ensure_cache(self) -> None:
         if self.cache is None:
             c = self.s.cfg
-            shape = (c.num_layers, self.groups * self.n_pages, self.page, c.num_kv_heads,
+            shape = (self.s.kv_layers, self.groups * self.n_pages, self.page, c.num_kv_heads,
                      c.head_dim)
-            self.cache = paged.Pool(*(self.s.zeros(shape, paged.POOL_SPEC) for _ in range(2)))
+            rec = None
+            if self.hybrid:  # one state row per decode slot (Sampler.empty_cache's shapes)
+                rec = self.s.empty_cache(self.slots, 1, paged.LAYOUT).rec
+            self.cache = paged.Pool(*(self.s.zeros(shape, paged.POOL_SPEC) for _ in range(2)),
+                                    rec)
 
     def _keep(self, pool) -> None:
         """Hold a program's output pages under the one sharding the engine made them with
         (a relabel, no copy): XLA may report an equivalent sharding with another spec, and a
         different input sharding would compile the next program anew."""
-        sharding = NamedSharding(self.s.mesh, paged.POOL_SPEC)
-        self.cache = paged.Pool(*(jax.device_put(x, sharding) for x in pool))
+        self.cache = jax.tree.map(
+            lambda x, spec: jax.device_put(x, NamedSharding(self.s.mesh, spec)), pool,
+            paged.pool_specs(self.hybrid))
 
     def _rows(self, per_device: list[list], width: int):
         """Row index of each item when every device's items fill its first rows of a
@@ -646,23 +704,30 @@ class Engine:
         return a_len, active, index
 
     def _copy(self, copies) -> None:
-        """Run the page copies of this step's forks (one program call)."""
+        """Run the page and state-row copies of this step's forks (one program call)."""
         if not copies:
             return
-        per = [[c for c in copies if c[0] == g] for g in range(self.groups)]
-        n = layout_lib.ladder(max(len(x) for x in per), self.b_local, WINDOW_FLOOR[0])
-        src = np.zeros(self.groups * n, np.int32)
-        dst = np.full(self.groups * n, self.n_pages, np.int32)
-        for g, items in enumerate(per):
-            for i, (_, a, b) in enumerate(items):
-                src[g * n + i], dst[g * n + i] = a, b
-        self._run_copy(src, dst)
+        per = {kind: [[c for c in copies if c[0] == g and c[3] == kind]
+                      for g in range(self.groups)] for kind in ("page", "row")}
+        n = layout_lib.ladder(max(len(x) for k in per.values() for x in k), self.b_local,
+                              WINDOW_FLOOR[0])
+        out = {}
+        for kind, none in (("page", self.n_pages), ("row", self.b_local)):
+            src = np.zeros(self.groups * n, np.int32)
+            dst = np.full(self.groups * n, none, np.int32)
+            for g, items in enumerate(per[kind]):
+                for i, (_, a, b, _) in enumerate(items):
+                    src[g * n + i], dst[g * n + i] = a, b
+            out[kind] = (src, dst)
+        self._run_copy(*out["page"], *out["row"])
 
-    def _run_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+    def _run_copy(self, src: np.ndarray, dst: np.ndarray, rec_src: np.ndarray,
+                  rec_dst: np.ndarray) -> None:
         s = self.s
         self.program_keys.add(("copy", len(src) // self.groups))
         self._ensure_cache()
-        out = s.paged.copy(self.cache, s.put(src, paged.ROWS_SPEC), s.put(dst, paged.ROWS_SPEC))
+        out = s.paged.copy(self.cache, *(s.put(x, paged.ROWS_SPEC)
+                                         for x in (src, dst, rec_src, rec_dst)))
         self._keep(out)
 
     # ------------------------------------------------------------------ prefill
@@ -676,7 +741,7 @@ class Engine:
             lead = group.seqs[0]
             if budget <= 0:
                 break
-            if len(per[lead.g]) >= PREFILL_ROWS[0]:
+            if len(per[lead.g]) >= self.prefill_rows:
                 continue
             c = min(lead.req.n - group.filled, budget, self.chunk_top)
             budget -= c
@@ -684,7 +749,7 @@ class Engine:
             work.append((group, c))
         if not work:
             return
-        e_b = layout_lib.ladder(max(len(x) for x in per), PREFILL_ROWS[0], PREFILL_ROWS[1])
+        e_b = layout_lib.ladder(max(len(x) for x in per), self.prefill_rows, PREFILL_ROWS[1])
         c_len = layout_lib.ladder(max(c for _, c in work), self.chunk_top, MIN_CHUNK)
         for group, c in work:
             self._grow(group.seqs[0], group.filled + c)
@@ -696,6 +761,7 @@ class Engine:
         targets = np.zeros((b, c_len), np.int32)
         valid = np.zeros((b, c_len), bool)
         start = np.zeros(b, np.int32)
+        slot = np.full(b, self.b_local, np.int32)
         adapter = np.full(b, layout_lib.PADDING, np.int64)
         for group, c in work:
             req, i, f = group.seqs[0].req, at[id(group)], group.filled
@@ -704,11 +770,13 @@ class Engine:
             valid[i, :c] = True
             start[i] = f
             adapter[i] = req.adapter
+            if self.hybrid:
+                slot[i] = group.seqs[0].row
         at_seq = {id(g.seqs[0]): at[id(g)] for g, _ in work}
         table = self._table([g.seqs[0] for g, _ in work], at_seq, b, m)
         a_len, active, index = self._active(adapter, [at[id(g)] for g, _ in work])
         want_lp = any(g.seqs[0].req.plp is not None for g, _ in work)
-        rows = paged.ExtendRows(tokens, targets, valid, start, index, table)
+        rows = paged.ExtendRows(tokens, targets, valid, start, index, table, slot)
         try:
             lp = self._run_extend(rows, paged.ExtendModes(want_lp, self.s.slice_layers), active)
         except Exception as e:  # noqa: BLE001 — the pages were donated: all fail
@@ -780,7 +848,22 @@ class Engine:
 
     # ------------------------------------------------------------------ decode
 
-    def _decode(self) -> None:
+    def decode_len(self, hurry: bool = False) -> int:
+        """Decode steps of this step's device call (module docstring, "Decode chunks"):
+        `chunk` while other work waits (hurry, or a prompt still prefilling); else, if a
+        request waits for rows or pages, the largest rung that no live row's max_tokens
+        ends before (a row may end there and free its row); else the least rung by which
+        every live row's max_tokens has ended. Rungs: max_chunk, max_chunk / 4, … ≥ chunk
+        (layout.ladder); the device loop stops early once every row has ended."""
+        if hurry or self.prefilling or not self.decoding:
+            return self.chunk
+        left = [seq.req.params["max_tokens"] - len(seq.tokens) for seq in self.decoding]
+        if self.waiting:
+            return max([r for r in _rungs(self.max_chunk, self.chunk) if r <= min(left)]
+                       or [self.chunk])
+        return layout_lib.ladder(min(max(left), self.max_chunk), self.max_chunk, self.chunk)
+
+    def _decode(self, n_steps: int) -> None:
         s = self.s
         live = self.decoding
         per = [[] for _ in range(self.groups)]
@@ -788,11 +871,12 @@ class Engine:
             per[seq.g].append(seq)
         # The batch: each device's live sequences in its first w_b rows, their tables
         # m pages wide, each bucketed (module docstring, "Programs").
-        w_b = layout_lib.ladder(max(len(x) for x in per), self.b_local, WINDOW_FLOOR[0])
+        w_b = layout_lib.ladder(max(len(x) for x in per), self.b_local, WINDOW_FLOOR[0],
+                                DECODE_ROWS_STEP)
         for seq in live:
             req = seq.req
             end = req.n + req.params["max_tokens"]
-            self._grow(seq, min(req.n + len(seq.tokens) + self.chunk, end))
+            self._grow(seq, min(req.n + len(seq.tokens) + n_steps, end))
         m = layout_lib.ladder(max(len(x.pages) for x in live), self.max_pages,
                               max(1, WINDOW_FLOOR[1] // self.page))
         b = self.groups * w_b
@@ -806,10 +890,13 @@ class Engine:
         top_k = np.full(b, -1, np.int32)
         top_p = np.ones(b, np.float32)
         keys = np.zeros((b, 2), np.uint32)
+        slot = np.full(b, self.b_local, np.int32)
         adapter = np.full(b, layout_lib.PADDING, np.int64)
         stops = [()] * b
         for seq in live:
             req, i, p = seq.req, at[id(seq)], seq.req.params
+            if self.hybrid:
+                slot[i] = seq.row
             c = len(seq.tokens)
             token[i] = seq.tokens[-1] if c else req.prompt[-1]
             position[i], count[i], done[i] = req.n + c, c, False
@@ -828,10 +915,10 @@ class Engine:
                                    layout_lib.stop_table(stops))
         table = self._table(live, at, b, m)
         topk = k_bucket(max(x.req.fields.topk_sample_logprobs for x in live))
-        modes = paged.PagedDecodeModes(self.chunk, greedy, filtered, s.slice_layers, topk,
+        modes = paged.PagedDecodeModes(n_steps, greedy, filtered, s.slice_layers, topk,
                                        rows.stop.shape[1])
         try:
-            out_tok, out_lp, *out_tk = self._run_decode(table, rows, modes, active)
+            out_tok, out_lp, *out_tk = self._run_decode(table, rows, modes, active, slot)
         except Exception as e:  # noqa: BLE001 — the pages were donated: every request fails
             self._lost(e)
             return
@@ -863,12 +950,12 @@ class Engine:
             self._end(req, SampleResult(seqs, **req.prompt_out))
 
     def _run_decode(self, table, rows: programs.DecodeRows, modes: paged.PagedDecodeModes,
-                    active: np.ndarray) -> list[np.ndarray]:
+                    active: np.ndarray, slot: np.ndarray | None = None) -> list[np.ndarray]:
         """One decode call over the engine's pages (kept, donated) -> its host outputs
-        (tokens, log-probs[, top-k ids, top-k log-probs])."""
+        (tokens, log-probs[, top-k ids, top-k log-probs]). slot: each row's state row."""
         s = self.s
         self.program_keys.add(("decode", len(rows.token), table.shape[1], len(active), modes))
-        ints, floats = paged.pack_rows(rows, table)
+        ints, floats = paged.pack_rows(rows, table, slot)
         self._ensure_cache()
         *out, pool = s.paged.decode(s.state.weights, s.params, s.state.meta, self.cache,
                                     s.put(ints, paged.TABLE_SPEC), s.put(floats, paged.TABLE_SPEC),
@@ -882,15 +969,20 @@ class Engine:
 
     def warmup(self, active: Sequence[int] = (1,), draws: Sequence[str] = ("greedy", "drawn"),
                prompt_logprobs: Sequence[bool] = (False,), compute_logprobs: bool = False,
-               stop_width: Sequence[int] = (8,), topk: Sequence[int] = (0,)) -> int:
+               stop_width: Sequence[int] = (8,), topk: Sequence[int] = (0,),
+               prompt_stats: Sequence[tuple[int, int, int]] = ()) -> int:
         """Compile, up front, the programs the engine can run for these buckets -> how many
         it ran (program_keys then holds them). The bounded set (module docstring,
         "Programs"): every prefill (extend) rows × chunk × table-pages rung × active-adapter
-        bucket × prompt_logprobs (with compute_logprobs: also the cache-less log-prob
-        prefill's stream buckets), every decode rows × table-pages rung × active bucket ×
+        bucket × prompt_logprobs, every decode rows × table-pages rung × active bucket ×
         draw kind ("greedy", "drawn", "filtered": some row top-k / top-p) × stop-table
-        width × topk_sample_logprobs bucket, and every page-copy rung. active: distinct
-        adapters (the base model counts as one) per step. Runs each program once on
+        width × topk_sample_logprobs bucket × decode-chunk rung, every page-copy rung, and
+        the cache-less prefill's stream buckets (min_stream … max(max_len,
+        prefill_tokens), doubling) × active bucket for compute_logprobs (if
+        compute_logprobs) and for each prompt_stats entry (topk_prompt_logprobs,
+        target_prompt_logprobs width, prompt_alt_tokens_k) of the SDK prompt fields (each
+        bucketed by params.k_bucket; a request's fields take the widest of those admitted
+        with it). active: distinct adapters (the base model counts as one) per step. Runs each program once on
         padding (no request; every write is dropped), so later requests of those shapes
         compile nothing. Only on an idle engine."""
         if not self.idle:
@@ -907,7 +999,7 @@ class Engine:
         def padding(b, a):
             return layout_lib.active_index(np.full(b, layout_lib.PADDING), a, BASE)
 
-        for e_b in _rungs(*PREFILL_ROWS):
+        for e_b in _rungs(self.prefill_rows, PREFILL_ROWS[1]):
             b = groups * e_b
             for c in _rungs(self.chunk_top, MIN_CHUNK):
                 z = np.zeros((b, c), np.int32)
@@ -916,22 +1008,27 @@ class Engine:
                         act, index = padding(b, a)
                         rows = paged.ExtendRows(z, z, np.zeros((b, c), bool),
                                                 np.zeros(b, np.int32), index,
-                                                np.full((b, m), -1, np.int32))
+                                                np.full((b, m), -1, np.int32),
+                                                np.full(b, self.b_local, np.int32))
                         for lp in prompt_logprobs:
                             self._run_extend(rows, paged.ExtendModes(bool(lp), s.slice_layers),
                                              act)
-        if compute_logprobs:
-            cap, x = s.limits.max_tokens_per_device, self.min_stream
-            while True:
-                for a in a_lens:
-                    pb = _padding_batch(s.dp, s.cp, min(x, cap), a)
-                    self.program_keys.add(("prefill", None, pb.tokens.shape, pb.targets.shape,
-                                           pb.spans.shape, True, (0, 0)))
-                    host(s.run_prefill(pb, with_logprobs=True)[1])
-                if x >= cap or x >= mesh_lib.pow2_at_least(max(self.max_len, self.prefill_tokens)):
-                    break
-                x *= 2
-        for w_b in _rungs(self.b_local, WINDOW_FLOOR[0]):
+        # The cache-less prefills: compute_logprobs (no stats) and the SDK prompt fields.
+        variants = ([(0, 0, 0)] if compute_logprobs else []) + [
+            tuple(k_bucket(int(k)) for k in v) for v in prompt_stats]
+        cap, x = s.limits.max_tokens_per_device, self.min_stream
+        while variants:
+            for a, (k, width, alt) in itertools.product(a_lens, dict.fromkeys(variants)):
+                pb = _padding_batch(s.dp, s.cp, min(x, cap), a, width)
+                call = (PromptStatsCall(k, alt, np.zeros(1, np.float32),
+                                        np.zeros((1, 2), np.uint32), (0,)) if k or alt else None)
+                self.program_keys.add(("prefill", None, pb.tokens.shape, pb.targets.shape,
+                                       pb.spans.shape, True, (k, alt)))
+                jax.tree.map(host, s.run_prefill(pb, with_logprobs=True, stats=call)[1])
+            if x >= cap or x >= mesh_lib.pow2_at_least(max(self.max_len, self.prefill_tokens)):
+                break
+            x *= 2
+        for w_b in _rungs(self.b_local, WINDOW_FLOOR[0], DECODE_ROWS_STEP):
             b = groups * w_b
             z = np.zeros(b, np.int32)
             for m in pages:
@@ -944,32 +1041,36 @@ class Engine:
                                 np.zeros(b, np.float32), np.full(b, -1, np.int32),
                                 np.ones(b, np.float32), np.zeros((b, 2), np.uint32),
                                 layout_lib.stop_table([()] * b, ns))
-                            for k in topk:
-                                modes = paged.PagedDecodeModes(self.chunk, *kinds[d],
-                                                               s.slice_layers, k_bucket(k),
-                                                               rows.stop.shape[1])
+                            for k, n in itertools.product(
+                                    topk, _rungs(self.max_chunk, self.chunk)):
+                                modes = paged.PagedDecodeModes(n, *kinds[d], s.slice_layers,
+                                                               k_bucket(k), rows.stop.shape[1])
                                 self._run_decode(np.full((b, m), -1, np.int32), rows, modes,
-                                                 act)
+                                                 act, np.full(b, self.b_local, np.int32))
         for n in _rungs(self.b_local, WINDOW_FLOOR[0]):
-            self._run_copy(np.zeros(groups * n, np.int32),
-                           np.full(groups * n, self.n_pages, np.int32))
+            z = np.zeros(groups * n, np.int32)
+            self._run_copy(z, np.full(groups * n, self.n_pages, np.int32), z,
+                           np.full(groups * n, self.b_local, np.int32))
         return len(self.program_keys - before)
 
 
-def _rungs(full: int, floor: int) -> list[int]:
-    """Every value layout.ladder(n, full, floor) takes."""
+def _rungs(full: int, floor: int, step: int = 4) -> list[int]:
+    """Every value layout.ladder(n, full, floor, step) takes."""
     out = [full]
     while out[-1] > floor:
-        out.append(max(floor, -(-out[-1] // 4)))
+        out.append(max(floor, -(-out[-1] // step)))
     return out
 
 
-def _padding_batch(dp: int, cp: int, length: int, active: int) -> batch_lib.PackedBatch:
+def _padding_batch(dp: int, cp: int, length: int, active: int,
+                   target_width: int = 0) -> batch_lib.PackedBatch:
     """A packed prefill batch of `length` rows per stream that holds only padding, with
-    `active` adapter entries (for Engine.warmup)."""
+    `active` adapter entries and, if target_width, [.., 1 + target_width] targets (for
+    Engine.warmup)."""
     z = np.zeros((dp, cp, length), np.int32)
+    targets = np.zeros(z.shape + (1 + target_width,), np.int32) if target_width else z
     return batch_lib.PackedBatch(
-        tokens=z, targets=z, segment=np.full((dp, cp, length), -1, np.int32), position=z,
+        tokens=z, targets=targets, segment=np.full((dp, cp, length), -1, np.int32), position=z,
         loss_id=z, floats={}, spans=np.zeros((dp, cp, active, 2), np.int32),
         active=np.full(active, BASE, np.int32), num_slots=8, placements=())
 

@@ -21,7 +21,13 @@ Programs (each jitted, the pool donated and updated in place):
 - decode: the engine's decode loop (programs.make_decode's loop, the cache read through
   page tables).
 - copy: page contents copied between pages of one device (a prompt's partial last page,
-  copied for every further sample: copy on write at the fork).
+  copied for every further sample: copy on write at the fork), and state rows between
+  rows of one device (a hybrid prompt's final state, likewise).
+
+A hybrid model's pool also holds one recurrent-state row per engine sequence slot
+(Pool.rec): extend continues a row's state over its chunk (ChunkMix) and writes it back,
+decode takes the rows' states out before its loop and puts them back after, copy also
+copies state rows (the num_samples of a prompt start from its final state).
 
 Shapes: see jcp/mesh.py; B = rows of the call (b per device inside shard_map), C = new
 tokens per row, M = table entries per row, P = pool pages (per device inside shard_map).
@@ -38,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jcp import delta_rule
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import model as model_lib
@@ -52,6 +59,7 @@ ROWS_SPEC = SPECS.seqs_B            # [B]
 TABLE_SPEC = SPECS.seqs_Bx2         # [B, M] / [B, C]
 LAYOUT = kv_cache.LAYOUTS["batch"]   # the engine's sequences: over (dp, cp)
 SEQ_AXES = LAYOUT.seq_axes
+REC_SPEC = LAYOUT.rec_specs          # Recurrent [Ll, R, …]: state rows over (dp, cp)
 
 
 class Programs(NamedTuple):
@@ -63,10 +71,80 @@ class Programs(NamedTuple):
 
 
 class Pool(NamedTuple):
-    """k, v [L, P, page, K, H]: every device's pages."""
+    """k, v [L, P, page, K, H]: every device's pages (L: the full-attention layers); rec: a
+    hybrid model's recurrent-state rows (delta_rule.Recurrent, conv [Ll, R, Kc − 1, C] and
+    ssm [Ll, R, H, Dk, Dv] fp32, R rows per device: one per engine sequence slot), None
+    for a model without Gated DeltaNet layers."""
 
     k: jax.Array
     v: jax.Array
+    rec: delta_rule.Recurrent | None = None
+
+
+def pool_specs(hybrid: bool) -> Pool:
+    return Pool(POOL_SPEC, POOL_SPEC, REC_SPEC if hybrid else None)
+
+
+class ChunkMix(NamedTuple):
+    """Extend's sequence mixing of Gated DeltaNet layers: each row's C new tokens
+    continue that row's recurrent state (a prompt chunk after the chunks before it).
+
+    valid_BxC: real tokens (a row's real tokens come first); fresh_B: the row starts its
+    sequence (position 0) — it starts from zeros whatever its state row holds. conv / rule
+    take the B rows' incoming states and return the state after each row's last real
+    token (a row without one keeps its state). The rule is delta_rule.chunked per row
+    (blocks of min(C, 64) tokens), from the row's incoming state."""
+
+    valid_BxC: jax.Array
+    fresh_B: jax.Array
+
+    def _start(self, state):
+        return jnp.where(self.fresh_B.reshape((-1,) + (1,) * (state.ndim - 1)), 0.0, state)
+
+    def conv(self, x_SxC, w_KxC, window_BxHxC):
+        """(SiLU(depthwise causal conv) [B·C, Ch], each row's new window [B, Kc − 1, Ch])."""
+        b, c = self.valid_BxC.shape
+        kc = w_KxC.shape[0]
+        x = x_SxC.astype(jnp.float32).reshape(b, c, -1)
+        full = jnp.concatenate([self._start(window_BxHxC), x], axis=1)  # [B, Kc−1+C, Ch]
+        w = w_KxC.astype(jnp.float32)
+        out = sum(full[:, j:j + c] * w[j] for j in range(kc))
+        n_B = jnp.sum(self.valid_BxC, axis=1)
+        at = n_B[:, None] + jnp.arange(kc - 1)[None, :]
+        window = jnp.take_along_axis(full, at[:, :, None], axis=1)
+        return jax.nn.silu(out).astype(x_SxC.dtype).reshape(b * c, -1), window
+
+    def rule(self, q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, s_BxHxDkxDv):
+        """(o [B·C, H, Dv] fp32, each row's state after its last real token)."""
+        b, c = self.valid_BxC.shape
+        rows = lambda x: x.reshape((b, c) + x.shape[1:])  # noqa: E731
+        real = self.valid_BxC[:, :, None]
+        g = jnp.where(real, rows(g_SxH).astype(jnp.float32), 0.0)
+        beta = jnp.where(real, rows(beta_SxH).astype(jnp.float32), 0.0)
+        end_B = jnp.maximum(jnp.sum(self.valid_BxC, axis=1) - 1, 0)
+        chunk = min(c, delta_rule.DEFAULT_CHUNK)
+
+        def one(q, k, v, g, beta, s0, end):
+            o, s = delta_rule.chunked(q, k, v, g, beta, init_PxHxDkxDv=s0[None], chunk=chunk,
+                                      ends_P=end[None])
+            return o, s[0]
+
+        o, s = jax.vmap(one)(rows(q_SxHkxDk), rows(k_SxHkxDk), rows(v_SxHxDv), g, beta,
+                             self._start(s_BxHxDkxDv), end_B)
+        return o.reshape((b * c,) + o.shape[2:]), s
+
+
+def take_rows(rec: delta_rule.Recurrent, slot_B) -> delta_rule.Recurrent:
+    """The state rows slot_B [B] of rec [Ll, R, …] (out of range: row 0, unused)."""
+    r = rec.conv.shape[1]
+    return jax.tree.map(lambda x: jnp.take(x, jnp.clip(slot_B, 0, r - 1), axis=1), rec)
+
+
+def put_rows(rec: delta_rule.Recurrent, new: delta_rule.Recurrent, slot_B
+             ) -> delta_rule.Recurrent:
+    """rec with rows slot_B ← new [Ll, B, …] (slots ≥ R dropped: padding rows)."""
+    return jax.tree.map(lambda x, n: x.at[:, slot_B].set(n.astype(x.dtype), mode="drop"),
+                        rec, new)
 
 
 def paged_attend(table_BxM, start_B, valid_BxC):
@@ -118,8 +196,9 @@ def paged_attend(table_BxM, start_B, valid_BxC):
 def write_pages(pool: Pool, new: kv_cache.KV, page_N, row_N) -> Pool:
     """pool with new [L, N, K, H] token n written to row row_N[n] of page page_N[n]
     (pages ≥ P are dropped: padding, finished rows)."""
-    return Pool(*(x.at[:, page_N, row_N].set(n.astype(x.dtype), mode="drop")
-                  for x, n in zip(pool, new)))
+    k, v = (x.at[:, page_N, row_N].set(n.astype(x.dtype), mode="drop")
+            for x, n in zip((pool.k, pool.v), (new.k, new.v)))
+    return pool._replace(k=k, v=v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +215,8 @@ class ExtendModes:
 class ExtendRows:
     """tokens, targets int32 [B, C] (targets: the next prompt token, for log-probs);
     valid bool [B, C]; start int32 [B]: position of tokens[:, 0]; index int32 [B]: the
-    row's adapter as an index into active; table int32 [B, M]."""
+    row's adapter as an index into active; table int32 [B, M]; slot int32 [B]: the row's
+    device-local recurrent-state row (a hybrid model; ≥ R: none)."""
 
     tokens: jax.Array
     targets: jax.Array
@@ -144,10 +224,12 @@ class ExtendRows:
     start: jax.Array
     index: jax.Array
     table: jax.Array
+    slot: jax.Array
 
     @staticmethod
     def specs() -> ExtendRows:
-        return ExtendRows(TABLE_SPEC, TABLE_SPEC, TABLE_SPEC, ROWS_SPEC, ROWS_SPEC, TABLE_SPEC)
+        return ExtendRows(TABLE_SPEC, TABLE_SPEC, TABLE_SPEC, ROWS_SPEC, ROWS_SPEC, TABLE_SPEC,
+                          ROWS_SPEC)
 
 
 def token_pages(table_BxM, position_BxC, valid_BxC, n_pages: int, page: int):
@@ -160,7 +242,12 @@ def token_pages(table_BxM, position_BxC, valid_BxC, n_pages: int, page: int):
 
 def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
     """jit(extend)(lora, params, slot_meta, pool, rows: ExtendRows, active, *, modes) ->
-    (pool, log-probs [B, C] replicated or None). pool is donated."""
+    (pool, log-probs [B, C] replicated or None). pool is donated.
+
+    A hybrid model's Gated DeltaNet layers continue each row's state row (rows.slot) over
+    its chunk (ChunkMix; a row at position 0 starts from zeros) and write the state after
+    its last real token back to that row."""
+    hybrid = cfg.is_hybrid
 
     @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("pool",))
     def extend(lora, params, slot_meta, pool, rows: ExtendRows, active, *, modes: ExtendModes):
@@ -173,9 +260,16 @@ def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
             attend = paged_attend(r.table, r.start, r.valid)
             layers = (model_lib.layer_slices(cfg, params, lora_active)
                       if modes.slice_layers else None)
+            state, mix = kv_cache.KV(pool.k, pool.v), None
+            if hybrid:
+                state = model_lib.HybridState(state, take_rows(pool.rec, r.slot))
+                mix = ChunkMix(r.valid, r.start == 0)
             h, new, _ = model_lib.hidden_states(
                 cfg, params, r.tokens.reshape(-1), position.reshape(-1), attend, lora_active,
-                route, attn_state=kv_cache.KV(pool.k, pool.v), remat=False, layers=layers)
+                route, attn_state=state, remat=False, layers=layers, mix=mix)
+            if hybrid:
+                pool = pool._replace(rec=put_rows(pool.rec, new.linear, r.slot))
+                new = new.full
             page_N, row_N = token_pages(r.table, position, r.valid, pool.k.shape[1],
                                         pool.k.shape[2])
             pool = write_pages(pool, new, page_N, row_N)
@@ -187,7 +281,7 @@ def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
                 lp = draws.gather_batch(jnp.where(r.valid, lp, 0.0), SEQ_AXES)
             return pool, lp
 
-        pool_spec = Pool(POOL_SPEC, POOL_SPEC)
+        pool_spec = pool_specs(hybrid)
         in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
                     SPECS.slot_G, pool_spec, ExtendRows.specs(), SPECS.replicated)
         out_specs = (pool_spec, P() if modes.with_logprobs else None)
@@ -198,18 +292,23 @@ def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
 
 
 def make_copy(mesh):
-    """jit(copy)(pool, src, dst) -> pool with page dst[i] ← page src[i] on each device
-    (src, dst int32 [G·N] device-local pages over (dp, cp); dst ≥ P: nothing)."""
+    """jit(copy)(pool, src, dst, rec_src, rec_dst) -> pool with page dst[i] ← page src[i]
+    and, for a hybrid model's pool, state row rec_dst[i] ← row rec_src[i] on each device
+    (int32 [G·N] device-local pages / rows over (dp, cp); dst ≥ P, rec_dst ≥ R: nothing)."""
 
     @functools.partial(jax.jit, donate_argnames=("pool",))
-    def copy(pool, src, dst):
-        def shard(pool, src, dst):
-            return Pool(*(x.at[:, dst].set(jnp.take(x, jnp.maximum(src, 0), axis=1),
-                                           mode="drop") for x in pool))
+    def copy(pool, src, dst, rec_src, rec_dst):
+        def shard(pool, src, dst, rec_src, rec_dst):
+            k, v = (x.at[:, dst].set(jnp.take(x, jnp.maximum(src, 0), axis=1), mode="drop")
+                    for x in (pool.k, pool.v))
+            rec = (None if pool.rec is None
+                   else put_rows(pool.rec, take_rows(pool.rec, rec_src), rec_dst))
+            return Pool(k, v, rec)
 
-        spec = Pool(POOL_SPEC, POOL_SPEC)
-        return jax.shard_map(shard, mesh=mesh, in_specs=(spec, ROWS_SPEC, ROWS_SPEC),
-                             out_specs=spec)(pool, src, dst)
+        spec = pool_specs(pool.rec is not None)
+        return jax.shard_map(shard, mesh=mesh,
+                             in_specs=(spec, ROWS_SPEC, ROWS_SPEC, ROWS_SPEC, ROWS_SPEC),
+                             out_specs=spec)(pool, src, dst, rec_src, rec_dst)
 
     return copy
 
@@ -217,28 +316,33 @@ def make_copy(mesh):
 _INT_FIELDS = ("token", "position", "base", "done", "count", "index", "max_tokens", "top_k")
 
 
-def pack_rows(rows: DecodeRows, table_BxM: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Host DecodeRows and page table as two arrays, so a decode call moves 2 host arrays
-    to the devices instead of 13 (each transfer costs ~ms of host time on CPU): int32
-    [B, 8 + 2 + NS + M] (the int fields, done as 0/1, keys' bits, stop table, page table)
-    and float32 [B, 2] (temperature, top_p). unpack_rows inverts it inside the program."""
+def pack_rows(rows: DecodeRows, table_BxM: np.ndarray, slot_B: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Host DecodeRows, page table and state rows (slot_B: a hybrid model's recurrent-state
+    row per row; None: none) as two arrays, so a decode call moves 2 host arrays to the
+    devices instead of 14 (each transfer costs ~ms of host time on CPU): int32
+    [B, 8 + 2 + NS + 1 + M] (the int fields, done as 0/1, keys' bits, stop table, state
+    row, page table) and float32 [B, 2] (temperature, top_p). unpack_rows inverts it
+    inside the program."""
+    slot_B = np.zeros(len(rows.token), np.int32) if slot_B is None else slot_B
     ints = np.concatenate(
         [np.stack([np.asarray(getattr(rows, f)).astype(np.int32) for f in _INT_FIELDS], 1),
-         np.ascontiguousarray(rows.keys, np.uint32).view(np.int32), rows.stop, table_BxM],
-        axis=1).astype(np.int32)
+         np.ascontiguousarray(rows.keys, np.uint32).view(np.int32), rows.stop,
+         np.asarray(slot_B, np.int32)[:, None], table_BxM], axis=1).astype(np.int32)
     floats = np.stack([rows.temperature, rows.top_p], 1).astype(np.float32)
     return ints, floats
 
 
-def unpack_rows(ints, floats, stop_width: int) -> tuple[DecodeRows, jax.Array]:
-    """(DecodeRows, table [B, M]) from pack_rows' arrays (traced)."""
+def unpack_rows(ints, floats, stop_width: int) -> tuple[DecodeRows, jax.Array, jax.Array]:
+    """(DecodeRows, table [B, M], state rows [B]) from pack_rows' arrays (traced)."""
     f = {name: ints[:, i] for i, name in enumerate(_INT_FIELDS)}
     f["done"] = f["done"] != 0
     n = len(_INT_FIELDS)
     keys = jax.lax.bitcast_convert_type(ints[:, n:n + 2], jnp.uint32)
     stop = ints[:, n + 2:n + 2 + stop_width]
+    slot = ints[:, n + 2 + stop_width]
     return (DecodeRows(keys=keys, stop=stop, temperature=floats[:, 0], top_p=floats[:, 1], **f),
-            ints[:, n + 2 + stop_width:])
+            ints[:, n + 3 + stop_width:], slot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,43 +367,59 @@ def make_decode(cfg: QwenConfig, mesh):
     through its page table [B, M] and writing each step's K/V to page
     table[position // page]. ints, floats: pack_rows of the DecodeRows and the page tables
     [B, M] (stop tables modes.stop_width wide); rows.base is unused. The pool is donated.
+    A hybrid model's rows take their recurrent states from the pool's state rows (the
+    packed slot column) before the loop, one recurrent step per row and step
+    (delta_rule.StepMix; a row at position 0 starts from zeros), and put them back after.
     """
+    hybrid = cfg.is_hybrid
 
     @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("pool",))
     def decode(lora, params, slot_meta, pool, ints, floats, active, *, modes: PagedDecodeModes):
         lora_active = lora_lib.take_active(lora, jnp.maximum(active, 0))
-        rows, table = unpack_rows(ints, floats, modes.stop_width)
+        rows, table, slot = unpack_rows(ints, floats, modes.stop_width)
 
-        def shard(lora_active, params, slot_meta, pool, table, r: DecodeRows, active):
+        def shard(lora_active, params, slot_meta, pool, table, slot, r: DecodeRows, active):
             route = slot_meta.routing(active, None, r.index)
             b = r.token.shape[0]
             n_pages, page = pool.k.shape[1], pool.k.shape[2]
+            # A hybrid's loop carries its rows' states [Ll, B, …], not the state rows.
+            store = pool._replace(rec=take_rows(pool.rec, slot)) if hybrid else pool
 
-            def run(tok_B, pos_B, pool, lora_active, layers):
+            def run(tok_B, pos_B, store, lora_active, layers):
                 attend = paged_attend(table, pos_B, jnp.ones((b, 1), bool))
+                state, mix = kv_cache.KV(store.k, store.v), None
+                if hybrid:
+                    state = model_lib.HybridState(state, store.rec)
+                    mix = delta_rule.StepMix(pos_B == 0)
                 h_BxD, new, _ = model_lib.hidden_states(
                     cfg, params, tok_B, pos_B, attend, lora_active, route,
-                    attn_state=kv_cache.KV(pool.k, pool.v), remat=False, layers=layers)
+                    attn_state=state, remat=False, layers=layers, mix=mix)
                 return h_BxD, new
 
-            def write(pool, new, pos_B, done_B, count_B, live_B):
+            def write(store, new, pos_B, done_B, count_B, live_B):
                 # As in programs.make_decode: skipping the rows of finished sequences makes
                 # the write depend on the draw, so XLA orders the reads before it (no copy).
+                if hybrid:
+                    store = store._replace(rec=kv_cache.keep_recurrent(store.rec, new.linear,
+                                                                       live_B))
+                    new = new.full
                 page_B, row_B = token_pages(table, pos_B[:, None], ~done_B[:, None],
                                             n_pages, page)
-                return write_pages(pool, new, page_B, row_B)
+                return write_pages(store, new, page_B, row_B)
 
-            pool, outs = decode_loop(cfg, params, lora_active, route, r, pool, modes,
-                                     SEQ_AXES, run, write)
-            return (*outs, pool)
+            store, outs = decode_loop(cfg, params, lora_active, route, r, store, modes,
+                                      SEQ_AXES, run, write)
+            if hybrid:  # padding rows' slots are out of range: dropped
+                store = store._replace(rec=put_rows(pool.rec, store.rec, slot))
+            return (*outs, store)
 
-        pool_spec = Pool(POOL_SPEC, POOL_SPEC)
+        pool_spec = pool_specs(hybrid)
         in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
-                    SPECS.slot_G, pool_spec, TABLE_SPEC, DecodeRows.specs(LAYOUT),
+                    SPECS.slot_G, pool_spec, TABLE_SPEC, ROWS_SPEC, DecodeRows.specs(LAYOUT),
                     SPECS.replicated)
         return jax.shard_map(shard, mesh=mesh, in_specs=in_specs,
                              out_specs=(P(), P()) + (P(), P()) * bool(modes.topk)
                              + (pool_spec,))(
-            lora_active, params, slot_meta, pool, table, rows, active)
+            lora_active, params, slot_meta, pool, table, slot, rows, active)
 
     return decode

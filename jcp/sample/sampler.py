@@ -154,6 +154,16 @@ class Sampler:
                           else cfg.num_layers)
         self.row_bytes = layout_lib.kv_row_bytes(self.kv_layers, cfg.num_kv_heads // self.tp,
                                                  cfg.head_dim, jnp.dtype(cfg.dtype).itemsize)
+        # A hybrid model's recurrent state per sequence on one device (fp32 conv window and
+        # delta-rule state of every Gated DeltaNet layer; 0 for other models).
+        self.state_bytes = 0
+        if cfg.is_hybrid:
+            ll = cfg.num_layers - self.kv_layers
+            conv = (cfg.linear_conv_kernel_dim - 1) * (2 * cfg.linear_key_dim
+                                                        + cfg.linear_value_dim)
+            ssm = (cfg.linear_num_value_heads * cfg.linear_key_head_dim
+                   * cfg.linear_value_head_dim)
+            self.state_bytes = 4 * ll * (conv + ssm) // self.tp
 
     @functools.cached_property
     def paged(self) -> paged_lib.Programs:

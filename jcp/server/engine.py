@@ -5,13 +5,16 @@ from models / sampler weights to adapter slots, and the sessions' custom losses
 (create_custom_loss: the uploaded graph rebuilt as a jcp.CustomLoss, kept per session; a
 custom forward_backward runs as its own Trainer call). Every asample of every tenant is
 admitted into the one running engine batch (a sample whose prompt + max_tokens exceed the
-engine's rows runs beside it, Trainer.sample, whose cache may split over cp).
+engine's rows runs beside it, Trainer.sample, whose cache may split over cp; hybrid
+Qwen3.5 models too go through the engine).
 
 Interleaving policy: each turn of the loop runs at most one training pass (a fused
 forward / forward_backward, or one model operation) and then one engine step (at most
-`prefill_tokens` of newly admitted prompts, then up to `chunk` decode steps of every live
-sequence). So a training pass waits for at most one engine step, and running sequences
-wait for at most one training pass between decode chunks; neither starves. A sample the
+`prefill_tokens` of newly admitted prompts, then decode steps of every live sequence:
+`chunk` of them while any request is queued — Engine.step(hurry=True) —, else up to
+`max_chunk`, Engine.decode_len). So a training pass queued while nothing else was waits
+for at most one engine step of max_chunk decode steps, and running sequences wait for at
+most one training pass between decode chunks; neither starves. A sample the
 client cancels after admission (cancel_future -> Scheduler.cancel_running) is cancelled in
 the engine at the start of the next turn and ends at that step boundary, its slots freed.
 
@@ -58,6 +61,12 @@ from jcp.server.state import ModelRecord, NotFound, StateStore, age_recipients
 
 log = logging.getLogger("jcp.serve")
 
+# Samples reaching an idle engine are admitted together while each comes within
+# ADMIT_GAP_S of the one before, for at most ADMIT_WINDOW_S (so a lone sample waits
+# ADMIT_GAP_S more; a burst of concurrent ones shares one prefill and decode call; one
+# still arriving at the window's end gets a short first step, Engine.step(hurry=True)).
+ADMIT_GAP_S = 0.01
+ADMIT_WINDOW_S = 0.05
 # How often the worker looks for checkpoints whose TTL has passed.
 EXPIRY_SCAN_S = 5.0
 # Tinker does not expose alpha; its LoRA uses a fixed alpha of 32.
@@ -108,7 +117,9 @@ class Engine:
         groups = sampler.dp * sampler.cp
         rows = sample_rows or min(self.token_cap, SAMPLE_ROWS)
         if sample_slots is None:
-            fit = SAMPLE_CACHE_BYTES // (rows * sampler.row_bytes) * groups
+            # A hybrid model's slots each hold a recurrent-state row too.
+            per_slot = rows * sampler.row_bytes + sampler.state_bytes
+            fit = SAMPLE_CACHE_BYTES // per_slot * groups
             sample_slots = max(groups, min(SAMPLE_SLOTS, fit) // groups * groups)
         engine_kw = dict(slots=sample_slots, max_len=rows, chunk=chunk,
                          prefill_tokens=prefill_tokens)
@@ -160,6 +171,14 @@ class Engine:
             if got is None:
                 return
             group, samples = got
+            arriving = False
+            if samples and not group and self.sampling.idle:
+                # A burst of concurrent samples (an RL step's prompt groups) reaches an
+                # idle engine over some ms: admit it together, in one prefill and decode;
+                # if it is still arriving when the window ends, keep this step short so
+                # the rest joins at the next one.
+                more, arriving = self.sched.gather_samples(ADMIT_GAP_S, ADMIT_WINDOW_S)
+                samples += more
             for w in samples:
                 self._admit_sample(w)
             self._cancel_running()
@@ -168,7 +187,7 @@ class Engine:
             if not self.sampling.idle:
                 t0 = time.perf_counter()
                 try:
-                    self.sampling.step()
+                    self.sampling.step(hurry=arriving or self.sched.pending() > 0)
                 except Exception as e:  # noqa: BLE001 — the engine's requests fail, not the server
                     for rid in list(self.sampling.requests):
                         self.sampling.cancel(rid)
@@ -626,8 +645,7 @@ class Engine:
                 prompt_logprobs_last_n=args.prompt_logprobs_last_n,
                 target_prompt_logprobs=None if target is None else target.ids,
                 prompt_alt_tokens_k=args.prompt_alt_tokens_k)
-            if (not self.sampling.runs_model
-                    or len(args.prompt) - 1 + args.max_tokens > self.sampling.max_len):
+            if len(args.prompt) - 1 + args.max_tokens > self.sampling.max_len:
                 res = self.tr.sample([args.prompt], sp, adapters=adapter,
                                      num_samples=args.num_samples,
                                      prompt_logprobs=args.prompt_logprobs, fields=fields)[0]

@@ -151,6 +151,30 @@ class Scheduler:
 
     # ------------------------------------------------------------------ worker side
 
+    def gather_samples(self, gap: float, window: float) -> tuple[list[Work], bool]:
+        """The samples that arrive from now on while each comes within `gap` seconds of
+        the one before, for at most `window` seconds (the worker admits a burst of
+        concurrent requests into one engine step); stops early when other work arrives.
+        -> (samples, whether they were still arriving when the window ended)."""
+        end = time.monotonic() + window
+        out: list[Work] = []
+        arriving = False
+        with self._cv:
+            while not self._closed:
+                left = end - time.monotonic()
+                if left <= 0:
+                    arriving = bool(out)
+                    break
+                self._cv.wait(min(gap, left))
+                if self._unordered or self._queues:
+                    break
+                if not self._samples:  # a quiet gap, or the window's end
+                    arriving = bool(out) and left <= gap
+                    break
+                out, self._samples = out + self._samples, []
+            out, self._samples = out + self._samples, []
+        return out, arriving
+
     def next_work(self, block: bool = True,
                   timeout: float | None = None) -> tuple[list[Work], list[Work]] | None:
         """(a pass — one request or a fused group, possibly empty —, every queued sample),

@@ -1,0 +1,65 @@
+"""Scheduler.gather_samples, the burst admission of jcp-serve's worker (no jax): samples
+arriving close together are taken together; the window's end is reported when they are
+still arriving (the worker then keeps its first engine step short); other work stops it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from jcp.server.scheduler import Scheduler, Work
+
+
+def _sample(i: int) -> Work:
+    return Work(f"s{i}", "sample", None, None, None, "owner")
+
+
+def _feed(sched: Scheduler, stop: threading.Event, every: float, n: int = 10**6):
+    sent = []
+
+    def run():
+        for i in range(n):
+            if stop.is_set():
+                return
+            time.sleep(every)
+            sched.submit(_sample(i))
+            sent.append(i)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, sent
+
+
+def test_a_burst_is_taken_until_a_quiet_gap():
+    sched, stop = Scheduler(), threading.Event()
+    t, sent = _feed(sched, stop, 0.002, n=5)
+    got, arriving = sched.gather_samples(gap=0.5, window=10.0)
+    t.join()
+    assert [w.request_id for w in got] == [f"s{i}" for i in range(5)]
+    assert not arriving  # it ended on the quiet gap, not the window
+
+
+def test_the_window_ends_a_burst_still_arriving_and_nothing_is_lost():
+    sched, stop = Scheduler(), threading.Event()
+    t, sent = _feed(sched, stop, 0.001)
+    got, arriving = sched.gather_samples(gap=1.0, window=0.1)
+    stop.set()
+    t.join()
+    assert arriving and got
+    rest = sched.next_work(block=False)[1]
+    assert sorted(w.request_id for w in got + rest) == sorted(f"s{i}" for i in sent)
+
+
+def test_other_work_ends_the_gathering():
+    sched = Scheduler()
+
+    def later():
+        time.sleep(0.05)
+        sched.submit(Work("m", "create_model", None, None, None, "owner"))
+
+    t = threading.Thread(target=later)
+    t.start()
+    t0 = time.monotonic()
+    got, arriving = sched.gather_samples(gap=5.0, window=10.0)
+    t.join()
+    assert time.monotonic() - t0 < 4.0 and got == [] and not arriving
