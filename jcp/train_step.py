@@ -134,7 +134,7 @@ def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, token
            if cfg.is_hybrid else None)
     h_SxD, _, stats = model_lib.hidden_states(cfg, params, tokens_S, position_S, attend, lora,
                                               route, remat=step_cfg.remat is True, count_S=real_S,
-                                              mix=mix, unroll=unroll_layers(cfg))
+                                              mix=mix, unroll=unroll_layers(cfg, step_cfg))
     lefts, rights = model_lib.unembed_factors(params, h_SxD, lora, route)
     loss, outputs = losses_lib.shard_loss(
         lefts, rights, targets_S, segment_S, inputs, loss_fn, loss_cfg, num_slots,
@@ -161,13 +161,17 @@ def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, token
 CPU_UNROLL_LAYERS = 8
 
 
-def unroll_layers(cfg: QwenConfig) -> bool:
+def unroll_layers(cfg: QwenConfig, step_cfg: StepConfig) -> bool:
     """Whether the training step unrolls its layer loop (model.scan_layers): on XLA:CPU with
-    ≤ CPU_UNROLL_LAYERS layers. A rolled loop slices every weight stack per layer and copies
-    every saved activation into an [L, …] stack, ~10 % of the CPU step of throughput.py's
-    4-layer model; unrolled, compile time grows ∝ L, which is why deep models keep the loop
-    (on accelerators those copies are cheap next to the layers' work)."""
-    return jax.default_backend() == "cpu" and cfg.num_layers <= CPU_UNROLL_LAYERS
+    ≤ CPU_UNROLL_LAYERS layers, when the layers are not recomputed. A rolled loop slices
+    every weight stack per layer and copies every saved activation into an [L, …] stack,
+    ~10 % of the CPU step of throughput.py's 4-layer model; unrolled, compile time grows
+    ∝ L, which is why deep models keep the loop (on accelerators those copies are cheap next
+    to the layers' work). A recomputing step (remat: chosen where memory requires it) keeps
+    the loop, whose liveness is one layer's: unrolled, XLA:CPU's schedule of the
+    recomputation held ~30 % more temporaries (tests/test_model.py's memory bound)."""
+    return (jax.default_backend() == "cpu" and cfg.num_layers <= CPU_UNROLL_LAYERS
+            and step_cfg.remat is not True)
 
 
 def training_attend(cfg: QwenConfig, step_cfg: StepConfig, segment_S, position_S):
