@@ -389,10 +389,12 @@ def test_engine_drawn_logprobs_equal_forward_and_one_prefill():
     alone = tr.sample([prompt], sp, adapters=a, num_samples=3, prompt_logprobs=True)[0]
     for x, y in zip(got.sequences, alone.sequences):
         np.testing.assert_array_equal(x.tokens, y.tokens)
-        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(got.prompt_logprobs, alone.prompt_logprobs, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=2e-5, rtol=0)
+    # Prefilled in three chunks vs one: the delta rule's sums run in another order (fp32
+    # rounding, ~2e-6 relative at |log p| ~ 5); forward's bound above.
+    np.testing.assert_allclose(got.prompt_logprobs, alone.prompt_logprobs, atol=2e-5, rtol=0)
     np.testing.assert_allclose(got.prompt_logprobs[1:],
-                               tr.compute_logprobs([prompt], adapters=a)[0][1:], atol=1e-5)
+                               tr.compute_logprobs([prompt], adapters=a)[0][1:], atol=2e-5)
     assert eng.prefilled - before == n - 1
     rid = eng.submit(prompt, sp, a, num_samples=3, prompt_logprobs=True)
     eng.run()
