@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 
 def fake_cpu_devices(mesh: tuple[int, int, int]) -> None:
@@ -18,3 +19,32 @@ def fake_cpu_devices(mesh: tuple[int, int, int]) -> None:
 def mesh_arg(text: str) -> tuple[int, int, int]:
     """argparse type of --mesh: "dp,cp,tp" -> (dp, cp, tp)."""
     return tuple(int(x) for x in text.split(","))
+
+
+def best_time(fn, reps: int = 2) -> float:
+    """Seconds of the fastest of `reps` calls of fn, after one call that compiles."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def sampling_workload(tr, mesh: tuple[int, int, int], r: int, t: int, s: int):
+    """The engine benchmarks' workload on Trainer tr: (r random prompts of 4-16 tokens,
+    drawn SamplingParams of t tokens without stops, an Engine with a slot for each of the
+    r·s sequences, rounded up to the dp·cp device groups)."""
+    import numpy as np
+
+    import jcp
+    from jcp.sample.engine import Engine
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, tr.cfg.vocab_size, int(rng.integers(4, 17))).tolist()
+               for _ in range(r)]
+    sp = jcp.SamplingParams(max_tokens=t, temperature=1.0, seed=1, stop=[])
+    groups = mesh[0] * mesh[1]
+    return prompts, sp, Engine(tr.make_sampler(), slots=-(-r * s // groups) * groups,
+                               max_len=64, chunk=8)

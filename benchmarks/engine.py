@@ -27,7 +27,8 @@ import sys
 import tempfile
 import time
 
-from common import fake_cpu_devices, mesh_arg  # benchmarks/ is sys.path[0]
+from common import (best_time, fake_cpu_devices, mesh_arg,  # benchmarks/ is sys.path[0]
+                    sampling_workload)
 
 
 def parse_args(argv):
@@ -51,41 +52,27 @@ def main(argv=None) -> int:
     import numpy as np
 
     import jcp
-    from jcp.sample.engine import Engine, EngineError
+    from jcp.sample.engine import EngineError
 
     cfg = jcp.QwenConfig.tiny()
     tr = jcp.Trainer(cfg, jcp.make_mesh(*args.mesh), max_adapters=6, max_rank=8)
     ads = [tr.create_adapter(rank=8, seed=k) for k in range(4)]
-    rng = np.random.default_rng(0)
     n_seq = args.r * args.s
-    prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(4, 17))).tolist()
-               for _ in range(args.r)]
-    sp = jcp.SamplingParams(max_tokens=args.t, temperature=1.0, seed=1, stop=[])
-    groups = args.mesh[0] * args.mesh[1]
-    slots = -(-n_seq // groups) * groups
-    eng = Engine(tr.make_sampler(), slots=slots, max_len=64, chunk=8)
-
-    def timed(fn, reps=2):
-        fn()  # warm-up: compiles
-        best = float("inf")
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t)
-        return best
+    prompts, sp, eng = sampling_workload(tr, args.mesh, args.r, args.t, args.s)
+    slots = eng.slots
 
     if not args.only_server:
         # 1. equal batch
-        t_static = timed(lambda: tr.sample(prompts, sp, adapters=ads[0], num_samples=args.s))
-        t_engine = timed(lambda: eng.sample(prompts, sp, adapters=ads[0], num_samples=args.s))
+        t_static = best_time(lambda: tr.sample(prompts, sp, adapters=ads[0], num_samples=args.s))
+        t_engine = best_time(lambda: eng.sample(prompts, sp, adapters=ads[0], num_samples=args.s))
         print(f"1. equal batch {args.r}×{args.s}×{args.t}: static {n_seq * args.t / t_static:.0f} "
               f"tok/s, engine {n_seq * args.t / t_engine:.0f} tok/s -> engine/static "
               f"{t_static / t_engine:.2f}× (goal ≥ 1.0)", flush=True)
 
         # 2. mixed adapters
         eight = prompts[:8]
-        t_one = timed(lambda: eng.sample(eight, sp, adapters=[ads[0]] * 8), reps=3)
-        t_mix = timed(lambda: eng.sample(eight, sp, adapters=[ads[k % 4] for k in range(8)]),
+        t_one = best_time(lambda: eng.sample(eight, sp, adapters=[ads[0]] * 8), reps=3)
+        t_mix = best_time(lambda: eng.sample(eight, sp, adapters=[ads[k % 4] for k in range(8)]),
                       reps=3)
         print(f"2. 8 sequences over 4 adapters vs 1: {t_mix / t_one:.2f}× the time "
               f"(goal ≤ 1.15)", flush=True)
@@ -100,7 +87,7 @@ def main(argv=None) -> int:
                     for k in range(args.busy)]
             eng.step(hurry=True)
             eng.step(hurry=True)
-            t_step = timed(lambda: eng.step(hurry=True), reps=1)
+            t_step = best_time(lambda: eng.step(hurry=True), reps=1)
             live = eng.live
             rid = eng.submit(prompts[0], sp, ads[1])
 
@@ -204,7 +191,7 @@ def main(argv=None) -> int:
         print(f"   server engine programs: {n_prog} after {warm} warm-up round(s), "
               f"{srv.engine.sampling.programs()} after 3 timed rounds (median kept)",
               flush=True)
-        t_in = timed(lambda: tr.sample(prompts, sp, num_samples=args.s), reps=1)
+        t_in = best_time(lambda: tr.sample(prompts, sp, num_samples=args.s), reps=1)
         print(f"4. server {args.r}×{args.s}×{args.t} concurrent SDK requests: "
               f"{n_seq * args.t / t_srv:.0f} tok/s vs in-process "
               f"{n_seq * args.t / t_in:.0f} tok/s -> {t_in / t_srv:.2f}× (goal ≥ 0.8)",

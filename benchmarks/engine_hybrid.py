@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
-from common import fake_cpu_devices, mesh_arg  # benchmarks/ is sys.path[0]
+from common import (best_time, fake_cpu_devices, mesh_arg,  # benchmarks/ is sys.path[0]
+                    sampling_workload)
 
 
 def parse_args(argv):
@@ -33,34 +33,16 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     fake_cpu_devices(args.mesh)
-    import numpy as np
-
     import jcp
-    from jcp.sample.engine import Engine
 
     cfg = jcp.QwenConfig.tiny_qwen3_5()
     tr = jcp.Trainer(cfg, jcp.make_mesh(*args.mesh), max_adapters=2, max_rank=8)
     ad = tr.create_adapter(rank=8, seed=0)
-    rng = np.random.default_rng(0)
     n_seq = args.r * args.s
-    prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(4, 17))).tolist()
-               for _ in range(args.r)]
-    sp = jcp.SamplingParams(max_tokens=args.t, temperature=1.0, seed=1, stop=[])
-    groups = args.mesh[0] * args.mesh[1]
-    slots = -(-n_seq // groups) * groups
-    eng = Engine(tr.make_sampler(), slots=slots, max_len=64, chunk=8)
+    prompts, sp, eng = sampling_workload(tr, args.mesh, args.r, args.t, args.s)
 
-    def timed(fn, reps=2):
-        fn()  # warm-up: compiles
-        best = float("inf")
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t)
-        return best
-
-    t_static = timed(lambda: tr.sample(prompts, sp, adapters=ad, num_samples=args.s))
-    t_engine = timed(lambda: eng.sample(prompts, sp, adapters=ad, num_samples=args.s))
+    t_static = best_time(lambda: tr.sample(prompts, sp, adapters=ad, num_samples=args.s))
+    t_engine = best_time(lambda: eng.sample(prompts, sp, adapters=ad, num_samples=args.s))
     print(f"1. equal batch {args.r}×{args.s}×{args.t}: static {n_seq * args.t / t_static:.0f} "
           f"tok/s, engine {n_seq * args.t / t_engine:.0f} tok/s -> engine/static "
           f"{t_static / t_engine:.2f}×", flush=True)
