@@ -77,10 +77,10 @@ def test_config_from_hf_reads_the_hybrid_fields():
     assert jcp.QwenConfig.tiny().fingerprint() != jcp.QwenConfig.tiny_qwen3_5().fingerprint()
 
 
-# (2,2,2) hung before delta_rule.unit_lower_inverse replaced solve_triangular (its XLA:CPU
-# kernel deadlocked the 8-thread intra-op pool with 8 devices); (1,2,2) is covered by the
-# LoRA gradient test.
-@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 4, 1), (2, 2, 2)])
+# (2,2,2) and (1,8,1) hung before delta_rule.unit_lower_inverse replaced solve_triangular
+# (its XLA:CPU kernel deadlocked the 8-thread intra-op pool with 8 devices).
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 2, 1), (1, 4, 1), (1, 8, 1), (2, 2, 2),
+                                        (1, 2, 2)])
 def test_logprobs_equal_transformers(mesh_shape):
     hm, cfg, base = _reference()
     seqs, targets, _ = mh.random_data(LENGTHS)
