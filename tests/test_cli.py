@@ -149,20 +149,30 @@ def test_moe_run_trains_experts(tmp_path):
     assert os.path.isdir(ckpt)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--moe", "--hf-model", "/tmp"], "--moe"),
-    (["--mesh", "3,x"], "--mesh"),
-    (["--mesh", "1,1,3"], "tp=3"),
-    (["--bogus"], "unrecognized"),
-    (["--steps", "0"], "--steps"),
-    (["--data", "/nonexistent.jsonl"], "--data"),
-    (["--hf-model", "/nonexistent"], "--hf-model"),
+# One case in a fresh `python -m jcp.train` (the exit status and stderr of the real program);
+# the others call main() in this process (each fresh process costs ~2 CPU s of imports).
+@pytest.mark.parametrize("args, needle, in_process", [
+    (["--moe", "--hf-model", "/tmp"], "--moe", True),
+    (["--mesh", "3,x"], "--mesh", True),
+    (["--mesh", "1,1,3"], "tp=3", True),
+    (["--bogus"], "unrecognized", False),
+    (["--steps", "0"], "--steps", True),
+    (["--data", "/nonexistent.jsonl"], "--data", True),
+    (["--hf-model", "/nonexistent"], "--hf-model", True),
 ])
-def test_bad_options_are_one_line(tmp_path, args, needle):
-    p = _run("--out", str(tmp_path / "x"), *args, check=False)
-    assert p.returncode == 2
-    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+def test_bad_options_are_one_line(tmp_path, capfd, args, needle, in_process):
+    argv = ["--out", str(tmp_path / "x"), *args]
+    if in_process:
+        from jcp.train import main
+
+        code = main(argv)
+        err = capfd.readouterr().err
+    else:
+        p = _run(*argv, check=False)
+        code, err = p.returncode, p.stderr
+    assert code == 2
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("jcp-train: error:") and needle in lines[0]
 
 
