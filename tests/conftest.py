@@ -22,6 +22,13 @@ a user's run in two ways that change no program's meaning:
   module after the caches below were cleared, the jcp-train child processes, which inherit
   the folder through the environment) is loaded instead of compiled. JCP_TEST_COMPILE_CACHE=0
   turns it off.
+
+And the two workers of `-n 2 --dist loadfile` get the modules longest first (FILE_SECONDS
+below). xdist's own order is by number of tests, which handed out the few-test but long
+modules (the 2-process jobs, the benchmark smoke) last, so one worker was still in them
+(their child processes contending with it) after the other had run dry. Each worker takes
+the next module when its current one is nearly done, so longest-first ends the two
+workers within about one short module of each other.
 """
 
 import atexit
@@ -55,6 +62,40 @@ jax.config.update("jax_enable_x64", False)
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 HELPERS = os.path.join(TESTS, "helpers")
+
+
+# About how many seconds each module's tests take in one worker of the quiet 2-core suite
+# (estimated from the suite's --durations and per-module CPU time; the 2-process modules
+# count their children, which take the other core too). Modules not listed are short and
+# run last, in name order. Only the order depends on these: refresh them when a module
+# grows or shrinks a lot.
+FILE_SECONDS = {
+    "test_qwen3_5.py": 290, "test_trainer.py": 190, "test_engine.py": 170,
+    "test_serve_multiprocess.py": 150, "test_moe_lora.py": 130, "test_cli.py": 110,
+    "test_custom_server.py": 110, "test_sampling.py": 80, "test_moe_metrics.py": 70,
+    "test_qwen3_5_moe.py": 70, "test_multiprocess.py": 60, "test_moe.py": 60,
+    "test_checkpoint_faults.py": 60, "test_reliability.py": 60, "test_benchmarks.py": 50,
+    "test_server_sampling.py": 50, "test_sample_fields.py": 50, "test_checkpoint.py": 40,
+    "test_server_lifecycle.py": 40, "test_trainer_config.py": 40, "test_custom_loss.py": 40,
+    "test_topk_targets.py": 30, "test_delta_rule.py": 30, "test_server.py": 30,
+    "test_server_limits.py": 30, "test_pallas_attention.py": 30, "test_model.py": 30,
+    "test_peft_moe.py": 30, "test_mixed_losses.py": 25, "test_attention.py": 20,
+    "test_peft.py": 20, "test_hf.py": 20, "test_cookbook.py": 15, "test_losses.py": 10,
+    "test_batch.py": 10, "test_scheduler_gather.py": 10,
+}
+
+
+def pytest_configure(config):
+    # xdist's loadfile scheduler hands out modules in the collection's order with this off.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    def seconds(item):
+        return FILE_SECONDS.get(os.path.basename(str(item.path)), 0.0)
+
+    items.sort(key=lambda item: -seconds(item))  # stable: a module's tests keep their order
 
 
 @pytest.fixture(autouse=True, scope="module")
