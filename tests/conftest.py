@@ -68,7 +68,9 @@ HELPERS = os.path.join(TESTS, "helpers")
 # (estimated from the suite's --durations and per-module CPU time; the 2-process modules
 # count their children, which take the other core too). Modules not listed are short and
 # run last, in name order. Only the order depends on these: refresh them when a module
-# grows or shrinks a lot.
+# grows or shrinks a lot, from a quiet run's per-module totals:
+#   python -m pytest -q -n 2 --dist loadfile --durations=0 | grep -E "s (call|setup|teardown) " |
+#     awk '{split($3, a, "::"); t[a[1]] += $1} END {for (f in t) print t[f], f}' | sort -rn
 FILE_SECONDS = {
     "test_qwen3_5.py": 290, "test_trainer.py": 190, "test_engine.py": 170,
     "test_serve_multiprocess.py": 150, "test_moe_lora.py": 130, "test_cli.py": 110,
