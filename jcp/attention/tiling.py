@@ -26,9 +26,11 @@ DEFAULT_BLOCK = 512
 # Tiles grow with the stream: at least `block` rows, and up to GROWN_TILE rows while a
 # stream still spans ≥ TILES_PER_STREAM of them (on CPU, 64-row tiles skip the most masked
 # work on short datums, but their loop overhead dominates long ones; measured 1.36× faster
-# fwd+bwd at 16k tokens with 256-row tiles than with 64, and at 8k 256-row tiles 7 % less
-# CPU time than 128-row ones).
-GROWN_TILE, TILES_PER_STREAM = 256, 32
+# fwd+bwd at 16k tokens with 256-row tiles than with 64). 128 rather than 256: fwd + bwd of
+# one causal datum on one core (benchmarks/profile_cpu.py's kernel shape, alternated, load
+# 12–20), 8k tokens 1.52 / 1.80 / 1.76 CPU s with 128-row tiles against 1.63 / 2.04 / 1.94
+# with 256; 16k 7.17 against 7.13 (equal).
+GROWN_TILE, TILES_PER_STREAM = 128, 32
 
 
 # Residuals of the blockwise kernel that a remat policy may save (see model.hidden_states).
