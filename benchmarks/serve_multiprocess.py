@@ -18,12 +18,24 @@ times its trip count), by the devices each one joins: "local" (one process's dev
 XLA:CPU with gloo still sends these over TCP), "cross" (devices of both processes), and
 "trivial" (groups of one device: no communication).
 
+CPU seconds per step are counted for both comparisons, every process and every thread,
+and split by thread name (/proc/<pid>/task/*/stat): XLA's compute pool (tf_XLAEigen), the
+main thread, and the threads left unnamed ("python": the server's Python threads, and
+gloo's TCP event loop, which carries every collective of a multi-process CPU job).
+
+By default every process may run on every core (on one machine the two processes' pools
+then share its cores). --pin gives each process of a 2-process job its own half of the
+cores (sched_setaffinity before it starts; XLA sizes its compute pool from that, at least
+one thread per device), one host each as a multi-host deployment runs, against the
+1-process job on all of them.
+
 Each mesh of --mesh (default: 8,1,1, the CPU recommendation, and 2,2,2) is measured alone.
 First, a probe times one psum of 4 KB per device over 4 devices of one process and over 2
 devices of two processes, in 1 process and in 2 (gloo).
 
     python benchmarks/serve_multiprocess.py [--mesh 8,1,1 --mesh 2,2,2] [--steps 5]
                                            [--rounds 3] [--warmup 2] [--direct-steps 10]
+                                           [--pin]
 """
 
 from __future__ import annotations
@@ -54,6 +66,9 @@ def parse_args(argv):
                    help="timed Trainer steps of the no-server comparison (0: skip it)")
     p.add_argument("--mesh", action="append", help="dp,cp,tp (repeatable; default 8,1,1 "
                    "and 2,2,2)")
+    p.add_argument("--pin", action="store_true",
+                   help="run each process of the 2-process jobs on its own half of the cores "
+                   "(one host each, as deployed); the 1-process jobs use all of them")
     p.add_argument("--worker", nargs=3, type=int, help=argparse.SUPPRESS)  # pid nproc port
     p.add_argument("--dump", help=argparse.SUPPRESS)  # the worker's XLA dump folder
     p.add_argument("--psum", action="store_true", help=argparse.SUPPRESS)  # worker: latency
@@ -179,6 +194,36 @@ def step_collectives(dump: str, mesh) -> dict:
     return summarize(ops)
 
 
+def thread_cpu(pid: int | str = "self") -> dict[str, float]:
+    """CPU seconds (user + system) so far of a process's live threads (default: this
+    one's), summed by thread name (digits dropped: a pool's threads count together; "main"
+    is the main thread; "python": threads left unnamed, gloo's TCP loop among them), from
+    /proc (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    main = str(os.getpid() if pid == "self" else pid)
+    out = collections.Counter()
+    for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
+        try:
+            with open(stat) as f:
+                s = f.read()
+        except OSError:  # the thread ended
+            continue
+        name = re.sub(r"[\d_\-]+$", "", s[s.index("(") + 1:s.rindex(")")]) or "?"
+        if stat.split("/")[4] == main:
+            name = "main"
+        fields = s[s.rindex(")") + 2:].split()
+        out[name] += (int(fields[11]) + int(fields[12])) / tick
+    return dict(out)
+
+
+def job_cpu(procs) -> collections.Counter:
+    """thread_cpu summed over the processes of a job (Popen objects)."""
+    out = collections.Counter()
+    for p in procs:
+        out.update(thread_cpu(p.pid))
+    return out
+
+
 def _batch(rng):
     toks = [rng.integers(0, 512, TOKENS + 1) for _ in range(DATUMS)]
     return toks
@@ -205,13 +250,17 @@ def worker(pid: int, nproc: int, port: int, warmup: int, steps: int, mesh: str,
     times = []
     for i in range(warmup + steps):
         if i == warmup:
-            cpu = time.process_time()
+            cpu, threads = time.process_time(), thread_cpu()
         t = time.perf_counter()
         tr.forward_backward(data, "cross_entropy", adapters=[a] * DATUMS)
         tr.optim_step(a, jcp.AdamParams(learning_rate=1e-4))
         times.append(time.perf_counter() - t)
     # CPU seconds per step of this process, all its threads (XLA's and the host's).
     print(f"cpu_s {(time.process_time() - cpu) / steps}", flush=True)
+    now = thread_cpu()
+    print("threads " + json.dumps({k: round((v - threads.get(k, 0)) / steps, 4)
+                                   for k, v in now.items() if v - threads.get(k, 0) > 0}),
+          flush=True)
     if pid == 0:
         print(f"median_s {statistics.median(times[warmup:])}", flush=True)
         if dump:
@@ -268,10 +317,12 @@ def psum_latency(nproc: int) -> dict:
     return found
 
 
-def direct(nproc: int, warmup: int, steps: int, mesh: str,
-           count: bool = False) -> tuple[float, dict | None, float]:
+def direct(nproc: int, warmup: int, steps: int, mesh: str, count: bool = False,
+           pin: bool = False) -> tuple[float, dict | None, float, dict]:
     """(median Trainer step (s) of `nproc` processes × 8 / nproc devices on `mesh`, the
-    step's collectives if `count`, CPU seconds per step of all processes together)."""
+    step's collectives if `count`, CPU seconds per step of all processes together, and
+    the same by thread name). pin: each process on its own share of this machine's cores
+    (cpu_shares)."""
     import subprocess
 
     import mp_serve
@@ -289,6 +340,7 @@ def direct(nproc: int, warmup: int, steps: int, mesh: str,
                                 "--xla_dump_hlo_module_re=forward_backward|optim_step")
         args = cmd + [str(i), str(nproc), port] + (["--dump", f"{dump}/p{i}"] if dump else [])
         procs.append(subprocess.Popen(args, env=dict(env), stdout=subprocess.PIPE,
+                                      preexec_fn=pinned(cpu_shares(nproc)[i]) if pin else None,
                                       stderr=subprocess.DEVNULL, text=True))
     outs = [p.communicate(timeout=1800)[0] for p in procs]
     found = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in outs[0].splitlines()
@@ -297,7 +349,29 @@ def direct(nproc: int, warmup: int, steps: int, mesh: str,
            if ln.startswith("cpu_s ")]
     if "median_s" not in found or (count and "collectives" not in found) or len(cpu) != nproc:
         raise RuntimeError(f"direct run of {nproc} processes failed: {outs}")
-    return float(found["median_s"]), json.loads(found.get("collectives", "null")), sum(cpu)
+    threads = collections.Counter()
+    for out in outs:
+        for ln in out.splitlines():
+            if ln.startswith("threads "):
+                threads.update(json.loads(ln.split(" ", 1)[1]))
+    return (float(found["median_s"]), json.loads(found.get("collectives", "null")), sum(cpu),
+            dict(threads))
+
+
+def cpu_shares(nproc: int) -> list[set[int]]:
+    """This machine's cores (the ones this process may use) split into `nproc` equal
+    shares, one per process of a job: one host each, as a multi-host deployment has."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < nproc:
+        raise RuntimeError(f"--pin needs a core per process: {len(cores)} for {nproc}")
+    k = len(cores) // nproc
+    return [set(cores[i * k:(i + 1) * k]) for i in range(nproc)]
+
+
+def pinned(cores: set[int]):
+    """A preexec_fn that runs the child on `cores` only (XLA sizes its compute pool from
+    the affinity it starts with, at least one thread per device)."""
+    return lambda: os.sched_setaffinity(0, cores)
 
 
 def main(argv=None) -> dict:
@@ -317,6 +391,10 @@ def main(argv=None) -> dict:
         data.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
                                 loss_fn_inputs={"target_tokens": toks[1:],
                                                 "weights": [1.0] * TOKENS}))
+    print("2-process jobs: " + (", ".join(f"process {i} pinned to cores {sorted(c)}"
+                                          for i, c in enumerate(cpu_shares(2)))
+                                if args.pin else "not pinned (every process on every core)")
+          + f"; 1-process jobs on cores {sorted(os.sched_getaffinity(0))}", flush=True)
     res = {"psum": {n: psum_latency(n) for n in (1, 2)}}
     print("one psum of 4 KB per device over a (2, 4) mesh, median ms: 1 process: "
           f"{res['psum'][1]['inner'] * 1e3:.2f} (4 devices), {res['psum'][1]['outer'] * 1e3:.2f}"
@@ -326,16 +404,22 @@ def main(argv=None) -> dict:
         print(f"\n== mesh {mesh} (dp,cp,tp)", flush=True)
         out = res[mesh] = served(args, data, mesh) if args.rounds else {}
         if args.direct_steps:
-            one, _, cpu1 = direct(1, args.warmup, args.direct_steps, mesh)
-            two, counts, cpu2 = direct(2, args.warmup, args.direct_steps, mesh, count=True)
+            one, _, cpu1, th1 = direct(1, args.warmup, args.direct_steps, mesh)
+            two, counts, cpu2, th2 = direct(2, args.warmup, args.direct_steps, mesh,
+                                            count=True, pin=args.pin)
             out.update(direct_single_s=one, direct_multi_s=two, collectives=counts,
-                       cpu_single_s=cpu1, cpu_multi_s=cpu2)
+                       cpu_single_s=cpu1, cpu_multi_s=cpu2, threads_single=th1,
+                       threads_multi=th2)
             print("collectives per step (forward_backward + optim_step), count / bytes per "
                   "device: " + ", ".join(f"{k} {v['count']} / {v['bytes']:,}"
                                          for k, v in counts.items()))
             print(f"Trainer step without a server: 1 process {one * 1e3:.0f} ms, 2 processes "
                   f"{two * 1e3:.0f} ms: {two / one:.3f}x; CPU seconds per step (every "
                   f"process, every thread): {cpu1:.2f} vs {cpu2:.2f} ({cpu2 / cpu1:.3f}x)")
+            print("  by thread (CPU s per step, all processes; 'python': unnamed threads, "
+                  "gloo's TCP loop among them): " + "; ".join(
+                      f"{name} {th1.get(name, 0):.3f} vs {th2.get(name, 0):.3f}"
+                      for name in sorted(set(th1) | set(th2))))
             if "ratio" in out:
                 print(f"the server's own share: {out['ratio'] / (two / one):.3f}x")
     print("\nsummary (goal <= 1.15):")
@@ -360,7 +444,8 @@ def served(args, data, mesh: str) -> dict:
     adam = types.AdamParams(learning_rate=1e-4)
     jobs = {"single": mp_serve.Job(1, tempfile.mkdtemp(prefix="jcp-bench-1-"), "--mesh", mesh),
             "multi": mp_serve.Job(2, tempfile.mkdtemp(prefix="jcp-bench-2-"), "--mesh", mesh,
-                                  follower_timeout=120)}
+                                  follower_timeout=120,
+                                  cpus=cpu_shares(2) if args.pin else None)}
     clients = []
     try:
         models = {}
@@ -382,21 +467,31 @@ def served(args, data, mesh: str) -> dict:
             for _ in range(args.warmup):
                 step(tc)
         ratios, rows = [], []
+        cpu = {name: collections.Counter() for name in models}
         for r in range(args.rounds):
-            med = {name: statistics.median(step(tc) for _ in range(args.steps))
-                   for name, tc in models.items()}
+            med = {}
+            for name, tc in models.items():
+                before = job_cpu(jobs[name].procs)
+                med[name] = statistics.median(step(tc) for _ in range(args.steps))
+                cpu[name].update({k: v / (args.steps * args.rounds) for k, v in
+                                  (job_cpu(jobs[name].procs) - before).items()})
             ratios.append(med["multi"] / med["single"])
             rows.append(med)
             print(f"round {r}: single {med['single'] * 1e3:.0f} ms/step  multi "
                   f"{med['multi'] * 1e3:.0f} ms/step  ratio {ratios[-1]:.3f}", flush=True)
         ratio = statistics.median(ratios)
+        print("server CPU s per step (every process, by thread; single vs multi): " + "; ".join(
+            f"{k} {cpu['single'].get(k, 0):.3f} vs {cpu['multi'].get(k, 0):.3f}"
+            for k in sorted(set(cpu["single"]) | set(cpu["multi"]))
+            if max(cpu["single"].get(k, 0), cpu["multi"].get(k, 0)) >= 0.001))
+        print(f"  total {sum(cpu['single'].values()):.3f} vs {sum(cpu['multi'].values()):.3f}")
     finally:
         mp_serve.close(clients)
         for job in jobs.values():
             job.stop()
     print(f"server step, 2 processes x 4 devices / 1 process x 8 devices "
           f"(forward_backward + optim_step, {DATUMS} x {TOKENS}): {ratio:.3f}x (goal <= 1.15)")
-    return {"ratio": ratio, "rounds": rows}
+    return {"ratio": ratio, "rounds": rows, "cpu": {k: dict(v) for k, v in cpu.items()}}
 
 
 if __name__ == "__main__":

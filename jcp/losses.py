@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jcp.errors import InputError, float32_number
-from jcp.mesh import BATCH_AXES, CP, DP, TP, block_size, vary, varying_axes
+from jcp.mesh import BATCH_AXES, CP, DP, TP, block_size, psum_flat, vary, varying_axes
 
 DEFAULT_CHUNK = 1024
 
@@ -489,9 +489,14 @@ def gather_stream(x_S):
     """
     # A psum of each device's row placed in a zero grid: unlike all_gather, its result is
     # typed replicated, so it can leave the shard_map with out_specs P().
+    return jax.lax.psum(stream_grid(x_S), BATCH_AXES)
+
+
+def stream_grid(x_S):
+    """This device's row [S] placed in a zero grid [DP, CP, S] (gather_stream before its
+    psum)."""
     grid = jnp.zeros((jax.lax.axis_size(DP), jax.lax.axis_size(CP)) + x_S.shape, x_S.dtype)
-    grid = grid.at[jax.lax.axis_index(DP), jax.lax.axis_index(CP)].set(x_S)
-    return jax.lax.psum(grid, BATCH_AXES)
+    return grid.at[jax.lax.axis_index(DP), jax.lax.axis_index(CP)].set(x_S)
 
 
 def datum_sum(segment_S, num_slots: int):
@@ -574,7 +579,6 @@ def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn
     else:
         tok_loss_S, clipped_S = token_losses(lp_S, inputs, loss_fn, cfg, loss_id_S)
     tok_loss_S = jnp.where(real_S, tok_loss_S, 0.0)
-    loss = jax.lax.psum(jnp.sum(tok_loss_S), BATCH_AXES)
 
     real = real_S if lp_S.ndim == 1 else real_S[:, None]
     lp_out = jax.lax.stop_gradient(jnp.where(real, lp_S, 0.0))
@@ -583,13 +587,15 @@ def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn
     datum_loss = jax.ops.segment_sum(el_out, slot_S, num_segments=num_slots + 1)[:num_slots]
     clipped = jax.ops.segment_sum((clipped_S & real_S).astype(jnp.int32), slot_S,
                                   num_segments=num_slots + 1)[:num_slots]
+    # The loss and every output summed over (dp, cp) as one vector (psum_flat: one
+    # all-reduce, not one per array); the clipped counts as float32 (exact below 2^24
+    # tokens a datum) to join it.
+    loss, lp, el, datum_loss, clipped = psum_flat(
+        (jnp.sum(tok_loss_S), stream_grid(lp_out), stream_grid(el_out), datum_loss,
+         clipped.astype(jnp.float32)), BATCH_AXES)
     outputs = ShardOutputs(
-        logprobs=gather_stream(lp_out),
-        elementwise_loss=gather_stream(el_out),
-        datum_loss=jax.lax.psum(datum_loss, BATCH_AXES),
-        # Summed as float32 (exact below 2^24 tokens a datum) so that XLA combines it
-        # with the loss's and log-probs' all-reduce: one collective fewer per step.
-        clipped=jax.lax.psum(clipped.astype(jnp.float32), BATCH_AXES).astype(jnp.int32),
+        logprobs=lp, elementwise_loss=el, datum_loss=datum_loss,
+        clipped=clipped.astype(jnp.int32),
         token_logprobs=jnp.where(real, lp_S, 0.0) if keep_token_logprobs else None,
     )
     return loss, outputs

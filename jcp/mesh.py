@@ -242,6 +242,34 @@ def vary_all(x, *refs):
     return x
 
 
+def psum_flat(tree, axes):
+    """jax.lax.psum(tree, axes) as one all-reduce of a concatenated vector per group of
+    leaves with the same dtype and varying axes (inside shard_map; the same sums).
+
+    XLA combines a step's all-reduces into one tuple all-reduce, but XLA:CPU runs a
+    tuple's operands one by one, and in a multi-process job each is a gloo ring of
+    2 (devices - 1) TCP hops, latency-bound at these sizes: 25 small leaves over 8
+    devices in 2 processes took 193 ms (100 CPU ms a process) against 8.6 ms as one
+    vector of the same 101 KB (2 cores at load ≈ 13; in one process 2.3 vs 2.7 ms). Use it where one program sums many small arrays.
+    Other backends run a tuple all-reduce as one (NCCL groups it): there it is a plain
+    psum, with no concatenated copy.
+    """
+    if jax.default_backend() != "cpu":
+        return jax.lax.psum(tree, axes)
+    leaves, treedef = jax.tree.flatten(tree)
+    groups = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault((x.dtype, varying_axes(x)), []).append(i)
+    out = list(leaves)
+    for idx in groups.values():
+        flat = jax.lax.psum(jax.numpy.concatenate([leaves[i].reshape(-1) for i in idx]), axes)
+        start = 0
+        for i in idx:
+            out[i] = flat[start:start + leaves[i].size].reshape(leaves[i].shape)
+            start += leaves[i].size
+    return jax.tree.unflatten(treedef, out)
+
+
 # ----------------------------------------------------------------------------------------
 # Host arrays <-> global arrays
 

@@ -2,8 +2,9 @@
 
 Owns the one shard_map over (dp, cp, tp) that runs model + losses, the gradient taken
 outside it w.r.t. the active adapter slots only, and the per-slot AdamW update. It must
-never differentiate base weights, never psum a gradient (the transpose of the replicated
-loss already sums it), and never touch a slot other than the one being stepped.
+never differentiate base weights, never psum a gradient beyond the one sum over dp and cp
+that the replicated adapters' transpose makes (vary_on_entry), and never touch a slot
+other than the one being stepped.
 
 Shapes: see the legend in jcp/mesh.py.
 """
@@ -24,6 +25,7 @@ from jcp import custom_loss as custom_loss_lib
 from jcp import delta_rule as delta_rule_lib
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
+from jcp import mesh as mesh_lib
 from jcp import model as model_lib
 from jcp.model import moe as moe_lib
 from jcp.config import QwenConfig
@@ -234,22 +236,53 @@ def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tup
 
 
 def vary_on_entry(tree):
-    """The adapters made device-varying over dp and cp on entry to the shard_map.
+    """The adapters made device-varying over dp and cp on entry to the shard_map, their
+    gradient summed over dp and cp as one flat vector.
 
     The gradient of an input the shard_map holds replicated is summed over the devices
     (psum) where the input first meets varying data: left implicit, that is inside the
     layer scan, one all-reduce per layer in the backward pass. Cast here, the whole
-    stacked gradient is summed once, after the scan, in one all-reduce (XLA combines the
-    leaves) — the same sums, L times fewer collectives, which is what a collective costs
-    across processes (gloo: each one is TCP round trips, benchmarks/serve_multiprocess.py).
+    stacked gradient is summed once, after the scan — the same sums, L times fewer
+    collectives, which is what a collective costs across processes (gloo: each one is TCP
+    round trips, benchmarks/serve_multiprocess.py). On CPU the ~25 leaves are summed as
+    one concatenated vector (mesh.psum_flat): XLA:CPU runs each operand of a combined
+    all-reduce as its own gloo ring.
     """
     axes = BATCH_AXES  # (tp: custom VJPs inside the layers keep the adapters' tp type)
+    leaves, treedef = jax.tree.flatten(tree)
+    had = tuple(frozenset(mesh_lib.varying_axes(x)) for x in leaves)
+    return jax.tree.unflatten(treedef, _vary(axes, had, *leaves))
 
-    def cast(x):
-        missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
 
-    return jax.tree.map(cast, tree)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _vary(axes, had, *leaves):
+    out = []
+    for x, h in zip(leaves, had):
+        missing = tuple(a for a in axes if a not in h)
+        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+    return out
+
+
+def _vary_fwd(axes, had, *leaves):
+    return _vary(axes, had, *leaves), None
+
+
+def _vary_bwd(axes, had, _, cts):
+    """The transpose: each leaf's cotangent summed over the axes it varies over and its
+    primal did not (dp and cp), the leaves of the same axes as one vector (psum_flat)."""
+    out = list(cts)
+    groups = {}
+    for i, (ct, h) in enumerate(zip(cts, had)):
+        m = tuple(sorted(set(mesh_lib.varying_axes(ct)) - h))
+        if m:
+            groups.setdefault(m, []).append(i)
+    for m, idx in groups.items():
+        for i, x in zip(idx, mesh_lib.psum_flat([cts[i] for i in idx], m)):
+            out[i] = x
+    return tuple(out)
+
+
+_vary.defvjp(_vary_fwd, _vary_bwd)
 
 
 def custom_terms(custom: custom_loss_lib.CustomLoss, lp_DPxCPxS, custom_args):

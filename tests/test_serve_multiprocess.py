@@ -3,8 +3,10 @@ session as one process × 8 devices, and a lost follower fails the job cleanly.
 
 One test, since each job costs a start and its compiles on every process: the SDK session of
 helpers/mp_serve.py (two tenants: fused forward_backward, optim_step, save / load with and
-without a new model, forward, a named PEFT sampler save and an in-memory snapshot, seeded
-sampling with prompt log-probs) runs against both jobs at once; then the follower of the
+without a new model, forward, a server-side custom loss shared with the follower and a step
+on it, a named PEFT sampler save and an in-memory snapshot, seeded sampling with prompt
+log-probs) runs against both jobs at once, both with two adapter slots for three training
+models, so models are offloaded to host memory and restored on every process; then the follower of the
 2-process job stops answering in the middle of a save, is killed, and the job must report it
 (client error, /healthz 503, new work refused) with the checkpoint being overwritten still
 whole; the restarted job loads it.
@@ -27,6 +29,7 @@ httpx = pytest.importorskip("httpx")
 from helpers import mp_serve  # noqa: E402
 
 TIMEOUT = 15  # --follower-timeout of the 2-process job
+SLOTS = ("--max-adapters", "2")  # fewer than the session's models: offload -> restore
 
 
 def assert_same(a, b, key):
@@ -41,9 +44,10 @@ def assert_same(a, b, key):
 
 
 def test_two_processes_serve_as_one_and_fail_cleanly(tmp_path):
-    single = mp_serve.Job(1, str(tmp_path / "single"))
+    single = mp_serve.Job(1, str(tmp_path / "single"), *SLOTS)
     cache = str(tmp_path / "xla-cache")
-    multi = mp_serve.Job(2, str(tmp_path / "multi"), follower_timeout=TIMEOUT, cache=cache)
+    multi = mp_serve.Job(2, str(tmp_path / "multi"), *SLOTS, follower_timeout=TIMEOUT,
+                         cache=cache)
     t0 = time.monotonic()
     clients, again = [], None
     try:
@@ -61,6 +65,11 @@ def test_two_processes_serve_as_one_and_fail_cleanly(tmp_path):
         assert not np.allclose(ref["a_fwd"][0], ref["a_fwd2"][0], atol=1e-4)
         np.testing.assert_allclose(ref["a_reloaded"][0], ref["a_fwd"][0], rtol=1e-6)
         assert ref["a_tokens"] != ref["b_tokens"]
+        # The custom loss is each datum's weighted mean log-prob (negated; the metric is
+        # their mean over the 2 datums), not the token sum; its step moved the model.
+        assert not np.isclose(ref["a_custom_loss"], ref["a_fb_loss"])
+        assert ref["a_custom_loss"] == pytest.approx(-2 * ref["a_custom_metric"], rel=1e-5)
+        assert not np.allclose(ref["a_custom_fwd"][0], ref["a_reloaded"][0], atol=1e-4)
         for key in ref:
             if key == "trained" or key.endswith("_ckpt"):
                 continue
@@ -108,7 +117,7 @@ def test_two_processes_serve_as_one_and_fail_cleanly(tmp_path):
 
         # ---------------------------------------------- the whole job restarted
         print(f"failed {time.monotonic() - t0:.0f} s")
-        again = mp_serve.Job(2, multi.state_dir, follower_timeout=TIMEOUT,
+        again = mp_serve.Job(2, multi.state_dir, *SLOTS, follower_timeout=TIMEOUT,
                              cache=cache).wait_ready()
         print(f"restarted {time.monotonic() - t0:.0f} s")
         sc = tinker.ServiceClient(base_url=again.url, api_key="tml-alice")

@@ -31,7 +31,7 @@ class Job:
     serving HTTP on 127.0.0.1; logs in files of `state_dir`'s parent."""
 
     def __init__(self, processes: int, state_dir: str, *extra: str, follower_timeout: float = 8,
-                 cache: str | None = None):
+                 cache: str | None = None, cpus: list[set[int]] | None = None):
         self.state_dir = state_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -58,8 +58,10 @@ class Job:
         for i, path in enumerate(self.logs):
             with open(path, "w") as out:
                 ids = ["--process-id", str(i)] if processes > 1 else []
+                pin = cpus and (lambda c=cpus[i]: os.sched_setaffinity(0, c))  # cores of i
                 self.procs.append(subprocess.Popen(cmd + ids, env=env, stdout=out,
-                                                   stderr=subprocess.STDOUT))
+                                                   stderr=subprocess.STDOUT,
+                                                   preexec_fn=pin or None))
 
     def wait_ready(self, timeout: float = 600) -> "Job":
         deadline = time.monotonic() + timeout
@@ -119,9 +121,18 @@ def logprobs(out) -> list[np.ndarray]:
     return [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
 
 
+def weighted_mean(logprobs, weights):
+    """A custom loss (torch, traced by the SDK): the weighted mean log-prob, negated."""
+    mean = (logprobs * weights).sum() / weights.sum()
+    return -mean, {"custom/lp:mean": mean.detach()}
+
+
 def session(url: str, clients: list) -> dict:
-    """Two tenants over one server: train, forward, save, load, sample (seeded) -> results
-    by name (NumPy arrays, floats, token lists, tinker paths)."""
+    """Two tenants over one server: train, forward, save, load, a custom loss, sample
+    (seeded) -> results by name (NumPy arrays, floats, token lists, tinker paths). Three
+    training models (Alice's, Bob's, Bob's loaded from his checkpoint) are each used after
+    the last one is made: on a server started with --max-adapters 2 one of them is
+    offloaded to host memory and restored."""
     import tinker
     from tinker import types
 
@@ -150,6 +161,15 @@ def session(url: str, clients: list) -> dict:
     res["a_fwd2"] = logprobs(ta.forward(data, "cross_entropy").result())
     ta.load_state(res["a_ckpt"]).result()
     res["a_reloaded"] = logprobs(ta.forward(data, "cross_entropy").result())
+    # A server-side custom loss (every process builds it from the graph process 0 got): a
+    # weighted mean, not a token sum, and a step on it.
+    handle = alice.create_custom_loss(weighted_mean, {"logprobs": 1, "weights": 1}).result()
+    out = ta.forward_backward_custom(data, handle).result()
+    res["a_custom_loss"] = out.metrics["loss:sum"]
+    res["a_custom_metric"] = out.metrics["custom/lp:mean"]
+    res["a_custom_lp"] = logprobs(out)
+    res["a_custom_step"] = ta.optim_step(adam).result().metrics["grad_norm:mean"]
+    res["a_custom_fwd"] = logprobs(ta.forward(data, "cross_entropy").result())
     # Bob: a named sampler save (PEFT folder, loaded by the sampler) and a fresh model
     # from his own checkpoint.
     prompt = types.ModelInput.from_ints([3, 1, 4, 1, 5])
