@@ -19,6 +19,9 @@ compiles the programs; the machine is shared, so treat them as rough.
    Then where the median round went: when the requests reached the worker, each engine
    step (the worker's DEBUG log), and CPU seconds of the server's and clients' processes.
 5. KV memory: pages each sequence holds against its real length (paged cache).
+6. A burst in cohorts: CPU seconds of the engine for the R·S sequences admitted all at
+   once against in cohorts (as requests reach a server: 1/8 then the rest, 1/8 + 3/8 +
+   the rest, all but 1/12 then the rest), each cohort but the last one hurried step.
 
     python benchmarks/engine.py [--mesh 1,2,2] [--r 128] [--s 8] [--t 32] [--busy 256]
                                 [--skip-server | --only-server]
@@ -149,11 +152,41 @@ def main(argv=None) -> int:
               f"{eng.programs()} engine programs run in 1-3, 5", flush=True)
         for r in rids:
             eng.result(r)
+        cohorts(args, eng, prompts, sp)
 
     if args.skip_server:
         return 0
     served(args, tr, prompts, sp, slots, n_seq)
     return 0
+
+
+def cohorts(args, eng, prompts, sp) -> None:
+    """6. A burst admitted in cohorts, as its requests reach a server: CPU seconds of the
+    engine (this process) against all R at once. Cohorts but the last take one hurried
+    step (chunk tokens), as jcp-serve's worker runs them while requests still queue."""
+    r = args.r
+    plans = {"all at once": [r], "1/8, then the rest": [r // 8, r],
+             "1/8, 3/8, then the rest": [r // 8, r // 2, r],
+             "all but 1/12, the rest a step later": [r - r // 12, r]}
+
+    def run(cuts):
+        c0, rids, at = time.process_time(), [], 0
+        for k, cut in enumerate(cuts):
+            rids += [eng.submit(p, sp, None, args.s) for p in prompts[at:cut]]
+            at = cut
+            eng.step(hurry=k < len(cuts) - 1)
+        eng.run()
+        for x in rids:
+            eng.result(x)
+        return time.process_time() - c0
+
+    cpu = {}
+    for name, cuts in plans.items():
+        run(cuts)  # compiles
+        cpu[name] = min(run(cuts) for _ in range(2))
+    print("6. a burst in cohorts, CPU s of the engine (× all at once): " + "; ".join(
+        f"{name} {c:.2f} ({c / cpu['all at once']:.2f}×)" for name, c in cpu.items()),
+        flush=True)
 
 
 def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:

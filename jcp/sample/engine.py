@@ -22,11 +22,11 @@ every live row's max_tokens has ended, so a batch with nothing else to do decode
 end in one call — unless rows of different ages share it and the rows left once the
 shortest end fit a smaller rows bucket: then the step ends there too (the device loop has
 a fixed shape and computes ended rows until its last row ends; 118 requests × 8 × 32 with
-10 more joining 8 tokens later: 1.25× → 1.04× the CPU seconds of all 128 at once). Rungs: max_chunk (default 4 · chunk), max_chunk / 4, … ≥ chunk; the loop
-stops early once every row has ended (stop tokens). Bound: a request arriving during a
-long chunk waits for at most max_chunk decode steps of the running batch, then its own
-prefill. The chunk length changes no result (draws depend on a sequence's key and token
-count only).
+10 more joining 8 tokens later: 1.25× → 1.04–1.12× the CPU seconds of all 128 at once).
+Rungs: max_chunk (default 4 · chunk), max_chunk / 4, … ≥ chunk; the loop stops early
+once every row has ended (stop tokens). Bound: a request arriving during a long chunk
+waits for at most max_chunk decode steps of the running batch, then its own prefill. The
+chunk length changes no result (draws depend on a sequence's key and token count only).
 
 Results equal Trainer.sample of the same request alone (one prompt, the same seed), token
 for token, whatever else is in the batch: a sequence's draws depend on its own key and

@@ -11,12 +11,14 @@ Qwen3.5 models too go through the engine).
 Interleaving policy: each turn of the loop runs at most one training pass (a fused
 forward / forward_backward, or one model operation) and then one engine step (at most
 `prefill_tokens` of newly admitted prompts, then decode steps of every live sequence:
-`chunk` of them while any request is queued — Engine.step(hurry=True) —, else up to
-`max_chunk`, Engine.decode_len). So a training pass queued while nothing else was waits
-for at most one engine step of max_chunk decode steps, and running sequences wait for at
-most one training pass between decode chunks; neither starves. A sample the
-client cancels after admission (cancel_future -> Scheduler.cancel_running) is cancelled in
-the engine at the start of the next turn and ends at that step boundary, its slots freed.
+`chunk` of them while any request is queued and in the first step after samples were
+gathered at an idle engine — Engine.step(hurry=True) —, else up to `max_chunk`,
+Engine.decode_len; ADMIT_* below for the gathering, which other work ends at once). So a
+training pass queued while nothing else was waits for at most one engine step of
+max_chunk decode steps, and running sequences wait for at most one training pass between
+decode chunks; neither starves. A sample the client cancels after admission
+(cancel_future -> Scheduler.cancel_running) is cancelled in the engine at the start of the
+next turn and ends at that step boundary, its slots freed.
 
 Sampler weights: save_weights_for_sampler without a name makes an in-memory snapshot (a
 device copy of the model's slot into a free slot, no disk); with a name it writes the PEFT
@@ -69,8 +71,8 @@ log = logging.getLogger("jcp.serve")
 # arrive costs more than it saves on CPU hosts: the later ones join a batch whose early
 # rows end first, in a fixed-shape device loop, and the mid-burst steps pad to the next
 # rows bucket (benchmarks/engine.py; 128 requests × 8 × 32 admitted 16 + 49 + 63 took
-# 1.4× the CPU seconds of all at once, 16 + 112 1.0×). A burst's first step is short
-# (Engine.step(hurry=True)), so stragglers join one chunk later.
+# 1.2-1.4× the CPU seconds of all at once, 16 + 112 1.0-1.1×). The first step after a
+# gather is short (Engine.step(hurry=True)), so stragglers join one chunk later.
 ADMIT_GAP_S = 0.01
 ADMIT_BURST_GAP_S = 0.03
 ADMIT_WINDOW_S = 0.5
@@ -182,14 +184,15 @@ class Engine:
             if samples and not group and self.sampling.idle:
                 # A burst of concurrent samples (an RL step's prompt groups) reaches an
                 # idle engine over some ms: admit it together, in one prefill and decode.
-                # Its first step is short (hurry) so that stragglers — still arriving at
-                # the window's end, or after a longer gap than ADMIT_BURST_GAP_S — join
-                # one chunk later, not after a whole long one.
-                more, arriving = self.sched.gather_samples(
+                # The first step is short (hurry) so that stragglers — still arriving at
+                # the window's end, or after a longer gap than the gather waited — join
+                # one chunk later, not after a whole long one (a lone sample then takes
+                # two steps instead of one).
+                more, _ = self.sched.gather_samples(
                     ADMIT_GAP_S if len(samples) == 1 else ADMIT_BURST_GAP_S, ADMIT_WINDOW_S,
                     ADMIT_BURST_GAP_S)
                 samples += more
-                arriving = arriving or len(samples) > 1
+                arriving = True
             for w in samples:
                 self._admit_sample(w)
             self._cancel_running()
