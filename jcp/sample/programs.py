@@ -347,9 +347,9 @@ def decode_loop(cfg: QwenConfig, params, lora_active, route, r: DecodeRows, stor
             logits = sum(jnp.einsum("bd,dv->bv", left, right,
                                     preferred_element_type=jnp.float32)
                          for left, right in zip(lefts, rights))
-            nxt_B, lp_B, *tk = draws.sample_tokens(
-                draws.gather_vocab(logits), r.keys, count_B, r.temperature, r.top_k,
-                r.top_p, greedy=modes.greedy, filtered=modes.filtered, topk=modes.topk)
+            nxt_B, lp_B, *tk = draws.sample_rows_over_tp(
+                logits, r.keys, count_B, r.temperature, r.top_k, r.top_p,
+                greedy=modes.greedy, filtered=modes.filtered, topk=modes.topk)
             live_B = ~done_B
             out_tok = out_tok.at[:, i].set(jnp.where(live_B, nxt_B, -1))
             out_lp = out_lp.at[:, i].set(jnp.where(live_B, lp_B, 0.0))
