@@ -10,7 +10,8 @@ Evidence:
 3. one call mixing adapters equals one call per adapter; seeds reproduce, samples differ;
    stop tokens and max_tokens end sequences with "stop" / "length";
 4. top-k = 1 and temperature → 0 equal greedy; top-k / top-p draws stay in exactly the
-   kept set (on a fixed distribution, many draws);
+   kept set (on a fixed distribution, many draws); the decode draw with its rows split
+   over tp equals every tp rank drawing every row;
 5. every bad input is refused with InputError and the adapter tables bit-identical;
 6. the cp-split cache (cache_mode="split") gives HF's greedy tokens and the "batch" cache's
    log-probs at cp = 2 and 4 (dp = 1 and 2), its sampled log-probs equal tr.forward, and
