@@ -32,6 +32,24 @@ def best_time(fn, reps: int = 2) -> float:
     return best
 
 
+def best_times(fns: dict, reps: int = 2) -> dict:
+    """{name: (wall s, CPU s)}: the fastest of `reps` rounds of each fn (wall and process
+    CPU time, all threads, each its own minimum), after one call of each that compiles.
+    The fns run interleaved (a, b, a, b, …), so that a burst of load on the shared machine
+    falls on both sides of a ratio alike; CPU seconds are the work itself, whatever
+    else runs beside it."""
+    for fn in fns.values():
+        fn()
+    best = {k: (float("inf"), float("inf")) for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t, c = time.perf_counter(), time.process_time()
+            fn()
+            w, c = time.perf_counter() - t, time.process_time() - c
+            best[k] = (min(best[k][0], w), min(best[k][1], c))
+    return best
+
+
 def sampling_workload(tr, mesh: tuple[int, int, int], r: int, t: int, s: int):
     """The engine benchmarks' workload on Trainer tr: (r random prompts of 4-16 tokens,
     drawn SamplingParams of t tokens without stops, an Engine with a slot for each of the

@@ -5,30 +5,43 @@ compiles the programs; the machine is shared, so treat them as rough.
 
 1. Equal batch: R prompts × S samples × T tokens (drawn, stop=[]) through
    Trainer.sample (one static call) and through Engine.sample (same sequences): tokens/s
-   of the engine ÷ static (goal ≥ 1.0).
+   of the engine ÷ static (goal ≥ 1.0), and the same ratio of CPU seconds (all threads),
+   each the best of --rounds interleaved rounds (common.best_times).
 2. Mixed adapters: 8 sequences over 4 adapters vs all on 1 adapter, through the engine:
-   time ratio (goal ≤ 1.15).
+   time ratio (goal ≤ 1.15), wall and CPU seconds, best of --mix-rounds interleaved
+   rounds (a call is ~50 ms: a best of 3 swung 1.08–1.36× on a quiet machine).
 3. Time to first token of one request submitted while --busy sequences decode, in engine
    steps and seconds, against one engine step's time.
 4. Server: R concurrent SDK asample requests × S samples × T tokens against one
    in-process Trainer.sample over the same R·S sequences: tokens/s ratio (goal ≥ 0.8).
-   The server (in this process, clients on 127.0.0.1) gets R·S engine slots (equal batch)
-   and Engine.warmup before serving; median of 3 rounds after two that compile nothing.
+   The server (in this process, on 127.0.0.1) gets R·S engine slots (equal batch) and
+   Engine.warmup before serving; median of 3 rounds after two that compile nothing. The
+   SDK clients send all R at once (as an RL step does) from a spawned process (--clients
+   process, as deployed), or from threads of the server's process (thread; both: each).
+   Then where the median round went: when the requests reached the worker, each engine
+   step (the worker's DEBUG log), and CPU seconds of the server's and clients' processes.
 5. KV memory: pages each sequence holds against its real length (paged cache).
+6. A burst in cohorts: CPU seconds of the engine for the R·S sequences admitted all at
+   once against in cohorts (as requests reach a server: 1/8 then the rest, 1/8 + 3/8 +
+   the rest, all but 1/12 then the rest), each cohort but the last one hurried step.
 
     python benchmarks/engine.py [--mesh 1,2,2] [--r 128] [--s 8] [--t 32] [--busy 256]
-                                [--skip-server | --only-server]
+                                [--rounds 2] [--mix-rounds 15]
+                                [--quick | --skip-server | --only-server]
+                                [--clients process|thread|both]
+    --quick: 1. and 2. only (the engine-vs-static figures).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
 
-from common import (best_time, fake_cpu_devices, mesh_arg,  # benchmarks/ is sys.path[0]
-                    sampling_workload)
+from common import (best_time, best_times, fake_cpu_devices,  # benchmarks/ is sys.path[0]
+                    mesh_arg, sampling_workload)
 
 
 def parse_args(argv):
@@ -38,8 +51,14 @@ def parse_args(argv):
     p.add_argument("--s", type=int, default=8, help="samples per request")
     p.add_argument("--t", type=int, default=32, help="new tokens per sequence")
     p.add_argument("--busy", type=int, default=256, help="sequences decoding in 3.")
+    p.add_argument("--rounds", type=int, default=2, help="timed rounds of 1. (best kept)")
+    p.add_argument("--mix-rounds", type=int, default=15, help="timed rounds of 2. (best kept)")
+    p.add_argument("--quick", action="store_true", help="run 1. and 2. only")
     p.add_argument("--skip-server", action="store_true")
     p.add_argument("--only-server", action="store_true", help="run 4. only")
+    p.add_argument("--clients", choices=("process", "thread", "both"), default="process",
+                   help="4.: SDK clients in a spawned process (as deployed), in the server's "
+                        "process (threads), or both")
     args = p.parse_args(argv)
     return args
 
@@ -47,9 +66,6 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     fake_cpu_devices(args.mesh)
-    import concurrent.futures as cf
-
-    import numpy as np
 
     import jcp
     from jcp.sample.engine import EngineError
@@ -62,20 +78,30 @@ def main(argv=None) -> int:
     slots = eng.slots
 
     if not args.only_server:
-        # 1. equal batch
-        t_static = best_time(lambda: tr.sample(prompts, sp, adapters=ads[0], num_samples=args.s))
-        t_engine = best_time(lambda: eng.sample(prompts, sp, adapters=ads[0], num_samples=args.s))
-        print(f"1. equal batch {args.r}×{args.s}×{args.t}: static {n_seq * args.t / t_static:.0f} "
-              f"tok/s, engine {n_seq * args.t / t_engine:.0f} tok/s -> engine/static "
-              f"{t_static / t_engine:.2f}× (goal ≥ 1.0)", flush=True)
+        # 1. equal batch (interleaved rounds; wall and CPU seconds, each the best)
+        t = best_times({
+            "static": lambda: tr.sample(prompts, sp, adapters=ads[0], num_samples=args.s),
+            "engine": lambda: eng.sample(prompts, sp, adapters=ads[0], num_samples=args.s)},
+            reps=args.rounds)
+        (w_s, c_s), (w_e, c_e) = t["static"], t["engine"]
+        print(f"1. equal batch {args.r}×{args.s}×{args.t}: static {n_seq * args.t / w_s:.0f} "
+              f"tok/s, engine {n_seq * args.t / w_e:.0f} tok/s -> engine/static "
+              f"{w_s / w_e:.2f}× (goal ≥ 1.0); CPU s static {c_s:.3f}, engine {c_e:.3f} -> "
+              f"{c_s / c_e:.2f}× (best of {args.rounds})", flush=True)
 
-        # 2. mixed adapters
+        # 2. mixed adapters: a call is ~50 ms, so many interleaved rounds
         eight = prompts[:8]
-        t_one = best_time(lambda: eng.sample(eight, sp, adapters=[ads[0]] * 8), reps=3)
-        t_mix = best_time(lambda: eng.sample(eight, sp, adapters=[ads[k % 4] for k in range(8)]),
-                      reps=3)
-        print(f"2. 8 sequences over 4 adapters vs 1: {t_mix / t_one:.2f}× the time "
-              f"(goal ≤ 1.15)", flush=True)
+        t = best_times({
+            "one": lambda: eng.sample(eight, sp, adapters=[ads[0]] * 8),
+            "mix": lambda: eng.sample(eight, sp, adapters=[ads[k % 4] for k in range(8)])},
+            reps=args.mix_rounds)
+        (w_1, c_1), (w_4, c_4) = t["one"], t["mix"]
+        print(f"2. 8 sequences over 4 adapters vs 1: {w_4 / w_1:.2f}× the time "
+              f"({w_4 * 1e3:.1f} vs {w_1 * 1e3:.1f} ms), CPU s {c_4 / c_1:.2f}× "
+              f"({c_4 * 1e3:.1f} vs {c_1 * 1e3:.1f} ms) (goal ≤ 1.15; best of "
+              f"{args.mix_rounds})", flush=True)
+        if args.quick:
+            return 0
 
         # 3. time to first token while many decode: the busy batch decodes hurried
         # (`chunk` tokens per step, as when requests queue at a server); the newcomer's
@@ -143,15 +169,65 @@ def main(argv=None) -> int:
               f"{eng.programs()} engine programs run in 1-3, 5", flush=True)
         for r in rids:
             eng.result(r)
+        cohorts(args, eng, prompts, sp)
 
     if args.skip_server:
         return 0
-    # 4. server
-    import tinker
-    from tinker import types
+    served(args, tr, prompts, sp, slots, n_seq)
+    return 0
+
+
+def cohorts(args, eng, prompts, sp) -> None:
+    """6. A burst admitted in cohorts, as its requests reach a server: CPU seconds of the
+    engine (this process) against all R at once. Cohorts but the last take one hurried
+    step (chunk tokens), as jcp-serve's worker runs them while requests still queue."""
+    r = args.r
+    plans = {"all at once": [r], "1/8, then the rest": [r // 8, r],
+             "1/8, 3/8, then the rest": [r // 8, r // 2, r],
+             "all but 1/12, the rest a step later": [r - r // 12, r]}
+
+    def run(cuts):
+        c0, rids, at = time.process_time(), [], 0
+        for k, cut in enumerate(cuts):
+            rids += [eng.submit(p, sp, None, args.s) for p in prompts[at:cut]]
+            at = cut
+            eng.step(hurry=k < len(cuts) - 1)
+        eng.run()
+        for x in rids:
+            eng.result(x)
+        return time.process_time() - c0
+
+    cpu = {}
+    for name, cuts in plans.items():
+        run(cuts)  # compiles
+        cpu[name] = min(run(cuts) for _ in range(2))
+    print("6. a burst in cohorts, CPU s of the engine (× all at once): " + "; ".join(
+        f"{name} {c:.2f} ({c / cpu['all at once']:.2f}×)" for name, c in cpu.items()),
+        flush=True)
+
+
+def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
+    """4. R concurrent SDK requests against one in-process call, clients per --clients."""
+    import logging
+    import multiprocessing as mp
+
+    import numpy as np
 
     from jcp.serve import Server
 
+    # The worker logs each engine step at DEBUG (jcp/server/engine.py): collect them to
+    # say where a round's time goes.
+    steps: list[dict] = []
+
+    class Steps(logging.Handler):
+        def emit(self, record):
+            if hasattr(record, "step"):
+                steps.append(record.step)
+
+    log = logging.getLogger("jcp.serve")
+    log.addHandler(Steps())
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
     # The server's engine holds the in-process call's R·S sequences at once (equal batch),
     # its programs compiled up front (Engine.warmup, as jcp-serve --warmup).
     srv = Server(tr, "jcp-tiny", tempfile.mkdtemp(), {"tml-k": "k"}, sample_slots=slots)
@@ -160,46 +236,100 @@ def main(argv=None) -> int:
     print(f"   server engine: {slots} slots, warm-up compiled {n_warm} programs in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     srv.start()
+    modes = ("process", "thread") if args.clients == "both" else (args.clients,)
     try:
-        sc = tinker.ServiceClient(base_url=srv.url, api_key="tml-k")
-        samp = sc.create_sampling_client(base_model="jcp-tiny")
-        tsp = types.SamplingParams(max_tokens=args.t, temperature=1.0, seed=1, stop=[])
-
-        def served():
-            with cf.ThreadPoolExecutor(min(args.r, 64)) as pool:
-                futs = [pool.submit(samp.sample, types.ModelInput.from_ints(p), args.s, tsp)
-                        for p in prompts]
-                for f in futs:
-                    f.result().result()
-
-        # Warm-up until two rounds compile nothing: how concurrent requests arrive decides
-        # which prefill / decode buckets a round meets, so one round may not see them all
-        # (a compile inside the timed round once made it 0.02×).
-        n_prog, warm, quiet = -1, 0, 0
-        while quiet < 2 and warm < 8:  # two rounds in a row that compile nothing
-            quiet = quiet + 1 if n_prog == srv.engine.sampling.programs() else 0
+        t_in = None
+        for mode in modes:
+            if mode == "process":
+                # As deployed: the clients are another process (no jax there), so the
+                # server's GIL and event loop are its own.
+                parent, child = mp.get_context("spawn").Pipe()
+                proc = mp.get_context("spawn").Process(
+                    target=sdk_clients, args=(srv.url, prompts, args.s, args.t, child),
+                    daemon=True)
+                proc.start()
+                round_ = lambda: (parent.send("round"), parent.recv())[1]  # noqa: E731
+            else:
+                round_ = sdk_clients(srv.url, prompts, args.s, args.t, None)
+            # Warm-up until two rounds compile nothing: how concurrent requests arrive
+            # decides which prefill / decode buckets a round meets, so one round may not
+            # see them all (a compile inside the timed round once made it 0.02×).
+            n_prog, warm, quiet = -1, 0, 0
+            while quiet < 2 and warm < 8:  # two rounds in a row that compile nothing
+                quiet = quiet + 1 if n_prog == srv.engine.sampling.programs() else 0
+                n_prog = srv.engine.sampling.programs()
+                round_()
+                warm += 1
             n_prog = srv.engine.sampling.programs()
-            served()
-            warm += 1
-        n_prog = srv.engine.sampling.programs()
-        rounds = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            served()
-            rounds.append(time.perf_counter() - t0)
-        t_srv = float(np.median(rounds))
-        print(f"   server engine programs: {n_prog} after {warm} warm-up round(s), "
-              f"{srv.engine.sampling.programs()} after 3 timed rounds (median kept)",
-              flush=True)
-        t_in = best_time(lambda: tr.sample(prompts, sp, num_samples=args.s), reps=1)
-        print(f"4. server {args.r}×{args.s}×{args.t} concurrent SDK requests: "
-              f"{n_seq * args.t / t_srv:.0f} tok/s vs in-process "
-              f"{n_seq * args.t / t_in:.0f} tok/s -> {t_in / t_srv:.2f}× (goal ≥ 0.8)",
-              flush=True)
-        sc._session_holder and sc._session_holder.close()
+            rounds = []
+            for _ in range(3):
+                del steps[:]
+                c0 = time.process_time()
+                c_t0, c_sent, c_t1, c_cpu = round_()
+                rounds.append((c_t1 - c_t0, c_t0, c_sent, c_t1, c_cpu,
+                               time.process_time() - c0, list(steps)))
+            if mode == "process":
+                parent.send(None)
+                proc.join(timeout=30)
+            rounds.sort(key=lambda r: r[0])
+            t_srv, c_t0, c_sent, c_t1, c_cpu, s_cpu, trace = rounds[1]  # the median
+            if t_in is None:
+                tr.sample(prompts, sp, num_samples=args.s)  # compiles
+                c0, t0 = time.process_time(), time.perf_counter()
+                tr.sample(prompts, sp, num_samples=args.s)
+                t_in, c_in = time.perf_counter() - t0, time.process_time() - c0
+            print(f"4. server {args.r}×{args.s}×{args.t} concurrent SDK requests, clients in "
+                  f"{'another process' if mode == 'process' else 'the server process'}: "
+                  f"{n_seq * args.t / t_srv:.0f} tok/s vs in-process "
+                  f"{n_seq * args.t / t_in:.0f} tok/s -> {t_in / t_srv:.2f}× (goal ≥ 0.8); "
+                  f"engine programs {n_prog} after {warm} warm-up round(s), "
+                  f"{srv.engine.sampling.programs()} after 3 timed rounds (median kept)",
+                  flush=True)
+            arrived = sorted(a for st in trace for a in st["arrived"])
+            gaps = sorted(np.diff(arrived))[::-1][:3] if len(arrived) > 1 else []
+            line = "; ".join(
+                f"+{st['t0'] - c_t0:.2f} {st['t1'] - st['t0']:.2f} s"
+                f" ({st['admitted']} in, {st['ended']} ended, {st['live']} live after"
+                f"{', hurried' if st['hurry'] else ''})"
+                for st in trace)
+            print(f"   the median round ({t_srv:.2f} s): requests sent by +{c_sent - c_t0:.2f} s, "
+                  f"reached the worker +{arrived[0] - c_t0:.2f}..+{arrived[-1] - c_t0:.2f} s "
+                  f"(largest gaps {', '.join(f'{g * 1e3:.0f}' for g in gaps)} ms); "
+                  f"engine steps (start, seconds): {line}; last result at the clients "
+                  f"+{t_srv:.2f} s; CPU s: server process {s_cpu:.2f}, clients {c_cpu:.2f}"
+                  f"{' (same process)' if mode == 'thread' else ''}; in-process call "
+                  f"{t_in:.2f} s, {c_in:.2f} CPU s", flush=True)
     finally:
         srv.stop()
-    return 0
+
+
+def sdk_clients(url: str, prompts, s: int, t: int, conn):
+    """R concurrent SDK sample requests, all sent at once as an RL step does; each round ->
+    (start, all sent, all results back, CPU seconds of this process) on time.monotonic.
+    conn None: -> the round function, for clients in the calling process; else serve
+    rounds over the pipe until it sends None (a spawned client process)."""
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    import tinker
+    from tinker import types
+
+    sc = tinker.ServiceClient(base_url=url, api_key="tml-k")
+    samp = sc.create_sampling_client(base_model="jcp-tiny").result()
+    tsp = types.SamplingParams(max_tokens=t, temperature=1.0, seed=1, stop=[])
+    inputs = [types.ModelInput.from_ints(p) for p in prompts]
+
+    def round_():
+        c0, t0 = time.process_time(), time.monotonic()
+        futs = [samp.sample(x, s, tsp) for x in inputs]
+        sent = time.monotonic()
+        for f in futs:
+            f.result()
+        return t0, sent, time.monotonic(), time.process_time() - c0
+
+    if conn is None:
+        return round_
+    while conn.recv() is not None:
+        conn.send(round_())
+    return None
 
 
 if __name__ == "__main__":

@@ -244,6 +244,24 @@ def test_decode_chunks_grow_while_nothing_waits(root):
         _same(eng.result(rid), _alone(tr, p, spr, ad, n), f"request {rid}")
 
 
+def test_decode_step_ends_where_the_batch_shrinks(root):
+    """Rows of different ages (later arrivals, longer max_tokens): a step ends where the
+    shortest rows end when the rows left then fit a smaller rows bucket (12 rows: 16 per
+    device; 2 rows: 8), so the 10 short rows are not computed until the 2 long ones end;
+    a lone pair decodes to its end at once. Each result = the request served alone."""
+    tr, (a, _), _ = _setup((1, 1, 1), root)
+    eng = Engine(tr.make_sampler(), slots=16, max_len=32, chunk=4, max_chunk=16)
+    sp = lambda n, seed: jcp.SamplingParams(max_tokens=n, temperature=1.0, seed=seed,  # noqa: E731
+                                            stop=[])
+    short = eng.submit(PROMPTS[0], sp(4, 1), a, num_samples=10)
+    long = eng.submit(PROMPTS[2], sp(10, 2), None, num_samples=2)
+    assert eng.step() == [short]  # 4 decode steps: the 10 short rows end, the batch shrinks
+    assert [len(t) for t in eng.requests[long].tokens] == [4, 4]
+    assert eng.step() == [long]   # 2 rows, one bucket: the 6 left at once
+    _same(eng.result(short), _alone(tr, PROMPTS[0], sp(4, 1), a, 10), "short")
+    _same(eng.result(long), _alone(tr, PROMPTS[2], sp(10, 2), None, 2), "long")
+
+
 def test_cancel_and_adapter_change_mid_flight(root):
     tr, _, _ = _setup((1, 1, 1), root)
     c = tr.create_adapter(rank=4, seed=3)

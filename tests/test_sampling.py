@@ -10,7 +10,8 @@ Evidence:
 3. one call mixing adapters equals one call per adapter; seeds reproduce, samples differ;
    stop tokens and max_tokens end sequences with "stop" / "length";
 4. top-k = 1 and temperature → 0 equal greedy; top-k / top-p draws stay in exactly the
-   kept set (on a fixed distribution, many draws);
+   kept set (on a fixed distribution, many draws); the decode draw with its rows split
+   over tp equals every tp rank drawing every row;
 5. every bad input is refused with InputError and the adapter tables bit-identical;
 6. the cp-split cache (cache_mode="split") gives HF's greedy tokens and the "batch" cache's
    log-probs at cp = 2 and 4 (dp = 1 and 2), its sampled log-probs equal tr.forward, and
@@ -387,6 +388,45 @@ def test_top_k_top_p_keep_exactly_the_nucleus():
     want = sorted(kept(-1, 0.6))
     freq = np.bincount(np.asarray(toks), minlength=v)[want] / n
     np.testing.assert_allclose(freq, p[want] / p[want].sum(), atol=0.04)
+
+
+def test_rows_split_over_tp_draw_as_every_rank_drawing_every_row():
+    """draws.sample_rows_over_tp (each tp rank draws B/tp rows of the all_to_all'd logits)
+    gives exactly sample_tokens of the gathered logits, per kind of draw: greedy, drawn
+    with a greedy row, truncated (top-k / top-p), with top-k log-probs; B odd falls back."""
+    from jax.sharding import PartitionSpec as P
+
+    from jcp import mesh as mesh_lib
+    from jcp.sample import draws
+
+    tp, v = 4, 64
+    mesh = jcp.make_mesh(1, 1, tp)
+    rng = np.random.default_rng(3)
+    for b in (8, 7):
+        logits = (2.0 * rng.standard_normal((b, v))).astype(np.float32)
+        keys = rng.integers(0, 2**32, (b, 2), dtype=np.uint32)
+        count = rng.integers(0, 9, b).astype(np.int32)
+        temp = np.where(np.arange(b) == 1, 0.0, 0.7 + 0.1 * np.arange(b)).astype(np.float32)
+        top_k = np.where(np.arange(b) % 3 == 0, 5, -1).astype(np.int32)
+        top_p = np.where(np.arange(b) % 2 == 0, 0.8, 1.0).astype(np.float32)
+        for kw in (dict(greedy=True, filtered=False), dict(greedy=False, filtered=False),
+                   dict(greedy=False, filtered=True, topk=3)):
+            def run(split, x=logits, kw=kw):
+                def f(x_loc):
+                    args = (keys, count, temp, top_k, top_p)
+                    if split:
+                        return draws.sample_rows_over_tp(x_loc, *args, **kw)
+                    return draws.sample_tokens(draws.gather_vocab(x_loc), *args, **kw)
+                out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(None, mesh_lib.TP),
+                                            out_specs=P()))(x)
+                return [np.asarray(o) for o in out]
+
+            split, whole = run(True), run(False)
+            for a, w in zip(split, whole):
+                np.testing.assert_array_equal(a, w)
+            if not kw["greedy"]:  # the draws are draws: not all the argmax
+                assert np.any(split[0] != np.argmax(logits, -1)), kw
+            assert np.all((split[0] >= 0) & (split[0] < v))
 
 
 BAD = [

@@ -1,6 +1,7 @@
 """Scheduler.gather_samples, the burst admission of jcp-serve's worker (no jax): samples
-arriving close together are taken together; the window's end is reported when they are
-still arriving (the worker then keeps its first engine step short); other work stops it."""
+arriving close together are taken together (the first within `gap`, later ones within
+`burst_gap`); the window's end is reported when they are still arriving; other work
+stops it."""
 
 from __future__ import annotations
 
@@ -63,3 +64,25 @@ def test_other_work_ends_the_gathering():
     got, arriving = sched.gather_samples(gap=5.0, window=10.0)
     t.join()
     assert time.monotonic() - t0 < 4.0 and got == [] and not arriving
+
+
+def test_a_burst_waits_the_longer_burst_gap_a_lone_sample_only_the_gap():
+    """Once a sample has come within `gap`, later ones may come up to `burst_gap` apart
+    (an RL step's requests reach a loaded server unevenly); with no burst_gap the same
+    arrivals split at the first gap longer than `gap`. With nothing arriving the wait is
+    `gap`, not `burst_gap`."""
+    def gathered(burst_gap):
+        sched, stop = Scheduler(), threading.Event()
+        sched.submit(_sample(99))  # the first, taken after `gap`
+        t, sent = _feed(sched, stop, 0.3, n=3)
+        got, arriving = sched.gather_samples(gap=0.1, window=30.0, burst_gap=burst_gap)
+        stop.set()
+        t.join()
+        return sorted(w.request_id for w in got), arriving
+
+    assert gathered(1.0) == (["s0", "s1", "s2", "s99"], False)
+    assert gathered(None) == (["s99"], False)
+    sched = Scheduler()
+    t0 = time.monotonic()
+    assert sched.gather_samples(gap=0.05, window=30.0, burst_gap=20.0) == ([], False)
+    assert time.monotonic() - t0 < 10.0

@@ -19,11 +19,14 @@ holds requests (jcp-serve) —, so a newcomer's first token waits for at most on
 chunk; when a request waits for rows or pages, the largest rung no live row's max_tokens
 ends before (it may join as soon as rows free); when nothing waits, the least rung by which
 every live row's max_tokens has ended, so a batch with nothing else to do decodes to its
-end in one call. Rungs: max_chunk (default 4 · chunk), max_chunk / 4, … ≥ chunk; the loop
-stops early once every row has ended (stop tokens). Bound: a request arriving during a
-long chunk waits for at most max_chunk decode steps of the running batch, then its own
-prefill. The chunk length changes no result (draws depend on a sequence's key and token
-count only).
+end in one call — unless rows of different ages share it and the rows left once the
+shortest end fit a smaller rows bucket: then the step ends there too (the device loop has
+a fixed shape and computes ended rows until its last row ends; 118 requests × 8 × 32 with
+10 more joining 8 tokens later: 1.25× → 1.04–1.12× the CPU seconds of all 128 at once).
+Rungs: max_chunk (default 4 · chunk), max_chunk / 4, … ≥ chunk; the loop stops early
+once every row has ended (stop tokens). Bound: a request arriving during a long chunk
+waits for at most max_chunk decode steps of the running batch, then its own prefill. The
+chunk length changes no result (draws depend on a sequence's key and token count only).
 
 Results equal Trainer.sample of the same request alone (one prompt, the same seed), token
 for token, whatever else is in the batch: a sequence's draws depend on its own key and
@@ -852,16 +855,32 @@ class Engine:
         """Decode steps of this step's device call (module docstring, "Decode chunks"):
         `chunk` while other work waits (hurry, or a prompt still prefilling); else, if a
         request waits for rows or pages, the largest rung that no live row's max_tokens
-        ends before (a row may end there and free its row); else the least rung by which
-        every live row's max_tokens has ended. Rungs: max_chunk, max_chunk / 4, … ≥ chunk
-        (layout.ladder); the device loop stops early once every row has ended."""
+        ends before (a row may end there and free its row); else, if the rows left once the
+        shortest have ended fit a smaller rows bucket, that same rung (the batch shrinks
+        there: a fixed-shape device loop computes ended rows until its last row ends, so
+        rows that joined later would otherwise keep the early ones' rows running); else the
+        least rung by which every live row's max_tokens has ended. Rungs: max_chunk,
+        max_chunk / 4, … ≥ chunk (layout.ladder); the device loop stops early once every
+        row has ended."""
         if hurry or self.prefilling or not self.decoding:
             return self.chunk
         left = [seq.req.params["max_tokens"] - len(seq.tokens) for seq in self.decoding]
+        before_shortest = max([r for r in _rungs(self.max_chunk, self.chunk) if r <= min(left)]
+                              or [self.chunk])
         if self.waiting:
-            return max([r for r in _rungs(self.max_chunk, self.chunk) if r <= min(left)]
-                       or [self.chunk])
+            return before_shortest
+        if min(left) < max(left):
+            every, rest = [0] * self.groups, [0] * self.groups
+            for seq, n in zip(self.decoding, left):
+                every[seq.g] += 1
+                rest[seq.g] += n > min(left)
+            if self._rows_bucket(max(rest)) < self._rows_bucket(max(every)):
+                return before_shortest
         return layout_lib.ladder(min(max(left), self.max_chunk), self.max_chunk, self.chunk)
+
+    def _rows_bucket(self, n: int) -> int:
+        """Decode rows per device of a call whose fullest device holds n live rows."""
+        return layout_lib.ladder(n, self.b_local, WINDOW_FLOOR[0], DECODE_ROWS_STEP)
 
     def _decode(self, n_steps: int) -> None:
         s = self.s
@@ -871,8 +890,7 @@ class Engine:
             per[seq.g].append(seq)
         # The batch: each device's live sequences in its first w_b rows, their tables
         # m pages wide, each bucketed (module docstring, "Programs").
-        w_b = layout_lib.ladder(max(len(x) for x in per), self.b_local, WINDOW_FLOOR[0],
-                                DECODE_ROWS_STEP)
+        w_b = self._rows_bucket(max(len(x) for x in per))
         for seq in live:
             req = seq.req
             end = req.n + req.params["max_tokens"]
@@ -926,8 +944,8 @@ class Engine:
         for seq in live:
             req, i = seq.req, at[id(seq)]
             got = out_tok[i] >= 0
-            seq.tokens.extend(int(t) for t in out_tok[i][got])
-            seq.lps.extend(float(x) for x in out_lp[i][got])
+            seq.tokens.extend(out_tok[i][got].tolist())  # Python ints / floats, in C
+            seq.lps.extend(out_lp[i][got].tolist())
             k = req.fields.topk_sample_logprobs
             if k:
                 seq.topk.append((out_tk[0][i][got, :k], out_tk[1][i][got, :k]))

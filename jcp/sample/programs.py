@@ -315,13 +315,18 @@ def decode_loop(cfg: QwenConfig, params, lora_active, route, r: DecodeRows, stor
 
     One lax.while_loop of at most modes.out_len steps: run(tok_B, pos_B, store, lora, layers)
     -> (h [B, D], the step's new K/V) puts every row's newest token through the decoder over
-    the store; the next token is drawn with the row's own parameters (r) and recorded;
+    the store (run may instead be phases [(limit, run_i), …]: one loop each, in order, the
+    loop of phase i running while no live row on any device is at a position > limit (None:
+    no bound) — e.g. attention over the first pages only while every row fits in them;
+    all devices leave a phase at the same step, since they agree through the loop test's
+    psum); the next token is drawn with the row's own parameters (r) and recorded;
     write(store, new, pos_B, done_B, count_B, live_B) -> store keeps the step's K/V (done_B
     already holds the rows this step ended); the loop stops when no row is live. A row ends
     at a stop token of its own or its own max_tokens. modes: out_len, greedy, filtered,
     topk, slice_layers (take every layer's weights out of the stacked arrays once, before
     the loop, and run the layers unrolled on them — model.layer_slices).
     """
+    phases = run if isinstance(run, (list, tuple)) else [(None, run)]
     b = r.token.shape[0]
     # The A factors enter the loop as [I, A, R] and are viewed back as [A, I, R] inside it
     # (swap_a_factors): XLA folds that view into low_rank_input's own transpose to
@@ -331,33 +336,45 @@ def decode_loop(cfg: QwenConfig, params, lora_active, route, r: DecodeRows, stor
     layers_outside = (model_lib.layer_slices(cfg, params, lora_outside)
                       if modes.slice_layers else None)
 
-    def body(carry):
-        i, tok_B, pos_B, done_B, count_B, store, out_tok, out_lp, out_tk = carry
-        lora_active = swap_a_factors(lora_outside)
-        layers = (None if layers_outside is None else
-                  tuple((w, swap_a_factors(lo)) for w, lo in layers_outside))
-        h_BxD, new = run(tok_B, pos_B, store, lora_active, layers)
-        lefts, rights = model_lib.unembed_factors(params, h_BxD, lora_active, route)
-        logits = sum(jnp.einsum("bd,dv->bv", left, right, preferred_element_type=jnp.float32)
-                     for left, right in zip(lefts, rights))
-        nxt_B, lp_B, *tk = draws.sample_tokens(
-            draws.gather_vocab(logits), r.keys, count_B, r.temperature, r.top_k,
-            r.top_p, greedy=modes.greedy, filtered=modes.filtered, topk=modes.topk)
-        live_B = ~done_B
-        out_tok = out_tok.at[:, i].set(jnp.where(live_B, nxt_B, -1))
-        out_lp = out_lp.at[:, i].set(jnp.where(live_B, lp_B, 0.0))
-        if tk:
-            out_tk = (out_tk[0].at[:, i].set(tk[0]), out_tk[1].at[:, i].set(tk[1]))
-        done_B = (done_B | jnp.any(nxt_B[:, None] == r.stop, axis=1)
-                  | (count_B + 1 >= r.max_tokens))
-        store = write(store, new, pos_B, done_B, count_B, live_B)
-        count_B = count_B + live_B.astype(jnp.int32)
-        return i + 1, nxt_B, pos_B + 1, done_B, count_B, store, out_tok, out_lp, out_tk
+    def body(run):
+        def step(carry):
+            i, tok_B, pos_B, done_B, count_B, store, out_tok, out_lp, out_tk = carry
+            lora_active = swap_a_factors(lora_outside)
+            layers = (None if layers_outside is None else
+                      tuple((w, swap_a_factors(lo)) for w, lo in layers_outside))
+            h_BxD, new = run(tok_B, pos_B, store, lora_active, layers)
+            lefts, rights = model_lib.unembed_factors(params, h_BxD, lora_active, route)
+            logits = sum(jnp.einsum("bd,dv->bv", left, right,
+                                    preferred_element_type=jnp.float32)
+                         for left, right in zip(lefts, rights))
+            nxt_B, lp_B, *tk = draws.sample_rows_over_tp(
+                logits, r.keys, count_B, r.temperature, r.top_k, r.top_p,
+                greedy=modes.greedy, filtered=modes.filtered, topk=modes.topk)
+            live_B = ~done_B
+            out_tok = out_tok.at[:, i].set(jnp.where(live_B, nxt_B, -1))
+            out_lp = out_lp.at[:, i].set(jnp.where(live_B, lp_B, 0.0))
+            if tk:
+                out_tk = (out_tk[0].at[:, i].set(tk[0]), out_tk[1].at[:, i].set(tk[1]))
+            done_B = (done_B | jnp.any(nxt_B[:, None] == r.stop, axis=1)
+                      | (count_B + 1 >= r.max_tokens))
+            store = write(store, new, pos_B, done_B, count_B, live_B)
+            count_B = count_B + live_B.astype(jnp.int32)
+            return i + 1, nxt_B, pos_B + 1, done_B, count_B, store, out_tok, out_lp, out_tk
 
-    def cond(carry):
-        i, done_B = carry[0], carry[3]
-        left = jax.lax.psum(jnp.sum(~done_B, dtype=jnp.int32), seq_axes)
-        return (i < modes.out_len) & (left > 0)
+        return step
+
+    def cond(limit):
+        def go_on(carry):
+            i, pos_B, done_B = carry[0], carry[2], carry[3]
+            live_B = ~done_B
+            counts = [jnp.sum(live_B, dtype=jnp.int32)]
+            if limit is not None:  # live rows this phase's run cannot attend for
+                counts.append(jnp.sum(live_B & (pos_B > limit), dtype=jnp.int32))
+            counts = jax.lax.psum(jnp.stack(counts), seq_axes)
+            ok = (i < modes.out_len) & (counts[0] > 0)
+            return ok & (counts[1] == 0) if limit is not None else ok
+
+        return go_on
 
     out_tok = vary(jnp.full((b, modes.out_len), -1, jnp.int32), seq_axes)
     out_lp = vary(jnp.zeros((b, modes.out_len), jnp.float32), seq_axes)
@@ -368,7 +385,8 @@ def decode_loop(cfg: QwenConfig, params, lora_active, route, r: DecodeRows, stor
                   vary(jnp.zeros((b, modes.out_len, k), jnp.float32), seq_axes))
     carry = (jnp.int32(0), r.token, r.position, r.done, r.count, store, out_tok, out_lp,
              out_tk)
-    carry = jax.lax.while_loop(cond, body, carry)
+    for limit, run_i in phases:
+        carry = jax.lax.while_loop(cond(limit), body(run_i), carry)
     store, out_tok, out_lp, out_tk = carry[5:]
     return store, tuple(draws.gather_batch(x, seq_axes) for x in (out_tok, out_lp, *out_tk))
 

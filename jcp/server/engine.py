@@ -11,12 +11,14 @@ Qwen3.5 models too go through the engine).
 Interleaving policy: each turn of the loop runs at most one training pass (a fused
 forward / forward_backward, or one model operation) and then one engine step (at most
 `prefill_tokens` of newly admitted prompts, then decode steps of every live sequence:
-`chunk` of them while any request is queued — Engine.step(hurry=True) —, else up to
-`max_chunk`, Engine.decode_len). So a training pass queued while nothing else was waits
-for at most one engine step of max_chunk decode steps, and running sequences wait for at
-most one training pass between decode chunks; neither starves. A sample the
-client cancels after admission (cancel_future -> Scheduler.cancel_running) is cancelled in
-the engine at the start of the next turn and ends at that step boundary, its slots freed.
+`chunk` of them while any request is queued and in the first step after samples were
+gathered at an idle engine — Engine.step(hurry=True) —, else up to `max_chunk`,
+Engine.decode_len; ADMIT_* below for the gathering, which other work ends at once). So a
+training pass queued while nothing else was waits for at most one engine step of
+max_chunk decode steps, and running sequences wait for at most one training pass between
+decode chunks; neither starves. A sample the client cancels after admission
+(cancel_future -> Scheduler.cancel_running) is cancelled in the engine at the start of the
+next turn and ends at that step boundary, its slots freed.
 
 Sampler weights: save_weights_for_sampler without a name makes an in-memory snapshot (a
 device copy of the model's slot into a free slot, no disk); with a name it writes the PEFT
@@ -61,12 +63,19 @@ from jcp.server.state import ModelRecord, NotFound, StateStore, age_recipients
 
 log = logging.getLogger("jcp.serve")
 
-# Samples reaching an idle engine are admitted together while each comes within
-# ADMIT_GAP_S of the one before, for at most ADMIT_WINDOW_S (so a lone sample waits
-# ADMIT_GAP_S more; a burst of concurrent ones shares one prefill and decode call; one
-# still arriving at the window's end gets a short first step, Engine.step(hurry=True)).
+# Samples reaching an idle engine are admitted together: a lone sample waits ADMIT_GAP_S
+# for company; once a second one has come, a burst is arriving (an RL step's prompt
+# groups, sent at once) and the worker takes every sample that comes within
+# ADMIT_BURST_GAP_S of the one before, for at most ADMIT_WINDOW_S, so the burst runs as
+# one prefill and one decode batch. Decoding the first arrivals while the rest still
+# arrive costs more than it saves on CPU hosts: the later ones join a batch whose early
+# rows end first, in a fixed-shape device loop, and the mid-burst steps pad to the next
+# rows bucket (benchmarks/engine.py; 128 requests × 8 × 32 admitted 16 + 49 + 63 took
+# 1.2-1.4× the CPU seconds of all at once, 16 + 112 1.0-1.1×). The first step after a
+# gather is short (Engine.step(hurry=True)), so stragglers join one chunk later.
 ADMIT_GAP_S = 0.01
-ADMIT_WINDOW_S = 0.05
+ADMIT_BURST_GAP_S = 0.03
+ADMIT_WINDOW_S = 0.5
 # How often the worker looks for checkpoints whose TTL has passed.
 EXPIRY_SCAN_S = 5.0
 # Tinker does not expose alpha; its LoRA uses a fixed alpha of 32.
@@ -174,25 +183,39 @@ class Engine:
             arriving = False
             if samples and not group and self.sampling.idle:
                 # A burst of concurrent samples (an RL step's prompt groups) reaches an
-                # idle engine over some ms: admit it together, in one prefill and decode;
-                # if it is still arriving when the window ends, keep this step short so
-                # the rest joins at the next one.
-                more, arriving = self.sched.gather_samples(ADMIT_GAP_S, ADMIT_WINDOW_S)
+                # idle engine over some ms: admit it together, in one prefill and decode.
+                # The first step is short (hurry) so that stragglers — still arriving at
+                # the window's end, or after a longer gap than the gather waited — join
+                # one chunk later, not after a whole long one (a lone sample then takes
+                # two steps instead of one).
+                more, _ = self.sched.gather_samples(
+                    ADMIT_GAP_S if len(samples) == 1 else ADMIT_BURST_GAP_S, ADMIT_WINDOW_S,
+                    ADMIT_BURST_GAP_S)
                 samples += more
+                arriving = True
             for w in samples:
                 self._admit_sample(w)
             self._cancel_running()
             if group:
                 self._run_pass(group)
             if not self.sampling.idle:
-                t0 = time.perf_counter()
+                t0 = time.monotonic()
+                hurry = arriving or self.sched.pending() > 0
                 try:
-                    self.sampling.step(hurry=arriving or self.sched.pending() > 0)
+                    ended = self.sampling.step(hurry=hurry)
                 except Exception as e:  # noqa: BLE001 — the engine's requests fail, not the server
+                    ended = []
                     for rid in list(self.sampling.requests):
                         self.sampling.cancel(rid)
                     log.error("sampling step failed: %s", e)
-                self.busy_s["sample"] += time.perf_counter() - t0
+                t1 = time.monotonic()
+                self.busy_s["sample"] += t1 - t0
+                if log.isEnabledFor(logging.DEBUG):  # benchmarks/engine.py reads these
+                    log.debug("sampling step", extra={"step": dict(
+                        t0=t0, t1=t1, admitted=len(samples), hurry=hurry,
+                        arrived=[w.arrived_at for w in samples],
+                        live=self.sampling.live, ended=len(ended),
+                        waiting=len(self.sampling.waiting))})
             try:
                 self._sweep_retired()
                 self._reap()

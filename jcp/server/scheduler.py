@@ -151,25 +151,29 @@ class Scheduler:
 
     # ------------------------------------------------------------------ worker side
 
-    def gather_samples(self, gap: float, window: float) -> tuple[list[Work], bool]:
-        """The samples that arrive from now on while each comes within `gap` seconds of
-        the one before, for at most `window` seconds (the worker admits a burst of
-        concurrent requests into one engine step); stops early when other work arrives.
-        -> (samples, whether they were still arriving when the window ended)."""
+    def gather_samples(self, gap: float, window: float,
+                       burst_gap: float | None = None) -> tuple[list[Work], bool]:
+        """The samples that arrive from now on while each comes soon after the one before —
+        the first within `gap` seconds, every later one within `burst_gap` (default gap:
+        once a second request has come, a burst is arriving) —, for at most `window`
+        seconds (the worker admits a burst of concurrent requests into one engine step);
+        stops early when other work arrives. -> (samples, whether they were still
+        arriving when the window ended)."""
         end = time.monotonic() + window
         out: list[Work] = []
         arriving = False
         with self._cv:
             while not self._closed:
+                wait = gap if not out or burst_gap is None else burst_gap
                 left = end - time.monotonic()
                 if left <= 0:
                     arriving = bool(out)
                     break
-                self._cv.wait(min(gap, left))
+                self._cv.wait(min(wait, left))
                 if self._unordered or self._queues:
                     break
                 if not self._samples:  # a quiet gap, or the window's end
-                    arriving = bool(out) and left <= gap
+                    arriving = bool(out) and left <= wait
                     break
                 out, self._samples = out + self._samples, []
             out, self._samples = out + self._samples, []
