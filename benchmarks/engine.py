@@ -290,7 +290,8 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
             line = "; ".join(
                 f"+{st['t0'] - c_t0:.2f} {st['t1'] - st['t0']:.2f} s"
                 f" ({st['admitted']} in, {st['ended']} ended, {st['live']} live after"
-                f"{', hurried' if st['hurry'] else ''})"
+                f"{', hurried' if st['hurry'] else ''}"
+                f"{', prefill only' if not st.get('decode', True) else ''})"
                 for st in trace)
             print(f"   the median round ({t_srv:.2f} s): requests sent by +{c_sent - c_t0:.2f} s, "
                   f"reached the worker +{arrived[0] - c_t0:.2f}..+{arrived[-1] - c_t0:.2f} s "
