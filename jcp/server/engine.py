@@ -69,9 +69,10 @@ log = logging.getLogger("jcp.serve")
 # prompt groups, sent at once) and the worker takes every sample that comes within
 # ADMIT_GAP_SCALE × the largest gap between the burst's arrivals so far (at least
 # ADMIT_GAP_S, at most ADMIT_BURST_GAP_S) of the one before, for at most ADMIT_WINDOW_S.
-# While it gathers, it admits and prefills the arrivals so far in prefill-only steps
-# (Engine.step(decode=False)), so when the burst ends only the last arrivals' prefill
-# is left and the whole batch decodes together. Decoding the first arrivals while the
+# While it gathers, it admits the arrivals and prefills them in prefill-only steps
+# (Engine.step(decode=False)) once ADMIT_PREFILL_MIN are waiting (each step has a fixed
+# cost, and competes with the HTTP thread that is still taking the burst), so when the
+# burst ends only the last arrivals' prefill is left and the whole batch decodes together. Decoding the first arrivals while the
 # rest still arrive costs more than it saves on CPU hosts: the later ones join a batch
 # whose early rows end first, in a fixed-shape device loop, and the mid-burst steps pad
 # to the next rows bucket (benchmarks/engine.py; 128 requests × 8 × 32 admitted 16 + 49
@@ -79,7 +80,9 @@ log = logging.getLogger("jcp.serve")
 # decode step after a gather is short (Engine.step(hurry=True)), so stragglers join one
 # chunk later.
 ADMIT_GAP_S = 0.01
-ADMIT_GAP_SCALE = 4.0
+ADMIT_GAP_SCALE: float | None = 4.0  # None: every later gap is ADMIT_BURST_GAP_S
+ADMIT_PREFILL = True  # False: no prefill-only steps (the burst prefills in its first step)
+ADMIT_PREFILL_MIN = 16  # requests admitted and not yet prefilled that make one worth its cost
 ADMIT_BURST_GAP_S = 0.03
 ADMIT_WINDOW_S = 0.5
 # How often the worker looks for checkpoints whose TTL has passed.
@@ -151,6 +154,7 @@ class Engine:
         self._offloaded: dict[str, object] = {}                     # model id -> HostSlot
         self._closing: set[str] = set()     # models of ended sessions, unloaded when idle
         self.offloads = self.restores = 0
+        self.prefill_steps = 0  # prefill-only engine steps run while gathering a burst
         self.busy_s: Counter[str] = Counter()  # worker seconds per request kind
         self._next_expiry_scan = 0.0
         # loss_id -> (owner, session id, jcp.custom_loss.CustomLoss), oldest first.
@@ -222,8 +226,10 @@ class Engine:
         for w in samples:
             self._admit_sample(w)
         self._unlogged += samples
-        if self.sampling.waiting or self.sampling.prefilling:
+        if ADMIT_PREFILL and (len(self.sampling.waiting) + len(self.sampling.prefilling)
+                              >= ADMIT_PREFILL_MIN):
             self._step(False, False)
+            self.prefill_steps += 1
 
     def _step(self, hurry: bool, decode: bool) -> None:
         """One engine step (Engine.step); a failed one fails the engine's requests."""
