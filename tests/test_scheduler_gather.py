@@ -1,7 +1,8 @@
 """Scheduler.gather_samples, the burst admission of jcp-serve's worker (no jax): samples
 arriving close together are taken together (the first within `gap`, later ones within
-`burst_gap`); the window's end is reported when they are still arriving; other work
-stops it."""
+`burst_gap`, or scale × the burst's largest gap so far); the window's end is reported when
+they are still arriving; other work stops it; `each` is handed every batch of arrivals as
+it comes (the worker prefills them while the rest arrive)."""
 
 from __future__ import annotations
 
