@@ -16,14 +16,15 @@ compiles the programs; the machine is shared, so treat them as rough.
    in-process Trainer.sample over the same R·S sequences: tokens/s ratio (goal ≥ 0.8).
    The server (in this process, on 127.0.0.1) gets R·S engine slots (equal batch) and
    Engine.warmup before serving; median of 3 rounds (7 per policy with --admission
-   both) after two that compile nothing. The
+   all) after two that compile nothing. The
    SDK clients send all R at once (as an RL step does) from a spawned process (--clients
    process, as deployed), or from threads of the server's process (thread; both: each).
    Then where the median round went: when the requests reached the worker, each engine
    step (the worker's DEBUG log), and CPU seconds of the server's and clients' processes.
-   --admission old|new|both: the worker's burst admission (new: prefill-only steps while
-   a burst arrives and a burst gap scaled to its gaps; old: neither, a fixed 30 ms gap;
-   both: interleaved rounds of each, one figure per policy).
+   --admission server|prefill|gap|old|all: the worker's burst admission (server: its
+   defaults; prefill: prefill-only steps while a burst arrives and a burst gap scaled to
+   its gaps; gap: the scaled gap only; old: neither, a fixed 30 ms gap; all: interleaved
+   rounds of prefill, gap and old, one figure per policy).
 5. KV memory: pages each sequence holds against its real length (paged cache).
 6. A burst in cohorts: CPU seconds of the engine for the R·S sequences admitted all at
    once against in cohorts (as requests reach a server: 1/8 then the rest, 1/8 + 3/8 +
@@ -32,7 +33,8 @@ compiles the programs; the machine is shared, so treat them as rough.
     python benchmarks/engine.py [--mesh 1,2,2] [--r 128] [--s 8] [--t 32] [--busy 256]
                                 [--rounds 2] [--mix-rounds 15]
                                 [--quick | --skip-server | --only-server]
-                                [--clients process|thread|both] [--admission new|old|both]
+                                [--clients process|thread|both]
+                                [--admission server|prefill|gap|old|all]
     --quick: 1. and 2. only (the engine-vs-static figures).
 """
 
@@ -63,19 +65,31 @@ def parse_args(argv):
     p.add_argument("--clients", choices=("process", "thread", "both"), default="process",
                    help="4.: SDK clients in a spawned process (as deployed), in the server's "
                         "process (threads), or both")
-    p.add_argument("--admission", choices=("new", "old", "both"), default="new",
-                   help="4.: the burst admission policy (new: prefill-only steps while a "
-                        "burst arrives, burst gap scaled to its gaps; old: neither, a fixed "
-                        "30 ms gap; both: interleaved rounds of each)")
+    p.add_argument("--admission", choices=("server", "prefill", "gap", "old", "all"),
+                   default="server",
+                   help="4.: the burst admission policy (server: jcp-serve's defaults; "
+                        "prefill: prefill-only steps while a burst arrives and a burst gap "
+                        "scaled to its gaps; gap: the scaled gap only; old: neither, a fixed "
+                        "30 ms gap; all: interleaved rounds of prefill, gap and old)")
     args = p.parse_args(argv)
     return args
+
+
+DEFAULT_ADMISSION: dict = {}
 
 
 def set_admission(policy: str) -> None:
     """The jcp-serve worker's burst admission policy (module constants it reads per turn)."""
     import jcp.server.engine as worker
-    worker.ADMIT_PREFILL = policy == "new"
-    worker.ADMIT_GAP_SCALE = 4.0 if policy == "new" else None
+    if not DEFAULT_ADMISSION:
+        DEFAULT_ADMISSION.update(ADMIT_PREFILL=worker.ADMIT_PREFILL,
+                                 ADMIT_GAP_SCALE=worker.ADMIT_GAP_SCALE)
+    if policy == "server":
+        worker.ADMIT_PREFILL = DEFAULT_ADMISSION["ADMIT_PREFILL"]
+        worker.ADMIT_GAP_SCALE = DEFAULT_ADMISSION["ADMIT_GAP_SCALE"]
+    else:
+        worker.ADMIT_PREFILL = policy == "prefill"
+        worker.ADMIT_GAP_SCALE = 4.0 if policy in ("prefill", "gap") else None
 
 
 def main(argv=None) -> int:
@@ -269,7 +283,8 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
             # Warm-up until two rounds compile nothing: how concurrent requests arrive
             # decides which prefill / decode buckets a round meets, so one round may not
             # see them all (a compile inside the timed round once made it 0.02×).
-            policies = ("old", "new") if args.admission == "both" else (args.admission,)
+            policies = (("old", "gap", "prefill") if args.admission == "all"
+                        else (args.admission,))
             n_prog, warm, quiet = -1, 0, 0
             while quiet < 2 and warm < 8:  # two rounds in a row that compile nothing
                 quiet = quiet + 1 if n_prog == srv.engine.sampling.programs() else 0
@@ -288,7 +303,7 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
                     c_t0, c_sent, c_t1, c_cpu = round_()
                     by_policy[policy].append((c_t1 - c_t0, c_t0, c_sent, c_t1, c_cpu,
                                               time.process_time() - c0, list(steps)))
-            set_admission("new")
+            set_admission("server")
             if mode == "process":
                 parent.send(None)
                 proc.join(timeout=30)
