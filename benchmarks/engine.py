@@ -335,7 +335,8 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
                      f" ({st['admitted']} in, {st['ended']} ended, {st['live']} live after"
                      f"{', hurried' if st['hurry'] else ''})"
                      for st in trace if st.get("decode", True)])
-                print(f"   the median round ({t_srv:.2f} s): requests sent by +{c_sent - c_t0:.2f} s, "
+                print(f"   the median round ({t_srv:.2f} s): requests sent by "
+                      f"+{c_sent - c_t0:.2f} s, "
                       f"reached the worker +{arrived[0] - c_t0:.2f}..+{arrived[-1] - c_t0:.2f} s "
                       f"(largest gaps {', '.join(f'{g * 1e3:.0f}' for g in gaps)} ms); "
                       f"engine steps (start, seconds): {line}; last result at the clients "

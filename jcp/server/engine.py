@@ -15,9 +15,9 @@ forward / forward_backward, or one model operation) and then one engine step (at
 gathered at an idle engine — Engine.step(hurry=True) —, else up to `max_chunk`,
 Engine.decode_len; ADMIT_* below for the gathering and its prefill-only steps, which
 other work ends once the running one is over). So a training pass queued while nothing
-else was waits for at most one engine step of max_chunk decode steps (during a gather: one
-prefill-only step and one hurried step), and running sequences wait for at most one training pass between
-decode chunks; neither starves. A sample the client cancels after admission
+else was waits for at most one engine step of max_chunk decode steps (during a gather:
+one prefill-only step and one hurried step), and running sequences wait for at most one
+training pass between decode chunks; neither starves. A sample the client cancels after admission
 (cancel_future -> Scheduler.cancel_running) is cancelled in the engine at the start of the
 next turn and ends at that step boundary, its slots freed.
 
@@ -72,13 +72,14 @@ log = logging.getLogger("jcp.serve")
 # While it gathers, it admits the arrivals and prefills them in prefill-only steps
 # (Engine.step(decode=False)) once ADMIT_PREFILL_MIN are waiting (each step has a fixed
 # cost, and competes with the HTTP thread that is still taking the burst), so when the
-# burst ends only the last arrivals' prefill is left and the whole batch decodes together. Decoding the first arrivals while the
-# rest still arrive costs more than it saves on CPU hosts: the later ones join a batch
-# whose early rows end first, in a fixed-shape device loop, and the mid-burst steps pad
-# to the next rows bucket (benchmarks/engine.py; 128 requests × 8 × 32 admitted 16 + 49
-# + 63 took 1.2-1.4× the CPU seconds of all at once, 16 + 112 1.0-1.1×). The first
-# decode step after a gather is short (Engine.step(hurry=True)), so stragglers join one
-# chunk later.
+# burst ends only the last arrivals' prefill is left and the whole batch decodes
+# together (on a 2-core host this is neutral, README "s20p": the prefill-only steps
+# slow the HTTP thread as much as they save). Decoding the first arrivals while the rest
+# still arrive costs more than it saves on CPU hosts: the later ones join a batch whose
+# early rows end first, in a fixed-shape device loop, and the mid-burst steps pad to the
+# next rows bucket (benchmarks/engine.py; 128 requests × 8 × 32 admitted 16 + 49 + 63
+# took 1.2-1.4× the CPU seconds of all at once, 16 + 112 1.0-1.1×). The first decode step
+# after a gather is short (Engine.step(hurry=True)), so stragglers join one chunk later.
 ADMIT_GAP_S = 0.01
 ADMIT_GAP_SCALE: float | None = 4.0  # None: every later gap is ADMIT_BURST_GAP_S
 ADMIT_PREFILL = True  # False: no prefill-only steps (the burst prefills in its first step)
