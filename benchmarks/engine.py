@@ -15,11 +15,16 @@ compiles the programs; the machine is shared, so treat them as rough.
 4. Server: R concurrent SDK asample requests × S samples × T tokens against one
    in-process Trainer.sample over the same R·S sequences: tokens/s ratio (goal ≥ 0.8).
    The server (in this process, on 127.0.0.1) gets R·S engine slots (equal batch) and
-   Engine.warmup before serving; median of 3 rounds after two that compile nothing. The
+   Engine.warmup before serving; median of 3 rounds (7 per policy with --admission
+   all) after two that compile nothing. The
    SDK clients send all R at once (as an RL step does) from a spawned process (--clients
    process, as deployed), or from threads of the server's process (thread; both: each).
    Then where the median round went: when the requests reached the worker, each engine
    step (the worker's DEBUG log), and CPU seconds of the server's and clients' processes.
+   --admission server|prefill|gap|old|all: the worker's burst admission (server: its
+   defaults; prefill: prefill-only steps while a burst arrives and a burst gap scaled to
+   its gaps; gap: the scaled gap only; old: neither, a fixed 30 ms gap; all: interleaved
+   rounds of prefill, gap and old, one figure per policy).
 5. KV memory: pages each sequence holds against its real length (paged cache).
 6. A burst in cohorts: CPU seconds of the engine for the R·S sequences admitted all at
    once against in cohorts (as requests reach a server: 1/8 then the rest, 1/8 + 3/8 +
@@ -29,6 +34,7 @@ compiles the programs; the machine is shared, so treat them as rough.
                                 [--rounds 2] [--mix-rounds 15]
                                 [--quick | --skip-server | --only-server]
                                 [--clients process|thread|both]
+                                [--admission server|prefill|gap|old|all]
     --quick: 1. and 2. only (the engine-vs-static figures).
 """
 
@@ -59,8 +65,31 @@ def parse_args(argv):
     p.add_argument("--clients", choices=("process", "thread", "both"), default="process",
                    help="4.: SDK clients in a spawned process (as deployed), in the server's "
                         "process (threads), or both")
+    p.add_argument("--admission", choices=("server", "prefill", "gap", "old", "all"),
+                   default="server",
+                   help="4.: the burst admission policy (server: jcp-serve's defaults; "
+                        "prefill: prefill-only steps while a burst arrives and a burst gap "
+                        "scaled to its gaps; gap: the scaled gap only; old: neither, a fixed "
+                        "30 ms gap; all: interleaved rounds of prefill, gap and old)")
     args = p.parse_args(argv)
     return args
+
+
+DEFAULT_ADMISSION: dict = {}
+
+
+def set_admission(policy: str) -> None:
+    """The jcp-serve worker's burst admission policy (module constants it reads per turn)."""
+    import jcp.server.engine as worker
+    if not DEFAULT_ADMISSION:
+        DEFAULT_ADMISSION.update(ADMIT_PREFILL=worker.ADMIT_PREFILL,
+                                 ADMIT_GAP_SCALE=worker.ADMIT_GAP_SCALE)
+    if policy == "server":
+        worker.ADMIT_PREFILL = DEFAULT_ADMISSION["ADMIT_PREFILL"]
+        worker.ADMIT_GAP_SCALE = DEFAULT_ADMISSION["ADMIT_GAP_SCALE"]
+    else:
+        worker.ADMIT_PREFILL = policy == "prefill"
+        worker.ADMIT_GAP_SCALE = 4.0 if policy in ("prefill", "gap") else None
 
 
 def main(argv=None) -> int:
@@ -254,51 +283,66 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
             # Warm-up until two rounds compile nothing: how concurrent requests arrive
             # decides which prefill / decode buckets a round meets, so one round may not
             # see them all (a compile inside the timed round once made it 0.02×).
+            policies = (("old", "gap", "prefill") if args.admission == "all"
+                        else (args.admission,))
             n_prog, warm, quiet = -1, 0, 0
             while quiet < 2 and warm < 8:  # two rounds in a row that compile nothing
                 quiet = quiet + 1 if n_prog == srv.engine.sampling.programs() else 0
                 n_prog = srv.engine.sampling.programs()
-                round_()
+                for policy in policies:
+                    set_admission(policy)
+                    round_()
                 warm += 1
             n_prog = srv.engine.sampling.programs()
-            rounds = []
-            for _ in range(3):
-                del steps[:]
-                c0 = time.process_time()
-                c_t0, c_sent, c_t1, c_cpu = round_()
-                rounds.append((c_t1 - c_t0, c_t0, c_sent, c_t1, c_cpu,
-                               time.process_time() - c0, list(steps)))
+            by_policy = {policy: [] for policy in policies}
+            for _ in range(3 if len(policies) == 1 else 7):  # interleaved
+                for policy in policies:
+                    set_admission(policy)
+                    del steps[:]
+                    c0 = time.process_time()
+                    c_t0, c_sent, c_t1, c_cpu = round_()
+                    by_policy[policy].append((c_t1 - c_t0, c_t0, c_sent, c_t1, c_cpu,
+                                              time.process_time() - c0, list(steps)))
+            set_admission("server")
             if mode == "process":
                 parent.send(None)
                 proc.join(timeout=30)
-            rounds.sort(key=lambda r: r[0])
-            t_srv, c_t0, c_sent, c_t1, c_cpu, s_cpu, trace = rounds[1]  # the median
             if t_in is None:
                 tr.sample(prompts, sp, num_samples=args.s)  # compiles
                 c0, t0 = time.process_time(), time.perf_counter()
                 tr.sample(prompts, sp, num_samples=args.s)
                 t_in, c_in = time.perf_counter() - t0, time.process_time() - c0
-            print(f"4. server {args.r}×{args.s}×{args.t} concurrent SDK requests, clients in "
-                  f"{'another process' if mode == 'process' else 'the server process'}: "
-                  f"{n_seq * args.t / t_srv:.0f} tok/s vs in-process "
-                  f"{n_seq * args.t / t_in:.0f} tok/s -> {t_in / t_srv:.2f}× (goal ≥ 0.8); "
-                  f"engine programs {n_prog} after {warm} warm-up round(s), "
-                  f"{srv.engine.sampling.programs()} after 3 timed rounds (median kept)",
-                  flush=True)
-            arrived = sorted(a for st in trace for a in st["arrived"])
-            gaps = sorted(np.diff(arrived))[::-1][:3] if len(arrived) > 1 else []
-            line = "; ".join(
-                f"+{st['t0'] - c_t0:.2f} {st['t1'] - st['t0']:.2f} s"
-                f" ({st['admitted']} in, {st['ended']} ended, {st['live']} live after"
-                f"{', hurried' if st['hurry'] else ''})"
-                for st in trace)
-            print(f"   the median round ({t_srv:.2f} s): requests sent by +{c_sent - c_t0:.2f} s, "
-                  f"reached the worker +{arrived[0] - c_t0:.2f}..+{arrived[-1] - c_t0:.2f} s "
-                  f"(largest gaps {', '.join(f'{g * 1e3:.0f}' for g in gaps)} ms); "
-                  f"engine steps (start, seconds): {line}; last result at the clients "
-                  f"+{t_srv:.2f} s; CPU s: server process {s_cpu:.2f}, clients {c_cpu:.2f}"
-                  f"{' (same process)' if mode == 'thread' else ''}; in-process call "
-                  f"{t_in:.2f} s, {c_in:.2f} CPU s", flush=True)
+            for policy, rounds in by_policy.items():
+                rounds.sort(key=lambda r: r[0])
+                t_srv, c_t0, c_sent, c_t1, c_cpu, s_cpu, trace = rounds[len(rounds) // 2]
+                print(f"4. server {args.r}×{args.s}×{args.t} concurrent SDK requests "
+                      f"({policy} admission), clients in "
+                      f"{'another process' if mode == 'process' else 'the server process'}: "
+                      f"{n_seq * args.t / t_srv:.0f} tok/s vs in-process "
+                      f"{n_seq * args.t / t_in:.0f} tok/s -> {t_in / t_srv:.2f}× (goal ≥ 0.8); "
+                      f"engine programs {n_prog} after {warm} warm-up round(s), "
+                      f"{srv.engine.sampling.programs()} after {len(rounds)} timed rounds "
+                      f"(median kept; all: {', '.join(f'{r[0]:.2f}' for r in rounds)} s)",
+                      flush=True)
+                arrived = sorted(a for st in trace for a in st["arrived"])
+                gaps = sorted(np.diff(arrived))[::-1][:3] if len(arrived) > 1 else []
+                pre = [st for st in trace if not st.get("decode", True)]
+                line = "; ".join(
+                    ([f"{len(pre)} prefill-only steps +{pre[0]['t0'] - c_t0:.2f}.."
+                      f"+{pre[-1]['t1'] - c_t0:.2f} ({sum(x['t1'] - x['t0'] for x in pre):.2f}"
+                      f" s in all, {sum(x['admitted'] for x in pre)} in)"] if pre else []) +
+                    [f"+{st['t0'] - c_t0:.2f} {st['t1'] - st['t0']:.2f} s"
+                     f" ({st['admitted']} in, {st['ended']} ended, {st['live']} live after"
+                     f"{', hurried' if st['hurry'] else ''})"
+                     for st in trace if st.get("decode", True)])
+                print(f"   the median round ({t_srv:.2f} s): requests sent by "
+                      f"+{c_sent - c_t0:.2f} s, "
+                      f"reached the worker +{arrived[0] - c_t0:.2f}..+{arrived[-1] - c_t0:.2f} s "
+                      f"(largest gaps {', '.join(f'{g * 1e3:.0f}' for g in gaps)} ms); "
+                      f"engine steps (start, seconds): {line}; last result at the clients "
+                      f"+{t_srv:.2f} s; CPU s: server process {s_cpu:.2f}, clients {c_cpu:.2f}"
+                      f"{' (same process)' if mode == 'thread' else ''}; in-process call "
+                      f"{t_in:.2f} s, {c_in:.2f} CPU s", flush=True)
     finally:
         srv.stop()
 

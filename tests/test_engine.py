@@ -244,6 +244,33 @@ def test_decode_chunks_grow_while_nothing_waits(root):
         _same(eng.result(rid), _alone(tr, p, spr, ad, n), f"request {rid}")
 
 
+def test_prefill_only_steps_change_no_result(root):
+    """step(decode=False) (a server prefilling a burst's first arrivals while the rest
+    still arrive): it admits and prefills, draws no token, and the requests then decode
+    together; every result equals the request served alone."""
+    tr, (a, b), _ = _setup((1, 1, 1), root)
+    eng = Engine(tr.make_sampler(), slots=8, max_len=32, chunk=4, max_chunk=16)
+    cases = [(PROMPTS[0], jcp.SamplingParams(max_tokens=9, temperature=1.0, seed=3, stop=[]),
+              a, 3),
+             (PROMPTS[2], jcp.SamplingParams(max_tokens=6, temperature=0.8, top_k=5, seed=4,
+                                             stop=[]), b, 2),
+             (PROMPTS[3], jcp.SamplingParams(max_tokens=10, temperature=0.0, stop=[]), None,
+              2)]
+    rids = []
+    for p, sp, ad, n in cases:  # one arrival per prefill-only step
+        rids.append(eng.submit(p, sp, ad, num_samples=n))
+        before = eng.prefilled
+        assert eng.step(decode=False) == []
+        assert eng.prefilled == before + len(p) - 1  # its prompt was prefilled now
+        assert not eng.prefilling and eng.live == sum(c[3] for c in cases[:len(rids)])
+        assert all(len(t) == 0 for r in rids for t in eng.requests[r].tokens)
+    steps = eng.steps
+    eng.run()
+    assert eng.steps == steps + 1  # all decode together, to their ends, in one step
+    for k, (rid, (p, sp, ad, n)) in enumerate(zip(rids, cases)):
+        _same(eng.result(rid), _alone(tr, p, sp, ad, n), f"case {k}")
+
+
 def test_decode_step_ends_where_the_batch_shrinks(root):
     """Rows of different ages (later arrivals, longer max_tokens): a step ends where the
     shortest rows end when the rows left then fit a smaller rows bucket (12 rows: 16 per

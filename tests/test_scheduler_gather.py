@@ -1,7 +1,8 @@
 """Scheduler.gather_samples, the burst admission of jcp-serve's worker (no jax): samples
 arriving close together are taken together (the first within `gap`, later ones within
-`burst_gap`); the window's end is reported when they are still arriving; other work
-stops it."""
+`burst_gap`, or scale × the burst's largest gap so far); the window's end is reported when
+they are still arriving; other work stops it; `each` is handed every batch of arrivals as
+it comes (the worker prefills them while the rest arrive)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,53 @@ def test_a_burst_waits_the_longer_burst_gap_a_lone_sample_only_the_gap():
     t0 = time.monotonic()
     assert sched.gather_samples(gap=0.05, window=30.0, burst_gap=20.0) == ([], False)
     assert time.monotonic() - t0 < 10.0
+
+
+def test_each_batch_is_handed_over_as_it_arrives_and_none_is_lost():
+    """each (the worker admitting and prefilling the arrivals so far): every sample is
+    passed exactly once, in arrival order, while the burst still arrives; samples that
+    arrive while `each` runs are taken next (the gap counts from its return)."""
+    sched, stop = Scheduler(), threading.Event()
+    batches = []
+
+    def each(new):
+        batches.append([w.request_id for w in new])
+        time.sleep(0.03)  # longer than the arrivals' spacing: the next batch holds several
+
+    t, sent = _feed(sched, stop, 0.005, n=20)
+    got, arriving = sched.gather_samples(gap=0.5, window=10.0, burst_gap=0.2, each=each)
+    t.join()
+    assert [w.request_id for w in got] == [f"s{i}" for i in range(20)]
+    assert sum(batches, []) == [f"s{i}" for i in range(20)]
+    assert len(batches) > 1 and max(len(b) for b in batches) > 1
+    assert not arriving and sched.next_work(block=False)[1] == []
+
+
+def test_scaled_gap_ends_a_burst_sooner_than_the_burst_gap():
+    """scale: a burst whose samples come ~10 ms apart ends scale × that after its last
+    (here ≤ 0.13 s), so a sample 0.4 s later is left for the next turn; with no scale the
+    full burst_gap (2 s) takes it too. `taken` (samples the worker took before) counts."""
+    def gathered(scale):
+        sched = Scheduler()
+        first = _sample(99)
+        sched.submit(first)
+        taken = sched.next_work(block=False)[1]
+
+        def feed():
+            for i in range(5):
+                time.sleep(0.01)
+                sched.submit(_sample(i))
+            time.sleep(0.4)
+            sched.submit(_sample(5))
+
+        t = threading.Thread(target=feed)
+        t.start()
+        got, _ = sched.gather_samples(gap=0.02, window=30.0, burst_gap=2.0, scale=scale,
+                                      taken=taken)
+        t.join()
+        return [w.request_id for w in got]
+
+    t0 = time.monotonic()
+    assert gathered(None) == [f"s{i}" for i in range(6)]
+    assert gathered(3.0) == [f"s{i}" for i in range(5)]
+    assert time.monotonic() - t0 < 8.0

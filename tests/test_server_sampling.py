@@ -4,8 +4,9 @@ tenant joins the one running engine batch; sampler weights as in-memory snapshot
 Evidence:
 1. many concurrent requests from two tenants (one on an in-memory snapshot of a trained
    adapter, one on the base model; greedy and drawn, different seeds, num_samples) are
-   decoded together (the engine held several requests' sequences at once) and each
-   equals the same request served alone in-process (tokens exactly, log-probs fp32);
+   decoded together (the engine held several requests' sequences at once, prefilled in
+   prefill-only steps as they arrived) and each equals the same request served alone
+   in-process (tokens exactly, log-probs fp32);
 2. save_weights_and_get_sampling_client writes nothing to disk; a named save writes the
    PEFT folder, and a sampling client created after a re-save under the same name
    samples the new weights (not a cached older load);
@@ -86,7 +87,10 @@ def _sampler_folders(env):
     return sorted(out)
 
 
-def test_concurrent_tenants_each_equal_alone(env):
+def test_concurrent_tenants_each_equal_alone(env, monkeypatch):
+    # Every arrival of the burst is prefilled in a prefill-only step as it comes (the
+    # server's default waits for ADMIT_PREFILL_MIN of them): results must not change.
+    monkeypatch.setattr("jcp.server.engine.ADMIT_PREFILL_MIN", 1)
     tr = env["tr"]
     tc = client(env, "tml-alice").create_lora_training_client(base_model=MODEL, rank=4,
                                                                seed=1).result()
@@ -103,13 +107,14 @@ def test_concurrent_tenants_each_equal_alone(env):
                   temperature=0.0 if k % 3 == 0 else 0.9, seed=100 + k, stop=[])
         reqs.append((k % 2, prompt, sp, 1 + k % 3))
     sampling = env["srv"].engine.sampling
-    peak = sampling.peak_live
+    peak, prefill_steps = sampling.peak_live, env["srv"].engine.prefill_steps
     with cf.ThreadPoolExecutor(len(reqs)) as pool:  # all in flight together
         futs = [pool.submit(lambda r: (sc_a, sc_b)[r[0]].sample(
             types.ModelInput.from_ints(r[1]), r[3], types.SamplingParams(**r[2])).result(), r)
             for r in reqs]
         got = [f.result() for f in futs]
     assert sampling.peak_live > max(peak, 3)  # several requests decoded in one batch
+    assert env["srv"].engine.prefill_steps > prefill_steps  # prefilled while arriving
     slot = _slot(env, tc)
     differ = 0
     for (tenant, prompt, sp, n), res in zip(reqs, got):

@@ -480,17 +480,21 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, hurry: bool = False) -> list[int]:
+    def step(self, hurry: bool = False, decode: bool = True) -> list[int]:
         """One engine step (see the module docstring) -> ids of the requests it ended.
         hurry: work outside the engine waits for this step to end (a server's queued
-        requests), so decode only `chunk` steps (module docstring, "Decode chunks")."""
+        requests), so decode only `chunk` steps (module docstring, "Decode chunks").
+        decode=False: a prefill-only step (admit, one prefill chunk, compute_logprobs; no
+        decode step), e.g. to prefill a burst's first arrivals while the rest still arrive
+        so that all decode together; it changes no result (a sequence's first token is
+        drawn by its first decode step, from its own key and count)."""
         self._ended = []
         self._fail_stale()
         self._admit()
         if self.prefilling:
             self._prefill()
         self._logprobs()
-        if self.decoding:
+        if self.decoding and decode:
             self._decode(self.decode_len(hurry))
         self.peak_pages = max([self.peak_pages] + [self.pool.used(g)
                                                    for g in range(self.groups)])

@@ -13,10 +13,11 @@ forward / forward_backward, or one model operation) and then one engine step (at
 `prefill_tokens` of newly admitted prompts, then decode steps of every live sequence:
 `chunk` of them while any request is queued and in the first step after samples were
 gathered at an idle engine — Engine.step(hurry=True) —, else up to `max_chunk`,
-Engine.decode_len; ADMIT_* below for the gathering, which other work ends at once). So a
-training pass queued while nothing else was waits for at most one engine step of
-max_chunk decode steps, and running sequences wait for at most one training pass between
-decode chunks; neither starves. A sample the client cancels after admission
+Engine.decode_len; ADMIT_* below for the gathering and its prefill-only steps, which
+other work ends once the running one is over). So a training pass queued while nothing
+else was waits for at most one engine step of max_chunk decode steps (during a gather:
+one prefill-only step and one hurried step), and running sequences wait for at most one
+training pass between decode chunks; neither starves. A sample the client cancels after admission
 (cancel_future -> Scheduler.cancel_running) is cancelled in the engine at the start of the
 next turn and ends at that step boundary, its slots freed.
 
@@ -63,17 +64,26 @@ from jcp.server.state import ModelRecord, NotFound, StateStore, age_recipients
 
 log = logging.getLogger("jcp.serve")
 
-# Samples reaching an idle engine are admitted together: a lone sample waits ADMIT_GAP_S
-# for company; once a second one has come, a burst is arriving (an RL step's prompt
-# groups, sent at once) and the worker takes every sample that comes within
-# ADMIT_BURST_GAP_S of the one before, for at most ADMIT_WINDOW_S, so the burst runs as
-# one prefill and one decode batch. Decoding the first arrivals while the rest still
-# arrive costs more than it saves on CPU hosts: the later ones join a batch whose early
-# rows end first, in a fixed-shape device loop, and the mid-burst steps pad to the next
-# rows bucket (benchmarks/engine.py; 128 requests × 8 × 32 admitted 16 + 49 + 63 took
-# 1.2-1.4× the CPU seconds of all at once, 16 + 112 1.0-1.1×). The first step after a
-# gather is short (Engine.step(hurry=True)), so stragglers join one chunk later.
+# Samples reaching an idle engine are gathered into one decode batch: a lone sample waits
+# ADMIT_GAP_S for company; once a second one has come, a burst is arriving (an RL step's
+# prompt groups, sent at once) and the worker takes every sample that comes within
+# ADMIT_GAP_SCALE × the largest gap between the burst's arrivals so far (at least
+# ADMIT_GAP_S, at most ADMIT_BURST_GAP_S) of the one before, for at most ADMIT_WINDOW_S.
+# While it gathers, it admits the arrivals and prefills them in prefill-only steps
+# (Engine.step(decode=False)) once ADMIT_PREFILL_MIN are waiting (each step has a fixed
+# cost, and competes with the HTTP thread that is still taking the burst), so when the
+# burst ends only the last arrivals' prefill is left and the whole batch decodes
+# together (on a 2-core host this is neutral, README "s20p": the prefill-only steps
+# slow the HTTP thread as much as they save). Decoding the first arrivals while the rest
+# still arrive costs more than it saves on CPU hosts: the later ones join a batch whose
+# early rows end first, in a fixed-shape device loop, and the mid-burst steps pad to the
+# next rows bucket (benchmarks/engine.py; 128 requests × 8 × 32 admitted 16 + 49 + 63
+# took 1.2-1.4× the CPU seconds of all at once, 16 + 112 1.0-1.1×). The first decode step
+# after a gather is short (Engine.step(hurry=True)), so stragglers join one chunk later.
 ADMIT_GAP_S = 0.01
+ADMIT_GAP_SCALE: float | None = 4.0  # None: every later gap is ADMIT_BURST_GAP_S
+ADMIT_PREFILL = True  # False: no prefill-only steps (the burst prefills in its first step)
+ADMIT_PREFILL_MIN = 16  # requests admitted and not yet prefilled that make one worth its cost
 ADMIT_BURST_GAP_S = 0.03
 ADMIT_WINDOW_S = 0.5
 # How often the worker looks for checkpoints whose TTL has passed.
@@ -140,10 +150,12 @@ class Engine:
             self.tr, self.sampling = leader.wrap(trainer, self.sampling, engine_kw)
         self._running: dict[str, int] = {}  # request id -> engine request id (admitted)
         self._cancelled: set[str] = set()   # admitted request ids their clients cancelled
+        self._unlogged: list[Work] = []     # samples admitted since the last step's log
         self._resident: OrderedDict[str, int] = OrderedDict()       # model id -> slot, LRU first
         self._offloaded: dict[str, object] = {}                     # model id -> HostSlot
         self._closing: set[str] = set()     # models of ended sessions, unloaded when idle
         self.offloads = self.restores = 0
+        self.prefill_steps = 0  # prefill-only engine steps run while gathering a burst
         self.busy_s: Counter[str] = Counter()  # worker seconds per request kind
         self._next_expiry_scan = 0.0
         # loss_id -> (owner, session id, jcp.custom_loss.CustomLoss), oldest first.
@@ -183,44 +195,62 @@ class Engine:
             arriving = False
             if samples and not group and self.sampling.idle:
                 # A burst of concurrent samples (an RL step's prompt groups) reaches an
-                # idle engine over some ms: admit it together, in one prefill and decode.
-                # The first step is short (hurry) so that stragglers — still arriving at
-                # the window's end, or after a longer gap than the gather waited — join
-                # one chunk later, not after a whole long one (a lone sample then takes
-                # two steps instead of one).
-                more, _ = self.sched.gather_samples(
-                    ADMIT_GAP_S if len(samples) == 1 else ADMIT_BURST_GAP_S, ADMIT_WINDOW_S,
-                    ADMIT_BURST_GAP_S)
-                samples += more
+                # idle engine over some ms: gather it whole, so that it decodes as one
+                # batch, and admit and prefill the arrivals so far in prefill-only steps
+                # while the rest arrive (ADMIT_* above). The first decode step is short
+                # (hurry) so that stragglers — still arriving at the window's end, or
+                # after a longer gap than the gather waited — join one chunk later, not
+                # after a whole long one (a lone sample then takes two steps, not one).
+                self._admit_arrivals(samples)
+                self.sched.gather_samples(ADMIT_GAP_S, ADMIT_WINDOW_S, ADMIT_BURST_GAP_S,
+                                          each=self._admit_arrivals, scale=ADMIT_GAP_SCALE,
+                                          taken=samples)
                 arriving = True
-            for w in samples:
-                self._admit_sample(w)
+            else:
+                for w in samples:
+                    self._admit_sample(w)
+                self._unlogged += samples
             self._cancel_running()
             if group:
                 self._run_pass(group)
             if not self.sampling.idle:
-                t0 = time.monotonic()
-                hurry = arriving or self.sched.pending() > 0
-                try:
-                    ended = self.sampling.step(hurry=hurry)
-                except Exception as e:  # noqa: BLE001 — the engine's requests fail, not the server
-                    ended = []
-                    for rid in list(self.sampling.requests):
-                        self.sampling.cancel(rid)
-                    log.error("sampling step failed: %s", e)
-                t1 = time.monotonic()
-                self.busy_s["sample"] += t1 - t0
-                if log.isEnabledFor(logging.DEBUG):  # benchmarks/engine.py reads these
-                    log.debug("sampling step", extra={"step": dict(
-                        t0=t0, t1=t1, admitted=len(samples), hurry=hurry,
-                        arrived=[w.arrived_at for w in samples],
-                        live=self.sampling.live, ended=len(ended),
-                        waiting=len(self.sampling.waiting))})
+                self._step(arriving or self.sched.pending() > 0, True)
+            self._unlogged = []
             try:
                 self._sweep_retired()
                 self._reap()
             except Exception as e:  # noqa: BLE001 — never let cleanup stop the worker
                 log.error("unloading ended sessions failed: %s", e)
+
+    def _admit_arrivals(self, samples: list[Work]) -> None:
+        """Admit samples of a burst still arriving and prefill them (no decode yet)."""
+        for w in samples:
+            self._admit_sample(w)
+        self._unlogged += samples
+        if ADMIT_PREFILL and (len(self.sampling.waiting) + len(self.sampling.prefilling)
+                              >= ADMIT_PREFILL_MIN):
+            self._step(False, False)
+            self.prefill_steps += 1
+
+    def _step(self, hurry: bool, decode: bool) -> None:
+        """One engine step (Engine.step); a failed one fails the engine's requests."""
+        t0 = time.monotonic()
+        try:
+            ended = self.sampling.step(hurry=hurry, decode=decode)
+        except Exception as e:  # noqa: BLE001 — the engine's requests fail, not the server
+            ended = []
+            for rid in list(self.sampling.requests):
+                self.sampling.cancel(rid)
+            log.error("sampling step failed: %s", e)
+        t1 = time.monotonic()
+        self.busy_s["sample"] += t1 - t0
+        if log.isEnabledFor(logging.DEBUG):  # benchmarks/engine.py reads these
+            log.debug("sampling step", extra={"step": dict(
+                t0=t0, t1=t1, admitted=len(self._unlogged), hurry=hurry, decode=decode,
+                arrived=[w.arrived_at for w in self._unlogged],
+                live=self.sampling.live, ended=len(ended),
+                waiting=len(self.sampling.waiting))})
+        self._unlogged = []
 
     def _run_pass(self, group: list[Work]) -> None:
         t0 = time.perf_counter()
