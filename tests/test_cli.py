@@ -151,6 +151,18 @@ def test_moe_run_trains_experts(tmp_path):
 
 # One case in a fresh `python -m jcp.train` (the exit status and stderr of the real program);
 # the others call main() in this process (each fresh process costs ~2 CPU s of imports).
+
+def _exit_and_stderr(argv, in_process, capfd):
+    """jcp-train's exit code and stderr for argv: main() in this process (no ~2 CPU s of
+    imports), or a fresh `python -m jcp.train`."""
+    if in_process:
+        from jcp.train import main
+
+        code = main(argv)
+        return code, capfd.readouterr().err
+    p = _run(*argv, check=False)
+    return p.returncode, p.stderr
+
 @pytest.mark.parametrize("args, needle, in_process", [
     (["--moe", "--hf-model", "/tmp"], "--moe", True),
     (["--mesh", "3,x"], "--mesh", True),
@@ -162,14 +174,7 @@ def test_moe_run_trains_experts(tmp_path):
 ])
 def test_bad_options_are_one_line(tmp_path, capfd, args, needle, in_process):
     argv = ["--out", str(tmp_path / "x"), *args]
-    if in_process:
-        from jcp.train import main
-
-        code = main(argv)
-        err = capfd.readouterr().err
-    else:
-        p = _run(*argv, check=False)
-        code, err = p.returncode, p.stderr
+    code, err = _exit_and_stderr(argv, in_process, capfd)
     assert code == 2
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "Traceback" not in err, err
@@ -315,14 +320,7 @@ def test_user_error_is_one_line(tmp_path, request, capfd, make, in_process):
     if "--out" not in argv:
         argv = ["--out", str(tmp_path / "out"), *argv]
     argv = [*FAST, *argv]
-    if in_process:
-        from jcp.train import main
-
-        code = main(argv)
-        err = capfd.readouterr().err
-    else:
-        p = _run(*argv, check=False)
-        code, err = p.returncode, p.stderr
+    code, err = _exit_and_stderr(argv, in_process, capfd)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
     assert lines[0].startswith("jcp-train: error: ") and str(needle) in lines[0], lines[0]

@@ -53,7 +53,7 @@ from jcp.config import QwenConfig
 from jcp.mesh import SPECS
 from jcp.sample import draws
 from jcp.sample import kv_cache
-from jcp.sample.programs import DecodeRows, decode_loop
+from jcp.sample.programs import DecodeRows, decode_hidden, decode_loop
 
 POOL_SPEC = SPECS.cache_LxBxTxKxH   # [L, P, page, K, H]: pages over (dp, cp), heads over tp
 ROWS_SPEC = SPECS.seqs_B            # [B]
@@ -433,14 +433,9 @@ def make_decode(cfg: QwenConfig, mesh):
             def run(width):
                 def one_step(tok_B, pos_B, store, lora_active, layers):
                     attend = paged_decode_attend(table[:, :width], pos_B, page)
-                    state, mix = kv_cache.KV(store.k, store.v), None
-                    if hybrid:
-                        state = model_lib.HybridState(state, store.rec)
-                        mix = delta_rule.StepMix(pos_B == 0)
-                    h_BxD, new, _ = model_lib.hidden_states(
-                        cfg, params, tok_B, pos_B, attend, lora_active, route,
-                        attn_state=state, remat=False, layers=layers, mix=mix)
-                    return h_BxD, new
+                    return decode_hidden(cfg, params, tok_B, pos_B, attend, store.k, store.v,
+                                         store.rec if hybrid else None, lora_active, route,
+                                         layers)
 
                 return one_step
 

@@ -267,14 +267,9 @@ def make_decode(cfg: QwenConfig, mesh):
             # invariants; this cost 1.2× the decode time at A = 4 on the tiny model).
             def run(tok_B, pos_B, cache, lora_active, layers):
                 attend = kv_cache.decode_attend(pos_B, cache.position, lay.row_axes)
-                state, mix = kv_cache.KV(cache.k, cache.v), None
-                if hybrid:
-                    state = model_lib.HybridState(state, cache.rec)
-                    mix = delta_rule_lib.StepMix(pos_B == 0)
-                h_BxD, new, _ = model_lib.hidden_states(
-                    cfg, params, tok_B, pos_B, attend, lora_active, route,
-                    attn_state=state, remat=False, layers=layers, mix=mix)
-                return h_BxD, new
+                return decode_hidden(cfg, params, tok_B, pos_B, attend, cache.k, cache.v,
+                                     cache.rec if hybrid else None, lora_active, route,
+                                     layers)
 
             def write(cache, new, pos_B, done_B, count_B, live_B):
                 # A finished sequence needs no more rows. Skipping them also makes the write
@@ -306,6 +301,21 @@ def make_decode(cfg: QwenConfig, mesh):
 
     return decode
 
+
+
+def decode_hidden(cfg, params, tok_B, pos_B, attend, k, v, rec, lora_active, route, layers):
+    """One decode step's hidden states and new per-layer state for B rows at positions
+    pos_B: attention through `attend` over the K/V `k`, `v`; `rec` the hybrid's recurrent
+    states (a delta-rule step per row, from zeros where pos_B == 0), None for a dense model.
+    Returns (h [B, D], new states)."""
+    state, mix = kv_cache.KV(k, v), None
+    if rec is not None:
+        state = model_lib.HybridState(state, rec)
+        mix = delta_rule_lib.StepMix(pos_B == 0)
+    h_BxD, new, _ = model_lib.hidden_states(
+        cfg, params, tok_B, pos_B, attend, lora_active, route,
+        attn_state=state, remat=False, layers=layers, mix=mix)
+    return h_BxD, new
 
 def decode_loop(cfg: QwenConfig, params, lora_active, route, r: DecodeRows, store, modes,
                 seq_axes, run, write):
