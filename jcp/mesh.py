@@ -274,13 +274,15 @@ def psum_flat(tree, axes):
         groups.setdefault((x.dtype, tuple(a for a in own if not single(a))), []).append(i)
     out = list(leaves)
     for idx in groups.values():
+        summed = (axes,) if isinstance(axes, str) else tuple(axes)  # invariant after it
         extra = sorted({a for i in idx for a in varying_axes(leaves[i]) if single(a)})
         flat = jax.lax.psum(jax.numpy.concatenate([vary(leaves[i], extra).reshape(-1)
                                                    for i in idx]), axes)
         start = 0
         for i in idx:
             x = flat[start:start + leaves[i].size].reshape(leaves[i].shape)
-            back = tuple(a for a in extra if a not in varying_axes(leaves[i]))
+            back = tuple(a for a in extra
+                         if a not in varying_axes(leaves[i]) and a not in summed)
             out[i] = jax.lax.psum(x, back) if back else x
             start += leaves[i].size
     return jax.tree.unflatten(treedef, out)
