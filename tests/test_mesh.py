@@ -211,20 +211,22 @@ def test_put_gives_each_device_its_slice_and_host_gather_read_back():
     assert len({s.device for s in r.addressable_shards}) == 8
 
 
-def test_psum_flat_sums_as_psum_does_in_one_all_reduce_per_group():
-    """psum_flat = jax.lax.psum leaf for leaf (values, shapes, dtypes), and the compiled
-    program's all-reduces carry one operand per (dtype, varying axes) group, where psum's
-    carry one per leaf (XLA:CPU runs each operand of a combined all-reduce on its own:
-    over gloo, one ring of TCP hops each)."""
+@pytest.mark.parametrize("tp", [2, 1])
+def test_psum_flat_sums_as_psum_does_in_one_all_reduce_per_group(tp):
+    """psum_flat = jax.lax.psum leaf for leaf (values, shapes, dtypes, varying axes), and
+    the compiled program's all-reduces carry one operand per (dtype, varying axes) group,
+    where psum's carry one per leaf (XLA:CPU runs each operand of a combined all-reduce on
+    its own: over gloo, one ring of TCP hops each); with tp = 1, varying over tp or not
+    makes no group of its own (its all-reduces over one device are not counted)."""
     import re
 
     from jax.sharding import PartitionSpec as P
 
-    mesh = jcp.make_mesh(dp=2, cp=2, tp=2)
+    mesh = jcp.make_mesh(dp=2, cp=4 // tp, tp=tp)
     rng = np.random.default_rng(0)
     tree = {"a1": rng.normal(size=(8, 3)).astype(np.float32),
             "a2": rng.normal(size=(8, 2, 5)).astype(np.float32),
-            "b": rng.normal(size=(4, 7)).astype(np.float32),
+            "b": rng.normal(size=(8 // tp, 7)).astype(np.float32),
             "c": np.arange(8 * 6, dtype=np.int32).reshape(8, 6)}
     every, batch = P(("dp", "cp", "tp")), P(("dp", "cp"))
     spec = {"a1": every, "a2": every, "b": batch, "c": every}
@@ -234,15 +236,19 @@ def test_psum_flat_sums_as_psum_does_in_one_all_reduce_per_group():
         f = jax.jit(jax.shard_map(lambda t: fn(t, ("dp", "cp")), mesh=mesh, in_specs=(spec,),
                                   out_specs=out))
         hlo = f.lower(tree).compile().as_text()
-        operands = [m.count("%") for m in re.findall(r" all-reduce(?:-start)?\(([^)]*)\)", hlo)]
+        operands = [m[0].count("%") for m in re.findall(
+            r" all-reduce(?:-start)?\(([^)]*)\).*replica_groups=(\{[{}\d,]*\})", hlo)
+            if re.search(r"\d,\d", m[1])]  # groups of more than one device
         return f(tree), operands
 
     want, plain = run(jax.lax.psum)
     got, flat = run(mesh_lib.psum_flat)
     for k in tree:
         assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape
+        assert got[k].sharding.spec == want[k].sharding.spec, k
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6,
                                    err_msg=k)
     assert min(np.abs(np.asarray(want[k])).max() for k in tree) > 0
-    # Groups: a1 + a2 (float32, varying over tp too), b (float32), c (int32).
-    assert sum(plain) == 4 and sum(flat) == 3, (plain, flat)
+    # Groups: a1 + a2 (float32, varying over tp too), b (float32), c (int32); with tp = 1,
+    # a1 + a2 + b.
+    assert sum(plain) == 4 and sum(flat) == (3 if tp > 1 else 2), (plain, flat)
