@@ -312,11 +312,36 @@ def used_modules(lora: dict, modules) -> dict:
     return lora if modules is None else {m: lora[m] for m in modules if m in lora}
 
 
+@functools.cache
+def _cpu_has_avx512() -> bool:
+    """Whether this host's CPU has AVX-512F (Linux /proc/cpuinfo; False where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
+
+
+def compiler_options(mesh) -> dict:
+    """XLA options of the training programs (forward, forward_backward) on `mesh`.
+
+    On XLA:CPU with AVX-512: prefer 512-bit vectors (LLVM's default for these CPUs is 256).
+    The attention kernel's elementwise tile passes (the exp of the scores, the softmax row
+    terms) are the gain: fwd + bwd of one causal datum of 8,192 tokens on one core
+    1.50 → 1.39 CPU s, bit-identical results (benchmarks/profile_cpu.py --kernel); the
+    whole 1 × 8k step 7.6 → 7.4 CPU s, 8 × 512 unchanged. Nothing elsewhere.
+    """
+    if mesh.devices.flat[0].platform == "cpu" and _cpu_has_avx512():
+        return {"xla_cpu_prefer_vector_width": 512}
+    return {}
+
+
 def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
     """jit(forward)(lora, params, slot_meta, batch, loss_cfg, custom_args, *, loss_fns,
     num_slots, custom) -> (loss, out)."""
 
-    @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots", "custom", "modules"))
+    @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots", "custom", "modules"),
+                       compiler_options=compiler_options(mesh))
     def forward(lora, params, slot_meta, batch, loss_cfg, custom_args=(), *, loss_fns,
                 num_slots, custom=None, modules=None):
         active = lora_lib.take_active(used_modules(lora, modules), batch.active)
@@ -340,7 +365,7 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
     """
 
     @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots", "custom", "modules"),
-                       donate_argnums=(0,))
+                       donate_argnums=(0,), compiler_options=compiler_options(mesh))
     def forward_backward(acc, lora, params, slot_meta, batch, loss_cfg, custom_args=(), *,
                          loss_fns, num_slots, custom=None, modules=None):
         def loss_of(active):

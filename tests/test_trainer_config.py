@@ -73,13 +73,15 @@ def test_remat_auto_decides_from_compiled_memory():
 def test_cpu_unrolled_layer_loop_equals_rolled(monkeypatch):
     """On XLA:CPU a model of ≤ CPU_UNROLL_LAYERS layers trains with its layer loop unrolled
     (train_step.unroll_layers): none of its layers' projections runs inside a loop, as all
-    of the rolled program's do, and the numbers are the same."""
+    of the rolled program's do, and the numbers are the same. RoPE's cos / sin are taken
+    once for all layers (decoder.rotary), not per layer, nor fused into every q / k element:
+    the unrolled program holds one cosine per branch of rotary's cond."""
     from helpers import trainer_harness as H
     from jcp import train_step
 
     cfg = jcp.QwenConfig.tiny()
     data = H.random_data((37, 20, 5), seed=1)
-    results, whiles = [], []
+    results, whiles, cosines = [], [], []
     for limit in (train_step.CPU_UNROLL_LAYERS, 0):
         monkeypatch.setattr(train_step, "CPU_UNROLL_LAYERS", limit)
         tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=4,
@@ -89,8 +91,10 @@ def test_cpu_unrolled_layer_loop_equals_rolled(monkeypatch):
         (program,) = tr.forward_backward_programs.values()
         whiles.append(sum("si,io->so/dot_general" in ln and "while/body" in ln
                           for ln in program.as_text().splitlines()))
+        cosines.append(program.as_text().count(" cosine("))
         results.append((out, tr.gradients(a)))
     assert whiles[0] == 0 < whiles[1], whiles
+    assert cfg.num_layers > 1 and cosines[0] <= 2, cosines
     _assert_same_training(*results)
 
 

@@ -35,28 +35,54 @@ def rms_norm(x, w, eps):
     return w.astype(x.dtype) * xf.astype(x.dtype)
 
 
-def rope(x, position_S, theta):
-    """Rotary embedding, rotate-half form, angles from each token's position in its datum.
+class Rotary(NamedTuple):
+    """RoPE's per-token tables [S, R] (R = the rotary dims of a head): cos and sin of each
+    token's angles, each frequency twice (the rotate-half layout)."""
 
-    x: [S, heads, H] (q with Q heads or k with K heads).
+    cos_SxR: jax.Array
+    sin_SxR: jax.Array
+
+
+def rotary(position_S, theta, rotary_dim) -> Rotary:
+    """The Rotary tables of tokens at position_S (their position in their datum), computed
+    once per call and shared by every layer's q and k.
+
+    Held apart by a barrier: fused into their consumers, XLA:CPU took cos and sin once per
+    element of q and k — every head of every layer, and again in the backward pass (~5 % of
+    benchmarks/throughput.py's 8 × 512 CPU step), where the tables hold S · R of each.
     """
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    ang = position_S.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    ang = jnp.concatenate([ang, ang], axis=-1)[:, None, :]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    def tables(position_S):
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32)
+                                    / rotary_dim))
+        ang = position_S.astype(jnp.float32)[:, None] * inv_freq[None, :]
+        ang = jnp.concatenate([ang, ang], axis=-1)
+        return Rotary(jnp.cos(ang), jnp.sin(ang))
+
+    # Both branches compute the tables: the cond only keeps XLA from fusing them into
+    # their consumers (an optimization barrier does not: XLA:CPU removes it before fusion).
+    return jax.lax.cond(position_S.shape[0] > 0 and position_S[0] >= -1, tables, tables,
+                        position_S)
+
+
+def rope(x, rot: Rotary):
+    """Rotary embedding, rotate-half form, by the tokens' Rotary tables.
+
+    x: [S, heads, H] (q with Q heads or k with K heads), H the tables' width.
+    """
+    cos, sin = rot.cos_SxR[:, None, :], rot.sin_SxR[:, None, :]
     xf = x.astype(jnp.float32)
-    half = head_dim // 2
-    rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rot * sin).astype(x.dtype)
+    half = x.shape[-1] // 2
+    turned = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + turned * sin).astype(x.dtype)
 
 
-def partial_rope(x, position_S, theta, rotary_dim):
-    """rope on the first rotary_dim dims of each head (Qwen3.5's partial_rotary_factor);
-    the rest pass unchanged."""
+def partial_rope(x, rot: Rotary):
+    """rope on the first R dims of each head, R the tables' width (Qwen3.5's
+    partial_rotary_factor); the rest pass unchanged."""
+    rotary_dim = rot.cos_SxR.shape[-1]
     if rotary_dim == x.shape[-1]:
-        return rope(x, position_S, theta)
-    turned = rope(x[..., :rotary_dim], position_S, theta)
+        return rope(x, rot)
+    turned = rope(x[..., :rotary_dim], rot)
     return jnp.concatenate([turned, x[..., rotary_dim:]], axis=-1)
 
 
@@ -86,14 +112,18 @@ def _lora(lora_layer, module):
 
 
 def attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None,
-                    position_S, attend: attention_lib.Attend, attn_state):
+                    position_S, attend: attention_lib.Attend, attn_state,
+                    rot: Rotary | None = None):
     """Pre-norm self-attention of one layer: (its output [S, D], psum'd over tp; new state).
 
     norm → q/k/v projections (+ bias, + LoRA) → qk-norm (Qwen3) → RoPE at position_S →
     attend(q [S, Q, H], k, v [S, K, H], attn_state) → o_proj (+ LoRA) → psum over tp.
     The caller adds the residual. layer / lora_layer: this layer's slice of the stacked
     weights and of the active adapters ({module: {"a": [A, I, R], "b": [A, R, O]}} or None).
+    rot: rotary(position_S, …) taken once for all layers by the caller, or None (taken here).
     """
+    if rot is None:
+        rot = rotary(position_S, cfg.rope_theta, cfg.rotary_dim)
     s_len = h_SxD.shape[0]
     x_SxD = rms_norm(h_SxD, layer["input_norm"], cfg.rms_norm_eps)
     q = _linear(x_SxD, layer["q_proj"], _lora(lora_layer, "q_proj"), route, layer.get("q_bias"))
@@ -110,8 +140,8 @@ def attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.R
     if cfg.qk_norm:
         q_SxQxH = rms_norm(q_SxQxH, layer["q_norm"], cfg.rms_norm_eps)
         k_SxKxH = rms_norm(k_SxKxH, layer["k_norm"], cfg.rms_norm_eps)
-    q_SxQxH = partial_rope(q_SxQxH, position_S, cfg.rope_theta, cfg.rotary_dim)
-    k_SxKxH = partial_rope(k_SxKxH, position_S, cfg.rope_theta, cfg.rotary_dim)
+    q_SxQxH = partial_rope(q_SxQxH, rot)
+    k_SxKxH = partial_rope(k_SxKxH, rot)
     o_SxQxH, attn_state = attend(q_SxQxH, k_SxKxH, v_SxKxH, attn_state)
     o_SxQH = o_SxQxH.reshape(s_len, -1)
     if gate_SxQH is not None:
@@ -232,11 +262,12 @@ def moe_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing |
 
 
 def decoder_layer(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None,
-                  position_S, attend: attention_lib.Attend, attn_state, mlp=dense_mlp):
+                  position_S, attend: attention_lib.Attend, attn_state, mlp=dense_mlp,
+                  rot: Rotary | None = None):
     """One pre-norm decoder layer on this shard: (h + attention, then + mlp; new state; the
-    mlp's record)."""
+    mlp's record). rot: as attention_block's."""
     a_SxD, attn_state = attention_block(cfg, h_SxD, layer, lora_layer, route, position_S,
-                                        attend, attn_state)
+                                        attend, attn_state, rot)
     h_SxD = h_SxD + a_SxD
     y_SxD, record = mlp(cfg, h_SxD, layer, lora_layer, route)
     return h_SxD + y_SxD, attn_state, record
@@ -363,12 +394,13 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
     h = embed(params["embed"], tokens_S).astype(dtype)
     layer_lora, expert_lora = _split_lora(lora)
     moe_block = moe_mlp if count_S is None else functools.partial(moe_mlp, count_S=count_S)
+    rot = rotary(position_S, cfg.rope_theta, cfg.rotary_dim)  # once, for every layer
 
     def body(h, xs):
         layer, lora_layer, state = xs
         block = moe_block if "router" in layer else mlp
         h, state, record = decoder_layer(cfg, h, layer, lora_layer, route, position_S, attend,
-                                         state, block)
+                                         state, block, rot)
         return h, (state, record)
 
     def finish(h, attn_state, records):
@@ -394,7 +426,7 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
             raise NotImplementedError("unrolled layer slices of a hybrid model")
         return _hybrid_hidden(cfg, params, h, position_S, attend, mix, layer_lora, route,
                               moe_block if cfg.is_moe else mlp, remat, finish, expert_lora,
-                              count_S is not None, attn_state)
+                              count_S is not None, attn_state, rot)
     if not cfg.is_moe:
         h, (attn_state, _) = scan_layers(body, h, params["layers"], (layer_lora, attn_state),
                                          remat, unroll)
@@ -448,7 +480,7 @@ def _concat(parts):
 
 def _hybrid_hidden(cfg: QwenConfig, params, h, position_S, attend, mix, layer_lora, route,
                    mlp, remat, finish, expert_lora=None, record=False,
-                   state: HybridState | None = None):
+                   state: HybridState | None = None, rot: Rotary | None = None):
     """hidden_states of a hybrid model: each run of same-kind layers (gated full attention
     or Gated DeltaNet) one lax.scan over its slice of `layers` (norms, MLP), of its kind's
     mixer weights (full_attn [Lf, …] / linear_attn [Ll, …]) and of its kind's state. A
@@ -462,7 +494,7 @@ def _hybrid_hidden(cfg: QwenConfig, params, h, position_S, attend, mix, layer_lo
                 a_SxD, st = linear_attention_block(cfg, h, layer, lora_layer, route, mix, st)
             else:
                 a_SxD, st = attention_block(cfg, h, layer, lora_layer, route, position_S,
-                                            attend, st)
+                                            attend, st, rot)
             h = h + a_SxD
             y_SxD, stats = mlp(cfg, h, layer, lora_layer, route)
             return h + y_SxD, (st, stats)
