@@ -230,6 +230,22 @@ def test_hot_routes_answer_as_fastapi_routes(env, monkeypatch):
     assert_others_served(env)
 
 
+def test_retrieve_future_long_polls_then_answers_try_again(env, monkeypatch):
+    monkeypatch.setattr("jcp.server.app.POLL_S", 0.3)
+    mid = env.get("m0") or new_model(env, 2)
+    env["srv"].scheduler.hold()
+    try:
+        f = post(env, "save_weights", {"model_id": mid})
+        t0 = time.monotonic()
+        r = post(env, "retrieve_future", {"request_id": f.json()["request_id"]})
+        waited = time.monotonic() - t0
+    finally:
+        env["srv"].scheduler.release()
+    assert r.status_code == 408 and r.json()["type"] == "try_again" and waited >= 0.3, \
+        (r.status_code, r.text, waited)
+    assert result(env, f).get("type") == "save_weights"
+
+
 def test_deep_nesting_and_non_object_bodies_are_4xx(env):
     deep = b'{"model_id": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
     for route in ("optim_step", "asample", "create_model", "retrieve_future"):

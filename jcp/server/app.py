@@ -623,9 +623,10 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
         rid = edge.parse(edge.RequestRef, body, "retrieve_future").request_id
         entry = futures.get(rid, who)
         if not entry.event.is_set():
-            try:
-                await asyncio.wait_for(asyncio.shield(entry.event.wait()), POLL_S)
-            except asyncio.TimeoutError:
+            try:  # a timer, no task: hundreds of these wait at once in an RL step
+                async with asyncio.timeout(POLL_S):
+                    await entry.event.wait()
+            except TimeoutError:
                 return 408, JSON, json_bytes({"type": "try_again", "request_id": rid,
                                               "queue_state": "active"})
         kind, *rest = entry.result
