@@ -13,14 +13,16 @@ compiles the programs; the machine is shared, so treat them as rough.
 3. Time to first token of one request submitted while --busy sequences decode, in engine
    steps and seconds, against one engine step's time.
 4. Server: R concurrent SDK asample requests × S samples × T tokens against one
-   in-process Trainer.sample over the same R·S sequences: tokens/s ratio (goal ≥ 0.8).
+   in-process Trainer.sample over the same R·S sequences: tokens/s ratio (goal ≥ 0.8),
+   medians, the in-process call timed between the rounds (so load falls on both).
    The server (in this process, on 127.0.0.1) gets R·S engine slots (equal batch) and
    Engine.warmup before serving; median of 3 rounds (7 per policy with --admission
    all) after two that compile nothing. The
    SDK clients send all R at once (as an RL step does) from a spawned process (--clients
    process, as deployed), or from threads of the server's process (thread; both: each).
    Then where the median round went: when the requests reached the worker, each engine
-   step (the worker's DEBUG log), and CPU seconds of the server's and clients' processes.
+   step (the worker's DEBUG log), and CPU seconds of the server's process (its XLA
+   compute threads, HTTP thread, worker thread and the rest) and the clients' process.
    --admission server|prefill|gap|old|all: the worker's burst admission (server: its
    defaults; prefill: prefill-only steps while a burst arrives and a burst gap scaled to
    its gaps; gap: the scaled gap only; old: neither, a fixed 30 ms gap; all: interleaved
@@ -265,6 +267,7 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
     print(f"   server engine: {slots} slots, warm-up compiled {n_warm} programs in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     srv.start()
+    threads = {srv._thread.native_id: "HTTP thread", srv.engine._thread.native_id: "worker"}
     modes = ("process", "thread") if args.clients == "both" else (args.clients,)
     try:
         t_in = None
@@ -295,23 +298,32 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
                 warm += 1
             n_prog = srv.engine.sampling.programs()
             by_policy = {policy: [] for policy in policies}
+            if t_in is None:
+                tr.sample(prompts, sp, num_samples=args.s)  # compiles
+                calls = []
             for _ in range(3 if len(policies) == 1 else 7):  # interleaved
                 for policy in policies:
                     set_admission(policy)
                     del steps[:]
-                    c0 = time.process_time()
+                    c0, th0 = time.process_time(), thread_cpu(threads)
                     c_t0, c_sent, c_t1, c_cpu = round_()
+                    th = {k: v - th0.get(k, 0.0) for k, v in thread_cpu(threads).items()}
                     by_policy[policy].append((c_t1 - c_t0, c_t0, c_sent, c_t1, c_cpu,
-                                              time.process_time() - c0, list(steps)))
+                                              (time.process_time() - c0, th), list(steps)))
+                if t_in is None:  # the in-process call between rounds: load falls on both
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    tr.sample(prompts, sp, num_samples=args.s)
+                    calls.append((time.perf_counter() - t0, time.process_time() - c0))
             set_admission("server")
             if mode == "process":
                 parent.send(None)
                 proc.join(timeout=30)
             if t_in is None:
-                tr.sample(prompts, sp, num_samples=args.s)  # compiles
-                c0, t0 = time.process_time(), time.perf_counter()
-                tr.sample(prompts, sp, num_samples=args.s)
-                t_in, c_in = time.perf_counter() - t0, time.process_time() - c0
+                calls.sort()
+                t_in, c_in = calls[len(calls) // 2]
+                print(f"   in-process call: median {t_in:.2f} s of "
+                      f"{', '.join(f'{w:.2f}' for w, _ in calls)} s (between the rounds)",
+                      flush=True)
             for policy, rounds in by_policy.items():
                 rounds.sort(key=lambda r: r[0])
                 t_srv, c_t0, c_sent, c_t1, c_cpu, s_cpu, trace = rounds[len(rounds) // 2]
@@ -340,11 +352,35 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
                       f"reached the worker +{arrived[0] - c_t0:.2f}..+{arrived[-1] - c_t0:.2f} s "
                       f"(largest gaps {', '.join(f'{g * 1e3:.0f}' for g in gaps)} ms); "
                       f"engine steps (start, seconds): {line}; last result at the clients "
-                      f"+{t_srv:.2f} s; CPU s: server process {s_cpu:.2f}, clients {c_cpu:.2f}"
+                      f"+{t_srv:.2f} s; CPU s: server process {s_cpu[0]:.2f} ("
+                      f"{', '.join(f'{k} {v:.2f}' for k, v in s_cpu[1].items())}), clients "
+                      f"{c_cpu:.2f}"
                       f"{' (same process)' if mode == 'thread' else ''}; in-process call "
                       f"{t_in:.2f} s, {c_in:.2f} CPU s", flush=True)
     finally:
         srv.stop()
+
+
+def thread_cpu(named: dict) -> dict:
+    """CPU seconds so far of this process's threads: those in `named` (native id -> name),
+    XLA's compute threads, and the rest (Linux /proc; empty elsewhere)."""
+    out: dict = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended
+            continue
+        comm, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:]
+        name = named.get(int(tid), "XLA threads" if "XLA" in comm else "other")
+        user, system = fields.split()[11:13]
+        out[name] = out.get(name, 0.0) + (int(user) + int(system)) / tick
+    return out
 
 
 def sdk_clients(url: str, prompts, s: int, t: int, conn):

@@ -169,7 +169,10 @@ class Server:
                 port = s.getsockname()[1]
         self.host, self.port = host, port
         self.url = f"http://{host}:{port}"
+        # httptools parses HTTP/1.1 in C (h11, uvicorn's pure-Python fallback, costs the
+        # engine CPU on a CPU host); the event loop is uvloop (orbax-checkpoint needs it).
         self._uv = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port,
+                                                 http="httptools", loop="uvloop",
                                                  log_level="warning", access_log=False))
         self._thread: threading.Thread | None = None
 

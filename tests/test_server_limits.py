@@ -200,6 +200,52 @@ def test_wrong_field_types_are_the_clients_fault(env, route, body, field):
     refused(env, post(env, route, body), field)
 
 
+def test_hot_routes_answer_as_fastapi_routes(env, monkeypatch):
+    """asample / retrieve_future are answered before FastAPI (app.HotRoutes): each failure
+    gets the status, content type and body that a FastAPI route (cancel_future, which
+    reads the same tables) gives it."""
+    def answer(route, **kw):
+        r = post(env, route, **kw)
+        return r.status_code, r.headers["content-type"], r.text
+
+    hot = ("asample", "retrieve_future")
+    for route in hot:
+        assert answer(route, body={}, key="tml-mallory") == \
+            answer("cancel_future", body={}, key="tml-mallory")
+        big = {"content": bytes(LIMITS.body_bytes + 1)}
+        assert answer(route, **big) == answer("cancel_future", **big)
+        r = httpx.get(f"{env['srv'].url}/api/v1/{route}")
+        assert r.status_code == 405 and r.headers["allow"] == "POST", r.text
+    unknown = {"request_id": "req-nope"}
+    status = [answer(route, body=unknown)[0] for route in ("retrieve_future", "cancel_future")]
+    assert status == [404, 404]
+
+    def broken(*a, **kw):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(env["srv"].futures, "get", broken)
+    got = [answer(route, body=unknown) for route in ("retrieve_future", "cancel_future")]
+    assert got[0] == got[1] and got[0][0] == 500, got
+    monkeypatch.undo()
+    assert_others_served(env)
+
+
+def test_retrieve_future_long_polls_then_answers_try_again(env, monkeypatch):
+    monkeypatch.setattr("jcp.server.app.POLL_S", 0.3)
+    mid = env.get("m0") or new_model(env, 2)
+    env["srv"].scheduler.hold()
+    try:
+        f = post(env, "save_weights", {"model_id": mid})
+        t0 = time.monotonic()
+        r = post(env, "retrieve_future", {"request_id": f.json()["request_id"]})
+        waited = time.monotonic() - t0
+    finally:
+        env["srv"].scheduler.release()
+    assert r.status_code == 408 and r.json()["type"] == "try_again" and waited >= 0.3, \
+        (r.status_code, r.text, waited)
+    assert result(env, f).get("type") == "save_weights"
+
+
 def test_deep_nesting_and_non_object_bodies_are_4xx(env):
     deep = b'{"model_id": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
     for route in ("optim_step", "asample", "create_model", "retrieve_future"):

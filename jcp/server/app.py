@@ -9,6 +9,12 @@ RequestFailedError for that request only. REST routes (training runs, checkpoint
 weights info, copies, external-weights download URLs with expiring per-file tokens,
 cancel_future, retrieve_futures) answer from the state store, or wait for the worker when
 they touch folders a load might be reading. It must never import jax or the worker.
+
+The sampling hot path — POST asample and retrieve_future, hundreds at once per RL step —
+is answered by `HotRoutes`, a plain ASGI layer in front of the FastAPI app: FastAPI's
+middleware, routing, dependency solving and response serialization cost more CPU than
+these two handlers themselves, and on a CPU host that CPU is taken from the engine.
+Every other request goes through FastAPI.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import json
+import logging
 import os
 import secrets
 import threading
@@ -39,7 +47,9 @@ URL_TTL_S = 15 * 60
 MAX_URL_TOKENS = 20_000
 KEEP_COMPLETIONS = 20_000
 PROTO = "application/x-protobuf"
-HOT_ROUTES = ("/api/v1/asample", "/api/v1/retrieve_future")
+# Exceptions a handler may raise -> HTTP status; the body is {"detail": message}.
+STATUS = ((AuthError, 401), (NotFound, 404), (SessionEnded, 410))
+log = logging.getLogger("jcp.serve")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +154,7 @@ class FutureTable:
 
 def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
                served: ServedModel, limits: Limits = Limits(), alive=lambda: True,
-               failure=lambda: None) -> FastAPI:
+               failure=lambda: None) -> "HotRoutes":
     """alive() -> whether the worker can serve (/healthz reports it); failure() -> why a
     multi-process job cannot (a follower died or stopped answering): /healthz says so and
     every new request is refused with it (503)."""
@@ -158,18 +168,14 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
     def owner(request: Request) -> str:
         return store.owner_of_key(request.headers.get("x-api-key"))
 
-    @app.exception_handler(AuthError)
-    async def _auth(request, exc):
-        return JSONResponse({"detail": str(exc)}, status_code=401)
+    # 410 (SessionEnded) is what stops the SDK's heartbeat loop for a session.
+    def answer(status: int):
+        async def handler(request, exc):
+            return JSONResponse({"detail": str(exc)}, status_code=status)
+        return handler
 
-    @app.exception_handler(NotFound)
-    async def _missing(request, exc):
-        return JSONResponse({"detail": str(exc)}, status_code=404)
-
-    @app.exception_handler(SessionEnded)
-    async def _ended(request, exc):
-        # 410 is what stops the SDK's heartbeat loop for a session.
-        return JSONResponse({"detail": str(exc)}, status_code=410)
+    for exc_type, status in STATUS:
+        app.exception_handler(exc_type)(answer(status))
 
     @app.exception_handler(Refused)
     async def _refused(request, exc):
@@ -215,17 +221,8 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
         return out
 
     async def body_bytes(request: Request) -> bytes:
-        limit = limits.body_bytes
-        n = request.headers.get("content-length", "")
-        if n.isdigit() and int(n) > limit:
-            raise Refused(413, f"body: {n} bytes exceed {limit} (--max-body-bytes)")
-        chunks, size = [], 0
-        async for c in request.stream():
-            size += len(c)
-            if size > limit:
-                raise Refused(413, f"body: more than {limit} bytes (--max-body-bytes)")
-            chunks.append(c)
-        return b"".join(chunks)
+        return await read_body(request.headers.get("content-length", ""), request.stream(),
+                               limits.body_bytes)
 
     async def body_json(request: Request) -> dict:
         return edge.parse_json(await body_bytes(request))
@@ -425,9 +422,8 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
         return {"sampler_id": rec.sampler_id, "base_model": rec.base_model,
                 "model_path": rec.model_path}
 
-    @app.post("/api/v1/asample")
-    async def asample(request: Request):
-        who, body = owner(request), await body_json(request)
+    def asample(who: str, body: dict) -> dict:
+        """POST asample (HotRoutes)."""
         n = body.get("num_samples", 1)
         # The failed future still answers one id per sample the client asked for, but
         # never more than the bound (the ids are built here, on the event loop).
@@ -447,12 +443,10 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
             store.sampler(req.sampling_session_id, who)
             args = wire.decode_sample(body)
         except (Refused, wire.WireError, NotFound) as e:
-            return failed(who, str(e), sample_sequence_ids=[f"seq-{uuid.uuid4().hex}"
-                                                             for _ in range(n)])
-        ids = [f"seq-{uuid.uuid4().hex}" for _ in range(n)]
+            return failed(who, str(e), sample_sequence_ids=sequence_ids(n))
         return enqueue(who, "sample", None, None,
                        {"sampling_session_id": req.sampling_session_id, "args": args},
-                       group=req.sampling_session_id, sample_sequence_ids=ids)
+                       group=req.sampling_session_id, sample_sequence_ids=sequence_ids(n))
 
     # ------------------------------------------------------------------ REST: runs, checkpoints
 
@@ -623,25 +617,109 @@ def create_app(store: StateStore, sched: Scheduler, futures: FutureTable,
 
     # ------------------------------------------------------------------ futures (one)
 
-    @app.post("/api/v1/retrieve_future")
-    async def retrieve_future(request: Request):
-        who, body = owner(request), await body_json(request)
+    async def retrieve_future(who: str, body: dict) -> tuple[int, str, bytes] | dict:
+        """POST retrieve_future (HotRoutes): the result once the future completes, or 408
+        (try again) after POLL_S."""
         rid = edge.parse(edge.RequestRef, body, "retrieve_future").request_id
         entry = futures.get(rid, who)
-        try:
-            await asyncio.wait_for(asyncio.shield(entry.event.wait()), POLL_S)
-        except asyncio.TimeoutError:
-            return JSONResponse({"type": "try_again", "request_id": rid,
-                                 "queue_state": "active"}, status_code=408)
+        if not entry.event.is_set():
+            try:  # a timer, no task: hundreds of these wait at once in an RL step
+                async with asyncio.timeout(POLL_S):
+                    await entry.event.wait()
+            except TimeoutError:
+                return 408, JSON, json_bytes({"type": "try_again", "request_id": rid,
+                                              "queue_state": "active"})
         kind, *rest = entry.result
         if kind == "proto":
-            return Response(content=rest[0], media_type=PROTO)
+            return 200, PROTO, rest[0]
         if kind == "json":
             return rest[0]
         return {"error": rest[0], "category": rest[1]}
 
-    # Starlette tries routes in order: match the sampling hot path first (an RL step sends
-    # hundreds of asample + retrieve_future at once; at the end of the list each request
-    # tried ~50 routes, ~25 % of the server's CPU per request).
-    app.router.routes.sort(key=lambda r: getattr(r, "path", None) not in HOT_ROUTES)
-    return app
+    return HotRoutes(app, store, limits, {"/api/v1/asample": asample,
+                                          "/api/v1/retrieve_future": retrieve_future})
+
+
+JSON = "application/json"
+
+
+def json_bytes(obj) -> bytes:
+    """A JSON body as FastAPI writes one (compact, UTF-8, no NaN)."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False,
+                      separators=(",", ":")).encode()
+
+
+def sequence_ids(n: int) -> list[str]:
+    """n new sample sequence ids (one random draw for all: they need be unique only)."""
+    base = uuid.uuid4().hex
+    return [f"seq-{base}-{k}" for k in range(n)]
+
+
+async def read_body(length: str, chunks, limit: int) -> bytes:
+    """A request body from its content-length header and its chunks (an async iterator),
+    refused (413) once over `limit` bytes (--max-body-bytes)."""
+    if length.isdigit() and int(length) > limit:
+        raise Refused(413, f"body: {length} bytes exceed {limit} (--max-body-bytes)")
+    parts, size = [], 0
+    async for c in chunks:
+        size += len(c)
+        if size > limit:
+            raise Refused(413, f"body: more than {limit} bytes (--max-body-bytes)")
+        parts.append(c)
+    return b"".join(parts)
+
+
+class HotRoutes:
+    """The server's ASGI app: POST to a hot path (`routes`: path -> handler(tenant, JSON
+    body) -> dict, answered as JSON, or (status, content type, bytes); sync or async) is
+    answered here, everything else by the FastAPI `app`. Errors are answered as FastAPI's
+    handlers answer them (STATUS, Refused; 500 for anything else)."""
+
+    def __init__(self, app: FastAPI, store: StateStore, limits: Limits, routes: dict):
+        self.app, self.store, self.limits, self.routes = app, store, limits, routes
+
+    async def __call__(self, scope, receive, send) -> None:
+        handler = self.routes.get(scope.get("path")) if scope["type"] == "http" else None
+        if handler is None:
+            return await self.app(scope, receive, send)
+        if scope["method"] != "POST":
+            return await self.answer(send, 405, JSON, json_bytes({"detail": "Method Not Allowed"}),
+                                     [(b"allow", b"POST")])
+        headers = dict(scope["headers"])
+        try:
+            who = self.store.owner_of_key((headers.get(b"x-api-key") or b"").decode("latin-1")
+                                          or None)
+            body = edge.parse_json(await read_body(
+                headers.get(b"content-length", b"").decode("latin-1"), self.chunks(receive),
+                self.limits.body_bytes))
+            out = handler(who, body)
+            if asyncio.iscoroutine(out):
+                out = await out
+            status, kind, data = out if isinstance(out, tuple) else (200, JSON, json_bytes(out))
+        except Refused as e:
+            status, kind, data = e.status, JSON, json_bytes({"detail": str(e)})
+        except Exception as e:  # noqa: BLE001 — answered as FastAPI would, then logged
+            status = next((st for t, st in STATUS if isinstance(e, t)), None)
+            if status is None:
+                log.exception("%s failed", scope["path"])
+                return await self.answer(send, 500, "text/plain; charset=utf-8",
+                                         b"Internal Server Error")
+            kind, data = JSON, json_bytes({"detail": str(e)})
+        await self.answer(send, status, kind, data)
+
+    @staticmethod
+    async def chunks(receive):
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            yield msg.get("body", b"")
+            if not msg.get("more_body", False):
+                return
+
+    @staticmethod
+    async def answer(send, status: int, kind: str, data: bytes, extra=()) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", kind.encode()),
+                                (b"content-length", str(len(data)).encode()), *extra]})
+        await send({"type": "http.response.body", "body": data})

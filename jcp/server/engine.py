@@ -69,20 +69,25 @@ log = logging.getLogger("jcp.serve")
 # prompt groups, sent at once) and the worker takes every sample that comes within
 # ADMIT_GAP_SCALE × the largest gap between the burst's arrivals so far (at least
 # ADMIT_GAP_S, at most ADMIT_BURST_GAP_S) of the one before, for at most ADMIT_WINDOW_S.
-# While it gathers, it admits the arrivals and prefills them in prefill-only steps
-# (Engine.step(decode=False)) once ADMIT_PREFILL_MIN are waiting (each step has a fixed
-# cost, and competes with the HTTP thread that is still taking the burst), so when the
-# burst ends only the last arrivals' prefill is left and the whole batch decodes
-# together (on a 2-core host this is neutral, README "s20p": the prefill-only steps
-# slow the HTTP thread as much as they save). Decoding the first arrivals while the rest
-# still arrive costs more than it saves on CPU hosts: the later ones join a batch whose
-# early rows end first, in a fixed-shape device loop, and the mid-burst steps pad to the
-# next rows bucket (benchmarks/engine.py; 128 requests × 8 × 32 admitted 16 + 49 + 63
-# took 1.2-1.4× the CPU seconds of all at once, 16 + 112 1.0-1.1×). The first decode step
-# after a gather is short (Engine.step(hurry=True)), so stragglers join one chunk later.
+# While it gathers, it admits the arrivals and, on an accelerator, prefills them in
+# prefill-only steps (Engine.step(decode=False)) once ADMIT_PREFILL_MIN are waiting (each
+# step has a fixed cost), so when the burst ends only the last arrivals' prefill is left
+# and the whole batch decodes together. On a CPU host the prefill-only steps take the
+# cores from the HTTP thread (and local clients) that are still taking the burst: on 2
+# cores they cost the server 0.02–0.17 CPU s more per 128 × 8 × 32 burst than one
+# prefill of the whole burst in its first step (benchmarks/engine.py --admission all), so
+# there the burst is only gathered (ADMIT_PREFILL None: by platform). Decoding the first
+# arrivals while the rest still arrive costs more than it saves on CPU hosts: the later
+# ones join a batch whose early rows end first, in a fixed-shape device loop, and the
+# mid-burst steps pad to the next rows bucket (benchmarks/engine.py; 128 requests × 8 ×
+# 32 admitted 16 + 49 + 63 took 1.2-1.4× the CPU seconds of all at once, 16 + 112
+# 1.0-1.1×). The first decode step after a gather is short (Engine.step(hurry=True)), so
+# stragglers join one chunk later.
 ADMIT_GAP_S = 0.01
 ADMIT_GAP_SCALE: float | None = 4.0  # None: every later gap is ADMIT_BURST_GAP_S
-ADMIT_PREFILL = True  # False: no prefill-only steps (the burst prefills in its first step)
+# False: no prefill-only steps (the burst prefills in its first step); None: on an
+# accelerator only.
+ADMIT_PREFILL: bool | None = None
 ADMIT_PREFILL_MIN = 16  # requests admitted and not yet prefilled that make one worth its cost
 ADMIT_BURST_GAP_S = 0.03
 ADMIT_WINDOW_S = 0.5
@@ -132,6 +137,8 @@ class Engine:
         # tinker path (snapshots) or PEFT folder (named saves) -> slot, least recent first.
         self._sampler_slots: OrderedDict[str, int] = OrderedDict()
         self._retired: set[int] = set()  # sampler slots to free once no sequence reads them
+        # Prefill-only steps while a burst arrives (ADMIT_PREFILL None): off on a CPU host.
+        self.accelerator = trainer.mesh.devices.flat[0].platform != "cpu"
         sampler = trainer.make_sampler()
         groups = sampler.dp * sampler.cp
         rows = sample_rows or min(self.token_cap, SAMPLE_ROWS)
@@ -227,8 +234,9 @@ class Engine:
         for w in samples:
             self._admit_sample(w)
         self._unlogged += samples
-        if ADMIT_PREFILL and (len(self.sampling.waiting) + len(self.sampling.prefilling)
-                              >= ADMIT_PREFILL_MIN):
+        prefill = self.accelerator if ADMIT_PREFILL is None else ADMIT_PREFILL
+        if prefill and (len(self.sampling.waiting) + len(self.sampling.prefilling)
+                        >= ADMIT_PREFILL_MIN):
             self._step(False, False)
             self.prefill_steps += 1
 
