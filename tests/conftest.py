@@ -7,15 +7,22 @@ after each test module, the tests' own caches (tests/ and tests/helpers/) are em
 cleared: each module starts from nothing compiled (it compiles its own programs anyway).
 
 Compiling dominates the suite's time on CI's 2 cores, so the tests compile differently from
-a user's run in two ways that change no program's meaning:
+a user's run in ways that change no program's meaning:
 - LLVM at -O0 (`--xla_backend_optimization_level=0`): measured on a Trainer's
   forward_backward at (1,2,1), 10.3 instead of 16.6 CPU s per compile; values differ from
   the default level's in the last bits only (≤ 1.7e-6 of the largest magnitude; every
   in-process comparison runs both sides at -O0); the tiny models' run time does not
-  notice. Child processes (jcp-train, jcp-serve, the two-process and the killed-save
-  tests) choose their own device count and take the same level from
-  JCP_TEST_CHILD_XLA_FLAGS (a jcp-train --moe run of 3 steps: 73.5 -> 50.5 CPU s, the
-  same losses to the printed digits).
+  notice.
+- XLA:CPU's older fusion code generators (`--xla_cpu_use_fusion_emitters=false`) and LLVM
+  code generation in one piece (`--xla_cpu_parallel_codegen_split_count=1`): compiling
+  the tiny Qwen3 / Qwen3.5 forward_backward at (1,2,2) 3.5 -> 1.3 / 14.6 -> 5.3 CPU s, their
+  sampling programs 3.0 -> 0.9 / 7.1 -> 1.9; the log-probs, gradients and sampled tokens
+  of dense, Qwen3.5 and MoE models (152 arrays) bit-identical to the new emitters', and
+  the programs run no slower.
+  Child processes (jcp-train, jcp-serve, the two-process and the killed-save tests)
+  choose their own device count and take the same flags from JCP_TEST_CHILD_XLA_FLAGS (a
+  jcp-train --moe run of 3 steps at -O0: 73.5 -> 50.5 CPU s, the same losses to the
+  printed digits).
   JCP_TEST_XLA_OPT=default compiles the in-process tests and the children as users do.
 - JAX's persistent compilation cache in a fresh folder per session (removed at exit), for
   programs that took ≥ 1 s to compile: the same program built again (a new Trainer, a
@@ -39,7 +46,8 @@ import sys
 import tempfile
 
 _OPT = ("" if os.environ.get("JCP_TEST_XLA_OPT") == "default"
-        else " --xla_backend_optimization_level=0")
+        else " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+        " --xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _OPT
 ).strip()
