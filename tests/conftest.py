@@ -72,26 +72,26 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 HELPERS = os.path.join(TESTS, "helpers")
 
 
-# About how many seconds each module's tests take in one worker of the quiet 2-core suite
-# (estimated from the suite's --durations and per-module CPU time; the 2-process modules
-# count their children, which take the other core too). Modules not listed are short and
-# run last, in name order. Only the order depends on these: refresh them when a module
-# grows or shrinks a lot, from a quiet run's per-module totals:
+# About how many CPU seconds each module's tests take (the test process and its children:
+# jcp-train, jcp-serve, the 2-process jobs), measured per test in one `-n 2 --dist loadfile`
+# run (test_serve_multiprocess.py: its wall time, 2 minutes of waiting on its jobs, so that
+# it starts early). Modules not listed are short and run last, in name order. Only the order depends on
+# these: refresh them when a module grows or shrinks a lot, e.g. from a quiet run's
+# per-module totals of --durations (wall seconds: the same order):
 #   python -m pytest -q -n 2 --dist loadfile --durations=0 | grep -E "s (call|setup|teardown) " |
 #     awk '{split($3, a, "::"); t[a[1]] += $1} END {for (f in t) print t[f], f}' | sort -rn
 FILE_SECONDS = {
-    "test_qwen3_5.py": 290, "test_trainer.py": 190, "test_engine.py": 170,
-    "test_serve_multiprocess.py": 150, "test_moe_lora.py": 130, "test_cli.py": 110,
-    "test_custom_server.py": 110, "test_sampling.py": 80, "test_moe_metrics.py": 70,
-    "test_qwen3_5_moe.py": 70, "test_multiprocess.py": 60, "test_moe.py": 60,
-    "test_checkpoint_faults.py": 60, "test_reliability.py": 60, "test_benchmarks.py": 50,
-    "test_server_sampling.py": 50, "test_sample_fields.py": 50, "test_checkpoint.py": 40,
-    "test_server_lifecycle.py": 40, "test_trainer_config.py": 40, "test_custom_loss.py": 40,
-    "test_topk_targets.py": 30, "test_delta_rule.py": 30, "test_server.py": 30,
-    "test_server_limits.py": 30, "test_pallas_attention.py": 30, "test_model.py": 30,
-    "test_peft_moe.py": 30, "test_mixed_losses.py": 25, "test_attention.py": 20,
-    "test_peft.py": 20, "test_hf.py": 20, "test_cookbook.py": 15, "test_losses.py": 10,
-    "test_batch.py": 10, "test_scheduler_gather.py": 10,
+    "test_qwen3_5.py": 170, "test_moe_lora.py": 130, "test_engine.py": 125,
+    "test_serve_multiprocess.py": 125, "test_trainer.py": 70, "test_cli.py": 70,
+    "test_sampling.py": 70, "test_reliability.py": 60, "test_custom_server.py": 60,
+    "test_losses.py": 50, "test_qwen3_5_moe.py": 50, "test_moe_metrics.py": 45,
+    "test_checkpoint_faults.py": 40, "test_benchmarks.py": 35, "test_multiprocess.py": 30,
+    "test_model.py": 30, "test_moe.py": 30, "test_delta_rule.py": 30,
+    "test_server_sampling.py": 30, "test_server.py": 25, "test_checkpoint.py": 25,
+    "test_pallas_attention.py": 20, "test_server_lifecycle.py": 20,
+    "test_mixed_losses.py": 15, "test_sample_fields.py": 15, "test_cookbook.py": 15,
+    "test_attention.py": 15, "test_trainer_config.py": 15, "test_peft.py": 10,
+    "test_server_limits.py": 10, "test_structure.py": 10, "test_topk_targets.py": 10,
 }
 
 
