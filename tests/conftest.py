@@ -73,11 +73,12 @@ HELPERS = os.path.join(TESTS, "helpers")
 
 
 # About how many CPU seconds each module's tests take (the test process and its children:
-# jcp-train, jcp-serve, the 2-process jobs), measured per test in one `-n 2 --dist loadfile`
-# run (test_serve_multiprocess.py: its wall time, 2 minutes of waiting on its jobs, so that
-# it starts early). Modules not listed are short and run last, in name order. Only the order depends on
-# these: refresh them when a module grows or shrinks a lot, e.g. from a quiet run's
-# per-module totals of --durations (wall seconds: the same order):
+# jcp-train, jcp-serve, the 2-process jobs), measured per test with
+# tests/helpers/timing_plugin.py in one `-n 2 --dist loadfile` run; test_serve_multiprocess.py
+# counts its wall time (2 minutes, mostly waiting on its jobs) so that it starts early.
+# Modules not listed are short and run last, in name order. Only the order depends on
+# these: refresh them when a module grows or shrinks a lot, from the plugin's per-module
+# sums or from a quiet run's per-module totals of --durations (wall seconds):
 #   python -m pytest -q -n 2 --dist loadfile --durations=0 | grep -E "s (call|setup|teardown) " |
 #     awk '{split($3, a, "::"); t[a[1]] += $1} END {for (f in t) print t[f], f}' | sort -rn
 FILE_SECONDS = {
