@@ -7,15 +7,22 @@ after each test module, the tests' own caches (tests/ and tests/helpers/) are em
 cleared: each module starts from nothing compiled (it compiles its own programs anyway).
 
 Compiling dominates the suite's time on CI's 2 cores, so the tests compile differently from
-a user's run in two ways that change no program's meaning:
+a user's run in ways that change no program's meaning:
 - LLVM at -O0 (`--xla_backend_optimization_level=0`): measured on a Trainer's
   forward_backward at (1,2,1), 10.3 instead of 16.6 CPU s per compile; values differ from
   the default level's in the last bits only (≤ 1.7e-6 of the largest magnitude; every
   in-process comparison runs both sides at -O0); the tiny models' run time does not
-  notice. Child processes (jcp-train, jcp-serve, the two-process and the killed-save
-  tests) choose their own device count and take the same level from
-  JCP_TEST_CHILD_XLA_FLAGS (a jcp-train --moe run of 3 steps: 73.5 -> 50.5 CPU s, the
-  same losses to the printed digits).
+  notice.
+- XLA:CPU's older fusion code generators (`--xla_cpu_use_fusion_emitters=false`) and LLVM
+  code generation in one piece (`--xla_cpu_parallel_codegen_split_count=1`): compiling
+  the tiny Qwen3 / Qwen3.5 forward_backward at (1,2,2) 3.5 -> 1.3 / 14.6 -> 5.3 CPU s, their
+  sampling programs 3.0 -> 0.9 / 7.1 -> 1.9; the log-probs, gradients and sampled tokens
+  of dense, Qwen3.5 and MoE models (152 arrays) bit-identical to the new emitters', and
+  the programs run no slower.
+  Child processes (jcp-train, jcp-serve, the two-process and the killed-save tests)
+  choose their own device count and take the same flags from JCP_TEST_CHILD_XLA_FLAGS (a
+  jcp-train --moe run of 3 steps at -O0: 73.5 -> 50.5 CPU s, the same losses to the
+  printed digits).
   JCP_TEST_XLA_OPT=default compiles the in-process tests and the children as users do.
 - JAX's persistent compilation cache in a fresh folder per session (removed at exit), for
   programs that took ≥ 1 s to compile: the same program built again (a new Trainer, a
@@ -39,7 +46,8 @@ import sys
 import tempfile
 
 _OPT = ("" if os.environ.get("JCP_TEST_XLA_OPT") == "default"
-        else " --xla_backend_optimization_level=0")
+        else " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+        " --xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _OPT
 ).strip()
@@ -64,26 +72,27 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 HELPERS = os.path.join(TESTS, "helpers")
 
 
-# About how many seconds each module's tests take in one worker of the quiet 2-core suite
-# (estimated from the suite's --durations and per-module CPU time; the 2-process modules
-# count their children, which take the other core too). Modules not listed are short and
-# run last, in name order. Only the order depends on these: refresh them when a module
-# grows or shrinks a lot, from a quiet run's per-module totals:
+# About how many CPU seconds each module's tests take (the test process and its children:
+# jcp-train, jcp-serve, the 2-process jobs), measured per test with
+# tests/helpers/timing_plugin.py in one `-n 2 --dist loadfile` run; test_serve_multiprocess.py
+# counts its wall time (2 minutes, mostly waiting on its jobs) so that it starts early.
+# Modules not listed are short and run last, in name order. Only the order depends on
+# these: refresh them when a module grows or shrinks a lot, from the plugin's per-module
+# sums or from a quiet run's per-module totals of --durations (wall seconds):
 #   python -m pytest -q -n 2 --dist loadfile --durations=0 | grep -E "s (call|setup|teardown) " |
 #     awk '{split($3, a, "::"); t[a[1]] += $1} END {for (f in t) print t[f], f}' | sort -rn
 FILE_SECONDS = {
-    "test_qwen3_5.py": 290, "test_trainer.py": 190, "test_engine.py": 170,
-    "test_serve_multiprocess.py": 150, "test_moe_lora.py": 130, "test_cli.py": 110,
-    "test_custom_server.py": 110, "test_sampling.py": 80, "test_moe_metrics.py": 70,
-    "test_qwen3_5_moe.py": 70, "test_multiprocess.py": 60, "test_moe.py": 60,
-    "test_checkpoint_faults.py": 60, "test_reliability.py": 60, "test_benchmarks.py": 50,
-    "test_server_sampling.py": 50, "test_sample_fields.py": 50, "test_checkpoint.py": 40,
-    "test_server_lifecycle.py": 40, "test_trainer_config.py": 40, "test_custom_loss.py": 40,
-    "test_topk_targets.py": 30, "test_delta_rule.py": 30, "test_server.py": 30,
-    "test_server_limits.py": 30, "test_pallas_attention.py": 30, "test_model.py": 30,
-    "test_peft_moe.py": 30, "test_mixed_losses.py": 25, "test_attention.py": 20,
-    "test_peft.py": 20, "test_hf.py": 20, "test_cookbook.py": 15, "test_losses.py": 10,
-    "test_batch.py": 10, "test_scheduler_gather.py": 10,
+    "test_qwen3_5.py": 170, "test_moe_lora.py": 130, "test_engine.py": 125,
+    "test_serve_multiprocess.py": 125, "test_trainer.py": 70, "test_cli.py": 70,
+    "test_sampling.py": 70, "test_reliability.py": 60, "test_custom_server.py": 60,
+    "test_losses.py": 50, "test_qwen3_5_moe.py": 50, "test_moe_metrics.py": 45,
+    "test_checkpoint_faults.py": 40, "test_benchmarks.py": 35, "test_multiprocess.py": 30,
+    "test_model.py": 30, "test_moe.py": 30, "test_delta_rule.py": 30,
+    "test_server_sampling.py": 30, "test_server.py": 25, "test_checkpoint.py": 25,
+    "test_pallas_attention.py": 20, "test_server_lifecycle.py": 20,
+    "test_mixed_losses.py": 15, "test_sample_fields.py": 15, "test_cookbook.py": 15,
+    "test_attention.py": 15, "test_trainer_config.py": 15, "test_peft.py": 10,
+    "test_server_limits.py": 10, "test_structure.py": 10, "test_topk_targets.py": 10,
 }
 
 
