@@ -47,7 +47,7 @@ def rotary(position_S, theta, rotary_dim) -> Rotary:
     """The Rotary tables of tokens at position_S (their position in their datum), computed
     once per call and shared by every layer's q and k.
 
-    Held apart by a barrier: fused into their consumers, XLA:CPU took cos and sin once per
+    Held apart by a lax.cond: fused into their consumers, XLA:CPU took cos and sin once per
     element of q and k — every head of every layer, and again in the backward pass (~5 % of
     benchmarks/throughput.py's 8 × 512 CPU step), where the tables hold S · R of each.
     """
