@@ -25,12 +25,14 @@ DEFAULT_BLOCK = 512
 
 # Tiles grow with the stream: at least `block` rows, and up to GROWN_TILE rows while a
 # stream still spans ≥ TILES_PER_STREAM of them (on CPU, 64-row tiles skip the most masked
-# work on short datums, but their loop overhead dominates long ones; measured 1.36× faster
-# fwd+bwd at 16k tokens with 256-row tiles than with 64). 128 rather than 256: fwd + bwd of
-# one causal datum on one core (benchmarks/profile_cpu.py's kernel shape, alternated, load
-# 12–20), 8k tokens 1.52 / 1.80 / 1.76 CPU s with 128-row tiles against 1.63 / 2.04 / 1.94
-# with 256; 16k 7.17 against 7.13 (equal).
-GROWN_TILE, TILES_PER_STREAM = 128, 32
+# work on short datums, but their loop overhead dominates long ones). XLA:CPU runs one op
+# at a time and uses a second core only inside a large enough op, so on the usual 2+
+# threads larger tiles win even though they compute more masked entries: one causal datum,
+# fwd + bwd + AdamW, 2 threads (benchmarks/throughput.py --side jcp, quiet), 8k tokens
+# 1,060 / 1,580 / 1,763 / 1,641 tok/s with 128 / 256 / 512 / 1024-row tiles, 16k 555 /
+# 891 / 1,015 with 128 / 256 / 512; 8 × 512 packed 5,260 / 5,820 / 4,900–5,700 with 64 /
+# 256 / 512. (On one core 128 measured best at 8k: 1.52–1.80 vs 1.63–2.04 CPU s with 256.)
+GROWN_TILE, TILES_PER_STREAM = 512, 16
 
 
 # Residuals of the blockwise kernel that a remat policy may save (see model.hidden_states).
