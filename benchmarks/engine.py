@@ -43,6 +43,8 @@ compiles the programs; the machine is shared, so treat them as rough.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import os
 import sys
 import tempfile
@@ -67,14 +69,27 @@ def parse_args(argv):
     p.add_argument("--clients", choices=("process", "thread", "both"), default="process",
                    help="4.: SDK clients in a spawned process (as deployed), in the server's "
                         "process (threads), or both")
-    p.add_argument("--admission", choices=("server", "prefill", "gap", "old", "all"),
-                   default="server",
-                   help="4.: the burst admission policy (server: jcp-serve's defaults; "
+    p.add_argument("--admission", type=admission_arg, default="server",
+                   help="4.: the burst admission policy, or several (comma-separated: "
+                        "interleaved rounds, one figure each) — server: jcp-serve's defaults; "
+                        "hurry: the defaults but a short first step after every gather; "
                         "prefill: prefill-only steps while a burst arrives and a burst gap "
                         "scaled to its gaps; gap: the scaled gap only; old: neither, a fixed "
-                        "30 ms gap; all: interleaved rounds of prefill, gap and old)")
+                        "30 ms gap; all: old,gap,prefill")
     args = p.parse_args(argv)
     return args
+
+
+POLICIES = ("server", "hurry", "prefill", "gap", "old")
+
+
+def admission_arg(text: str) -> tuple[str, ...]:
+    names = ("old", "gap", "prefill") if text == "all" else tuple(text.split(","))
+    for n in names:
+        if n not in POLICIES:
+            raise argparse.ArgumentTypeError(f"unknown admission policy {n!r} "
+                                             f"(one of {', '.join(POLICIES)}, all)")
+    return names
 
 
 DEFAULT_ADMISSION: dict = {}
@@ -85,11 +100,13 @@ def set_admission(policy: str) -> None:
     import jcp.server.engine as worker
     if not DEFAULT_ADMISSION:
         DEFAULT_ADMISSION.update(ADMIT_PREFILL=worker.ADMIT_PREFILL,
-                                 ADMIT_GAP_SCALE=worker.ADMIT_GAP_SCALE)
-    if policy == "server":
-        worker.ADMIT_PREFILL = DEFAULT_ADMISSION["ADMIT_PREFILL"]
-        worker.ADMIT_GAP_SCALE = DEFAULT_ADMISSION["ADMIT_GAP_SCALE"]
-    else:
+                                 ADMIT_GAP_SCALE=worker.ADMIT_GAP_SCALE,
+                                 ADMIT_HURRY=worker.ADMIT_HURRY)
+    for name, value in DEFAULT_ADMISSION.items():
+        setattr(worker, name, value)
+    if policy == "hurry":
+        worker.ADMIT_HURRY = True
+    elif policy != "server":
         worker.ADMIT_PREFILL = policy == "prefill"
         worker.ADMIT_GAP_SCALE = 4.0 if policy in ("prefill", "gap") else None
 
@@ -286,8 +303,7 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
             # Warm-up until two rounds compile nothing: how concurrent requests arrive
             # decides which prefill / decode buckets a round meets, so one round may not
             # see them all (a compile inside the timed round once made it 0.02×).
-            policies = (("old", "gap", "prefill") if args.admission == "all"
-                        else (args.admission,))
+            policies = args.admission
             n_prog, warm, quiet = -1, 0, 0
             while quiet < 2 and warm < 8:  # two rounds in a row that compile nothing
                 quiet = quiet + 1 if n_prog == srv.engine.sampling.programs() else 0
@@ -298,6 +314,9 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
                 warm += 1
             n_prog = srv.engine.sampling.programs()
             by_policy = {policy: [] for policy in policies}
+            bare: list[tuple] = []  # rounds without model work: (wall, server CPU, clients CPU)
+            with no_model(srv.engine.sampling):
+                round_()  # its first round: the SDK's and server's paths warm
             if t_in is None:
                 tr.sample(prompts, sp, num_samples=args.s)  # compiles
                 calls = []
@@ -314,6 +333,12 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
                     c0, t0 = time.process_time(), time.perf_counter()
                     tr.sample(prompts, sp, num_samples=args.s)
                     calls.append((time.perf_counter() - t0, time.process_time() - c0))
+                # The same requests answered without model work (the bound below).
+                with no_model(srv.engine.sampling):
+                    c0, th0 = time.process_time(), thread_cpu(threads)
+                    c_t0, _, c_t1, c_cpu = round_()
+                    th = {k: v - th0.get(k, 0.0) for k, v in thread_cpu(threads).items()}
+                    bare.append((c_t1 - c_t0, time.process_time() - c0, c_cpu, th))
             set_admission("server")
             if mode == "process":
                 parent.send(None)
@@ -334,7 +359,12 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
                       f"{n_seq * args.t / t_in:.0f} tok/s -> {t_in / t_srv:.2f}× (goal ≥ 0.8); "
                       f"engine programs {n_prog} after {warm} warm-up round(s), "
                       f"{srv.engine.sampling.programs()} after {len(rounds)} timed rounds "
-                      f"(median kept; all: {', '.join(f'{r[0]:.2f}' for r in rounds)} s)",
+                      f"(median kept; all: {', '.join(f'{r[0]:.2f}' for r in rounds)} s); "
+                      f"CPU s per round, median of all: server {median(r[5][0] for r in rounds):.2f}"
+                      f", XLA threads {median(r[5][1].get('XLA threads', 0) for r in rounds):.2f}"
+                      f", worker {median(r[5][1].get('worker', 0) for r in rounds):.3f}, clients "
+                      f"{median(r[4] for r in rounds):.2f}; engine steps per round "
+                      f"{median(sum(st.get('decode', True) for st in r[6]) for r in rounds):.0f}",
                       flush=True)
                 arrived = sorted(a for st in trace for a in st["arrived"])
                 gaps = sorted(np.diff(arrived))[::-1][:3] if len(arrived) > 1 else []
@@ -357,8 +387,59 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
                       f"{c_cpu:.2f}"
                       f"{' (same process)' if mode == 'thread' else ''}; in-process call "
                       f"{t_in:.2f} s, {c_in:.2f} CPU s", flush=True)
+            bare.sort(key=lambda r: r[0])
+            t_d, s_d, c_d, th_d = bare[len(bare) // 2]
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
+            # No overlap: the round is the model's time plus the bare round's. Perfect
+            # overlap: the bare round's CPU seconds (server + clients) run on the cores the
+            # in-process call leaves idle, the rest of them lengthen the round.
+            spare = max(0.0, cores * t_in - c_in)
+            if mode == "thread":  # the clients' CPU is in the server process's
+                c_d = 0.0
+            over = max(0.0, s_d + c_d - spare) / cores
+            ratio = t_in / by_policy[policies[0]][len(by_policy[policies[0]]) // 2][0]
+            print(f"   bound: the same {args.r} SDK requests answered at admission without "
+                  f"model work (a dummy result of {args.s}×{args.t} tokens each): median "
+                  f"{t_d:.2f} s of {', '.join(f'{r[0]:.2f}' for r in bare)} s; CPU s server "
+                  f"{s_d:.2f} ({', '.join(f'{k} {v:.2f}' for k, v in th_d.items())}), "
+                  f"clients {c_d:.2f} -> ceiling t_in / (t_in + overhead): no overlap "
+                  f"{t_in / (t_in + t_d):.2f}×, perfect overlap on {cores} cores "
+                  f"{t_in / (t_in + over):.2f}× (measured {ratio:.2f}×)", flush=True)
     finally:
         srv.stop()
+
+
+@contextlib.contextmanager
+def no_model(eng):
+    """Benchmark-only: while inside, the server's sampling engine answers every sample
+    request at submit with a dummy result of the size it asked for (num_samples ×
+    max_tokens tokens and log-probs), no model work — the round's pure HTTP + SDK cost."""
+    import numpy as np
+
+    from jcp.sample.params import SampledSequence, SampleResult
+
+    rng, ids = np.random.default_rng(0), itertools.count(1)
+
+    def submit(prompt, sampling_params, adapter=None, num_samples=1, prompt_logprobs=False,
+               callback=None, fields=None):
+        n = sampling_params.max_tokens
+        res = SampleResult([SampledSequence(rng.integers(0, 1000, n).astype(np.int32),
+                                            -rng.random(n).astype(np.float32), "length")
+                            for _ in range(num_samples)])
+        rid = -next(ids)
+        callback(rid, res)
+        return rid
+
+    eng.submit = submit  # an instance attribute over the method
+    try:
+        yield
+    finally:
+        del eng.submit
+
+
+def median(xs) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
 
 
 def thread_cpu(named: dict) -> dict:

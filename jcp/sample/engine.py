@@ -129,7 +129,10 @@ class PagePool:
     def __init__(self, groups: int, pages: int):
         self.pages = pages
         self.free = [deque(range(pages)) for _ in range(groups)]
-        self.ref = np.zeros((groups, pages), np.int64)
+        # Python lists, not an array: a step takes and releases thousands of pages one by
+        # one, and a NumPy scalar update costs several times a list's.
+        self.ref = [[0] * pages for _ in range(groups)]
+        self.held = [0] * groups  # pages with ref > 0, per device
         self.reserved = [0] * groups
         self.index: list[dict[bytes, int]] = [{} for _ in range(groups)]
         self.key_of: list[dict[int, bytes]] = [{} for _ in range(groups)]
@@ -142,7 +145,7 @@ class PagePool:
 
     def used(self, g: int) -> int:
         """Pages some sequence holds on device g."""
-        return int(np.sum(self.ref[g] > 0))
+        return self.held[g]
 
     def alloc(self, g: int) -> int:
         """A fresh page (from the free list, else the least recently used cached page)."""
@@ -152,17 +155,22 @@ class PagePool:
             p, _ = self.lru[g].popitem(last=False)
             del self.index[g][self.key_of[g].pop(p)]
             self.logprobs[g].pop(p, None)
-        self.ref[g, p] = 1
+        self.ref[g][p] = 1
+        self.held[g] += 1
         return p
 
     def take(self, g: int, p: int) -> None:
-        if self.ref[g, p] == 0:
+        ref = self.ref[g]
+        if ref[p] == 0:
             self.lru[g].pop(p)
-        self.ref[g, p] += 1
+            self.held[g] += 1
+        ref[p] += 1
 
     def release(self, g: int, p: int) -> None:
-        self.ref[g, p] -= 1
-        if self.ref[g, p] == 0:
+        ref = self.ref[g]
+        ref[p] -= 1
+        if ref[p] == 0:
+            self.held[g] -= 1
             if p in self.key_of[g]:
                 self.lru[g][p] = None
             else:
@@ -584,7 +592,7 @@ class Engine:
         `hits` cached pages."""
         full = req.n // self.page
         own = self._pages_per_seq(req.n, req.params["max_tokens"]) - full
-        cached_idle = sum(1 for p in hits if self.pool.ref[g, p] == 0)
+        cached_idle = sum(1 for p in hits if self.pool.ref[g][p] == 0)
         return (full - len(hits)) + cached_idle + k * own
 
     def _place(self, req: _Request, keys) -> list[tuple[int, int, list[int]]] | None:
@@ -945,14 +953,18 @@ class Engine:
             self._lost(e)
             return
         ended = []
+        # A row's tokens this call are a prefix of its outputs (−1 once it ended); every
+        # row to Python ints / floats at once, in C.
+        got = np.count_nonzero(out_tok >= 0, axis=1).tolist()
+        tok_rows, lp_rows = out_tok.tolist(), out_lp.tolist()
         for seq in live:
             req, i = seq.req, at[id(seq)]
-            got = out_tok[i] >= 0
-            seq.tokens.extend(out_tok[i][got].tolist())  # Python ints / floats, in C
-            seq.lps.extend(out_lp[i][got].tolist())
+            n = got[i]
+            seq.tokens += tok_rows[i][:n]
+            seq.lps += lp_rows[i][:n]
             k = req.fields.topk_sample_logprobs
             if k:
-                seq.topk.append((out_tk[0][i][got, :k], out_tk[1][i][got, :k]))
+                seq.topk.append((out_tk[0][i][:n, :k], out_tk[1][i][:n, :k]))
             c = len(seq.tokens)
             if c >= req.params["max_tokens"] or (c and seq.tokens[-1] in req.params["stop"]):
                 self._release(seq)
