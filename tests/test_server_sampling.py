@@ -133,6 +133,58 @@ def test_concurrent_tenants_each_equal_alone(env, monkeypatch):
     assert differ  # the snapshot really is not the base model
 
 
+def test_a_gathered_burst_decodes_in_one_step(env, monkeypatch):
+    """A burst gathered whole (it ended at a quiet gap) decodes prefill + all its tokens
+    in one engine step; with ADMIT_HURRY (the policy before) the first step is short and
+    a second one ends it. Each result equals the request served alone."""
+    import logging
+
+    # The burst is gathered whole however slowly its requests arrive on a loaded machine.
+    for name, value in (("ADMIT_GAP_S", 1.0), ("ADMIT_BURST_GAP_S", 1.0),
+                        ("ADMIT_GAP_SCALE", None), ("ADMIT_WINDOW_S", 30.0),
+                        ("ADMIT_PREFILL", False)):
+        monkeypatch.setattr(f"jcp.server.engine.{name}", value)
+    steps = []
+
+    class Steps(logging.Handler):
+        def emit(self, record):
+            if hasattr(record, "step"):
+                steps.append(record.step)
+
+    log, handler = logging.getLogger("jcp.serve"), Steps()
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    sc = client(env, "tml-bob").create_sampling_client(base_model=MODEL).result()
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, int(rng.integers(2, 12))).tolist() for _ in range(4)]
+    sp = dict(max_tokens=16, temperature=0.9, seed=7, stop=[])
+
+    def burst(hurry):
+        monkeypatch.setattr("jcp.server.engine.ADMIT_HURRY", hurry)
+        del steps[:]
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            futs = [pool.submit(lambda p: sc.sample(types.ModelInput.from_ints(p), 2,
+                                                    types.SamplingParams(**sp)).result(), p)
+                    for p in prompts]
+            return [f.result() for f in futs], [(st["hurry"], st["ended"]) for st in steps]
+
+    try:
+        one, one_steps = burst(False)
+        two, two_steps = burst(True)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert one_steps == [(False, 4)]
+    assert two_steps == [(True, 0), (False, 4)]
+    for p, a, b in zip(prompts, one, two):
+        ref = env["tr"].sample([p], jcp.SamplingParams(**sp), num_samples=2)[0]
+        for res in (a, b):
+            for s, r in zip(res.sequences, ref.sequences):
+                assert list(s.tokens) == r.tokens.tolist()
+                np.testing.assert_allclose(s.logprobs, r.logprobs, rtol=1e-5, atol=1e-6)
+
+
 def test_resave_under_the_same_name_is_sampled(env):
     tr = env["tr"]
     tc = client(env, "tml-alice").create_lora_training_client(base_model=MODEL, rank=4,

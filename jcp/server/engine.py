@@ -81,8 +81,14 @@ log = logging.getLogger("jcp.serve")
 # ones join a batch whose early rows end first, in a fixed-shape device loop, and the
 # mid-burst steps pad to the next rows bucket (benchmarks/engine.py; 128 requests × 8 ×
 # 32 admitted 16 + 49 + 63 took 1.2-1.4× the CPU seconds of all at once, 16 + 112
-# 1.0-1.1×). The first decode step after a gather is short (Engine.step(hurry=True)), so
-# stragglers join one chunk later.
+# 1.0-1.1×). The first decode step after a gather runs to the batch's end (one step of
+# prefill + max_tokens for a uniform burst) unless the window ended while samples still
+# arrived: then it is short (Engine.step(hurry=True)) so that they join one chunk later.
+# A straggler after the gather's gap waits for that one step (at most the engine's
+# max_chunk decode steps, as any request arriving during a step). ADMIT_HURRY: every
+# first step short (the policy before; a short step + a long one cost 0.0x CPU s more per
+# 128 × 8 × 32 burst than one step, benchmarks/engine.py --admission server,hurry).
+ADMIT_HURRY = False
 ADMIT_GAP_S = 0.01
 ADMIT_GAP_SCALE: float | None = 4.0  # None: every later gap is ADMIT_BURST_GAP_S
 # False: no prefill-only steps (the burst prefills in its first step); None: on an
@@ -204,15 +210,15 @@ class Engine:
                 # A burst of concurrent samples (an RL step's prompt groups) reaches an
                 # idle engine over some ms: gather it whole, so that it decodes as one
                 # batch, and admit and prefill the arrivals so far in prefill-only steps
-                # while the rest arrive (ADMIT_* above). The first decode step is short
-                # (hurry) so that stragglers — still arriving at the window's end, or
-                # after a longer gap than the gather waited — join one chunk later, not
-                # after a whole long one (a lone sample then takes two steps, not one).
+                # while the rest arrive (ADMIT_* above). A burst that ended at a quiet
+                # gap then decodes in one step to its end (Engine.decode_len); one the
+                # window cut while it still arrived takes a short first step (hurry), so
+                # its stragglers join one chunk later, not after a whole long step.
                 self._admit_arrivals(samples)
-                self.sched.gather_samples(ADMIT_GAP_S, ADMIT_WINDOW_S, ADMIT_BURST_GAP_S,
-                                          each=self._admit_arrivals, scale=ADMIT_GAP_SCALE,
-                                          taken=samples)
-                arriving = True
+                _, arriving = self.sched.gather_samples(
+                    ADMIT_GAP_S, ADMIT_WINDOW_S, ADMIT_BURST_GAP_S, each=self._admit_arrivals,
+                    scale=ADMIT_GAP_SCALE, taken=samples)
+                arriving = arriving or ADMIT_HURRY
             else:
                 for w in samples:
                     self._admit_sample(w)
