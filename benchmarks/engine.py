@@ -23,10 +23,19 @@ compiles the programs; the machine is shared, so treat them as rough.
    Then where the median round went: when the requests reached the worker, each engine
    step (the worker's DEBUG log), and CPU seconds of the server's process (its XLA
    compute threads, HTTP thread, worker thread and the rest) and the clients' process.
-   --admission server|prefill|gap|old|all: the worker's burst admission (server: its
-   defaults; prefill: prefill-only steps while a burst arrives and a burst gap scaled to
-   its gaps; gap: the scaled gap only; old: neither, a fixed 30 ms gap; all: interleaved
-   rounds of prefill, gap and old, one figure per policy).
+   --admission server|hurry|prefill|gap|old|all, or several comma-separated
+   (interleaved rounds, one figure per policy): the worker's burst admission (server: its
+   defaults; hurry: the defaults but a short first step after every gather, the policy
+   before a gathered burst ran as one step; prefill: prefill-only steps while a burst
+   arrives and a burst gap scaled to its gaps; gap: the scaled gap only; old: neither, a
+   fixed 30 ms gap; all: old,gap,prefill).
+   The bound, in the same run: between the rounds, the same R requests against the same
+   server while its engine answers each at admission with a dummy result of S × T tokens
+   (no_model: benchmark-only, no model work) — the pure HTTP + SDK round, its CPU seconds
+   (server threads, clients), and the ceilings it implies: no overlap t_in / (t_in +
+   bare round); perfect overlap, the bare round's CPU on the cores the in-process call
+   leaves idle; CPU-bound c_in / (c_in + bare CPU s), for an in-process call that fills
+   the cores.
 5. KV memory: pages each sequence holds against its real length (paged cache).
 6. A burst in cohorts: CPU seconds of the engine for the R·S sequences admitted all at
    once against in cohorts (as requests reach a server: 1/8 then the rest, 1/8 + 3/8 +
@@ -35,8 +44,8 @@ compiles the programs; the machine is shared, so treat them as rough.
     python benchmarks/engine.py [--mesh 1,2,2] [--r 128] [--s 8] [--t 32] [--busy 256]
                                 [--rounds 2] [--mix-rounds 15]
                                 [--quick | --skip-server | --only-server]
-                                [--clients process|thread|both]
-                                [--admission server|prefill|gap|old|all]
+                                [--clients process|thread|both] [--served-rounds N]
+                                [--admission server|hurry|prefill|gap|old|all|A,B,…]
     --quick: 1. and 2. only (the engine-vs-static figures).
 """
 
@@ -63,6 +72,9 @@ def parse_args(argv):
     p.add_argument("--busy", type=int, default=256, help="sequences decoding in 3.")
     p.add_argument("--rounds", type=int, default=2, help="timed rounds of 1. (best kept)")
     p.add_argument("--mix-rounds", type=int, default=15, help="timed rounds of 2. (best kept)")
+    p.add_argument("--served-rounds", type=int, default=None,
+                   help="timed rounds of 4. per policy (median kept; default 3, 7 with "
+                        "several policies)")
     p.add_argument("--quick", action="store_true", help="run 1. and 2. only")
     p.add_argument("--skip-server", action="store_true")
     p.add_argument("--only-server", action="store_true", help="run 4. only")
@@ -320,7 +332,8 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
             if t_in is None:
                 tr.sample(prompts, sp, num_samples=args.s)  # compiles
                 calls = []
-            for _ in range(3 if len(policies) == 1 else 7):  # interleaved
+            n_rounds = args.served_rounds or (3 if len(policies) == 1 else 7)
+            for _ in range(n_rounds):  # interleaved
                 for policy in policies:
                     set_admission(policy)
                     del steps[:]
@@ -392,11 +405,15 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
             # No overlap: the round is the model's time plus the bare round's. Perfect
             # overlap: the bare round's CPU seconds (server + clients) run on the cores the
-            # in-process call leaves idle, the rest of them lengthen the round.
+            # in-process call leaves idle, the rest of them lengthen the round; on a
+            # loaded machine the in-process call leaves "idle" what others take, so also
+            # the CPU-only form, for an in-process call that fills the cores (as it does
+            # on a quiet 2-core host: ~1.9 of 2): c_in / (c_in + bare CPU).
             spare = max(0.0, cores * t_in - c_in)
             if mode == "thread":  # the clients' CPU is in the server process's
                 c_d = 0.0
             over = max(0.0, s_d + c_d - spare) / cores
+            cpu_ceiling = c_in / (c_in + s_d + c_d)
             ratio = t_in / by_policy[policies[0]][len(by_policy[policies[0]]) // 2][0]
             print(f"   bound: the same {args.r} SDK requests answered at admission without "
                   f"model work (a dummy result of {args.s}×{args.t} tokens each): median "
@@ -404,7 +421,9 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
                   f"{s_d:.2f} ({', '.join(f'{k} {v:.2f}' for k, v in th_d.items())}), "
                   f"clients {c_d:.2f} -> ceiling t_in / (t_in + overhead): no overlap "
                   f"{t_in / (t_in + t_d):.2f}×, perfect overlap on {cores} cores "
-                  f"{t_in / (t_in + over):.2f}× (measured {ratio:.2f}×)", flush=True)
+                  f"{t_in / (t_in + over):.2f}× (the in-process call used "
+                  f"{c_in / t_in:.1f} cores), CPU-bound c_in / (c_in + bare CPU) "
+                  f"{cpu_ceiling:.2f}× (measured {ratio:.2f}×)", flush=True)
     finally:
         srv.stop()
 

@@ -17,7 +17,10 @@ Evidence:
    naming the field;
 4. cancelling an SDK sample future whose request is already decoding in the engine ends
    it at a step boundary (its slots freed) while a request beside it runs on and equals
-   the same request served alone.
+   the same request served alone;
+5. a gathered burst's first step is short (hurry) after a burst a straggler joined, and
+   the burst is one engine step once the last bursts came whole (ADMIT_CALM_BURSTS);
+   results equal alone either way.
 """
 
 from __future__ import annotations
@@ -133,16 +136,18 @@ def test_concurrent_tenants_each_equal_alone(env, monkeypatch):
     assert differ  # the snapshot really is not the base model
 
 
-def test_a_gathered_burst_decodes_in_one_step(env, monkeypatch):
-    """A burst gathered whole (it ended at a quiet gap) decodes prefill + all its tokens
-    in one engine step; with ADMIT_HURRY (the policy before) the first step is short and
-    a second one ends it. Each result equals the request served alone."""
+def test_a_burst_decodes_in_one_step_once_bursts_come_whole(env, monkeypatch):
+    """A gathered burst's first engine step is short (hurry: stragglers join one chunk
+    later) after a burst that a straggler joined; once the last ADMIT_CALM_BURSTS bursts
+    came whole, a gathered burst decodes prefill + all its tokens in one step. Each
+    result equals the request served alone."""
     import logging
 
     # The burst is gathered whole however slowly its requests arrive on a loaded machine.
     for name, value in (("ADMIT_GAP_S", 1.0), ("ADMIT_BURST_GAP_S", 1.0),
                         ("ADMIT_GAP_SCALE", None), ("ADMIT_WINDOW_S", 30.0),
-                        ("ADMIT_PREFILL", False)):
+                        ("ADMIT_PREFILL", False), ("ADMIT_HURRY", False),
+                        ("ADMIT_CALM_BURSTS", 1)):
         monkeypatch.setattr(f"jcp.server.engine.{name}", value)
     steps = []
 
@@ -159,9 +164,18 @@ def test_a_gathered_burst_decodes_in_one_step(env, monkeypatch):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 256, int(rng.integers(2, 12))).tolist() for _ in range(4)]
     sp = dict(max_tokens=16, temperature=0.9, seed=7, stop=[])
+    worker, sched = env["srv"].engine, env["srv"].scheduler
+    step = worker._step
+    late = []
 
-    def burst(hurry):
-        monkeypatch.setattr("jcp.server.engine.ADMIT_HURRY", hurry)
+    def straggler(hurry, decode):  # a sample that comes while the burst's first step runs
+        late.append(sc.sample(types.ModelInput.from_ints(prompts[0]), 1,
+                              types.SamplingParams(**sp)))
+        _until(lambda: sched.samples_queued() > 0, "the straggler to queue")
+        monkeypatch.setattr(worker, "_step", step)
+        step(hurry, decode)
+
+    def burst():
         del steps[:]
         with cf.ThreadPoolExecutor(len(prompts)) as pool:
             futs = [pool.submit(lambda p: sc.sample(types.ModelInput.from_ints(p), 2,
@@ -170,14 +184,21 @@ def test_a_gathered_burst_decodes_in_one_step(env, monkeypatch):
             return [f.result() for f in futs], [(st["hurry"], st["ended"]) for st in steps]
 
     try:
-        one, one_steps = burst(False)
-        two, two_steps = burst(True)
+        # A short first step, so that the straggler joins this burst (after a whole one
+        # it would find the engine idle and be gathered as a burst of its own).
+        monkeypatch.setattr("jcp.server.engine.ADMIT_HURRY", True)
+        monkeypatch.setattr(worker, "_step", straggler)
+        burst()
+        late[0].result()
+        monkeypatch.setattr("jcp.server.engine.ADMIT_HURRY", False)
+        joined, joined_steps = burst()   # after a burst a straggler joined: hurried
+        whole, whole_steps = burst()     # after one that came whole: one step
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
-    assert one_steps == [(False, 4)]
-    assert two_steps == [(True, 0), (False, 4)]
-    for p, a, b in zip(prompts, one, two):
+    assert joined_steps == [(True, 0), (False, 4)]
+    assert whole_steps == [(False, 4)]
+    for p, a, b in zip(prompts, joined, whole):
         ref = env["tr"].sample([p], jcp.SamplingParams(**sp), num_samples=2)[0]
         for res in (a, b):
             for s, r in zip(res.sequences, ref.sequences):

@@ -11,12 +11,12 @@ Qwen3.5 models too go through the engine).
 Interleaving policy: each turn of the loop runs at most one training pass (a fused
 forward / forward_backward, or one model operation) and then one engine step (at most
 `prefill_tokens` of newly admitted prompts, then decode steps of every live sequence:
-`chunk` of them while any request is queued and in the first step after samples were
-gathered at an idle engine — Engine.step(hurry=True) —, else up to `max_chunk`,
-Engine.decode_len; ADMIT_* below for the gathering and its prefill-only steps, which
-other work ends once the running one is over). So a training pass queued while nothing
-else was waits for at most one engine step of max_chunk decode steps (during a gather:
-one prefill-only step and one hurried step), and running sequences wait for at most one
+`chunk` of them while any request is queued and in the first step after a gather —
+Engine.step(hurry=True), unless recent bursts came whole (ADMIT_CALM_BURSTS) —, else up
+to `max_chunk`, Engine.decode_len; ADMIT_* below for the gathering and its prefill-only
+steps, which other work ends once the running one is over). So a training pass queued while nothing else was waits for at most
+one engine step of max_chunk decode steps (during a gather, which it ends: one
+prefill-only step and one hurried step), and running sequences wait for at most one
 training pass between decode chunks; neither starves. A sample the client cancels after admission
 (cancel_future -> Scheduler.cancel_running) is cancelled in the engine at the start of the
 next turn and ends at that step boundary, its slots freed.
@@ -81,14 +81,19 @@ log = logging.getLogger("jcp.serve")
 # ones join a batch whose early rows end first, in a fixed-shape device loop, and the
 # mid-burst steps pad to the next rows bucket (benchmarks/engine.py; 128 requests × 8 ×
 # 32 admitted 16 + 49 + 63 took 1.2-1.4× the CPU seconds of all at once, 16 + 112
-# 1.0-1.1×). The first decode step after a gather runs to the batch's end (one step of
-# prefill + max_tokens for a uniform burst) unless the window ended while samples still
-# arrived: then it is short (Engine.step(hurry=True)) so that they join one chunk later.
-# A straggler after the gather's gap waits for that one step (at most the engine's
-# max_chunk decode steps, as any request arriving during a step). ADMIT_HURRY: every
-# first step short (the policy before; a short step + a long one cost 0.0x CPU s more per
-# 128 × 8 × 32 burst than one step, benchmarks/engine.py --admission server,hurry).
+# 1.0-1.1×). The first decode step after a gather is short (Engine.step(hurry=True)), so
+# that stragglers — a gap longer than the gather waited, or still arriving at the
+# window's end — join one chunk later, not after a whole long step; but once the last
+# ADMIT_CALM_BURSTS gathered bursts had no stragglers (no sample joined them while they
+# ran), a burst that ended at a quiet gap decodes in one step to its end (prefill +
+# max_tokens, one decode call less). Measured (benchmarks/engine.py --admission
+# server,hurry): one step saves ~2 % of the engine's CPU seconds of a 128 × 8 × 32 burst
+# that came whole, but a burst that split (54 + 74 requests, arrival gaps of 10-30 ms
+# under load) and ran each part to its end cost up to 1.5× the decode work of the hurried
+# policy (1.40 vs 1.14 XLA CPU s per round, median of 9, load ~8): so one step only where
+# bursts have been coming whole. ADMIT_HURRY: every first step short.
 ADMIT_HURRY = False
+ADMIT_CALM_BURSTS = 2
 ADMIT_GAP_S = 0.01
 ADMIT_GAP_SCALE: float | None = 4.0  # None: every later gap is ADMIT_BURST_GAP_S
 # False: no prefill-only steps (the burst prefills in its first step); None: on an
@@ -169,6 +174,9 @@ class Engine:
         self._closing: set[str] = set()     # models of ended sessions, unloaded when idle
         self.offloads = self.restores = 0
         self.prefill_steps = 0  # prefill-only engine steps run while gathering a burst
+        # Gathered bursts in a row that no sample joined while they ran (ADMIT_CALM_BURSTS),
+        # and whether one joined the last one (None: none ran since the last count).
+        self._calm, self._joined = 0, None
         self.busy_s: Counter[str] = Counter()  # worker seconds per request kind
         self._next_expiry_scan = 0.0
         # loss_id -> (owner, session id, jcp.custom_loss.CustomLoss), oldest first.
@@ -210,15 +218,18 @@ class Engine:
                 # A burst of concurrent samples (an RL step's prompt groups) reaches an
                 # idle engine over some ms: gather it whole, so that it decodes as one
                 # batch, and admit and prefill the arrivals so far in prefill-only steps
-                # while the rest arrive (ADMIT_* above). A burst that ended at a quiet
-                # gap then decodes in one step to its end (Engine.decode_len); one the
-                # window cut while it still arrived takes a short first step (hurry), so
-                # its stragglers join one chunk later, not after a whole long step.
+                # while the rest arrive (ADMIT_* above). Its first decode step is short
+                # (hurry), so that stragglers join one chunk later, unless recent bursts
+                # came whole (no sample joined them): then one that ended at a quiet gap
+                # decodes in one step to its end (Engine.decode_len).
+                if self._joined is not None:  # the last gathered burst ran: came it whole?
+                    self._calm = 0 if self._joined else self._calm + 1
                 self._admit_arrivals(samples)
                 _, arriving = self.sched.gather_samples(
                     ADMIT_GAP_S, ADMIT_WINDOW_S, ADMIT_BURST_GAP_S, each=self._admit_arrivals,
                     scale=ADMIT_GAP_SCALE, taken=samples)
-                arriving = arriving or ADMIT_HURRY
+                arriving = arriving or ADMIT_HURRY or self._calm < ADMIT_CALM_BURSTS
+                self._joined = None if self.sampling.idle else False
             else:
                 for w in samples:
                     self._admit_sample(w)
@@ -228,6 +239,8 @@ class Engine:
                 self._run_pass(group)
             if not self.sampling.idle:
                 self._step(arriving or self.sched.pending() > 0, True)
+                if self._joined is False and self.sched.samples_queued():
+                    self._joined = True  # samples came while the gathered burst ran
             self._unlogged = []
             try:
                 self._sweep_retired()

@@ -92,6 +92,11 @@ class Scheduler:
             return (len(self._samples) + len(self._unordered)
                     + sum(map(len, self._queues.values())))
 
+    def samples_queued(self) -> int:
+        """How many sample requests wait for the worker."""
+        with self._cv:
+            return len(self._samples)
+
     def hold(self) -> None:
         """Stop handing out passes (requests still queue) until `release`. For tests and
         benchmarks that need several clients' requests queued together."""
