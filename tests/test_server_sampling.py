@@ -144,7 +144,7 @@ def test_a_burst_decodes_in_one_step_once_bursts_come_whole(env, monkeypatch):
     import logging
 
     # The burst is gathered whole however slowly its requests arrive on a loaded machine.
-    for name, value in (("ADMIT_GAP_S", 1.0), ("ADMIT_BURST_GAP_S", 1.0),
+    for name, value in (("ADMIT_GAP_S", 2.0), ("ADMIT_BURST_GAP_S", 2.0),
                         ("ADMIT_GAP_SCALE", None), ("ADMIT_WINDOW_S", 30.0),
                         ("ADMIT_PREFILL", False), ("ADMIT_HURRY", False),
                         ("ADMIT_CALM_BURSTS", 1)):
