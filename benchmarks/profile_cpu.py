@@ -18,7 +18,7 @@ torch with its default threads; the machine's other load affects both (timings a
 noisy on a shared machine: compare shares, not milliseconds).
 
     python benchmarks/profile_cpu.py [--datums 8 --tokens 512] [--remat auto|1|0]
-    python benchmarks/profile_cpu.py --kernel 4096 [--tiles 128,256]
+    python benchmarks/profile_cpu.py --kernel 4096 [--tiles 128,256] [--breakdown]
 
 Shares at 8 × 512 (remat auto): 48 % elementwise, 35 % linear, 13 % attention with the
 rolled layer loop; unrolled on CPU (train_step.unroll_layers) and without the untargeted
@@ -30,7 +30,21 @@ sum, jitted) of one causal datum of N tokens at the model's heads (8 q / 4 kv, h
 32, fp32) per tile size, against torch SDPA (is_causal, enable_gqa) fwd + bwd, alternated
 for 3 rounds; best process CPU seconds and wall. Measured on the shared 2-core machine
 (load ≈ 12): 4096 tokens, 256-row tiles: 0.773 CPU s before the key-major backward,
-0.511 after, torch 0.442; 8192 tokens: jcp 2.04, torch 1.55 (load ≈ 20).
+0.511 after, torch 0.442; 8192 tokens: jcp 2.04, torch 1.55 (load ≈ 20). The kernel is
+compiled with the training programs' XLA options (train_step.compiler_options).
+
+--breakdown adds, per tile size, where the kernel's thunk time goes (one traced fwd + bwd;
+exclusive time of every XLA:CPU thunk, put into a class from the compiled HLO):
+
+  gemm          fusions around a dot (XLA:CPU's YNN GEMMs: scores, p·v, dq / dk / dv)
+  softmax       the exp passes and the row reductions (max, sum) over a score tile
+  tile ew       other elementwise passes over a whole score tile (mask, dS)
+  overhead      the rest: block slices and updates, accumulation adds, copies, conds,
+                loop control — what a tile costs besides its products and passes
+
+Exclusive times are the thunks' spans on the thread that ran them: with more than one
+thread a parallel op's span includes its wait for the other thread, so compare classes on
+one core (`taskset -c 0`), or as shares.
 """
 
 from __future__ import annotations
@@ -40,6 +54,7 @@ import collections
 import glob
 import gzip
 import json
+import math
 import os
 import re
 import sys
@@ -219,7 +234,9 @@ def profile_kernel(args) -> dict:
     import numpy as np
     import torch
 
+    import jcp
     from jcp.attention import blockwise
+    from jcp.train_step import compiler_options
 
     n, kv, per_kv, hd = args.kernel, T.KV_HEADS, T.HEADS // T.KV_HEADS, T.HEAD_DIM
     rng = np.random.default_rng(0)
@@ -235,10 +252,13 @@ def profile_kernel(args) -> dict:
                                                                enable_gqa=True)
         out.sum().backward()
 
-    steps = {"torch sdpa": torch_step}
+    steps, grads = {"torch sdpa": torch_step}, {}
+    options = compiler_options(jcp.make_mesh(1, 1, 1))  # as the training programs compile
     for b in (int(x) for x in args.tiles.split(",")):
         g = jax.jit(jax.grad(lambda q, k, v, b=b: (blockwise.flash(
-            q, k, v, seg, pos, seg, pos, b, b) * w).sum(), argnums=(0, 1, 2)))
+            q, k, v, seg, pos, seg, pos, b, b) * w).sum(), argnums=(0, 1, 2)),
+            compiler_options=options)
+        grads[b] = g
         steps[f"jcp blockwise, tile {b}"] = lambda g=g: jax.block_until_ready(g(q, k, v))
 
     def cpu_s():
@@ -259,7 +279,76 @@ def profile_kernel(args) -> dict:
           f"(best of 3: wall s, CPU s)")
     for name, (wall, cpu) in best.items():
         print(f"  {name:<24} wall {wall:7.3f}  CPU {cpu:7.3f}")
+    if args.breakdown:
+        print(f"thunk s of one traced call ({len(os.sched_getaffinity(0))} cores usable; see "
+              f"--breakdown in the docstring)")
+        print(f"  {'tile':<6}" + "".join(f"{c:>10}" for c in BREAKDOWN) + f"{'sum':>10}")
+        for b, g in grads.items():
+            parts = kernel_breakdown(g, kv * per_kv * b * b, q, k, v)
+            best[f"breakdown {b}"] = parts
+            print(f"  {b:<6}" + "".join(f"{parts.get(c, 0.0):>10.3f}" for c in BREAKDOWN)
+                  + f"{sum(parts.values()):>10.3f}")
     return best
+
+
+def hlo_classes(hlo_text: str, tile_elems: int) -> dict[str, str]:
+    """{instruction name: breakdown class} of a compiled HLO module's text (see --breakdown).
+
+    A fusion is classed by the computation it calls: a dot makes it "gemm"; an exp or a
+    reduce "softmax"; an output of ≥ tile_elems elements (a score tile, K · Bq·M · Bk)
+    "tile ew"; anything else is "overhead", as are non-fusion thunks (copies, conds,
+    whiles, dynamic slices)."""
+    ops, calls, shape = collections.defaultdict(set), {}, {}
+    comp = None
+    for line in hlo_text.splitlines():
+        head = re.match(r"(?:ENTRY )?%(\S+) \(", line)
+        if head:
+            comp = head[1]
+            continue
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+?)(?:\{[^}]*\})? ([\w-]+)\(", line)
+        if m and comp is not None:
+            ops[comp].add(m[3])
+            called = re.search(r"calls=%([\w.-]+)", line)
+            if m[3] == "fusion" and called:
+                calls[m[1]] = called[1]
+            dims = re.match(r"\w+\[([\d,]*)\]", m[2])
+            shape[m[1]] = math.prod(int(d) for d in dims[1].split(",") if d) if dims else 0
+    out = {}
+    for name in shape:
+        body = ops.get(calls.get(name, ""), set())
+        if "dot" in body:
+            out[name] = "gemm"
+        elif body & {"exponential", "reduce"}:
+            out[name] = "softmax"
+        elif name in calls and shape[name] >= tile_elems:
+            out[name] = "tile ew"
+        else:
+            out[name] = "overhead"
+    return out
+
+
+BREAKDOWN = ("gemm", "softmax", "tile ew", "overhead")
+
+
+def kernel_breakdown(grad_fn, tile_elems, *args) -> dict[str, float]:
+    """{class: thunk seconds} of one traced call of the jitted grad_fn(*args); tile_elems:
+    the elements of one score tile."""
+    import jax
+
+    classes = hlo_classes(grad_fn.lower(*args).compile().as_text(), tile_elems)
+    jax.block_until_ready(grad_fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            jax.block_until_ready(grad_fn(*args))
+        path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)[0]
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    out = collections.Counter()
+    for name, us in exclusive_times(events).items():
+        if name in classes:
+            out[classes[name]] += us / 1e6
+    return dict(out)
 
 
 def main(argv=None) -> dict:
@@ -270,6 +359,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--kernel", type=int, default=0, metavar="N",
                     help="time only the attention kernel at N tokens against torch SDPA")
     ap.add_argument("--tiles", default="128,256", help="--kernel: tile sizes to time")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="--kernel: also split one traced call's thunk time into GEMMs, "
+                         "softmax passes, other tile passes and per-tile overhead")
     args = ap.parse_args(argv)
     if args.kernel:
         return profile_kernel(args)
