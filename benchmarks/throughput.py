@@ -144,13 +144,12 @@ def side_torch(args) -> dict:
     return res
 
 
-def side_jcp(args) -> dict:
-    import jax
+def jcp_step(args):
+    """(Trainer, step) of the jcp side: step() is one forward_backward + optim_step."""
     import numpy as np
 
     import jcp
 
-    base_rss = _rss_mib()
     cfg = jcp.QwenConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP,
                          num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS,
                          head_dim=HEAD_DIM, rope_theta=10_000.0, tie_word_embeddings=False,
@@ -171,6 +170,16 @@ def side_jcp(args) -> dict:
         tr.forward_backward(data, "cross_entropy", adapters=a)
         tr.optim_step(a, adam)
 
+    return tr, step
+
+
+def side_jcp(args) -> dict:
+    import jax
+
+    import jcp  # noqa: F401  (rss_after_import_mib counts the import)
+
+    base_rss = _rss_mib()
+    tr, step = jcp_step(args)
     res = _time_steps(step, args.warmup, args.steps, args.datums * args.tokens)
     res.update(devices=len(jax.devices()), mesh=[tr.dp, tr.cp, tr.tp], slots=args.slots,
                remat=[d["remat"] for d in tr.remat_decisions.values()],
