@@ -18,8 +18,10 @@ over 64 MiB and maps it), blocks under 1 GiB come from that heap rather than mma
 more are mapped and unmapped as before (their work dwarfs the faults).
 
 Cost: the process holds freed memory up to those bounds rather than returning it to the
-system (peak RSS of the throughput.py step 1.07 → 1.35 GiB). JCP_HOST_MALLOC=0 in the
-environment turns it off.
+system, and since a call's block may be taken before the previous call's is freed, the
+heap can come to hold two or three of them: peak RSS of throughput.py's jcp side
+1.0–1.6 GiB over runs, 1.1 without. JCP_HOST_MALLOC=0 in the environment turns it off
+(benchmarks/host_memory.py measures both ways in one process).
 """
 
 from __future__ import annotations
