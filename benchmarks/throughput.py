@@ -24,7 +24,10 @@ every round's figure is printed too.
    Where jcp's step goes (profile_cpu.py): XLA:CPU's GEMMs are as fast as torch's in
    isolation (4096×256 @ 256×512, one thread: 8.3 vs 8.4 ms CPU); the rest is the
    attention kernel (the larger share at 8k/16k) and the layers' elementwise work. Host
-   work per call is ~1 ms packing and ~20 ms optim_step of a ~1.3 CPU s step.
+   work per call is ~1 ms packing and ~5 ms optim_step of a ~1.1 CPU s step. Each side's
+   RESULT line has its minor page faults and kernel CPU s per step: jcp's step mapped its
+   407 MiB of temporaries afresh every call (~99,000 faults, ~0.17 s) until
+   jcp/host_memory.py.
 1. jcp on one CPU device (mesh 1,1,1), defaults (remat "auto", attn_block 64 on CPU), vs
    torch + peft (eager, SDPA attention, torch.optim.AdamW). Also jcp with remat on and
    with attn_block 512, the accelerator default (see the note printed with the figures).
@@ -75,15 +78,22 @@ def _time_steps(step, warmup: int, steps: int, n_tokens: int = DATUMS * TOKENS) 
     first = time.perf_counter() - t0
     for _ in range(warmup - 1):
         step()
-    times, cpu = [], []
+    times, cpu, faults, sys_s = [], [], [], []
     for _ in range(steps):
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        faults.append(r1.ru_minflt - r0.ru_minflt)
+        sys_s.append(r1.ru_stime - r0.ru_stime)
     med = statistics.median(times)
+    # Page faults and kernel time: memory mapped afresh each step (jcp/host_memory.py).
     return {"first_step_s": first, "step_s": times, "median_step_s": med,
-            "tokens_per_s": n_tokens / med, "cpu_s_per_step": statistics.median(cpu)}
+            "tokens_per_s": n_tokens / med, "cpu_s_per_step": statistics.median(cpu),
+            "minor_faults_per_step": statistics.median(faults),
+            "sys_s_per_step": statistics.median(sys_s)}
 
 
 # ----------------------------------------------------------------------------------------
@@ -134,13 +144,12 @@ def side_torch(args) -> dict:
     return res
 
 
-def side_jcp(args) -> dict:
-    import jax
+def jcp_step(args):
+    """(Trainer, step) of the jcp side: step() is one forward_backward + optim_step."""
     import numpy as np
 
     import jcp
 
-    base_rss = _rss_mib()
     cfg = jcp.QwenConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP,
                          num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS,
                          head_dim=HEAD_DIM, rope_theta=10_000.0, tie_word_embeddings=False,
@@ -161,6 +170,16 @@ def side_jcp(args) -> dict:
         tr.forward_backward(data, "cross_entropy", adapters=a)
         tr.optim_step(a, adam)
 
+    return tr, step
+
+
+def side_jcp(args) -> dict:
+    import jax
+
+    import jcp  # noqa: F401  (rss_after_import_mib counts the import)
+
+    base_rss = _rss_mib()
+    tr, step = jcp_step(args)
     res = _time_steps(step, args.warmup, args.steps, args.datums * args.tokens)
     res.update(devices=len(jax.devices()), mesh=[tr.dp, tr.cp, tr.tp], slots=args.slots,
                remat=[d["remat"] for d in tr.remat_decisions.values()],
@@ -307,7 +326,8 @@ def main() -> None:
         print(f"  goal: jcp ≥ 1.0× torch tok/s in every row; threads: "
               f"{args.threads or 'default'}; CPU s/step: process CPU time per step")
         hdr = (f"  {'workload':<10} {'torch tok/s':>12} {'jcp tok/s':>10} {'ratio':>6} "
-               f"{'RSS ratio':>9} {'CPU s/step t|j':>15}  rounds torch | jcp")
+               f"{'RSS ratio':>9} {'CPU s/step t|j':>15} {'kfaults/step t|j':>17}  "
+               f"rounds torch | jcp")
         print(hdr)
         for datums, n in (tuple(int(x) for x in r.split("x")) for r in args.rows.split(",")):
             th = dict(threads=args.threads) if args.threads else {}
@@ -320,7 +340,9 @@ def main() -> None:
             print(f"  {datums} x {n:<6} {t['tokens_per_s']:>12.0f} {j['tokens_per_s']:>10.0f} "
                   f"{j['tokens_per_s'] / t['tokens_per_s']:>5.2f}× "
                   f"{j['peak_rss_mib'] / t['peak_rss_mib']:>8.2f}× "
-                  f"{t['cpu_s_per_step']:>7.2f}|{j['cpu_s_per_step']:<7.2f}  "
+                  f"{t['cpu_s_per_step']:>7.2f}|{j['cpu_s_per_step']:<7.2f} "
+                  f"{t['minor_faults_per_step'] / 1e3:>8.1f}|"
+                  f"{j['minor_faults_per_step'] / 1e3:<8.1f}  "
                   + "/".join(f"{x:.0f}" for x in t["rounds_tokens_per_s"]) + " | "
                   + "/".join(f"{x:.0f}" for x in j["rounds_tokens_per_s"]), flush=True)
 

@@ -1,5 +1,7 @@
 """jcp: multi-LoRA training of Qwen-style models at long context in JAX."""
 
+# First, before JAX's CPU client and its threads exist (see jcp/host_memory.py).
+from jcp import host_memory  # noqa: F401  (isort: skip)
 from jcp.batch import Datum
 from jcp.custom_loss import CustomLoss
 from jcp.errors import InputError

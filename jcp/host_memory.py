@@ -1,0 +1,56 @@
+"""Host malloc settings that let XLA:CPU reuse its temporary memory between calls.
+
+Owns one process-wide setting of glibc's malloc, made once when jcp is imported (before
+JAX starts its CPU client and its threads). It must never run on anything but Linux with
+glibc, and never fail an import: where it cannot apply, it does nothing.
+
+Why: an XLA:CPU program takes all its temporaries as one block per call (407 MiB for the
+8 × 512 training step of benchmarks/throughput.py's model). glibc serves a block that
+large with a fresh mmap and unmaps it when the call ends, so every call first-touches
+every page again: ~99,000 page faults per step, 0.15–0.2 CPU s of kernel time (of a
+~1.1 CPU s step), and the forward pass's GEMMs, which touch those pages first, ran at
+less than half the speed of the backward's. (torch's activations are many blocks under
+glibc's 32 MiB mmap threshold, which the heap keeps.) The setting: every thread
+allocates from the main heap (M_ARENA_MAX 1: another thread's arena cannot hold a block
+over 64 MiB and maps it), blocks under 1 GiB come from that heap rather than mmap
+(M_MMAP_THRESHOLD), and up to 1 GiB freed at the top of the heap stays there
+(M_TRIM_THRESHOLD), so the next call reuses pages already touched. Blocks of 1 GiB and
+more are mapped and unmapped as before (their work dwarfs the faults).
+
+Cost: the process holds freed memory up to those bounds rather than returning it to the
+system, and since a call's block may be taken before the previous call's is freed, the
+heap can come to hold two or three of them: peak RSS of throughput.py's jcp side
+1.0–1.6 GiB over runs, 1.1 without. JCP_HOST_MALLOC=0 in the environment turns it off
+(benchmarks/host_memory.py measures both ways in one process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+# glibc <malloc.h>
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+KEEP_BYTES = 1 << 30
+ENV = "JCP_HOST_MALLOC"
+
+
+def keep_freed_memory() -> bool:
+    """Apply the setting (see the module docstring); True if glibc accepted all of it."""
+    if os.environ.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+            return False  # not glibc (musl has no mallopt settings to speak of)
+        mallopt = libc.mallopt
+        mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+        return all([mallopt(_M_ARENA_MAX, 1) == 1,
+                    mallopt(_M_MMAP_THRESHOLD, KEEP_BYTES) == 1,
+                    mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES) == 1])
+    except (OSError, AttributeError):
+        return False
+
+
+APPLIED = keep_freed_memory()
