@@ -21,7 +21,8 @@ XLA:CPU with gloo still sends these over TCP), "cross" (devices of both processe
 CPU seconds per step are counted for both comparisons, every process and every thread,
 and split by thread name (/proc/<pid>/task/*/stat): XLA's compute pool (tf_XLAEigen), the
 main thread, and the threads left unnamed ("python": the server's Python threads, and
-gloo's TCP event loop, which carries every collective of a multi-process CPU job).
+gloo's TCP event loop, which carries every collective of a multi-process CPU job); the
+2-process server's also by process (process 0 also serves HTTP and sends each call's op).
 
 By default every process may run on every core (on one machine the two processes' pools
 then share its cores). --pin gives each process of a 2-process job its own half of the
@@ -214,14 +215,6 @@ def thread_cpu(pid: int | str = "self") -> dict[str, float]:
         fields = s[s.rindex(")") + 2:].split()
         out[name] += (int(fields[11]) + int(fields[12])) / tick
     return dict(out)
-
-
-def job_cpu(procs) -> collections.Counter:
-    """thread_cpu summed over the processes of a job (Popen objects)."""
-    out = collections.Counter()
-    for p in procs:
-        out.update(thread_cpu(p.pid))
-    return out
 
 
 def _batch(rng):
@@ -468,13 +461,19 @@ def served(args, data, mesh: str) -> dict:
                 step(tc)
         ratios, rows = [], []
         cpu = {name: collections.Counter() for name in models}
+        per_proc = [collections.Counter() for _ in jobs["multi"].procs]  # multi, by process
         for r in range(args.rounds):
             med = {}
             for name, tc in models.items():
-                before = job_cpu(jobs[name].procs)
+                procs = jobs[name].procs
+                before = [collections.Counter(thread_cpu(p.pid)) for p in procs]
                 med[name] = statistics.median(step(tc) for _ in range(args.steps))
-                cpu[name].update({k: v / (args.steps * args.rounds) for k, v in
-                                  (job_cpu(jobs[name].procs) - before).items()})
+                for i, p in enumerate(procs):
+                    used = {k: v / (args.steps * args.rounds) for k, v in
+                            (collections.Counter(thread_cpu(p.pid)) - before[i]).items()}
+                    cpu[name].update(used)
+                    if name == "multi":
+                        per_proc[i].update(used)
             ratios.append(med["multi"] / med["single"])
             rows.append(med)
             print(f"round {r}: single {med['single'] * 1e3:.0f} ms/step  multi "
@@ -485,13 +484,17 @@ def served(args, data, mesh: str) -> dict:
             for k in sorted(set(cpu["single"]) | set(cpu["multi"]))
             if max(cpu["single"].get(k, 0), cpu["multi"].get(k, 0)) >= 0.001))
         print(f"  total {sum(cpu['single'].values()):.3f} vs {sum(cpu['multi'].values()):.3f}")
+        for i, c in enumerate(per_proc):
+            print(f"  multi, process {i}: {sum(c.values()):.3f} (" + "; ".join(
+                f"{k} {v:.3f}" for k, v in sorted(c.items()) if v >= 0.001) + ")")
     finally:
         mp_serve.close(clients)
         for job in jobs.values():
             job.stop()
     print(f"server step, 2 processes x 4 devices / 1 process x 8 devices "
           f"(forward_backward + optim_step, {DATUMS} x {TOKENS}): {ratio:.3f}x (goal <= 1.15)")
-    return {"ratio": ratio, "rounds": rows, "cpu": {k: dict(v) for k, v in cpu.items()}}
+    return {"ratio": ratio, "rounds": rows, "cpu": {k: dict(v) for k, v in cpu.items()},
+            "cpu_by_process": [dict(c) for c in per_proc]}
 
 
 if __name__ == "__main__":

@@ -555,7 +555,7 @@ def token_losses(lp_S, inputs: TokenInputs, loss_fn, cfg, loss_id_S=None):
 
 def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn,
                cfg, num_slots: int, chunk: int = DEFAULT_CHUNK, right_grads=None,
-               loss_id_S=None, keep_token_logprobs: bool = False):
+               loss_id_S=None, keep_token_logprobs: bool = False, summed: bool = True):
     """Loss of this shard's tokens and the complete per-datum outputs.
 
     loss_fn / cfg / loss_id_S as in token_losses (one loss, or one per token).
@@ -568,6 +568,12 @@ def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn
     targets; the batch holds only cross_entropy (token loss Σ_k −w_k·lp_k, weights [S, K])
     and custom datums. keep_token_logprobs: also return this shard's log-probs, not
     gathered and still differentiable, as outputs.token_logprobs (for a custom loss).
+
+    summed=False: no sum over (dp, cp) here; returns (this shard's loss, OUTPUT_PARTS of
+    this shard: its loss again (no gradient), the log-prob and token-loss grids, the
+    datum losses and clipped counts as float32), and the caller sums the parts and makes
+    ShardOutputs of them (shard_outputs) — train_step folds that sum into the gradient's
+    all-reduce.
     """
     lp_S = target_logprobs(lefts, rights, targets_S, chunk, right_grads)
     real_S = segment_S >= 0
@@ -590,12 +596,24 @@ def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn
     # The loss and every output summed over (dp, cp) as one vector (psum_flat: one
     # all-reduce, not one per array); the clipped counts as float32 (exact below 2^24
     # tokens a datum) to join it.
-    loss, lp, el, datum_loss, clipped = psum_flat(
-        (jnp.sum(tok_loss_S), stream_grid(lp_out), stream_grid(el_out), datum_loss,
-         clipped.astype(jnp.float32)), BATCH_AXES)
-    outputs = ShardOutputs(
-        logprobs=lp, elementwise_loss=el, datum_loss=datum_loss,
-        clipped=clipped.astype(jnp.int32),
-        token_logprobs=jnp.where(real, lp_S, 0.0) if keep_token_logprobs else None,
-    )
+    loss = jnp.sum(tok_loss_S)
+    parts = (jax.lax.stop_gradient(loss), stream_grid(lp_out), stream_grid(el_out),
+             datum_loss, clipped.astype(jnp.float32))
+    if not summed:
+        return loss, parts
+    loss, *sums = psum_flat((loss,) + parts[1:], BATCH_AXES)
+    _, outputs = shard_outputs((loss, *sums))
+    if keep_token_logprobs:
+        outputs = dataclasses.replace(outputs, token_logprobs=jnp.where(real, lp_S, 0.0))
     return loss, outputs
+
+
+# What shard_loss(summed=False) returns as its parts, in order.
+OUTPUT_PARTS = ("loss", "logprobs", "elementwise_loss", "datum_loss", "clipped")
+
+
+def shard_outputs(sums) -> tuple[jax.Array, ShardOutputs]:
+    """(loss, ShardOutputs) of shard_loss's OUTPUT_PARTS summed over (dp, cp)."""
+    loss, lp, el, datum_loss, clipped = sums
+    return loss, ShardOutputs(logprobs=lp, elementwise_loss=el, datum_loss=datum_loss,
+                              clipped=clipped.astype(jnp.int32))

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -110,8 +112,10 @@ def batch_specs() -> Batch:
 def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, tokens_S,
                segment_S, position_S, targets_S, inputs: losses_lib.TokenInputs, loss_fn,
                loss_cfg, num_slots: int, *, loss_id_S=None, base_unembed_grad: bool = False,
-               call_tokens=None, keep_token_logprobs: bool = False):
-    """Model + loss of this device's stream, inside the shard_map: (loss, ShardOutputs).
+               call_tokens=None, keep_token_logprobs: bool = False, summed: bool = True):
+    """Model + loss of this device's stream, inside the shard_map: (loss, ShardOutputs);
+    summed=False (dense models only): (this shard's loss, its output parts), as
+    losses.shard_loss(summed=False).
 
     embed → hidden_states (CP attention, the training strategy) → unembed_factors →
     losses.shard_loss. Streams are this device's [S] rows; lora: the active adapters
@@ -142,9 +146,11 @@ def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, token
         lefts, rights, targets_S, segment_S, inputs, loss_fn, loss_cfg, num_slots,
         chunk=step_cfg.logprob_chunk,
         right_grads=(base_unembed_grad,) + (True,) * (len(rights) - 1), loss_id_S=loss_id_S,
-        keep_token_logprobs=keep_token_logprobs)
+        keep_token_logprobs=keep_token_logprobs, summed=summed)
     if stats is None:
         return loss, outputs
+    if not summed:
+        raise ValueError("model_loss(summed=False) is for dense models")
     counts_LxE = jax.lax.psum(stats.counts, BATCH_AXES)
     outputs = dataclasses.replace(outputs, expert_counts=counts_LxE)
     if not step_cfg.router_aux_loss_coef:
@@ -233,6 +239,78 @@ def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tup
     out = dataclasses.replace(out, custom_loss=rep(jax.lax.stop_gradient(c_loss)),
                               custom_metrics=jax.tree.map(rep, jax.lax.stop_gradient(c_metrics)))
     return rep(loss + jnp.sum(c_loss)), out
+
+
+def folds_outputs(cfg: QwenConfig, custom) -> bool:
+    """Whether forward_backward sums the per-datum outputs in the gradient's all-reduce
+    (_folded_value_and_grad): dense models without a custom loss (a MoE model's router
+    statistics and a custom loss's terms are used in the forward pass, summed there)."""
+    return custom is None and not cfg.is_moe
+
+
+def _folded_value_and_grad(cfg: QwenConfig, mesh, step_cfg: StepConfig,
+                           loss_fns: tuple[str, ...], num_slots: int, lora_active, params,
+                           slot_meta, batch: Batch, loss_cfg):
+    """(gradient w.r.t. lora_active, loss, ShardOutputs) — _loss_and_outputs and its
+    gradient, with the outputs summed over (dp, cp) in the backward pass's one all-reduce.
+
+    The loss and outputs are only read, never differentiated, so nothing in the forward
+    pass needs their sum: each shard's parts (losses.shard_loss(summed=False)) become the
+    cotangent of a zero `sink` vector that enters the shard_map beside the adapters
+    (_emit), and the transpose of vary_on_entry sums the sink's cotangent with the
+    adapters' gradient as one vector (mesh.psum_flat). Across processes each all-reduce is
+    a gloo ring of TCP messages, so the step runs one ring where it ran two (the forward's
+    outputs and the backward's gradient). The gradient is that of the summed loss: each
+    shard's loss is a [DP, CP] output whose cotangent is 1, as psum's transpose gives it.
+    """
+    shapes = ((), batch.targets.shape, batch.tokens.shape, (num_slots,), (num_slots,))
+    sizes = [math.prod(s) for s in shapes]
+
+    def shard(lora_active, sink, params, slot_meta, b: Batch, loss_cfg):
+        one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
+        lora_active, sink = vary_on_entry((lora_active, sink))
+        route = slot_meta.routing(b.active, one(b.spans))
+        inputs = losses_lib.TokenInputs(
+            **{k: one(getattr(b, k)) for k in losses_lib.FLOAT_INPUTS})
+        loss, parts = model_loss(cfg, step_cfg, params, lora_active, route, one(b.tokens),
+                                 one(b.segment), one(b.position), one(b.targets), inputs,
+                                 loss_fns, loss_cfg, num_slots, loss_id_S=one(b.loss_id),
+                                 call_tokens=b.call_tokens, summed=False)
+        payload = jnp.concatenate([x.reshape(-1) for x in parts])
+        return _emit(sink, loss, payload)[None, None]
+
+    in_specs = (lora_lib.slot_specs_active(cfg, lora_active), SPECS.replicated,
+                model_lib.param_specs(cfg), SPECS.slot_G, batch_specs(), SPECS.replicated)
+
+    def losses_of(lora_active, sink):  # [DP, CP]: each shard's loss
+        return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=P(*BATCH_AXES))(
+            lora_active, sink, params, slot_meta, batch, loss_cfg)
+
+    losses_DPxCP, vjp = jax.vjp(losses_of, lora_active, jnp.zeros(sum(sizes), jnp.float32))
+    grads, sums = vjp(jnp.ones_like(losses_DPxCP))
+    ends = np.cumsum(sizes)
+    loss, out = losses_lib.shard_outputs(
+        [sums[e - n:e].reshape(s) for e, n, s in zip(ends, sizes, shapes)])
+    return grads, loss, out
+
+
+@jax.custom_vjp
+def _emit(sink, loss, payload):
+    """loss, and `payload` as the cotangent of `sink` in the backward pass (not scaled by
+    the loss's cotangent, which is 1: so an infinite output is passed on as it is, never
+    multiplied into a NaN)."""
+    return loss
+
+
+def _emit_fwd(sink, loss, payload):
+    return loss, jax.lax.stop_gradient(payload)
+
+
+def _emit_bwd(payload, ct):
+    return payload, ct, jnp.zeros_like(payload)
+
+
+_emit.defvjp(_emit_fwd, _emit_bwd)
 
 
 def vary_on_entry(tree):
@@ -351,7 +429,7 @@ def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
     return forward
 
 
-def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
+def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig, fold: bool = True):
     """jit(fb)(acc, lora, params, slot_meta, batch, loss_cfg, custom_args) -> (acc + grad,
     loss, out, finite_A).
 
@@ -362,6 +440,8 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
     custom (static): a CustomLoss for the batch's custom datums (custom_args), or None.
     modules (static): the LoRA modules the batch's adapters target (used_modules), or None
     for all; the others' accumulators are left as they are.
+    fold: sum the loss and outputs in the gradient's all-reduce where folds_outputs allows
+    (the same values; False: in the forward pass, for tests that compare the two).
     """
 
     @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots", "custom", "modules"),
@@ -373,7 +453,12 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
                                      slot_meta, batch, loss_cfg, custom, custom_args)
 
         active = lora_lib.take_active(used_modules(lora, modules), batch.active)
-        (loss, out), grads = jax.value_and_grad(loss_of, has_aux=True)(active)
+        if folds_outputs(cfg, custom) and fold:
+            grads, loss, out = _folded_value_and_grad(cfg, mesh, step_cfg, loss_fns,
+                                                      num_slots, active, params, slot_meta,
+                                                      batch, loss_cfg)
+        else:
+            (loss, out), grads = jax.value_and_grad(loss_of, has_aux=True)(active)
         grads = lora_lib.untake_active(grads)
         acc = {**acc, **jax.tree.map(lambda a, g: a.at[batch.active].add(g),
                                      used_modules(acc, modules), grads)}

@@ -1,6 +1,10 @@
-"""2 processes × 4 fake CPU devices give what 1 process × 8 devices gives."""
+"""2 processes × 4 fake CPU devices give what 1 process × 8 devices gives; the training
+step's outputs summed in its gradient's all-reduce (what makes a multi-process step cheaper)
+are the same bits as summed in the forward pass."""
 
+import dataclasses
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -8,7 +12,9 @@ import sys
 import jax
 import numpy as np
 
+import jcp
 from helpers import mp_case
+from jcp import train_step
 
 HERE = os.path.dirname(__file__)
 
@@ -47,3 +53,53 @@ def test_two_processes_match_one(tmp_path):
         np.testing.assert_array_equal(multi[0][k], multi[1][k], err_msg=k)
         scale = max(float(np.abs(v).max()), 1e-30)
         np.testing.assert_allclose(multi[0][k], v, rtol=1e-5, atol=1e-6 * scale, err_msg=k)
+
+
+def _all_reduce_operands(hlo: str) -> int:
+    """Arrays summed by the all-reduces of a compiled program whose device groups have more
+    than one device (a tuple all-reduce counts each operand: XLA:CPU runs each as its own
+    collective)."""
+    n = 0
+    for line in hlo.splitlines():
+        m = re.search(r"= (.*?) all-reduce(?:-start)?\(.*?replica_groups=(\S+)", line)
+        if m and not re.match(r"\{\{\d+\}[,}]", m.group(2)):
+            n += len(re.findall(r"\b[a-z]+\d*\[", m.group(1)))
+    return n
+
+
+def test_outputs_summed_with_the_gradient_are_the_forward_sums():
+    """train_step's folded forward_backward (the loss and per-datum outputs summed over dp and
+    cp in the gradient's all-reduce) against the same step summing them in the forward pass:
+    one all-reduce fewer, bit-identical losses, log-probs, clipped counts and gradients.
+    mp_case's step (2, 2, 2, ppo with clipped tokens, two adapters), so its program is the
+    one test_two_processes_match_one compiled in this process."""
+    rng = np.random.default_rng(0)
+    data = [jcp.Datum(rng.integers(0, mp_case.CFG.vocab_size, n),
+                      {"target_tokens": rng.integers(0, mp_case.CFG.vocab_size, n),
+                       "advantages": rng.normal(size=n), "logprobs": -rng.uniform(1, 6, n)})
+            for n in (37, 1, 20, 64, 5)]
+    tr = jcp.Trainer(mp_case.CFG, jcp.make_mesh(2, 2, 2), max_rank=8, attn_block=16,
+                     logprob_chunk=16)
+    runs = []
+    for fold in (True, False):
+        tr._fb_steps = {r: train_step.make_forward_backward(
+            tr.cfg, tr.mesh, dataclasses.replace(tr.step_cfg, remat=r), fold=fold)
+            for r in tr._fb_steps}
+        tr._fb_programs.clear()
+        a, b = tr.create_adapter(rank=4, seed=1), tr.create_adapter(rank=8, seed=2)
+        out = tr.forward_backward(data, "ppo", adapters=[a, b, a, b, a])
+        (program,) = tr.forward_backward_programs.values()
+        runs.append((out, tr.gradients(a), tr.gradients(b),
+                     _all_reduce_operands(program.as_text())))
+    (folded, fa, fb, f_ops), (ref, ra, rb, r_ops) = runs
+    assert f_ops == r_ops - 1, (f_ops, r_ops)
+    assert ref.metrics["clipped_tokens:sum"] > 0
+    assert ref.metrics == folded.metrics
+    for x, y in zip(folded.loss_fn_outputs, ref.loss_fn_outputs):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+    for got, want in ((fa, ra), (fb, rb)):
+        assert any(np.abs(v).max() > 0 for v in want.values())
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
