@@ -17,6 +17,14 @@ over 64 MiB and maps it), blocks under 1 GiB come from that heap rather than mma
 (M_TRIM_THRESHOLD), so the next call reuses pages already touched. Blocks of 1 GiB and
 more are mapped and unmapped as before (their work dwarfs the faults).
 
+One heap only where one CPU device is configured (XLA_FLAGS'
+--xla_force_host_platform_device_count, JAX_NUM_CPU_DEVICES or jax_num_cpu_devices, as set
+when jcp is imported): with several devices each runs on its own threads, and one arena's
+lock cost more than the faults it saves — the 8-device step of
+benchmarks/serve_multiprocess.py (tiny model, one process) took 0.174 CPU s of XLA threads
+per step with it, 0.115 without, 0.111 with the two thresholds alone. There only the
+thresholds are set (they keep blocks the main thread frees).
+
 Cost: the process holds freed memory up to those bounds rather than returning it to the
 system, and since a call's block may be taken before the previous call's is freed, the
 heap can come to hold two or three of them: peak RSS of throughput.py's jcp side
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import sys
 
 # glibc <malloc.h>
@@ -36,8 +45,22 @@ KEEP_BYTES = 1 << 30
 ENV = "JCP_HOST_MALLOC"
 
 
-def keep_freed_memory() -> bool:
-    """Apply the setting (see the module docstring); True if glibc accepted all of it."""
+def cpu_devices_configured() -> int:
+    """CPU devices the process asks JAX for, as configured now (1 where nothing says)."""
+    counts = [1]
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        counts.append(getattr(jax.config, "jax_num_cpu_devices", -1))
+    env = os.environ.get("JAX_NUM_CPU_DEVICES", "")
+    counts += [int(env)] if env.strip().isdigit() else []
+    counts += [int(n) for n in re.findall(r"--xla_force_host_platform_device_count=(\d+)",
+                                          os.environ.get("XLA_FLAGS", ""))]
+    return max(counts)
+
+
+def keep_freed_memory(one_heap: bool) -> bool:
+    """Apply the setting (see the module docstring), M_ARENA_MAX 1 only with `one_heap`;
+    True if glibc accepted all of it."""
     if os.environ.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):
         return False
     try:
@@ -46,11 +69,12 @@ def keep_freed_memory() -> bool:
             return False  # not glibc (musl has no mallopt settings to speak of)
         mallopt = libc.mallopt
         mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-        return all([mallopt(_M_ARENA_MAX, 1) == 1,
+        return all([mallopt(_M_ARENA_MAX, 1) == 1 if one_heap else True,
                     mallopt(_M_MMAP_THRESHOLD, KEEP_BYTES) == 1,
                     mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES) == 1])
     except (OSError, AttributeError):
         return False
 
 
-APPLIED = keep_freed_memory()
+ONE_HEAP = cpu_devices_configured() == 1
+APPLIED = keep_freed_memory(ONE_HEAP)

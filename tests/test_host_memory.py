@@ -33,12 +33,16 @@ for _ in range(8):
     r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(x, w).block_until_ready()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
-print(json.dumps({"faults": faults, "applied": host_memory.APPLIED}))
+print(json.dumps({"faults": faults, "applied": host_memory.APPLIED,
+                  "one_heap": host_memory.ONE_HEAP}))
 """
 
 
-def _run(setting: str) -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JCP_HOST_MALLOC": setting}
+def _run(setting: str, devices: int = 1) -> dict:
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JCP_HOST_MALLOC": setting,
+           "XLA_FLAGS": " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])}
     out = subprocess.run([sys.executable, "-c", PROGRAM], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -50,7 +54,23 @@ def test_temporaries_reuse_touched_pages():
     off, on = _run("0"), _run("1")
     if not on["applied"]:
         pytest.skip("not glibc: the setting does not apply")
-    assert not off["applied"]
+    assert not off["applied"] and on["one_heap"]
     # Mapped afresh: 12,288 faults every call; kept: (almost) none in most calls.
     assert min(off["faults"]) > 8000, off
     assert sorted(on["faults"])[5] < 1000, on
+
+
+def test_one_heap_only_for_one_cpu_device():
+    """Several CPU devices run on their own threads: one arena's lock would cost them more
+    than the faults it saves, so only the thresholds are set there."""
+    from jcp import host_memory
+
+    assert host_memory.cpu_devices_configured() == 8  # tests/conftest.py's fake devices
+    assert not host_memory.ONE_HEAP
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    code = "from jcp import host_memory as h; print(h.cpu_devices_configured(), h.ONE_HEAP)"
+    for flags, expect in (("", "1 True"), ("--xla_force_host_platform_device_count=4",
+                                           "4 False")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**env, "XLA_FLAGS": flags}, timeout=120)
+        assert out.stdout.split() == expect.split(), out.stderr[-2000:]
