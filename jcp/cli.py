@@ -54,6 +54,8 @@ def setup_devices(args, recoverable: bool = False) -> None:
     """
     import jax
 
+    from jcp import host_memory
+
     addr = args.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
     nproc = args.num_processes or _env_int("JAX_NUM_PROCESSES")
     pid = args.process_id if args.process_id is not None else _env_int("JAX_PROCESS_ID")
@@ -61,6 +63,7 @@ def setup_devices(args, recoverable: bool = False) -> None:
                                                                             "tpu", "rocm")
     if not accel and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         jax.config.update("jax_num_cpu_devices", 8 // (nproc or 1) or 1)
+    host_memory.devices_configured()
     if addr or (nproc and nproc > 1):
         if not accel:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -76,5 +76,16 @@ def keep_freed_memory(one_heap: bool) -> bool:
         return False
 
 
+def devices_configured() -> None:
+    """Re-check after devices are configured (jcp.cli.setup_devices, once jcp is imported):
+    where several CPU devices now run, lift the one-heap limit back to glibc's default (8
+    arenas per core), before JAX's threads start and take their arenas."""
+    global ONE_HEAP
+    if ONE_HEAP and APPLIED and cpu_devices_configured() > 1:
+        libc = ctypes.CDLL(None)
+        libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+        ONE_HEAP = libc.mallopt(_M_ARENA_MAX, 8 * (os.cpu_count() or 1)) != 1
+
+
 ONE_HEAP = cpu_devices_configured() == 1
 APPLIED = keep_freed_memory(ONE_HEAP)

@@ -69,8 +69,14 @@ def test_one_heap_only_for_one_cpu_device():
     assert not host_memory.ONE_HEAP
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     code = "from jcp import host_memory as h; print(h.cpu_devices_configured(), h.ONE_HEAP)"
-    for flags, expect in (("", "1 True"), ("--xla_force_host_platform_device_count=4",
-                                           "4 False")):
+    # jcp.cli configures its devices after jcp is imported, then re-checks.
+    late = ("import argparse; from jcp import host_memory as h; from jcp.cli import "
+            "setup_devices; print(h.ONE_HEAP); setup_devices(argparse.Namespace("
+            "coordinator_address=None, num_processes=None, process_id=None)); "
+            "print(h.cpu_devices_configured(), h.ONE_HEAP)")
+    for flags, expect, code in (
+            ("", "1 True", code), ("--xla_force_host_platform_device_count=4", "4 False", code),
+            ("", "True 8 False", late)):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**env, "XLA_FLAGS": flags}, timeout=120)
         assert out.stdout.split() == expect.split(), out.stderr[-2000:]
