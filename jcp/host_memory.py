@@ -58,22 +58,30 @@ def cpu_devices_configured() -> int:
     return max(counts)
 
 
+def _mallopt():
+    """glibc's mallopt(param, value) -> 1 on success, or None where there is no glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+            return None  # not glibc (musl has no mallopt settings to speak of)
+        mallopt = libc.mallopt
+        mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+        return mallopt
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory(one_heap: bool) -> bool:
     """Apply the setting (see the module docstring), M_ARENA_MAX 1 only with `one_heap`;
     True if glibc accepted all of it."""
     if os.environ.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):
         return False
-    try:
-        libc = ctypes.CDLL(None)
-        if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
-            return False  # not glibc (musl has no mallopt settings to speak of)
-        mallopt = libc.mallopt
-        mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-        return all([mallopt(_M_ARENA_MAX, 1) == 1 if one_heap else True,
-                    mallopt(_M_MMAP_THRESHOLD, KEEP_BYTES) == 1,
-                    mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES) == 1])
-    except (OSError, AttributeError):
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
+    return all([mallopt(_M_ARENA_MAX, 1) == 1 if one_heap else True,
+                mallopt(_M_MMAP_THRESHOLD, KEEP_BYTES) == 1,
+                mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES) == 1])
 
 
 def devices_configured() -> None:
@@ -82,9 +90,7 @@ def devices_configured() -> None:
     arenas per core), before JAX's threads start and take their arenas."""
     global ONE_HEAP
     if ONE_HEAP and APPLIED and cpu_devices_configured() > 1:
-        libc = ctypes.CDLL(None)
-        libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-        ONE_HEAP = libc.mallopt(_M_ARENA_MAX, 8 * (os.cpu_count() or 1)) != 1
+        ONE_HEAP = _mallopt()(_M_ARENA_MAX, 8 * (os.cpu_count() or 1)) != 1
 
 
 ONE_HEAP = cpu_devices_configured() == 1

@@ -197,6 +197,18 @@ def training_attend(cfg: QwenConfig, step_cfg: StepConfig, segment_S, position_S
                                    block=step_cfg.attn_block)
 
 
+def _stream_loss(cfg: QwenConfig, step_cfg: StepConfig, loss_fns: tuple[str, ...],
+                 num_slots: int, lora_active, params, slot_meta, b: Batch, loss_cfg, **kw):
+    """model_loss of this device's row of the batch, inside the shard_map (kw: its
+    keep_token_logprobs / summed)."""
+    one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
+    route = slot_meta.routing(b.active, one(b.spans))
+    inputs = losses_lib.TokenInputs(**{k: one(getattr(b, k)) for k in losses_lib.FLOAT_INPUTS})
+    return model_loss(cfg, step_cfg, params, lora_active, route, one(b.tokens), one(b.segment),
+                      one(b.position), one(b.targets), inputs, loss_fns, loss_cfg, num_slots,
+                      loss_id_S=one(b.loss_id), call_tokens=b.call_tokens, **kw)
+
+
 def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tuple[str, ...],
                       num_slots: int, lora_active, params, slot_meta, batch: Batch, loss_cfg,
                       custom=None, custom_args=()):
@@ -209,16 +221,9 @@ def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tup
     """
 
     def shard(lora_active, params, slot_meta, b: Batch, loss_cfg):
-        one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
-        lora_active = vary_on_entry(lora_active)
-        route = slot_meta.routing(b.active, one(b.spans))
-        inputs = losses_lib.TokenInputs(
-            **{k: one(getattr(b, k)) for k in losses_lib.FLOAT_INPUTS})
-        loss, out = model_loss(cfg, step_cfg, params, lora_active, route, one(b.tokens),
-                               one(b.segment), one(b.position), one(b.targets), inputs,
-                               loss_fns, loss_cfg, num_slots, loss_id_S=one(b.loss_id),
-                               call_tokens=b.call_tokens,
-                               keep_token_logprobs=custom is not None)
+        loss, out = _stream_loss(cfg, step_cfg, loss_fns, num_slots, vary_on_entry(lora_active),
+                                 params, slot_meta, b, loss_cfg,
+                                 keep_token_logprobs=custom is not None)
         if custom is None:
             return loss, out, None
         lp = out.token_logprobs
@@ -267,15 +272,9 @@ def _folded_value_and_grad(cfg: QwenConfig, mesh, step_cfg: StepConfig,
     sizes = [math.prod(s) for s in shapes]
 
     def shard(lora_active, sink, params, slot_meta, b: Batch, loss_cfg):
-        one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
         lora_active, sink = vary_on_entry((lora_active, sink))
-        route = slot_meta.routing(b.active, one(b.spans))
-        inputs = losses_lib.TokenInputs(
-            **{k: one(getattr(b, k)) for k in losses_lib.FLOAT_INPUTS})
-        loss, parts = model_loss(cfg, step_cfg, params, lora_active, route, one(b.tokens),
-                                 one(b.segment), one(b.position), one(b.targets), inputs,
-                                 loss_fns, loss_cfg, num_slots, loss_id_S=one(b.loss_id),
-                                 call_tokens=b.call_tokens, summed=False)
+        loss, parts = _stream_loss(cfg, step_cfg, loss_fns, num_slots, lora_active, params,
+                                   slot_meta, b, loss_cfg, summed=False)
         payload = jnp.concatenate([x.reshape(-1) for x in parts])
         return _emit(sink, loss, payload)[None, None]
 
