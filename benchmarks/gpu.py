@@ -1,9 +1,9 @@
 """One prepared accelerator run: everything issue 22 asks of a GPU, in one go, one table.
 
-On one H200 it is meant to finish well under 10 minutes: each part runs in its own
-subprocess under a hard time limit (a part that fails or runs out of time shows its error
-in the table and the others still run; the limits add up to 10½ minutes, a normal run
-should take about half of that; --parts runs some of them). Parts:
+On one H200 it is meant to finish in about 10 minutes: each part runs in its own
+subprocess under a hard time limit (a part that fails or runs out of time shows the rows it
+finished and its error in the table, and the others still run; the limits add up to 13
+minutes; --parts runs some of them, --logs keeps each part's whole output). Parts:
 
   kernels  Pallas kernels (jcp/pallas_attention.py, Triton) against the blockwise kernel
            on the device, values and gradients (d q, k, v), bf16 and fp32: one datum of
@@ -47,13 +47,30 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PARTS = ("kernels", "memory", "mfu_pallas", "mfu_blockwise", "decode")
-LIMITS_S = {"kernels": 75, "memory": 120, "mfu_pallas": 200, "mfu_blockwise": 120,
-            "decode": 120}
+# Seconds per part. The H200 run of 2026-12-04 (jax 0.11.2) took kernels 96 s (when its
+# inputs were still compile-time constants), memory 79 s, mfu_pallas 166 s (a first step of
+# 128 s: two compiles, remat "auto"); mfu_blockwise and decode ran past 120 s.
+LIMITS_S = {"kernels": 75, "memory": 120, "mfu_pallas": 200, "mfu_blockwise": 200,
+            "decode": 180}
 GiB = float(1 << 30)
 
 
 # ----------------------------------------------------------------------------------------
 # Parts (each runs in its own process: python gpu.py --part NAME [--smoke])
+
+
+class Rows(list):
+    """A part's rows; each one is also printed ("ROW {json}", flushed) as it is added, so a
+    part stopped at its time limit still reports the rows it finished."""
+
+    def append(self, row):
+        super().append(row)
+        print("ROW " + json.dumps(row, default=str), flush=True)
+
+
+def progress(msg):
+    """A line in the part's log (stderr), flushed: where a part that timed out had got to."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def _timed(f, *args, reps=3):
@@ -82,10 +99,10 @@ def part_kernels(smoke: bool) -> list[dict]:
     s_len, q_heads, kv_heads, head_dim, block = ((128, 4, 2, 16, 32) if smoke
                                                  else (8192, 32, 8, 128, 512))
     mesh = jcp.make_mesh(1, 1, 1)
-    seg = np.zeros(s_len, np.int32)
-    pos = np.arange(s_len, dtype=np.int32)
+    seg = jnp.zeros(s_len, jnp.int32)
+    pos = jnp.arange(s_len, dtype=jnp.int32)
     rng = np.random.default_rng(0)
-    rows = []
+    rows = Rows()
     for dtype in ("float32", "bfloat16"):
         q, k, v, g = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in (
             (s_len, q_heads, head_dim), (s_len, kv_heads, head_dim),
@@ -99,17 +116,25 @@ def part_kernels(smoke: bool) -> list[dict]:
             return jax.shard_map(f, mesh=mesh, in_specs=(P(),) * 3 + (SPECS.replicated,) * 2,
                                  out_specs=P(), check_vma=False)
 
+        def vjp(f):
+            # Every array an argument: arrays a jitted function closes over become constants,
+            # which XLA folds at compile time (minutes at 8192 tokens on the H200).
+            def grads(q, k, v, g, seg, pos):
+                return jax.vjp(lambda q, k, v: f(q, k, v, seg, pos), q, k, v)[1](g)
+
+            return grads
+
         res = {}
         for impl in ("blockwise", "pallas"):
-            fwd = jax.jit(attend(impl))
-            grad = jax.jit(lambda q, k, v, f=attend(impl): jax.vjp(
-                lambda q, k, v: f(q, k, v, seg, pos), q, k, v)[1](g))
+            fwd, grad = jax.jit(attend(impl)), jax.jit(vjp(attend(impl)))
             out = fwd(q, k, v, seg, pos)
-            grads = grad(q, k, v)
+            grads = grad(q, k, v, g, seg, pos)
             res[impl] = dict(out=np.asarray(out, np.float32),
                              grads=[np.asarray(x, np.float32) for x in grads],
                              fwd_s=_timed(fwd, q, k, v, seg, pos),
-                             fwd_bwd_s=_timed(grad, q, k, v))
+                             fwd_bwd_s=_timed(grad, q, k, v, g, seg, pos))
+            progress(f"kernels {dtype} {impl}: fwd {res[impl]['fwd_s'] * 1e3:.2f} ms, "
+                     f"fwd+bwd {res[impl]['fwd_bwd_s'] * 1e3:.2f} ms")
         ref, got = res["blockwise"], res["pallas"]
 
         def rel(a, b):
@@ -140,9 +165,10 @@ def part_memory(smoke: bool) -> list[dict]:
     if smoke:
         base.update(vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=32)
-    rows = []
+    rows = Rows()
     for tokens in ((1024, 2048) if smoke else (32768, 65536)):
         cfg = jcp.QwenConfig(**base, max_position_embeddings=max(tokens, 40960))
+        progress(f"memory: compiling the {tokens}-token step")
         compiled, _, secs = memory.compiled_step(cfg, 1, tokens, 512, 256 if smoke else
                                                  memory.logprob_chunk(cfg, 1024))
         m = compiled.memory_analysis()
@@ -204,17 +230,20 @@ def part_decode(smoke: bool) -> list[dict]:
 
     cfg = mfu.config(1, 8, 1024) if smoke else mfu.config(36, 1, 1024)
     mesh = jcp.make_mesh(1, 1, 1)
+    progress("decode: placing the weights")
     tr = jcp.Trainer(cfg, mesh, mfu.device_random_params(cfg), max_adapters=1, max_rank=32)
     a = tr.create_adapter(rank=32, alpha=64.0, targets=list(mfu.TARGETS))
     new = 8 if smoke else 64
     rng = np.random.default_rng(0)
-    rows = []
+    rows = Rows()
     for batch in ((1, 4) if smoke else (1, 64, 512)):
         prompts = [rng.integers(0, cfg.vocab_size, 16) for _ in range(batch)]
         sp = jcp.SamplingParams(max_tokens=new, temperature=1.0, stop=[], seed=0)
+        progress(f"decode: batch {batch}, first call (compiles)")
         t = time.perf_counter()
         tr.sample(prompts, sp, adapters=a)
         first = time.perf_counter() - t
+        progress(f"decode: batch {batch}, first call {first:.1f} s; timed call")
         t = time.perf_counter()
         res = tr.sample(prompts, sp, adapters=a)
         secs = time.perf_counter() - t
@@ -229,35 +258,41 @@ def part_decode(smoke: bool) -> list[dict]:
 
 
 def _subprocess_json(cmd, timeout, log=None):
-    """Run cmd; its last 'RESULT {json}' line as a dict, or {"error": why}. With log, the
-    command's whole stdout and stderr are written there (a timed-out part's too)."""
+    """Run cmd; its last 'RESULT {json}' line, or {"error": why, "rows": [the rows it
+    printed ("ROW {json}") before it failed or ran out of time]}. With log, the command's
+    whole stdout and stderr are written there (a timed-out part's too)."""
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                            env=_env(), cwd=os.path.dirname(HERE))
+        out, err, why = p.stdout, p.stderr, None
     except subprocess.TimeoutExpired as e:
-        _write_log(log, e.stdout, e.stderr)
-        return {"error": f"timed out after {timeout} s"}
-    _write_log(log, p.stdout, p.stderr)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if p.returncode != 0 or not lines:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["?"]
-        return {"error": f"exit {p.returncode}: {tail[0][:200]}"}
-    return json.loads(lines[-1][len("RESULT "):])
+        out, err, why = _text(e.stdout), _text(e.stderr), f"timed out after {timeout} s"
+    _write_log(log, out, err)
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    if why is None and p.returncode == 0 and lines:
+        return json.loads(lines[-1][len("RESULT "):])
+    if why is None:
+        tail = (err or out).strip().splitlines()[-1:] or ["?"]
+        why = f"exit {p.returncode}: {tail[0][:200]}"
+    return {"error": why, "rows": [json.loads(ln[len("ROW "):]) for ln in out.splitlines()
+                                   if ln.startswith("ROW ")]}
+
+
+def _text(x) -> str:
+    return (x.decode(errors="replace") if isinstance(x, bytes) else x) or ""
 
 
 def _write_log(path, out, err):
     if path:
-        def text(x):
-            return (x.decode(errors="replace") if isinstance(x, bytes) else x) or ""
-
         with open(path, "w") as f:
-            f.write(f"--- stdout\n{text(out)}\n--- stderr\n{text(err)}\n")
+            f.write(f"--- stdout\n{out}\n--- stderr\n{err}\n")
 
 
 def _env():
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # peaks are the program's own
     env.setdefault("JAX_PLATFORMS", "cuda")
+    env["PYTHONUNBUFFERED"] = "1"  # a part stopped at its limit leaves its lines in the log
     return env
 
 
@@ -277,63 +312,63 @@ def _fmt(x, spec):
     return "—" if x is None else format(x, spec)
 
 
+def _rows(results: dict, name: str) -> tuple[list[dict], list[str]]:
+    """A part's rows (those it finished, where it failed or ran out of time) and the lines
+    saying what is missing: the error, or that the part was not run."""
+    r = results.get(name)
+    if r is None:
+        return [], ["  not run"]
+    if isinstance(r, dict):
+        return r.get("rows", []), [f"  error: {r['error']}"]
+    return r, []
+
+
 def table(results: dict, device: str) -> str:
     out = [f"jcp GPU run on {device}", ""]
-    r = results.get("kernels")
+    rows, missing = _rows(results, "kernels")
     out.append("Pallas vs blockwise attention (one datum, causal; rel = max |Δ| / max |ref|)")
-    if isinstance(r, dict):
-        out.append(f"  error: {r['error']}")
-    else:
-        out.append(f"  {'dtype':<9} {'tokens':>6} {'heads':>10} {'out rel':>9} {'grad rel':>9} "
-                   f"{'pallas fwd':>11} {'block fwd':>10} {'pallas f+b':>11} {'block f+b':>10}")
-        for x in r:
-            out.append(f"  {x['dtype']:<9} {x['tokens']:>6} {x['heads']:>10} "
-                       f"{x['out_rel_err']:>9.2e} {x['grad_rel_err']:>9.2e} "
-                       f"{x['pallas_fwd_s'] * 1e3:>9.2f}ms {x['blockwise_fwd_s'] * 1e3:>8.2f}ms "
-                       f"{x['pallas_fwd_bwd_s'] * 1e3:>9.2f}ms "
-                       f"{x['blockwise_fwd_bwd_s'] * 1e3:>8.2f}ms"
-                       + ("" if x["finite"] else "  NOT FINITE"))
-    out.append("")
+    out.append(f"  {'dtype':<9} {'tokens':>6} {'heads':>10} {'out rel':>9} {'grad rel':>9} "
+               f"{'pallas fwd':>11} {'block fwd':>10} {'pallas f+b':>11} {'block f+b':>10}")
+    for x in rows:
+        out.append(f"  {x['dtype']:<9} {x['tokens']:>6} {x['heads']:>10} "
+                   f"{x['out_rel_err']:>9.2e} {x['grad_rel_err']:>9.2e} "
+                   f"{x['pallas_fwd_s'] * 1e3:>9.2f}ms {x['blockwise_fwd_s'] * 1e3:>8.2f}ms "
+                   f"{x['pallas_fwd_bwd_s'] * 1e3:>9.2f}ms "
+                   f"{x['blockwise_fwd_bwd_s'] * 1e3:>8.2f}ms"
+                   + ("" if x["finite"] else "  NOT FINITE"))
+    out += missing + [""]
     out.append("MFU: Qwen3-8B shape, LoRA r32, one datum (benchmarks/mfu.py)")
     out.append(f"  {'attention':<10} {'layers':>6} {'tokens':>6} {'tok/s':>8} {'step s':>8} "
-               f"{'MFU':>7} {'MFU 6N':>7} {'peak GiB':>9} {'remat':>6}")
+               f"{'MFU':>7} {'MFU 6N':>7} {'peak GiB':>9} {'remat':>6} {'first s':>8}")
     for impl in ("pallas", "blockwise"):
-        r = results.get(f"mfu_{impl}")
-        if r is None:
-            continue
-        if isinstance(r, dict):
-            out.append(f"  {impl:<10} error: {r['error']}")
-            continue
-        for x in r:
+        rows, missing = _rows(results, f"mfu_{impl}")
+        for x in rows:
             peak = None if x["peak_bytes_in_use"] is None else x["peak_bytes_in_use"] / GiB
             out.append(f"  {x['attn_impl']:<10} {x['layers']:>6} {x['tokens']:>6} "
                        f"{x['tokens_per_s']:>8.0f} {x['median_step_s']:>8.2f} "
                        f"{100 * x['mfu']:>6.1f}% {100 * x['mfu_6n']:>6.1f}% "
-                       f"{_fmt(peak, '9.2f'):>9} {str(x['remat']):>6}")
+                       f"{_fmt(peak, '9.2f'):>9} {str(x['remat']):>6} "
+                       f"{_fmt(x.get('first_step_s'), '8.1f'):>8}")
+        out += [f"  {impl:<10}{m[1:]}" for m in missing]
     out.append("")
-    r = results.get("memory")
+    rows, missing = _rows(results, "memory")
     out.append("Per-device compiled memory, bf16 training (memory.py's program, cp = 1)")
-    if isinstance(r, dict):
-        out.append(f"  error: {r['error']}")
-    else:
-        out.append(f"  {'tokens':>6} {'arg GiB':>8} {'out GiB':>8} {'temp GiB':>9} "
-                   f"{'total GiB':>10}  f32 copies of stacked bf16 weights")
-        for x in r:
-            copies = ", ".join(x["f32_copies_of_stacked_weights"]) or "none"
-            out.append(f"  {x['tokens']:>6} {x['argument_gib']:>8.2f} {x['output_gib']:>8.2f} "
-                       f"{x['temp_gib']:>9.2f} {x['total_gib']:>10.2f}  {copies}")
-    out.append("")
-    r = results.get("decode")
+    out.append(f"  {'tokens':>6} {'arg GiB':>8} {'out GiB':>8} {'temp GiB':>9} "
+               f"{'total GiB':>10}  f32 copies of stacked bf16 weights")
+    for x in rows:
+        copies = ", ".join(x["f32_copies_of_stacked_weights"]) or "none"
+        out.append(f"  {x['tokens']:>6} {x['argument_gib']:>8.2f} {x['output_gib']:>8.2f} "
+                   f"{x['temp_gib']:>9.2f} {x['total_gib']:>10.2f}  {copies}")
+    out += missing + [""]
+    rows, missing = _rows(results, "decode")
     out.append("Sampling decode (Qwen3-8B shape, bf16, 16-token prompts, T = 1)")
-    if isinstance(r, dict):
-        out.append(f"  error: {r['error']}")
-    else:
-        out.append(f"  {'batch':>5} {'new':>4} {'tokens':>7} {'seconds':>8} {'tok/s':>9} "
-                   f"{'first call s':>13}")
-        for x in r:
-            out.append(f"  {x['batch']:>5} {x['new_tokens']:>4} {x['tokens']:>7} "
-                       f"{x['seconds']:>8.2f} {x['tokens_per_s']:>9.0f} "
-                       f"{x['first_call_s']:>13.1f}")
+    out.append(f"  {'batch':>5} {'new':>4} {'tokens':>7} {'seconds':>8} {'tok/s':>9} "
+               f"{'first call s':>13}")
+    for x in rows:
+        out.append(f"  {x['batch']:>5} {x['new_tokens']:>4} {x['tokens']:>7} "
+                   f"{x['seconds']:>8.2f} {x['tokens_per_s']:>9.0f} "
+                   f"{x['first_call_s']:>13.1f}")
+    out += missing
     return "\n".join(out)
 
 

@@ -87,3 +87,25 @@ def test_collective_counter_classifies_and_counts_loops():
     assert got["trivial"]["count"] <= 1  # XLA may drop the size-1 psum
     # All 8 devices as one process: nothing crosses.
     assert bench.summarize(bench.collectives(hlo, lambda i: 0))["cross"]["count"] == 0
+
+
+def test_gpu_part_stopped_at_its_limit_keeps_its_rows(tmp_path):
+    """A part that runs out of time reports the rows it printed before, its log keeps its
+    whole output, and the table shows those rows, the error, and parts not run."""
+    import sys
+
+    code = ("import sys, time; sys.path.insert(0, 'benchmarks'); import gpu; rows = gpu.Rows(); "
+            "rows.append(dict(batch=1, new_tokens=4, tokens=4, seconds=0.5, tokens_per_s=8.0, "
+            "first_call_s=2.0)); gpu.progress('decode: batch 64'); time.sleep(60)")
+    log = tmp_path / "decode.log"
+    res = gpu._subprocess_json([sys.executable, "-c", code], 5, str(log))
+    assert res["error"] == "timed out after 5 s"
+    assert [r["batch"] for r in res["rows"]] == [1]
+    assert "decode: batch 64" in log.read_text()
+    out = gpu.table({"decode": res, "kernels": {"error": "exit 1: boom"}}, "test")
+    decode = out[out.index("Sampling decode"):]
+    assert "error: timed out after 5 s" in decode
+    assert any(line.split()[:3] == ["1", "4", "4"] for line in decode.splitlines())
+    assert "error: exit 1: boom" in out and "not run" in out[out.index("Per-device"):]
+    done = gpu._subprocess_json([sys.executable, "-c", "print('RESULT [1]')"], 30)
+    assert done == [1]
