@@ -2,7 +2,7 @@
 process, its temporaries kept between calls or mapped afresh, alternated step by step.
 
 Both halves run with jcp's malloc setting (every thread on glibc's main heap); between
-steps only the mmap threshold and trim threshold change: 1 GiB (the setting: the step's
+steps only the mmap threshold and trim threshold change: 2 GiB (the setting: the step's
 407 MiB of temporaries stay in the heap) or 32 MiB / 128 KiB (glibc's largest dynamic
 threshold and its default trim: they are mapped and unmapped each call, as without the
 setting). One process and alternated steps, so both halves see the same load. Prints
