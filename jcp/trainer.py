@@ -95,9 +95,11 @@ class Trainer:
     spent only where memory requires it. remat_budget_bytes (None: 90% of the device's
     memory limit on an accelerator; on CPU, half the host's physical memory shared by its
     local devices; with several processes, the smallest of theirs, so that every process
-    compiles the same programs); remat_decisions says what was chosen. attn_impl — "blockwise" (the reference kernel, the default),
-    "pallas" (a fused Pallas flash-attention kernel for GPUs, Triton; interpreted — slowly,
-    for tests — on CPU; see jcp/attention/pallas.py) or "dense" (tests only); attn_block —
+    compiles the same programs); remat_decisions says what was chosen. attn_impl — "auto" (the default:
+    attention.default_implementation — "pallas" on GPUs for bf16/fp16 models, "blockwise"
+    otherwise; step_cfg.attn_impl says which), "blockwise" (the reference kernel in plain
+    JAX), "pallas" (fused Pallas flash-attention kernels for GPUs, Triton; interpreted —
+    slowly, for tests — on CPU; see jcp/attention/pallas.py) or "dense" (tests only); attn_block —
     attention tile rows (None: 64 on CPU, where the masked half of diagonal tiles
     dominates, 512 on accelerators); logprob_chunk — tokens per
     log-prob chunk (None: at most 1024, fewer for large vocabularies so that one chunk's
@@ -138,7 +140,7 @@ class Trainer:
     def __init__(self, cfg: QwenConfig, mesh, base_params=None, max_adapters: int = 4,
                  max_rank: int = 16, seed: int = 0, max_tokens_per_device: int | None = None,
                  *, remat: bool | str = "auto", remat_budget_bytes: int | None = None,
-                 attn_impl: str = "blockwise",
+                 attn_impl: str = "auto",
                  attn_block: int | None = None, logprob_chunk: int | None = None,
                  cp_attention: str = "auto", router_aux_loss_coef: float = 0.0,
                  expert_lora_modes: tuple[str, ...] = lora_lib.EXPERT_LORA):
@@ -152,6 +154,9 @@ class Trainer:
         self.cfg, self.mesh = cfg, mesh
         self.dp, self.cp, self.tp = (mesh_lib.axis_size(mesh, a) for a in mesh_lib.AXES)
         cfg.check_mesh(self.tp)
+        if attn_impl == "auto":
+            attn_impl = attention_lib.default_implementation(mesh.devices.flat[0].platform,
+                                                             cfg.dtype)
         if attn_block is None:
             cpu = mesh.devices.flat[0].platform == "cpu"
             attn_block = 64 if cpu else attention_lib.DEFAULT_BLOCK

@@ -2,8 +2,10 @@
 
 - tiling: the (segment, position) mask, block summaries and skipping, tile sizes, and what
   every kernel shares: the online-softmax step (decode's too) and the ring schedule.
-- blockwise: the default kernel in plain JAX (flash over a gathered stream, and the ring).
-- pallas: the fused Pallas (Triton) kernels, "pallas" implementation.
+- blockwise: the reference kernel in plain JAX (flash over a gathered stream, and the ring);
+  the default off GPUs.
+- pallas: the fused Pallas (Triton) kernels, "pallas" implementation; the default on GPUs
+  for 16-bit models (strategies.default_implementation).
 - strategies: cp_attend / ring_attend (what the decoder layer calls) and the rule choosing one.
 
 `from jcp import attention` gives the names callers use; the modules hold the rest.
@@ -11,7 +13,8 @@
 
 from jcp.attention import blockwise, pallas, strategies, tiling
 from jcp.attention.strategies import (CP_ATTENTION, IMPLEMENTATIONS, RING_ABOVE_BYTES, Attend,
-                                      choose_cp_attention, cp_attend, cp_attention, gather_cp,
+                                      choose_cp_attention, cp_attend, cp_attention,
+                                      default_implementation, gather_cp,
                                       gathered_kv_bytes, ring_attend, ring_attention)
 from jcp.attention.tiling import (DEFAULT_BLOCK, GROWN_TILE, SAVED_NAMES, TILES_PER_STREAM,
                                   SoftmaxState, block_summary, block_work, blocks_needed,
@@ -21,7 +24,8 @@ from jcp.attention.tiling import (DEFAULT_BLOCK, GROWN_TILE, SAVED_NAMES, TILES_
 __all__ = [
     "blockwise", "pallas", "strategies", "tiling",
     "CP_ATTENTION", "IMPLEMENTATIONS", "RING_ABOVE_BYTES", "Attend", "choose_cp_attention",
-    "cp_attend", "cp_attention", "gather_cp", "gathered_kv_bytes", "ring_attend",
+    "cp_attend", "cp_attention", "default_implementation", "gather_cp", "gathered_kv_bytes",
+    "ring_attend",
     "ring_attention",
     "DEFAULT_BLOCK", "GROWN_TILE", "SAVED_NAMES", "TILES_PER_STREAM", "SoftmaxState",
     "block_summary", "block_work", "blocks_needed", "needed_range", "online_softmax_finish",

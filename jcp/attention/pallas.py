@@ -7,10 +7,11 @@ blocks to visit, and the two strategies built on them: `flash_attention` (the al
 path of attention.cp_attention, custom VJP) and `ring_attention` (the cp ring, one kernel
 call per step, partial results merged by their log-sum-exp). It must never materialise
 an [S, T] array (memory is O(S·Q·H + T·K·H)), never differentiate through a kernel (the
-VJPs are written out), and never be the default: on CPU the kernels run in Pallas
-interpret mode, which is for tests only (attention.cp_attention defaults to "blockwise"),
-and inside a shard_map each device then also computes every other device's kernels
-(_interpret_invariant says why).
+VJPs are written out), and never be the default on CPU: there the kernels run in Pallas
+interpret mode, which is for tests only, and inside a shard_map each device then also
+computes every other device's kernels (_interpret_invariant says why). On GPUs it is the
+default for 16-bit models (strategies.default_implementation; measured on an H200, see
+README "Measured on one H200").
 
 Block skipping. Outside the kernels, attention.tiling.block_kinds classifies every (query block,
 key block) pair from per-block min/max segment and position as skipped, masked or fully

@@ -15,14 +15,25 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from jcp.attention import blockwise, pallas
 from jcp.attention.tiling import DEFAULT_BLOCK, tile
 from jcp.mesh import CP
 
 # "pallas": the fused kernels of jcp/attention/pallas.py (Triton on GPU; on CPU, interpret
-# mode, tests only). The default stays "blockwise".
+# mode, tests only). The Trainer's "auto" picks one per platform (default_implementation).
 IMPLEMENTATIONS = ("blockwise", "dense", "pallas")
+
+
+def default_implementation(platform: str, dtype) -> str:
+    """The implementation attn_impl="auto" runs: "pallas" on GPUs for 16-bit models (on an
+    H200, bf16, 8k tokens, 32/8 heads × 128: forward + backward 11.1 ms against blockwise's
+    45.5), "blockwise" otherwise — on CPU the Pallas kernels only interpret, and in fp32
+    their backward was slower than blockwise's on the same GPU (63.9 vs 46.6 ms)."""
+    if platform == "gpu" and jnp.dtype(dtype).itemsize == 2:
+        return "pallas"
+    return "blockwise"
 
 
 class Attend(Protocol):
