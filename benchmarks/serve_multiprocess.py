@@ -18,6 +18,13 @@ times its trip count), by the devices each one joins: "local" (one process's dev
 XLA:CPU with gloo still sends these over TCP), "cross" (devices of both processes), and
 "trivial" (groups of one device: no communication).
 
+Where the 2-process step's extra time goes (--parts): the same Trainer step, pinned like
+the job, as "independent" (2 separate 1-process jobs of 4 devices, 4 datums each, no
+jax.distributed: the compute of one process's share alone) and "local" (the 2-process job,
+each process training its own 4-device mesh on 4 datums: the step's all-reduce stays within
+a process but runs over gloo, as every collective of a multi-process CPU client does),
+against the job itself.
+
 CPU seconds per step are counted for both comparisons, every process and every thread,
 and split by thread name (/proc/<pid>/task/*/stat): XLA's compute pool (tf_XLAEigen), the
 main thread, and the threads left unnamed ("python": the server's Python threads, and
@@ -36,7 +43,7 @@ devices of two processes, in 1 process and in 2 (gloo).
 
     python benchmarks/serve_multiprocess.py [--mesh 8,1,1 --mesh 2,2,2] [--steps 5]
                                            [--rounds 3] [--warmup 2] [--direct-steps 10]
-                                           [--pin]
+                                           [--pin] [--parts]
 """
 
 from __future__ import annotations
@@ -56,6 +63,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "helpers"))
 
 DATUMS, TOKENS, RANK = 8, 512, 8
+# What the processes of a direct (no server) run are: one jax.distributed job on one mesh
+# of every device; separate 1-process jobs ("independent"); or one jax.distributed job whose
+# processes each train on a mesh of their own devices ("local").
+PARTS = ("job", "independent", "local")
 
 
 def parse_args(argv):
@@ -70,7 +81,12 @@ def parse_args(argv):
     p.add_argument("--pin", action="store_true",
                    help="run each process of the 2-process jobs on its own half of the cores "
                    "(one host each, as deployed); the 1-process jobs use all of them")
+    p.add_argument("--parts", action="store_true",
+                   help="also time the Trainer step as 2 independent 1-process jobs and as "
+                   "2 processes each on its own mesh (where the 2-process step's time goes)")
     p.add_argument("--worker", nargs=3, type=int, help=argparse.SUPPRESS)  # pid nproc port
+    p.add_argument("--part", choices=PARTS, default="job",
+                   help=argparse.SUPPRESS)  # worker: what its processes run
     p.add_argument("--dump", help=argparse.SUPPRESS)  # the worker's XLA dump folder
     p.add_argument("--psum", action="store_true", help=argparse.SUPPRESS)  # worker: latency
     args = p.parse_args(argv)
@@ -223,29 +239,41 @@ def _batch(rng):
 
 
 def worker(pid: int, nproc: int, port: int, warmup: int, steps: int, mesh: str,
-           dump: str | None) -> None:
+           dump: str | None, part: str = "job") -> None:
     """One process of the no-server comparison: jcp-serve's Trainer, the benchmark's step;
-    with `dump` (XLA's dump folder), process 0 also prints the step's collectives."""
+    with `dump` (XLA's dump folder), process 0 also prints the step's collectives. part
+    (PARTS): "job", the whole batch on `mesh` over every process's devices; "independent"
+    (a 1-process job of 8 / nproc devices, set by direct) and "local" (a process of the
+    jax.distributed job on its own devices), each on its 1 / nproc of the batch with `mesh`'s
+    dp cut to its devices."""
     from jcp.cli import setup_devices
 
-    setup_devices(argparse.Namespace(coordinator_address=f"127.0.0.1:{port}" if nproc > 1
-                                     else None, num_processes=nproc, process_id=pid))
+    job = part != "independent" and nproc > 1
+    setup_devices(argparse.Namespace(coordinator_address=f"127.0.0.1:{port}" if job else None,
+                                     num_processes=nproc if job else None,
+                                     process_id=pid if job else None))
+    import jax
     import numpy as np
 
     import jcp
 
-    tr = jcp.Trainer(jcp.QwenConfig.tiny(), jcp.make_mesh(*map(int, mesh.split(","))),
+    shape = tuple(map(int, mesh.split(",")))
+    datums, devices = DATUMS, None
+    if part != "job":
+        shape, datums = (shape[0] // nproc,) + shape[1:], DATUMS // nproc
+        devices = jax.local_devices()
+    tr = jcp.Trainer(jcp.QwenConfig.tiny(), jcp.make_mesh(*shape, devices=devices),
                      max_adapters=8,
                      max_rank=RANK)
     a = tr.create_adapter(rank=RANK, alpha=32.0, seed=0)
     data = [jcp.Datum(t[:-1], {"target_tokens": t[1:], "weights": np.ones(TOKENS, np.float32)})
-            for t in _batch(np.random.default_rng(0))]
+            for t in _batch(np.random.default_rng(0))][:datums]
     times = []
     for i in range(warmup + steps):
         if i == warmup:
             cpu, threads = time.process_time(), thread_cpu()
         t = time.perf_counter()
-        tr.forward_backward(data, "cross_entropy", adapters=[a] * DATUMS)
+        tr.forward_backward(data, "cross_entropy", adapters=[a] * datums)
         tr.optim_step(a, jcp.AdamParams(learning_rate=1e-4))
         times.append(time.perf_counter() - t)
     # CPU seconds per step of this process, all its threads (XLA's and the host's).
@@ -254,7 +282,7 @@ def worker(pid: int, nproc: int, port: int, warmup: int, steps: int, mesh: str,
     print("threads " + json.dumps({k: round((v - threads.get(k, 0)) / steps, 4)
                                    for k, v in now.items() if v - threads.get(k, 0) > 0}),
           flush=True)
-    if pid == 0:
+    if pid == 0 or part == "independent":
         print(f"median_s {statistics.median(times[warmup:])}", flush=True)
         if dump:
             print(f"collectives {json.dumps(step_collectives(dump, tr.mesh))}", flush=True)
@@ -311,11 +339,11 @@ def psum_latency(nproc: int) -> dict:
 
 
 def direct(nproc: int, warmup: int, steps: int, mesh: str, count: bool = False,
-           pin: bool = False) -> tuple[float, dict | None, float, dict]:
-    """(median Trainer step (s) of `nproc` processes × 8 / nproc devices on `mesh`, the
-    step's collectives if `count`, CPU seconds per step of all processes together, and
-    the same by thread name). pin: each process on its own share of this machine's cores
-    (cpu_shares)."""
+           pin: bool = False, part: str = "job") -> tuple[float, dict | None, float, dict]:
+    """(median Trainer step (s) of `nproc` processes × 8 / nproc devices on `mesh` (the
+    slowest process's, for independent jobs), the step's collectives if `count`, CPU
+    seconds per step of all processes together, and the same by thread name). pin: each
+    process on its own share of this machine's cores (cpu_shares). part: see worker."""
     import subprocess
 
     import mp_serve
@@ -323,8 +351,10 @@ def direct(nproc: int, warmup: int, steps: int, mesh: str, count: bool = False,
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     dump = tempfile.mkdtemp(prefix="jcp-bench-hlo-") if count else None
+    if part == "independent":
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // nproc}"
     cmd = [sys.executable, os.path.abspath(__file__), "--warmup", str(warmup),
-           "--direct-steps", str(steps), "--mesh", mesh, "--worker"]
+           "--direct-steps", str(steps), "--mesh", mesh, "--part", part, "--worker"]
     port = str(mp_serve.free_port())
     procs = []
     for i in range(nproc):
@@ -338,6 +368,10 @@ def direct(nproc: int, warmup: int, steps: int, mesh: str, count: bool = False,
     outs = [p.communicate(timeout=1800)[0] for p in procs]
     found = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in outs[0].splitlines()
              if ln.startswith(("median_s ", "collectives "))}
+    medians = [float(ln.split()[1]) for out in outs for ln in out.splitlines()
+               if ln.startswith("median_s ")]
+    if medians:
+        found["median_s"] = str(max(medians))
     cpu = [float(ln.split()[1]) for out in outs for ln in out.splitlines()
            if ln.startswith("cpu_s ")]
     if "median_s" not in found or (count and "collectives" not in found) or len(cpu) != nproc:
@@ -349,6 +383,25 @@ def direct(nproc: int, warmup: int, steps: int, mesh: str, count: bool = False,
                 threads.update(json.loads(ln.split(" ", 1)[1]))
     return (float(found["median_s"]), json.loads(found.get("collectives", "null")), sum(cpu),
             dict(threads))
+
+
+def parts(args, mesh: str, single, job) -> dict:
+    """The 2-process Trainer step taken apart (see the module docstring): the "independent"
+    and "local" runs next to the 1-process and the 2-process job's ((median s, CPU s per
+    step, by thread) each), printed; {name: (median s, CPU s per step)}."""
+    rows = {"1 process x 8 devices": single}
+    for part, label in (("independent", "2 independent 1-process jobs x 4 devices"),
+                        ("local", "2 processes x 4, each on its own mesh (gloo within it)")):
+        med, _, cpu, th = direct(2, args.warmup, args.direct_steps, mesh, pin=args.pin,
+                                 part=part)
+        rows[label] = (med, cpu, th)
+    rows["2 processes x 4 devices (the job)"] = job
+    print("where the 2-process Trainer step's time goes (median ms of the slowest process; "
+          "CPU s per step, every process: total, and XLA's pool / the rest):")
+    for label, (med, cpu, th) in rows.items():
+        xla = th.get("tf_XLAEigen", 0)
+        print(f"  {label}: {med * 1e3:.0f} ms; {cpu:.3f} ({xla:.3f} / {cpu - xla:.3f})")
+    return {label: (med, cpu) for label, (med, cpu, _) in rows.items()}
 
 
 def cpu_shares(nproc: int) -> list[set[int]]:
@@ -373,7 +426,8 @@ def main(argv=None) -> dict:
         psum_worker(*args.worker)
         return {}
     if args.worker:
-        worker(*args.worker, args.warmup, args.direct_steps, args.mesh[-1], args.dump)
+        worker(*args.worker, args.warmup, args.direct_steps, args.mesh[-1], args.dump,
+               args.part)
         return {}
     import numpy as np
     from tinker import types
@@ -415,6 +469,8 @@ def main(argv=None) -> dict:
                       for name in sorted(set(th1) | set(th2))))
             if "ratio" in out:
                 print(f"the server's own share: {out['ratio'] / (two / one):.3f}x")
+            if args.parts:
+                out["parts"] = parts(args, mesh, (one, cpu1, th1), (two, cpu2, th2))
     print("\nsummary (goal <= 1.15):")
     for mesh in args.mesh:
         out = res[mesh]
