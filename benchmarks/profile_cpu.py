@@ -226,7 +226,8 @@ def profile_torch(args) -> dict:
 
 
 def profile_kernel(args) -> dict:
-    """Blockwise fwd + bwd vs torch SDPA on one causal datum: {name: (best wall, best CPU s)}."""
+    """Blockwise and the C++ kernel ("cpu") fwd + bwd vs torch SDPA on one causal datum:
+    {name: (best wall, best CPU s)}."""
     import resource
 
     import jax
@@ -235,7 +236,7 @@ def profile_kernel(args) -> dict:
     import torch
 
     import jcp
-    from jcp.attention import blockwise
+    from jcp.attention import blockwise, cpu
     from jcp.train_step import compiler_options
 
     n, kv, per_kv, hd = args.kernel, T.KV_HEADS, T.HEADS // T.KV_HEADS, T.HEAD_DIM
@@ -260,6 +261,14 @@ def profile_kernel(args) -> dict:
             compiler_options=options)
         grads[b] = g
         steps[f"jcp blockwise, tile {b}"] = lambda g=g: jax.block_until_ready(g(q, k, v))
+    if cpu.available():
+        qf = q.reshape(n, kv * per_kv, hd)
+        g = jax.jit(jax.grad(lambda q, k, v: (cpu.flash_attention(
+            q, k, v, seg, pos, seg, pos) * w.reshape(q.shape)).sum(), argnums=(0, 1, 2)),
+            compiler_options=options)
+        steps["jcp cpu kernel"] = lambda: jax.block_until_ready(g(qf, k, v))
+    else:
+        print("jcp cpu kernel unavailable: the C++ kernels did not build")
 
     def cpu_s():
         r = resource.getrusage(resource.RUSAGE_SELF)

@@ -152,6 +152,8 @@ class Trainer:
         self.cfg, self.mesh = cfg, mesh
         self.dp, self.cp, self.tp = (mesh_lib.axis_size(mesh, a) for a in mesh_lib.AXES)
         cfg.check_mesh(self.tp)
+        attn_impl = attention_lib.resolve_implementation(
+            attn_impl, mesh.devices.flat[0].platform, cfg.head_dim)
         if attn_block is None:
             cpu = mesh.devices.flat[0].platform == "cpu"
             attn_block = 64 if cpu else attention_lib.DEFAULT_BLOCK

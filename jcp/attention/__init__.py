@@ -4,13 +4,15 @@
   every kernel shares: the online-softmax step (decode's too) and the ring schedule.
 - blockwise: the default kernel in plain JAX (flash over a gathered stream, and the ring).
 - pallas: the fused Pallas (Triton) kernels, "pallas" implementation.
+- cpu: the fused C++ kernels for XLA:CPU (built on first use), "cpu" implementation.
 - strategies: cp_attend / ring_attend (what the decoder layer calls) and the rule choosing one.
 
 `from jcp import attention` gives the names callers use; the modules hold the rest.
 """
 
-from jcp.attention import blockwise, pallas, strategies, tiling
-from jcp.attention.strategies import (CP_ATTENTION, IMPLEMENTATIONS, RING_ABOVE_BYTES, Attend,
+from jcp.attention import blockwise, cpu, pallas, strategies, tiling
+from jcp.attention.strategies import (CP_ATTENTION, IMPLEMENTATIONS, RING_ABOVE_BYTES,
+                                      RING_IMPLEMENTATIONS, Attend, resolve_implementation,
                                       choose_cp_attention, cp_attend, cp_attention, gather_cp,
                                       gathered_kv_bytes, ring_attend, ring_attention)
 from jcp.attention.tiling import (DEFAULT_BLOCK, GROWN_TILE, SAVED_NAMES, TILES_PER_STREAM,
@@ -19,8 +21,9 @@ from jcp.attention.tiling import (DEFAULT_BLOCK, GROWN_TILE, SAVED_NAMES, TILES_
                                   online_softmax_update, ring_block_work, tile)
 
 __all__ = [
-    "blockwise", "pallas", "strategies", "tiling",
-    "CP_ATTENTION", "IMPLEMENTATIONS", "RING_ABOVE_BYTES", "Attend", "choose_cp_attention",
+    "blockwise", "cpu", "pallas", "strategies", "tiling",
+    "CP_ATTENTION", "IMPLEMENTATIONS", "RING_ABOVE_BYTES", "RING_IMPLEMENTATIONS", "Attend",
+    "resolve_implementation", "choose_cp_attention",
     "cp_attend", "cp_attention", "gather_cp", "gathered_kv_bytes", "ring_attend",
     "ring_attention",
     "DEFAULT_BLOCK", "GROWN_TILE", "SAVED_NAMES", "TILES_PER_STREAM", "SoftmaxState",
