@@ -95,10 +95,17 @@ class Trainer:
     spent only where memory requires it. remat_budget_bytes (None: 90% of the device's
     memory limit on an accelerator; on CPU, half the host's physical memory shared by its
     local devices; with several processes, the smallest of theirs, so that every process
-    compiles the same programs); remat_decisions says what was chosen. attn_impl — "blockwise" (the reference kernel, the default),
-    "pallas" (a fused Pallas flash-attention kernel for GPUs, Triton; interpreted — slowly,
-    for tests — on CPU; see jcp/attention/pallas.py) or "dense" (tests only); attn_block —
-    attention tile rows (None: 64 on CPU, where the masked half of diagonal tiles
+    compiles the same programs); remat_decisions says what was chosen. attn_impl — "auto"
+    (the default: "cpu" on CPU devices where the C++ kernels build and the head dim is one
+    of attention.cpu.HEAD_DIMS, else "blockwise"; attention.resolve_implementation),
+    "blockwise" (the reference kernel in plain JAX), "cpu" (fused C++ flash-attention
+    kernels for XLA:CPU, compiled on first use with the system C++ compiler into
+    ~/.cache/jcp; fp32 inside, bf16 converted; on CPU faster end to end than "blockwise":
+    benchmarks/RESULTS.md, issue 22; see jcp/attention/cpu.py), "pallas" (a fused Pallas
+    flash-attention kernel for GPUs, Triton; interpreted — slowly, for tests — on CPU; see
+    jcp/attention/pallas.py) or "dense" (tests only); step_cfg.attn_impl says which one
+    was chosen; attn_block — attention tile rows of "blockwise" and "pallas" ("cpu" has
+    its own 64-row tiles) (None: 64 on CPU, where the masked half of diagonal tiles
     dominates, 512 on accelerators); logprob_chunk — tokens per
     log-prob chunk (None: at most 1024, fewer for large vocabularies so that one chunk's
     fp32 logits [chunk, V/tp] stay within 256 MiB); cp_attention — how a rank's queries
@@ -138,7 +145,7 @@ class Trainer:
     def __init__(self, cfg: QwenConfig, mesh, base_params=None, max_adapters: int = 4,
                  max_rank: int = 16, seed: int = 0, max_tokens_per_device: int | None = None,
                  *, remat: bool | str = "auto", remat_budget_bytes: int | None = None,
-                 attn_impl: str = "blockwise",
+                 attn_impl: str = "auto",
                  attn_block: int | None = None, logprob_chunk: int | None = None,
                  cp_attention: str = "auto", router_aux_loss_coef: float = 0.0,
                  expert_lora_modes: tuple[str, ...] = lora_lib.EXPERT_LORA):

@@ -324,8 +324,11 @@ def test_build_is_cached_and_auto_resolves():
     assert attention.resolve_implementation("auto", "cpu", 24) == "blockwise"  # head dim
     assert attention.resolve_implementation("auto", "gpu", H) == "blockwise"
     assert attention.resolve_implementation("pallas", "cpu", H) == "pallas"
-    with pytest.raises(ValueError, match="attention implementation must be one of"):
-        attention.resolve_implementation("fast", "cpu", H)
+    # The Trainer's default: the C++ kernels on CPU.
+    tr = jcp.Trainer(TH.CFG, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=4)
+    assert TH.CFG.head_dim in cpu.HEAD_DIMS and tr.step_cfg.attn_impl == "cpu"
+    with pytest.raises(ValueError, match="attn_impl"):
+        jcp.Trainer(TH.CFG, jcp.make_mesh(1, 1, 1), attn_impl="fast")
 
 
 def test_refuses_without_compiler_or_with_unsupported_head_dim(monkeypatch, tmp_path):
