@@ -27,7 +27,7 @@ the thunks' times are stretched by the load, so compare shares only).
 
 --kernel N times the attention kernel alone: blockwise fwd + bwd (jax.grad of a weighted
 sum, jitted) of one causal datum of N tokens at the model's heads (8 q / 4 kv, head dim
-32, fp32) per tile size, against torch SDPA (is_causal, enable_gqa) fwd + bwd, alternated
+32, fp32) per tile size, and the C++ kernel (attn_impl "cpu", its own tiles), against torch SDPA (is_causal, enable_gqa) fwd + bwd, alternated
 for 3 rounds; best process CPU seconds and wall. Measured on the shared 2-core machine
 (load ≈ 12): 4096 tokens, 256-row tiles: 0.773 CPU s before the key-major backward,
 0.511 after, torch 0.442; 8192 tokens: jcp 2.04, torch 1.55 (load ≈ 20). The kernel is
