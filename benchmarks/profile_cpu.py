@@ -27,7 +27,7 @@ the thunks' times are stretched by the load, so compare shares only).
 
 --kernel N times the attention kernel alone: blockwise fwd + bwd (jax.grad of a weighted
 sum, jitted) of one causal datum of N tokens at the model's heads (8 q / 4 kv, head dim
-32, fp32) per tile size, against torch SDPA (is_causal, enable_gqa) fwd + bwd, alternated
+32, fp32) per tile size, and the C++ kernel (attn_impl "cpu", its own tiles), against torch SDPA (is_causal, enable_gqa) fwd + bwd, alternated
 for 3 rounds; best process CPU seconds and wall. Measured on the shared 2-core machine
 (load ≈ 12): 4096 tokens, 256-row tiles: 0.773 CPU s before the key-major backward,
 0.511 after, torch 0.442; 8192 tokens: jcp 2.04, torch 1.55 (load ≈ 20). The kernel is
@@ -226,7 +226,8 @@ def profile_torch(args) -> dict:
 
 
 def profile_kernel(args) -> dict:
-    """Blockwise fwd + bwd vs torch SDPA on one causal datum: {name: (best wall, best CPU s)}."""
+    """Blockwise and the C++ kernel ("cpu") fwd + bwd vs torch SDPA on one causal datum:
+    {name: (best wall, best CPU s)}."""
     import resource
 
     import jax
@@ -235,7 +236,7 @@ def profile_kernel(args) -> dict:
     import torch
 
     import jcp
-    from jcp.attention import blockwise
+    from jcp.attention import blockwise, cpu
     from jcp.train_step import compiler_options
 
     n, kv, per_kv, hd = args.kernel, T.KV_HEADS, T.HEADS // T.KV_HEADS, T.HEAD_DIM
@@ -260,6 +261,14 @@ def profile_kernel(args) -> dict:
             compiler_options=options)
         grads[b] = g
         steps[f"jcp blockwise, tile {b}"] = lambda g=g: jax.block_until_ready(g(q, k, v))
+    if cpu.available():
+        qf = q.reshape(n, kv * per_kv, hd)
+        g = jax.jit(jax.grad(lambda q, k, v: (cpu.flash_attention(
+            q, k, v, seg, pos, seg, pos) * w.reshape(q.shape)).sum(), argnums=(0, 1, 2)),
+            compiler_options=options)
+        steps["jcp cpu kernel"] = lambda: jax.block_until_ready(g(qf, k, v))
+    else:
+        print("jcp cpu kernel unavailable: the C++ kernels did not build")
 
     def cpu_s():
         r = resource.getrusage(resource.RUSAGE_SELF)

@@ -156,6 +156,8 @@ def jcp_step(args):
                          max_position_embeddings=max(4096, args.tokens))
     mesh = jcp.make_mesh(1, args.cp, 1)
     extra = {"attn_block": args.attn_block} if args.attn_block else {}
+    if args.attn_impl:
+        extra["attn_impl"] = args.attn_impl
     remat = {"auto": "auto", "1": True, "0": False}[str(args.remat)]
     tr = jcp.Trainer(cfg, mesh, max_adapters=args.slots, max_rank=RANK, remat=remat,
                      cp_attention=args.cp_attention, **extra)
@@ -183,7 +185,7 @@ def side_jcp(args) -> dict:
     res = _time_steps(step, args.warmup, args.steps, args.datums * args.tokens)
     res.update(devices=len(jax.devices()), mesh=[tr.dp, tr.cp, tr.tp], slots=args.slots,
                remat=[d["remat"] for d in tr.remat_decisions.values()],
-               attn_block=tr.step_cfg.attn_block,
+               attn_block=tr.step_cfg.attn_block, attn_impl=tr.step_cfg.attn_impl,
                cp_attention=tr.step_cfg.cp_attention,
                rss_after_import_mib=base_rss)
     return res
@@ -297,6 +299,10 @@ def main() -> None:
     p.add_argument("--remat", default="1", help=argparse.SUPPRESS)
     p.add_argument("--attn_block", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--cp_attention", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--attn_impl", default="", help=argparse.SUPPRESS)
+    p.add_argument("--compare_impl", default="",
+                   help="parity section: also run jcp with this attn_impl (e.g. blockwise, "
+                        "the CPU default before the C++ kernel) in the same rounds")
     p.add_argument("--threads", type=int, default=0,
                    help="parity section: 1 runs both sides on one thread (torch "
                         "set_num_threads(1), XLA:CPU single-threaded) — steadier than the "
@@ -331,11 +337,15 @@ def main() -> None:
         print(hdr)
         for datums, n in (tuple(int(x) for x in r.split("x")) for r in args.rows.split(",")):
             th = dict(threads=args.threads) if args.threads else {}
-            rs = measure_rounds({
+            sides = {
                 "torch": ("torch", dict(datums=datums, tokens=n, **th)),
                 "jcp": ("jcp", dict(slots=1, cp=1, remat="auto", datums=datums, tokens=n,
                                     **th)),
-            }, args)
+            }
+            if args.compare_impl:
+                sides["other"] = ("jcp", dict(slots=1, cp=1, remat="auto", datums=datums,
+                                              tokens=n, attn_impl=args.compare_impl, **th))
+            rs = measure_rounds(sides, args)
             t, j = rs["torch"], rs["jcp"]
             print(f"  {datums} x {n:<6} {t['tokens_per_s']:>12.0f} {j['tokens_per_s']:>10.0f} "
                   f"{j['tokens_per_s'] / t['tokens_per_s']:>5.2f}× "
@@ -344,7 +354,17 @@ def main() -> None:
                   f"{t['minor_faults_per_step'] / 1e3:>8.1f}|"
                   f"{j['minor_faults_per_step'] / 1e3:<8.1f}  "
                   + "/".join(f"{x:.0f}" for x in t["rounds_tokens_per_s"]) + " | "
-                  + "/".join(f"{x:.0f}" for x in j["rounds_tokens_per_s"]), flush=True)
+                  + "/".join(f"{x:.0f}" for x in j["rounds_tokens_per_s"])
+                  + f"  (jcp attn_impl {j['attn_impl']})", flush=True)
+            if args.compare_impl:
+                o = rs["other"]
+                print(f"  {'':<10} {'':>12} {o['tokens_per_s']:>10.0f} "
+                      f"{o['tokens_per_s'] / t['tokens_per_s']:>5.2f}× "
+                      f"{o['peak_rss_mib'] / t['peak_rss_mib']:>8.2f}× "
+                      f"{'':>7}|{o['cpu_s_per_step']:<7.2f} {'':>8}|"
+                      f"{o['minor_faults_per_step'] / 1e3:<8.1f}  "
+                      + "/".join(f"{x:.0f}" for x in o["rounds_tokens_per_s"])
+                      + f"  (jcp attn_impl {o['attn_impl']})", flush=True)
 
     if args.only in (None, "torch"):
         print("\n[1] jcp (1 CPU device, mesh 1,1,1) vs torch + peft")

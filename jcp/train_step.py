@@ -72,8 +72,8 @@ class StepConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.cp_attention == "ring" and self.attn_impl == "dense":
-            raise ValueError("cp_attention='ring' needs attn_impl 'blockwise' or 'pallas', "
-                             "got 'dense'")
+            raise ValueError(f"cp_attention='ring' needs attn_impl one of "
+                             f"{attention_lib.RING_IMPLEMENTATIONS}, got 'dense'")
 
 
 @dataclasses.dataclass(frozen=True)

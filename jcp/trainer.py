@@ -95,12 +95,18 @@ class Trainer:
     spent only where memory requires it. remat_budget_bytes (None: 90% of the device's
     memory limit on an accelerator; on CPU, half the host's physical memory shared by its
     local devices; with several processes, the smallest of theirs, so that every process
-    compiles the same programs); remat_decisions says what was chosen. attn_impl — "auto" (the default:
-    attention.default_implementation — "pallas" on GPUs for bf16/fp16 models, "blockwise"
-    otherwise; step_cfg.attn_impl says which), "blockwise" (the reference kernel in plain
-    JAX), "pallas" (fused Pallas flash-attention kernels for GPUs, Triton; interpreted —
-    slowly, for tests — on CPU; see jcp/attention/pallas.py) or "dense" (tests only); attn_block —
-    attention tile rows (None: 64 on CPU, where the masked half of diagonal tiles
+    compiles the same programs); remat_decisions says what was chosen. attn_impl — "auto"
+    (the default; attention.resolve_implementation: "pallas" on GPUs for bf16/fp16 models,
+    "cpu" on CPU devices where the C++ kernels build and the head dim is one of
+    attention.cpu.HEAD_DIMS, else "blockwise"),
+    "blockwise" (the reference kernel in plain JAX), "cpu" (fused C++ flash-attention
+    kernels for XLA:CPU, compiled on first use with the system C++ compiler into
+    ~/.cache/jcp; fp32 inside, bf16 converted; on CPU faster end to end than "blockwise":
+    benchmarks/RESULTS.md, issue 22; see jcp/attention/cpu.py), "pallas" (a fused Pallas
+    flash-attention kernel for GPUs, Triton; interpreted — slowly, for tests — on CPU; see
+    jcp/attention/pallas.py) or "dense" (tests only); step_cfg.attn_impl says which one
+    was chosen; attn_block — attention tile rows of "blockwise" and "pallas" ("cpu" has
+    its own 64-row tiles) (None: 64 on CPU, where the masked half of diagonal tiles
     dominates, 512 on accelerators); logprob_chunk — tokens per
     log-prob chunk (None: at most 1024, fewer for large vocabularies so that one chunk's
     fp32 logits [chunk, V/tp] stay within 256 MiB); cp_attention — how a rank's queries
@@ -154,9 +160,8 @@ class Trainer:
         self.cfg, self.mesh = cfg, mesh
         self.dp, self.cp, self.tp = (mesh_lib.axis_size(mesh, a) for a in mesh_lib.AXES)
         cfg.check_mesh(self.tp)
-        if attn_impl == "auto":
-            attn_impl = attention_lib.default_implementation(mesh.devices.flat[0].platform,
-                                                             cfg.dtype)
+        attn_impl = attention_lib.resolve_implementation(
+            attn_impl, mesh.devices.flat[0].platform, cfg.head_dim, cfg.dtype)
         if attn_block is None:
             cpu = mesh.devices.flat[0].platform == "cpu"
             attn_block = 64 if cpu else attention_lib.DEFAULT_BLOCK

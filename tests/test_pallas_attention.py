@@ -387,20 +387,21 @@ def test_triton_path_refuses_what_it_cannot_lower():
 
 
 def test_auto_takes_pallas_on_gpus_for_16_bit_models_only():
-    """attn_impl="auto": Pallas where it was measured faster (GPU, bf16/fp16), blockwise on
-    CPU (interpret mode) and for fp32 models; a CPU Trainer resolves it to blockwise."""
+    """attn_impl="auto" on a GPU: Pallas where it was measured faster (bf16/fp16), blockwise
+    for fp32 models; never Pallas on CPU (interpret mode)."""
     import jax.numpy as jnp
 
     import jcp
     from jcp import attention
 
-    choose = attention.default_implementation
+    def choose(platform, dtype):
+        return attention.resolve_implementation("auto", platform, 32, dtype)
+
     assert choose("gpu", jnp.bfloat16) == choose("gpu", "float16") == "pallas"
     assert choose("gpu", jnp.float32) == "blockwise"
-    assert choose("cpu", jnp.bfloat16) == choose("cpu", jnp.float32) == "blockwise"
+    assert "pallas" not in (choose("cpu", jnp.bfloat16), choose("cpu", jnp.float32))
+    assert attention.resolve_implementation("blockwise", "gpu", 32, jnp.bfloat16) == "blockwise"
     cfg = jcp.QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                          num_heads=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
-    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=4)
-    assert tr.step_cfg.attn_impl == "blockwise"
     with pytest.raises(ValueError, match="attn_impl"):
         jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=4, attn_impl="fast")

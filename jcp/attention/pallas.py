@@ -10,7 +10,7 @@ an [S, T] array (memory is O(S·Q·H + T·K·H)), never differentiate through a 
 VJPs are written out), and never be the default on CPU: there the kernels run in Pallas
 interpret mode, which is for tests only, and inside a shard_map each device then also
 computes every other device's kernels (_interpret_invariant says why). On GPUs it is the
-default for 16-bit models (strategies.default_implementation; measured on an H200, see
+default for 16-bit models (strategies.resolve_implementation; measured on an H200, see
 README "Measured on one H200").
 
 Block skipping. Outside the kernels, attention.tiling.block_kinds classifies every (query block,

@@ -3,7 +3,8 @@
 Owns the two ways a rank's queries reach every cp rank's keys — the K/V all-gather over
 "cp" (cp_attend) and the ring (ring_attend: K/V passed around with ppermute, never held
 whole) — and the rule that picks one (choose_cp_attention), each over one of the kernels
-(attention.blockwise, attention.pallas). It must never build an array of [local tokens,
+(attention.blockwise, attention.pallas, attention.cpu), and the rule resolving attn_impl
+"auto" (resolve_implementation). It must never build an array of [local tokens,
 all tokens].
 
 Shapes: see the legend in jcp/mesh.py (S queries on this rank, T = CP·S gathered keys,
@@ -17,23 +18,34 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from jcp.attention import blockwise, pallas
+from jcp.attention import blockwise, cpu, pallas
 from jcp.attention.tiling import DEFAULT_BLOCK, tile
 from jcp.mesh import CP
 
 # "pallas": the fused kernels of jcp/attention/pallas.py (Triton on GPU; on CPU, interpret
-# mode, tests only). The Trainer's "auto" picks one per platform (default_implementation).
-IMPLEMENTATIONS = ("blockwise", "dense", "pallas")
+# mode, tests only). "cpu": the fused C++ kernels of jcp/attention/cpu.py (XLA:CPU only,
+# built on first use). "auto" is not an implementation: resolve_implementation turns it
+# into one before anything is traced.
+IMPLEMENTATIONS = ("blockwise", "dense", "pallas", "cpu")
+RING_IMPLEMENTATIONS = ("blockwise", "pallas", "cpu")
 
 
-def default_implementation(platform: str, dtype) -> str:
-    """The implementation attn_impl="auto" runs: "pallas" on GPUs for 16-bit models (on an
-    H200, bf16, 8k tokens, 32/8 heads × 128: forward + backward 11.1 ms against blockwise's
-    45.5), "blockwise" otherwise — on CPU the Pallas kernels only interpret, and in fp32
-    their backward was slower than blockwise's on the same GPU (63.9 vs 46.6 ms)."""
+def resolve_implementation(choice: str, platform: str, head_dim: int, dtype) -> str:
+    """The attention implementation for attn_impl `choice` on devices of `platform` for a
+    model of `head_dim` and compute `dtype`: choice itself unless "auto" (checked by the
+    caller: train_step.StepConfig). "auto" is
+    - "pallas" on GPUs for 16-bit models (on an H200, bf16, 8k tokens, 32/8 heads × 128:
+      forward + backward 11.1 ms against blockwise's 45.5; in fp32 Pallas's backward was the
+      slower, 63.9 vs 46.6 ms, so fp32 models keep blockwise);
+    - "cpu" on CPU where the C++ kernels build and support head_dim (cpu.supports): they
+      beat the blockwise kernel end to end (training throughput, benchmarks/RESULTS.md,
+      issue 22);
+    - "blockwise" otherwise."""
+    if choice != "auto":
+        return choice
     if platform == "gpu" and jnp.dtype(dtype).itemsize == 2:
         return "pallas"
-    return "blockwise"
+    return "cpu" if platform == "cpu" and cpu.supports(head_dim) else "blockwise"
 
 
 class Attend(Protocol):
@@ -82,6 +94,9 @@ def cp_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S, *,
     if implementation == "pallas":
         return pallas.flash_attention(q_SxQxH, k_TxKxH, v_TxKxH, segment_S,
                                                 position_S, seg_T, pos_T, block)
+    if implementation == "cpu":  # its own tiles: `block` is not used
+        return cpu.flash_attention(q_SxQxH, k_TxKxH, v_TxKxH, segment_S, position_S, seg_T,
+                                   pos_T)
     if implementation == "dense":
         out = blockwise.dense(q_SxKxMxH, k_TxKxH, v_TxKxH, segment_S, position_S, seg_T, pos_T)
     else:
@@ -114,12 +129,14 @@ def ring_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S, *,
     O(S) — this rank's K/V, the one in flight, and their fp32 gradients — never O(CP·S).
     Runs inside shard_map over "cp". With the zigzag layout every rank computes the same
     number of blocks at every step (ring_block_work), so no rank waits at a hop.
-    implementation: "blockwise" or "pallas" (pallas.ring_attention: one fused
-    kernel call per step).
+    implementation: one of RING_IMPLEMENTATIONS ("pallas", "cpu": one fused kernel call
+    per step).
     """
-    if implementation not in ("blockwise", "pallas"):
-        raise ValueError(f"ring attention implementation must be 'blockwise' or 'pallas', "
-                         f"got {implementation!r}")
+    if implementation not in RING_IMPLEMENTATIONS:
+        raise ValueError(f"ring attention implementation must be one of "
+                         f"{RING_IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "cpu":
+        return cpu.ring_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S)
     if implementation == "pallas":
         return pallas.ring_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S,
                                                position_S, block=block)

@@ -1,0 +1,342 @@
+"""The "cpu" attention implementation (jcp.attention.cpu: fused C++ kernels via the XLA FFI).
+
+Evidence:
+1. forward and backward equal the dense reference and the blockwise kernel, values and
+   d(q, k, v), on packed ragged datums in the zigzag layout (non-monotone positions), GQA
+   with M = 1, 2, 4, one rank's queries against every rank's keys, streams that are not a
+   whole number of tiles, and with tiles skipped, masked and fully visible all present;
+   the lse equals the dense log-sum-exp (−inf for a row that sees no key);
+2. padding rows and a fully masked real row give exact zeros (values and gradients), never
+   NaN; padding contents never reach a real token; bf16 runs (converted to fp32);
+3. through attention.cp_attention (all-gather) and attention.ring_attention inside a
+   shard_map at cp = 2, and through the Trainer (gather and ring);
+4. the build: cached by hash, "auto" resolution, and a clear refusal without a compiler.
+
+Legend: CP mesh axis size; S rows of one rank's stream; Q query heads; K kv heads; H head
+dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from test_pallas_attention import zigzag_layout
+
+import jcp
+from helpers import trainer_harness as TH
+from jcp import attention
+from jcp import mesh as mesh_lib
+from jcp.attention import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler: 'cpu' "
+                                "attention unavailable")
+
+H = 16
+TILE = 64  # the kernels' tile rows (cpu_flash.cc BQ = BK)
+
+
+def random_qkv(s_len, t_len, q_heads, kv_heads, seed, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((s_len, q_heads, H)).astype(dtype),
+            rng.standard_normal((t_len, kv_heads, H)).astype(dtype),
+            rng.standard_normal((t_len, kv_heads, H)).astype(dtype),
+            rng.standard_normal((s_len, q_heads, H)).astype(np.float32))
+
+
+def _cpu(q, k, v, seg_q, pos_q, seg_k, pos_k):
+    return cpu.flash_attention(q, k, v, seg_q, pos_q, seg_k, pos_k)
+
+
+def _dense(q, k, v, seg_q, pos_q, seg_k, pos_k):
+    s_len, q_heads, _ = q.shape
+    kv_heads = k.shape[1]
+    out = attention.blockwise.dense(q.reshape(s_len, kv_heads, q_heads // kv_heads, H), k, v,
+                                    seg_q, pos_q, seg_k, pos_k)
+    return out.reshape(q.shape)
+
+
+def _blockwise(q, k, v, seg_q, pos_q, seg_k, pos_k):
+    s_len, q_heads, _ = q.shape
+    t_len, kv_heads, _ = k.shape
+    out = attention.blockwise.flash(q.reshape(s_len, kv_heads, q_heads // kv_heads, H), k, v,
+                                    seg_q, pos_q, seg_k, pos_k, attention.tile(s_len, 32),
+                                    attention.tile(t_len, 32))
+    return out.reshape(q.shape)
+
+
+IMPLS = {"cpu": _cpu, "dense": _dense, "blockwise": _blockwise}
+
+
+@functools.lru_cache(maxsize=None)
+def value_and_grads(impl):
+    """jit of (q, k, v, seg_q, pos_q, seg_k, pos_k, cot) -> (out, d/d(q, k, v) of Σ out·cot)."""
+
+    def run(q, k, v, seg_q, pos_q, seg_k, pos_k, cot):
+        out, vjp = jax.vjp(lambda q, k, v: IMPLS[impl](q, k, v, seg_q, pos_q, seg_k, pos_k),
+                           q, k, v)
+        return out, vjp(cot.astype(out.dtype))
+
+    return jax.jit(run)
+
+
+def run(impl, *args):
+    out, grads = value_and_grads(impl)(*args)
+    return np.asarray(out, np.float32), tuple(np.asarray(g, np.float32) for g in grads)
+
+
+def _has_kernel(fn, *args) -> bool:
+    return cpu._FWD in str(jax.jit(fn).lower(*args).as_text())
+
+
+# ----------------------------------------------------------------------------------------
+# 1. cpu vs dense vs blockwise
+
+
+# (lengths, cp of the zigzag layout, S per rank, Q, K, queries): "all" = every rank's rows
+# as queries (S = T), "rank0" = rank 0's rows against every rank's keys (as cp_attention
+# sees them). "ragged": 300 rows (cp = 1: positions monotone), not a whole number of
+# 64-row tiles.
+CASES = {
+    "gqa2-zigzag": ((300, 1, 93, 9, 1, 90), 2, 256, 4, 2, "all"),
+    "gqa4-rank0": ((1100, 1, 33, 9), 4, 320, 4, 1, "rank0"),
+    "mha-ragged": ((170, 1, 70), 1, 300, 2, 2, "all"),
+}
+
+
+def case_args(name, seed=0, dtype=np.float32):
+    lengths, cp, s_len, q_heads, kv_heads, queries = CASES[name]
+    seg, pos = zigzag_layout(lengths, cp, s_len)
+    seg_k, pos_k = seg.reshape(-1), pos.reshape(-1)
+    seg_q, pos_q = (seg[0], pos[0]) if queries == "rank0" else (seg_k, pos_k)
+    q, k, v, cot = random_qkv(seg_q.shape[0], seg_k.shape[0], q_heads, kv_heads, seed, dtype)
+    return q, k, v, seg_q, pos_q, seg_k, pos_k, cot
+
+
+def _kinds_of_64_tiles(seg_q, pos_q, seg_k, pos_k):
+    """The tile kinds the kernels see (tiling.block_kinds over streams padded to 64)."""
+    def pad(seg, pos):
+        n = -len(seg) % TILE
+        return np.concatenate([seg, np.full(n, -1, np.int32)]), np.concatenate(
+            [pos, np.zeros(n, np.int32)])
+    kinds, _ = attention.tiling.block_kinds(*pad(seg_q, pos_q), *pad(seg_k, pos_k), TILE, TILE)
+    return set(np.unique(np.asarray(kinds)).tolist())
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_cpu_matches_dense_and_blockwise(name):
+    args = case_args(name, seed=len(name))
+    q, k, v, seg_q, pos_q, seg_k, pos_k, cot = args
+    # The implementations really differ: only the cpu one calls the C++ kernels.
+    assert _has_kernel(value_and_grads("cpu"), *args)
+    assert not _has_kernel(value_and_grads("blockwise"), *args)
+    # Positions are not monotone in the stream (zigzag, cp > 1), and every kind of tile
+    # occurs: skipped, masked and fully visible.
+    assert np.any(np.diff(pos_k[seg_k == 0]) < 0) == (CASES[name][1] > 1)
+    assert _kinds_of_64_tiles(seg_q, pos_q, seg_k, pos_k) == {0, 1, 2}
+
+    out_c, g_c = run("cpu", *args)
+    out_d, g_d = run("dense", *args)
+    out_b, g_b = run("blockwise", *args)
+    scale = np.abs(out_d).max()
+    np.testing.assert_allclose(out_c, out_d, rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(out_c, out_b, rtol=0, atol=1e-5 * scale)
+    for which, a, d, b in zip("qkv", g_c, g_d, g_b):
+        assert np.abs(d).max() > 0.1, which
+        tol = 1e-5 * np.abs(d).max()
+        np.testing.assert_allclose(a, d, rtol=0, atol=tol, err_msg=f"d{which} vs dense")
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol, err_msg=f"d{which} vs blockwise")
+
+
+def _dense_lse(q, k, seg_q, pos_q, seg_k, pos_k):
+    """[Q, S] float64 log Σ_visible exp(q·k/√H), −inf where a row sees nothing."""
+    per_kv = q.shape[1] // k.shape[1]
+    s = np.einsum("sqh,tqh->qst", q.astype(np.float64),
+                  np.repeat(k, per_kv, axis=1).astype(np.float64)) / np.sqrt(H)
+    vis = np.asarray(attention.tiling.visible(seg_q, pos_q, seg_k, pos_k))
+    s = np.where(vis[None], s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (np.where(np.isfinite(m), m, 0)
+                + np.log(np.exp(s - np.where(np.isfinite(m), m, 0)).sum(-1, keepdims=True)))[..., 0]
+
+
+def test_lse_and_a_fully_masked_row():
+    """The forward's lse is the dense log-sum-exp; a real query whose datum has no key in
+    this stream (segment 7: no key carries it) sees nothing: out 0, lse −inf, gradients 0,
+    as blockwise gives."""
+    q, k, v, seg_q, pos_q, seg_k, pos_k, cot = case_args("gqa4-rank0", seed=5)
+    seg_q = seg_q.copy()
+    lonely = np.flatnonzero(seg_q == 0)[:3]
+    seg_q[lonely] = 7
+    assert not np.any(seg_k == 7)
+    out, lse = cpu._forward(q, k, v, seg_q, pos_q, seg_k, pos_k, jnp.float32)
+    lse_d = _dense_lse(q, k, seg_q, pos_q, seg_k, pos_k)
+    sees = np.isfinite(lse_d)
+    assert not sees[:, lonely].any() and sees.any()
+    assert np.all(np.asarray(lse)[~sees] == -np.inf)
+    np.testing.assert_allclose(np.asarray(lse)[sees], lse_d[sees], rtol=0, atol=1e-5)
+    args = (q, k, v, seg_q, pos_q, seg_k, pos_k, cot)
+    out_c, g_c = run("cpu", *args)
+    out_b, g_b = run("blockwise", *args)
+    assert np.all(out_c[lonely] == 0.0) and np.all(g_c[0][lonely] == 0.0)
+    np.testing.assert_allclose(out_c, out_b, rtol=0, atol=1e-5 * np.abs(out_b).max())
+    for which, a, b in zip("qkv", g_c, g_b):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max(), err_msg=which)
+
+
+# ----------------------------------------------------------------------------------------
+# 2. Padding and bf16
+
+
+def test_padding_exact_zeros_and_contents_never_leak():
+    seg, pos = zigzag_layout((1, 3, 1, 90), 4, 64)
+    seg_t, pos_t = seg.reshape(-1), pos.reshape(-1)
+    real = seg_t >= 0
+    assert not real.all() and not (seg[3] >= 0).all()
+    q, k, v, cot = random_qkv(256, 256, 4, 2, seed=9)
+    args = (q, k, v, seg_t, pos_t, seg_t, pos_t, cot)
+    out, grads = run("cpu", *args)
+    assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in grads)
+    assert np.all(out[~real] == 0.0)
+    for which, g in zip("qkv", grads):
+        assert np.all(g[~real] == 0.0), f"d{which} at padding rows"
+        assert np.abs(g[real]).max() > 0, f"d{which} at real rows"
+    out_d, _ = run("dense", *args)
+    np.testing.assert_allclose(out, out_d, rtol=0, atol=1e-5 * np.abs(out_d).max())
+    big = [x.copy() for x in (q, k, v)]
+    for x in big:
+        x[~real] = 1e3 * np.sign(x[~real])
+    out_big, grads_big = run("cpu", *big, seg_t, pos_t, seg_t, pos_t, cot)
+    np.testing.assert_array_equal(out_big[real], out[real])
+    for g, gb in zip(grads, grads_big):
+        np.testing.assert_array_equal(gb[real], g[real])
+
+
+def test_bfloat16_runs_in_fp32():
+    args32 = case_args("gqa2-zigzag", seed=3)
+    args16 = tuple(jnp.asarray(a, jnp.bfloat16) if i < 3 else a for i, a in enumerate(args32))
+    assert value_and_grads("cpu")(*args16)[0].dtype == jnp.bfloat16
+    out_c, g_c = run("cpu", *args16)
+    out_d, g_d = run("dense", *args32)
+    np.testing.assert_allclose(out_c, out_d, rtol=0, atol=3e-2 * np.abs(out_d).max())
+    for which, a, d in zip("qkv", g_c, g_d):
+        np.testing.assert_allclose(a, d, rtol=0, atol=3e-2 * np.abs(d).max(), err_msg=which)
+
+
+# ----------------------------------------------------------------------------------------
+# 3. Inside shard_map: cp_attention (all-gather), the ring, and the Trainer
+
+ROWS, HEADS = P(mesh_lib.CP, None), P(mesh_lib.CP, None, None, None)
+
+
+@functools.lru_cache(maxsize=None)
+def sharded(impl, path):
+    """jit of (q, k, v, seg, pos, cot) [CP, S, …] -> (out, d/d(q, k, v)) at mesh (1, 2, 1)."""
+
+    def inner(q, k, v, seg, pos):
+        if path == "ring":
+            out = attention.ring_attention(q[0], k[0], v[0], seg[0], pos[0], block=32,
+                                           implementation=impl)
+        else:
+            out = attention.cp_attention(q[0], k[0], v[0], seg[0], pos[0],
+                                         implementation=impl, block=32)
+        return out[None]
+
+    f = jax.shard_map(inner, mesh=jcp.make_mesh(1, 2, 1), in_specs=(HEADS,) * 3 + (ROWS,) * 2,
+                      out_specs=HEADS)
+
+    def run(q, k, v, seg, pos, cot):
+        out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, seg, pos), q, k, v)
+        return out, vjp(cot)
+
+    return jax.jit(run)
+
+
+def test_cp_attention_and_ring_in_shard_map():
+    seg, pos = zigzag_layout((200, 1, 23, 9, 1), 2, 192)
+    rng = np.random.default_rng(4)
+    q, cot = (rng.standard_normal((2, 192, 4, H)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((2, 192, 2, H)).astype(np.float32) for _ in range(2))
+    args = (q, k, v, seg, pos, cot)
+    text = {key: jax.jit(sharded(*key)).lower(*args).as_text()
+            for key in (("cpu", "gather"), ("cpu", "ring"), ("blockwise", "ring"))}
+    # The paths really differ: the C++ kernels vs none; all-gather vs collective-permute.
+    assert cpu._FWD in text["cpu", "gather"] and "all_gather" in text["cpu", "gather"]
+    assert cpu._BWD in text["cpu", "ring"] and "collective_permute" in text["cpu", "ring"]
+    assert "all_gather" not in text["cpu", "ring"]
+    assert cpu._FWD not in text["blockwise", "ring"]
+
+    out_d, g_d = sharded("dense", "gather")(*args)
+    real = seg >= 0
+    for path in ("gather", "ring"):
+        out, grads = sharded("cpu", path)(*args)
+        np.testing.assert_allclose(out, out_d, rtol=0, atol=1e-5 * np.abs(out_d).max(),
+                                   err_msg=path)
+        assert np.all(np.asarray(out)[~real] == 0.0), path
+        for which, a, d in zip("qkv", grads, g_d):
+            np.testing.assert_allclose(a, d, rtol=0, atol=1e-5 * np.abs(d).max(),
+                                       err_msg=f"{path} d{which}")
+            assert np.all(np.asarray(a)[~real] == 0.0), f"{path} d{which} at padding"
+
+
+@pytest.mark.parametrize("cp_attention", ["gather", "ring"])
+def test_trainer_cpu_matches_blockwise(tmp_path, monkeypatch, cp_attention):
+    """The whole training step — StepConfig accepts "cpu", the layer scan with remat, the
+    custom VJP — gives blockwise's log-probs and LoRA gradients, at cp = 2."""
+    w = TH.random_peft_weights(TH.CFG, 4, TH.ALL, seed=1)
+    folder = TH.write_peft(tmp_path / "a", 4, 8.0, TH.ALL, w)
+    data = TH.random_data((37, 1, 20), seed=2)
+    traced = {"fwd": 0, "bwd": 0}  # kernel calls traced by each step
+    for name, f in (("fwd", cpu._forward), ("bwd", cpu._backward)):
+        monkeypatch.setattr(cpu, "_" + {"fwd": "forward", "bwd": "backward"}[name],
+                            lambda *a, f=f, name=name: (traced.update({name: traced[name] + 1}),
+                                                        f(*a))[1])
+    res, kernels = {}, {}
+    for impl in ("cpu", "blockwise"):
+        tr = jcp.Trainer(TH.CFG, jcp.make_mesh(1, 2, 1), max_adapters=1, max_rank=4,
+                         attn_block=32, logprob_chunk=64, attn_impl=impl,
+                         cp_attention=cp_attention)
+        assert tr.step_cfg.attn_impl == impl
+        a = tr.load_peft(folder)
+        before = dict(traced)
+        out = tr.forward_backward(data, "cross_entropy", adapters=a)
+        kernels[impl] = {k: traced[k] - before[k] for k in traced}
+        res[impl] = (out, tr.gradients(a))
+    # The two steps really differ: only the cpu one traced the kernels.
+    assert min(kernels["cpu"].values()) > 0 and max(kernels["blockwise"].values()) == 0
+    TH.assert_outputs_close(res["cpu"][0], res["blockwise"][0], 1e-5, 1e-5, "cpu")
+    TH.assert_grads_close(res["cpu"][1], res["blockwise"][1], 1e-4, 1e-5, "cpu")
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Build, resolution, refusals
+
+
+def test_build_is_cached_and_auto_resolves():
+    lib = cpu.library_path()
+    assert lib.exists() and cpu.library_path() == lib  # second call: the cached file
+    assert attention.resolve_implementation("auto", "cpu", H, "float32") == "cpu"
+    # head dim
+    assert attention.resolve_implementation("auto", "cpu", 24, "float32") == "blockwise"
+    assert attention.resolve_implementation("auto", "gpu", H, "float32") == "blockwise"
+    assert attention.resolve_implementation("pallas", "cpu", H, "float32") == "pallas"
+    # The Trainer's default: the C++ kernels on CPU.
+    tr = jcp.Trainer(TH.CFG, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=4)
+    assert TH.CFG.head_dim in cpu.HEAD_DIMS and tr.step_cfg.attn_impl == "cpu"
+    with pytest.raises(ValueError, match="attn_impl"):
+        jcp.Trainer(TH.CFG, jcp.make_mesh(1, 1, 1), attn_impl="fast")
+
+
+def test_refuses_without_compiler_or_with_unsupported_head_dim(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    with pytest.raises(cpu.Unavailable, match="needs a C\\+\\+ compiler"):
+        cpu.library_path()
+    q = jnp.zeros((8, 2, 24), jnp.float32)
+    seg = jnp.zeros(8, jnp.int32)
+    with pytest.raises(ValueError, match="head dims"):
+        cpu.flash_attention(q, q, q, seg, seg, seg, seg)
