@@ -82,8 +82,8 @@ def _cpu_identity() -> str:
 
 def library_path() -> pathlib.Path:
     """The compiled kernels (built now if not cached): one .so per hash of the source,
-    flags, compiler version, jax version and CPU (model and flags: -march=native); written to a temporary name and renamed,
-    so concurrent processes never load a partial file."""
+    flags, compiler version, jax version and CPU (model and flags: -march=native); written
+    to a temporary name and renamed, so concurrent processes never load a partial file."""
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     include = jax.ffi.include_dir()
