@@ -4,7 +4,7 @@ Owns the build of cpu_flash.cc (compiled on first use with the system C++ compil
 by a hash of source, flags, compiler and jax version, registered through the XLA FFI),
 and the two strategies on its forward (out, lse) and backward (dq, dk, dv) kernels:
 `flash_attention` (the all-gather path, custom VJP) and `ring_attention` (one kernel call
-per cp ring step, partials merged by their log-sum-exp, attention.pallas._merge). It
+per cp ring step, partials merged by their log-sum-exp, tiling.merge_partials). It
 applies exactly jcp's mask (attention.tiling.visible) with GQA and skips the tiles the
 mask empties, as tiling.block_kinds classifies them. It must never materialise an
 [S, T] array and never be chosen where it cannot build (`available()` says why).
@@ -38,8 +38,8 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from jcp.attention.pallas import _delta_QxS, _merge, _saved
-from jcp.attention.tiling import no_grads, ring_fold, ring_fold_grads
+from jcp.attention.tiling import (delta_QxS, merge_partials, no_grads, ring_fold, ring_fold_grads,
+                                  saved_out_lse)
 from jcp.mesh import CP, vary_all
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_flash.cc")
@@ -197,14 +197,14 @@ def flash_attention(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k):
 
 
 def _flash_fwd(q, k, v, seg_q, pos_q, seg_k, pos_k):
-    out, lse = _saved(*_forward(q, k, v, seg_q, pos_q, seg_k, pos_k, q.dtype))
+    out, lse = saved_out_lse(*_forward(q, k, v, seg_q, pos_q, seg_k, pos_k, q.dtype))
     return out, (q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse)
 
 
 def _flash_bwd(res, d_out):
     q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse = res
     dq, dk, dv = _backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out, lse,
-                           _delta_QxS(d_out, out))
+                           delta_QxS(d_out, out))
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             *no_grads(seg_q, pos_q, seg_k, pos_k))
 
@@ -224,16 +224,16 @@ def _ring(q, k, v, seg, pos, cp):
 def _ring_fwd(q, k, v, seg, pos, cp):
     def fold(partial, kv, meta):
         part = _forward(q, kv[0], kv[1], seg, pos, meta[0], meta[1], jnp.float32)
-        return part if partial is None else _merge(*partial, *part)
+        return part if partial is None else merge_partials(*partial, *part)
 
     out, lse = ring_fold(fold, None, jnp.stack([k, v]), jnp.stack([seg, pos]), cp)
-    out, lse = _saved(out.astype(q.dtype), lse)
+    out, lse = saved_out_lse(out.astype(q.dtype), lse)
     return out, (q, k, v, seg, pos, out, lse)
 
 
 def _ring_bwd(cp, res, d_out):
     q, k, v, seg, pos, out, lse = res
-    delta = _delta_QxS(d_out, out)
+    delta = delta_QxS(d_out, out)
     kv, meta = jnp.stack([k, v]), jnp.stack([seg, pos])
 
     def grad(dq, dkv, kv, meta):

@@ -48,13 +48,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jcp.attention.tiling import (SAVED_NAMES, SoftmaxState, block_kinds, no_grads,
-                                  online_softmax_finish, online_softmax_step, ring_fold,
-                                  ring_fold_grads, visible)
+from jcp.attention.tiling import (SoftmaxState, block_kinds, delta_QxS, merge_partials,
+                                  no_grads, online_softmax_finish, online_softmax_step,
+                                  ring_fold, ring_fold_grads, saved_out_lse, visible)
 from jcp.mesh import CP, block_size, vary_all, varying_axes
 
 
@@ -319,17 +318,6 @@ def _backward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_SxQxH, l
     return dq, dk, dv
 
 
-def _delta_QxS(do_SxQxH, out_SxQxH):
-    """Σ_h do·out: [Q, S] fp32, the softmax-backward row term."""
-    return jnp.einsum("sqh,sqh->qs", do_SxQxH.astype(jnp.float32),
-                      out_SxQxH.astype(jnp.float32))
-
-
-def _saved(out, lse):
-    """Named so the model's remat policy keeps them (attention.SAVED_NAMES): the backward
-    then never reruns the forward kernel."""
-    return checkpoint_name(out, SAVED_NAMES[0]), checkpoint_name(lse, SAVED_NAMES[1])
-
 
 # ----------------------------------------------------------------------------------------
 # The all-gather path
@@ -345,7 +333,7 @@ def flash_attention(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, block
 
 
 def _flash_fwd(q, k, v, seg_q, pos_q, seg_k, pos_k, block, tiles):
-    out, lse = _saved(*_forward(q, k, v, seg_q, pos_q, seg_k, pos_k, block, tiles, q.dtype))
+    out, lse = saved_out_lse(*_forward(q, k, v, seg_q, pos_q, seg_k, pos_k, block, tiles, q.dtype))
     return out, (q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse)
 
 
@@ -354,7 +342,7 @@ def _flash_bwd(block, tiles, res, d_out):
     # Each program sums its block's whole gradient in fp32 registers: written once, in
     # the inputs' dtype.
     dq, dk, dv = _backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out.astype(q.dtype), lse,
-                           _delta_QxS(d_out, out), block, tiles, q.dtype)
+                           delta_QxS(d_out, out), block, tiles, q.dtype)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             *no_grads(seg_q, pos_q, seg_k, pos_k))
 
@@ -366,18 +354,6 @@ flash_attention.defvjp(_flash_fwd, _flash_bwd)
 # The ring: one kernel call per step over the keys then held, partials merged by lse
 
 
-def _merge(out_SxQxH, lse_QxS, part_SxQxH, part_lse_QxS):
-    """Two partial attentions of the same queries over disjoint keys -> their union's.
-
-    lse = log(e^lse + e^part_lse); out = Σ e^(lse_i − lse)·out_i; rows empty in both stay
-    (0, −inf), never NaN.
-    """
-    lse = jnp.logaddexp(lse_QxS, part_lse_QxS)
-    safe = jnp.where(lse == -jnp.inf, 0.0, lse)
-    w, w_part = jnp.exp(lse_QxS - safe).T[..., None], jnp.exp(part_lse_QxS - safe).T[..., None]
-    return out_SxQxH * w + part_SxQxH * w_part, lse
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _ring(q, k, v, seg, pos, block, cp):
     return _ring_fwd(q, k, v, seg, pos, block, cp)[0]
@@ -385,14 +361,14 @@ def _ring(q, k, v, seg, pos, block, cp):
 
 def _ring_fwd(q, k, v, seg, pos, block, cp):
     """tiling.ring_fold, as the blockwise ring (K and V travelling as one [2, S, K, H]
-    message), with fp32 partials merged by _merge."""
+    message), with fp32 partials merged by merge_partials."""
 
     def fold(partial, kv, meta):
         part = _forward(q, kv[0], kv[1], seg, pos, meta[0], meta[1], block, TILES, jnp.float32)
-        return part if partial is None else _merge(*partial, *part)
+        return part if partial is None else merge_partials(*partial, *part)
 
     out, lse = ring_fold(fold, None, jnp.stack([k, v]), jnp.stack([seg, pos]), cp)
-    out, lse = _saved(out.astype(q.dtype), lse)
+    out, lse = saved_out_lse(out.astype(q.dtype), lse)
     return out, (q, k, v, seg, pos, out, lse)
 
 
@@ -400,7 +376,7 @@ def _ring_bwd(block, cp, res, d_out):
     """tiling.ring_fold_grads: the keys go round again; each block's dK/dV (fp32
     [2, S, K, H]) travels with it and returns to its owner."""
     q, k, v, seg, pos, out, lse = res
-    do, delta = d_out.astype(q.dtype), _delta_QxS(d_out, out)
+    do, delta = d_out.astype(q.dtype), delta_QxS(d_out, out)
     kv, meta = jnp.stack([k, v]), jnp.stack([seg, pos])
 
     def grad(dq, dkv, kv, meta):

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jcp.mesh import CP, block_size
 
@@ -243,3 +244,31 @@ def ring_fold_grads(grad, carry, dkv, kv, meta, cp: int):
         if not last:
             kv, meta = kv_next, meta_next
     return carry, dkv
+
+
+# ----------------------------------------------------------------------------------------
+# What the fused kernels (pallas, cpu) share around their kernel calls
+
+
+def delta_QxS(do_SxQxH, out_SxQxH):
+    """Σ_h do·out: [Q, S] fp32, the softmax-backward row term."""
+    return jnp.einsum("sqh,sqh->qs", do_SxQxH.astype(jnp.float32),
+                      out_SxQxH.astype(jnp.float32))
+
+
+def saved_out_lse(out, lse):
+    """Named so the model's remat policy keeps them (attention.SAVED_NAMES): the backward
+    then never reruns the forward kernel."""
+    return checkpoint_name(out, SAVED_NAMES[0]), checkpoint_name(lse, SAVED_NAMES[1])
+
+
+def merge_partials(out_SxQxH, lse_QxS, part_SxQxH, part_lse_QxS):
+    """Two partial attentions of the same queries over disjoint keys -> their union's.
+
+    lse = log(e^lse + e^part_lse); out = Σ e^(lse_i − lse)·out_i; rows empty in both stay
+    (0, −inf), never NaN.
+    """
+    lse = jnp.logaddexp(lse_QxS, part_lse_QxS)
+    safe = jnp.where(lse == -jnp.inf, 0.0, lse)
+    w, w_part = jnp.exp(lse_QxS - safe).T[..., None], jnp.exp(part_lse_QxS - safe).T[..., None]
+    return out_SxQxH * w + part_SxQxH * w_part, lse
