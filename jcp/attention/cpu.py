@@ -38,7 +38,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from jcp.attention.tiling import (delta_QxS, merge_partials, no_grads, ring_fold, ring_fold_grads,
+from jcp.attention.tiling import (delta_QxS, kernel_ring_bwd, kernel_ring_fwd, no_grads,
                                   saved_out_lse)
 from jcp.mesh import CP, vary_all
 
@@ -222,30 +222,11 @@ def _ring(q, k, v, seg, pos, cp):
 
 
 def _ring_fwd(q, k, v, seg, pos, cp):
-    def fold(partial, kv, meta):
-        part = _forward(q, kv[0], kv[1], seg, pos, meta[0], meta[1], jnp.float32)
-        return part if partial is None else merge_partials(*partial, *part)
-
-    out, lse = ring_fold(fold, None, jnp.stack([k, v]), jnp.stack([seg, pos]), cp)
-    out, lse = saved_out_lse(out.astype(q.dtype), lse)
-    return out, (q, k, v, seg, pos, out, lse)
+    return kernel_ring_fwd(lambda *a: _forward(*a, jnp.float32), q, k, v, seg, pos, cp)
 
 
 def _ring_bwd(cp, res, d_out):
-    q, k, v, seg, pos, out, lse = res
-    delta = delta_QxS(d_out, out)
-    kv, meta = jnp.stack([k, v]), jnp.stack([seg, pos])
-
-    def grad(dq, dkv, kv, meta):
-        dq_t, dk, dv = _backward(q, kv[0], kv[1], seg, pos, meta[0], meta[1], d_out, lse,
-                                 delta)
-        return dq + dq_t, dkv + jnp.stack([dk, dv])
-
-    dq, dkv = ring_fold_grads(grad, vary_all(jnp.zeros(q.shape, jnp.float32), q, kv, d_out),
-                              vary_all(jnp.zeros(kv.shape, jnp.float32), q, kv, d_out),
-                              kv, meta, cp)
-    return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype),
-            *no_grads(seg, pos))
+    return kernel_ring_bwd(_backward, cp, res, d_out)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

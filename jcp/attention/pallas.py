@@ -51,9 +51,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jcp.attention.tiling import (SoftmaxState, block_kinds, delta_QxS, merge_partials,
-                                  no_grads, online_softmax_finish, online_softmax_step,
-                                  ring_fold, ring_fold_grads, saved_out_lse, visible)
+from jcp.attention.tiling import (SoftmaxState, block_kinds, delta_QxS, kernel_ring_bwd,
+                                  kernel_ring_fwd, no_grads, online_softmax_finish,
+                                  online_softmax_step, saved_out_lse, visible)
 from jcp.mesh import CP, block_size, vary_all, varying_axes
 
 
@@ -360,35 +360,16 @@ def _ring(q, k, v, seg, pos, block, cp):
 
 
 def _ring_fwd(q, k, v, seg, pos, block, cp):
-    """tiling.ring_fold, as the blockwise ring (K and V travelling as one [2, S, K, H]
-    message), with fp32 partials merged by merge_partials."""
-
-    def fold(partial, kv, meta):
-        part = _forward(q, kv[0], kv[1], seg, pos, meta[0], meta[1], block, TILES, jnp.float32)
-        return part if partial is None else merge_partials(*partial, *part)
-
-    out, lse = ring_fold(fold, None, jnp.stack([k, v]), jnp.stack([seg, pos]), cp)
-    out, lse = saved_out_lse(out.astype(q.dtype), lse)
-    return out, (q, k, v, seg, pos, out, lse)
+    return kernel_ring_fwd(
+        lambda *a: _forward(*a, block, TILES, jnp.float32), q, k, v, seg, pos, cp)
 
 
 def _ring_bwd(block, cp, res, d_out):
-    """tiling.ring_fold_grads: the keys go round again; each block's dK/dV (fp32
-    [2, S, K, H]) travels with it and returns to its owner."""
-    q, k, v, seg, pos, out, lse = res
-    do, delta = d_out.astype(q.dtype), delta_QxS(d_out, out)
-    kv, meta = jnp.stack([k, v]), jnp.stack([seg, pos])
+    def backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out, lse, delta):
+        return _backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out.astype(q.dtype), lse,
+                         delta, block, TILES, jnp.float32)
 
-    def grad(dq, dkv, kv, meta):
-        dq_t, dk, dv = _backward(q, kv[0], kv[1], seg, pos, meta[0], meta[1], do, lse, delta,
-                                 block, TILES, jnp.float32)
-        return dq + dq_t, dkv + jnp.stack([dk, dv])
-
-    dq, dkv = ring_fold_grads(grad, vary_all(jnp.zeros(q.shape, jnp.float32), q, kv, d_out),
-                              vary_all(jnp.zeros(kv.shape, jnp.float32), q, kv, d_out),
-                              kv, meta, cp)
-    return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype),
-            *no_grads(seg, pos))
+    return kernel_ring_bwd(backward, cp, res, d_out)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jcp.mesh import CP, block_size
+from jcp.mesh import CP, block_size, vary_all
 
 DEFAULT_BLOCK = 512
 
@@ -272,3 +272,38 @@ def merge_partials(out_SxQxH, lse_QxS, part_SxQxH, part_lse_QxS):
     safe = jnp.where(lse == -jnp.inf, 0.0, lse)
     w, w_part = jnp.exp(lse_QxS - safe).T[..., None], jnp.exp(part_lse_QxS - safe).T[..., None]
     return out_SxQxH * w + part_SxQxH * w_part, lse
+
+
+def kernel_ring_fwd(forward, q, k, v, seg, pos, cp: int):
+    """The cp ring over a fused kernel (Pallas, C++): ring_fold with K and V travelling as one
+    [2, S, K, H] message, one `forward(q, k, v, seg_q, pos_q, seg_k, pos_k) -> (out fp32,
+    lse)` call per step, the fp32 partials merged by merge_partials. Returns (out in q's
+    dtype, residuals for kernel_ring_bwd), out and lse named for the remat policy."""
+
+    def fold(partial, kv, meta):
+        part = forward(q, kv[0], kv[1], seg, pos, meta[0], meta[1])
+        return part if partial is None else merge_partials(*partial, *part)
+
+    out, lse = ring_fold(fold, None, jnp.stack([k, v]), jnp.stack([seg, pos]), cp)
+    out, lse = saved_out_lse(out.astype(q.dtype), lse)
+    return out, (q, k, v, seg, pos, out, lse)
+
+
+def kernel_ring_bwd(backward, cp: int, res, d_out):
+    """kernel_ring_fwd's VJP through ring_fold_grads: the keys go round again; each block's
+    fp32 dK/dV ([2, S, K, H]) travels with it and returns to its owner. `backward(q, k, v,
+    seg_q, pos_q, seg_k, pos_k, d_out, lse, delta) -> (dq, dk, dv)` in fp32, one call per
+    step."""
+    q, k, v, seg, pos, out, lse = res
+    delta = delta_QxS(d_out, out)
+    kv, meta = jnp.stack([k, v]), jnp.stack([seg, pos])
+
+    def grad(dq, dkv, kv, meta):
+        dq_t, dk, dv = backward(q, kv[0], kv[1], seg, pos, meta[0], meta[1], d_out, lse, delta)
+        return dq + dq_t, dkv + jnp.stack([dk, dv])
+
+    dq, dkv = ring_fold_grads(grad, vary_all(jnp.zeros(q.shape, jnp.float32), q, kv, d_out),
+                              vary_all(jnp.zeros(kv.shape, jnp.float32), q, kv, d_out),
+                              kv, meta, cp)
+    return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype),
+            *no_grads(seg, pos))
