@@ -29,7 +29,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jcp
-from helpers import trainer_harness as TH
+from helpers import kernel_checks as KC
 from jcp import attention
 from jcp import mesh as mesh_lib
 from jcp import model
@@ -271,46 +271,15 @@ def test_cp_attention_and_ring_in_shard_map():
     assert "all_gather" not in text["pallas", "ring"]
     assert "pallas_call" not in text["dense", "gather"]
 
-    out_d, g_d = sharded_fn("dense", "gather")(*args)
-    real = seg >= 0
-    for path in ("gather", "ring"):
-        out, grads = sharded_fn("pallas", path)(*args)
-        np.testing.assert_allclose(out, out_d, rtol=0, atol=1e-5 * np.abs(out_d).max(),
-                                   err_msg=path)
-        assert np.all(np.asarray(out)[~real] == 0.0), path
-        for which, a, d in zip("qkv", grads, g_d):
-            np.testing.assert_allclose(a, d, rtol=0, atol=1e-5 * np.abs(d).max(),
-                                       err_msg=f"{path} d{which}")
-            assert np.all(np.asarray(a)[~real] == 0.0), f"{path} d{which} at padding"
+    KC.assert_paths_match_dense(sharded_fn, "pallas", args, seg)
 
 
 def test_trainer_pallas_matches_blockwise(tmp_path, monkeypatch):
     """The whole training step — StepConfig accepts "pallas", the layer scan with remat
     (attention output and lse saved by name), the custom VJP — gives blockwise's log-probs
     and LoRA gradients, at cp = 2."""
-    w = TH.random_peft_weights(TH.CFG, 4, TH.ALL, seed=1)
-    folder = TH.write_peft(tmp_path / "a", 4, 8.0, TH.ALL, w)
-    data = TH.random_data((37, 1, 20), seed=2)
-    traced = {"fwd": 0, "bwd": 0}  # kernel calls traced by each step
-    for name, f in (("fwd", pa._forward), ("bwd", pa._backward)):
-        monkeypatch.setattr(pa, "_" + {"fwd": "forward", "bwd": "backward"}[name],
-                            lambda *a, f=f, name=name: (traced.update({name: traced[name] + 1}),
-                                                        f(*a))[1])
-    res, kernels = {}, {}
-    for impl in ("pallas", "blockwise"):
-        tr = jcp.Trainer(TH.CFG, jcp.make_mesh(1, 2, 1), max_adapters=1, max_rank=4,
-                         attn_block=BLOCK, logprob_chunk=64, attn_impl=impl,
-                         cp_attention="gather")
-        assert tr.step_cfg.attn_impl == impl
-        a = tr.load_peft(folder)
-        before = dict(traced)
-        out = tr.forward_backward(data, "cross_entropy", adapters=a)
-        kernels[impl] = {k: traced[k] - before[k] for k in traced}
-        res[impl] = (out, tr.gradients(a))
-    # The two steps really differ: only the pallas one traced the kernels.
-    assert min(kernels["pallas"].values()) > 0 and max(kernels["blockwise"].values()) == 0
-    TH.assert_outputs_close(res["pallas"][0], res["blockwise"][0], 1e-5, 1e-5, "pallas")
-    TH.assert_grads_close(res["pallas"][1], res["blockwise"][1], 1e-4, 1e-5, "pallas")
+    KC.assert_trainer_matches_blockwise(tmp_path, monkeypatch, pa, "pallas",
+                                        attn_block=BLOCK, cp_attention="gather")
 
 
 # ----------------------------------------------------------------------------------------

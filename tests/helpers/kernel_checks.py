@@ -1,0 +1,54 @@
+"""Checks every fused attention kernel (Pallas, C++) must pass, written once: its cp paths
+inside shard_map against the dense reference, and a whole Trainer step against blockwise."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jcp
+from helpers import trainer_harness as TH
+
+
+def assert_paths_match_dense(run, impl, args, seg):
+    """run(impl, path)(*args) -> (out, (dq, dk, dv)) on both cp paths equals dense's, and
+    padding rows (seg < 0) get exact zeros in the output and every gradient."""
+    out_d, g_d = run("dense", "gather")(*args)
+    real = seg >= 0
+    for path in ("gather", "ring"):
+        out, grads = run(impl, path)(*args)
+        np.testing.assert_allclose(out, out_d, rtol=0, atol=1e-5 * np.abs(out_d).max(),
+                                   err_msg=path)
+        assert np.all(np.asarray(out)[~real] == 0.0), path
+        for which, a, d in zip("qkv", grads, g_d):
+            np.testing.assert_allclose(a, d, rtol=0, atol=1e-5 * np.abs(d).max(),
+                                       err_msg=f"{path} d{which}")
+            assert np.all(np.asarray(a)[~real] == 0.0), f"{path} d{which} at padding"
+
+
+def assert_trainer_matches_blockwise(tmp_path, monkeypatch, module, impl, **trainer_kw):
+    """A Trainer.forward_backward at cp = 2 with attn_impl `impl` (whose kernels are
+    module._forward / module._backward) gives blockwise's log-probs and LoRA gradients;
+    first asserts that only the `impl` step traced those kernels."""
+    w = TH.random_peft_weights(TH.CFG, 4, TH.ALL, seed=1)
+    folder = TH.write_peft(tmp_path / "a", 4, 8.0, TH.ALL, w)
+    data = TH.random_data((37, 1, 20), seed=2)
+    traced = {"forward": 0, "backward": 0}  # kernel calls traced by each step
+    for name in traced:
+        f = getattr(module, "_" + name)
+        monkeypatch.setattr(module, "_" + name,
+                            lambda *a, f=f, name=name: (traced.update({name: traced[name] + 1}),
+                                                        f(*a))[1])
+    res, kernels = {}, {}
+    for which in (impl, "blockwise"):
+        tr = jcp.Trainer(TH.CFG, jcp.make_mesh(1, 2, 1), max_adapters=1, max_rank=4,
+                         logprob_chunk=64, attn_impl=which, **trainer_kw)
+        assert tr.step_cfg.attn_impl == which
+        a = tr.load_peft(folder)
+        before = dict(traced)
+        out = tr.forward_backward(data, "cross_entropy", adapters=a)
+        kernels[which] = {k: traced[k] - before[k] for k in traced}
+        res[which] = (out, tr.gradients(a))
+    # The two steps really differ: only the `impl` one traced the kernels.
+    assert min(kernels[impl].values()) > 0 and max(kernels["blockwise"].values()) == 0
+    TH.assert_outputs_close(res[impl][0], res["blockwise"][0], 1e-5, 1e-5, impl)
+    TH.assert_grads_close(res[impl][1], res["blockwise"][1], 1e-4, 1e-5, impl)
