@@ -158,17 +158,8 @@ def test_pallas_matches_dense_and_blockwise(name):
         kinds, _ = attention.tiling.block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)
         assert set(np.unique(np.asarray(kinds)).tolist()) == {0, 1, 2}, side
 
-    out_p, g_p = run("pallas", *args, tiles=tiles)
-    out_d, g_d = run("dense", *args)
-    out_b, g_b = run("blockwise", *args)
-    scale = np.abs(out_d).max()
-    np.testing.assert_allclose(out_p, out_d, rtol=0, atol=1e-5 * scale)
-    np.testing.assert_allclose(out_p, out_b, rtol=0, atol=1e-5 * scale)
-    for which, a, d, b in zip("qkv", g_p, g_d, g_b):
-        assert np.abs(d).max() > 0.1, which
-        tol = 1e-5 * np.abs(d).max()
-        np.testing.assert_allclose(a, d, rtol=0, atol=tol, err_msg=f"d{which} vs dense")
-        np.testing.assert_allclose(a, b, rtol=0, atol=tol, err_msg=f"d{which} vs blockwise")
+    KC.assert_kernel_matches_references(run("pallas", *args, tiles=tiles), run("dense", *args),
+                                        run("blockwise", *args))
 
 
 def test_bfloat16_close_to_fp32_dense():

@@ -52,3 +52,17 @@ def assert_trainer_matches_blockwise(tmp_path, monkeypatch, module, impl, **trai
     assert min(kernels[impl].values()) > 0 and max(kernels["blockwise"].values()) == 0
     TH.assert_outputs_close(res[impl][0], res["blockwise"][0], 1e-5, 1e-5, impl)
     TH.assert_grads_close(res[impl][1], res["blockwise"][1], 1e-4, 1e-5, impl)
+
+
+def assert_kernel_matches_references(got, dense, blockwise):
+    """A kernel's (out, (dq, dk, dv)) equals dense's and blockwise's to 1e-5 of each
+    reference's largest entry; every reference gradient is non-trivial (> 0.1 somewhere)."""
+    (out, grads), (out_d, g_d), (out_b, g_b) = got, dense, blockwise
+    scale = np.abs(out_d).max()
+    np.testing.assert_allclose(out, out_d, rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(out, out_b, rtol=0, atol=1e-5 * scale)
+    for which, a, d, b in zip("qkv", grads, g_d, g_b):
+        assert np.abs(d).max() > 0.1, which
+        tol = 1e-5 * np.abs(d).max()
+        np.testing.assert_allclose(a, d, rtol=0, atol=tol, err_msg=f"d{which} vs dense")
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol, err_msg=f"d{which} vs blockwise")
