@@ -67,6 +67,9 @@ DATUMS, TOKENS, RANK = 8, 512, 8
 # of every device; separate 1-process jobs ("independent"); or one jax.distributed job whose
 # processes each train on a mesh of their own devices ("local").
 PARTS = ("job", "independent", "local")
+# The programs of one training step: forward_backward, or its two programs where the
+# Trainer sums on the host (train_step.HostSummedStep), and optim_step.
+PROGRAMS = ("forward_backward", "partials", "_finish", "optim_step")
 
 
 def parse_args(argv):
@@ -196,18 +199,20 @@ def summarize(ops) -> dict:
 
 
 def step_collectives(dump: str, mesh) -> dict:
-    """The collectives of one training step (forward_backward + optim_step) from an XLA
+    """The collectives of one training step (PROGRAMS) from an XLA
     dump folder, devices mapped to processes through the mesh (logical id = position in
     mesh.devices)."""
     procs = [d.process_index for d in mesh.devices.flat]
-    ops = []
-    for prog in ("forward_backward", "optim_step"):
+    ops, found = [], []
+    for prog in PROGRAMS:
         files = sorted(glob.glob(os.path.join(
             dump, f"*jit_{prog}.*after_optimizations.txt")))
-        if not files:
-            raise RuntimeError(f"no compiled {prog} in {dump}")
-        with open(files[-1]) as f:  # the last compiled: the one the timed steps ran
-            ops += collectives(f.read(), procs.__getitem__)
+        if files:
+            found.append(prog)
+            with open(files[-1]) as f:  # the last compiled: the one the timed steps ran
+                ops += collectives(f.read(), procs.__getitem__)
+    if "optim_step" not in found or not {"forward_backward", "partials"} & set(found):
+        raise RuntimeError(f"no compiled training step in {dump} (found {found})")
     return summarize(ops)
 
 
@@ -360,7 +365,7 @@ def direct(nproc: int, warmup: int, steps: int, mesh: str, count: bool = False,
     for i in range(nproc):
         if dump:
             env["XLA_FLAGS"] = (f"--xla_dump_to={dump}/p{i} --xla_dump_hlo_as_text "
-                                "--xla_dump_hlo_module_re=forward_backward|optim_step")
+                                "--xla_dump_hlo_module_re=" + "|".join(PROGRAMS))
         args = cmd + [str(i), str(nproc), port] + (["--dump", f"{dump}/p{i}"] if dump else [])
         procs.append(subprocess.Popen(args, env=dict(env), stdout=subprocess.PIPE,
                                       preexec_fn=pinned(cpu_shares(nproc)[i]) if pin else None,

@@ -211,6 +211,11 @@ class Trainer:
             cfg, mesh, dataclasses.replace(self.step_cfg, remat=r)) for r in (True, False)
             if remat in (r, "auto")}
         self._remat_budget = remat_budget_bytes
+        self.sums_on_host = train_step.sums_on_host(mesh)
+        """Whether forward_backward (dense models, Tinker losses) sums the gradient over
+        each process's devices on the host, between two programs (train_step.HostSummedStep:
+        a multi-process XLA:CPU job with tp = 1, where every collective is TCP); settable
+        before the first forward_backward."""
         self._fb_programs: dict = {}
         self.remat_decisions: dict = {}
         """Per compiled forward_backward program, keyed (stream shape [DP, CP, S], active
@@ -474,9 +479,15 @@ class Trainer:
 
     @property
     def forward_backward_programs(self) -> dict:
-        """The compiled forward_backward programs so far (jax.stages.Compiled), keyed as
-        remat_decisions: for profiling and memory or cost analysis."""
+        """The compiled forward_backward programs so far (jax.stages.Compiled, or
+        train_step.HostSummedProgram where sums_on_host), keyed as remat_decisions: for
+        profiling and memory or cost analysis."""
         return dict(self._fb_programs)
+
+    @functools.cached_property
+    def _host_step(self) -> train_step.HostSummedStep:
+        return train_step.HostSummedStep(self.cfg, self.mesh, self.step_cfg,
+                                         tuple(self._fb_steps))
 
     def remat_budget_bytes(self) -> int:
         """The per-device bytes a forward_backward program may take without recomputation
@@ -491,14 +502,18 @@ class Trainer:
         shapes. With remat="auto" that program is compiled without recomputation first and
         kept iff its memory fits the budget."""
         args = (acc, lora, params, slot_meta, batch, loss_cfg, custom_args)
+        on_host = self.sums_on_host and train_step.folds_outputs(self.cfg, custom)
         # Everything the compiled program is specialised on: the per-call arguments' tree and
         # every leaf's shape and dtype (2-D targets, custom inputs), and the static arguments.
         per_call = (batch, loss_cfg, custom_args)
         key = (jax.tree.structure(per_call),
                tuple((x.shape, x.dtype) for x in jax.tree.leaves(per_call)),
-               loss_fns, num_slots, custom, modules)
+               loss_fns, num_slots, custom, modules, on_host)
         if key not in self._fb_programs:
             def compile_(remat):
+                if on_host:
+                    return self._host_step.compile(remat, *args[:-1], loss_fns=loss_fns,
+                                                   num_slots=num_slots, modules=modules)
                 return self._fb_steps[remat].lower(*args, loss_fns=loss_fns, num_slots=num_slots,
                                                    custom=custom, modules=modules).compile()
 

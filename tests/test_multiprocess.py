@@ -1,6 +1,7 @@
 """2 processes × 4 fake CPU devices give what 1 process × 8 devices gives; the training
 step's outputs summed in its gradient's all-reduce (what makes a multi-process step cheaper)
-are the same bits as summed in the forward pass."""
+are the same bits as summed in the forward pass; the step summed on the host (what a
+multi-process CPU job runs) gives what the all-reduce gives."""
 
 import dataclasses
 import os
@@ -46,6 +47,9 @@ def test_two_processes_match_one(tmp_path):
 
     single = mp_case.run(str(tmp_path / "single_ckpt"))
     multi = [dict(np.load(tmp_path / f"result_{i}.npz")) for i in range(2)]
+    # Two processes sum the gradient on each host (train_step.HostSummedStep), one process
+    # in its all-reduce.
+    assert [bool(r.pop("sums_on_host")) for r in [single] + multi] == [False, True, True]
     assert sorted(multi[0]) == sorted(single) == sorted(multi[1])
     assert any(k.startswith("grad_") and np.abs(v).max() > 0 for k, v in single.items())
     for k, v in single.items():
@@ -103,3 +107,45 @@ def test_outputs_summed_with_the_gradient_are_the_forward_sums():
         assert any(np.abs(v).max() > 0 for v in want.values())
         for k in want:
             np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_sums_on_host_match_the_all_reduce():
+    """train_step.HostSummedStep (the gradient and outputs of each device summed on the host,
+    then over processes) against the one-program forward_backward, in one process over
+    8 devices: the same outputs and gradients up to the order of float32 sums, and no
+    all-reduce over dp or cp in its model program. It is chosen only for multi-process CPU
+    meshes with tp = 1."""
+    assert not train_step.sums_on_host(jcp.make_mesh(8, 1, 1))  # one process
+    rng = np.random.default_rng(1)
+    data = [jcp.Datum(rng.integers(0, mp_case.CFG.vocab_size, n),
+                      {"target_tokens": rng.integers(0, mp_case.CFG.vocab_size, n),
+                       "advantages": rng.normal(size=n), "logprobs": -rng.uniform(1, 6, n)})
+            for n in (37, 1, 20, 64, 5)]
+    runs = []
+    for on_host in (False, True):
+        tr = jcp.Trainer(mp_case.CFG, jcp.make_mesh(4, 2, 1), max_rank=8, attn_block=16,
+                         logprob_chunk=16)
+        tr.sums_on_host = on_host
+        a, b = tr.create_adapter(rank=4, seed=1), tr.create_adapter(rank=8, seed=2)
+        tr.forward_backward(data, "ppo", adapters=[a, b, a, b, a])
+        tr.optim_step(a, jcp.AdamParams(learning_rate=1e-2))
+        out = tr.forward_backward(data, "ppo", adapters=[a, b, a, b, a])
+        (program,) = tr.forward_backward_programs.values()
+        runs.append((out, tr.gradients(a), tr.gradients(b), program))
+    (ref, ra, rb, one), (got, ga, gb, two) = runs
+    assert isinstance(two, train_step.HostSummedProgram) and not isinstance(
+        one, train_step.HostSummedProgram)
+    assert _all_reduce_operands(one.as_text()) > 0
+    assert _all_reduce_operands(two.partials.as_text()) == 0
+    assert ref.metrics["clipped_tokens:sum"] > 0
+    assert ref.metrics["clipped_tokens:sum"] == got.metrics["clipped_tokens:sum"]
+    np.testing.assert_allclose(got.metrics["loss:sum"], ref.metrics["loss:sum"], rtol=1e-6)
+    for x, y in zip(got.loss_fn_outputs, ref.loss_fn_outputs):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_allclose(x[k], y[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for g, want in ((ga, ra), (gb, rb)):
+        assert any(np.abs(v).max() > 0 for v in want.values())
+        for k in want:
+            scale = max(float(np.abs(want[k]).max()), 1e-30)
+            np.testing.assert_allclose(g[k], want[k], rtol=1e-5, atol=1e-6 * scale, err_msg=k)

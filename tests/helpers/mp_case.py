@@ -7,11 +7,16 @@ import jcp
 CFG = jcp.QwenConfig.tiny()
 
 
-def run(ckpt_dir: str) -> dict:
-    """Mesh (2, 2, 2) over every device; two adapters, ppo, an optim_step, a save_state.
+MESH = (4, 2, 1)
 
-    Returns flat NumPy results: per-datum outputs, gradients, post-step weights, and the
-    weights read back from the saved checkpoint.
+
+def run(ckpt_dir: str) -> dict:
+    """Mesh MESH over every device (tp = 1: over 2 processes, forward_backward sums on the
+    host, train_step.HostSummedStep; test_serve_multiprocess's jobs cover tp = 2); two
+    adapters, ppo, an optim_step, a save_state.
+
+    Returns flat NumPy results: per-datum outputs, gradients, post-step weights, the weights
+    read back from the saved checkpoint, and whether the Trainer summed on the host.
     """
     rng = np.random.default_rng(0)
     lens = (37, 1, 20, 64, 5)
@@ -19,7 +24,7 @@ def run(ckpt_dir: str) -> dict:
                       {"target_tokens": rng.integers(0, CFG.vocab_size, n),
                        "advantages": rng.normal(size=n), "logprobs": -rng.uniform(1, 6, n)})
             for n in lens]
-    tr = jcp.Trainer(CFG, jcp.make_mesh(2, 2, 2), max_rank=8, attn_block=16, logprob_chunk=16)
+    tr = jcp.Trainer(CFG, jcp.make_mesh(*MESH), max_rank=8, attn_block=16, logprob_chunk=16)
     a = tr.create_adapter(rank=4, seed=1)
     b = tr.create_adapter(rank=8, seed=2)
     adapters = [a, b, a, b, a]
@@ -40,4 +45,5 @@ def run(ckpt_dir: str) -> dict:
     c = tr.load_state(ckpt_dir)
     for k, v in tr.adapter_weights(c).items():
         res[f"reloaded_{k}"] = v
+    res["sums_on_host"] = np.bool_(tr.sums_on_host)
     return res
