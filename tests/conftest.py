@@ -86,7 +86,7 @@ FILE_SECONDS = {
     "test_serve_multiprocess.py": 125, "test_trainer.py": 70, "test_cli.py": 70,
     "test_sampling.py": 70, "test_reliability.py": 60, "test_custom_server.py": 60,
     "test_losses.py": 50, "test_qwen3_5_moe.py": 50, "test_moe_metrics.py": 45,
-    "test_checkpoint_faults.py": 40, "test_benchmarks.py": 35, "test_multiprocess.py": 30,
+    "test_checkpoint_faults.py": 40, "test_benchmarks.py": 35, "test_multiprocess.py": 40,
     "test_model.py": 30, "test_moe.py": 30, "test_delta_rule.py": 30,
     "test_server_sampling.py": 30, "test_server.py": 25, "test_checkpoint.py": 25,
     "test_pallas_attention.py": 20, "test_server_lifecycle.py": 20,

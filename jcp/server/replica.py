@@ -8,9 +8,19 @@ sampling engine is one `Op` (target, method, arguments: which datums and slots, 
 and its parameters, which folder to save or load, which seed) — the host-side plan of one
 step of a pass, decided once on process 0. `Leader` sends it to the followers before process
 0 makes the call itself; each follower (`follow`) makes the same call on its own copies and
-acknowledges it with "ok" or its error. Process 0 returns the call's result only once every
-follower has acknowledged it, so the processes never drift apart by more than one call, and
-an outcome that differs (one raised, another did not) fails the job instead of diverging.
+acknowledges it with "ok" or its error. Process 0 reads every follower's acknowledgement of a
+call before it makes the next one (it sends the next op first, so that a follower still
+finishing a call finds the next waiting), so the processes never drift apart by more than one
+call, and an outcome that differs (one raised, another did not) fails the job instead of
+diverging.
+A call that writes or reads files, or hands an object over, is acknowledged before process
+0 returns its result. The calls of the training and sampling hot path (DEFERRED: forward,
+forward_backward, optim_step, an engine step) return as soon as process 0 has made them:
+their acknowledgements are read at the start of the next call, or by the watcher when none
+comes, so a follower's late answer is off the request's path (a forward_backward + optim_step
+step of 8 × 512 tokens waited ~2 ms for them, benchmarks/serve_multiprocess.py). A follower
+that disagrees on such a call fails the job before any later call runs, so its result was
+the last one process 0 returned.
 
 Channel: the coordination service's key-value store (jax.distributed runs it in process 0;
 `global_state.client`), not `multihost_utils.broadcast_one_to_all`. A broadcast is a device
@@ -31,7 +41,9 @@ Failure: each follower sets a heartbeat key every HEARTBEAT_S from a thread of i
 watcher thread on process 0 declares the job failed when a follower's heartbeat stops for
 `timeout_s` (it died or stopped answering), as does an acknowledgement that does not come
 within ACK_FACTOR × `timeout_s` of process 0 finishing the call (a call returns once
-dispatched, so a follower may be a compile behind), or one that disagrees. A failed job runs
+dispatched, so a follower may be a compile behind), or one that disagrees — also while
+process 0 is still in the call: a follower that raised where process 0 went on into a
+collective (which will never complete) is seen `timeout_s` after its answer. A failed job runs
 `on_failure` (jcp-serve: /healthz answers 503 with the reason, pending requests fail,
 new ones are refused) within about `timeout_s`, even while process 0's worker is blocked in
 a collective that will never complete (jax.distributed is started with recoverability on,
@@ -76,6 +88,9 @@ COMPRESS_MIN = 4096
 HEARTBEAT_S = 0.5
 POLL_MS = 500
 ACK_FACTOR = 10  # a call's acknowledgement may come this many heartbeat timeouts late
+# (target, method) of the calls whose acknowledgements are read after they return.
+DEFERRED = frozenset({("trainer", "forward"), ("trainer", "forward_backward"),
+                      ("trainer", "optim_step"), ("sampling", "step")})
 # Objects a call returns that a later call passes back (the follower keeps its own), and
 # the calls that use such an object up.
 KEPT_RESULTS = frozenset({"offload_adapter"})
@@ -141,6 +156,10 @@ class Leader:
         self._kept_calls = 0
         self._lock = threading.Lock()
         self._kept: dict[int, tuple[int, object]] = {}  # id(obj) -> (op n, obj)
+        # Calls returned before their acknowledgements were read: (n, method, error, when
+        # process 0 finished it); and the call process 0 is in: (n, method).
+        self._pending: list[tuple[int, str, Exception | None, float]] = []
+        self._running: tuple[int, str] | None = None
         self._stopped = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="jcp-serve-watch",
                                          daemon=True)
@@ -159,10 +178,7 @@ class Leader:
         CustomLoss.from_graph's arguments) and keep it: a call given `obj` here is given
         theirs there, until `discard(obj)`."""
         with self._lock:
-            self._check()
-            self.ops += 1
-            n = self.ops
-            self._send(n, Op("share", kind, recipe))
+            n = self._next(Op("share", kind, recipe))
             self._acks(n, f"share {kind}", None)
             self._kept[id(obj)] = (n, obj)
 
@@ -179,16 +195,19 @@ class Leader:
         args, kwargs = self._plan(method, args, kwargs)
         sent = {k: v for k, v in kwargs.items() if k != "callback"}
         with self._lock:
-            self._check()
-            self.ops += 1
-            n = self.ops
-            self._send(n, Op(target, method, tuple(self._ref(a) for a in args),
-                             {k: self._ref(v) for k, v in sent.items()}))
+            n = self._next(Op(target, method, tuple(self._ref(a) for a in args),
+                              {k: self._ref(v) for k, v in sent.items()}))
+            self._running = (n, method)
             try:
                 out, err = getattr(obj, method)(*args, **kwargs), None
             except Exception as e:  # noqa: BLE001 — raised after the followers answered
                 out, err = None, e
-            self._acks(n, method, err)
+            finally:
+                self._running = None
+            if (target, method) in DEFERRED:
+                self._pending.append((n, method, err, time.monotonic()))
+            else:
+                self._acks(n, method, err)
             if method in CONSUMING:
                 for a in args:
                     self._kept.pop(id(a), None)
@@ -219,10 +238,24 @@ class Leader:
 
     def _send_only(self, op: Op) -> None:
         with self._lock:
-            self._check()
-            self.ops += 1
-            self._send(self.ops, op)
-            self._acks(self.ops, op.target, None)
+            self._acks(self._next(op), op.target, None)
+
+    def _next(self, op: Op) -> int:
+        """Send `op` as the next call -> its number, once every earlier call is
+        acknowledged. The op goes first: a follower still finishing the call before reads
+        it as soon as it has answered that one."""
+        self._check()
+        if self._kept_calls >= DELETE_EVERY or self._kept_bytes >= DELETE_BYTES:
+            # With no op out and every acknowledgement read, the finished calls' keys go
+            # as two whole directories.
+            self._settle()
+            self.c.key_value_delete(f"{PREFIX}/op")
+            self.c.key_value_delete(f"{PREFIX}/ack")
+            self._kept_calls = self._kept_bytes = 0
+        self.ops += 1
+        self._send(self.ops, op)
+        self._settle()
+        return self.ops
 
     def _send(self, n: int, op: Op) -> None:
         data = pickle.dumps(op, protocol=pickle.HIGHEST_PROTOCOL)
@@ -237,8 +270,18 @@ class Leader:
         # Last: the pieces are there.
         self.c.key_value_set_bytes(_op_key(n), PIECES + str(len(pieces)).encode())
 
-    def _acks(self, n: int, what: str, err: Exception | None) -> None:
-        deadline = time.monotonic() + self.ack_timeout_s
+    def _settle(self) -> None:
+        """Read the acknowledgements of the calls that returned without them (DEFERRED)."""
+        while self._pending:
+            n, what, err, done = self._pending[0]
+            self._acks(n, what, err, done)
+            self._pending.pop(0)
+
+    def _acks(self, n: int, what: str, err: Exception | None,
+              done: float | None = None) -> None:
+        """Wait for every follower's acknowledgement of call n (process 0 finished it at
+        `done`, default now); JobFailed unless each came in time and agrees with `err`."""
+        deadline = (time.monotonic() if done is None else done) + self.ack_timeout_s
         for pid in self.followers:
             key = f"{PREFIX}/ack/{n}/{pid}"
             while True:
@@ -252,17 +295,14 @@ class Leader:
                     elif time.monotonic() > deadline:
                         self.fail(f"process {pid} did not finish {what} (call {n}) within "
                                   f"{self.ack_timeout_s:.0f} s of process 0")
-            if (status == "ok") != (err is None):
-                mine = "ok" if err is None else f"{type(err).__name__}: {err}"
-                self.fail(f"process {pid} disagreed on {what} (call {n}): it answered "
-                          f"{status!r}, process 0 {mine!r}")
+            self._agree(pid, n, what, status, err)
         self._kept_calls += 1
-        if self._kept_calls >= DELETE_EVERY or self._kept_bytes >= DELETE_BYTES:
-            # Every follower has read every op so far and process 0 every acknowledgement
-            # (the lock is held: no later op is out), so both directories go whole.
-            self.c.key_value_delete(f"{PREFIX}/op")
-            self.c.key_value_delete(f"{PREFIX}/ack")
-            self._kept_calls = self._kept_bytes = 0
+
+    def _agree(self, pid: int, n: int, what: str, status: str, err: Exception | None) -> None:
+        if (status == "ok") != (err is None):
+            mine = "ok" if err is None else f"{type(err).__name__}: {err}"
+            self.fail(f"process {pid} disagreed on {what} (call {n}): it answered "
+                      f"{status!r}, process 0 {mine!r}")
 
     def fail(self, message: str) -> None:
         """Declare the job failed (once) and raise JobFailed."""
@@ -282,21 +322,56 @@ class Leader:
 
     def _watch(self) -> None:
         seen = {pid: (None, time.monotonic()) for pid in self.followers}
+        raised: dict[tuple[int, int], float] = {}  # (call, pid) -> when seen failing
         while not self._stopped.wait(HEARTBEAT_S) and self.failure is None:
             now = time.monotonic()
-            for pid in self.followers:
-                try:
-                    beat = self.c.key_value_try_get(f"{PREFIX}/alive/{pid}")
-                except Exception:  # noqa: BLE001 — not set yet
-                    beat = None
-                if beat is None or beat != seen[pid][0]:  # not started yet, or alive
-                    seen[pid] = (beat, now)
-                elif now - seen[pid][1] > self.timeout_s:
-                    try:
+            try:
+                for pid in self.followers:
+                    beat = self._try_get(f"{PREFIX}/alive/{pid}")
+                    if beat is None or beat != seen[pid][0]:  # not started yet, or alive
+                        seen[pid] = (beat, now)
+                    elif now - seen[pid][1] > self.timeout_s:
                         self.fail(f"process {pid} stopped answering (no heartbeat for "
                                   f"{self.timeout_s:.0f} s)")
-                    except JobFailed:
-                        return
+                self._watch_calls(now, raised)
+            except JobFailed:
+                return
+
+    def _watch_calls(self, now: float, raised: dict) -> None:
+        """Fail the job on a returned call's acknowledgement that disagrees or is late
+        (DEFERRED, with no next call to read it), and on a follower that raised in the call
+        process 0 is still in after `timeout_s`."""
+        for entry in list(self._pending):
+            n, what, err, done = entry
+            for pid in self.followers:
+                status = self._try_get(f"{PREFIX}/ack/{n}/{pid}")
+                if entry not in self._pending:  # read (and maybe deleted) by the call
+                    return
+                if status is not None:
+                    self._agree(pid, n, what, status, err)
+                elif now - done > self.ack_timeout_s:
+                    self.fail(f"process {pid} did not finish {what} (call {n}) within "
+                              f"{self.ack_timeout_s:.0f} s of process 0")
+        running = self._running
+        for key in [k for k in raised if running is None or k[0] != running[0]]:
+            del raised[key]
+        if running is None:
+            return
+        n, what = running
+        for pid in self.followers:
+            status = self._try_get(f"{PREFIX}/ack/{n}/{pid}")
+            if status is None or status == "ok":
+                continue
+            first = raised.setdefault((n, pid), now)
+            if now - first > self.timeout_s and self._running == running:
+                self.fail(f"process {pid} raised in {what} (call {n}): {status!r}, and "
+                          f"process 0 has not finished it {self.timeout_s:.0f} s later")
+
+    def _try_get(self, key: str) -> str | None:
+        try:
+            return self.c.key_value_try_get(key)
+        except Exception:  # noqa: BLE001 — not set (yet)
+            return None
 
     def stop(self) -> None:
         """Tell the followers to exit (unless the job already failed)."""
