@@ -522,13 +522,16 @@ def served(args, data, mesh: str) -> dict:
                 step(tc)
         ratios, rows = [], []
         cpu = {name: collections.Counter() for name in models}
+        client = {name: 0.0 for name in models}  # this process's (the SDK client's)
         per_proc = [collections.Counter() for _ in jobs["multi"].procs]  # multi, by process
         for r in range(args.rounds):
             med = {}
             for name, tc in models.items():
                 procs = jobs[name].procs
                 before = [collections.Counter(thread_cpu(p.pid)) for p in procs]
+                mine = time.process_time()
                 med[name] = statistics.median(step(tc) for _ in range(args.steps))
+                client[name] += (time.process_time() - mine) / (args.steps * args.rounds)
                 for i, p in enumerate(procs):
                     used = {k: v / (args.steps * args.rounds) for k, v in
                             (collections.Counter(thread_cpu(p.pid)) - before[i]).items()}
@@ -544,7 +547,9 @@ def served(args, data, mesh: str) -> dict:
             f"{k} {cpu['single'].get(k, 0):.3f} vs {cpu['multi'].get(k, 0):.3f}"
             for k in sorted(set(cpu["single"]) | set(cpu["multi"]))
             if max(cpu["single"].get(k, 0), cpu["multi"].get(k, 0)) >= 0.001))
-        print(f"  total {sum(cpu['single'].values()):.3f} vs {sum(cpu['multi'].values()):.3f}")
+        print(f"  total {sum(cpu['single'].values()):.3f} vs {sum(cpu['multi'].values()):.3f}"
+              f"; the SDK client (this process, on every core) {client['single']:.3f} vs "
+              f"{client['multi']:.3f}")
         for i, c in enumerate(per_proc):
             print(f"  multi, process {i}: {sum(c.values()):.3f} (" + "; ".join(
                 f"{k} {v:.3f}" for k, v in sorted(c.items()) if v >= 0.001) + ")")

@@ -123,24 +123,35 @@ def test_hot_path_calls_return_before_the_followers_answer(job):
     theirs.gate.set()
     t.join(timeout=10)
     assert out == {"value": 1} and theirs.calls == ["save_state"]
-    # ... a forward_backward as soon as process 0 has made it.
+    # ... a forward_backward as soon as process 0 has made it, and the next one too: it
+    # waits only for the answers to the calls before it.
     theirs.gate.clear()
     assert leader.call("trainer", mine, "forward_backward", 3) == 6
-    assert theirs.calls == ["save_state"] and leader._pending
+    assert theirs.calls == ["save_state"] and len(leader._pending) == 1
+    t, out = _in_thread(leader.call, "trainer", mine, "forward_backward", 5)
+    t.join(timeout=1.0)
+    assert t.is_alive() and mine.calls == ["save_state", "forward_backward", "forward_backward"]
+    theirs.gate.set()
+    t.join(timeout=10)
+    assert out == {"value": 10} and len(leader._pending) == 1
     # The next call reads its acknowledgement first.
     theirs.gate.set()
     assert leader.call("trainer", mine, "save_state", 4) == 4
-    assert theirs.calls == ["save_state", "forward_backward", "save_state"]
+    assert theirs.calls == ["save_state", "forward_backward", "forward_backward", "save_state"]
     assert not leader._pending and failures == [] and leader.failure is None
 
 
-def test_a_follower_disagreeing_on_a_returned_call_fails_the_next(job):
+@pytest.mark.parametrize("then", ["save_state", "forward_backward"])
+def test_a_follower_disagreeing_on_a_returned_call_fails_the_next(job, then):
+    """The next call fails: a save before it runs on process 0; a hot-path call (which
+    reads the earlier answers after it ran) before its result is returned."""
     leader, mine, theirs, failures = job
     theirs.raising.add("forward_backward")
     assert leader.call("trainer", mine, "forward_backward", 3) == 6
     with pytest.raises(replica.JobFailed, match="process 1 disagreed on forward_backward"):
-        leader.call("trainer", mine, "save_state", 4)
-    assert mine.calls == ["forward_backward"]  # the next call never ran
+        leader.call("trainer", mine, then, 4)
+    assert mine.calls == ["forward_backward"] + (["forward_backward"]
+                                                 if then == "forward_backward" else [])
     assert len(failures) == 1 and "restarted" in failures[0]
 
 

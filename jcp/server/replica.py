@@ -9,18 +9,17 @@ and its parameters, which folder to save or load, which seed) — the host-side 
 step of a pass, decided once on process 0. `Leader` sends it to the followers before process
 0 makes the call itself; each follower (`follow`) makes the same call on its own copies and
 acknowledges it with "ok" or its error. Process 0 reads every follower's acknowledgement of a
-call before it makes the next one (it sends the next op first, so that a follower still
-finishing a call finds the next waiting), so the processes never drift apart by more than one
-call, and an outcome that differs (one raised, another did not) fails the job instead of
-diverging.
-A call that writes or reads files, or hands an object over, is acknowledged before process
-0 returns its result. The calls of the training and sampling hot path (DEFERRED: forward,
-forward_backward, optim_step, an engine step) return as soon as process 0 has made them:
-their acknowledgements are read at the start of the next call, or by the watcher when none
-comes, so a follower's late answer is off the request's path (a forward_backward + optim_step
-step of 8 × 512 tokens waited ~2 ms for them, benchmarks/serve_multiprocess.py). A follower
-that disagrees on such a call fails the job before any later call runs, so its result was
-the last one process 0 returned.
+call before it returns the next one's result, so the processes never drift apart by more
+than a call, and an outcome that differs (one raised, another did not) fails the job instead
+of diverging. A call that writes or reads files, or hands an object over, runs on process 0
+only once every earlier call is acknowledged, and returns once it is acknowledged itself.
+The calls of the training and sampling hot path (DEFERRED: forward, forward_backward,
+optim_step, an engine step) do not wait: process 0 sends the op, makes the call, reads the
+earlier calls' acknowledgements (which came meanwhile) and returns; its own acknowledgement
+is read after the next call (or by the watcher when none comes). So neither the op's way to
+a follower nor a follower's answer is on a request's path (they cost a forward_backward +
+optim_step step of 8 × 512 tokens ~4 ms; benchmarks/serve_multiprocess.py). A follower that
+disagrees on such a call fails the job before the next call's result is returned.
 
 Channel: the coordination service's key-value store (jax.distributed runs it in process 0;
 `global_state.client`), not `multihost_utils.broadcast_one_to_all`. A broadcast is a device
@@ -194,9 +193,10 @@ class Leader:
     def call(self, target: str, obj, method: str, *args, **kwargs):
         args, kwargs = self._plan(method, args, kwargs)
         sent = {k: v for k, v in kwargs.items() if k != "callback"}
+        deferred = (target, method) in DEFERRED
         with self._lock:
             n = self._next(Op(target, method, tuple(self._ref(a) for a in args),
-                              {k: self._ref(v) for k, v in sent.items()}))
+                              {k: self._ref(v) for k, v in sent.items()}), settle=not deferred)
             self._running = (n, method)
             try:
                 out, err = getattr(obj, method)(*args, **kwargs), None
@@ -204,7 +204,10 @@ class Leader:
                 out, err = None, e
             finally:
                 self._running = None
-            if (target, method) in DEFERRED:
+            if deferred:
+                # The earlier calls' answers came while this one ran; this one's is read
+                # after the next call (or by the watcher).
+                self._settle()
                 self._pending.append((n, method, err, time.monotonic()))
             else:
                 self._acks(n, method, err)
@@ -240,10 +243,10 @@ class Leader:
         with self._lock:
             self._acks(self._next(op), op.target, None)
 
-    def _next(self, op: Op) -> int:
-        """Send `op` as the next call -> its number, once every earlier call is
-        acknowledged. The op goes first: a follower still finishing the call before reads
-        it as soon as it has answered that one."""
+    def _next(self, op: Op, settle: bool = True) -> int:
+        """Send `op` as the next call -> its number; then, with `settle`, read every earlier
+        call's acknowledgement (the op goes first: a follower still finishing the call
+        before finds it as soon as it has answered that one)."""
         self._check()
         if self._kept_calls >= DELETE_EVERY or self._kept_bytes >= DELETE_BYTES:
             # With no op out and every acknowledgement read, the finished calls' keys go
@@ -254,7 +257,8 @@ class Leader:
             self._kept_calls = self._kept_bytes = 0
         self.ops += 1
         self._send(self.ops, op)
-        self._settle()
+        if settle:
+            self._settle()
         return self.ops
 
     def _send(self, n: int, op: Op) -> None:
