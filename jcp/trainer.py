@@ -508,7 +508,7 @@ class Trainer:
         per_call = (batch, loss_cfg, custom_args)
         key = (jax.tree.structure(per_call),
                tuple((x.shape, x.dtype) for x in jax.tree.leaves(per_call)),
-               loss_fns, num_slots, custom, modules, on_host)
+               loss_fns, num_slots, custom, modules)
         if key not in self._fb_programs:
             def compile_(remat):
                 if on_host:
