@@ -269,8 +269,7 @@ def _folded_value_and_grad(cfg: QwenConfig, mesh, step_cfg: StepConfig,
     outputs and the backward's gradient). The gradient is that of the summed loss: each
     shard's loss is a [DP, CP] output whose cotangent is 1, as psum's transpose gives it.
     """
-    shapes = ((), batch.targets.shape, batch.tokens.shape, (num_slots,), (num_slots,))
-    sizes = [math.prod(s) for s in shapes]
+    size = sum(math.prod(s) for s in _part_shapes(batch, num_slots))
 
     def shard(lora_active, sink, params, slot_meta, b: Batch, loss_cfg):
         lora_active, sink = vary_on_entry((lora_active, sink))
@@ -286,12 +285,21 @@ def _folded_value_and_grad(cfg: QwenConfig, mesh, step_cfg: StepConfig,
         return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=P(*BATCH_AXES))(
             lora_active, sink, params, slot_meta, batch, loss_cfg)
 
-    losses_DPxCP, vjp = jax.vjp(losses_of, lora_active, jnp.zeros(sum(sizes), jnp.float32))
+    losses_DPxCP, vjp = jax.vjp(losses_of, lora_active, jnp.zeros(size, jnp.float32))
     grads, sums = vjp(jnp.ones_like(losses_DPxCP))
-    ends = np.cumsum(sizes)
-    loss, out = losses_lib.shard_outputs(
-        [sums[e - n:e].reshape(s) for e, n, s in zip(ends, sizes, shapes)])
+    loss, out = losses_lib.shard_outputs(_split(sums, _part_shapes(batch, num_slots)))
     return grads, loss, out
+
+
+def _part_shapes(batch: Batch, num_slots: int) -> tuple:
+    """The global shapes of losses.shard_loss(summed=False)'s OUTPUT_PARTS."""
+    return ((), batch.targets.shape, batch.tokens.shape, (num_slots,), (num_slots,))
+
+
+def _split(flat, shapes) -> list:
+    """A concatenated vector back into arrays of `shapes`, in order."""
+    ends = np.cumsum([math.prod(s) for s in shapes])
+    return [flat[e - math.prod(s):e].reshape(s) for e, s in zip(ends, shapes)]
 
 
 @jax.custom_vjp
@@ -578,10 +586,7 @@ class HostSummedStep:
                               check_vma=False)(sums)[0, 0]
         active = lora_lib.take_active(used_modules(lora, modules), batch.active)
         leaves, treedef = jax.tree.flatten(active)
-        shapes = [x.shape for x in leaves] + [(), batch.targets.shape, batch.tokens.shape,
-                                              (num_slots,), (num_slots,)]
-        ends = np.cumsum([math.prod(s) for s in shapes])
-        pieces = [total[e - math.prod(s):e].reshape(s) for e, s in zip(ends, shapes)]
+        pieces = _split(total, [x.shape for x in leaves] + list(_part_shapes(batch, num_slots)))
         grads = treedef.unflatten([p.astype(x.dtype) for p, x in zip(pieces, leaves)])
         acc, finite_A = _accumulate(acc, lora_lib.untake_active(grads), batch.active,
                                     modules)
