@@ -518,7 +518,8 @@ class HostSummedStep:
     or cp. The host adds the rows of its own devices (`local_sum`), and `finish`(acc, lora,
     sums, batch) adds the processes' sums over a (process, local device) view of the mesh —
     an all-reduce of one device per process — and accumulates as forward_backward does.
-    Dense models without a custom loss only (folds_outputs).
+    `forward` is make_forward's step the same way (the output parts only). Dense models
+    without a custom loss only (folds_outputs).
     """
 
     def __init__(self, cfg: QwenConfig, mesh, step_cfg: StepConfig, remats=(True, False)):
@@ -532,8 +533,18 @@ class HostSummedStep:
                          for r in remats}
         self.finish = jax.jit(self._finish, static_argnames=("num_slots", "modules"),
                               donate_argnums=(0,))
+        self._forward_partials = self._make_partials(step_cfg, backward=False)
+        self._forward_finish = jax.jit(self._finish_forward, static_argnames=("num_slots",))
 
-    def _make_partials(self, step_cfg: StepConfig):
+    def forward(self, lora, params, slot_meta, batch, loss_cfg, *, loss_fns, num_slots,
+                modules=None):
+        """make_forward's (loss, out), the outputs summed on the host."""
+        local = self.local_sum(self._forward_partials(
+            lora, params, slot_meta, batch, loss_cfg, loss_fns=loss_fns, num_slots=num_slots,
+            modules=modules))
+        return self._forward_finish(self.sums(local), batch, num_slots=num_slots)
+
+    def _make_partials(self, step_cfg: StepConfig, backward: bool = True):
         cfg, mesh = self.cfg, self.mesh
 
         @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots", "modules"),
@@ -547,11 +558,14 @@ class HostSummedStep:
                     return _stream_loss(cfg, step_cfg, loss_fns, num_slots, active, params,
                                         slot_meta, b, loss_cfg, summed=False)
 
-                # Varying over dp and cp, so that nothing sums the gradient over them (tp:
-                # the layers' custom VJPs keep the adapters' own tp type).
-                active = jax.tree.map(lambda x: mesh_lib.vary(x, BATCH_AXES), active)
-                loss, vjp, parts = jax.vjp(local, active, has_aux=True)
-                (grads,) = vjp(jnp.ones_like(loss))
+                if backward:
+                    # Varying over dp and cp, so that nothing sums the gradient over them
+                    # (tp: the layers' custom VJPs keep the adapters' own tp type).
+                    active = jax.tree.map(lambda x: mesh_lib.vary(x, BATCH_AXES), active)
+                    loss, vjp, parts = jax.vjp(local, active, has_aux=True)
+                    (grads,) = vjp(jnp.ones_like(loss))
+                else:
+                    grads, parts = {}, local(active)[1]
                 flat = [mesh_lib.vary(x, mesh_lib.AXES).astype(jnp.float32).reshape(-1)
                         for x in jax.tree.leaves(grads) + list(parts)]
                 return jnp.concatenate(flat)[None, None, None]
@@ -580,10 +594,19 @@ class HostSummedStep:
         return jax.make_array_from_callback(shape, self.sums_sharding,
                                             lambda idx: local[None, None])
 
+    def _total(self, sums):
+        """[V]: the processes' sums added (an all-reduce of each local device with its
+        partners in the other processes)."""
+        return jax.shard_map(lambda s: jax.lax.psum(s, "proc"), mesh=self.view,
+                             in_specs=P("proc", "local"), out_specs=P(),
+                             check_vma=False)(sums)[0, 0]
+
+    def _finish_forward(self, sums, batch, *, num_slots):
+        return losses_lib.shard_outputs(_split(self._total(sums),
+                                               _part_shapes(batch, num_slots)))
+
     def _finish(self, acc, lora, sums, batch, *, num_slots, modules=None):
-        total = jax.shard_map(lambda s: jax.lax.psum(s, "proc"), mesh=self.view,
-                              in_specs=P("proc", "local"), out_specs=P(),
-                              check_vma=False)(sums)[0, 0]
+        total = self._total(sums)
         active = lora_lib.take_active(used_modules(lora, modules), batch.active)
         leaves, treedef = jax.tree.flatten(active)
         pieces = _split(total, [x.shape for x in leaves] + list(_part_shapes(batch, num_slots)))

@@ -212,10 +212,10 @@ class Trainer:
             if remat in (r, "auto")}
         self._remat_budget = remat_budget_bytes
         self.sums_on_host = train_step.sums_on_host(mesh)
-        """Whether forward_backward (dense models, Tinker losses) sums the gradient over
-        each process's devices on the host, between two programs (train_step.HostSummedStep:
-        a multi-process XLA:CPU job with tp = 1, where every collective is TCP); settable
-        before the first forward_backward."""
+        """Whether forward_backward and forward (dense models, Tinker losses) sum the
+        gradient and outputs over each process's devices on the host, between two programs
+        (train_step.HostSummedStep: a multi-process XLA:CPU job with tp = 1, where every
+        collective is TCP); settable before the first call."""
         self._fb_programs: dict = {}
         self.remat_decisions: dict = {}
         """Per compiled forward_backward program, keyed (stream shape [DP, CP, S], active
@@ -456,6 +456,11 @@ class Trainer:
             kw = dict(loss_fns=pb.loss_fns, num_slots=pb.num_slots, custom=custom,
                       modules=modules)
             if accumulate is None:
+                if self.sums_on_host and train_step.folds_outputs(self.cfg, custom):
+                    return self._host_step.forward(self.state.weights, *args[:-1],
+                                                   loss_fns=pb.loss_fns,
+                                                   num_slots=pb.num_slots,
+                                                   modules=modules) + (None,)
                 return self._forward(self.state.weights, *args, **kw) + (None,)
             return accumulate(lambda acc: _split_first(
                 self._forward_backward(acc, self.state.weights, *args, **kw)))

@@ -111,8 +111,8 @@ def test_outputs_summed_with_the_gradient_are_the_forward_sums():
 
 def test_sums_on_host_match_the_all_reduce():
     """train_step.HostSummedStep (the gradient and outputs of each device summed on the host,
-    then over processes) against the one-program forward_backward, in one process over
-    8 devices: the same outputs and gradients up to the order of float32 sums, and no
+    then over processes) against the one-program forward_backward and forward, in one
+    process over 8 devices: the same outputs and gradients up to the order of float32 sums, and no
     all-reduce over dp or cp in its model program. It is chosen only for multi-process CPU
     meshes with tp = 1."""
     assert not train_step.sums_on_host(jcp.make_mesh(8, 1, 1))  # one process
@@ -131,8 +131,11 @@ def test_sums_on_host_match_the_all_reduce():
         tr.optim_step(a, jcp.AdamParams(learning_rate=1e-2))
         out = tr.forward_backward(data, "ppo", adapters=[a, b, a, b, a])
         (program,) = tr.forward_backward_programs.values()
-        runs.append((out, tr.gradients(a), tr.gradients(b), program))
-    (ref, ra, rb, one), (got, ga, gb, two) = runs
+        fwd = tr.forward(data, "ppo", adapters=[b, a, b, a, b])
+        # forward took the host sum's programs exactly where they were asked for.
+        assert (tr._host_step._forward_partials._cache_size() > 0) == on_host
+        runs.append((out, tr.gradients(a), tr.gradients(b), program, fwd))
+    (ref, ra, rb, one, ref_fwd), (got, ga, gb, two, got_fwd) = runs
     assert isinstance(two, train_step.HostSummedProgram) and not isinstance(
         one, train_step.HostSummedProgram)
     assert _all_reduce_operands(one.as_text()) > 0
@@ -140,10 +143,14 @@ def test_sums_on_host_match_the_all_reduce():
     assert ref.metrics["clipped_tokens:sum"] > 0
     assert ref.metrics["clipped_tokens:sum"] == got.metrics["clipped_tokens:sum"]
     np.testing.assert_allclose(got.metrics["loss:sum"], ref.metrics["loss:sum"], rtol=1e-6)
-    for x, y in zip(got.loss_fn_outputs, ref.loss_fn_outputs):
+    for x, y in zip(got.loss_fn_outputs + got_fwd.loss_fn_outputs,
+                    ref.loss_fn_outputs + ref_fwd.loss_fn_outputs):
         assert x.keys() == y.keys()
         for k in x:
             np.testing.assert_allclose(x[k], y[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert ref_fwd.metrics["clipped_tokens:sum"] == got_fwd.metrics["clipped_tokens:sum"]
+    np.testing.assert_allclose(got_fwd.metrics["loss:sum"], ref_fwd.metrics["loss:sum"],
+                               rtol=1e-6)
     for g, want in ((ga, ra), (gb, rb)):
         assert any(np.abs(v).max() > 0 for v in want.values())
         for k in want:

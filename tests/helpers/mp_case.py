@@ -13,7 +13,7 @@ MESH = (4, 2, 1)
 def run(ckpt_dir: str) -> dict:
     """Mesh MESH over every device (tp = 1: over 2 processes, forward_backward sums on the
     host, train_step.HostSummedStep; test_serve_multiprocess's jobs cover tp = 2); two
-    adapters, ppo, an optim_step, a save_state.
+    adapters, ppo, an optim_step, a forward, a save_state.
 
     Returns flat NumPy results: per-datum outputs, gradients, post-step weights, the weights
     read back from the saved checkpoint, and whether the Trainer summed on the host.
@@ -38,6 +38,10 @@ def run(ckpt_dir: str) -> dict:
         res[f"loss_{i}"] = o["elementwise_loss"]
         res[f"sum_{i}"] = np.float64(o["loss:sum"])
     res["metric_loss"] = np.float64(out.metrics["loss:sum"])
+    fwd = tr.forward(data, "ppo", adapters=[b, a, b, a, b])
+    for i, o in enumerate(fwd.loss_fn_outputs):
+        res[f"forward_logprobs_{i}"] = o["logprobs"]
+        res[f"forward_sum_{i}"] = np.float64(o["loss:sum"])
     for name, g in (("a", tr.gradients(a)), ("b", tr.gradients(b))):
         for k, v in g.items():
             res[f"grad_{name}_{k}"] = v
