@@ -12,6 +12,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 import jcp
 from helpers import mp_case
@@ -132,6 +133,14 @@ def test_sums_on_host_match_the_all_reduce():
         out = tr.forward_backward(data, "ppo", adapters=[a, b, a, b, a])
         (program,) = tr.forward_backward_programs.values()
         fwd = tr.forward(data, "ppo", adapters=[b, a, b, a, b])
+        # A refused call (a loss not finite in float32) leaves the accumulators as they were.
+        kept = tr.gradients(a)
+        bad = jcp.Datum(data[0].model_input, {**data[0].loss_fn_inputs,
+                                              "advantages": np.full(37, 1e38)})
+        with pytest.raises(jcp.InputError, match="datum 0"):
+            tr.forward_backward([bad] + data[1:], "ppo", adapters=[a, b, a, b, a])
+        for k, v in tr.gradients(a).items():
+            np.testing.assert_array_equal(v, kept[k], err_msg=k)
         # forward took the host sum's programs exactly where they were asked for.
         assert (tr._host_step._forward_partials._cache_size() > 0) == on_host
         runs.append((out, tr.gradients(a), tr.gradients(b), program, fwd))

@@ -25,6 +25,21 @@ def assert_paths_match_dense(run, impl, args, seg):
             assert np.all(np.asarray(a)[~real] == 0.0), f"{path} d{which} at padding"
 
 
+def assert_padding_exact(run, impl, args, real):
+    """run(impl, *args) -> (out, (dq, dk, dv)): finite, exact zeros at padding rows (real
+    False) in the output and every gradient, non-zero gradients at real rows, and the output
+    equal to dense's. Returns (out, grads) for the caller's own checks."""
+    out, grads = run(impl, *args)
+    assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in grads)
+    assert np.all(out[~real] == 0.0)
+    for which, g in zip("qkv", grads):
+        assert np.all(g[~real] == 0.0), f"d{which} at padding rows"
+        assert np.abs(g[real]).max() > 0, f"d{which} at real rows"
+    out_d, _ = run("dense", *args)
+    np.testing.assert_allclose(out, out_d, rtol=0, atol=1e-5 * np.abs(out_d).max())
+    return out, grads
+
+
 def assert_trainer_matches_blockwise(tmp_path, monkeypatch, module, impl, **trainer_kw):
     """A Trainer.forward_backward at cp = 2 with attn_impl `impl` (whose kernels are
     module._forward / module._backward) gives blockwise's log-probs and LoRA gradients;
