@@ -24,14 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 from test_pallas_attention import zigzag_layout
 
 import jcp
 from helpers import kernel_checks as KC
 from helpers import trainer_harness as TH
 from jcp import attention
-from jcp import mesh as mesh_lib
 from jcp.attention import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler: 'cpu' "
@@ -216,30 +214,11 @@ def test_bfloat16_runs_in_fp32():
 # ----------------------------------------------------------------------------------------
 # 3. Inside shard_map: cp_attention (all-gather), the ring, and the Trainer
 
-ROWS, HEADS = P(mesh_lib.CP, None), P(mesh_lib.CP, None, None, None)
-
 
 @functools.lru_cache(maxsize=None)
 def sharded(impl, path):
-    """jit of (q, k, v, seg, pos, cot) [CP, S, …] -> (out, d/d(q, k, v)) at mesh (1, 2, 1)."""
-
-    def inner(q, k, v, seg, pos):
-        if path == "ring":
-            out = attention.ring_attention(q[0], k[0], v[0], seg[0], pos[0], block=32,
-                                           implementation=impl)
-        else:
-            out = attention.cp_attention(q[0], k[0], v[0], seg[0], pos[0],
-                                         implementation=impl, block=32)
-        return out[None]
-
-    f = jax.shard_map(inner, mesh=jcp.make_mesh(1, 2, 1), in_specs=(HEADS,) * 3 + (ROWS,) * 2,
-                      out_specs=HEADS)
-
-    def run(q, k, v, seg, pos, cot):
-        out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, seg, pos), q, k, v)
-        return out, vjp(cot)
-
-    return jax.jit(run)
+    """KC.sharded at this file's block."""
+    return KC.sharded(impl, path, 32)
 
 
 def test_cp_attention_and_ring_in_shard_map():

@@ -206,29 +206,12 @@ def test_padding_exact_zeros_and_one_token_datums():
 # ----------------------------------------------------------------------------------------
 # 3. Inside shard_map: cp_attention (all-gather), the ring, and the Trainer
 
-ROWS, HEADS = P(mesh_lib.CP, None), P(mesh_lib.CP, None, None, None)
+ROWS = KC.ROWS  # the per-cp-rank layout of seg / pos
 
 
 def sharded(impl, path):
-    """jit of (q, k, v, seg, pos, cot) [CP, S, …] -> (out, d/d(q, k, v)) at mesh (1, 2, 1)."""
-
-    def inner(q, k, v, seg, pos):
-        if path == "ring":
-            out = attention.ring_attention(q[0], k[0], v[0], seg[0], pos[0], block=BLOCK,
-                                           implementation=impl)
-        else:
-            out = attention.cp_attention(q[0], k[0], v[0], seg[0], pos[0],
-                                         implementation=impl, block=BLOCK)
-        return out[None]
-
-    f = jax.shard_map(inner, mesh=jcp.make_mesh(1, 2, 1), in_specs=(HEADS,) * 3 + (ROWS,) * 2,
-                      out_specs=HEADS)
-
-    def run(q, k, v, seg, pos, cot):
-        out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, seg, pos), q, k, v)
-        return out, vjp(cot)
-
-    return jax.jit(run)
+    """KC.sharded at this file's block."""
+    return KC.sharded(impl, path, BLOCK)
 
 
 sharded_fn = functools.lru_cache(maxsize=None)(sharded)

@@ -3,10 +3,39 @@ inside shard_map against the dense reference, and a whole Trainer step against b
 
 from __future__ import annotations
 
+import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import jcp
 from helpers import trainer_harness as TH
+from jcp import attention
+from jcp import mesh as mesh_lib
+
+ROWS, HEADS = P(mesh_lib.CP, None), P(mesh_lib.CP, None, None, None)
+
+
+def sharded(impl, path, block):
+    """jit of (q, k, v, seg, pos, cot) [CP, S, …] -> (out, d/d(q, k, v)) at mesh (1, 2, 1),
+    through cp_attention (path "gather") or ring_attention ("ring") with `impl`."""
+
+    def inner(q, k, v, seg, pos):
+        if path == "ring":
+            out = attention.ring_attention(q[0], k[0], v[0], seg[0], pos[0], block=block,
+                                           implementation=impl)
+        else:
+            out = attention.cp_attention(q[0], k[0], v[0], seg[0], pos[0],
+                                         implementation=impl, block=block)
+        return out[None]
+
+    f = jax.shard_map(inner, mesh=jcp.make_mesh(1, 2, 1), in_specs=(HEADS,) * 3 + (ROWS,) * 2,
+                      out_specs=HEADS)
+
+    def run(q, k, v, seg, pos, cot):
+        out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, seg, pos), q, k, v)
+        return out, vjp(cot)
+
+    return jax.jit(run)
 
 
 def assert_paths_match_dense(run, impl, args, seg):
