@@ -190,14 +190,7 @@ def test_padding_exact_zeros_and_contents_never_leak():
     assert not real.all() and not (seg[3] >= 0).all()
     q, k, v, cot = random_qkv(256, 256, 4, 2, seed=9)
     args = (q, k, v, seg_t, pos_t, seg_t, pos_t, cot)
-    out, grads = KC.assert_padding_exact(run, "cpu", args, real)
-    big = [x.copy() for x in (q, k, v)]
-    for x in big:
-        x[~real] = 1e3 * np.sign(x[~real])
-    out_big, grads_big = run("cpu", *big, seg_t, pos_t, seg_t, pos_t, cot)
-    np.testing.assert_array_equal(out_big[real], out[real])
-    for g, gb in zip(grads, grads_big):
-        np.testing.assert_array_equal(gb[real], g[real])
+    KC.assert_padding_exact(run, "cpu", args, real)
 
 
 def test_bfloat16_runs_in_fp32():

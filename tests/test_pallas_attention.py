@@ -188,19 +188,11 @@ def test_padding_exact_zeros_and_one_token_datums():
     real = seg_t >= 0
     q, k, v, cot = random_qkv(128, 128, 4, 2, seed=9)
     args = (q, k, v, seg_t, pos_t, seg_t, pos_t, cot)
-    out, grads = KC.assert_padding_exact(run, "pallas", args, real)
+    out, _ = KC.assert_padding_exact(run, "pallas", args, real)
     # A one-token datum attends only to itself: its output is its own value row.
     for slot in (0, 2):
         (r,) = np.flatnonzero(seg_t == slot)
         np.testing.assert_allclose(out[r], np.repeat(v[r], 2, axis=0), rtol=0, atol=1e-6)
-    # The padding rows' contents never reach a real token.
-    big = [x.copy() for x in (q, k, v)]
-    for x in big:
-        x[~real] = 1e3 * np.sign(x[~real])
-    out_big, grads_big = run("pallas", *big, seg_t, pos_t, seg_t, pos_t, cot)
-    np.testing.assert_array_equal(out_big[real], out[real])
-    for g, gb in zip(grads, grads_big):
-        np.testing.assert_array_equal(gb[real], g[real])
 
 
 # ----------------------------------------------------------------------------------------

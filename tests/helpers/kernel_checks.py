@@ -55,9 +55,11 @@ def assert_paths_match_dense(run, impl, args, seg):
 
 
 def assert_padding_exact(run, impl, args, real):
-    """run(impl, *args) -> (out, (dq, dk, dv)): finite, exact zeros at padding rows (real
-    False) in the output and every gradient, non-zero gradients at real rows, and the output
-    equal to dense's. Returns (out, grads) for the caller's own checks."""
+    """run(impl, *args) -> (out, (dq, dk, dv)), args (q, k, v, …): finite, exact zeros at
+    padding rows (real False) in the output and every gradient, non-zero gradients at real
+    rows, the output equal to dense's, and the padding rows' contents never reaching a real
+    row (q, k, v made huge there change no real row's output or gradient by a bit).
+    Returns (out, grads) for the caller's own checks."""
     out, grads = run(impl, *args)
     assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in grads)
     assert np.all(out[~real] == 0.0)
@@ -66,6 +68,13 @@ def assert_padding_exact(run, impl, args, real):
         assert np.abs(g[real]).max() > 0, f"d{which} at real rows"
     out_d, _ = run("dense", *args)
     np.testing.assert_allclose(out, out_d, rtol=0, atol=1e-5 * np.abs(out_d).max())
+    big = [np.array(x, copy=True) for x in args[:3]]
+    for x in big:
+        x[~real] = 1e3 * np.sign(x[~real])
+    out_big, grads_big = run(impl, *big, *args[3:])
+    np.testing.assert_array_equal(out_big[real], out[real])
+    for g, gb in zip(grads, grads_big):
+        np.testing.assert_array_equal(gb[real], g[real])
     return out, grads
 
 
