@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_pallas_attention import zigzag_layout
+from test_pallas_attention import H, random_qkv, zigzag_layout
 
 import jcp
 from helpers import kernel_checks as KC
@@ -35,16 +35,7 @@ from jcp.attention import cpu
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler: 'cpu' "
                                 "attention unavailable")
 
-H = 16
 TILE = 64  # the kernels' tile rows (cpu_flash.cc BQ = BK)
-
-
-def random_qkv(s_len, t_len, q_heads, kv_heads, seed, dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((s_len, q_heads, H)).astype(dtype),
-            rng.standard_normal((t_len, kv_heads, H)).astype(dtype),
-            rng.standard_normal((t_len, kv_heads, H)).astype(dtype),
-            rng.standard_normal((s_len, q_heads, H)).astype(np.float32))
 
 
 def _cpu(q, k, v, seg_q, pos_q, seg_k, pos_k):
