@@ -259,3 +259,15 @@ def test_bf16_layer_scan_holds_no_f32_weight_stack():
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         assert np.abs(np.asarray(a, np.float32)).max() > 0
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_hybrid_model_refuses_unrolled_layer_slices():
+    """A hybrid model's layers are not a uniform stack, so layer_slices' unrolled path would
+    run its Gated DeltaNet layers as dense attention: refused before any computation."""
+    from jcp import model as model_lib
+    cfg = jcp.QwenConfig.tiny_qwen3_5()
+    params = model_lib.random_params(cfg)
+    slices = model_lib.layer_slices(cfg, params)
+    tokens = np.zeros(4, np.int32)
+    with pytest.raises(NotImplementedError, match="hybrid"):
+        model_lib.hidden_states(cfg, params, tokens, np.arange(4), attend=None, layers=slices)

@@ -390,6 +390,8 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
     delta_rule.Recurrent stacked [Ll, …]; its result likewise. unroll: unroll the layer
     scans of a dense or MoE model (scan_layers).
     """
+    if layers is not None and cfg.is_hybrid:
+        raise NotImplementedError("unrolled layer slices of a hybrid model")
     dtype = jnp.dtype(cfg.dtype)
     h = embed(params["embed"], tokens_S).astype(dtype)
     layer_lora, expert_lora = _split_lora(lora)
@@ -422,8 +424,6 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
         return finish(h, attn_state, records)
 
     if cfg.is_hybrid:
-        if layers is not None:
-            raise NotImplementedError("unrolled layer slices of a hybrid model")
         return _hybrid_hidden(cfg, params, h, position_S, attend, mix, layer_lora, route,
                               moe_block if cfg.is_moe else mlp, remat, finish, expert_lora,
                               count_S is not None, attn_state, rot)
