@@ -198,9 +198,21 @@ class Server:
         self.engine.stop()
 
 
+def require_server_packages() -> None:
+    """CliError naming the [serve] extra when the server's packages are not installed
+    (`pip install jcp` installs the library only)."""
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "zstandard", "google.protobuf", "pyrage")
+               if importlib.util.find_spec(m.split(".")[0]) is None]
+    if missing:
+        raise CliError(f"jcp-serve needs {', '.join(missing)}: pip install 'jcp[serve]'")
+
+
 def main(argv=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
+        require_server_packages()
         from jcp.server.state import read_api_keys
 
         keys = None

@@ -343,3 +343,18 @@ def test_shared_parser_and_mesh_flag_raise_cli_errors():
     for bad, pattern in (("1,x,2", "integers"), ("1,2", "three"), ("1,0,2", "positive")):
         with pytest.raises(CliError, match=pattern):
             parse_mesh(bad)
+
+
+def test_serve_without_the_server_extra_names_it(monkeypatch, capsys):
+    """`pip install jcp` installs the library only: jcp-serve then says which extra it needs
+    (one line, exit 2) instead of an ImportError's traceback."""
+    import importlib.util
+
+    from jcp import serve
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "fastapi" else real(name, *a))
+    assert serve.main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["jcp-serve: error: jcp-serve needs fastapi: pip install 'jcp[serve]'"]
