@@ -30,8 +30,8 @@ a user's run in ways that change no program's meaning:
   the folder through the environment) is loaded instead of compiled. JCP_TEST_COMPILE_CACHE=0
   turns it off.
 
-And the two workers of `-n 2 --dist loadfile` get the modules longest first (FILE_SECONDS
-below). xdist's own order is by number of tests, which handed out the few-test but long
+And the two workers of `-n 2 --dist loadfile` get the modules longest first
+(tests/durations.json). xdist's own order is by number of tests, which handed out the few-test but long
 modules (the 2-process jobs, the benchmark smoke) last, so one worker was still in them
 (their child processes contending with it) after the other had run dry. Each worker takes
 the next module when its current one is nearly done, so longest-first ends the two
@@ -40,6 +40,7 @@ workers within about one short module of each other.
 
 import atexit
 import gc
+import json
 import os
 import shutil
 import sys
@@ -72,28 +73,13 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 HELPERS = os.path.join(TESTS, "helpers")
 
 
-# About how many CPU seconds each module's tests take (the test process and its children:
-# jcp-train, jcp-serve, the 2-process jobs), measured per test with
-# tests/helpers/timing_plugin.py in one `-n 2 --dist loadfile` run; test_serve_multiprocess.py
-# counts its wall time (2 minutes, mostly waiting on its jobs) so that it starts early.
-# Modules not listed are short and run last, in name order. Only the order depends on
-# these: refresh them when a module grows or shrinks a lot, from the plugin's per-module
-# sums or from a quiet run's per-module totals of --durations (wall seconds):
-#   python -m pytest -q -n 2 --dist loadfile --durations=0 | grep -E "s (call|setup|teardown) " |
-#     awk '{split($3, a, "::"); t[a[1]] += $1} END {for (f in t) print t[f], f}' | sort -rn
-FILE_SECONDS = {
-    "test_qwen3_5.py": 170, "test_moe_lora.py": 130, "test_engine.py": 125,
-    "test_serve_multiprocess.py": 125, "test_trainer.py": 70, "test_cli.py": 70,
-    "test_sampling.py": 70, "test_reliability.py": 60, "test_custom_server.py": 60,
-    "test_losses.py": 50, "test_qwen3_5_moe.py": 50, "test_moe_metrics.py": 45,
-    "test_checkpoint_faults.py": 40, "test_benchmarks.py": 35, "test_multiprocess.py": 40,
-    "test_model.py": 30, "test_moe.py": 30, "test_delta_rule.py": 30,
-    "test_server_sampling.py": 30, "test_server.py": 25, "test_checkpoint.py": 25,
-    "test_pallas_attention.py": 20, "test_server_lifecycle.py": 20,
-    "test_mixed_losses.py": 15, "test_sample_fields.py": 15, "test_cookbook.py": 15,
-    "test_attention.py": 15, "test_trainer_config.py": 15, "test_peft.py": 10,
-    "test_server_limits.py": 10, "test_structure.py": 10, "test_topk_targets.py": 10,
-}
+# How long each module's tests take (CPU seconds of the test process and its children, or
+# wall seconds where a module mostly waits on its child processes), measured in one
+# `-n 2 --dist loadfile` run with tests/helpers/timing_plugin.py, which also writes this
+# file (its docstring says how). Only the order depends on it: modules not listed count as
+# 0 and run last, in name order.
+with open(os.path.join(TESTS, "durations.json")) as _f:
+    MODULE_SECONDS: dict[str, float] = json.load(_f)
 
 
 def pytest_configure(config):
@@ -104,7 +90,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     def seconds(item):
-        return FILE_SECONDS.get(os.path.basename(str(item.path)), 0.0)
+        return MODULE_SECONDS.get(os.path.relpath(str(item.path), TESTS), 0.0)
 
     items.sort(key=lambda item: -seconds(item))  # stable: a module's tests keep their order
 

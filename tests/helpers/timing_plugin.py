@@ -6,7 +6,12 @@
 appends one JSON line per test to /tmp/t.<worker>.jsonl: wall seconds, CPU seconds of the
 test process and of its waited-for children (jcp-train, jcp-serve, the 2-process jobs),
 and every XLA compile (module name, wall s, CPU s, whether the persistent cache had it).
-Sum "cpu" + "child_cpu" per module to refresh conftest.FILE_SECONDS.
+
+    python tests/helpers/timing_plugin.py /tmp/t.*.jsonl > tests/durations.json
+
+sums them per module into the table that orders the modules (tests/conftest.py): CPU
+seconds of the test process and its children, or the wall time where a module mostly
+waits on its child processes (more wall than CPU).
 """
 
 import json
@@ -68,3 +73,24 @@ def pytest_runtest_protocol(item, nextitem):
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         with open(f"{out}.{worker}.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
+
+
+def module_seconds(lines) -> dict[str, float]:
+    """{test module path relative to tests/: seconds} from the plugin's JSON lines: per
+    module the larger of its wall time and its CPU seconds (test process + children)."""
+    wall: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    for line in lines:
+        rec = json.loads(line)
+        path = rec["id"].split("::")[0]
+        path = path[len("tests/"):] if path.startswith("tests/") else path
+        wall[path] = wall.get(path, 0.0) + rec["wall"]
+        cpu[path] = cpu.get(path, 0.0) + rec["cpu"] + rec["child_cpu"]
+    return {m: round(max(wall[m], cpu[m]), 1) for m in sorted(wall)}
+
+
+if __name__ == "__main__":
+    import sys
+
+    lines = [ln for name in sys.argv[1:] for ln in open(name) if ln.strip()]
+    print(json.dumps(module_seconds(lines), indent=1, sort_keys=True))
