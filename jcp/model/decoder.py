@@ -434,7 +434,7 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
     # MoE and dense layers have different MLP weights, so each run of same-kind layers is
     # its own scan over its slice of the stacks (one scan when every layer is MoE).
     states, records = [], []
-    for is_moe, start, end, first in moe_lib.layer_runs(cfg):
+    for is_moe, start, end, first in kind_runs(cfg.moe_layers):
         cut = lambda t, a=start, b=end: jax.tree.map(lambda x: x[a:b], t)
         cut_kind = lambda t, a=first, n=end - start: jax.tree.map(lambda x: x[a:a + n], t)
         mlp_w = cut_kind(params["moe_mlp" if is_moe else "dense_mlp"])

@@ -18,27 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcp.config import QwenConfig
-
 # Rows per tile of the CPU grouped matmul (see grouped_matmul).
 TILE = 64
-
-
-def layer_runs(cfg: QwenConfig) -> tuple[tuple[bool, int, int, int], ...]:
-    """Maximal runs of consecutive layers of one kind: (is_moe, start, end, first) with
-    layers [start, end) and `first` their index among the layers of that kind.
-
-    Each run is one lax.scan. Example: mlp_only_layers=(0,), 4 layers ->
-    ((False, 0, 1, 0), (True, 1, 4, 0)).
-    """
-    runs, seen = [], {False: 0, True: 0}
-    for i, kind in enumerate(cfg.moe_layers):
-        if runs and runs[-1][0] == kind:
-            runs[-1][2] = i + 1
-        else:
-            runs.append([kind, i, i + 1, seen[kind]])
-        seen[kind] += 1
-    return tuple(tuple(r) for r in runs)
 
 
 def router_probs(x_SxD, router_DxE):

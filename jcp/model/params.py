@@ -51,7 +51,7 @@ def param_shapes(cfg: QwenConfig) -> dict:
     out = {"embed": (v, d), "final_norm": (d,), "layers": layers}
     if cfg.is_moe:
         # MLP weights stacked per kind of layer (layers[i] keeps attention and norms);
-        # hidden_states scans each run of same-kind layers (moe.layer_runs).
+        # hidden_states scans each run of same-kind layers (decoder.kind_runs).
         dense = {m: layers.pop(m) for m in ("gate_proj", "up_proj", "down_proj")}
         lm, ld = sum(cfg.moe_layers), L - sum(cfg.moe_layers)
         if ld:
