@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jcp import lora as lora_lib
-from jcp import train_step
+from jcp import optim
 from jcp.errors import InputError
 from jcp.config import QwenConfig
 from jcp.mesh import host, replicate
@@ -156,7 +156,7 @@ class AdapterState:
             donate_argnums=(0,), out_shardings=self._shardings)
         self._read = jax.jit(lambda tree, slot: jax.tree.map(lambda x: x[slot], tree),
                              out_shardings=rep)
-        self._optim_step = train_step.make_optim_step(mesh)
+        self._optim_step = optim.make_optim_step(mesh)
 
         @functools.partial(jax.jit, static_argnames=("rank", "targets", "expert_lora"))
         def export(weights, mu, nu, count, slot, *, rank, targets, expert_lora):
@@ -329,7 +329,7 @@ class AdapterState:
         """
         (self._weights, self._grads, opt, metrics) = self._optim_step(
             self._weights, self._grads,
-            train_step.OptState(mu=self._mu, nu=self._nu, count=self._count),
+            optim.OptState(mu=self._mu, nu=self._nu, count=self._count),
             self._replicated(np.asarray(slot, np.int32)), self._replicated(hp_6))
         self._mu, self._nu, self._count = opt.mu, opt.nu, opt.count
         self._versions[slot] += 1

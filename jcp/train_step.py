@@ -1,7 +1,7 @@
-"""The jitted pure steps: forward, forward_backward and optim_step.
+"""The jitted pure steps: forward and forward_backward.
 
-Owns the one shard_map over (dp, cp, tp) that runs model + losses, the gradient taken
-outside it w.r.t. the active adapter slots only, and the per-slot AdamW update. It must
+Owns the one shard_map over (dp, cp, tp) that runs model + losses and the gradient taken
+outside it w.r.t. the active adapter slots only (AdamW is jcp.optim's). It must
 never differentiate base weights, never psum a gradient beyond the one sum over dp and cp
 that the replicated adapters' transpose makes (vary_on_entry; or, in a multi-process CPU
 job, HostSummedStep's sum of each process's devices on the host and of the processes' sums
@@ -19,7 +19,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -645,78 +644,3 @@ class HostSummedProgram:
 
     def memory_analysis(self):
         return self.partials.memory_analysis()
-
-
-# ----------------------------------------------------------------------------------------
-# AdamW on one slot
-
-
-@dataclasses.dataclass(frozen=True)
-class OptState:
-    """AdamW state of every slot: moments like the slots, step count per slot [G]."""
-
-    mu: dict
-    nu: dict
-    count: jax.Array
-
-
-jax.tree_util.register_dataclass(OptState, data_fields=["mu", "nu", "count"], meta_fields=[])
-
-
-def _finite(tree) -> jax.Array:
-    """True iff every entry of every leaf is finite."""
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
-def _norm(tree) -> jax.Array:
-    """Global L2 norm; where Σ g² overflows float32 although every g is finite, the norm
-    is taken with the entries scaled by the largest one, so it stays finite."""
-    plain = optax.tree.norm(tree)
-    big = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in jax.tree.leaves(tree)]))
-    safe = jnp.where((big > 0) & jnp.isfinite(big), big, 1.0)
-    sq = sum(jnp.sum(jnp.square(x / safe)) for x in jax.tree.leaves(tree))
-    return jnp.where(jnp.isfinite(plain) | ~jnp.isfinite(big), plain, safe * jnp.sqrt(sq))
-
-
-def make_optim_step(mesh):
-    """jit(step)(lora, acc, opt, slot, hp) -> (lora, acc, opt, metrics) for one slot.
-
-    hp: float32 [6] = (learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm).
-    AdamW (optax.scale_by_adam, bias-corrected by the slot's own count, decoupled weight
-    decay); grad_clip_norm > 0 clips the slot's global gradient norm. The slot's
-    accumulator is zeroed. Every other slot is left bit-identical (only `.at[slot].set`).
-    Nothing non-finite is ever applied: unless the gradient and the new weights and moments
-    are all finite, the slot's weights, moments and count are written back unchanged
-    (metrics grad_finite / applied say which).
-    """
-    replicated = NamedSharding(mesh, P())
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-    def optim_step(lora, acc, opt: OptState, slot, hp):
-        lr, b1, b2, eps, wd, clip = (hp[i] for i in range(6))
-        take = lambda t: jax.tree.map(lambda x: x[slot], t)  # noqa: E731
-        params, grads = take(lora), take(acc)
-        grad_finite = _finite(grads)
-        grad_norm = _norm(grads)
-        factor = jnp.where((clip > 0) & (grad_norm > clip), clip / grad_norm, 1.0)
-        grads = jax.tree.map(lambda g: g * factor, grads)
-        adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
-        old = optax.ScaleByAdamState(count=opt.count[slot], mu=take(opt.mu), nu=take(opt.nu))
-        updates, state = adam.update(grads, old, params)
-        new_params = jax.tree.map(lambda p, u: p - lr * (u + wd * p), params, updates)
-        applied = grad_finite & _finite((new_params, state.mu, state.nu))
-        keep = lambda new, prev: jax.tree.map(  # noqa: E731
-            lambda n, o: jnp.where(applied, n, o), new, prev)
-        new_params, state = keep(new_params, params), keep(state, old)
-
-        put = lambda t, v: jax.tree.map(lambda x, y: x.at[slot].set(y.astype(x.dtype)), t, v)  # noqa: E731
-        lora = put(lora, new_params)
-        acc = jax.tree.map(lambda x: x.at[slot].set(jnp.zeros_like(x[slot])), acc)
-        opt = OptState(mu=put(opt.mu, state.mu), nu=put(opt.nu, state.nu),
-                       count=opt.count.at[slot].set(state.count))
-        metrics = {"grad_norm": grad_norm, "learning_rate": lr, "step": state.count,
-                   "grad_finite": grad_finite, "applied": applied}
-        metrics = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), metrics)
-        return lora, acc, opt, metrics
-
-    return optim_step
