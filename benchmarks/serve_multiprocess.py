@@ -68,7 +68,7 @@ DATUMS, TOKENS, RANK = 8, 512, 8
 # processes each train on a mesh of their own devices ("local").
 PARTS = ("job", "independent", "local")
 # The programs of one training step: forward_backward, or its two programs where the
-# Trainer sums on the host (train_step.HostSummedStep), and optim_step.
+# Trainer sums on the host (host_sum.HostSummedStep), and optim_step.
 PROGRAMS = ("forward_backward", "partials", "_finish", "optim_step")
 
 

@@ -4,7 +4,7 @@ Owns the one shard_map over (dp, cp, tp) that runs model + losses and the gradie
 outside it w.r.t. the active adapter slots only (AdamW is jcp.optim's). It must
 never differentiate base weights, never psum a gradient beyond the one sum over dp and cp
 that the replicated adapters' transpose makes (vary_on_entry; or, in a multi-process CPU
-job, HostSummedStep's sum of each process's devices on the host and of the processes' sums
+job, host_sum.HostSummedStep's sum of each process's devices on the host and of the processes' sums
 after it), and never touch a slot other than the one being stepped.
 
 Shapes: see the legend in jcp/mesh.py.
@@ -197,7 +197,7 @@ def training_attend(cfg: QwenConfig, step_cfg: StepConfig, segment_S, position_S
                                    block=step_cfg.attn_block)
 
 
-def _stream_loss(cfg: QwenConfig, step_cfg: StepConfig, loss_fns: tuple[str, ...],
+def stream_loss(cfg: QwenConfig, step_cfg: StepConfig, loss_fns: tuple[str, ...],
                  num_slots: int, lora_active, params, slot_meta, b: Batch, loss_cfg, **kw):
     """model_loss of this device's row of the batch, inside the shard_map (kw: its
     keep_token_logprobs / summed)."""
@@ -221,7 +221,7 @@ def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tup
     """
 
     def shard(lora_active, params, slot_meta, b: Batch, loss_cfg):
-        loss, out = _stream_loss(cfg, step_cfg, loss_fns, num_slots, vary_on_entry(lora_active),
+        loss, out = stream_loss(cfg, step_cfg, loss_fns, num_slots, vary_on_entry(lora_active),
                                  params, slot_meta, b, loss_cfg,
                                  keep_token_logprobs=custom is not None)
         if custom is None:
@@ -268,11 +268,11 @@ def _folded_value_and_grad(cfg: QwenConfig, mesh, step_cfg: StepConfig,
     outputs and the backward's gradient). The gradient is that of the summed loss: each
     shard's loss is a [DP, CP] output whose cotangent is 1, as psum's transpose gives it.
     """
-    size = sum(math.prod(s) for s in _part_shapes(batch, num_slots))
+    size = sum(math.prod(s) for s in part_shapes(batch, num_slots))
 
     def shard(lora_active, sink, params, slot_meta, b: Batch, loss_cfg):
         lora_active, sink = vary_on_entry((lora_active, sink))
-        loss, parts = _stream_loss(cfg, step_cfg, loss_fns, num_slots, lora_active, params,
+        loss, parts = stream_loss(cfg, step_cfg, loss_fns, num_slots, lora_active, params,
                                    slot_meta, b, loss_cfg, summed=False)
         payload = jnp.concatenate([x.reshape(-1) for x in parts])
         return _emit(sink, loss, payload)[None, None]
@@ -286,16 +286,16 @@ def _folded_value_and_grad(cfg: QwenConfig, mesh, step_cfg: StepConfig,
 
     losses_DPxCP, vjp = jax.vjp(losses_of, lora_active, jnp.zeros(size, jnp.float32))
     grads, sums = vjp(jnp.ones_like(losses_DPxCP))
-    loss, out = losses_lib.shard_outputs(_split(sums, _part_shapes(batch, num_slots)))
+    loss, out = losses_lib.shard_outputs(split_parts(sums, part_shapes(batch, num_slots)))
     return grads, loss, out
 
 
-def _part_shapes(batch: Batch, num_slots: int) -> tuple:
+def part_shapes(batch: Batch, num_slots: int) -> tuple:
     """The global shapes of losses.shard_loss(summed=False)'s OUTPUT_PARTS."""
     return ((), batch.targets.shape, batch.tokens.shape, (num_slots,), (num_slots,))
 
 
-def _split(flat, shapes) -> list:
+def split_parts(flat, shapes) -> list:
     """A concatenated vector back into arrays of `shapes`, in order."""
     ends = np.cumsum([math.prod(s) for s in shapes])
     return [flat[e - math.prod(s):e].reshape(s) for e, s in zip(ends, shapes)]
@@ -466,13 +466,13 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig, fold: boo
                                                       batch, loss_cfg)
         else:
             (loss, out), grads = jax.value_and_grad(loss_of, has_aux=True)(active)
-        acc, finite_A = _accumulate(acc, lora_lib.untake_active(grads), batch.active, modules)
+        acc, finite_A = accumulate(acc, lora_lib.untake_active(grads), batch.active, modules)
         return acc, loss, out, finite_A
 
     return forward_backward
 
 
-def _accumulate(acc, grads, active_A, modules):
+def accumulate(acc, grads, active_A, modules):
     """(acc with `grads` of the A active slots added, finite_A: whether each active
     slot's gradient is finite)."""
     acc = {**acc, **jax.tree.map(lambda a, g: a.at[active_A].add(g),
@@ -481,166 +481,3 @@ def _accumulate(acc, grads, active_A, modules):
         jnp.all(jnp.isfinite(g), axis=tuple(range(1, g.ndim)))
         for g in jax.tree.leaves(grads)]), axis=0)
     return acc, finite_A
-
-
-# ----------------------------------------------------------------------------------------
-# forward_backward with the (dp, cp) sum taken on each host (multi-process XLA:CPU)
-
-
-def sums_on_host(mesh) -> bool:
-    """Whether forward_backward on `mesh` sums its gradient and outputs over each
-    process's devices on the host (HostSummedStep) rather than in the program's all-reduce.
-
-    In a multi-process job XLA:CPU runs every collective over gloo's TCP transport, also
-    among the devices of one process: the 8,1,1 step's one all-reduce of 117 KB cost
-    ~8 ms over 2 processes × 4 devices, a sum of the 4 local rows on the host plus a
-    2-device all-reduce ~3 ms (benchmarks/serve_multiprocess.py, issue 24). So: CPU devices
-    in more than one process, tp = 1 (with tp > 1 each tp rank holds its own slice of the
-    gradient), and each process's devices one contiguous, equal block of the mesh's device
-    order (jax.devices() order: what make_mesh gives)."""
-    if mesh.devices.flat[0].platform != "cpu" or mesh_lib.axis_size(mesh, TP) != 1:
-        return False
-    procs = [d.process_index for d in mesh.devices.flat]
-    n = len(set(procs))
-    return n > 1 and procs == sorted(procs) and all(
-        procs.count(p) == len(procs) // n for p in set(procs))
-
-
-class HostSummedStep:
-    """forward_backward in two programs with the sum over each process's devices on the
-    host between them (see sums_on_host); the same values as make_forward_backward's up to
-    the order of the float32 sums.
-
-    `partials[remat]`(lora, params, slot_meta, batch, loss_cfg) -> float32 [DP, CP, 1, V]:
-    each device's own gradient of its shard's loss w.r.t. the active slots and its shard's
-    output parts (shard_loss(summed=False)), one vector per device; no collective over dp
-    or cp. The host adds the rows of its own devices (`local_sum`), and `finish`(acc, lora,
-    sums, batch) adds the processes' sums over a (process, local device) view of the mesh —
-    an all-reduce of one device per process — and accumulates as forward_backward does.
-    `forward` is make_forward's step the same way (the output parts only). Dense models
-    without a custom loss only (folds_outputs).
-    """
-
-    def __init__(self, cfg: QwenConfig, mesh, step_cfg: StepConfig, remats=(True, False)):
-        self.cfg, self.mesh = cfg, mesh
-        nproc = len({d.process_index for d in mesh.devices.flat})
-        self.view = jax.sharding.Mesh(mesh.devices.reshape(nproc, -1), ("proc", "local"))
-        self.sums_sharding = NamedSharding(self.view, P("proc", "local"))
-        position = {d: i for i, d in enumerate(mesh.devices.flat)}
-        self._position = position.__getitem__
-        self.partials = {r: self._make_partials(dataclasses.replace(step_cfg, remat=r))
-                         for r in remats}
-        self.finish = jax.jit(self._finish, static_argnames=("num_slots", "modules"),
-                              donate_argnums=(0,))
-        self._forward_partials = self._make_partials(step_cfg, backward=False)
-        self._forward_finish = jax.jit(self._finish_forward, static_argnames=("num_slots",))
-
-    def forward(self, lora, params, slot_meta, batch, loss_cfg, *, loss_fns, num_slots,
-                modules=None):
-        """make_forward's (loss, out), the outputs summed on the host."""
-        local = self.local_sum(self._forward_partials(
-            lora, params, slot_meta, batch, loss_cfg, loss_fns=loss_fns, num_slots=num_slots,
-            modules=modules))
-        return self._forward_finish(self.sums(local), batch, num_slots=num_slots)
-
-    def _make_partials(self, step_cfg: StepConfig, backward: bool = True):
-        cfg, mesh = self.cfg, self.mesh
-
-        @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots", "modules"),
-                           compiler_options=compiler_options(mesh))
-        def partials(lora, params, slot_meta, batch, loss_cfg, *, loss_fns, num_slots,
-                     modules=None):
-            active = lora_lib.take_active(used_modules(lora, modules), batch.active)
-
-            def shard(active, params, slot_meta, b: Batch, loss_cfg):
-                def local(active):
-                    return _stream_loss(cfg, step_cfg, loss_fns, num_slots, active, params,
-                                        slot_meta, b, loss_cfg, summed=False)
-
-                if backward:
-                    # Varying over dp and cp, so that nothing sums the gradient over them
-                    # (tp: the layers' custom VJPs keep the adapters' own tp type).
-                    active = jax.tree.map(lambda x: mesh_lib.vary(x, BATCH_AXES), active)
-                    loss, vjp, parts = jax.vjp(local, active, has_aux=True)
-                    (grads,) = vjp(jnp.ones_like(loss))
-                else:
-                    grads, parts = {}, local(active)[1]
-                flat = [mesh_lib.vary(x, mesh_lib.AXES).astype(jnp.float32).reshape(-1)
-                        for x in jax.tree.leaves(grads) + list(parts)]
-                return jnp.concatenate(flat)[None, None, None]
-
-            in_specs = (lora_lib.slot_specs_active(cfg, active), model_lib.param_specs(cfg),
-                        SPECS.slot_G, batch_specs(), SPECS.replicated)
-            return jax.shard_map(shard, mesh=mesh, in_specs=in_specs,
-                                 out_specs=P(*mesh_lib.AXES))(
-                active, params, slot_meta, batch, loss_cfg)
-
-        return partials
-
-    def local_sum(self, partials) -> np.ndarray:
-        """float32 [V]: the rows of this process's devices added in the mesh's device
-        order."""
-        shards = sorted(partials.addressable_shards, key=lambda s: self._position(s.device))
-        total = np.array(shards[0].data, np.float32).reshape(-1)
-        for s in shards[1:]:
-            total += np.asarray(s.data).reshape(-1)
-        return total
-
-    def sums(self, local: np.ndarray) -> jax.Array:
-        """[processes, local devices, V] over the view, every local device holding
-        `local` (this process's sum)."""
-        shape = self.view.devices.shape + local.shape
-        return jax.make_array_from_callback(shape, self.sums_sharding,
-                                            lambda idx: local[None, None])
-
-    def _total(self, sums):
-        """[V]: the processes' sums added (an all-reduce of each local device with its
-        partners in the other processes)."""
-        return jax.shard_map(lambda s: jax.lax.psum(s, "proc"), mesh=self.view,
-                             in_specs=P("proc", "local"), out_specs=P(),
-                             check_vma=False)(sums)[0, 0]
-
-    def _finish_forward(self, sums, batch, *, num_slots):
-        return losses_lib.shard_outputs(_split(self._total(sums),
-                                               _part_shapes(batch, num_slots)))
-
-    def _finish(self, acc, lora, sums, batch, *, num_slots, modules=None):
-        total = self._total(sums)
-        active = lora_lib.take_active(used_modules(lora, modules), batch.active)
-        leaves, treedef = jax.tree.flatten(active)
-        pieces = _split(total, [x.shape for x in leaves] + list(_part_shapes(batch, num_slots)))
-        grads = treedef.unflatten([p.astype(x.dtype) for p, x in zip(pieces, leaves)])
-        acc, finite_A = _accumulate(acc, lora_lib.untake_active(grads), batch.active,
-                                    modules)
-        loss, out = losses_lib.shard_outputs(pieces[len(leaves):])
-        return acc, loss, out, finite_A
-
-    def compile(self, remat: bool, acc, lora, params, slot_meta, batch, loss_cfg, *,
-                loss_fns, num_slots, modules=None) -> "HostSummedProgram":
-        """Both programs compiled for these arguments."""
-        partials = self.partials[remat].lower(lora, params, slot_meta, batch, loss_cfg,
-                                              loss_fns=loss_fns, num_slots=num_slots,
-                                              modules=modules).compile()
-        sums = jax.ShapeDtypeStruct(self.view.devices.shape + partials.out_info.shape[-1:],
-                                    jnp.float32, sharding=self.sums_sharding)
-        finish = self.finish.lower(acc, lora, sums, batch, num_slots=num_slots,
-                                   modules=modules).compile()
-        return HostSummedProgram(self, partials, finish)
-
-
-@dataclasses.dataclass(frozen=True)
-class HostSummedProgram:
-    """A compiled HostSummedStep, called as a compiled forward_backward is: (acc, lora,
-    params, slot_meta, batch, loss_cfg, custom_args=()) -> (acc, loss, out, finite_A).
-    `partials` is the model's program (memory_analysis, as_text), `finish` the sum's."""
-
-    step: HostSummedStep
-    partials: object
-    finish: object
-
-    def __call__(self, acc, lora, params, slot_meta, batch, loss_cfg, custom_args=()):
-        local = self.step.local_sum(self.partials(lora, params, slot_meta, batch, loss_cfg))
-        return self.finish(acc, lora, self.step.sums(local), batch)
-
-    def memory_analysis(self):
-        return self.partials.memory_analysis()

@@ -32,6 +32,7 @@ from jcp.model import moe as moe_lib
 from jcp import peft as peft_lib
 from jcp import sample as sample_lib
 from jcp import train_step
+from jcp import host_sum
 from jcp.adapter_state import AdapterInfo, AdapterState, HostSlot
 from jcp.errors import F32, InputError, float32_number
 from jcp.config import QwenConfig
@@ -81,7 +82,7 @@ class ForwardBackwardOutput:
 class Trainer:
     """Many LoRA adapters on one frozen Qwen base, trained over a (dp, cp, tp) mesh.
 
-    See DESIGN.md for the contract. Gradients are raw sums over tokens and datums and
+    See docs/design.md for the contract. Gradients are raw sums over tokens and datums and
     accumulate across forward_backward calls until optim_step.
 
     Tuning (keyword-only): remat — True: recompute each layer in the backward pass
@@ -211,10 +212,10 @@ class Trainer:
             cfg, mesh, dataclasses.replace(self.step_cfg, remat=r)) for r in (True, False)
             if remat in (r, "auto")}
         self._remat_budget = remat_budget_bytes
-        self.sums_on_host = train_step.sums_on_host(mesh)
+        self.sums_on_host = host_sum.sums_on_host(mesh)
         """Whether forward_backward and forward (dense models, Tinker losses) sum the
         gradient and outputs over each process's devices on the host, between two programs
-        (train_step.HostSummedStep: a multi-process XLA:CPU job with tp = 1, where every
+        (host_sum.HostSummedStep: a multi-process XLA:CPU job with tp = 1, where every
         collective is TCP); settable before the first call."""
         self._fb_programs: dict = {}
         self.remat_decisions: dict = {}
@@ -485,13 +486,13 @@ class Trainer:
     @property
     def forward_backward_programs(self) -> dict:
         """The compiled forward_backward programs so far (jax.stages.Compiled, or
-        train_step.HostSummedProgram where sums_on_host), keyed as remat_decisions: for
+        host_sum.HostSummedProgram where sums_on_host), keyed as remat_decisions: for
         profiling and memory or cost analysis."""
         return dict(self._fb_programs)
 
     @functools.cached_property
-    def _host_step(self) -> train_step.HostSummedStep:
-        return train_step.HostSummedStep(self.cfg, self.mesh, self.step_cfg,
+    def _host_step(self) -> host_sum.HostSummedStep:
+        return host_sum.HostSummedStep(self.cfg, self.mesh, self.step_cfg,
                                          tuple(self._fb_steps))
 
     def remat_budget_bytes(self) -> int:

@@ -16,7 +16,7 @@ import pytest
 
 import jcp
 from helpers import mp_case
-from jcp import train_step
+from jcp import host_sum, train_step
 
 HERE = os.path.dirname(__file__)
 
@@ -48,7 +48,7 @@ def test_two_processes_match_one(tmp_path):
 
     single = mp_case.run(str(tmp_path / "single_ckpt"))
     multi = [dict(np.load(tmp_path / f"result_{i}.npz")) for i in range(2)]
-    # Two processes sum the gradient on each host (train_step.HostSummedStep), one process
+    # Two processes sum the gradient on each host (host_sum.HostSummedStep), one process
     # in its all-reduce.
     assert [bool(r.pop("sums_on_host")) for r in [single] + multi] == [False, True, True]
     assert sorted(multi[0]) == sorted(single) == sorted(multi[1])
@@ -111,12 +111,12 @@ def test_outputs_summed_with_the_gradient_are_the_forward_sums():
 
 
 def test_sums_on_host_match_the_all_reduce():
-    """train_step.HostSummedStep (the gradient and outputs of each device summed on the host,
+    """host_sum.HostSummedStep (the gradient and outputs of each device summed on the host,
     then over processes) against the one-program forward_backward and forward, in one
     process over 8 devices: the same outputs and gradients up to the order of float32 sums, and no
     all-reduce over dp or cp in its model program. It is chosen only for multi-process CPU
     meshes with tp = 1."""
-    assert not train_step.sums_on_host(jcp.make_mesh(8, 1, 1))  # one process
+    assert not host_sum.sums_on_host(jcp.make_mesh(8, 1, 1))  # one process
     rng = np.random.default_rng(1)
     data = [jcp.Datum(rng.integers(0, mp_case.CFG.vocab_size, n),
                       {"target_tokens": rng.integers(0, mp_case.CFG.vocab_size, n),
@@ -145,8 +145,8 @@ def test_sums_on_host_match_the_all_reduce():
         assert (tr._host_step._forward_partials._cache_size() > 0) == on_host
         runs.append((out, tr.gradients(a), tr.gradients(b), program, fwd))
     (ref, ra, rb, one, ref_fwd), (got, ga, gb, two, got_fwd) = runs
-    assert isinstance(two, train_step.HostSummedProgram) and not isinstance(
-        one, train_step.HostSummedProgram)
+    assert isinstance(two, host_sum.HostSummedProgram) and not isinstance(
+        one, host_sum.HostSummedProgram)
     assert _all_reduce_operands(one.as_text()) > 0
     assert _all_reduce_operands(two.partials.as_text()) == 0
     assert ref.metrics["clipped_tokens:sum"] > 0

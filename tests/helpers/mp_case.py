@@ -12,7 +12,7 @@ MESH = (4, 2, 1)
 
 def run(ckpt_dir: str) -> dict:
     """Mesh MESH over every device (tp = 1: over 2 processes, forward_backward sums on the
-    host, train_step.HostSummedStep; test_serve_multiprocess's jobs cover tp = 2); two
+    host, host_sum.HostSummedStep; test_serve_multiprocess's jobs cover tp = 2); two
     adapters, ppo, an optim_step, a forward, a save_state.
 
     Returns flat NumPy results: per-datum outputs, gradients, post-step weights, the weights
