@@ -1,4 +1,4 @@
-"""The gated delta rule and causal conv of Gated DeltaNet (jcp/delta_rule.py).
+"""The gated delta rule and causal conv of Gated DeltaNet (jcp/delta_rule/).
 
 References: transformers' torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule
 (forward fp32, gradients fp64 through torch autograd), each datum run alone from zero state
@@ -80,10 +80,10 @@ def test_chunked_pieces_start_from_their_own_states():
 
 
 def test_pallas_block_factors_equal_the_reference_in_interpret_mode():
-    """delta_rule_pallas.block_factors (Pallas, interpret mode on CPU) inside the chunked
+    """delta_rule.pallas.block_factors (Pallas, interpret mode on CPU) inside the chunked
     rule: outputs and states equal the recurrent form per piece (pieces inside a block, at
     a border, one token long), and gradients equal the XLA path's."""
-    from jcp import delta_rule_pallas as dp
+    from jcp.delta_rule import pallas as dp
     d = _inputs(40, 1)
     q, k = np.asarray(dr.l2norm(d["q"])), np.asarray(dr.l2norm(d["k"]))
     cuts = [0, 13, 16, 17, 40]

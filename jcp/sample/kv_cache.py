@@ -176,7 +176,7 @@ def fill_recurrent(rec: delta_rule.Recurrent, source_B, old: delta_rule.Recurren
     keep = source_B >= 0
     spread = tuple(a for a in (DP, CP) if a not in layout.seq_axes)
     # One all_gather of both fields side by side (flattened), never two independent ones
-    # (see delta_rule._gather: XLA:CPU may order independent collectives differently on
+    # (see delta_rule.cp._gather: XLA:CPU may order independent collectives differently on
     # each device).
     ll, p = rec.conv.shape[:2]
     flat = jax.lax.all_gather(

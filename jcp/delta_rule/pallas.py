@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jcp import delta_rule
+from jcp.delta_rule import rule as delta_rule
 
 
 def _kernel(q_ref, k_ref, g_ref, beta_ref, start_ref, t_ref, p_ref):
