@@ -5,7 +5,7 @@ Evidence:
    module and lm_head, one rsLoRA adapter on a subset) reproduces their tensors exactly;
 2. one batch mixing both adapters, on a (2,2,2) mesh, gives the per-datum log-probs of the
    PeftModels run one datum at a time, the cross_entropy and ppo losses computed in torch
-   from those log-probs (DESIGN.md's formulas), and torch autograd's gradients w.r.t.
+   from those log-probs (docs/design.md's formulas), and torch autograd's gradients w.r.t.
    every lora_A / lora_B (fp64 reference, fp32 jcp: rel ~1e-4);
 3. export_peft after an optim_step loads with peft.PeftModel.from_pretrained and gives the
    log-probs jcp computes; load_peft of the export gives back identical weights.
@@ -60,7 +60,7 @@ def peft_model(hm, spec):
 
 
 def design_key(peft_param_name: str) -> str:
-    """peft's parameter name -> the DESIGN.md key (drop the adapter name "default")."""
+    """peft's parameter name -> the docs/design.md key (drop the adapter name "default")."""
     return peft_param_name.replace(".default.", ".")
 
 
@@ -76,7 +76,7 @@ def torch_logprobs(pm, tokens, targets):
 
 
 def torch_token_loss(loss_fn, lp, d: jcp.Datum):
-    """DESIGN.md's token losses, in torch."""
+    """docs/design.md's token losses, in torch."""
     x = {k: torch.tensor(np.asarray(v, np.float64)) for k, v in d.loss_fn_inputs.items()
          if k != "target_tokens"}
     if loss_fn == "cross_entropy":

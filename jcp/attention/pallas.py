@@ -11,7 +11,7 @@ VJPs are written out), and never be the default on CPU: there the kernels run in
 interpret mode, which is for tests only, and inside a shard_map each device then also
 computes every other device's kernels (_interpret_invariant says why). On GPUs it is the
 default for 16-bit models (strategies.resolve_implementation; measured on an H200, see
-README "Measured on one H200").
+benchmarks/RESULTS.md, "GPU run").
 
 Block skipping. Outside the kernels, attention.tiling.block_kinds classifies every (query block,
 key block) pair from per-block min/max segment and position as skipped, masked or fully
