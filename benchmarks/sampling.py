@@ -136,7 +136,7 @@ def main():
           f"{agree:.3f}", flush=True)
 
     # 2. per-layer weights sliced outside the decode loop vs scanned inside it
-    sampler = tr._sampler
+    sampler = tr.sampler
     assert sampler.slice_layers  # the tiny model's layers are far below the threshold
     sampler.slice_layers = False
     try:
@@ -182,7 +182,7 @@ def main():
     for _ in range(50):
         ps = [rng.integers(0, cfg.vocab_size, int(rng.integers(1, 301))) for _ in range(4)]
         tr2.sample(ps, sp, adapters=[a, None, a, a])
-    s2 = tr2._sampler
+    s2 = tr2.sampler
     counts = {name: getattr(s2, name)._cache_size() for name in ("prefill", "decode")}
     print(f"5. compiled programs over 50 calls (4 prompts of 1–300 tokens, mesh (1,2,2)): "
           f"{sum(counts.values())} {counts} (goal ≤ 10); {time.perf_counter() - t:.1f} s")
@@ -199,7 +199,7 @@ def long_prompt_memory(cfg, cp, mode, n):
     one n-token prompt at mesh (1, cp, 1) in cache `mode` (compiled, not run)."""
     tr = jcp.Trainer(cfg, jcp.make_mesh(1, cp, 1), max_adapters=1, max_rank=8,
                      max_tokens_per_device=-(-(n + 16) // cp) + 16)
-    s = tr._sampler
+    s = tr.sampler
     plan = s.plan([n], 16, cache_mode=mode)
     lay = kv_cache.LAYOUTS[mode]
     prompt = np.arange(n, dtype=np.int32) % cfg.vocab_size

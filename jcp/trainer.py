@@ -657,7 +657,9 @@ class Trainer:
     # ------------------------------------------------------------------ sampling
 
     @functools.cached_property
-    def _sampler(self) -> sample_lib.Sampler:
+    def sampler(self) -> sample_lib.Sampler:
+        """The static Sampler behind sample / compute_logprobs (made on first use): its plan
+        of a call (Sampler.plan, last_plan) and its compiled programs."""
         return self.make_sampler()
 
     def make_sampler(self) -> sample_lib.Sampler:
@@ -695,7 +697,7 @@ class Trainer:
         target_prompt_logprobs, prompt_alt_tokens_k (results in SampleResult /
         SampledSequence). Each is computed vocab-parallel with forward's log_softmax.
         """
-        return self._sampler.sample(prompts, sampling_params, adapters, num_samples,
+        return self.sampler.sample(prompts, sampling_params, adapters, num_samples,
                                     prompt_logprobs, cache_mode, fields)
 
     def compute_logprobs(self, prompts, adapters=None,
@@ -704,7 +706,7 @@ class Trainer:
         forward path (no [tokens, vocab] logits). adapters as in `sample`.
         prompt_logprobs_last_n: only the last n positions are returned (earlier ones NaN);
         1 ≤ n ≤ len(prompt) − 1 for every prompt."""
-        return self._sampler.compute_logprobs(prompts, adapters, prompt_logprobs_last_n)
+        return self.sampler.compute_logprobs(prompts, adapters, prompt_logprobs_last_n)
 
 
 def _check_finite(i: int, datum, out: dict) -> None:

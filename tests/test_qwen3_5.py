@@ -251,7 +251,7 @@ def test_greedy_sampling_equals_hf_generate(mesh_shape, cache_mode):
     assert len({tuple(w) for w in want}) > 1
     res = tr.sample(list(SAMPLE_PROMPTS), _no_stop(temperature=0.0), num_samples=2,
                     cache_mode=cache_mode)
-    assert tr._sampler.last_plan.mode == (cache_mode or "batch")
+    assert tr.sampler.last_plan.mode == (cache_mode or "batch")
     for i, (r, w) in enumerate(zip(res, want)):
         for seq in r.sequences:
             np.testing.assert_array_equal(seq.tokens, w, err_msg=f"prompt {i}")

@@ -155,7 +155,7 @@ def test_logprobs_equal_forward(mesh_shape, cache_mode, root):
     sp = jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=5)
     res = tr.sample(PROMPTS, sp, adapters=[a, b, None, a], num_samples=2, prompt_logprobs=True,
                     cache_mode=cache_mode)
-    assert tr._sampler.last_plan.mode == (cache_mode or "batch")
+    assert tr.sampler.last_plan.mode == (cache_mode or "batch")
     plain = tr.compute_logprobs(PROMPTS, adapters=[a, b, None, a])
     for i, (p, r, ad) in enumerate(zip(PROMPTS, res, [a, b, None, a])):
         assert len(r.sequences) == 2
@@ -189,7 +189,7 @@ def test_split_cache_equals_batch_cache_and_hf_generate(mesh_shape, root):
     res, plans = {}, {}
     for mode in ("batch", "split"):
         res[mode] = tr.sample(prompts, GREEDY, adapters=adapters, cache_mode=mode)
-        plans[mode] = tr._sampler.last_plan
+        plans[mode] = tr.sampler.last_plan
     # The two calls really used different layouts: "split" holds a sequence's rows over
     # cp (fewer per device, the decode batch spread over dp only).
     assert (plans["batch"].mode, plans["split"].mode) == ("batch", "split")
@@ -214,7 +214,7 @@ def test_split_cache_equals_batch_cache_and_hf_generate(mesh_shape, root):
 
 def _prefill_jaxprs(tr, call):
     """(result of call(), the jaxpr text of every prefill program it ran)."""
-    sampler = tr._sampler
+    sampler = tr.sampler
     jitted, seen = sampler.prefill, []
 
     def spy(*args, **kwargs):
@@ -260,19 +260,19 @@ def test_automatic_cache_mode(monkeypatch, root):
     """"split" iff cp > 1, the "batch" cache is over the threshold and splitting shrinks it."""
     tr2, _ = _trainer("qwen3", (1, 2, 1), root)
     tr1, _ = _trainer("qwen3", (1, 1, 1), root)
-    long = tr2._sampler.plan([3000], 16)  # one long sequence: "batch" idles a device
+    long = tr2.sampler.plan([3000], 16)  # one long sequence: "batch" idles a device
     assert long.mode == "batch"  # far below the default threshold
     # Per-device cache of "split" at cp = 2: half of "batch" (goal ≤ 1.2 / cp).
     assert long.split_bytes <= 1.2 / 2 * long.batch_bytes
-    many = tr2._sampler.plan([100] * 64, 16)  # many short: splitting saves nothing
+    many = tr2.sampler.plan([100] * 64, 16)  # many short: splitting saves nothing
     assert many.split_bytes >= many.batch_bytes
     monkeypatch.setattr(sample_lib.layout, "SPLIT_ABOVE_BYTES", min(long.batch_bytes,
                                                              many.batch_bytes) - 1)
-    assert tr2._sampler.plan([3000], 16).mode == "split"
-    assert tr2._sampler.plan([100] * 64, 16).mode == "batch"
-    assert tr1._sampler.plan([3000], 16).mode == "batch"  # cp = 1: nothing to split over
-    assert tr2._sampler.plan([3000], 16, cache_mode="batch").mode == "batch"
-    assert tr2._sampler.plan([5], 4, cache_mode="split").mode == "split"
+    assert tr2.sampler.plan([3000], 16).mode == "split"
+    assert tr2.sampler.plan([100] * 64, 16).mode == "batch"
+    assert tr1.sampler.plan([3000], 16).mode == "batch"  # cp = 1: nothing to split over
+    assert tr2.sampler.plan([3000], 16, cache_mode="batch").mode == "batch"
+    assert tr2.sampler.plan([5], 4, cache_mode="split").mode == "split"
 
 
 def test_mixed_adapters_equal_one_call_per_adapter(root):
@@ -478,12 +478,12 @@ def test_layers_are_sliced_out_of_the_loop_only_when_small(root, monkeypatch):
     SLICE_LAYERS_MAX_BYTES (the copy is a second set of layer weights); both paths give the
     same tokens and log-probs."""
     tr, (a, _) = _trainer("qwen3", (1, 1, 1), root)
-    assert tr._sampler.slice_layers
+    assert tr.sampler.slice_layers
     sp = jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=2)
     sliced = tr.sample(PROMPTS, sp, adapters=a)
     monkeypatch.setattr(sample_lib.programs, "SLICE_LAYERS_MAX_BYTES", 0)
-    monkeypatch.setattr(tr, "_sampler", tr.make_sampler())
-    assert not tr._sampler.slice_layers
+    monkeypatch.setattr(tr, "sampler", tr.make_sampler())
+    assert not tr.sampler.slice_layers
     scanned = tr.sample(PROMPTS, sp, adapters=a)
     for x, y in zip(sliced, scanned):
         np.testing.assert_array_equal(x.sequences[0].tokens, y.sequences[0].tokens)
