@@ -10,13 +10,14 @@ Shapes: see the legend in jcp/mesh.py.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from jcp import losses as losses_lib
 from jcp import mesh as mesh_lib
-from jcp.custom_loss import CustomLoss
+from jcp.custom_loss import CHECK_BUDGET_S, MAX_TRACED_OPS, CustomLoss
 from jcp.errors import InputError
 
 FLOAT_FIELDS = losses_lib.FLOAT_INPUTS
@@ -141,12 +142,9 @@ def _custom_input(i: int, name: str, value) -> np.ndarray:
 
 
 def _check_custom(i: int, d, custom: CustomLoss, vocab_size: int, n: int,
-                  shapes_seen: set) -> CheckedDatum:
+                  shapes_seen: set, deadline: float) -> CheckedDatum:
+    # Inputs the loss does not read are ignored, as the SDK's client-side path ignores them.
     inputs = d.loss_fn_inputs
-    for key in inputs:
-        if key not in KNOWN_FIELDS and key not in custom.input_names:
-            raise InputError(f"datum {i}: loss_fn_inputs.{key} is not read by custom loss "
-                             f"{custom.name!r} (it reads {list(custom.input_names)})")
     for key in ("target_tokens",) + custom.input_names:
         if key not in inputs:
             raise InputError(f"datum {i}: loss_fn_inputs.{key} is missing (needed by custom "
@@ -159,7 +157,7 @@ def _check_custom(i: int, d, custom: CustomLoss, vocab_size: int, n: int,
     extra = {k: _custom_input(i, k, inputs[k]) for k in custom.input_names}
     key = (targets.shape, tuple((v.shape, v.dtype.str) for v in extra.values()))
     if key not in shapes_seen:  # evaluating the shapes traces the graph: once per shape
-        custom.check(i, targets.shape, extra)
+        custom.check(i, targets.shape, extra, deadline)
         shapes_seen.add(key)
     return CheckedDatum(np.zeros(0), targets, {}, losses_lib.CUSTOM, extra)
 
@@ -196,8 +194,14 @@ def validate(data: Sequence[Datum], loss_fn, vocab_size: int, token_cap: int
     if len(data) == 0:
         raise InputError("data is empty: pass at least one Datum")
     names = per_datum_losses(loss_fn, len(data))
+    if custom is not None and (custom.ops or 0) * len(data) > MAX_TRACED_OPS:
+        raise InputError(f"custom loss {custom.name!r} has {custom.ops} operations, traced "
+                         f"once per datum: {len(data)} datums would trace "
+                         f"{custom.ops * len(data)}, over {MAX_TRACED_OPS} per request (send "
+                         "fewer datums per request)")
     out = []
     shapes_seen: set = set()
+    deadline = time.monotonic() + CHECK_BUDGET_S  # for evaluating a custom loss's shapes
     for i, d in enumerate(data):
         loss_fn = names[i]
         if not isinstance(d, Datum):
@@ -215,7 +219,7 @@ def validate(data: Sequence[Datum], loss_fn, vocab_size: int, token_cap: int
         if not isinstance(inputs, Mapping):
             raise InputError(f"datum {i}: loss_fn_inputs must be a dict")
         if custom is not None:
-            c = _check_custom(i, d, custom, vocab_size, n, shapes_seen)
+            c = _check_custom(i, d, custom, vocab_size, n, shapes_seen, deadline)
             out.append(dataclasses.replace(c, tokens=tokens))
             continue
         needed = ("target_tokens",) + losses_lib.LOSSES[loss_fn].inputs

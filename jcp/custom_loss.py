@@ -14,6 +14,17 @@ indices), clamp's gradient at its bounds). It never evaluates, imports or looks 
 a node carries: a name that is not a key of those tables is refused with an InputError
 naming the node. Graphs are bounded in nodes, inputs and depth.
 
+A graph comes from a client, and its Python-level values (shape arithmetic, constants) run
+on the worker holding the GIL, so it evaluates bounded operations only. At creation a cost
+model types every node (tensor, int with a bound on its magnitude, float, shape, sequence)
+and refuses, naming the node, integer arithmetic that may leave int64 (a power with a large
+or computed exponent, long products), sequence repetition and string arithmetic, integer
+literals outside int64 and more than MAX_LITERALS literal entries. When it runs, the same
+bounds hold on the values (an int outside int64, a built tuple over MAX_SEQUENCE entries, an
+array over MAX_ELEMENTS is refused at its node), so no node costs more than a bounded step;
+`check` runs under a wall-clock deadline (CHECK_BUDGET_S per request, batch.validate), and
+a request traces at most MAX_TRACED_OPS graph operations (nodes × datums).
+
 It is pure: no device state, no server imports; `check` evaluates shapes only
 (jax.eval_shape), so a datum whose inputs do not fit the loss is refused before any
 device work.
@@ -21,10 +32,12 @@ device work.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 import operator
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -37,6 +50,18 @@ MAX_NODES = 4096
 MAX_INPUTS = 16  # logprobs included, as the SDK's tracer allows
 MAX_DEPTH = 512
 MAX_LITERAL = 1024  # entries of one encoded argument (lists, tuples, dicts)
+MAX_LITERALS = 1 << 16  # entries of all of a graph's encoded arguments together
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # every Python int a graph holds
+MAX_SEQUENCE = 64  # entries of a tuple or list a graph builds (shapes, concatenations)
+MAX_ELEMENTS = 1 << 24  # elements of one node's array (a dimension is at most this too)
+MAX_DATUM_ELEMENTS = 1 << 29  # elements of all of one datum's intermediate arrays
+# A dimension, and so any shape-derived int, is below 2**SHAPE_BITS.
+SHAPE_BITS = MAX_ELEMENTS.bit_length()
+# Seconds of graph evaluation (shapes) while one request's datums are checked, and graph
+# operations one request may trace into its step (the loss is traced once per datum); at
+# about 50 µs per traced operation the two agree.
+CHECK_BUDGET_S = 5.0
+MAX_TRACED_OPS = 1 << 16
 METRIC_KEY = re.compile(r"custom/[a-z0-9_./-]{1,64}:(sum|mean)")
 INPUT_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
 
@@ -207,8 +232,14 @@ def _type(x, dtype=None):
     return jnp.asarray(x).astype(_dtype(dtype))
 
 
+def _shape(x) -> tuple:
+    if not isinstance(x, (bool, int, float, *_ARRAYS)):
+        raise TypeError(f"a {type(x).__name__} has no shape")
+    return tuple(jnp.shape(x))
+
+
 def _size(x, dim=None):
-    shape = tuple(jnp.shape(x))
+    shape = _shape(x)
     return shape if dim is None else shape[dim]
 
 
@@ -277,6 +308,39 @@ def _pow(a, b):
         b, (jax.Array, np.ndarray)) else operator.pow(a, b)
 
 
+_ARRAYS = (jax.Array, np.ndarray, np.generic)
+_COMPARE = frozenset({"eq", "ne", "gt", "ge", "lt", "le"})
+
+
+def _python_op(name: str, op: Callable) -> Callable:
+    """operator.<name>, refusing (before it runs) what would cost more than a bounded step
+    on Python values: sequence repetition or string arithmetic, operands outside int64, an
+    integer power beyond int64. Tensors pass through to jax.numpy's own semantics."""
+    def fn(*args, **kwargs):
+        if kwargs:
+            raise TypeError(f"operator.{name} takes no keyword arguments")
+        if any(isinstance(a, _ARRAYS) for a in args):
+            return op(*args)
+        seqs = [a for a in args if isinstance(a, (str, bytes, list, tuple, dict))]
+        if seqs and name not in _COMPARE:
+            if not (name == "add" and len(seqs) == 2 and all(
+                    isinstance(a, (list, tuple)) for a in seqs)):
+                raise TypeError(f"operator.{name} on a {type(seqs[0]).__name__} (sequence "
+                                "repetition or string arithmetic) is not allowed in a custom "
+                                "loss")
+            if len(seqs[0]) + len(seqs[1]) > MAX_SEQUENCE:
+                raise OverflowError(f"a concatenation over {MAX_SEQUENCE} entries")
+        for a in args:
+            if isinstance(a, int) and not INT64_MIN <= a <= INT64_MAX:
+                raise OverflowError("an integer outside int64")
+        if name == "pow" and all(isinstance(a, int) for a in args):
+            base, exp = abs(args[0]), args[1]
+            if base > 1 and exp > 0 and (base.bit_length() - 1) * exp > 63:
+                raise OverflowError(f"an integer power beyond int64 ({args[0]} ** {exp})")
+        return op(*args)
+    return fn
+
+
 def _scalar_or(jfn, pyfn):
     """A function on tensors, or on Python numbers (shape arithmetic: math.sqrt(n))."""
     return lambda x, *a: pyfn(x, *a) if isinstance(x, (int, float)) and not isinstance(
@@ -290,11 +354,11 @@ def _softplus(x, beta=1.0, threshold=20.0):
 
 
 def _numel(x):
-    return int(np.prod(jnp.shape(x), dtype=np.int64))
+    return int(np.prod(_shape(x), dtype=np.int64))
 
 
 def _dim(x):
-    return jnp.ndim(x)
+    return len(_shape(x))
 
 
 def _detach(x):
@@ -359,15 +423,14 @@ _SHARED = {
 # call_function targets, by the qualified name the SDK encodes (operator.*, torch.*, math.*,
 # getattr). Anything else is refused.
 FUNCTIONS: dict[str, Callable] = {
-    "operator.add": operator.add, "operator.sub": operator.sub, "operator.mul": operator.mul,
-    "operator.truediv": operator.truediv, "operator.floordiv": operator.floordiv,
-    "operator.mod": operator.mod, "operator.pow": _pow, "operator.neg": operator.neg,
-    "operator.pos": operator.pos, "operator.abs": operator.abs,
-    "operator.matmul": operator.matmul, "operator.eq": operator.eq,
-    "operator.ne": operator.ne, "operator.gt": operator.gt, "operator.ge": operator.ge,
-    "operator.lt": operator.lt, "operator.le": operator.le, "operator.and_": operator.and_,
-    "operator.or_": operator.or_, "operator.xor": operator.xor,
-    "operator.invert": operator.invert, "operator.getitem": _getitem,
+    **{f"operator.{k}": _python_op(k, v) for k, v in {
+        "add": operator.add, "sub": operator.sub, "mul": operator.mul,
+        "truediv": operator.truediv, "floordiv": operator.floordiv, "mod": operator.mod,
+        "pow": _pow, "neg": operator.neg, "pos": operator.pos, "abs": operator.abs,
+        "matmul": operator.matmul, "eq": operator.eq, "ne": operator.ne, "gt": operator.gt,
+        "ge": operator.ge, "lt": operator.lt, "le": operator.le, "and_": operator.and_,
+        "or_": operator.or_, "xor": operator.xor, "invert": operator.invert}.items()},
+    "operator.getitem": _getitem,
     "math.exp": math.exp, "math.log": math.log, "math.sqrt": math.sqrt,
     "math.log1p": math.log1p, "math.expm1": math.expm1, "math.pow": math.pow,
     "math.tanh": math.tanh, "math.floor": math.floor, "math.ceil": math.ceil,
@@ -385,9 +448,9 @@ FUNCTIONS: dict[str, Callable] = {
 # call_method targets (tensor methods).
 METHODS: dict[str, Callable] = {
     **_ELEMENTWISE, **_BINARY, **_SHARED,
-    "view": _reshape, "view_as": lambda x, other: jnp.reshape(x, jnp.shape(other)),
-    "reshape_as": lambda x, other: jnp.reshape(x, jnp.shape(other)),
-    "expand": _expand, "expand_as": lambda x, o: jnp.broadcast_to(x, jnp.shape(o)),
+    "view": _reshape, "view_as": lambda x, other: jnp.reshape(x, _shape(other)),
+    "reshape_as": lambda x, other: jnp.reshape(x, _shape(other)),
+    "expand": _expand, "expand_as": lambda x, o: jnp.broadcast_to(x, _shape(o)),
     "t": _t, "to": _to, "type": _type, "float": _cast(jnp.float32),
     "double": _cast(jnp.float32), "half": _cast(jnp.float32), "bfloat16": _cast(jnp.float32),
     "long": _cast(jnp.int32), "int": _cast(jnp.int32), "bool": _cast(jnp.bool_),
@@ -398,7 +461,7 @@ METHODS: dict[str, Callable] = {
 }
 # getattr targets (a node reads an attribute of a value).
 ATTRIBUTES = {
-    "shape": lambda x: tuple(jnp.shape(x)), "ndim": jnp.ndim, "T": _t,
+    "shape": _shape, "ndim": lambda x: len(_shape(x)), "T": _t,
     "values": lambda x: x.values if isinstance(x, MinMax) else _no_attr(x, "values"),
     "indices": lambda x: x.indices if isinstance(x, MinMax) else _no_attr(x, "indices"),
     "dtype": lambda x: _DType(str(jnp.asarray(x).dtype)),
@@ -447,6 +510,11 @@ class CustomLoss:
     def logprobs_rank(self) -> int:
         return self.inputs[0][1]
 
+    @property
+    def ops(self) -> int | None:
+        """A graph loss's operations (traced once per datum); None for a JAX function."""
+        return len(self.fn.steps) if isinstance(self.fn, _Program) else None
+
     @classmethod
     def from_function(cls, fn: Callable, input_ranks: Mapping[str, int],
                       name: str | None = None) -> "CustomLoss":
@@ -467,10 +535,12 @@ class CustomLoss:
         program = _compile(graph, [n for n, _ in checked])
         return cls(str(name)[:128], checked, program)
 
-    def check(self, i: int, lp_shape: tuple[int, ...], values: Mapping[str, np.ndarray]
-              ) -> None:
+    def check(self, i: int, lp_shape: tuple[int, ...], values: Mapping[str, np.ndarray],
+              deadline: float | None = None) -> None:
         """InputError naming datum i unless the loss evaluates on these shapes to a scalar
-        loss and scalar custom/… metrics (shapes only; no device work)."""
+        loss and scalar custom/… metrics (shapes only; no device work). A graph loss that
+        is still evaluating at `deadline` (time.monotonic()) is refused at the node it
+        reached."""
         if len(lp_shape) != self.logprobs_rank:
             raise InputError(
                 f"datum {i}: loss_fn_inputs.target_tokens has rank {len(lp_shape)}, but "
@@ -482,6 +552,7 @@ class CustomLoss:
                 raise InputError(f"datum {i}: loss_fn_inputs.{name} has rank {v.ndim}, but "
                                  f"custom loss {self.name!r} declared it with rank {rank}")
             args.append(jax.ShapeDtypeStruct(v.shape, v.dtype))
+        token = _DEADLINE.set(deadline)
         try:
             loss, metrics = jax.eval_shape(self.fn, *args)
         except InputError as e:
@@ -490,7 +561,9 @@ class CustomLoss:
             raise InputError(f"datum {i}: custom loss {self.name!r} fails on its inputs "
                              f"(logprobs {lp_shape}, "
                              + ", ".join(f"{n} {values[n].shape}" for n in self.input_names)
-                             + f"): {type(e).__name__}: {e}") from None
+                             + f"): {_brief(e)}") from None
+        finally:
+            _DEADLINE.reset(token)
         if tuple(getattr(loss, "shape", (None,))) != ():
             raise InputError(f"datum {i}: custom loss {self.name!r} must return a scalar loss, "
                              f"got shape {getattr(loss, 'shape', type(loss).__name__)}")
@@ -551,7 +624,9 @@ def _compile(graph, input_names: list[str]) -> Callable:
     if len(nodes) > MAX_NODES:
         raise InputError(f"custom loss graph has {len(nodes)} nodes; at most {MAX_NODES}")
     depth: dict[str, int] = {}
-    steps = []  # (name, callable, args, kwargs) in order
+    kinds: dict[str, _Kind] = {}  # the cost model's view of each node's value
+    literals = 0
+    steps = []  # (name, callable, args, kwargs, where) in order
     placeholders = []
     output = None
     for j, node in enumerate(nodes):
@@ -572,6 +647,10 @@ def _compile(graph, input_names: list[str]) -> Callable:
         refs: list[str] = []
         args = [_decode(a, depth, refs, where) for a in args]
         kwargs = {str(k): _decode(v, depth, refs, where) for k, v in kwargs.items()}
+        literals += _entries(args) + _entries(list(kwargs.values()))
+        if literals > MAX_LITERALS:
+            raise InputError(f"{where}: the graph's arguments hold over {MAX_LITERALS} "
+                             "literal entries")
         d = 1 + max((depth[r] for r in refs), default=0)
         if d > MAX_DEPTH:
             raise InputError(f"{where}: the graph is deeper than {MAX_DEPTH} operations")
@@ -589,6 +668,7 @@ def _compile(graph, input_names: list[str]) -> Callable:
                     raise InputError(f"{where}: reads attribute "
                                      f"{args[1] if len(args) > 1 else None!r}; allowed: "
                                      f"{sorted(ATTRIBUTES)}")
+                kinds[name] = _ATTRIBUTE_KINDS.get(args[1], _TENSOR)
                 fn, args = ATTRIBUTES[args[1]], args[:1]
             if fn is None:
                 raise InputError(f"{where}: {target!r} is not an allowed function of a custom "
@@ -609,6 +689,8 @@ def _compile(graph, input_names: list[str]) -> Callable:
         else:
             raise InputError(f"{where}: op {op!r} is not allowed in a custom loss (only "
                              "placeholder, call_function, call_method, output)")
+        if op != "output" and name not in kinds:
+            kinds[name] = _node_kind(op, target, args, kwargs, kinds, where)
         depth[name] = d
     if len(placeholders) != len(input_names):
         raise InputError(f"custom loss graph reads {len(placeholders)} inputs, declared "
@@ -619,19 +701,7 @@ def _compile(graph, input_names: list[str]) -> Callable:
             and isinstance(output.items[1], _Dict)):
         raise InputError("custom loss graph must return (loss, metrics dict)")
 
-    def program(*values):
-        env = dict(zip(placeholders, values))
-        for name, fn, args, kwargs, where in steps:
-            try:
-                env[name] = fn(*_resolve(args, env), **_resolve(kwargs, env))
-            except InputError:
-                raise
-            except Exception as e:  # noqa: BLE001 — report the node, not a jax traceback
-                raise InputError(f"{where}: {type(e).__name__}: {e}") from None
-        loss, metrics = _resolve(output, env)
-        return loss, dict(metrics)
-
-    return program
+    return _Program(tuple(placeholders), tuple(steps), output)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -664,6 +734,8 @@ def _decode(a, depth, refs, where, level=0):
     if a is None or isinstance(a, (bool, int, float, str)):
         if isinstance(a, str) and len(a) > 256:
             raise InputError(f"{where}: a string argument is too long")
+        if isinstance(a, int) and not INT64_MIN <= a <= INT64_MAX:
+            raise InputError(f"{where}: an integer argument outside int64")
         return a
     if isinstance(a, list):
         if len(a) > MAX_LITERAL:
@@ -712,3 +784,217 @@ def _resolve(a, env):
     if isinstance(a, dict):
         return {k: _resolve(x, env) for k, x in a.items()}
     return a
+
+
+# ----------------------------------------------------------------------------------------
+# The cost model (at creation) and the bounded program (when it runs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    """A node's value as the graph alone tells it, before any shape is known: what it is
+    ("tensor", "int", "float", "shape", "seq", "str", "other") and, for an int, a bound
+    |value| < 2**bits (None: unknown; the program's own checks hold it when it runs)."""
+
+    what: str
+    bits: int | None = None
+
+
+_TENSOR, _FLOAT, _SHAPE, _OTHER = (_Kind("tensor"), _Kind("float"), _Kind("shape"),
+                                   _Kind("other"))
+_DIM = _Kind("int", SHAPE_BITS)  # a dimension, a rank or a number of elements
+_ATTRIBUTE_KINDS = {"shape": _SHAPE, "ndim": _DIM, "dtype": _OTHER}
+
+
+def _too_big(where: str, what: str, bits) -> InputError:
+    return InputError(f"{where}: {what} may reach 2**{bits}, beyond int64 (a custom loss's "
+                      "integers stay within int64; compute large values on tensors)")
+
+
+def _kind_of(a, kinds: Mapping[str, _Kind]) -> _Kind:
+    if isinstance(a, _Ref):
+        return kinds[a.name]
+    if isinstance(a, bool):
+        return _Kind("int", 1)
+    if isinstance(a, int):
+        return _Kind("int", abs(a).bit_length())
+    if isinstance(a, float):
+        return _FLOAT
+    if isinstance(a, str):
+        return _Kind("str")
+    return _Kind("seq") if isinstance(a, (list, _Tuple)) else _OTHER
+
+
+def _node_kind(op, target, args, kwargs, kinds, where) -> _Kind:
+    """The cost model's kind of one node's value; InputError naming the node where what it
+    computes could grow without bound (sequence repetition, an int beyond int64)."""
+    if op == "placeholder":
+        return _TENSOR
+    if target in ("operator.getitem", "__getitem__"):
+        base = _kind_of(args[0], kinds) if args else _OTHER
+        if base.what == "shape":  # x.shape[0] is a dimension, x.shape[1:] a shape
+            index = _kind_of(args[1], kinds) if len(args) > 1 else _OTHER
+            return _DIM if index.what == "int" else _SHAPE
+        return _TENSOR if base.what == "tensor" else _OTHER
+    if op == "call_method":
+        if target == "size":
+            return _DIM if len(args) > 1 or "dim" in kwargs else _SHAPE
+        return _DIM if target in ("dim", "numel") else _TENSOR
+    if target == "torch.numel":
+        return _DIM
+    if target.startswith("math."):
+        if any(_kind_of(a, kinds).what == "tensor" for a in args):
+            return _OTHER
+        return _Kind("int") if target in ("math.floor", "math.ceil") else _FLOAT
+    if target.startswith("operator."):
+        return _operator_kind(target.removeprefix("operator."), args, kinds, where)
+    return _TENSOR
+
+
+def _operator_kind(name, args, kinds, where) -> _Kind:
+    ks = [_kind_of(a, kinds) for a in args]
+    if not ks or len(ks) > 2 or (name == "pow" and len(ks) != 2):
+        return _OTHER  # a wrong arity fails when it runs, naming the node
+    if any(k.what == "tensor" for k in ks):
+        return _TENSOR
+    if name in _COMPARE:
+        return _Kind("int", 1)
+    if any(k.what in ("shape", "seq", "str") for k in ks):
+        if name == "add" and len(ks) == 2 and all(k.what in ("shape", "seq") for k in ks):
+            return _Kind("seq")  # a concatenation: at most MAX_SEQUENCE entries when it runs
+        raise InputError(f"{where}: operator.{name} on a sequence or string (repetition, "
+                         "formatting) is not allowed in a custom loss; arithmetic takes "
+                         "tensors and numbers")
+    if not all(k.what in ("int", "float") for k in ks):
+        return _OTHER
+    if name == "truediv" or any(k.what == "float" for k in ks):
+        return _FLOAT
+    if name == "pow":
+        return _power_kind(args, ks, where)
+    bits = [k.bits for k in ks]
+    if None in bits or name == "matmul":
+        return _Kind("int")
+    a, b = bits[0], bits[-1]
+    out = {"add": max(a, b) + 1, "sub": max(a, b) + 1, "mul": a + b, "floordiv": a,
+           "mod": b, "neg": a, "pos": a, "abs": a, "invert": a + 1, "and_": max(a, b) + 1,
+           "or_": max(a, b) + 1, "xor": max(a, b) + 1}[name]
+    if out > 63:
+        raise _too_big(where, f"integer operator.{name}", out)
+    return _Kind("int", out)
+
+
+def _power_kind(args, ks, where) -> _Kind:
+    """int ** int: bounded only when the exponent is; |b| < 2**bb, so |b**e| < 2**(bb·e)."""
+    base, exp = args
+    bb, be = ks[0].bits, ks[1].bits
+    if isinstance(exp, int):  # a constant exponent
+        if exp < 0:
+            return _FLOAT
+        if exp == 0:
+            return _Kind("int", 1)
+        if isinstance(base, int):  # both constant: exact, once it is known to be small
+            if abs(base) > 1 and (abs(base).bit_length() - 1) * exp > 63:
+                raise _too_big(where, f"{base} ** {exp}",
+                               (abs(base).bit_length() - 1) * exp)
+            value = base ** exp
+            if not INT64_MIN <= value <= INT64_MAX:
+                raise _too_big(where, f"{base} ** {exp}", abs(value).bit_length())
+            return _Kind("int", abs(value).bit_length())
+        if bb is not None and bb <= 1:
+            return _Kind("int", 1)
+        bits = bb * exp if bb is not None else None
+        if exp > 63 or (bits is not None and bits > 63):
+            raise _too_big(where, f"an integer power (exponent {exp})", bits or exp)
+        return _Kind("int", bits)
+    if isinstance(base, int) and abs(base) <= 1:
+        return _Kind("int", 1)
+    if bb is not None and be is not None and be <= 6:  # |exp| < 2**be
+        bits = max(bb, 1) * ((1 << be) - 1)
+        if bits <= 63:
+            return _Kind("int", bits)
+    raise InputError(f"{where}: an integer power with a computed exponent may leave int64 "
+                     "(a custom loss's integers stay within int64; use a constant exponent "
+                     "or a tensor)")
+
+
+def _entries(a) -> int:
+    """Literal entries of a decoded argument (what MAX_LITERALS counts)."""
+    if isinstance(a, (list, tuple)):
+        return len(a) + sum(_entries(x) for x in a)
+    if isinstance(a, (_Tuple, _Slice)):
+        return _entries(a.items if isinstance(a, _Tuple) else a.parts)
+    if isinstance(a, _Dict):
+        return _entries([v for _, v in a.items])
+    return 0
+
+
+# The deadline of the `check` in progress (time.monotonic()); None while a checked loss is
+# traced into a step.
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "custom_loss_deadline", default=None)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Program:
+    """A checked graph as fn(logprobs, *inputs) -> (loss, metrics): its steps in order,
+    each value held to the bounds (_bounded) at its node, under `check`'s deadline."""
+
+    placeholders: tuple[str, ...]
+    steps: tuple  # (name, fn, args, kwargs, where)
+    output: object
+
+    def __call__(self, *values):
+        deadline = _DEADLINE.get()
+        env = dict(zip(self.placeholders, values))
+        elements = 0
+        for name, fn, args, kwargs, where in self.steps:
+            if deadline is not None and time.monotonic() > deadline:
+                raise InputError(f"{where}: evaluating the custom loss ran past its time "
+                                 f"budget ({CHECK_BUDGET_S} s per request)")
+            try:
+                value = fn(*_resolve(args, env), **_resolve(kwargs, env))
+            except InputError:
+                raise
+            except Exception as e:  # noqa: BLE001 — report the node, not a jax traceback
+                raise InputError(f"{where}: {_brief(e)}") from None
+            elements += _bounded(value, where)
+            if elements > MAX_DATUM_ELEMENTS:
+                raise InputError(f"{where}: the custom loss's arrays hold over "
+                                 f"{MAX_DATUM_ELEMENTS} elements for one datum")
+            env[name] = value
+        loss, metrics = _resolve(self.output, env)
+        return loss, dict(metrics)
+
+
+_PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]*(?::\d+)?")
+
+
+def _brief(e: Exception) -> str:
+    """An error as one short line for the client: jax's messages run to many lines and
+    name the server's files ("while tracing the function program at /…/custom_loss.py")."""
+    text = str(e).split("The error occurred while tracing")[0]
+    return f"{type(e).__name__}: " + _PATH.sub("<file>", " ".join(text.split()))[:300]
+
+
+def _bounded(v, where: str) -> int:
+    """The elements of a node's arrays; InputError naming the node if its value is out of
+    bounds (an int outside int64, a tuple over MAX_SEQUENCE entries, an array over
+    MAX_ELEMENTS, a value of a kind no allowed operation makes, such as a complex)."""
+    if v is None or isinstance(v, (bool, float, _DType)):
+        return 0
+    if isinstance(v, int):
+        if not INT64_MIN <= v <= INT64_MAX:
+            raise InputError(f"{where}: an integer result outside int64")
+        return 0
+    if isinstance(v, (tuple, list)):
+        if len(v) > MAX_SEQUENCE:
+            raise InputError(f"{where}: a {type(v).__name__} of {len(v)} entries; at most "
+                             f"{MAX_SEQUENCE}")
+        return sum(_bounded(x, where) for x in v)
+    if isinstance(v, _ARRAYS):
+        shape = tuple(v.shape)
+        if math.prod(shape) > MAX_ELEMENTS or any(d > MAX_ELEMENTS for d in shape):
+            raise InputError(f"{where}: an array of shape {list(shape)}, over "
+                             f"{MAX_ELEMENTS} elements")
+        return math.prod(shape)
+    raise InputError(f"{where}: a {type(v).__name__} value is not allowed in a custom loss")

@@ -8,7 +8,8 @@ on 2-D targets, metrics), two models of the same seed train on one server: one w
 uploaded handle (loss_id set: server-side), one with the same handle with loss_id None
 (the SDK runs it client-side: a forward, torch autograd, a cross_entropy pass with
 weights = −dC/dlogprobs). Loss, per-datum log-probs, metrics and gradients by PEFT key
-must agree. The module's server runs on the mesh in MESHES; refusals leave nothing changed.
+must agree; the datums also carry an input the loss does not read, which both paths ignore.
+The module's server runs on the mesh in MESHES; refusals leave nothing changed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tinker import types  # noqa: E402
 
 import jcp  # noqa: E402
 from jcp.serve import Server  # noqa: E402
+from jcp.server import engine as engine_lib  # noqa: E402
 from helpers.custom_zoo import ZOO, encoded, zoo_inputs  # noqa: E402
 
 MODEL = "jcp-tiny"
@@ -63,7 +65,7 @@ def tensor(x) -> types.TensorData:
 
 def zoo_data(name: str, lengths=(13, 24, 7), k=4) -> list[types.Datum]:
     """Datums carrying every input of a zoo loss (2-D targets for the top-k one, with −1
-    pads in the last datum)."""
+    pads in the last datum), and one it does not read (old_logprobs, as RL data carries)."""
     out = []
     for j, n in enumerate(lengths):
         rng = np.random.default_rng(100 + j)
@@ -80,6 +82,7 @@ def zoo_data(name: str, lengths=(13, 24, 7), k=4) -> list[types.Datum]:
         fn, ranks = ZOO[name]
         inputs = {"target_tokens": tensor(targets)}
         inputs.update({k_: tensor(values[k_]) for k_ in ranks if k_ != "logprobs"})
+        inputs["old_logprobs"] = tensor(np.zeros((n, 2), np.float32))
         out.append(types.Datum(model_input=types.ModelInput.from_ints(toks.tolist()),
                                loss_fn_inputs=inputs))
     return out
@@ -195,6 +198,35 @@ def test_refusals_change_nothing(env):
                        match="datum 0: loss_fn_inputs.mask has rank 2, but custom loss"):
         tc.forward_backward(bad, "custom", {"loss_id": handle.loss_id}).result()
     assert all(not np.any(g) for g in grads(env, tc).values())
+
+
+def test_custom_losses_are_capped_per_tenant(env, monkeypatch):
+    """A tenant at its cap (MAX_CUSTOM_LOSSES_PER_TENANT) is refused, naming the cap; no
+    other tenant's handle is evicted (a global table used to evict the oldest, anyone's)."""
+    if env["tr"].dp * env["tr"].cp * env["tr"].tp != 1:
+        pytest.skip("the table is host-side: one mesh shows it")
+    engine = env["srv"].engine
+    bob = tinker.ServiceClient(base_url=env["srv"].url, api_key="tml-bob")
+    env["clients"].append(bob)
+
+    def scaled(c):  # a session uploads one handle per distinct traced loss
+        def total(logprobs):
+            return logprobs.sum() * c, {}
+        return total
+
+    bobs = bob.create_custom_loss(scaled(1.0), {"logprobs": 1}).result().loss_id
+    cap = len(engine.custom_loss_ids("alice")) + 2
+    monkeypatch.setattr(engine_lib, "MAX_CUSTOM_LOSSES_PER_TENANT", cap)
+    for c in (1.5, 2.5):
+        env["sc"].create_custom_loss(scaled(c), {"logprobs": 1}).result()
+    held = engine.custom_loss_ids()
+    with pytest.raises(tinker.RequestFailedError, match=f"hold {cap} custom losses "
+                                                        f"\\(at most {cap}\\)"):
+        env["sc"].create_custom_loss(scaled(3.5), {"logprobs": 1}).result()
+    assert engine.custom_loss_ids() == held and bobs in held
+    assert len(engine.custom_loss_ids("alice")) == cap
+    bob.create_custom_loss(scaled(2.0), {"logprobs": 1}).result()  # bob's own cap is his
+    assert len(engine.custom_loss_ids("bob")) == 2
 
 
 def test_a_finished_sessions_custom_losses_are_released(env):

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
+from hypothesis import strategies as st
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
 
@@ -108,3 +109,75 @@ def zoo_inputs(name, n=11, k=4, seed=0):
     if name == "seq_mean_is":
         values["advantages"] = np.float32(1.3)
     return lp, values
+
+
+# ----------------------------------------------------------------------------------------
+# Random graphs (hypothesis): the SDK's encoding, with the targets and arguments a hostile
+# client would reach for (huge ints and exponents, sequence repetition, shape arithmetic,
+# huge expands, disallowed names) mixed with ordinary tensor operations.
+
+FUZZ_FUNCTIONS = ["operator.add", "operator.sub", "operator.mul", "operator.pow",
+                  "operator.floordiv", "operator.mod", "operator.neg", "operator.gt",
+                  "operator.getitem", "operator.and_", "operator.invert", "torch.exp",
+                  "torch.sum", "torch.tensor", "torch.stack", "torch.cat", "torch.where",
+                  "torch.clamp", "torch.ones_like", "torch.numel", "math.floor", "math.exp",
+                  "math.pow", "getattr", "torch.lgamma", "os.system"]
+FUZZ_METHODS = ["sum", "mean", "expand", "reshape", "size", "pow", "float", "unsqueeze",
+                "__getitem__", "numel", "max", "item"]
+
+
+@st.composite
+def custom_graphs(draw, max_nodes: int = 10):
+    """(graph JSON, inputs JSON) of a random graph over one input, logprobs of rank 1."""
+    names = ["logprobs"]
+    nodes = [{"op": "placeholder", "name": "logprobs", "target": "logprobs", "args": [],
+              "kwargs": {}}]
+
+    def arg():
+        return draw(st.one_of(
+            st.sampled_from(names).map(lambda n: {"ref": n}),
+            st.sampled_from(names).map(lambda n: {"ref": n}),
+            st.integers(-4, 4), st.integers(-2**70, 2**70),
+            st.sampled_from([3 * 10**7, 2**31, 63, 64, 1 << 20, 10**18]),
+            st.floats(allow_nan=False, width=32),
+            st.sampled_from([{"float": "inf"}, {"float": "nan"}]),
+            st.lists(st.integers(-3, 3), max_size=6), st.just([0] * 1024),
+            st.sampled_from(["shape", "values", "ndim", "x" * 256]),
+            st.lists(st.integers(0, 4), max_size=3).map(lambda xs: {"tuple": xs}),
+            st.sampled_from([{"slice": [None, 2, None]}, {"slice": [1, None, 2]}]),
+            st.none()))
+
+    tensors = ["logprobs"]  # nodes an ordinary operation made: tensors
+    hostile = draw(st.booleans())  # else mostly ordinary nodes, so some graphs evaluate
+    for j in range(draw(st.integers(1, max_nodes))):
+        if hostile or draw(st.integers(0, 9)) == 0:
+            op = draw(st.sampled_from(["call_function", "call_function", "call_method"]))
+            target = draw(st.sampled_from(FUZZ_FUNCTIONS if op == "call_function"
+                                          else FUZZ_METHODS))
+            args = [{"ref": draw(st.sampled_from(names))}] if draw(st.booleans()) else []
+            args += [arg() for _ in range(draw(st.integers(0, 3)))]
+            kwargs = {"dim": draw(st.integers(-2, 1))} if draw(st.integers(0, 5)) == 0 else {}
+        else:
+            op, target, arity = draw(st.sampled_from([
+                ("call_function", "torch.exp", 1), ("call_function", "torch.tanh", 1),
+                ("call_function", "operator.add", 2), ("call_function", "operator.mul", 2),
+                ("call_function", "operator.sub", 2), ("call_method", "sum", 1),
+                ("call_method", "float", 1), ("call_method", "pow", 2)]))
+            args = [{"ref": draw(st.sampled_from(tensors))}]
+            if arity == 2:
+                args.append(draw(st.one_of(st.sampled_from(tensors).map(lambda n: {"ref": n}),
+                                           st.floats(-2, 2), st.integers(-3, 3))))
+            kwargs = {}
+            tensors.append(f"n{j}")
+        nodes.append({"op": op, "name": f"n{j}", "target": target, "args": args,
+                      "kwargs": kwargs})
+        names.append(f"n{j}")
+    # The loss sums some node: a scalar when that node is a tensor.
+    nodes.append({"op": "call_method", "name": "loss", "target": "sum",
+                  "args": [{"ref": draw(st.sampled_from(names))}], "kwargs": {}})
+    loss = {"ref": "loss"}
+    metrics = {"custom/m:sum": {"ref": draw(st.sampled_from(names))}} if draw(
+        st.booleans()) else {}
+    nodes.append({"op": "output", "name": "output", "target": "output",
+                  "args": [{"tuple": [loss, {"dict": metrics}]}], "kwargs": {}})
+    return {"format": 1, "nodes": nodes}, [{"name": "logprobs", "rank": 1}]
