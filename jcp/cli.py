@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 
 
@@ -37,6 +38,85 @@ def parse_mesh(text: str) -> tuple[int, int, int]:
 
 
 # ----------------------------------------------------------------------------------------
+# Typed flags: the `type=` of every numeric and path flag of both programs. A bad value
+# ends in the parser's one-line error naming the flag ("argument --port: must be in
+# 0..65535, got 99999") before anything is built, instead of a traceback (or a silent
+# wrap-around) wherever the value is first used.
+
+
+def integer(lo: int, hi: int | None = None):
+    """The converter of an integer in lo..hi (unbounded above when hi is None)."""
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            span = f"≥ {lo}" if hi is None else f"in {lo}..{hi}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
+        return value
+    return convert
+
+
+def number(lo: float, *, above: bool = False, hi: float = math.inf):
+    """The converter of a finite float ≥ lo (> lo when `above`) and ≤ hi: no nan or inf."""
+    def convert(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (math.isfinite(value) and (value > lo if above else value >= lo)
+                and value <= hi):
+            bound = f"{'>' if above else '≥'} {lo:g}" + (f" and ≤ {hi:g}" if hi < math.inf
+                                                          else "")
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return convert
+
+
+PORT = integer(0, 65535)  # 0: any free port
+COUNT = integer(1)
+SEED = integer(0)
+POSITIVE = number(0.0, above=True)
+GIGABYTES = number(0.0, hi=1e9)  # an exabyte: its bytes fit an int64
+
+
+def address(text: str) -> str:
+    """HOST:PORT (a jax.distributed coordinator), port in 1..65535."""
+    host, sep, port = text.rpartition(":")
+    if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 1..65535, "
+                                         f"got {text!r}")
+    return text
+
+
+def folder(text: str) -> str:
+    """A folder that exists or can be made: neither a file nor under one."""
+    path = os.path.abspath(text) if text else ""
+    probe = path
+    while probe and not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not text or not os.path.isdir(probe):
+        what = "is not a folder" if probe == path else f"is under {probe}, not a folder"
+        raise argparse.ArgumentTypeError(f"{text!r} {what}")
+    return text
+
+
+def existing_folder(text: str) -> str:
+    if not os.path.isdir(text):
+        why = "not a folder" if os.path.exists(text) else "no such folder"
+        raise argparse.ArgumentTypeError(f"{text}: {why}")
+    return text
+
+
+def existing_file(text: str) -> str:
+    if not os.path.isfile(text):
+        why = "not a file" if os.path.exists(text) else "no such file"
+        raise argparse.ArgumentTypeError(f"{text}: {why}")
+    return text
+
+
+# ----------------------------------------------------------------------------------------
 # Devices
 
 
@@ -57,8 +137,8 @@ def setup_devices(args, recoverable: bool = False) -> None:
     from jcp import host_memory
 
     addr = args.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    nproc = args.num_processes or _env_int("JAX_NUM_PROCESSES")
-    pid = args.process_id if args.process_id is not None else _env_int("JAX_PROCESS_ID")
+    nproc = args.num_processes or env_int("JAX_NUM_PROCESSES")
+    pid = args.process_id if args.process_id is not None else env_int("JAX_PROCESS_ID")
     accel = _has_accelerator() and os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu",
                                                                             "tpu", "rocm")
     if not accel and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -73,7 +153,8 @@ def setup_devices(args, recoverable: bool = False) -> None:
                                    process_id=pid)
 
 
-def _env_int(name):
+def env_int(name):
+    """The integer in environment variable `name`, None when unset; CliError otherwise."""
     v = os.environ.get(name)
     if v is None:
         return None
@@ -106,3 +187,17 @@ def load_model_and_mesh(args):
     except ValueError as e:
         raise CliError(f"--mesh {','.join(map(str, mesh_shape))}: {e}") from None
     return cfg, base, mesh
+
+
+def build_trainer(args, *, max_adapters: int, max_rank: int):
+    """The Trainer of a command: model and mesh from the flags (load_model_and_mesh), seed
+    and --max-tokens-per-device from args; CliError where the Trainer refuses them."""
+    import jcp
+
+    cfg, base, mesh = load_model_and_mesh(args)
+    try:
+        return jcp.Trainer(cfg, mesh, base_params=base, max_adapters=max_adapters,
+                           max_rank=max_rank, seed=args.seed,
+                           max_tokens_per_device=args.max_tokens_per_device)
+    except ValueError as e:
+        raise CliError(str(e)) from None

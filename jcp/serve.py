@@ -3,7 +3,7 @@
     jcp-serve [--hf-model DIR] [--model-name NAME] [--mesh dp,cp,tp] [--host 127.0.0.1]
               [--port 8000] [--max-adapters N] [--max-rank R] [--max-tokens-per-device N]
               [--api-keys FILE] [--state-dir DIR] [--max-body-bytes N] [--max-datums N]
-              [--max-num-samples N] [--max-futures N] [--max-offload-gb G]
+              [--max-num-samples N] [--max-futures N] [--max-offload-gb G] [--max-storage-gb G]
               [--session-timeout S] [--sample-slots N] [--sample-max-len N]
               [--sample-chunk N] [--prefill-tokens N] [--warmup]
               [--coordinator-address HOST:PORT --num-processes N --process-id I]
@@ -28,98 +28,116 @@ import tempfile
 import threading
 import time
 
-from jcp.cli import CliError, Parser, load_model_and_mesh, parse_mesh, setup_devices
+from jcp.cli import (COUNT, GIGABYTES, PORT, POSITIVE, SEED, CliError, Parser, address,
+                     build_trainer, env_int, existing_file, existing_folder, folder, integer,
+                     number, parse_mesh, setup_devices)
 
 # What `jcp-serve --warmup` compiles (Engine.warmup's buckets): steps with 1 or 2 distinct
-# adapters, greedy and drawn rows (no top-k / top-p), with and without prompt log-probs,
-# compute_logprobs, topk_sample_logprobs ≤ 4 and topk_prompt_logprobs ≤ 4. Other requests
-# (top-k / top-p rows, wider top-k, target_prompt_logprobs, prompt_alt_tokens_k, more
-# adapters in one step) compile their programs when first met.
-SAMPLING_WARMUP = dict(active=(1, 2), draws=("greedy", "drawn"), prompt_logprobs=(False, True),
-                       compute_logprobs=True, topk=(0, 4), prompt_stats=((4, 0, 0),))
+# adapters, greedy, drawn and top-k / top-p rows, any stop list the edge admits (one
+# width, params.STOP_WIDTH), with and without prompt log-probs, compute_logprobs, any
+# topk_sample_logprobs (one width, params.decode_topk_bucket) and topk_prompt_logprobs
+# ≤ 4. Other requests (wider topk_prompt_logprobs, target_prompt_logprobs,
+# prompt_alt_tokens_k, more adapters in one step) compile their programs when first met.
+SAMPLING_WARMUP = dict(active=(1, 2), draws=("greedy", "drawn", "filtered"),
+                       prompt_logprobs=(False, True), compute_logprobs=True, topk=(0, 64),
+                       prompt_stats=((4, 0, 0),))
 
 
 def parse_args(argv):
     p = Parser(prog="jcp-serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--hf-model", help="Hugging Face folder (config.json + safetensors)")
+    p.add_argument("--hf-model", type=existing_folder,
+                   help="Hugging Face folder (config.json + safetensors)")
     p.add_argument("--model-name", help="the base_model name clients use (default: the "
                    "folder's name, or jcp-tiny)")
     p.add_argument("--mesh", help="dp,cp,tp (default 2,2,2 on 8 devices, else 1,n,1)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-adapters", type=int, default=8)
-    p.add_argument("--max-rank", type=int, default=32)
-    p.add_argument("--max-tokens-per-device", type=int, default=None)
-    p.add_argument("--api-keys", help="file of `key [name]` lines; enables key checks")
-    p.add_argument("--state-dir", help="checkpoints and sampler weights (default: a temp dir)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=PORT, default=8000, help="0: any free port")
+    p.add_argument("--max-adapters", type=COUNT, default=8)
+    p.add_argument("--max-rank", type=COUNT, default=32)
+    p.add_argument("--max-tokens-per-device", type=integer(2), default=None)
+    p.add_argument("--api-keys", type=existing_file,
+                   help="file of `key [name]` lines; enables key checks")
+    p.add_argument("--state-dir", type=folder,
+                   help="checkpoints and sampler weights (default: a temp dir)")
+    p.add_argument("--seed", type=SEED, default=0)
     from jcp.server.edge import Limits
 
     d = Limits()
-    p.add_argument("--max-body-bytes", type=int, default=d.body_bytes,
+    p.add_argument("--max-body-bytes", type=COUNT, default=d.body_bytes,
                    help="largest HTTP body, and zstd body once decompressed (413 beyond)")
-    p.add_argument("--max-datums", type=int, default=d.datums,
+    p.add_argument("--max-datums", type=COUNT, default=d.datums,
                    help="datums per forward / forward_backward request")
-    p.add_argument("--max-num-samples", type=int, default=d.num_samples,
+    p.add_argument("--max-num-samples", type=COUNT, default=d.num_samples,
                    help="num_samples per sample request")
-    p.add_argument("--max-futures", type=int, default=d.futures,
+    p.add_argument("--max-futures", type=COUNT, default=d.futures,
                    help="request results kept per tenant (pending ones are never evicted)")
-    p.add_argument("--max-offload-gb", type=float, default=16.0,
+    p.add_argument("--max-offload-gb", type=GIGABYTES, default=16.0,
                    help="host memory for training models moved out of their adapter slot "
                    "when slots are short (bounds how many models may exist)")
-    p.add_argument("--session-timeout", type=float, default=180.0,
+    p.add_argument("--max-storage-gb", type=GIGABYTES, default=100.0,
+                   help="checkpoint files on disk per tenant under --state-dir (a save or "
+                   "copy beyond it is refused; deleting frees it)")
+    p.add_argument("--session-timeout", type=number(0.0), default=180.0,
                    help="seconds without a heartbeat after which a session ends and its "
                    "models are unloaded")
-    p.add_argument("--sample-slots", type=int, default=None,
+    p.add_argument("--sample-slots", type=COUNT, default=None,
                    help="sampling engine: sequences decoded together (a multiple of dp·cp; "
                    "default: as many as fit 1 GiB of KV cache per device, at most 512)")
-    p.add_argument("--sample-max-len", type=int, default=None,
+    p.add_argument("--sample-max-len", type=COUNT, default=None,
                    help="sampling engine: KV rows per sequence, prompt + max_tokens − 1 "
                    "(default min(256, max_context_length)); longer requests run beside "
                    "the engine")
-    p.add_argument("--sample-chunk", type=int, default=8,
+    p.add_argument("--sample-chunk", type=COUNT, default=8,
                    help="sampling engine: decode steps per engine step (requests join and "
                    "leave between them; a training pass waits at most one engine step)")
-    p.add_argument("--prefill-tokens", type=int, default=None,
+    p.add_argument("--prefill-tokens", type=COUNT, default=None,
                    help="sampling engine: most prompt tokens prefilled per engine step "
                    "(default max_tokens_per_device · dp)")
     p.add_argument("--warmup", action="store_true",
                    help="compile the sampling engine's programs before serving "
                    "(SAMPLING_WARMUP; see Engine.warmup)")
-    p.add_argument("--coordinator-address", default=None,
+    p.add_argument("--coordinator-address", type=address, default=None,
                    help="jax.distributed coordinator host:port (or JAX_COORDINATOR_ADDRESS); "
                    "every process gets the same flags, process 0 serves HTTP")
-    p.add_argument("--num-processes", type=int, default=None, help="(or JAX_NUM_PROCESSES)")
-    p.add_argument("--process-id", type=int, default=None, help="(or JAX_PROCESS_ID)")
-    p.add_argument("--follower-timeout", type=float, default=60.0,
+    p.add_argument("--num-processes", type=COUNT, default=None, help="(or JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=integer(0), default=None, help="(or JAX_PROCESS_ID)")
+    p.add_argument("--follower-timeout", type=POSITIVE, default=60.0,
                    help="seconds after which a follower process that stopped answering "
                    "fails the job (/healthz 503, requests refused)")
     args = p.parse_args(argv)
     if args.mesh:
         args.mesh = parse_mesh(args.mesh)
-    for name in ("max_adapters", "max_rank", "max_body_bytes", "max_datums",
-                 "max_num_samples", "max_futures", "sample_slots", "sample_max_len",
-                 "sample_chunk", "prefill_tokens"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise CliError(f"--{name.replace('_', '-')} must be ≥ 1")
-    if not args.follower_timeout > 0:
-        raise CliError("--follower-timeout must be > 0")
-    for name in ("max_offload_gb", "session_timeout"):
-        if not getattr(args, name) >= 0:
-            raise CliError(f"--{name.replace('_', '-')} must be ≥ 0")
+    if (None not in (args.process_id, args.num_processes)
+            and args.process_id >= args.num_processes):
+        raise CliError(f"--process-id {args.process_id} must be < --num-processes "
+                       f"{args.num_processes}")
     return args
 
 
-def build_trainer(args):
-    import jcp
-
-    cfg, base, mesh = load_model_and_mesh(args)
+def make_state_dir(path: str) -> None:
+    """Make --state-dir (the flag's type checked it is no file) and check it is writable;
+    CliError otherwise, before any device work."""
     try:
-        return jcp.Trainer(cfg, mesh, base_params=base, max_adapters=args.max_adapters,
-                           max_rank=args.max_rank, seed=args.seed,
-                           max_tokens_per_device=args.max_tokens_per_device)
-    except ValueError as e:
-        raise CliError(str(e)) from None
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"--state-dir {path}: {e.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CliError(f"--state-dir {path}: not writable")
+
+
+def check_listen(host: str, port: int) -> None:
+    """CliError unless this process can listen on host:port now (a name that does not
+    resolve, an address not on this machine, a port in use), before minutes of model
+    loading end in uvicorn's bind error."""
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind(where)
+    except OSError as e:
+        raise CliError(f"--host {host} --port {port}: cannot listen there "
+                       f"({e.strerror or e})") from None
 
 
 def _tokenizer_dir(path: str | None) -> str | None:
@@ -137,16 +155,16 @@ class Server:
                  limits=None, max_offload_bytes: int = 16 << 30,
                  session_timeout_s: float = 180.0, sample_slots: int | None = None,
                  sample_max_len: int | None = None, sample_chunk: int = 8,
-                 prefill_tokens: int | None = None, leader=None):
+                 prefill_tokens: int | None = None, leader=None, tenant_limits=None):
         import uvicorn
 
         from jcp.server.app import FutureTable, ServedModel, create_app
         from jcp.server.edge import Limits
         from jcp.server.engine import Engine
         from jcp.server.scheduler import Scheduler
-        from jcp.server.state import StateStore
+        from jcp.server.state import StateStore, TenantLimits
 
-        self.store = StateStore(state_dir, api_keys)
+        self.store = StateStore(state_dir, api_keys, tenant_limits or TenantLimits())
         self.scheduler = Scheduler()
         self.limits = limits if limits is not None else Limits()
         self.futures = FutureTable(self.limits.futures)
@@ -213,7 +231,7 @@ def main(argv=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         require_server_packages()
-        from jcp.server.state import read_api_keys
+        from jcp.server.state import TenantLimits, read_api_keys
 
         keys = None
         if args.api_keys:  # before any device work: a bad key file costs nothing
@@ -221,12 +239,17 @@ def main(argv=None) -> int:
                 keys = read_api_keys(args.api_keys)
             except (OSError, ValueError, UnicodeDecodeError) as e:
                 raise CliError(f"--api-keys: {e}") from None
+        if args.state_dir:
+            make_state_dir(args.state_dir)
+        pid = args.process_id if args.process_id is not None else env_int("JAX_PROCESS_ID")
+        if not pid:  # process 0 serves HTTP
+            check_listen(args.host, args.port)
         setup_devices(args, recoverable=True)
         from jcp.server.edge import Limits
 
         limits = Limits(body_bytes=args.max_body_bytes, datums=args.max_datums,
                         num_samples=args.max_num_samples, futures=args.max_futures)
-        tr = build_trainer(args)
+        tr = build_trainer(args, max_adapters=args.max_adapters, max_rank=args.max_rank)
     except CliError as e:
         print(f"jcp-serve: error: {e}", file=sys.stderr)
         return 2
@@ -249,7 +272,8 @@ def main(argv=None) -> int:
                      _tokenizer_dir(args.hf_model), limits,
                      int(args.max_offload_gb * (1 << 30)), args.session_timeout,
                      args.sample_slots, args.sample_max_len, args.sample_chunk,
-                     args.prefill_tokens, leader)
+                     args.prefill_tokens, leader, TenantLimits(
+                         storage_bytes=int(args.max_storage_gb * (1 << 30))))
     except CliError as e:
         if leader is not None:  # the followers wait for process 0's first call: release them
             leader.stop()

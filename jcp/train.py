@@ -20,13 +20,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 import re
 import shutil
 import sys
 
-from jcp.cli import CliError, Parser, load_model_and_mesh, parse_mesh, setup_devices
+from jcp.cli import (COUNT, POSITIVE, SEED, CliError, Parser, address, build_trainer,
+                     existing_file, existing_folder, folder, integer, parse_mesh,
+                     setup_devices)
 from jcp.files import atomic_write
 
 SFT, RL = "sft", "rl"
@@ -38,66 +39,54 @@ NAME_MAX = 255  # bytes in a file name: adapter names become checkpoint folders
 
 def parse_args(argv):
     p = Parser(prog="jcp-train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps in all (default 100)")
+    p.add_argument("--steps", type=COUNT, default=100, help="optimizer steps in all (default 100)")
     p.add_argument("--mesh", default=None,
                    help="dp,cp,tp (default 2,2,2 on 8 devices, else 1,<devices>,1)")
-    p.add_argument("--hf-model", default=None,
+    p.add_argument("--hf-model", type=existing_folder, default=None,
                    help="Hugging Face Qwen2/Qwen3/Qwen3-MoE/Qwen3.5 folder")
     p.add_argument("--moe", action="store_true",
                    help="without --hf-model: the tiny random mixture-of-experts model "
                         "(QwenConfig.tiny_moe()) instead of the dense one")
     p.add_argument("--expert-lora", default="shared_outer", choices=("shared_outer", "per_expert"),
                    help="how adapters hold the experts of a MoE model (default shared_outer)")
-    p.add_argument("--data", default=None,
+    p.add_argument("--data", type=existing_file, default=None,
                    help="JSONL of Tinker datums, each with an \"adapter\" name and optionally "
                         "a \"loss_fn\"")
     p.add_argument("--loss-fn", default=None,
                    help="loss for --data lines without one (default cross_entropy)")
-    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3)")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
-    p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
-    p.add_argument("--batch-size", type=int, default=4, help="datums per adapter per step")
-    p.add_argument("--seq-len", type=int, default=512, help="synthetic datum length")
-    p.add_argument("--group-size", type=int, default=4,
+    p.add_argument("--lr", type=POSITIVE, default=2e-3, help="Adam learning rate (default 2e-3)")
+    p.add_argument("--rank", type=COUNT, default=8, help="LoRA rank (default 8)")
+    p.add_argument("--alpha", type=POSITIVE, default=16.0, help="LoRA alpha (default 16)")
+    p.add_argument("--batch-size", type=COUNT, default=4, help="datums per adapter per step")
+    p.add_argument("--seq-len", type=integer(PROMPT + 2), default=512,
+                   help="synthetic datum length")
+    p.add_argument("--group-size", type=COUNT, default=4,
                    help="rl: completions sampled per prompt (default 4)")
-    p.add_argument("--rl-tokens", type=int, default=16,
+    p.add_argument("--rl-tokens", type=COUNT, default=16,
                    help="rl: most tokens sampled per completion (default 16)")
     p.add_argument("--rl-loss", default="importance_sampling", choices=RL_LOSSES,
                    help="rl: loss on the sampled rollouts (default importance_sampling)")
-    p.add_argument("--max-tokens-per-device", type=int, default=None)
-    p.add_argument("--save-every", type=int, default=25, help="checkpoint every K steps (default 25)")
-    p.add_argument("--out", default="jcp-out", help="output folder (default ./jcp-out)")
+    p.add_argument("--max-tokens-per-device", type=integer(2), default=None)
+    p.add_argument("--save-every", type=COUNT, default=25,
+                   help="checkpoint every K steps (default 25)")
+    p.add_argument("--out", type=folder, default="jcp-out",
+                   help="output folder (default ./jcp-out)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--coordinator-address", default=None,
+    p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--coordinator-address", type=address, default=None,
                    help="jax.distributed coordinator host:port (or JAX_COORDINATOR_ADDRESS)")
-    p.add_argument("--num-processes", type=int, default=None, help="(or JAX_NUM_PROCESSES)")
-    p.add_argument("--process-id", type=int, default=None, help="(or JAX_PROCESS_ID)")
+    p.add_argument("--num-processes", type=COUNT, default=None, help="(or JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=integer(0), default=None, help="(or JAX_PROCESS_ID)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
-    for name in ("steps", "rank", "batch_size", "seq_len", "save_every", "group_size",
-                 "rl_tokens"):
-        if getattr(a, name) < 1:
-            raise CliError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(a, name)}")
-    if a.seq_len < PROMPT + 2:
-        raise CliError(f"--seq-len must be ≥ {PROMPT + 2}")
-    if not (math.isfinite(a.lr) and a.lr > 0):
-        raise CliError(f"--lr must be finite and > 0, got {a.lr}")
-    if not (math.isfinite(a.alpha) and a.alpha > 0):
-        raise CliError(f"--alpha must be finite and > 0, got {a.alpha}")
-    if a.seed < 0:
-        raise CliError(f"--seed must be ≥ 0, got {a.seed}")
     if a.mesh is not None:
         a.mesh = parse_mesh(a.mesh)
     if a.moe and a.hf_model is not None:
         raise CliError("--moe picks the tiny random MoE model; with --hf-model the folder's "
                        "config says whether the model is a mixture of experts")
-    if a.hf_model is not None and not os.path.isdir(a.hf_model):
-        raise CliError(f"--hf-model {a.hf_model}: no such folder")
-    if a.data is not None and not os.path.isfile(a.data):
-        raise CliError(f"--data {a.data}: no such file")
-    if os.path.exists(a.out) and not os.path.isdir(a.out):
-        raise CliError(f"--out {a.out}: exists and is not a folder")
+    if None not in (a.process_id, a.num_processes) and a.process_id >= a.num_processes:
+        raise CliError(f"--process-id {a.process_id} must be < --num-processes "
+                       f"{a.num_processes}")
 
     # The checks that need jcp (and so JAX) come last, so that a mistyped flag fails fast.
     # Importing JAX touches no backend; setup_devices still runs before one starts.
@@ -451,19 +440,6 @@ def plot_metrics(metrics_path: str, png_path: str) -> dict[str, dict[str, list]]
 # Main
 
 
-def build_trainer(args, adapter_names: list[str]):
-    """The base model, the mesh, and a Trainer with a slot for every adapter."""
-    import jcp
-
-    cfg, base, mesh = load_model_and_mesh(args)
-    try:
-        return jcp.Trainer(cfg, mesh, base_params=base, max_adapters=max(len(adapter_names), 1),
-                           max_rank=args.rank, seed=args.seed,
-                           max_tokens_per_device=args.max_tokens_per_device)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-
-
 def check_fits(tr, args, src: DataFile | None) -> None:
     """Every datum the run will train on fits the Trainer (token cap, vocabulary, inputs),
     checked before any adapter exists: CliError naming FILE:LINE or the flag."""
@@ -592,7 +568,7 @@ def run(args) -> dict:
     src = load_data(args)
     adapter_names = src.adapter_names if src else [SFT, RL]
     latest = read_latest(args.out, adapter_names) if args.resume else None
-    tr = build_trainer(args, adapter_names)
+    tr = build_trainer(args, max_adapters=max(len(adapter_names), 1), max_rank=args.rank)
     check_fits(tr, args, src)
     adapters, start = restore_or_create(tr, args, adapter_names, latest)
     if start >= args.steps:

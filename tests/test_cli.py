@@ -280,6 +280,10 @@ USER_ERRORS = [
     ("seed-negative", _flag("--seed", "-1"), True),
     ("alpha-overflows-float32", _flag("--alpha", "1e39"), True),
     ("max-tokens-per-device-tiny", _flag("--max-tokens-per-device", "3"), True),
+    ("max-tokens-per-device-zero", _flag("--max-tokens-per-device", "0"), True),
+    ("num-processes-zero", _flag("--num-processes", "0"), True),
+    ("process-id-beyond-the-job", _flag("--num-processes", "2", "--process-id", "2"), True),
+    ("coordinator-without-port", _flag("--coordinator-address", "host"), True),
     ("rl-tokens-beyond-the-cap", _flag("--rl-tokens", "100000"), True),
     ("batch-size-huge", _flag("--batch-size", "1000000000"), True),
     ("data-adapter-with-nul", _data_case(_datum(), _datum("a\u0000b"), bad_line=2), True),
@@ -358,3 +362,80 @@ def test_serve_without_the_server_extra_names_it(monkeypatch, capsys):
     assert serve.main([]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["jcp-serve: error: jcp-serve needs fastapi: pip install 'jcp[serve]'"]
+
+
+# ----------------------------------------------------------------------------------------
+# jcp-serve: every flag's bad values end in one line and exit 2 before any device work
+# (the flags' types in jcp.cli: finite sizes, port range, a folder where one is needed).
+
+
+def _listening():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+SERVE_ERRORS = [
+    (["--state-dir", "{file}"], "--state-dir"),
+    (["--state-dir", "{file}/sub"], "--state-dir"),
+    (["--max-offload-gb", "inf"], "--max-offload-gb"),
+    (["--max-offload-gb", "nan"], "--max-offload-gb"),
+    (["--max-offload-gb", "-1"], "--max-offload-gb"),
+    (["--max-offload-gb", "1e300"], "--max-offload-gb"),  # its bytes overflow
+    (["--max-storage-gb", "inf"], "--max-storage-gb"),
+    (["--max-storage-gb", "-1"], "--max-storage-gb"),
+    (["--max-storage-gb", "inf"], "--max-storage-gb"),
+    (["--port", "99999"], "--port"),
+    (["--port", "-1"], "--port"),
+    (["--port", "{busy}"], "--port"),
+    (["--host", "192.0.2.1", "--port", "0"], "--host"),  # TEST-NET: no address of ours
+    (["--session-timeout", "inf"], "--session-timeout"),
+    (["--follower-timeout", "inf"], "--follower-timeout"),
+    (["--max-tokens-per-device", "0"], "--max-tokens-per-device"),
+    (["--max-datums", "0"], "--max-datums"),
+    (["--sample-chunk", "-2"], "--sample-chunk"),
+    (["--seed", "-1"], "--seed"),
+    (["--hf-model", "{file}"], "--hf-model"),
+    (["--api-keys", "{folder}"], "--api-keys"),
+    (["--coordinator-address", "host"], "--coordinator-address"),
+    (["--coordinator-address", "host:99999"], "--coordinator-address"),
+    (["--num-processes", "2", "--process-id", "2"], "--process-id"),
+]
+
+
+@pytest.mark.parametrize("args, needle", SERVE_ERRORS, ids=[" ".join(a) for a, _ in SERVE_ERRORS])
+def test_serve_refuses_bad_flags_in_one_line(tmp_path, capfd, monkeypatch, args, needle):
+    from jcp import serve
+
+    def no_devices(*a, **k):
+        raise AssertionError("reached device setup")
+
+    monkeypatch.setattr(serve, "setup_devices", no_devices)
+    (tmp_path / "f").write_text("")
+    with _listening() as busy:
+        argv = [a.format(file=tmp_path / "f", folder=tmp_path, busy=busy.getsockname()[1])
+                for a in args]
+        code = serve.main(argv)
+    err = capfd.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0].startswith("jcp-serve: error: ") and needle in lines[0], lines[0]
+    assert not (tmp_path / "f" / "sub").exists()
+
+
+def test_flag_types_take_what_they_should():
+    """The converters accept the edges of their ranges (a refusal test alone would pass
+    with converters that refuse everything)."""
+    from jcp.cli import GIGABYTES, PORT, POSITIVE, address, folder
+    from jcp.serve import parse_args
+
+    assert (PORT("0"), PORT("65535"), GIGABYTES("0"), GIGABYTES("1.5")) == (0, 65535, 0.0, 1.5)
+    assert POSITIVE("1e-9") == 1e-9 and address("10.0.0.1:1234") == "10.0.0.1:1234"
+    assert folder("/tmp/not/yet/made") == "/tmp/not/yet/made"
+    args = parse_args(["--port", "0", "--max-offload-gb", "0", "--session-timeout", "0",
+                       "--num-processes", "2", "--process-id", "1"])
+    assert (args.port, args.max_offload_gb, args.session_timeout, args.process_id) == (
+        0, 0.0, 0.0, 1)

@@ -339,6 +339,49 @@ def test_external_weights_download(env, monkeypatch):
         urllib.request.urlopen(next(iter(short.values())))
 
 
+def test_dot_names_and_failed_saves_on_every_route(env, monkeypatch):
+    """A checkpoint name `.` or `..` is not found on every route (DELETE …/weights/%2e%2e
+    deleted the caller's whole run; external_weights/.. handed out URLs for owner.json);
+    a save that fails (a full disk) is not listed and never the run's last checkpoint."""
+    import errno
+
+    sc = client(env)
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=RANK, seed=5).result()
+    run, good = tc.model_id, tc.save_state("good").result().path
+    rc = tinker.RestClient(base_url=env["srv"].url, api_key="tml-alice")
+    url, key = f"{env['srv'].url}/api/v1/training_runs/{run}/checkpoints", {
+        "X-API-Key": "tml-alice"}
+    for kind in ("weights", "sampler_weights", "external_weights"):
+        for name in ("%2e%2e", "%2e", ".%2e"):
+            answers = [httpx.delete(f"{url}/{kind}/{name}", headers=key),
+                       httpx.put(f"{url}/{kind}/{name}/ttl", json={"ttl_seconds": 60},
+                                 headers=key),
+                       httpx.get(f"{url}/{kind}/{name}/external_weights_urls", headers=key)]
+            assert [a.status_code for a in answers] == [404] * 3, [a.text for a in answers]
+            assert not any("owner.json" in a.text for a in answers)
+    for kind in ("weights", "sampler_weights"):
+        for route, field in (("weights_info", "tinker_path"), ("copy_weights", "source_path")):
+            assert post(env, route, {field: f"tinker://{run}/{kind}/.."}).status_code == 404
+    for call in (lambda: sc.create_training_client_from_state(f"tinker://{run}/weights/.."),
+                 lambda: sc.create_sampling_client(f"tinker://{run}/sampler_weights/.."),
+                 lambda: tc.save_state(".."), lambda: tc.save_weights_for_sampler(".")):
+        with pytest.raises(Exception, match=r"not found|not '\.' or '\.\.'"):
+            call().result()
+
+    def full_disk(slot, folder):  # the writer's first file lands, then the disk is full
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "CURRENT"), "w") as f:
+            f.write("v-1")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(env["tr"], "save_state", full_disk)
+    with pytest.raises(tinker.RequestFailedError, match="No space left"):
+        tc.save_state("full").result()
+    assert [c.tinker_path for c in rc.list_checkpoints(run).result().checkpoints] == [good]
+    assert rc.get_training_run(run).result().last_checkpoint.tinker_path == good
+    assert not os.path.exists(srv_folder(env, f"tinker://{run}/weights/full"))
+
+
 def test_cancel_and_retrieve_futures(env):
     srv = env["srv"]
     sid = post(env, "create_session", {}).json()["session_id"]
@@ -409,6 +452,87 @@ def test_fused_requests_report_their_own_metrics(env):
         for x, y in zip(f.loss_fn_outputs, a.loss_fn_outputs):
             np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(),
                                        rtol=1e-5, atol=1e-6)
+
+
+def test_snapshots_outlast_idle_training_models(env):
+    """bob's in-memory sampler snapshot keeps its slot while alice's models need slots and
+    idle training models can be offloaded instead (his own included: he holds the most
+    slots); his sampling client still samples."""
+    srv = env["srv"]
+    tb = client(env, "tml-bob").create_lora_training_client(base_model=MODEL, rank=RANK,
+                                                            seed=31).result()
+    sb = tb.save_weights_and_get_sampling_client().result()
+    tas = [client(env).create_lora_training_client(base_model=MODEL, rank=RANK, seed=s)
+           .result() for s in (32, 33)]
+    for ta in tas:
+        assert ta.forward([data(5)[0]], "cross_entropy").result().metrics["loss:sum"] > 0
+    assert srv.store.models[tb.model_id].slot is None  # offloaded, the snapshot was not
+    out = sb.sample(types.ModelInput.from_ints([1, 2, 3]), 1,
+                    types.SamplingParams(max_tokens=2, seed=1)).result()
+    assert len(out.sequences[0].tokens) == 2
+    env["swap"] = tb, tas
+
+
+def test_restore_swaps_when_host_memory_is_full(env):
+    """Host memory for offloaded models exactly full and the other slot held by alice:
+    bob's offloaded model still comes back — swapped with alice's idle model into the
+    host memory its restore frees — and so does hers after it."""
+    srv = env["srv"]
+    tb, (ta0, ta1) = env.pop("swap")
+    assert srv.store.models[ta1.model_id].slot is not None
+    assert srv.store.models[tb.model_id].slot is None
+    used, old = srv.engine.offloaded_bytes(), srv.engine.max_offload_bytes
+    srv.engine.max_offload_bytes = used
+    try:
+        restores = srv.engine.restores
+        assert tb.forward([data(6)[0]], "cross_entropy").result().metrics["loss:sum"] > 0
+        assert srv.store.models[ta1.model_id].slot is None  # alice's idle model swapped out
+        assert ta0.forward([data(7)[0]], "cross_entropy").result().metrics["loss:sum"] > 0
+        assert srv.engine.restores == restores + 2
+        assert srv.engine.offloaded_bytes() == used
+    finally:
+        srv.engine.max_offload_bytes = old
+
+
+def test_server_failures_name_no_server_files(env):
+    """A load that fails inside the server (the checkpoint's array files were cut short:
+    the integrity check names a file of the state folder) answers with the checkpoint's
+    tinker:// name, never a path of the server's state folder."""
+    sc = client(env)
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=RANK).result()
+    path = tc.save_state("cut").result().path
+    cut = [os.path.join(d, f) for d, _, fs in os.walk(srv_folder(env, path)) for f in fs
+           if os.path.basename(d) == "d"]
+    assert cut
+    for f in cut:
+        with open(f, "r+b") as fh:
+            fh.truncate(10)
+    with pytest.raises(tinker.RequestFailedError) as refused:
+        sc.create_training_client_from_state(path).result()
+    said = str(refused.value)
+    state = env["srv"].store.state_dir
+    assert state not in said and os.path.realpath(state) not in said, said[:500]
+    assert "tinker://" in said and len(said) < 2000, said[:500]
+
+
+def test_error_messages_are_redacted_and_bounded():
+    """redact.client_message (host only): state folders become tinker:// names, other
+    absolute paths <path>, tinker:// names and relative text stay, the length is capped
+    (shutil.Error of a failed copy lists every file: kilobytes of paths)."""
+    from jcp.server.redact import MAX_CHARS, client_message
+
+    state = "/srv/jcp-state"
+    ckpt = f"{state}/runs/s1:train:0/weights/step-4"
+    listed = str([(f"{ckpt}/state/d/{i:032x}", f"{state}/runs/copy-1/weights/step-4/d/{i}",
+                   "[Errno 18] Invalid cross-device link") for i in range(100)])
+    said = client_message(listed, state)
+    assert len(listed) > 10_000 and len(said) == MAX_CHARS and said.endswith("…")
+    assert said.startswith("[('tinker://s1:train:0/weights/step-4', 'tinker://copy-1/weights")
+    assert client_message(f"{state}/runs/r1/checkpoints.json: bad; {state}-old/x; "
+                          f"{state}/.tmp-1 and /usr/lib/x.py", state) == \
+        "tinker://r1: bad; <path>; <state> and <path>"
+    kept = "tinker://r:train:0/weights/a not found; 3/4 tokens/s; loss / n"
+    assert client_message(kept, state) == kept
 
 
 def test_train_mlp_means_the_experts_on_moe(tmp_path):
