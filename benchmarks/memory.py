@@ -19,7 +19,7 @@ M = arguments + outputs + temporaries per device; the weights (arguments) are re
 over cp, so the activation share is the temporaries, and the goal is checked on M itself.
 --explain N compiles with XLA's dumps and prints the N largest groups of buffers live at
 the peak of the heap (the live-range report), each with the op that made it: that is how
-the ring's per-step buffers were found (see attention.py, "ring memory").
+the ring's per-step buffers were found (benchmarks/RESULTS.md, "Ring memory").
 --model qwen3-8b compiles Qwen3-8B's shape (bf16, 36 layers; the layer scan makes
 compile time independent of depth), compile only.
 
@@ -31,6 +31,10 @@ Measured (jax 0.10.2, 8 fake CPU devices, compile only; M(cp)/M(1) at cp = 2, 4,
   issue config (hidden 256, 2 layers, 8 heads × 64, vocab 2048, ring), total M:
     before the ring fix  32k 0.530 / 0.283 / 0.159   64k 0.528 / 0.279 / 0.156
     after                32k 0.518 / 0.264 / 0.139   64k 0.515 / 0.260 / 0.135
+  the same with --kv-heads 8 (K/V as wide as q; issue 37), total M:
+    unrolled ring steps  32k 0.563 / 0.325 / 0.220   64k 0.561 / 0.322 / 0.217
+    the ring as a loop   32k 0.563 / 0.271 / 0.140   64k 0.561 / 0.263 / 0.136
+    (--kv-heads 2 after it: 32k 0.524 / 0.271 / 0.141, 64k 0.521 / 0.267 / 0.136)
   Qwen3-8B shape, 36 layers, 32k, float32: temp 0.507 / 0.259 / 0.135; total 0.694 /
     0.540 / 0.463 (31 GB of weights replicated over cp); bfloat16: temp 0.689 / 0.533 /
     0.456, of which ~26 GB at every cp were XLA:CPU's f32 copies of the stacked weights.
@@ -41,7 +45,7 @@ Measured (jax 0.10.2, 8 fake CPU devices, compile only; M(cp)/M(1) at cp = 2, 4,
     so it keeps the stacks in f32). --explain shows them.
 
     python benchmarks/memory.py [--tokens 32768,65536] [--attention ring,gather]
-                                [--explain 12] [--out /tmp/jcp_memory.json]
+                                [--kv-heads 8] [--explain 12] [--out /tmp/jcp_memory.json]
     python benchmarks/memory.py --model qwen3-8b --no-balance     # Qwen3-8B shape
 """
 
@@ -271,7 +275,8 @@ def main(argv=None):
                     help="layers (default 2 small, 36 qwen3-8b)")
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--kv-heads", type=int, default=2,
+                    help="kv heads (small model); 8 = as many as q heads: K/V as wide as q")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--intermediate", type=int, default=768)
     ap.add_argument("--attn-block", type=int, default=attention.DEFAULT_BLOCK)

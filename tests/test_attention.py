@@ -6,7 +6,9 @@ Evidence:
 2. padding-only ranks and one-token datums: finite outputs, zeros at padding, exactly zero
    gradient at padding rows, padding contents never reach a real token;
 3. block skipping: the skip predicate never drops a block that holds a visible pair, and
-   with the zigzag layout every cp rank computes the same number of blocks.
+   with the zigzag layout every cp rank computes the same number of blocks;
+4. ring memory: the compiled ring's temporaries per rank stay under a bound ∝ S at every
+   cp, with K/V as wide as q.
 
 Legend: CP, TP mesh axis sizes; S rows of one rank's stream; H query heads; K kv heads;
 E head dim.
@@ -23,6 +25,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jcp
+from helpers import kernel_checks as KC
 from jcp import attention
 from jcp import batch as batch_lib
 from jcp import mesh as mesh_lib
@@ -362,6 +365,22 @@ def test_ring_steps_balanced_and_skipping(cp):
     pos_c = np.arange(n, dtype=np.int32).reshape(cp, s_len)
     work_c = attention.ring_block_work(seg_c, pos_c, block)
     assert work_c.max() > 1.5 * max(work_c.min(), 1)
+
+
+@pytest.mark.parametrize("cp", (4, 8))
+def test_ring_memory_per_rank_with_wide_kv(cp):
+    """The ring's memory per rank is ∝ S = tokens / cp whatever the K/V width: with 8 kv
+    heads (as many as q heads) its compiled forward + backward holds < 20 u of
+    temporaries (u = S·K·H·4 bytes, one rank's K in fp32) at every cp.
+
+    The bound counts one ring step at the backward's peak: q and d_out in rows, dq and its
+    transposed accumulator (4 u; M = 1), the held K/V and the pair in flight (4 u), their
+    fp32 gradients held and in flight (4 u), the kernel's block-layout copies of the held
+    K, V, Kᵀ, dK, dV (5 u): 17 u, and 3 u for the forward's saved output and the small
+    arrays (lse, masks, block tables). Unrolled ring steps, each holding its own copies of
+    its block (issue 37), held 22.7 u at cp = 4 and 39 u at cp = 8; the loop holds 17.5 u
+    at both (benchmarks/RESULTS.md, "Ring memory")."""
+    assert KC.ring_temp_units("blockwise", cp) < 20
 
 
 def test_auto_choice_by_gathered_bytes():

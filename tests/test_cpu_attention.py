@@ -10,7 +10,10 @@ Evidence:
    NaN; padding contents never reach a real token; bf16 runs (converted to fp32);
 3. through attention.cp_attention (all-gather) and attention.ring_attention inside a
    shard_map at cp = 2, and through the Trainer (gather and ring);
-4. the build: cached by hash, "auto" resolution, and a clear refusal without a compiler.
+4. the build: cached by hash, "auto" resolution, and a clear refusal without a compiler;
+   a cached file that is truncated, altered, another user's or writable by others is
+   rebuilt, a cache folder writable by others refused ("auto" falls back with a warning),
+   and the process lives.
 
 Legend: CP mesh axis size; S rows of one rank's stream; Q query heads; K kv heads; H head
 dim.
@@ -19,15 +22,19 @@ dim.
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_pallas_attention import H, random_qkv, zigzag_layout
 
 import jcp
 from helpers import kernel_checks as KC
+H, random_qkv, zigzag_layout = KC.H, KC.random_qkv, KC.zigzag_layout
 from helpers import trainer_harness as TH
 from jcp import attention
 from jcp.attention import cpu
@@ -222,6 +229,16 @@ def test_cp_attention_and_ring_in_shard_map():
     KC.assert_paths_match_dense(sharded, "cpu", args, seg)
 
 
+@pytest.mark.parametrize("cp", (4, 8))
+def test_ring_memory_per_rank_with_wide_kv(cp):
+    """The C++ kernels' ring holds < 11 u of temporaries per rank at every cp (u = S·K·H·4
+    bytes, one rank's K in fp32; 8 kv heads, as many as q heads): the held K/V and the pair
+    in flight (4 u), their fp32 gradients held and in flight (4 u), the kernel's dK, dV of
+    the held block (2 u), and 1 u for dq, the merged partials and lse. Unrolled ring steps
+    held 13.1 u at cp = 4, 23.2 u at cp = 8 (issue 37); the loop holds 9.1 u at both."""
+    assert KC.ring_temp_units("cpu", cp) < 11
+
+
 @pytest.mark.parametrize("cp_attention", ["gather", "ring"])
 def test_trainer_cpu_matches_blockwise(tmp_path, monkeypatch, cp_attention):
     """The whole training step — StepConfig accepts "cpu", the layer scan with remat, the
@@ -257,3 +274,92 @@ def test_refuses_without_compiler_or_with_unsupported_head_dim(monkeypatch, tmp_
     seg = jnp.zeros(8, jnp.int32)
     with pytest.raises(ValueError, match="head dims"):
         cpu.flash_attention(q, q, q, seg, seg, seg, seg)
+
+
+# The kernel cache. The compiler here is a script that answers --version as the real one
+# (so the cache name is the real one) and "builds" by copying the object built once for
+# this module: a rebuild costs a copy, not a 6-s compile, and is counted.
+
+
+@pytest.fixture
+def copying_cxx(tmp_path, monkeypatch):
+    """(the built object's bytes, the cache folder, the number of builds so far())."""
+    real = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    good = tmp_path / "good.so"
+    shutil.copyfile(cpu.library_path(), good)
+    log = tmp_path / "builds"
+    log.write_text("")
+    script = tmp_path / "cxx"
+    script.write_text(f"""#!/bin/sh
+[ "$1" = --version ] && exec {real} --version
+while [ $# -gt 1 ]; do
+  [ "$1" = -o ] && echo built >> {log} && exec cp {good} "$2"
+  shift
+done
+exit 1
+""")
+    script.chmod(0o755)
+    monkeypatch.setenv("CXX", str(script))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return good.read_bytes(), tmp_path / "cache" / "jcp", lambda: len(log.read_text().split())
+
+
+def _digest(lib):
+    return lib.with_name(lib.name + ".sha256")
+
+
+ROOT = os.geteuid() == 0  # only root can give a file to another user
+
+
+def test_kernel_cache_rebuilds_what_it_cannot_verify(copying_cxx):
+    good, folder, builds = copying_cxx
+    lib = cpu.library_path()
+    assert builds() == 1 and lib.read_bytes() == good and cpu.refusal(lib) == ""
+    assert lib.parent == folder and (folder.stat().st_mode & 0o777) == 0o700
+    assert lib.stat().st_mode & 0o022 == 0 == _digest(lib).stat().st_mode & 0o022
+    assert cpu.library_path() == lib and builds() == 1  # verified: loaded as it is
+    bad = {"truncated": (lambda: lib.write_bytes(good[:len(good) // 2]), "hash"),
+           "tampered": (lambda: lib.write_bytes(good[:5000] + bytes([good[5000] ^ 1])
+                                                + good[5001:]), "hash"),
+           "loose mode": (lambda: lib.chmod(0o722), "writable by group or others"),
+           "hash loose": (lambda: _digest(lib).chmod(0o646), "writable by group or others"),
+           "hash missing": (lambda: _digest(lib).unlink(), "missing")}
+    if ROOT:
+        bad["foreign owner"] = (lambda: os.chown(lib, 4242, 4242), "owned by uid 4242")
+    for n, (name, (corrupt, why)) in enumerate(bad.items(), start=2):
+        corrupt()
+        assert why in cpu.refusal(lib), name
+        assert cpu.library_path() == lib and builds() == n, name
+        assert lib.read_bytes() == good and cpu.refusal(lib) == "", name
+    # A folder anyone else may write: its files could be swapped between check and load.
+    folder.chmod(0o775)
+    with pytest.raises(cpu.Unavailable, match="writable by group or others"):
+        cpu.library_path()
+    folder.chmod(0o700)
+    if ROOT:
+        os.chown(folder, 4242, 4242)
+        with pytest.raises(cpu.Unavailable, match="owned by uid 4242"):
+            cpu.library_path()
+    assert builds() == 1 + len(bad)
+
+
+@pytest.mark.parametrize("bad, chosen", [("truncated file", "cpu"), ("loose folder", "blockwise")])
+def test_bad_kernel_cache_never_kills_the_process(copying_cxx, bad, chosen):
+    """A fresh process resolving attn_impl "auto" (what every CPU Trainer does) over a
+    truncated cached object (loading it was SIGBUS) rebuilds it and uses it; over a cache
+    folder others may write it refuses and falls back to blockwise with a warning."""
+    good, folder, builds = copying_cxx
+    lib = cpu.library_path()
+    if bad == "truncated file":
+        lib.write_bytes(good[:len(good) // 2])
+    else:
+        folder.chmod(0o777)
+    p = subprocess.run([sys.executable, "-c", "from jcp import attention; print(attention."
+                        f"resolve_implementation('auto', 'cpu', {H}, 'float32'))"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    assert p.stdout.split() == [chosen]
+    if chosen == "blockwise":
+        assert "RuntimeWarning" in p.stderr and "writable by group or others" in p.stderr
+    else:
+        assert lib.read_bytes() == good and builds() == 2

@@ -35,33 +35,9 @@ from jcp import mesh as mesh_lib
 from jcp import model
 from jcp.attention import pallas as pa
 
-H = 16
+H = KC.H
 BLOCK = 16
-
-
-def zigzag_layout(lengths, cp, s_len):
-    """(segment, position) [CP, S]: datum d (segment d) split over the cp ranks by
-    mesh.zigzag_indices, the datums packed one after another on every rank, then padding
-    (segment −1, also inside a datum's last chunks)."""
-    seg = np.full((cp, s_len), -1, np.int32)
-    pos = np.zeros((cp, s_len), np.int32)
-    fill = 0
-    for d, n in enumerate(lengths):
-        idx = mesh_lib.zigzag_indices(n, cp)  # [CP, 2C]
-        w = idx.shape[1]
-        seg[:, fill:fill + w] = np.where(idx >= 0, d, -1)
-        pos[:, fill:fill + w] = np.maximum(idx, 0)
-        fill += w
-    assert fill <= s_len, (fill, s_len)
-    return seg, pos
-
-
-def random_qkv(s_len, t_len, q_heads, kv_heads, seed, dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((s_len, q_heads, H)).astype(dtype),
-            rng.standard_normal((t_len, kv_heads, H)).astype(dtype),
-            rng.standard_normal((t_len, kv_heads, H)).astype(dtype),
-            rng.standard_normal((s_len, q_heads, H)).astype(np.float32))
+random_qkv, zigzag_layout = KC.random_qkv, KC.zigzag_layout
 
 
 # Small tiles, so every stream spans several blocks: all sides BLOCK, or of unequal sides
@@ -290,6 +266,36 @@ def test_kernels_lower_to_triton(monkeypatch):
     assert sorted(set(names)) == ["jcp_attention_dkv", "jcp_attention_dq", "jcp_attention_fwd"]
 
 
+
+
+def test_ring_steps_are_one_loop_on_triton(monkeypatch):
+    """The Pallas ring's steps are a loop (tiling.ring_fold): lowered for "cuda" at cp = 4
+    it holds the kernels of one loop step and of the peeled last step (forward, dQ, dK/dV:
+    6), as at cp = 2 — not one set per step, whose K/V blocks XLA then held all at once
+    (issue 37, O(CP·S) per rank). Its memory is not measured on CPU: interpret mode
+    gathers every device's inputs (pallas._interpret_invariant); the C++ kernels' ring,
+    the same tiling.kernel_ring_fwd/bwd, is (test_cpu_attention)."""
+    monkeypatch.setattr(pa, "interpret_mode", lambda: False)
+    sd = jax.ShapeDtypeStruct
+
+    def kernels(cp):
+        def inner(q, k, v, seg, pos):
+            return attention.ring_attention(q[0], k[0], v[0], seg[0], pos[0], block=BLOCK,
+                                            implementation="pallas")[None]
+
+        f = jax.shard_map(inner, mesh=jcp.make_mesh(1, cp, 1),
+                          in_specs=(KC.HEADS,) * 3 + (ROWS,) * 2, out_specs=KC.HEADS)
+
+        def run(q, k, v, seg, pos):
+            out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, seg, pos), q, k, v)
+            return vjp(out)
+
+        q, kv, rows = (sd((cp, 64, 4, H), jnp.float32), sd((cp, 64, 2, H), jnp.float32),
+                       sd((cp, 64), jnp.int32))
+        return sorted(_triton_kernels(run, q, kv, kv, rows, rows))
+
+    two = kernels(2)
+    assert len(two) == 6 and kernels(4) == two
 
 
 def test_plan_lists_masked_then_full_blocks():

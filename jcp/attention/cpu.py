@@ -1,13 +1,16 @@
 """The "cpu" attention implementation: fused flash-attention kernels in C++ for XLA:CPU.
 
 Owns the build of cpu_flash.cc (compiled on first use with the system C++ compiler, cached
-by a hash of source, flags, compiler and jax version, registered through the XLA FFI),
+by a hash of source, flags, compiler and jax version, verified before every load,
+registered through the XLA FFI),
 and the two strategies on its forward (out, lse) and backward (dq, dk, dv) kernels:
 `flash_attention` (the all-gather path, custom VJP) and `ring_attention` (one kernel call
 per cp ring step, partials merged by their log-sum-exp, tiling.merge_partials). It
 applies exactly jcp's mask (attention.tiling.visible) with GQA and skips the tiles the
 mask empties, as tiling.block_kinds classifies them. It must never materialise an
-[S, T] array and never be chosen where it cannot build (`available()` says why).
+[S, T] array, never be chosen where it cannot build (`available()` says why), and never
+load a cached file it has not verified (a truncated .so kills the process with SIGBUS on
+load; another user's file would run as ours).
 
 Why a kernel and not XLA: at 8k tokens on one core XLA's blockwise kernel spends 62 % of
 its time in GEMMs, 13 % in softmax passes over whole score tiles and 17 % in per-tile
@@ -32,14 +35,16 @@ import os
 import pathlib
 import platform
 import shutil
+import stat
 import subprocess
-import tempfile
+import warnings
 
 import jax
 import jax.numpy as jnp
 
 from jcp.attention.tiling import (delta_QxS, kernel_ring_bwd, kernel_ring_fwd, no_grads,
                                   saved_out_lse)
+from jcp.files import atomic_write
 from jcp.mesh import CP, vary_all
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_flash.cc")
@@ -53,13 +58,17 @@ class Unavailable(RuntimeError):
     """The kernels cannot be built or loaded here (no compiler, or it failed)."""
 
 
+class NoCompiler(Unavailable):
+    """No C++ compiler: the expected case on a machine without one (no warning)."""
+
+
 def _compiler() -> str:
     cxx = os.environ.get("CXX", "g++")
     path = shutil.which(cxx) or (None if "CXX" in os.environ else shutil.which("c++"))
     if path is None:
-        raise Unavailable(f"attention implementation 'cpu' compiles cpu_flash.cc on first use "
-                          f"and needs a C++ compiler: none found ({cxx!r} / 'c++' not on PATH, "
-                          f"or set CXX); use attn_impl 'blockwise'")
+        raise NoCompiler(f"attention implementation 'cpu' compiles cpu_flash.cc on first use "
+                         f"and needs a C++ compiler: none found ({cxx!r} / 'c++' not on PATH, "
+                         f"or set CXX); use attn_impl 'blockwise'")
     return path
 
 
@@ -80,10 +89,46 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
 
 
+def _private(path: pathlib.Path) -> str:
+    """'' when `path` exists, is ours and no one else may write it; else why not."""
+    st = os.stat(path)
+    if st.st_uid != os.geteuid():
+        return f"{path} is owned by uid {st.st_uid}, not by this user ({os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return ""
+
+
+def _digest_path(lib: pathlib.Path) -> pathlib.Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def refusal(lib: pathlib.Path) -> str:
+    """Why the cached `lib` must not be loaded (a truncated or altered file, a foreign
+    owner, a loose mode, no recorded hash), '' when it may: it and the SHA-256 recorded
+    beside it at build time are ours, writable by no one else, and the file's hash is the
+    recorded one."""
+    digest = _digest_path(lib)
+    try:
+        why = _private(lib) or _private(digest)
+        if why:
+            return why
+        if hashlib.sha256(lib.read_bytes()).hexdigest() != digest.read_text().strip():
+            return f"{lib} does not match the hash recorded at its build"
+    except FileNotFoundError as e:
+        return f"{e.filename} is missing"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"{lib} or its hash cannot be read ({e})"
+    return ""
+
+
 def library_path() -> pathlib.Path:
-    """The compiled kernels (built now if not cached): one .so per hash of the source,
-    flags, compiler version, jax version and CPU (model and flags: -march=native); written
-    to a temporary name and renamed, so concurrent processes never load a partial file."""
+    """The compiled kernels: one .so per hash of the source, flags, compiler version, jax
+    version and CPU (model and flags: -march=native), (re)built now unless a cached one
+    has no `refusal`. The .so and its recorded hash are each written to a temporary name
+    and renamed (files.atomic_write), so no process loads a partial file; a reader that
+    meets a new .so beside an old hash rebuilds. Unavailable when the cache folder is not
+    ours alone (anyone who may write it could swap the file between check and load)."""
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     include = jax.ffi.include_dir()
@@ -91,30 +136,41 @@ def library_path() -> pathlib.Path:
         [SOURCE.read_text(), " ".join(FLAGS), version, jax.__version__, include,
          _cpu_identity()]).encode())
     lib = _cache_dir() / f"cpu_flash-{key.hexdigest()[:20]}.so"
-    if lib.exists():
+    lib.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    why = _private(lib.parent)
+    if why:
+        raise Unavailable(f"attention implementation 'cpu' will not use its kernel cache: "
+                          f"{why} (fix it, or set XDG_CACHE_HOME)")
+    if not refusal(lib):
         return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-    os.close(fd)
-    try:
+    digest = ""
+
+    def build(tmp):
+        nonlocal digest
         done = subprocess.run([cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp],
                               capture_output=True, text=True)
         if done.returncode:
             raise Unavailable(f"attention implementation 'cpu': {cxx} failed to build "
                               f"{SOURCE.name}:\n{done.stderr[-4000:]}")
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.chmod(tmp, 0o700)  # the linker's mode follows the umask, maybe group-writable
+        digest = hashlib.sha256(pathlib.Path(tmp).read_bytes()).hexdigest()
+
+    atomic_write(lib, build)
+    atomic_write(_digest_path(lib), digest + "\n")
     return lib
 
 
 @functools.cache
 def _load() -> str:
-    """Builds, loads and registers the kernels once per process; '' on success, else why not."""
+    """Builds, loads and registers the kernels once per process; '' on success, else why
+    not. A failure other than a missing compiler (a build that failed, a cache folder
+    refused) is also a warning: "auto" then falls back to blockwise, which is slower."""
     try:
         lib = ctypes.CDLL(str(library_path()))
     except (Unavailable, OSError) as e:
+        if not isinstance(e, NoCompiler):
+            warnings.warn(f"{e}; attn_impl 'auto' uses 'blockwise'", RuntimeWarning,
+                          stacklevel=2)
         return str(e)
     jax.ffi.register_ffi_target(_FWD, jax.ffi.pycapsule(lib.JcpCpuFlashForward), platform="cpu")
     jax.ffi.register_ffi_target(_BWD, jax.ffi.pycapsule(lib.JcpCpuFlashBackward), platform="cpu")

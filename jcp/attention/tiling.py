@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jcp.mesh import CP, block_size, vary_all
+from jcp.mesh import CP, block_size, vary, vary_all, varying_axes
 
 DEFAULT_BLOCK = 512
 
@@ -204,22 +204,35 @@ def online_softmax_finish(state: SoftmaxState, empty_lse: float = 0.0):
 # The ring schedule over cp, shared by the blockwise and Pallas ring kernels
 
 
+def _vary_together(state):
+    """Every leaf of a ring loop's state cast to vary over "cp" and over every axis some
+    leaf varies over: what a hop (ppermute) and a fold make of them, as a loop carry's
+    type must be."""
+    axes = sorted({CP}.union(*(varying_axes(x) for x in jax.tree.leaves(state))))
+    return jax.tree.map(lambda x: vary(x, axes), state)
+
+
 def ring_fold(fold, carry, kv, meta, cp: int):
     """carry = fold(carry, kv, meta) over the key blocks of all cp ranks, in ring order.
 
     kv: this rank's keys and values as one packed [2, …] message, meta its [2, S] segment
-    and position. Step t (unrolled: a loop would cost one more transfer) folds the block of
-    rank r − t while the block of rank r − t − 1 travels: the ppermute of the next block is
-    issued before the compute that does not depend on it. Runs inside shard_map over "cp".
+    and position. Step t folds the block of rank r − t while the block of rank r − t − 1
+    travels: the ppermute of the next block is issued before the compute that does not
+    depend on it. Steps 0 … cp − 2 are one loop; the last, which sends nothing, is peeled
+    off (no wasted hop). A loop, not cp unrolled steps: unrolled, XLA was free to issue
+    every hop, and each step's kernel-layout copies of its block, ahead of the folds, so a
+    rank held about one whole K/V (benchmarks/RESULTS.md, "Ring memory"); a loop body
+    holds one step's block and the one in flight. Runs inside shard_map over "cp".
     """
-    for step in range(cp):
-        last = step + 1 == cp
-        if not last:
-            kv_next, meta_next = jax.lax.ppermute((kv, meta), CP, ring_perm(cp))
-        carry = fold(carry, kv, meta)
-        if not last:
-            kv, meta = kv_next, meta_next
-    return carry
+
+    def hop(_, state):
+        carry, kv, meta = state
+        kv_next, meta_next = jax.lax.ppermute((kv, meta), CP, ring_perm(cp))
+        return fold(carry, kv, meta), kv_next, meta_next
+
+    if cp > 1:
+        carry, kv, meta = jax.lax.fori_loop(0, cp - 1, hop, _vary_together((carry, kv, meta)))
+    return fold(carry, kv, meta)
 
 
 def ring_fold_grads(grad, carry, dkv, kv, meta, cp: int):
@@ -227,23 +240,28 @@ def ring_fold_grads(grad, carry, dkv, kv, meta, cp: int):
     gradient (dkv, fp32, the shape of kv) travels with it, gathering every rank's part;
     one last hop returns it to its owner. grad(carry, dkv, kv, meta) -> (carry, dkv with
     this rank's part of the held block's gradient added). Returns (carry, the gradient of
-    this rank's kv).
+    this rank's kv). A loop with the last step peeled off, as ring_fold: per rank, one
+    step's block and gradient and the ones in flight, at every cp.
 
     grad adds into the dkv it is given rather than returning a part to add: a part
     computed into a fresh zero buffer needs no input, so XLA may allocate (and zero) the
     buffers of every step before the first one — cp of them live at once, O(CP·S) per
     rank. Found with benchmarks/memory.py --explain (15 × 2 MiB at cp = 8, 32k tokens).
     """
-    for step in range(cp):
-        last = step + 1 == cp
-        if not last:
-            kv_next, meta_next = jax.lax.ppermute((kv, meta), CP, ring_perm(cp))
+
+    def hop(_, state):
+        carry, dkv, kv, meta = state
+        kv_next, meta_next = jax.lax.ppermute((kv, meta), CP, ring_perm(cp))
         carry, dkv = grad(carry, dkv, kv, meta)
-        if cp > 1:  # to the rank that holds this block next; after the last step, its owner
-            dkv = jax.lax.ppermute(dkv, CP, ring_perm(cp))
-        if not last:
-            kv, meta = kv_next, meta_next
-    return carry, dkv
+        # to the rank that holds this block next
+        return carry, jax.lax.ppermute(dkv, CP, ring_perm(cp)), kv_next, meta_next
+
+    if cp == 1:
+        return grad(carry, dkv, kv, meta)
+    carry, dkv, kv, meta = jax.lax.fori_loop(0, cp - 1, hop,
+                                             _vary_together((carry, dkv, kv, meta)))
+    carry, dkv = grad(carry, dkv, kv, meta)
+    return carry, jax.lax.ppermute(dkv, CP, ring_perm(cp))  # to its owner
 
 
 # ----------------------------------------------------------------------------------------
@@ -281,10 +299,15 @@ def kernel_ring_fwd(forward, q, k, v, seg, pos, cp: int):
     dtype, residuals for kernel_ring_bwd), out and lse named for the remat policy."""
 
     def fold(partial, kv, meta):
-        part = forward(q, kv[0], kv[1], seg, pos, meta[0], meta[1])
-        return part if partial is None else merge_partials(*partial, *part)
+        return merge_partials(*partial, *forward(q, kv[0], kv[1], seg, pos, meta[0], meta[1]))
 
-    out, lse = ring_fold(fold, None, jnp.stack([k, v]), jnp.stack([seg, pos]), cp)
+    # The empty partial (0, −inf): merging a part into it gives that part bit for bit
+    # (weights exp(−inf) = 0 and exp(0) = 1), so the loop's carry has one structure.
+    kv, meta = jnp.stack([k, v]), jnp.stack([seg, pos])
+    s_len, q_heads = q.shape[:2]
+    empty = (vary_all(jnp.zeros(q.shape, jnp.float32), q, kv),
+             vary_all(jnp.full((q_heads, s_len), -jnp.inf, jnp.float32), q, kv))
+    out, lse = ring_fold(fold, empty, kv, meta, cp)
     out, lse = saved_out_lse(out.astype(q.dtype), lse)
     return out, (q, k, v, seg, pos, out, lse)
 

@@ -4,6 +4,7 @@ inside shard_map against the dense reference, and a whole Trainer step against b
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -119,3 +120,54 @@ def assert_kernel_matches_references(got, dense, blockwise):
         tol = 1e-5 * np.abs(d).max()
         np.testing.assert_allclose(a, d, rtol=0, atol=tol, err_msg=f"d{which} vs dense")
         np.testing.assert_allclose(a, b, rtol=0, atol=tol, err_msg=f"d{which} vs blockwise")
+
+
+# Head size of the kernels' random cases.
+H = 16
+
+
+def zigzag_layout(lengths, cp, s_len):
+    """(segment, position) [CP, S]: datum d (segment d) split over the cp ranks by
+    mesh.zigzag_indices, the datums packed one after another on every rank, then padding
+    (segment −1, also inside a datum's last chunks)."""
+    seg = np.full((cp, s_len), -1, np.int32)
+    pos = np.zeros((cp, s_len), np.int32)
+    fill = 0
+    for d, n in enumerate(lengths):
+        idx = mesh_lib.zigzag_indices(n, cp)  # [CP, 2C]
+        w = idx.shape[1]
+        seg[:, fill:fill + w] = np.where(idx >= 0, d, -1)
+        pos[:, fill:fill + w] = np.maximum(idx, 0)
+        fill += w
+    assert fill <= s_len, (fill, s_len)
+    return seg, pos
+
+
+def random_qkv(s_len, t_len, q_heads, kv_heads, seed, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((s_len, q_heads, H)).astype(dtype),
+            rng.standard_normal((t_len, kv_heads, H)).astype(dtype),
+            rng.standard_normal((t_len, kv_heads, H)).astype(dtype),
+            rng.standard_normal((s_len, q_heads, H)).astype(np.float32))
+
+
+def ring_temp_units(implementation, cp, s_len=256, heads=8, head_dim=16, block=64):
+    """XLA's temporaries per device of the ring's forward + backward (compiled, not run)
+    at mesh (1, cp, 1), S = s_len rows per rank, `heads` query heads and as many kv heads
+    (MHA: K/V as wide as q), in units u = S·K·H·4 bytes: one rank's K in fp32."""
+    mesh = jcp.make_mesh(1, cp, 1)
+    rows = P(mesh_lib.CP)
+
+    def inner(q, k, v, seg, pos, cot):
+        out = attention.ring_attention(q[0], k[0], v[0], seg[0], pos[0], block=block,
+                                       implementation=implementation)
+        return jax.lax.psum(jnp.sum(out * cot[0]), mesh_lib.CP)
+
+    f = jax.shard_map(inner, mesh=mesh, in_specs=(rows,) * 6, out_specs=P())
+    sds = lambda shape, dtype=jnp.float32: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=jax.sharding.NamedSharding(mesh, rows))
+    heads_x = sds((cp, s_len, heads, head_dim))
+    args = (heads_x, heads_x, heads_x, sds((cp, s_len), jnp.int32),
+            sds((cp, s_len), jnp.int32), heads_x)
+    compiled = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(*args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes / (s_len * heads * head_dim * 4)
