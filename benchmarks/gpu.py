@@ -23,10 +23,17 @@ minutes; --parts runs some of them, --logs keeps each part's whole output). Part
            bf16 weights (unfused f32 arrays of a stacked weight's shape; XLA:CPU computes
            bf16 dots in f32 and made them until model.scan_layers tied each stack to the
            layer index: now it converts one layer's slice at a time).
-  decode   sampling decode tokens/s at batch 1, 64 and 512 (Qwen3-8B shape, bf16, one
-           adapter, 16-token prompts, 64 new tokens at T = 1, no stop tokens): batch ×
-           new tokens / wall time of one Trainer.sample call after a warm-up call with
-           the same shapes (prefill of the short prompts included).
+  decode   the engine's decode tokens/s at batch 1, 64 and 512 (Qwen3-8B shape, bf16, one
+           adapter r32, 16-token prompts, 64 new tokens at T = 1, no stop tokens) against
+           the HBM roofline. One Engine (jcp/sample/engine.py, its paged cache; attn_impl
+           "auto" = "pallas" on a GPU for bf16: attention.paged's kernel reads each row's
+           pages in place); per batch a warm-up round (compiles), then a timed round whose
+           prompts are prefilled in prefill-only steps first, so the time is the decode's
+           alone. Roofline: the bytes every decode step must read from HBM — the weights
+           it multiplies (all but the embedding table, whose B rows are gathered; the
+           adapter's factors) and each row's live K/V (its cached positions, every layer)
+           — summed over the round's steps, at the device's HBM bandwidth (HBM_BYTES_PER_S,
+           by device kind; none on CPU).
 
     python benchmarks/gpu.py                 # on the GPU machine
     python benchmarks/gpu.py --smoke         # CPU check of every part: tiny shapes, in
@@ -53,6 +60,8 @@ PARTS = ("kernels", "memory", "mfu_pallas", "mfu_blockwise", "decode")
 LIMITS_S = {"kernels": 75, "memory": 120, "mfu_pallas": 200, "mfu_blockwise": 200,
             "decode": 180}
 GiB = float(1 << 30)
+# HBM bandwidth by device kind (vendor figures), for the decode roofline.
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 
 
 # ----------------------------------------------------------------------------------------
@@ -220,10 +229,33 @@ def part_mfu(smoke: bool, impl: str, blockwise_layers: int) -> list[dict]:
         "peak_bytes_in_use", "remat")})]
 
 
+def hbm_bytes_per_s(device_kind: str) -> float | None:
+    return next((bw for k, bw in HBM_BYTES_PER_S.items() if k in device_kind), None)
+
+
+def decode_step_bytes(cfg, params: dict, adapter_bytes: int) -> tuple[int, int]:
+    """(bytes of weights one decode step reads, bytes of K/V per cached position).
+
+    Weights: every base weight but the embedding table (a step gathers its B rows; with
+    tied embeddings the table is the unembedding and is read whole) plus the adapter's
+    factors. K/V: K and V of every full-attention layer."""
+    import jax
+    import numpy as np
+
+    weights = sum(x.nbytes for k, t in params.items()
+                  if k != "embed" or cfg.tie_word_embeddings for x in jax.tree.leaves(t))
+    kv_layers = (cfg.linear_layers.count(False) if cfg.is_hybrid else cfg.num_layers)
+    per_position = (2 * kv_layers * cfg.num_kv_heads * cfg.head_dim
+                    * np.dtype(cfg.dtype).itemsize)
+    return weights + adapter_bytes, per_position
+
+
 def part_decode(smoke: bool) -> list[dict]:
+    import jax
     import numpy as np
 
     import jcp
+    from jcp.sample.engine import Engine
 
     sys.path.insert(0, HERE)
     import mfu  # noqa: E402
@@ -233,23 +265,45 @@ def part_decode(smoke: bool) -> list[dict]:
     progress("decode: placing the weights")
     tr = jcp.Trainer(cfg, mesh, mfu.device_random_params(cfg), max_adapters=1, max_rank=32)
     a = tr.create_adapter(rank=32, alpha=64.0, targets=list(mfu.TARGETS))
-    new = 8 if smoke else 64
+    prompt, new = 16, (8 if smoke else 64)
+    batches = (1, 4) if smoke else (1, 64, 512)
+    sampler = tr.make_sampler()
+    eng = Engine(sampler, slots=max(batches), max_len=prompt + new)
+    # max_adapters = 1: the slot tables are this adapter's (fp32 factors).
+    adapter = sum(x.nbytes for x in jax.tree.leaves(tr.state.weights))
+    weights, per_position = decode_step_bytes(cfg, tr.params, adapter)
+    bandwidth = hbm_bytes_per_s(jax.devices()[0].device_kind)
     rng = np.random.default_rng(0)
+    sp = jcp.SamplingParams(max_tokens=new, temperature=1.0, stop=[], seed=0)
     rows = Rows()
-    for batch in ((1, 4) if smoke else (1, 64, 512)):
-        prompts = [rng.integers(0, cfg.vocab_size, 16) for _ in range(batch)]
-        sp = jcp.SamplingParams(max_tokens=new, temperature=1.0, stop=[], seed=0)
-        progress(f"decode: batch {batch}, first call (compiles)")
+    for batch in batches:
+        prompts = [rng.integers(0, cfg.vocab_size, prompt).tolist() for _ in range(batch)]
+        progress(f"decode: batch {batch}, warm-up round (compiles)")
         t = time.perf_counter()
-        tr.sample(prompts, sp, adapters=a)
+        eng.sample(prompts, sp, adapters=a)
         first = time.perf_counter() - t
-        progress(f"decode: batch {batch}, first call {first:.1f} s; timed call")
+        progress(f"decode: batch {batch}, warm-up {first:.1f} s; timed round")
+        rids = [eng.submit(p, sp, a) for p in prompts]
+        hosts = getattr(eng, "admission", eng)  # the engine's host-side bookkeeping
+        for _ in range(64):  # prefill-only steps until every row is admitted and prefilled
+            if eng.live == batch and not hosts.prefilling:
+                break
+            eng.step(decode=False)
         t = time.perf_counter()
-        res = tr.sample(prompts, sp, adapters=a)
+        eng.run()
         secs = time.perf_counter() - t
-        made = sum(len(s.tokens) for r in res for s in r.sequences)
+        made = sum(len(s.tokens) for r in rids for s in eng.result(r).sequences)
+        # Step i (0 ≤ i < new) attends over prompt − 1 + i cached positions of each row.
+        read = new * weights + batch * per_position * (new * (prompt - 1)
+                                                       + new * (new - 1) // 2)
+        roofline = None if bandwidth is None else made / (read / bandwidth)
         rows.append(dict(batch=batch, new_tokens=new, tokens=made, seconds=secs,
-                         tokens_per_s=made / secs, first_call_s=first))
+                         tokens_per_s=made / secs, first_call_s=first,
+                         attn_impl=sampler.step_cfg.attn_impl,
+                         weights_gib=weights / GiB,
+                         kv_gib_per_step=(read / new - weights) / GiB,
+                         roofline_tokens_per_s=roofline,
+                         of_roofline=None if roofline is None else made / secs / roofline))
     return rows
 
 
@@ -257,7 +311,7 @@ def part_decode(smoke: bool) -> list[dict]:
 # Driver
 
 
-def _subprocess_json(cmd, timeout, log=None):
+def subprocess_json(cmd, timeout, log=None):
     """Run cmd; its last 'RESULT {json}' line, or {"error": why, "rows": [the rows it
     printed ("ROW {json}") before it failed or ran out of time]}. With log, the command's
     whole stdout and stderr are written there (a timed-out part's too)."""
@@ -361,13 +415,19 @@ def table(results: dict, device: str) -> str:
                    f"{x['temp_gib']:>9.2f} {x['total_gib']:>10.2f}  {copies}")
     out += missing + [""]
     rows, missing = _rows(results, "decode")
-    out.append("Sampling decode (Qwen3-8B shape, bf16, 16-token prompts, T = 1)")
-    out.append(f"  {'batch':>5} {'new':>4} {'tokens':>7} {'seconds':>8} {'tok/s':>9} "
-               f"{'first call s':>13}")
+    out.append("Sampling decode, the engine (Qwen3-8B shape, bf16, 16-token prompts, T = 1; "
+               "roofline: weights + live K/V read per step at HBM bandwidth)")
+    out.append(f"  {'batch':>5} {'new':>4} {'attn':>9} {'tokens':>7} {'decode s':>9} "
+               f"{'tok/s':>9} {'roofline':>9} {'of roof':>8} {'W GiB':>6} {'KV GiB/st':>9} "
+               f"{'warm-up s':>9}")
     for x in rows:
-        out.append(f"  {x['batch']:>5} {x['new_tokens']:>4} {x['tokens']:>7} "
-                   f"{x['seconds']:>8.2f} {x['tokens_per_s']:>9.0f} "
-                   f"{x['first_call_s']:>13.1f}")
+        of = x.get("of_roofline")
+        out.append(f"  {x['batch']:>5} {x['new_tokens']:>4} {x['attn_impl']:>9} "
+                   f"{x['tokens']:>7} {x['seconds']:>9.2f} {x['tokens_per_s']:>9.0f} "
+                   f"{_fmt(x.get('roofline_tokens_per_s'), '9.0f'):>9} "
+                   f"{'—' if of is None else format(100 * of, '.1f') + '%':>8} "
+                   f"{x['weights_gib']:>6.2f} {x['kv_gib_per_step']:>9.3f} "
+                   f"{x['first_call_s']:>9.1f}")
     out += missing
     return "\n".join(out)
 
@@ -394,7 +454,7 @@ def main(argv=None) -> dict:
         d = jax.devices()
         device = f"{len(d)} x {d[0].device_kind} ({d[0].platform}), jax {jax.__version__}"
     else:
-        info = _subprocess_json([sys.executable, "-c", (
+        info = subprocess_json([sys.executable, "-c", (
             "import jax, json; d = jax.devices(); "
             "print('RESULT ' + json.dumps(f'{len(d)} x {d[0].device_kind} ({d[0].platform}),"
             " jax {jax.__version__}'))")], timeout=120)
@@ -416,7 +476,7 @@ def main(argv=None) -> dict:
                 results[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
         else:
             log = os.path.join(args.logs, f"{name}.log") if args.logs else None
-            results[name] = _subprocess_json(cmd, limits[name], log)
+            results[name] = subprocess_json(cmd, limits[name], log)
         print(f"  part {name}: {time.perf_counter() - t:.0f} s"
               + (f" — {results[name]['error']}" if isinstance(results[name], dict) else ""),
               flush=True)

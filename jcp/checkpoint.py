@@ -72,9 +72,15 @@ def _checkpointer():
         state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler()))
 
 
+# A fault-injection hook: called with each phase of save_state as it completes ("planned",
+# "written", "pointer-staged", "pointer-moved", "done"). None in use; the crash tests
+# (tests/helpers/ckpt_kill_child.py) set it to SIGKILL the process at a phase.
+on_phase = None
+
+
 def _reached(phase: str) -> None:
-    """A step of save_state is done. A no-op: the crash tests (tests/ckpt_kill_child.py)
-    replace it to SIGKILL the process at `phase`."""
+    if on_phase is not None:
+        on_phase(phase)
 
 
 # ----------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ for what CPU can show (kernel agreement, the f32-copy detector, sizes that grow)
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
 
@@ -32,6 +34,13 @@ def test_gpu_script_smoke(capsys):
         assert row["attn_impl"] == impl and row["tokens_per_s"] > 0 and row["mfu"] > 0
     assert [r["batch"] for r in res["decode"]] == [1, 4]
     assert all(r["tokens"] == r["batch"] * r["new_tokens"] for r in res["decode"])
+    # The roofline's bytes per step: the weights, and live K/V that grows with the batch
+    # (no bandwidth on CPU, so no roofline figure).
+    one, four = res["decode"]
+    assert one["weights_gib"] == four["weights_gib"] > 0
+    assert four["kv_gib_per_step"] == pytest.approx(4 * one["kv_gib_per_step"], rel=1e-9)
+    assert one["kv_gib_per_step"] > 0
+    assert one["roofline_tokens_per_s"] is None
     for title in ("Pallas vs blockwise", "MFU", "compiled memory", "Sampling decode"):
         assert title in out
     assert "error" not in out
@@ -98,7 +107,7 @@ def test_gpu_part_stopped_at_its_limit_keeps_its_rows(tmp_path):
             "rows.append(dict(batch=1, new_tokens=4, tokens=4, seconds=0.5, tokens_per_s=8.0, "
             "first_call_s=2.0)); gpu.progress('decode: batch 64'); time.sleep(60)")
     log = tmp_path / "decode.log"
-    res = gpu._subprocess_json([sys.executable, "-c", code], 5, str(log))
+    res = gpu.subprocess_json([sys.executable, "-c", code], 5, str(log))
     assert res["error"] == "timed out after 5 s"
     assert [r["batch"] for r in res["rows"]] == [1]
     assert "decode: batch 64" in log.read_text()
@@ -107,5 +116,5 @@ def test_gpu_part_stopped_at_its_limit_keeps_its_rows(tmp_path):
     assert "error: timed out after 5 s" in decode
     assert any(line.split()[:3] == ["1", "4", "4"] for line in decode.splitlines())
     assert "error: exit 1: boom" in out and "not run" in out[out.index("Per-device"):]
-    done = gpu._subprocess_json([sys.executable, "-c", "print('RESULT [1]')"], 30)
+    done = gpu.subprocess_json([sys.executable, "-c", "print('RESULT [1]')"], 30)
     assert done == [1]

@@ -87,7 +87,7 @@ def run(impl, *args):
 
 
 def _has_kernel(fn, *args) -> bool:
-    return cpu._FWD in str(jax.jit(fn).lower(*args).as_text())
+    return cpu.FWD_TARGET in str(jax.jit(fn).lower(*args).as_text())
 
 
 # ----------------------------------------------------------------------------------------
@@ -162,7 +162,7 @@ def test_lse_and_a_fully_masked_row():
     lonely = np.flatnonzero(seg_q == 0)[:3]
     seg_q[lonely] = 7
     assert not np.any(seg_k == 7)
-    out, lse = cpu._forward(q, k, v, seg_q, pos_q, seg_k, pos_k, jnp.float32)
+    out, lse = cpu.kernel_forward(q, k, v, seg_q, pos_q, seg_k, pos_k, jnp.float32)
     lse_d = _dense_lse(q, k, seg_q, pos_q, seg_k, pos_k)
     sees = np.isfinite(lse_d)
     assert not sees[:, lonely].any() and sees.any()
@@ -221,10 +221,10 @@ def test_cp_attention_and_ring_in_shard_map():
     text = {key: jax.jit(sharded(*key)).lower(*args).as_text()
             for key in (("cpu", "gather"), ("cpu", "ring"), ("blockwise", "ring"))}
     # The paths really differ: the C++ kernels vs none; all-gather vs collective-permute.
-    assert cpu._FWD in text["cpu", "gather"] and "all_gather" in text["cpu", "gather"]
-    assert cpu._BWD in text["cpu", "ring"] and "collective_permute" in text["cpu", "ring"]
+    assert cpu.FWD_TARGET in text["cpu", "gather"] and "all_gather" in text["cpu", "gather"]
+    assert cpu.BWD_TARGET in text["cpu", "ring"] and "collective_permute" in text["cpu", "ring"]
     assert "all_gather" not in text["cpu", "ring"]
-    assert cpu._FWD not in text["blockwise", "ring"]
+    assert cpu.FWD_TARGET not in text["blockwise", "ring"]
 
     KC.assert_paths_match_dense(sharded, "cpu", args, seg)
 

@@ -128,8 +128,8 @@ def test_pallas_matches_dense_and_blockwise(name):
     # every kernel's tiling: skipped, masked and fully visible.
     assert np.any(np.diff(pos_k[seg_k == 0]) < 0)
     for side in ("fwd", "dq", "dkv"):
-        bq = pa._tile(seg_q.shape[0], getattr(tiles, side + "_q"), 2 * BLOCK, True)
-        bk = pa._tile(seg_k.shape[0], getattr(tiles, side + "_k"), 2 * BLOCK, True)
+        bq = pa.tile_rows(seg_q.shape[0], getattr(tiles, side + "_q"), 2 * BLOCK, True)
+        bk = pa.tile_rows(seg_k.shape[0], getattr(tiles, side + "_k"), 2 * BLOCK, True)
         assert seg_q.shape[0] // bq > 1 and seg_k.shape[0] // bk > 1
         kinds, _ = attention.tiling.block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)
         assert set(np.unique(np.asarray(kinds)).tolist()) == {0, 1, 2}, side
@@ -309,11 +309,11 @@ def test_plan_lists_masked_then_full_blocks():
 def test_triton_path_refuses_what_it_cannot_lower():
     assert pa.interpret_mode()  # on CPU: interpret mode
     with pytest.raises(ValueError, match="power-of-two divisor"):
-        pa._tile(24, 128, 512, interpret=False)  # largest power-of-two tile: 8 < 16
-    assert pa._tile(24, 128, 512, interpret=True) == 8
+        pa.tile_rows(24, 128, 512, interpret=False)  # largest power-of-two tile: 8 < 16
+    assert pa.tile_rows(24, 128, 512, interpret=True) == 8
     with pytest.raises(ValueError, match="head dim"):
-        pa._check_head_dim(96, interpret=False)
-    pa._check_head_dim(128, interpret=False)
+        pa.check_head_dim(96, interpret=False)
+    pa.check_head_dim(128, interpret=False)
     x = jnp.zeros((16, 4, H))
     with pytest.raises(ValueError, match="ring attention implementation"):
         attention.ring_attention(x, x[:, :2], x[:, :2], jnp.zeros(16, jnp.int32),

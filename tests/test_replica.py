@@ -91,7 +91,7 @@ def job():
     follower.start()
     leader = replica.Leader([1], TIMEOUT_S, on_failure=failures.append, client=store)
     yield leader, mine, theirs, failures
-    leader._stopped.set()
+    leader.stop()
     store.close()
     follower.join(timeout=15)
     assert not follower.is_alive()
@@ -127,18 +127,18 @@ def test_hot_path_calls_return_before_the_followers_answer(job):
     # waits only for the answers to the calls before it.
     theirs.gate.clear()
     assert leader.call("trainer", mine, "forward_backward", 3) == 6
-    assert theirs.calls == ["save_state"] and len(leader._pending) == 1
+    assert theirs.calls == ["save_state"] and leader.unacknowledged == 1
     t, out = _in_thread(leader.call, "trainer", mine, "forward_backward", 5)
     t.join(timeout=1.0)
     assert t.is_alive() and mine.calls == ["save_state", "forward_backward", "forward_backward"]
     theirs.gate.set()
     t.join(timeout=10)
-    assert out == {"value": 10} and len(leader._pending) == 1
+    assert out == {"value": 10} and leader.unacknowledged == 1
     # The next call reads its acknowledgement first.
     theirs.gate.set()
     assert leader.call("trainer", mine, "save_state", 4) == 4
     assert theirs.calls == ["save_state", "forward_backward", "forward_backward", "save_state"]
-    assert not leader._pending and failures == [] and leader.failure is None
+    assert not leader.unacknowledged and failures == [] and leader.failure is None
 
 
 @pytest.mark.parametrize("then", ["save_state", "forward_backward"])

@@ -79,10 +79,10 @@ def test_schema_is_the_sdks():
     from google.protobuf import descriptor_pb2
     from tinker.proto import tinker_public_pb2
 
-    from jcp.server import _schema
+    from jcp.server import proto_schema
 
     ours, sdk = descriptor_pb2.FileDescriptorProto(), descriptor_pb2.FileDescriptorProto()
-    ours.ParseFromString(_schema.SERIALIZED)
+    ours.ParseFromString(proto_schema.SERIALIZED)
     sdk.ParseFromString(tinker_public_pb2.DESCRIPTOR.serialized_pb)
     assert ours == sdk
 

@@ -6,6 +6,8 @@
   what "auto" runs where neither fused kernel applies.
 - pallas: the fused Pallas (Triton) kernels, "pallas" implementation ("auto" on GPUs for
   16-bit models).
+- paged: the Pallas paged decode kernel (each row's K/V pages read in place through its
+  page table; the engine's decode for attn_impl "pallas").
 - cpu: the fused C++ kernels for XLA:CPU (built on first use), "cpu" implementation ("auto"
   on CPU where they build).
 - strategies: cp_attend / ring_attend (what the decoder layer calls) and the rule choosing one.
@@ -13,7 +15,7 @@
 `from jcp import attention` gives the names callers use; the modules hold the rest.
 """
 
-from jcp.attention import blockwise, cpu, pallas, strategies, tiling
+from jcp.attention import blockwise, cpu, paged, pallas, strategies, tiling
 from jcp.attention.strategies import (CP_ATTENTION, IMPLEMENTATIONS, RING_ABOVE_BYTES,
                                       RING_IMPLEMENTATIONS, Attend, resolve_implementation,
                                       choose_cp_attention, cp_attend, cp_attention, gather_cp,
@@ -24,7 +26,7 @@ from jcp.attention.tiling import (DEFAULT_BLOCK, GROWN_TILE, SAVED_NAMES, TILES_
                                   online_softmax_update, ring_block_work, tile)
 
 __all__ = [
-    "blockwise", "cpu", "pallas", "strategies", "tiling",
+    "blockwise", "cpu", "paged", "pallas", "strategies", "tiling",
     "CP_ATTENTION", "IMPLEMENTATIONS", "RING_ABOVE_BYTES", "RING_IMPLEMENTATIONS", "Attend",
     "resolve_implementation", "choose_cp_attention",
     "cp_attend", "cp_attention", "gather_cp", "gathered_kv_bytes", "ring_attend",

@@ -35,7 +35,6 @@ import os
 import pathlib
 import platform
 import shutil
-import stat
 import subprocess
 import warnings
 
@@ -44,14 +43,14 @@ import jax.numpy as jnp
 
 from jcp.attention.tiling import (delta_QxS, kernel_ring_bwd, kernel_ring_fwd, no_grads,
                                   saved_out_lse)
-from jcp.files import atomic_write
+from jcp.files import atomic_write, private
 from jcp.mesh import CP, vary_all
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_flash.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
          "-w")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the instantiations in cpu_flash.cc
-_FWD, _BWD = "jcp_cpu_flash_forward", "jcp_cpu_flash_backward"
+FWD_TARGET, BWD_TARGET = "jcp_cpu_flash_forward", "jcp_cpu_flash_backward"
 
 
 class Unavailable(RuntimeError):
@@ -89,16 +88,6 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
 
 
-def _private(path: pathlib.Path) -> str:
-    """'' when `path` exists, is ours and no one else may write it; else why not."""
-    st = os.stat(path)
-    if st.st_uid != os.geteuid():
-        return f"{path} is owned by uid {st.st_uid}, not by this user ({os.geteuid()})"
-    if st.st_mode & 0o022:
-        return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
-    return ""
-
-
 def _digest_path(lib: pathlib.Path) -> pathlib.Path:
     return lib.with_name(lib.name + ".sha256")
 
@@ -110,7 +99,7 @@ def refusal(lib: pathlib.Path) -> str:
     recorded one."""
     digest = _digest_path(lib)
     try:
-        why = _private(lib) or _private(digest)
+        why = private(lib) or private(digest)
         if why:
             return why
         if hashlib.sha256(lib.read_bytes()).hexdigest() != digest.read_text().strip():
@@ -137,7 +126,7 @@ def library_path() -> pathlib.Path:
          _cpu_identity()]).encode())
     lib = _cache_dir() / f"cpu_flash-{key.hexdigest()[:20]}.so"
     lib.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    why = _private(lib.parent)
+    why = private(lib.parent)
     if why:
         raise Unavailable(f"attention implementation 'cpu' will not use its kernel cache: "
                           f"{why} (fix it, or set XDG_CACHE_HOME)")
@@ -172,8 +161,8 @@ def _load() -> str:
             warnings.warn(f"{e}; attn_impl 'auto' uses 'blockwise'", RuntimeWarning,
                           stacklevel=2)
         return str(e)
-    jax.ffi.register_ffi_target(_FWD, jax.ffi.pycapsule(lib.JcpCpuFlashForward), platform="cpu")
-    jax.ffi.register_ffi_target(_BWD, jax.ffi.pycapsule(lib.JcpCpuFlashBackward), platform="cpu")
+    jax.ffi.register_ffi_target(FWD_TARGET, jax.ffi.pycapsule(lib.JcpCpuFlashForward), platform="cpu")
+    jax.ffi.register_ffi_target(BWD_TARGET, jax.ffi.pycapsule(lib.JcpCpuFlashBackward), platform="cpu")
     return ""
 
 
@@ -221,21 +210,21 @@ def _ffi(name, out_shapes, *args):
     return [vary_all(o, *args) for o in outs]
 
 
-def _forward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, out_dtype):
+def kernel_forward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, out_dtype):
     """(out [S, Q, H] in out_dtype, lse [Q, S] fp32, −inf where a row sees nothing)."""
     require(q_SxQxH.shape[-1])
     s_len, q_heads, _ = q_SxQxH.shape
-    out, lse = _ffi(_FWD, [q_SxQxH.shape, (q_heads, s_len)],
+    out, lse = _ffi(FWD_TARGET, [q_SxQxH.shape, (q_heads, s_len)],
                     *_f32(q_SxQxH, k_TxKxH, v_TxKxH), *_i32(seg_q, pos_q, seg_k, pos_k))
     return out.astype(out_dtype), lse
 
 
-def _backward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_SxQxH, lse_QxS,
+def kernel_backward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_SxQxH, lse_QxS,
               delta_QxS):
     """fp32 (dq [S, Q, H], dk, dv [T, K, H]) of the attention whose (global) lse and
     delta = Σ_h do·out are given: over one key stream of several, the gradients add."""
     require(q_SxQxH.shape[-1])
-    return _ffi(_BWD, [q_SxQxH.shape, k_TxKxH.shape, k_TxKxH.shape],
+    return _ffi(BWD_TARGET, [q_SxQxH.shape, k_TxKxH.shape, k_TxKxH.shape],
                 *_f32(q_SxQxH, k_TxKxH, v_TxKxH, do_SxQxH, lse_QxS, delta_QxS),
                 *_i32(seg_q, pos_q, seg_k, pos_k))
 
@@ -253,13 +242,13 @@ def flash_attention(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k):
 
 
 def _flash_fwd(q, k, v, seg_q, pos_q, seg_k, pos_k):
-    out, lse = saved_out_lse(*_forward(q, k, v, seg_q, pos_q, seg_k, pos_k, q.dtype))
+    out, lse = saved_out_lse(*kernel_forward(q, k, v, seg_q, pos_q, seg_k, pos_k, q.dtype))
     return out, (q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse)
 
 
 def _flash_bwd(res, d_out):
     q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse = res
-    dq, dk, dv = _backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out, lse,
+    dq, dk, dv = kernel_backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out, lse,
                            delta_QxS(d_out, out))
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             *no_grads(seg_q, pos_q, seg_k, pos_k))
@@ -278,11 +267,11 @@ def _ring(q, k, v, seg, pos, cp):
 
 
 def _ring_fwd(q, k, v, seg, pos, cp):
-    return kernel_ring_fwd(lambda *a: _forward(*a, jnp.float32), q, k, v, seg, pos, cp)
+    return kernel_ring_fwd(lambda *a: kernel_forward(*a, jnp.float32), q, k, v, seg, pos, cp)
 
 
 def _ring_bwd(cp, res, d_out):
-    return kernel_ring_bwd(_backward, cp, res, d_out)
+    return kernel_ring_bwd(kernel_backward, cp, res, d_out)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -92,7 +92,7 @@ def interpret_mode() -> bool:
     return backend == "cpu"
 
 
-def _tile(n: int, cap: int, block: int, interpret: bool) -> int:
+def tile_rows(n: int, cap: int, block: int, interpret: bool) -> int:
     t = block_size(n, min(cap, block))
     if not interpret and t < MIN_TILE:
         raise ValueError(f"attention implementation 'pallas' needs streams whose length has a "
@@ -101,7 +101,7 @@ def _tile(n: int, cap: int, block: int, interpret: bool) -> int:
     return t
 
 
-def _check_head_dim(head_dim: int, interpret: bool) -> None:
+def check_head_dim(head_dim: int, interpret: bool) -> None:
     if not interpret and (head_dim < MIN_TILE or head_dim & (head_dim - 1)):
         raise ValueError(f"attention implementation 'pallas' needs a power-of-two head dim "
                          f"≥ {MIN_TILE} on GPU, got {head_dim}")
@@ -216,7 +216,7 @@ def _dkv_kernel(plan_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_
 # The pallas_calls
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shapes, args, name, head_dim, interpret):
+def call_kernel(kernel, grid, in_specs, out_specs, out_shapes, args, name, head_dim, interpret):
     """pallas_call with every input cast to vary alike (inside shard_map) and the outputs
     varying as the inputs do."""
     args = [vary_all(a, *args) for a in args]
@@ -249,19 +249,19 @@ def _interpret_invariant(call, args, axes):
     return [out[me] for out in jax.vmap(call)(*stacked)]
 
 
-def _forward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, block, tiles, out_dtype):
+def kernel_forward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, block, tiles, out_dtype):
     """(out [S, Q, H] in out_dtype, lse [Q, S] fp32, −inf where a row sees nothing)."""
     interpret = interpret_mode()
     s_len, q_heads, head_dim = q_SxQxH.shape
     t_len, kv_heads, _ = k_TxKxH.shape
     per_kv = q_heads // kv_heads
-    _check_head_dim(head_dim, interpret)
-    bq = _tile(s_len, tiles.fwd_q, block, interpret)
-    bk = _tile(t_len, tiles.fwd_k, block, interpret)
+    check_head_dim(head_dim, interpret)
+    bq = tile_rows(s_len, tiles.fwd_q, block, interpret)
+    bk = tile_rows(t_len, tiles.fwd_k, block, interpret)
     plan = visit_plan(block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)[0])  # [nq, 2 + nk]
     kv_spec = pl.BlockSpec((t_len, None, head_dim), lambda i, h: (0, h // per_kv, 0))
     q_spec = pl.BlockSpec((bq, None, head_dim), lambda i, h: (i, h, 0))
-    out, lse = _call(
+    out, lse = call_kernel(
         functools.partial(_fwd_kernel, scale=1.0 / np.sqrt(head_dim), block_k=bk),
         (s_len // bq, q_heads),
         [pl.BlockSpec((None, plan.shape[1]), lambda i, h: (i, 0)), q_spec, kv_spec, kv_spec]
@@ -274,7 +274,7 @@ def _forward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, block, tiles
     return out, lse
 
 
-def _backward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_SxQxH, lse_QxS,
+def kernel_backward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_SxQxH, lse_QxS,
               delta_QxS, block, tiles, dtype):
     """(dq [S, Q, H], dk, dv [T, K, H]) in dtype, of the attention whose (global) lse and
     delta = Σ_h do·out are given: over one key stream of several, the streams' gradients
@@ -286,13 +286,13 @@ def _backward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_SxQxH, l
     scale = 1.0 / np.sqrt(head_dim)
     args = [q_SxQxH, k_TxKxH, v_TxKxH, do_SxQxH, lse_QxS, delta_QxS, seg_q, pos_q, seg_k, pos_k]
 
-    bq, bk = _tile(s_len, tiles.dq_q, block, interpret), _tile(t_len, tiles.dq_k, block,
+    bq, bk = tile_rows(s_len, tiles.dq_q, block, interpret), tile_rows(t_len, tiles.dq_k, block,
                                                                    interpret)
     plan = visit_plan(block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)[0])  # [nq, 2 + nk]
     q_spec = pl.BlockSpec((bq, None, head_dim), lambda i, h: (i, h, 0))
     kv_spec = pl.BlockSpec((t_len, None, head_dim), lambda i, h: (0, h // per_kv, 0))
     row_spec = pl.BlockSpec((None, bq), lambda i, h: (h, i))
-    (dq,) = _call(
+    (dq,) = call_kernel(
         functools.partial(_dq_kernel, scale=scale, block_k=bk), (s_len // bq, q_heads),
         [pl.BlockSpec((None, plan.shape[1]), lambda i, h: (i, 0)), q_spec, kv_spec, kv_spec,
          q_spec, row_spec, row_spec] + [pl.BlockSpec((bq,), lambda i, h: (i,))] * 2
@@ -300,13 +300,13 @@ def _backward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_SxQxH, l
         [q_spec], [((s_len, q_heads, head_dim), dtype)], [plan] + args, "jcp_attention_dq",
         head_dim, interpret)
 
-    bq, bk = _tile(s_len, tiles.dkv_q, block, interpret), _tile(t_len, tiles.dkv_k, block,
+    bq, bk = tile_rows(s_len, tiles.dkv_q, block, interpret), tile_rows(t_len, tiles.dkv_k, block,
                                                                     interpret)
     plan = visit_plan(block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)[0].T)  # [nk, 2 + nq]
     group_spec = pl.BlockSpec((s_len, per_kv, head_dim), lambda j, g: (0, g, 0))
     group_rows_spec = pl.BlockSpec((per_kv, s_len), lambda j, g: (g, 0))
     kv_spec = pl.BlockSpec((bk, None, head_dim), lambda j, g: (j, g, 0))
-    dk, dv = _call(
+    dk, dv = call_kernel(
         functools.partial(_dkv_kernel, scale=scale, block_q=bq, per_kv=per_kv),
         (t_len // bk, kv_heads),
         [pl.BlockSpec((None, plan.shape[1]), lambda j, g: (j, 0)), group_spec, kv_spec, kv_spec,
@@ -333,7 +333,7 @@ def flash_attention(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, block
 
 
 def _flash_fwd(q, k, v, seg_q, pos_q, seg_k, pos_k, block, tiles):
-    out, lse = saved_out_lse(*_forward(q, k, v, seg_q, pos_q, seg_k, pos_k, block, tiles, q.dtype))
+    out, lse = saved_out_lse(*kernel_forward(q, k, v, seg_q, pos_q, seg_k, pos_k, block, tiles, q.dtype))
     return out, (q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse)
 
 
@@ -341,7 +341,7 @@ def _flash_bwd(block, tiles, res, d_out):
     q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse = res
     # Each program sums its block's whole gradient in fp32 registers: written once, in
     # the inputs' dtype.
-    dq, dk, dv = _backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out.astype(q.dtype), lse,
+    dq, dk, dv = kernel_backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out.astype(q.dtype), lse,
                            delta_QxS(d_out, out), block, tiles, q.dtype)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             *no_grads(seg_q, pos_q, seg_k, pos_k))
@@ -361,12 +361,12 @@ def _ring(q, k, v, seg, pos, block, cp):
 
 def _ring_fwd(q, k, v, seg, pos, block, cp):
     return kernel_ring_fwd(
-        lambda *a: _forward(*a, block, TILES, jnp.float32), q, k, v, seg, pos, cp)
+        lambda *a: kernel_forward(*a, block, TILES, jnp.float32), q, k, v, seg, pos, cp)
 
 
 def _ring_bwd(block, cp, res, d_out):
     def backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out, lse, delta):
-        return _backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out.astype(q.dtype), lse,
+        return kernel_backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out.astype(q.dtype), lse,
                          delta, block, TILES, jnp.float32)
 
     return kernel_ring_bwd(backward, cp, res, d_out)

@@ -9,10 +9,11 @@ XLA (delta_rule.chunked(factors=block_factors)). The backward pass is the refere
 (delta_rule.block_factors) through jax.vjp, recomputed: exact, not a Pallas kernel.
 
 Here (CPU) it runs in Pallas interpret mode, tests only; tests/test_delta_rule.py checks
-values and gradients against delta_rule.block_factors and the chunked rule end to end. A
-GPU run must check: that it lowers (Triton; Ck = 64 rows, Dk ≥ 16, the row loop's
-dynamic row stores), values against delta_rule.block_factors in fp32 (and bf16 inputs),
-and its time against the XLA chunked form at 16k tokens (benchmarks/qwen3_5.py kernel).
+values and gradients against delta_rule.block_factors and the chunked rule end to end, and
+tests/test_paged_pallas.py that it lowers to Triton IR for "cuda" (Ck = 64, Dk = 128). A
+GPU run must check: that Triton compiles it (registers: T and A are [Ck, Ck] fp32 per
+program), values against delta_rule.block_factors in fp32 (and bf16 inputs), and its
+time against the XLA chunked form at 16k tokens (benchmarks/qwen3_5.py kernel).
 It must never hold a [tokens, Dk, Dv] array.
 """
 
@@ -23,37 +24,42 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from jcp.delta_rule import rule as delta_rule
 
 
 def _kernel(q_ref, k_ref, g_ref, beta_ref, start_ref, t_ref, p_ref):
-    """One (block, head): q, k [Ck, Dk], g, β [Ck], start [Ck] -> T, P [Ck, Ck]."""
+    """One (block, head): q, k [Ck, Dk], g, β [Ck], start [Ck] -> T, P [Ck, Ck].
+
+    Written for the Triton lowering, which has no cummax, cumsum, dynamic slice of a value
+    or dot with fewer than 16 rows: the scans are masked reductions over [Ck, Ck] (the
+    same O(Ck²) as the products), and T stays in registers, each substitution row a masked
+    reduction. Both dots in fp32, never tf32 (T amplifies rounding)."""
     ck = q_ref.shape[0]
     q, k = q_ref[...], k_ref[...]
     g, beta = g_ref[...], beta_ref[...]
-    idx = jax.lax.broadcasted_iota(jnp.int32, (ck,), 0)
-    head = jax.lax.cummax(jnp.where(start_ref[...], idx, -1))
-    cum = jnp.cumsum(g)
     rows = jax.lax.broadcasted_iota(jnp.int32, (ck, ck), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (ck, ck), 1)
-    same = (head[:, None] == head[None, :]) & (cols <= rows)
+    causal = cols <= rows
+    # head_i: the last piece start ≤ i (−1: none); cum_i = Σ_{j ≤ i} g_j.
+    head = jnp.max(jnp.where(causal & (start_ref[...] != 0)[None, :], cols, -1), axis=1)
+    cum = jnp.sum(jnp.where(causal, g[None, :], 0.0), axis=1)
+    same = (head[:, None] == head[None, :]) & causal
     decay = jnp.where(same, jnp.exp(jnp.where(same, cum[:, None] - cum[None, :], 0.0)), 0.0)
-    kk = jnp.dot(k, k.T, preferred_element_type=jnp.float32)
+    kk = plgpu.dot(k, k, trans_b=True, allow_tf32=False)
     a = jnp.where(cols < rows, beta[:, None] * kk * decay, 0.0)
-    p_ref[...] = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * decay
+    p_ref[...] = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * decay
     # (I + A) T = I, row by row: T_i = e_i − Σ_{j<i} A_ij T_j (rows ≥ i of T are still
     # those of I, and A_ij = 0 for j ≥ i).
-    t_ref[...] = (rows == cols).astype(jnp.float32)
+    eye = (rows == cols).astype(jnp.float32)
 
-    def row(i, carry):
-        a_i = jax.lax.dynamic_slice_in_dim(a, i, 1, axis=0)  # [1, Ck]
-        t_i = (cols[0:1] == i).astype(jnp.float32) - jnp.dot(
-            a_i, t_ref[...], preferred_element_type=jnp.float32)
-        t_ref[pl.ds(i, 1), :] = t_i
-        return carry
+    def row(i, t_CxC):
+        a_i = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)       # A's row i, along j
+        t_i = jnp.sum(a_i[:, None] * t_CxC, axis=0)                 # Σ_j A_ij T_j
+        return jnp.where(rows == i, eye - t_i[None, :], t_CxC)
 
-    jax.lax.fori_loop(1, ck, row, 0)
+    t_ref[...] = jax.lax.fori_loop(1, ck, row, eye)
 
 
 def _pallas(q_NxCxHxDk, k_NxCxHxDk, g_NxCxH, beta_NxCxH, start_NxC, interpret):
@@ -62,14 +68,18 @@ def _pallas(q_NxCxHxDk, k_NxCxHxDk, g_NxCxH, beta_NxCxH, start_NxC, interpret):
     vec_spec = pl.BlockSpec((None, ck, None), lambda i, j: (i, 0, j))
     out_spec = pl.BlockSpec((None, None, ck, ck), lambda i, j: (i, j, 0, 0))
     shape = jax.ShapeDtypeStruct((n, h, ck, ck), jnp.float32)
+    # Triton's compiler parameters select the Triton lowering (without them jax 0.10 lowers
+    # a pallas_call for Mosaic GPU, which rejects this kernel).
     return pl.pallas_call(
         _kernel, grid=(n, h),
         in_specs=[qk_spec, qk_spec, vec_spec, vec_spec,
                   pl.BlockSpec((None, ck), lambda i, j: (i, 0))],
         out_specs=[out_spec, out_spec], out_shape=[shape, shape], interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         name="delta_rule_block_factors")(
         q_NxCxHxDk.astype(jnp.float32), k_NxCxHxDk.astype(jnp.float32),
-        g_NxCxH.astype(jnp.float32), beta_NxCxH.astype(jnp.float32), start_NxC)
+        g_NxCxH.astype(jnp.float32), beta_NxCxH.astype(jnp.float32),
+        start_NxC.astype(jnp.int32))
 
 
 def _reference(q, k, g, beta, start):

@@ -377,6 +377,11 @@ class Leader:
         except Exception:  # noqa: BLE001 — not set (yet)
             return None
 
+    @property
+    def unacknowledged(self) -> int:
+        """Calls made whose followers' acknowledgements are not read yet (deferred)."""
+        return len(self._pending)
+
     def stop(self) -> None:
         """Tell the followers to exit (unless the job already failed)."""
         if self.failure is None:

@@ -3,7 +3,7 @@
 As a script (run by tests/test_checkpoint_faults.py, not by pytest):
     ckpt_kill_child.py PATH PHASE MODE
 MODE "replace": save state "old" to PATH, then save "new" there, SIGKILLed at PHASE;
-MODE "fresh": only the killed save of "new". PHASE is a jcp.checkpoint._reached phase, or
+MODE "fresh": only the killed save of "new". PHASE is a jcp.checkpoint.on_phase phase, or
 "orbax" (inside orbax, while the JSON item is written) or "removing" (after the pointer
 moved, with one file of the old version deleted). Exits 0 only if PHASE never came.
 One fake CPU device, mesh (1, 1, 1).
@@ -89,7 +89,7 @@ def main(path: str, phase: str, mode: str) -> None:
             return real(p, *a, **k)
 
         shutil.rmtree = rmtree
-    checkpoint._reached = lambda p: kill() if p == phase else reached.append(p)
+    checkpoint.on_phase = lambda p: kill() if p == phase else reached.append(p)
     tr.save_state(new, path)
     print("survived: phase", phase, "never came; reached", reached)
 

@@ -81,15 +81,15 @@ def assert_padding_exact(run, impl, args, real):
 
 def assert_trainer_matches_blockwise(tmp_path, monkeypatch, module, impl, **trainer_kw):
     """A Trainer.forward_backward at cp = 2 with attn_impl `impl` (whose kernels are
-    module._forward / module._backward) gives blockwise's log-probs and LoRA gradients;
+    module.kernel_forward / module.kernel_backward) gives blockwise's log-probs and LoRA gradients;
     first asserts that only the `impl` step traced those kernels."""
     w = TH.random_peft_weights(TH.CFG, 4, TH.ALL, seed=1)
     folder = TH.write_peft(tmp_path / "a", 4, 8.0, TH.ALL, w)
     data = TH.random_data((37, 1, 20), seed=2)
     traced = {"forward": 0, "backward": 0}  # kernel calls traced by each step
     for name in traced:
-        f = getattr(module, "_" + name)
-        monkeypatch.setattr(module, "_" + name,
+        f = getattr(module, "kernel_" + name)
+        monkeypatch.setattr(module, "kernel_" + name,
                             lambda *a, f=f, name=name: (traced.update({name: traced[name] + 1}),
                                                         f(*a))[1])
     res, kernels = {}, {}
