@@ -2,7 +2,7 @@
 ForwardBackwardOutput and SampleResponse, and the JSON ModelInput / SamplingParams.
 
 Owns the translation between bytes / JSON on the wire and plain NumPy on the host. The
-message classes are built from the SDK's own schema (jcp/server/_schema.py), in a private
+message classes are built from the SDK's own schema (jcp/server/proto_schema.py), in a private
 descriptor pool so they never clash with an installed SDK. Every malformed field raises
 WireError naming it. It must never import jax or touch the Trainer.
 """
@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 from google.protobuf import descriptor_pool, message_factory
 
-from jcp.server._schema import SERIALIZED
+from jcp.server.proto_schema import SERIALIZED
 
 
 class WireError(ValueError):
