@@ -123,7 +123,8 @@ def test_no_cross_module_private_import():
 
 
 @pytest.mark.parametrize("module", ["jcp.server.app", "jcp.server.state", "jcp.server.wire",
-                                    "jcp.server.scheduler"])
+                                    "jcp.server.scheduler", "jcp.server.openai_api",
+                                    "jcp.server.text"])
 def test_server_http_side_never_imports_jax(module):
     """The HTTP side of the server imports no jax, directly or through jcp modules."""
     modules = _modules()
@@ -141,3 +142,53 @@ def test_server_http_side_never_imports_jax(module):
                      else [])
             assert not any(n == "jax" or n.startswith("jax.") for n in names), (m, names)
         todo += [t for t, _, _ in imports(modules)[m]]
+
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def private_reach_of_tests(root: str = TESTS) -> list[str]:
+    """Where a test module (tests/, helpers included) reaches a jcp private name: imports
+    `_x` from a jcp module, or reads `m._x` of a name bound to a jcp module or object it
+    imported (`from jcp import lora as L` … `L._x`, `jcp._x`)."""
+    bad = []
+    for folder, _, files in os.walk(root):
+        for f in sorted(files):
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(folder, f)
+            with open(path) as fh:
+                tree = ast.parse(fh.read(), path)
+            jcp_names = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    jcp_names |= {(a.asname or a.name).split(".")[0] for a in node.names
+                                  if a.name.split(".")[0] == "jcp"}
+                elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jcp"):
+                    for a in node.names:
+                        if a.name.startswith("_") and not a.name.startswith("__"):
+                            bad.append(f"{os.path.relpath(path, root)}:{node.lineno} imports "
+                                       f"{node.module}.{a.name}")
+                        jcp_names.add(a.asname or a.name)
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                        and not node.attr.startswith("__")):
+                    base = node.value
+                    while isinstance(base, ast.Attribute):
+                        base = base.value
+                    if isinstance(base, ast.Name) and base.id in jcp_names:
+                        bad.append(f"{os.path.relpath(path, root)}:{node.lineno} reads "
+                                   f"{ast.unparse(node)}")
+    return bad
+
+
+def test_tests_reach_jcp_through_public_names_only(tmp_path):
+    """Tests use what a user can: no jcp private name, imported or read off a module (the
+    walk first shown to find each kind in a file made for it)."""
+    (tmp_path / "test_x.py").write_text(
+        "import jcp\nfrom jcp import lora as L\nfrom jcp.mesh import _hidden, put\n"
+        "L._route(1)\njcp.trainer._f\nput._y\nself._ok\n")
+    assert sorted(b.split(" ", 1)[1] for b in private_reach_of_tests(str(tmp_path))) == [
+        "imports jcp.mesh._hidden", "reads L._route", "reads jcp.trainer._f", "reads put._y"]
+    bad = private_reach_of_tests()
+    assert not bad, "\n".join(bad)
