@@ -136,13 +136,13 @@ def main():
           f"{agree:.3f}", flush=True)
 
     # 2. per-layer weights sliced outside the decode loop vs scanned inside it
-    sampler = tr.sampler
-    assert sampler.slice_layers  # the tiny model's layers are far below the threshold
-    sampler.slice_layers = False
+    runner = tr.sampler.runner
+    assert runner.slice_layers  # the tiny model's layers are far below the threshold
+    runner.slice_layers = False
     try:
         t_scan = best_of(lambda: tr.sample(prompts, greedy, adapters=ids[0]))
     finally:
-        sampler.slice_layers = True
+        runner.slice_layers = True
     t_sliced = best_of(lambda: tr.sample(prompts, greedy, adapters=ids[0]))
     print(f"2. layers sliced outside the decode loop {t_sliced:.3f} s vs lax.scan inside it "
           f"{t_scan:.3f} s: {t_scan / t_sliced:.2f}× faster", flush=True)
@@ -203,11 +203,11 @@ def long_prompt_memory(cfg, cp, mode, n):
     plan = s.plan([n], 16, cache_mode=mode)
     lay = kv_cache.LAYOUTS[mode]
     prompt = np.arange(n, dtype=np.int32) % cfg.vocab_size
-    _, (pb,) = s.packed([prompt], [sample_lib.BASE])
+    _, (pb,) = s.runner.packed([prompt], [sample_lib.BASE])
     groups = 1 if mode == "split" else cp
     b, t = plan.b_local * groups, plan.t_local * (cp if mode == "split" else 1)
     st = SPECS.stream_DPxCPxS
-    put = s.put
+    put = s.runner.put
     source = np.full((b, t), -1, np.int32)
     args = programs.PrefillArgs(put(pb.tokens, st), put(pb.segment, st), put(pb.position, st),
                                 put(pb.targets, st), put(pb.spans, SPECS.spans_DPxCPxAx2),

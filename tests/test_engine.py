@@ -30,7 +30,8 @@ import torch
 
 import jcp
 from helpers import model_harness as MH
-from jcp.sample.engine import Engine, EngineError
+from jcp.sample.engine import Engine, EngineError, page_keys
+from jcp.sample.params import STOP_WIDTH
 
 PROMPTS = ([3, 17, 42, 8, 99, 1, 64, 30, 2, 77, 12], [50], [6, 7, 120, 33, 4], [11, 90])
 MAX_TOKENS = 10
@@ -375,9 +376,11 @@ def test_varied_requests_after_warm_up_compile_nothing(root):
 
 def test_served_warm_up_covers_top_k_fields_and_log_probs(root):
     """jcp-serve --warmup's set (serve.SAMPLING_WARMUP; one active adapter here, to keep it
-    cheap) on a small engine: afterwards varied requests — greedy and drawn, with and
-    without prompt log-probs, topk_sample_logprobs and topk_prompt_logprobs up to 4,
-    compute_logprobs, joining at different steps, hurried or not — compile nothing."""
+    cheap) on a small engine: afterwards varied requests — greedy, drawn and top-k / top-p
+    rows, stop lists of 0 to STOP_WIDTH ids (the edge admits no more), with and without
+    prompt log-probs, any topk_sample_logprobs and topk_prompt_logprobs up to 4,
+    compute_logprobs, joining at different steps, hurried or not — compile nothing (no
+    client-chosen width reaches a program shape)."""
     from jcp.serve import SAMPLING_WARMUP
     tr, (a, _), _ = _setup((1, 1, 1), root)
     eng = Engine(tr.make_sampler(), slots=8, max_len=64, chunk=4, prefill_tokens=16)
@@ -389,11 +392,15 @@ def test_served_warm_up_covers_top_k_fields_and_log_probs(root):
     eng.program_keys.clear()
     rng = np.random.default_rng(1)
     rids = []
+    widths = [0, 1, 9, STOP_WIDTH, 3, 12]
     for step in range(6):
         length = int(rng.integers(2, 20))
-        sp = jcp.SamplingParams(max_tokens=int(rng.integers(1, 30)), stop=[],
-                                temperature=[0.0, 1.0][step % 2], seed=step)
-        fields = jcp.PromptFields(topk_sample_logprobs=int(rng.integers(0, 5)),
+        stop = rng.choice(np.arange(64, 128), widths[step], replace=False).tolist()
+        sp = jcp.SamplingParams(max_tokens=int(rng.integers(1, 30)), stop=stop,
+                                temperature=[0.0, 1.0, 0.8][step % 3], seed=step,
+                                top_k=[-1, -1, 50, 1, -1, 7][step],
+                                top_p=[1.0, 0.9, 1.0][step % 3])
+        fields = jcp.PromptFields(topk_sample_logprobs=[0, 3, 64, 17, 1, 0][step],
                                   topk_prompt_logprobs=[0, 1, 4][step % 3])
         rids.append(eng.submit(rng.integers(0, 128, length).tolist(), sp, a,
                                num_samples=int(rng.integers(1, 4)),
@@ -457,6 +464,37 @@ def test_prefix_cache_hit_equals_miss_and_samples_share_prompt_pages(root):
     assert not np.array_equal(other.sequences[0].tokens, miss.sequences[0].tokens)
 
 
+def test_prefix_cache_is_partitioned_by_salt(root):
+    """jcp-serve salts each request with its tenant: the same base-model prompt under
+    another salt misses the cached pages (hit counters, not timing), under the same salt
+    hits them; unsalted requests keep the keys (and partition) they had before salts."""
+    tr, _, _ = _setup((1, 1, 1), root)
+    prompt = list(range(60, 74))  # 13 prefilled positions: 3 full pages of 4
+    unsalted = page_keys(np.array(prompt), -1, -1, 4)
+    assert unsalted == page_keys(np.array(prompt), -1, -1, 4, b"")
+    assert set(unsalted).isdisjoint(page_keys(np.array(prompt), -1, -1, 4, b"alice"))
+    eng = Engine(tr.make_sampler(), **PAGED)
+    sp = jcp.SamplingParams(max_tokens=2, temperature=0.0, stop=[])
+
+    def run(salt):
+        hits, prefilled = eng.pool.hits, eng.prefilled
+        rid = eng.submit(prompt, sp, None, salt=salt)
+        eng.run()
+        return eng.pool.hits - hits, eng.prefilled - prefilled, eng.result(rid)
+
+    first = run("alice")
+    assert first[:2] == (0, 13)
+    assert run("bob")[:2] == (0, 13)  # alice's pages are cached, but not bob's to take
+    assert run(None)[:2] == (0, 13)
+    again = run("alice")
+    assert again[:2] == (3, 1)
+    assert run(b"bob")[:2] == (3, 1) and run(None)[:2] == (3, 1)
+    _same(again[2], first[2], "hit vs miss")
+    with pytest.raises(jcp.InputError, match="salt"):
+        eng.submit(prompt, sp, None, salt=7)
+    assert eng.idle
+
+
 def test_long_prompt_prefills_over_steps_while_others_decode(root):
     """With 8 prompt tokens per step, a 25-position prompt prefills over 4 steps; the
     running request gains `chunk` tokens in every one of them; both equal alone."""
@@ -482,3 +520,34 @@ def test_long_prompt_prefills_over_steps_while_others_decode(root):
     want = tr.sample([long_prompt], long_sp, prompt_logprobs=True)[0]
     _same(got, want, "long prompt")
     np.testing.assert_allclose(got.prompt_logprobs, want.prompt_logprobs, atol=1e-5, rtol=0)
+
+
+def test_long_sequences_run_in_engine_steps_beside_short_ones(root):
+    """long_len above max_len (jcp-serve: the token cap): a sequence longer than max_len
+    (10 − 1 + 40 = 49 positions > 32: 13 pages of 4, on the table rung above max_len's 8
+    pages) prefills and decodes over many steps beside a short request, each equal to
+    Trainer.sample alone; one longer than long_len, or than one device's pages (seq_cap),
+    is refused with nothing queued."""
+    tr, (a, _), _ = _setup((1, 1, 1), root)
+    eng = Engine(tr.make_sampler(), **PAGED, long_len=64)
+    assert (eng.max_pages, eng.long_pages, eng.seq_cap) == (8, 16, 64)
+    long_prompt = list(range(10, 20))
+    long_sp = jcp.SamplingParams(max_tokens=40, temperature=0.9, seed=2, stop=[])
+    short_sp = jcp.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+    short = eng.submit(PROMPTS[3], short_sp, a)
+    late = eng.submit(long_prompt, long_sp, a)
+    steps = 0
+    while not eng.idle:
+        eng.step()
+        steps += 1
+    assert steps >= 40 // PAGED["max_chunk"]
+    assert {k[2] for k in eng.program_keys if k[0] == "decode"} >= {8, 16}
+    _same(eng.result(late), _alone(tr, long_prompt, long_sp, a), "long")
+    _same(eng.result(short), _alone(tr, PROMPTS[3], short_sp, a), "short")
+    with pytest.raises(jcp.InputError, match="64 positions"):
+        eng.submit(long_prompt, jcp.SamplingParams(max_tokens=56), a)
+    small = Engine(tr.make_sampler(), **{**PAGED, "pages": 12}, long_len=64)
+    assert small.seq_cap == 48
+    with pytest.raises(jcp.InputError, match="pages"):
+        small.submit(long_prompt, long_sp, a)
+    assert eng.idle and small.idle and not small.waiting

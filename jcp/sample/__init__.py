@@ -9,17 +9,26 @@ The package, by owner:
                  prefill sources, adapter indices
     kv_cache.py  the KV cache: its layouts, prefill's fill, decode's attention and writes
     programs.py  the compiled prefill and decode programs (dataclass arguments + specs)
+    runner.py    the device side both samplers hold: weights, programs, device arrays and
+                 program calls (Runner), and one engine's paged cache (EngineDevice)
     sampler.py   the static sampler behind Trainer.sample / compute_logprobs
     paged.py     the engine's paged KV cache: page-table attention and the extend (chunked
                  prefill), decode and page-copy programs
-    engine.py    the continuous-batching engine (requests join and leave between steps),
-                 its page pool and prefix cache
+    engine_config.py  EngineConfig (the engine's settings) and EngineSizes (its buckets)
+    pages.py     the host page pool (free lists, reference counts, prefix cache) and
+                 prefix keys (pure host)
+    admission.py the engine's requests on the host and its admission policy: place, fork,
+                 grow, release, decode length (pure host)
+    warmup.py    every program of an engine's buckets compiled up front
+    engine.py    the continuous-batching engine (requests join and leave between steps):
+                 submit / step / result
 
 Sampling reuses the one decoder (model.hidden_states), LoRA routing and log-prob code;
 it never writes a second decoder and never changes adapter state.
 """
 
 from jcp.sample.draws import nucleus_mask, sample_tokens
+from jcp.sample.engine_config import EngineConfig
 from jcp.sample.layout import CACHE_MODES, SPLIT_ABOVE_BYTES, Plan, choose_cache_mode
 from jcp.sample.params import (BASE, MAX_TOPK, MIN_TEMPERATURE, PromptFields, SampledSequence,
                                SampleResult, SamplingParams, TopK, check_fields, check_params,
@@ -27,8 +36,9 @@ from jcp.sample.params import (BASE, MAX_TOPK, MIN_TEMPERATURE, PromptFields, Sa
 from jcp.sample.programs import SLICE_LAYERS_MAX_BYTES, make_decode, make_prefill
 from jcp.sample.sampler import Limits, Sampler
 
-__all__ = ["BASE", "CACHE_MODES", "Limits", "MAX_TOPK", "MIN_TEMPERATURE", "Plan", "PromptFields",
-           "SLICE_LAYERS_MAX_BYTES", "SPLIT_ABOVE_BYTES", "SampleResult", "SampledSequence",
+__all__ = ["BASE", "CACHE_MODES", "EngineConfig", "Limits", "MAX_TOPK", "MIN_TEMPERATURE", "Plan",
+           "PromptFields", "SLICE_LAYERS_MAX_BYTES", "SPLIT_ABOVE_BYTES", "SampleResult",
+           "SampledSequence",
            "Sampler", "SamplingParams", "TopK", "check_fields", "check_params", "check_prompts",
            "choose_cache_mode", "make_decode", "make_prefill", "nucleus_mask", "sample_tokens",
            "sequence_keys"]

@@ -6,14 +6,16 @@ layout's sequence axes: every page lives on one device, and a sequence's pages a
 device that decodes it). A sequence's page table [M] lists, in order, the device-local
 pages that hold its positions: position t is row t % page of page table[t // page]
 (−1: no page yet). Pages are shared read-only between sequences (the num_samples of a
-prompt, prefix-cache hits); the host (engine.py, PagePool) owns the tables, the free list
+prompt, prefix-cache hits); the host (admission.py, pages.py) owns the tables, free list
 and the reference counts, so memory per sequence is its real length rounded up to a page.
 
 Attention: in extend (`paged_attend`) a row's C new tokens (a prompt chunk) see every
 cached position < the chunk's start through the row's table, and each other causally;
 decode (`paged_decode_attend`, C = 1) gathers each row's pages and runs the static
-sampler's decode attention (kv_cache.decode_attend) on them. The new K/V are written after
-the layer stack (`write_pages`), once per step, so the layer scan never copies the pool.
+sampler's decode attention (kv_cache.decode_attend) on them — or, for attn_impl "pallas"
+(`pallas_decode_attend`), one Pallas kernel reads each row's pages in place
+(attention.paged). The new K/V are written after the layer stack (`write_pages`), once
+per step, so the layer scan never copies the pool.
 
 Programs (each jitted, the pool donated and updated in place):
 - extend: chunks of prompts through the decoder, writing their K/V into pages — chunked
@@ -49,6 +51,7 @@ from jcp import delta_rule
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import model as model_lib
+from jcp.attention import paged as paged_kernel
 from jcp.config import QwenConfig
 from jcp.mesh import SPECS
 from jcp.sample import draws
@@ -217,6 +220,32 @@ def paged_decode_attend(table_BxM, position_B, page: int):
         return inner(q_BxQxH, k_BxKxH, v_BxKxH, kv_cache.KV(k_old, v_old))
 
     return attend
+
+
+def pallas_decode_attend(table_BxM, position_B, pool_k, pool_v):
+    """paged_decode_attend as one Pallas kernel (attention.paged.paged_decode) that reads
+    each row's pages where they lie: no gathered copy, the live K/V read once per layer
+    and step. Same values to fp32 rounding.
+
+    pool_k, pool_v: every layer's pages [L, P, page, K, H] (the loop's store), seen as
+    [L·P, page, K, H] (a view). The layer stack's state for this strategy is each layer's
+    index (KV(l, l): layer_indices), not its slice of the pool: a kernel's operand sliced
+    out of the stack would be a copy of the layer's whole pool on GPU."""
+    n_pages = pool_k.shape[1]
+    flat_k, flat_v = (x.reshape((-1,) + x.shape[2:]) for x in (pool_k, pool_v))
+
+    def attend(q_BxQxH, k_BxKxH, v_BxKxH, layer: kv_cache.KV):
+        pages_BxM = jnp.where(table_BxM >= 0, layer.k * n_pages + table_BxM, -1)
+        out = paged_kernel.paged_decode(q_BxQxH, k_BxKxH, v_BxKxH, flat_k, flat_v, pages_BxM,
+                                        position_B)
+        return out, kv_cache.KV(k_BxKxH, v_BxKxH)
+
+    return attend
+
+
+def layer_indices(pool_k):
+    """int32 [L]: the per-layer state pallas_decode_attend's layer stack threads."""
+    return jnp.arange(pool_k.shape[0], dtype=jnp.int32)
 
 
 def write_pages(pool: Pool, new: kv_cache.KV, page_N, row_N) -> Pool:
@@ -404,7 +433,7 @@ class PagedDecodeModes:
     phases: int = DECODE_PHASES
 
 
-def make_decode(cfg: QwenConfig, mesh):
+def make_decode(cfg: QwenConfig, mesh, attn_impl: str = "blockwise"):
     """jit(decode)(lora, params, slot_meta, pool, ints, floats, active, *, modes) -> (tokens [B, N] (−1: nothing drawn), log-probs [B, N], both replicated[, top-k
     ids [B, N, k], top-k log-probs [B, N, k] with modes.topk]; pool).
 
@@ -416,8 +445,11 @@ def make_decode(cfg: QwenConfig, mesh):
     A hybrid model's rows take their recurrent states from the pool's state rows (the
     packed slot column) before the loop, one recurrent step per row and step
     (delta_rule.StepMix; a row at position 0 starts from zeros), and put them back after.
+    attn_impl: training's (Sampler.step_cfg.attn_impl); "pallas" reads the pages in place
+    (pallas_decode_attend), any other the gathered XLA path (paged_decode_attend).
     """
     hybrid = cfg.is_hybrid
+    in_place = attn_impl == "pallas"
 
     @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("pool",))
     def decode(lora, params, slot_meta, pool, ints, floats, active, *, modes: PagedDecodeModes):
@@ -432,8 +464,14 @@ def make_decode(cfg: QwenConfig, mesh):
 
             def run(width):
                 def one_step(tok_B, pos_B, store, lora_active, layers):
-                    attend = paged_decode_attend(table[:, :width], pos_B, page)
-                    return decode_hidden(cfg, params, tok_B, pos_B, attend, store.k, store.v,
+                    if in_place:
+                        attend = pallas_decode_attend(table[:, :width], pos_B, store.k,
+                                                      store.v)
+                        k = v = layer_indices(store.k)
+                    else:
+                        attend = paged_decode_attend(table[:, :width], pos_B, page)
+                        k, v = store.k, store.v
+                    return decode_hidden(cfg, params, tok_B, pos_B, attend, k, v,
                                          store.rec if hybrid else None, lora_active, route,
                                          layers)
 

@@ -61,6 +61,20 @@ def k_bucket(k: int) -> int:
     return b
 
 
+def decode_topk_bucket(k: int) -> int:
+    """The compiled top-k width of an engine decode call whose widest row asks
+    topk_sample_logprobs = k: 0, or MAX_TOPK for any k > 0 — one width, so the decode
+    programs a client can reach stay the few compiled at warm-up (a row's top k are the
+    first k of the top MAX_TOPK)."""
+    return MAX_TOPK if k > 0 else 0
+
+
+# The width of the engine's stop tables: every stop list of at most STOP_WIDTH token ids
+# shares one compiled width (a longer one would compile a wider table; jcp-serve refuses
+# longer lists at the edge, jcp.server.edge.MAX_STOPS).
+STOP_WIDTH = 16
+
+
 @dataclasses.dataclass
 class TopK:
     """Tokens and log-probs at each position: token_ids int32 [n, k], logprobs float32
@@ -282,3 +296,69 @@ def sequence_keys(seed: int, prompt: int, num_samples: int) -> np.ndarray:
     of (seed, prompt index, sample index), so a draw never depends on the batch around it."""
     return np.stack([np.random.SeedSequence([seed, prompt, j]).generate_state(2, np.uint32)
                      for j in range(num_samples)])
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptStatsCall:
+    """What one prefill call computes beside the log-probs (host side): topk / alt: the
+    bucketed widths (params.k_bucket) of topk_prompt_logprobs / prompt_alt_tokens_k over
+    its prompts; temperature float32 [P] and keys uint32 [P, 2]: each prompt's draw
+    temperature (0: greedy) and params.alt_key; which: the prompt of each prefill datum
+    (as Sampler.packed)."""
+
+    topk: int
+    alt: int
+    temperature: np.ndarray
+    keys: np.ndarray
+    which: tuple[int, ...]
+
+    @staticmethod
+    def of(prompts, fields, temperatures, seeds, prompt_index) -> PromptStatsCall | None:
+        """For prompts with their PromptFields, temperatures, seeds and prompt indices (the
+        index each prompt's keys derive from); None when nothing beyond log-probs."""
+        topk = k_bucket(max(f.topk_prompt_logprobs for f in fields))
+        alt = k_bucket(max(f.prompt_alt_tokens_k for f in fields))
+        if not (topk or alt):
+            return None
+        t = np.array([0.0 if x == 0 else max(x, MIN_TEMPERATURE) for x in temperatures],
+                     np.float32)
+        keys = np.stack([alt_key(sd, i) for sd, i in zip(seeds, prompt_index)])
+        return PromptStatsCall(topk, alt, t, keys,
+                               tuple(i for i, x in enumerate(prompts) if len(x) > 1))
+
+    def streams(self, pb) -> tuple[np.ndarray, np.ndarray]:
+        """(temperature [DP, CP, S], keys [DP, CP, S, 2]) of a packed batch's tokens (pb: a
+        batch.PackedBatch)."""
+        members = np.array(sorted(p.index for p in pb.placements) or [0])
+        real = pb.segment >= 0
+        prompt = np.array(self.which)[members[np.where(real, pb.segment, 0)]]
+        return (np.where(real, self.temperature[prompt], 0.0).astype(np.float32),
+                np.where(real[..., None], self.keys[prompt], 0).astype(np.uint32))
+
+
+def prompt_results(out: dict, n: int, fields: PromptFields, prompt_logprobs: bool) -> dict:
+    """SampleResult's prompt fields (as keyword arguments) of one prompt of n tokens from
+    its Sampler.prompt_outputs entry, cut to what the request asked for."""
+    first = 1 if fields.prompt_logprobs_last_n is None else n - fields.prompt_logprobs_last_n
+    kw = {}
+    if prompt_logprobs:
+        lp = out["lp"].copy()
+        lp[:first] = np.nan
+        kw["prompt_logprobs"] = lp
+    k = fields.topk_prompt_logprobs
+    if k:
+        ids, lps = np.full((n, k), -1, np.int32), np.full((n, k), np.nan, np.float32)
+        if n > 1:
+            ids[1:], lps[1:] = out["topk_ids"][:, :k], out["topk_lp"][:, :k]
+        ids[:first], lps[:first] = -1, np.nan
+        kw["topk_prompt_logprobs"] = TopK(ids, lps)
+    t = fields.target_prompt_logprobs
+    if t is not None:
+        kw["target_prompt_logprobs"] = np.where(t >= 0, out["targets"][:, :t.shape[1]],
+                                                0.0).astype(np.float32)
+    k = fields.prompt_alt_tokens_k
+    if k:
+        kw["prompt_alt_tokens"] = TopK(
+            out["alt_ids"][:, :k].astype(np.int32) if n > 1 else np.zeros((0, k), np.int32),
+            out["alt_lp"][:, :k].astype(np.float32) if n > 1 else np.zeros((0, k), np.float32))
+    return kw

@@ -1,0 +1,351 @@
+"""The engine's admission policy: which device, decode rows and pages each request takes,
+when pages are taken and given back, and how many decode steps a device call runs.
+
+Owns the host records of a request (Request, its samples Seq, their per-device Group) and
+Admission, which places, forks, grows and releases them over the PagePool (pages.py) and
+picks the decode length (decode_len). Pure host, tested on plain records in
+tests/test_sample_policy.py; it must never create or read a device array, nor run a
+program — engine.py drives it, runner.py turns its records into device arrays.
+
+Memory (paged.py): each device holds `pages` pages of `page_size` positions. A sequence's
+positions 0, 1, … live in the pages its table lists, so it holds ⌈real length / page⌉
+pages, not max_len rows. The num_samples of one prompt on one device share the prompt's
+full pages read-only; its partial last page is copied once per further sample when
+prefill ends (copy on write at the fork). Admission reserves a request's worst case
+(prompt pages + ⌈(prompt + max_tokens) / page⌉ per sample, less shared pages) so a running
+sequence never runs out of pages, but pages are taken only as the sequence grows, and a
+sequence that stops early gives back its pages and reservation. A request that does not
+fit waits (first come, first served); one that could never fit is refused at submit.
+
+Decode chunks (`decode_len`): a step's device loop runs `chunk` decode steps while other
+work waits — a prompt still prefilling, or step(hurry=True) from a caller whose queue
+holds requests (jcp-serve) —, so a newcomer's first token waits for at most one such
+chunk; when a request waits for rows or pages, the largest rung no live row's max_tokens
+ends before (it may join as soon as rows free); when nothing waits, the least rung by which
+every live row's max_tokens has ended, so a batch with nothing else to do decodes to its
+end in one call — unless rows of different ages share it and the rows left once the
+shortest end fit a smaller rows bucket: then the step ends there too (the device loop has
+a fixed shape and computes ended rows until its last row ends; measured in
+docs/engine.md). Rungs: max_chunk (default 4 · chunk), max_chunk / 4, … ≥ chunk; the loop
+stops early once every row has ended (stop tokens). Bound: a request arriving during a
+long chunk waits for at most max_chunk decode steps of the running batch, then its own
+prefill. The chunk length changes no result (draws depend on a sequence's key and token
+count only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Callable
+
+import numpy as np
+
+from jcp.sample.engine_config import EngineSizes
+from jcp.sample.layout import ladder
+from jcp.sample.pages import PagePool, page_keys
+from jcp.sample.params import NO_FIELDS, PromptFields, sequence_keys
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One submitted prompt (its samples, or a compute_logprobs request) on the host."""
+
+    rid: int
+    prompt: np.ndarray
+    adapter: int                # slot or BASE
+    version: int                # the adapter slot's version at submission
+    params: dict                # check_params output
+    num_samples: int
+    prompt_logprobs: bool
+    logprobs_only: bool = False
+    seqs: list = dataclasses.field(default_factory=list)
+    groups: list = dataclasses.field(default_factory=list)
+    plp: np.ndarray | None = None
+    cancelled: bool = False
+    keys: np.ndarray | None = None  # uint32 [num_samples, 2], made once at admission
+    fields: PromptFields = NO_FIELDS
+    prompt_out: dict = dataclasses.field(default_factory=dict)  # SampleResult prompt fields
+    salt: bytes = b""               # its prefix-cache partition (page_keys)
+    watch: Callable | None = None   # submit(watch=…): where a sequence ends (text stops)
+
+    @property
+    def extend_logprobs(self) -> bool:
+        """Prompt log-probs come from the chunked prefill (else, with the SDK prompt
+        fields, from one cache-less prefill at admission)."""
+        return self.prompt_logprobs and not self.fields.prompt_stats
+
+    @property
+    def n(self) -> int:
+        """Prefilled positions (prompt[:-1])."""
+        return len(self.prompt) - 1
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        """The tokens drawn so far, per sample (empty before admission)."""
+        return [x.tokens for x in self.seqs]
+
+
+@dataclasses.dataclass(eq=False)
+class Seq:
+    """One sample of a request: its device, pages, reservation and drawn tokens."""
+
+    req: Request
+    j: int                      # sample index
+    g: int                      # device (along the sequence axes)
+    pages: list = dataclasses.field(default_factory=list)
+    reserve: int = 0            # pages it may still take
+    tokens: list = dataclasses.field(default_factory=list)
+    lps: list = dataclasses.field(default_factory=list)
+    done: bool = False
+    decoding: bool = False      # forked (prefill over), decodes
+    row: int | None = None      # its recurrent-state row on device g (a hybrid model)
+    topk: list = dataclasses.field(default_factory=list)  # [(ids, lps)] per decode call
+    cut: bool = False           # ended by its request's watch (a text stop sequence)
+
+
+@dataclasses.dataclass(eq=False)
+class Group:
+    """A request's samples on one device, sharing one prefill (the leader's pages)."""
+
+    seqs: list
+    filled: int = 0             # prompt positions cached so far
+
+
+class Admission:
+    """Which device, decode rows and pages each request's samples take, and when pages
+    are taken and given back (the module docstring; pages.py's, "Prefix cache").
+
+    pool: the PagePool; free_rows: per device, a heap of free recurrent-state rows (a
+    hybrid model); rows_used: per device, sequences holding a decode row; prefilling:
+    groups whose prompt is not all cached (FIFO); decoding: sequences that decode.
+    """
+
+    def __init__(self, sizes: EngineSizes):
+        self.sizes = sizes
+        self.pool = PagePool(sizes.groups, sizes.n_pages)
+        self.free_rows = self.all_rows()
+        self.rows_used = [0] * sizes.groups
+        self.prefilling: list[Group] = []
+        self.decoding: list[Seq] = []
+
+    def all_rows(self) -> list[list[int]]:
+        """Every device's state rows, all free (heaps)."""
+        return [list(range(self.sizes.b_local)) for _ in range(self.sizes.groups)]
+
+    def reset(self) -> None:
+        """An empty pool and free rows (the device pages were lost; every request holding
+        pages has been ended)."""
+        self.pool = PagePool(self.sizes.groups, self.sizes.n_pages)
+        self.free_rows = self.all_rows()
+
+    def page_keys(self, req: Request) -> list[bytes]:
+        """req's prompt page keys ([] without the prefix cache)."""
+        if not self.sizes.prefix_cache:
+            return []
+        return page_keys(req.prompt, req.adapter, req.version, self.sizes.page, req.salt)
+
+    # ------------------------------------------------------------------ admission
+
+    def admit(self, req: Request) -> bool:
+        """Place req's samples, take their rows, cached pages and reservations, and start
+        their prefill (or fork at once when the prompt is all cached) -> False, changing
+        nothing, when it must wait."""
+        keys = self.page_keys(req)
+        plan = self.place(req, keys)
+        if plan is None:
+            return False
+        req.keys = sequence_keys(req.params["seed"], 0, req.num_samples)
+        req.plp = np.full(len(req.prompt), np.nan, np.float32) if req.extend_logprobs \
+            else None
+        j = 0
+        for g, k, hits in plan:
+            group = Group([])
+            for _ in range(k):
+                seq = Seq(req, j, g)
+                j += 1
+                group.seqs.append(seq)
+                req.seqs.append(seq)
+            self.start_group(req, group, g, hits, keys)
+            req.groups.append(group)
+        return True
+
+    def need(self, req: Request, g: int, k: int, hits: list[int]) -> int:
+        """Pages device g must promise for k samples of req sharing a prefill that takes
+        `hits` cached pages."""
+        full = req.n // self.sizes.page
+        own = self.sizes.pages_per_seq(req.n, req.params["max_tokens"]) - full
+        cached_idle = sum(1 for p in hits if self.pool.ref[g][p] == 0)
+        return (full - len(hits)) + cached_idle + k * own
+
+    def place(self, req: Request, keys) -> list[tuple[int, int, list[int]]] | None:
+        """[(device, samples, cached pages)] for req, or None if it must wait: all samples
+        on one device when one fits them (the device with the longest cached prefix
+        first), else spread over devices."""
+        groups, b_local = self.sizes.groups, self.sizes.b_local
+        hits = {g: self.pool.lookup(g, keys, req.extend_logprobs) if keys else []
+                for g in range(groups)}
+        order = sorted(range(groups), key=lambda g: (-len(hits[g]), -self.pool.available(g), g))
+
+        def rows(g):
+            return b_local - self.rows_used[g]
+
+        def fits(g, k):
+            return rows(g) >= k and self.need(req, g, k, hits[g]) <= self.pool.available(g)
+
+        for g in order:
+            if fits(g, req.num_samples):
+                return [(g, req.num_samples, hits[g])]
+        plan, left = [], req.num_samples
+        for g in order:
+            k = min(left, rows(g))
+            while k and not fits(g, k):
+                k -= 1
+            if k:
+                plan.append((g, k, hits[g]))
+                left -= k
+            if not left:
+                return plan
+        return None
+
+    def start_group(self, req: Request, group: Group, g: int, hits: list[int],
+                    keys) -> None:
+        """Give group (k samples of req on device g) its rows, cached pages and
+        reservations; queue its prefill, or fork it when the prompt is all cached."""
+        page = self.sizes.page
+        full = req.n // page
+        own = self.sizes.pages_per_seq(req.n, req.params["max_tokens"]) - full
+        lead = group.seqs[0]
+        self.pool.lookups += len(keys)
+        self.pool.hits += len(hits)
+        for p in hits:
+            self.pool.take(g, p)
+        lead.pages = list(hits)
+        lead.reserve = (full - len(hits)) + own
+        for seq in group.seqs[1:]:
+            seq.reserve = own
+        self.pool.reserved[g] += sum(s.reserve for s in group.seqs)
+        self.rows_used[g] += len(group.seqs)
+        if self.sizes.hybrid:
+            for seq in group.seqs:
+                seq.row = heapq.heappop(self.free_rows[g])  # the lowest free row
+        group.filled = len(hits) * page
+        if req.plp is not None:
+            for i, p in enumerate(hits):
+                req.plp[i * page + 1:(i + 1) * page + 1] = self.pool.logprobs[g][p]
+        if group.filled >= req.n:
+            self.fork(group, [])
+        else:
+            self.prefilling.append(group)
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill_work(self) -> list[tuple[Group, int]]:
+        """[(group, positions)] of this step's prefill: one chunk of every prefilling
+        prompt, FIFO, within prefill_tokens in all and prefill_rows per device."""
+        budget, s = self.sizes.prefill_tokens, self.sizes
+        taken = [0] * s.groups
+        work = []
+        for group in self.prefilling:
+            lead = group.seqs[0]
+            if budget <= 0:
+                break
+            if taken[lead.g] >= s.prefill_rows:
+                continue
+            c = min(lead.req.n - group.filled, budget, s.chunk_top)
+            budget -= c
+            taken[lead.g] += 1
+            work.append((group, c))
+        return work
+
+    def end_prefill(self, group: Group, copies: list) -> None:
+        """group's prompt is all cached: register its full pages in the prefix cache and
+        fork its samples (copies as fork)."""
+        if self.sizes.prefix_cache:
+            lead, page = group.seqs[0], self.sizes.page
+            req = lead.req
+            for i, key in enumerate(self.page_keys(req)):
+                lp = (None if req.plp is None
+                      else req.plp[i * page + 1:(i + 1) * page + 1].copy())
+                self.pool.register(lead.g, key, lead.pages[i], lp)
+        self.fork(group, copies)
+        self.prefilling.remove(group)
+
+    def grow(self, seq: Seq, positions: int) -> None:
+        """Give seq pages for its first `positions` positions (from its reservation)."""
+        while len(seq.pages) * self.sizes.page < positions:
+            seq.pages.append(self.pool.alloc(seq.g))
+            seq.reserve -= 1
+            self.pool.reserved[seq.g] -= 1
+
+    def fork(self, group: Group, copies: list) -> None:
+        """Prefill over: every further sample takes the prompt's full pages (shared) and a
+        copy of its partial last page (appended to copies as (device, src, dst, "page")) —
+        and, for a hybrid model, a copy of the prompt's final recurrent state into its own
+        state row ((device, src, dst, "row"))."""
+        req, lead = group.seqs[0].req, group.seqs[0]
+        full = req.n // self.sizes.page
+        for seq in group.seqs[1:]:
+            for p in lead.pages[:full]:
+                self.pool.take(seq.g, p)
+            seq.pages = list(lead.pages[:full])
+            if req.n % self.sizes.page:
+                self.grow(seq, req.n)
+                copies.append((seq.g, lead.pages[full], seq.pages[full], "page"))
+            if self.sizes.hybrid:
+                copies.append((seq.g, lead.row, seq.row, "row"))
+        for seq in group.seqs:
+            seq.decoding = True
+            self.decoding.append(seq)
+
+    # ------------------------------------------------------------------ ending
+
+    def release(self, seq: Seq) -> None:
+        """Give back a sequence's pages, reservation, decode row and state row."""
+        for p in seq.pages:
+            self.pool.release(seq.g, p)
+        seq.pages = []
+        self.pool.reserved[seq.g] -= seq.reserve
+        seq.reserve = 0
+        if not seq.done:
+            seq.done = True
+            self.rows_used[seq.g] -= 1
+            if seq.row is not None:
+                heapq.heappush(self.free_rows[seq.g], seq.row)
+                seq.row = None
+
+    def remove(self, req: Request) -> None:
+        """Release every sequence of req and forget its groups and sequences."""
+        for seq in req.seqs:
+            self.release(seq)
+        self.prefilling = [gr for gr in self.prefilling if gr.seqs[0].req is not req]
+        self.decoding = [x for x in self.decoding if x.req is not req]
+
+    # ------------------------------------------------------------------ decode length
+
+    def decode_len(self, hurry: bool = False, waiting: bool = False) -> int:
+        """Decode steps of this step's device call (the module docstring, "Decode chunks"):
+        `chunk` while other work waits (hurry, or a prompt still prefilling); else, if a request
+        waits for rows or pages (waiting), the largest rung that no live row's max_tokens
+        ends before (a row may end there and free its row); else, if the rows left once the
+        shortest have ended fit a smaller rows bucket, that same rung (the batch shrinks
+        there: a fixed-shape device loop computes ended rows until its last row ends, so
+        rows that joined later would otherwise keep the early ones' rows running); else the
+        least rung by which every live row's max_tokens has ended. Rungs: max_chunk,
+        max_chunk / 4, … ≥ chunk (layout.ladder); the device loop stops early once every
+        row has ended."""
+        s = self.sizes
+        if hurry or self.prefilling or not self.decoding:
+            return s.chunk
+        left = [seq.req.params["max_tokens"] - len(seq.tokens) for seq in self.decoding]
+        before_shortest = max([r for r in s.decode_rungs() if r <= min(left)] or [s.chunk])
+        if waiting:
+            return before_shortest
+        if min(left) < max(left):
+            every, rest = [0] * s.groups, [0] * s.groups
+            for seq, n in zip(self.decoding, left):
+                every[seq.g] += 1
+                rest[seq.g] += n > min(left)
+            if s.rows_bucket(max(rest)) < s.rows_bucket(max(every)):
+                return before_shortest
+        return ladder(min(max(left), s.max_chunk), s.max_chunk, s.chunk)

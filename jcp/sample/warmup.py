@@ -1,0 +1,137 @@
+"""The engine's warm-up: every program an engine can run for a set of buckets, compiled up
+front by running each once on padding.
+
+Owns the enumeration of that bounded set (engine.py's module docstring, "Programs") over
+an EngineDevice's sizes. Every call writes nothing that a request reads (padding rows:
+every page and state-row write is dropped); it must never run on an engine holding
+requests (Engine.warmup checks) nor decide anything about requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jcp import batch as batch_lib
+from jcp import mesh as mesh_lib
+from jcp.adapter_state import host
+from jcp.sample import layout as layout_lib
+from jcp.sample import paged, programs
+from jcp.sample.engine_config import DECODE_ROWS_STEP, MIN_CHUNK, PREFILL_ROWS, WINDOW_FLOOR, rungs
+from jcp.sample.params import BASE, STOP_WIDTH, PromptStatsCall, decode_topk_bucket, k_bucket
+from jcp.sample.runner import EngineDevice
+
+# Draw kinds of a decode program: (greedy, filtered).
+KINDS = {"greedy": (True, False), "drawn": (False, False), "filtered": (False, True)}
+
+
+def warmup(device: EngineDevice, active: Sequence[int] = (1,),
+           draws: Sequence[str] = ("greedy", "drawn"), prompt_logprobs: Sequence[bool] = (False,),
+           compute_logprobs: bool = False, stop_width: Sequence[int] = (STOP_WIDTH,),
+           topk: Sequence[int] = (0,), prompt_stats: Sequence[tuple[int, int, int]] = ()) -> int:
+    """Compile, up front, the programs an engine (its EngineDevice) can run for these
+    buckets -> how many it ran (device.program_keys then holds them). The bounded set:
+    every prefill (extend) rows × chunk × table-pages rung × active-adapter bucket ×
+    prompt_logprobs, every decode rows × table-pages rung × active bucket × draw kind
+    ("greedy", "drawn", "filtered": some row top-k / top-p) × stop-table width ×
+    topk_sample_logprobs bucket (params.decode_topk_bucket) × decode-chunk rung, every
+    page-copy rung, and the cache-less prefill's stream buckets (min_stream … max(max_len,
+    prefill_tokens), doubling) × active bucket for compute_logprobs (if compute_logprobs)
+    and for each prompt_stats entry (topk_prompt_logprobs, target_prompt_logprobs width,
+    prompt_alt_tokens_k) of the SDK prompt fields (each bucketed by params.k_bucket; a
+    request's fields take the widest of those admitted with it). active: distinct adapters
+    (the base model counts as one) per step. Runs each program once on padding, so later
+    requests of those shapes compile nothing."""
+    for d in draws:
+        if d not in KINDS:
+            raise ValueError(f"draws: {d!r} is not one of {sorted(KINDS)}")
+    limits = device.runner.limits
+    a_lens = sorted({batch_lib.active_bucket(a, limits.max_adapters + 1) for a in active})
+    before = set(device.program_keys)
+    _extends(device, a_lens, prompt_logprobs)
+    variants = ([(0, 0, 0)] if compute_logprobs else []) + [
+        tuple(k_bucket(int(k)) for k in v) for v in prompt_stats]
+    _cacheless(device, a_lens, variants)
+    _decodes(device, a_lens, draws, stop_width, topk)
+    z = device.sizes
+    for n in rungs(z.b_local, WINDOW_FLOOR[0]):
+        zero = np.zeros(z.groups * n, np.int32)
+        device.copy(zero, np.full(z.groups * n, z.n_pages, np.int32), zero,
+                    np.full(z.groups * n, z.b_local, np.int32))
+    return len(device.program_keys - before)
+
+
+def _padding(b: int, a: int) -> tuple[np.ndarray, np.ndarray]:
+    """(active, index) of b padding rows with a active-adapter entries."""
+    return layout_lib.active_index(np.full(b, layout_lib.PADDING), a, BASE)
+
+
+def _extends(device: EngineDevice, a_lens: list[int], prompt_logprobs: Sequence[bool]) -> None:
+    """Every extend (chunked prefill) program: rows × chunk × table pages × active."""
+    z, slice_layers = device.sizes, device.runner.slice_layers
+    for e_b in rungs(z.prefill_rows, PREFILL_ROWS[1]):
+        b = z.groups * e_b
+        for c in rungs(z.chunk_top, MIN_CHUNK):
+            zero = np.zeros((b, c), np.int32)
+            for m in z.table_rungs():
+                for a in a_lens:
+                    act, index = _padding(b, a)
+                    rows = paged.ExtendRows(zero, zero, np.zeros((b, c), bool),
+                                            np.zeros(b, np.int32), index,
+                                            np.full((b, m), -1, np.int32),
+                                            np.full(b, z.b_local, np.int32))
+                    for lp in prompt_logprobs:
+                        device.extend(rows, paged.ExtendModes(bool(lp), slice_layers), act)
+
+
+def _cacheless(device: EngineDevice, a_lens: list[int], variants: list[tuple]) -> None:
+    """The cache-less prefills: compute_logprobs (no stats) and the SDK prompt fields, per
+    stream bucket min_stream … max(max_len, prefill_tokens) (doubling)."""
+    r, z = device.runner, device.sizes
+    cap, x = r.limits.max_tokens_per_device, z.min_stream
+    while variants:
+        for a, (k, width, alt) in itertools.product(a_lens, dict.fromkeys(variants)):
+            pb = padding_batch(r.dp, r.cp, min(x, cap), a, width)
+            call = (PromptStatsCall(k, alt, np.zeros(1, np.float32),
+                                    np.zeros((1, 2), np.uint32), (0,)) if k or alt else None)
+            device.note_prefill(pb, (k, alt))
+            jax.tree.map(host, r.run_prefill(pb, with_logprobs=True, stats=call)[1])
+        if x >= cap or x >= mesh_lib.pow2_at_least(max(z.max_len, z.prefill_tokens)):
+            break
+        x *= 2
+
+
+def _decodes(device: EngineDevice, a_lens: list[int], draws: Sequence[str],
+             stop_width: Sequence[int], topk: Sequence[int]) -> None:
+    """Every decode program: rows × table pages × active × draw kind × stop width × top-k
+    bucket × decode-chunk rung."""
+    z, slice_layers = device.sizes, device.runner.slice_layers
+    for w_b in rungs(z.b_local, WINDOW_FLOOR[0], DECODE_ROWS_STEP):
+        b = z.groups * w_b
+        zero = np.zeros(b, np.int32)
+        for m, a, d, ns in itertools.product(z.table_rungs(), a_lens, draws, stop_width):
+            act, index = _padding(b, a)
+            rows = programs.DecodeRows(
+                zero, zero, zero, np.ones(b, bool), zero, index, np.ones(b, np.int32),
+                np.zeros(b, np.float32), np.full(b, -1, np.int32), np.ones(b, np.float32),
+                np.zeros((b, 2), np.uint32), layout_lib.stop_table([()] * b, ns))
+            for k, n in itertools.product(topk, z.decode_rungs()):
+                modes = paged.PagedDecodeModes(n, *KINDS[d], slice_layers,
+                                               decode_topk_bucket(k), rows.stop.shape[1])
+                device.decode(np.full((b, m), -1, np.int32), rows, modes, act,
+                              np.full(b, z.b_local, np.int32))
+
+
+def padding_batch(dp: int, cp: int, length: int, active: int,
+                  target_width: int = 0) -> batch_lib.PackedBatch:
+    """A packed prefill batch of `length` rows per stream that holds only padding, with
+    `active` adapter entries and, if target_width, [.., 1 + target_width] targets."""
+    z = np.zeros((dp, cp, length), np.int32)
+    targets = np.zeros(z.shape + (1 + target_width,), np.int32) if target_width else z
+    return batch_lib.PackedBatch(
+        tokens=z, targets=targets, segment=np.full((dp, cp, length), -1, np.int32), position=z,
+        loss_id=z, floats={}, spans=np.zeros((dp, cp, active, 2), np.int32),
+        active=np.full(active, BASE, np.int32), num_slots=8, placements=())
