@@ -153,6 +153,18 @@ def test_place_prefers_one_device_then_spreads_then_waits():
     assert few.place(_req(range(9), max_tokens=8), []) == [(1, 1, [])]
 
 
+def test_most_samples_bounds_what_could_ever_be_placed():
+    """A request of more samples than most_samples could never be placed, even on an empty
+    engine (Engine.submit refuses it instead of letting it wait at the head for ever)."""
+    adm = Admission(_sizes(groups=2, pages=8))  # 4 rows and 8 pages of 4 per device
+    # 9 prefilled positions (2 full pages) + 8 new: 3 own pages each -> 2 per device.
+    assert adm.most_samples(9, 8) == 4
+    assert adm.place(_req(range(10), max_tokens=8, num_samples=4), []) is not None
+    assert adm.place(_req(range(10), max_tokens=8, num_samples=5), []) is None
+    assert adm.most_samples(3, 1) == 8  # rows bound it: one page per sample
+    assert adm.most_samples(40, 1) == 0  # the prompt alone fills a device
+
+
 def test_prefix_hit_takes_cached_pages_within_its_salt():
     adm = Admission(_sizes())
     first = _req(range(14), salt=b"a")

@@ -170,6 +170,17 @@ class Admission:
             req.groups.append(group)
         return True
 
+    def most_samples(self, n: int, max_tokens: int) -> int:
+        """The most samples of one request (n prefilled positions, max_tokens new ones) the
+        engine could ever hold at once: on every device, as many rows as its whole page
+        pool gives them beside one copy of the prompt's full pages. A request of more
+        could never be placed (it would wait at the head of the queue for ever)."""
+        full = n // self.sizes.page
+        own = self.sizes.pages_per_seq(n, max_tokens) - full
+        per_device = self.sizes.b_local if own == 0 else min(
+            self.sizes.b_local, max(self.sizes.n_pages - full, 0) // own)
+        return self.sizes.groups * per_device
+
     def need(self, req: Request, g: int, k: int, hits: list[int]) -> int:
         """Pages device g must promise for k samples of req sharing a prefill that takes
         `hits` cached pages."""

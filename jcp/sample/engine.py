@@ -185,6 +185,11 @@ class Engine:
         if self.sizes.pages_per_seq(n - 1, c.max_tokens) > self.n_pages:
             raise InputError(f"prompt of {n} tokens + max_tokens {c.max_tokens} need more "
                              f"than the engine's {self.n_pages} pages per device")
+        most = self.admission.most_samples(n - 1, c.max_tokens)
+        if c.num_samples > most:
+            raise InputError(f"num_samples {c.num_samples} of a prompt of {n} tokens + "
+                             f"max_tokens {c.max_tokens} need more pages than the engine "
+                             f"holds (at most {most} such samples at once)")
         params = dict(max_tokens=c.max_tokens, temperature=c.temperature, top_k=c.top_k,
                       top_p=c.top_p, stop=c.stop, seed=c.seed)
         req = Request(next(self._ids), c.prompts[0], c.adapters[0],
