@@ -88,10 +88,19 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+# The development loop (`pytest -m "not slow"`, under 3 minutes on 2 cores) leaves out
+# the modules measured at SLOW_SECONDS or more (tests/durations.json): meshes of whole
+# models, servers, child processes. A test may also carry @pytest.mark.slow itself.
+SLOW_SECONDS = 25.0
+
+
 def pytest_collection_modifyitems(config, items):
     def seconds(item):
         return MODULE_SECONDS.get(os.path.relpath(str(item.path), TESTS), 0.0)
 
+    for item in items:
+        if seconds(item) >= SLOW_SECONDS:
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: -seconds(item))  # stable: a module's tests keep their order
 
 
