@@ -12,8 +12,9 @@ def fake_cpu_devices(mesh: tuple[int, int, int]) -> None:
     n_dev = mesh[0] * mesh[1] * mesh[2]
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     if n_dev > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={n_dev}")
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n_dev}"
+        )
 
 
 def mesh_arg(text: str) -> tuple[int, int, int]:
@@ -60,9 +61,13 @@ def sampling_workload(tr, mesh: tuple[int, int, int], r: int, t: int, s: int):
     from jcp.sample.engine import Engine
 
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, tr.cfg.vocab_size, int(rng.integers(4, 17))).tolist()
-               for _ in range(r)]
+    prompts = [
+        rng.integers(0, tr.cfg.vocab_size, int(rng.integers(4, 17))).tolist() for _ in range(r)
+    ]
     sp = jcp.SamplingParams(max_tokens=t, temperature=1.0, seed=1, stop=[])
     groups = mesh[0] * mesh[1]
-    return prompts, sp, Engine(tr.make_sampler(), slots=-(-r * s // groups) * groups,
-                               max_len=64, chunk=8)
+    return (
+        prompts,
+        sp,
+        Engine(tr.make_sampler(), slots=-(-r * s // groups) * groups, max_len=64, chunk=8),
+    )

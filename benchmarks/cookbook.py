@@ -14,7 +14,8 @@ unmodified) drives it through the Tinker SDK:
 Each loop runs twice over the same batches: a cold run (a fresh server process would pay
 this: every new packed-batch shape compiles its forward_backward, ~20 s each on CPU, and
 the shapes follow the data's lengths) and a warm run, timed end to end, that reuses the
-compiled programs (the steady state of a long run, once its shape buckets are seen). The worker's seconds per request kind (Engine.busy_s) split
+compiled programs (the steady state of a long run, once its shape buckets are seen).
+The worker's seconds per request kind (Engine.busy_s) split
 the time: sampling (asample), training (forward_backward, forward, optim_step), weights
 (save_* / load_*, the per-step sampler snapshot included) and the rest — HTTP, the SDK,
 the cookbook's own work and idle gaps — as "client + server overhead".
@@ -49,8 +50,10 @@ def split(busy: dict, wall: float, steps: int) -> str:
     w = sum(v for k, v in busy.items() if k not in SAMPLE + TRAIN)
     rest = wall - s - t - w
     per = lambda x: f"{x / steps:7.3f}"  # noqa: E731
-    return (f"{per(wall)} s/step = sampling {per(s)} + training {per(t)} + weights "
-            f"{per(w)} + client/server overhead {per(rest)}")
+    return (
+        f"{per(wall)} s/step = sampling {per(s)} + training {per(t)} + weights "
+        f"{per(w)} + client/server overhead {per(rest)}"
+    )
 
 
 def run(srv, make_config, steps: int) -> list[tuple[float, dict]]:
@@ -63,8 +66,13 @@ def run(srv, make_config, steps: int) -> list[tuple[float, dict]]:
         t0 = time.perf_counter()
         asyncio.run(main(cfg))
         wall = time.perf_counter() - t0
-        out.append((wall, {k: v - before.get(k, 0.0) for k, v in srv.engine.busy_s.items()},
-                    srv.engine.sampling.programs() - programs))
+        out.append(
+            (
+                wall,
+                {k: v - before.get(k, 0.0) for k, v in srv.engine.busy_s.items()},
+                srv.engine.sampling.programs() - programs,
+            )
+        )
     return out
 
 
@@ -82,8 +90,13 @@ def main() -> None:
 
     path = C.build(os.path.join(tempfile.gettempdir(), "jcp-cookbook-tiny-qwen3"))
     cfg, base = jcp.load_hf(path)
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*map(int, args.mesh.split(","))), base_params=base,
-                     max_adapters=8, max_rank=8)
+    tr = jcp.Trainer(
+        cfg,
+        jcp.make_mesh(*map(int, args.mesh.split(","))),
+        base_params=base,
+        max_adapters=8,
+        max_rank=8,
+    )
     srv = Server(tr, path, tempfile.mkdtemp(), tokenizer_id=path).start()
     data = C.conversations(os.path.join(tempfile.mkdtemp(), "chats.jsonl"), n=64)
 
@@ -91,34 +104,62 @@ def main() -> None:
         from tinker_cookbook.supervised import train
         from tinker_cookbook.supervised.data import FromConversationFileBuilder
         from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
-        common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=path,
-                                                renderer_name="qwen3", max_length=64,
-                                                batch_size=4)
+
+        common = ChatDatasetBuilderCommonConfig(
+            model_name_for_tokenizer=path, renderer_name="qwen3", max_length=64, batch_size=4
+        )
         return train.main, train.Config(
-            log_path=log, model_name=path, recipe_name="bench", renderer_name="qwen3",
-            lora_rank=8, base_url=srv.url, learning_rate=1e-3, max_steps=n, save_every=0,
-            eval_every=0, dataset_builder=FromConversationFileBuilder(
-                file_path=data, common_config=common))
+            log_path=log,
+            model_name=path,
+            recipe_name="bench",
+            renderer_name="qwen3",
+            lora_rank=8,
+            base_url=srv.url,
+            learning_rate=1e-3,
+            max_steps=n,
+            save_every=0,
+            eval_every=0,
+            dataset_builder=FromConversationFileBuilder(file_path=data, common_config=common),
+        )
 
     def rl(log, n):
         from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
         from tinker_cookbook.rl import train
+
         return train.main, train.Config(
-            learning_rate=1e-3, model_name=path, recipe_name="bench", renderer_name="qwen3",
-            log_path=log, lora_rank=8, base_url=srv.url, max_tokens=8, max_steps=n,
-            save_every=0, eval_every=0, dataset_builder=ArithmeticDatasetBuilder(
-                batch_size=2, group_size=4, n_batches=n, model_name_for_tokenizer=path,
-                renderer_name="qwen3"))
+            learning_rate=1e-3,
+            model_name=path,
+            recipe_name="bench",
+            renderer_name="qwen3",
+            log_path=log,
+            lora_rank=8,
+            base_url=srv.url,
+            max_tokens=8,
+            max_steps=n,
+            save_every=0,
+            eval_every=0,
+            dataset_builder=ArithmeticDatasetBuilder(
+                batch_size=2,
+                group_size=4,
+                n_batches=n,
+                model_name_for_tokenizer=path,
+                renderer_name="qwen3",
+            ),
+        )
 
     try:
-        print(f"tiny Qwen3 (V 512, D 64, 2 layers), LoRA rank 8, mesh {args.mesh}, "
-              f"{args.steps} steps per run (the final checkpoint included)")
+        print(
+            f"tiny Qwen3 (V 512, D 64, 2 layers), LoRA rank 8, mesh {args.mesh}, "
+            f"{args.steps} steps per run (the final checkpoint included)"
+        )
         for name, make in (("supervised.train", sl), ("rl.train (sync)", rl)):
             for label, (wall, busy, n) in zip(("cold", "warm"), run(srv, make, args.steps)):
                 print(f"{name:17s} {label} {split(busy, wall, args.steps)}")
                 print(f"{'':22s} sampling-engine programs compiled in this run: {n}")
-                print(f"{'':22s} worker seconds by kind: "
-                      + ", ".join(f"{k} {v:.3f}" for k, v in sorted(busy.items())))
+                print(
+                    f"{'':22s} worker seconds by kind: "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in sorted(busy.items()))
+                )
     finally:
         srv.stop()
 

@@ -35,7 +35,9 @@ DATUMS, TOKENS, RANK, SEED = 8, 512, 8, 0
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mesh", type=mesh_arg, default="1,1,1", help="dp,cp,tp (fake CPU devices as needed)")
+    p.add_argument(
+        "--mesh", type=mesh_arg, default="1,1,1", help="dp,cp,tp (fake CPU devices as needed)"
+    )
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
@@ -58,45 +60,68 @@ def main(argv=None) -> int:
         ratio = torch.exp(logprobs - sampling_logprobs)
         d = sampling_logprobs - logprobs
         kl = torch.exp(d) - d - 1
-        return (-(ratio * advantages).mean() + 0.05 * kl.mean(),
-                {"custom/ratio:mean": ratio.detach().mean()})
+        return (
+            -(ratio * advantages).mean() + 0.05 * kl.mean(),
+            {"custom/ratio:mean": ratio.detach().mean()},
+        )
 
     cfg = jcp.QwenConfig.tiny()
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*args.mesh), max_adapters=8, max_rank=RANK,
-                     max_tokens_per_device=DATUMS * TOKENS)
+    tr = jcp.Trainer(
+        cfg,
+        jcp.make_mesh(*args.mesh),
+        max_adapters=8,
+        max_rank=RANK,
+        max_tokens_per_device=DATUMS * TOKENS,
+    )
     rng = np.random.default_rng(0)
 
     def floats(x):
-        return types.TensorData(data=np.asarray(x, np.float32).tolist(), dtype="float32",
-                                shape=[len(x)])
+        return types.TensorData(
+            data=np.asarray(x, np.float32).tolist(), dtype="float32", shape=[len(x)]
+        )
 
     data = []
     for _ in range(DATUMS):
         t = rng.integers(0, cfg.vocab_size, TOKENS + 1)
-        data.append(types.Datum(
-            model_input=types.ModelInput.from_ints(t[:-1].tolist()),
-            loss_fn_inputs={
-                "target_tokens": t[1:].tolist(),
-                "sampling_logprobs": floats(-np.log(cfg.vocab_size)
-                                            + 0.1 * rng.normal(size=TOKENS)),
-                "advantages": floats(rng.normal(size=TOKENS))}))
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(t[:-1].tolist()),
+                loss_fn_inputs={
+                    "target_tokens": t[1:].tolist(),
+                    "sampling_logprobs": floats(
+                        -np.log(cfg.vocab_size) + 0.1 * rng.normal(size=TOKENS)
+                    ),
+                    "advantages": floats(rng.normal(size=TOKENS)),
+                },
+            )
+        )
 
     srv = Server(tr, "jcp-tiny", tempfile.mkdtemp(prefix="jcp-custom-bench-")).start()
     sc = tinker.ServiceClient(base_url=srv.url, api_key="tml-bench")
     try:
-        print(f"jcp-serve at {srv.url}; mesh dp,cp,tp = {args.mesh}; tiny model "
-              f"(hidden {cfg.hidden_size}, {cfg.num_layers} layers, vocab {cfg.vocab_size}); "
-              f"LoRA rank {RANK}; {DATUMS} × {TOKENS} tokens per step", flush=True)
-        handle = sc.create_custom_loss(seq_mean_is_kl, {"logprobs": 1, "sampling_logprobs": 1,
-                                                        "advantages": 1}).result()
+        print(
+            f"jcp-serve at {srv.url}; mesh dp,cp,tp = {args.mesh}; tiny model "
+            f"(hidden {cfg.hidden_size}, {cfg.num_layers} layers, vocab {cfg.vocab_size}); "
+            f"LoRA rank {RANK}; {DATUMS} × {TOKENS} tokens per step",
+            flush=True,
+        )
+        handle = sc.create_custom_loss(
+            seq_mean_is_kl, {"logprobs": 1, "sampling_logprobs": 1, "advantages": 1}
+        ).result()
         assert handle.loss_id is not None
         sides = {
-            "server-side (1 pass)": (handle, sc.create_lora_training_client(
-                base_model="jcp-tiny", rank=RANK, seed=SEED).result()),
-            "client-side (SDK, 2 passes)": (dataclasses.replace(handle, loss_id=None),
-                                            sc.create_lora_training_client(
-                                                base_model="jcp-tiny", rank=RANK,
-                                                seed=SEED).result()),
+            "server-side (1 pass)": (
+                handle,
+                sc.create_lora_training_client(
+                    base_model="jcp-tiny", rank=RANK, seed=SEED
+                ).result(),
+            ),
+            "client-side (SDK, 2 passes)": (
+                dataclasses.replace(handle, loss_id=None),
+                sc.create_lora_training_client(
+                    base_model="jcp-tiny", rank=RANK, seed=SEED
+                ).result(),
+            ),
         }
 
         def step(name):
@@ -113,18 +138,22 @@ def main(argv=None) -> int:
         times = {name: [] for name in sides}
         names = list(sides)
         for i in range(args.rounds * args.steps):
-            for name in (names if i % 2 == 0 else names[::-1]):
+            for name in names if i % 2 == 0 else names[::-1]:
                 times[name].append(step(name))
         for name, ts in times.items():
-            print(f"   {name:28s} median {statistics.median(ts) * 1e3:8.1f} ms/step "
-                  f"({DATUMS * TOKENS / statistics.median(ts):8.0f} tokens/s), best "
-                  f"{min(ts) * 1e3:8.1f} ms ({DATUMS * TOKENS / min(ts):8.0f} tokens/s)",
-                  flush=True)
+            print(
+                f"   {name:28s} median {statistics.median(ts) * 1e3:8.1f} ms/step "
+                f"({DATUMS * TOKENS / statistics.median(ts):8.0f} tokens/s), best "
+                f"{min(ts) * 1e3:8.1f} ms ({DATUMS * TOKENS / min(ts):8.0f} tokens/s)",
+                flush=True,
+            )
         one, two = times.values()
         paired = [b / a for a, b in zip(one, two)]
-        print(f"   client-side / server-side step time: best-of {min(two) / min(one):.3f}×, "
-              f"median of {len(paired)} paired steps {statistics.median(paired):.3f}×",
-              flush=True)
+        print(
+            f"   client-side / server-side step time: best-of {min(two) / min(one):.3f}×, "
+            f"median of {len(paired)} paired steps {statistics.median(paired):.3f}×",
+            flush=True,
+        )
     finally:
         if sc._session_holder is not None:
             sc._session_holder.close()

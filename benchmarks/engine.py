@@ -59,8 +59,13 @@ import sys
 import tempfile
 import time
 
-from common import (best_time, best_times, fake_cpu_devices,  # benchmarks/ is sys.path[0]
-                    mesh_arg, sampling_workload)
+from common import (  # benchmarks/ is sys.path[0]
+    best_time,
+    best_times,
+    fake_cpu_devices,
+    mesh_arg,
+    sampling_workload,
+)
 
 
 def parse_args(argv):
@@ -72,22 +77,33 @@ def parse_args(argv):
     p.add_argument("--busy", type=int, default=256, help="sequences decoding in 3.")
     p.add_argument("--rounds", type=int, default=2, help="timed rounds of 1. (best kept)")
     p.add_argument("--mix-rounds", type=int, default=15, help="timed rounds of 2. (best kept)")
-    p.add_argument("--served-rounds", type=int, default=None,
-                   help="timed rounds of 4. per policy (median kept; default 3, 7 with "
-                        "several policies)")
+    p.add_argument(
+        "--served-rounds",
+        type=int,
+        default=None,
+        help="timed rounds of 4. per policy (median kept; default 3, 7 with several policies)",
+    )
     p.add_argument("--quick", action="store_true", help="run 1. and 2. only")
     p.add_argument("--skip-server", action="store_true")
     p.add_argument("--only-server", action="store_true", help="run 4. only")
-    p.add_argument("--clients", choices=("process", "thread", "both"), default="process",
-                   help="4.: SDK clients in a spawned process (as deployed), in the server's "
-                        "process (threads), or both")
-    p.add_argument("--admission", type=admission_arg, default="server",
-                   help="4.: the burst admission policy, or several (comma-separated: "
-                        "interleaved rounds, one figure each) — server: jcp-serve's defaults; "
-                        "hurry: the defaults but a short first step after every gather; "
-                        "prefill: prefill-only steps while a burst arrives and a burst gap "
-                        "scaled to its gaps; gap: the scaled gap only; old: neither, a fixed "
-                        "30 ms gap; all: old,gap,prefill")
+    p.add_argument(
+        "--clients",
+        choices=("process", "thread", "both"),
+        default="process",
+        help="4.: SDK clients in a spawned process (as deployed), in the server's "
+        "process (threads), or both",
+    )
+    p.add_argument(
+        "--admission",
+        type=admission_arg,
+        default="server",
+        help="4.: the burst admission policy, or several (comma-separated: "
+        "interleaved rounds, one figure each) — server: jcp-serve's defaults; "
+        "hurry: the defaults but a short first step after every gather; "
+        "prefill: prefill-only steps while a burst arrives and a burst gap "
+        "scaled to its gaps; gap: the scaled gap only; old: neither, a fixed "
+        "30 ms gap; all: old,gap,prefill",
+    )
     args = p.parse_args(argv)
     return args
 
@@ -99,8 +115,9 @@ def admission_arg(text: str) -> tuple[str, ...]:
     names = ("old", "gap", "prefill") if text == "all" else tuple(text.split(","))
     for n in names:
         if n not in POLICIES:
-            raise argparse.ArgumentTypeError(f"unknown admission policy {n!r} "
-                                             f"(one of {', '.join(POLICIES)}, all)")
+            raise argparse.ArgumentTypeError(
+                f"unknown admission policy {n!r} (one of {', '.join(POLICIES)}, all)"
+            )
     return names
 
 
@@ -110,10 +127,13 @@ DEFAULT_ADMISSION: dict = {}
 def set_admission(policy: str) -> None:
     """The jcp-serve worker's burst admission policy (module constants it reads per turn)."""
     import jcp.server.engine as worker
+
     if not DEFAULT_ADMISSION:
-        DEFAULT_ADMISSION.update(ADMIT_PREFILL=worker.ADMIT_PREFILL,
-                                 ADMIT_GAP_SCALE=worker.ADMIT_GAP_SCALE,
-                                 ADMIT_HURRY=worker.ADMIT_HURRY)
+        DEFAULT_ADMISSION.update(
+            ADMIT_PREFILL=worker.ADMIT_PREFILL,
+            ADMIT_GAP_SCALE=worker.ADMIT_GAP_SCALE,
+            ADMIT_HURRY=worker.ADMIT_HURRY,
+        )
     for name, value in DEFAULT_ADMISSION.items():
         setattr(worker, name, value)
     if policy == "hurry":
@@ -139,27 +159,39 @@ def main(argv=None) -> int:
 
     if not args.only_server:
         # 1. equal batch (interleaved rounds; wall and CPU seconds, each the best)
-        t = best_times({
-            "static": lambda: tr.sample(prompts, sp, adapters=ads[0], num_samples=args.s),
-            "engine": lambda: eng.sample(prompts, sp, adapters=ads[0], num_samples=args.s)},
-            reps=args.rounds)
+        t = best_times(
+            {
+                "static": lambda: tr.sample(prompts, sp, adapters=ads[0], num_samples=args.s),
+                "engine": lambda: eng.sample(prompts, sp, adapters=ads[0], num_samples=args.s),
+            },
+            reps=args.rounds,
+        )
         (w_s, c_s), (w_e, c_e) = t["static"], t["engine"]
-        print(f"1. equal batch {args.r}×{args.s}×{args.t}: static {n_seq * args.t / w_s:.0f} "
-              f"tok/s, engine {n_seq * args.t / w_e:.0f} tok/s -> engine/static "
-              f"{w_s / w_e:.2f}× (goal ≥ 1.0); CPU s static {c_s:.3f}, engine {c_e:.3f} -> "
-              f"{c_s / c_e:.2f}× (best of {args.rounds})", flush=True)
+        print(
+            f"1. equal batch {args.r}×{args.s}×{args.t}: static {n_seq * args.t / w_s:.0f} "
+            f"tok/s, engine {n_seq * args.t / w_e:.0f} tok/s -> engine/static "
+            f"{w_s / w_e:.2f}× (goal ≥ 1.0); CPU s static {c_s:.3f}, engine {c_e:.3f} -> "
+            f"{c_s / c_e:.2f}× (best of {args.rounds})",
+            flush=True,
+        )
 
         # 2. mixed adapters: a call is ~50 ms, so many interleaved rounds
         eight = prompts[:8]
-        t = best_times({
-            "one": lambda: eng.sample(eight, sp, adapters=[ads[0]] * 8),
-            "mix": lambda: eng.sample(eight, sp, adapters=[ads[k % 4] for k in range(8)])},
-            reps=args.mix_rounds)
+        t = best_times(
+            {
+                "one": lambda: eng.sample(eight, sp, adapters=[ads[0]] * 8),
+                "mix": lambda: eng.sample(eight, sp, adapters=[ads[k % 4] for k in range(8)]),
+            },
+            reps=args.mix_rounds,
+        )
         (w_1, c_1), (w_4, c_4) = t["one"], t["mix"]
-        print(f"2. 8 sequences over 4 adapters vs 1: {w_4 / w_1:.2f}× the time "
-              f"({w_4 * 1e3:.1f} vs {w_1 * 1e3:.1f} ms), CPU s {c_4 / c_1:.2f}× "
-              f"({c_4 * 1e3:.1f} vs {c_1 * 1e3:.1f} ms) (goal ≤ 1.15; best of "
-              f"{args.mix_rounds})", flush=True)
+        print(
+            f"2. 8 sequences over 4 adapters vs 1: {w_4 / w_1:.2f}× the time "
+            f"({w_4 * 1e3:.1f} vs {w_1 * 1e3:.1f} ms), CPU s {c_4 / c_1:.2f}× "
+            f"({c_4 * 1e3:.1f} vs {c_1 * 1e3:.1f} ms) (goal ≤ 1.15; best of "
+            f"{args.mix_rounds})",
+            flush=True,
+        )
         if args.quick:
             return 0
 
@@ -169,8 +201,7 @@ def main(argv=None) -> int:
         long_sp = jcp.SamplingParams(max_tokens=48, temperature=1.0, seed=2, stop=[])
 
         def newcomer():
-            busy = [eng.submit(prompts[k % args.r], long_sp, ads[k % 4])
-                    for k in range(args.busy)]
+            busy = [eng.submit(prompts[k % args.r], long_sp, ads[k % 4]) for k in range(args.busy)]
             eng.step(hurry=True)
             eng.step(hurry=True)
             t_step = best_time(lambda: eng.step(hurry=True), reps=1)
@@ -199,34 +230,40 @@ def main(argv=None) -> int:
 
         newcomer()  # the same scenario once before, so that the timed one compiles nothing
         live, steps, ttft, t_step = newcomer()
-        print(f"3. first token of a request arriving while {live} sequences decode: "
-              f"{steps} engine step(s), {ttft:.3f} s, that step decoding "
-              f"{eng.max_chunk} tokens at most (one {eng.chunk}-token step "
-              f"{t_step:.3f} s; a request arriving during a long step waits for it too)",
-              flush=True)
+        print(
+            f"3. first token of a request arriving while {live} sequences decode: "
+            f"{steps} engine step(s), {ttft:.3f} s, that step decoding "
+            f"{eng.max_chunk} tokens at most (one {eng.chunk}-token step "
+            f"{t_step:.3f} s; a request arriving during a long step waits for it too)",
+            flush=True,
+        )
 
         # 5. memory: pages held per sequence against its real length
         page_b = eng.kv_bytes(1)
         held = {}
-        mem_sp = [jcp.SamplingParams(max_tokens=t, temperature=1.0, seed=3, stop=[])
-                  for t in (4, 16, 40)]
+        mem_sp = [
+            jcp.SamplingParams(max_tokens=t, temperature=1.0, seed=3, stop=[]) for t in (4, 16, 40)
+        ]
         rids = [eng.submit(prompts[k], mem_sp[k % 3], ads[0], num_samples=2) for k in range(6)]
         while not eng.idle:
             eng.step(hurry=True)  # chunk-long steps, to see the pages as sequences grow
             for r in rids:
                 req = eng.requests.get(r)
-                for x in (req.seqs if req else []):
+                for x in req.seqs if req else []:
                     held[(r, x.j)] = (len(req.prompt) - 1 + len(x.tokens), len(x.pages))
         real = sum(n for n, _ in held.values())
         pages = sum(p for _, p in held.values())
-        print(f"5. KV cache: {eng.page}-position pages of {page_b} B; 12 sequences of real length "
-              f"{min(n for n, _ in held.values())}-{max(n for n, _ in held.values())} "
-              f"(sum {real}) held {pages} table entries = {pages * page_b / real:.0f} B per real "
-              f"position (one position = {eng.s.row_bytes - 4} B; prompt pages shared by the 2 "
-              f"samples counted twice); a slot-row cache holds {eng.max_len} rows = "
-              f"{eng.max_len * (eng.s.row_bytes - 4)} B per sequence; "
-              f"peak pages on one device {eng.peak_pages} of {eng.n_pages}; "
-              f"{eng.programs()} engine programs run in 1-3, 5", flush=True)
+        print(
+            f"5. KV cache: {eng.page}-position pages of {page_b} B; 12 sequences of real length "
+            f"{min(n for n, _ in held.values())}-{max(n for n, _ in held.values())} "
+            f"(sum {real}) held {pages} table entries = {pages * page_b / real:.0f} B per real "
+            f"position (one position = {eng.s.row_bytes - 4} B; prompt pages shared by the 2 "
+            f"samples counted twice); a slot-row cache holds {eng.max_len} rows = "
+            f"{eng.max_len * (eng.s.row_bytes - 4)} B per sequence; "
+            f"peak pages on one device {eng.peak_pages} of {eng.n_pages}; "
+            f"{eng.programs()} engine programs run in 1-3, 5",
+            flush=True,
+        )
         for r in rids:
             eng.result(r)
         cohorts(args, eng, prompts, sp)
@@ -242,9 +279,12 @@ def cohorts(args, eng, prompts, sp) -> None:
     engine (this process) against all R at once. Cohorts but the last take one hurried
     step (chunk tokens), as jcp-serve's worker runs them while requests still queue."""
     r = args.r
-    plans = {"all at once": [r], "1/8, then the rest": [r // 8, r],
-             "1/8, 3/8, then the rest": [r // 8, r // 2, r],
-             "all but 1/12, the rest a step later": [r - r // 12, r]}
+    plans = {
+        "all at once": [r],
+        "1/8, then the rest": [r // 8, r],
+        "1/8, 3/8, then the rest": [r // 8, r // 2, r],
+        "all but 1/12, the rest a step later": [r - r // 12, r],
+    }
 
     def run(cuts):
         c0, rids, at = time.process_time(), [], 0
@@ -261,9 +301,11 @@ def cohorts(args, eng, prompts, sp) -> None:
     for name, cuts in plans.items():
         run(cuts)  # compiles
         cpu[name] = min(run(cuts) for _ in range(2))
-    print("6. a burst in cohorts, CPU s of the engine (× all at once): " + "; ".join(
-        f"{name} {c:.2f} ({c / cpu['all at once']:.2f}×)" for name, c in cpu.items()),
-        flush=True)
+    print(
+        "6. a burst in cohorts, CPU s of the engine (× all at once): "
+        + "; ".join(f"{name} {c:.2f} ({c / cpu['all at once']:.2f}×)" for name, c in cpu.items()),
+        flush=True,
+    )
 
 
 def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
@@ -293,8 +335,11 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
     srv = Server(tr, "jcp-tiny", tempfile.mkdtemp(), {"tml-k": "k"}, sample_slots=slots)
     t0 = time.perf_counter()
     n_warm = srv.engine.sampling.warmup(active=(1,), draws=("drawn",))
-    print(f"   server engine: {slots} slots, warm-up compiled {n_warm} programs in "
-          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    print(
+        f"   server engine: {slots} slots, warm-up compiled {n_warm} programs in "
+        f"{time.perf_counter() - t0:.0f} s",
+        flush=True,
+    )
     srv.start()
     threads = {srv._thread.native_id: "HTTP thread", srv.engine._thread.native_id: "worker"}
     modes = ("process", "thread") if args.clients == "both" else (args.clients,)
@@ -306,8 +351,8 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
                 # server's GIL and event loop are its own.
                 parent, child = mp.get_context("spawn").Pipe()
                 proc = mp.get_context("spawn").Process(
-                    target=sdk_clients, args=(srv.url, prompts, args.s, args.t, child),
-                    daemon=True)
+                    target=sdk_clients, args=(srv.url, prompts, args.s, args.t, child), daemon=True
+                )
                 proc.start()
                 round_ = lambda: (parent.send("round"), parent.recv())[1]  # noqa: E731
             else:
@@ -340,8 +385,17 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
                     c0, th0 = time.process_time(), thread_cpu(threads)
                     c_t0, c_sent, c_t1, c_cpu = round_()
                     th = {k: v - th0.get(k, 0.0) for k, v in thread_cpu(threads).items()}
-                    by_policy[policy].append((c_t1 - c_t0, c_t0, c_sent, c_t1, c_cpu,
-                                              (time.process_time() - c0, th), list(steps)))
+                    by_policy[policy].append(
+                        (
+                            c_t1 - c_t0,
+                            c_t0,
+                            c_sent,
+                            c_t1,
+                            c_cpu,
+                            (time.process_time() - c0, th),
+                            list(steps),
+                        )
+                    )
                 if t_in is None:  # the in-process call between rounds: load falls on both
                     c0, t0 = time.process_time(), time.perf_counter()
                     tr.sample(prompts, sp, num_samples=args.s)
@@ -359,48 +413,65 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
             if t_in is None:
                 calls.sort()
                 t_in, c_in = calls[len(calls) // 2]
-                print(f"   in-process call: median {t_in:.2f} s of "
-                      f"{', '.join(f'{w:.2f}' for w, _ in calls)} s (between the rounds)",
-                      flush=True)
+                print(
+                    f"   in-process call: median {t_in:.2f} s of "
+                    f"{', '.join(f'{w:.2f}' for w, _ in calls)} s (between the rounds)",
+                    flush=True,
+                )
             for policy, rounds in by_policy.items():
                 rounds.sort(key=lambda r: r[0])
                 t_srv, c_t0, c_sent, c_t1, c_cpu, s_cpu, trace = rounds[len(rounds) // 2]
-                print(f"4. server {args.r}×{args.s}×{args.t} concurrent SDK requests "
-                      f"({policy} admission), clients in "
-                      f"{'another process' if mode == 'process' else 'the server process'}: "
-                      f"{n_seq * args.t / t_srv:.0f} tok/s vs in-process "
-                      f"{n_seq * args.t / t_in:.0f} tok/s -> {t_in / t_srv:.2f}× (goal ≥ 0.8); "
-                      f"engine programs {n_prog} after {warm} warm-up round(s), "
-                      f"{srv.engine.sampling.programs()} after {len(rounds)} timed rounds "
-                      f"(median kept; all: {', '.join(f'{r[0]:.2f}' for r in rounds)} s); "
-                      f"CPU s per round, median of all: server "
-                      f"{median(r[5][0] for r in rounds):.2f}"
-                      f", XLA threads {median(r[5][1].get('XLA threads', 0) for r in rounds):.2f}"
-                      f", worker {median(r[5][1].get('worker', 0) for r in rounds):.3f}, clients "
-                      f"{median(r[4] for r in rounds):.2f}; engine steps per round "
-                      f"{median(sum(st.get('decode', True) for st in r[6]) for r in rounds):.0f}",
-                      flush=True)
+                print(
+                    f"4. server {args.r}×{args.s}×{args.t} concurrent SDK requests "
+                    f"({policy} admission), clients in "
+                    f"{'another process' if mode == 'process' else 'the server process'}: "
+                    f"{n_seq * args.t / t_srv:.0f} tok/s vs in-process "
+                    f"{n_seq * args.t / t_in:.0f} tok/s -> {t_in / t_srv:.2f}× (goal ≥ 0.8); "
+                    f"engine programs {n_prog} after {warm} warm-up round(s), "
+                    f"{srv.engine.sampling.programs()} after {len(rounds)} timed rounds "
+                    f"(median kept; all: {', '.join(f'{r[0]:.2f}' for r in rounds)} s); "
+                    f"CPU s per round, median of all: server "
+                    f"{median(r[5][0] for r in rounds):.2f}"
+                    f", XLA threads {median(r[5][1].get('XLA threads', 0) for r in rounds):.2f}"
+                    f", worker {median(r[5][1].get('worker', 0) for r in rounds):.3f}, clients "
+                    f"{median(r[4] for r in rounds):.2f}; engine steps per round "
+                    f"{median(sum(st.get('decode', True) for st in r[6]) for r in rounds):.0f}",
+                    flush=True,
+                )
                 arrived = sorted(a for st in trace for a in st["arrived"])
                 gaps = sorted(np.diff(arrived))[::-1][:3] if len(arrived) > 1 else []
                 pre = [st for st in trace if not st.get("decode", True)]
                 line = "; ".join(
-                    ([f"{len(pre)} prefill-only steps +{pre[0]['t0'] - c_t0:.2f}.."
-                      f"+{pre[-1]['t1'] - c_t0:.2f} ({sum(x['t1'] - x['t0'] for x in pre):.2f}"
-                      f" s in all, {sum(x['admitted'] for x in pre)} in)"] if pre else []) +
-                    [f"+{st['t0'] - c_t0:.2f} {st['t1'] - st['t0']:.2f} s"
-                     f" ({st['admitted']} in, {st['ended']} ended, {st['live']} live after"
-                     f"{', hurried' if st['hurry'] else ''})"
-                     for st in trace if st.get("decode", True)])
-                print(f"   the median round ({t_srv:.2f} s): requests sent by "
-                      f"+{c_sent - c_t0:.2f} s, "
-                      f"reached the worker +{arrived[0] - c_t0:.2f}..+{arrived[-1] - c_t0:.2f} s "
-                      f"(largest gaps {', '.join(f'{g * 1e3:.0f}' for g in gaps)} ms); "
-                      f"engine steps (start, seconds): {line}; last result at the clients "
-                      f"+{t_srv:.2f} s; CPU s: server process {s_cpu[0]:.2f} ("
-                      f"{', '.join(f'{k} {v:.2f}' for k, v in s_cpu[1].items())}), clients "
-                      f"{c_cpu:.2f}"
-                      f"{' (same process)' if mode == 'thread' else ''}; in-process call "
-                      f"{t_in:.2f} s, {c_in:.2f} CPU s", flush=True)
+                    (
+                        [
+                            f"{len(pre)} prefill-only steps +{pre[0]['t0'] - c_t0:.2f}.."
+                            f"+{pre[-1]['t1'] - c_t0:.2f} ({sum(x['t1'] - x['t0'] for x in pre):.2f}"
+                            f" s in all, {sum(x['admitted'] for x in pre)} in)"
+                        ]
+                        if pre
+                        else []
+                    )
+                    + [
+                        f"+{st['t0'] - c_t0:.2f} {st['t1'] - st['t0']:.2f} s"
+                        f" ({st['admitted']} in, {st['ended']} ended, {st['live']} live after"
+                        f"{', hurried' if st['hurry'] else ''})"
+                        for st in trace
+                        if st.get("decode", True)
+                    ]
+                )
+                print(
+                    f"   the median round ({t_srv:.2f} s): requests sent by "
+                    f"+{c_sent - c_t0:.2f} s, "
+                    f"reached the worker +{arrived[0] - c_t0:.2f}..+{arrived[-1] - c_t0:.2f} s "
+                    f"(largest gaps {', '.join(f'{g * 1e3:.0f}' for g in gaps)} ms); "
+                    f"engine steps (start, seconds): {line}; last result at the clients "
+                    f"+{t_srv:.2f} s; CPU s: server process {s_cpu[0]:.2f} ("
+                    f"{', '.join(f'{k} {v:.2f}' for k, v in s_cpu[1].items())}), clients "
+                    f"{c_cpu:.2f}"
+                    f"{' (same process)' if mode == 'thread' else ''}; in-process call "
+                    f"{t_in:.2f} s, {c_in:.2f} CPU s",
+                    flush=True,
+                )
             bare.sort(key=lambda r: r[0])
             t_d, s_d, c_d, th_d = bare[len(bare) // 2]
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
@@ -416,15 +487,18 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
             over = max(0.0, s_d + c_d - spare) / cores
             cpu_ceiling = c_in / (c_in + s_d + c_d)
             ratio = t_in / by_policy[policies[0]][len(by_policy[policies[0]]) // 2][0]
-            print(f"   bound: the same {args.r} SDK requests answered at admission without "
-                  f"model work (a dummy result of {args.s}×{args.t} tokens each): median "
-                  f"{t_d:.2f} s of {', '.join(f'{r[0]:.2f}' for r in bare)} s; CPU s server "
-                  f"{s_d:.2f} ({', '.join(f'{k} {v:.2f}' for k, v in th_d.items())}), "
-                  f"clients {c_d:.2f} -> ceiling t_in / (t_in + overhead): no overlap "
-                  f"{t_in / (t_in + t_d):.2f}×, perfect overlap on {cores} cores "
-                  f"{t_in / (t_in + over):.2f}× (the in-process call used "
-                  f"{c_in / t_in:.1f} cores), CPU-bound c_in / (c_in + bare CPU) "
-                  f"{cpu_ceiling:.2f}× (measured {ratio:.2f}×)", flush=True)
+            print(
+                f"   bound: the same {args.r} SDK requests answered at admission without "
+                f"model work (a dummy result of {args.s}×{args.t} tokens each): median "
+                f"{t_d:.2f} s of {', '.join(f'{r[0]:.2f}' for r in bare)} s; CPU s server "
+                f"{s_d:.2f} ({', '.join(f'{k} {v:.2f}' for k, v in th_d.items())}), "
+                f"clients {c_d:.2f} -> ceiling t_in / (t_in + overhead): no overlap "
+                f"{t_in / (t_in + t_d):.2f}×, perfect overlap on {cores} cores "
+                f"{t_in / (t_in + over):.2f}× (the in-process call used "
+                f"{c_in / t_in:.1f} cores), CPU-bound c_in / (c_in + bare CPU) "
+                f"{cpu_ceiling:.2f}× (measured {ratio:.2f}×)",
+                flush=True,
+            )
     finally:
         srv.stop()
 
@@ -440,12 +514,26 @@ def no_model(eng):
 
     rng, ids = np.random.default_rng(0), itertools.count(1)
 
-    def submit(prompt, sampling_params, adapter=None, num_samples=1, prompt_logprobs=False,
-               callback=None, fields=None):
+    def submit(
+        prompt,
+        sampling_params,
+        adapter=None,
+        num_samples=1,
+        prompt_logprobs=False,
+        callback=None,
+        fields=None,
+    ):
         n = sampling_params.max_tokens
-        res = SampleResult([SampledSequence(rng.integers(0, 1000, n).astype(np.int32),
-                                            -rng.random(n).astype(np.float32), "length")
-                            for _ in range(num_samples)])
+        res = SampleResult(
+            [
+                SampledSequence(
+                    rng.integers(0, 1000, n).astype(np.int32),
+                    -rng.random(n).astype(np.float32),
+                    "length",
+                )
+                for _ in range(num_samples)
+            ]
+        )
         rid = -next(ids)
         callback(rid, res)
         return rid
@@ -477,7 +565,7 @@ def thread_cpu(named: dict) -> dict:
                 stat = f.read()
         except OSError:  # the thread ended
             continue
-        comm, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:]
+        comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :]
         name = named.get(int(tid), "XLA threads" if "XLA" in comm else "other")
         user, system = fields.split()[11:13]
         out[name] = out.get(name, 0.0) + (int(user) + int(system)) / tick

@@ -17,8 +17,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import (best_time, fake_cpu_devices, mesh_arg,  # benchmarks/ is sys.path[0]
-                    sampling_workload)
+from common import (  # benchmarks/ is sys.path[0]
+    best_time,
+    fake_cpu_devices,
+    mesh_arg,
+    sampling_workload,
+)
 
 
 def parse_args(argv):
@@ -43,12 +47,18 @@ def main(argv=None) -> int:
 
     t_static = best_time(lambda: tr.sample(prompts, sp, adapters=ad, num_samples=args.s))
     t_engine = best_time(lambda: eng.sample(prompts, sp, adapters=ad, num_samples=args.s))
-    print(f"1. equal batch {args.r}×{args.s}×{args.t}: static {n_seq * args.t / t_static:.0f} "
-          f"tok/s, engine {n_seq * args.t / t_engine:.0f} tok/s -> engine/static "
-          f"{t_static / t_engine:.2f}×", flush=True)
-    print(f"2. per sequence on one device: recurrent-state row {eng.state_bytes()} B; K/V "
-          f"{eng.kv_bytes(1) // eng.page} B per position ({cfg.linear_layers.count(False)} "
-          f"of {cfg.num_layers} layers full attention)", flush=True)
+    print(
+        f"1. equal batch {args.r}×{args.s}×{args.t}: static {n_seq * args.t / t_static:.0f} "
+        f"tok/s, engine {n_seq * args.t / t_engine:.0f} tok/s -> engine/static "
+        f"{t_static / t_engine:.2f}×",
+        flush=True,
+    )
+    print(
+        f"2. per sequence on one device: recurrent-state row {eng.state_bytes()} B; K/V "
+        f"{eng.kv_bytes(1) // eng.page} B per position ({cfg.linear_layers.count(False)} "
+        f"of {cfg.num_layers} layers full attention)",
+        flush=True,
+    )
     return 0
 
 

@@ -57,8 +57,7 @@ PARTS = ("kernels", "memory", "mfu_pallas", "mfu_blockwise", "decode")
 # Seconds per part. The H200 run of 2026-12-04 (jax 0.11.2) took kernels 96 s (when its
 # inputs were still compile-time constants), memory 79 s, mfu_pallas 166 s (a first step of
 # 128 s: two compiles, remat "auto"); mfu_blockwise and decode ran past 120 s.
-LIMITS_S = {"kernels": 75, "memory": 120, "mfu_pallas": 200, "mfu_blockwise": 200,
-            "decode": 180}
+LIMITS_S = {"kernels": 75, "memory": 120, "mfu_pallas": 200, "mfu_blockwise": 200, "decode": 180}
 GiB = float(1 << 30)
 # HBM bandwidth by device kind (vendor figures), for the decode roofline.
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
@@ -105,25 +104,36 @@ def part_kernels(smoke: bool) -> list[dict]:
     from jcp import attention
     from jcp.mesh import SPECS
 
-    s_len, q_heads, kv_heads, head_dim, block = ((128, 4, 2, 16, 32) if smoke
-                                                 else (8192, 32, 8, 128, 512))
+    s_len, q_heads, kv_heads, head_dim, block = (
+        (128, 4, 2, 16, 32) if smoke else (8192, 32, 8, 128, 512)
+    )
     mesh = jcp.make_mesh(1, 1, 1)
     seg = jnp.zeros(s_len, jnp.int32)
     pos = jnp.arange(s_len, dtype=jnp.int32)
     rng = np.random.default_rng(0)
     rows = Rows()
     for dtype in ("float32", "bfloat16"):
-        q, k, v, g = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in (
-            (s_len, q_heads, head_dim), (s_len, kv_heads, head_dim),
-            (s_len, kv_heads, head_dim), (s_len, q_heads, head_dim)))
+        q, k, v, g = (
+            jnp.asarray(rng.standard_normal(shape), dtype)
+            for shape in (
+                (s_len, q_heads, head_dim),
+                (s_len, kv_heads, head_dim),
+                (s_len, kv_heads, head_dim),
+                (s_len, q_heads, head_dim),
+            )
+        )
 
         def attend(impl):
             def f(q, k, v, seg, pos):
-                return attention.cp_attention(q, k, v, seg, pos, implementation=impl,
-                                              block=block)
+                return attention.cp_attention(q, k, v, seg, pos, implementation=impl, block=block)
 
-            return jax.shard_map(f, mesh=mesh, in_specs=(P(),) * 3 + (SPECS.replicated,) * 2,
-                                 out_specs=P(), check_vma=False)
+            return jax.shard_map(
+                f,
+                mesh=mesh,
+                in_specs=(P(),) * 3 + (SPECS.replicated,) * 2,
+                out_specs=P(),
+                check_vma=False,
+            )
 
         def vjp(f):
             # Every array an argument: arrays a jitted function closes over become constants,
@@ -138,25 +148,35 @@ def part_kernels(smoke: bool) -> list[dict]:
             fwd, grad = jax.jit(attend(impl)), jax.jit(vjp(attend(impl)))
             out = fwd(q, k, v, seg, pos)
             grads = grad(q, k, v, g, seg, pos)
-            res[impl] = dict(out=np.asarray(out, np.float32),
-                             grads=[np.asarray(x, np.float32) for x in grads],
-                             fwd_s=_timed(fwd, q, k, v, seg, pos),
-                             fwd_bwd_s=_timed(grad, q, k, v, g, seg, pos))
-            progress(f"kernels {dtype} {impl}: fwd {res[impl]['fwd_s'] * 1e3:.2f} ms, "
-                     f"fwd+bwd {res[impl]['fwd_bwd_s'] * 1e3:.2f} ms")
+            res[impl] = dict(
+                out=np.asarray(out, np.float32),
+                grads=[np.asarray(x, np.float32) for x in grads],
+                fwd_s=_timed(fwd, q, k, v, seg, pos),
+                fwd_bwd_s=_timed(grad, q, k, v, g, seg, pos),
+            )
+            progress(
+                f"kernels {dtype} {impl}: fwd {res[impl]['fwd_s'] * 1e3:.2f} ms, "
+                f"fwd+bwd {res[impl]['fwd_bwd_s'] * 1e3:.2f} ms"
+            )
         ref, got = res["blockwise"], res["pallas"]
 
         def rel(a, b):
             return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
-        rows.append(dict(dtype=dtype, tokens=s_len, heads=f"{q_heads}/{kv_heads}x{head_dim}",
-                         out_rel_err=rel(got["out"], ref["out"]),
-                         grad_rel_err=max(rel(a, b) for a, b in zip(got["grads"],
-                                                                     ref["grads"])),
-                         finite=bool(np.isfinite(got["out"]).all()
-                                     and all(np.isfinite(x).all() for x in got["grads"])),
-                         **{f"{impl}_{k}": res[impl][k] for impl in res
-                            for k in ("fwd_s", "fwd_bwd_s")}))
+        rows.append(
+            dict(
+                dtype=dtype,
+                tokens=s_len,
+                heads=f"{q_heads}/{kv_heads}x{head_dim}",
+                out_rel_err=rel(got["out"], ref["out"]),
+                grad_rel_err=max(rel(a, b) for a, b in zip(got["grads"], ref["grads"])),
+                finite=bool(
+                    np.isfinite(got["out"]).all()
+                    and all(np.isfinite(x).all() for x in got["grads"])
+                ),
+                **{f"{impl}_{k}": res[impl][k] for impl in res for k in ("fwd_s", "fwd_bwd_s")},
+            )
+        )
     return rows
 
 
@@ -172,31 +192,49 @@ def part_memory(smoke: bool) -> list[dict]:
 
     base = dict(memory.QWEN3_8B)
     if smoke:
-        base.update(vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2,
-                    num_heads=4, num_kv_heads=2, head_dim=32)
+        base.update(
+            vocab_size=1024,
+            hidden_size=128,
+            intermediate_size=256,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+        )
     rows = Rows()
-    for tokens in ((1024, 2048) if smoke else (32768, 65536)):
+    for tokens in (1024, 2048) if smoke else (32768, 65536):
         cfg = jcp.QwenConfig(**base, max_position_embeddings=max(tokens, 40960))
         progress(f"memory: compiling the {tokens}-token step")
-        compiled, _, secs = memory.compiled_step(cfg, 1, tokens, 512, 256 if smoke else
-                                                 memory.logprob_chunk(cfg, 1024))
+        compiled, _, secs = memory.compiled_step(
+            cfg, 1, tokens, 512, 256 if smoke else memory.logprob_chunk(cfg, 1024)
+        )
         m = compiled.memory_analysis()
-        shapes = [s for s in jax.tree.leaves(model.param_shapes(cfg)["layers"],
-                                             is_leaf=lambda x: isinstance(x, tuple))
-                  if len(s) == 3]
+        shapes = [
+            s
+            for s in jax.tree.leaves(
+                model.param_shapes(cfg)["layers"], is_leaf=lambda x: isinstance(x, tuple)
+            )
+            if len(s) == 3
+        ]
         # A stacked weight [L, I, O] in f32 made by an instruction outside fused computations
         # (a buffer of its own; inside a fusion it is computed slice by slice). Activations
         # are [tokens, …], so at these lengths no activation has a weight's shape.
         stacks = {f"f32[{','.join(map(str, s))}]" for s in shapes}
         f32_copies = sorted({m for m in unfused_shapes(compiled.as_text()) if m in stacks})
-        rows.append(dict(tokens=tokens, platform=jax.devices()[0].platform,
-                         argument_gib=m.argument_size_in_bytes / GiB,
-                         output_gib=m.output_size_in_bytes / GiB,
-                         temp_gib=m.temp_size_in_bytes / GiB,
-                         total_gib=(m.argument_size_in_bytes + m.output_size_in_bytes
-                                    + m.temp_size_in_bytes) / GiB,
-                         bf16_weights=jnp.dtype(cfg.dtype).name,
-                         f32_copies_of_stacked_weights=f32_copies, compile_s=secs))
+        rows.append(
+            dict(
+                tokens=tokens,
+                platform=jax.devices()[0].platform,
+                argument_gib=m.argument_size_in_bytes / GiB,
+                output_gib=m.output_size_in_bytes / GiB,
+                temp_gib=m.temp_size_in_bytes / GiB,
+                total_gib=(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+                / GiB,
+                bf16_weights=jnp.dtype(cfg.dtype).name,
+                f32_copies_of_stacked_weights=f32_copies,
+                compile_s=secs,
+            )
+        )
     return rows
 
 
@@ -224,9 +262,25 @@ def part_mfu(smoke: bool, impl: str, blockwise_layers: int) -> list[dict]:
     elif impl == "blockwise":
         argv += ["--layers", str(blockwise_layers)]
     res = mfu.main(argv)
-    return [dict(attn_impl=impl, **{k: res.get(k) for k in (
-        "layers", "tokens", "tokens_per_s", "median_step_s", "first_step_s", "mfu", "mfu_6n",
-        "peak_bytes_in_use", "remat")})]
+    return [
+        dict(
+            attn_impl=impl,
+            **{
+                k: res.get(k)
+                for k in (
+                    "layers",
+                    "tokens",
+                    "tokens_per_s",
+                    "median_step_s",
+                    "first_step_s",
+                    "mfu",
+                    "mfu_6n",
+                    "peak_bytes_in_use",
+                    "remat",
+                )
+            },
+        )
+    ]
 
 
 def hbm_bytes_per_s(device_kind: str) -> float | None:
@@ -242,11 +296,14 @@ def decode_step_bytes(cfg, params: dict, adapter_bytes: int) -> tuple[int, int]:
     import jax
     import numpy as np
 
-    weights = sum(x.nbytes for k, t in params.items()
-                  if k != "embed" or cfg.tie_word_embeddings for x in jax.tree.leaves(t))
-    kv_layers = (cfg.linear_layers.count(False) if cfg.is_hybrid else cfg.num_layers)
-    per_position = (2 * kv_layers * cfg.num_kv_heads * cfg.head_dim
-                    * np.dtype(cfg.dtype).itemsize)
+    weights = sum(
+        x.nbytes
+        for k, t in params.items()
+        if k != "embed" or cfg.tie_word_embeddings
+        for x in jax.tree.leaves(t)
+    )
+    kv_layers = cfg.linear_layers.count(False) if cfg.is_hybrid else cfg.num_layers
+    per_position = 2 * kv_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
     return weights + adapter_bytes, per_position
 
 
@@ -294,16 +351,23 @@ def part_decode(smoke: bool) -> list[dict]:
         secs = time.perf_counter() - t
         made = sum(len(s.tokens) for r in rids for s in eng.result(r).sequences)
         # Step i (0 ≤ i < new) attends over prompt − 1 + i cached positions of each row.
-        read = new * weights + batch * per_position * (new * (prompt - 1)
-                                                       + new * (new - 1) // 2)
+        read = new * weights + batch * per_position * (new * (prompt - 1) + new * (new - 1) // 2)
         roofline = None if bandwidth is None else made / (read / bandwidth)
-        rows.append(dict(batch=batch, new_tokens=new, tokens=made, seconds=secs,
-                         tokens_per_s=made / secs, first_call_s=first,
-                         attn_impl=sampler.step_cfg.attn_impl,
-                         weights_gib=weights / GiB,
-                         kv_gib_per_step=(read / new - weights) / GiB,
-                         roofline_tokens_per_s=roofline,
-                         of_roofline=None if roofline is None else made / secs / roofline))
+        rows.append(
+            dict(
+                batch=batch,
+                new_tokens=new,
+                tokens=made,
+                seconds=secs,
+                tokens_per_s=made / secs,
+                first_call_s=first,
+                attn_impl=sampler.step_cfg.attn_impl,
+                weights_gib=weights / GiB,
+                kv_gib_per_step=(read / new - weights) / GiB,
+                roofline_tokens_per_s=roofline,
+                of_roofline=None if roofline is None else made / secs / roofline,
+            )
+        )
     return rows
 
 
@@ -316,20 +380,28 @@ def subprocess_json(cmd, timeout, log=None):
     printed ("ROW {json}") before it failed or ran out of time]}. With log, the command's
     whole stdout and stderr are written there (a timed-out part's too)."""
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           env=_env(), cwd=os.path.dirname(HERE))
+        p = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=_env(),
+            cwd=os.path.dirname(HERE),
+        )
         out, err, why = p.stdout, p.stderr, None
     except subprocess.TimeoutExpired as e:
         out, err, why = _text(e.stdout), _text(e.stderr), f"timed out after {timeout} s"
     _write_log(log, out, err)
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     if why is None and p.returncode == 0 and lines:
-        return json.loads(lines[-1][len("RESULT "):])
+        return json.loads(lines[-1][len("RESULT ") :])
     if why is None:
         tail = (err or out).strip().splitlines()[-1:] or ["?"]
         why = f"exit {p.returncode}: {tail[0][:200]}"
-    return {"error": why, "rows": [json.loads(ln[len("ROW "):]) for ln in out.splitlines()
-                                   if ln.startswith("ROW ")]}
+    return {
+        "error": why,
+        "rows": [json.loads(ln[len("ROW ") :]) for ln in out.splitlines() if ln.startswith("ROW ")],
+    }
 
 
 def _text(x) -> str:
@@ -356,7 +428,7 @@ def run_part(name: str, args) -> list[dict]:
     elif name == "memory":
         rows = part_memory(args.smoke)
     elif name.startswith("mfu_"):
-        rows = part_mfu(args.smoke, name[len("mfu_"):], args.blockwise_layers)
+        rows = part_mfu(args.smoke, name[len("mfu_") :], args.blockwise_layers)
     else:
         rows = part_decode(args.smoke)
     return json.loads(json.dumps(rows, default=str))
@@ -381,66 +453,87 @@ def table(results: dict, device: str) -> str:
     out = [f"jcp GPU run on {device}", ""]
     rows, missing = _rows(results, "kernels")
     out.append("Pallas vs blockwise attention (one datum, causal; rel = max |Δ| / max |ref|)")
-    out.append(f"  {'dtype':<9} {'tokens':>6} {'heads':>10} {'out rel':>9} {'grad rel':>9} "
-               f"{'pallas fwd':>11} {'block fwd':>10} {'pallas f+b':>11} {'block f+b':>10}")
+    out.append(
+        f"  {'dtype':<9} {'tokens':>6} {'heads':>10} {'out rel':>9} {'grad rel':>9} "
+        f"{'pallas fwd':>11} {'block fwd':>10} {'pallas f+b':>11} {'block f+b':>10}"
+    )
     for x in rows:
-        out.append(f"  {x['dtype']:<9} {x['tokens']:>6} {x['heads']:>10} "
-                   f"{x['out_rel_err']:>9.2e} {x['grad_rel_err']:>9.2e} "
-                   f"{x['pallas_fwd_s'] * 1e3:>9.2f}ms {x['blockwise_fwd_s'] * 1e3:>8.2f}ms "
-                   f"{x['pallas_fwd_bwd_s'] * 1e3:>9.2f}ms "
-                   f"{x['blockwise_fwd_bwd_s'] * 1e3:>8.2f}ms"
-                   + ("" if x["finite"] else "  NOT FINITE"))
+        out.append(
+            f"  {x['dtype']:<9} {x['tokens']:>6} {x['heads']:>10} "
+            f"{x['out_rel_err']:>9.2e} {x['grad_rel_err']:>9.2e} "
+            f"{x['pallas_fwd_s'] * 1e3:>9.2f}ms {x['blockwise_fwd_s'] * 1e3:>8.2f}ms "
+            f"{x['pallas_fwd_bwd_s'] * 1e3:>9.2f}ms "
+            f"{x['blockwise_fwd_bwd_s'] * 1e3:>8.2f}ms" + ("" if x["finite"] else "  NOT FINITE")
+        )
     out += missing + [""]
     out.append("MFU: Qwen3-8B shape, LoRA r32, one datum (benchmarks/mfu.py)")
-    out.append(f"  {'attention':<10} {'layers':>6} {'tokens':>6} {'tok/s':>8} {'step s':>8} "
-               f"{'MFU':>7} {'MFU 6N':>7} {'peak GiB':>9} {'remat':>6} {'first s':>8}")
+    out.append(
+        f"  {'attention':<10} {'layers':>6} {'tokens':>6} {'tok/s':>8} {'step s':>8} "
+        f"{'MFU':>7} {'MFU 6N':>7} {'peak GiB':>9} {'remat':>6} {'first s':>8}"
+    )
     for impl in ("pallas", "blockwise"):
         rows, missing = _rows(results, f"mfu_{impl}")
         for x in rows:
             peak = None if x["peak_bytes_in_use"] is None else x["peak_bytes_in_use"] / GiB
-            out.append(f"  {x['attn_impl']:<10} {x['layers']:>6} {x['tokens']:>6} "
-                       f"{x['tokens_per_s']:>8.0f} {x['median_step_s']:>8.2f} "
-                       f"{100 * x['mfu']:>6.1f}% {100 * x['mfu_6n']:>6.1f}% "
-                       f"{_fmt(peak, '9.2f'):>9} {str(x['remat']):>6} "
-                       f"{_fmt(x.get('first_step_s'), '8.1f'):>8}")
+            out.append(
+                f"  {x['attn_impl']:<10} {x['layers']:>6} {x['tokens']:>6} "
+                f"{x['tokens_per_s']:>8.0f} {x['median_step_s']:>8.2f} "
+                f"{100 * x['mfu']:>6.1f}% {100 * x['mfu_6n']:>6.1f}% "
+                f"{_fmt(peak, '9.2f'):>9} {str(x['remat']):>6} "
+                f"{_fmt(x.get('first_step_s'), '8.1f'):>8}"
+            )
         out += [f"  {impl:<10}{m[1:]}" for m in missing]
     out.append("")
     rows, missing = _rows(results, "memory")
     out.append("Per-device compiled memory, bf16 training (memory.py's program, cp = 1)")
-    out.append(f"  {'tokens':>6} {'arg GiB':>8} {'out GiB':>8} {'temp GiB':>9} "
-               f"{'total GiB':>10}  f32 copies of stacked bf16 weights")
+    out.append(
+        f"  {'tokens':>6} {'arg GiB':>8} {'out GiB':>8} {'temp GiB':>9} "
+        f"{'total GiB':>10}  f32 copies of stacked bf16 weights"
+    )
     for x in rows:
         copies = ", ".join(x["f32_copies_of_stacked_weights"]) or "none"
-        out.append(f"  {x['tokens']:>6} {x['argument_gib']:>8.2f} {x['output_gib']:>8.2f} "
-                   f"{x['temp_gib']:>9.2f} {x['total_gib']:>10.2f}  {copies}")
+        out.append(
+            f"  {x['tokens']:>6} {x['argument_gib']:>8.2f} {x['output_gib']:>8.2f} "
+            f"{x['temp_gib']:>9.2f} {x['total_gib']:>10.2f}  {copies}"
+        )
     out += missing + [""]
     rows, missing = _rows(results, "decode")
-    out.append("Sampling decode, the engine (Qwen3-8B shape, bf16, 16-token prompts, T = 1; "
-               "roofline: weights + live K/V read per step at HBM bandwidth)")
-    out.append(f"  {'batch':>5} {'new':>4} {'attn':>9} {'tokens':>7} {'decode s':>9} "
-               f"{'tok/s':>9} {'roofline':>9} {'of roof':>8} {'W GiB':>6} {'KV GiB/st':>9} "
-               f"{'warm-up s':>9}")
+    out.append(
+        "Sampling decode, the engine (Qwen3-8B shape, bf16, 16-token prompts, T = 1; "
+        "roofline: weights + live K/V read per step at HBM bandwidth)"
+    )
+    out.append(
+        f"  {'batch':>5} {'new':>4} {'attn':>9} {'tokens':>7} {'decode s':>9} "
+        f"{'tok/s':>9} {'roofline':>9} {'of roof':>8} {'W GiB':>6} {'KV GiB/st':>9} "
+        f"{'warm-up s':>9}"
+    )
     for x in rows:
         of = x.get("of_roofline")
-        out.append(f"  {x['batch']:>5} {x['new_tokens']:>4} {x['attn_impl']:>9} "
-                   f"{x['tokens']:>7} {x['seconds']:>9.2f} {x['tokens_per_s']:>9.0f} "
-                   f"{_fmt(x.get('roofline_tokens_per_s'), '9.0f'):>9} "
-                   f"{'—' if of is None else format(100 * of, '.1f') + '%':>8} "
-                   f"{x['weights_gib']:>6.2f} {x['kv_gib_per_step']:>9.3f} "
-                   f"{x['first_call_s']:>9.1f}")
+        out.append(
+            f"  {x['batch']:>5} {x['new_tokens']:>4} {x['attn_impl']:>9} "
+            f"{x['tokens']:>7} {x['seconds']:>9.2f} {x['tokens_per_s']:>9.0f} "
+            f"{_fmt(x.get('roofline_tokens_per_s'), '9.0f'):>9} "
+            f"{'—' if of is None else format(100 * of, '.1f') + '%':>8} "
+            f"{x['weights_gib']:>6.2f} {x['kv_gib_per_step']:>9.3f} "
+            f"{x['first_call_s']:>9.1f}"
+        )
     out += missing
     return "\n".join(out)
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true",
-                    help="CPU, tiny shapes: checks that every part runs")
+    ap.add_argument(
+        "--smoke", action="store_true", help="CPU, tiny shapes: checks that every part runs"
+    )
     ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--blockwise-layers", type=int, default=8)
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
-    ap.add_argument("--logs", default=None,
-                    help="write each part's whole output to DIR/PART.log (not with --smoke)")
+    ap.add_argument(
+        "--logs",
+        default=None,
+        help="write each part's whole output to DIR/PART.log (not with --smoke)",
+    )
     ap.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.part:
@@ -454,10 +547,18 @@ def main(argv=None) -> dict:
         d = jax.devices()
         device = f"{len(d)} x {d[0].device_kind} ({d[0].platform}), jax {jax.__version__}"
     else:
-        info = subprocess_json([sys.executable, "-c", (
-            "import jax, json; d = jax.devices(); "
-            "print('RESULT ' + json.dumps(f'{len(d)} x {d[0].device_kind} ({d[0].platform}),"
-            " jax {jax.__version__}'))")], timeout=120)
+        info = subprocess_json(
+            [
+                sys.executable,
+                "-c",
+                (
+                    "import jax, json; d = jax.devices(); "
+                    "print('RESULT ' + json.dumps(f'{len(d)} x {d[0].device_kind} ({d[0].platform}),"
+                    " jax {jax.__version__}'))"
+                ),
+            ],
+            timeout=120,
+        )
         device = info if isinstance(info, str) else f"? ({info.get('error')})"
     print(f"device: {device}", flush=True)
     results = {}
@@ -466,9 +567,14 @@ def main(argv=None) -> dict:
         if name not in PARTS:
             raise SystemExit(f"unknown part {name!r}; parts: {', '.join(PARTS)}")
         t = time.perf_counter()
-        cmd = [sys.executable, os.path.abspath(__file__), "--part", name,
-               "--blockwise-layers", str(args.blockwise_layers)] + (["--smoke"] if args.smoke
-                                                                   else [])
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--part",
+            name,
+            "--blockwise-layers",
+            str(args.blockwise_layers),
+        ] + (["--smoke"] if args.smoke else [])
         if args.smoke:
             try:
                 results[name] = run_part(name, args)
@@ -477,9 +583,11 @@ def main(argv=None) -> dict:
         else:
             log = os.path.join(args.logs, f"{name}.log") if args.logs else None
             results[name] = subprocess_json(cmd, limits[name], log)
-        print(f"  part {name}: {time.perf_counter() - t:.0f} s"
-              + (f" — {results[name]['error']}" if isinstance(results[name], dict) else ""),
-              flush=True)
+        print(
+            f"  part {name}: {time.perf_counter() - t:.0f} s"
+            + (f" — {results[name]['error']}" if isinstance(results[name], dict) else ""),
+            flush=True,
+        )
     print()
     print(table(results, device))
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")

@@ -39,11 +39,20 @@ def main(argv=None) -> dict:
     from jcp import host_memory
 
     if not host_memory.APPLIED:
-        raise SystemExit("jcp's malloc setting is not applied here (not glibc, or "
-                         f"{host_memory.ENV}=0): nothing to compare")
+        raise SystemExit(
+            "jcp's malloc setting is not applied here (not glibc, or "
+            f"{host_memory.ENV}=0): nothing to compare"
+        )
     libc = ctypes.CDLL(None)
-    wl = argparse.Namespace(datums=T.DATUMS, tokens=T.TOKENS, cp=1, slots=1, remat="auto",
-                            attn_block=0, cp_attention="auto")
+    wl = argparse.Namespace(
+        datums=T.DATUMS,
+        tokens=T.TOKENS,
+        cp=1,
+        slots=1,
+        remat="auto",
+        attn_block=0,
+        cp_attention="auto",
+    )
     _, step = T.jcp_step(wl)
     step()
     step()
@@ -60,12 +69,19 @@ def main(argv=None) -> dict:
             r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             c0, t0 = time.process_time(), time.perf_counter()
             step()
-            runs[name].append((time.perf_counter() - t0, time.process_time() - c0,
-                               resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0))
+            runs[name].append(
+                (
+                    time.perf_counter() - t0,
+                    time.process_time() - c0,
+                    resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0,
+                )
+            )
     keep(True)
     out = {}
-    print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "
-          f"{args.pairs} pairs, medians per step")
+    print(
+        f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "
+        f"{args.pairs} pairs, medians per step"
+    )
     for name, r in runs.items():
         wall, cpu, faults = (statistics.median(x[i] for x in r) for i in range(3))
         out[name] = dict(wall_s=wall, cpu_s=cpu, minor_faults=faults)

@@ -35,7 +35,8 @@ def chunked_program(mesh, chunk):
             return jax.lax.psum(jnp.sum(c[0, 0] * lp_S), mesh_lib.BATCH_AXES)
 
         return jax.shard_map(
-            inner, mesh=mesh,
+            inner,
+            mesh=mesh,
             in_specs=(sp.stream_DPxCPxSxD, sp.unembed_DxV, sp.stream_DPxCPxS, sp.stream_DPxCPxS),
             out_specs=sp.replicated,
         )(h_SxD[None, None], w_DxV, targets_S[None, None], coef_S[None, None])
@@ -57,9 +58,12 @@ def memory(fn, args):
     m = fn.lower(*args).compile().memory_analysis()
     if m is None:
         raise SystemExit("this backend reports no memory analysis")
-    return {"temp": m.temp_size_in_bytes, "argument": m.argument_size_in_bytes,
-            "output": m.output_size_in_bytes,
-            "total": m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes}
+    return {
+        "temp": m.temp_size_in_bytes,
+        "argument": m.argument_size_in_bytes,
+        "output": m.output_size_in_bytes,
+        "total": m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes,
+    }
 
 
 def mib(b):
@@ -76,16 +80,22 @@ def main():
     s, d, v = args.tokens, args.hidden, args.vocab
 
     f32 = jnp.float32
-    shapes = (jax.ShapeDtypeStruct((s, d), f32), jax.ShapeDtypeStruct((d, v), f32),
-              jax.ShapeDtypeStruct((s,), jnp.int32), jax.ShapeDtypeStruct((s,), f32))
+    shapes = (
+        jax.ShapeDtypeStruct((s, d), f32),
+        jax.ShapeDtypeStruct((d, v), f32),
+        jax.ShapeDtypeStruct((s,), jnp.int32),
+        jax.ShapeDtypeStruct((s,), f32),
+    )
     mesh = mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     chunk = mesh_lib.block_size(s, args.chunk)
 
     chunked = memory(chunked_program(mesh, chunk), shapes)
     naive = memory(naive_program(), shapes)
 
-    print(f"log-prob forward+backward, S={s} tokens, D={d}, V={v}, fp32, "
-          f"{jax.devices()[0].platform} (one device), chunk={chunk}")
+    print(
+        f"log-prob forward+backward, S={s} tokens, D={d}, V={v}, fp32, "
+        f"{jax.devices()[0].platform} (one device), chunk={chunk}"
+    )
     print(f"{'':10s} {'chunked (jcp)':>16s} {'naive [S, V]':>16s} {'ratio':>8s}")
     for k in ("temp", "argument", "output", "total"):
         ratio = naive[k] / chunked[k] if chunked[k] else float("nan")

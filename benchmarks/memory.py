@@ -60,7 +60,8 @@ import tempfile
 import time
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -79,11 +80,12 @@ TRAINED_LAYER_LEAVES = ("input_norm", "post_norm", "q_norm", "k_norm")
 
 def split_params(tree):
     """(trained, frozen): every norm weight is differentiated, the rest is not."""
-    trained = {"final_norm": tree["final_norm"],
-               "layers": {k: v for k, v in tree["layers"].items() if k in TRAINED_LAYER_LEAVES}}
+    trained = {
+        "final_norm": tree["final_norm"],
+        "layers": {k: v for k, v in tree["layers"].items() if k in TRAINED_LAYER_LEAVES},
+    }
     frozen = {k: v for k, v in tree.items() if k not in ("final_norm", "layers")}
-    frozen["layers"] = {k: v for k, v in tree["layers"].items()
-                        if k not in TRAINED_LAYER_LEAVES}
+    frozen["layers"] = {k: v for k, v in tree["layers"].items() if k not in TRAINED_LAYER_LEAVES}
     return trained, frozen
 
 
@@ -105,19 +107,34 @@ def compiled_step(cfg, cp, tokens, attn_block, chunk, cp_attention="gather", dum
     def abstract(shape, spec, dt):
         return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
 
-    params = jax.tree.map(lambda s, sp: abstract(s, sp, dtype), shapes, specs,
-                          is_leaf=lambda x: isinstance(x, tuple))
+    params = jax.tree.map(
+        lambda s, sp: abstract(s, sp, dtype), shapes, specs, is_leaf=lambda x: isinstance(x, tuple)
+    )
     stream = mesh_lib.SPECS.stream_DPxCPxS
     ints = abstract((1, cp, s_len), stream, jnp.int32)
     floats = abstract((1, cp, s_len), stream, jnp.float32)
 
-    step_cfg = train_step.StepConfig(remat=True, attn_block=attn_block, logprob_chunk=chunk,
-                                     cp_attention=cp_attention)
+    step_cfg = train_step.StepConfig(
+        remat=True, attn_block=attn_block, logprob_chunk=chunk, cp_attention=cp_attention
+    )
 
     def inner(params, tok, seg, pos, tgt, w):
         tok, seg, pos, tgt, w = (x[0, 0] for x in (tok, seg, pos, tgt, w))
-        loss, _ = train_step.model_loss(cfg, step_cfg, params, None, None, tok, seg, pos, tgt,
-                                        losses.TokenInputs(w, w, w), "cross_entropy", {}, 8)
+        loss, _ = train_step.model_loss(
+            cfg,
+            step_cfg,
+            params,
+            None,
+            None,
+            tok,
+            seg,
+            pos,
+            tgt,
+            losses.TokenInputs(w, w, w),
+            "cross_entropy",
+            {},
+            8,
+        )
         return loss
 
     f = jax.shard_map(inner, mesh=mesh, in_specs=(specs,) + (stream,) * 5, out_specs=P())
@@ -155,8 +172,10 @@ def _peak(dump_dir):
     one XLA made without metadata (a copy, a fusion of such), its first operand's (so a
     copy counts for what it copies)."""
     files = os.listdir(dump_dir)
-    ranges = max((f for f in files if f.endswith("live-range.txt")),
-                 key=lambda f: os.path.getsize(os.path.join(dump_dir, f)))
+    ranges = max(
+        (f for f in files if f.endswith("live-range.txt")),
+        key=lambda f: os.path.getsize(os.path.join(dump_dir, f)),
+    )
     hlo = ranges.replace("-live-range.txt", ".txt")
     shapes, ops, operand = {}, {}, {}
     with open(os.path.join(dump_dir, hlo)) as f:
@@ -177,7 +196,7 @@ def _peak(dump_dir):
             ops[name] = ops[cur] + f" ({ops[name][1:-1]})"
     with open(os.path.join(dump_dir, ranges)) as f:
         text = f.read()
-    peak = text[text.index("(peak):"):text.index("Stack trace breakdown")]
+    peak = text[text.index("(peak):") : text.index("Stack trace breakdown")]
     out = []
     for name, index, size in re.findall(r"^\s+(\S+?)\{([\d,]*)\}: (\d+) bytes", peak, re.M):
         shape = shapes.get(name, "?")
@@ -204,8 +223,7 @@ def peak_buffers(dump_dir, top):
         key = (shape, "/".join(op.split("/")[-3:]) if op else name)
         n, b = groups.get(key, (0, 0))
         groups[key] = (n + 1, b + size)
-    rows = sorted(((b / MiB, n, shape, op) for (shape, op), (n, b) in groups.items()),
-                  reverse=True)
+    rows = sorted(((b / MiB, n, shape, op) for (shape, op), (n, b) in groups.items()), reverse=True)
     return rows[:top]
 
 
@@ -226,18 +244,27 @@ def block_balance(tokens, cp, block):
     flat = np.arange(cp * s_len, dtype=np.int32)
     seg_c = np.where(flat < tokens, 0, -1).reshape(cp, s_len).astype(np.int32)
     pos_c = np.where(flat < tokens, flat, 0).reshape(cp, s_len).astype(np.int32)
-    return (attention.block_work(seg_z, pos_z, block),
-            attention.block_work(seg_c, pos_c, block))
+    return (attention.block_work(seg_z, pos_z, block), attention.block_work(seg_c, pos_c, block))
 
 
 def ratio(work):
     return float(work.max() / max(work.min(), 1))
 
 
-QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-                num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
-                rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True,
-                dtype="bfloat16")
+QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    qk_norm=True,
+    dtype="bfloat16",
+)
 
 
 def model_config(args, tokens):
@@ -248,10 +275,16 @@ def model_config(args, tokens):
         if args.dtype is not None:
             c["dtype"] = args.dtype
     else:
-        c = dict(vocab_size=args.vocab, hidden_size=args.hidden,
-                 intermediate_size=args.intermediate, num_layers=args.layers or 2,
-                 num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                 dtype=args.dtype or "float32")
+        c = dict(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=args.intermediate,
+            num_layers=args.layers or 2,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            dtype=args.dtype or "float32",
+        )
     return jcp.QwenConfig(**c, max_position_embeddings=max(tokens, 32768))
 
 
@@ -263,34 +296,62 @@ def logprob_chunk(cfg, chunk):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", default="32768,65536",
-                    help="total tokens of the one datum; a comma list runs each")
+    ap.add_argument(
+        "--tokens",
+        default="32768,65536",
+        help="total tokens of the one datum; a comma list runs each",
+    )
     ap.add_argument("--cps", default="1,2,4,8")
-    ap.add_argument("--attention", default="ring",
-                    help="cp attention paths to compile at each cp > 1 (gather, ring)")
-    ap.add_argument("--model", default="small", choices=("small", "qwen3-8b"),
-                    help="small: the widths below; qwen3-8b: Qwen3-8B's shape in bf16")
+    ap.add_argument(
+        "--attention",
+        default="ring",
+        help="cp attention paths to compile at each cp > 1 (gather, ring)",
+    )
+    ap.add_argument(
+        "--model",
+        default="small",
+        choices=("small", "qwen3-8b"),
+        help="small: the widths below; qwen3-8b: Qwen3-8B's shape in bf16",
+    )
     ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=None,
-                    help="layers (default 2 small, 36 qwen3-8b)")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="layers (default 2 small, 36 qwen3-8b)"
+    )
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2,
-                    help="kv heads (small model); 8 = as many as q heads: K/V as wide as q")
+    ap.add_argument(
+        "--kv-heads",
+        type=int,
+        default=2,
+        help="kv heads (small model); 8 = as many as q heads: K/V as wide as q",
+    )
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--intermediate", type=int, default=768)
     ap.add_argument("--attn-block", type=int, default=attention.DEFAULT_BLOCK)
-    ap.add_argument("--chunk", type=int, default=losses.DEFAULT_CHUNK,
-                    help="log-prob token chunk (capped as the Trainer caps it)")
-    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
-                    help="default float32 (small), bfloat16 (qwen3-8b); on CPU, XLA holds the "
-                         "layer scan's stacked bf16 activations (saved hidden states, "
-                         "attention outputs) in f32, twice their bf16 size, so the qwen3-8b "
-                         "scaling is best read in float32 on CPU")
+    ap.add_argument(
+        "--chunk",
+        type=int,
+        default=losses.DEFAULT_CHUNK,
+        help="log-prob token chunk (capped as the Trainer caps it)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="default float32 (small), bfloat16 (qwen3-8b); on CPU, XLA holds the "
+        "layer scan's stacked bf16 activations (saved hidden states, "
+        "attention outputs) in f32, twice their bf16 size, so the qwen3-8b "
+        "scaling is best read in float32 on CPU",
+    )
     ap.add_argument("--out", default="/tmp/jcp_memory.json")
-    ap.add_argument("--explain", type=int, default=0, metavar="N",
-                    help="also print the N largest groups of buffers live at the peak of "
-                         "each compiled program (XLA's live-range dump)")
+    ap.add_argument(
+        "--explain",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print the N largest groups of buffers live at the peak of "
+        "each compiled program (XLA's live-range dump)",
+    )
     ap.add_argument("--no-balance", action="store_true", help="skip the block-work table")
     args = ap.parse_args(argv)
 
@@ -298,14 +359,18 @@ def main(argv=None):
     token_list = [int(t) for t in args.tokens.split(",")]
     print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices")
     print(f"config: {model_config(args, token_list[0])}")
-    print(f"attn_block {args.attn_block}, remat on, grad w.r.t. the norms; M = arguments "
-          f"+ outputs + temporaries per device; weights are replicated over cp, so the "
-          f"activation share is temp (temp/t1)\n")
+    print(
+        f"attn_block {args.attn_block}, remat on, grad w.r.t. the norms; M = arguments "
+        f"+ outputs + temporaries per device; weights are replicated over cp, so the "
+        f"activation share is temp (temp/t1)\n"
+    )
 
     rows = []
-    hdr = (f"{'tokens':>6} {'cp':>3} {'path':>6} {'S/rank':>7} {'arg MiB':>9} {'out MiB':>8} "
-           f"{'temp MiB':>9} {'total MiB':>10} {'M/M1':>6} {'goal':>6} {'temp/t1':>8} {'ok':>3} "
-           f"{'compile':>8}")
+    hdr = (
+        f"{'tokens':>6} {'cp':>3} {'path':>6} {'S/rank':>7} {'arg MiB':>9} {'out MiB':>8} "
+        f"{'temp MiB':>9} {'total MiB':>10} {'M/M1':>6} {'goal':>6} {'temp/t1':>8} {'ok':>3} "
+        f"{'compile':>8}"
+    )
     print(hdr)
     print("-" * len(hdr))
     explained = {}
@@ -314,60 +379,87 @@ def main(argv=None):
         cfg = model_config(args, tokens)
         chunk = logprob_chunk(cfg, args.chunk)
         base_total = base_temp = None
-        for cp, path in [(cp, p) for cp in cps for p in (["gather"] if cp == 1 else paths)]:
+        for cp, path in [(c, p) for c in cps for p in (["gather"] if c == 1 else paths)]:
             with tempfile.TemporaryDirectory() as dump:
-                compiled, s_len, secs = compiled_step(cfg, cp, tokens, args.attn_block, chunk,
-                                                      path, dump if args.explain else None)
+                compiled, s_len, secs = compiled_step(
+                    cfg, cp, tokens, args.attn_block, chunk, path, dump if args.explain else None
+                )
                 if args.explain:
-                    explained[f"{tokens} tokens, cp={cp} {path}"] = peak_buffers(dump,
-                                                                                 args.explain)
+                    explained[f"{tokens} tokens, cp={cp} {path}"] = peak_buffers(dump, args.explain)
             mem = compiled.memory_analysis()
-            total = (mem.temp_size_in_bytes + mem.argument_size_in_bytes
-                     + mem.output_size_in_bytes)
+            total = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
             if base_total is None:
                 base_total, base_temp = total, mem.temp_size_in_bytes
             r = total / base_total
             goal = 1.2 / cp
-            row = dict(tokens=tokens, cp=cp, path=path, s_per_rank=s_len,
-                       temp_bytes=mem.temp_size_in_bytes,
-                       argument_bytes=mem.argument_size_in_bytes,
-                       output_bytes=mem.output_size_in_bytes,
-                       alias_bytes=mem.alias_size_in_bytes, total_bytes=total,
-                       ratio_to_cp1=r, goal=goal, meets_goal=bool(r <= goal),
-                       temp_ratio_to_cp1=mem.temp_size_in_bytes / base_temp, compile_s=secs)
+            row = dict(
+                tokens=tokens,
+                cp=cp,
+                path=path,
+                s_per_rank=s_len,
+                temp_bytes=mem.temp_size_in_bytes,
+                argument_bytes=mem.argument_size_in_bytes,
+                output_bytes=mem.output_size_in_bytes,
+                alias_bytes=mem.alias_size_in_bytes,
+                total_bytes=total,
+                ratio_to_cp1=r,
+                goal=goal,
+                meets_goal=bool(r <= goal),
+                temp_ratio_to_cp1=mem.temp_size_in_bytes / base_temp,
+                compile_s=secs,
+            )
             rows.append(row)
-            print(f"{tokens:>6} {cp:>3} {path:>6} {s_len:>7} "
-                  f"{mem.argument_size_in_bytes / MiB:>9.1f} {mem.output_size_in_bytes / MiB:>8.1f} "
-                  f"{mem.temp_size_in_bytes / MiB:>9.1f} {total / MiB:>10.1f} {r:>6.3f} "
-                  f"{goal:>6.3f} {row['temp_ratio_to_cp1']:>8.3f} "
-                  f"{'yes' if row['meets_goal'] else 'NO':>3} {secs:>7.1f}s", flush=True)
+            print(
+                f"{tokens:>6} {cp:>3} {path:>6} {s_len:>7} "
+                f"{mem.argument_size_in_bytes / MiB:>9.1f} {mem.output_size_in_bytes / MiB:>8.1f} "
+                f"{mem.temp_size_in_bytes / MiB:>9.1f} {total / MiB:>10.1f} {r:>6.3f} "
+                f"{goal:>6.3f} {row['temp_ratio_to_cp1']:>8.3f} "
+                f"{'yes' if row['meets_goal'] else 'NO':>3} {secs:>7.1f}s",
+                flush=True,
+            )
 
     for what, groups in explained.items():
-        print(f"\n{what}: buffers live at the heap's peak, largest groups (MiB, count, shape, "
-              f"made by)")
+        print(
+            f"\n{what}: buffers live at the heap's peak, largest groups (MiB, count, shape, "
+            f"made by)"
+        )
         for mib, n, shape, op in groups:
             print(f"  {mib:8.2f}  {n:>3} × {shape:<28} {op}")
 
     work = []
     if not args.no_balance:
         tokens = token_list[0]
-        print(f"\nattention blocks per cp rank (block {args.attn_block}, one datum of "
-              f"{tokens} tokens)")
+        print(
+            f"\nattention blocks per cp rank (block {args.attn_block}, one datum of "
+            f"{tokens} tokens)"
+        )
         hdr2 = f"{'cp':>3} {'layout':>10} {'min':>6} {'max':>6} {'max/min':>8}  per rank"
         print(hdr2)
         print("-" * len(hdr2))
         for cp in cps:
             z, c = block_balance(tokens, cp, args.attn_block)
-            work.append(dict(cp=cp, zigzag=z.tolist(), contiguous=c.tolist(),
-                             zigzag_max_over_min=ratio(z), contiguous_max_over_min=ratio(c),
-                             zigzag_meets_goal=ratio(z) <= 1.05))
+            work.append(
+                dict(
+                    cp=cp,
+                    zigzag=z.tolist(),
+                    contiguous=c.tolist(),
+                    zigzag_max_over_min=ratio(z),
+                    contiguous_max_over_min=ratio(c),
+                    zigzag_meets_goal=ratio(z) <= 1.05,
+                )
+            )
             for name, w in (("zigzag", z), ("contiguous", c)):
-                print(f"{cp:>3} {name:>10} {w.min():>6} {w.max():>6} {ratio(w):>8.2f}  "
-                      f"{w.tolist()}")
+                print(
+                    f"{cp:>3} {name:>10} {w.min():>6} {w.max():>6} {ratio(w):>8.2f}  {w.tolist()}"
+                )
 
-    out = dict(config=dict(vars(args)), model=str(model_config(args, token_list[0])),
-               memory=rows, block_work=work,
-               peak_buffers={k: v for k, v in explained.items()})
+    out = dict(
+        config=dict(vars(args)),
+        model=str(model_config(args, token_list[0])),
+        memory=rows,
+        block_work=work,
+        peak_buffers={k: v for k, v in explained.items()},
+    )
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
     print(f"\nwrote {args.out}")

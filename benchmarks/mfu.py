@@ -64,10 +64,22 @@ from jcp import attention
 from jcp import mesh as mesh_lib
 from jcp import model as model_lib
 
-QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-                num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
-                rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True,
-                attention_bias=False, max_position_embeddings=40960, dtype="bfloat16")
+QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    qk_norm=True,
+    attention_bias=False,
+    max_position_embeddings=40960,
+    dtype="bfloat16",
+)
 TARGETS = ("attn", "mlp", "unembed")
 H200_PEAK_BF16 = 989e12
 
@@ -75,8 +87,11 @@ H200_PEAK_BF16 = 989e12
 def config(layers: int, shrink: int, tokens: int) -> jcp.QwenConfig:
     """Qwen3-8B's shape with `layers` layers and every width but the head dim divided by
     `shrink` (1: the real shape)."""
-    c = dict(QWEN3_8B, num_layers=layers,
-             max_position_embeddings=max(QWEN3_8B["max_position_embeddings"], tokens))
+    c = dict(
+        QWEN3_8B,
+        num_layers=layers,
+        max_position_embeddings=max(QWEN3_8B["max_position_embeddings"], tokens),
+    )
     for k in ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads"):
         if c[k] % shrink:
             raise SystemExit(f"--shrink {shrink} does not divide {k} = {c[k]}")
@@ -104,7 +119,7 @@ class DeviceRandom:
         return self._host[index]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _normal_fn(shape, dtype):
     return jax.jit(lambda k: (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
 
@@ -153,10 +168,18 @@ def step_flops(cfg: jcp.QwenConfig, rank: int, tokens: int) -> Flops:
     layer = [(d, qd), (d, kvd), (d, kvd), (qd, d), (d, f), (d, f), (f, d)]
     n = cfg.num_layers * sum(i * o for i, o in layer) + d * v
     n_lora = rank * (cfg.num_layers * sum(i + o for i, o in layer) + d + v)
-    attn = 2.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens ** 2
+    attn = 2.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens**2
     fwd, bwd, lora = 2.0 * n * tokens, 2.0 * n * tokens, 6.0 * n_lora * tokens
-    return Flops(n, n_lora, fwd, bwd, lora, 3 * attn, fwd + bwd + lora + 3 * attn,
-                 6.0 * n * tokens + 3 * attn)
+    return Flops(
+        n,
+        n_lora,
+        fwd,
+        bwd,
+        lora,
+        3 * attn,
+        fwd + bwd + lora + 3 * attn,
+        6.0 * n * tokens + 3 * attn,
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -167,22 +190,38 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=32768, help="tokens of the one datum")
     ap.add_argument("--layers", type=int, default=QWEN3_8B["num_layers"])
-    ap.add_argument("--shrink", type=int, default=1,
-                    help="divide vocab, hidden, MLP and head counts by this (head dim kept)")
+    ap.add_argument(
+        "--shrink",
+        type=int,
+        default=1,
+        help="divide vocab, hidden, MLP and head counts by this (head dim kept)",
+    )
     ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--attn-impl", default="auto", choices=("auto",) + attention.IMPLEMENTATIONS,
-                    help="auto: pallas on GPU, blockwise elsewhere")
-    ap.add_argument("--attn-block", type=int, default=None,
-                    help="Trainer attn_block (default: the Trainer's)")
+    ap.add_argument(
+        "--attn-impl",
+        default="auto",
+        choices=("auto",) + attention.IMPLEMENTATIONS,
+        help="auto: pallas on GPU, blockwise elsewhere",
+    )
+    ap.add_argument(
+        "--attn-block", type=int, default=None, help="Trainer attn_block (default: the Trainer's)"
+    )
     ap.add_argument("--mesh", default=None, help="dp,cp,tp (default 1,<all devices>,1)")
     ap.add_argument("--cp-attention", default="auto", choices=("auto", "gather", "ring"))
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps (≥ 1, compiles)")
-    ap.add_argument("--peak-tflops", type=float, default=H200_PEAK_BF16 / 1e12,
-                    help="peak dense bf16 TFLOP/s of one device")
-    ap.add_argument("--smoke", action="store_true",
-                    help="small shapes for a CPU check: --layers 1 --tokens 1024 --shrink 8 "
-                         "--steps 1 --warmup 1")
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=H200_PEAK_BF16 / 1e12,
+        help="peak dense bf16 TFLOP/s of one device",
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="small shapes for a CPU check: --layers 1 --tokens 1024 --shrink 8 "
+        "--steps 1 --warmup 1",
+    )
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -194,36 +233,59 @@ def main(argv=None) -> dict:
     impl = args.attn_impl
     if impl == "auto":
         impl = "pallas" if platform == "gpu" else "blockwise"
-    dp, cp, tp = ((1, len(devices), 1) if args.mesh is None
-                  else tuple(int(x) for x in args.mesh.split(",")))
+    dp, cp, tp = (
+        (1, len(devices), 1) if args.mesh is None else tuple(int(x) for x in args.mesh.split(","))
+    )
     mesh = jcp.make_mesh(dp, cp, tp)
     cfg = config(args.layers, args.shrink, args.tokens)
     flops = step_flops(cfg, args.rank, args.tokens)
     n_dev = dp * cp * tp
     peak = args.peak_tflops * 1e12 * n_dev
 
-    print(f"jax {jax.__version__}; {n_dev} of {len(devices)} {devices[0].device_kind} "
-          f"({platform}); mesh dp={dp} cp={cp} tp={tp}")
-    print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, MLP "
-          f"{cfg.intermediate_size}, heads {cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}, "
-          f"vocab {cfg.vocab_size}, {cfg.dtype}; N = {flops.base_params / 1e9:.3f} B base matmul "
-          f"params; LoRA r{args.rank} on {', '.join(TARGETS)} ({flops.lora_params / 1e6:.1f} M)")
+    print(
+        f"jax {jax.__version__}; {n_dev} of {len(devices)} {devices[0].device_kind} "
+        f"({platform}); mesh dp={dp} cp={cp} tp={tp}"
+    )
+    print(
+        f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, MLP "
+        f"{cfg.intermediate_size}, heads {cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}, "
+        f"vocab {cfg.vocab_size}, {cfg.dtype}; N = {flops.base_params / 1e9:.3f} B base matmul "
+        f"params; LoRA r{args.rank} on {', '.join(TARGETS)} ({flops.lora_params / 1e6:.1f} M)"
+    )
     s_len = 2 * mesh_lib.zigzag_chunk(args.tokens, cp)
-    path = attention.choose_cp_attention(args.cp_attention, cp, s_len, cfg.num_kv_heads // tp,
-                                         cfg.head_dim, jnp.dtype(cfg.dtype).itemsize)
+    path = attention.choose_cp_attention(
+        args.cp_attention,
+        cp,
+        s_len,
+        cfg.num_kv_heads // tp,
+        cfg.head_dim,
+        jnp.dtype(cfg.dtype).itemsize,
+    )
     print(f"attention: {impl}, cp path {path}; one datum of {args.tokens} tokens")
 
     t0 = time.perf_counter()
     kw = {} if args.attn_block is None else {"attn_block": args.attn_block}
-    tr = jcp.Trainer(cfg, mesh, device_random_params(cfg), max_adapters=1,
-                     max_rank=args.rank, max_tokens_per_device=s_len * tp, attn_impl=impl,
-                     cp_attention=args.cp_attention, **kw)
+    tr = jcp.Trainer(
+        cfg,
+        mesh,
+        device_random_params(cfg),
+        max_adapters=1,
+        max_rank=args.rank,
+        max_tokens_per_device=s_len * tp,
+        attn_impl=impl,
+        cp_attention=args.cp_attention,
+        **kw,
+    )
     adapter = tr.create_adapter(rank=args.rank, alpha=2.0 * args.rank, targets=list(TARGETS))
     setup_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
-    datum = jcp.Datum(model_input=rng.integers(0, cfg.vocab_size, args.tokens), loss_fn_inputs={
-        "target_tokens": rng.integers(0, cfg.vocab_size, args.tokens),
-        "weights": np.ones(args.tokens, np.float32)})
+    datum = jcp.Datum(
+        model_input=rng.integers(0, cfg.vocab_size, args.tokens),
+        loss_fn_inputs={
+            "target_tokens": rng.integers(0, cfg.vocab_size, args.tokens),
+            "weights": np.ones(args.tokens, np.float32),
+        },
+    )
 
     def step():
         t = time.perf_counter()
@@ -242,26 +304,47 @@ def main(argv=None) -> dict:
     # state and the step's activations, whatever XLA allocated.
     stats = devices[0].memory_stats() if platform != "cpu" else None
     peak_bytes = stats.get("peak_bytes_in_use") if stats else None
-    res = dict(platform=platform, devices=n_dev, mesh=[dp, cp, tp], attn_impl=impl,
-               peak_bytes_in_use=peak_bytes, remat=[d["remat"] for d in
-                                                    tr.remat_decisions.values()],
-               tokens=args.tokens, layers=cfg.num_layers, shrink=args.shrink, rank=args.rank,
-               setup_s=setup_s, first_step_s=first_s, step_s=times, median_step_s=med,
-               tokens_per_s=args.tokens / med, loss_sum=loss,
-               flops=dataclasses.asdict(flops),
-               mfu=flops.lora_step / med / peak, mfu_6n=flops.conventional_6n / med / peak,
-               peak_flops=peak)
-    print(f"setup {setup_s:.1f} s (weights made on device, placed); first step (compiles) "
-          f"{first_s:.1f} s; loss:sum {loss:.4g}")
-    print(f"steps: {args.steps} timed after {args.warmup} warm-up: median {med * 1e3:.1f} ms "
-          f"[{min(times) * 1e3:.1f}–{max(times) * 1e3:.1f}]")
+    res = dict(
+        platform=platform,
+        devices=n_dev,
+        mesh=[dp, cp, tp],
+        attn_impl=impl,
+        peak_bytes_in_use=peak_bytes,
+        remat=[d["remat"] for d in tr.remat_decisions.values()],
+        tokens=args.tokens,
+        layers=cfg.num_layers,
+        shrink=args.shrink,
+        rank=args.rank,
+        setup_s=setup_s,
+        first_step_s=first_s,
+        step_s=times,
+        median_step_s=med,
+        tokens_per_s=args.tokens / med,
+        loss_sum=loss,
+        flops=dataclasses.asdict(flops),
+        mfu=flops.lora_step / med / peak,
+        mfu_6n=flops.conventional_6n / med / peak,
+        peak_flops=peak,
+    )
+    print(
+        f"setup {setup_s:.1f} s (weights made on device, placed); first step (compiles) "
+        f"{first_s:.1f} s; loss:sum {loss:.4g}"
+    )
+    print(
+        f"steps: {args.steps} timed after {args.warmup} warm-up: median {med * 1e3:.1f} ms "
+        f"[{min(times) * 1e3:.1f}–{max(times) * 1e3:.1f}]"
+    )
     print(f"tokens/s: {res['tokens_per_s']:.0f} ({res['tokens_per_s'] / n_dev:.0f} per device)")
-    print(f"FLOPs/step: LoRA step {flops.lora_step:.4g} = fwd {flops.forward:.4g} + bwd input "
-          f"grads {flops.backward_input_grads:.4g} + LoRA {flops.lora:.4g} + attention "
-          f"{flops.attention:.4g}; conventional 6N+attn {flops.conventional_6n:.4g}")
-    print(f"MFU (LoRA step FLOPs): {100 * res['mfu']:.2f}%   "
-          f"[conventional 6N+attention: {100 * res['mfu_6n']:.2f}%]   peak "
-          f"{args.peak_tflops:.0f} TFLOP/s x {n_dev}")
+    print(
+        f"FLOPs/step: LoRA step {flops.lora_step:.4g} = fwd {flops.forward:.4g} + bwd input "
+        f"grads {flops.backward_input_grads:.4g} + LoRA {flops.lora:.4g} + attention "
+        f"{flops.attention:.4g}; conventional 6N+attn {flops.conventional_6n:.4g}"
+    )
+    print(
+        f"MFU (LoRA step FLOPs): {100 * res['mfu']:.2f}%   "
+        f"[conventional 6N+attention: {100 * res['mfu_6n']:.2f}%]   peak "
+        f"{args.peak_tflops:.0f} TFLOP/s x {n_dev}"
+    )
     if peak_bytes is not None:
         print(f"device memory: peak {peak_bytes / 2**30:.2f} GiB in use (memory_stats)")
     if args.out:

@@ -46,8 +46,12 @@ def parse_args(argv):
     p.add_argument("--s", type=int, default=8, help="samples per request (n)")
     p.add_argument("--t", type=int, default=32, help="tokens per sample")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--ttft-delay", type=float, default=0.05,
-                   help="seconds after a burst starts that the streamed request is sent")
+    p.add_argument(
+        "--ttft-delay",
+        type=float,
+        default=0.05,
+        help="seconds after a burst starts that the streamed request is sent",
+    )
     return p.parse_args(argv)
 
 
@@ -74,16 +78,22 @@ def clients(url: str, prompts, s: int, t: int, delay: float, conn) -> None:
         return time.monotonic() - t0, n
 
     async def burst(oai):
-        res = await asyncio.gather(*[oai.completions.create(
-            model=MODEL, prompt=p, n=s, max_tokens=t, temperature=1.0, seed=1)
-            for p in prompts])
+        res = await asyncio.gather(
+            *[
+                oai.completions.create(
+                    model=MODEL, prompt=p, n=s, max_tokens=t, temperature=1.0, seed=1
+                )
+                for p in prompts
+            ]
+        )
         return sum(r.usage.completion_tokens for r in res)
 
     async def first_token(oai, after: float) -> float:
         await asyncio.sleep(after)
         t0 = time.monotonic()
-        stream = await oai.completions.create(model=MODEL, prompt=prompts[0], max_tokens=t,
-                                              temperature=1.0, seed=2, stream=True)
+        stream = await oai.completions.create(
+            model=MODEL, prompt=prompts[0], max_tokens=t, temperature=1.0, seed=2, stream=True
+        )
         got = None
         async for ch in stream:
             if got is None and ch.choices and ch.choices[0].text:
@@ -91,8 +101,7 @@ def clients(url: str, prompts, s: int, t: int, delay: float, conn) -> None:
         return got
 
     async def openai_round(kind: str):
-        oai = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0,
-                                 timeout=600)
+        oai = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=600)
         try:
             if kind == "alone":
                 return await first_token(oai, 0.0)
@@ -122,24 +131,31 @@ def main(argv=None) -> int:
     import jcp
     from jcp.serve import Server
 
-    folder = C.build_numpy(tempfile.mkdtemp(prefix="jcp-openai-bench-"),
-                           quiet=lambda fast: [i for i in range(len(fast))
-                                               if i in fast.added_tokens_decoder])
+    folder = C.build_numpy(
+        tempfile.mkdtemp(prefix="jcp-openai-bench-"),
+        quiet=lambda fast: [i for i in range(len(fast)) if i in fast.added_tokens_decoder],
+    )
     cfg, base = jcp.load_hf(folder)
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*args.mesh), base_params=base, max_adapters=2,
-                     max_rank=8)
+    tr = jcp.Trainer(cfg, jcp.make_mesh(*args.mesh), base_params=base, max_adapters=2, max_rank=8)
     groups = args.mesh[0] * args.mesh[1]
     # Room for the burst and the streamed request beside it (with exactly R·S slots the
     # newcomer would wait for the burst's rows: admission is first come, first served).
     slots = -(-(args.r * args.s + 8) // groups) * groups
-    srv = Server(tr, MODEL, tempfile.mkdtemp(prefix="jcp-openai-bench-state-"), {KEY: "bench"},
-                 tokenizer_id=folder, sample_slots=slots, sample_max_len=64).start()
+    srv = Server(
+        tr,
+        MODEL,
+        tempfile.mkdtemp(prefix="jcp-openai-bench-state-"),
+        {KEY: "bench"},
+        tokenizer_id=folder,
+        sample_slots=slots,
+        sample_max_len=64,
+    ).start()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, 380, int(rng.integers(4, 17))).tolist() for _ in range(args.r)]
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(
-        target=clients, args=(srv.url, prompts, args.s, args.t, args.ttft_delay, child),
-        daemon=True)
+        target=clients, args=(srv.url, prompts, args.s, args.t, args.ttft_delay, child), daemon=True
+    )
     proc.start()
 
     threads = {srv._thread.native_id: "HTTP", srv.engine._thread.native_id: "worker"}
@@ -154,9 +170,12 @@ def main(argv=None) -> int:
         return out
 
     try:
-        print(f"jcp-serve {srv.url}: tiny Qwen3 (hidden {cfg.hidden_size}, {cfg.num_layers} "
-              f"layers, vocab {cfg.vocab_size}), mesh {args.mesh}, {slots} engine slots; "
-              f"burst {args.r} requests × {args.s} samples × {args.t} tokens", flush=True)
+        print(
+            f"jcp-serve {srv.url}: tiny Qwen3 (hidden {cfg.hidden_size}, {cfg.num_layers} "
+            f"layers, vocab {cfg.vocab_size}), mesh {args.mesh}, {slots} engine slots; "
+            f"burst {args.r} requests × {args.s} samples × {args.t} tokens",
+            flush=True,
+        )
         t0 = time.perf_counter()
         n_prog, quiet, warm = -1, 0, 0
         while quiet < 2 and warm < 8:  # two warm-up rounds in a row that compile nothing
@@ -165,8 +184,10 @@ def main(argv=None) -> int:
             for kind in ("tinker", "openai", "ttft", "alone"):
                 run(kind)
             warm += 1
-        print(f"   warm-up: {warm} rounds, {n_prog} programs, "
-              f"{time.perf_counter() - t0:.0f} s", flush=True)
+        print(
+            f"   warm-up: {warm} rounds, {n_prog} programs, {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
         got = {k: [] for k in ("tinker", "openai", "ttft", "alone")}
         cpu.clear()
         for _ in range(args.rounds):
@@ -177,20 +198,31 @@ def main(argv=None) -> int:
             assert all(n == want for _, n in got[kind]), (kind, got[kind])
         rate = {k: statistics.median(want / w for w, _ in got[k]) for k in ("tinker", "openai")}
         wall = {k: statistics.median(w for w, _ in got[k]) for k in ("tinker", "openai")}
-        print(f"1. burst {args.r}×{args.s}×{args.t}: Tinker SDK {rate['tinker']:.0f} tok/s "
-              f"({wall['tinker']:.2f} s), OpenAI /v1/completions {rate['openai']:.0f} tok/s "
-              f"({wall['openai']:.2f} s) -> OpenAI/Tinker {rate['openai'] / rate['tinker']:.2f}"
-              f"× (medians of {args.rounds})", flush=True)
+        print(
+            f"1. burst {args.r}×{args.s}×{args.t}: Tinker SDK {rate['tinker']:.0f} tok/s "
+            f"({wall['tinker']:.2f} s), OpenAI /v1/completions {rate['openai']:.0f} tok/s "
+            f"({wall['openai']:.2f} s) -> OpenAI/Tinker {rate['openai'] / rate['tinker']:.2f}"
+            f"× (medians of {args.rounds})",
+            flush=True,
+        )
         for kind in ("tinker", "openai"):
-            parts = {k: statistics.median(c.get(k, 0.0) for c in cpu[kind])
-                     for k in ("HTTP", "worker", "XLA threads")}
-            print(f"   server CPU s per burst, {kind}: " + ", ".join(
-                f"{k} {v:.2f}" for k, v in parts.items()), flush=True)
+            parts = {
+                k: statistics.median(c.get(k, 0.0) for c in cpu[kind])
+                for k in ("HTTP", "worker", "XLA threads")
+            }
+            print(
+                f"   server CPU s per burst, {kind}: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()),
+                flush=True,
+            )
         during, alone = statistics.median(got["ttft"]), statistics.median(got["alone"])
-        print(f"2. time to first streamed token: {during * 1e3:.0f} ms for a request sent "
-              f"{args.ttft_delay * 1e3:.0f} ms into an OpenAI burst, {alone * 1e3:.0f} ms "
-              f"alone (medians of {args.rounds}); the burst itself took "
-              f"{wall['openai']:.2f} s", flush=True)
+        print(
+            f"2. time to first streamed token: {during * 1e3:.0f} ms for a request sent "
+            f"{args.ttft_delay * 1e3:.0f} ms into an OpenAI burst, {alone * 1e3:.0f} ms "
+            f"alone (medians of {args.rounds}); the burst itself took "
+            f"{wall['openai']:.2f} s",
+            flush=True,
+        )
         programs = srv.engine.sampling.programs()
         print(f"   programs compiled during the timed rounds: {programs - n_prog}", flush=True)
     finally:

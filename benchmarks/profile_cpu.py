@@ -27,7 +27,8 @@ the thunks' times are stretched by the load, so compare shares only).
 
 --kernel N times the attention kernel alone: blockwise fwd + bwd (jax.grad of a weighted
 sum, jitted) of one causal datum of N tokens at the model's heads (8 q / 4 kv, head dim
-32, fp32) per tile size, and the C++ kernel (attn_impl "cpu", its own tiles), against torch SDPA (is_causal, enable_gqa) fwd + bwd, alternated
+32, fp32) per tile size, and the C++ kernel (attn_impl "cpu", its own tiles),
+against torch SDPA (is_causal, enable_gqa) fwd + bwd, alternated
 for 3 rounds; best process CPU seconds and wall. Measured on the shared 2-core machine
 (load ≈ 12): 4096 tokens, 256-row tiles: 0.773 CPU s before the key-major backward,
 0.511 after, torch 0.442; 8192 tokens: jcp 2.04, torch 1.55 (load ≈ 20). The kernel is
@@ -124,18 +125,32 @@ def profile_jcp(args) -> dict:
 
     import jcp
 
-    cfg = jcp.QwenConfig(vocab_size=T.VOCAB, hidden_size=T.HIDDEN, intermediate_size=T.MLP,
-                         num_layers=T.LAYERS, num_heads=T.HEADS, num_kv_heads=T.KV_HEADS,
-                         head_dim=T.HEAD_DIM, rope_theta=10_000.0, tie_word_embeddings=False,
-                         max_position_embeddings=max(4096, args.tokens))
+    cfg = jcp.QwenConfig(
+        vocab_size=T.VOCAB,
+        hidden_size=T.HIDDEN,
+        intermediate_size=T.MLP,
+        num_layers=T.LAYERS,
+        num_heads=T.HEADS,
+        num_kv_heads=T.KV_HEADS,
+        head_dim=T.HEAD_DIM,
+        rope_theta=10_000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=max(4096, args.tokens),
+    )
     remat = {"auto": "auto", "1": True, "0": False}[args.remat]
-    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=T.RANK,
-                     remat=remat)
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=T.RANK, remat=remat)
     a = tr.create_adapter(rank=T.RANK, alpha=T.ALPHA, targets=["attn", "mlp"])
     tokens, targets = T._data(args.datums, args.tokens)
-    data = [jcp.Datum(model_input=tokens[i], loss_fn_inputs={
-        "target_tokens": targets[i], "weights": np.ones(args.tokens, np.float32)})
-        for i in range(args.datums)]
+    data = [
+        jcp.Datum(
+            model_input=tokens[i],
+            loss_fn_inputs={
+                "target_tokens": targets[i],
+                "weights": np.ones(args.tokens, np.float32),
+            },
+        )
+        for i in range(args.datums)
+    ]
     adam = jcp.AdamParams(learning_rate=T.LR, beta1=0.9, beta2=0.95, eps=1e-12)
 
     def step():
@@ -169,9 +184,13 @@ def profile_jcp(args) -> dict:
     for name, us in excl.items():
         if name in ops:  # XLA thunks of the forward_backward program
             cats[jcp_category(ops[name])] += us / 1e6
-    return dict(wall_s=wall, traced_wall_s=traced_wall, categories=dict(cats),
-                remat=[v["remat"] for v in tr.remat_decisions.values()],
-                flops=_flops(tr))
+    return dict(
+        wall_s=wall,
+        traced_wall_s=traced_wall,
+        categories=dict(cats),
+        remat=[v["remat"] for v in tr.remat_decisions.values()],
+        flops=_flops(tr),
+    )
 
 
 def _flops(tr):
@@ -190,24 +209,48 @@ def profile_torch(args) -> dict:
 
     torch.manual_seed(0)
     cfg = transformers.Qwen3Config(
-        vocab_size=T.VOCAB, hidden_size=T.HIDDEN, intermediate_size=T.MLP,
-        num_hidden_layers=T.LAYERS, num_attention_heads=T.HEADS,
-        num_key_value_heads=T.KV_HEADS, head_dim=T.HEAD_DIM, tie_word_embeddings=False,
-        max_position_embeddings=max(4096, args.tokens), rope_theta=10_000.0)
-    model = peft.get_peft_model(transformers.Qwen3ForCausalLM(cfg).float(), peft.LoraConfig(
-        r=T.RANK, lora_alpha=T.ALPHA, lora_dropout=0.0, bias="none",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                        "down_proj"], task_type="CAUSAL_LM"))
+        vocab_size=T.VOCAB,
+        hidden_size=T.HIDDEN,
+        intermediate_size=T.MLP,
+        num_hidden_layers=T.LAYERS,
+        num_attention_heads=T.HEADS,
+        num_key_value_heads=T.KV_HEADS,
+        head_dim=T.HEAD_DIM,
+        tie_word_embeddings=False,
+        max_position_embeddings=max(4096, args.tokens),
+        rope_theta=10_000.0,
+    )
+    model = peft.get_peft_model(
+        transformers.Qwen3ForCausalLM(cfg).float(),
+        peft.LoraConfig(
+            r=T.RANK,
+            lora_alpha=T.ALPHA,
+            lora_dropout=0.0,
+            bias="none",
+            target_modules=[
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ],
+            task_type="CAUSAL_LM",
+        ),
+    )
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=T.LR,
-                            betas=(0.9, 0.95), eps=1e-12)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=T.LR, betas=(0.9, 0.95), eps=1e-12
+    )
     tokens, targets = T._data(args.datums, args.tokens)
     ids, tgt = torch.tensor(tokens), torch.tensor(targets)
 
     def step():
         logits = model(input_ids=ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, T.VOCAB), tgt.reshape(-1),
-                                                 reduction="sum")
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, T.VOCAB), tgt.reshape(-1), reduction="sum"
+        )
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -221,8 +264,12 @@ def profile_torch(args) -> dict:
     cats = collections.Counter()
     for e in prof.key_averages():
         cats[torch_category(e.key)] += e.self_cpu_time_total / 1e6
-    return dict(wall_s=wall, categories=dict(cats), threads=torch.get_num_threads(),
-                attn=getattr(model.config, "_attn_implementation", "?"))
+    return dict(
+        wall_s=wall,
+        categories=dict(cats),
+        threads=torch.get_num_threads(),
+        attn=getattr(model.config, "_attn_implementation", "?"),
+    )
 
 
 def profile_kernel(args) -> dict:
@@ -249,23 +296,34 @@ def profile_kernel(args) -> dict:
     tk, tv = (torch.randn(1, kv, n, hd, requires_grad=True) for _ in range(2))
 
     def torch_step():
-        out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True,
-                                                               enable_gqa=True)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            tq, tk, tv, is_causal=True, enable_gqa=True
+        )
         out.sum().backward()
 
     steps, grads = {"torch sdpa": torch_step}, {}
     options = compiler_options(jcp.make_mesh(1, 1, 1))  # as the training programs compile
     for b in (int(x) for x in args.tiles.split(",")):
-        g = jax.jit(jax.grad(lambda q, k, v, b=b: (blockwise.flash(
-            q, k, v, seg, pos, seg, pos, b, b) * w).sum(), argnums=(0, 1, 2)),
-            compiler_options=options)
+        g = jax.jit(
+            jax.grad(
+                lambda q, k, v, b=b: (blockwise.flash(q, k, v, seg, pos, seg, pos, b, b) * w).sum(),
+                argnums=(0, 1, 2),
+            ),
+            compiler_options=options,
+        )
         grads[b] = g
         steps[f"jcp blockwise, tile {b}"] = lambda g=g: jax.block_until_ready(g(q, k, v))
     if cpu.available():
         qf = q.reshape(n, kv * per_kv, hd)
-        g = jax.jit(jax.grad(lambda q, k, v: (cpu.flash_attention(
-            q, k, v, seg, pos, seg, pos) * w.reshape(q.shape)).sum(), argnums=(0, 1, 2)),
-            compiler_options=options)
+        g = jax.jit(
+            jax.grad(
+                lambda q, k, v: (
+                    cpu.flash_attention(q, k, v, seg, pos, seg, pos) * w.reshape(q.shape)
+                ).sum(),
+                argnums=(0, 1, 2),
+            ),
+            compiler_options=options,
+        )
         steps["jcp cpu kernel"] = lambda: jax.block_until_ready(g(qf, k, v))
     else:
         print("jcp cpu kernel unavailable: the C++ kernels did not build")
@@ -284,19 +342,26 @@ def profile_kernel(args) -> dict:
             wall, cpu = time.perf_counter() - t, cpu_s() - c
             old = best.get(name, (wall, cpu))
             best[name] = (min(old[0], wall), min(old[1], cpu))
-    print(f"attention fwd + bwd, {n} causal tokens, {T.HEADS}/{kv} heads x {hd}, fp32 "
-          f"(best of 3: wall s, CPU s)")
+    print(
+        f"attention fwd + bwd, {n} causal tokens, {T.HEADS}/{kv} heads x {hd}, fp32 "
+        f"(best of 3: wall s, CPU s)"
+    )
     for name, (wall, cpu) in best.items():
         print(f"  {name:<24} wall {wall:7.3f}  CPU {cpu:7.3f}")
     if args.breakdown:
-        print(f"thunk s of one traced call ({len(os.sched_getaffinity(0))} cores usable; see "
-              f"--breakdown in the docstring)")
+        print(
+            f"thunk s of one traced call ({len(os.sched_getaffinity(0))} cores usable; see "
+            f"--breakdown in the docstring)"
+        )
         print(f"  {'tile':<6}" + "".join(f"{c:>10}" for c in BREAKDOWN) + f"{'sum':>10}")
         for b, g in grads.items():
             parts = kernel_breakdown(g, kv * per_kv * b * b, q, k, v)
             best[f"breakdown {b}"] = parts
-            print(f"  {b:<6}" + "".join(f"{parts.get(c, 0.0):>10.3f}" for c in BREAKDOWN)
-                  + f"{sum(parts.values()):>10.3f}")
+            print(
+                f"  {b:<6}"
+                + "".join(f"{parts.get(c, 0.0):>10.3f}" for c in BREAKDOWN)
+                + f"{sum(parts.values()):>10.3f}"
+            )
     return best
 
 
@@ -365,19 +430,31 @@ def main(argv=None) -> dict:
     ap.add_argument("--datums", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--remat", default="auto", choices=("auto", "1", "0"))
-    ap.add_argument("--kernel", type=int, default=0, metavar="N",
-                    help="time only the attention kernel at N tokens against torch SDPA")
+    ap.add_argument(
+        "--kernel",
+        type=int,
+        default=0,
+        metavar="N",
+        help="time only the attention kernel at N tokens against torch SDPA",
+    )
     ap.add_argument("--tiles", default="128,256", help="--kernel: tile sizes to time")
-    ap.add_argument("--breakdown", action="store_true",
-                    help="--kernel: also split one traced call's thunk time into GEMMs, "
-                         "softmax passes, other tile passes and per-tile overhead")
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="--kernel: also split one traced call's thunk time into GEMMs, "
+        "softmax passes, other tile passes and per-tile overhead",
+    )
     args = ap.parse_args(argv)
     if args.kernel:
         return profile_kernel(args)
-    print(f"CPU: {T.cpu_model()}, {os.cpu_count()} cores; load average "
-          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print(f"workload: throughput.py's model, {args.datums} x {args.tokens} tokens, one step "
-          f"(forward + backward + AdamW)")
+    print(
+        f"CPU: {T.cpu_model()}, {os.cpu_count()} cores; load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
+    print(
+        f"workload: throughput.py's model, {args.datums} x {args.tokens} tokens, one step "
+        f"(forward + backward + AdamW)"
+    )
     j = profile_jcp(args)
     t = profile_torch(args)
     print(f"\n{'category':<12} {'jcp s':>8} {'share':>6} {'torch s':>8} {'share':>6}")
@@ -386,9 +463,11 @@ def main(argv=None) -> dict:
         a, b = j["categories"].get(c, 0.0), t["categories"].get(c, 0.0)
         print(f"{c:<12} {a:>8.3f} {a / jt:>6.0%} {b:>8.3f} {b / tt:>6.0%}")
     print(f"{'sum':<12} {jt:>8.3f} {'':>6} {tt:>8.3f}   (thread-seconds: summed over threads)")
-    print(f"wall of one untraced step: jcp {j['wall_s']:.3f} s (remat {j['remat']}), torch "
-          f"{t['wall_s']:.3f} s ({t['threads']} threads, {t['attn']}); jcp program "
-          f"{j['flops'] / 1e9:.1f} GFLOP (XLA cost analysis)")
+    print(
+        f"wall of one untraced step: jcp {j['wall_s']:.3f} s (remat {j['remat']}), torch "
+        f"{t['wall_s']:.3f} s ({t['threads']} threads, {t['attn']}); jcp program "
+        f"{j['flops'] / 1e9:.1f} GFLOP (XLA cost analysis)"
+    )
     return dict(jcp=j, torch=t)
 
 

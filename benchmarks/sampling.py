@@ -40,9 +40,9 @@ import transformers  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import jcp  # noqa: E402
-from jcp.sample import kv_cache, programs  # noqa: E402
 from jcp import sample as sample_lib  # noqa: E402
 from jcp.mesh import SPECS  # noqa: E402
+from jcp.sample import kv_cache, programs  # noqa: E402
 
 NEW, BATCH, PROMPT_LEN = 128, 8, 32
 LONG = 16384
@@ -52,18 +52,31 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def hf_tiny():
     c = jcp.QwenConfig.tiny()
     torch.manual_seed(0)
-    hm = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
-        tie_word_embeddings=False, max_position_embeddings=c.max_position_embeddings))
+    hm = transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_layers,
+            num_attention_heads=c.num_heads,
+            num_key_value_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            rope_theta=c.rope_theta,
+            rms_norm_eps=c.rms_norm_eps,
+            tie_word_embeddings=False,
+            max_position_embeddings=c.max_position_embeddings,
+        )
+    )
     return hm.eval().float()
 
 
 def peft_adapter(hm, seed):
-    pm = peft.get_peft_model(copy.deepcopy(hm), peft.LoraConfig(
-        r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM"))
+    pm = peft.get_peft_model(
+        copy.deepcopy(hm),
+        peft.LoraConfig(
+            r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM"
+        ),
+    )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in pm.named_parameters():
@@ -104,8 +117,7 @@ def main():
         for k, pm in enumerate(pms):
             pm.save_pretrained(f"{root}/a{k}")
         cfg, base = jcp.load_hf(f"{root}/base")
-        tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), base_params=base, max_adapters=4,
-                         max_rank=8)
+        tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), base_params=base, max_adapters=4, max_rank=8)
         ids = [tr.load_peft(f"{root}/a{k}") for k in range(4)]
 
     prompts = [rng.integers(0, cfg.vocab_size, PROMPT_LEN) for _ in range(BATCH)]
@@ -118,22 +130,41 @@ def main():
 
     def hf():
         with torch.no_grad():
-            pms[0].generate(input_ids=ids_t, attention_mask=torch.ones_like(ids_t),
-                            do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
-                            eos_token_id=None, pad_token_id=0)
+            pms[0].generate(
+                input_ids=ids_t,
+                attention_mask=torch.ones_like(ids_t),
+                do_sample=False,
+                max_new_tokens=NEW,
+                min_new_tokens=NEW,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
 
     t_hf = best_of(hf)
     res = tr.sample(prompts, greedy, adapters=ids[0])
     with torch.no_grad():
-        want = pms[0].generate(input_ids=ids_t, attention_mask=torch.ones_like(ids_t),
-                               do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
-                               eos_token_id=None, pad_token_id=0)[:, PROMPT_LEN:].numpy()
+        want = (
+            pms[0]
+            .generate(
+                input_ids=ids_t,
+                attention_mask=torch.ones_like(ids_t),
+                do_sample=False,
+                max_new_tokens=NEW,
+                min_new_tokens=NEW,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[:, PROMPT_LEN:]
+            .numpy()
+        )
     agree = np.mean([np.mean(r.sequences[0].tokens == w) for r, w in zip(res, want)])
     tok = BATCH * NEW
-    print(f"1. decode {BATCH}×{NEW} greedy, fp32, mesh (1,1,1): jcp {tok / t_jcp:,.0f} tok/s "
-          f"({t_jcp:.3f} s, prefill included), HF+PEFT generate {tok / t_hf:,.0f} tok/s "
-          f"({t_hf:.3f} s); ratio {t_hf / t_jcp:.2f}× (goal ≥ 1.0); token agreement "
-          f"{agree:.3f}", flush=True)
+    print(
+        f"1. decode {BATCH}×{NEW} greedy, fp32, mesh (1,1,1): jcp {tok / t_jcp:,.0f} tok/s "
+        f"({t_jcp:.3f} s, prefill included), HF+PEFT generate {tok / t_hf:,.0f} tok/s "
+        f"({t_hf:.3f} s); ratio {t_hf / t_jcp:.2f}× (goal ≥ 1.0); token agreement "
+        f"{agree:.3f}",
+        flush=True,
+    )
 
     # 2. per-layer weights sliced outside the decode loop vs scanned inside it
     runner = tr.sampler.runner
@@ -144,15 +175,25 @@ def main():
     finally:
         runner.slice_layers = True
     t_sliced = best_of(lambda: tr.sample(prompts, greedy, adapters=ids[0]))
-    print(f"2. layers sliced outside the decode loop {t_sliced:.3f} s vs lax.scan inside it "
-          f"{t_scan:.3f} s: {t_scan / t_sliced:.2f}× faster", flush=True)
+    print(
+        f"2. layers sliced outside the decode loop {t_sliced:.3f} s vs lax.scan inside it "
+        f"{t_scan:.3f} s: {t_scan / t_sliced:.2f}× faster",
+        flush=True,
+    )
 
     # 3. mixing adapters
     mixed = [ids[k % 4] for k in range(BATCH)]
-    t_one, t_mix = alternating_best([lambda: tr.sample(prompts, greedy, adapters=ids[0]),
-                                     lambda: tr.sample(prompts, greedy, adapters=mixed)])
-    print(f"3. 8 sequences over 4 adapters {t_mix:.3f} s vs over 1 adapter {t_one:.3f} s: "
-          f"{t_mix / t_one:.2f}× (goal ≤ 1.15)", flush=True)
+    t_one, t_mix = alternating_best(
+        [
+            lambda: tr.sample(prompts, greedy, adapters=ids[0]),
+            lambda: tr.sample(prompts, greedy, adapters=mixed),
+        ]
+    )
+    print(
+        f"3. 8 sequences over 4 adapters {t_mix:.3f} s vs over 1 adapter {t_one:.3f} s: "
+        f"{t_mix / t_one:.2f}× (goal ≤ 1.15)",
+        flush=True,
+    )
 
     # 4. memory per device for one 16k-token prompt
     long_cfg = jcp.QwenConfig.tiny(max_position_embeddings=32768)
@@ -164,18 +205,24 @@ def main():
     for mode in ("split", "batch"):
         for what in ("cache", "decode", "prefill"):
             first = rows[1, mode][what]
-            cells = ", ".join(f"cp={cp}: {rows[cp, mode][what] / 2**20:.1f} "
-                              f"({rows[cp, mode][what] / first:.2f})" for cp in (1, 2, 4))
+            cells = ", ".join(
+                f"cp={cp}: {rows[cp, mode][what] / 2**20:.1f} ({rows[cp, mode][what] / first:.2f})"
+                for cp in (1, 2, 4)
+            )
             print(f"   {mode:5s} {what:7s} {cells}")
-        cells = ", ".join(f"cp={cp}: {rows[cp, mode]['decode_temp'] / rows[cp, mode]['cache']:.2f}"
-                          for cp in (1, 2, 4))
+        cells = ", ".join(
+            f"cp={cp}: {rows[cp, mode]['decode_temp'] / rows[cp, mode]['cache']:.2f}"
+            for cp in (1, 2, 4)
+        )
         print(f"   {mode:5s} decode temporaries ÷ cache: {cells}")
-    print("   (goal ≤ 1.2/cp: 0.60 at cp=2, 0.30 at cp=4; the automatic choice picks "
-          "\"split\" once the \"batch\" cache passes 1 GiB per device)", flush=True)
+    print(
+        "   (goal ≤ 1.2/cp: 0.60 at cp=2, 0.30 at cp=4; the automatic choice picks "
+        '"split" once the "batch" cache passes 1 GiB per device)',
+        flush=True,
+    )
 
     # 5. compiled programs over 50 calls with random prompt lengths
-    tr2 = jcp.Trainer(cfg, jcp.make_mesh(1, 2, 2), base_params=base, max_adapters=4,
-                      max_rank=8)
+    tr2 = jcp.Trainer(cfg, jcp.make_mesh(1, 2, 2), base_params=base, max_adapters=4, max_rank=8)
     a = tr2.create_adapter(rank=8)
     sp = jcp.SamplingParams(max_tokens=16, temperature=1.0, seed=0)
     t = time.perf_counter()
@@ -184,21 +231,32 @@ def main():
         tr2.sample(ps, sp, adapters=[a, None, a, a])
     s2 = tr2.sampler
     counts = {name: getattr(s2, name)._cache_size() for name in ("prefill", "decode")}
-    print(f"5. compiled programs over 50 calls (4 prompts of 1–300 tokens, mesh (1,2,2)): "
-          f"{sum(counts.values())} {counts} (goal ≤ 10); {time.perf_counter() - t:.1f} s")
+    print(
+        f"5. compiled programs over 50 calls (4 prompts of 1–300 tokens, mesh (1,2,2)): "
+        f"{sum(counts.values())} {counts} (goal ≤ 10); {time.perf_counter() - t:.1f} s"
+    )
 
 
 def _peak(compiled) -> int:
     m = compiled.memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-            + m.temp_size_in_bytes)
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
 
 
 def long_prompt_memory(cfg, cp, mode, n):
     """Per-device bytes of the KV cache and of the compiled decode and prefill programs for
     one n-token prompt at mesh (1, cp, 1) in cache `mode` (compiled, not run)."""
-    tr = jcp.Trainer(cfg, jcp.make_mesh(1, cp, 1), max_adapters=1, max_rank=8,
-                     max_tokens_per_device=-(-(n + 16) // cp) + 16)
+    tr = jcp.Trainer(
+        cfg,
+        jcp.make_mesh(1, cp, 1),
+        max_adapters=1,
+        max_rank=8,
+        max_tokens_per_device=-(-(n + 16) // cp) + 16,
+    )
     s = tr.sampler
     plan = s.plan([n], 16, cache_mode=mode)
     lay = kv_cache.LAYOUTS[mode]
@@ -209,31 +267,64 @@ def long_prompt_memory(cfg, cp, mode, n):
     st = SPECS.stream_DPxCPxS
     put = s.runner.put
     source = np.full((b, t), -1, np.int32)
-    args = programs.PrefillArgs(put(pb.tokens, st), put(pb.segment, st), put(pb.position, st),
-                                put(pb.targets, st), put(pb.spans, SPECS.spans_DPxCPxAx2),
-                                put(pb.active, SPECS.replicated))
+    args = programs.PrefillArgs(
+        put(pb.tokens, st),
+        put(pb.segment, st),
+        put(pb.position, st),
+        put(pb.targets, st),
+        put(pb.spans, SPECS.spans_DPxCPxAx2),
+        put(pb.active, SPECS.replicated),
+    )
     prefill = s.prefill.lower(
-        tr.state.weights, tr.params, tr.state.meta, args, put(source, lay.position_BxT), None,
-        modes=programs.PrefillModes(mode, False)).compile()
+        tr.state.weights,
+        tr.params,
+        tr.state.meta,
+        args,
+        put(source, lay.position_BxT),
+        None,
+        modes=programs.PrefillModes(mode, False),
+    ).compile()
     kv_shape = (cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim)
     dt = jax.numpy.dtype(cfg.dtype)
     sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
-        shape, dtype, sharding=NamedSharding(tr.mesh, spec))
-    cache = kv_cache.Cache(sds(kv_shape, dt, lay.kv_LxBxTxKxH),
-                           sds(kv_shape, dt, lay.kv_LxBxTxKxH),
-                           sds((b, t), np.int32, lay.position_BxT))
+        shape, dtype, sharding=NamedSharding(tr.mesh, spec)
+    )
+    cache = kv_cache.Cache(
+        sds(kv_shape, dt, lay.kv_LxBxTxKxH),
+        sds(kv_shape, dt, lay.kv_LxBxTxKxH),
+        sds((b, t), np.int32, lay.position_BxT),
+    )
     seq = lambda dtype: sds((b,), dtype, lay.seqs_B)  # noqa: E731
     i32 = seq(np.int32)
     rows = programs.DecodeRows(
-        token=i32, position=i32, base=i32, done=seq(bool), count=i32, index=i32,
-        max_tokens=i32, temperature=seq(np.float32), top_k=i32, top_p=seq(np.float32),
-        keys=sds((b, 2), np.uint32, lay.seqs_Bx2), stop=sds((b, 8), np.int32, lay.seqs_Bx2))
+        token=i32,
+        position=i32,
+        base=i32,
+        done=seq(bool),
+        count=i32,
+        index=i32,
+        max_tokens=i32,
+        temperature=seq(np.float32),
+        top_k=i32,
+        top_p=seq(np.float32),
+        keys=sds((b, 2), np.uint32, lay.seqs_Bx2),
+        stop=sds((b, 8), np.int32, lay.seqs_Bx2),
+    )
     decode = s.decode.lower(
-        tr.state.weights, tr.params, tr.state.meta, cache, rows,
+        tr.state.weights,
+        tr.params,
+        tr.state.meta,
+        cache,
+        rows,
         put(np.full(2, -1, np.int32), SPECS.replicated),
-        modes=programs.DecodeModes(mode, 16, greedy=True, filtered=False)).compile()
-    return {"cache": plan.cache_bytes, "decode": _peak(decode), "prefill": _peak(prefill),
-            "decode_temp": decode.memory_analysis().temp_size_in_bytes}
+        modes=programs.DecodeModes(mode, 16, greedy=True, filtered=False),
+    ).compile()
+    return {
+        "cache": plan.cache_bytes,
+        "decode": _peak(decode),
+        "prefill": _peak(prefill),
+        "decode_temp": decode.memory_analysis().temp_size_in_bytes,
+    }
 
 
 if __name__ == "__main__":

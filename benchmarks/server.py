@@ -37,7 +37,9 @@ DATUMS, TOKENS, RANK, SEED = 8, 512, 8, 0
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mesh", type=mesh_arg, default="1,1,1", help="dp,cp,tp (fake CPU devices as needed)")
+    p.add_argument(
+        "--mesh", type=mesh_arg, default="1,1,1", help="dp,cp,tp (fake CPU devices as needed)"
+    )
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
@@ -57,17 +59,31 @@ def main(argv=None) -> int:
     from jcp.serve import Server
 
     cfg = jcp.QwenConfig.tiny()
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*args.mesh), max_adapters=8, max_rank=RANK,
-                     max_tokens_per_device=DATUMS * TOKENS)
+    tr = jcp.Trainer(
+        cfg,
+        jcp.make_mesh(*args.mesh),
+        max_adapters=8,
+        max_rank=RANK,
+        max_tokens_per_device=DATUMS * TOKENS,
+    )
     rng = np.random.default_rng(0)
 
     def batch(n):
         toks = rng.integers(0, cfg.vocab_size, (n, TOKENS + 1))
-        jd = [jcp.Datum(model_input=t[:-1].tolist(),
-                        loss_fn_inputs={"target_tokens": t[1:].tolist(),
-                                        "weights": [1.0] * TOKENS}) for t in toks]
-        sd = [types.Datum(model_input=types.ModelInput.from_ints(d.model_input),
-                          loss_fn_inputs=dict(d.loss_fn_inputs)) for d in jd]
+        jd = [
+            jcp.Datum(
+                model_input=t[:-1].tolist(),
+                loss_fn_inputs={"target_tokens": t[1:].tolist(), "weights": [1.0] * TOKENS},
+            )
+            for t in toks
+        ]
+        sd = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(d.model_input),
+                loss_fn_inputs=dict(d.loss_fn_inputs),
+            )
+            for d in jd
+        ]
         return jd, sd
 
     jdata, sdata = batch(DATUMS)
@@ -76,12 +92,14 @@ def main(argv=None) -> int:
 
     srv = Server(tr, "jcp-tiny", tempfile.mkdtemp(prefix="jcp-serve-bench-")).start()
     try:
-        print(f"jcp-serve at {srv.url}; mesh dp,cp,tp = {args.mesh}; tiny model "
-              f"(hidden {cfg.hidden_size}, {cfg.num_layers} layers, vocab {cfg.vocab_size}); "
-              f"LoRA rank {RANK}", flush=True)
+        print(
+            f"jcp-serve at {srv.url}; mesh dp,cp,tp = {args.mesh}; tiny model "
+            f"(hidden {cfg.hidden_size}, {cfg.num_layers} layers, vocab {cfg.vocab_size}); "
+            f"LoRA rank {RANK}",
+            flush=True,
+        )
         sc = tinker.ServiceClient(base_url=srv.url, api_key="tml-bench")
-        tc = sc.create_lora_training_client(base_model="jcp-tiny", rank=RANK,
-                                            seed=SEED).result()
+        tc = sc.create_lora_training_client(base_model="jcp-tiny", rank=RANK, seed=SEED).result()
         local = tr.create_adapter(rank=RANK, alpha=32.0, seed=SEED)
 
         def step_local():
@@ -103,8 +121,10 @@ def main(argv=None) -> int:
             return out
 
         # ---------------------------------------------------------------- 1. overhead
-        print(f"\n1. Overhead: forward_backward + optim_step of {DATUMS} × {TOKENS} tokens",
-              flush=True)
+        print(
+            f"\n1. Overhead: forward_backward + optim_step of {DATUMS} × {TOKENS} tokens",
+            flush=True,
+        )
         for step in (step_local, step_server):
             timed(step, args.warmup)
         rounds = {"in-process": [], "server": []}
@@ -112,26 +132,35 @@ def main(argv=None) -> int:
             for name, step in (("in-process", step_local), ("server", step_server)):
                 med = statistics.median(timed(step, args.steps))
                 rounds[name].append(med)
-                print(f"   round {r}: {name:10s} {med * 1e3:8.1f} ms/step  "
-                      f"({DATUMS * TOKENS / med:9.0f} tokens/s)", flush=True)
+                print(
+                    f"   round {r}: {name:10s} {med * 1e3:8.1f} ms/step  "
+                    f"({DATUMS * TOKENS / med:9.0f} tokens/s)",
+                    flush=True,
+                )
         # Each round times both sides back to back, so a slow spell of a shared machine
         # hits a round's pair together: the headline is the median of the paired ratios.
         ratios = [s_ / i_ for s_, i_ in zip(rounds["server"], rounds["in-process"])]
         ratio = statistics.median(ratios)
         med = {k: statistics.median(v) for k, v in rounds.items()}
         print(f"   per-round server / in-process: {', '.join(f'{r:.3f}' for r in ratios)}")
-        print(f"   median: in-process {med['in-process'] * 1e3:.1f} ms, server "
-              f"{med['server'] * 1e3:.1f} ms/step; server / in-process = {ratio:.3f}× "
-              f"(median of the rounds' ratios; goal ≤ 1.15×: "
-              f"{'met' if ratio <= 1.15 else 'NOT met'})", flush=True)
+        print(
+            f"   median: in-process {med['in-process'] * 1e3:.1f} ms, server "
+            f"{med['server'] * 1e3:.1f} ms/step; server / in-process = {ratio:.3f}× "
+            f"(median of the rounds' ratios; goal ≤ 1.15×: "
+            f"{'met' if ratio <= 1.15 else 'NOT met'})",
+            flush=True,
+        )
         tr.delete_adapter(local)
 
         # ---------------------------------------------------------------- 2. fusion
         k = args.fusion_datums
-        print(f"\n2. Fusion: 4 clients, each forward_backward of {k} × {TOKENS} tokens",
-              flush=True)
-        clients = [sc.create_lora_training_client(base_model="jcp-tiny", rank=RANK,
-                                                  seed=SEED + 1 + i).result() for i in range(4)]
+        print(f"\n2. Fusion: 4 clients, each forward_backward of {k} × {TOKENS} tokens", flush=True)
+        clients = [
+            sc.create_lora_training_client(
+                base_model="jcp-tiny", rank=RANK, seed=SEED + 1 + i
+            ).result()
+            for i in range(4)
+        ]
         data = [batch(k)[1] for _ in clients]
         total_tokens = 4 * k * TOKENS
         sched = srv.scheduler
@@ -185,16 +214,22 @@ def main(argv=None) -> int:
             f()
         results = {"concurrent": [], "all queued (held)": [], "one pass each": []}
         for _ in range(args.rounds):
-            for name, f in (("concurrent", concurrent), ("all queued (held)", held),
-                            ("one pass each", one_by_one)):
+            for name, f in (
+                ("concurrent", concurrent),
+                ("all queued (held)", held),
+                ("one pass each", one_by_one),
+            ):
                 results[name].append(f())
         base = statistics.median(w for w, _ in results["one pass each"])
         for name, rs in results.items():
             wall = statistics.median(w for w, _ in rs)
             passes = [p for _, p in rs]
-            print(f"   {name:18s} device passes per round (all, fused) {passes}; "
-                  f"median {wall * 1e3:7.1f} ms, {total_tokens / wall:9.0f} tokens/s "
-                  f"({base / wall:.2f}× one pass each)", flush=True)
+            print(
+                f"   {name:18s} device passes per round (all, fused) {passes}; "
+                f"median {wall * 1e3:7.1f} ms, {total_tokens / wall:9.0f} tokens/s "
+                f"({base / wall:.2f}× one pass each)",
+                flush=True,
+            )
     finally:
         srv.stop()
         print("\nserver stopped", flush=True)

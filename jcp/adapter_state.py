@@ -27,9 +27,9 @@ from jax.sharding import PartitionSpec as P
 
 from jcp import lora as lora_lib
 from jcp import optim
-from jcp.errors import InputError
 from jcp.config import QwenConfig
-from jcp.mesh import host, replicate
+from jcp.errors import InputError
+from jcp.mesh import host, pow2_at_least, replicate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +84,12 @@ class HostSlot:
 
     @property
     def nbytes(self) -> int:
-        return sum(x.nbytes for t in (self.weights, self.grads, self.mu, self.nu)
-                   for ab in t.values() for x in ab.values())
+        return sum(
+            x.nbytes
+            for t in (self.weights, self.grads, self.mu, self.nu)
+            for ab in t.values()
+            for x in ab.values()
+        )
 
 
 def _sans_slot(spec) -> P:
@@ -116,8 +120,14 @@ class AdapterState:
     `accumulate`, `step`. Slot ids are the adapter ids the Trainer hands out.
     """
 
-    def __init__(self, cfg: QwenConfig, mesh, max_adapters: int, max_rank: int,
-                 expert_lora_modes=lora_lib.EXPERT_LORA):
+    def __init__(
+        self,
+        cfg: QwenConfig,
+        mesh,
+        max_adapters: int,
+        max_rank: int,
+        expert_lora_modes=lora_lib.EXPERT_LORA,
+    ):
         self.cfg, self.mesh = cfg, mesh
         self.max_adapters, self.max_rank = max_adapters, max_rank
         self.expert_lora_modes = tuple(expert_lora_modes)
@@ -126,13 +136,17 @@ class AdapterState:
         self._shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
         rep = NamedSharding(mesh, P())
         shapes = lora_lib.slot_shapes(cfg, max_adapters, max_rank, self.expert_lora_modes)
-        zeros = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s, jnp.float32), shapes,
-                                             is_leaf=lambda x: isinstance(x, tuple)),
-                        out_shardings=self._shardings)
+        zeros = jax.jit(
+            lambda: jax.tree.map(
+                lambda s: jnp.zeros(s, jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
+            ),
+            out_shardings=self._shardings,
+        )
         self._weights, self._grads, self._mu, self._nu = zeros(), zeros(), zeros(), zeros()
         self._count = self._replicated(np.zeros(max_adapters, np.int32))
-        self._meta = lora_lib.SlotMeta(*(self._replicated(np.zeros(max_adapters, np.float32))
-                                         for _ in range(3)))
+        self._meta = lora_lib.SlotMeta(
+            *(self._replicated(np.zeros(max_adapters, np.float32)) for _ in range(3))
+        )
         self._infos: dict[int, AdapterInfo] = {}
         # Bumped by every write of a slot's weights (install, reset, step): a reader that
         # must not mix weights (the sampling engine) compares it before and after.
@@ -143,19 +157,29 @@ class AdapterState:
         @functools.partial(jax.jit, donate_argnums=(0,), out_shardings=tables)
         def install(tables, slot, weights, grads, mu, nu, count, scale, shared, tied):
             w, g, m, n, c, meta = tables
-            return (_pad_into(w, slot, weights), _pad_into(g, slot, grads),
-                    _pad_into(m, slot, mu), _pad_into(n, slot, nu), c.at[slot].set(count),
-                    lora_lib.SlotMeta(meta.scale_G.at[slot].set(scale),
-                                      meta.shared_G.at[slot].set(shared),
-                                      meta.tied_G.at[slot].set(tied)))
+            return (
+                _pad_into(w, slot, weights),
+                _pad_into(g, slot, grads),
+                _pad_into(m, slot, mu),
+                _pad_into(n, slot, nu),
+                c.at[slot].set(count),
+                lora_lib.SlotMeta(
+                    meta.scale_G.at[slot].set(scale),
+                    meta.shared_G.at[slot].set(shared),
+                    meta.tied_G.at[slot].set(tied),
+                ),
+            )
 
         self._install = install
         self._take_rows = jax.jit(lambda tree, rows: jax.tree.map(lambda x: x[rows], tree))
         self._put_rows = jax.jit(
             lambda tree, rows, v: jax.tree.map(lambda x, y: x.at[rows].set(y), tree, v),
-            donate_argnums=(0,), out_shardings=self._shardings)
-        self._read = jax.jit(lambda tree, slot: jax.tree.map(lambda x: x[slot], tree),
-                             out_shardings=rep)
+            donate_argnums=(0,),
+            out_shardings=self._shardings,
+        )
+        self._read = jax.jit(
+            lambda tree, slot: jax.tree.map(lambda x: x[slot], tree), out_shardings=rep
+        )
         self._optim_step = optim.make_optim_step(mesh)
 
         @functools.partial(jax.jit, static_argnames=("rank", "targets", "expert_lora"))
@@ -170,8 +194,12 @@ class AdapterState:
                         out[m][which] = jax.lax.with_sharding_constraint(y, spec)
                 return out
 
-            return (one(weights), one(mu), one(nu),
-                    jax.lax.with_sharding_constraint(count[slot], rep))
+            return (
+                one(weights),
+                one(mu),
+                one(nu),
+                jax.lax.with_sharding_constraint(count[slot], rep),
+            )
 
         self._export = export
 
@@ -198,9 +226,16 @@ class AdapterState:
     def tables(self) -> dict:
         """Every table as global arrays, for snapshots and tests: weights, grads, mu, nu,
         count [G], scale [G], shared [G], tied [G]."""
-        return {"weights": self._weights, "grads": self._grads, "mu": self._mu,
-                "nu": self._nu, "count": self._count, "scale": self._meta.scale_G,
-                "shared": self._meta.shared_G, "tied": self._meta.tied_G}
+        return {
+            "weights": self._weights,
+            "grads": self._grads,
+            "mu": self._mu,
+            "nu": self._nu,
+            "count": self._count,
+            "scale": self._meta.scale_G,
+            "shared": self._meta.shared_G,
+            "tied": self._meta.tied_G,
+        }
 
     def version(self, slot: int) -> int:
         """A counter of the writes of `slot`'s weights (install, reset, optimizer step)."""
@@ -211,44 +246,70 @@ class AdapterState:
         for g in range(self.max_adapters):
             if g not in self._infos:
                 return g
-        raise InputError(f"all {self.max_adapters} adapter slots are in use; delete_adapter "
-                         "one or raise max_adapters")
+        raise InputError(
+            f"all {self.max_adapters} adapter slots are in use; delete_adapter "
+            "one or raise max_adapters"
+        )
 
     def read(self, slot: int, which: str = "weights") -> dict:
         """One slot's weights, accumulated gradient or AdamW moment ("weights", "grads",
         "mu", "nu") as host NumPy at its own rank over its targets: {module: {"a": [L, I, r],
         "b": [L, r, O]}} (lora.adapter_shapes)."""
         info = self._infos[slot]
-        table = {"weights": self._weights, "grads": self._grads, "mu": self._mu,
-                 "nu": self._nu}[which]
+        table = {"weights": self._weights, "grads": self._grads, "mu": self._mu, "nu": self._nu}[
+            which
+        ]
         keys = {m: lora_lib.expert_keys(m, info.expert_lora) for m in info.targets}
-        full = jax.tree.map(host, self._read({m: {k: table[m][k] for k in keys[m]}
-                                              for m in info.targets}, slot))
-        return {m: {k: lora_lib.at_rank(k, x, info.rank) for k, x in ab.items()}
-                for m, ab in full.items()}
+        full = jax.tree.map(
+            host, self._read({m: {k: table[m][k] for k in keys[m]} for m in info.targets}, slot)
+        )
+        return {
+            m: {k: lora_lib.at_rank(k, x, info.rank) for k, x in ab.items()}
+            for m, ab in full.items()
+        }
 
     def export(self, slot: int) -> SlotState:
         """One slot at its own rank as device arrays (for checkpoints), sharded like the
         table without its slot axis."""
         info = self._infos[slot]
         weights, mu, nu, count = self._export(
-            self._weights, self._mu, self._nu, self._count,
-            self._replicated(np.asarray(slot, np.int32)), rank=info.rank, targets=info.targets,
-            expert_lora=info.expert_lora)
+            self._weights,
+            self._mu,
+            self._nu,
+            self._count,
+            self._replicated(np.asarray(slot, np.int32)),
+            rank=info.rank,
+            targets=info.targets,
+            expert_lora=info.expert_lora,
+        )
         return SlotState(weights, mu, nu, count)
 
     def layout(self, info: AdapterInfo) -> dict:
         """{module: {"a"/"b": ShapeDtypeStruct at the adapter's rank, sharded}} of its
         targets: what `export` returns and `install` accepts, for restoring files."""
         shapes = lora_lib.adapter_shapes(self.cfg, info.rank, info.targets, info.expert_lora)
-        return {m: {k: jax.ShapeDtypeStruct(
-            s, jnp.float32, sharding=NamedSharding(self.mesh, _sans_slot(self._specs[m][k])))
-            for k, s in ks.items()} for m, ks in shapes.items()}
+        return {
+            m: {
+                k: jax.ShapeDtypeStruct(
+                    s, jnp.float32, sharding=NamedSharding(self.mesh, _sans_slot(self._specs[m][k]))
+                )
+                for k, s in ks.items()
+            }
+            for m, ks in shapes.items()
+        }
 
     # ------------------------------------------------------------------ writes
 
-    def install(self, slot: int, info: AdapterInfo, weights: dict, mu: dict | None = None,
-                nu: dict | None = None, count: int = 0, grads: dict | None = None) -> None:
+    def install(
+        self,
+        slot: int,
+        info: AdapterInfo,
+        weights: dict,
+        mu: dict | None = None,
+        nu: dict | None = None,
+        count: int = 0,
+        grads: dict | None = None,
+    ) -> None:
         """Put an adapter in `slot`: weights (and optionally AdamW moments, step count and
         accumulated gradient) at its own rank over its targets (NumPy or device arrays);
         the accumulator is zero unless given, untargeted modules and rank padding are zero."""
@@ -257,11 +318,18 @@ class AdapterState:
             if tree is not None:
                 self._check_tree(tree, info, name)
         tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._meta)
-        (self._weights, self._grads, self._mu, self._nu, self._count,
-         self._meta) = self._install(tables, np.int32(slot), weights, grads or {}, mu or {},
-                                     nu or {}, np.int32(count), np.float32(info.scale),
-                                     np.float32(info.shared_outer),
-                                     np.float32(info.tied_gate_up))
+        (self._weights, self._grads, self._mu, self._nu, self._count, self._meta) = self._install(
+            tables,
+            np.int32(slot),
+            weights,
+            grads or {},
+            mu or {},
+            nu or {},
+            np.int32(count),
+            np.float32(info.scale),
+            np.float32(info.shared_outer),
+            np.float32(info.tied_gate_up),
+        )
         self._infos[slot] = info
         self._versions[slot] += 1
 
@@ -271,8 +339,11 @@ class AdapterState:
         AdamW updates are zero), so the adapter's own-rank arrays are all of its state and
         `restore` of the result continues bit for bit."""
         info = self._infos[slot]
-        out = HostSlot(info, *(self.read(slot, w) for w in ("weights", "grads", "mu", "nu")),
-                       count=int(host(self._read(self._count, slot))))
+        out = HostSlot(
+            info,
+            *(self.read(slot, w) for w in ("weights", "grads", "mu", "nu")),
+            count=int(host(self._read(self._count, slot))),
+        )
         self.reset(slot)
         return out
 
@@ -280,8 +351,7 @@ class AdapterState:
         """Put an offloaded adapter back into the free `slot`, bit for bit."""
         if slot in self._infos:
             raise InputError(f"slot {slot} is in use; restore needs a free slot")
-        self.install(slot, saved.info, saved.weights, saved.mu, saved.nu, saved.count,
-                     saved.grads)
+        self.install(slot, saved.info, saved.weights, saved.mu, saved.nu, saved.count, saved.grads)
 
     def _check_tree(self, tree: dict, info: AdapterInfo, what: str) -> None:
         want = {m: {ab: s.shape for ab, s in v.items()} for m, v in self.layout(info).items()}
@@ -292,21 +362,39 @@ class AdapterState:
     def reset(self, slot: int) -> None:
         """Free a slot: weights, accumulator, moments, count and scale all zero."""
         tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._meta)
-        (self._weights, self._grads, self._mu, self._nu, self._count,
-         self._meta) = self._install(tables, np.int32(slot), {}, {}, {}, {}, np.int32(0),
-                                     np.float32(0.0), np.float32(0.0), np.float32(0.0))
+        (self._weights, self._grads, self._mu, self._nu, self._count, self._meta) = self._install(
+            tables,
+            np.int32(slot),
+            {},
+            {},
+            {},
+            {},
+            np.int32(0),
+            np.float32(0.0),
+            np.float32(0.0),
+            np.float32(0.0),
+        )
         del self._infos[slot]
         self._versions[slot] += 1
 
+    def rows_bucket(self, slots) -> np.ndarray:
+        """The distinct `slots`, sorted, then the first repeated up to a power of two (at
+        most max_adapters) entries: the rows accumulating copies, so that its programs are
+        one per bucket (1, 2, 4, …), not one per number of adapters in a call."""
+        rows = sorted(set(int(s) for s in slots))
+        n = max(len(rows), min(pow2_at_least(len(rows)), self.max_adapters))
+        return np.asarray(rows + rows[:1] * (n - len(rows)), np.int32)
+
     @contextlib.contextmanager
-    def accumulating(self, slots):
+    def accumulating(self, slots, keep: bool = True):
         """Add gradients into the accumulators of `slots`, all or nothing.
 
         Yields accumulate(fn): fn(grads table) -> (new grads table, result), run with the
-        table donated; returns result. If the with-block raises, the accumulators of
-        `slots` are restored bit for bit (from a copy of those rows taken on entry).
+        table donated; returns result. If the with-block raises, or in any case when not
+        `keep` (a run for its programs only: Trainer.warmup), the accumulators of `slots`
+        are restored bit for bit (from a copy of those rows taken on entry).
         """
-        rows = self._replicated(np.asarray(sorted(set(slots)), np.int32))
+        rows = self._replicated(self.rows_bucket(slots))
         saved = self._take_rows(self._grads, rows)
 
         def accumulate(fn):
@@ -318,6 +406,8 @@ class AdapterState:
         except BaseException:
             self._grads = self._put_rows(self._grads, rows, saved)
             raise
+        if not keep:
+            self._grads = self._put_rows(self._grads, rows, saved)
 
     def step(self, slot: int, hp_6: np.ndarray) -> dict:
         """One AdamW step of `slot` on its accumulated gradient, which is then zeroed.
@@ -328,18 +418,28 @@ class AdapterState:
         names the adapter and the cause.
         """
         (self._weights, self._grads, opt, metrics) = self._optim_step(
-            self._weights, self._grads,
+            self._weights,
+            self._grads,
             optim.OptState(mu=self._mu, nu=self._nu, count=self._count),
-            self._replicated(np.asarray(slot, np.int32)), self._replicated(hp_6))
+            self._replicated(np.asarray(slot, np.int32)),
+            self._replicated(hp_6),
+        )
         self._mu, self._nu, self._count = opt.mu, opt.nu, opt.count
         self._versions[slot] += 1
         m = {k: host(v).item() for k, v in metrics.items()}
         if not m["grad_finite"]:
-            raise InputError(f"adapter {slot}: the accumulated gradient is not finite; nothing "
-                             "was applied and the accumulated gradient was cleared")
+            raise InputError(
+                f"adapter {slot}: the accumulated gradient is not finite; nothing "
+                "was applied and the accumulated gradient was cleared"
+            )
         if not m["applied"]:
-            raise InputError(f"adapter {slot}: the AdamW update is not finite in float32 "
-                             f"(learning_rate {float(hp_6[0]):g}, grad_norm {m['grad_norm']:g});"
-                             " nothing was applied and the accumulated gradient was cleared")
-        return {"grad_norm": float(m["grad_norm"]), "learning_rate": float(m["learning_rate"]),
-                "step": int(m["step"])}
+            raise InputError(
+                f"adapter {slot}: the AdamW update is not finite in float32 "
+                f"(learning_rate {float(hp_6[0]):g}, grad_norm {m['grad_norm']:g});"
+                " nothing was applied and the accumulated gradient was cleared"
+            )
+        return {
+            "grad_norm": float(m["grad_norm"]),
+            "learning_rate": float(m["learning_rate"]),
+            "step": int(m["step"]),
+        }

@@ -39,7 +39,7 @@ class Datum:
     loss_fn_inputs: Mapping[str, Sequence[float] | np.ndarray]
 
     @classmethod
-    def from_json(cls, obj: Mapping) -> "Datum":
+    def from_json(cls, obj: Mapping) -> Datum:
         """From a Tinker-style JSON object {"model_input": [...], "loss_fn_inputs": {...}}."""
         mi = obj.get("model_input")
         if isinstance(mi, Mapping):  # Tinker's ModelInput: {"chunks": [{"tokens": [...]}]}
@@ -65,19 +65,24 @@ class CheckedDatum:
         return int(self.tokens.shape[0])
 
 
-def _int_vector(i: int, field: str, value, vocab_size: int, two_d: bool = False
-                ) -> np.ndarray:
+def _int_vector(i: int, field: str, value, vocab_size: int, two_d: bool = False) -> np.ndarray:
     """Token ids [N]; with two_d also [N, K] (K ≥ 1), where −1 marks a padding target."""
     try:
         arr = np.array(value, copy=True)
     except Exception as e:  # ragged lists and the like
         raise InputError(f"datum {i}: {field} is not a vector of token ids ({e})") from None
     if arr.ndim != 1 and not (two_d and arr.ndim == 2 and arr.shape[1] >= 1):
-        raise InputError(f"datum {i}: {field} must be 1-D"
-                         + (" or 2-D [N, K]" if two_d else "") + f", got shape {arr.shape}")
+        raise InputError(
+            f"datum {i}: {field} must be 1-D"
+            + (" or 2-D [N, K]" if two_d else "")
+            + f", got shape {arr.shape}"
+        )
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        if (arr.dtype == object or not np.issubdtype(arr.dtype, np.number)
-                or np.issubdtype(arr.dtype, np.complexfloating)):
+        if (
+            arr.dtype == object
+            or not np.issubdtype(arr.dtype, np.number)
+            or np.issubdtype(arr.dtype, np.complexfloating)
+        ):
             raise InputError(f"datum {i}: {field} must hold integer token ids, got {arr.dtype}")
         if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
             raise InputError(f"datum {i}: {field} must hold integer token ids")
@@ -89,7 +94,8 @@ def _int_vector(i: int, field: str, value, vocab_size: int, two_d: bool = False
             where = ", ".join(map(str, j))
             raise InputError(
                 f"datum {i}: {field}[{where}] = {arr[j]} is outside the vocabulary "
-                f"[0, {vocab_size})" + (" (−1 pads)" if low < 0 else ""))
+                f"[0, {vocab_size})" + (" (−1 pads)" if low < 0 else "")
+            )
     return arr.astype(np.int32)
 
 
@@ -107,8 +113,10 @@ def _float_vector(i: int, field: str, value, n: int, shape=None) -> np.ndarray:
         raise InputError(f"datum {i}: {field} is not a vector of numbers ({e})") from None
     if shape is not None:
         if arr32.shape != tuple(shape):
-            raise InputError(f"datum {i}: {field} has shape {list(arr32.shape)}, expected "
-                             f"{list(shape)} (the shape of target_tokens)")
+            raise InputError(
+                f"datum {i}: {field} has shape {list(arr32.shape)}, expected "
+                f"{list(shape)} (the shape of target_tokens)"
+            )
     elif arr32.ndim != 1:
         raise InputError(f"datum {i}: {field} must be 1-D, got shape {arr32.shape}")
     elif arr32.shape[0] != n:
@@ -141,19 +149,25 @@ def _custom_input(i: int, name: str, value) -> np.ndarray:
     return _float_vector(i, field, arr, 0, shape=arr.shape)
 
 
-def _check_custom(i: int, d, custom: CustomLoss, vocab_size: int, n: int,
-                  shapes_seen: set, deadline: float) -> CheckedDatum:
+def _check_custom(
+    i: int, d, custom: CustomLoss, vocab_size: int, n: int, shapes_seen: set, deadline: float
+) -> CheckedDatum:
     # Inputs the loss does not read are ignored, as the SDK's client-side path ignores them.
     inputs = d.loss_fn_inputs
     for key in ("target_tokens",) + custom.input_names:
         if key not in inputs:
-            raise InputError(f"datum {i}: loss_fn_inputs.{key} is missing (needed by custom "
-                             f"loss {custom.name!r})")
-    targets = _int_vector(i, "loss_fn_inputs.target_tokens", inputs["target_tokens"],
-                          vocab_size, two_d=True)
+            raise InputError(
+                f"datum {i}: loss_fn_inputs.{key} is missing (needed by custom "
+                f"loss {custom.name!r})"
+            )
+    targets = _int_vector(
+        i, "loss_fn_inputs.target_tokens", inputs["target_tokens"], vocab_size, two_d=True
+    )
     if targets.shape[0] != n:
-        raise InputError(f"datum {i}: loss_fn_inputs.target_tokens has length "
-                         f"{targets.shape[0]}, model_input has length {n}")
+        raise InputError(
+            f"datum {i}: loss_fn_inputs.target_tokens has length "
+            f"{targets.shape[0]}, model_input has length {n}"
+        )
     extra = {k: _custom_input(i, k, inputs[k]) for k in custom.input_names}
     key = (targets.shape, tuple((v.shape, v.dtype.str) for v in extra.values()))
     if key not in shapes_seen:  # evaluating the shapes traces the graph: once per shape
@@ -169,13 +183,13 @@ def per_datum_losses(loss_fn, n: int) -> list[str]:
     if isinstance(loss_fn, str):
         return [losses_lib.check_loss_fn(loss_fn)] * n
     if not isinstance(loss_fn, Sequence) or len(loss_fn) != n:
-        raise InputError(f"loss_fn must be a loss name or one name per datum ({n}), got "
-                         f"{loss_fn!r}")
+        raise InputError(
+            f"loss_fn must be a loss name or one name per datum ({n}), got {loss_fn!r}"
+        )
     return [losses_lib.check_loss_fn(name, f"datum {i}") for i, name in enumerate(loss_fn)]
 
 
-def validate(data: Sequence[Datum], loss_fn, vocab_size: int, token_cap: int
-             ) -> list[CheckedDatum]:
+def validate(data: Sequence[Datum], loss_fn, vocab_size: int, token_cap: int) -> list[CheckedDatum]:
     """Check every datum for its loss (`loss_fn`: one name, or one per datum); return
     private validated copies.
 
@@ -195,10 +209,12 @@ def validate(data: Sequence[Datum], loss_fn, vocab_size: int, token_cap: int
         raise InputError("data is empty: pass at least one Datum")
     names = per_datum_losses(loss_fn, len(data))
     if custom is not None and (custom.ops or 0) * len(data) > MAX_TRACED_OPS:
-        raise InputError(f"custom loss {custom.name!r} has {custom.ops} operations, traced "
-                         f"once per datum: {len(data)} datums would trace "
-                         f"{custom.ops * len(data)}, over {MAX_TRACED_OPS} per request (send "
-                         "fewer datums per request)")
+        raise InputError(
+            f"custom loss {custom.name!r} has {custom.ops} operations, traced "
+            f"once per datum: {len(data)} datums would trace "
+            f"{custom.ops * len(data)}, over {MAX_TRACED_OPS} per request (send "
+            "fewer datums per request)"
+        )
     out = []
     shapes_seen: set = set()
     deadline = time.monotonic() + CHECK_BUDGET_S  # for evaluating a custom loss's shapes
@@ -231,19 +247,29 @@ def validate(data: Sequence[Datum], loss_fn, vocab_size: int, token_cap: int
                 )
         for key in needed:
             if key not in inputs:
-                raise InputError(f"datum {i}: loss_fn_inputs.{key} is missing (needed by {loss_fn})")
+                raise InputError(
+                    f"datum {i}: loss_fn_inputs.{key} is missing (needed by {loss_fn})"
+                )
         two_d = loss_fn == "cross_entropy"
-        targets = _int_vector(i, "loss_fn_inputs.target_tokens", inputs["target_tokens"],
-                              vocab_size, two_d=two_d)
+        targets = _int_vector(
+            i, "loss_fn_inputs.target_tokens", inputs["target_tokens"], vocab_size, two_d=two_d
+        )
         if targets.shape[0] != n:
             raise InputError(
                 f"datum {i}: loss_fn_inputs.target_tokens has length {targets.shape[0]}, "
                 f"model_input has length {n}"
             )
-        floats = {k: _float_vector(i, f"loss_fn_inputs.{k}", inputs[k], n,
-                                   shape=targets.shape if k == "weights" and targets.ndim == 2
-                                   else None)
-                  for k in FLOAT_FIELDS if k in inputs}
+        floats = {
+            k: _float_vector(
+                i,
+                f"loss_fn_inputs.{k}",
+                inputs[k],
+                n,
+                shape=targets.shape if k == "weights" and targets.ndim == 2 else None,
+            )
+            for k in FLOAT_FIELDS
+            if k in inputs
+        }
         out.append(CheckedDatum(tokens, targets, floats, loss_fn))
     return out
 
@@ -321,34 +347,88 @@ def active_bucket(k: int, max_adapters: int) -> int:
     return max(k, min(mesh_lib.pow2_at_least(k), max_adapters))
 
 
-def pack(datums: Sequence[CheckedDatum], adapters: Sequence[int], dp: int, cp: int,
-         max_rows: int, max_adapters: int) -> list[PackedBatch]:
+# A training pass's compiled program is specialised on its stream length S and on its
+# counts of active-adapter entries (A) and datum slots (B). With floors (Trainer: pack's
+# adapter_rows and slot_tokens) A and B follow S wherever the batch fits them, so every
+# grouping of tenants into a fused pass of one S bucket runs one program, and a warm-up
+# compiles one program per S bucket (Trainer.warmup). ADAPTER_ROWS: an active entry per
+# 256 rows keeps the grouped LoRA products' tiles at lora.TILE_MAX rows (lora.tile_rows);
+# a stream shorter than 512 rows keeps one entry, and so no extra tiles (with a second
+# entry the tiny model's forward_backward took 1.6× the CPU seconds to compile);
+# SLOT_TOKENS: room for datums of ≥ 128 tokens on average. A batch with more adapters or
+# datums than that takes the next bucket up (a program of its own).
+ADAPTER_ROWS = 256
+SLOT_TOKENS = 128
+
+
+def static_counts(
+    s_len: int,
+    dp: int,
+    cp: int,
+    n_active: int,
+    n_datums: int,
+    max_adapters: int,
+    adapter_rows: int | None = None,
+    slot_tokens: int | None = None,
+) -> tuple[int, int]:
+    """(A, B) of a micro-batch of S = s_len rows per device: its active-adapter entries
+    (active_bucket, at least the power of two ≤ S / adapter_rows, capped at max_adapters)
+    and datum slots (mesh.bucket_length ≥ 8, at least the bucket of dp·cp·S / slot_tokens).
+    None: no floor. E.g. dp = cp = 2, floors 256 / 128: S = 1024 -> (A, B) = (4, 32) for 1
+    to 4 adapters and 1 to 32 datums."""
+    a = active_bucket(n_active, max_adapters)
+    if adapter_rows:
+        a = max(a, min(max_adapters, 1 << (max(1, s_len // adapter_rows).bit_length() - 1)))
+    b = mesh_lib.bucket_length(n_datums, minimum=8)
+    if slot_tokens:
+        b = max(b, mesh_lib.bucket_length(dp * cp * s_len // slot_tokens, minimum=8))
+    return a, b
+
+
+def pack(
+    datums: Sequence[CheckedDatum],
+    adapters: Sequence[int],
+    dp: int,
+    cp: int,
+    max_rows: int,
+    max_adapters: int,
+    *,
+    adapter_rows: int | None = None,
+    slot_tokens: int | None = None,
+) -> list[PackedBatch]:
     """Pack validated datums into micro-batches of [DP, CP, S] streams.
 
     Datums are spread over dp by token count (longest first onto the lightest shard),
     sorted by adapter within a shard so adapters form contiguous spans, and zigzag-cut
-    over cp. S is bucketed (see mesh.bucket_length) and never exceeds max_rows.
+    over cp. S is bucketed (see mesh.bucket_length) and never exceeds max_rows; the
+    counts of active entries and datum slots are static_counts' (adapter_rows and
+    slot_tokens: their floors by S, None: none).
     With any 2-D target_tokens, targets and weights are [DP, CP, S, K] (K the widest in
     the micro-batch; −1 targets and 0 weights pad, a 1-D datum in column 0).
     """
     rows = [2 * mesh_lib.zigzag_chunk(d.n, cp) for d in datums]
     loss_fns = tuple(sorted({d.loss_fn for d in datums}))
     if any(d.targets.ndim == 2 for d in datums) and not set(loss_fns) <= {
-            "cross_entropy", losses_lib.CUSTOM}:
+        "cross_entropy",
+        losses_lib.CUSTOM,
+    }:
         j = next(j for j, d in enumerate(datums) if d.targets.ndim == 2)
-        raise InputError(f"datum {j}: 2-D target_tokens are for cross_entropy and custom "
-                         f"losses; this call also has {sorted(loss_fns)}")
+        raise InputError(
+            f"datum {j}: 2-D target_tokens are for cross_entropy and custom "
+            f"losses; this call also has {sorted(loss_fns)}"
+        )
     out = []
     for shards in _assign(rows, dp, max_rows):
         need = max(sum(rows[j] for j in shard) for shard in shards)
         s_len = mesh_lib.bucket_length(need, maximum=max_rows)
         members = sorted(j for shard in shards for j in shard)
         active_list = sorted({int(adapters[j]) for j in members})
-        k = active_bucket(len(active_list), max_adapters)
+        k, num_slots = static_counts(
+            s_len, dp, cp, len(active_list), len(members), max_adapters, adapter_rows, slot_tokens
+        )
         active = np.array(active_list + [active_list[0]] * (k - len(active_list)), np.int32)
         where = {a: i for i, a in enumerate(active_list)}
         slot_of = {j: b for b, j in enumerate(members)}
-        num_slots = mesh_lib.bucket_length(len(members), minimum=8)
 
         widths = [datums[j].targets.shape[1] for j in members if datums[j].targets.ndim == 2]
         kk = (max(widths),) if widths else ()
@@ -357,8 +437,10 @@ def pack(datums: Sequence[CheckedDatum], adapters: Sequence[int], dp: int, cp: i
         segment = np.full((dp, cp, s_len), -1, np.int32)
         position = np.zeros((dp, cp, s_len), np.int32)
         loss_id = np.zeros((dp, cp, s_len), np.int32)
-        floats = {k_: np.zeros((dp, cp, s_len) + (kk if k_ == "weights" else ()), np.float32)
-                  for k_ in FLOAT_FIELDS}
+        floats = {
+            k_: np.zeros((dp, cp, s_len) + (kk if k_ == "weights" else ()), np.float32)
+            for k_ in FLOAT_FIELDS
+        }
         spans = np.zeros((dp, cp, k, 2), np.int32)
         placements = []
         custom = []
@@ -374,7 +456,7 @@ def pack(datums: Sequence[CheckedDatum], adapters: Sequence[int], dp: int, cp: i
                 tgt = d.targets if d.targets.ndim == len(kk) + 1 else d.targets[:, None]
                 cut = np.where(valid[(...,) + (None,) * len(kk)], tgt[safe], 0)
                 if kk:
-                    targets[s, :, sl, :cut.shape[-1]] = cut
+                    targets[s, :, sl, : cut.shape[-1]] = cut
                 else:
                     targets[s, :, sl] = cut
                 segment[s, :, sl] = np.where(valid, slot_of[j], -1)
@@ -383,27 +465,47 @@ def pack(datums: Sequence[CheckedDatum], adapters: Sequence[int], dp: int, cp: i
                 for name, vec in d.floats.items():
                     if name == "weights" and kk:
                         vec = vec if vec.ndim == 2 else vec[:, None]
-                        floats[name][s, :, sl, :vec.shape[1]] = np.where(
-                            valid[..., None], vec[safe], 0.0)
+                        floats[name][s, :, sl, : vec.shape[1]] = np.where(
+                            valid[..., None], vec[safe], 0.0
+                        )
                     else:
                         floats[name][s, :, sl] = np.where(valid, vec[safe], 0.0)
                 if d.loss_fn == losses_lib.CUSTOM:
-                    custom.append((j, _stream_index(idx, valid, s, off, cp, s_len, kk,
-                                                    d.targets), tuple(d.extra.values())))
+                    custom.append(
+                        (
+                            j,
+                            _stream_index(idx, valid, s, off, cp, s_len, kk, d.targets),
+                            tuple(d.extra.values()),
+                        )
+                    )
                 a = where[int(adapters[j])]
                 if spans[s, 0, a, 1] == 0:
                     spans[s, :, a, 0] = off
                 spans[s, :, a, 1] = off + rows[j]
                 placements.append(Placement(j, s, off, d.n, rows[j]))
                 off += rows[j]
-        out.append(PackedBatch(tokens, targets, segment, position, loss_id, floats, spans,
-                               active, num_slots, tuple(placements), loss_fns,
-                               tuple(sorted(custom, key=lambda c: c[0]))))
+        out.append(
+            PackedBatch(
+                tokens,
+                targets,
+                segment,
+                position,
+                loss_id,
+                floats,
+                spans,
+                active,
+                num_slots,
+                tuple(placements),
+                loss_fns,
+                tuple(sorted(custom, key=lambda c: c[0])),
+            )
+        )
     return out
 
 
-def _stream_index(idx_CPx2C, valid, shard: int, offset: int, cp: int, s_len: int, kk: tuple,
-                  targets: np.ndarray) -> np.ndarray:
+def _stream_index(
+    idx_CPx2C, valid, shard: int, offset: int, cp: int, s_len: int, kk: tuple, targets: np.ndarray
+) -> np.ndarray:
     """Where a datum's log-probs lie in the flattened [DP, CP, S(, K)] stream: int32 [N]
     (1-D targets) or [N, K_d] (2-D), in original token order."""
     rows = np.arange(idx_CPx2C.shape[1])[None, :] + offset
@@ -431,13 +533,21 @@ def pad_streams(pb: PackedBatch, s_len: int) -> PackedBatch:
         raise ValueError("pad_streams: a batch with custom-loss datums cannot be re-padded")
 
     def grow(x, value=0):  # [DP, CP, S] or [DP, CP, S, K] (2-D targets and weights)
-        return np.pad(x, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3),
-                      constant_values=-1 if x is pb.targets and x.ndim == 4 else value)
+        return np.pad(
+            x,
+            ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3),
+            constant_values=-1 if x is pb.targets and x.ndim == 4 else value,
+        )
 
     return dataclasses.replace(
-        pb, tokens=grow(pb.tokens), targets=grow(pb.targets), segment=grow(pb.segment, -1),
-        position=grow(pb.position), loss_id=grow(pb.loss_id),
-        floats={k: grow(v) for k, v in pb.floats.items()})
+        pb,
+        tokens=grow(pb.tokens),
+        targets=grow(pb.targets),
+        segment=grow(pb.segment, -1),
+        position=grow(pb.position),
+        loss_id=grow(pb.loss_id),
+        floats={k: grow(v) for k, v in pb.floats.items()},
+    )
 
 
 def unpack(stream_DPxCPxS: np.ndarray, batch: PackedBatch) -> dict[int, np.ndarray]:
@@ -445,6 +555,6 @@ def unpack(stream_DPxCPxS: np.ndarray, batch: PackedBatch) -> dict[int, np.ndarr
     [DP, CP, S, K] stream) in original order}."""
     out = {}
     for p in batch.placements:
-        local = stream_DPxCPxS[p.shard, :, p.offset:p.offset + p.rows]
+        local = stream_DPxCPxS[p.shard, :, p.offset : p.offset + p.rows]
         out[p.index] = mesh_lib.unzigzag(local, p.n)
     return out

@@ -62,14 +62,23 @@ FILES = "jcp-files.json"
 # Everything a save may leave in PATH: the pointer, its temporary, versions and orbax's
 # temporary folders of versions ("v-3.orbax-checkpoint-tmp").
 _OURS = re.compile(r"(CURRENT|CURRENT\.tmp|v-(\d+)(\.orbax-checkpoint-tmp.*)?)")
-_META_KEYS = {"format": int, "rank": int, "alpha": (int, float), "targets": list,
-              "base_fingerprint": str, "arrays": dict}
+_META_KEYS = {
+    "format": int,
+    "rank": int,
+    "alpha": (int, float),
+    "targets": list,
+    "base_fingerprint": str,
+    "arrays": dict,
+}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def _checkpointer():
-    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(
-        state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler()))
+    return ocp.Checkpointer(
+        ocp.CompositeCheckpointHandler(
+            state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler()
+        )
+    )
 
 
 # A fault-injection hook: called with each phase of save_state as it completes ("planned",
@@ -99,14 +108,22 @@ def save_state(state: AdapterState, cfg: QwenConfig, slot: int, path) -> None:
     info = state.infos[slot]
     path = os.path.abspath(os.fspath(path))
     current = _check_save_target(path)
-    version = 1 + max([current or 0] + [int(m.group(2)) for m in _our_entries(path)
-                                        if m.group(2)])
+    version = 1 + max([current or 0] + [int(m.group(2)) for m in _our_entries(path) if m.group(2)])
     exported = state.export(slot)
-    tree = {"weights": exported.weights, "mu": exported.mu, "nu": exported.nu,
-            "count": exported.count}
-    meta = {"format": STATE_FORMAT, "rank": info.rank, "alpha": info.alpha,
-            "targets": list(info.targets), "base_fingerprint": cfg.fingerprint(),
-            "arrays": {name: _describe(gather(x)) for name, x in _flat(tree).items()}}
+    tree = {
+        "weights": exported.weights,
+        "mu": exported.mu,
+        "nu": exported.nu,
+        "count": exported.count,
+    }
+    meta = {
+        "format": STATE_FORMAT,
+        "rank": info.rank,
+        "alpha": info.alpha,
+        "targets": list(info.targets),
+        "base_fingerprint": cfg.fingerprint(),
+        "arrays": {name: _describe(gather(x)) for name, x in _flat(tree).items()},
+    }
     if info.expert_lora is not None:  # only adapters of experts say how they hold them
         meta["expert_lora"] = info.expert_lora
     primary = jax.process_index() == 0
@@ -114,12 +131,17 @@ def save_state(state: AdapterState, cfg: QwenConfig, slot: int, path) -> None:
     if primary:
         os.makedirs(path, exist_ok=True)
         # Leftovers of killed saves. An unreadable CURRENT keeps every version.
-        _remove_all_but(path, POINTER, *([f"v-{current}"] if current else
-                                         [m.group(0) for m in _our_entries(path)]))
+        _remove_all_but(
+            path,
+            POINTER,
+            *([f"v-{current}"] if current else [m.group(0) for m in _our_entries(path)]),
+        )
     _sync("jcp-save-clean")
     _reached("planned")
-    _checkpointer().save(os.path.join(path, f"v-{version}"), args=ocp.args.Composite(
-        state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
+    _checkpointer().save(
+        os.path.join(path, f"v-{version}"),
+        args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)),
+    )
     _sync("jcp-save-written")
     _reached("written")
     if primary:
@@ -128,8 +150,11 @@ def save_state(state: AdapterState, cfg: QwenConfig, slot: int, path) -> None:
         write_durably(os.path.join(vpath, FILES), files)
         fsync_tree(vpath)  # all of the new version is durable before CURRENT names it
         fsync(path)
-        pointer = {"format": STATE_FORMAT, "version": version,
-                   "files_sha256": hashlib.sha256(files).hexdigest()}
+        pointer = {
+            "format": STATE_FORMAT,
+            "version": version,
+            "files_sha256": hashlib.sha256(files).hexdigest(),
+        }
         tmp = os.path.join(path, _POINTER_TMP)
         write_durably(tmp, (json.dumps(pointer) + "\n").encode())
         _reached("pointer-staged")
@@ -145,15 +170,18 @@ def _check_save_target(path: str) -> int | None:
     """InputError unless `path` is absent, an empty folder or a jcp checkpoint folder ->
     the version CURRENT names (None when there is none or it is unreadable)."""
     if os.path.lexists(path) and not os.path.isdir(path):
-        raise InputError(f"refusing to save an adapter checkpoint to {path}: it is a file, "
-                         "not a folder")
+        raise InputError(
+            f"refusing to save an adapter checkpoint to {path}: it is a file, not a folder"
+        )
     if not os.path.isdir(path):
         return None
     for name in sorted(os.listdir(path)):
         if not _OURS.fullmatch(name):
-            raise InputError(f"refusing to save an adapter checkpoint to {path}: it holds "
-                             f"{name!r}, which is not part of a jcp adapter checkpoint "
-                             f"(format {STATE_FORMAT}); remove it or choose another path")
+            raise InputError(
+                f"refusing to save an adapter checkpoint to {path}: it holds "
+                f"{name!r}, which is not part of a jcp adapter checkpoint "
+                f"(format {STATE_FORMAT}); remove it or choose another path"
+            )
     try:
         return _read_pointer(path)[0]
     except InputError:
@@ -229,12 +257,15 @@ def _check_files(path: str, vpath: str, files_sha256: str) -> None:
     except OSError as e:
         raise InputError(f"{where}: cannot read the list of files ({e})") from None
     if hashlib.sha256(data).hexdigest() != files_sha256:
-        raise InputError(f"{where} does not match the sha256 recorded in "
-                         f"{os.path.join(path, POINTER)}; the checkpoint is corrupt")
+        raise InputError(
+            f"{where} does not match the sha256 recorded in "
+            f"{os.path.join(path, POINTER)}; the checkpoint is corrupt"
+        )
     try:
         want = json.loads(data)
         good = isinstance(want, dict) and all(
-            isinstance(v, dict) and set(v) == {"size", "sha256"} for v in want.values())
+            isinstance(v, dict) and set(v) == {"size", "sha256"} for v in want.values()
+        )
     except ValueError:  # UnicodeDecodeError included
         good = False
     if not good:  # only a hand-made CURRENT can point at such a list
@@ -252,8 +283,10 @@ def _check_files(path: str, vpath: str, files_sha256: str) -> None:
         if rel not in want:
             raise InputError(f"{file} was not written by the save; the checkpoint was altered")
         if have[rel] != want[rel]["size"] or _file_digest(file) != want[rel]:
-            raise InputError(f"{file} does not match the size and sha256 recorded when it "
-                             "was saved; the checkpoint is corrupt")
+            raise InputError(
+                f"{file} does not match the size and sha256 recorded when it "
+                "was saved; the checkpoint is corrupt"
+            )
 
 
 # ----------------------------------------------------------------------------------------
@@ -273,13 +306,20 @@ def _read_pointer(path: str) -> tuple[int, str]:
     if not isinstance(pointer, dict) or "format" not in pointer:
         raise InputError(f"{where} is corrupt (no format)")
     if pointer["format"] != STATE_FORMAT or isinstance(pointer["format"], bool):
-        raise InputError(f"{where}: checkpoint format {pointer['format']!r}; this jcp reads "
-                         f"format {STATE_FORMAT}")
+        raise InputError(
+            f"{where}: checkpoint format {pointer['format']!r}; this jcp reads "
+            f"format {STATE_FORMAT}"
+        )
     if set(pointer) != {"format", "version", "files_sha256"}:
         raise InputError(f"{where} is corrupt (expected keys format, version, files_sha256)")
     version, files = pointer["version"], pointer["files_sha256"]
-    if (isinstance(version, bool) or not isinstance(version, int) or version < 1
-            or not isinstance(files, str) or not _HEX64.fullmatch(files)):
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, int)
+        or version < 1
+        or not isinstance(files, str)
+        or not _HEX64.fullmatch(files)
+    ):
         raise InputError(f"{where} is corrupt (version {version!r}, files_sha256 {files!r})")
     return version, files
 
@@ -291,9 +331,11 @@ def _no_pointer(path: str) -> str:
     except (OSError, ValueError, AttributeError):
         old = False
     if old:
-        return (f"{path} is a jcp adapter checkpoint of format 1 (no checksums); this jcp "
-                f"reads format {STATE_FORMAT}: load it with the jcp that wrote it and save "
-                "it again")
+        return (
+            f"{path} is a jcp adapter checkpoint of format 1 (no checksums); this jcp "
+            f"reads format {STATE_FORMAT}: load it with the jcp that wrote it and save "
+            "it again"
+        )
     return f"{path} is not a jcp adapter checkpoint (it has no {POINTER} file)"
 
 
@@ -307,22 +349,23 @@ def _read_meta(path: str) -> tuple[str, dict]:
         raise InputError(f"{path}: {POINTER} names v-{version}, which does not exist")
     _check_files(path, vpath, files_sha256)
     try:
-        meta = _checkpointer().restore(
-            vpath, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        meta = _checkpointer().restore(vpath, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+            "meta"
+        ]
     except Exception as e:  # orbax and json raise many types for damaged files
         raise InputError(f"{vpath}: cannot read the metadata ({_brief(e)})") from None
     # Intact metadata can still be wrong if it was written wrong: check keys and types.
     if not isinstance(meta, dict):
         raise InputError(f"{vpath}: the metadata is {type(meta).__name__}, not an object")
     if set(meta) - {"expert_lora"} != set(_META_KEYS):
-        raise InputError(f"{vpath}: metadata keys {sorted(meta)}, expected "
-                         f"{sorted(_META_KEYS)}")
+        raise InputError(f"{vpath}: metadata keys {sorted(meta)}, expected {sorted(_META_KEYS)}")
     for key, types in _META_KEYS.items():
         if isinstance(meta[key], bool) or not isinstance(meta[key], types):
             raise InputError(f"{vpath}: metadata {key} = {meta[key]!r} has the wrong type")
     if not isinstance(meta.get("expert_lora", ""), str):
-        raise InputError(f"{vpath}: metadata expert_lora = {meta['expert_lora']!r} has the "
-                         "wrong type")
+        raise InputError(
+            f"{vpath}: metadata expert_lora = {meta['expert_lora']!r} has the wrong type"
+        )
     if meta["format"] != STATE_FORMAT:
         raise InputError(f"{vpath}: metadata format {meta['format']}, expected {STATE_FORMAT}")
     if not all(isinstance(t, str) for t in meta["targets"]):
@@ -333,16 +376,24 @@ def _read_meta(path: str) -> tuple[str, dict]:
 def _check_listed(vpath: str, listed: dict, want: dict) -> None:
     """The metadata lists exactly the arrays the adapter needs, at their shapes and dtypes."""
     if set(listed) != set(want):
-        raise InputError(f"{vpath}: metadata lists arrays that rank and targets do not "
-                         f"need: missing {sorted(set(want) - set(listed))}, unexpected "
-                         f"{sorted(set(listed) - set(want))}")
+        raise InputError(
+            f"{vpath}: metadata lists arrays that rank and targets do not "
+            f"need: missing {sorted(set(want) - set(listed))}, unexpected "
+            f"{sorted(set(listed) - set(want))}"
+        )
     for name, s in want.items():
         rec = listed[name]
-        good = (isinstance(rec, dict) and set(rec) == {"shape", "dtype", "sha256"}
-                and isinstance(rec["sha256"], str) and _HEX64.fullmatch(rec["sha256"]))
+        good = (
+            isinstance(rec, dict)
+            and set(rec) == {"shape", "dtype", "sha256"}
+            and isinstance(rec["sha256"], str)
+            and _HEX64.fullmatch(rec["sha256"])
+        )
         if not good or rec["shape"] != list(s.shape) or rec["dtype"] != np.dtype(s.dtype).name:
-            raise InputError(f"{vpath}: metadata of array {name} is {rec!r}; its rank and "
-                             f"targets need shape {list(s.shape)}, {np.dtype(s.dtype).name}")
+            raise InputError(
+                f"{vpath}: metadata of array {name} is {rec!r}; its rank and "
+                f"targets need shape {list(s.shape)}, {np.dtype(s.dtype).name}"
+            )
 
 
 def _check_stored(vpath: str, want: dict, rank: int) -> None:
@@ -356,9 +407,11 @@ def _check_stored(vpath: str, want: dict, rank: int) -> None:
         if name not in stored:
             raise InputError(f"{vpath}: array {name} is missing")
         if stored[name] != (tuple(s.shape), np.dtype(s.dtype)):
-            raise InputError(f"{vpath}: array {name} is stored as {stored[name][1]}"
-                             f"{list(stored[name][0])}; the metadata's rank {rank} needs "
-                             f"{np.dtype(s.dtype)}{list(s.shape)}")
+            raise InputError(
+                f"{vpath}: array {name} is stored as {stored[name][1]}"
+                f"{list(stored[name][0])}; the metadata's rank {rank} needs "
+                f"{np.dtype(s.dtype)}{list(s.shape)}"
+            )
 
 
 def _brief(e: BaseException) -> str:
@@ -371,8 +424,14 @@ def _brief(e: BaseException) -> str:
     return f"{files[-1]}: {text}" if files else text
 
 
-def load_state(state: AdapterState, cfg: QwenConfig, path, slot: int,
-               check_new_adapter, with_optimizer: bool = True) -> None:
+def load_state(
+    state: AdapterState,
+    cfg: QwenConfig,
+    path,
+    slot: int,
+    check_new_adapter,
+    with_optimizer: bool = True,
+) -> None:
     """Load a checkpoint of save_state into `slot`.
 
     Refused (InputError naming the checkpoint, and the file or array where it can; nothing
@@ -385,30 +444,40 @@ def load_state(state: AdapterState, cfg: QwenConfig, path, slot: int,
     path = os.path.abspath(os.fspath(path))
     vpath, meta = _read_meta(path)
     if meta["base_fingerprint"] != cfg.fingerprint():
-        raise InputError(f"{path} was saved for a different base model (fingerprint "
-                         f"{meta['base_fingerprint']}, this trainer's {cfg.fingerprint()})")
-    info = check_new_adapter(meta["rank"], meta["alpha"], meta["targets"],
-                             meta.get("expert_lora", "shared_outer"))
+        raise InputError(
+            f"{path} was saved for a different base model (fingerprint "
+            f"{meta['base_fingerprint']}, this trainer's {cfg.fingerprint()})"
+        )
+    info = check_new_adapter(
+        meta["rank"], meta["alpha"], meta["targets"], meta.get("expert_lora", "shared_outer")
+    )
     layout = state.layout(info)
-    abstract = {"weights": layout, "mu": layout, "nu": layout,
-                "count": jax.ShapeDtypeStruct((), np.int32,
-                                              sharding=NamedSharding(state.mesh, P()))}
+    abstract = {
+        "weights": layout,
+        "mu": layout,
+        "nu": layout,
+        "count": jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(state.mesh, P())),
+    }
     want = _flat(abstract)
     _check_listed(vpath, meta["arrays"], want)
     _check_stored(vpath, want, info.rank)
     try:
-        restored = _checkpointer().restore(vpath, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract)))["state"]
+        restored = _checkpointer().restore(
+            vpath, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+        )["state"]
     except Exception as e:  # orbax and TensorStore raise many types for damaged files
         raise InputError(f"{vpath}: cannot read the arrays ({_brief(e)})") from None
     for name, x in _flat(restored).items():
         value = gather(x)
         if _digest(value) != meta["arrays"][name]["sha256"]:
-            raise InputError(f"{vpath}: array {name} does not match the sha256 recorded when "
-                             "it was saved; the checkpoint is corrupt")
+            raise InputError(
+                f"{vpath}: array {name} does not match the sha256 recorded when "
+                "it was saved; the checkpoint is corrupt"
+            )
         if not np.all(np.isfinite(value)) or (name == "count" and value < 0):
-            raise InputError(f"{vpath}: array {name} holds invalid values (non-finite or a "
-                             "negative step count)")
+            raise InputError(
+                f"{vpath}: array {name} holds invalid values (non-finite or a negative step count)"
+            )
     if with_optimizer:
         count = int(np.asarray(restored["count"].addressable_data(0)))
         state.install(slot, info, restored["weights"], restored["mu"], restored["nu"], count)

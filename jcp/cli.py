@@ -46,6 +46,7 @@ def parse_mesh(text: str) -> tuple[int, int, int]:
 
 def integer(lo: int, hi: int | None = None):
     """The converter of an integer in lo..hi (unbounded above when hi is None)."""
+
     def convert(text: str) -> int:
         try:
             value = int(text)
@@ -55,22 +56,23 @@ def integer(lo: int, hi: int | None = None):
             span = f"≥ {lo}" if hi is None else f"in {lo}..{hi}"
             raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
         return value
+
     return convert
 
 
 def number(lo: float, *, above: bool = False, hi: float = math.inf):
     """The converter of a finite float ≥ lo (> lo when `above`) and ≤ hi: no nan or inf."""
+
     def convert(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (math.isfinite(value) and (value > lo if above else value >= lo)
-                and value <= hi):
-            bound = f"{'>' if above else '≥'} {lo:g}" + (f" and ≤ {hi:g}" if hi < math.inf
-                                                          else "")
+        if not (math.isfinite(value) and (value > lo if above else value >= lo) and value <= hi):
+            bound = f"{'>' if above else '≥'} {lo:g}" + (f" and ≤ {hi:g}" if hi < math.inf else "")
             raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
+
     return convert
 
 
@@ -85,8 +87,9 @@ def address(text: str) -> str:
     """HOST:PORT (a jax.distributed coordinator), port in 1..65535."""
     host, sep, port = text.rpartition(":")
     if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 1..65535, "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT with a port in 1..65535, got {text!r}"
+        )
     return text
 
 
@@ -117,6 +120,75 @@ def existing_file(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------
+# Compilation cache
+
+# The persistent cache's bound (JAX evicts the least recently used entries beyond it).
+COMPILATION_CACHE_BYTES = 8 << 30
+
+
+def default_cache_dir() -> str:
+    """$XDG_CACHE_HOME/jcp/xla, else ~/.cache/jcp/xla (beside the "cpu" attention kernels)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jcp", "xla")
+
+
+def add_cache_flags(p, default: str) -> None:
+    """--compilation-cache DIR and --no-compilation-cache; `default` says (in the help)
+    where the cache goes without them."""
+    p.add_argument(
+        "--compilation-cache",
+        type=folder,
+        default=None,
+        metavar="DIR",
+        help="JAX's persistent compilation cache: a restart loads the programs "
+        f"an earlier run compiled (default: {default}; made mode 0700, refused "
+        "if another user owns it or others may write it)",
+    )
+    p.add_argument(
+        "--no-compilation-cache",
+        action="store_true",
+        help="compile every program afresh (no persistent cache)",
+    )
+
+
+def setup_compilation_cache(args, default: str | None = None) -> str | None:
+    """Turn JAX's persistent compilation cache on in --compilation-cache, else in
+    $JAX_COMPILATION_CACHE_DIR, else in `default` (None: default_cache_dir()), unless
+    --no-compilation-cache -> the folder, or None. Every program is cached, however fast
+    it compiled, unless the environment says otherwise (a warm restart then compiles
+    nothing). CliError when the folder cannot be made or is not this user's alone (see
+    files.private). Before anything compiles."""
+    import jax
+
+    from jcp import files
+
+    if args.no_compilation_cache:
+        if args.compilation_cache:
+            raise CliError("--compilation-cache and --no-compilation-cache contradict")
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    path = (
+        args.compilation_cache
+        or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+        or default
+        or default_cache_dir()
+    )
+    path = os.path.abspath(path)
+    why = files.private_folder(path)
+    if why:
+        raise CliError(
+            f"compilation cache {path}: {why} (fix it, choose another with "
+            "--compilation-cache, or --no-compilation-cache)"
+        )
+    jax.config.update("jax_compilation_cache_dir", path)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
+        jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
+    return path
+
+
+# ----------------------------------------------------------------------------------------
 # Devices
 
 
@@ -139,8 +211,13 @@ def setup_devices(args, recoverable: bool = False) -> None:
     addr = args.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
     nproc = args.num_processes or env_int("JAX_NUM_PROCESSES")
     pid = args.process_id if args.process_id is not None else env_int("JAX_PROCESS_ID")
-    accel = _has_accelerator() and os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu",
-                                                                            "tpu", "rocm")
+    accel = _has_accelerator() and os.environ.get("JAX_PLATFORMS", "") in (
+        "",
+        "cuda",
+        "gpu",
+        "tpu",
+        "rocm",
+    )
     if not accel and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         jax.config.update("jax_num_cpu_devices", 8 // (nproc or 1) or 1)
     host_memory.devices_configured()
@@ -149,8 +226,7 @@ def setup_devices(args, recoverable: bool = False) -> None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         if recoverable:
             jax.config.update("jax_enable_recoverability", True)
-        jax.distributed.initialize(coordinator_address=addr, num_processes=nproc,
-                                   process_id=pid)
+        jax.distributed.initialize(coordinator_address=addr, num_processes=nproc, process_id=pid)
 
 
 def env_int(name):
@@ -196,8 +272,14 @@ def build_trainer(args, *, max_adapters: int, max_rank: int):
 
     cfg, base, mesh = load_model_and_mesh(args)
     try:
-        return jcp.Trainer(cfg, mesh, base_params=base, max_adapters=max_adapters,
-                           max_rank=max_rank, seed=args.seed,
-                           max_tokens_per_device=args.max_tokens_per_device)
+        return jcp.Trainer(
+            cfg,
+            mesh,
+            base_params=base,
+            max_adapters=max_adapters,
+            max_rank=max_rank,
+            seed=args.seed,
+            max_tokens_per_device=args.max_tokens_per_device,
+        )
     except ValueError as e:
         raise CliError(str(e)) from None

@@ -69,8 +69,16 @@ class QwenConfig:
     shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"QwenConfig.{name} must be a positive integer, got {v!r}")
@@ -86,43 +94,67 @@ class QwenConfig:
         if not self.rms_norm_eps > 0:
             raise ValueError(f"QwenConfig.rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if not isinstance(self.eos_token_ids, tuple) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
-                for t in self.eos_token_ids):
-            raise ValueError(f"QwenConfig.eos_token_ids must be a tuple of token ids in "
-                             f"[0, {self.vocab_size}), got {self.eos_token_ids!r}")
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
+            for t in self.eos_token_ids
+        ):
+            raise ValueError(
+                f"QwenConfig.eos_token_ids must be a tuple of token ids in "
+                f"[0, {self.vocab_size}), got {self.eos_token_ids!r}"
+            )
         if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"QwenConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+            raise ValueError(
+                f"QwenConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}"
+            )
         self._check_moe()
         self._check_hybrid()
 
     def _check_hybrid(self):
         kinds = self.layer_types
-        if not isinstance(kinds, tuple) or (kinds and (
+        if not isinstance(kinds, tuple) or (
+            kinds
+            and (
                 len(kinds) != self.num_layers
-                or not set(kinds) <= {"full_attention", "linear_attention"})):
-            raise ValueError(f"QwenConfig.layer_types must be () or a tuple of "
-                             f"{self.num_layers} of 'full_attention' / 'linear_attention', "
-                             f"got {kinds!r}")
+                or not set(kinds) <= {"full_attention", "linear_attention"}
+            )
+        ):
+            raise ValueError(
+                f"QwenConfig.layer_types must be () or a tuple of "
+                f"{self.num_layers} of 'full_attention' / 'linear_attention', "
+                f"got {kinds!r}"
+            )
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or not self.rotary_dim:
-            raise ValueError(f"QwenConfig.partial_rotary_factor must be in (0, 1] and turn an "
-                             f"even number of dims, got {self.partial_rotary_factor!r}")
+            raise ValueError(
+                f"QwenConfig.partial_rotary_factor must be in (0, 1] and turn an "
+                f"even number of dims, got {self.partial_rotary_factor!r}"
+            )
         if not self.is_hybrid:
             return
         if self.is_moe and not all(self.moe_layers):
-            raise ValueError("a hybrid (linear attention) mixture-of-experts model must have "
-                             "MoE MLPs in every layer (as Qwen3.5-MoE), got mlp_only_layers="
-                             f"{self.mlp_only_layers!r}, decoder_sparse_step="
-                             f"{self.decoder_sparse_step!r}")
-        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                     "linear_value_head_dim", "linear_conv_kernel_dim"):
+            raise ValueError(
+                "a hybrid (linear attention) mixture-of-experts model must have "
+                "MoE MLPs in every layer (as Qwen3.5-MoE), got mlp_only_layers="
+                f"{self.mlp_only_layers!r}, decoder_sparse_step="
+                f"{self.decoder_sparse_step!r}"
+            )
+        for name in (
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel_dim",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"QwenConfig.{name} must be a positive integer for linear "
-                                 f"attention layers, got {v!r}")
+                raise ValueError(
+                    f"QwenConfig.{name} must be a positive integer for linear "
+                    f"attention layers, got {v!r}"
+                )
         if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError(f"QwenConfig.linear_num_value_heads ({self.linear_num_value_heads})"
-                             f" must be a multiple of linear_num_key_heads "
-                             f"({self.linear_num_key_heads})")
+            raise ValueError(
+                f"QwenConfig.linear_num_value_heads ({self.linear_num_value_heads})"
+                f" must be a multiple of linear_num_key_heads "
+                f"({self.linear_num_key_heads})"
+            )
 
     @property
     def is_hybrid(self) -> bool:
@@ -133,7 +165,8 @@ class QwenConfig:
     def linear_layers(self) -> tuple[bool, ...]:
         """Whether each layer is a linear-attention layer."""
         return tuple(t == "linear_attention" for t in self.layer_types) or (
-            (False,) * self.num_layers)
+            (False,) * self.num_layers
+        )
 
     @property
     def rotary_dim(self) -> int:
@@ -149,29 +182,40 @@ class QwenConfig:
         return self.linear_num_value_heads * self.linear_value_head_dim
 
     def _check_moe(self):
-        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                     "shared_expert_intermediate_size"):
+        for name in (
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"QwenConfig.{name} must be a non-negative integer, got {v!r}")
         step = self.decoder_sparse_step
         if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-            raise ValueError(f"QwenConfig.decoder_sparse_step must be a positive integer, got "
-                             f"{step!r}")
+            raise ValueError(
+                f"QwenConfig.decoder_sparse_step must be a positive integer, got {step!r}"
+            )
         if not isinstance(self.norm_topk_prob, bool):
-            raise ValueError(f"QwenConfig.norm_topk_prob must be a bool, got "
-                             f"{self.norm_topk_prob!r}")
+            raise ValueError(
+                f"QwenConfig.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}"
+            )
         only = self.mlp_only_layers
         if not isinstance(only, tuple) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_layers
-                for i in only):
-            raise ValueError(f"QwenConfig.mlp_only_layers must be a tuple of layer indices in "
-                             f"[0, {self.num_layers}), got {only!r}")
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_layers
+            for i in only
+        ):
+            raise ValueError(
+                f"QwenConfig.mlp_only_layers must be a tuple of layer indices in "
+                f"[0, {self.num_layers}), got {only!r}"
+            )
         if self.num_experts == 0:
             return
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"QwenConfig.num_experts_per_tok must be in [1, num_experts="
-                             f"{self.num_experts}], got {self.num_experts_per_tok}")
+            raise ValueError(
+                f"QwenConfig.num_experts_per_tok must be in [1, num_experts="
+                f"{self.num_experts}], got {self.num_experts_per_tok}"
+            )
         if self.moe_intermediate_size < 1:
             raise ValueError("QwenConfig.moe_intermediate_size must be positive for a MoE model")
         if self.shared_expert_intermediate_size and not self.num_experts:
@@ -180,9 +224,12 @@ class QwenConfig:
     @property
     def moe_layers(self) -> tuple[bool, ...]:
         """Whether each layer is a MoE layer (transformers' Qwen3MoeDecoderLayer rule)."""
-        return tuple(self.num_experts > 0 and i not in self.mlp_only_layers
-                     and (i + 1) % self.decoder_sparse_step == 0
-                     for i in range(self.num_layers))
+        return tuple(
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+            for i in range(self.num_layers)
+        )
 
     @property
     def is_moe(self) -> bool:
@@ -197,67 +244,104 @@ class QwenConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def tiny(cls, **overrides) -> "QwenConfig":
+    def tiny(cls, **overrides) -> QwenConfig:
         """A small Qwen3-style config for tests and the demo job."""
-        base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                    num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
-                    rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True,
-                    attention_bias=False, max_position_embeddings=4096)
+        base = dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            rope_theta=10_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            qk_norm=True,
+            attention_bias=False,
+            max_position_embeddings=4096,
+        )
         base.update(overrides)
         return cls(**base)
 
     @classmethod
-    def tiny_moe(cls, **overrides) -> "QwenConfig":
+    def tiny_moe(cls, **overrides) -> QwenConfig:
         """A small Qwen3-MoE config (8 experts, top 2; layer 0 dense) for tests and demos."""
-        base = dict(num_layers=3, num_experts=8, num_experts_per_tok=2,
-                    moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=(0,))
+        base = dict(
+            num_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=(0,),
+        )
         base.update(overrides)
         return cls.tiny(**base)
 
     @classmethod
-    def tiny_qwen3_5(cls, **overrides) -> "QwenConfig":
+    def tiny_qwen3_5(cls, **overrides) -> QwenConfig:
         """A small Qwen3.5-style hybrid: layers 0–2 Gated DeltaNet (2 key heads, 4 value
         heads), layer 3 gated full attention with RoPE on a quarter of each head."""
-        base = dict(num_layers=4, layer_types=("linear_attention",) * 3 + ("full_attention",),
-                    attn_output_gate=True, partial_rotary_factor=0.25,
-                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                    linear_value_head_dim=8, linear_conv_kernel_dim=4)
+        base = dict(
+            num_layers=4,
+            layer_types=("linear_attention",) * 3 + ("full_attention",),
+            attn_output_gate=True,
+            partial_rotary_factor=0.25,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+        )
         base.update(overrides)
         return cls.tiny(**base)
 
     @classmethod
-    def tiny_qwen3_5_moe(cls, **overrides) -> "QwenConfig":
+    def tiny_qwen3_5_moe(cls, **overrides) -> QwenConfig:
         """tiny_qwen3_5 with a Qwen3.5-MoE MLP in every layer: 8 experts, top 2
         (renormalised), and a shared expert of width 48."""
-        base = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                    norm_topk_prob=True, shared_expert_intermediate_size=48)
+        base = dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            shared_expert_intermediate_size=48,
+        )
         base.update(overrides)
         return cls.tiny_qwen3_5(**base)
 
     @classmethod
-    def from_hf(cls, config) -> "QwenConfig":
+    def from_hf(cls, config) -> QwenConfig:
         """From a Hugging Face config: a dict, a config.json path, or a model folder."""
         return config_from_hf(config)
 
     def check_mesh(self, tp: int) -> None:
         """Raise a clear error when tensor parallelism tp cannot split this model."""
-        for name, n in (("num_kv_heads", self.num_kv_heads), ("num_heads", self.num_heads),
-                        ("intermediate_size", self.intermediate_size),
-                        ("vocab_size", self.vocab_size)):
+        for name, n in (
+            ("num_kv_heads", self.num_kv_heads),
+            ("num_heads", self.num_heads),
+            ("intermediate_size", self.intermediate_size),
+            ("vocab_size", self.vocab_size),
+        ):
             if n % tp:
                 raise ValueError(f"tp={tp} does not divide {name}={n}; choose tp dividing it")
         if self.is_hybrid:
             for name in ("linear_num_key_heads", "linear_num_value_heads"):
                 if getattr(self, name) % tp:
-                    raise ValueError(f"tp={tp} does not divide {name}={getattr(self, name)}; "
-                                     "choose tp dividing it")
+                    raise ValueError(
+                        f"tp={tp} does not divide {name}={getattr(self, name)}; "
+                        "choose tp dividing it"
+                    )
         if self.shared_expert_intermediate_size % tp:
-            raise ValueError(f"tp={tp} does not divide shared_expert_intermediate_size="
-                             f"{self.shared_expert_intermediate_size}; choose tp dividing it")
+            raise ValueError(
+                f"tp={tp} does not divide shared_expert_intermediate_size="
+                f"{self.shared_expert_intermediate_size}; choose tp dividing it"
+            )
         if self.is_moe and self.num_experts % tp:
             # Experts are split whole over tp (E/tp per rank), never cut inside.
-            raise ValueError(f"tp={tp} does not divide num_experts={self.num_experts}; choose "
-                             "tp dividing it")
+            raise ValueError(
+                f"tp={tp} does not divide num_experts={self.num_experts}; choose tp dividing it"
+            )
 
     def fingerprint(self) -> str:
         """A stable hash of everything that shapes the base model (not its dtype)."""
@@ -267,13 +351,26 @@ class QwenConfig:
         if not self.shared_expert_intermediate_size:
             d.pop("shared_expert_intermediate_size")
         if not self.num_experts:  # dense configs keep the fingerprint they had before MoE
-            for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                      "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
+            for k in (
+                "num_experts",
+                "num_experts_per_tok",
+                "moe_intermediate_size",
+                "norm_topk_prob",
+                "decoder_sparse_step",
+                "mlp_only_layers",
+            ):
                 d.pop(k)
         if not self.layer_types and not self.attn_output_gate and self.partial_rotary_factor == 1:
-            for k in ("layer_types", "attn_output_gate", "partial_rotary_factor",
-                      "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                      "linear_value_head_dim", "linear_conv_kernel_dim"):
+            for k in (
+                "layer_types",
+                "attn_output_gate",
+                "partial_rotary_factor",
+                "linear_num_key_heads",
+                "linear_num_value_heads",
+                "linear_key_head_dim",
+                "linear_value_head_dim",
+                "linear_conv_kernel_dim",
+            ):
                 d.pop(k)  # older configs keep their fingerprint
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -281,13 +378,19 @@ class QwenConfig:
 # ----------------------------------------------------------------------------------------
 # Hugging Face configs
 
-ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Qwen3MoeForCausalLM": "qwen3_moe",
-                 "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5MoeForCausalLM": "qwen3_5_moe"}
+ARCHITECTURES = {
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+}
 # Image-text checkpoints whose text model jcp reads (text_config; weights under
 # model.language_model., see hf.text_model_tensors): the causal LM each holds.
-MULTIMODAL = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-              "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
+MULTIMODAL = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
 
 
 def _text_config(d: dict) -> dict:
@@ -297,8 +400,9 @@ def _text_config(d: dict) -> dict:
     archs = d.get("architectures") or []
     causal = next((MULTIMODAL[a] for a in archs if a in MULTIMODAL), None)
     if causal is None and not archs and isinstance(d.get("text_config"), Mapping):
-        causal = {"qwen3_5": "Qwen3_5ForCausalLM",
-                  "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}.get(d.get("model_type"))
+        causal = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}.get(
+            d.get("model_type")
+        )
     if causal is None:
         return d
     text = d.get("text_config")
@@ -347,18 +451,23 @@ def _qwen3_5_fields(d: dict, rope: dict) -> dict:
     see the same position, which is plain RoPE on the rotary dims)."""
     layers = d["num_hidden_layers"]
     kinds = d.get("layer_types") or [
-        "linear_attention" if (i + 1) % d.get("full_attention_interval", 4) else
-        "full_attention" for i in range(layers)]
+        "linear_attention" if (i + 1) % d.get("full_attention_interval", 4) else "full_attention"
+        for i in range(layers)
+    ]
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {d.get('hidden_act')!r} is not supported (silu only)")
-    return dict(layer_types=tuple(kinds), attn_output_gate=True,
-                partial_rotary_factor=float(rope.get("partial_rotary_factor",
-                                                     d.get("partial_rotary_factor", 0.25))),
-                linear_num_key_heads=d.get("linear_num_key_heads", 16),
-                linear_num_value_heads=d.get("linear_num_value_heads", 32),
-                linear_key_head_dim=d.get("linear_key_head_dim", 128),
-                linear_value_head_dim=d.get("linear_value_head_dim", 128),
-                linear_conv_kernel_dim=d.get("linear_conv_kernel_dim", 4))
+    return dict(
+        layer_types=tuple(kinds),
+        attn_output_gate=True,
+        partial_rotary_factor=float(
+            rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+        ),
+        linear_num_key_heads=d.get("linear_num_key_heads", 16),
+        linear_num_value_heads=d.get("linear_num_value_heads", 32),
+        linear_key_head_dim=d.get("linear_key_head_dim", 128),
+        linear_value_head_dim=d.get("linear_value_head_dim", 128),
+        linear_conv_kernel_dim=d.get("linear_conv_kernel_dim", 4),
+    )
 
 
 def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
@@ -367,26 +476,34 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
     archs = d.get("architectures") or []
     kind = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if kind is None and not archs:
-        kind = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-                "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}.get(
-                    d.get("model_type"))
+        kind = {
+            "qwen2": "qwen2",
+            "qwen3": "qwen3",
+            "qwen3_moe": "qwen3_moe",
+            "qwen3_5_text": "qwen3_5",
+            "qwen3_5_moe_text": "qwen3_5_moe",
+        }.get(d.get("model_type"))
     if kind is None:
         raise ValueError(
             f"unsupported architecture {archs or d.get('model_type')!r}; jcp loads "
-            f"{sorted(ARCHITECTURES)}")
+            f"{sorted(ARCHITECTURES)}"
+        )
     rope = d.get("rope_parameters") or {}
     hybrid = _qwen3_5_fields(d, rope) if kind in ("qwen3_5", "qwen3_5_moe") else {}
     theta = d.get("rope_theta", rope.get("rope_theta"))
     if theta is None:
-        raise ValueError("the Hugging Face config has no rope_theta (nor rope_parameters.rope_theta)")
+        raise ValueError(
+            "the Hugging Face config has no rope_theta (nor rope_parameters.rope_theta)"
+        )
     scaling = d.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", "default")
     if rope_type not in ("default", None):
         raise ValueError(f"rope scaling {rope_type!r} is not supported; jcp implements plain RoPE")
     if kind in ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe") and d.get("attention_bias"):
         # Qwen3's attention_bias also puts a bias on o_proj, which jcp's decoder lacks.
-        raise ValueError("Qwen3 with attention_bias (biases on q, k, v and o_proj) is not "
-                         "supported")
+        raise ValueError(
+            "Qwen3 with attention_bias (biases on q, k, v and o_proj) is not supported"
+        )
     if d.get("use_sliding_window"):
         raise ValueError("sliding-window attention (use_sliding_window) is not supported")
     moe = {}
@@ -396,35 +513,51 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
         experts = d.get("num_experts", d.get("num_local_experts"))
         if experts is None:
             raise ValueError("the Hugging Face config lacks 'num_experts'")
-        moe = dict(num_experts=experts, num_experts_per_tok=d.get("num_experts_per_tok"),
-                   moe_intermediate_size=d.get("moe_intermediate_size"),
-                   norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-                   decoder_sparse_step=d.get("decoder_sparse_step", 1),
-                   mlp_only_layers=tuple(d.get("mlp_only_layers") or ()))
+        moe = dict(
+            num_experts=experts,
+            num_experts_per_tok=d.get("num_experts_per_tok"),
+            moe_intermediate_size=d.get("moe_intermediate_size"),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            decoder_sparse_step=d.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+        )
     if kind == "qwen3_5_moe":
         # transformers' Qwen3_5MoeSparseMoeBlock: every layer MoE, top-k weights always
         # renormalised, plus a gated shared expert.
-        moe = dict(num_experts=d.get("num_experts", d.get("num_local_experts")),
-                   num_experts_per_tok=d.get("num_experts_per_tok"),
-                   moe_intermediate_size=d.get("moe_intermediate_size"), norm_topk_prob=True,
-                   shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 0))
+        moe = dict(
+            num_experts=d.get("num_experts", d.get("num_local_experts")),
+            num_experts_per_tok=d.get("num_experts_per_tok"),
+            moe_intermediate_size=d.get("moe_intermediate_size"),
+            norm_topk_prob=True,
+            shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 0),
+        )
         if None in moe.values():
             raise ValueError(f"the Hugging Face config lacks one of {sorted(moe)}")
     try:
         heads = d["num_attention_heads"]
         return QwenConfig(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
             # Qwen3.5-MoE has no dense MLP width (every layer is MoE): the shared one's.
-            intermediate_size=(d["intermediate_size"] if kind != "qwen3_5_moe" else
-                               d.get("intermediate_size") or moe["moe_intermediate_size"]),
+            intermediate_size=(
+                d["intermediate_size"]
+                if kind != "qwen3_5_moe"
+                else d.get("intermediate_size") or moe["moe_intermediate_size"]
+            ),
             num_layers=d["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
+            num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rope_theta=float(theta), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qk_norm=kind in ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"),
             attention_bias=True if kind == "qwen2" else bool(d.get("attention_bias", False)),
-            max_position_embeddings=d.get("max_position_embeddings", 32768), dtype=dtype,
-            eos_token_ids=_eos_ids(d, config), **moe, **hybrid)
+            max_position_embeddings=d.get("max_position_embeddings", 32768),
+            dtype=dtype,
+            eos_token_ids=_eos_ids(d, config),
+            **moe,
+            **hybrid,
+        )
     except KeyError as e:
         raise ValueError(f"the Hugging Face config lacks {e.args[0]!r}") from None

@@ -67,10 +67,19 @@ INPUT_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
 
 # torch dtype names a graph may pass (x.to(torch.float32), x.float(), dtype=...): floats
 # compute in float32 (the device dtype), integers in int32.
-DTYPES = {"float32": jnp.float32, "float": jnp.float32, "float64": jnp.float32,
-          "double": jnp.float32, "float16": jnp.float32, "bfloat16": jnp.float32,
-          "int64": jnp.int32, "long": jnp.int32, "int32": jnp.int32, "int": jnp.int32,
-          "bool": jnp.bool_}
+DTYPES = {
+    "float32": jnp.float32,
+    "float": jnp.float32,
+    "float64": jnp.float32,
+    "double": jnp.float32,
+    "float16": jnp.float32,
+    "bfloat16": jnp.float32,
+    "int64": jnp.int32,
+    "long": jnp.int32,
+    "int32": jnp.int32,
+    "int": jnp.int32,
+    "bool": jnp.bool_,
+}
 
 
 # ----------------------------------------------------------------------------------------
@@ -131,6 +140,7 @@ def _extremum(pick, arg, elementwise):
         values = pick(x, axis=dim, keepdims=keepdim)
         idx = arg(x, axis=dim, keepdims=keepdim).astype(jnp.int32)
         return MinMax((values, jax.lax.stop_gradient(idx)))
+
     return fn
 
 
@@ -138,11 +148,13 @@ def _clamp(x, min=None, max=None):  # noqa: A002 — torch's argument names
     # torch passes the gradient at the bounds (x == min or max): so does this.
     x = jnp.asarray(x)
     if min is not None:
-        x = jnp.where(x < min, jnp.asarray(min, x.dtype) if not isinstance(min, jax.Array)
-                      else min, x)
+        x = jnp.where(
+            x < min, jnp.asarray(min, x.dtype) if not isinstance(min, jax.Array) else min, x
+        )
     if max is not None:
-        x = jnp.where(x > max, jnp.asarray(max, x.dtype) if not isinstance(max, jax.Array)
-                      else max, x)
+        x = jnp.where(
+            x > max, jnp.asarray(max, x.dtype) if not isinstance(max, jax.Array) else max, x
+        )
     return x
 
 
@@ -195,7 +207,7 @@ def _flatten(x, start_dim=0, end_dim=-1):
     if x.ndim == 0:
         return x.reshape(1)
     s, e = start_dim % x.ndim, end_dim % x.ndim
-    return x.reshape(x.shape[:s] + (-1,) + x.shape[e + 1:])
+    return x.reshape(x.shape[:s] + (-1,) + x.shape[e + 1 :])
 
 
 def _where(cond, x=None, y=None):
@@ -263,10 +275,16 @@ def _tensor(data, *, dtype=None, **_ignored):
     # torch.tensor(constant): scalars and lists of numbers only (graphs capture no arrays).
     if not isinstance(data, (int, float, bool, list, tuple)):
         raise TypeError("tensor() takes numbers only")
-    return jnp.asarray(data, _dtype(dtype) or (jnp.float32 if isinstance(data, float)
-                                                  or (isinstance(data, (list, tuple)) and any(
-                                                      isinstance(v, float) for v in data))
-                                                  else None))
+    return jnp.asarray(
+        data,
+        _dtype(dtype)
+        or (
+            jnp.float32
+            if isinstance(data, float)
+            or (isinstance(data, (list, tuple)) and any(isinstance(v, float) for v in data))
+            else None
+        ),
+    )
 
 
 def _expand(x, *sizes):
@@ -284,8 +302,10 @@ def _getitem(x, index):
     items = index if isinstance(index, tuple) else (index,)
     for it in items:
         if isinstance(it, (jax.Array, np.ndarray)) and jnp.asarray(it).dtype == jnp.bool_:
-            raise TypeError("indexing with a boolean tensor has a data-dependent shape; "
-                            "use torch.where(mask, x, 0) instead")
+            raise TypeError(
+                "indexing with a boolean tensor has a data-dependent shape; "
+                "use torch.where(mask, x, 0) instead"
+            )
     return jnp.asarray(x)[index]
 
 
@@ -304,8 +324,11 @@ def _div(a, b, *, rounding_mode=None):
 
 
 def _pow(a, b):
-    return jnp.power(a, b) if isinstance(a, (jax.Array, np.ndarray)) or isinstance(
-        b, (jax.Array, np.ndarray)) else operator.pow(a, b)
+    return (
+        jnp.power(a, b)
+        if isinstance(a, (jax.Array, np.ndarray)) or isinstance(b, (jax.Array, np.ndarray))
+        else operator.pow(a, b)
+    )
 
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic)
@@ -316,6 +339,7 @@ def _python_op(name: str, op: Callable) -> Callable:
     """operator.<name>, refusing (before it runs) what would cost more than a bounded step
     on Python values: sequence repetition or string arithmetic, operands outside int64, an
     integer power beyond int64. Tensors pass through to jax.numpy's own semantics."""
+
     def fn(*args, **kwargs):
         if kwargs:
             raise TypeError(f"operator.{name} takes no keyword arguments")
@@ -323,11 +347,14 @@ def _python_op(name: str, op: Callable) -> Callable:
             return op(*args)
         seqs = [a for a in args if isinstance(a, (str, bytes, list, tuple, dict))]
         if seqs and name not in _COMPARE:
-            if not (name == "add" and len(seqs) == 2 and all(
-                    isinstance(a, (list, tuple)) for a in seqs)):
-                raise TypeError(f"operator.{name} on a {type(seqs[0]).__name__} (sequence "
-                                "repetition or string arithmetic) is not allowed in a custom "
-                                "loss")
+            if not (
+                name == "add" and len(seqs) == 2 and all(isinstance(a, (list, tuple)) for a in seqs)
+            ):
+                raise TypeError(
+                    f"operator.{name} on a {type(seqs[0]).__name__} (sequence "
+                    "repetition or string arithmetic) is not allowed in a custom "
+                    "loss"
+                )
             if len(seqs[0]) + len(seqs[1]) > MAX_SEQUENCE:
                 raise OverflowError(f"a concatenation over {MAX_SEQUENCE} entries")
         for a in args:
@@ -338,13 +365,15 @@ def _python_op(name: str, op: Callable) -> Callable:
             if base > 1 and exp > 0 and (base.bit_length() - 1) * exp > 63:
                 raise OverflowError(f"an integer power beyond int64 ({args[0]} ** {exp})")
         return op(*args)
+
     return fn
 
 
 def _scalar_or(jfn, pyfn):
     """A function on tensors, or on Python numbers (shape arithmetic: math.sqrt(n))."""
-    return lambda x, *a: pyfn(x, *a) if isinstance(x, (int, float)) and not isinstance(
-        x, bool) else jfn(x, *a)
+    return lambda x, *a: (
+        pyfn(x, *a) if isinstance(x, (int, float)) and not isinstance(x, bool) else jfn(x, *a)
+    )
 
 
 def _softplus(x, beta=1.0, threshold=20.0):
@@ -370,98 +399,204 @@ def _nan_to_num(x, nan=0.0, posinf=None, neginf=None):
 
 
 _ELEMENTWISE = {
-    "exp": jnp.exp, "log": jnp.log, "log1p": jnp.log1p, "expm1": jnp.expm1,
-    "log2": jnp.log2, "log10": jnp.log10, "exp2": jnp.exp2,
-    "sigmoid": jax.nn.sigmoid, "tanh": jnp.tanh, "abs": jnp.abs, "sqrt": jnp.sqrt,
-    "rsqrt": jax.lax.rsqrt, "square": jnp.square, "sign": jnp.sign, "neg": jnp.negative,
-    "negative": jnp.negative, "relu": jax.nn.relu, "floor": jnp.floor, "ceil": jnp.ceil,
-    "round": jnp.round, "trunc": jnp.trunc, "reciprocal": jnp.reciprocal,
-    "isfinite": jnp.isfinite, "isnan": jnp.isnan, "isinf": jnp.isinf,
-    "logical_not": jnp.logical_not, "logsigmoid": jax.nn.log_sigmoid,
-    "log_sigmoid": jax.nn.log_sigmoid, "softplus": _softplus, "nan_to_num": _nan_to_num,
+    "exp": jnp.exp,
+    "log": jnp.log,
+    "log1p": jnp.log1p,
+    "expm1": jnp.expm1,
+    "log2": jnp.log2,
+    "log10": jnp.log10,
+    "exp2": jnp.exp2,
+    "sigmoid": jax.nn.sigmoid,
+    "tanh": jnp.tanh,
+    "abs": jnp.abs,
+    "sqrt": jnp.sqrt,
+    "rsqrt": jax.lax.rsqrt,
+    "square": jnp.square,
+    "sign": jnp.sign,
+    "neg": jnp.negative,
+    "negative": jnp.negative,
+    "relu": jax.nn.relu,
+    "floor": jnp.floor,
+    "ceil": jnp.ceil,
+    "round": jnp.round,
+    "trunc": jnp.trunc,
+    "reciprocal": jnp.reciprocal,
+    "isfinite": jnp.isfinite,
+    "isnan": jnp.isnan,
+    "isinf": jnp.isinf,
+    "logical_not": jnp.logical_not,
+    "logsigmoid": jax.nn.log_sigmoid,
+    "log_sigmoid": jax.nn.log_sigmoid,
+    "softplus": _softplus,
+    "nan_to_num": _nan_to_num,
     "detach": _detach,
 }
 _BINARY = {
-    "add": _binary(jnp.add), "sub": _binary(jnp.subtract), "subtract": _binary(jnp.subtract),
-    "mul": jnp.multiply, "multiply": jnp.multiply, "div": _div, "divide": _div,
-    "true_divide": jnp.true_divide, "floor_divide": jnp.floor_divide, "pow": jnp.power,
-    "minimum": jnp.minimum, "maximum": jnp.maximum, "fmin": jnp.fmin, "fmax": jnp.fmax,
-    "eq": jnp.equal, "ne": jnp.not_equal, "gt": jnp.greater, "ge": jnp.greater_equal,
-    "lt": jnp.less, "le": jnp.less_equal, "logical_and": jnp.logical_and,
-    "logical_or": jnp.logical_or, "logical_xor": jnp.logical_xor,
-    "remainder": jnp.remainder, "fmod": jnp.fmod, "matmul": jnp.matmul,
+    "add": _binary(jnp.add),
+    "sub": _binary(jnp.subtract),
+    "subtract": _binary(jnp.subtract),
+    "mul": jnp.multiply,
+    "multiply": jnp.multiply,
+    "div": _div,
+    "divide": _div,
+    "true_divide": jnp.true_divide,
+    "floor_divide": jnp.floor_divide,
+    "pow": jnp.power,
+    "minimum": jnp.minimum,
+    "maximum": jnp.maximum,
+    "fmin": jnp.fmin,
+    "fmax": jnp.fmax,
+    "eq": jnp.equal,
+    "ne": jnp.not_equal,
+    "gt": jnp.greater,
+    "ge": jnp.greater_equal,
+    "lt": jnp.less,
+    "le": jnp.less_equal,
+    "logical_and": jnp.logical_and,
+    "logical_or": jnp.logical_or,
+    "logical_xor": jnp.logical_xor,
+    "remainder": jnp.remainder,
+    "fmod": jnp.fmod,
+    "matmul": jnp.matmul,
 }
 _SHARED = {
-    "sum": _sum, "mean": _mean, "amax": _amax, "amin": _amin,
+    "sum": _sum,
+    "mean": _mean,
+    "amax": _amax,
+    "amin": _amin,
     "max": _extremum(jnp.max, jnp.argmax, jnp.maximum),
     "min": _extremum(jnp.min, jnp.argmin, jnp.minimum),
-    "logsumexp": _logsumexp, "cumsum": _cumsum, "clamp": _clamp, "clip": _clamp,
+    "logsumexp": _logsumexp,
+    "cumsum": _cumsum,
+    "clamp": _clamp,
+    "clip": _clamp,
     "clamp_min": lambda x, min: _clamp(x, min=min),  # noqa: A006
     "clamp_max": lambda x, max: _clamp(x, max=max),  # noqa: A006
-    "where": _where, "softmax": _softmax, "log_softmax": _log_softmax,
-    "reshape": _reshape, "squeeze": _squeeze, "unsqueeze": lambda x, dim: jnp.expand_dims(
-        x, dim),
-    "transpose": _transpose, "permute": _permute, "flatten": _flatten,
-    "gather": _gather, "masked_fill": _masked_fill,
+    "where": _where,
+    "softmax": _softmax,
+    "log_softmax": _log_softmax,
+    "reshape": _reshape,
+    "squeeze": _squeeze,
+    "unsqueeze": lambda x, dim: jnp.expand_dims(x, dim),
+    "transpose": _transpose,
+    "permute": _permute,
+    "flatten": _flatten,
+    "gather": _gather,
+    "masked_fill": _masked_fill,
     "prod": lambda x, dim=None, keepdim=False, *, dtype=None: jnp.prod(
-        x, axis=dim, keepdims=keepdim, dtype=_dtype(dtype)),
-    "argmax": lambda x, dim=None, keepdim=False: jnp.argmax(
-        x, axis=dim, keepdims=keepdim).astype(jnp.int32),
-    "argmin": lambda x, dim=None, keepdim=False: jnp.argmin(
-        x, axis=dim, keepdims=keepdim).astype(jnp.int32),
+        x, axis=dim, keepdims=keepdim, dtype=_dtype(dtype)
+    ),
+    "argmax": lambda x, dim=None, keepdim=False: jnp.argmax(x, axis=dim, keepdims=keepdim).astype(
+        jnp.int32
+    ),
+    "argmin": lambda x, dim=None, keepdim=False: jnp.argmin(x, axis=dim, keepdims=keepdim).astype(
+        jnp.int32
+    ),
     "any": lambda x, dim=None, keepdim=False: jnp.any(x, axis=dim, keepdims=keepdim),
     "all": lambda x, dim=None, keepdim=False: jnp.all(x, axis=dim, keepdims=keepdim),
     "var": lambda x, dim=None, *, correction=1, keepdim=False: jnp.var(
-        x, axis=_dims(dim), ddof=correction, keepdims=keepdim),
+        x, axis=_dims(dim), ddof=correction, keepdims=keepdim
+    ),
     "std": lambda x, dim=None, *, correction=1, keepdim=False: jnp.std(
-        x, axis=_dims(dim), ddof=correction, keepdims=keepdim),
+        x, axis=_dims(dim), ddof=correction, keepdims=keepdim
+    ),
     "norm": lambda x, p=2, dim=None, keepdim=False: jnp.linalg.norm(
-        x, ord=p, axis=_dims(dim), keepdims=keepdim),
+        x, ord=p, axis=_dims(dim), keepdims=keepdim
+    ),
     "dot": jnp.dot,
 }
 
 # call_function targets, by the qualified name the SDK encodes (operator.*, torch.*, math.*,
 # getattr). Anything else is refused.
 FUNCTIONS: dict[str, Callable] = {
-    **{f"operator.{k}": _python_op(k, v) for k, v in {
-        "add": operator.add, "sub": operator.sub, "mul": operator.mul,
-        "truediv": operator.truediv, "floordiv": operator.floordiv, "mod": operator.mod,
-        "pow": _pow, "neg": operator.neg, "pos": operator.pos, "abs": operator.abs,
-        "matmul": operator.matmul, "eq": operator.eq, "ne": operator.ne, "gt": operator.gt,
-        "ge": operator.ge, "lt": operator.lt, "le": operator.le, "and_": operator.and_,
-        "or_": operator.or_, "xor": operator.xor, "invert": operator.invert}.items()},
+    **{
+        f"operator.{k}": _python_op(k, v)
+        for k, v in {
+            "add": operator.add,
+            "sub": operator.sub,
+            "mul": operator.mul,
+            "truediv": operator.truediv,
+            "floordiv": operator.floordiv,
+            "mod": operator.mod,
+            "pow": _pow,
+            "neg": operator.neg,
+            "pos": operator.pos,
+            "abs": operator.abs,
+            "matmul": operator.matmul,
+            "eq": operator.eq,
+            "ne": operator.ne,
+            "gt": operator.gt,
+            "ge": operator.ge,
+            "lt": operator.lt,
+            "le": operator.le,
+            "and_": operator.and_,
+            "or_": operator.or_,
+            "xor": operator.xor,
+            "invert": operator.invert,
+        }.items()
+    },
     "operator.getitem": _getitem,
-    "math.exp": math.exp, "math.log": math.log, "math.sqrt": math.sqrt,
-    "math.log1p": math.log1p, "math.expm1": math.expm1, "math.pow": math.pow,
-    "math.tanh": math.tanh, "math.floor": math.floor, "math.ceil": math.ceil,
-    "torch.zeros_like": _like(0), "torch.ones_like": _like(1),
-    "torch.full_like": _full_like, "torch.stack": _stack, "torch.cat": _cat,
-    "torch.concat": _cat, "torch.tensor": _tensor, "torch.numel": _numel,
-    "torch.nn.functional.softplus": _softplus, "torch._C._nn.softplus": _softplus,
+    "math.exp": math.exp,
+    "math.log": math.log,
+    "math.sqrt": math.sqrt,
+    "math.log1p": math.log1p,
+    "math.expm1": math.expm1,
+    "math.pow": math.pow,
+    "math.tanh": math.tanh,
+    "math.floor": math.floor,
+    "math.ceil": math.ceil,
+    "torch.zeros_like": _like(0),
+    "torch.ones_like": _like(1),
+    "torch.full_like": _full_like,
+    "torch.stack": _stack,
+    "torch.cat": _cat,
+    "torch.concat": _cat,
+    "torch.tensor": _tensor,
+    "torch.numel": _numel,
+    "torch.nn.functional.softplus": _softplus,
+    "torch._C._nn.softplus": _softplus,
     "torch.nn.functional.logsigmoid": jax.nn.log_sigmoid,
     "torch._C._nn.log_sigmoid": jax.nn.log_sigmoid,
-    "torch.nn.functional.relu": jax.nn.relu, "torch.nn.functional.sigmoid": jax.nn.sigmoid,
-    "torch.nn.functional.softmax": _softmax, "torch.nn.functional.log_softmax": _log_softmax,
+    "torch.nn.functional.relu": jax.nn.relu,
+    "torch.nn.functional.sigmoid": jax.nn.sigmoid,
+    "torch.nn.functional.softmax": _softmax,
+    "torch.nn.functional.log_softmax": _log_softmax,
     "torch.nn.functional.tanh": jnp.tanh,
     **{f"torch.{k}": v for k, v in {**_ELEMENTWISE, **_BINARY, **_SHARED}.items()},
 }
 # call_method targets (tensor methods).
 METHODS: dict[str, Callable] = {
-    **_ELEMENTWISE, **_BINARY, **_SHARED,
-    "view": _reshape, "view_as": lambda x, other: jnp.reshape(x, _shape(other)),
+    **_ELEMENTWISE,
+    **_BINARY,
+    **_SHARED,
+    "view": _reshape,
+    "view_as": lambda x, other: jnp.reshape(x, _shape(other)),
     "reshape_as": lambda x, other: jnp.reshape(x, _shape(other)),
-    "expand": _expand, "expand_as": lambda x, o: jnp.broadcast_to(x, _shape(o)),
-    "t": _t, "to": _to, "type": _type, "float": _cast(jnp.float32),
-    "double": _cast(jnp.float32), "half": _cast(jnp.float32), "bfloat16": _cast(jnp.float32),
-    "long": _cast(jnp.int32), "int": _cast(jnp.int32), "bool": _cast(jnp.bool_),
-    "size": _size, "dim": _dim, "numel": _numel, "contiguous": lambda x, *a, **k: x,
-    "clone": lambda x, *a, **k: x, "type_as": lambda x, o: jnp.asarray(x).astype(
-        jnp.asarray(o).dtype),
+    "expand": _expand,
+    "expand_as": lambda x, o: jnp.broadcast_to(x, _shape(o)),
+    "t": _t,
+    "to": _to,
+    "type": _type,
+    "float": _cast(jnp.float32),
+    "double": _cast(jnp.float32),
+    "half": _cast(jnp.float32),
+    "bfloat16": _cast(jnp.float32),
+    "long": _cast(jnp.int32),
+    "int": _cast(jnp.int32),
+    "bool": _cast(jnp.bool_),
+    "size": _size,
+    "dim": _dim,
+    "numel": _numel,
+    "contiguous": lambda x, *a, **k: x,
+    "clone": lambda x, *a, **k: x,
+    "type_as": lambda x, o: jnp.asarray(x).astype(jnp.asarray(o).dtype),
     "__getitem__": _getitem,
 }
 # getattr targets (a node reads an attribute of a value).
 ATTRIBUTES = {
-    "shape": _shape, "ndim": lambda x: len(_shape(x)), "T": _t,
+    "shape": _shape,
+    "ndim": lambda x: len(_shape(x)),
+    "T": _t,
     "values": lambda x: x.values if isinstance(x, MinMax) else _no_attr(x, "values"),
     "indices": lambda x: x.indices if isinstance(x, MinMax) else _no_attr(x, "indices"),
     "dtype": lambda x: _DType(str(jnp.asarray(x).dtype)),
@@ -516,18 +651,23 @@ class CustomLoss:
         return len(self.fn.steps) if isinstance(self.fn, _Program) else None
 
     @classmethod
-    def from_function(cls, fn: Callable, input_ranks: Mapping[str, int],
-                      name: str | None = None) -> "CustomLoss":
+    def from_function(
+        cls, fn: Callable, input_ranks: Mapping[str, int], name: str | None = None
+    ) -> CustomLoss:
         """A JAX per-datum function fn(logprobs, *inputs) -> (loss, metrics); input_ranks
         maps "logprobs" and each other input (in fn's order, as given) to its rank."""
         if not callable(fn):
             raise InputError(f"custom loss: expected a function, got {type(fn).__name__}")
-        return cls(name or getattr(fn, "__name__", "custom"), _check_inputs(
-            [{"name": k, "rank": v} for k, v in dict(input_ranks).items()]), fn)
+        return cls(
+            name or getattr(fn, "__name__", "custom"),
+            _check_inputs([{"name": k, "rank": v} for k, v in dict(input_ranks).items()]),
+            fn,
+        )
 
     @classmethod
-    def from_graph(cls, graph: Mapping, inputs: Sequence[Mapping],
-                   name: str = "custom") -> "CustomLoss":
+    def from_graph(
+        cls, graph: Mapping, inputs: Sequence[Mapping], name: str = "custom"
+    ) -> CustomLoss:
         """Rebuild a CustomLossGraph (its JSON form: {"format": 1, "nodes": [...]}) with
         `inputs` [{"name", "rank"}, ...] (logprobs first) -> CustomLoss, or InputError
         naming the node that is not allowed or malformed."""
@@ -535,8 +675,13 @@ class CustomLoss:
         program = _compile(graph, [n for n, _ in checked])
         return cls(str(name)[:128], checked, program)
 
-    def check(self, i: int, lp_shape: tuple[int, ...], values: Mapping[str, np.ndarray],
-              deadline: float | None = None) -> None:
+    def check(
+        self,
+        i: int,
+        lp_shape: tuple[int, ...],
+        values: Mapping[str, np.ndarray],
+        deadline: float | None = None,
+    ) -> None:
         """InputError naming datum i unless the loss evaluates on these shapes to a scalar
         loss and scalar custom/… metrics (shapes only; no device work). A graph loss that
         is still evaluating at `deadline` (time.monotonic()) is refused at the node it
@@ -544,13 +689,16 @@ class CustomLoss:
         if len(lp_shape) != self.logprobs_rank:
             raise InputError(
                 f"datum {i}: loss_fn_inputs.target_tokens has rank {len(lp_shape)}, but "
-                f"custom loss {self.name!r} declared logprobs with rank {self.logprobs_rank}")
+                f"custom loss {self.name!r} declared logprobs with rank {self.logprobs_rank}"
+            )
         args = [jax.ShapeDtypeStruct(lp_shape, jnp.float32)]
         for name, rank in self.inputs[1:]:
             v = values[name]
             if v.ndim != rank:
-                raise InputError(f"datum {i}: loss_fn_inputs.{name} has rank {v.ndim}, but "
-                                 f"custom loss {self.name!r} declared it with rank {rank}")
+                raise InputError(
+                    f"datum {i}: loss_fn_inputs.{name} has rank {v.ndim}, but "
+                    f"custom loss {self.name!r} declared it with rank {rank}"
+                )
             args.append(jax.ShapeDtypeStruct(v.shape, v.dtype))
         token = _DEADLINE.set(deadline)
         try:
@@ -558,37 +706,48 @@ class CustomLoss:
         except InputError as e:
             raise InputError(f"datum {i}: {e}") from None
         except Exception as e:  # noqa: BLE001 — any failure on these shapes is the input's
-            raise InputError(f"datum {i}: custom loss {self.name!r} fails on its inputs "
-                             f"(logprobs {lp_shape}, "
-                             + ", ".join(f"{n} {values[n].shape}" for n in self.input_names)
-                             + f"): {_brief(e)}") from None
+            raise InputError(
+                f"datum {i}: custom loss {self.name!r} fails on its inputs "
+                f"(logprobs {lp_shape}, "
+                + ", ".join(f"{n} {values[n].shape}" for n in self.input_names)
+                + f"): {_brief(e)}"
+            ) from None
         finally:
             _DEADLINE.reset(token)
         if tuple(getattr(loss, "shape", (None,))) != ():
-            raise InputError(f"datum {i}: custom loss {self.name!r} must return a scalar loss, "
-                             f"got shape {getattr(loss, 'shape', type(loss).__name__)}")
+            raise InputError(
+                f"datum {i}: custom loss {self.name!r} must return a scalar loss, "
+                f"got shape {getattr(loss, 'shape', type(loss).__name__)}"
+            )
         if not isinstance(metrics, Mapping):
             raise InputError(f"custom loss {self.name!r} must return (loss, metrics dict)")
         for key, m in metrics.items():
             if not (isinstance(key, str) and METRIC_KEY.fullmatch(key)):
-                raise InputError(f"custom loss {self.name!r}: metric {key!r} must be named "
-                                 "custom/<name>:sum or custom/<name>:mean")
+                raise InputError(
+                    f"custom loss {self.name!r}: metric {key!r} must be named "
+                    "custom/<name>:sum or custom/<name>:mean"
+                )
             if tuple(getattr(m, "shape", (None,))) != ():
-                raise InputError(f"datum {i}: custom loss {self.name!r} metric {key!r} must "
-                                 f"be a scalar, got shape {getattr(m, 'shape', None)}")
+                raise InputError(
+                    f"datum {i}: custom loss {self.name!r} metric {key!r} must "
+                    f"be a scalar, got shape {getattr(m, 'shape', None)}"
+                )
 
     def __call__(self, logprobs, *inputs):
         loss, metrics = self.fn(logprobs, *inputs)
-        return (jnp.asarray(loss, jnp.float32),
-                {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()})
+        return (
+            jnp.asarray(loss, jnp.float32),
+            {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()},
+        )
 
 
 def _check_inputs(inputs) -> tuple[tuple[str, int], ...]:
     if not isinstance(inputs, Sequence) or not inputs:
         raise InputError("custom loss: inputs must be a non-empty list, logprobs first")
     if len(inputs) > MAX_INPUTS:
-        raise InputError(f"custom loss: {len(inputs)} inputs; at most {MAX_INPUTS}, logprobs "
-                         "included")
+        raise InputError(
+            f"custom loss: {len(inputs)} inputs; at most {MAX_INPUTS}, logprobs included"
+        )
     out = []
     for j, x in enumerate(inputs):
         if not isinstance(x, Mapping):
@@ -597,11 +756,11 @@ def _check_inputs(inputs) -> tuple[tuple[str, int], ...]:
         if not isinstance(name, str) or not INPUT_NAME.fullmatch(name):
             raise InputError(f"custom loss: inputs[{j}].name {name!r} is not a lowercase name")
         if isinstance(rank, bool) or rank not in (0, 1, 2):
-            raise InputError(f"custom loss: inputs[{j}] ({name}) rank must be 0, 1 or 2, "
-                             f"got {rank!r}")
+            raise InputError(
+                f"custom loss: inputs[{j}] ({name}) rank must be 0, 1 or 2, got {rank!r}"
+            )
         if name == "target_tokens":
-            raise InputError("custom loss: target_tokens is not an input (logprobs has its "
-                             "shape)")
+            raise InputError("custom loss: target_tokens is not an input (logprobs has its shape)")
         out.append((name, int(rank)))
     if out[0][0] != "logprobs" or out[0][1] == 0:
         raise InputError("custom loss: the first input must be logprobs, of rank 1 or 2")
@@ -649,36 +808,47 @@ def _compile(graph, input_names: list[str]) -> Callable:
         kwargs = {str(k): _decode(v, depth, refs, where) for k, v in kwargs.items()}
         literals += _entries(args) + _entries(list(kwargs.values()))
         if literals > MAX_LITERALS:
-            raise InputError(f"{where}: the graph's arguments hold over {MAX_LITERALS} "
-                             "literal entries")
+            raise InputError(
+                f"{where}: the graph's arguments hold over {MAX_LITERALS} literal entries"
+            )
         d = 1 + max((depth[r] for r in refs), default=0)
         if d > MAX_DEPTH:
             raise InputError(f"{where}: the graph is deeper than {MAX_DEPTH} operations")
         if op == "placeholder":
-            if steps or len(placeholders) >= len(input_names) or (
-                    target != input_names[len(placeholders)]):
-                raise InputError(f"{where}: placeholders must be the declared inputs "
-                                 f"{input_names} in order")
+            if (
+                steps
+                or len(placeholders) >= len(input_names)
+                or (target != input_names[len(placeholders)])
+            ):
+                raise InputError(
+                    f"{where}: placeholders must be the declared inputs {input_names} in order"
+                )
             placeholders.append(name)
         elif op == "call_function":
             fn = FUNCTIONS.get(target)
             if target == "getattr":
-                if (len(args) != 2 or kwargs or not isinstance(args[1], str)
-                        or args[1] not in ATTRIBUTES):
-                    raise InputError(f"{where}: reads attribute "
-                                     f"{args[1] if len(args) > 1 else None!r}; allowed: "
-                                     f"{sorted(ATTRIBUTES)}")
+                if (
+                    len(args) != 2
+                    or kwargs
+                    or not isinstance(args[1], str)
+                    or args[1] not in ATTRIBUTES
+                ):
+                    raise InputError(
+                        f"{where}: reads attribute "
+                        f"{args[1] if len(args) > 1 else None!r}; allowed: "
+                        f"{sorted(ATTRIBUTES)}"
+                    )
                 kinds[name] = _ATTRIBUTE_KINDS.get(args[1], _TENSOR)
                 fn, args = ATTRIBUTES[args[1]], args[:1]
             if fn is None:
-                raise InputError(f"{where}: {target!r} is not an allowed function of a custom "
-                                 "loss")
+                raise InputError(f"{where}: {target!r} is not an allowed function of a custom loss")
             steps.append((name, fn, args, kwargs, where))
         elif op == "call_method":
             fn = METHODS.get(target)
             if fn is None:
-                raise InputError(f"{where}: tensor method {target!r} is not allowed in a "
-                                 "custom loss")
+                raise InputError(
+                    f"{where}: tensor method {target!r} is not allowed in a custom loss"
+                )
             if not args:
                 raise InputError(f"{where}: a method call needs its tensor")
             steps.append((name, fn, args, kwargs, where))
@@ -687,18 +857,23 @@ def _compile(graph, input_names: list[str]) -> Callable:
                 raise InputError(f"{where}: the output node has one argument")
             output = args[0]
         else:
-            raise InputError(f"{where}: op {op!r} is not allowed in a custom loss (only "
-                             "placeholder, call_function, call_method, output)")
+            raise InputError(
+                f"{where}: op {op!r} is not allowed in a custom loss (only "
+                "placeholder, call_function, call_method, output)"
+            )
         if op != "output" and name not in kinds:
             kinds[name] = _node_kind(op, target, args, kwargs, kinds, where)
         depth[name] = d
     if len(placeholders) != len(input_names):
-        raise InputError(f"custom loss graph reads {len(placeholders)} inputs, declared "
-                         f"{len(input_names)} ({input_names})")
+        raise InputError(
+            f"custom loss graph reads {len(placeholders)} inputs, declared "
+            f"{len(input_names)} ({input_names})"
+        )
     if output is None:
         raise InputError("custom loss graph has no output node")
-    if not (isinstance(output, _Tuple) and len(output.items) == 2
-            and isinstance(output.items[1], _Dict)):
+    if not (
+        isinstance(output, _Tuple) and len(output.items) == 2 and isinstance(output.items[1], _Dict)
+    ):
         raise InputError("custom loss graph must return (loss, metrics dict)")
 
     return _Program(tuple(placeholders), tuple(steps), output)
@@ -743,7 +918,7 @@ def _decode(a, depth, refs, where, level=0):
         return [_decode(x, depth, refs, where, level + 1) for x in a]
     if not isinstance(a, Mapping) or len(a) != 1:
         raise InputError(f"{where}: argument {a!r:.80} is not an encoded value")
-    (kind, v), = a.items()
+    ((kind, v),) = a.items()
     if kind == "ref":
         if v not in depth:
             raise InputError(f"{where}: refers to {v!r}, which is not an earlier node")
@@ -757,8 +932,9 @@ def _decode(a, depth, refs, where, level=0):
             raise InputError(f"{where}: a slice is [start, stop, step] of integers")
         return _Slice(items)
     if kind == "dict" and isinstance(v, Mapping) and len(v) <= MAX_LITERAL:
-        return _Dict(tuple((str(k), _decode(x, depth, refs, where, level + 1))
-                           for k, x in v.items()))
+        return _Dict(
+            tuple((str(k), _decode(x, depth, refs, where, level + 1)) for k, x in v.items())
+        )
     if kind == "ellipsis" and v is True:
         return Ellipsis
     if kind == "float" and v in _FLOATS:
@@ -800,15 +976,16 @@ class _Kind:
     bits: int | None = None
 
 
-_TENSOR, _FLOAT, _SHAPE, _OTHER = (_Kind("tensor"), _Kind("float"), _Kind("shape"),
-                                   _Kind("other"))
+_TENSOR, _FLOAT, _SHAPE, _OTHER = (_Kind("tensor"), _Kind("float"), _Kind("shape"), _Kind("other"))
 _DIM = _Kind("int", SHAPE_BITS)  # a dimension, a rank or a number of elements
 _ATTRIBUTE_KINDS = {"shape": _SHAPE, "ndim": _DIM, "dtype": _OTHER}
 
 
 def _too_big(where: str, what: str, bits) -> InputError:
-    return InputError(f"{where}: {what} may reach 2**{bits}, beyond int64 (a custom loss's "
-                      "integers stay within int64; compute large values on tensors)")
+    return InputError(
+        f"{where}: {what} may reach 2**{bits}, beyond int64 (a custom loss's "
+        "integers stay within int64; compute large values on tensors)"
+    )
 
 
 def _kind_of(a, kinds: Mapping[str, _Kind]) -> _Kind:
@@ -862,9 +1039,11 @@ def _operator_kind(name, args, kinds, where) -> _Kind:
     if any(k.what in ("shape", "seq", "str") for k in ks):
         if name == "add" and len(ks) == 2 and all(k.what in ("shape", "seq") for k in ks):
             return _Kind("seq")  # a concatenation: at most MAX_SEQUENCE entries when it runs
-        raise InputError(f"{where}: operator.{name} on a sequence or string (repetition, "
-                         "formatting) is not allowed in a custom loss; arithmetic takes "
-                         "tensors and numbers")
+        raise InputError(
+            f"{where}: operator.{name} on a sequence or string (repetition, "
+            "formatting) is not allowed in a custom loss; arithmetic takes "
+            "tensors and numbers"
+        )
     if not all(k.what in ("int", "float") for k in ks):
         return _OTHER
     if name == "truediv" or any(k.what == "float" for k in ks):
@@ -875,9 +1054,20 @@ def _operator_kind(name, args, kinds, where) -> _Kind:
     if None in bits or name == "matmul":
         return _Kind("int")
     a, b = bits[0], bits[-1]
-    out = {"add": max(a, b) + 1, "sub": max(a, b) + 1, "mul": a + b, "floordiv": a,
-           "mod": b, "neg": a, "pos": a, "abs": a, "invert": a + 1, "and_": max(a, b) + 1,
-           "or_": max(a, b) + 1, "xor": max(a, b) + 1}[name]
+    out = {
+        "add": max(a, b) + 1,
+        "sub": max(a, b) + 1,
+        "mul": a + b,
+        "floordiv": a,
+        "mod": b,
+        "neg": a,
+        "pos": a,
+        "abs": a,
+        "invert": a + 1,
+        "and_": max(a, b) + 1,
+        "or_": max(a, b) + 1,
+        "xor": max(a, b) + 1,
+    }[name]
     if out > 63:
         raise _too_big(where, f"integer operator.{name}", out)
     return _Kind("int", out)
@@ -894,9 +1084,8 @@ def _power_kind(args, ks, where) -> _Kind:
             return _Kind("int", 1)
         if isinstance(base, int):  # both constant: exact, once it is known to be small
             if abs(base) > 1 and (abs(base).bit_length() - 1) * exp > 63:
-                raise _too_big(where, f"{base} ** {exp}",
-                               (abs(base).bit_length() - 1) * exp)
-            value = base ** exp
+                raise _too_big(where, f"{base} ** {exp}", (abs(base).bit_length() - 1) * exp)
+            value = base**exp
             if not INT64_MIN <= value <= INT64_MAX:
                 raise _too_big(where, f"{base} ** {exp}", abs(value).bit_length())
             return _Kind("int", abs(value).bit_length())
@@ -912,9 +1101,11 @@ def _power_kind(args, ks, where) -> _Kind:
         bits = max(bb, 1) * ((1 << be) - 1)
         if bits <= 63:
             return _Kind("int", bits)
-    raise InputError(f"{where}: an integer power with a computed exponent may leave int64 "
-                     "(a custom loss's integers stay within int64; use a constant exponent "
-                     "or a tensor)")
+    raise InputError(
+        f"{where}: an integer power with a computed exponent may leave int64 "
+        "(a custom loss's integers stay within int64; use a constant exponent "
+        "or a tensor)"
+    )
 
 
 def _entries(a) -> int:
@@ -931,7 +1122,8 @@ def _entries(a) -> int:
 # The deadline of the `check` in progress (time.monotonic()); None while a checked loss is
 # traced into a step.
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "custom_loss_deadline", default=None)
+    "custom_loss_deadline", default=None
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -949,8 +1141,10 @@ class _Program:
         elements = 0
         for name, fn, args, kwargs, where in self.steps:
             if deadline is not None and time.monotonic() > deadline:
-                raise InputError(f"{where}: evaluating the custom loss ran past its time "
-                                 f"budget ({CHECK_BUDGET_S} s per request)")
+                raise InputError(
+                    f"{where}: evaluating the custom loss ran past its time "
+                    f"budget ({CHECK_BUDGET_S} s per request)"
+                )
             try:
                 value = fn(*_resolve(args, env), **_resolve(kwargs, env))
             except InputError:
@@ -959,8 +1153,10 @@ class _Program:
                 raise InputError(f"{where}: {_brief(e)}") from None
             elements += _bounded(value, where)
             if elements > MAX_DATUM_ELEMENTS:
-                raise InputError(f"{where}: the custom loss's arrays hold over "
-                                 f"{MAX_DATUM_ELEMENTS} elements for one datum")
+                raise InputError(
+                    f"{where}: the custom loss's arrays hold over "
+                    f"{MAX_DATUM_ELEMENTS} elements for one datum"
+                )
             env[name] = value
         loss, metrics = _resolve(self.output, env)
         return loss, dict(metrics)
@@ -988,13 +1184,15 @@ def _bounded(v, where: str) -> int:
         return 0
     if isinstance(v, (tuple, list)):
         if len(v) > MAX_SEQUENCE:
-            raise InputError(f"{where}: a {type(v).__name__} of {len(v)} entries; at most "
-                             f"{MAX_SEQUENCE}")
+            raise InputError(
+                f"{where}: a {type(v).__name__} of {len(v)} entries; at most {MAX_SEQUENCE}"
+            )
         return sum(_bounded(x, where) for x in v)
     if isinstance(v, _ARRAYS):
         shape = tuple(v.shape)
         if math.prod(shape) > MAX_ELEMENTS or any(d > MAX_ELEMENTS for d in shape):
-            raise InputError(f"{where}: an array of shape {list(shape)}, over "
-                             f"{MAX_ELEMENTS} elements")
+            raise InputError(
+                f"{where}: an array of shape {list(shape)}, over {MAX_ELEMENTS} elements"
+            )
         return math.prod(shape)
     raise InputError(f"{where}: a {type(v).__name__} value is not allowed in a custom loss")

@@ -31,8 +31,9 @@ def float32_number(value, what: str) -> float:
     except (TypeError, ValueError):
         raise InputError(f"{what} must be a number, got {value!r}") from None
     except OverflowError:  # an int beyond float64 (10**400)
-        raise InputError(f"{what} = {_short(value)} overflows float32 (largest finite "
-                         f"{F32.max:.4g})") from None
+        raise InputError(
+            f"{what} = {_short(value)} overflows float32 (largest finite {F32.max:.4g})"
+        ) from None
     if not math.isfinite(out):
         raise InputError(f"{what} must be finite, got {out}")
     with np.errstate(over="ignore"):

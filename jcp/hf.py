@@ -18,7 +18,6 @@ import numpy as np
 from jcp.config import QwenConfig, config_from_hf
 from jcp.model import params as params_lib
 
-
 # ----------------------------------------------------------------------------------------
 # Lazy safetensors reading
 
@@ -39,25 +38,32 @@ class SafetensorsFile:
             head = f.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
             if n < 2 or 8 + n > size:
-                raise ValueError(f"{path} is not a safetensors file (its header length does "
-                                 f"not fit the file's {size} bytes)")
+                raise ValueError(
+                    f"{path} is not a safetensors file (its header length does "
+                    f"not fit the file's {size} bytes)"
+                )
             try:
                 header = json.loads(f.read(n))
             except (UnicodeDecodeError, json.JSONDecodeError):
                 header = None
         if not isinstance(header, dict):
-            raise ValueError(f"{path} is not a safetensors file (its header is not a JSON "
-                             "object)")
+            raise ValueError(f"{path} is not a safetensors file (its header is not a JSON object)")
         header.pop("__metadata__", None)
         self.base = 8 + n
         for name, info in header.items():
             offsets = info.get("data_offsets") if isinstance(info, dict) else None
-            if (not isinstance(offsets, list) or len(offsets) != 2
-                    or not all(isinstance(o, int) for o in offsets)
-                    or not 0 <= offsets[0] <= offsets[1] or self.base + offsets[1] > size
-                    or not isinstance(info.get("shape"), list)):
-                raise ValueError(f"{path} is truncated or corrupt: tensor {name} lies outside "
-                                 f"the file's {size} bytes or has a malformed entry")
+            if (
+                not isinstance(offsets, list)
+                or len(offsets) != 2
+                or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]
+                or self.base + offsets[1] > size
+                or not isinstance(info.get("shape"), list)
+            ):
+                raise ValueError(
+                    f"{path} is truncated or corrupt: tensor {name} lies outside "
+                    f"the file's {size} bytes or has a malformed entry"
+                )
         self.header = header
 
     def tensor(self, name: str) -> np.ndarray:
@@ -158,25 +164,31 @@ def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) 
             raise ValueError(f"checkpoint is missing tensor {name}")
         arr = tensors[name]()
         if tuple(arr.shape) != tuple(want):
-            raise ValueError(f"checkpoint tensor {name} has shape {tuple(arr.shape)}, "
-                             f"expected {tuple(want)} for this config")
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(arr.shape)}, "
+                f"expected {tuple(want)} for this config"
+            )
         return arr
 
     def plain(name, shape, transpose=False):
         hf_shape = shape[::-1] if transpose else shape
         arr = fetch(name, hf_shape)
+
         def read(index):
             if transpose:
                 return np.asarray(arr[index[::-1]]).T.astype(np.float32)
             return np.asarray(arr[index]).astype(np.float32)
+
         return LazyTensor(shape, np.float32, read)
 
     def stacked(module, shape, layer_ids=None):
         layer_ids = list(range(cfg.num_layers)) if layer_ids is None else layer_ids
         per_layer = shape[1:]
         transpose = len(per_layer) == 2
-        arrs = [fetch(_hf_layer_names(module, i), per_layer[::-1] if transpose else per_layer)
-                for i in layer_ids]
+        arrs = [
+            fetch(_hf_layer_names(module, i), per_layer[::-1] if transpose else per_layer)
+            for i in layer_ids
+        ]
 
         def read(index):
             li, rest = index[0], index[1:]
@@ -185,43 +197,56 @@ def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) 
                 a = arrs[i]
                 blocks.append(np.asarray(a[rest[::-1]]).T if transpose else np.asarray(a[rest]))
             return np.stack(blocks).astype(np.float32)
+
         return LazyTensor(shape, np.float32, read)
 
-    out = {"embed": plain("model.embed_tokens.weight", shapes["embed"]),
-           "final_norm": plain("model.norm.weight", shapes["final_norm"]),
-           "layers": {k: stacked(k, s) for k, s in shapes["layers"].items()}}
+    out = {
+        "embed": plain("model.embed_tokens.weight", shapes["embed"]),
+        "final_norm": plain("model.norm.weight", shapes["final_norm"]),
+        "layers": {k: stacked(k, s) for k, s in shapes["layers"].items()},
+    }
     if cfg.is_hybrid:
         out.update(_hybrid_tensors(cfg, shapes, stacked, fetch))
         # Qwen3.5's RMSNorms hold offsets (x · (1 + w)); jcp's hold the factor 1 + w.
         # (The gated norm of Gated DeltaNet is a plain one.)
         out["final_norm"] = _plus_one(out["final_norm"])
-        out["layers"] = {k: _plus_one(t) if k.endswith("_norm") else t
-                         for k, t in out["layers"].items()}
+        out["layers"] = {
+            k: _plus_one(t) if k.endswith("_norm") else t for k, t in out["layers"].items()
+        }
         if "full_attn" in out:
-            out["full_attn"] = {k: _plus_one(t) if k.endswith("_norm") else t
-                                for k, t in out["full_attn"].items()}
+            out["full_attn"] = {
+                k: _plus_one(t) if k.endswith("_norm") else t for k, t in out["full_attn"].items()
+            }
     if cfg.is_moe:
         kinds = cfg.moe_layers
         dense_ids = [i for i, k in enumerate(kinds) if not k]
         moe_ids = [i for i, k in enumerate(kinds) if k]
         if dense_ids:
-            out["dense_mlp"] = {k: stacked(k, s, dense_ids)
-                                for k, s in shapes["dense_mlp"].items()}
+            out["dense_mlp"] = {k: stacked(k, s, dense_ids) for k, s in shapes["dense_mlp"].items()}
         out["moe_mlp"] = {"router": stacked("router", shapes["moe_mlp"]["router"], moe_ids)}
         out["moe_mlp"].update(_expert_tensors(cfg, moe_ids, tensors, fetch))
-        out["moe_mlp"].update({k: stacked(k, shapes["moe_mlp"][k], moe_ids)
-                               for k in shapes["moe_mlp"] if k.startswith("shared_")})
+        out["moe_mlp"].update(
+            {
+                k: stacked(k, shapes["moe_mlp"][k], moe_ids)
+                for k in shapes["moe_mlp"]
+                if k.startswith("shared_")
+            }
+        )
     if "lm_head" in shapes:
         out["lm_head"] = plain("lm_head.weight", shapes["lm_head"], transpose=True)
     # A tensor the config does not account for (an o_proj bias, extra layers, …) means the
     # checkpoint is not the model jcp would compute: refuse rather than ignore it.
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    extra = sorted(n for n in tensors if n not in used and n not in ignorable
-                   and not n.endswith("rotary_emb.inv_freq"))
+    extra = sorted(
+        n
+        for n in tensors
+        if n not in used and n not in ignorable and not n.endswith("rotary_emb.inv_freq")
+    )
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise ValueError(f"checkpoint has tensor {extra[0]}{more}, which this config does not "
-                         "describe")
+        raise ValueError(
+            f"checkpoint has tensor {extra[0]}{more}, which this config does not describe"
+        )
     return out
 
 
@@ -231,10 +256,13 @@ def _plus_one(t: LazyTensor) -> LazyTensor:
 
 def _stack(per_layer: list) -> LazyTensor:
     """[L, …] LazyTensor over per-layer LazyTensors."""
+
     def read(index):
         li, rest = index[0], index[1:]
-        return np.stack([np.asarray(per_layer[i][rest])
-                         for i in range(*li.indices(len(per_layer)))]).astype(np.float32)
+        return np.stack(
+            [np.asarray(per_layer[i][rest]) for i in range(*li.indices(len(per_layer)))]
+        ).astype(np.float32)
+
     return LazyTensor((len(per_layer),) + per_layer[0].shape, np.float32, read)
 
 
@@ -248,6 +276,7 @@ def _rows_t(arr, r0: int, r1: int, squeeze_mid: bool = False) -> LazyTensor:
         rows = slice(r0 + o0, r0 + o1, step)
         block = arr[rows, 0, ii] if squeeze_mid else arr[rows, ii]
         return np.asarray(block).T.astype(np.float32)
+
     return LazyTensor((inner, r1 - r0), np.float32, read)
 
 
@@ -274,11 +303,15 @@ def _hybrid_tensors(cfg: QwenConfig, shapes, stacked, fetch) -> dict:
         for m, rows in (("in_proj_z", vd), ("in_proj_b", hv), ("in_proj_a", hv)):
             per[m].append(_rows_t(fetch(f"{pre}.{m}.weight", (rows, d)), 0, rows))
         per["out_proj"].append(_rows_t(fetch(f"{pre}.out_proj.weight", (d, vd)), 0, d))
-        for m, name, n in (("dt_bias", "dt_bias", hv), ("a_log", "A_log", hv),
-                           ("gated_norm", "norm.weight", cfg.linear_value_head_dim)):
+        for m, name, n in (
+            ("dt_bias", "dt_bias", hv),
+            ("a_log", "A_log", hv),
+            ("gated_norm", "norm.weight", cfg.linear_value_head_dim),
+        ):
             arr = fetch(f"{pre}.{name}", (n,))
-            per[m].append(LazyTensor((n,), np.float32,
-                                     lambda index, a=arr: np.asarray(a[index], np.float32)))
+            per[m].append(
+                LazyTensor((n,), np.float32, lambda index, a=arr: np.asarray(a[index], np.float32))
+            )
     out["linear_attn"] = {k: _stack(v) for k, v in per.items()}
     return out
 
@@ -303,27 +336,38 @@ def _expert_tensors(cfg: QwenConfig, moe_ids, tensors, fetch) -> dict:
             sources["expert_up"].append([(gate_up[x], f) for x in range(e)])
             sources["expert_down"].append([(down[x], 0) for x in range(e)])
             continue
-        for part, (name, hf_shape) in {"expert_gate": ("gate_proj", (f, d)),
-                                       "expert_up": ("up_proj", (f, d)),
-                                       "expert_down": ("down_proj", (d, f))}.items():
-            sources[part].append([(fetch(f"{prefix}.{x}.{name}.weight", hf_shape), 0)
-                                  for x in range(e)])
+        for part, (name, hf_shape) in {
+            "expert_gate": ("gate_proj", (f, d)),
+            "expert_up": ("up_proj", (f, d)),
+            "expert_down": ("down_proj", (d, f)),
+        }.items():
+            sources[part].append(
+                [(fetch(f"{prefix}.{x}.{name}.weight", hf_shape), 0) for x in range(e)]
+            )
 
     def lazy(part, shape):
         def read(index):
             li, ei, ii, oi = index
-            out = [[np.asarray(src[oi.start + off:oi.stop + off:oi.step, ii]).T
-                    for src, off in sources[part][l][ei]]
-                   for l in range(*li.indices(len(moe_ids)))]
+            out = [
+                [
+                    np.asarray(src[oi.start + off : oi.stop + off : oi.step, ii]).T
+                    for src, off in sources[part][l][ei]
+                ]
+                for l in range(*li.indices(len(moe_ids)))
+            ]
             return np.asarray(out, np.float32).reshape(
-                (len(out), len(range(*ei.indices(e)))) + (len(range(*ii.indices(shape[2]))),
-                                                          len(range(*oi.indices(shape[3])))))
+                (len(out), len(range(*ei.indices(e))))
+                + (len(range(*ii.indices(shape[2]))), len(range(*oi.indices(shape[3]))))
+            )
+
         return LazyTensor(shape, np.float32, read)
 
     lm = len(moe_ids)
-    return {"expert_gate": lazy("expert_gate", (lm, e, d, f)),
-            "expert_up": lazy("expert_up", (lm, e, d, f)),
-            "expert_down": lazy("expert_down", (lm, e, f, d))}
+    return {
+        "expert_gate": lazy("expert_gate", (lm, e, d, f)),
+        "expert_up": lazy("expert_up", (lm, e, d, f)),
+        "expert_down": lazy("expert_down", (lm, e, f, d)),
+    }
 
 
 def load_hf(path, dtype: str = "float32") -> tuple[QwenConfig, dict]:
@@ -351,6 +395,8 @@ def text_model_tensors(tensors: dict) -> dict:
     any multi-token-prediction head (mtp.*) are left unread."""
     if not any(n.startswith(TEXT_PREFIX) for n in tensors):
         return tensors
-    return {("model." + n[len(TEXT_PREFIX):] if n.startswith(TEXT_PREFIX) else n): t
-            for n, t in tensors.items()
-            if n.startswith(TEXT_PREFIX) or n.startswith("lm_head.")}
+    return {
+        ("model." + n[len(TEXT_PREFIX) :] if n.startswith(TEXT_PREFIX) else n): t
+        for n, t in tensors.items()
+        if n.startswith(TEXT_PREFIX) or n.startswith("lm_head.")
+    }

@@ -56,8 +56,12 @@ def cpu_devices_configured() -> int:
         counts.append(getattr(jax.config, "jax_num_cpu_devices", -1))
     env = os.environ.get("JAX_NUM_CPU_DEVICES", "")
     counts += [int(env)] if env.strip().isdigit() else []
-    counts += [int(n) for n in re.findall(r"--xla_force_host_platform_device_count=(\d+)",
-                                          os.environ.get("XLA_FLAGS", ""))]
+    counts += [
+        int(n)
+        for n in re.findall(
+            r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", "")
+        )
+    ]
     return max(counts)
 
 
@@ -82,9 +86,13 @@ def keep_freed_memory(one_heap: bool) -> bool:
     mallopt = _mallopt()
     if mallopt is None:
         return False
-    return all([mallopt(_M_ARENA_MAX, 1) == 1 if one_heap else True,
-                mallopt(_M_MMAP_THRESHOLD, KEEP_BYTES) == 1,
-                mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES) == 1])
+    return all(
+        [
+            mallopt(_M_ARENA_MAX, 1) == 1 if one_heap else True,
+            mallopt(_M_MMAP_THRESHOLD, KEEP_BYTES) == 1,
+            mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES) == 1,
+        ]
+    )
 
 
 def devices_configured() -> None:

@@ -44,8 +44,11 @@ def sums_on_host(mesh) -> bool:
         return False
     procs = [d.process_index for d in mesh.devices.flat]
     n = len(set(procs))
-    return n > 1 and procs == sorted(procs) and all(
-        procs.count(p) == len(procs) // n for p in set(procs))
+    return (
+        n > 1
+        and procs == sorted(procs)
+        and all(procs.count(p) == len(procs) // n for p in set(procs))
+    )
 
 
 class HostSummedStep:
@@ -63,41 +66,69 @@ class HostSummedStep:
     without a custom loss only (folds_outputs).
     """
 
-    def __init__(self, cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig, remats=(True, False)):
+    def __init__(
+        self, cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig, remats=(True, False)
+    ):
         self.cfg, self.mesh = cfg, mesh
         nproc = len({d.process_index for d in mesh.devices.flat})
         self.view = jax.sharding.Mesh(mesh.devices.reshape(nproc, -1), ("proc", "local"))
         self.sums_sharding = NamedSharding(self.view, P("proc", "local"))
         position = {d: i for i, d in enumerate(mesh.devices.flat)}
         self._position = position.__getitem__
-        self.partials = {r: self._make_partials(dataclasses.replace(step_cfg, remat=r))
-                         for r in remats}
-        self.finish = jax.jit(self._finish, static_argnames=("num_slots", "modules"),
-                              donate_argnums=(0,))
+        self.partials = {
+            r: self._make_partials(dataclasses.replace(step_cfg, remat=r)) for r in remats
+        }
+        self.finish = jax.jit(
+            self._finish, static_argnames=("num_slots", "modules"), donate_argnums=(0,)
+        )
         self._forward_partials = self._make_partials(step_cfg, backward=False)
         self._forward_finish = jax.jit(self._finish_forward, static_argnames=("num_slots",))
 
-    def forward(self, lora, params, slot_meta, batch, loss_cfg, *, loss_fns, num_slots,
-                modules=None):
+    def forward(
+        self, lora, params, slot_meta, batch, loss_cfg, *, loss_fns, num_slots, modules=None
+    ):
         """make_forward's (loss, out), the outputs summed on the host."""
-        local = self.local_sum(self._forward_partials(
-            lora, params, slot_meta, batch, loss_cfg, loss_fns=loss_fns, num_slots=num_slots,
-            modules=modules))
+        local = self.local_sum(
+            self._forward_partials(
+                lora,
+                params,
+                slot_meta,
+                batch,
+                loss_cfg,
+                loss_fns=loss_fns,
+                num_slots=num_slots,
+                modules=modules,
+            )
+        )
         return self._forward_finish(self.sums(local), batch, num_slots=num_slots)
 
     def _make_partials(self, step_cfg: train_step.StepConfig, backward: bool = True):
         cfg, mesh = self.cfg, self.mesh
 
-        @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots", "modules"),
-                           compiler_options=train_step.compiler_options(mesh))
-        def partials(lora, params, slot_meta, batch, loss_cfg, *, loss_fns, num_slots,
-                     modules=None):
+        @functools.partial(
+            jax.jit,
+            static_argnames=("loss_fns", "num_slots", "modules"),
+            compiler_options=train_step.compiler_options(mesh),
+        )
+        def partials(
+            lora, params, slot_meta, batch, loss_cfg, *, loss_fns, num_slots, modules=None
+        ):
             active = lora_lib.take_active(train_step.used_modules(lora, modules), batch.active)
 
             def shard(active, params, slot_meta, b: train_step.Batch, loss_cfg):
                 def local(active):
-                    return train_step.stream_loss(cfg, step_cfg, loss_fns, num_slots, active, params,
-                                        slot_meta, b, loss_cfg, summed=False)
+                    return train_step.stream_loss(
+                        cfg,
+                        step_cfg,
+                        loss_fns,
+                        num_slots,
+                        active,
+                        params,
+                        slot_meta,
+                        b,
+                        loss_cfg,
+                        summed=False,
+                    )
 
                 if backward:
                     # Varying over dp and cp, so that nothing sums the gradient over them
@@ -107,15 +138,22 @@ class HostSummedStep:
                     (grads,) = vjp(jnp.ones_like(loss))
                 else:
                     grads, parts = {}, local(active)[1]
-                flat = [mesh_lib.vary(x, mesh_lib.AXES).astype(jnp.float32).reshape(-1)
-                        for x in jax.tree.leaves(grads) + list(parts)]
+                flat = [
+                    mesh_lib.vary(x, mesh_lib.AXES).astype(jnp.float32).reshape(-1)
+                    for x in jax.tree.leaves(grads) + list(parts)
+                ]
                 return jnp.concatenate(flat)[None, None, None]
 
-            in_specs = (lora_lib.slot_specs_active(cfg, active), model_lib.param_specs(cfg),
-                        SPECS.slot_G, train_step.batch_specs(), SPECS.replicated)
-            return jax.shard_map(shard, mesh=mesh, in_specs=in_specs,
-                                 out_specs=P(*mesh_lib.AXES))(
-                active, params, slot_meta, batch, loss_cfg)
+            in_specs = (
+                lora_lib.slot_specs_active(cfg, active),
+                model_lib.param_specs(cfg),
+                SPECS.slot_G,
+                train_step.batch_specs(),
+                SPECS.replicated,
+            )
+            return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=P(*mesh_lib.AXES))(
+                active, params, slot_meta, batch, loss_cfg
+            )
 
         return partials
 
@@ -132,41 +170,77 @@ class HostSummedStep:
         """[processes, local devices, V] over the view, every local device holding
         `local` (this process's sum)."""
         shape = self.view.devices.shape + local.shape
-        return jax.make_array_from_callback(shape, self.sums_sharding,
-                                            lambda idx: local[None, None])
+        return jax.make_array_from_callback(
+            shape, self.sums_sharding, lambda idx: local[None, None]
+        )
 
     def _total(self, sums):
         """[V]: the processes' sums added (an all-reduce of each local device with its
         partners in the other processes)."""
-        return jax.shard_map(lambda s: jax.lax.psum(s, "proc"), mesh=self.view,
-                             in_specs=P("proc", "local"), out_specs=P(),
-                             check_vma=False)(sums)[0, 0]
+        return jax.shard_map(
+            lambda s: jax.lax.psum(s, "proc"),
+            mesh=self.view,
+            in_specs=P("proc", "local"),
+            out_specs=P(),
+            check_vma=False,
+        )(sums)[0, 0]
 
     def _finish_forward(self, sums, batch, *, num_slots):
-        return losses_lib.shard_outputs(train_step.split_parts(self._total(sums),
-                                               train_step.part_shapes(batch, num_slots)))
+        return losses_lib.shard_outputs(
+            train_step.split_parts(self._total(sums), train_step.part_shapes(batch, num_slots))
+        )
 
     def _finish(self, acc, lora, sums, batch, *, num_slots, modules=None):
         total = self._total(sums)
         active = lora_lib.take_active(train_step.used_modules(lora, modules), batch.active)
         leaves, treedef = jax.tree.flatten(active)
-        pieces = train_step.split_parts(total, [x.shape for x in leaves] + list(train_step.part_shapes(batch, num_slots)))
+        pieces = train_step.split_parts(
+            total, [x.shape for x in leaves] + list(train_step.part_shapes(batch, num_slots))
+        )
         grads = treedef.unflatten([p.astype(x.dtype) for p, x in zip(pieces, leaves)])
-        acc, finite_A = train_step.accumulate(acc, lora_lib.untake_active(grads), batch.active,
-                                    modules)
-        loss, out = losses_lib.shard_outputs(pieces[len(leaves):])
+        acc, finite_A = train_step.accumulate(
+            acc, lora_lib.untake_active(grads), batch.active, modules
+        )
+        loss, out = losses_lib.shard_outputs(pieces[len(leaves) :])
         return acc, loss, out, finite_A
 
-    def compile(self, remat: bool, acc, lora, params, slot_meta, batch, loss_cfg, *,
-                loss_fns, num_slots, modules=None) -> "HostSummedProgram":
+    def compile(
+        self,
+        remat: bool,
+        acc,
+        lora,
+        params,
+        slot_meta,
+        batch,
+        loss_cfg,
+        *,
+        loss_fns,
+        num_slots,
+        modules=None,
+    ) -> HostSummedProgram:
         """Both programs compiled for these arguments."""
-        partials = self.partials[remat].lower(lora, params, slot_meta, batch, loss_cfg,
-                                              loss_fns=loss_fns, num_slots=num_slots,
-                                              modules=modules).compile()
-        sums = jax.ShapeDtypeStruct(self.view.devices.shape + partials.out_info.shape[-1:],
-                                    jnp.float32, sharding=self.sums_sharding)
-        finish = self.finish.lower(acc, lora, sums, batch, num_slots=num_slots,
-                                   modules=modules).compile()
+        partials = (
+            self.partials[remat]
+            .lower(
+                lora,
+                params,
+                slot_meta,
+                batch,
+                loss_cfg,
+                loss_fns=loss_fns,
+                num_slots=num_slots,
+                modules=modules,
+            )
+            .compile()
+        )
+        sums = jax.ShapeDtypeStruct(
+            self.view.devices.shape + partials.out_info.shape[-1:],
+            jnp.float32,
+            sharding=self.sums_sharding,
+        )
+        finish = self.finish.lower(
+            acc, lora, sums, batch, num_slots=num_slots, modules=modules
+        ).compile()
         return HostSummedProgram(self, partials, finish)
 
 

@@ -1,11 +1,15 @@
-"""Multi-LoRA: the slot layout, initialisation, target modules and span routing.
+"""Multi-LoRA: the slot layout, initialisation, target modules, routing and the grouped
+products.
 
 Owns the layout of the stacked slots (`a [G, L, I, R]`, `b [G, L, R, O]` per target
 module, lm_head without L; the experts of a MoE model add an E axis, see slot_shapes; on a
 hybrid model the attention modules stack over its full-attention layers only and the Gated
-DeltaNet ones over its linear layers, module_layer_ids),
-PEFT's initialisation, and the span routing used inside the model. It must never copy adapter weights per token, and never hold base weights or slot
-arrays (jcp/adapter_state.py owns those).
+DeltaNet ones over its linear layers, module_layer_ids), PEFT's initialisation, the
+routing of tokens to adapters used inside the model, and the products that multiply each
+token by its own adapter only, in tiles of one adapter's tokens (Tiles, delta): a pass
+costs what its tokens cost, whatever the number of adapters in it. It must never copy
+adapter weights per token, never multiply a token by another adapter's factors, and never
+hold base weights or slot arrays (jcp/adapter_state.py owns those).
 
 Shapes: see the legend in jcp/mesh.py.
 """
@@ -13,13 +17,14 @@ Shapes: see the legend in jcp/mesh.py.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jcp.config import QwenConfig
-from jcp.mesh import SPECS, vary_all
+from jcp.mesh import SPECS, block_size, vary_all
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -38,8 +43,14 @@ ALL_MODULES = LAYER_MODULES + EXPERT + (HEAD,)
 # Row-parallel modules are split on their input under tp; the rest on their output.
 ROW_PARALLEL = ("o_proj", "down_proj", "out_proj")
 
-TARGET_GROUPS = {"attn": ATTN, "mlp": MLP, "linear_attn": LINEAR, "experts": EXPERT,
-                 "unembed": (HEAD,), "all": ALL_MODULES}
+TARGET_GROUPS = {
+    "attn": ATTN,
+    "mlp": MLP,
+    "linear_attn": LINEAR,
+    "experts": EXPERT,
+    "unembed": (HEAD,),
+    "all": ALL_MODULES,
+}
 # How an adapter parameterises the experts: one factor pair per expert; Tinker's
 # shared-outer scheme — the hidden-size side (gate.A, up.A, down.B) one factor shared by
 # all experts of a layer, the other side per expert; or PEFT's fused gate_up — per expert,
@@ -65,10 +76,19 @@ def module_dims(cfg: QwenConfig, module: str) -> tuple[int, int]:
     q_out = 2 * cfg.q_dim if cfg.attn_output_gate else cfg.q_dim
     kd, vd = cfg.linear_key_dim, cfg.linear_value_dim
     return {
-        "q_proj": (d, q_out), "k_proj": (d, cfg.kv_dim), "v_proj": (d, cfg.kv_dim),
-        "o_proj": (cfg.q_dim, d), "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d),
-        "in_proj_qkv": (d, 2 * kd + vd), "in_proj_z": (d, vd), "out_proj": (vd, d),
-        "expert_gate": (d, fe), "expert_up": (d, fe), "expert_down": (fe, d),
+        "q_proj": (d, q_out),
+        "k_proj": (d, cfg.kv_dim),
+        "v_proj": (d, cfg.kv_dim),
+        "o_proj": (cfg.q_dim, d),
+        "gate_proj": (d, f),
+        "up_proj": (d, f),
+        "down_proj": (f, d),
+        "in_proj_qkv": (d, 2 * kd + vd),
+        "in_proj_z": (d, vd),
+        "out_proj": (vd, d),
+        "expert_gate": (d, fe),
+        "expert_up": (d, fe),
+        "expert_down": (fe, d),
         HEAD: (d, cfg.vocab_size),
     }[module]
 
@@ -135,15 +155,17 @@ def resolve_targets(targets, cfg: QwenConfig | None = None) -> tuple[str, ...]:
     """
     moe = cfg is not None and cfg.is_moe
     # "all" (and the default): what the model has; without a cfg, a dense model's modules.
-    every = table_modules(cfg) if cfg is not None else tuple(
-        m for m in ALL_MODULES if m not in EXPERT + LINEAR)
+    every = (
+        table_modules(cfg)
+        if cfg is not None
+        else tuple(m for m in ALL_MODULES if m not in EXPERT + LINEAR)
+    )
     if targets is None:
         return every
     if isinstance(targets, str):
         targets = (targets,)
     if not isinstance(targets, (list, tuple)):
-        raise ValueError(f"LoRA targets must be a list of module names or groups, got "
-                         f"{targets!r}")
+        raise ValueError(f"LoRA targets must be a list of module names or groups, got {targets!r}")
     chosen = set()
     for t in targets:
         if t == "all":
@@ -153,25 +175,32 @@ def resolve_targets(targets, cfg: QwenConfig | None = None) -> tuple[str, ...]:
         elif isinstance(t, str) and t in ALL_MODULES:
             chosen.add(t)
         else:
-            raise ValueError(f"unknown LoRA target {t!r}; expected modules {list(ALL_MODULES)} "
-                             f"or groups {list(TARGET_GROUPS)}")
+            raise ValueError(
+                f"unknown LoRA target {t!r}; expected modules {list(ALL_MODULES)} "
+                f"or groups {list(TARGET_GROUPS)}"
+            )
     if not chosen:
         raise ValueError("an adapter needs at least one target module")
     if moe and chosen & set(MLP):
-        raise ValueError(f"LoRA targets {sorted(chosen & set(MLP))} are dense MLP modules, "
-                         "which a mixture-of-experts model does not adapt; target its experts "
-                         "('experts'), attention ('attn') and the unembedding ('unembed')")
+        raise ValueError(
+            f"LoRA targets {sorted(chosen & set(MLP))} are dense MLP modules, "
+            "which a mixture-of-experts model does not adapt; target its experts "
+            "('experts'), attention ('attn') and the unembedding ('unembed')"
+        )
     if cfg is not None and not cfg.is_hybrid and chosen & set(LINEAR):
-        raise ValueError(f"LoRA targets {sorted(chosen & set(LINEAR))} are Gated DeltaNet "
-                         "modules, but this model has no linear-attention layers")
+        raise ValueError(
+            f"LoRA targets {sorted(chosen & set(LINEAR))} are Gated DeltaNet "
+            "modules, but this model has no linear-attention layers"
+        )
     if cfg is not None and not moe and chosen & set(EXPERT):
-        raise ValueError(f"LoRA targets {sorted(chosen & set(EXPERT))} are experts, but this "
-                         "is a dense model (no mixture-of-experts layers)")
+        raise ValueError(
+            f"LoRA targets {sorted(chosen & set(EXPERT))} are experts, but this "
+            "is a dense model (no mixture-of-experts layers)"
+        )
     return tuple(m for m in ALL_MODULES if m in chosen)
 
 
-def factor_shapes(cfg: QwenConfig, module: str, rank: int, lead=(),
-                  modes=EXPERT_LORA) -> dict:
+def factor_shapes(cfg: QwenConfig, module: str, rank: int, lead=(), modes=EXPERT_LORA) -> dict:
     """{key: shape} of every factor a slot table holds for `module` (lead: leading axes,
     e.g. (G,)). Layer modules [L, I, R] / [L, R, O]; lm_head without L; expert modules
     per expert [Lm, E, I, R] / [Lm, E, R, O] and the shared hidden-side factor [Lm, D, R]
@@ -184,35 +213,46 @@ def factor_shapes(cfg: QwenConfig, module: str, rank: int, lead=(),
     if module not in EXPERT:
         lead = lead + (len(module_layer_ids(cfg, module)),)
         if module == QKV:
-            return {"a": lead + (i, rank),
-                    **{k: lead + (rank, w) for k, w in qkv_widths(cfg).items()}}
+            return {
+                "a": lead + (i, rank),
+                **{k: lead + (rank, w) for k, w in qkv_widths(cfg).items()},
+            }
         return {"a": lead + (i, rank), "b": lead + (rank, o)}
     lead = lead + (sum(cfg.moe_layers),)
     e = cfg.num_experts
-    shapes = {"a": lead + (e, i, rank), "b": lead + (e, rank, o),
-              "a_shared": lead + (i, rank), "b_shared": lead + (rank, o)}
+    shapes = {
+        "a": lead + (e, i, rank),
+        "b": lead + (e, rank, o),
+        "a_shared": lead + (i, rank),
+        "b_shared": lead + (rank, o),
+    }
     keys = {k for mode in modes for k in expert_keys(module, mode)}
     return {k: s for k, s in shapes.items() if k in keys}
 
 
-def slot_shapes(cfg: QwenConfig, max_adapters: int, max_rank: int,
-                modes=EXPERT_LORA) -> dict:
+def slot_shapes(cfg: QwenConfig, max_adapters: int, max_rank: int, modes=EXPERT_LORA) -> dict:
     """{module: {key: shape}} of the stacked slots, slot axis first (factor_shapes)."""
-    return {m: factor_shapes(cfg, m, max_rank, (max_adapters,), modes)
-            for m in table_modules(cfg)}
+    return {m: factor_shapes(cfg, m, max_rank, (max_adapters,), modes) for m in table_modules(cfg)}
 
 
 def slot_specs(cfg: QwenConfig, modes=EXPERT_LORA) -> dict:
     """The PartitionSpec of every slot array, from the one table in mesh.py."""
+
     def spec(m):
         if m == HEAD:
             return {"a": SPECS.lora_a_head_GxDxR, "b": SPECS.lora_b_head_GxRxV}
         if m in EXPERT:
             keys = {k for mode in modes for k in expert_keys(m, mode)}
-            return {k: s for k, s in (("a", SPECS.lora_expert_GxLxExIxR),
-                                      ("b", SPECS.lora_expert_GxLxExRxO),
-                                      ("a_shared", SPECS.lora_shared_GxLxIxR),
-                                      ("b_shared", SPECS.lora_shared_GxLxIxR)) if k in keys}
+            return {
+                k: s
+                for k, s in (
+                    ("a", SPECS.lora_expert_GxLxExIxR),
+                    ("b", SPECS.lora_expert_GxLxExRxO),
+                    ("a_shared", SPECS.lora_shared_GxLxIxR),
+                    ("b_shared", SPECS.lora_shared_GxLxIxR),
+                )
+                if k in keys
+            }
         if m in ROW_PARALLEL:
             return {"a": SPECS.lora_a_row_GxLxIxR, "b": SPECS.lora_b_row_GxLxRxD}
         bs = QKV_B if m == QKV else ("b",)
@@ -224,12 +264,17 @@ def slot_specs(cfg: QwenConfig, modes=EXPERT_LORA) -> dict:
 def adapter_shapes(cfg: QwenConfig, rank: int, targets, expert_lora: str | None) -> dict:
     """{module: {key: shape}} of one adapter at its own rank over its targets: the factors
     its expert parameterisation uses (expert_keys), no slot axis."""
-    return {m: {k: s for k, s in factor_shapes(cfg, m, rank).items()
-                if k in expert_keys(m, expert_lora)} for m in targets}
+    return {
+        m: {
+            k: s for k, s in factor_shapes(cfg, m, rank).items() if k in expert_keys(m, expert_lora)
+        }
+        for m in targets
+    }
 
 
-def init_adapter(cfg: QwenConfig, rank: int, targets, seed: int,
-                 expert_lora: str | None = None) -> dict:
+def init_adapter(
+    cfg: QwenConfig, rank: int, targets, seed: int, expert_lora: str | None = None
+) -> dict:
     """One adapter's weights as PEFT initialises them, at its own rank over its targets.
 
     A ~ U(±1/√I) (kaiming-uniform with a = √5, as PEFT), B = 0: {module: {key: array}}
@@ -239,9 +284,171 @@ def init_adapter(cfg: QwenConfig, rank: int, targets, seed: int,
     out = {}
     for m, shapes in adapter_shapes(cfg, rank, targets, expert_lora).items():
         bound = 1.0 / np.sqrt(module_dims(cfg, m)[0])
-        out[m] = {k: (rng.uniform(-bound, bound, s).astype(np.float32) if k.startswith("a")
-                      else np.zeros(s, np.float32)) for k, s in shapes.items()}
+        out[m] = {
+            k: (
+                rng.uniform(-bound, bound, s).astype(np.float32)
+                if k.startswith("a")
+                else np.zeros(s, np.float32)
+            )
+            for k, s in shapes.items()
+        }
     return out
+
+
+# What one tile of the grouped LoRA products costs beyond its rows, in rows: gathering its
+# adapter's factors and one more small product. Measured on XLA:CPU (I = 1024, R = 16;
+# benchmarks/multi_lora.py --parts kernels): a batched [T, I] x [I, R] product runs at
+# about one [S, I] x [I, R] GEMM's speed from T = 64 up, 2x its time at T = 32, 3x at 16.
+TILE_COST_ROWS = 16
+# Extra tiles (Tiles) are multiplied this many at a time, in a loop over those in use.
+EXTRA_CHUNK = 8
+
+
+def tile_rows(s_len: int, n_active: int) -> int:
+    """Rows T of a tile of the grouped LoRA products over s_len rows and n_active adapters.
+
+    Work: the s_len rows, plus up to A − 1 extra tiles (Tiles: one per adapter starting
+    inside a tile), plus TILE_COST_ROWS per tile: S + (A − 1)·T + c·(S / T + A − 1) rows,
+    least at T = √(c·S / (A − 1)) — taken as the largest power of two at most that which
+    divides s_len (one tile of all rows for one adapter). Training's 4096 rows: 128, 64
+    and 32 rows at A = 4, 16, 64; a decode batch of 256 rows: 16 at A = 16, 8 at 64.
+    """
+    if n_active == 1:
+        return block_size(s_len, s_len)
+    return block_size(s_len, math.isqrt(TILE_COST_ROWS * s_len // (n_active - 1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """How the rows of one stream meet their own adapter's factors, in tiles of T rows.
+
+    The rows are taken in adapter order (Q: the stream's rows in that order; order_Q the
+    stream row at each place, place_S each stream row's place — both None for spans, where
+    packing already sorted the stream by adapter) and cut into N = Q / T tiles. Each tile
+    is multiplied by one adapter, its first routed row's: pick_N (index into the A active
+    adapters); keep_NxT marks the rows that adapter owns. A tile in which further adapters
+    start is multiplied again for each of them: the extras tile_E, pick_E, keep_ExT, the
+    first count_E of E ≤ A − 1 (rounded up to EXTRA_CHUNK) in use — the products loop over
+    those only, so active entries without rows (a padded bucket) cost nothing. Rows of no
+    adapter (padding, the base model)
+    are kept by no tile. rank_N / rank_E: those adapters' order along the stream
+    (nondecreasing: the factor gradients' sorted segment sums), rank_of_A the rank of each
+    active adapter; pick_Q the active adapter of each row (any where it has none);
+    weight_Q its scale alpha / r (0 for none).
+
+    Worked example, T = 4, adapters a (rows 0–5), b (6–6), c (7–11), padding 12–15:
+        tiles     [0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 14 15]
+        pick_N      a         a         c           (c, keeps nothing)
+        keep_NxT  [1 1 1 1 | 1 1 0 0 | 1 1 1  1  | 0  0  0  0 ]
+        extras    (tile 1, b: keep 0 0 1 0), (tile 1, c: keep 0 0 0 1)
+    Work: N + count_E tiles of T rows, each with its own adapter's factors gathered once
+    per tile: cost (Q + count_E·T)·I·R, whatever A is — never A·R columns per row.
+    """
+
+    pick_N: jax.Array
+    rank_N: jax.Array
+    keep_NxT: jax.Array
+    tile_E: jax.Array
+    pick_E: jax.Array
+    rank_E: jax.Array
+    keep_ExT: jax.Array
+    count_E: jax.Array
+    rank_of_A: jax.Array
+    pick_Q: jax.Array
+    weight_Q: jax.Array
+    order_Q: jax.Array | None = None
+    place_S: jax.Array | None = None
+
+
+jax.tree_util.register_dataclass(
+    Tiles, data_fields=[f.name for f in dataclasses.fields(Tiles)], meta_fields=[]
+)
+
+
+def _plan(rank_Q, has_Q, start_A, live_A, slot_A, scale_A, tile: int, order_Q=None) -> Tiles:
+    """Tiles of rows already in adapter order. rank_Q: each row's adapter as its rank along
+    the rows (nondecreasing where has_Q); start_A / live_A: the first row of each rank and
+    whether it has rows; slot_A: the active adapter of each rank; scale_A by active
+    adapter."""
+    n_q, n_a = rank_Q.shape[0], slot_A.shape[0]
+    n = n_q // tile
+    rank_NxT, has_NxT = rank_Q.reshape(n, tile), has_Q.reshape(n, tile)
+    lead_N = jnp.take_along_axis(rank_NxT, jnp.argmax(has_NxT, axis=1)[:, None], axis=1)[:, 0]
+    # A tile of no adapter's rows keeps nothing; its rank keeps rank_N nondecreasing.
+    rank_N = jax.lax.cummax(jnp.where(has_NxT.any(axis=1), lead_N, 0))
+    keep_NxT = has_NxT & (rank_NxT == rank_N[:, None])
+    # An adapter whose first tile leads with another one's rows needs that tile again.
+    first_A = jnp.clip(start_A // tile, 0, n - 1)
+    extra_A = live_A & (rank_N[first_A] != jnp.arange(n_a))
+    n_e = min(n_a - 1, n * (tile - 1))
+    chunk = min(EXTRA_CHUNK, n_e)
+    n_e = -(-n_e // chunk) * chunk if n_e else 0
+    (rank_E,) = jnp.nonzero(extra_A, size=n_e, fill_value=n_a - 1)
+    tile_E = first_A[rank_E]
+    count = jnp.sum(extra_A, dtype=jnp.int32)
+    keep_ExT = (
+        (jnp.arange(n_e) < count)[:, None]
+        & jnp.take(has_NxT, tile_E, axis=0)
+        & (jnp.take(rank_NxT, tile_E, axis=0) == rank_E[:, None])
+    )
+    pick_Q = slot_A[rank_Q]
+    return Tiles(
+        pick_N=slot_A[rank_N],
+        rank_N=rank_N,
+        keep_NxT=keep_NxT,
+        tile_E=tile_E,
+        pick_E=slot_A[rank_E],
+        rank_E=rank_E,
+        keep_ExT=keep_ExT,
+        count_E=count,
+        rank_of_A=jnp.argsort(slot_A),
+        pick_Q=pick_Q,
+        weight_Q=jnp.where(has_Q, scale_A[pick_Q], 0.0),
+        order_Q=order_Q,
+        place_S=None if order_Q is None else jnp.argsort(order_Q),
+    )
+
+
+def plan_spans(spans_Ax2, lora_A, scale_A, s_len: int, tile: int | None = None) -> Tiles:
+    """Tiles of a stream routed by disjoint row spans [start, end) (any order, empty ones
+    anywhere); lora_A: False for an entry without LoRA (the base model), whose rows are
+    kept by no tile. tile: T (a power of two dividing s_len; default tile_rows)."""
+    start_A, end_A = spans_Ax2[:, 0], spans_Ax2[:, 1]
+    key_A = jnp.where((end_A > start_A) & lora_A, start_A, s_len)
+    slot_A = jnp.argsort(key_A)  # rank -> active adapter: adapters in the order of their rows
+    q_S = jnp.arange(s_len)
+    rank_S = jnp.searchsorted(key_A[slot_A], q_S, side="right") - 1
+    has_S = (rank_S >= 0) & (q_S < end_A[slot_A[jnp.maximum(rank_S, 0)]])
+    return _plan(
+        jnp.maximum(rank_S, 0),
+        has_S,
+        key_A[slot_A],
+        key_A[slot_A] < s_len,
+        slot_A,
+        scale_A,
+        tile or tile_rows(s_len, slot_A.shape[0]),
+    )
+
+
+def plan_rows(index_S, lora_A, scale_A, tile: int | None = None) -> Tiles:
+    """Tiles of rows routed one by one (index_S: each row's active adapter, in any order —
+    a decode batch): the rows sorted by adapter (stable), rows of an entry without LoRA
+    (lora_A False) first and kept by no tile."""
+    n_a = lora_A.shape[0]
+    key_S = jnp.where(lora_A[index_S], index_S, -1)
+    order_Q = jnp.argsort(key_S, stable=True)
+    rank_Q = key_S[order_Q]
+    bounds = jnp.searchsorted(rank_Q, jnp.arange(n_a + 1), side="left")
+    return _plan(
+        jnp.maximum(rank_Q, 0),
+        rank_Q >= 0,
+        bounds[:-1],
+        bounds[1:] > bounds[:-1],
+        jnp.arange(n_a),
+        scale_A,
+        tile or tile_rows(index_S.shape[0], n_a),
+        order_Q,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,7 +462,8 @@ class Routing:
     expert_up reads expert_gate's A (fused_gate_up), None in tables without that mode.
     index_S: instead of spans, each row's index into active_A (int32 [S]) — the sampling
     engine's decode batch, whose rows come and go in any adapter order; spans_Ax2 is then
-    unused.
+    unused. tiles: the plan of the grouped products (low_rank_input, expand), made once
+    per routing by SlotMeta.routing.
     """
 
     active_A: jax.Array
@@ -264,6 +472,7 @@ class Routing:
     shared_A: jax.Array
     tied_A: jax.Array | None = None
     index_S: jax.Array | None = None
+    tiles: Tiles | None = None
 
     def mask_SxA(self, s_len: int) -> jax.Array:
         if self.index_S is not None:
@@ -273,8 +482,10 @@ class Routing:
 
 
 jax.tree_util.register_dataclass(
-    Routing, data_fields=["active_A", "spans_Ax2", "scale_A", "shared_A", "tied_A", "index_S"],
-    meta_fields=[])
+    Routing,
+    data_fields=["active_A", "spans_Ax2", "scale_A", "shared_A", "tied_A", "index_S", "tiles"],
+    meta_fields=[],
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,19 +498,33 @@ class SlotMeta:
     shared_G: jax.Array
     tied_G: jax.Array | None = None
 
-    def routing(self, active_A, spans_Ax2, index_S=None) -> Routing:
+    def routing(self, active_A, spans_Ax2, index_S=None, *, s_len: int | None = None) -> Routing:
         """Routing of the active slots (entries < 0: the base model, no LoRA, scale 0), by
-        spans_Ax2 or, given index_S, by each row's index into active_A."""
+        spans_Ax2 over a stream of s_len rows or, given index_S, by each row's index into
+        active_A; with the plan of its grouped products (Tiles)."""
         slot_A = jnp.maximum(active_A, 0)
         scale_A = jnp.where(active_A < 0, 0.0, jnp.take(self.scale_G, slot_A))
         tied_A = None if self.tied_G is None else jnp.take(self.tied_G, slot_A)
-        return Routing(active_A=slot_A, spans_Ax2=spans_Ax2, scale_A=scale_A,
-                       shared_A=jnp.take(self.shared_G, slot_A), tied_A=tied_A,
-                       index_S=index_S)
+        if index_S is not None:
+            tiles = plan_rows(index_S, active_A >= 0, scale_A)
+        elif s_len is None:
+            raise ValueError("routing by spans needs the stream's length s_len")
+        else:
+            tiles = plan_spans(spans_Ax2, active_A >= 0, scale_A, s_len)
+        return Routing(
+            active_A=slot_A,
+            spans_Ax2=spans_Ax2,
+            scale_A=scale_A,
+            shared_A=jnp.take(self.shared_G, slot_A),
+            tied_A=tied_A,
+            index_S=index_S,
+            tiles=tiles,
+        )
 
 
-jax.tree_util.register_dataclass(SlotMeta, data_fields=["scale_G", "shared_G", "tied_G"],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(
+    SlotMeta, data_fields=["scale_G", "shared_G", "tied_G"], meta_fields=[]
+)
 
 
 def take_active(slots: dict, active_A) -> dict:
@@ -316,8 +541,10 @@ def take_active(slots: dict, active_A) -> dict:
 
 def untake_active(active: dict) -> dict:
     """Inverse layout of take_active: [L, A, …] -> [A, L, …] (lm_head unchanged)."""
-    return {m: ab if m == HEAD else jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), ab)
-            for m, ab in active.items()}
+    return {
+        m: ab if m == HEAD else jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), ab)
+        for m, ab in active.items()
+    }
 
 
 def slot_specs_active(cfg: QwenConfig, active: dict) -> dict:
@@ -329,63 +556,153 @@ def slot_specs_active(cfg: QwenConfig, active: dict) -> dict:
 
 
 def low_rank_input(x_SxI, a_AxIxR, route: Routing):
-    """(x @ A_k)·scale_k for each token's own adapter k, zero elsewhere: [S, A·R].
+    """(x @ A_k)·scale_k of each row by its own adapter k: u [Q, R] fp32, its rows in the
+    routing's adapter order (Tiles: the stream's own order under spans), zero for rows of
+    no adapter. expand takes it back to the stream's rows.
 
-    Cost O(S·A·R·I) with A the adapters active in the batch, independent of the slot count.
+    Cost O(S·I·R + E·T·I·R) (Tiles), whatever the number of adapters; the backward keeps
+    x and the factors, no activation of its own.
     """
-    s_len = x_SxI.shape[0]
-    n_a, i_len, rank = a_AxIxR.shape
-    # One plain GEMM x [S, I] @ [I, A·R]. Contracting the middle axis of [A, I, R] directly
-    # ("si,air->sar") makes XLA copy A into [I, A, R] inside the dot, where no caller can
-    # reach it: per module and decode step (1.2–1.3× the decode time at A = 4, tiny model).
-    # Written out, a loop can hold A as [I, A, R] and XLA folds the two transposes
-    # (sample.programs.make_decode does).
-    a_IxAR = jnp.moveaxis(a_AxIxR, 0, 1).reshape(i_len, n_a * rank)
+    t = route.tiles
+    if t.order_Q is not None:
+        x_SxI = x_SxI[t.order_Q]
     # One varying type for both (a custom VJP's cotangents must match its inputs'): the
     # casts' transposes sum A's gradient over the devices where x varies and A does not.
-    x_SxI, a_IxAR = (vary_all(t, x_SxI, a_IxAR) for t in (x_SxI, a_IxAR.astype(x_SxI.dtype)))
-    xa_SxAR = _down_project(x_SxI, a_IxAR)
-    w_SxA = jnp.where(route.mask_SxA(s_len), route.scale_A[None, :], 0.0)
-    return (xa_SxAR.reshape(s_len, n_a, rank) * w_SxA[:, :, None]).reshape(s_len, -1)
+    x_QxI, a_AxIxR = (vary_all(v, x_SxI, a_AxIxR) for v in (x_SxI, a_AxIxR.astype(x_SxI.dtype)))
+    return _tile_product(x_QxI, a_AxIxR, t) * t.weight_Q[:, None]
 
 
-@jax.custom_vjp
-def _down_project(x_SxI, a_IxR):
-    """x @ A in fp32: [S, R], with a backward whose A gradient XLA:CPU runs fast.
-
-    Autodiff's dA = xᵀ·du [I, R] contracts the token axis of both operands, which XLA:CPU
-    runs off its fast GEMM path (x [4096, 256], du [4096, 8]: 2.1 ms on one core); the
-    same product written out as (dA)ᵀ = duᵀ·x [R, I] takes 0.6 ms. Every LoRA module pays
-    it per layer and step. The barrier keeps XLA from folding the small [R, I] → [I, R]
-    transpose back into the dot. dx = du @ Aᵀ as autodiff's.
-    """
-    return jnp.einsum("si,ir->sr", x_SxI, a_IxR, preferred_element_type=jnp.float32)
-
-
-def _down_project_fwd(x_SxI, a_IxR):
-    return _down_project(x_SxI, a_IxR), (x_SxI, a_IxR)
-
-
-def _down_project_bwd(res, du_SxR):
-    x_SxI, a_IxR = res
-    du_SxR = du_SxR.astype(x_SxI.dtype)
-    da_RxI = jnp.einsum("sr,si->ri", du_SxR, x_SxI, preferred_element_type=jnp.float32)
-    da_IxR = jax.lax.optimization_barrier(da_RxI).T
-    dx_SxI = jnp.einsum("sr,ir->si", du_SxR, a_IxR, preferred_element_type=jnp.float32)
-    return dx_SxI.astype(x_SxI.dtype), da_IxR.astype(a_IxR.dtype)
-
-
-_down_project.defvjp(_down_project_fwd, _down_project_bwd)
+def expand(u_QxR, b_AxRxO, route: Routing, dtype):
+    """The second half of delta: low_rank_input's u [Q, R] times each row's own B ->
+    [S, O] in the stream's rows (several B of one A, as in_proj_qkv's, share one u). The
+    backward keeps u: [S, R] per module."""
+    t = route.tiles
+    u_QxR, b_AxRxO = (
+        vary_all(v, u_QxR, b_AxRxO) for v in (u_QxR.astype(dtype), b_AxRxO.astype(dtype))
+    )
+    y_QxO = _tile_product(u_QxR, b_AxRxO, t).astype(dtype)
+    return y_QxO if t.place_S is None else y_QxO[t.place_S]
 
 
 def delta(x_SxI, a_AxIxR, b_AxRxO, route: Routing):
     """LoRA update of each token by its own adapter: [S, O]."""
-    return expand(low_rank_input(x_SxI, a_AxIxR, route), b_AxRxO, x_SxI.dtype)
+    return expand(low_rank_input(x_SxI, a_AxIxR, route), b_AxRxO, route, x_SxI.dtype)
 
 
-def expand(u_SxAR, b_AxRxO, dtype):
-    """The second half of delta: low_rank_input's u [S, A·R] @ the stacked B -> [S, O]
-    (several B of one A, as in_proj_qkv's, share one u)."""
-    b = b_AxRxO.reshape(-1, b_AxRxO.shape[-1])
-    return jnp.einsum("sr,ro->so", u_SxAR.astype(dtype), b.astype(dtype),
-                      preferred_element_type=jnp.float32).astype(dtype)
+def stacked_input(x_SxI, a_AxIxR, route: Routing):
+    """low_rank_input laid out for the stacked B [A·R, O] (the unembedding's LoRA, which
+    losses.py multiplies chunk by chunk): [S, A·R] in the stream's rows, each row's u in its
+    own adapter's R columns, zero elsewhere."""
+    u_QxR = low_rank_input(x_SxI, a_AxIxR, route)
+    t = route.tiles
+    own_QxA = t.pick_Q[:, None] == jnp.arange(a_AxIxR.shape[0])[None, :]
+    u_QxAR = jnp.where(own_QxA[:, :, None], u_QxR[:, None, :], 0.0).reshape(u_QxR.shape[0], -1)
+    return u_QxAR if t.place_S is None else u_QxAR[t.place_S]
+
+
+def _keep(x_KxTxC, keep_KxT):
+    return jnp.where(keep_KxT[..., None], x_KxTxC, jnp.zeros((), x_KxTxC.dtype))
+
+
+def _extra_chunk(t: Tiles, e):
+    """(tile_C, pick_C, keep_CxT) of the EXTRA_CHUNK extra tiles from e on."""
+    chunk = min(EXTRA_CHUNK, t.tile_E.shape[0])
+    return tuple(
+        jax.lax.dynamic_slice_in_dim(v, e, chunk) for v in (t.tile_E, t.pick_E, t.keep_ExT)
+    )
+
+
+def _over_extras(t: Tiles, body, carry):
+    """carry through body(e, carry) for the chunks of extra tiles in use (e: the chunk's
+    first extra): a loop of as many steps as count_E needs, none without extras."""
+    n_e = t.tile_E.shape[0]
+    if not n_e:
+        return carry
+    chunk = min(EXTRA_CHUNK, n_e)
+    steps = (t.count_E + chunk - 1) // chunk
+    return jax.lax.fori_loop(0, steps, lambda i, c: body(i * chunk, c), carry)
+
+
+@jax.custom_vjp
+def _tile_product(x_QxI, w_AxIxO, t: Tiles):
+    """y[q] = x[q] @ w[k(q)] fp32 [Q, O], k(q) row q's adapter (Tiles; 0 for rows of none):
+    one batched product over the N tiles (x viewed as [N, T, I], no copy) plus one over
+    the E extra tiles, added in. Each row is kept by exactly one tile, so the sum adds
+    zeros only. The mask falls on the narrower side (x's I or y's O).
+
+    Custom VJP: autodiff's gradient of w contracts the token axis with the wide operand
+    first (xᵀ·dy [I, R] for the down projection), which XLA:CPU runs off its fast GEMM path
+    (x [4096, 256], dy [4096, 8]: 2.1 ms on one core, batched per tile likewise); written
+    with the narrow side leading (dyᵀ·x [R, I]) it takes 0.6 ms. The barrier keeps XLA from
+    folding the small [R, I] → [I, R] transpose back into the dot. The per-tile gradients
+    of w are summed per adapter in stream order (sorted segment sums), never by a
+    scatter.
+    """
+    n, tile = t.keep_NxT.shape
+    x_NxTxI = x_QxI.reshape(n, tile, -1)
+    narrow_in = x_QxI.shape[1] <= w_AxIxO.shape[2]
+
+    def part(x_KxTxI, pick_K, keep_KxT):
+        x = _keep(x_KxTxI, keep_KxT) if narrow_in else x_KxTxI
+        y = jnp.einsum("kti,kio->kto", x, w_AxIxO[pick_K], preferred_element_type=jnp.float32)
+        return y if narrow_in else _keep(y, keep_KxT)
+
+    def extra(e, y_NxTxO):
+        tile_C, pick_C, keep_CxT = _extra_chunk(t, e)
+        return y_NxTxO.at[tile_C].add(part(x_NxTxI[tile_C], pick_C, keep_CxT))
+
+    y_NxTxO = _over_extras(t, extra, part(x_NxTxI, t.pick_N, t.keep_NxT))
+    return y_NxTxO.reshape(n * tile, -1)
+
+
+def _tile_product_fwd(x_QxI, w_AxIxO, t):
+    return _tile_product(x_QxI, w_AxIxO, t), (x_QxI, w_AxIxO, t)
+
+
+def _tile_product_bwd(res, dy_QxO):
+    x_QxI, w_AxIxO, t = res
+    n, tile = t.keep_NxT.shape
+    n_a = w_AxIxO.shape[0]
+    narrow_in = x_QxI.shape[1] <= w_AxIxO.shape[2]
+    x_NxTxI = x_QxI.reshape(n, tile, -1)
+    dy_NxTxO = dy_QxO.astype(x_QxI.dtype).reshape(n, tile, -1)
+
+    def part(x_KxTxI, dy_KxTxO, pick_K, keep_KxT):
+        """(dx [K, T, I], dw per tile: [K, I, O] if narrow_in else [K, O, I])."""
+        w_KxIxO = w_AxIxO[pick_K]
+        if narrow_in:
+            dw = jnp.einsum(
+                "kti,kto->kio",
+                _keep(x_KxTxI, keep_KxT),
+                dy_KxTxO,
+                preferred_element_type=jnp.float32,
+            )
+            dx = _keep(
+                jnp.einsum("kto,kio->kti", dy_KxTxO, w_KxIxO, preferred_element_type=jnp.float32),
+                keep_KxT,
+            )
+            return dx, dw
+        dy = _keep(dy_KxTxO, keep_KxT)
+        dw = jnp.einsum("kto,kti->koi", dy, x_KxTxI, preferred_element_type=jnp.float32)
+        return jnp.einsum("kto,kio->kti", dy, w_KxIxO, preferred_element_type=jnp.float32), dw
+
+    def per_adapter(dw_K, rank_K):
+        return jax.ops.segment_sum(dw_K, rank_K, n_a, indices_are_sorted=True)
+
+    def extra(e, carry):
+        dx_NxTxI, dw_A = carry
+        tile_C, pick_C, keep_CxT = _extra_chunk(t, e)
+        dx_C, dw_C = part(x_NxTxI[tile_C], dy_NxTxO[tile_C], pick_C, keep_CxT)
+        rank_C = jax.lax.dynamic_slice_in_dim(t.rank_E, e, tile_C.shape[0])
+        return dx_NxTxI.at[tile_C].add(dx_C), dw_A + per_adapter(dw_C, rank_C)
+
+    dx_NxTxI, dw_N = part(x_NxTxI, dy_NxTxO, t.pick_N, t.keep_NxT)
+    dx_NxTxI, dw_A = _over_extras(t, extra, (dx_NxTxI, per_adapter(dw_N, t.rank_N)))
+    dw_A = dw_A[t.rank_of_A]
+    if not narrow_in:
+        dw_A = jnp.swapaxes(jax.lax.optimization_barrier(dw_A), 1, 2)
+    dx_QxI = dx_NxTxI.reshape(x_QxI.shape).astype(x_QxI.dtype)
+    return dx_QxI, dw_A.astype(w_AxIxO.dtype), None
+
+
+_tile_product.defvjp(_tile_product_fwd, _tile_product_bwd)

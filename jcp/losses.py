@@ -93,8 +93,10 @@ def _lp_bwd(chunk, right_grads, res, g_SxK):
     v_local = rights[0].shape[1]
     tgt_SxK, inside_SxK = _local_targets(targets_SxK, v_local)
     # Frozen factors (the base unembedding) get no gradient work at all.
-    d_rights0 = tuple(vary(jnp.zeros(r.shape if want else (), jnp.float32), varying_axes(r))
-                      for r, want in zip(rights, right_grads))
+    d_rights0 = tuple(
+        vary(jnp.zeros(r.shape if want else (), jnp.float32), varying_axes(r))
+        for r, want in zip(rights, right_grads)
+    )
 
     def body(d_rights, i):
         logits = _chunk_logits(lefts, rights, i, chunk)
@@ -118,11 +120,11 @@ def _lp_bwd(chunk, right_grads, res, g_SxK):
         return tuple(new_d_rights), tuple(d_lefts)
 
     d_rights, d_lefts = jax.lax.scan(body, d_rights0, jnp.arange(s_len // chunk))
-    d_lefts = tuple(
-        dl.reshape(left.shape).astype(left.dtype) for dl, left in zip(d_lefts, lefts)
+    d_lefts = tuple(dl.reshape(left.shape).astype(left.dtype) for dl, left in zip(d_lefts, lefts))
+    d_rights = tuple(
+        dr.astype(r.dtype) if want else jnp.zeros_like(r)
+        for dr, r, want in zip(d_rights, rights, right_grads)
     )
-    d_rights = tuple(dr.astype(r.dtype) if want else jnp.zeros_like(r)
-                     for dr, r, want in zip(d_rights, rights, right_grads))
     targets_ct = np.zeros(targets_SxK.shape, dtype=jax.dtypes.float0)
     return d_lefts, d_rights, targets_ct
 
@@ -162,8 +164,18 @@ def _gather_tp(x_CxK):
     return jnp.moveaxis(jax.lax.psum(grid, TP), 0, 1).reshape(x_CxK.shape[0], -1)
 
 
-def prompt_stats(lefts, rights, targets_SxK, chunk: int = DEFAULT_CHUNK, *, topk: int = 0,
-                 alt: int = 0, temperature_S=None, keys_Sx2=None, position_S=None) -> dict:
+def prompt_stats(
+    lefts,
+    rights,
+    targets_SxK,
+    chunk: int = DEFAULT_CHUNK,
+    *,
+    topk: int = 0,
+    alt: int = 0,
+    temperature_S=None,
+    keys_Sx2=None,
+    position_S=None,
+) -> dict:
     """Forward-only log-prob statistics of every token, vocab-parallel over "tp" (no
     [tokens, V] array, no vocab gather): {"lp": [S, K] log_softmax(logits) of targets
     (as target_logprobs; −1 gets −lse, for the caller to mask)} and, with topk > 0,
@@ -203,8 +215,9 @@ def prompt_stats(lefts, rights, targets_SxK, chunk: int = DEFAULT_CHUNK, *, topk
             val, at = jax.lax.top_k(val, min(topk, val.shape[1]))
             idx = jnp.take_along_axis(idx, at, axis=-1)
             pad = topk - val.shape[1]
-            out["topk_lp"] = jnp.pad(val - lse[:, None], ((0, 0), (0, pad)),
-                                     constant_values=-jnp.inf)
+            out["topk_lp"] = jnp.pad(
+                val - lse[:, None], ((0, 0), (0, pad)), constant_values=-jnp.inf
+            )
             out["topk_ids"] = jnp.pad(idx, ((0, 0), (0, pad)), constant_values=-1)
         if alt:
             t_C = sl(temperature_S)
@@ -215,20 +228,25 @@ def prompt_stats(lefts, rights, targets_SxK, chunk: int = DEFAULT_CHUNK, *, topk
             def draw(_, j):
                 def noise(key_2, p):
                     key = jax.random.wrap_key_data(key_2, impl="threefry2x32")
-                    key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(
-                        key, p), j), rank)
+                    key = jax.random.fold_in(
+                        jax.random.fold_in(jax.random.fold_in(key, p), j), rank
+                    )
                     return jax.random.gumbel(key, (v_local,), jnp.float32)
 
                 y = jnp.where((t_C > 0)[:, None], x + jax.vmap(noise)(keys, pos), x)
                 best = jnp.max(y, axis=-1)
                 top = jax.lax.pmax(best, TP)
-                tok = jax.lax.pmin(jnp.where(best == top, jnp.argmax(y, axis=-1) + offset,
-                                             v_total), TP)
+                tok = jax.lax.pmin(
+                    jnp.where(best == top, jnp.argmax(y, axis=-1) + offset, v_total), TP
+                )
                 here = (tok >= offset) & (tok < offset + v_local)
-                xi = jnp.take_along_axis(x, jnp.clip(tok - offset, 0, v_local - 1)[:, None],
-                                         axis=-1)[:, 0]
-                return None, (tok.astype(jnp.int32),
-                              jax.lax.psum(jnp.where(here, xi, 0.0), TP) - lse_t)
+                xi = jnp.take_along_axis(
+                    x, jnp.clip(tok - offset, 0, v_local - 1)[:, None], axis=-1
+                )[:, 0]
+                return None, (
+                    tok.astype(jnp.int32),
+                    jax.lax.psum(jnp.where(here, xi, 0.0), TP) - lse_t,
+                )
 
             _, (ids, lps) = jax.lax.scan(draw, None, jnp.arange(alt))
             out["alt_ids"], out["alt_lp"] = ids.T, lps.T
@@ -360,14 +378,26 @@ class LossSpec:
 LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(cross_entropy, ("weights",)),
     "importance_sampling": LossSpec(importance_sampling, ("advantages", "logprobs")),
-    "ppo": LossSpec(ppo, ("advantages", "logprobs"),
-                    {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, clips=True),
-    "cispo": LossSpec(cispo, ("advantages", "logprobs"),
-                      {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}, clips=True),
+    "ppo": LossSpec(
+        ppo,
+        ("advantages", "logprobs"),
+        {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+        clips=True,
+    ),
+    "cispo": LossSpec(
+        cispo,
+        ("advantages", "logprobs"),
+        {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+        clips=True,
+    ),
     "dro": LossSpec(dro, ("advantages", "logprobs"), {"beta": 0.05}),
     # Tinker documents the clip keys of gspo but not their defaults: PPO's are used.
-    "gspo": LossSpec(gspo, ("advantages", "logprobs", "sequence_ratio_mask"),
-                     {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, clips=True),
+    "gspo": LossSpec(
+        gspo,
+        ("advantages", "logprobs", "sequence_ratio_mask"),
+        {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+        clips=True,
+    ),
 }
 
 # A client-defined per-datum loss (jcp.custom_loss.CustomLoss): not in LOSSES, because its
@@ -381,13 +411,16 @@ FLOAT_INPUTS = tuple(dict.fromkeys(f for spec in LOSSES.values() for f in spec.i
 def check_loss_fn(loss_fn, what: str = "loss_fn") -> str:
     """A registered loss name, or InputError naming `what`."""
     if loss_fn == CUSTOM:
-        raise InputError(f"{what} 'custom' takes a jcp.custom_loss.CustomLoss (pass the "
-                         "object as loss_fn), not the name")
+        raise InputError(
+            f"{what} 'custom' takes a jcp.custom_loss.CustomLoss (pass the "
+            "object as loss_fn), not the name"
+        )
     if not isinstance(loss_fn, str) or loss_fn not in LOSSES:
-        raise InputError(f"unknown {what} {loss_fn!r}; expected one of {sorted(LOSSES)}"
-                         if what == "loss_fn" else
-                         f"{what}: unknown loss_fn {loss_fn!r}; expected one of "
-                         f"{sorted(LOSSES)}")
+        raise InputError(
+            f"unknown {what} {loss_fn!r}; expected one of {sorted(LOSSES)}"
+            if what == "loss_fn"
+            else f"{what}: unknown loss_fn {loss_fn!r}; expected one of {sorted(LOSSES)}"
+        )
     return loss_fn
 
 
@@ -396,8 +429,9 @@ def resolve_config(loss_fn: str, loss_fn_config) -> dict[str, float]:
     unknown keys or values."""
     check_loss_fn(loss_fn)
     if loss_fn_config is not None and not isinstance(loss_fn_config, Mapping):
-        raise InputError(f"loss_fn_config for {loss_fn} must be a dict of settings, got "
-                         f"{loss_fn_config!r}")
+        raise InputError(
+            f"loss_fn_config for {loss_fn} must be a dict of settings, got {loss_fn_config!r}"
+        )
     cfg = dict(LOSSES[loss_fn].config)
     for key, value in (loss_fn_config or {}).items():
         if key not in cfg:
@@ -424,20 +458,26 @@ def check_finite_outputs(i: int, datum, out: dict) -> None:
         return
     bad = np.flatnonzero(~np.isfinite(el))
     if not bad.size:
-        raise InputError(f"datum {i}: its {datum.loss_fn} loss sums to {out['loss:sum']} "
-                         "(overflows float32); split the datum or scale its inputs")
+        raise InputError(
+            f"datum {i}: its {datum.loss_fn} loss sums to {out['loss:sum']} "
+            "(overflows float32); split the datum or scale its inputs"
+        )
     j = int(bad[0])
     why = "check loss_fn_inputs.advantages / weights"
     if datum.loss_fn == "gspo":
-        why = ("the sequence ratio exp(mean of (logprob − loss_fn_inputs.logprobs) over "
-               "sequence_ratio_mask) overflows float32; check loss_fn_inputs.logprobs")
+        why = (
+            "the sequence ratio exp(mean of (logprob − loss_fn_inputs.logprobs) over "
+            "sequence_ratio_mask) overflows float32; check loss_fn_inputs.logprobs"
+        )
     elif "logprobs" in datum.floats:
         log_ratio = float(out["logprobs"][j]) - float(datum.floats["logprobs"][j])
         if log_ratio > np.log(np.finfo(np.float32).max):
-            why = (f"the importance ratio exp(logprob − loss_fn_inputs.logprobs) = "
-                   f"exp({log_ratio:.4g}) overflows float32; loss_fn_inputs.logprobs[{j}] = "
-                   f"{datum.floats['logprobs'][j]:.4g} is far below the model's "
-                   f"{out['logprobs'][j]:.4g}")
+            why = (
+                f"the importance ratio exp(logprob − loss_fn_inputs.logprobs) = "
+                f"exp({log_ratio:.4g}) overflows float32; loss_fn_inputs.logprobs[{j}] = "
+                f"{datum.floats['logprobs'][j]:.4g} is far below the model's "
+                f"{out['logprobs'][j]:.4g}"
+            )
         elif datum.loss_fn == "dro":
             why = "the squared log-ratio term overflows float32; check loss_fn_inputs.logprobs"
     raise InputError(f"datum {i}: its {datum.loss_fn} loss is {el[j]} at token {j}: {why}")
@@ -475,10 +515,20 @@ class ShardOutputs:
 
 
 jax.tree_util.register_dataclass(
-    ShardOutputs, data_fields=["logprobs", "elementwise_loss", "datum_loss", "clipped",
-                               "expert_counts", "router_aux_loss", "token_logprobs",
-                               "custom_loss", "custom_metrics"],
-    meta_fields=[])
+    ShardOutputs,
+    data_fields=[
+        "logprobs",
+        "elementwise_loss",
+        "datum_loss",
+        "clipped",
+        "expert_counts",
+        "router_aux_loss",
+        "token_logprobs",
+        "custom_loss",
+        "custom_metrics",
+    ],
+    meta_fields=[],
+)
 
 
 def gather_stream(x_S):
@@ -543,19 +593,33 @@ def token_losses(lp_S, inputs: TokenInputs, loss_fn, cfg, loss_id_S=None):
         here = loss_id_S == k
         mask = inputs.sequence_ratio_mask
         mine = dataclasses.replace(
-            inputs, weights=jnp.where(here, inputs.weights, 0.0),
+            inputs,
+            weights=jnp.where(here, inputs.weights, 0.0),
             advantages=jnp.where(here, inputs.advantages, 0.0),
             logprobs=jnp.where(here, inputs.logprobs, lp_value),
-            sequence_ratio_mask=None if mask is None else jnp.where(here, mask, 0.0))
+            sequence_ratio_mask=None if mask is None else jnp.where(here, mask, 0.0),
+        )
         l, c = LOSSES[name](lp_S, mine, cfg[name])
         tok_loss_S = jnp.where(here, l, tok_loss_S)
         clipped_S = clipped_S | (here & c)
     return tok_loss_S, clipped_S
 
 
-def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn,
-               cfg, num_slots: int, chunk: int = DEFAULT_CHUNK, right_grads=None,
-               loss_id_S=None, keep_token_logprobs: bool = False, summed: bool = True):
+def shard_loss(
+    lefts,
+    rights,
+    targets_S,
+    segment_S,
+    inputs: TokenInputs,
+    loss_fn,
+    cfg,
+    num_slots: int,
+    chunk: int = DEFAULT_CHUNK,
+    right_grads=None,
+    loss_id_S=None,
+    keep_token_logprobs: bool = False,
+    summed: bool = True,
+):
     """Loss of this shard's tokens and the complete per-datum outputs.
 
     loss_fn / cfg / loss_id_S as in token_losses (one loss, or one per token).
@@ -591,14 +655,20 @@ def shard_loss(lefts, rights, targets_S, segment_S, inputs: TokenInputs, loss_fn
     el_out = jax.lax.stop_gradient(tok_loss_S)
     slot_S = jnp.where(real_S, segment_S, num_slots)
     datum_loss = jax.ops.segment_sum(el_out, slot_S, num_segments=num_slots + 1)[:num_slots]
-    clipped = jax.ops.segment_sum((clipped_S & real_S).astype(jnp.int32), slot_S,
-                                  num_segments=num_slots + 1)[:num_slots]
+    clipped = jax.ops.segment_sum(
+        (clipped_S & real_S).astype(jnp.int32), slot_S, num_segments=num_slots + 1
+    )[:num_slots]
     # The loss and every output summed over (dp, cp) as one vector (psum_flat: one
     # all-reduce, not one per array); the clipped counts as float32 (exact below 2^24
     # tokens a datum) to join it.
     loss = jnp.sum(tok_loss_S)
-    parts = (jax.lax.stop_gradient(loss), stream_grid(lp_out), stream_grid(el_out),
-             datum_loss, clipped.astype(jnp.float32))
+    parts = (
+        jax.lax.stop_gradient(loss),
+        stream_grid(lp_out),
+        stream_grid(el_out),
+        datum_loss,
+        clipped.astype(jnp.float32),
+    )
     if not summed:
         return loss, parts
     loss, *sums = psum_flat((loss,) + parts[1:], BATCH_AXES)
@@ -615,5 +685,6 @@ OUTPUT_PARTS = ("loss", "logprobs", "elementwise_loss", "datum_loss", "clipped")
 def shard_outputs(sums) -> tuple[jax.Array, ShardOutputs]:
     """(loss, ShardOutputs) of shard_loss's OUTPUT_PARTS summed over (dp, cp)."""
     loss, lp, el, datum_loss, clipped = sums
-    return loss, ShardOutputs(logprobs=lp, elementwise_loss=el, datum_loss=datum_loss,
-                              clipped=clipped.astype(jnp.int32))
+    return loss, ShardOutputs(
+        logprobs=lp, elementwise_loss=el, datum_loss=datum_loss, clipped=clipped.astype(jnp.int32)
+    )

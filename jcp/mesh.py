@@ -250,7 +250,8 @@ def psum_flat(tree, axes):
     tuple's operands one by one, and in a multi-process job each is a gloo ring of
     2 (devices - 1) TCP hops, latency-bound at these sizes: 25 small leaves over 8
     devices in 2 processes took 193 ms (100 CPU ms a process) against 8.6 ms as one
-    vector of the same 101 KB (2 cores at load ≈ 13; in one process 2.3 vs 2.7 ms). Use it where one program sums many small arrays.
+    vector of the same 101 KB (2 cores at load ≈ 13; in one process 2.3 vs 2.7 ms).
+    Use it where one program sums many small arrays.
     Leaves that differ only in varying over mesh axes of one device (tp = 1: the adapters'
     tp-sharded factors against the others) share a vector: cast to vary over them for the
     sum, each is given its own type back by a psum over those axes (a sum over one device:
@@ -276,13 +277,13 @@ def psum_flat(tree, axes):
     for idx in groups.values():
         summed = (axes,) if isinstance(axes, str) else tuple(axes)  # invariant after it
         extra = sorted({a for i in idx for a in varying_axes(leaves[i]) if single(a)})
-        flat = jax.lax.psum(jax.numpy.concatenate([vary(leaves[i], extra).reshape(-1)
-                                                   for i in idx]), axes)
+        flat = jax.lax.psum(
+            jax.numpy.concatenate([vary(leaves[i], extra).reshape(-1) for i in idx]), axes
+        )
         start = 0
         for i in idx:
-            x = flat[start:start + leaves[i].size].reshape(leaves[i].shape)
-            back = tuple(a for a in extra
-                         if a not in varying_axes(leaves[i]) and a not in summed)
+            x = flat[start : start + leaves[i].size].reshape(leaves[i].shape)
+            back = tuple(a for a in extra if a not in varying_axes(leaves[i]) and a not in summed)
             out[i] = jax.lax.psum(x, back) if back else x
             start += leaves[i].size
     return jax.tree.unflatten(treedef, out)
@@ -298,8 +299,9 @@ def put(mesh: Mesh, x, spec: P, dtype=None) -> jax.Array:
     no device ever holds a replicated copy of a sharded array, and each process reads only
     the slices of its own devices. Every process passes the same value. dtype: cast each
     slice (default: x's dtype)."""
-    return jax.make_array_from_callback(tuple(x.shape), NamedSharding(mesh, spec),
-                                        lambda idx: np.asarray(x[idx], dtype))
+    return jax.make_array_from_callback(
+        tuple(x.shape), NamedSharding(mesh, spec), lambda idx: np.asarray(x[idx], dtype)
+    )
 
 
 def replicate(mesh: Mesh, x) -> jax.Array:

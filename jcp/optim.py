@@ -72,16 +72,25 @@ def make_optim_step(mesh):
         new_params = jax.tree.map(lambda p, u: p - lr * (u + wd * p), params, updates)
         applied = grad_finite & _finite((new_params, state.mu, state.nu))
         keep = lambda new, prev: jax.tree.map(  # noqa: E731
-            lambda n, o: jnp.where(applied, n, o), new, prev)
+            lambda n, o: jnp.where(applied, n, o), new, prev
+        )
         new_params, state = keep(new_params, params), keep(state, old)
 
         put = lambda t, v: jax.tree.map(lambda x, y: x.at[slot].set(y.astype(x.dtype)), t, v)  # noqa: E731
         lora = put(lora, new_params)
         acc = jax.tree.map(lambda x: x.at[slot].set(jnp.zeros_like(x[slot])), acc)
-        opt = OptState(mu=put(opt.mu, state.mu), nu=put(opt.nu, state.nu),
-                       count=opt.count.at[slot].set(state.count))
-        metrics = {"grad_norm": grad_norm, "learning_rate": lr, "step": state.count,
-                   "grad_finite": grad_finite, "applied": applied}
+        opt = OptState(
+            mu=put(opt.mu, state.mu),
+            nu=put(opt.nu, state.nu),
+            count=opt.count.at[slot].set(state.count),
+        )
+        metrics = {
+            "grad_norm": grad_norm,
+            "learning_rate": lr,
+            "step": state.count,
+            "grad_finite": grad_finite,
+            "applied": applied,
+        }
         metrics = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), metrics)
         return lora, acc, opt, metrics
 

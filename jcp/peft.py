@@ -37,9 +37,9 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jcp import lora as lora_lib
+from jcp.config import QwenConfig
 from jcp.errors import InputError
 from jcp.files import atomic_write
-from jcp.config import QwenConfig
 from jcp.hf import SafetensorsFile
 
 CONFIG_FILE = "adapter_config.json"
@@ -51,8 +51,11 @@ PEFT_MODULES = lora_lib.ATTN + lora_lib.MLP + lora_lib.LINEAR + (lora_lib.HEAD,)
 GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 GATE_UP_PATTERN = r".*\.gate_up_proj"
 # Spellings of target_parameters that select exactly that parameter of every MoE layer.
-_PARAM_NAMES = {n: full for full in (GATE_UP, DOWN)
-                for n in (full, full.removeprefix("mlp."), full.rpartition(".")[2])}
+_PARAM_NAMES = {
+    n: full
+    for full in (GATE_UP, DOWN)
+    for n in (full, full.removeprefix("mlp."), full.rpartition(".")[2])
+}
 # vLLM's per-expert module names.
 VLLM_EXPERT = {"expert_gate": "gate_proj", "expert_up": "up_proj", "expert_down": "down_proj"}
 
@@ -62,8 +65,13 @@ def peft_key(module: str, layer: int | None, which: str) -> str:
     ab = {"a": "lora_A", "b": "lora_B"}[which]
     if module == lora_lib.HEAD:
         return f"base_model.model.lm_head.{ab}.weight"
-    sub = ("self_attn" if module in lora_lib.ATTN else
-           "linear_attn" if module in lora_lib.LINEAR else "mlp")
+    sub = (
+        "self_attn"
+        if module in lora_lib.ATTN
+        else "linear_attn"
+        if module in lora_lib.LINEAR
+        else "mlp"
+    )
     return f"base_model.model.model.layers.{layer}.{sub}.{module}.{ab}.weight"
 
 
@@ -80,8 +88,9 @@ def _b_of(ab: dict) -> np.ndarray:
     return np.concatenate([np.asarray(ab[k]) for k in keys], axis=-1)
 
 
-def to_peft(tree: dict, rank: int, targets, num_layers: int, *,
-            cfg: QwenConfig | None = None) -> dict[str, np.ndarray]:
+def to_peft(
+    tree: dict, rank: int, targets, num_layers: int, *, cfg: QwenConfig | None = None
+) -> dict[str, np.ndarray]:
     """An adapter tree (at rank ≥ r) -> PEFT dict: lora_A [r, I], lora_B [O, r] of every
     target module and layer; expert modules as peft's fused 3-D parameters (experts_to_peft,
     which needs `cfg`)."""
@@ -98,8 +107,9 @@ def to_peft(tree: dict, rank: int, targets, num_layers: int, *,
     experts = [m for m in targets if m in lora_lib.EXPERT]
     if experts:
         if cfg is None:
-            raise ValueError("to_peft: an adapter on the experts needs cfg (which layers are "
-                             "MoE layers)")
+            raise ValueError(
+                "to_peft: an adapter on the experts needs cfg (which layers are MoE layers)"
+            )
         out.update(experts_to_peft(tree, rank, experts, cfg))
     return out
 
@@ -153,6 +163,7 @@ def unpack_experts(lora_a, lora_b, num_experts: int) -> tuple[np.ndarray, np.nda
 def per_expert(factors: dict, rank: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
     """One expert module's factors, either parameterisation (lora.expert_keys), at rank r
     -> (a [Lm, E, I, r], b [Lm, E, r, O]); a shared factor is repeated over the experts."""
+
     def get(which):
         if which in factors:
             return lora_lib.at_rank(which, np.asarray(factors[which]), rank)
@@ -189,19 +200,34 @@ def experts_to_peft(tree: dict, rank: int, experts, cfg: QwenConfig) -> dict[str
     gate_up = [m for m in ("expert_gate", "expert_up") if m in experts]
     nested = bool(gate_up) and "expert_down" in experts
     tied = lora_lib.tree_expert_lora(tree) == "fused_gate_up"
-    f = {m: per_expert(tree[m], rank, cfg.num_experts) for m in experts
-         if not (tied and m == "expert_up")}
+    f = {
+        m: per_expert(tree[m], rank, cfg.num_experts)
+        for m in experts
+        if not (tied and m == "expert_up")
+    }
     out = {}
     for lm, li in enumerate(moe_layer_ids(cfg)):
         pairs = []
         if tied:  # already peft's one LoRA over [gate; up], at rank r
             up_b = lora_lib.at_rank("b", np.asarray(tree["expert_up"]["b"][lm]), rank)
-            pairs.append((GATE_UP, (f["expert_gate"][0][lm],
-                                    np.concatenate([f["expert_gate"][1][lm], up_b], -1))))
+            pairs.append(
+                (
+                    GATE_UP,
+                    (f["expert_gate"][0][lm], np.concatenate([f["expert_gate"][1][lm], up_b], -1)),
+                )
+            )
         elif gate_up:
-            pairs.append((GATE_UP, fuse_gate_up(
-                *((f[m][0][lm], f[m][1][lm]) if m in f else None
-                  for m in ("expert_gate", "expert_up")))))
+            pairs.append(
+                (
+                    GATE_UP,
+                    fuse_gate_up(
+                        *(
+                            (f[m][0][lm], f[m][1][lm]) if m in f else None
+                            for m in ("expert_gate", "expert_up")
+                        )
+                    ),
+                )
+            )
         if "expert_down" in f:
             pairs.append((DOWN, (f["expert_down"][0][lm], f["expert_down"][1][lm])))
         for param, (a, b) in pairs:
@@ -214,8 +240,10 @@ def experts_to_peft(tree: dict, rank: int, experts, cfg: QwenConfig) -> dict[str
 def vllm_key(layer: int, expert: int, module: str, which: str) -> str:
     """vLLM's per-expert 2-D tensor name of an expert module (what transformers 4 wrote)."""
     ab = {"a": "lora_A", "b": "lora_B"}[which]
-    return (f"base_model.model.model.layers.{layer}.mlp.experts.{expert}."
-            f"{VLLM_EXPERT[module]}.{ab}.weight")
+    return (
+        f"base_model.model.model.layers.{layer}.mlp.experts.{expert}."
+        f"{VLLM_EXPERT[module]}.{ab}.weight"
+    )
 
 
 def to_vllm(tree: dict, rank: int, targets, cfg: QwenConfig) -> dict[str, np.ndarray]:
@@ -249,8 +277,15 @@ def to_vllm(tree: dict, rank: int, targets, cfg: QwenConfig) -> dict[str, np.nda
 BASE_HEAD_KEY = "base_model.model.lm_head.base_layer.weight"
 
 
-def from_peft(tensors, cfg: QwenConfig, rank: int, targets, where: str,
-              is_base_head=None, gate_up_rank: int | None = None) -> dict:
+def from_peft(
+    tensors,
+    cfg: QwenConfig,
+    rank: int,
+    targets,
+    where: str,
+    is_base_head=None,
+    gate_up_rank: int | None = None,
+) -> dict:
     """Inverse of to_peft: {PEFT name: array (or loader)} -> adapter tree.
 
     Accepts peft's on-disk names with or without the adapter name (".default.weight").
@@ -266,6 +301,7 @@ def from_peft(tensors, cfg: QwenConfig, rank: int, targets, where: str,
     half, gate's the first F columns: fused_gate_up), at rank k. The tree's rank is then
     max(r, k), every module zero-padded to it (exact).
     """
+
     def plain(name):
         return name.replace(".default.weight", ".weight")
 
@@ -290,8 +326,10 @@ def from_peft(tensors, cfg: QwenConfig, rank: int, targets, where: str,
         i, o = lora_lib.module_dims(cfg, m)
         ids = _layers(m, cfg.num_layers, cfg)
         lead = () if m == lora_lib.HEAD else (len(ids),)
-        tree[m] = {"a": np.zeros(lead + (i, rank), np.float32),
-                   "b": np.zeros(lead + (rank, o), np.float32)}
+        tree[m] = {
+            "a": np.zeros(lead + (i, rank), np.float32),
+            "b": np.zeros(lead + (rank, o), np.float32),
+        }
         for row, li in enumerate(ids):
             for which, want in (("a", (rank, i)), ("b", (o, rank))):
                 t = fetch(peft_key(m, li, which), want)
@@ -300,7 +338,9 @@ def from_peft(tensors, cfg: QwenConfig, rank: int, targets, where: str,
         if m == lora_lib.QKV:  # split B into q, k, v columns (lora.LINEAR)
             cuts = np.cumsum(list(lora_lib.qkv_widths(cfg).values()))[:-1]
             b = tree[m].pop("b")
-            tree[m].update(zip(lora_lib.QKV_B, map(np.ascontiguousarray, np.split(b, cuts, axis=-1))))
+            tree[m].update(
+                zip(lora_lib.QKV_B, map(np.ascontiguousarray, np.split(b, cuts, axis=-1)))
+            )
     experts = [m for m in targets if m in lora_lib.EXPERT]
     if experts:
         tree.update(_experts_from_peft(fetch, cfg, rank, experts, gate_up_rank or rank, where))
@@ -309,34 +349,46 @@ def from_peft(tensors, cfg: QwenConfig, rank: int, targets, where: str,
         t = tensors[by_name[BASE_HEAD_KEY]]
         t = np.asarray(t() if callable(t) else t)
         if t.shape != (cfg.vocab_size, cfg.hidden_size) or not is_base_head(t):
-            raise InputError(f"{where}: tensor {BASE_HEAD_KEY} is not this base model's "
-                             "unembedding; jcp keeps the base weights frozen")
+            raise InputError(
+                f"{where}: tensor {BASE_HEAD_KEY} is not this base model's "
+                "unembedding; jcp keeps the base weights frozen"
+            )
         used.add(BASE_HEAD_KEY)
     extra = sorted(set(by_name) - used)
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise InputError(f"{where}: tensor {by_name[extra[0]]}{more} is not used by an adapter "
-                         f"of this model ({cfg.num_layers} layers, target modules "
-                         f"{list(targets)}); refusing to drop it silently")
+        raise InputError(
+            f"{where}: tensor {by_name[extra[0]]}{more} is not used by an adapter "
+            f"of this model ({cfg.num_layers} layers, target modules "
+            f"{list(targets)}); refusing to drop it silently"
+        )
     return tree
 
 
-def _experts_from_peft(fetch, cfg: QwenConfig, rank: int, experts, gate_up_rank: int,
-                       where: str) -> dict:
+def _experts_from_peft(
+    fetch, cfg: QwenConfig, rank: int, experts, gate_up_rank: int, where: str
+) -> dict:
     """The expert modules of from_peft: {module: {"a": [Lm, E, I, k], "b": [Lm, E, k, O]}},
     k each module's own rank (see from_peft)."""
     e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     ids = moe_layer_ids(cfg)
     gate_up = [m for m in ("expert_gate", "expert_up") if m in experts]
     if len(gate_up) == 1:
-        raise InputError(f"{where}: PEFT's fused gate_up holds the experts' gate and up "
-                         f"together; target both, not only {gate_up[0]}")
+        raise InputError(
+            f"{where}: PEFT's fused gate_up holds the experts' gate and up "
+            f"together; target both, not only {gate_up[0]}"
+        )
     nested = bool(gate_up) and "expert_down" in experts
 
     def read(param, k, i, o):
-        pairs = [unpack_experts(fetch(expert_key(li, param, "a", nested), (k * e, i)),
-                                fetch(expert_key(li, param, "b", nested), (o, k * e)), e)
-                 for li in ids]
+        pairs = [
+            unpack_experts(
+                fetch(expert_key(li, param, "a", nested), (k * e, i)),
+                fetch(expert_key(li, param, "b", nested), (o, k * e)),
+                e,
+            )
+            for li in ids
+        ]
         return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
 
     out = {}
@@ -344,8 +396,11 @@ def _experts_from_peft(fetch, cfg: QwenConfig, rank: int, experts, gate_up_rank:
         k = gate_up_rank
         a_LxExDxk, b_LxExkx2F = read(GATE_UP, k, d, 2 * f)
         h = k // 2
-        if (k == 2 * rank and not np.any(b_LxExkx2F[:, :, :h, f:])
-                and not np.any(b_LxExkx2F[:, :, h:, :f])):
+        if (
+            k == 2 * rank
+            and not np.any(b_LxExkx2F[:, :, :h, f:])
+            and not np.any(b_LxExkx2F[:, :, h:, :f])
+        ):
             out["expert_gate"] = {"a": a_LxExDxk[..., :h], "b": b_LxExkx2F[:, :, :h, :f]}
             out["expert_up"] = {"a": a_LxExDxk[..., h:], "b": b_LxExkx2F[:, :, h:, f:]}
         else:  # peft's own form: one A for gate and up, kept tied (fused_gate_up)
@@ -359,12 +414,16 @@ def _experts_from_peft(fetch, cfg: QwenConfig, rank: int, experts, gate_up_rank:
 
 def tree_rank(tree: dict) -> int:
     """The largest rank among an adapter tree's factors (its rank, once padded)."""
-    return max(x.shape[-1] if k.startswith("a") else x.shape[-2]
-               for ab in tree.values() for k, x in ab.items())
+    return max(
+        x.shape[-1] if k.startswith("a") else x.shape[-2]
+        for ab in tree.values()
+        for k, x in ab.items()
+    )
 
 
 def _pad_rank(tree: dict, rank: int) -> dict:
     """Every factor zero-padded to `rank` ("a*" on its last axis, "b*" second to last)."""
+
     def pad(k, x):
         axis = x.ndim - 1 if k.startswith("a") else x.ndim - 2
         width = [(0, 0)] * x.ndim
@@ -376,11 +435,22 @@ def _pad_rank(tree: dict, rank: int) -> dict:
 
 def _config(info, target_modules) -> dict:
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": info.rank,
-        "lora_alpha": info.alpha, "target_modules": list(target_modules), "lora_dropout": 0.0,
-        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-        "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
-        "alpha_pattern": {}, "init_lora_weights": True, "base_model_name_or_path": None,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": info.rank,
+        "lora_alpha": info.alpha,
+        "target_modules": list(target_modules),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "init_lora_weights": True,
+        "base_model_name_or_path": None,
         "inference_mode": True,
     }
 
@@ -388,11 +458,14 @@ def _config(info, target_modules) -> dict:
 def _write(path, cfg: QwenConfig, config: dict, weights: dict) -> None:
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    atomic_write(os.path.join(path, WEIGHTS_FILE),
-                  lambda p: save_file({k: np.ascontiguousarray(v, np.float32)
-                                       for k, v in weights.items()}, p,
-                                      metadata={"format": "pt",
-                                                "jcp_base_fingerprint": cfg.fingerprint()}))
+    atomic_write(
+        os.path.join(path, WEIGHTS_FILE),
+        lambda p: save_file(
+            {k: np.ascontiguousarray(v, np.float32) for k, v in weights.items()},
+            p,
+            metadata={"format": "pt", "jcp_base_fingerprint": cfg.fingerprint()},
+        ),
+    )
     atomic_write(os.path.join(path, CONFIG_FILE), json.dumps(config, indent=2))
 
 
@@ -434,7 +507,8 @@ def write_folder(path, cfg: QwenConfig, info, tree: dict) -> None:
     if experts:
         gate_up = [m for m in ("expert_gate", "expert_up") if m in experts]
         config["target_parameters"] = ([GATE_UP] if gate_up else []) + (
-            [DOWN] if "expert_down" in experts else [])
+            [DOWN] if "expert_down" in experts else []
+        )
         if len(gate_up) == 2 and info.expert_lora != "fused_gate_up":
             config["rank_pattern"] = {GATE_UP_PATTERN: 2 * info.rank}
             config["alpha_pattern"] = {GATE_UP_PATTERN: 2 * info.alpha}
@@ -504,9 +578,18 @@ def _refuse_options(pc: dict, cfg_path: str, moe: bool) -> None:
             raise InputError(f"{cfg_path}: {key} is not supported (one rank and alpha per adapter)")
     # Each of these changes what the tensors mean (a bias on lora_B, a transposed layout,
     # other layers or parameters); read as plain LoRA they would give silently wrong results.
-    for key in ("modules_to_save", "layers_to_transform", "layers_pattern", "lora_bias",
-                "fan_in_fan_out", "layer_replication", "target_parameters",
-                "trainable_token_indices", "alora_invocation_tokens", "use_qalora"):
+    for key in (
+        "modules_to_save",
+        "layers_to_transform",
+        "layers_pattern",
+        "lora_bias",
+        "fan_in_fan_out",
+        "layer_replication",
+        "target_parameters",
+        "trainable_token_indices",
+        "alora_invocation_tokens",
+        "use_qalora",
+    ):
         if pc.get(key) and not (moe and key == "target_parameters"):
             raise InputError(f"{cfg_path}: {key} is not supported")
     if pc.get("bias", "none") != "none":
@@ -538,15 +621,22 @@ def _targets(pc: dict, cfg: QwenConfig, cfg_path: str, rank: int, file_alpha):
     moe = cfg.is_moe
     targets = pc.get("target_modules")
     if isinstance(targets, str):
-        raise InputError(f"{cfg_path}: target_modules as a pattern ({targets!r}) is not "
-                         "supported; list the modules")
+        raise InputError(
+            f"{cfg_path}: target_modules as a pattern ({targets!r}) is not "
+            "supported; list the modules"
+        )
     params = _target_parameters(pc.get("target_parameters"), cfg_path) if moe else []
     if params and targets is None:
         targets = []
-    if (not isinstance(targets, list) or not (targets or params)
-            or not all(isinstance(t, str) and t in PEFT_MODULES for t in targets)):
-        raise InputError(f"{cfg_path}: target_modules {targets!r} must be a non-empty list, a "
-                         f"subset of {list(PEFT_MODULES)}")
+    if (
+        not isinstance(targets, list)
+        or not (targets or params)
+        or not all(isinstance(t, str) and t in PEFT_MODULES for t in targets)
+    ):
+        raise InputError(
+            f"{cfg_path}: target_modules {targets!r} must be a non-empty list, a "
+            f"subset of {list(PEFT_MODULES)}"
+        )
     if not moe:
         try:
             return lora_lib.resolve_targets(targets, cfg), None
@@ -558,15 +648,18 @@ def _targets(pc: dict, cfg: QwenConfig, cfg_path: str, rank: int, file_alpha):
             f"{cfg_path}: target_modules {dense_mlp} are dense MLP modules, which jcp does "
             "not adapt on a mixture-of-experts model; its experts are read from "
             f"target_parameters {[GATE_UP, DOWN]} (per-expert 2-D adapters, as vLLM and "
-            "transformers 4 name them, are not read)")
+            "transformers 4 name them, are not read)"
+        )
     gate_up_rank = _gate_up_rank(pc, cfg, cfg_path, rank, file_alpha, targets, params)
-    experts = ((("expert_gate", "expert_up") if GATE_UP in params else ())
-               + (("expert_down",) if DOWN in params else ()))
+    experts = (("expert_gate", "expert_up") if GATE_UP in params else ()) + (
+        ("expert_down",) if DOWN in params else ()
+    )
     return lora_lib.resolve_targets(list(targets) + list(experts), cfg), gate_up_rank
 
 
-def _read_tensors(w_path: str, cfg: QwenConfig, rank: int, targets, is_base_head,
-                  gate_up_rank) -> dict:
+def _read_tensors(
+    w_path: str, cfg: QwenConfig, rank: int, targets, is_base_head, gate_up_rank
+) -> dict:
     """The adapter tree of the safetensors file (from_peft); InputError naming the file."""
     try:
         f = SafetensorsFile(w_path)
@@ -589,9 +682,11 @@ def _whole_rank(tree: dict, rank: int, alpha: float, max_rank: int, cfg_path: st
     if full == rank:
         return full, alpha
     if full > max_rank:
-        raise InputError(f"{cfg_path}: the experts' gate and up take rank {full} each "
-                         f"(the fused gate_up's, not jcp's block-diagonal form), which "
-                         f"exceeds max_rank {max_rank} of this Trainer")
+        raise InputError(
+            f"{cfg_path}: the experts' gate and up take rank {full} each "
+            f"(the fused gate_up's, not jcp's block-diagonal form), which "
+            f"exceeds max_rank {max_rank} of this Trainer"
+        )
     return full, alpha * full / rank
 
 
@@ -600,15 +695,19 @@ def _target_parameters(names, cfg_path: str) -> list[str]:
     DOWN); InputError for anything else."""
     if names is None or names == []:
         return []
-    if not isinstance(names, list) or not all(isinstance(n, str) and n in _PARAM_NAMES
-                                              for n in names):
-        raise InputError(f"{cfg_path}: target_parameters {names!r} is not supported; jcp "
-                         f"reads the experts of every MoE layer, {[GATE_UP, DOWN]}")
+    if not isinstance(names, list) or not all(
+        isinstance(n, str) and n in _PARAM_NAMES for n in names
+    ):
+        raise InputError(
+            f"{cfg_path}: target_parameters {names!r} is not supported; jcp "
+            f"reads the experts of every MoE layer, {[GATE_UP, DOWN]}"
+        )
     return sorted({_PARAM_NAMES[n] for n in names})
 
 
-def _gate_up_rank(pc: dict, cfg: QwenConfig, cfg_path: str, rank: int, alpha, modules,
-                  params) -> int | None:
+def _gate_up_rank(
+    pc: dict, cfg: QwenConfig, cfg_path: str, rank: int, alpha, modules, params
+) -> int | None:
     """The fused gate_up's rank under rank_pattern / alpha_pattern (None: not targeted).
 
     Patterns resolve as peft resolves them (the first key whose regex matches the whole
@@ -632,8 +731,9 @@ def _gate_up_rank(pc: dict, cfg: QwenConfig, cfg_path: str, rank: int, alpha, mo
                 try:
                     hit = re.match(rf"(.*\.)?({p})$", name)
                 except re.error as e:
-                    raise InputError(f"{cfg_path}: {key} key {p!r} is not a regular "
-                                     f"expression ({e})") from None
+                    raise InputError(
+                        f"{cfg_path}: {key} key {p!r} is not a regular expression ({e})"
+                    ) from None
                 if hit:
                     out.append(value)
                     break
@@ -642,34 +742,46 @@ def _gate_up_rank(pc: dict, cfg: QwenConfig, cfg_path: str, rank: int, alpha, mo
         return tuple(out)
 
     ids = moe_layer_ids(cfg)
-    names = ([peft_key(m, i, "a").removeprefix("base_model.model.").removesuffix(
-                  ".lora_A.weight")
-              for m in modules if m in lora_lib.ATTN + lora_lib.LINEAR
-              for i in lora_lib.module_layer_ids(cfg, m)]
-             + (["lm_head"] if lora_lib.HEAD in modules else [])
-             + [f"model.layers.{i}.{DOWN}" for i in ids if DOWN in params])
+    names = (
+        [
+            peft_key(m, i, "a").removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            for m in modules
+            if m in lora_lib.ATTN + lora_lib.LINEAR
+            for i in lora_lib.module_layer_ids(cfg, m)
+        ]
+        + (["lm_head"] if lora_lib.HEAD in modules else [])
+        + [f"model.layers.{i}.{DOWN}" for i in ids if DOWN in params]
+    )
     for name in names:
         if resolve(name) != (rank, alpha):
-            raise InputError(f"{cfg_path}: rank_pattern / alpha_pattern give {name} rank and "
-                             f"alpha {resolve(name)}, not the adapter's ({rank}, {alpha}); jcp "
-                             f"holds one rank and alpha per adapter (a pattern may set only "
-                             f"{GATE_UP}, at the adapter's scale)")
+            raise InputError(
+                f"{cfg_path}: rank_pattern / alpha_pattern give {name} rank and "
+                f"alpha {resolve(name)}, not the adapter's ({rank}, {alpha}); jcp "
+                f"holds one rank and alpha per adapter (a pattern may set only "
+                f"{GATE_UP}, at the adapter's scale)"
+            )
     if GATE_UP not in params:
         return None
     got = {resolve(f"model.layers.{i}.{GATE_UP}") for i in ids}
     if len(got) > 1:
-        raise InputError(f"{cfg_path}: rank_pattern / alpha_pattern give {GATE_UP} different "
-                         f"ranks or alphas in different layers {sorted(got)}")
-    (k, a), = got
+        raise InputError(
+            f"{cfg_path}: rank_pattern / alpha_pattern give {GATE_UP} different "
+            f"ranks or alphas in different layers {sorted(got)}"
+        )
+    ((k, a),) = got
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise InputError(f"{cfg_path}: rank_pattern gives {GATE_UP} rank {k!r}, not a "
-                         "positive integer")
+        raise InputError(
+            f"{cfg_path}: rank_pattern gives {GATE_UP} rank {k!r}, not a positive integer"
+        )
     if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
-        raise InputError(f"{cfg_path}: alpha_pattern gives {GATE_UP} alpha {a!r}, not a "
-                         "finite number")
+        raise InputError(
+            f"{cfg_path}: alpha_pattern gives {GATE_UP} alpha {a!r}, not a finite number"
+        )
     norm = math.sqrt if pc.get("use_rslora") else float
     if not math.isclose(a / norm(k), alpha / norm(rank), rel_tol=1e-9):
-        raise InputError(f"{cfg_path}: {GATE_UP} at rank {k}, alpha {a} has another scale "
-                         f"than the adapter's (rank {rank}, alpha {alpha}); jcp holds one "
-                         "scale per adapter")
+        raise InputError(
+            f"{cfg_path}: {GATE_UP} at rank {k}, alpha {a} has another scale "
+            f"than the adapter's (rank {rank}, alpha {alpha}); jcp holds one "
+            "scale per adapter"
+        )
     return k

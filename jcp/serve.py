@@ -5,7 +5,8 @@
               [--api-keys FILE] [--state-dir DIR] [--max-body-bytes N] [--max-datums N]
               [--max-num-samples N] [--max-futures N] [--max-offload-gb G] [--max-storage-gb G]
               [--session-timeout S] [--sample-slots N] [--sample-max-len N]
-              [--sample-chunk N] [--prefill-tokens N] [--warmup]
+              [--sample-chunk N] [--prefill-tokens N] [--no-warmup]
+              [--compilation-cache DIR | --no-compilation-cache]
               [--coordinator-address HOST:PORT --num-processes N --process-id I]
               [--follower-timeout S]
 
@@ -21,6 +22,7 @@ leads; every other process follows it call by call (jcp/server/replica.py).
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import sys
@@ -28,89 +30,180 @@ import tempfile
 import threading
 import time
 
-from jcp.cli import (COUNT, GIGABYTES, PORT, POSITIVE, SEED, CliError, Parser, address,
-                     build_trainer, env_int, existing_file, existing_folder, folder, integer,
-                     number, parse_mesh, setup_devices)
+from jcp.cli import (
+    COUNT,
+    GIGABYTES,
+    PORT,
+    POSITIVE,
+    SEED,
+    CliError,
+    Parser,
+    add_cache_flags,
+    address,
+    build_trainer,
+    env_int,
+    existing_file,
+    existing_folder,
+    folder,
+    integer,
+    number,
+    parse_mesh,
+    setup_compilation_cache,
+    setup_devices,
+)
 
-# What `jcp-serve --warmup` compiles (Engine.warmup's buckets): steps with 1 or 2 distinct
+# What jcp-serve's warm-up (on unless --no-warmup) compiles before it serves. Training
+# (Trainer.warmup): forward_backward with cross_entropy for adapters of every module (the
+# SDK's default LoRA) at every stream length up to TRAINING_WARMUP_ROWS rows per device —
+# one program per length, whatever the grouping of tenants in a fused pass — and
+# optim_step. Other losses, forward, longer passes and adapters of fewer modules compile
+# when first met. Sampling (Engine.warmup's buckets): steps with 1 or 2 distinct
 # adapters, greedy, drawn and top-k / top-p rows, any stop list the edge admits (one
 # width, params.STOP_WIDTH), with and without prompt log-probs, compute_logprobs, any
 # topk_sample_logprobs (one width, params.decode_topk_bucket) and topk_prompt_logprobs
 # ≤ 4. Other requests (wider topk_prompt_logprobs, target_prompt_logprobs,
 # prompt_alt_tokens_k, more adapters in one step) compile their programs when first met.
-SAMPLING_WARMUP = dict(active=(1, 2), draws=("greedy", "drawn", "filtered"),
-                       prompt_logprobs=(False, True), compute_logprobs=True, topk=(0, 64),
-                       prompt_stats=((4, 0, 0),))
+TRAINING_WARMUP_ROWS = 4096
+SAMPLING_WARMUP = dict(
+    active=(1, 2),
+    draws=("greedy", "drawn", "filtered"),
+    prompt_logprobs=(False, True),
+    compute_logprobs=True,
+    topk=(0, 64),
+    prompt_stats=((4, 0, 0),),
+)
 
 
 def parse_args(argv):
     p = Parser(prog="jcp-serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--hf-model", type=existing_folder,
-                   help="Hugging Face folder (config.json + safetensors)")
-    p.add_argument("--model-name", help="the base_model name clients use (default: the "
-                   "folder's name, or jcp-tiny)")
+    p.add_argument(
+        "--hf-model", type=existing_folder, help="Hugging Face folder (config.json + safetensors)"
+    )
+    p.add_argument(
+        "--model-name",
+        help="the base_model name clients use (default: the folder's name, or jcp-tiny)",
+    )
     p.add_argument("--mesh", help="dp,cp,tp (default 2,2,2 on 8 devices, else 1,n,1)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=PORT, default=8000, help="0: any free port")
     p.add_argument("--max-adapters", type=COUNT, default=8)
     p.add_argument("--max-rank", type=COUNT, default=32)
     p.add_argument("--max-tokens-per-device", type=integer(2), default=None)
-    p.add_argument("--api-keys", type=existing_file,
-                   help="file of `key [name]` lines; enables key checks")
-    p.add_argument("--state-dir", type=folder,
-                   help="checkpoints and sampler weights (default: a temp dir)")
+    p.add_argument(
+        "--api-keys", type=existing_file, help="file of `key [name]` lines; enables key checks"
+    )
+    p.add_argument(
+        "--state-dir", type=folder, help="checkpoints and sampler weights (default: a temp dir)"
+    )
     p.add_argument("--seed", type=SEED, default=0)
     from jcp.server.edge import Limits
 
     d = Limits()
-    p.add_argument("--max-body-bytes", type=COUNT, default=d.body_bytes,
-                   help="largest HTTP body, and zstd body once decompressed (413 beyond)")
-    p.add_argument("--max-datums", type=COUNT, default=d.datums,
-                   help="datums per forward / forward_backward request")
-    p.add_argument("--max-num-samples", type=COUNT, default=d.num_samples,
-                   help="num_samples per sample request")
-    p.add_argument("--max-futures", type=COUNT, default=d.futures,
-                   help="request results kept per tenant (pending ones are never evicted)")
-    p.add_argument("--max-offload-gb", type=GIGABYTES, default=16.0,
-                   help="host memory for training models moved out of their adapter slot "
-                   "when slots are short (bounds how many models may exist)")
-    p.add_argument("--max-storage-gb", type=GIGABYTES, default=100.0,
-                   help="checkpoint files on disk per tenant under --state-dir (a save or "
-                   "copy beyond it is refused; deleting frees it)")
-    p.add_argument("--session-timeout", type=number(0.0), default=180.0,
-                   help="seconds without a heartbeat after which a session ends and its "
-                   "models are unloaded")
-    p.add_argument("--sample-slots", type=COUNT, default=None,
-                   help="sampling engine: sequences decoded together (a multiple of dp·cp; "
-                   "default: as many as fit 1 GiB of KV cache per device, at most 512)")
-    p.add_argument("--sample-max-len", type=COUNT, default=None,
-                   help="sampling engine: KV rows per sequence, prompt + max_tokens − 1 "
-                   "(default min(256, max_context_length)); longer requests run beside "
-                   "the engine")
-    p.add_argument("--sample-chunk", type=COUNT, default=8,
-                   help="sampling engine: decode steps per engine step (requests join and "
-                   "leave between them; a training pass waits at most one engine step)")
-    p.add_argument("--prefill-tokens", type=COUNT, default=None,
-                   help="sampling engine: most prompt tokens prefilled per engine step "
-                   "(default max_tokens_per_device · dp)")
-    p.add_argument("--warmup", action="store_true",
-                   help="compile the sampling engine's programs before serving "
-                   "(SAMPLING_WARMUP; see Engine.warmup)")
-    p.add_argument("--coordinator-address", type=address, default=None,
-                   help="jax.distributed coordinator host:port (or JAX_COORDINATOR_ADDRESS); "
-                   "every process gets the same flags, process 0 serves HTTP")
+    p.add_argument(
+        "--max-body-bytes",
+        type=COUNT,
+        default=d.body_bytes,
+        help="largest HTTP body, and zstd body once decompressed (413 beyond)",
+    )
+    p.add_argument(
+        "--max-datums",
+        type=COUNT,
+        default=d.datums,
+        help="datums per forward / forward_backward request",
+    )
+    p.add_argument(
+        "--max-num-samples",
+        type=COUNT,
+        default=d.num_samples,
+        help="num_samples per sample request",
+    )
+    p.add_argument(
+        "--max-futures",
+        type=COUNT,
+        default=d.futures,
+        help="request results kept per tenant (pending ones are never evicted)",
+    )
+    p.add_argument(
+        "--max-offload-gb",
+        type=GIGABYTES,
+        default=16.0,
+        help="host memory for training models moved out of their adapter slot "
+        "when slots are short (bounds how many models may exist)",
+    )
+    p.add_argument(
+        "--max-storage-gb",
+        type=GIGABYTES,
+        default=100.0,
+        help="checkpoint files on disk per tenant under --state-dir (a save or "
+        "copy beyond it is refused; deleting frees it)",
+    )
+    p.add_argument(
+        "--session-timeout",
+        type=number(0.0),
+        default=180.0,
+        help="seconds without a heartbeat after which a session ends and its models are unloaded",
+    )
+    p.add_argument(
+        "--sample-slots",
+        type=COUNT,
+        default=None,
+        help="sampling engine: sequences decoded together (a multiple of dp·cp; "
+        "default: as many as fit 1 GiB of KV cache per device, at most 512)",
+    )
+    p.add_argument(
+        "--sample-max-len",
+        type=COUNT,
+        default=None,
+        help="sampling engine: KV rows per sequence, prompt + max_tokens − 1 "
+        "(default min(256, max_context_length)); longer requests run beside "
+        "the engine",
+    )
+    p.add_argument(
+        "--sample-chunk",
+        type=COUNT,
+        default=8,
+        help="sampling engine: decode steps per engine step (requests join and "
+        "leave between them; a training pass waits at most one engine step)",
+    )
+    p.add_argument(
+        "--prefill-tokens",
+        type=COUNT,
+        default=None,
+        help="sampling engine: most prompt tokens prefilled per engine step "
+        "(default max_tokens_per_device · dp)",
+    )
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile the training and sampling programs before serving "
+        "(TRAINING_WARMUP_ROWS, SAMPLING_WARMUP; cheap on a restart with the "
+        "compilation cache; default on)",
+    )
+    add_cache_flags(p, "--state-dir/xla-cache, or ~/.cache/jcp/xla without --state-dir")
+    p.add_argument(
+        "--coordinator-address",
+        type=address,
+        default=None,
+        help="jax.distributed coordinator host:port (or JAX_COORDINATOR_ADDRESS); "
+        "every process gets the same flags, process 0 serves HTTP",
+    )
     p.add_argument("--num-processes", type=COUNT, default=None, help="(or JAX_NUM_PROCESSES)")
     p.add_argument("--process-id", type=integer(0), default=None, help="(or JAX_PROCESS_ID)")
-    p.add_argument("--follower-timeout", type=POSITIVE, default=60.0,
-                   help="seconds after which a follower process that stopped answering "
-                   "fails the job (/healthz 503, requests refused)")
+    p.add_argument(
+        "--follower-timeout",
+        type=POSITIVE,
+        default=60.0,
+        help="seconds after which a follower process that stopped answering "
+        "fails the job (/healthz 503, requests refused)",
+    )
     args = p.parse_args(argv)
     if args.mesh:
         args.mesh = parse_mesh(args.mesh)
-    if (None not in (args.process_id, args.num_processes)
-            and args.process_id >= args.num_processes):
-        raise CliError(f"--process-id {args.process_id} must be < --num-processes "
-                       f"{args.num_processes}")
+    if None not in (args.process_id, args.num_processes) and args.process_id >= args.num_processes:
+        raise CliError(
+            f"--process-id {args.process_id} must be < --num-processes {args.num_processes}"
+        )
     return args
 
 
@@ -131,18 +224,21 @@ def check_listen(host: str, port: int) -> None:
     loading end in uvicorn's bind error."""
     try:
         family, kind, proto, _, where = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         with socket.socket(family, kind, proto) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             s.bind(where)
     except OSError as e:
-        raise CliError(f"--host {host} --port {port}: cannot listen there "
-                       f"({e.strerror or e})") from None
+        raise CliError(
+            f"--host {host} --port {port}: cannot listen there ({e.strerror or e})"
+        ) from None
 
 
 def _tokenizer_dir(path: str | None) -> str | None:
-    if path and any(os.path.exists(os.path.join(path, f))
-                    for f in ("tokenizer.json", "tokenizer_config.json")):
+    if path and any(
+        os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
         return os.path.abspath(path)
     return None
 
@@ -150,12 +246,25 @@ def _tokenizer_dir(path: str | None) -> str | None:
 class Server:
     """The assembled server over `trainer`; start() serves in a background thread."""
 
-    def __init__(self, trainer, model_name: str, state_dir: str, api_keys=None,
-                 host: str = "127.0.0.1", port: int = 0, tokenizer_id: str | None = None,
-                 limits=None, max_offload_bytes: int = 16 << 30,
-                 session_timeout_s: float = 180.0, sample_slots: int | None = None,
-                 sample_max_len: int | None = None, sample_chunk: int = 8,
-                 prefill_tokens: int | None = None, leader=None, tenant_limits=None):
+    def __init__(
+        self,
+        trainer,
+        model_name: str,
+        state_dir: str,
+        api_keys=None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tokenizer_id: str | None = None,
+        limits=None,
+        max_offload_bytes: int = 16 << 30,
+        session_timeout_s: float = 180.0,
+        sample_slots: int | None = None,
+        sample_max_len: int | None = None,
+        sample_chunk: int = 8,
+        prefill_tokens: int | None = None,
+        leader=None,
+        tenant_limits=None,
+    ):
         import uvicorn
 
         from jcp.server.app import FutureTable, ServedModel, create_app
@@ -169,18 +278,35 @@ class Server:
         self.limits = limits if limits is not None else Limits()
         self.futures = FutureTable(self.limits.futures)
         try:
-            self.engine = Engine(trainer, self.store, self.scheduler, model_name,
-                                 self.futures.complete, tokenizer_id, max_offload_bytes,
-                                 session_timeout_s, sample_slots, sample_max_len, sample_chunk,
-                                 prefill_tokens, leader=leader)
+            self.engine = Engine(
+                trainer,
+                self.store,
+                self.scheduler,
+                model_name,
+                self.futures.complete,
+                tokenizer_id,
+                max_offload_bytes,
+                session_timeout_s,
+                sample_slots,
+                sample_max_len,
+                sample_chunk,
+                prefill_tokens,
+                leader=leader,
+            )
         except ValueError as e:  # an engine size that does not fit the mesh
             raise CliError(f"sampling engine: {e}") from None
         if leader is not None:  # a follower lost: pending requests fail, new ones are refused
             leader.on_failure = self._job_failed
-        served = ServedModel(model_name, self.engine.token_cap, self.engine.max_rank,
-                             tokenizer_id)
-        self.app = create_app(self.store, self.scheduler, self.futures, served, self.limits,
-                              alive=self.engine.alive, failure=self.engine.failure)
+        served = ServedModel(model_name, self.engine.token_cap, self.engine.max_rank, tokenizer_id)
+        self.app = create_app(
+            self.store,
+            self.scheduler,
+            self.futures,
+            served,
+            self.limits,
+            alive=self.engine.alive,
+            failure=self.engine.failure,
+        )
         if port == 0:
             with socket.socket() as s:
                 s.bind((host, 0))
@@ -189,16 +315,24 @@ class Server:
         self.url = f"http://{host}:{port}"
         # httptools parses HTTP/1.1 in C (h11, uvicorn's pure-Python fallback, costs the
         # engine CPU on a CPU host); the event loop is uvloop (orbax-checkpoint needs it).
-        self._uv = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port,
-                                                 http="httptools", loop="uvloop",
-                                                 log_level="warning", access_log=False))
+        self._uv = uvicorn.Server(
+            uvicorn.Config(
+                self.app,
+                host=host,
+                port=port,
+                http="httptools",
+                loop="uvloop",
+                log_level="warning",
+                access_log=False,
+            )
+        )
         self._thread: threading.Thread | None = None
 
     def _job_failed(self, message: str) -> None:
         self.scheduler.close()
         self.futures.fail_pending(message)
 
-    def start(self) -> "Server":
+    def start(self) -> Server:
         self.engine.start()
         self._thread = threading.Thread(target=self._uv.run, name="jcp-serve-http", daemon=True)
         self._thread.start()
@@ -221,8 +355,11 @@ def require_server_packages() -> None:
     (`pip install jcp` installs the library only)."""
     import importlib.util
 
-    missing = [m for m in ("fastapi", "uvicorn", "zstandard", "google.protobuf", "pyrage")
-               if importlib.util.find_spec(m.split(".")[0]) is None]
+    missing = [
+        m
+        for m in ("fastapi", "uvicorn", "zstandard", "google.protobuf", "pyrage")
+        if importlib.util.find_spec(m.split(".")[0]) is None
+    ]
     if missing:
         raise CliError(f"jcp-serve needs {', '.join(missing)}: pip install 'jcp[serve]'")
 
@@ -244,11 +381,16 @@ def main(argv=None) -> int:
         pid = args.process_id if args.process_id is not None else env_int("JAX_PROCESS_ID")
         if not pid:  # process 0 serves HTTP
             check_listen(args.host, args.port)
+        setup_compilation_cache(args, args.state_dir and os.path.join(args.state_dir, "xla-cache"))
         setup_devices(args, recoverable=True)
         from jcp.server.edge import Limits
 
-        limits = Limits(body_bytes=args.max_body_bytes, datums=args.max_datums,
-                        num_samples=args.max_num_samples, futures=args.max_futures)
+        limits = Limits(
+            body_bytes=args.max_body_bytes,
+            datums=args.max_datums,
+            num_samples=args.max_num_samples,
+            futures=args.max_futures,
+        )
         tr = build_trainer(args, max_adapters=args.max_adapters, max_rank=args.max_rank)
     except CliError as e:
         print(f"jcp-serve: error: {e}", file=sys.stderr)
@@ -260,38 +402,72 @@ def main(argv=None) -> int:
         from jcp.server.replica import Leader, follow
 
         if jax.process_index() != 0:
-            print(f"jcp-serve: process {jax.process_index()} of {jax.process_count()} "
-                  "follows process 0", flush=True)
+            print(
+                f"jcp-serve: process {jax.process_index()} of {jax.process_count()} "
+                "follows process 0",
+                flush=True,
+            )
             return follow(tr)
         leader = Leader(range(1, jax.process_count()), args.follower_timeout)
-    name = args.model_name or (os.path.basename(os.path.normpath(args.hf_model))
-                               if args.hf_model else "jcp-tiny")
+    name = args.model_name or (
+        os.path.basename(os.path.normpath(args.hf_model)) if args.hf_model else "jcp-tiny"
+    )
     state_dir = args.state_dir or tempfile.mkdtemp(prefix="jcp-serve-")
     try:
-        srv = Server(tr, name, state_dir, keys, args.host, args.port,
-                     _tokenizer_dir(args.hf_model), limits,
-                     int(args.max_offload_gb * (1 << 30)), args.session_timeout,
-                     args.sample_slots, args.sample_max_len, args.sample_chunk,
-                     args.prefill_tokens, leader, TenantLimits(
-                         storage_bytes=int(args.max_storage_gb * (1 << 30))))
+        srv = Server(
+            tr,
+            name,
+            state_dir,
+            keys,
+            args.host,
+            args.port,
+            _tokenizer_dir(args.hf_model),
+            limits,
+            int(args.max_offload_gb * (1 << 30)),
+            args.session_timeout,
+            args.sample_slots,
+            args.sample_max_len,
+            args.sample_chunk,
+            args.prefill_tokens,
+            leader,
+            TenantLimits(storage_bytes=int(args.max_storage_gb * (1 << 30))),
+        )
     except CliError as e:
         if leader is not None:  # the followers wait for process 0's first call: release them
             leader.stop()
         print(f"jcp-serve: error: {e}", file=sys.stderr)
         return 2
-    print(f"jcp-serve: {srv.url}  model {name!r}  mesh dp={tr.dp} cp={tr.cp} tp={tr.tp}  "
-          f"max_context_length {tr.token_cap}  state {state_dir}  processes "
-          f"{jax.process_count()}", flush=True)
-    print("jcp-serve: " + (f"{len(keys)} API keys from {args.api_keys}" if keys is not None
-                           else "no --api-keys: accepting any key (local use)"), flush=True)
+    print(
+        f"jcp-serve: {srv.url}  model {name!r}  mesh dp={tr.dp} cp={tr.cp} tp={tr.tp}  "
+        f"max_context_length {tr.token_cap}  state {state_dir}  processes "
+        f"{jax.process_count()}",
+        flush=True,
+    )
+    print(
+        "jcp-serve: "
+        + (
+            f"{len(keys)} API keys from {args.api_keys}"
+            if keys is not None
+            else "no --api-keys: accepting any key (local use)"
+        ),
+        flush=True,
+    )
     eng = srv.engine.sampling
-    print(f"jcp-serve: sampling engine {eng.slots} slots × {eng.max_len} rows, chunk "
-          f"{eng.chunk}, {eng.prefill_tokens} prefill tokens per step", flush=True)
+    print(
+        f"jcp-serve: sampling engine {eng.slots} slots × {eng.max_len} rows, chunk "
+        f"{eng.chunk}, {eng.prefill_tokens} prefill tokens per step",
+        flush=True,
+    )
     if args.warmup:
         t0 = time.monotonic()
+        n_train = srv.engine.tr.warmup(rows=tr.warmup_rows(TRAINING_WARMUP_ROWS))
+        t1 = time.monotonic()
         n = eng.warmup(**SAMPLING_WARMUP)
-        print(f"jcp-serve: warm-up compiled {n} sampling programs in "
-              f"{time.monotonic() - t0:.1f} s", flush=True)
+        print(
+            f"jcp-serve: warm-up compiled {n_train} training programs in {t1 - t0:.1f} s "
+            f"and {n} sampling programs in {time.monotonic() - t1:.1f} s",
+            flush=True,
+        )
     srv.engine.start()
     try:
         srv._uv.run()

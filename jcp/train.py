@@ -17,6 +17,7 @@ traceback.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import json
@@ -25,9 +26,23 @@ import re
 import shutil
 import sys
 
-from jcp.cli import (COUNT, POSITIVE, SEED, CliError, Parser, address, build_trainer,
-                     existing_file, existing_folder, folder, integer, parse_mesh,
-                     setup_devices)
+from jcp.cli import (
+    COUNT,
+    POSITIVE,
+    SEED,
+    CliError,
+    Parser,
+    add_cache_flags,
+    address,
+    build_trainer,
+    existing_file,
+    existing_folder,
+    folder,
+    integer,
+    parse_mesh,
+    setup_compilation_cache,
+    setup_devices,
+)
 from jcp.files import atomic_write
 
 SFT, RL = "sft", "rl"
@@ -40,53 +55,94 @@ NAME_MAX = 255  # bytes in a file name: adapter names become checkpoint folders
 def parse_args(argv):
     p = Parser(prog="jcp-train", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=COUNT, default=100, help="optimizer steps in all (default 100)")
-    p.add_argument("--mesh", default=None,
-                   help="dp,cp,tp (default 2,2,2 on 8 devices, else 1,<devices>,1)")
-    p.add_argument("--hf-model", type=existing_folder, default=None,
-                   help="Hugging Face Qwen2/Qwen3/Qwen3-MoE/Qwen3.5 folder")
-    p.add_argument("--moe", action="store_true",
-                   help="without --hf-model: the tiny random mixture-of-experts model "
-                        "(QwenConfig.tiny_moe()) instead of the dense one")
-    p.add_argument("--expert-lora", default="shared_outer", choices=("shared_outer", "per_expert"),
-                   help="how adapters hold the experts of a MoE model (default shared_outer)")
-    p.add_argument("--data", type=existing_file, default=None,
-                   help="JSONL of Tinker datums, each with an \"adapter\" name and optionally "
-                        "a \"loss_fn\"")
-    p.add_argument("--loss-fn", default=None,
-                   help="loss for --data lines without one (default cross_entropy)")
+    p.add_argument(
+        "--mesh", default=None, help="dp,cp,tp (default 2,2,2 on 8 devices, else 1,<devices>,1)"
+    )
+    p.add_argument(
+        "--hf-model",
+        type=existing_folder,
+        default=None,
+        help="Hugging Face Qwen2/Qwen3/Qwen3-MoE/Qwen3.5 folder",
+    )
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help="without --hf-model: the tiny random mixture-of-experts model "
+        "(QwenConfig.tiny_moe()) instead of the dense one",
+    )
+    p.add_argument(
+        "--expert-lora",
+        default="shared_outer",
+        choices=("shared_outer", "per_expert"),
+        help="how adapters hold the experts of a MoE model (default shared_outer)",
+    )
+    p.add_argument(
+        "--data",
+        type=existing_file,
+        default=None,
+        help='JSONL of Tinker datums, each with an "adapter" name and optionally a "loss_fn"',
+    )
+    p.add_argument(
+        "--loss-fn", default=None, help="loss for --data lines without one (default cross_entropy)"
+    )
     p.add_argument("--lr", type=POSITIVE, default=2e-3, help="Adam learning rate (default 2e-3)")
     p.add_argument("--rank", type=COUNT, default=8, help="LoRA rank (default 8)")
     p.add_argument("--alpha", type=POSITIVE, default=16.0, help="LoRA alpha (default 16)")
     p.add_argument("--batch-size", type=COUNT, default=4, help="datums per adapter per step")
-    p.add_argument("--seq-len", type=integer(PROMPT + 2), default=512,
-                   help="synthetic datum length")
-    p.add_argument("--group-size", type=COUNT, default=4,
-                   help="rl: completions sampled per prompt (default 4)")
-    p.add_argument("--rl-tokens", type=COUNT, default=16,
-                   help="rl: most tokens sampled per completion (default 16)")
-    p.add_argument("--rl-loss", default="importance_sampling", choices=RL_LOSSES,
-                   help="rl: loss on the sampled rollouts (default importance_sampling)")
+    p.add_argument(
+        "--seq-len", type=integer(PROMPT + 2), default=512, help="synthetic datum length"
+    )
+    p.add_argument(
+        "--group-size", type=COUNT, default=4, help="rl: completions sampled per prompt (default 4)"
+    )
+    p.add_argument(
+        "--rl-tokens",
+        type=COUNT,
+        default=16,
+        help="rl: most tokens sampled per completion (default 16)",
+    )
+    p.add_argument(
+        "--rl-loss",
+        default="importance_sampling",
+        choices=RL_LOSSES,
+        help="rl: loss on the sampled rollouts (default importance_sampling)",
+    )
     p.add_argument("--max-tokens-per-device", type=integer(2), default=None)
-    p.add_argument("--save-every", type=COUNT, default=25,
-                   help="checkpoint every K steps (default 25)")
-    p.add_argument("--out", type=folder, default="jcp-out",
-                   help="output folder (default ./jcp-out)")
+    p.add_argument(
+        "--save-every", type=COUNT, default=25, help="checkpoint every K steps (default 25)"
+    )
+    p.add_argument(
+        "--out", type=folder, default="jcp-out", help="output folder (default ./jcp-out)"
+    )
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--seed", type=SEED, default=0)
-    p.add_argument("--coordinator-address", type=address, default=None,
-                   help="jax.distributed coordinator host:port (or JAX_COORDINATOR_ADDRESS)")
+    p.add_argument(
+        "--coordinator-address",
+        type=address,
+        default=None,
+        help="jax.distributed coordinator host:port (or JAX_COORDINATOR_ADDRESS)",
+    )
     p.add_argument("--num-processes", type=COUNT, default=None, help="(or JAX_NUM_PROCESSES)")
     p.add_argument("--process-id", type=integer(0), default=None, help="(or JAX_PROCESS_ID)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile the run's training programs before its first step (every "
+        "stream length its steps pack to; default on)",
+    )
+    add_cache_flags(p, "~/.cache/jcp/xla")
     a = p.parse_args(argv)
     if a.mesh is not None:
         a.mesh = parse_mesh(a.mesh)
     if a.moe and a.hf_model is not None:
-        raise CliError("--moe picks the tiny random MoE model; with --hf-model the folder's "
-                       "config says whether the model is a mixture of experts")
+        raise CliError(
+            "--moe picks the tiny random MoE model; with --hf-model the folder's "
+            "config says whether the model is a mixture of experts"
+        )
     if None not in (a.process_id, a.num_processes) and a.process_id >= a.num_processes:
-        raise CliError(f"--process-id {a.process_id} must be < --num-processes "
-                       f"{a.num_processes}")
+        raise CliError(f"--process-id {a.process_id} must be < --num-processes {a.num_processes}")
 
     # The checks that need jcp (and so JAX) come last, so that a mistyped flag fails fast.
     # Importing JAX touches no backend; setup_devices still runs before one starts.
@@ -107,9 +163,11 @@ def parse_args(argv):
     # each): bound them before anything is built.
     step_tokens = a.batch_size * max(a.seq_len, a.group_size * (PROMPT + a.rl_tokens))
     if step_tokens > MAX_STEP_TOKENS:
-        raise CliError(f"--batch-size {a.batch_size}: a step of {step_tokens} tokens per "
-                       f"adapter exceeds {MAX_STEP_TOKENS} (lower --batch-size, --seq-len, "
-                       "--group-size or --rl-tokens)")
+        raise CliError(
+            f"--batch-size {a.batch_size}: a step of {step_tokens} tokens per "
+            f"adapter exceeds {MAX_STEP_TOKENS} (lower --batch-size, --seq-len, "
+            "--group-size or --rl-tokens)"
+        )
     a.adam = jcp.AdamParams(learning_rate=a.lr)
     try:
         a.adam.checked()  # in float32, as the optimizer will see it
@@ -166,8 +224,9 @@ def rl_rollouts(tr, adapter: int, step: int, args):
 
     rng = np.random.default_rng([args.seed, step, 1])
     prompts = [rng.integers(64, 128, PROMPT) for _ in range(args.batch_size)]
-    sp = jcp.SamplingParams(max_tokens=args.rl_tokens, temperature=1.0,
-                            seed=int(rng.integers(0, 2**62)))
+    sp = jcp.SamplingParams(
+        max_tokens=args.rl_tokens, temperature=1.0, seed=int(rng.integers(0, 2**62))
+    )
     results = tr.sample(prompts, sp, adapters=adapter, num_samples=args.group_size)
     data, rewards = [], []
     for prompt, res in zip(prompts, results):
@@ -177,10 +236,14 @@ def rl_rollouts(tr, adapter: int, step: int, args):
             full = np.concatenate([prompt, seq.tokens]).astype(np.int32)
             advantages = np.zeros(len(full) - 1, np.float32)
             logprobs = np.zeros(len(full) - 1, np.float32)
-            advantages[PROMPT - 1:] = a
-            logprobs[PROMPT - 1:] = seq.logprobs
-            data.append(jcp.Datum(full[:-1], {"target_tokens": full[1:],
-                                              "advantages": advantages, "logprobs": logprobs}))
+            advantages[PROMPT - 1 :] = a
+            logprobs[PROMPT - 1 :] = seq.logprobs
+            data.append(
+                jcp.Datum(
+                    full[:-1],
+                    {"target_tokens": full[1:], "advantages": advantages, "logprobs": logprobs},
+                )
+            )
         rewards.extend(r.tolist())
     return data, rewards
 
@@ -198,8 +261,10 @@ class DataFile:
     @functools.cached_property
     def by_adapter(self) -> dict[str, list[int]]:
         """{adapter name: its datums}, names sorted."""
-        return {n: [i for i, m in enumerate(self.adapters) if m == n]
-                for n in sorted(set(self.adapters))}
+        return {
+            n: [i for i, m in enumerate(self.adapters) if m == n]
+            for n in sorted(set(self.adapters))
+        }
 
     @property
     def adapter_names(self) -> list[str]:
@@ -208,10 +273,17 @@ class DataFile:
     def batch(self, step: int, batch_size: int):
         """batch_size datums of every adapter for `step`, each adapter cycling its own lines
         -> (datums, adapter names, loss names, their indices here)."""
-        picks = [mine[((step - 1) * batch_size + j) % len(mine)]
-                 for mine in self.by_adapter.values() for j in range(batch_size)]
-        return ([self.datums[i] for i in picks], [self.adapters[i] for i in picks],
-                [self.losses[i] for i in picks], picks)
+        picks = [
+            mine[((step - 1) * batch_size + j) % len(mine)]
+            for mine in self.by_adapter.values()
+            for j in range(batch_size)
+        ]
+        return (
+            [self.datums[i] for i in picks],
+            [self.adapters[i] for i in picks],
+            [self.losses[i] for i in picks],
+            picks,
+        )
 
     def where(self, i: int) -> str:
         return f"{self.path}:{self.lines[i]}"
@@ -228,8 +300,9 @@ def _text_lines(path: str):
             try:
                 yield lineno, raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise CliError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte "
-                               f"{e.start} of the line)") from None
+                raise CliError(
+                    f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start} of the line)"
+                ) from None
 
 
 def _tokens_ok(model_input) -> bool:
@@ -238,7 +311,8 @@ def _tokens_ok(model_input) -> bool:
         return True
     chunks = model_input.get("chunks") if isinstance(model_input, dict) else None
     return isinstance(chunks, list) and all(
-        isinstance(ch, dict) and isinstance(ch.get("tokens"), list) for ch in chunks)
+        isinstance(ch, dict) and isinstance(ch.get("tokens"), list) for ch in chunks
+    )
 
 
 def _parse_datum(obj, default_loss: str):
@@ -249,22 +323,32 @@ def _parse_datum(obj, default_loss: str):
     if not isinstance(obj, dict) or "model_input" not in obj:
         raise jcp.InputError("expected an object with model_input and loss_fn_inputs")
     if not _tokens_ok(obj["model_input"]):
-        raise jcp.InputError('model_input must be a list of token ids or {"chunks": '
-                             '[{"tokens": [...]}, ...]}')
+        raise jcp.InputError(
+            'model_input must be a list of token ids or {"chunks": [{"tokens": [...]}, ...]}'
+        )
     if not isinstance(obj.get("loss_fn_inputs", {}), dict):
-        raise jcp.InputError("loss_fn_inputs must be an object of named vectors, got "
-                             f"{json.dumps(obj['loss_fn_inputs'])[:40]}")
+        raise jcp.InputError(
+            "loss_fn_inputs must be an object of named vectors, got "
+            f"{json.dumps(obj['loss_fn_inputs'])[:40]}"
+        )
     loss = obj.get("loss_fn", default_loss)
     if not isinstance(loss, str):
         raise jcp.InputError(f"loss_fn must be a loss name, got {json.dumps(loss)[:40]}")
     check_loss_fn(loss)
     adapter = obj.get("adapter", "default")
     # The name becomes a folder under checkpoints/.
-    if not isinstance(adapter, str) or adapter in ("", ".", "..") or "/" in adapter \
-            or os.sep in adapter or "\0" in adapter \
-            or len(adapter.encode("utf-8", "surrogatepass")) > NAME_MAX:
-        raise jcp.InputError(f"adapter must be a name usable as a folder name (no / or NUL, "
-                             f"at most {NAME_MAX} bytes), got {json.dumps(adapter)[:40]}")
+    if (
+        not isinstance(adapter, str)
+        or adapter in ("", ".", "..")
+        or "/" in adapter
+        or os.sep in adapter
+        or "\0" in adapter
+        or len(adapter.encode("utf-8", "surrogatepass")) > NAME_MAX
+    ):
+        raise jcp.InputError(
+            f"adapter must be a name usable as a folder name (no / or NUL, "
+            f"at most {NAME_MAX} bytes), got {json.dumps(adapter)[:40]}"
+        )
     return jcp.Datum.from_json(obj), adapter, loss
 
 
@@ -310,7 +394,7 @@ def _blame(err, step: int, src: DataFile | None, picks: list[int] | None) -> Cli
     if src is None or m is None or int(m[1]) >= len(picks):
         return CliError(f"step {step}: {msg}")
     if m.start() == 0:
-        msg = msg[m.end():]
+        msg = msg[m.end() :]
     return CliError(f"{src.where(picks[int(m[1])])}: {msg} (at step {step})")
 
 
@@ -329,18 +413,25 @@ def read_latest(out: str, adapter_names: list[str]):
         return None
     except (OSError, ValueError) as e:  # ValueError: not JSON, not UTF-8
         raise CliError(f"--resume: {path}: cannot be read ({e})") from None
-    ok = (isinstance(latest, dict)
-          and type(latest.get("step")) is int and latest["step"] >= 0
-          and isinstance(latest.get("dir"), str)
-          and re.fullmatch(r"step_\d+", latest["dir"]) is not None
-          and isinstance(latest.get("adapters"), list)
-          and all(isinstance(n, str) for n in latest["adapters"]))
+    ok = (
+        isinstance(latest, dict)
+        and type(latest.get("step")) is int
+        and latest["step"] >= 0
+        and isinstance(latest.get("dir"), str)
+        and re.fullmatch(r"step_\d+", latest["dir"]) is not None
+        and isinstance(latest.get("adapters"), list)
+        and all(isinstance(n, str) for n in latest["adapters"])
+    )
     if not ok:
-        raise CliError(f"--resume: {path}: expected {{\"step\": int, \"dir\": \"step_N\", "
-                       f"\"adapters\": [names]}}, got {json.dumps(latest)[:80]}")
+        raise CliError(
+            f'--resume: {path}: expected {{"step": int, "dir": "step_N", '
+            f'"adapters": [names]}}, got {json.dumps(latest)[:80]}'
+        )
     if sorted(latest["adapters"]) != sorted(adapter_names):
-        raise CliError(f"--resume: the checkpoint in {out} holds adapters "
-                       f"{sorted(latest['adapters'])}, this run trains {adapter_names}")
+        raise CliError(
+            f"--resume: the checkpoint in {out} holds adapters "
+            f"{sorted(latest['adapters'])}, this run trains {adapter_names}"
+        )
     return latest
 
 
@@ -353,9 +444,10 @@ def save_run(tr, adapters: dict, out: str, step: int, keep: int = 2) -> None:
     for name, aid in adapters.items():
         tr.save_state(aid, os.path.join(d, name))
     if jax.process_index() == 0:
-        atomic_write(os.path.join(root, "latest.json"),
-                     json.dumps({"step": step, "dir": os.path.basename(d),
-                                 "adapters": sorted(adapters)}))
+        atomic_write(
+            os.path.join(root, "latest.json"),
+            json.dumps({"step": step, "dir": os.path.basename(d), "adapters": sorted(adapters)}),
+        )
         steps = sorted(p for p in os.listdir(root) if p.startswith("step_"))
         for old in steps[:-keep]:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
@@ -390,9 +482,14 @@ def write_metrics(path: str, rows: list[dict]) -> None:
 def progress_postfix(rows: list[dict]) -> dict[str, str]:
     """What the progress bar shows per adapter: the mean reward of an adapter whose rows
     carry one (rl: its on-policy loss is ~0 and tells nothing), else loss per token."""
-    return {r["adapter"]: (f"reward {r['reward:mean']:.3f}" if "reward:mean" in r
-                           else f"loss {r['loss:sum'] / max(r['tokens:sum'], 1):.4f}")
-            for r in rows}
+    return {
+        r["adapter"]: (
+            f"reward {r['reward:mean']:.3f}"
+            if "reward:mean" in r
+            else f"loss {r['loss:sum'] / max(r['tokens:sum'], 1):.4f}"
+        )
+        for r in rows
+    }
 
 
 def plot_metrics(metrics_path: str, png_path: str) -> dict[str, dict[str, list]]:
@@ -410,16 +507,18 @@ def plot_metrics(metrics_path: str, png_path: str) -> dict[str, dict[str, list]]
         if not line.strip():
             continue
         r = json.loads(line)
-        s = series.setdefault(r["adapter"], {"step": [], "loss": [], "reward_step": [],
-                                             "reward": []})
+        s = series.setdefault(
+            r["adapter"], {"step": [], "loss": [], "reward_step": [], "reward": []}
+        )
         s["step"].append(r["step"])
         s["loss"].append(r["loss:sum"] / max(r["tokens:sum"], 1))
         if "reward:mean" in r:
             s["reward_step"].append(r["step"])
             s["reward"].append(r["reward:mean"])
     rewarded = any(s["reward"] for s in series.values())
-    fig, axes = plt.subplots(1, 2 if rewarded else 1, figsize=(10 if rewarded else 5.5, 3.8),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1, 2 if rewarded else 1, figsize=(10 if rewarded else 5.5, 3.8), squeeze=False
+    )
     for name, s in series.items():
         axes[0, 0].plot(s["step"], s["loss"], marker=".", label=name)
         if s["reward"]:
@@ -447,26 +546,31 @@ def check_fits(tr, args, src: DataFile | None) -> None:
     from jcp import batch as batch_lib
 
     cap = tr.token_cap
-    why = (f"--max-tokens-per-device {args.max_tokens_per_device}" if
-           args.max_tokens_per_device is not None else f"--mesh {tr.dp},{tr.cp},{tr.tp}")
+    why = (
+        f"--max-tokens-per-device {args.max_tokens_per_device}"
+        if args.max_tokens_per_device is not None
+        else f"--mesh {tr.dp},{tr.cp},{tr.tp}"
+    )
     if src is not None:
         for i, (d, loss) in enumerate(zip(src.datums, src.losses)):
             try:
                 batch_lib.validate([d], [loss], tr.cfg.vocab_size, cap)
             except jcp.InputError as e:
-                raise CliError(f"{src.where(i)}: {str(e).removeprefix('datum 0: ')} (with "
-                               f"{why}, a datum holds at most {cap} tokens)") from None
+                raise CliError(
+                    f"{src.where(i)}: {str(e).removeprefix('datum 0: ')} (with "
+                    f"{why}, a datum holds at most {cap} tokens)"
+                ) from None
         return
     if args.seq_len > cap:
-        raise CliError(f"--seq-len {args.seq_len}: {why} lets a datum hold at most {cap} "
-                       "tokens")
+        raise CliError(f"--seq-len {args.seq_len}: {why} lets a datum hold at most {cap} tokens")
     if PROMPT + args.rl_tokens > cap:
-        raise CliError(f"--rl-tokens {args.rl_tokens}: a {PROMPT}-token prompt plus "
-                       f"completion exceeds the {cap} tokens {why} allows per sequence")
+        raise CliError(
+            f"--rl-tokens {args.rl_tokens}: a {PROMPT}-token prompt plus "
+            f"completion exceeds the {cap} tokens {why} allows per sequence"
+        )
 
 
-def restore_or_create(tr, args, adapter_names: list[str], latest: dict | None
-                      ) -> tuple[dict, int]:
+def restore_or_create(tr, args, adapter_names: list[str], latest: dict | None) -> tuple[dict, int]:
     """-> ({adapter name: id}, the step they are at): the checkpoint `latest` points at,
     else fresh adapters (and a fresh metrics.jsonl)."""
     import jax
@@ -492,9 +596,9 @@ def restore_or_create(tr, args, adapter_names: list[str], latest: dict | None
     if args.resume:
         print(f"jcp-train: no checkpoint in {args.out}; starting from step 0", file=sys.stderr)
     for i, name in enumerate(adapter_names):
-        adapters[name] = tr.create_adapter(rank=args.rank, alpha=args.alpha,
-                                           seed=args.seed * 100 + i,
-                                           expert_lora=args.expert_lora)
+        adapters[name] = tr.create_adapter(
+            rank=args.rank, alpha=args.alpha, seed=args.seed * 100 + i, expert_lora=args.expert_lora
+        )
     if jax.process_index() == 0 and os.path.exists(metrics_path):
         os.remove(metrics_path)
     return adapters, 0
@@ -504,25 +608,31 @@ def train_loop(tr, args, src: DataFile | None, adapters: dict, start: int) -> di
     """Steps start+1 .. --steps: one forward_backward over every adapter's batch, one
     optim_step per adapter, a metrics row per adapter, a checkpoint every --save-every."""
     import jax
+    import numpy as np
     from tqdm import tqdm
 
     import jcp
-
-    import numpy as np
 
     primary = jax.process_index() == 0
     metrics_path = os.path.join(args.out, "metrics.jsonl")
     last = {}
     rewards = None
-    with tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps,
-              disable=args.no_progress or not primary, desc="jcp-train", unit="step") as bar:
+    with tqdm(
+        range(start + 1, args.steps + 1),
+        initial=start,
+        total=args.steps,
+        disable=args.no_progress or not primary,
+        desc="jcp-train",
+        unit="step",
+    ) as bar:
         for step in bar:
             if src:
                 data, names, losses, picks = src.batch(step, args.batch_size)
             else:
                 picks = None
-                data = synthetic_sft(step, args.seed, args.batch_size, args.seq_len,
-                                     tr.cfg.vocab_size)
+                data = synthetic_sft(
+                    step, args.seed, args.batch_size, args.seq_len, tr.cfg.vocab_size
+                )
                 rl_data, rewards = rl_rollouts(tr, adapters[RL], step, args)
                 names = [SFT] * len(data) + [RL] * len(rl_data)
                 losses = ["cross_entropy"] * len(data) + [args.rl_loss] * len(rl_data)
@@ -540,20 +650,36 @@ def train_loop(tr, args, src: DataFile | None, adapters: dict, start: int) -> di
                     opt = tr.optim_step(aid, args.adam)
                 except jcp.InputError as e:
                     raise _blame(e, step, src, picks) from None
-                rows.append({"step": step, "adapter": name,
-                             "loss_fn": ",".join(sorted({losses[i] for i in mine})),
-                             "loss:sum": loss_sum, "datums:sum": len(mine),
-                             "tokens:sum": tokens, "grad_norm": opt["grad_norm"],
-                             "learning_rate": opt["learning_rate"],
-                             "optim_step": opt["step"]})
+                rows.append(
+                    {
+                        "step": step,
+                        "adapter": name,
+                        "loss_fn": ",".join(sorted({losses[i] for i in mine})),
+                        "loss:sum": loss_sum,
+                        "datums:sum": len(mine),
+                        "tokens:sum": tokens,
+                        "grad_norm": opt["grad_norm"],
+                        "learning_rate": opt["learning_rate"],
+                        "optim_step": opt["step"],
+                    }
+                )
                 if name == RL and rewards is not None:
                     # On-policy: the trained log-probs of the sampled tokens equal the
                     # sampler's (up to fp32 rounding) before this step's update.
-                    diff = max(float(np.max(np.abs(
-                        out.loss_fn_outputs[i]["logprobs"][PROMPT - 1:]
-                        - data[i].loss_fn_inputs["logprobs"][PROMPT - 1:]))) for i in mine)
-                    rows[-1].update({"reward:mean": float(np.mean(rewards)),
-                                     "sampler_logprob_diff:max": diff})
+                    diff = max(
+                        float(
+                            np.max(
+                                np.abs(
+                                    out.loss_fn_outputs[i]["logprobs"][PROMPT - 1 :]
+                                    - data[i].loss_fn_inputs["logprobs"][PROMPT - 1 :]
+                                )
+                            )
+                        )
+                        for i in mine
+                    )
+                    rows[-1].update(
+                        {"reward:mean": float(np.mean(rewards)), "sampler_logprob_diff:max": diff}
+                    )
                 last[name] = rows[-1]
             if primary:
                 write_metrics(metrics_path, rows)
@@ -568,18 +694,73 @@ def run(args) -> dict:
     src = load_data(args)
     adapter_names = src.adapter_names if src else [SFT, RL]
     latest = read_latest(args.out, adapter_names) if args.resume else None
-    tr = build_trainer(args, max_adapters=max(len(adapter_names), 1), max_rank=args.rank)
+    # The warm-up trains a scratch adapter: one slot more.
+    tr = build_trainer(
+        args, max_adapters=max(len(adapter_names), 1) + int(args.warmup), max_rank=args.rank
+    )
     check_fits(tr, args, src)
     adapters, start = restore_or_create(tr, args, adapter_names, latest)
     if start >= args.steps:
         print(f"jcp-train: already at step {start} of {args.steps}", file=sys.stderr)
         return {}
+    if args.warmup:
+        warmup(tr, args, src, adapters, start)
     return train_loop(tr, args, src, adapters, start)
+
+
+# Steps of a --data run whose stream lengths the warm-up reads (its batches cycle).
+WARMUP_STEPS = 256
+
+
+def warmup(tr, args, src: DataFile | None, adapters: dict, start: int) -> None:
+    """Compile what the run's steps will run before the first: each distinct shape of
+    forward_backward among the next WARMUP_STEPS steps of a --data run (its batches cycle;
+    Trainer.pass_shapes, Trainer.warmup_call), or of the synthetic step (its rl rollouts
+    sampled once here, from the adapters as they are: the first step's sampling programs
+    compile too), then optim_step and the gradient copies (Trainer.warmup on its scratch
+    slot). Nothing the run trains changes."""
+    import time
+
+    import jax
+
+    import jcp
+
+    t0 = time.monotonic()
+    if src:
+        steps = range(start + 1, min(args.steps, start + WARMUP_STEPS) + 1)
+        batches = [src.batch(step, args.batch_size)[:3] for step in steps]
+    else:
+        data = synthetic_sft(start + 1, args.seed, args.batch_size, args.seq_len, tr.cfg.vocab_size)
+        rl_data, _ = rl_rollouts(tr, adapters[RL], start + 1, args)
+        batches = [
+            (
+                data + rl_data,
+                [SFT] * len(data) + [RL] * len(rl_data),
+                ["cross_entropy"] * len(data) + [args.rl_loss] * len(rl_data),
+            )
+        ]
+    seen, n = set(), 0
+    for data, names, losses in batches:
+        ids = [adapters[name] for name in names]
+        try:
+            shapes = tuple(tr.pass_shapes(data, losses, ids))
+            if shapes not in seen:
+                seen.add(shapes)
+                n += tr.warmup_call(data, losses, ids)
+        except jcp.InputError:
+            continue  # that step will say why
+    n += tr.warmup(rows=[])
+    if jax.process_index() == 0:
+        print(
+            f"jcp-train: warm-up compiled {n} training programs in {time.monotonic() - t0:.1f} s",
+            flush=True,
+        )
 
 
 def main(argv=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
+        setup_compilation_cache(args)
         setup_devices(args)
         last = run(args)
     except CliError as e:
@@ -591,13 +772,18 @@ def main(argv=None) -> int:
         return 130
     if last:
         import jax
+
         if jax.process_index() == 0:
-            summary = ", ".join(f"{n} loss/token {r['loss:sum'] / max(r['tokens:sum'], 1):.4f}"
-                                + (f" reward {r['reward:mean']:.3f}" if "reward:mean" in r
-                                   else "") for n, r in last.items())
+            summary = ", ".join(
+                f"{n} loss/token {r['loss:sum'] / max(r['tokens:sum'], 1):.4f}"
+                + (f" reward {r['reward:mean']:.3f}" if "reward:mean" in r else "")
+                for n, r in last.items()
+            )
             metrics_path = os.path.join(args.out, "metrics.jsonl")
-            print(f"jcp-train: done at step {max(r['step'] for r in last.values())} "
-                  f"({summary}); metrics in {metrics_path}")
+            print(
+                f"jcp-train: done at step {max(r['step'] for r in last.values())} "
+                f"({summary}); metrics in {metrics_path}"
+            )
             png = os.path.join(args.out, "metrics.png")
             plot_metrics(metrics_path, png)
             print(f"jcp-train: plot of each adapter's loss and reward per step in {png}")

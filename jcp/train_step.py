@@ -29,10 +29,10 @@ from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import mesh as mesh_lib
 from jcp import model as model_lib
-from jcp.model import moe as moe_lib
 from jcp.config import QwenConfig
 from jcp.errors import float32_number
 from jcp.mesh import BATCH_AXES, CP, SPECS, TP
+from jcp.model import moe as moe_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +58,14 @@ class StepConfig:
         if not (self.remat is True or self.remat is False or self.remat == "auto"):
             raise ValueError(f"remat must be True, False or 'auto', got {self.remat!r}")
         if self.attn_impl not in attention_lib.IMPLEMENTATIONS:
-            raise ValueError(f"attn_impl must be one of {attention_lib.IMPLEMENTATIONS}, got "
-                             f"{self.attn_impl!r}")
+            raise ValueError(
+                f"attn_impl must be one of {attention_lib.IMPLEMENTATIONS}, got {self.attn_impl!r}"
+            )
         if self.cp_attention not in attention_lib.CP_ATTENTION:
-            raise ValueError(f"cp_attention must be one of {attention_lib.CP_ATTENTION}, got "
-                             f"{self.cp_attention!r}")
+            raise ValueError(
+                f"cp_attention must be one of {attention_lib.CP_ATTENTION}, got "
+                f"{self.cp_attention!r}"
+            )
         coef = float32_number(self.router_aux_loss_coef, "router_aux_loss_coef")
         if coef < 0:
             raise ValueError(f"router_aux_loss_coef must be ≥ 0, got {coef}")
@@ -72,8 +75,10 @@ class StepConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.cp_attention == "ring" and self.attn_impl == "dense":
-            raise ValueError(f"cp_attention='ring' needs attn_impl one of "
-                             f"{attention_lib.RING_IMPLEMENTATIONS}, got 'dense'")
+            raise ValueError(
+                f"cp_attention='ring' needs attn_impl one of "
+                f"{attention_lib.RING_IMPLEMENTATIONS}, got 'dense'"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,20 +104,46 @@ class Batch:
 
 
 jax.tree_util.register_dataclass(
-    Batch, data_fields=[f.name for f in dataclasses.fields(Batch)], meta_fields=[])
+    Batch, data_fields=[f.name for f in dataclasses.fields(Batch)], meta_fields=[]
+)
 
 
 def batch_specs() -> Batch:
     s = SPECS.stream_DPxCPxS
-    return Batch(tokens=s, targets=s, segment=s, position=s, loss_id=s,
-                 **{k: s for k in losses_lib.FLOAT_INPUTS}, spans=SPECS.spans_DPxCPxAx2,
-                 active=SPECS.replicated, call_tokens=SPECS.replicated)
+    return Batch(
+        tokens=s,
+        targets=s,
+        segment=s,
+        position=s,
+        loss_id=s,
+        **{k: s for k in losses_lib.FLOAT_INPUTS},
+        spans=SPECS.spans_DPxCPxAx2,
+        active=SPECS.replicated,
+        call_tokens=SPECS.replicated,
+    )
 
 
-def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, tokens_S,
-               segment_S, position_S, targets_S, inputs: losses_lib.TokenInputs, loss_fn,
-               loss_cfg, num_slots: int, *, loss_id_S=None, base_unembed_grad: bool = False,
-               call_tokens=None, keep_token_logprobs: bool = False, summed: bool = True):
+def model_loss(
+    cfg: QwenConfig,
+    step_cfg: StepConfig,
+    params,
+    lora,
+    route,
+    tokens_S,
+    segment_S,
+    position_S,
+    targets_S,
+    inputs: losses_lib.TokenInputs,
+    loss_fn,
+    loss_cfg,
+    num_slots: int,
+    *,
+    loss_id_S=None,
+    base_unembed_grad: bool = False,
+    call_tokens=None,
+    keep_token_logprobs: bool = False,
+    summed: bool = True,
+):
     """Model + loss of this device's stream, inside the shard_map: (loss, ShardOutputs);
     summed=False (dense models only): (this shard's loss, its output parts), as
     losses.shard_loss(summed=False).
@@ -136,17 +167,40 @@ def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, token
     real_S = segment_S >= 0
     # Gated DeltaNet layers (hybrid models): a stream holds at most two pieces (zigzag
     # chunks) of each of its num_slots datums, and one padding piece.
-    mix = (delta_rule_lib.cp_mix(segment_S, position_S, 2 * num_slots + 1, CP)
-           if cfg.is_hybrid else None)
-    h_SxD, _, stats = model_lib.hidden_states(cfg, params, tokens_S, position_S, attend, lora,
-                                              route, remat=step_cfg.remat is True, count_S=real_S,
-                                              mix=mix, unroll=unroll_layers(cfg, step_cfg))
+    mix = (
+        delta_rule_lib.cp_mix(segment_S, position_S, 2 * num_slots + 1, CP)
+        if cfg.is_hybrid
+        else None
+    )
+    h_SxD, _, stats = model_lib.hidden_states(
+        cfg,
+        params,
+        tokens_S,
+        position_S,
+        attend,
+        lora,
+        route,
+        remat=step_cfg.remat is True,
+        count_S=real_S,
+        mix=mix,
+        unroll=unroll_layers(cfg, step_cfg),
+    )
     lefts, rights = model_lib.unembed_factors(params, h_SxD, lora, route)
     loss, outputs = losses_lib.shard_loss(
-        lefts, rights, targets_S, segment_S, inputs, loss_fn, loss_cfg, num_slots,
+        lefts,
+        rights,
+        targets_S,
+        segment_S,
+        inputs,
+        loss_fn,
+        loss_cfg,
+        num_slots,
         chunk=step_cfg.logprob_chunk,
-        right_grads=(base_unembed_grad,) + (True,) * (len(rights) - 1), loss_id_S=loss_id_S,
-        keep_token_logprobs=keep_token_logprobs, summed=summed)
+        right_grads=(base_unembed_grad,) + (True,) * (len(rights) - 1),
+        loss_id_S=loss_id_S,
+        keep_token_logprobs=keep_token_logprobs,
+        summed=summed,
+    )
     if stats is None:
         return loss, outputs
     if not summed:
@@ -157,10 +211,11 @@ def model_loss(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, token
         return loss, outputs
     tokens = jax.lax.psum(jnp.sum(real_S, dtype=jnp.int32), BATCH_AXES)
     weight = step_cfg.router_aux_loss_coef * (
-        1.0 if call_tokens is None else tokens / jnp.maximum(call_tokens, 1))
-    aux = weight * moe_lib.load_balancing_loss(counts_LxE, jax.lax.psum(stats.prob_sum,
-                                                                        BATCH_AXES),
-                                               tokens, cfg.num_experts_per_tok)
+        1.0 if call_tokens is None else tokens / jnp.maximum(call_tokens, 1)
+    )
+    aux = weight * moe_lib.load_balancing_loss(
+        counts_LxE, jax.lax.psum(stats.prob_sum, BATCH_AXES), tokens, cfg.num_experts_per_tok
+    )
     outputs = dataclasses.replace(outputs, router_aux_loss=jax.lax.stop_gradient(aux))
     return loss + aux.astype(loss.dtype), outputs
 
@@ -178,8 +233,11 @@ def unroll_layers(cfg: QwenConfig, step_cfg: StepConfig) -> bool:
     to the layers' work). A recomputing step (remat: chosen where memory requires it) keeps
     the loop, whose liveness is one layer's: unrolled, XLA:CPU's schedule of the
     recomputation held ~30 % more temporaries (tests/test_model.py's memory bound)."""
-    return (jax.default_backend() == "cpu" and cfg.num_layers <= CPU_UNROLL_LAYERS
-            and step_cfg.remat is not True)
+    return (
+        jax.default_backend() == "cpu"
+        and cfg.num_layers <= CPU_UNROLL_LAYERS
+        and step_cfg.remat is not True
+    )
 
 
 def training_attend(cfg: QwenConfig, step_cfg: StepConfig, segment_S, position_S):
@@ -187,31 +245,74 @@ def training_attend(cfg: QwenConfig, step_cfg: StepConfig, segment_S, position_S
     as attention.choose_cp_attention picks for this stream's shape ("dense" always gathers)."""
     cp, tp = jax.lax.axis_size(CP), jax.lax.axis_size(TP)
     choice = "gather" if step_cfg.attn_impl == "dense" else step_cfg.cp_attention
-    how = attention_lib.choose_cp_attention(choice, cp, segment_S.shape[0],
-                                            cfg.num_kv_heads // tp, cfg.head_dim,
-                                            jnp.dtype(cfg.dtype).itemsize)
+    how = attention_lib.choose_cp_attention(
+        choice,
+        cp,
+        segment_S.shape[0],
+        cfg.num_kv_heads // tp,
+        cfg.head_dim,
+        jnp.dtype(cfg.dtype).itemsize,
+    )
     if how == "ring":
-        return attention_lib.ring_attend(segment_S, position_S, block=step_cfg.attn_block,
-                                         implementation=step_cfg.attn_impl)
-    return attention_lib.cp_attend(segment_S, position_S, implementation=step_cfg.attn_impl,
-                                   block=step_cfg.attn_block)
+        return attention_lib.ring_attend(
+            segment_S, position_S, block=step_cfg.attn_block, implementation=step_cfg.attn_impl
+        )
+    return attention_lib.cp_attend(
+        segment_S, position_S, implementation=step_cfg.attn_impl, block=step_cfg.attn_block
+    )
 
 
-def stream_loss(cfg: QwenConfig, step_cfg: StepConfig, loss_fns: tuple[str, ...],
-                 num_slots: int, lora_active, params, slot_meta, b: Batch, loss_cfg, **kw):
+def stream_loss(
+    cfg: QwenConfig,
+    step_cfg: StepConfig,
+    loss_fns: tuple[str, ...],
+    num_slots: int,
+    lora_active,
+    params,
+    slot_meta,
+    b: Batch,
+    loss_cfg,
+    **kw,
+):
     """model_loss of this device's row of the batch, inside the shard_map (kw: its
     keep_token_logprobs / summed)."""
     one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
-    route = slot_meta.routing(b.active, one(b.spans))
+    route = slot_meta.routing(b.active, one(b.spans), s_len=b.tokens.shape[-1])
     inputs = losses_lib.TokenInputs(**{k: one(getattr(b, k)) for k in losses_lib.FLOAT_INPUTS})
-    return model_loss(cfg, step_cfg, params, lora_active, route, one(b.tokens), one(b.segment),
-                      one(b.position), one(b.targets), inputs, loss_fns, loss_cfg, num_slots,
-                      loss_id_S=one(b.loss_id), call_tokens=b.call_tokens, **kw)
+    return model_loss(
+        cfg,
+        step_cfg,
+        params,
+        lora_active,
+        route,
+        one(b.tokens),
+        one(b.segment),
+        one(b.position),
+        one(b.targets),
+        inputs,
+        loss_fns,
+        loss_cfg,
+        num_slots,
+        loss_id_S=one(b.loss_id),
+        call_tokens=b.call_tokens,
+        **kw,
+    )
 
 
-def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tuple[str, ...],
-                      num_slots: int, lora_active, params, slot_meta, batch: Batch, loss_cfg,
-                      custom=None, custom_args=()):
+def _loss_and_outputs(
+    cfg: QwenConfig,
+    mesh,
+    step_cfg: StepConfig,
+    loss_fns: tuple[str, ...],
+    num_slots: int,
+    lora_active,
+    params,
+    slot_meta,
+    batch: Batch,
+    loss_cfg,
+    custom=None,
+    custom_args=(),
+):
     """The shard_map'd model + loss, and a custom loss after it. Returns (replicated loss,
     ShardOutputs).
 
@@ -221,28 +322,46 @@ def _loss_and_outputs(cfg: QwenConfig, mesh, step_cfg: StepConfig, loss_fns: tup
     """
 
     def shard(lora_active, params, slot_meta, b: Batch, loss_cfg):
-        loss, out = stream_loss(cfg, step_cfg, loss_fns, num_slots, vary_on_entry(lora_active),
-                                 params, slot_meta, b, loss_cfg,
-                                 keep_token_logprobs=custom is not None)
+        loss, out = stream_loss(
+            cfg,
+            step_cfg,
+            loss_fns,
+            num_slots,
+            vary_on_entry(lora_active),
+            params,
+            slot_meta,
+            b,
+            loss_cfg,
+            keep_token_logprobs=custom is not None,
+        )
         if custom is None:
             return loss, out, None
         lp = out.token_logprobs
         return loss, dataclasses.replace(out, token_logprobs=None), lp[None, None]
 
-    in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
-                SPECS.slot_G,
-                batch_specs(), SPECS.replicated)
+    in_specs = (
+        lora_lib.slot_specs_active(cfg, lora_active),
+        model_lib.param_specs(cfg),
+        SPECS.slot_G,
+        batch_specs(),
+        SPECS.replicated,
+    )
     loss, out, lp = jax.shard_map(
-        shard, mesh=mesh, in_specs=in_specs,
-        out_specs=(P(), P(), P() if custom is None else SPECS.stream_DPxCPxS))(
-        lora_active, params, slot_meta, batch, loss_cfg)
+        shard,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=(P(), P(), P() if custom is None else SPECS.stream_DPxCPxS),
+    )(lora_active, params, slot_meta, batch, loss_cfg)
     if custom is None:
         return loss, out
     c_loss, c_metrics = custom_terms(custom, lp, custom_args)
     # Replicated, like everything else the host reads back.
     rep = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))  # noqa: E731
-    out = dataclasses.replace(out, custom_loss=rep(jax.lax.stop_gradient(c_loss)),
-                              custom_metrics=jax.tree.map(rep, jax.lax.stop_gradient(c_metrics)))
+    out = dataclasses.replace(
+        out,
+        custom_loss=rep(jax.lax.stop_gradient(c_loss)),
+        custom_metrics=jax.tree.map(rep, jax.lax.stop_gradient(c_metrics)),
+    )
     return rep(loss + jnp.sum(c_loss)), out
 
 
@@ -253,9 +372,18 @@ def folds_outputs(cfg: QwenConfig, custom) -> bool:
     return custom is None and not cfg.is_moe
 
 
-def _folded_value_and_grad(cfg: QwenConfig, mesh, step_cfg: StepConfig,
-                           loss_fns: tuple[str, ...], num_slots: int, lora_active, params,
-                           slot_meta, batch: Batch, loss_cfg):
+def _folded_value_and_grad(
+    cfg: QwenConfig,
+    mesh,
+    step_cfg: StepConfig,
+    loss_fns: tuple[str, ...],
+    num_slots: int,
+    lora_active,
+    params,
+    slot_meta,
+    batch: Batch,
+    loss_cfg,
+):
     """(gradient w.r.t. lora_active, loss, ShardOutputs) — _loss_and_outputs and its
     gradient, with the outputs summed over (dp, cp) in the backward pass's one all-reduce.
 
@@ -272,17 +400,34 @@ def _folded_value_and_grad(cfg: QwenConfig, mesh, step_cfg: StepConfig,
 
     def shard(lora_active, sink, params, slot_meta, b: Batch, loss_cfg):
         lora_active, sink = vary_on_entry((lora_active, sink))
-        loss, parts = stream_loss(cfg, step_cfg, loss_fns, num_slots, lora_active, params,
-                                   slot_meta, b, loss_cfg, summed=False)
+        loss, parts = stream_loss(
+            cfg,
+            step_cfg,
+            loss_fns,
+            num_slots,
+            lora_active,
+            params,
+            slot_meta,
+            b,
+            loss_cfg,
+            summed=False,
+        )
         payload = jnp.concatenate([x.reshape(-1) for x in parts])
         return _emit(sink, loss, payload)[None, None]
 
-    in_specs = (lora_lib.slot_specs_active(cfg, lora_active), SPECS.replicated,
-                model_lib.param_specs(cfg), SPECS.slot_G, batch_specs(), SPECS.replicated)
+    in_specs = (
+        lora_lib.slot_specs_active(cfg, lora_active),
+        SPECS.replicated,
+        model_lib.param_specs(cfg),
+        SPECS.slot_G,
+        batch_specs(),
+        SPECS.replicated,
+    )
 
     def losses_of(lora_active, sink):  # [DP, CP]: each shard's loss
         return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=P(*BATCH_AXES))(
-            lora_active, sink, params, slot_meta, batch, loss_cfg)
+            lora_active, sink, params, slot_meta, batch, loss_cfg
+        )
 
     losses_DPxCP, vjp = jax.vjp(losses_of, lora_active, jnp.zeros(size, jnp.float32))
     grads, sums = vjp(jnp.ones_like(losses_DPxCP))
@@ -298,7 +443,7 @@ def part_shapes(batch: Batch, num_slots: int) -> tuple:
 def split_parts(flat, shapes) -> list:
     """A concatenated vector back into arrays of `shapes`, in order."""
     ends = np.cumsum([math.prod(s) for s in shapes])
-    return [flat[e - math.prod(s):e].reshape(s) for e, s in zip(ends, shapes)]
+    return [flat[e - math.prod(s) : e].reshape(s) for e, s in zip(ends, shapes)]
 
 
 @jax.custom_vjp
@@ -425,13 +570,39 @@ def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
     """jit(forward)(lora, params, slot_meta, batch, loss_cfg, custom_args, *, loss_fns,
     num_slots, custom) -> (loss, out)."""
 
-    @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots", "custom", "modules"),
-                       compiler_options=compiler_options(mesh))
-    def forward(lora, params, slot_meta, batch, loss_cfg, custom_args=(), *, loss_fns,
-                num_slots, custom=None, modules=None):
+    @functools.partial(
+        jax.jit,
+        static_argnames=("loss_fns", "num_slots", "custom", "modules"),
+        compiler_options=compiler_options(mesh),
+    )
+    def forward(
+        lora,
+        params,
+        slot_meta,
+        batch,
+        loss_cfg,
+        custom_args=(),
+        *,
+        loss_fns,
+        num_slots,
+        custom=None,
+        modules=None,
+    ):
         active = lora_lib.take_active(used_modules(lora, modules), batch.active)
-        return _loss_and_outputs(cfg, mesh, step_cfg, loss_fns, num_slots, active, params,
-                                 slot_meta, batch, loss_cfg, custom, custom_args)
+        return _loss_and_outputs(
+            cfg,
+            mesh,
+            step_cfg,
+            loss_fns,
+            num_slots,
+            active,
+            params,
+            slot_meta,
+            batch,
+            loss_cfg,
+            custom,
+            custom_args,
+        )
 
     return forward
 
@@ -451,19 +622,47 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig, fold: boo
     (the same values; False: in the forward pass, for tests that compare the two).
     """
 
-    @functools.partial(jax.jit, static_argnames=("loss_fns", "num_slots", "custom", "modules"),
-                       donate_argnums=(0,), compiler_options=compiler_options(mesh))
-    def forward_backward(acc, lora, params, slot_meta, batch, loss_cfg, custom_args=(), *,
-                         loss_fns, num_slots, custom=None, modules=None):
+    @functools.partial(
+        jax.jit,
+        static_argnames=("loss_fns", "num_slots", "custom", "modules"),
+        donate_argnums=(0,),
+        compiler_options=compiler_options(mesh),
+    )
+    def forward_backward(
+        acc,
+        lora,
+        params,
+        slot_meta,
+        batch,
+        loss_cfg,
+        custom_args=(),
+        *,
+        loss_fns,
+        num_slots,
+        custom=None,
+        modules=None,
+    ):
         def loss_of(active):
-            return _loss_and_outputs(cfg, mesh, step_cfg, loss_fns, num_slots, active, params,
-                                     slot_meta, batch, loss_cfg, custom, custom_args)
+            return _loss_and_outputs(
+                cfg,
+                mesh,
+                step_cfg,
+                loss_fns,
+                num_slots,
+                active,
+                params,
+                slot_meta,
+                batch,
+                loss_cfg,
+                custom,
+                custom_args,
+            )
 
         active = lora_lib.take_active(used_modules(lora, modules), batch.active)
         if folds_outputs(cfg, custom) and fold:
-            grads, loss, out = _folded_value_and_grad(cfg, mesh, step_cfg, loss_fns,
-                                                      num_slots, active, params, slot_meta,
-                                                      batch, loss_cfg)
+            grads, loss, out = _folded_value_and_grad(
+                cfg, mesh, step_cfg, loss_fns, num_slots, active, params, slot_meta, batch, loss_cfg
+            )
         else:
             (loss, out), grads = jax.value_and_grad(loss_of, has_aux=True)(active)
         acc, finite_A = accumulate(acc, lora_lib.untake_active(grads), batch.active, modules)
@@ -475,9 +674,14 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig, fold: boo
 def accumulate(acc, grads, active_A, modules):
     """(acc with `grads` of the A active slots added, finite_A: whether each active
     slot's gradient is finite)."""
-    acc = {**acc, **jax.tree.map(lambda a, g: a.at[active_A].add(g),
-                                 used_modules(acc, modules), grads)}
-    finite_A = jnp.all(jnp.stack([
-        jnp.all(jnp.isfinite(g), axis=tuple(range(1, g.ndim)))
-        for g in jax.tree.leaves(grads)]), axis=0)
+    acc = {
+        **acc,
+        **jax.tree.map(lambda a, g: a.at[active_A].add(g), used_modules(acc, modules), grads),
+    }
+    finite_A = jnp.all(
+        jnp.stack(
+            [jnp.all(jnp.isfinite(g), axis=tuple(range(1, g.ndim))) for g in jax.tree.leaves(grads)]
+        ),
+        axis=0,
+    )
     return acc, finite_A

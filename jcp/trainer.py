@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import os
 from collections.abc import Sequence
 
@@ -22,21 +24,19 @@ import numpy as np
 
 from jcp import attention as attention_lib
 from jcp import batch as batch_lib
-from jcp import checkpoint
+from jcp import checkpoint, files, host_sum, train_step
 from jcp import custom_loss as custom_loss_lib
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import mesh as mesh_lib
 from jcp import model as model_lib
-from jcp.model import moe as moe_lib
 from jcp import peft as peft_lib
 from jcp import sample as sample_lib
-from jcp import train_step
-from jcp import host_sum
 from jcp.adapter_state import AdapterInfo, AdapterState, HostSlot
-from jcp.errors import F32, InputError, float32_number
 from jcp.config import QwenConfig
+from jcp.errors import F32, InputError, float32_number
 from jcp.mesh import host, put, replicate
+from jcp.model import moe as moe_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,21 +53,27 @@ class AdamParams:
     def checked(self) -> np.ndarray:
         """As float32 [6], each value checked after the cast to float32 (the device's
         dtype); InputError naming the first bad field."""
-        vals = {f.name: float32_number(getattr(self, f.name), f"AdamParams.{f.name}")
-                for f in dataclasses.fields(self)}
+        vals = {
+            f.name: float32_number(getattr(self, f.name), f"AdamParams.{f.name}")
+            for f in dataclasses.fields(self)
+        }
         for name, v in vals.items():
             if v < 0:
                 raise InputError(f"AdamParams.{name} must be ≥ 0, got {v}")
         for name in ("beta1", "beta2"):
             if not vals[name] < 1.0:
-                raise InputError(f"AdamParams.{name} must be < 1 in float32, got "
-                                 f"{getattr(self, name)} (rounds to {vals[name]})")
+                raise InputError(
+                    f"AdamParams.{name} must be < 1 in float32, got "
+                    f"{getattr(self, name)} (rounds to {vals[name]})"
+                )
         # eps = 0 turns every zero-gradient entry into 0/0 = NaN — always the zero padding
         # of slots beyond an adapter's rank and targets — and a denormal eps is flushed to
         # 0 on the device.
         if not vals["eps"] >= F32.smallest_normal:
-            raise InputError(f"AdamParams.eps must be ≥ {F32.smallest_normal:.4g} (the "
-                             f"smallest normal float32), got {self.eps}")
+            raise InputError(
+                f"AdamParams.eps must be ≥ {F32.smallest_normal:.4g} (the "
+                f"smallest normal float32), got {self.eps}"
+            )
         return np.asarray(list(vals.values()), np.float32)
 
 
@@ -88,12 +94,16 @@ class Trainer:
     Tuning (keyword-only): remat — True: recompute each layer in the backward pass
     (keeping only the attention kernel's output and log-sum-exp); False: keep every
     activation the backward needs; "auto" (the default): decided per compiled
-    forward_backward program (one per batch shape) from the compiled memory — the program
-    without recomputation is compiled first, and it is used iff XLA's memory analysis of
-    it (arguments + outputs + temporaries per device, donated buffers once) fits
-    remat_budget_bytes; otherwise the recomputing program is compiled and used. Both give
-    the same numbers; recomputation only costs time (about one more forward pass), so it is
-    spent only where memory requires it. remat_budget_bytes (None: 90% of the device's
+    forward_backward program (one per batch shape) by whether the program without
+    recomputation fits remat_budget_bytes per device (arguments + outputs + temporaries,
+    donated buffers once), compiling only the program it keeps wherever it can: from
+    remat_estimate (the config, the stream length and the placed arguments; no compile)
+    where that is clearly within or beyond the budget (REMAT_MARGIN), else from a decision
+    an earlier process measured, stored beside the persistent compilation cache, else by
+    compiling the program without recomputation and reading XLA's memory analysis of it
+    (the recomputing one is compiled only if it does not fit). Both give the same numbers;
+    recomputation only costs time (about one more forward pass), so it is spent only where
+    memory requires it. remat_budget_bytes (None: 90% of the device's
     memory limit on an accelerator; on CPU, half the host's physical memory shared by its
     local devices; with several processes, the smallest of theirs, so that every process
     compiles the same programs); remat_decisions says what was chosen. attn_impl — "auto"
@@ -144,25 +154,41 @@ class Trainer:
     # the device fed, few enough that XLA:CPU's collective rendezvous never times out.
     MAX_IN_FLIGHT = 4
 
-    def __init__(self, cfg: QwenConfig, mesh, base_params=None, max_adapters: int = 4,
-                 max_rank: int = 16, seed: int = 0, max_tokens_per_device: int | None = None,
-                 *, remat: bool | str = "auto", remat_budget_bytes: int | None = None,
-                 attn_impl: str = "auto",
-                 attn_block: int | None = None, logprob_chunk: int | None = None,
-                 cp_attention: str = "auto", router_aux_loss_coef: float = 0.0,
-                 expert_lora_modes: tuple[str, ...] = lora_lib.EXPERT_LORA):
+    def __init__(
+        self,
+        cfg: QwenConfig,
+        mesh,
+        base_params=None,
+        max_adapters: int = 4,
+        max_rank: int = 16,
+        seed: int = 0,
+        max_tokens_per_device: int | None = None,
+        *,
+        remat: bool | str = "auto",
+        remat_budget_bytes: int | None = None,
+        attn_impl: str = "auto",
+        attn_block: int | None = None,
+        logprob_chunk: int | None = None,
+        cp_attention: str = "auto",
+        router_aux_loss_coef: float = 0.0,
+        expert_lora_modes: tuple[str, ...] = lora_lib.EXPERT_LORA,
+    ):
         if tuple(mesh.axis_names) != mesh_lib.AXES:
             raise ValueError(f"mesh axes must be {mesh_lib.AXES}, got {mesh.axis_names}")
-        if remat_budget_bytes is not None and (isinstance(remat_budget_bytes, bool) or not
-                                               isinstance(remat_budget_bytes, int)
-                                               or remat_budget_bytes < 1):
-            raise ValueError(f"remat_budget_bytes must be a positive integer or None, got "
-                             f"{remat_budget_bytes!r}")
+        if remat_budget_bytes is not None and (
+            isinstance(remat_budget_bytes, bool)
+            or not isinstance(remat_budget_bytes, int)
+            or remat_budget_bytes < 1
+        ):
+            raise ValueError(
+                f"remat_budget_bytes must be a positive integer or None, got {remat_budget_bytes!r}"
+            )
         self.cfg, self.mesh = cfg, mesh
         self.dp, self.cp, self.tp = (mesh_lib.axis_size(mesh, a) for a in mesh_lib.AXES)
         cfg.check_mesh(self.tp)
         attn_impl = attention_lib.resolve_implementation(
-            attn_impl, mesh.devices.flat[0].platform, cfg.head_dim, cfg.dtype)
+            attn_impl, mesh.devices.flat[0].platform, cfg.head_dim, cfg.dtype
+        )
         if attn_block is None:
             cpu = mesh.devices.flat[0].platform == "cpu"
             attn_block = 64 if cpu else attention_lib.DEFAULT_BLOCK
@@ -171,14 +197,19 @@ class Trainer:
             logprob_chunk = 1 << (min(1024, per_chunk).bit_length() - 1)
         # Every step setting is checked by StepConfig (the one place); what needs the
         # model's config is checked here.
-        self.step_cfg = train_step.StepConfig(remat=remat, attn_impl=attn_impl,
-                                              attn_block=attn_block, logprob_chunk=logprob_chunk,
-                                              cp_attention=cp_attention,
-                                              router_aux_loss_coef=router_aux_loss_coef)
+        self.step_cfg = train_step.StepConfig(
+            remat=remat,
+            attn_impl=attn_impl,
+            attn_block=attn_block,
+            logprob_chunk=logprob_chunk,
+            cp_attention=cp_attention,
+            router_aux_loss_coef=router_aux_loss_coef,
+        )
         self.remat = self.step_cfg.remat
         if self.step_cfg.router_aux_loss_coef and not cfg.is_moe:
-            raise ValueError("router_aux_loss_coef needs a mixture-of-experts model; this "
-                             "config has no router")
+            raise ValueError(
+                "router_aux_loss_coef needs a mixture-of-experts model; this config has no router"
+            )
         for name, v in (("max_adapters", max_adapters), ("max_rank", max_rank)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -190,27 +221,38 @@ class Trainer:
             self.token_cap = cfg.max_position_embeddings
         else:
             if not isinstance(max_tokens_per_device, int) or max_tokens_per_device < 2:
-                raise ValueError("max_tokens_per_device must be an integer ≥ 2, got "
-                                 f"{max_tokens_per_device!r}")
+                raise ValueError(
+                    f"max_tokens_per_device must be an integer ≥ 2, got {max_tokens_per_device!r}"
+                )
             self.max_tokens_per_device = max_tokens_per_device
             self.token_cap = mesh_lib.datum_token_cap(max_tokens_per_device, self.cp, self.tp)
 
         if base_params is None:
             base_params = model_lib.random_params(cfg, seed)
         model_lib.check_shapes(cfg, base_params)
-        self.params = model_lib.place(base_params, model_lib.param_specs(cfg), mesh,
-                                      dtype=jnp.dtype(cfg.dtype))
+        self.params = model_lib.place(
+            base_params, model_lib.param_specs(cfg), mesh, dtype=jnp.dtype(cfg.dtype)
+        )
 
         modes = tuple(expert_lora_modes) if isinstance(expert_lora_modes, (list, tuple)) else ()
-        if (not modes or len(set(modes)) < len(modes)
-                or any(m not in lora_lib.EXPERT_LORA for m in modes)):
-            raise ValueError(f"expert_lora_modes must be a non-empty tuple of distinct "
-                             f"{lora_lib.EXPERT_LORA}, got {expert_lora_modes!r}")
+        if (
+            not modes
+            or len(set(modes)) < len(modes)
+            or any(m not in lora_lib.EXPERT_LORA for m in modes)
+        ):
+            raise ValueError(
+                f"expert_lora_modes must be a non-empty tuple of distinct "
+                f"{lora_lib.EXPERT_LORA}, got {expert_lora_modes!r}"
+            )
         self.state = AdapterState(cfg, mesh, max_adapters, max_rank, modes)
         self._forward = train_step.make_forward(cfg, mesh, self.step_cfg)
-        self._fb_steps = {r: train_step.make_forward_backward(
-            cfg, mesh, dataclasses.replace(self.step_cfg, remat=r)) for r in (True, False)
-            if remat in (r, "auto")}
+        self._fb_steps = {
+            r: train_step.make_forward_backward(
+                cfg, mesh, dataclasses.replace(self.step_cfg, remat=r)
+            )
+            for r in (True, False)
+            if remat in (r, "auto")
+        }
         self._remat_budget = remat_budget_bytes
         self.sums_on_host = host_sum.sums_on_host(mesh)
         """Whether forward_backward and forward (dense models, Tinker losses) sum the
@@ -219,9 +261,11 @@ class Trainer:
         collective is TCP); settable before the first call."""
         self._fb_programs: dict = {}
         self.remat_decisions: dict = {}
-        """Per compiled forward_backward program, keyed (stream shape [DP, CP, S], active
-        slots, loss names, targeted modules): {"remat": bool, "bytes": its per-device memory without
-        recomputation (None unless remat="auto"), "budget": remat_budget_bytes used}."""
+        """Per compiled forward_backward program, keyed as forward_backward_programs:
+        {"remat": bool, "bytes": its per-device memory without recomputation (measured,
+        cached or estimated; None unless remat="auto"), "budget": remat_budget_bytes used,
+        "estimate": remat_estimate's figure, "how": "estimate" / "cached" / "measured"
+        (see remat; None unless "auto")}."""
 
     @property
     def adapters(self):
@@ -234,12 +278,14 @@ class Trainer:
         if isinstance(adapter, (bool, np.bool_)) or not isinstance(adapter, (int, np.integer)):
             raise InputError(f"{what} must be an adapter id (int), got {adapter!r}")
         if int(adapter) not in self.adapters:
-            raise InputError(f"{what} {adapter} is not an allocated adapter; allocated: "
-                             f"{sorted(self.adapters)}")
+            raise InputError(
+                f"{what} {adapter} is not an allocated adapter; allocated: {sorted(self.adapters)}"
+            )
         return int(adapter)
 
-    def _check_new_adapter(self, rank, alpha, targets,
-                           expert_lora: str | None = "shared_outer") -> AdapterInfo:
+    def _check_new_adapter(
+        self, rank, alpha, targets, expert_lora: str | None = "shared_outer"
+    ) -> AdapterInfo:
         """The AdapterInfo of a new adapter, or InputError. expert_lora applies only when
         an expert module is targeted (None otherwise)."""
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
@@ -256,22 +302,33 @@ class Trainer:
         if not set(targets) & set(lora_lib.EXPERT):
             expert_lora = None
         elif expert_lora not in lora_lib.EXPERT_LORA:
-            raise InputError(f"expert_lora must be one of {lora_lib.EXPERT_LORA}, got "
-                             f"{expert_lora!r}")
+            raise InputError(
+                f"expert_lora must be one of {lora_lib.EXPERT_LORA}, got {expert_lora!r}"
+            )
         elif expert_lora == "fused_gate_up" and not {"expert_gate", "expert_up"} <= set(targets):
-            raise InputError("expert_lora 'fused_gate_up' ties expert_up's A to expert_gate's: "
-                             f"target both, got {sorted(set(targets) & set(lora_lib.EXPERT))}")
+            raise InputError(
+                "expert_lora 'fused_gate_up' ties expert_up's A to expert_gate's: "
+                f"target both, got {sorted(set(targets) & set(lora_lib.EXPERT))}"
+            )
         elif expert_lora not in self.state.expert_lora_modes:
-            raise InputError(f"a {expert_lora!r} adapter of the experts does not fit this "
-                             f"Trainer's slots (expert_lora_modes="
-                             f"{self.state.expert_lora_modes}); build it with "
-                             f"expert_lora_modes including {expert_lora!r}")
+            raise InputError(
+                f"a {expert_lora!r} adapter of the experts does not fit this "
+                f"Trainer's slots (expert_lora_modes="
+                f"{self.state.expert_lora_modes}); build it with "
+                f"expert_lora_modes including {expert_lora!r}"
+            )
         return AdapterInfo(int(rank), alpha, targets, expert_lora)
 
     # ------------------------------------------------------------------ adapters
 
-    def create_adapter(self, rank: int = 8, alpha: float = 16.0, seed: int | None = None,
-                       targets=None, expert_lora: str = "shared_outer") -> int:
+    def create_adapter(
+        self,
+        rank: int = 8,
+        alpha: float = 16.0,
+        seed: int | None = None,
+        targets=None,
+        expert_lora: str = "shared_outer",
+    ) -> int:
         """Allocate a slot with PEFT's initialisation (A uniform ±1/√in, B = 0) -> its id.
 
         targets: module names or groups ("attn", "mlp", "experts", "unembed", "all");
@@ -283,13 +340,15 @@ class Trainer:
         seed: a non-negative integer (default: from the Trainer's seed and the slot).
         """
         info = self._check_new_adapter(rank, alpha, targets, expert_lora)
-        if seed is not None and (isinstance(seed, (bool, np.bool_))
-                                 or not isinstance(seed, (int, np.integer)) or seed < 0):
+        if seed is not None and (
+            isinstance(seed, (bool, np.bool_))
+            or not isinstance(seed, (int, np.integer))
+            or seed < 0
+        ):
             raise InputError(f"seed must be a non-negative integer, got {seed!r}")
         slot = self.state.free_slot()
         seed = self._seed * 1_000_003 + slot if seed is None else int(seed)
-        weights = lora_lib.init_adapter(self.cfg, info.rank, info.targets, seed,
-                                        info.expert_lora)
+        weights = lora_lib.init_adapter(self.cfg, info.rank, info.targets, seed, info.expert_lora)
         self.state.install(slot, info, weights)
         return slot
 
@@ -314,14 +373,19 @@ class Trainer:
         """Put an offloaded adapter back into a free slot (`adapter`, or the lowest free
         one) -> its id. It continues exactly as if it had never left."""
         if not isinstance(saved, HostSlot):
-            raise InputError(f"restore_adapter needs what offload_adapter returned, got "
-                             f"{type(saved).__name__}")
+            raise InputError(
+                f"restore_adapter needs what offload_adapter returned, got {type(saved).__name__}"
+            )
         if adapter is None:
             slot = self.state.free_slot()
-        elif isinstance(adapter, (bool, np.bool_)) or not isinstance(adapter, (int, np.integer)) \
-                or not 0 <= adapter < self.max_adapters:
-            raise InputError(f"adapter must be a slot id in [0, {self.max_adapters}), got "
-                             f"{adapter!r}")
+        elif (
+            isinstance(adapter, (bool, np.bool_))
+            or not isinstance(adapter, (int, np.integer))
+            or not 0 <= adapter < self.max_adapters
+        ):
+            raise InputError(
+                f"adapter must be a slot id in [0, {self.max_adapters}), got {adapter!r}"
+            )
         else:
             slot = int(adapter)
         self.state.restore(slot, saved)
@@ -337,15 +401,16 @@ class Trainer:
 
     def _peft(self, slot: int, which: str) -> dict[str, np.ndarray]:
         info = self.adapters[slot]
-        return peft_lib.to_peft(self.state.read(slot, which), info.rank, info.targets,
-                                self.cfg.num_layers, cfg=self.cfg)
+        return peft_lib.to_peft(
+            self.state.read(slot, which), info.rank, info.targets, self.cfg.num_layers, cfg=self.cfg
+        )
 
     def load_peft(self, path) -> int:
         """Import a PEFT LoRA folder into a free slot -> its id (targets are the folder's)."""
-        rank, alpha, targets, weights = peft_lib.read_folder(path, self.cfg, self.max_rank,
-                                                             self._is_base_head)
-        info = self._check_new_adapter(rank, alpha, targets,
-                                       lora_lib.tree_expert_lora(weights))
+        rank, alpha, targets, weights = peft_lib.read_folder(
+            path, self.cfg, self.max_rank, self._is_base_head
+        )
+        info = self._check_new_adapter(rank, alpha, targets, lora_lib.tree_expert_lora(weights))
         slot = self.state.free_slot()
         self.state.install(slot, info, weights)
         return slot
@@ -365,8 +430,7 @@ class Trainer:
         A path that cannot be such a folder (an existing file) is refused (InputError)."""
         slot = self._check_adapter(adapter)
         path = peft_lib.check_export_path(path, "export_peft: path")
-        peft_lib.write_folder(path, self.cfg, self.adapters[slot],
-                              self.state.read(slot, "weights"))
+        peft_lib.write_folder(path, self.cfg, self.adapters[slot], self.state.read(slot, "weights"))
 
     def export_vllm(self, adapter: int, path) -> None:
         """Write the adapter as a LoRA folder in the per-expert 2-D layout vLLM loads for
@@ -374,8 +438,9 @@ class Trainer:
         factor repeated over experts). For dense models it equals export_peft's folder."""
         slot = self._check_adapter(adapter)
         path = peft_lib.check_export_path(path, "export_vllm: path")
-        peft_lib.write_vllm_folder(path, self.cfg, self.adapters[slot],
-                                   self.state.read(slot, "weights"))
+        peft_lib.write_vllm_folder(
+            path, self.cfg, self.adapters[slot], self.state.read(slot, "weights")
+        )
 
     # ------------------------------------------------------------------ steps
 
@@ -386,8 +451,10 @@ class Trainer:
         names = batch_lib.per_datum_losses(loss_fn, len(data))
         if isinstance(loss_fn, custom_loss_lib.CustomLoss):
             if loss_fn_config:
-                raise InputError("loss_fn_config: a custom loss takes no settings (close "
-                                 "over them, or pass them as loss_fn_inputs)")
+                raise InputError(
+                    "loss_fn_config: a custom loss takes no settings (close "
+                    "over them, or pass them as loss_fn_inputs)"
+                )
             loss_cfg = {losses_lib.CUSTOM: {}}
         else:
             loss_cfg = self._loss_configs(sorted(set(names)), loss_fn_config)
@@ -396,16 +463,31 @@ class Trainer:
         elif isinstance(adapters, Sequence) and not isinstance(adapters, str):
             if len(adapters) != len(data):
                 raise InputError(f"adapters has {len(adapters)} entries for {len(data)} datums")
-            per_datum = [self._check_adapter(a, f"datum {i}: adapter")
-                         for i, a in enumerate(adapters)]
+            per_datum = [
+                self._check_adapter(a, f"datum {i}: adapter") for i, a in enumerate(adapters)
+            ]
         else:
-            raise InputError(f"adapters must be an adapter id or one id per datum, got "
-                             f"{adapters!r}")
+            raise InputError(
+                f"adapters must be an adapter id or one id per datum, got {adapters!r}"
+            )
         checked = batch_lib.validate(
-            data, loss_fn if isinstance(loss_fn, custom_loss_lib.CustomLoss) else names,
-            self.cfg.vocab_size, self.token_cap)
-        packed = batch_lib.pack(checked, per_datum, self.dp, self.cp,
-                                self.max_tokens_per_device, self.max_adapters)
+            data,
+            loss_fn if isinstance(loss_fn, custom_loss_lib.CustomLoss) else names,
+            self.cfg.vocab_size,
+            self.token_cap,
+        )
+        # A pass's adapter and datum counts follow its stream length (batch.static_counts),
+        # except a hybrid model's datum slots: its Gated DeltaNet layers pay per slot.
+        packed = batch_lib.pack(
+            checked,
+            per_datum,
+            self.dp,
+            self.cp,
+            self.max_tokens_per_device,
+            self.max_adapters,
+            adapter_rows=batch_lib.ADAPTER_ROWS,
+            slot_tokens=None if self.cfg.is_hybrid else batch_lib.SLOT_TOKENS,
+        )
         return checked, packed, loss_cfg
 
     @staticmethod
@@ -420,51 +502,75 @@ class Trainer:
         else:
             extra = set(given) - set(distinct)
             if extra:
-                raise InputError(f"loss_fn_config: with losses {distinct}, its keys must be "
-                                 f"loss names of the batch; got {sorted(extra)}")
+                raise InputError(
+                    f"loss_fn_config: with losses {distinct}, its keys must be "
+                    f"loss names of the batch; got {sorted(extra)}"
+                )
             per_loss = {name: given.get(name) for name in distinct}
-        return {name: {k: np.float32(v) for k, v in
-                       losses_lib.resolve_config(name, per_loss[name]).items()}
-                for name in distinct}
+        return {
+            name: {
+                k: np.float32(v) for k, v in losses_lib.resolve_config(name, per_loss[name]).items()
+            }
+            for name in distinct
+        }
 
     def _device_batch(self, pb: batch_lib.PackedBatch, call_tokens: int) -> train_step.Batch:
         specs = train_step.batch_specs()
-        host = train_step.Batch(tokens=pb.tokens, targets=pb.targets, segment=pb.segment,
-                                position=pb.position, loss_id=pb.loss_id, **pb.floats,
-                                spans=pb.spans, active=pb.active,
-                                call_tokens=np.asarray(call_tokens, np.int32))
+        host = train_step.Batch(
+            tokens=pb.tokens,
+            targets=pb.targets,
+            segment=pb.segment,
+            position=pb.position,
+            loss_id=pb.loss_id,
+            **pb.floats,
+            spans=pb.spans,
+            active=pb.active,
+            call_tokens=np.asarray(call_tokens, np.int32),
+        )
         return jax.tree.map(lambda x, spec: put(self.mesh, x, spec), host, specs)
 
-    def _run(self, data, loss_fn, loss_fn_config, adapters, backward: bool):
+    def _run(self, data, loss_fn, loss_fn_config, adapters, backward: bool, keep: bool = True):
         checked, packed, cfg_arrays = self._prepare(data, loss_fn, loss_fn_config, adapters)
         custom = loss_fn if isinstance(loss_fn, custom_loss_lib.CustomLoss) else None
         loss_cfg = jax.tree.map(lambda v: replicate(self.mesh, v), cfg_arrays)
         call_tokens = sum(int(np.sum(pb.segment >= 0)) for pb in packed)
         # Only the modules the call's adapters target are computed (train_step.used_modules).
-        targeted = {m for slot in per_datum_slots(packed) if slot >= 0
-                    for m in self.adapters[slot].targets}
+        targeted = {
+            m for slot in per_datum_slots(packed) if slot >= 0 for m in self.adapters[slot].targets
+        }
         if targeted & set(lora_lib.EXPERT):  # the experts' factors go in as one piece
             targeted |= set(lora_lib.EXPERT)
         modules = tuple(m for m in self.state.weights if m in targeted)
 
         def step(pb, accumulate):
             b = self._device_batch(pb, call_tokens)
-            custom_args = tuple((replicate(self.mesh, idx),
-                                 tuple(replicate(self.mesh, x) for x in inputs))
-                                for _, idx, inputs in pb.custom)
-            args = (self.params, self.state.meta, b, {k: loss_cfg[k] for k in pb.loss_fns},
-                    custom_args)
-            kw = dict(loss_fns=pb.loss_fns, num_slots=pb.num_slots, custom=custom,
-                      modules=modules)
+            custom_args = tuple(
+                (replicate(self.mesh, idx), tuple(replicate(self.mesh, x) for x in inputs))
+                for _, idx, inputs in pb.custom
+            )
+            args = (
+                self.params,
+                self.state.meta,
+                b,
+                {k: loss_cfg[k] for k in pb.loss_fns},
+                custom_args,
+            )
+            kw = dict(loss_fns=pb.loss_fns, num_slots=pb.num_slots, custom=custom, modules=modules)
             if accumulate is None:
                 if self.sums_on_host and train_step.folds_outputs(self.cfg, custom):
-                    return self._host_step.forward(self.state.weights, *args[:-1],
-                                                   loss_fns=pb.loss_fns,
-                                                   num_slots=pb.num_slots,
-                                                   modules=modules) + (None,)
+                    return self._host_step.forward(
+                        self.state.weights,
+                        *args[:-1],
+                        loss_fns=pb.loss_fns,
+                        num_slots=pb.num_slots,
+                        modules=modules,
+                    ) + (None,)
                 return self._forward(self.state.weights, *args, **kw) + (None,)
-            return accumulate(lambda acc: _split_first(
-                self._forward_backward(acc, self.state.weights, *args, **kw)))
+            return accumulate(
+                lambda acc: _split_first(
+                    self._forward_backward(acc, self.state.weights, *args, **kw)
+                )
+            )
 
         def dispatch(accumulate):
             # Micro-batches are dispatched ahead of reading any result back, so the device
@@ -480,7 +586,7 @@ class Trainer:
 
         if not backward:
             return dispatch(None)
-        with self.state.accumulating(per_datum_slots(packed)) as accumulate:
+        with self.state.accumulating(per_datum_slots(packed), keep) as accumulate:
             return dispatch(accumulate)
 
     @property
@@ -490,10 +596,98 @@ class Trainer:
         profiling and memory or cost analysis."""
         return dict(self._fb_programs)
 
+    def pass_shapes(self, data, loss_fn="cross_entropy", adapters=0) -> list[tuple]:
+        """(losses, stream length S in rows per device, active-adapter entries, datum slots)
+        of each micro-batch forward_backward would pack this call into: what its compiled
+        program is specialised on besides the adapters' modules. Validated as that call
+        would be (InputError); no device work."""
+        return [
+            (pb.loss_fns, pb.tokens.shape[-1], len(pb.active), pb.num_slots)
+            for pb in self._prepare(data, loss_fn, None, adapters)[1]
+        ]
+
+    def warmup_call(self, data, loss_fn="cross_entropy", adapters=0) -> int:
+        """Compile the programs forward_backward(data, loss_fn, adapters=adapters) runs ->
+        how many forward_backward programs that compiled (or loaded from the persistent
+        cache): the call runs, then every adapter's accumulated gradient is put back bit
+        for bit, so nothing changes."""
+        before = len(self._fb_programs)
+        self._run(data, loss_fn, None, adapters, backward=True, keep=False)
+        return len(self._fb_programs) - before
+
+    def warmup_rows(self, limit: int | None = None) -> list[int]:
+        """The stream lengths (rows per device) a packed micro-batch can have, shortest
+        first: mesh.bucket_length's buckets below max_tokens_per_device, and it; only those
+        ≤ limit when given."""
+        top = (
+            self.max_tokens_per_device if limit is None else min(limit, self.max_tokens_per_device)
+        )
+        out, b = [], mesh_lib.bucket_length(1)
+        while b < top:
+            out.append(b)
+            b = mesh_lib.bucket_length(b + 1)
+        return out + [mesh_lib.bucket_length(top, maximum=self.max_tokens_per_device)]
+
+    def warmup(self, loss_fn="cross_entropy", rows: Sequence[int] | None = None) -> int:
+        """Compile the programs of training steps before any call needs them -> how many
+        forward_backward programs it compiled (or loaded from the persistent cache).
+
+        For each stream length of `rows` (rows per device; None: every one, warmup_rows),
+        one forward_backward of zero-weight datums that fill it, with loss_fn (a loss name,
+        or a tuple of names: the program of calls that mix them), on a scratch adapter that
+        targets every module; then its optim_step, and the gradient-copy programs of every
+        adapter count. Since a pass's adapter and datum counts follow its stream length
+        (batch.static_counts), any later call of those lengths and losses whose adapters
+        target every module (Tinker's default) compiles nothing, however its datums and
+        adapters are grouped, unless it holds more adapters or datums than its length's
+        floors (warmup_call compiles a given call's programs exactly). The scratch adapter
+        is deleted; no other adapter is touched (needs a free slot)."""
+        names = (loss_fn,) if isinstance(loss_fn, str) else tuple(loss_fn)
+        for name in names:
+            losses_lib.check_loss_fn(name)
+        before = len(self._fb_programs)
+        for n in sorted(
+            {
+                min(self.max_adapters, mesh_lib.pow2_at_least(k))
+                for k in range(1, self.max_adapters + 1)
+            }
+        ):
+            with self.state.accumulating(range(n)):  # compiles the copy; changes nothing
+                pass
+        scratch = self.create_adapter(rank=self.max_rank)
+        try:
+            cap_rows = self.token_cap // self.cp
+            for s_len in rows if rows is not None else self.warmup_rows():
+                total = max(2 * len(names), min(int(s_len), cap_rows))
+                data = []
+                # Each dp shard's stream gets one datum of every loss, of an even share of
+                # its rows (packing deals equal lengths out one per shard, longest first).
+                for i, name in enumerate(names):
+                    r = 2 * (total // (2 * len(names)) + (i < total // 2 % len(names)))
+                    n = r * self.cp  # zigzag rows 2·ceil(n / 2cp) = r
+                    inputs = {
+                        f: np.ones(n, np.float32)
+                        if f == "sequence_ratio_mask"
+                        else np.zeros(n, np.float32)
+                        for f in losses_lib.LOSSES[name].inputs
+                    }
+                    data += [
+                        batch_lib.Datum(
+                            np.zeros(n, np.int32),
+                            {"target_tokens": np.zeros(n, np.int32), **inputs},
+                        )
+                    ] * self.dp
+                self.forward_backward(
+                    data, [d_loss for d_loss in names for _ in range(self.dp)], adapters=scratch
+                )
+            self.optim_step(scratch)
+        finally:
+            self.delete_adapter(scratch)
+        return len(self._fb_programs) - before
+
     @functools.cached_property
     def _host_step(self) -> host_sum.HostSummedStep:
-        return host_sum.HostSummedStep(self.cfg, self.mesh, self.step_cfg,
-                                         tuple(self._fb_steps))
+        return host_sum.HostSummedStep(self.cfg, self.mesh, self.step_cfg, tuple(self._fb_steps))
 
     def remat_budget_bytes(self) -> int:
         """The per-device bytes a forward_backward program may take without recomputation
@@ -502,38 +696,109 @@ class Trainer:
             self._remat_budget = _default_remat_budget(self.mesh)
         return self._remat_budget
 
-    def _forward_backward(self, acc, lora, params, slot_meta, batch, loss_cfg, custom_args=(),
-                          *, loss_fns, num_slots, custom=None, modules=None):
+    def _forward_backward(
+        self,
+        acc,
+        lora,
+        params,
+        slot_meta,
+        batch,
+        loss_cfg,
+        custom_args=(),
+        *,
+        loss_fns,
+        num_slots,
+        custom=None,
+        modules=None,
+    ):
         """train_step's forward_backward through the program compiled for this batch's
-        shapes. With remat="auto" that program is compiled without recomputation first and
-        kept iff its memory fits the budget."""
+        shapes (with remat="auto", the one _decide_remat picks)."""
         args = (acc, lora, params, slot_meta, batch, loss_cfg, custom_args)
         on_host = self.sums_on_host and train_step.folds_outputs(self.cfg, custom)
         # Everything the compiled program is specialised on: the per-call arguments' tree and
         # every leaf's shape and dtype (2-D targets, custom inputs), and the static arguments.
         per_call = (batch, loss_cfg, custom_args)
-        key = (jax.tree.structure(per_call),
-               tuple((x.shape, x.dtype) for x in jax.tree.leaves(per_call)),
-               loss_fns, num_slots, custom, modules)
+        key = (
+            jax.tree.structure(per_call),
+            tuple((x.shape, x.dtype) for x in jax.tree.leaves(per_call)),
+            loss_fns,
+            num_slots,
+            custom,
+            modules,
+        )
         if key not in self._fb_programs:
+
             def compile_(remat):
                 if on_host:
-                    return self._host_step.compile(remat, *args[:-1], loss_fns=loss_fns,
-                                                   num_slots=num_slots, modules=modules)
-                return self._fb_steps[remat].lower(*args, loss_fns=loss_fns, num_slots=num_slots,
-                                                   custom=custom, modules=modules).compile()
+                    return self._host_step.compile(
+                        remat, *args[:-1], loss_fns=loss_fns, num_slots=num_slots, modules=modules
+                    )
+                return (
+                    self._fb_steps[remat]
+                    .lower(
+                        *args,
+                        loss_fns=loss_fns,
+                        num_slots=num_slots,
+                        custom=custom,
+                        modules=modules,
+                    )
+                    .compile()
+                )
 
             if self.remat != "auto":
-                program, need, budget, remat = compile_(self.remat), None, None, self.remat
+                program = compile_(self.remat)
+                decision = {
+                    "remat": self.remat,
+                    "bytes": None,
+                    "budget": None,
+                    "estimate": None,
+                    "how": None,
+                }
             else:
-                program, budget = compile_(False), self.remat_budget_bytes()
-                need = program_bytes(program)
-                remat = need > budget
-                if remat:
-                    program = compile_(True)
+                program, decision = self._decide_remat(key, args, batch.tokens.shape[-1], compile_)
+                program = program or compile_(decision["remat"])
             self._fb_programs[key] = program
-            self.remat_decisions[key] = {"remat": remat, "bytes": need, "budget": budget}
+            self.remat_decisions[key] = decision
         return self._fb_programs[key](*args)
+
+    # A forward_backward program's per-device bytes without recomputation lie within
+    # REMAT_MARGIN× of remat_estimate's (0.76–1.23× on small dense Qwen3 shapes, 1.8× on
+    # the tiny MoE; tests/test_trainer_config.py checks the tiny model): where the budget
+    # is beyond that band on either side, the estimate decides. Mixture-of-experts and
+    # hybrid layers are estimated more loosely.
+    REMAT_MARGIN = 2.0
+    REMAT_MARGIN_LOOSE = 4.0
+
+    def _decide_remat(self, key, args, s_len: int, compile_):
+        """remat="auto": (the program without recomputation if it was compiled here, else
+        None; the decision {"remat", "bytes", "budget", "estimate", "how"}). how:
+        "estimate" (no program compiled to decide: remat_estimate is clearly within or
+        beyond the budget), "cached" (an earlier process's measured decision, read from beside the
+        persistent compilation cache: _RematStore) or "measured" (the program without
+        recomputation compiled, and kept iff XLA's memory analysis of it fits)."""
+        budget = self.remat_budget_bytes()
+        est = remat_estimate(self.cfg, s_len, self.tp, self.max_rank, args)
+        decision = {"budget": budget, "estimate": est}
+        margin = (
+            self.REMAT_MARGIN_LOOSE if self.cfg.is_moe or self.cfg.is_hybrid else self.REMAT_MARGIN
+        )
+        if est * margin <= budget or est / margin > budget:
+            return None, {
+                **decision,
+                "remat": est / margin > budget,
+                "bytes": est,
+                "how": "estimate",
+            }
+        store = _RematStore.open(self, key)
+        cached = store.read() if store else None
+        if cached is not None:
+            return None, {**decision, **cached, "how": "cached"}
+        program = compile_(False)
+        need = program_bytes(program)
+        decision.update(remat=need > budget, bytes=need, how="measured")
+        if store:
+            store.write({"remat": decision["remat"], "bytes": need})
+        return (None if decision["remat"] else program), decision
 
     def _outputs(self, checked, packed, results) -> ForwardBackwardOutput:
         """Read back every micro-batch's results; InputError (the caller rolls back) when a
@@ -558,18 +823,27 @@ class Trainer:
             for slot_i, j in enumerate(members):
                 lp_j = lp[j]
                 if lp_j.ndim == 2:  # a [DP, CP, S, K] stream: the datum's own K columns
-                    lp_j = lp_j[:, :checked[j].targets.shape[1]] if (
-                        checked[j].targets.ndim == 2) else lp_j[:, 0]
-                outputs[j] = {"logprobs": lp_j, "elementwise_loss": el[j],
-                              "loss:sum": float(custom_loss.get(j, datum_loss[slot_i]))}
+                    lp_j = (
+                        lp_j[:, : checked[j].targets.shape[1]]
+                        if (checked[j].targets.ndim == 2)
+                        else lp_j[:, 0]
+                    )
+                outputs[j] = {
+                    "logprobs": lp_j,
+                    "elementwise_loss": el[j],
+                    "loss:sum": float(custom_loss.get(j, datum_loss[slot_i])),
+                }
                 if checked[j].loss_fn in losses_lib.LOSSES and (
-                        losses_lib.LOSSES[checked[j].loss_fn].clips):
+                    losses_lib.LOSSES[checked[j].loss_fn].clips
+                ):
                     outputs[j]["clipped_tokens:sum"] = int(datum_clipped[slot_i])
                 _check_finite(j, checked[j], outputs[j])
             if finite_A is not None and not host(finite_A).all():
                 bad = sorted({int(a) for a, ok in zip(pb.active, host(finite_A)) if not ok})
-                raise InputError(f"the gradient of adapter(s) {bad} is not finite in float32 "
-                                 f"for this batch (datums {members}); nothing was accumulated")
+                raise InputError(
+                    f"the gradient of adapter(s) {bad} is not finite in float32 "
+                    f"for this batch (datums {members}); nothing was accumulated"
+                )
             total += float(host(loss))
             clipped += int(datum_clipped.sum())
             if out.expert_counts is not None:
@@ -580,13 +854,16 @@ class Trainer:
                 total -= a
                 aux = a if aux is None else aux + a
         if not np.isfinite(total):
-            raise InputError(f"the batch's loss:sum overflows float32 ({total}) although every "
-                             "datum's loss is finite; split the batch")
+            raise InputError(
+                f"the batch's loss:sum overflows float32 ({total}) although every "
+                "datum's loss is finite; split the batch"
+            )
         metrics = {"loss:sum": total}
         for key, values in custom_metrics.items():  # combined over datums as named
             metrics[key] = float(np.sum(values) if key.endswith(":sum") else np.mean(values))
-        if any(d.loss_fn in losses_lib.LOSSES and losses_lib.LOSSES[d.loss_fn].clips
-               for d in checked):
+        if any(
+            d.loss_fn in losses_lib.LOSSES and losses_lib.LOSSES[d.loss_fn].clips for d in checked
+        ):
             metrics["clipped_tokens:sum"] = clipped
         if counts is not None:
             metrics.update(moe_lib.load_metrics(counts))
@@ -594,8 +871,9 @@ class Trainer:
             metrics["router_aux_loss:sum"] = aux
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics)
 
-    def forward(self, data, loss_fn="cross_entropy", loss_fn_config=None,
-                adapters=0) -> ForwardBackwardOutput:
+    def forward(
+        self, data, loss_fn="cross_entropy", loss_fn_config=None, adapters=0
+    ) -> ForwardBackwardOutput:
         """Per-datum log-probs and losses; no gradient is touched.
 
         loss_fn: one Tinker loss for all datums, or one per datum (then loss_fn_config, if
@@ -605,8 +883,9 @@ class Trainer:
         """
         return self._run(data, loss_fn, loss_fn_config, adapters, backward=False)
 
-    def forward_backward(self, data, loss_fn="cross_entropy", loss_fn_config=None,
-                         adapters=0) -> ForwardBackwardOutput:
+    def forward_backward(
+        self, data, loss_fn="cross_entropy", loss_fn_config=None, adapters=0
+    ) -> ForwardBackwardOutput:
         """forward, and add the gradient of the summed loss into each adapter's accumulator.
 
         loss_fn may be a jcp.custom_loss.CustomLoss: each datum's loss is fn(logprobs,
@@ -650,8 +929,9 @@ class Trainer:
         only (fresh moments, step 0). The slot's accumulated gradient is zeroed.
         """
         slot = self.state.free_slot() if adapter is None else self._check_adapter(adapter)
-        checkpoint.load_state(self.state, self.cfg, path, slot, self._check_new_adapter,
-                              with_optimizer)
+        checkpoint.load_state(
+            self.state, self.cfg, path, slot, self._check_new_adapter, with_optimizer
+        )
         return slot
 
     # ------------------------------------------------------------------ sampling
@@ -664,16 +944,26 @@ class Trainer:
 
     def make_sampler(self) -> sample_lib.Sampler:
         """A Sampler over this Trainer's base weights and adapter table (read only)."""
-        limits = sample_lib.Limits(token_cap=self.token_cap,
-                                   max_tokens_per_device=self.max_tokens_per_device,
-                                   max_adapters=self.max_adapters)
-        return sample_lib.Sampler(self.cfg, self.mesh, self.params, self.state, self.step_cfg,
-                                  limits, self._check_adapter)
+        limits = sample_lib.Limits(
+            token_cap=self.token_cap,
+            max_tokens_per_device=self.max_tokens_per_device,
+            max_adapters=self.max_adapters,
+        )
+        return sample_lib.Sampler(
+            self.cfg, self.mesh, self.params, self.state, self.step_cfg, limits, self._check_adapter
+        )
 
-    def sample(self, prompts, sampling_params: sample_lib.SamplingParams, adapters=None,
-               num_samples: int = 1, prompt_logprobs: bool = False, *,
-               cache_mode: str | None = None,
-               fields=None) -> list[sample_lib.SampleResult]:
+    def sample(
+        self,
+        prompts,
+        sampling_params: sample_lib.SamplingParams,
+        adapters=None,
+        num_samples: int = 1,
+        prompt_logprobs: bool = False,
+        *,
+        cache_mode: str | None = None,
+        fields=None,
+    ) -> list[sample_lib.SampleResult]:
         """Sample num_samples completions of every prompt -> one SampleResult per prompt.
 
         prompts: token sequences (lists or arrays); adapters: None (the base model), one
@@ -697,11 +987,13 @@ class Trainer:
         target_prompt_logprobs, prompt_alt_tokens_k (results in SampleResult /
         SampledSequence). Each is computed vocab-parallel with forward's log_softmax.
         """
-        return self.sampler.sample(prompts, sampling_params, adapters, num_samples,
-                                    prompt_logprobs, cache_mode, fields)
+        return self.sampler.sample(
+            prompts, sampling_params, adapters, num_samples, prompt_logprobs, cache_mode, fields
+        )
 
-    def compute_logprobs(self, prompts, adapters=None,
-                         prompt_logprobs_last_n: int | None = None) -> list[np.ndarray]:
+    def compute_logprobs(
+        self, prompts, adapters=None, prompt_logprobs_last_n: int | None = None
+    ) -> list[np.ndarray]:
         """Prompt log-probs float32 [len(prompt)] per prompt (NaN at 0), through the chunked
         forward path (no [tokens, vocab] logits). adapters as in `sample`.
         prompt_logprobs_last_n: only the last n positions are returned (earlier ones NaN);
@@ -714,8 +1006,10 @@ def _check_finite(i: int, datum, out: dict) -> None:
     if datum.loss_fn != losses_lib.CUSTOM:
         return losses_lib.check_finite_outputs(i, datum, out)
     if not np.isfinite(out["loss:sum"]):
-        raise InputError(f"datum {i}: its custom loss is {out['loss:sum']} (not finite in "
-                         "float32); nothing was accumulated")
+        raise InputError(
+            f"datum {i}: its custom loss is {out['loss:sum']} (not finite in "
+            "float32); nothing was accumulated"
+        )
 
 
 @functools.partial(jax.jit, out_shardings=None)
@@ -727,8 +1021,111 @@ def program_bytes(compiled) -> int:
     """Per-device bytes of a compiled program by XLA's memory analysis: arguments, outputs
     and temporaries, donated (aliased) buffers counted once."""
     m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - m.alias_size_in_bytes)
+    return int(
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def remat_estimate(cfg: QwenConfig, s_len: int, tp: int, max_rank: int, args) -> int:
+    """An estimate of a forward_backward program's per-device bytes without recomputation,
+    compiling nothing: its arguments as placed (weights, slot tables, the batch), plus what
+    the backward keeps of each layer for each of the S rows, counted in fp32 (a bf16 model
+    keeps much of it in fp32: norms, attention outputs, LoRA products) — 16 × the hidden
+    size D (the residual stream, norms and their inputs), 3 × the attention's q, k, v and
+    output widths ((Hq + 2·Hkv)·head_dim / tp), 3 × the MLP width (intermediate / tp; a MoE
+    layer's routed experts' k · moe_intermediate and the shared expert) and the 7 modules'
+    LoRA products (rank R) — plus the log-prob chunk's fp32 logits and their gradient. The
+    coefficients are fitted to XLA's memory analysis of small Qwen3 shapes (fp32 and bf16,
+    tp 1 and 2), which it matches within Trainer.REMAT_MARGIN (tests/test_trainer_config.py
+    checks it)."""
+    placed = 0
+    for x in jax.tree.leaves(args):
+        if isinstance(x, jax.Array):
+            placed += int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+        else:
+            placed += np.asarray(x).nbytes
+    heads = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // tp
+    mlp = (
+        cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size
+        if cfg.is_moe
+        else cfg.intermediate_size
+    ) // tp
+    per_row_layer = 4 * (16 * cfg.hidden_size + 3 * heads + 3 * mlp + 7 * max_rank)
+    logits = 3 * 4 * min(s_len, 1024) * cfg.vocab_size // tp
+    return placed + cfg.num_layers * s_len * per_row_layer + logits
+
+
+class _RematStore:
+    """remat="auto"'s measured decisions on disk, beside JAX's persistent compilation cache
+    (jax_compilation_cache_dir; none without one): one JSON file per program, named by a
+    hash of everything the program's memory depends on — the program key (batch shapes,
+    losses, slot counts, modules), the model config, the mesh and its devices, the step
+    settings, the budget, the JAX version and jcp's own source. A custom loss's programs
+    are not stored (its key holds the loss object)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @classmethod
+    def open(cls, tr: Trainer, key) -> _RematStore | None:
+        folder = jax.config.jax_compilation_cache_dir
+        if not folder or key[4] is not None:
+            return None
+        dev = tr.mesh.devices.flat[0]
+        text = repr(
+            (
+                key,
+                tr.cfg,
+                tr.dp,
+                tr.cp,
+                tr.tp,
+                dev.platform,
+                dev.device_kind,
+                jax.process_count(),
+                tr.step_cfg,
+                tr.remat_budget_bytes(),
+                jax.__version__,
+                _source_hash(),
+            )
+        )
+        name = hashlib.sha256(text.encode()).hexdigest()[:32]
+        return cls(os.path.join(folder, "jcp-remat", name + ".json"))
+
+    def read(self) -> dict | None:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                got = json.load(f)
+        except (OSError, ValueError):
+            return None
+        ok = (
+            isinstance(got, dict)
+            and isinstance(got.get("remat"), bool)
+            and type(got.get("bytes")) is int
+        )
+        return {"remat": got["remat"], "bytes": got["bytes"]} if ok else None
+
+    def write(self, decision: dict) -> None:
+        try:
+            os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+            files.atomic_write(self.path, json.dumps(decision))
+        except OSError:
+            pass  # an unwritable cache costs a compile next time, nothing else
+
+
+@functools.cache
+def _source_hash() -> str:
+    """A hash of jcp's Python source: a decision measured under other code is not reused."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for folder, _, names in sorted(os.walk(root)):
+        for n in sorted(names):
+            if n.endswith(".py"):
+                with open(os.path.join(folder, n), "rb") as f:
+                    h.update(n.encode() + b"\0" + f.read())
+    return h.hexdigest()
 
 
 def _default_remat_budget(mesh) -> int:

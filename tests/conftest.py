@@ -46,22 +46,28 @@ import shutil
 import sys
 import tempfile
 
-_OPT = ("" if os.environ.get("JCP_TEST_XLA_OPT") == "default"
-        else " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-        " --xla_cpu_parallel_codegen_split_count=1")
+_OPT = (
+    ""
+    if os.environ.get("JCP_TEST_XLA_OPT") == "default"
+    else " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    " --xla_cpu_parallel_codegen_split_count=1"
+)
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _OPT
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # What child processes (which choose their own device count) add to their XLA_FLAGS.
 os.environ["JCP_TEST_CHILD_XLA_FLAGS"] = _OPT.strip()
-if (os.environ.get("JCP_TEST_COMPILE_CACHE", "1") == "1"
-        and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
+if (
+    os.environ.get("JCP_TEST_COMPILE_CACHE", "1") == "1"
+    and "JAX_COMPILATION_CACHE_DIR" not in os.environ
+):
     _CACHE = tempfile.mkdtemp(prefix="jcp-test-xla-cache-")
     atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = os.environ.get(
-        "JCP_TEST_CACHE_MIN_SECS", "1")
+        "JCP_TEST_CACHE_MIN_SECS", "1"
+    )
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 import jax  # noqa: E402

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import kernel_checks as KC
 from jax.sharding import PartitionSpec as P
 
 import jcp
-from helpers import kernel_checks as KC
 from jcp import attention
 from jcp import batch as batch_lib
 from jcp import mesh as mesh_lib
@@ -37,8 +37,12 @@ VOCAB = 16
 
 def layout(lengths, cp, s_len=None):
     """Packed (segment, position) [CP, S] of datums of `lengths` on one dp row."""
-    data = [jcp.Datum(np.zeros(n, np.int32), {"target_tokens": np.zeros(n, np.int32),
-                                              "weights": np.ones(n)}) for n in lengths]
+    data = [
+        jcp.Datum(
+            np.zeros(n, np.int32), {"target_tokens": np.zeros(n, np.int32), "weights": np.ones(n)}
+        )
+        for n in lengths
+    ]
     checked = batch_lib.validate(data, "cross_entropy", VOCAB, 1 << 30)
     (pb,) = batch_lib.pack(checked, [0] * len(lengths), 1, cp, 1 << 30, 1)
     seg, pos = pb.segment[0], pb.position[0]
@@ -76,7 +80,7 @@ def numpy_attention(q, k, v, seg, pos):
     return out.reshape(seg.shape[0], H, E)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def attention_fn(mesh_shape, impl):
     """jit of (q, k, v, seg, pos, cot) -> (out, Σ out·cot, d/d(q, k, v)) at mesh_shape."""
     specs_heads = P(mesh_lib.CP, None, mesh_lib.TP, None)
@@ -86,12 +90,17 @@ def attention_fn(mesh_shape, impl):
         if impl == "ring":
             out = attention.ring_attention(q[0], k[0], v[0], seg[0], pos[0], block=BLOCK)
         else:
-            out = attention.cp_attention(q[0], k[0], v[0], seg[0], pos[0], implementation=impl,
-                                         block=BLOCK)
+            out = attention.cp_attention(
+                q[0], k[0], v[0], seg[0], pos[0], implementation=impl, block=BLOCK
+            )
         return out[None]
 
-    f = jax.shard_map(inner, mesh=jcp.make_mesh(*mesh_shape),
-                      in_specs=(specs_heads,) * 3 + (specs_rows,) * 2, out_specs=specs_heads)
+    f = jax.shard_map(
+        inner,
+        mesh=jcp.make_mesh(*mesh_shape),
+        in_specs=(specs_heads,) * 3 + (specs_rows,) * 2,
+        out_specs=specs_heads,
+    )
 
     def loss(q, k, v, seg, pos, cot):
         out = f(q, k, v, seg, pos)
@@ -99,7 +108,8 @@ def attention_fn(mesh_shape, impl):
 
     def run(q, k, v, seg, pos, cot):
         (val, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
-            q, k, v, seg, pos, cot)
+            q, k, v, seg, pos, cot
+        )
         return out, val, grads
 
     return jax.jit(run)
@@ -126,13 +136,17 @@ def test_blockwise_matches_dense_and_numpy(mesh_shape):
     s_len = seg.shape[1]
     bq, bk = attention.tile(s_len, BLOCK), attention.tile(cp * s_len, BLOCK)
     assert s_len // bq > 1 and cp * s_len // bk > 1
-    need = attention.blocks_needed(attention.block_summary(seg[0], pos[0], bq, xp=np),
-                                   attention.block_summary(seg.reshape(-1), pos.reshape(-1),
-                                                           bk, xp=np), xp=np)
+    need = attention.blocks_needed(
+        attention.block_summary(seg[0], pos[0], bq, xp=np),
+        attention.block_summary(seg.reshape(-1), pos.reshape(-1), bk, xp=np),
+        xp=np,
+    )
     assert 0 < need.sum() < need.size
     # …and the kinds of block occur: skipped, masked, and (where a key block of the gathered
     # stream lies within one datum, at cp = 1) fully visible, computed without the mask.
-    kinds, _ = attention.tiling.block_kinds(seg[0], pos[0], seg.reshape(-1), pos.reshape(-1), bq, bk)
+    kinds, _ = attention.tiling.block_kinds(
+        seg[0], pos[0], seg.reshape(-1), pos.reshape(-1), bq, bk
+    )
     kinds = set(np.unique(np.asarray(kinds)).tolist())
     assert {0, 1} <= kinds and (cp > 1 or 2 in kinds), kinds
 
@@ -144,8 +158,7 @@ def test_blockwise_matches_dense_and_numpy(mesh_shape):
     np.testing.assert_allclose(val_b, val_d, rtol=1e-5)
     for name, a, b in zip("qkv", g_b, g_d):
         assert np.abs(b).max() > 0.1, name
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max(),
-                                   err_msg=f"d{name}")
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max(), err_msg=f"d{name}")
 
 
 def test_gradients_match_finite_differences():
@@ -169,7 +182,6 @@ def test_gradients_match_finite_differences():
             np.testing.assert_allclose(g[idx], (hi - lo) / (2 * eps), rtol=2e-2, atol=2e-3)
 
 
-
 def test_training_compiler_options_change_no_number():
     """train_step.compiler_options (XLA:CPU prefers 512-bit vectors on AVX-512 hosts, for the
     attention kernel's tile passes) leaves the blockwise kernel's values and gradients
@@ -185,8 +197,10 @@ def test_training_compiler_options_change_no_number():
     k, v = (jnp.asarray(rng.standard_normal((n, K, E), np.float32)) for _ in range(2))
     w = jnp.asarray(rng.standard_normal(q.shape, np.float32))
     seg, pos = jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32)
-    f = jax.value_and_grad(lambda q, k, v: (blockwise.flash(
-        q, k, v, seg, pos, seg, pos, 64, 64) * w).sum(), argnums=(0, 1, 2))
+    f = jax.value_and_grad(
+        lambda q, k, v: (blockwise.flash(q, k, v, seg, pos, seg, pos, 64, 64) * w).sum(),
+        argnums=(0, 1, 2),
+    )
     plain = jax.jit(f).lower(q, k, v).compile()
     tuned = jax.jit(f, compiler_options=opts).lower(q, k, v).compile()  # unknown: raises
     (val_a, grads_a), (val_b, grads_b) = plain(q, k, v), tuned(q, k, v)
@@ -194,6 +208,7 @@ def test_training_compiler_options_change_no_number():
     np.testing.assert_array_equal(val_b, val_a)
     for a, b in zip(grads_a, grads_b):
         np.testing.assert_array_equal(b, a)
+
 
 # ----------------------------------------------------------------------------------------
 # 2. Padding-only ranks and one-token datums
@@ -218,7 +233,7 @@ def test_padding_only_rank_and_one_token_datums(impl):
     for slot in np.unique(seg[real]):
         rows = np.argwhere(seg == slot)
         if len(rows) == 1:
-            (r, s), = rows
+            ((r, s),) = rows
             g_ = H // K
             want = np.repeat(v[r, s], g_, axis=0)
             np.testing.assert_allclose(out[r, s], want, rtol=0, atol=1e-6)
@@ -235,8 +250,14 @@ def test_padding_only_rank_and_one_token_datums(impl):
 def test_unknown_implementation_is_refused():
     x = jnp.zeros((16, H, E))
     with pytest.raises(ValueError, match="implementation"):
-        attention.cp_attention(x, x[:, :K], x[:, :K], jnp.zeros(16, jnp.int32),
-                               jnp.zeros(16, jnp.int32), implementation="flash3")
+        attention.cp_attention(
+            x,
+            x[:, :K],
+            x[:, :K],
+            jnp.zeros(16, jnp.int32),
+            jnp.zeros(16, jnp.int32),
+            implementation="flash3",
+        )
 
 
 # ----------------------------------------------------------------------------------------
@@ -244,8 +265,11 @@ def test_unknown_implementation_is_refused():
 
 
 def _dense_visible(seg_q, pos_q, seg_k, pos_k):
-    return (seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] >= 0) & (
-        pos_k[None, :] <= pos_q[:, None])
+    return (
+        (seg_q[:, None] == seg_k[None, :])
+        & (seg_q[:, None] >= 0)
+        & (pos_k[None, :] <= pos_q[:, None])
+    )
 
 
 @pytest.mark.parametrize("cp", (1, 2, 4))
@@ -257,8 +281,9 @@ def test_skip_predicate_keeps_every_visible_block(cp):
     k_sum = attention.block_summary(seg_t, pos_t, bk, xp=np)
     skipped = 0
     for r in range(cp):
-        need = attention.blocks_needed(attention.block_summary(seg[r], pos[r], bq, xp=np),
-                                       k_sum, xp=np)
+        need = attention.blocks_needed(
+            attention.block_summary(seg[r], pos[r], bq, xp=np), k_sum, xp=np
+        )
         vis = _dense_visible(seg[r], pos[r], seg_t, pos_t)
         vis_blocks = vis.reshape(s_len // bq, bq, -1, bk).any(axis=(1, 3))
         assert not np.any(vis_blocks & ~need), f"rank {r} skips a visible block"
@@ -294,12 +319,18 @@ def _collectives(mesh_shape, impl, *args) -> set[str]:
     return {c for c in ("ppermute", "all_gather") if c in text}
 
 
-RING_CASES = ((2, (70, 1, 33, 9, 1, 40)), (4, (70, 1, 33, 9, 1, 40)),
-              (8, (70, 1, 33, 9, 1, 40)), (4, (1, 3, 1)), (8, (1, 5, 1, 2)))
+RING_CASES = (
+    (2, (70, 1, 33, 9, 1, 40)),
+    (4, (70, 1, 33, 9, 1, 40)),
+    (8, (70, 1, 33, 9, 1, 40)),
+    (4, (1, 3, 1)),
+    (8, (1, 5, 1, 2)),
+)
 
 
-@pytest.mark.parametrize("cp,lengths", RING_CASES,
-                         ids=lambda x: f"cp{x}" if isinstance(x, int) else f"n{sum(x)}")
+@pytest.mark.parametrize(
+    "cp,lengths", RING_CASES, ids=lambda x: f"cp{x}" if isinstance(x, int) else f"n{sum(x)}"
+)
 def test_ring_matches_gather_and_dense(cp, lengths):
     """Ring = all-gather (blockwise) = dense = NumPy, values and d(q, k, v); padding-only
     ranks and one-token datums give exact zeros at padding, never NaN."""
@@ -332,9 +363,10 @@ def test_ring_matches_gather_and_dense(cp, lengths):
     for slot in np.unique(seg[real]):  # a one-token datum's output is its own value row
         rows = np.argwhere(seg == slot)
         if len(rows) == 1:
-            (r, s), = rows
-            np.testing.assert_allclose(out_r[r, s], np.repeat(v[r, s], H // K, axis=0),
-                                       rtol=0, atol=1e-6)
+            ((r, s),) = rows
+            np.testing.assert_allclose(
+                out_r[r, s], np.repeat(v[r, s], H // K, axis=0), rtol=0, atol=1e-6
+            )
 
 
 def test_ring_under_tp():

@@ -41,8 +41,11 @@ def same(a, b) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and a.shape == b.shape and bool(
-            np.all((a == b) | ((a != a) & (b != b))))  # NaN where NaN was
+        return (
+            a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(np.all((a == b) | ((a != a) & (b != b))))
+        )  # NaN where NaN was
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
@@ -65,8 +68,10 @@ def test_validate_returns_private_typed_copies():
     data = make_data()
     # already the internal dtypes: a lazy implementation could hand these back uncopied
     data[0].model_input = data[0].model_input.astype(np.int32)
-    data[0].loss_fn_inputs = {k: v.astype(np.int32 if k == "target_tokens" else np.float32)
-                              for k, v in data[0].loss_fn_inputs.items()}
+    data[0].loss_fn_inputs = {
+        k: v.astype(np.int32 if k == "target_tokens" else np.float32)
+        for k, v in data[0].loss_fn_inputs.items()
+    }
     snap = snapshot(data)
     checked = batch_lib.validate(data, "dro", V, CAP)
     assert len(checked) == len(data)
@@ -91,9 +96,10 @@ def test_validate_returns_private_typed_copies():
 
 
 def test_validate_accepts_lists_and_int32_and_integral_floats():
-    d = jcp.Datum(model_input=[1.0, 2.0, 63.0],
-                  loss_fn_inputs={"target_tokens": np.array([0, 5, 9], np.int32),
-                                  "weights": [1, 0, 2]})
+    d = jcp.Datum(
+        model_input=[1.0, 2.0, 63.0],
+        loss_fn_inputs={"target_tokens": np.array([0, 5, 9], np.int32), "weights": [1, 0, 2]},
+    )
     (c,) = batch_lib.validate([d], "cross_entropy", V, CAP)
     np.testing.assert_array_equal(c.tokens, [1, 2, 63])
     np.testing.assert_array_equal(c.floats["weights"], [1.0, 0.0, 2.0])
@@ -106,8 +112,12 @@ def test_validate_accepts_datum_exactly_at_the_cap():
 
 
 def test_datum_from_json_tinker_chunks():
-    d = jcp.Datum.from_json({"model_input": {"chunks": [{"tokens": [1, 2]}, {"tokens": [3]}]},
-                             "loss_fn_inputs": {"target_tokens": [2, 3, 4], "weights": [0, 1, 1]}})
+    d = jcp.Datum.from_json(
+        {
+            "model_input": {"chunks": [{"tokens": [1, 2]}, {"tokens": [3]}]},
+            "loss_fn_inputs": {"target_tokens": [2, 3, 4], "weights": [0, 1, 1]},
+        }
+    )
     (c,) = batch_lib.validate([d], "cross_entropy", V, CAP)
     np.testing.assert_array_equal(c.tokens, [1, 2, 3])
 
@@ -122,12 +132,14 @@ def _set(field, value):
             d.model_input = value(d) if callable(value) else value
         else:
             d.loss_fn_inputs[field] = value(d) if callable(value) else value
+
     return edit
 
 
 def _drop(field):
     def edit(d):
         del d.loss_fn_inputs[field]
+
     return edit
 
 
@@ -137,15 +149,18 @@ def _poke(field, j, value):
         arr = arr.astype(np.result_type(arr, np.asarray(value)))
         arr[j] = value
         _set(field, arr)(d)
+
     return edit
 
 
 def _resize_all(n):
     """Every vector of the datum cut or repeated to n entries (consistent lengths)."""
+
     def edit(d):
         d.model_input = np.resize(np.asarray(d.model_input), n)
         for k, v in list(d.loss_fn_inputs.items()):
             d.loss_fn_inputs[k] = np.resize(np.asarray(v), n)
+
     return edit
 
 
@@ -154,82 +169,165 @@ TARGETS = r"loss_fn_inputs\.target_tokens"
 INT_IDS = r"model_input must hold integer token ids"
 BAD_INPUTS = {
     # lengths and ranks
-    "short target_tokens": ("ppo", _set("target_tokens", lambda d: d.loss_fn_inputs[
-        "target_tokens"][:-1]), TARGETS + r" has length 6, model_input has length 7"),
-    "long weights": ("cross_entropy", _set("weights", np.ones(N_BAD + 1)),
-                     r"loss_fn_inputs\.weights has length 8, model_input has length 7"),
-    "short advantages": ("ppo", _set("advantages", np.ones(3)),
-                         r"loss_fn_inputs\.advantages has length 3"),
-    "short logprobs": ("dro", _set("logprobs", [-1.0]),
-                       r"loss_fn_inputs\.logprobs has length 1"),
-    "scalar weights": ("cross_entropy", _set("weights", 1.0),
-                       r"loss_fn_inputs\.weights must be 1-D"),
-    "2-D advantages": ("cispo", _set("advantages", np.ones((N_BAD, 1))),
-                       r"loss_fn_inputs\.advantages must be 1-D"),
-    "2-D model_input": ("ppo", _set("model_input", np.ones((N_BAD, 1), int)),
-                        r"model_input must be 1-D"),
-    "ragged model_input": ("ppo", _set("model_input", [[1, 2], [3]]),
-                           r"model_input is not a vector of token ids"),
+    "short target_tokens": (
+        "ppo",
+        _set("target_tokens", lambda d: d.loss_fn_inputs["target_tokens"][:-1]),
+        TARGETS + r" has length 6, model_input has length 7",
+    ),
+    "long weights": (
+        "cross_entropy",
+        _set("weights", np.ones(N_BAD + 1)),
+        r"loss_fn_inputs\.weights has length 8, model_input has length 7",
+    ),
+    "short advantages": (
+        "ppo",
+        _set("advantages", np.ones(3)),
+        r"loss_fn_inputs\.advantages has length 3",
+    ),
+    "short logprobs": ("dro", _set("logprobs", [-1.0]), r"loss_fn_inputs\.logprobs has length 1"),
+    "scalar weights": (
+        "cross_entropy",
+        _set("weights", 1.0),
+        r"loss_fn_inputs\.weights must be 1-D",
+    ),
+    "2-D advantages": (
+        "cispo",
+        _set("advantages", np.ones((N_BAD, 1))),
+        r"loss_fn_inputs\.advantages must be 1-D",
+    ),
+    "2-D model_input": (
+        "ppo",
+        _set("model_input", np.ones((N_BAD, 1), int)),
+        r"model_input must be 1-D",
+    ),
+    "ragged model_input": (
+        "ppo",
+        _set("model_input", [[1, 2], [3]]),
+        r"model_input is not a vector of token ids",
+    ),
     # missing keys for the chosen loss
-    "missing weights": ("cross_entropy", _drop("weights"),
-                        r"loss_fn_inputs\.weights is missing \(needed by cross_entropy\)"),
-    "missing advantages": ("ppo", _drop("advantages"),
-                           r"loss_fn_inputs\.advantages is missing \(needed by ppo\)"),
-    "missing logprobs": ("importance_sampling", _drop("logprobs"),
-                         r"loss_fn_inputs\.logprobs is missing \(needed by importance_sampling\)"),
+    "missing weights": (
+        "cross_entropy",
+        _drop("weights"),
+        r"loss_fn_inputs\.weights is missing \(needed by cross_entropy\)",
+    ),
+    "missing advantages": (
+        "ppo",
+        _drop("advantages"),
+        r"loss_fn_inputs\.advantages is missing \(needed by ppo\)",
+    ),
+    "missing logprobs": (
+        "importance_sampling",
+        _drop("logprobs"),
+        r"loss_fn_inputs\.logprobs is missing \(needed by importance_sampling\)",
+    ),
     "missing logprobs dro": ("dro", _drop("logprobs"), r"loss_fn_inputs\.logprobs is missing"),
     "missing target_tokens": ("cispo", _drop("target_tokens"), TARGETS + " is missing"),
-    "missing sequence_ratio_mask": ("gspo", _drop("sequence_ratio_mask"),
-                                    r"loss_fn_inputs\.sequence_ratio_mask is missing \(needed "
-                                    r"by gspo\)"),
-    "missing advantages gspo": ("gspo", _drop("advantages"),
-                                r"loss_fn_inputs\.advantages is missing \(needed by gspo\)"),
-    "short sequence_ratio_mask": ("gspo", _set("sequence_ratio_mask", np.ones(N_BAD - 2)),
-                                  r"loss_fn_inputs\.sequence_ratio_mask has length 5, "
-                                  r"model_input has length 7"),
-    "2-D sequence_ratio_mask": ("gspo", _set("sequence_ratio_mask", np.ones((N_BAD, 1))),
-                                r"loss_fn_inputs\.sequence_ratio_mask must be 1-D"),
-    "NaN sequence_ratio_mask": ("gspo", _poke("sequence_ratio_mask", 3, np.nan),
-                                r"loss_fn_inputs\.sequence_ratio_mask\[3\] = nan is not finite"),
-    "sequence_ratio_mask over float32": ("gspo", _poke("sequence_ratio_mask", 4, 1e39),
-                                         r"loss_fn_inputs\.sequence_ratio_mask\[4\] = 1e\+39 "
-                                         r"overflows float32"),
-    "string sequence_ratio_mask": ("gspo", _set("sequence_ratio_mask", ["x"] * N_BAD),
-                                   r"loss_fn_inputs\.sequence_ratio_mask is not a vector of "
-                                   r"numbers"),
+    "missing sequence_ratio_mask": (
+        "gspo",
+        _drop("sequence_ratio_mask"),
+        r"loss_fn_inputs\.sequence_ratio_mask is missing \(needed "
+        r"by gspo\)",
+    ),
+    "missing advantages gspo": (
+        "gspo",
+        _drop("advantages"),
+        r"loss_fn_inputs\.advantages is missing \(needed by gspo\)",
+    ),
+    "short sequence_ratio_mask": (
+        "gspo",
+        _set("sequence_ratio_mask", np.ones(N_BAD - 2)),
+        r"loss_fn_inputs\.sequence_ratio_mask has length 5, "
+        r"model_input has length 7",
+    ),
+    "2-D sequence_ratio_mask": (
+        "gspo",
+        _set("sequence_ratio_mask", np.ones((N_BAD, 1))),
+        r"loss_fn_inputs\.sequence_ratio_mask must be 1-D",
+    ),
+    "NaN sequence_ratio_mask": (
+        "gspo",
+        _poke("sequence_ratio_mask", 3, np.nan),
+        r"loss_fn_inputs\.sequence_ratio_mask\[3\] = nan is not finite",
+    ),
+    "sequence_ratio_mask over float32": (
+        "gspo",
+        _poke("sequence_ratio_mask", 4, 1e39),
+        r"loss_fn_inputs\.sequence_ratio_mask\[4\] = 1e\+39 "
+        r"overflows float32",
+    ),
+    "string sequence_ratio_mask": (
+        "gspo",
+        _set("sequence_ratio_mask", ["x"] * N_BAD),
+        r"loss_fn_inputs\.sequence_ratio_mask is not a vector of "
+        r"numbers",
+    ),
     # token ids
-    "token = vocab": ("ppo", _poke("model_input", 3, V),
-                      r"model_input\[3\] = 64 is outside the vocabulary \[0, 64\)"),
+    "token = vocab": (
+        "ppo",
+        _poke("model_input", 3, V),
+        r"model_input\[3\] = 64 is outside the vocabulary \[0, 64\)",
+    ),
     "negative token": ("ppo", _poke("model_input", 0, -1), r"model_input\[0\] = -1 is outside"),
-    "target = vocab": ("cross_entropy", _poke("target_tokens", 6, V + 5),
-                       TARGETS + r"\[6\] = 69 is outside the vocabulary"),
+    "target = vocab": (
+        "cross_entropy",
+        _poke("target_tokens", 6, V + 5),
+        TARGETS + r"\[6\] = 69 is outside the vocabulary",
+    ),
     "negative target": ("dro", _poke("target_tokens", 2, -3), TARGETS + r"\[2\] = -3"),
     "fractional token": ("ppo", _poke("model_input", 1, 2.5), INT_IDS),
     "NaN token": ("ppo", _poke("model_input", 1, np.nan), INT_IDS),
     "string tokens": ("ppo", _set("model_input", ["a"] * N_BAD), INT_IDS),
     "bool tokens": ("ppo", _set("model_input", [True] * N_BAD), INT_IDS),
-    "fractional target": ("ppo", _poke("target_tokens", 4, 0.5),
-                          TARGETS + " must hold integer token ids"),
+    "fractional target": (
+        "ppo",
+        _poke("target_tokens", 4, 0.5),
+        TARGETS + " must hold integer token ids",
+    ),
     # non-finite floats
-    "NaN weight": ("cross_entropy", _poke("weights", 1, np.nan),
-                   r"loss_fn_inputs\.weights\[1\] = nan is not finite"),
-    "Inf advantage": ("ppo", _poke("advantages", 5, np.inf),
-                      r"loss_fn_inputs\.advantages\[5\] = inf is not finite"),
-    "-Inf logprob": ("cispo", _poke("logprobs", 0, -np.inf),
-                     r"loss_fn_inputs\.logprobs\[0\] = -inf is not finite"),
-    "NaN in an unused field": ("ppo", _poke("weights", 2, np.nan),
-                               r"loss_fn_inputs\.weights\[2\] = nan is not finite"),
-    "non-numeric weights": ("cross_entropy", _set("weights", ["x"] * N_BAD),
-                            r"loss_fn_inputs\.weights is not a vector of numbers"),
+    "NaN weight": (
+        "cross_entropy",
+        _poke("weights", 1, np.nan),
+        r"loss_fn_inputs\.weights\[1\] = nan is not finite",
+    ),
+    "Inf advantage": (
+        "ppo",
+        _poke("advantages", 5, np.inf),
+        r"loss_fn_inputs\.advantages\[5\] = inf is not finite",
+    ),
+    "-Inf logprob": (
+        "cispo",
+        _poke("logprobs", 0, -np.inf),
+        r"loss_fn_inputs\.logprobs\[0\] = -inf is not finite",
+    ),
+    "NaN in an unused field": (
+        "ppo",
+        _poke("weights", 2, np.nan),
+        r"loss_fn_inputs\.weights\[2\] = nan is not finite",
+    ),
+    "non-numeric weights": (
+        "cross_entropy",
+        _set("weights", ["x"] * N_BAD),
+        r"loss_fn_inputs\.weights is not a vector of numbers",
+    ),
     # empty, over the cap
     "empty datum": ("ppo", _resize_all(0), r"model_input is empty"),
-    "over the cap": ("ppo", _resize_all(CAP + 1),
-                     rf"model_input has {CAP + 1} tokens, over the cap of {CAP} tokens"),
+    "over the cap": (
+        "ppo",
+        _resize_all(CAP + 1),
+        rf"model_input has {CAP + 1} tokens, over the cap of {CAP} tokens",
+    ),
     # unknown keys, wrong containers
-    "unknown field": ("ppo", _set("mask", np.ones(N_BAD)),
-                      r"loss_fn_inputs\.mask is not a known field"),
-    "inputs not a dict": ("ppo", lambda d: setattr(d, "loss_fn_inputs", [1, 2]),
-                          r"loss_fn_inputs must be a dict"),
+    "unknown field": (
+        "ppo",
+        _set("mask", np.ones(N_BAD)),
+        r"loss_fn_inputs\.mask is not a known field",
+    ),
+    "inputs not a dict": (
+        "ppo",
+        lambda d: setattr(d, "loss_fn_inputs", [1, 2]),
+        r"loss_fn_inputs must be a dict",
+    ),
 }
 
 
@@ -264,9 +362,14 @@ def test_validation_refuses_non_datum_entries():
         batch_lib.validate(data, "ppo", V, CAP)
 
 
-@pytest.mark.parametrize("data,pattern", [([], "data is empty"),
-                                          (None, "data must be a list of Datum"),
-                                          ("abc", "datum 0: expected jcp.Datum, got str")])
+@pytest.mark.parametrize(
+    "data,pattern",
+    [
+        ([], "data is empty"),
+        (None, "data must be a list of Datum"),
+        ("abc", "datum 0: expected jcp.Datum, got str"),
+    ],
+)
 def test_validation_refuses_bad_containers(data, pattern):
     with pytest.raises(jcp.InputError, match=pattern):
         batch_lib.validate(data, "ppo", V, CAP)
@@ -293,13 +396,19 @@ def test_unknown_loss_names(loss_fn):
 
 
 def test_resolve_config_defaults_and_overrides():
-    assert losses.resolve_config("ppo", None) == {"clip_low_threshold": 0.8,
-                                                  "clip_high_threshold": 1.2}
-    assert losses.resolve_config("cispo", {}) == {"clip_low_threshold": 0.0,
-                                                  "clip_high_threshold": 4.0}
+    assert losses.resolve_config("ppo", None) == {
+        "clip_low_threshold": 0.8,
+        "clip_high_threshold": 1.2,
+    }
+    assert losses.resolve_config("cispo", {}) == {
+        "clip_low_threshold": 0.0,
+        "clip_high_threshold": 4.0,
+    }
     assert losses.resolve_config("dro", None) == {"beta": 0.05}
-    assert losses.resolve_config("gspo", None) == {"clip_low_threshold": 0.8,
-                                                   "clip_high_threshold": 1.2}
+    assert losses.resolve_config("gspo", None) == {
+        "clip_low_threshold": 0.8,
+        "clip_high_threshold": 1.2,
+    }
     assert losses.resolve_config("cross_entropy", None) == {}
     assert losses.resolve_config("importance_sampling", None) == {}
     user = {"clip_high_threshold": 2}
@@ -313,28 +422,57 @@ def test_resolve_config_defaults_and_overrides():
     assert losses.resolve_config("ppo", None)["clip_low_threshold"] == 0.8
 
 
-@pytest.mark.parametrize("loss_fn,config,pattern", [
-    ("ppo", {"clip_ratio": 0.2}, r"loss_fn_config\.clip_ratio is not a setting of ppo"),
-    ("cross_entropy", {"beta": 0.1}, r"loss_fn_config\.beta is not a setting of cross_entropy"),
-    ("importance_sampling", {"clip_low_threshold": 0.5},
-     r"loss_fn_config\.clip_low_threshold is not a setting of importance_sampling"),
-    ("dro", {"clip_high_threshold": 2.0}, r"loss_fn_config\.clip_high_threshold is not a setting"),
-    ("dro", {"beta": "big"}, r"loss_fn_config\.beta must be a number, got 'big'"),
-    ("ppo", {"clip_low_threshold": None}, r"loss_fn_config\.clip_low_threshold must be a number"),
-    ("ppo", {"clip_high_threshold": [1.2]},
-     r"loss_fn_config\.clip_high_threshold must be a number"),
-    ("cispo", {"clip_high_threshold": float("nan")},
-     r"loss_fn_config\.clip_high_threshold must be finite"),
-    ("dro", {"beta": float("inf")}, r"loss_fn_config\.beta must be finite"),
-    ("ppo", {"clip_low_threshold": 1.5},
-     r"clip_low_threshold 1\.5 exceeds clip_high_threshold 1\.2"),
-    ("cispo", {"clip_low_threshold": 3.0, "clip_high_threshold": 2.0},
-     r"clip_low_threshold 3\.0 exceeds clip_high_threshold 2\.0"),
-    ("dro", {"beta": -0.1}, r"loss_fn_config\.beta must be ≥ 0"),
-    ("gspo", {"beta": 0.1}, r"loss_fn_config\.beta is not a setting of gspo"),
-    ("gspo", {"clip_low_threshold": 2.0},
-     r"clip_low_threshold 2\.0 exceeds clip_high_threshold 1\.2"),
-])
+@pytest.mark.parametrize(
+    "loss_fn,config,pattern",
+    [
+        ("ppo", {"clip_ratio": 0.2}, r"loss_fn_config\.clip_ratio is not a setting of ppo"),
+        ("cross_entropy", {"beta": 0.1}, r"loss_fn_config\.beta is not a setting of cross_entropy"),
+        (
+            "importance_sampling",
+            {"clip_low_threshold": 0.5},
+            r"loss_fn_config\.clip_low_threshold is not a setting of importance_sampling",
+        ),
+        (
+            "dro",
+            {"clip_high_threshold": 2.0},
+            r"loss_fn_config\.clip_high_threshold is not a setting",
+        ),
+        ("dro", {"beta": "big"}, r"loss_fn_config\.beta must be a number, got 'big'"),
+        (
+            "ppo",
+            {"clip_low_threshold": None},
+            r"loss_fn_config\.clip_low_threshold must be a number",
+        ),
+        (
+            "ppo",
+            {"clip_high_threshold": [1.2]},
+            r"loss_fn_config\.clip_high_threshold must be a number",
+        ),
+        (
+            "cispo",
+            {"clip_high_threshold": float("nan")},
+            r"loss_fn_config\.clip_high_threshold must be finite",
+        ),
+        ("dro", {"beta": float("inf")}, r"loss_fn_config\.beta must be finite"),
+        (
+            "ppo",
+            {"clip_low_threshold": 1.5},
+            r"clip_low_threshold 1\.5 exceeds clip_high_threshold 1\.2",
+        ),
+        (
+            "cispo",
+            {"clip_low_threshold": 3.0, "clip_high_threshold": 2.0},
+            r"clip_low_threshold 3\.0 exceeds clip_high_threshold 2\.0",
+        ),
+        ("dro", {"beta": -0.1}, r"loss_fn_config\.beta must be ≥ 0"),
+        ("gspo", {"beta": 0.1}, r"loss_fn_config\.beta is not a setting of gspo"),
+        (
+            "gspo",
+            {"clip_low_threshold": 2.0},
+            r"clip_low_threshold 2\.0 exceeds clip_high_threshold 1\.2",
+        ),
+    ],
+)
 def test_bad_loss_fn_config(loss_fn, config, pattern):
     before = copy.deepcopy(config)
     with pytest.raises(jcp.InputError, match=pattern):
@@ -372,8 +510,13 @@ def test_pack_layout(dp, cp):
     before = copy.deepcopy(datums)
     (pb,) = batch_lib.pack(datums, ADAPTERS, dp, cp, max_rows=4096, max_adapters=8)
     s_len = pb.tokens.shape[-1]
-    assert pb.tokens.shape == pb.targets.shape == pb.segment.shape == pb.position.shape == (
-        dp, cp, s_len)
+    assert (
+        pb.tokens.shape
+        == pb.targets.shape
+        == pb.segment.shape
+        == pb.position.shape
+        == (dp, cp, s_len)
+    )
     assert all(v.shape == (dp, cp, s_len) for v in pb.floats.values())
 
     # every datum exactly once, with its zigzag row count
@@ -404,7 +547,7 @@ def test_pack_layout(dp, cp):
     distinct = sorted(set(ADAPTERS))
     k = len(pb.active)
     assert k == batch_lib.active_bucket(len(distinct), 8)
-    assert list(pb.active[:len(distinct)]) == distinct
+    assert list(pb.active[: len(distinct)]) == distinct
     assert pb.spans.shape == (dp, cp, k, 2)
     for s in range(dp):
         ps = shard_contents(pb).get(s, [])
@@ -419,8 +562,11 @@ def test_pack_layout(dp, cp):
             assert (pb.spans[s, :, a_i] == pb.spans[s, 0, a_i]).all()  # same on every cp rank
 
     # stream contents, reassembled per datum
-    for name, want in [("tokens", lambda c: c.tokens), ("targets", lambda c: c.targets),
-                       ("position", lambda c: np.arange(c.n))]:
+    for name, want in [
+        ("tokens", lambda c: c.tokens),
+        ("targets", lambda c: c.targets),
+        ("position", lambda c: np.arange(c.n)),
+    ]:
         got = batch_lib.unpack(getattr(pb, name), pb)
         for i, c in enumerate(datums):
             np.testing.assert_array_equal(got[i], want(c), err_msg=f"{name} datum {i}")
@@ -431,13 +577,14 @@ def test_pack_layout(dp, cp):
     # segments: one distinct slot per datum, -1 exactly on rows that hold no token
     for p in pb.placements:
         idx = jcp.zigzag_indices(p.n, cp)
-        seg = pb.segment[p.shard, :, p.offset:p.offset + p.rows]
+        seg = pb.segment[p.shard, :, p.offset : p.offset + p.rows]
         np.testing.assert_array_equal(seg < 0, idx < 0)
         slot = np.unique(seg[seg >= 0])
         assert slot.size == 1 and 0 <= slot[0] < pb.num_slots
         slots.add(int(slot[0]))
         np.testing.assert_array_equal(
-            pb.position[p.shard, :, p.offset:p.offset + p.rows], np.maximum(idx, 0))
+            pb.position[p.shard, :, p.offset : p.offset + p.rows], np.maximum(idx, 0)
+        )
     assert len(slots) == len(LENGTHS)
     assert pb.num_slots == mesh_lib.bucket_length(len(LENGTHS), minimum=8)
     pad = pb.segment < 0
@@ -502,8 +649,12 @@ def test_unpack_inverts_the_layout_of_any_stream():
 
 
 def test_pad_streams_pads_every_stream_loss_id_included():
-    data = [jcp.Datum(model_input=[1, 2, 3, 4, 5], loss_fn_inputs={
-        "target_tokens": [2, 3, 4, 5, 6], "weights": [1.0] * 5})]
+    data = [
+        jcp.Datum(
+            model_input=[1, 2, 3, 4, 5],
+            loss_fn_inputs={"target_tokens": [2, 3, 4, 5, 6], "weights": [1.0] * 5},
+        )
+    ]
     checked = batch_lib.validate(data, "cross_entropy", 64, 10**6)
     (pb,) = batch_lib.pack(checked, [0], 1, 2, 64, 1)
     s_len = pb.tokens.shape[-1]
@@ -519,3 +670,34 @@ def test_pad_streams_pads_every_stream_loss_id_included():
         assert (out.floats[k][..., s_len:] == 0).all()
     with pytest.raises(ValueError, match="cannot pad"):
         batch_lib.pad_streams(pb, s_len - 1)
+
+
+def test_floors_make_the_counts_follow_the_stream_length():
+    """With the Trainer's floors (adapter_rows, slot_tokens), a micro-batch's active-entry
+    and datum-slot counts depend on its stream length only: 8 datums of one adapter and 2 ×
+    4 datums of two pack to the same shapes (without floors they differ); more adapters or
+    datums than the length's floors take the next bucket."""
+    cap = 4096
+    data = batch_lib.validate(
+        [
+            jcp.Datum(
+                np.zeros(256, np.int32),
+                {"target_tokens": np.zeros(256, np.int32), "weights": np.ones(256, np.float32)},
+            )
+        ]
+        * 8,
+        "cross_entropy",
+        512,
+        cap,
+    )
+    floors = dict(adapter_rows=batch_lib.ADAPTER_ROWS, slot_tokens=batch_lib.SLOT_TOKENS)
+
+    def shapes(adapters, **kw):
+        (pb,) = batch_lib.pack(data, adapters, 2, 2, cap, 8, **kw)
+        return pb.tokens.shape, len(pb.active), pb.num_slots
+
+    one, two = [0] * 8, [0] * 4 + [1] * 4
+    assert shapes(one) != shapes(two)  # without floors: 1 vs 2 active entries
+    assert shapes(one, **floors) == shapes(two, **floors) == ((2, 2, 512), 2, 16)
+    assert batch_lib.static_counts(1024, 2, 2, 1, 1, 8, **floors) == (4, 32)
+    assert batch_lib.static_counts(1024, 2, 2, 5, 40, 8, **floors) == (8, 48)

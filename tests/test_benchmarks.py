@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+)
 
 import gpu  # noqa: E402
 
@@ -46,6 +47,19 @@ def test_gpu_script_smoke(capsys):
     assert "error" not in out
 
 
+def test_noisy_neighbour_smoke():
+    """benchmarks/noisy_neighbour.py --smoke: a jcp-serve child process, two tenants, the
+    victim timed alone and beside hostile bodies sent from the neighbour's own process;
+    every one refused, the server healthy after them and stopped at the end."""
+    import noisy_neighbour
+
+    res = noisy_neighbour.main(["--smoke", "--neighbour", "refused"])
+    assert len(res["alone"]) >= 5 and len(res["beside"]) >= 5
+    assert res["counts"]["hostile bodies refused"] > 0, res["counts"]
+    assert "hostile bodies ACCEPTED" not in res["counts"], res["counts"]
+    assert res["healthy"] and res["server_exit"] is not None
+
+
 def test_gpu_f32_copy_detector():
     """unfused_shapes finds an f32 weight stack made outside a fusion (a plain lax.scan
     over bf16 stacks on XLA:CPU makes one), not one computed inside a fusion."""
@@ -58,9 +72,12 @@ def test_gpu_f32_copy_detector():
     body = lambda h, xs: (jnp.tanh(h @ xs[0]), None)  # noqa: E731
     plain = lambda w, h: jax.lax.scan(body, h, (w,))[0].sum()  # noqa: E731
     ours = lambda w, h: decoder.scan_layers(body, h, w, (), False)[0].sum()  # noqa: E731
-    shapes = {n: gpu.unfused_shapes(jax.jit(f).lower(w, jnp.ones((4, 16), jnp.bfloat16))
-                                     .compile().as_text()) for n, f in (("plain", plain),
-                                                                         ("ours", ours))}
+    shapes = {
+        n: gpu.unfused_shapes(
+            jax.jit(f).lower(w, jnp.ones((4, 16), jnp.bfloat16)).compile().as_text()
+        )
+        for n, f in (("plain", plain), ("ours", ours))
+    }
     assert "f32[3,16,16]" in shapes["plain"] and "f32[3,16,16]" not in shapes["ours"]
 
 
@@ -71,10 +88,9 @@ def test_collective_counter_classifies_and_counts_loops():
     nothing, and a psum inside a 3-trip loop counts 3 times."""
     import jax
     import jax.numpy as jnp
+    import serve_multiprocess as bench
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    import serve_multiprocess as bench
 
     mesh = jax.make_mesh((2, 2, 2, 1), ("a", "b", "c", "d"))
 
@@ -84,8 +100,9 @@ def test_collective_counter_classifies_and_counts_loops():
         x = jax.lax.psum(x * 3.0, "d")
         return jax.lax.fori_loop(0, 3, lambda i, y: y * 0.5 + jax.lax.psum(y, "b"), x)
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("a", "b", "c")),
-                              out_specs=P(("a", "b", "c"))))
+    f = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=P(("a", "b", "c")), out_specs=P(("a", "b", "c")))
+    )
     x = jax.device_put(jnp.ones((8, 16), jnp.float32), NamedSharding(mesh, P(("a", "b", "c"))))
     hlo = f.lower(x).compile().as_text()
     ops = bench.collectives(hlo, lambda i: i // 4)
@@ -103,18 +120,20 @@ def test_gpu_part_stopped_at_its_limit_keeps_its_rows(tmp_path):
     whole output, and the table shows those rows, the error, and parts not run."""
     import sys
 
-    code = ("import sys, time; sys.path.insert(0, 'benchmarks'); import gpu; rows = gpu.Rows(); "
-            "rows.append(dict(batch=1, new_tokens=4, tokens=4, seconds=0.5, tokens_per_s=8.0, "
-            "first_call_s=2.0)); gpu.progress('decode: batch 64'); time.sleep(60)")
+    code = (
+        "import sys, time; sys.path.insert(0, 'benchmarks'); import gpu; rows = gpu.Rows(); "
+        "rows.append(dict(batch=1, new_tokens=4, tokens=4, seconds=0.5, tokens_per_s=8.0, "
+        "first_call_s=2.0)); gpu.progress('decode: batch 64'); time.sleep(60)"
+    )
     log = tmp_path / "decode.log"
     res = gpu.subprocess_json([sys.executable, "-c", code], 5, str(log))
     assert res["error"] == "timed out after 5 s"
     assert [r["batch"] for r in res["rows"]] == [1]
     assert "decode: batch 64" in log.read_text()
     out = gpu.table({"decode": res, "kernels": {"error": "exit 1: boom"}}, "test")
-    decode = out[out.index("Sampling decode"):]
+    decode = out[out.index("Sampling decode") :]
     assert "error: timed out after 5 s" in decode
     assert any(line.split()[:3] == ["1", "4", "4"] for line in decode.splitlines())
-    assert "error: exit 1: boom" in out and "not run" in out[out.index("Per-device"):]
+    assert "error: exit 1: boom" in out and "not run" in out[out.index("Per-device") :]
     done = gpu.subprocess_json([sys.executable, "-c", "print('RESULT [1]')"], 30)
     assert done == [1]

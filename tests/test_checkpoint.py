@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import trainer_harness as H
 
 import jcp
-from helpers import trainer_harness as H
 
 CFG = H.CFG
 ADAM = jcp.AdamParams(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=5.0)
@@ -22,10 +22,17 @@ ADAM = jcp.AdamParams(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=5.0)
 
 def _data(seed=0, lens=(23, 1, 40, 9)):
     rng = np.random.default_rng(seed)
-    return [jcp.Datum(rng.integers(0, CFG.vocab_size, n),
-                      {"target_tokens": rng.integers(0, CFG.vocab_size, n),
-                       "advantages": rng.normal(size=n), "logprobs": -rng.uniform(1, 6, n)})
-            for n in lens]
+    return [
+        jcp.Datum(
+            rng.integers(0, CFG.vocab_size, n),
+            {
+                "target_tokens": rng.integers(0, CFG.vocab_size, n),
+                "advantages": rng.normal(size=n),
+                "logprobs": -rng.uniform(1, 6, n),
+            },
+        )
+        for n in lens
+    ]
 
 
 @pytest.fixture
@@ -39,8 +46,12 @@ def trainer():
 def _slot_state(tr, a):
     t = jax.device_get(tr.state.tables())
     one = lambda tree: jax.tree.map(lambda x: x[a], tree)  # noqa: E731
-    return {"mu": one(t["mu"]), "nu": one(t["nu"]), "grads": one(t["grads"]),
-            "count": int(t["count"][a])}
+    return {
+        "mu": one(t["mu"]),
+        "nu": one(t["nu"]),
+        "grads": one(t["grads"]),
+        "count": int(t["count"][a]),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +79,17 @@ def _train_and_save(tr, path):
     g = tr.gradients(b)
     m = tr.optim_step(b, ADAM)
     after = tr.adapter_weights(b)
-    return dict(path=path, weights=saved_w, opt=saved_opt, forward=nxt, grads=g, metrics=m,
-                after=after, data=data, mesh=tr.mesh)
+    return dict(
+        path=path,
+        weights=saved_w,
+        opt=saved_opt,
+        forward=nxt,
+        grads=g,
+        metrics=m,
+        after=after,
+        data=data,
+        mesh=tr.mesh,
+    )
 
 
 def test_save_122_load_241(trainer, saved):
@@ -140,6 +160,7 @@ def _assert_previous_loads(tr, path, saved):
 
 def test_interrupted_save_keeps_previous(trainer, saved, tmp_path, monkeypatch):
     import shutil
+
     path = str(tmp_path / "ck")
     shutil.copytree(saved["path"], path)
     tr = trainer(1, 2, 1)
@@ -161,6 +182,7 @@ def test_interrupted_save_keeps_previous(trainer, saved, tmp_path, monkeypatch):
 def test_interrupt_inside_orbax_keeps_previous(trainer, saved, tmp_path, monkeypatch):
     """Interrupt orbax itself mid-write (the JSON item fails after the arrays are written)."""
     import shutil
+
     path = str(tmp_path / "ck")
     shutil.copytree(saved["path"], path)
     tr = trainer(1, 1, 1)
@@ -200,10 +222,14 @@ def _assert_same(a, b):
     assert a[1] == b[1]
 
 
-@pytest.mark.parametrize("cfg, max_rank, pattern", [
-    (jcp.QwenConfig.tiny(rms_norm_eps=1e-5), 8, "different base model"),
-    (CFG, 4, "max_rank"),
-], ids=["base_mismatch", "rank_over_max"])
+@pytest.mark.parametrize(
+    "cfg, max_rank, pattern",
+    [
+        (jcp.QwenConfig.tiny(rms_norm_eps=1e-5), 8, "different base model"),
+        (CFG, 4, "max_rank"),
+    ],
+    ids=["base_mismatch", "rank_over_max"],
+)
 def test_load_refused_state_untouched(saved, cfg, max_rank, pattern):
     assert (cfg, max_rank) != (CFG, 8)  # differs from the saving trainer
     tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_rank=max_rank)  # other settings: fresh

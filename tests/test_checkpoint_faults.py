@@ -16,16 +16,22 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-
 from helpers import ckpt_kill_child as kc
+
 import jcp
 
 HERE = os.path.dirname(__file__)
 
 # (phase at which the second save is killed, what PATH must hold afterwards)
-PHASES = [("planned", "old"), ("orbax", "old"), ("written", "old"),
-          ("pointer-staged", "old"), ("pointer-moved", "new"), ("removing", "new"),
-          ("done", "new")]
+PHASES = [
+    ("planned", "old"),
+    ("orbax", "old"),
+    ("written", "old"),
+    ("pointer-staged", "old"),
+    ("pointer-moved", "new"),
+    ("removing", "new"),
+    ("done", "new"),
+]
 # A killed first save: nothing at PATH (the pointer never named the complete version).
 FRESH = [("written", None)]
 
@@ -110,8 +116,17 @@ def killed(tmp_path_factory):
             path, log = str(root / f"{mode}-{phase}"), str(root / f"{mode}-{phase}.log")
             with open(log, "w") as f:
                 proc = subprocess.Popen(
-                    [sys.executable, os.path.join(HERE, "helpers", "ckpt_kill_child.py"), path, phase, mode],
-                    env=env, stdout=f, stderr=subprocess.STDOUT)
+                    [
+                        sys.executable,
+                        os.path.join(HERE, "helpers", "ckpt_kill_child.py"),
+                        path,
+                        phase,
+                        mode,
+                    ],
+                    env=env,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                )
             running[case] = (path, log, proc)
         for case, (path, log, proc) in list(running.items()):
             late = proc.poll() is None and time.monotonic() > deadline
@@ -165,8 +180,11 @@ def saved(tr, tmp_path_factory):
 
 
 def _files(path):
-    return sorted(os.path.relpath(os.path.join(root, f), path)
-                  for root, _, files in os.walk(path) for f in files)
+    return sorted(
+        os.path.relpath(os.path.join(root, f), path)
+        for root, _, files in os.walk(path)
+        for f in files
+    )
 
 
 def _damaged_copy(saved, dest, rel, how):
@@ -179,9 +197,9 @@ def _damaged_copy(saved, dest, rel, how):
         os.remove(f)
         return
     if how == "truncate":
-        data = data[:len(data) // 2]
+        data = data[: len(data) // 2]
     else:
-        data[how:how + 16] = bytes(b ^ 0xFF for b in data[how:how + 16])
+        data[how : how + 16] = bytes(b ^ 0xFF for b in data[how : how + 16])
     with open(f, "wb") as out:
         out.write(bytes(data))
 
@@ -221,9 +239,16 @@ def test_flipped_bytes_refused_naming_the_file(tr, saved, tmp_path):
     """Every file of the checkpoint, flipped at several places: refused, naming that file
     (CURRENT names the list of files it vouches for), before orbax reads anything."""
     files = _files(saved)
-    kinds = {"CURRENT", "v-1/jcp-files.json", "v-1/meta/metadata", "v-1/_CHECKPOINT_METADATA",
-             "v-1/state/_METADATA", "v-1/state/manifest.ocdbt",
-             "v-1/state/array_metadatas/process_0", "v-1/commit_success.txt"}
+    kinds = {
+        "CURRENT",
+        "v-1/jcp-files.json",
+        "v-1/meta/metadata",
+        "v-1/_CHECKPOINT_METADATA",
+        "v-1/state/_METADATA",
+        "v-1/state/manifest.ocdbt",
+        "v-1/state/array_metadatas/process_0",
+        "v-1/commit_success.txt",
+    }
     assert kinds <= set(files), files
     assert any("/d/" in f for f in files), files
     for i, rel in enumerate(files):
@@ -272,8 +297,11 @@ def test_values_checked_behind_the_files(tr, saved, tmp_path):
 @pytest.mark.parametrize("how", ["truncate", "delete"])
 def test_truncated_or_deleted_file(tr, saved, tmp_path, how):
     files = [f for f in _files(saved) if f.startswith("v-1/") and f != "v-1/jcp-files.json"]
-    match = "is missing; the checkpoint is incomplete" if how == "delete" else \
-        "does not match the size and sha256 recorded"
+    match = (
+        "is missing; the checkpoint is incomplete"
+        if how == "delete"
+        else "does not match the size and sha256 recorded"
+    )
     for i, rel in enumerate(files):
         dest = str(tmp_path / str(i))
         _damaged_copy(saved, dest, rel, how)
@@ -315,38 +343,60 @@ def _rewrite_meta(path, edit, reseal=True):
 
 def _to_rank(r):
     """Edit: metadata says rank r, and (consistently) lists every array at rank r."""
+
     def edit(meta):
         meta["rank"] = r
         for name, rec in meta["arrays"].items():
             if name != "count":
                 axis = -1 if name.endswith("/a") else -2
                 rec["shape"][axis] = r
+
     return edit
 
 
 HOSTILE = {
-    "missing_key_unsealed": (lambda m: m.pop("base_fingerprint"), False,
-                             "meta/metadata does not match the size and sha256 recorded"),
-    "missing_key": (lambda m: m.pop("base_fingerprint"), True,
-                    r"metadata keys \['alpha', 'arrays', 'format', 'rank', 'targets'\]"),
+    "missing_key_unsealed": (
+        lambda m: m.pop("base_fingerprint"),
+        False,
+        "meta/metadata does not match the size and sha256 recorded",
+    ),
+    "missing_key": (
+        lambda m: m.pop("base_fingerprint"),
+        True,
+        r"metadata keys \['alpha', 'arrays', 'format', 'rank', 'targets'\]",
+    ),
     "extra_key": (lambda m: m.update(max_rank_saved=6), True, "metadata keys"),
-    "fingerprint_type": (lambda m: m.update(base_fingerprint=123), True,
-                         "base_fingerprint = 123 has the wrong type"),
+    "fingerprint_type": (
+        lambda m: m.update(base_fingerprint=123),
+        True,
+        "base_fingerprint = 123 has the wrong type",
+    ),
     "rank_type": (lambda m: m.update(rank="6"), True, "rank = '6' has the wrong type"),
     "rank_bool": (lambda m: m.update(rank=True), True, "rank = True has the wrong type"),
     "targets_type": (lambda m: m.update(targets=[1]), True, "targets .1. must be names"),
     "arrays_type": (lambda m: m.update(arrays=[]), True, "arrays = .. has the wrong type"),
     "format": (lambda m: m.update(format=3), True, "metadata format 3, expected 2"),
-    "rank_vs_listed": (lambda m: m.update(rank=6), True,
-                       "metadata of array .*its rank and targets need shape"),
-    "rank_vs_stored": (_to_rank(6), True,
-                       r"array .* is stored as float32\[.*4.*\]; the metadata's rank 6 needs"),
-    "array_missing": (lambda m: m["arrays"].pop("mu/q_proj/a"), True,
-                      r"missing \['mu/q_proj/a'\], unexpected \[\]"),
-    "array_hash": (lambda m: m["arrays"]["nu/v_proj/b"].update(sha256="0" * 64), True,
-                   "array nu/v_proj/b does not match the sha256 recorded"),
-    "wrong_base": (lambda m: m.update(base_fingerprint="0" * 16), True,
-                   "different base model"),
+    "rank_vs_listed": (
+        lambda m: m.update(rank=6),
+        True,
+        "metadata of array .*its rank and targets need shape",
+    ),
+    "rank_vs_stored": (
+        _to_rank(6),
+        True,
+        r"array .* is stored as float32\[.*4.*\]; the metadata's rank 6 needs",
+    ),
+    "array_missing": (
+        lambda m: m["arrays"].pop("mu/q_proj/a"),
+        True,
+        r"missing \['mu/q_proj/a'\], unexpected \[\]",
+    ),
+    "array_hash": (
+        lambda m: m["arrays"]["nu/v_proj/b"].update(sha256="0" * 64),
+        True,
+        "array nu/v_proj/b does not match the sha256 recorded",
+    ),
+    "wrong_base": (lambda m: m.update(base_fingerprint="0" * 16), True, "different base model"),
 }
 
 
@@ -371,12 +421,18 @@ def test_unparsable_metadata_pointer_and_list(tr, saved, tmp_path):
     _refused(tr, dest, "meta/metadata does not match the size and sha256 recorded")
     _reseal(dest)  # as if the save itself had written it so
     _refused(tr, dest, "v-1: cannot read the metadata")
-    for i, (text, match) in enumerate([
-            ("v-1", "CURRENT is corrupt"), ("[1]", "CURRENT is corrupt .no format."),
+    for i, (text, match) in enumerate(
+        [
+            ("v-1", "CURRENT is corrupt"),
+            ("[1]", "CURRENT is corrupt .no format."),
             ('{"format": 2}', "CURRENT is corrupt .expected keys"),
             ('{"format": 2, "version": "1", "files_sha256": "00"}', "CURRENT is corrupt .version"),
-            ('{"format": 1, "version": 1, "meta_sha256": "00"}',
-             "checkpoint format 1; this jcp reads format 2")]):
+            (
+                '{"format": 1, "version": 1, "meta_sha256": "00"}',
+                "checkpoint format 1; this jcp reads format 2",
+            ),
+        ]
+    ):
         dest = str(tmp_path / f"pointer{i}")
         shutil.copytree(saved, dest)
         _write(dest, "CURRENT", text)
@@ -406,9 +462,13 @@ def test_non_finite_values_refused(tr, tmp_path):
 def test_format_1_refused(tr, tmp_path):
     """A checkpoint of the previous format (a bare orbax folder, no checksums)."""
     path = str(tmp_path / "old")
-    ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(path, args=ocp.args.Composite(
-        state=ocp.args.StandardSave({"count": np.int32(0)}),
-        meta=ocp.args.JsonSave({"format": 1, "rank": 4})))
+    ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(
+        path,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"count": np.int32(0)}),
+            meta=ocp.args.JsonSave({"format": 1, "rank": 4}),
+        ),
+    )
     _refused(tr, path, "is a jcp adapter checkpoint of format 1 .no checksums.")
     before = sorted(_files(path))
     slot = kc.put(tr, "old")

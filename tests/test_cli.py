@@ -20,8 +20,13 @@ def _env():
 
 
 def _run(*args, check=True):
-    p = subprocess.run([sys.executable, "-m", "jcp.train", *args], capture_output=True,
-                       text=True, env=_env(), timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", "jcp.train", *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
     if check:
         assert p.returncode == 0, p.stderr[-3000:]
     return p
@@ -62,11 +67,15 @@ def test_resume_continues_exactly(tmp_path, straight):
     keys = [(r["step"], r["adapter"]) for r in rows]
     assert len(keys) == len(set(keys))
     assert sorted(keys) == sorted((s, a) for s in range(1, 6) for a in ("sft", "rl"))
-    assert rows[:len(first)] == first
+    assert rows[: len(first)] == first
     # The resumed run is the uninterrupted run: same losses, gradient norms, Adam steps.
     assert len(straight) == len(rows)
     for a, b in zip(straight, rows):
-        assert (a["step"], a["adapter"], a["optim_step"]) == (b["step"], b["adapter"], b["optim_step"])
+        assert (a["step"], a["adapter"], a["optim_step"]) == (
+            b["step"],
+            b["adapter"],
+            b["optim_step"],
+        )
         assert a["loss:sum"] == pytest.approx(b["loss:sum"], rel=1e-5, abs=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
 
@@ -120,13 +129,28 @@ def test_data_file(tmp_path):
     lines = []
     for i in range(3):
         toks = list(range(10 + i, 30 + i))
-        lines.append({"model_input": toks, "adapter": "a" if i % 2 else "b",
-                      "loss_fn_inputs": {"target_tokens": toks[1:] + [0],
-                                         "weights": [1.0] * len(toks)}})
+        lines.append(
+            {
+                "model_input": toks,
+                "adapter": "a" if i % 2 else "b",
+                "loss_fn_inputs": {"target_tokens": toks[1:] + [0], "weights": [1.0] * len(toks)},
+            }
+        )
     data.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = str(tmp_path / "o")
-    _run("--out", out, "--steps", "2", "--data", str(data), "--mesh", "1,2,1",
-         "--batch-size", "1", "--no-progress")
+    _run(
+        "--out",
+        out,
+        "--steps",
+        "2",
+        "--data",
+        str(data),
+        "--mesh",
+        "1,2,1",
+        "--batch-size",
+        "1",
+        "--no-progress",
+    )
     rows = _rows(out)
     assert sorted({r["adapter"] for r in rows}) == ["a", "b"]
     assert all(r["loss_fn"] == "cross_entropy" for r in rows)
@@ -139,7 +163,8 @@ def test_moe_run_trains_experts(tmp_path):
     _run("--out", out, "--steps", "3", "--moe", *SMALL)
     rows = _rows(out)
     assert sorted({(r["step"], r["adapter"]) for r in rows}) == sorted(
-        (s, a) for s in (1, 2, 3) for a in ("sft", "rl"))
+        (s, a) for s in (1, 2, 3) for a in ("sft", "rl")
+    )
     sft = [x["loss:sum"] / x["tokens:sum"] for x in rows if x["adapter"] == "sft"]
     assert sft[-1] < sft[0], sft
     assert all(x["sampler_logprob_diff:max"] < 1e-4 for x in rows if x["adapter"] == "rl")
@@ -152,6 +177,7 @@ def test_moe_run_trains_experts(tmp_path):
 # One case in a fresh `python -m jcp.train` (the exit status and stderr of the real program);
 # the others call main() in this process (each fresh process costs ~2 CPU s of imports).
 
+
 def _exit_and_stderr(argv, in_process, capfd):
     """jcp-train's exit code and stderr for argv: main() in this process (no ~2 CPU s of
     imports), or a fresh `python -m jcp.train`."""
@@ -163,15 +189,19 @@ def _exit_and_stderr(argv, in_process, capfd):
     p = _run(*argv, check=False)
     return p.returncode, p.stderr
 
-@pytest.mark.parametrize("args, needle, in_process", [
-    (["--moe", "--hf-model", "/tmp"], "--moe", True),
-    (["--mesh", "3,x"], "--mesh", True),
-    (["--mesh", "1,1,3"], "tp=3", True),
-    (["--bogus"], "unrecognized", False),
-    (["--steps", "0"], "--steps", True),
-    (["--data", "/nonexistent.jsonl"], "--data", True),
-    (["--hf-model", "/nonexistent"], "--hf-model", True),
-])
+
+@pytest.mark.parametrize(
+    "args, needle, in_process",
+    [
+        (["--moe", "--hf-model", "/tmp"], "--moe", True),
+        (["--mesh", "3,x"], "--mesh", True),
+        (["--mesh", "1,1,3"], "tp=3", True),
+        (["--bogus"], "unrecognized", False),
+        (["--steps", "0"], "--steps", True),
+        (["--data", "/nonexistent.jsonl"], "--data", True),
+        (["--hf-model", "/nonexistent"], "--hf-model", True),
+    ],
+)
 def test_bad_options_are_one_line(tmp_path, capfd, args, needle, in_process):
     argv = ["--out", str(tmp_path / "x"), *args]
     code, err = _exit_and_stderr(argv, in_process, capfd)
@@ -185,33 +215,39 @@ def test_bad_options_are_one_line(tmp_path, capfd, args, needle, in_process):
 # User errors: each case -> (argv, what the one line must name). Cases with in_process=False
 # run in a fresh process: orbax/tensorstore failures may print from background threads.
 
-FAST = ["--steps", "1", "--seq-len", "32", "--batch-size", "1", "--no-progress",
-        "--mesh", "1,1,1"]
+FAST = ["--steps", "1", "--seq-len", "32", "--batch-size", "1", "--no-progress", "--mesh", "1,1,1"]
 
 
 def _datum(adapter="a", **fields):
-    d = {"model_input": [1, 2, 3, 4], "adapter": adapter,
-         "loss_fn_inputs": {"target_tokens": [2, 3, 4, 5], "weights": [1.0] * 4}}
+    d = {
+        "model_input": [1, 2, 3, 4],
+        "adapter": adapter,
+        "loss_fn_inputs": {"target_tokens": [2, 3, 4, 5], "weights": [1.0] * 4},
+    }
     d.update(fields)
     return json.dumps(d).encode()
 
 
 def _data_case(*lines, bad_line):
     """A --data file of `lines` (bytes); the error must name its line `bad_line`."""
+
     def make(tmp, resumable):
         path = tmp / "d.jsonl"
         path.write_bytes(b"\n".join(lines) + b"\n")
         return ["--data", str(path)], f"{path}:{bad_line}"
+
     return make
 
 
 def _resume_case(corrupt, needle):
     """A copy of the 5-step run, corrupted by corrupt(out); `needle(out)` names the file."""
+
     def make(tmp, resumable):
         out = tmp / "run"
         shutil.copytree(resumable, out)
         corrupt(out)
         return ["--out", str(out), "--resume", "--steps", "6"], needle(out)
+
     make.needs_run = True
     return make
 
@@ -264,8 +300,11 @@ def _loss_fn_unknown(tmp, resumable):
     return ["--loss-fn", "nope", *argv], "--loss-fn"
 
 
-OVERFLOW = _datum("b", loss_fn="importance_sampling", loss_fn_inputs={
-    "target_tokens": [2, 3, 4, 5], "advantages": [1.0] * 4, "logprobs": [-1e4] * 4})
+OVERFLOW = _datum(
+    "b",
+    loss_fn="importance_sampling",
+    loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "advantages": [1.0] * 4, "logprobs": [-1e4] * 4},
+)
 
 USER_ERRORS = [
     ("out-is-a-file", _out_is_a_file, True),
@@ -288,27 +327,53 @@ USER_ERRORS = [
     ("batch-size-huge", _flag("--batch-size", "1000000000"), True),
     ("data-adapter-with-nul", _data_case(_datum(), _datum("a\u0000b"), bad_line=2), True),
     ("data-adapter-name-too-long", _data_case(_datum("n" * 300), bad_line=1), True),
-    ("data-nested-deep", _data_case(
-        _datum(), b'{"model_input": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", bad_line=2),
-     True),
+    (
+        "data-nested-deep",
+        _data_case(
+            _datum(), b'{"model_input": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", bad_line=2
+        ),
+        True,
+    ),
     ("loss-fn-unknown", _loss_fn_unknown, True),
     ("data-loss-fn-not-a-string", _data_case(_datum(), _datum(loss_fn=["ppo"]), bad_line=2), True),
     ("data-inputs-a-list", _data_case(_datum(loss_fn_inputs=[1, 2]), bad_line=1), True),
     ("data-inputs-a-string", _data_case(_datum(loss_fn_inputs="abc"), bad_line=1), True),
-    ("data-bad-chunks", _data_case(_datum(), b"", _datum(model_input={"chunks": 5}),
-                                   bad_line=3), True),
-    ("data-not-utf8", _data_case(_datum(), b'{"model_input": [1], "adapter": "\xff"}',
-                                 bad_line=2), True),
+    (
+        "data-bad-chunks",
+        _data_case(_datum(), b"", _datum(model_input={"chunks": 5}), bad_line=3),
+        True,
+    ),
+    (
+        "data-not-utf8",
+        _data_case(_datum(), b'{"model_input": [1], "adapter": "\xff"}', bad_line=2),
+        True,
+    ),
     # Refused by the Trainer at step 1: batch datum 1 is line 4 of the file.
-    ("data-token-outside-vocab", _data_case(
-        _datum(), b"", _datum(), _datum("b", loss_fn_inputs={
-            "target_tokens": [2, 3, 4, 99999], "weights": [1.0] * 4}), bad_line=4), True),
+    (
+        "data-token-outside-vocab",
+        _data_case(
+            _datum(),
+            b"",
+            _datum(),
+            _datum("b", loss_fn_inputs={"target_tokens": [2, 3, 4, 99999], "weights": [1.0] * 4}),
+            bad_line=4,
+        ),
+        True,
+    ),
     ("data-ratio-overflows", _data_case(_datum(), b"", _datum(), OVERFLOW, bad_line=4), True),
     ("resume-latest-not-json", _resume_case(lambda o: _latest(o).write_text("{"), _latest), True),
-    ("resume-latest-missing-keys", _resume_case(
-        lambda o: _latest(o).write_text('{"step": 5}'), _latest), True),
-    ("resume-latest-wrong-types", _resume_case(lambda o: _latest(o).write_text(
-        '{"step": "5", "dir": 5, "adapters": "rl"}'), _latest), True),
+    (
+        "resume-latest-missing-keys",
+        _resume_case(lambda o: _latest(o).write_text('{"step": 5}'), _latest),
+        True,
+    ),
+    (
+        "resume-latest-wrong-types",
+        _resume_case(
+            lambda o: _latest(o).write_text('{"step": "5", "dir": 5, "adapters": "rl"}'), _latest
+        ),
+        True,
+    ),
     ("resume-state-deleted", _resume_case(_delete_state, _state), False),
     ("resume-data-truncated", _resume_case(_truncate_data, _state), False),
     ("resume-metrics-garbage", _resume_case(_garbage_metrics_row, _last_metrics_line), True),
@@ -357,8 +422,9 @@ def test_serve_without_the_server_extra_names_it(monkeypatch, capsys):
     from jcp import serve
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "fastapi" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a)
+    )
     assert serve.main([]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["jcp-serve: error: jcp-serve needs fastapi: pip install 'jcp[serve]'"]
@@ -416,8 +482,9 @@ def test_serve_refuses_bad_flags_in_one_line(tmp_path, capfd, monkeypatch, args,
     monkeypatch.setattr(serve, "setup_devices", no_devices)
     (tmp_path / "f").write_text("")
     with _listening() as busy:
-        argv = [a.format(file=tmp_path / "f", folder=tmp_path, busy=busy.getsockname()[1])
-                for a in args]
+        argv = [
+            a.format(file=tmp_path / "f", folder=tmp_path, busy=busy.getsockname()[1]) for a in args
+        ]
         code = serve.main(argv)
     err = capfd.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -435,7 +502,23 @@ def test_flag_types_take_what_they_should():
     assert (PORT("0"), PORT("65535"), GIGABYTES("0"), GIGABYTES("1.5")) == (0, 65535, 0.0, 1.5)
     assert POSITIVE("1e-9") == 1e-9 and address("10.0.0.1:1234") == "10.0.0.1:1234"
     assert folder("/tmp/not/yet/made") == "/tmp/not/yet/made"
-    args = parse_args(["--port", "0", "--max-offload-gb", "0", "--session-timeout", "0",
-                       "--num-processes", "2", "--process-id", "1"])
+    args = parse_args(
+        [
+            "--port",
+            "0",
+            "--max-offload-gb",
+            "0",
+            "--session-timeout",
+            "0",
+            "--num-processes",
+            "2",
+            "--process-id",
+            "1",
+        ]
+    )
     assert (args.port, args.max_offload_gb, args.session_timeout, args.process_id) == (
-        0, 0.0, 0.0, 1)
+        0,
+        0.0,
+        0.0,
+        1,
+    )

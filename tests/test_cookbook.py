@@ -26,7 +26,8 @@ pytest.importorskip("tinker")
 pytest.importorskip(
     "tinker_cookbook.rl.train",
     reason="tinker-cookbook not installed (pip install --no-deps tinker-cookbook==0.6.1 "
-           "chz blobfile datasets aiohttp termcolor cloudpickle)")
+    "chz blobfile datasets aiohttp termcolor cloudpickle)",
+)
 
 from helpers import cookbook_harness as C  # noqa: E402
 
@@ -38,8 +39,7 @@ from jcp.serve import Server  # noqa: E402
 def env(tmp_path_factory):
     path = C.build(str(tmp_path_factory.mktemp("tiny-qwen3")))
     cfg, base = jcp.load_hf(path)
-    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), base_params=base, max_adapters=4,
-                     max_rank=8)
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), base_params=base, max_adapters=4, max_rank=8)
     state = {"tr": tr, "path": path, "dir": str(tmp_path_factory.mktemp("state"))}
     state["srv"] = Server(tr, path, state["dir"], tokenizer_id=path).start()
     old = os.environ.get("TINKER_API_KEY")
@@ -63,13 +63,22 @@ def sl_config(env, log_path, max_steps):
     from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 
     data = C.conversations(os.path.join(log_path, "..", "convos.jsonl"))
-    common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=env["path"],
-                                            renderer_name="qwen3", max_length=64, batch_size=2)
+    common = ChatDatasetBuilderCommonConfig(
+        model_name_for_tokenizer=env["path"], renderer_name="qwen3", max_length=64, batch_size=2
+    )
     return train, train.Config(
-        log_path=log_path, model_name=env["path"], recipe_name="jcp_test",
-        renderer_name="qwen3", lora_rank=8, base_url=env["srv"].url, learning_rate=1e-3,
+        log_path=log_path,
+        model_name=env["path"],
+        recipe_name="jcp_test",
+        renderer_name="qwen3",
+        lora_rank=8,
+        base_url=env["srv"].url,
+        learning_rate=1e-3,
         dataset_builder=FromConversationFileBuilder(file_path=data, common_config=common),
-        max_steps=max_steps, save_every=1, eval_every=0)
+        max_steps=max_steps,
+        save_every=1,
+        eval_every=0,
+    )
 
 
 def test_supervised_train_and_resume_after_restart(env):
@@ -115,15 +124,33 @@ def test_rl_train(env, mode):
     log = tempfile.mkdtemp(dir=env["dir"])
     kw = {}
     if mode == "async":
-        kw = dict(loss_fn="ppo", async_config=train.AsyncConfig(
-            max_steps_off_policy=1, groups_per_batch=2, loss_fn="ppo"))
+        kw = dict(
+            loss_fn="ppo",
+            async_config=train.AsyncConfig(
+                max_steps_off_policy=1, groups_per_batch=2, loss_fn="ppo"
+            ),
+        )
     cfg = train.Config(
-        learning_rate=1e-3, model_name=env["path"], recipe_name="jcp_test",
-        renderer_name="qwen3", log_path=log, lora_rank=8, base_url=env["srv"].url,
-        max_tokens=6, max_steps=1, save_every=0, eval_every=0,
-        dataset_builder=ArithmeticDatasetBuilder(batch_size=2, group_size=3, n_batches=1,
-                                                 model_name_for_tokenizer=env["path"],
-                                                 renderer_name="qwen3"), **kw)
+        learning_rate=1e-3,
+        model_name=env["path"],
+        recipe_name="jcp_test",
+        renderer_name="qwen3",
+        log_path=log,
+        lora_rank=8,
+        base_url=env["srv"].url,
+        max_tokens=6,
+        max_steps=1,
+        save_every=0,
+        eval_every=0,
+        dataset_builder=ArithmeticDatasetBuilder(
+            batch_size=2,
+            group_size=3,
+            n_batches=1,
+            model_name_for_tokenizer=env["path"],
+            renderer_name="qwen3",
+        ),
+        **kw,
+    )
     asyncio.run(train.main(cfg))
     trained = [r for r in rows(log) if "optim/kl_sample_train_v1" in r]
     assert [r["step"] for r in trained] == [0]
@@ -144,11 +171,15 @@ def test_completers(env):
         sampler = sc.create_sampling_client(base_model=env["path"])
         renderer = renderers.get_renderer("qwen3", get_tokenizer(env["path"]))
         prompt = renderer.build_generation_prompt([{"role": "user", "content": "Hello"}])
-        out = asyncio.run(TinkerTokenCompleter(sampler, max_tokens=4)(
-            prompt, renderer.get_stop_sequences()))
+        out = asyncio.run(
+            TinkerTokenCompleter(sampler, max_tokens=4)(prompt, renderer.get_stop_sequences())
+        )
         assert 1 <= len(out.tokens) <= 4 and len(out.maybe_logprobs) == len(out.tokens)
-        msg = asyncio.run(TinkerMessageCompleter(sampler, renderer, max_tokens=4)(
-            [{"role": "user", "content": "Hello"}]))
+        msg = asyncio.run(
+            TinkerMessageCompleter(sampler, renderer, max_tokens=4)(
+                [{"role": "user", "content": "Hello"}]
+            )
+        )
         assert msg["role"] == "assistant" and isinstance(msg["content"], (str, list))
     finally:
         sc.close("success").result()
@@ -162,8 +193,9 @@ def test_weights_download(env, tmp_path):
     from tinker_cookbook import weights
 
     path = env["state_path"]
-    out = weights.download(tinker_path=path, output_dir=str(tmp_path / "adapter"),
-                           base_url=env["srv"].url)
+    out = weights.download(
+        tinker_path=path, output_dir=str(tmp_path / "adapter"), base_url=env["srv"].url
+    )
     assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
     got = load_file(os.path.join(out, "adapter_model.safetensors"))
     tr = env["tr"]
@@ -177,5 +209,7 @@ def test_weights_download(env, tmp_path):
     for k in got:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
     runs = os.path.join(env["dir"], "runs")
-    assert not any(os.path.isdir(os.path.join(runs, r, "external_weights", "download"))
-                   for r in os.listdir(runs))
+    assert not any(
+        os.path.isdir(os.path.join(runs, r, "external_weights", "download"))
+        for r in os.listdir(runs)
+    )

@@ -31,16 +31,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import kernel_checks as KC
+from helpers import trainer_harness as TH
 
 import jcp
-from helpers import kernel_checks as KC
-H, random_qkv, zigzag_layout = KC.H, KC.random_qkv, KC.zigzag_layout
-from helpers import trainer_harness as TH
 from jcp import attention
 from jcp.attention import cpu
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler: 'cpu' "
-                                "attention unavailable")
+H, random_qkv, zigzag_layout = KC.H, KC.random_qkv, KC.zigzag_layout
+
+pytestmark = pytest.mark.skipif(
+    not cpu.available(), reason="no C++ compiler: 'cpu' attention unavailable"
+)
 
 TILE = 64  # the kernels' tile rows (cpu_flash.cc BQ = BK)
 
@@ -52,30 +54,40 @@ def _cpu(q, k, v, seg_q, pos_q, seg_k, pos_k):
 def _dense(q, k, v, seg_q, pos_q, seg_k, pos_k):
     s_len, q_heads, _ = q.shape
     kv_heads = k.shape[1]
-    out = attention.blockwise.dense(q.reshape(s_len, kv_heads, q_heads // kv_heads, H), k, v,
-                                    seg_q, pos_q, seg_k, pos_k)
+    out = attention.blockwise.dense(
+        q.reshape(s_len, kv_heads, q_heads // kv_heads, H), k, v, seg_q, pos_q, seg_k, pos_k
+    )
     return out.reshape(q.shape)
 
 
 def _blockwise(q, k, v, seg_q, pos_q, seg_k, pos_k):
     s_len, q_heads, _ = q.shape
     t_len, kv_heads, _ = k.shape
-    out = attention.blockwise.flash(q.reshape(s_len, kv_heads, q_heads // kv_heads, H), k, v,
-                                    seg_q, pos_q, seg_k, pos_k, attention.tile(s_len, 32),
-                                    attention.tile(t_len, 32))
+    out = attention.blockwise.flash(
+        q.reshape(s_len, kv_heads, q_heads // kv_heads, H),
+        k,
+        v,
+        seg_q,
+        pos_q,
+        seg_k,
+        pos_k,
+        attention.tile(s_len, 32),
+        attention.tile(t_len, 32),
+    )
     return out.reshape(q.shape)
 
 
 IMPLS = {"cpu": _cpu, "dense": _dense, "blockwise": _blockwise}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def value_and_grads(impl):
     """jit of (q, k, v, seg_q, pos_q, seg_k, pos_k, cot) -> (out, d/d(q, k, v) of Σ out·cot)."""
 
     def run(q, k, v, seg_q, pos_q, seg_k, pos_k, cot):
-        out, vjp = jax.vjp(lambda q, k, v: IMPLS[impl](q, k, v, seg_q, pos_q, seg_k, pos_k),
-                           q, k, v)
+        out, vjp = jax.vjp(
+            lambda q, k, v: IMPLS[impl](q, k, v, seg_q, pos_q, seg_k, pos_k), q, k, v
+        )
         return out, vjp(cot.astype(out.dtype))
 
     return jax.jit(run)
@@ -116,10 +128,13 @@ def case_args(name, seed=0, dtype=np.float32):
 
 def _kinds_of_64_tiles(seg_q, pos_q, seg_k, pos_k):
     """The tile kinds the kernels see (tiling.block_kinds over streams padded to 64)."""
+
     def pad(seg, pos):
         n = -len(seg) % TILE
         return np.concatenate([seg, np.full(n, -1, np.int32)]), np.concatenate(
-            [pos, np.zeros(n, np.int32)])
+            [pos, np.zeros(n, np.int32)]
+        )
+
     kinds, _ = attention.tiling.block_kinds(*pad(seg_q, pos_q), *pad(seg_k, pos_k), TILE, TILE)
     return set(np.unique(np.asarray(kinds)).tolist())
 
@@ -136,21 +151,25 @@ def test_cpu_matches_dense_and_blockwise(name):
     assert np.any(np.diff(pos_k[seg_k == 0]) < 0) == (CASES[name][1] > 1)
     assert _kinds_of_64_tiles(seg_q, pos_q, seg_k, pos_k) == {0, 1, 2}
 
-    KC.assert_kernel_matches_references(run("cpu", *args), run("dense", *args),
-                                        run("blockwise", *args))
+    KC.assert_kernel_matches_references(
+        run("cpu", *args), run("dense", *args), run("blockwise", *args)
+    )
 
 
 def _dense_lse(q, k, seg_q, pos_q, seg_k, pos_k):
     """[Q, S] float64 log Σ_visible exp(q·k/√H), −inf where a row sees nothing."""
     per_kv = q.shape[1] // k.shape[1]
-    s = np.einsum("sqh,tqh->qst", q.astype(np.float64),
-                  np.repeat(k, per_kv, axis=1).astype(np.float64)) / np.sqrt(H)
+    s = np.einsum(
+        "sqh,tqh->qst", q.astype(np.float64), np.repeat(k, per_kv, axis=1).astype(np.float64)
+    ) / np.sqrt(H)
     vis = np.asarray(attention.tiling.visible(seg_q, pos_q, seg_k, pos_k))
     s = np.where(vis[None], s, -np.inf)
     m = s.max(-1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return (np.where(np.isfinite(m), m, 0)
-                + np.log(np.exp(s - np.where(np.isfinite(m), m, 0)).sum(-1, keepdims=True)))[..., 0]
+        return (
+            np.where(np.isfinite(m), m, 0)
+            + np.log(np.exp(s - np.where(np.isfinite(m), m, 0)).sum(-1, keepdims=True))
+        )[..., 0]
 
 
 def test_lse_and_a_fully_masked_row():
@@ -206,7 +225,7 @@ def test_bfloat16_runs_in_fp32():
 # 3. Inside shard_map: cp_attention (all-gather), the ring, and the Trainer
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sharded(impl, path):
     """KC.sharded at this file's block."""
     return KC.sharded(impl, path, 32)
@@ -218,8 +237,10 @@ def test_cp_attention_and_ring_in_shard_map():
     q, cot = (rng.standard_normal((2, 192, 4, H)).astype(np.float32) for _ in range(2))
     k, v = (rng.standard_normal((2, 192, 2, H)).astype(np.float32) for _ in range(2))
     args = (q, k, v, seg, pos, cot)
-    text = {key: jax.jit(sharded(*key)).lower(*args).as_text()
-            for key in (("cpu", "gather"), ("cpu", "ring"), ("blockwise", "ring"))}
+    text = {
+        key: jax.jit(sharded(*key)).lower(*args).as_text()
+        for key in (("cpu", "gather"), ("cpu", "ring"), ("blockwise", "ring"))
+    }
     # The paths really differ: the C++ kernels vs none; all-gather vs collective-permute.
     assert cpu.FWD_TARGET in text["cpu", "gather"] and "all_gather" in text["cpu", "gather"]
     assert cpu.BWD_TARGET in text["cpu", "ring"] and "collective_permute" in text["cpu", "ring"]
@@ -243,8 +264,9 @@ def test_ring_memory_per_rank_with_wide_kv(cp):
 def test_trainer_cpu_matches_blockwise(tmp_path, monkeypatch, cp_attention):
     """The whole training step — StepConfig accepts "cpu", the layer scan with remat, the
     custom VJP — gives blockwise's log-probs and LoRA gradients, at cp = 2."""
-    KC.assert_trainer_matches_blockwise(tmp_path, monkeypatch, cpu, "cpu", attn_block=32,
-                                        cp_attention=cp_attention)
+    KC.assert_trainer_matches_blockwise(
+        tmp_path, monkeypatch, cpu, "cpu", attn_block=32, cp_attention=cp_attention
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -318,12 +340,16 @@ def test_kernel_cache_rebuilds_what_it_cannot_verify(copying_cxx):
     assert lib.parent == folder and (folder.stat().st_mode & 0o777) == 0o700
     assert lib.stat().st_mode & 0o022 == 0 == _digest(lib).stat().st_mode & 0o022
     assert cpu.library_path() == lib and builds() == 1  # verified: loaded as it is
-    bad = {"truncated": (lambda: lib.write_bytes(good[:len(good) // 2]), "hash"),
-           "tampered": (lambda: lib.write_bytes(good[:5000] + bytes([good[5000] ^ 1])
-                                                + good[5001:]), "hash"),
-           "loose mode": (lambda: lib.chmod(0o722), "writable by group or others"),
-           "hash loose": (lambda: _digest(lib).chmod(0o646), "writable by group or others"),
-           "hash missing": (lambda: _digest(lib).unlink(), "missing")}
+    bad = {
+        "truncated": (lambda: lib.write_bytes(good[: len(good) // 2]), "hash"),
+        "tampered": (
+            lambda: lib.write_bytes(good[:5000] + bytes([good[5000] ^ 1]) + good[5001:]),
+            "hash",
+        ),
+        "loose mode": (lambda: lib.chmod(0o722), "writable by group or others"),
+        "hash loose": (lambda: _digest(lib).chmod(0o646), "writable by group or others"),
+        "hash missing": (lambda: _digest(lib).unlink(), "missing"),
+    }
     if ROOT:
         bad["foreign owner"] = (lambda: os.chown(lib, 4242, 4242), "owned by uid 4242")
     for n, (name, (corrupt, why)) in enumerate(bad.items(), start=2):
@@ -351,12 +377,20 @@ def test_bad_kernel_cache_never_kills_the_process(copying_cxx, bad, chosen):
     good, folder, builds = copying_cxx
     lib = cpu.library_path()
     if bad == "truncated file":
-        lib.write_bytes(good[:len(good) // 2])
+        lib.write_bytes(good[: len(good) // 2])
     else:
         folder.chmod(0o777)
-    p = subprocess.run([sys.executable, "-c", "from jcp import attention; print(attention."
-                        f"resolve_implementation('auto', 'cpu', {H}, 'float32'))"],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from jcp import attention; print(attention."
+            f"resolve_implementation('auto', 'cpu', {H}, 'float32'))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
     assert p.stdout.split() == [chosen]
     if chosen == "blockwise":

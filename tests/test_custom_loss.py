@@ -60,6 +60,7 @@ def test_rebuilt_graph_matches_torch(name):
 
 def test_from_function_matches_graph():
     """A JAX function and the traced torch one are interchangeable CustomLoss objects."""
+
     def jax_seq_mean_is(logprobs, sampling_logprobs, advantages, mask):
         ratio = jnp.exp(logprobs - sampling_logprobs)
         n = jnp.maximum(mask.sum(), 1.0)
@@ -106,49 +107,82 @@ def test_attribute_outside_the_list_is_refused():
         cl.CustomLoss.from_graph(graph, inputs)
 
 
-@pytest.mark.parametrize("op,target", [("call_module", "lin"), ("get_attr", "weight"),
-                                       ("call_method", "backward"),
-                                       ("call_method", "item")])
+@pytest.mark.parametrize(
+    "op,target",
+    [
+        ("call_module", "lin"),
+        ("get_attr", "weight"),
+        ("call_method", "backward"),
+        ("call_method", "item"),
+    ],
+)
 def test_disallowed_ops_and_methods(op, target):
-    graph, inputs = _graph_with({"op": op, "name": "bad", "target": target,
-                                 "args": [{"ref": "logprobs"}], "kwargs": {}})
+    graph, inputs = _graph_with(
+        {"op": op, "name": "bad", "target": target, "args": [{"ref": "logprobs"}], "kwargs": {}}
+    )
     with pytest.raises(InputError, match=r"node 1 \('bad'"):
         cl.CustomLoss.from_graph(graph, inputs)
 
 
 def test_too_large_and_too_deep_graphs_are_refused(monkeypatch):
     graph, inputs = encoded(lambda logprobs: (logprobs.sum(), {}), {"logprobs": 1})
-    chain = [{"op": "call_function", "name": f"n{j}", "target": "operator.neg",
-              "args": [{"ref": "logprobs" if j == 0 else f"n{j - 1}"}], "kwargs": {}}
-             for j in range(cl.MAX_DEPTH + 1)]
+    chain = [
+        {
+            "op": "call_function",
+            "name": f"n{j}",
+            "target": "operator.neg",
+            "args": [{"ref": "logprobs" if j == 0 else f"n{j - 1}"}],
+            "kwargs": {},
+        }
+        for j in range(cl.MAX_DEPTH + 1)
+    ]
     deep = {"nodes": graph["nodes"][:1] + chain + graph["nodes"][1:]}
     with pytest.raises(InputError, match=f"deeper than {cl.MAX_DEPTH}"):
         cl.CustomLoss.from_graph(deep, inputs)
-    wide = [{"op": "call_function", "name": f"w{j}", "target": "operator.neg",
-             "args": [{"ref": "logprobs"}], "kwargs": {}} for j in range(cl.MAX_NODES)]
+    wide = [
+        {
+            "op": "call_function",
+            "name": f"w{j}",
+            "target": "operator.neg",
+            "args": [{"ref": "logprobs"}],
+            "kwargs": {},
+        }
+        for j in range(cl.MAX_NODES)
+    ]
     with pytest.raises(InputError, match=f"at most {cl.MAX_NODES}"):
-        cl.CustomLoss.from_graph({"nodes": graph["nodes"][:1] + wide + graph["nodes"][1:]},
-                                 inputs)
-    many = [{"name": "logprobs", "rank": 1}] + [{"name": f"x{j}", "rank": 1}
-                                                for j in range(cl.MAX_INPUTS)]
+        cl.CustomLoss.from_graph({"nodes": graph["nodes"][:1] + wide + graph["nodes"][1:]}, inputs)
+    many = [{"name": "logprobs", "rank": 1}] + [
+        {"name": f"x{j}", "rank": 1} for j in range(cl.MAX_INPUTS)
+    ]
     with pytest.raises(InputError, match=f"at most {cl.MAX_INPUTS}"):
         cl.CustomLoss.from_graph(graph, many)
 
 
 def test_malformed_graphs_are_refused():
     graph, inputs = encoded(lambda logprobs: (logprobs.sum(), {}), {"logprobs": 1})
-    bad_ref = {"nodes": [dict(graph["nodes"][0]), {"op": "call_function", "name": "a",
-                                                   "target": "torch.exp",
-                                                   "args": [{"ref": "later"}]}]}
+    bad_ref = {
+        "nodes": [
+            dict(graph["nodes"][0]),
+            {"op": "call_function", "name": "a", "target": "torch.exp", "args": [{"ref": "later"}]},
+        ]
+    }
     with pytest.raises(InputError, match="'later', which is not an earlier node"):
         cl.CustomLoss.from_graph(bad_ref, inputs)
     with pytest.raises(InputError, match="not allowed"):
-        cl.CustomLoss.from_graph(*_graph_with({"op": "call_function", "name": "c",
-                                               "target": "torch.exp",
-                                               "args": [{"code": "print(1)"}]}))
+        cl.CustomLoss.from_graph(
+            *_graph_with(
+                {
+                    "op": "call_function",
+                    "name": "c",
+                    "target": "torch.exp",
+                    "args": [{"code": "print(1)"}],
+                }
+            )
+        )
     with pytest.raises(InputError, match=r"reads 1 inputs, declared 2"):
-        cl.CustomLoss.from_graph(graph, [{"name": "logprobs", "rank": 1},
-                                         {"name": "advantages", "rank": 1}])
+        cl.CustomLoss.from_graph(
+            graph, [{"name": "logprobs", "rank": 1}, {"name": "advantages", "rank": 1}]
+        )
     with pytest.raises(InputError, match="first input must be logprobs"):
         cl.CustomLoss.from_graph(graph, [{"name": "logprobs", "rank": 0}])
 
@@ -161,8 +195,9 @@ def test_rank_and_shape_mismatches_name_the_datum():
         loss.check(3, lp.shape + (2,), shapes)
     with pytest.raises(InputError, match="datum 3: loss_fn_inputs.advantages has rank 0"):
         loss.check(3, lp.shape, {**shapes, "advantages": np.float32(1.0)})
-    with pytest.raises(InputError,
-                       match=r"datum 3: custom loss graph: node 11 \('sub_1'.*incompatible"):
+    with pytest.raises(
+        InputError, match=r"datum 3: custom loss graph: node 11 \('sub_1'.*incompatible"
+    ):
         loss.check(3, lp.shape, {**shapes, "ref_logprobs": np.zeros(4, np.float32)})
     vec = rebuilt(lambda logprobs: (logprobs * 2, {}), {"logprobs": 1})
     with pytest.raises(InputError, match="must return a scalar loss"):
@@ -186,27 +221,48 @@ def _ref(name):
     return {"ref": name}
 
 
-_N = [_node("shape", "getattr", _ref("logprobs"), "shape"),
-      _node("n", "operator.getitem", _ref("shape"), 0)]  # n = logprobs.shape[0]
+_N = [
+    _node("shape", "getattr", _ref("logprobs"), "shape"),
+    _node("n", "operator.getitem", _ref("shape"), 0),
+]  # n = logprobs.shape[0]
 BEYOND = r"may reach 2\*\*\d+, beyond int64"
 CREATION_REFUSALS = {
     "pow": ([_node("p", "operator.pow", 3, 3 * 10**7)], r"node 1 \('p'.*3 \*\* 30000000 " + BEYOND),
-    "pow_computed_exponent": (_N + [_node("p", "operator.pow", 3, _ref("n"))],
-                              r"node 3 \('p'.*power with a computed exponent"),
-    "list_repetition": (_N + [_node("r", "operator.mul", [0] * 1024, _ref("n"))],
-                        r"node 3 \('r'.*operator.mul on a sequence"),
-    "shape_repetition": ([_N[0], _node("r", "operator.mul", _ref("shape"), 10**6)],
-                         r"node 2 \('r'.*operator.mul on a sequence"),
-    "string_arithmetic": ([_node("s", "operator.mul", "x" * 256, 1 << 40)],
-                          r"node 1 \('s'.*on a sequence or string"),
-    "product_beyond_int64": (_N + [_node("a", "operator.mul", _ref("n"), _ref("n")),
-                                   _node("b", "operator.mul", _ref("a"), _ref("n"))],
-                             r"node 4 \('b'.*" + BEYOND),
-    "literal_beyond_int64": ([_node("a", "operator.add", 1 << 70, 1)],
-                             r"node 1 \('a'.*integer argument outside int64"),
-    "too_many_literals": ([_node(f"t{j}", "torch.tensor", [0.0] * cl.MAX_LITERAL)
-                           for j in range(cl.MAX_LITERALS // cl.MAX_LITERAL + 1)],
-                          f"over {cl.MAX_LITERALS} literal entries"),
+    "pow_computed_exponent": (
+        _N + [_node("p", "operator.pow", 3, _ref("n"))],
+        r"node 3 \('p'.*power with a computed exponent",
+    ),
+    "list_repetition": (
+        _N + [_node("r", "operator.mul", [0] * 1024, _ref("n"))],
+        r"node 3 \('r'.*operator.mul on a sequence",
+    ),
+    "shape_repetition": (
+        [_N[0], _node("r", "operator.mul", _ref("shape"), 10**6)],
+        r"node 2 \('r'.*operator.mul on a sequence",
+    ),
+    "string_arithmetic": (
+        [_node("s", "operator.mul", "x" * 256, 1 << 40)],
+        r"node 1 \('s'.*on a sequence or string",
+    ),
+    "product_beyond_int64": (
+        _N
+        + [
+            _node("a", "operator.mul", _ref("n"), _ref("n")),
+            _node("b", "operator.mul", _ref("a"), _ref("n")),
+        ],
+        r"node 4 \('b'.*" + BEYOND,
+    ),
+    "literal_beyond_int64": (
+        [_node("a", "operator.add", 1 << 70, 1)],
+        r"node 1 \('a'.*integer argument outside int64",
+    ),
+    "too_many_literals": (
+        [
+            _node(f"t{j}", "torch.tensor", [0.0] * cl.MAX_LITERAL)
+            for j in range(cl.MAX_LITERALS // cl.MAX_LITERAL + 1)
+        ],
+        f"over {cl.MAX_LITERALS} literal entries",
+    ),
 }
 
 
@@ -223,14 +279,22 @@ def test_unbounded_python_values_are_refused_at_creation(case):
 
 
 RUN_REFUSALS = {
-    "float_to_huge_int": ([_node("a", "math.floor", 1e300),
-                           _node("b", "operator.pow", _ref("a"), 2)],
-                          r"node 1 \('a'.*integer result outside int64"),
-    "huge_expand": ([_node("e", "expand", _ref("logprobs"), 1 << 20, 1 << 20, 5,
-                           op="call_method")], r"node 1 \('e'.*over \d+ elements"),
-    "concatenation_doubling": ([_N[0]] + [_node(f"c{j}", "operator.add", *[_ref(
-        "shape" if j == 0 else f"c{j - 1}")] * 2) for j in range(8)],
-        r"node 8 \('c6'.*" + f"concatenation over {cl.MAX_SEQUENCE} entries"),
+    "float_to_huge_int": (
+        [_node("a", "math.floor", 1e300), _node("b", "operator.pow", _ref("a"), 2)],
+        r"node 1 \('a'.*integer result outside int64",
+    ),
+    "huge_expand": (
+        [_node("e", "expand", _ref("logprobs"), 1 << 20, 1 << 20, 5, op="call_method")],
+        r"node 1 \('e'.*over \d+ elements",
+    ),
+    "concatenation_doubling": (
+        [_N[0]]
+        + [
+            _node(f"c{j}", "operator.add", *[_ref("shape" if j == 0 else f"c{j - 1}")] * 2)
+            for j in range(8)
+        ],
+        r"node 8 \('c6'.*" + f"concatenation over {cl.MAX_SEQUENCE} entries",
+    ),
     "complex": ([_node("c", "operator.pow", -8.0, 0.5)], r"node 1 \('c'.*complex"),
 }
 
@@ -251,8 +315,9 @@ def _datums(loss, name, count=1):
     lp, values = zoo_inputs(name)
     n = lp.shape[0]
     inputs = {"target_tokens": np.arange(n) % 7, **{k: values[k] for k in loss.input_names}}
-    return [jcp.Datum(model_input=np.arange(n) % 7, loss_fn_inputs=dict(inputs))
-            for _ in range(count)]
+    return [
+        jcp.Datum(model_input=np.arange(n) % 7, loss_fn_inputs=dict(inputs)) for _ in range(count)
+    ]
 
 
 def test_evaluation_has_a_time_budget_per_request(monkeypatch):
@@ -261,8 +326,11 @@ def test_evaluation_has_a_time_budget_per_request(monkeypatch):
     loss = rebuilt(*ZOO["clipped_kl"])
     lp, values = zoo_inputs("clipped_kl")
     shapes = {k: np.asarray(values[k]) for k in loss.input_names}
-    with pytest.raises(InputError, match=r"datum 2: custom loss graph: node \d+ .*ran past "
-                                         r"its time budget"):
+    with pytest.raises(
+        InputError,
+        match=r"datum 2: custom loss graph: node \d+ .*ran past "
+        r"its time budget",
+    ):
         loss.check(2, lp.shape, shapes, deadline=time.monotonic() - 1)
     monkeypatch.setattr(batch, "CHECK_BUDGET_S", -1.0)
     with pytest.raises(InputError, match="datum 0: .*ran past its time budget"):
@@ -277,8 +345,9 @@ def test_a_request_traces_a_bounded_number_of_operations(monkeypatch):
     assert loss.ops == len(encoded(*ZOO["seq_mean_is"])[0]["nodes"]) - 5  # 4 inputs, output
     monkeypatch.setattr(batch, "MAX_TRACED_OPS", 2 * loss.ops)
     assert len(batch.validate(_datums(loss, "seq_mean_is", 2), loss, 16, 64)) == 2
-    with pytest.raises(InputError, match=f"has {loss.ops} operations, traced once per datum: "
-                                         "3 datums"):
+    with pytest.raises(
+        InputError, match=f"has {loss.ops} operations, traced once per datum: 3 datums"
+    ):
         batch.validate(_datums(loss, "seq_mean_is", 3), loss, 16, 64)
 
 
@@ -288,8 +357,7 @@ def test_inputs_the_loss_does_not_read_are_ignored():
     loss = rebuilt(*ZOO["seq_mean_is"])
     data = _datums(loss, "seq_mean_is")
     n = len(data[0].model_input)
-    data[0].loss_fn_inputs.update(old=np.zeros((n, 3), np.float32),
-                                  weights=np.ones(n, np.float32))
+    data[0].loss_fn_inputs.update(old=np.zeros((n, 3), np.float32), weights=np.ones(n, np.float32))
     (checked,) = batch.validate(data, loss, 16, 64)
     assert sorted(checked.extra) == sorted(loss.input_names)
     data[0].loss_fn_inputs["mask"] = np.ones((n, 2), np.float32)
@@ -306,8 +374,13 @@ def test_random_graphs_are_refused_or_evaluate_within_budget():
     exception, never a hang. Seeded and bounded."""
     outcomes = Counter()
 
-    @settings(max_examples=150, derandomize=True, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=150,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(custom_graphs())
     def one(graph_inputs):
         start = time.monotonic()
@@ -321,5 +394,6 @@ def test_random_graphs_are_refused_or_evaluate_within_budget():
         assert time.monotonic() - start < cl.CHECK_BUDGET_S
 
     one()
-    assert min(outcomes["evaluated"], outcomes["refused"],
-               outcomes["refused at creation"]) >= 5, outcomes
+    assert min(outcomes["evaluated"], outcomes["refused"], outcomes["refused at creation"]) >= 5, (
+        outcomes
+    )

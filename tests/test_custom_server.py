@@ -26,12 +26,12 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 tinker = pytest.importorskip("tinker")
 httpx = pytest.importorskip("httpx")
 torch = pytest.importorskip("torch")
+from helpers.custom_zoo import ZOO, encoded, zoo_inputs  # noqa: E402
 from tinker import types  # noqa: E402
 
 import jcp  # noqa: E402
 from jcp.serve import Server  # noqa: E402
 from jcp.server import engine as engine_lib  # noqa: E402
-from helpers.custom_zoo import ZOO, encoded, zoo_inputs  # noqa: E402
 
 MODEL = "jcp-tiny"
 KEYS = {"tml-alice": "alice", "tml-bob": "bob"}
@@ -43,8 +43,14 @@ MESHES = [(1, 1, 1), (1, 4, 1), (2, 2, 2)]
 
 @pytest.fixture(scope="module", params=MESHES, ids=lambda m: "x".join(map(str, m)))
 def env(request):
-    tr = jcp.Trainer(jcp.QwenConfig.tiny(), jcp.make_mesh(*request.param), max_adapters=8,
-                     max_rank=8, attn_block=16, logprob_chunk=16)
+    tr = jcp.Trainer(
+        jcp.QwenConfig.tiny(),
+        jcp.make_mesh(*request.param),
+        max_adapters=8,
+        max_rank=8,
+        attn_block=16,
+        logprob_chunk=16,
+    )
     state = {"tr": tr, "dir": tempfile.mkdtemp(prefix="jcp-custom-test-"), "clients": []}
     state["srv"] = Server(tr, MODEL, state["dir"], KEYS).start()
     sc = tinker.ServiceClient(base_url=state["srv"].url, api_key="tml-alice")
@@ -83,8 +89,11 @@ def zoo_data(name: str, lengths=(13, 24, 7), k=4) -> list[types.Datum]:
         inputs = {"target_tokens": tensor(targets)}
         inputs.update({k_: tensor(values[k_]) for k_ in ranks if k_ != "logprobs"})
         inputs["old_logprobs"] = tensor(np.zeros((n, 2), np.float32))
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(toks.tolist()),
-                               loss_fn_inputs=inputs))
+        out.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(toks.tolist()), loss_fn_inputs=inputs
+            )
+        )
     return out
 
 
@@ -127,7 +136,8 @@ def test_server_side_equals_the_sdks_client_side_path(env, name):
         assert a.loss_fn_outputs[0]["logprobs"].to_numpy().ndim == 2
     for tc in (server_tc, client_tc):  # free the slots for the next loss
         assert _post(env, "/api/v1/unload_model", {"model_id": tc.model_id})["model_id"] == (
-            tc.model_id)
+            tc.model_id
+        )
 
 
 # ----------------------------------------------------------------------------------------
@@ -137,8 +147,12 @@ def test_server_side_equals_the_sdks_client_side_path(env, name):
 def _post(env, route, body, key="tml-alice"):
     h = {"X-API-Key": key}
     f = httpx.post(env["srv"].url + route, json=body, headers=h).json()
-    r = httpx.post(env["srv"].url + "/api/v1/retrieve_future",
-                   json={"request_id": f["request_id"]}, headers=h, timeout=120)
+    r = httpx.post(
+        env["srv"].url + "/api/v1/retrieve_future",
+        json={"request_id": f["request_id"]},
+        headers=h,
+        timeout=120,
+    )
     return r.json()
 
 
@@ -162,13 +176,28 @@ def test_refusals_change_nothing(env):
 
     session = sc.holder.get_session_id()
     graph, inputs = encoded(lambda logprobs: (logprobs.sum(), {}), {"logprobs": 1})
-    chain = [{"op": "call_function", "name": f"n{j}", "target": "operator.neg",
-              "args": [{"ref": "logprobs" if j == 0 else f"n{j - 1}"}], "kwargs": {}}
-             for j in range(600)]
+    chain = [
+        {
+            "op": "call_function",
+            "name": f"n{j}",
+            "target": "operator.neg",
+            "args": [{"ref": "logprobs" if j == 0 else f"n{j - 1}"}],
+            "kwargs": {},
+        }
+        for j in range(600)
+    ]
     deep = {"nodes": graph["nodes"][:1] + chain + graph["nodes"][1:]}
-    r = _post(env, "/api/v1/create_custom_loss",
-              {"session_id": session, "custom_loss_seq_id": 99, "name": "deep",
-               "inputs": inputs, "graph": deep})
+    r = _post(
+        env,
+        "/api/v1/create_custom_loss",
+        {
+            "session_id": session,
+            "custom_loss_seq_id": 99,
+            "name": "deep",
+            "inputs": inputs,
+            "graph": deep,
+        },
+    )
     assert r["category"] == "user" and "deeper than" in r["error"]
     assert engine.custom_loss_ids() == held
 
@@ -194,8 +223,9 @@ def test_refusals_change_nothing(env):
     tc = sc.create_lora_training_client(base_model=MODEL, rank=RANK, seed=1).result()
     bad = zoo_data("seq_mean_is", lengths=(9,))
     bad[0].loss_fn_inputs["mask"] = tensor(np.ones((9, 2), np.float32))
-    with pytest.raises(tinker.RequestFailedError,
-                       match="datum 0: loss_fn_inputs.mask has rank 2, but custom loss"):
+    with pytest.raises(
+        tinker.RequestFailedError, match="datum 0: loss_fn_inputs.mask has rank 2, but custom loss"
+    ):
         tc.forward_backward(bad, "custom", {"loss_id": handle.loss_id}).result()
     assert all(not np.any(g) for g in grads(env, tc).values())
 
@@ -212,6 +242,7 @@ def test_custom_losses_are_capped_per_tenant(env, monkeypatch):
     def scaled(c):  # a session uploads one handle per distinct traced loss
         def total(logprobs):
             return logprobs.sum() * c, {}
+
         return total
 
     bobs = bob.create_custom_loss(scaled(1.0), {"logprobs": 1}).result().loss_id
@@ -220,8 +251,9 @@ def test_custom_losses_are_capped_per_tenant(env, monkeypatch):
     for c in (1.5, 2.5):
         env["sc"].create_custom_loss(scaled(c), {"logprobs": 1}).result()
     held = engine.custom_loss_ids()
-    with pytest.raises(tinker.RequestFailedError, match=f"hold {cap} custom losses "
-                                                        f"\\(at most {cap}\\)"):
+    with pytest.raises(
+        tinker.RequestFailedError, match=f"hold {cap} custom losses \\(at most {cap}\\)"
+    ):
         env["sc"].create_custom_loss(scaled(3.5), {"logprobs": 1}).result()
     assert engine.custom_loss_ids() == held and bobs in held
     assert len(engine.custom_loss_ids("alice")) == cap

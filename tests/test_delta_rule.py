@@ -26,10 +26,15 @@ HK, H, DK, DV, C, KC = 2, 4, 8, 6, 10, 4  # v heads > k heads
 
 def _inputs(n, seed, dtype=np.float32):
     rng = np.random.default_rng(seed)
-    d = dict(q=rng.standard_normal((n, HK, DK)), k=rng.standard_normal((n, HK, DK)),
-             v=rng.standard_normal((n, H, DV)), g=-np.abs(rng.standard_normal((n, H))) * 0.7,
-             b=1 / (1 + np.exp(-rng.standard_normal((n, H)))), x=rng.standard_normal((n, C)),
-             s0=rng.standard_normal((H, DK, DV)))
+    d = dict(
+        q=rng.standard_normal((n, HK, DK)),
+        k=rng.standard_normal((n, HK, DK)),
+        v=rng.standard_normal((n, H, DV)),
+        g=-np.abs(rng.standard_normal((n, H))) * 0.7,
+        b=1 / (1 + np.exp(-rng.standard_normal((n, H)))),
+        x=rng.standard_normal((n, C)),
+        s0=rng.standard_normal((H, DK, DV)),
+    )
     return {k: v.astype(dtype) for k, v in d.items()}
 
 
@@ -41,12 +46,12 @@ def test_chunked_equals_recurrent_equals_transformers():
     d = _inputs(37, 0)
     q, k = np.asarray(dr.l2norm(d["q"])), np.asarray(dr.l2norm(d["k"]))
     args = (q, k, d["v"], d["g"], d["b"])
-    ref_o, ref_s = torch_chunk_gated_delta_rule(*map(_torch, args), chunk_size=8,
-                                                initial_state=_torch(d["s0"]),
-                                                output_final_state=True)
-    rec_o, rec_s = torch_recurrent_gated_delta_rule(*map(_torch, args),
-                                                    initial_state=_torch(d["s0"]),
-                                                    output_final_state=True)
+    ref_o, ref_s = torch_chunk_gated_delta_rule(
+        *map(_torch, args), chunk_size=8, initial_state=_torch(d["s0"]), output_final_state=True
+    )
+    rec_o, rec_s = torch_recurrent_gated_delta_rule(
+        *map(_torch, args), initial_state=_torch(d["s0"]), output_final_state=True
+    )
     ref_o, ref_s = ref_o[0].numpy(), ref_s[0].numpy()
     assert np.abs(ref_o).max() > 0.1 and np.abs(ref_s).max() > 0.1
     np.testing.assert_allclose(rec_o[0].numpy(), ref_o, atol=2e-6)
@@ -69,8 +74,7 @@ def test_chunked_pieces_start_from_their_own_states():
     piece = (np.cumsum(start) - 1).astype(np.int32)
     inits = np.random.default_rng(2).standard_normal((4, H, DK, DV)).astype(np.float32)
     ends = np.array(cuts[1:]) - 1
-    o, states = dr.chunked(q, k, d["v"], d["g"], d["b"], start, piece, inits, chunk=8,
-                           ends_P=ends)
+    o, states = dr.chunked(q, k, d["v"], d["g"], d["b"], start, piece, inits, chunk=8, ends_P=ends)
     whole, _ = dr.recurrent(q, k, d["v"], d["g"], d["b"])
     assert np.abs(np.asarray(o) - np.asarray(whole)).max() > 0.1  # the pieces really reset
     for p, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
@@ -84,6 +88,7 @@ def test_pallas_block_factors_equal_the_reference_in_interpret_mode():
     rule: outputs and states equal the recurrent form per piece (pieces inside a block, at
     a border, one token long), and gradients equal the XLA path's."""
     from jcp.delta_rule import pallas as dp
+
     d = _inputs(40, 1)
     q, k = np.asarray(dr.l2norm(d["q"])), np.asarray(dr.l2norm(d["k"]))
     cuts = [0, 13, 16, 17, 40]
@@ -93,8 +98,19 @@ def test_pallas_block_factors_equal_the_reference_in_interpret_mode():
     inits = np.random.default_rng(2).standard_normal((4, H, DK, DV)).astype(np.float32)
 
     def run(factors, q, k, v, g, b):
-        return dr.chunked(q, k, v, g, b, start, piece, inits, chunk=8, factors=factors,
-                          ends_P=np.array(cuts[1:]) - 1)
+        return dr.chunked(
+            q,
+            k,
+            v,
+            g,
+            b,
+            start,
+            piece,
+            inits,
+            chunk=8,
+            factors=factors,
+            ends_P=np.array(cuts[1:]) - 1,
+        )
 
     args = (q, k, d["v"], d["g"], d["b"])
     o, states = jax.jit(functools.partial(run, dp.block_factors))(*args)
@@ -105,7 +121,7 @@ def test_pallas_block_factors_equal_the_reference_in_interpret_mode():
 
     def loss(factors, *x):
         o, s = run(factors, *x)
-        return jnp.sum(o ** 2) + jnp.sum(s ** 2)
+        return jnp.sum(o**2) + jnp.sum(s**2)
 
     want = jax.grad(functools.partial(loss, None), argnums=range(5))(*args)
     got = jax.jit(jax.grad(functools.partial(loss, dp.block_factors), argnums=range(5)))(*args)
@@ -123,18 +139,31 @@ def test_chunked_gradients_equal_torch_fp64():
         ts = {n: torch.tensor(d[n], requires_grad=True) for n in names}
         q = ts["q"] * torch.rsqrt((ts["q"] ** 2).sum(-1, keepdim=True) + 1e-6)
         k = ts["k"] * torch.rsqrt((ts["k"] ** 2).sum(-1, keepdim=True) + 1e-6)
-        o, s = torch_chunk_gated_delta_rule(q[None], k[None], ts["v"][None], ts["g"][None],
-                                            ts["b"][None], chunk_size=8,
-                                            initial_state=ts["s0"][None],
-                                            output_final_state=True)
+        o, s = torch_chunk_gated_delta_rule(
+            q[None],
+            k[None],
+            ts["v"][None],
+            ts["g"][None],
+            ts["b"][None],
+            chunk_size=8,
+            initial_state=ts["s0"][None],
+            output_final_state=True,
+        )
         (o[0].double() * torch.tensor(cot)).sum().add(s.double().sum()).backward()
         return {n: ts[n].grad.numpy() for n in names}
 
     with jax.enable_x64(True):
+
         def loss(ins):
-            o, s = dr.chunked(dr.l2norm(ins["q"]).astype(jnp.float64),
-                              dr.l2norm(ins["k"]).astype(jnp.float64), ins["v"], ins["g"],
-                              ins["b"], init_PxHxDkxDv=ins["s0"][None], chunk=4)
+            o, s = dr.chunked(
+                dr.l2norm(ins["q"]).astype(jnp.float64),
+                dr.l2norm(ins["k"]).astype(jnp.float64),
+                ins["v"],
+                ins["g"],
+                ins["b"],
+                init_PxHxDkxDv=ins["s0"][None],
+                chunk=4,
+            )
             return jnp.sum(o * cot) + jnp.sum(s)
 
         got = jax.grad(loss)({n: jnp.asarray(d[n]) for n in names})
@@ -143,8 +172,7 @@ def test_chunked_gradients_equal_torch_fp64():
     want = torch_grads()
     for n in names:
         assert np.abs(want[n]).max() > 1e-3, n
-        np.testing.assert_allclose(np.asarray(got[n]), want[n], atol=5e-5, rtol=1e-4,
-                                   err_msg=n)
+        np.testing.assert_allclose(np.asarray(got[n]), want[n], atol=5e-5, rtol=1e-4, err_msg=n)
 
 
 # ----------------------------------------------------------------------------------------
@@ -161,13 +189,13 @@ def _layout(lengths, cp, s_len):
     for b, n in enumerate(lengths):
         idx = mesh_lib.zigzag_indices(n, cp)
         w = idx.shape[1]
-        seg[:, off:off + w] = np.where(idx >= 0, b, -1)
-        pos[:, off:off + w] = np.maximum(idx, 0)
+        seg[:, off : off + w] = np.where(idx >= 0, b, -1)
+        pos[:, off : off + w] = np.maximum(idx, 0)
         off += w
     return seg, pos
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cp_program(cp, chunk, datums):
     mesh = mesh_lib.make_mesh(1, cp, 1)
 
@@ -178,8 +206,7 @@ def _cp_program(cp, chunk, datums):
         return o[None, None], dr.causal_conv(x, w, pcs)[None, None]
 
     spec = P(mesh_lib.DP, mesh_lib.CP)
-    return jax.shard_map(shard, mesh=mesh, in_specs=(spec,) * 8 + (P(),),
-                         out_specs=(spec, spec))
+    return jax.shard_map(shard, mesh=mesh, in_specs=(spec,) * 8 + (P(),), out_specs=(spec, spec))
 
 
 def _run_cp(lengths, cp, s_len, chunk, data, w, cot):
@@ -204,8 +231,9 @@ def _run_cp(lengths, cp, s_len, chunk, data, w, cot):
         o, y = program(seg[None], pos[None], *(ins[n] for n in names), w)
         return jnp.sum(o[0] * cot_o) + jnp.sum(y[0] * cot_y), (o, y)
 
-    (_, (o, y)), (g_ins, g_w) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1),
-                                                           has_aux=True))(ins, w)
+    (_, (o, y)), (g_ins, g_w) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        ins, w
+    )
     out = []
     for b in range(len(lengths)):
         m = seg == b
@@ -215,16 +243,24 @@ def _run_cp(lengths, cp, s_len, chunk, data, w, cot):
     return out, np.asarray(g_w)
 
 
-@pytest.mark.parametrize("lengths,cp,s_len,chunk", [
-    (LENGTHS, 2, 32, 4),
-    ((3, 1, 2), 4, 8, 2),  # rank 3 holds only padding
-])
+@pytest.mark.parametrize(
+    "lengths,cp,s_len,chunk",
+    [
+        (LENGTHS, 2, 32, 4),
+        ((3, 1, 2), 4, 8, 2),  # rank 3 holds only padding
+    ],
+)
 def test_cp_equals_cp1_and_each_datum_alone(lengths, cp, s_len, chunk):
     data = [_inputs(n, 10 + i) for i, n in enumerate(lengths)]
     rng = np.random.default_rng(5)
     w = rng.standard_normal((KC, C)).astype(np.float32)
-    cot = [(rng.standard_normal((n, H, DV)).astype(np.float32),
-            rng.standard_normal((n, C)).astype(np.float32)) for n in lengths]
+    cot = [
+        (
+            rng.standard_normal((n, H, DV)).astype(np.float32),
+            rng.standard_normal((n, C)).astype(np.float32),
+        )
+        for n in lengths
+    ]
     seg, _ = _layout(lengths, cp, s_len)
     assert (seg[cp - 1] < 0).sum() > 0 and (seg >= 0).sum() == sum(lengths)
     one, gw1 = _run_cp(lengths, 1, 64, 8, data, w, cot)
@@ -232,7 +268,7 @@ def test_cp_equals_cp1_and_each_datum_alone(lengths, cp, s_len, chunk):
     for b, d in enumerate(data):
         ro, _ = dr.recurrent(dr.l2norm(d["q"]), dr.l2norm(d["k"]), d["v"], d["g"], d["b"])
         xp = np.concatenate([np.zeros((KC - 1, C), np.float32), d["x"]])
-        ry = jax.nn.silu(sum(xp[j:j + len(d["x"])] * w[j] for j in range(KC)))
+        ry = jax.nn.silu(sum(xp[j : j + len(d["x"])] * w[j] for j in range(KC)))
         np.testing.assert_allclose(one[b]["o"], ro, atol=2e-6)
         np.testing.assert_allclose(one[b]["y"], ry, atol=2e-6)
         for key in one[b]:
@@ -252,8 +288,17 @@ def test_cp_exchange_memory_keeps_a_few_copies_of_the_piece_table():
     program = _cp_program(cp, 4, (p - 1) // 2)
     sd = lambda *shape: jax.ShapeDtypeStruct((1, cp, s_len) + shape, jnp.float32)  # noqa: E731
     i32 = jax.ShapeDtypeStruct((1, cp, s_len), jnp.int32)
-    args = (i32, i32, sd(HK, DK), sd(HK, DK), sd(H, DV), sd(H), sd(H), sd(C),
-            jax.ShapeDtypeStruct((KC, C), jnp.float32))
+    args = (
+        i32,
+        i32,
+        sd(HK, DK),
+        sd(HK, DK),
+        sd(H, DV),
+        sd(H),
+        sd(H),
+        sd(C),
+        jax.ShapeDtypeStruct((KC, C), jnp.float32),
+    )
 
     def loss(*xs):
         o, y = program(*xs)

@@ -27,27 +27,32 @@ import numpy as np
 import peft
 import pytest
 import torch
+from helpers import model_harness as MH
 
 import jcp
-from helpers import model_harness as MH
 from jcp.sample.engine import Engine, EngineError, page_keys
 from jcp.sample.params import STOP_WIDTH
 
 PROMPTS = ([3, 17, 42, 8, 99, 1, 64, 30, 2, 77, 12], [50], [6, 7, 120, 33, 4], [11, 90])
 MAX_TOKENS = 10
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-           "lm_head"]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 GREEDY = jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[])
 LP_ATOL = 2e-4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _world(root):
     hm = MH.hf_model("qwen3", tied=False, seed=11)
     pms, folders = [], []
     for k in range(2):
-        cfg = peft.LoraConfig(r=4 + 4 * k, lora_alpha=8 + 4 * k, target_modules=TARGETS,
-                              lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+        cfg = peft.LoraConfig(
+            r=4 + 4 * k,
+            lora_alpha=8 + 4 * k,
+            target_modules=TARGETS,
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
         pm = peft.get_peft_model(copy.deepcopy(hm), cfg)
         g = torch.Generator().manual_seed(30 + k)
         with torch.no_grad():
@@ -68,19 +73,20 @@ def root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("engine"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _setup(mesh_shape, root):
     _, _, base, folders = _world(root)
     cfg, params = jcp.load_hf(base)
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=params, max_adapters=3,
-                     max_rank=8)
+    tr = jcp.Trainer(
+        cfg, jcp.make_mesh(*mesh_shape), base_params=params, max_adapters=3, max_rank=8
+    )
     ids = [tr.load_peft(f) for f in folders]
     # max_chunk = chunk: every step decodes 4 tokens, so requests really join mid-flight.
     eng = Engine(tr.make_sampler(), slots=8, max_len=32, chunk=4, max_chunk=4)
     return tr, ids, eng
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_greedy(root, which):
     hm, pms, _, _ = _world(root)
     model = hm if which is None else pms[which]
@@ -88,10 +94,15 @@ def _hf_greedy(root, which):
     with torch.no_grad():
         for p in PROMPTS:
             ids = torch.tensor([p])
-            g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                               do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None,
-                               pad_token_id=0)
-            out.append(g[0, len(p):].numpy().astype(np.int32))
+            g = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            out.append(g[0, len(p) :].numpy().astype(np.int32))
     return out
 
 
@@ -103,8 +114,9 @@ def _same(got, want, what):
     assert len(got.sequences) == len(want.sequences), what
     for j, (x, y) in enumerate(zip(got.sequences, want.sequences)):
         np.testing.assert_array_equal(x.tokens, y.tokens, err_msg=f"{what} sample {j}")
-        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5, rtol=0,
-                                   err_msg=f"{what} sample {j}")
+        np.testing.assert_allclose(
+            x.logprobs, y.logprobs, atol=1e-5, rtol=0, err_msg=f"{what} sample {j}"
+        )
         assert x.stop_reason == y.stop_reason, what
 
 
@@ -116,8 +128,9 @@ def test_greedy_matches_hf_for_requests_arriving_at_different_steps(mesh_shape, 
     # The adapters change what is generated, so mixing them is a real test.
     assert not np.array_equal(want[a][0], want[None][0])
     assert not np.array_equal(want[a][0], want[b][0])
-    drawn = jcp.SamplingParams(max_tokens=7, temperature=0.8, top_k=20, top_p=0.9, seed=3,
-                               stop=[5, 9])
+    drawn = jcp.SamplingParams(
+        max_tokens=7, temperature=0.8, top_k=20, top_p=0.9, seed=3, stop=[5, 9]
+    )
     waves = [[(0, a), (1, None)], [(2, b), (3, a)], [(0, b), (2, None)]]
     rids, extra = [], None
     for w, wave in enumerate(waves):
@@ -140,10 +153,13 @@ def test_every_request_equals_itself_alone(root):
     cases = [
         (PROMPTS[0], jcp.SamplingParams(max_tokens=9, temperature=1.0, seed=1, stop=[]), a, 3),
         (PROMPTS[1], jcp.SamplingParams(max_tokens=4, temperature=0.0, stop=[]), None, 1),
-        (PROMPTS[2], jcp.SamplingParams(max_tokens=8, temperature=0.7, top_k=3, seed=2,
-                                        stop=[]), b, 2),
-        (PROMPTS[3], jcp.SamplingParams(max_tokens=10, temperature=1.3, top_p=0.8, seed=4),
-         a, 1),
+        (
+            PROMPTS[2],
+            jcp.SamplingParams(max_tokens=8, temperature=0.7, top_k=3, seed=2, stop=[]),
+            b,
+            2,
+        ),
+        (PROMPTS[3], jcp.SamplingParams(max_tokens=10, temperature=1.3, top_p=0.8, seed=4), a, 1),
     ]
     alone = [_alone(tr, p, sp, ad, n) for p, sp, ad, n in cases]
     # A stop set that really ends a sequence early: the first token the request draws.
@@ -155,7 +171,7 @@ def test_every_request_equals_itself_alone(root):
     assert len(alone[-1].sequences[0].tokens) == 3
     assert len(alone[1].sequences[0].tokens) == 4
     rids = []
-    for k, (p, sp, ad, n) in enumerate(cases):  # one request joins per step
+    for p, sp, ad, n in cases:  # one request joins per step
         rids.append(eng.submit(p, sp, ad, num_samples=n))
         eng.step()
     eng.run()
@@ -168,17 +184,20 @@ def test_every_request_equals_itself_alone(root):
 
 def _forward_logprobs(tr, prompt, tokens, adapter):
     full = np.concatenate([prompt, tokens]).astype(np.int32)
-    d = jcp.Datum(model_input=full[:-1],
-                  loss_fn_inputs={"target_tokens": full[1:],
-                                  "weights": np.zeros(len(full) - 1, np.float32)})
+    d = jcp.Datum(
+        model_input=full[:-1],
+        loss_fn_inputs={"target_tokens": full[1:], "weights": np.zeros(len(full) - 1, np.float32)},
+    )
     return tr.forward([d], adapters=adapter).loss_fn_outputs[0]["logprobs"]
 
 
 def test_logprobs_equal_forward(root):
     tr, (a, b), eng = _setup((1, 2, 2), root)
     sp = jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=5, stop=[])
-    rids = [eng.submit(PROMPTS[i], sp, ad, num_samples=2, prompt_logprobs=True)
-            for i, ad in ((0, a), (2, b))]
+    rids = [
+        eng.submit(PROMPTS[i], sp, ad, num_samples=2, prompt_logprobs=True)
+        for i, ad in ((0, a), (2, b))
+    ]
     lp_rids = [eng.submit_logprobs(PROMPTS[i], ad) for i, ad in ((0, a), (3, None))]
     eng.run()
     for rid, i, ad in zip(rids, (0, 2), (a, b)):
@@ -187,9 +206,10 @@ def test_logprobs_equal_forward(root):
         assert np.isnan(r.prompt_logprobs[0])
         for seq in r.sequences:
             lp = _forward_logprobs(tr, p, seq.tokens, ad)
-            np.testing.assert_allclose(seq.logprobs, lp[len(p) - 1:], atol=LP_ATOL, rtol=0)
-            np.testing.assert_allclose(r.prompt_logprobs[1:], lp[:len(p) - 1], atol=LP_ATOL,
-                                       rtol=0)
+            np.testing.assert_allclose(seq.logprobs, lp[len(p) - 1 :], atol=LP_ATOL, rtol=0)
+            np.testing.assert_allclose(
+                r.prompt_logprobs[1:], lp[: len(p) - 1], atol=LP_ATOL, rtol=0
+            )
     want = tr.compute_logprobs([PROMPTS[0], PROMPTS[3]], adapters=[a, None])
     for rid, w in zip(lp_rids, want):
         np.testing.assert_array_equal(eng.result(rid), w)
@@ -216,8 +236,12 @@ def test_decode_chunks_grow_while_nothing_waits(root):
     alone, again all at once. Every result equals the request served alone."""
     tr, (a, b), _ = _setup((1, 1, 1), root)
     eng = Engine(tr.make_sampler(), slots=4, max_len=32, chunk=4, max_chunk=16)
-    sp = lambda n, seed: jcp.SamplingParams(max_tokens=n, temperature=1.0, seed=seed,  # noqa: E731
-                                            stop=[])
+    sp = lambda n, seed: jcp.SamplingParams(
+        max_tokens=n,
+        temperature=1.0,
+        seed=seed,  # noqa: E731
+        stop=[],
+    )
     counts = lambda rid: [len(t) for t in eng.requests[rid].tokens]  # noqa: E731
     got = {}
     r1 = eng.submit(PROMPTS[0], sp(10, 1), a, num_samples=2)
@@ -251,19 +275,23 @@ def test_prefill_only_steps_change_no_result(root):
     together; every result equals the request served alone."""
     tr, (a, b), _ = _setup((1, 1, 1), root)
     eng = Engine(tr.make_sampler(), slots=8, max_len=32, chunk=4, max_chunk=16)
-    cases = [(PROMPTS[0], jcp.SamplingParams(max_tokens=9, temperature=1.0, seed=3, stop=[]),
-              a, 3),
-             (PROMPTS[2], jcp.SamplingParams(max_tokens=6, temperature=0.8, top_k=5, seed=4,
-                                             stop=[]), b, 2),
-             (PROMPTS[3], jcp.SamplingParams(max_tokens=10, temperature=0.0, stop=[]), None,
-              2)]
+    cases = [
+        (PROMPTS[0], jcp.SamplingParams(max_tokens=9, temperature=1.0, seed=3, stop=[]), a, 3),
+        (
+            PROMPTS[2],
+            jcp.SamplingParams(max_tokens=6, temperature=0.8, top_k=5, seed=4, stop=[]),
+            b,
+            2,
+        ),
+        (PROMPTS[3], jcp.SamplingParams(max_tokens=10, temperature=0.0, stop=[]), None, 2),
+    ]
     rids = []
     for p, sp, ad, n in cases:  # one arrival per prefill-only step
         rids.append(eng.submit(p, sp, ad, num_samples=n))
         before = eng.prefilled
         assert eng.step(decode=False) == []
         assert eng.prefilled == before + len(p) - 1  # its prompt was prefilled now
-        assert not eng.prefilling and eng.live == sum(c[3] for c in cases[:len(rids)])
+        assert not eng.prefilling and eng.live == sum(c[3] for c in cases[: len(rids)])
         assert all(len(t) == 0 for r in rids for t in eng.requests[r].tokens)
     steps = eng.steps
     eng.run()
@@ -279,13 +307,17 @@ def test_decode_step_ends_where_the_batch_shrinks(root):
     a lone pair decodes to its end at once. Each result = the request served alone."""
     tr, (a, _), _ = _setup((1, 1, 1), root)
     eng = Engine(tr.make_sampler(), slots=16, max_len=32, chunk=4, max_chunk=16)
-    sp = lambda n, seed: jcp.SamplingParams(max_tokens=n, temperature=1.0, seed=seed,  # noqa: E731
-                                            stop=[])
+    sp = lambda n, seed: jcp.SamplingParams(
+        max_tokens=n,
+        temperature=1.0,
+        seed=seed,  # noqa: E731
+        stop=[],
+    )
     short = eng.submit(PROMPTS[0], sp(4, 1), a, num_samples=10)
     long = eng.submit(PROMPTS[2], sp(10, 2), None, num_samples=2)
     assert eng.step() == [short]  # 4 decode steps: the 10 short rows end, the batch shrinks
     assert [len(t) for t in eng.requests[long].tokens] == [4, 4]
-    assert eng.step() == [long]   # 2 rows, one bucket: the 6 left at once
+    assert eng.step() == [long]  # 2 rows, one bucket: the 6 left at once
     _same(eng.result(short), _alone(tr, PROMPTS[0], sp(4, 1), a, 10), "short")
     _same(eng.result(long), _alone(tr, PROMPTS[2], sp(10, 2), None, 2), "long")
 
@@ -301,8 +333,10 @@ def test_cancel_and_adapter_change_mid_flight(root):
         eng.step()
         assert all(len(t) == 2 for t in eng.requests[keep].tokens)
         eng.cancel(gone)
-        d = jcp.Datum(model_input=[1, 2, 3], loss_fn_inputs={"target_tokens": [2, 3, 4],
-                                                             "weights": [1.0, 1.0, 1.0]})
+        d = jcp.Datum(
+            model_input=[1, 2, 3],
+            loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
+        )
         tr.forward_backward([d], adapters=c)
         tr.optim_step(c, jcp.AdamParams(learning_rate=1e-2))
         eng.run()
@@ -315,13 +349,16 @@ def test_cancel_and_adapter_change_mid_flight(root):
         tr.delete_adapter(c)
 
 
-@pytest.mark.parametrize("what,kwargs", [
-    ("too long", dict(prompt=list(range(30)), sampling_params=GREEDY)),
-    ("num_samples", dict(prompt=[1, 2], sampling_params=GREEDY, num_samples=9)),
-    ("adapter", dict(prompt=[1, 2], sampling_params=GREEDY, adapter=2)),
-    ("vocab", dict(prompt=[1, 1000], sampling_params=GREEDY)),
-    ("params", dict(prompt=[1, 2], sampling_params=jcp.SamplingParams(top_p=0.0))),
-])
+@pytest.mark.parametrize(
+    "what,kwargs",
+    [
+        ("too long", dict(prompt=list(range(30)), sampling_params=GREEDY)),
+        ("num_samples", dict(prompt=[1, 2], sampling_params=GREEDY, num_samples=9)),
+        ("adapter", dict(prompt=[1, 2], sampling_params=GREEDY, adapter=2)),
+        ("vocab", dict(prompt=[1, 1000], sampling_params=GREEDY)),
+        ("params", dict(prompt=[1, 2], sampling_params=jcp.SamplingParams(top_p=0.0))),
+    ],
+)
 def test_bad_requests_are_refused_with_nothing_queued(what, kwargs, root):
     _, _, eng = _setup((1, 1, 1), root)
     with pytest.raises(jcp.InputError):
@@ -358,7 +395,7 @@ def test_varied_requests_after_warm_up_compile_nothing(root):
         n = int(rng.integers(1, min(40, 129 - length)))
         rids.append((eng.submit(prompt(length), sp(n), a, num_samples=samples), n))
 
-    for wave in range(4):  # requests join a running batch
+    for _wave in range(4):  # requests join a running batch
         for _ in range(2):
             submit(int(rng.integers(2, 61)), int(rng.integers(1, 13)))
         eng.step()
@@ -382,6 +419,7 @@ def test_served_warm_up_covers_top_k_fields_and_log_probs(root):
     compute_logprobs, joining at different steps, hurried or not — compile nothing (no
     client-chosen width reaches a program shape)."""
     from jcp.serve import SAMPLING_WARMUP
+
     tr, (a, _), _ = _setup((1, 1, 1), root)
     eng = Engine(tr.make_sampler(), slots=8, max_len=64, chunk=4, prefill_tokens=16)
     every = lambda: _compiled(eng) + eng.s.prefill._cache_size()  # noqa: E731
@@ -396,15 +434,28 @@ def test_served_warm_up_covers_top_k_fields_and_log_probs(root):
     for step in range(6):
         length = int(rng.integers(2, 20))
         stop = rng.choice(np.arange(64, 128), widths[step], replace=False).tolist()
-        sp = jcp.SamplingParams(max_tokens=int(rng.integers(1, 30)), stop=stop,
-                                temperature=[0.0, 1.0, 0.8][step % 3], seed=step,
-                                top_k=[-1, -1, 50, 1, -1, 7][step],
-                                top_p=[1.0, 0.9, 1.0][step % 3])
-        fields = jcp.PromptFields(topk_sample_logprobs=[0, 3, 64, 17, 1, 0][step],
-                                  topk_prompt_logprobs=[0, 1, 4][step % 3])
-        rids.append(eng.submit(rng.integers(0, 128, length).tolist(), sp, a,
-                               num_samples=int(rng.integers(1, 4)),
-                               prompt_logprobs=bool(step % 3 == 1), fields=fields))
+        sp = jcp.SamplingParams(
+            max_tokens=int(rng.integers(1, 30)),
+            stop=stop,
+            temperature=[0.0, 1.0, 0.8][step % 3],
+            seed=step,
+            top_k=[-1, -1, 50, 1, -1, 7][step],
+            top_p=[1.0, 0.9, 1.0][step % 3],
+        )
+        fields = jcp.PromptFields(
+            topk_sample_logprobs=[0, 3, 64, 17, 1, 0][step],
+            topk_prompt_logprobs=[0, 1, 4][step % 3],
+        )
+        rids.append(
+            eng.submit(
+                rng.integers(0, 128, length).tolist(),
+                sp,
+                a,
+                num_samples=int(rng.integers(1, 4)),
+                prompt_logprobs=bool(step % 3 == 1),
+                fields=fields,
+            )
+        )
         if step % 2:
             rids.append(eng.submit_logprobs(rng.integers(0, 128, length).tolist(), a))
         eng.step(hurry=bool(step % 3 == 2))

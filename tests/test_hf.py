@@ -18,9 +18,9 @@ import pytest
 import safetensors.numpy
 import torch
 import transformers
+from helpers import model_harness as MH
 
 import jcp
-from helpers import model_harness as MH
 from jcp import hf as hf_lib
 
 # ----------------------------------------------------------------------------------------
@@ -28,9 +28,19 @@ from jcp import hf as hf_lib
 
 
 def _qwen3_config(**overrides):
-    kw = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=24, rope_theta=123456.0,
-              rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=2048)
+    kw = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        rope_theta=123456.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+    )
     kw.update(overrides)
     return transformers.Qwen3Config(**kw)
 
@@ -42,10 +52,20 @@ def test_from_hf_dict_and_path(tmp_path):
     assert "rope_theta" not in d and d["rope_parameters"]["rope_theta"] == 123456.0
     hcfg.save_pretrained(tmp_path)
     want = jcp.QwenConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=80, num_layers=3, num_heads=4,
-        num_kv_heads=2, head_dim=24, rope_theta=123456.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, qk_norm=True, attention_bias=False,
-        max_position_embeddings=2048)
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=80,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=24,
+        rope_theta=123456.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        attention_bias=False,
+        max_position_embeddings=2048,
+    )
     assert want.head_dim != want.hidden_size // want.num_heads
     for source in (d, tmp_path, str(tmp_path), tmp_path / "config.json"):
         assert jcp.QwenConfig.from_hf(source) == want, source
@@ -53,9 +73,16 @@ def test_from_hf_dict_and_path(tmp_path):
 
 def test_from_hf_legacy_and_defaults():
     """Top-level rope_theta, no head_dim (→ hidden / heads), no kv heads (→ heads), Qwen2."""
-    d = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 100, "hidden_size": 48,
-         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 6,
-         "rope_theta": 5000.0, "tie_word_embeddings": False}
+    d = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 100,
+        "hidden_size": 48,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 6,
+        "rope_theta": 5000.0,
+        "tie_word_embeddings": False,
+    }
     cfg = jcp.QwenConfig.from_hf(d)
     assert (cfg.head_dim, cfg.num_kv_heads, cfg.rope_theta) == (8, 6, 5000.0)
     assert cfg.attention_bias and not cfg.qk_norm and not cfg.tie_word_embeddings
@@ -69,11 +96,10 @@ def test_from_hf_refusals(tmp_path):
     base = _qwen3_config().to_dict()
     cases = {
         "unsupported architecture": base | {"architectures": ["LlamaForCausalLM"]},
-        "yarn": base | {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
-                                            "rope_theta": 1e6}},
+        "yarn": base | {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
         "linear": base | {"rope_scaling": {"type": "linear", "factor": 2.0}},
-        "dynamic": base | {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
-                           "rope_theta": 1e6},
+        "dynamic": base
+        | {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "rope_theta": 1e6},
         "sliding": base | {"use_sliding_window": True, "sliding_window": 128},
         "o_proj": base | {"attention_bias": True},
         "rope_theta": {k: v for k, v in base.items() if k != "rope_parameters"},
@@ -89,8 +115,7 @@ def test_from_hf_refusals(tmp_path):
 
 
 def test_check_mesh_refuses_indivisible_tp():
-    cfg = jcp.QwenConfig.tiny(num_heads=8, num_kv_heads=2, intermediate_size=128,
-                              vocab_size=512)
+    cfg = jcp.QwenConfig.tiny(num_heads=8, num_kv_heads=2, intermediate_size=128, vocab_size=512)
     cfg.check_mesh(1)
     cfg.check_mesh(2)
     with pytest.raises(ValueError, match=r"tp=4 does not divide num_kv_heads=2"):
@@ -132,8 +157,9 @@ def test_load_matches_torch_weights(saved):
     loaded = _materialise(base)
     want = _torch_params(hm, cfg)
     assert loaded["layers"]["q_proj"].shape == (cfg.num_layers, cfg.hidden_size, cfg.q_dim)
-    np.testing.assert_array_equal(loaded["layers"]["q_proj"][1],
-                                  hm.model.layers[1].self_attn.q_proj.weight.detach().numpy().T)
+    np.testing.assert_array_equal(
+        loaded["layers"]["q_proj"][1], hm.model.layers[1].self_attn.q_proj.weight.detach().numpy().T
+    )
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(want)):
         np.testing.assert_array_equal(a, b)
     # Slices are read lazily in jcp's layout.
@@ -183,8 +209,11 @@ def test_shape_mismatch_config_vs_tensor(saved, tmp_path):
     d["intermediate_size"] += 16
     with open(path / "config.json", "w") as f:
         json.dump(d, f)
-    with pytest.raises(ValueError, match=r"gate_proj.weight has shape \(96, 64\), expected "
-                                         r"\(112, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"gate_proj.weight has shape \(96, 64\), expected "
+        r"\(112, 64\)",
+    ):
         jcp.load_hf(path)
 
 

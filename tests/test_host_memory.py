@@ -39,12 +39,20 @@ print(json.dumps({"faults": faults, "applied": host_memory.APPLIED,
 
 
 def _run(setting: str, devices: int = 1) -> dict:
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JCP_HOST_MALLOC": setting,
-           "XLA_FLAGS": " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])}
-    out = subprocess.run([sys.executable, "-c", PROGRAM], env=env, capture_output=True,
-                         text=True, timeout=300)
+    flags = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JCP_HOST_MALLOC": setting,
+        "XLA_FLAGS": " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"]),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -70,13 +78,22 @@ def test_one_heap_only_for_one_cpu_device():
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     code = "from jcp import host_memory as h; print(h.cpu_devices_configured(), h.ONE_HEAP)"
     # jcp.cli configures its devices after jcp is imported, then re-checks.
-    late = ("import argparse; from jcp import host_memory as h; from jcp.cli import "
-            "setup_devices; print(h.ONE_HEAP); setup_devices(argparse.Namespace("
-            "coordinator_address=None, num_processes=None, process_id=None)); "
-            "print(h.cpu_devices_configured(), h.ONE_HEAP)")
-    for flags, expect, code in (
-            ("", "1 True", code), ("--xla_force_host_platform_device_count=4", "4 False", code),
-            ("", "True 8 False", late)):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env={**env, "XLA_FLAGS": flags}, timeout=120)
+    late = (
+        "import argparse; from jcp import host_memory as h; from jcp.cli import "
+        "setup_devices; print(h.ONE_HEAP); setup_devices(argparse.Namespace("
+        "coordinator_address=None, num_processes=None, process_id=None)); "
+        "print(h.cpu_devices_configured(), h.ONE_HEAP)"
+    )
+    for flags, expect, program in (
+        ("", "1 True", code),
+        ("--xla_force_host_platform_device_count=4", "4 False", code),
+        ("", "True 8 False", late),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-c", program],
+            capture_output=True,
+            text=True,
+            env={**env, "XLA_FLAGS": flags},
+            timeout=120,
+        )
         assert out.stdout.split() == expect.split(), out.stderr[-2000:]

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import loss_harness as H
+
 from jcp import losses
 from jcp import mesh as mesh_lib
 
@@ -30,8 +30,9 @@ def assert_rel(actual, desired, rtol=RTOL, err_msg=""):
     """Relative closeness measured against the largest reference entry (fp32: rel 1e-5)."""
     desired = np.asarray(desired, np.float64)
     scale = max(float(np.max(np.abs(desired), initial=0.0)), 1e-30)
-    np.testing.assert_allclose(np.asarray(actual, np.float64), desired, rtol=rtol,
-                               atol=rtol * scale, err_msg=err_msg)
+    np.testing.assert_allclose(
+        np.asarray(actual, np.float64), desired, rtol=rtol, atol=rtol * scale, err_msg=err_msg
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -40,8 +41,9 @@ def assert_rel(actual, desired, rtol=RTOL, err_msg=""):
 
 def token_inputs(n, weights=0.0, advantages=0.0, logprobs=0.0, sequence_ratio_mask=1.0):
     full = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.float32), (n,))
-    return losses.TokenInputs(full(weights), full(advantages), full(logprobs),
-                              full(sequence_ratio_mask))
+    return losses.TokenInputs(
+        full(weights), full(advantages), full(logprobs), full(sequence_ratio_mask)
+    )
 
 
 def value_and_dlp(name, lp, x, cfg):
@@ -70,24 +72,30 @@ L05, L1, L5 = math.log(0.5) + S_LP, S_LP, math.log(5.0) + S_LP
 EXPECTED = {
     # −r·A; d/dlp = −r·A
     "importance_sampling": {
-        (0.5, 1.0): (-0.5, -0.5, False), (0.5, -1.0): (0.5, 0.5, False),
-        (1.0, 1.0): (-1.0, -1.0, False), (1.0, -1.0): (1.0, 1.0, False),
-        (5.0, 1.0): (-5.0, -5.0, False), (5.0, -1.0): (5.0, 5.0, False),
+        (0.5, 1.0): (-0.5, -0.5, False),
+        (0.5, -1.0): (0.5, 0.5, False),
+        (1.0, 1.0): (-1.0, -1.0, False),
+        (1.0, -1.0): (1.0, 1.0, False),
+        (5.0, 1.0): (-5.0, -5.0, False),
+        (5.0, -1.0): (5.0, 5.0, False),
     },
     # −min(r·A, clip(r, 0.8, 1.2)·A): where the clipped term is the min, the gradient is 0.
     "ppo": {
-        (0.5, 1.0): (-0.5, -0.5, False),   # min(0.5, 0.8) = r·A
-        (0.5, -1.0): (0.8, 0.0, True),     # min(−0.5, −0.8) = clipped
+        (0.5, 1.0): (-0.5, -0.5, False),  # min(0.5, 0.8) = r·A
+        (0.5, -1.0): (0.8, 0.0, True),  # min(−0.5, −0.8) = clipped
         (1.0, 1.0): (-1.0, -1.0, False),
         (1.0, -1.0): (1.0, 1.0, False),
-        (5.0, 1.0): (-1.2, 0.0, True),     # min(5, 1.2) = clipped
-        (5.0, -1.0): (5.0, 5.0, False),    # min(−5, −1.2) = r·A
+        (5.0, 1.0): (-1.2, 0.0, True),  # min(5, 1.2) = clipped
+        (5.0, -1.0): (5.0, 5.0, False),  # min(−5, −1.2) = r·A
     },
     # −sg(clip(r, 0, 4))·lp·A; the clipped ratio is a constant, d/dlp = −clip(r)·A.
     "cispo": {
-        (0.5, 1.0): (-0.5 * L05, -0.5, False), (0.5, -1.0): (0.5 * L05, 0.5, False),
-        (1.0, 1.0): (-L1, -1.0, False), (1.0, -1.0): (L1, 1.0, False),
-        (5.0, 1.0): (-4.0 * L5, -4.0, True), (5.0, -1.0): (4.0 * L5, 4.0, True),
+        (0.5, 1.0): (-0.5 * L05, -0.5, False),
+        (0.5, -1.0): (0.5 * L05, 0.5, False),
+        (1.0, 1.0): (-L1, -1.0, False),
+        (1.0, -1.0): (L1, 1.0, False),
+        (5.0, 1.0): (-4.0 * L5, -4.0, True),
+        (5.0, -1.0): (4.0 * L5, 4.0, True),
     },
     # −(lp·A − ½·β·(lp − s)²), β = 0.05, lp − s = log r; d/dlp = −(A − β·log r)
     "dro": {
@@ -101,8 +109,9 @@ EXPECTED = {
 def test_ratio_table_default_config(name):
     r, a, lp = table_lp()
     x = token_inputs(len(r), advantages=a, logprobs=S_LP)
-    tok, d_lp, clipped = value_and_dlp(name, jnp.asarray(lp, jnp.float32), x,
-                                       losses.resolve_config(name, None))
+    tok, d_lp, clipped = value_and_dlp(
+        name, jnp.asarray(lp, jnp.float32), x, losses.resolve_config(name, None)
+    )
     want = np.array([EXPECTED[name][p] for p in TABLE_POINTS], dtype=object)
     np.testing.assert_allclose(tok, want[:, 0].astype(float), rtol=2e-6, atol=1e-6)
     np.testing.assert_allclose(d_lp, want[:, 1].astype(float), rtol=2e-6, atol=1e-6)
@@ -139,8 +148,9 @@ def test_ratio_table_overridden_clips():
 def test_cross_entropy_closed_form():
     lp = np.array([-0.1, -2.0, -7.5, -3.0])
     w = np.array([1.0, 0.5, -1.0, 5.0])
-    tok, d_lp, clipped = value_and_dlp("cross_entropy", jnp.asarray(lp, jnp.float32),
-                                       token_inputs(4, weights=w), {})
+    tok, d_lp, clipped = value_and_dlp(
+        "cross_entropy", jnp.asarray(lp, jnp.float32), token_inputs(4, weights=w), {}
+    )
     np.testing.assert_allclose(tok, [0.1, 1.0, -7.5, 15.0], rtol=2e-6)
     np.testing.assert_allclose(d_lp, [-1.0, -0.5, 1.0, -5.0], rtol=2e-6)
     assert not clipped.any()
@@ -152,8 +162,9 @@ def test_gspo_closed_form():
     every token's ratio is 4 and its gradient is s·(its own d lp) where unclipped."""
     s_lp = -2.0
     lp = jnp.asarray(np.log([2.0, 8.0, math.exp(5.0)]) + s_lp, jnp.float32)
-    x = token_inputs(3, advantages=[1.0, -1.0, -1.0], logprobs=s_lp,
-                     sequence_ratio_mask=[1.0, 0.5, 0.0])
+    x = token_inputs(
+        3, advantages=[1.0, -1.0, -1.0], logprobs=s_lp, sequence_ratio_mask=[1.0, 0.5, 0.0]
+    )
     tok, d_lp, clipped = value_and_dlp("gspo", lp, x, losses.resolve_config("gspo", None))
     # A > 0, s = 4 > 1.2: the clipped term −1.2 wins, zero gradient; A < 0: −4·(−1).
     np.testing.assert_allclose(tok, [-1.2, 4.0, 4.0], rtol=2e-6)
@@ -190,14 +201,18 @@ def test_token_losses_gspo_mixed_with_another_loss():
     """With several losses in one stream, GSPO's sequence mean sees only its own datum's
     tokens: the other loss's tokens (A, s, mask of their own) change nothing."""
     lp = jnp.asarray([-1.0, -2.0, -0.5, -3.0], jnp.float32)
-    x = token_inputs(4, advantages=[1.0, -1.0, 1.0, 1.0], logprobs=[-1.5, -1.0, -9.0, -9.0],
-                     sequence_ratio_mask=[1.0, 1.0, 1.0, 1.0])
+    x = token_inputs(
+        4,
+        advantages=[1.0, -1.0, 1.0, 1.0],
+        logprobs=[-1.5, -1.0, -9.0, -9.0],
+        sequence_ratio_mask=[1.0, 1.0, 1.0, 1.0],
+    )
     loss_id = jnp.asarray([0, 0, 1, 1])
-    cfg = {"gspo": losses.resolve_config("gspo", None),
-           "ppo": losses.resolve_config("ppo", None)}
+    cfg = {"gspo": losses.resolve_config("gspo", None), "ppo": losses.resolve_config("ppo", None)}
     tok, _ = losses.token_losses(lp, x, ("gspo", "ppo"), cfg, loss_id)
-    alone, _ = losses.LOSSES["gspo"](lp[:2], token_inputs(
-        2, advantages=[1.0, -1.0], logprobs=[-1.5, -1.0]), cfg["gspo"])
+    alone, _ = losses.LOSSES["gspo"](
+        lp[:2], token_inputs(2, advantages=[1.0, -1.0], logprobs=[-1.5, -1.0]), cfg["gspo"]
+    )
     np.testing.assert_allclose(np.asarray(tok[:2]), np.asarray(alone), rtol=1e-6)
     # Had the ppo tokens entered the mean, the gspo tokens' losses would differ.
     polluted, _ = losses.LOSSES["gspo"](lp, x, cfg["gspo"])
@@ -233,7 +248,7 @@ def test_block_size():
 # 2. The dp = cp = tp = 1 run against NumPy
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def case(name):
     """Cases shared by every test (built once; the client's arrays are checked afterwards)."""
     if name == "ragged":  # odd lengths, a 1-token datum, datums longer than a 2cp chunk / CHUNK
@@ -250,7 +265,7 @@ def case(name):
 OVERRIDE_SETS = {"default": None, "override": H.OVERRIDES}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_run(case_name, override_set):
     return H.run_case(case(case_name), H.REFERENCE_MESH, OVERRIDE_SETS[override_set])
 
@@ -265,8 +280,13 @@ def test_reference_mesh_matches_numpy(case_name, override_set):
         got, want = run.results[name], H.np_reference(c, name, cfgs[name])
         msg = f"{name} ({override_set})"
         for i in range(len(c.data)):
-            np.testing.assert_allclose(got.logprobs[i], want["logprobs"][i], rtol=0, atol=2e-6,
-                                       err_msg=f"{msg} logprobs datum {i}")
+            np.testing.assert_allclose(
+                got.logprobs[i],
+                want["logprobs"][i],
+                rtol=0,
+                atol=2e-6,
+                err_msg=f"{msg} logprobs datum {i}",
+            )
             assert_rel(got.elementwise[i], want["elementwise"][i], err_msg=f"{msg} datum {i}")
             assert_rel(got.d_hidden[i], want["d_hidden"][i], err_msg=f"{msg} d_hidden {i}")
         assert_rel(got.datum_loss, want["datum_loss"], err_msg=f"{msg} datum_loss")
@@ -308,16 +328,18 @@ def test_numpy_gradient_matches_finite_differences(name):
         minus = [h.copy() for h in hidden]
         plus[i][t, k] += eps
         minus[i][t, k] -= eps
-        fd = (H.np_total_loss(c, name, cfg, plus, w, base)
-              - H.np_total_loss(c, name, cfg, minus, w, base))
+        fd = H.np_total_loss(c, name, cfg, plus, w, base) - H.np_total_loss(
+            c, name, cfg, minus, w, base
+        )
         np.testing.assert_allclose(fd / (2 * eps), ref["d_hidden"][i][t, k], rtol=1e-5, atol=1e-7)
     for _ in range(4):
         k, v = int(rng.integers(H.D)), int(rng.integers(H.V))
         wp, wm = w.copy(), w.copy()
         wp[k, v] += eps
         wm[k, v] -= eps
-        fd = (H.np_total_loss(c, name, cfg, hidden, wp, base)
-              - H.np_total_loss(c, name, cfg, hidden, wm, base))
+        fd = H.np_total_loss(c, name, cfg, hidden, wp, base) - H.np_total_loss(
+            c, name, cfg, hidden, wm, base
+        )
         np.testing.assert_allclose(fd / (2 * eps), ref["d_unembed"][k, v], rtol=1e-5, atol=1e-7)
 
 
@@ -343,7 +365,7 @@ def test_mesh_list_is_complete():
 
 
 @pytest.mark.parametrize("case_name", ["ragged", "tiny"])
-@pytest.mark.parametrize("mesh_shape", OTHER_MESHES, ids=lambda m: "dp%d-cp%d-tp%d" % m)
+@pytest.mark.parametrize("mesh_shape", OTHER_MESHES, ids=lambda m: "dp{}-cp{}-tp{}".format(*m))
 def test_mesh_matches_reference(mesh_shape, case_name):
     c = case(case_name)
     dp, cp, _ = mesh_shape
@@ -361,15 +383,23 @@ def test_mesh_matches_reference(mesh_shape, case_name):
         if case_name == "ragged" and cp > 1:
             # The 1-token datum leaves ranks with none of its tokens.
             p = next(p for p in pb.placements if p.n == 1)
-            assert (pb.segment[p.shard, 1:, p.offset:p.offset + p.rows] < 0).all()
+            assert (pb.segment[p.shard, 1:, p.offset : p.offset + p.rows] < 0).all()
         for name in H.LOSS_NAMES:
             got, want = run.results[name], ref.results[name]
             msg = f"{name} ({override_set}) on dp={dp} cp={cp} tp={mesh_shape[2]}"
             for i in range(len(c.data)):
-                np.testing.assert_allclose(got.logprobs[i], want.logprobs[i], rtol=0, atol=1e-6,
-                                           err_msg=f"{msg}: logprobs of datum {i}")
-                assert_rel(got.elementwise[i], want.elementwise[i],
-                           err_msg=f"{msg}: elementwise_loss of datum {i}")
+                np.testing.assert_allclose(
+                    got.logprobs[i],
+                    want.logprobs[i],
+                    rtol=0,
+                    atol=1e-6,
+                    err_msg=f"{msg}: logprobs of datum {i}",
+                )
+                assert_rel(
+                    got.elementwise[i],
+                    want.elementwise[i],
+                    err_msg=f"{msg}: elementwise_loss of datum {i}",
+                )
             assert_rel(got.datum_loss, want.datum_loss, err_msg=f"{msg}: datum losses")
             assert_rel(got.loss, want.loss, err_msg=f"{msg}: loss")
             assert got.clipped == want.clipped, msg
@@ -378,8 +408,9 @@ def test_mesh_matches_reference(mesh_shape, case_name):
             want_dh = H.to_stream(want.d_hidden, pb, cp)
             assert got.d_hidden_stream.shape == want_dh.shape
             assert_rel(got.d_hidden_stream, want_dh, err_msg=f"{msg}: d hidden")
-            np.testing.assert_array_equal(got.d_hidden_stream[pb.segment < 0], 0.0,
-                                          err_msg=f"{msg}: d hidden on padding")
+            np.testing.assert_array_equal(
+                got.d_hidden_stream[pb.segment < 0], 0.0, err_msg=f"{msg}: d hidden on padding"
+            )
             assert_rel(got.d_unembed, want.d_unembed, err_msg=f"{msg}: d unembedding")
     c.assert_unchanged()
 
@@ -388,7 +419,7 @@ ZERO_MESHES = [(1, 1, 1), (1, 2, 1), (2, 2, 2), (1, 8, 1), (4, 1, 2), (2, 4, 1)]
 ZERO_OVERRIDES = {"dro": {"beta": 0.0}}  # DRO's penalty does not vanish with A = 0
 
 
-@pytest.mark.parametrize("mesh_shape", ZERO_MESHES, ids=lambda m: "dp%d-cp%d-tp%d" % m)
+@pytest.mark.parametrize("mesh_shape", ZERO_MESHES, ids=lambda m: "dp{}-cp{}-tp{}".format(*m))
 def test_zero_weight_datums_give_exact_zero_through_the_mesh(mesh_shape):
     """Datums with w = A = 0 have loss exactly 0 and hidden-state gradient exactly 0; the
     other datums do not. A batch that is all zeros has zero loss and zero gradients."""

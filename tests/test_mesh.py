@@ -15,7 +15,7 @@ def zigzag_by_hand(n, cp):
     r and 2cp−1−r."""
     c = -(-n // (2 * cp))
     padded = [i if i < n else -1 for i in range(2 * cp * c)]
-    chunks = [padded[k * c:(k + 1) * c] for k in range(2 * cp)]
+    chunks = [padded[k * c : (k + 1) * c] for k in range(2 * cp)]
     return [chunks[r] + chunks[2 * cp - 1 - r] for r in range(cp)]
 
 
@@ -51,8 +51,9 @@ def test_make_mesh_refuses_too_few_given_devices():
         jcp.make_mesh(dp=1, cp=4, tp=1, devices=jax.devices()[:2])
 
 
-@pytest.mark.parametrize("kwargs,axis", [({"dp": 0}, "dp"), ({"cp": -2}, "cp"),
-                                         ({"tp": 1.5}, "tp"), ({"cp": "2"}, "cp")])
+@pytest.mark.parametrize(
+    "kwargs,axis", [({"dp": 0}, "dp"), ({"cp": -2}, "cp"), ({"tp": 1.5}, "tp"), ({"cp": "2"}, "cp")]
+)
 def test_make_mesh_refuses_bad_axis_sizes(kwargs, axis):
     with pytest.raises(ValueError, match=f"mesh axis {axis} must be a positive integer"):
         jcp.make_mesh(**kwargs)
@@ -68,10 +69,9 @@ def test_zigzag_worked_examples():
     np.testing.assert_array_equal(jcp.zigzag_indices(1, 2), [[0, -1], [-1, -1]])
     np.testing.assert_array_equal(jcp.zigzag_indices(3, 1), [[0, 1, 2, -1]])
     np.testing.assert_array_equal(
-        jcp.zigzag_indices(16, 4),
-        [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]])
-    np.testing.assert_array_equal(
-        jcp.zigzag_indices(3, 4), [[0, -1], [1, -1], [2, -1], [-1, -1]])
+        jcp.zigzag_indices(16, 4), [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    )
+    np.testing.assert_array_equal(jcp.zigzag_indices(3, 4), [[0, -1], [1, -1], [2, -1], [-1, -1]])
 
 
 NS = list(range(1, 40)) + [63, 64, 65, 127, 1000, 1023]
@@ -127,16 +127,19 @@ def test_zigzag_refuses_bad_sizes(n, cp):
 # token cap and buckets
 
 
-@pytest.mark.parametrize("m,cp,tp,pad,cap", [
-    (100, 1, 1, 1, 100),
-    (101, 1, 1, 1, 100),   # made even
-    (101, 4, 1, 1, 400),
-    (100, 2, 3, 1, 196),   # floor(100/3)·3 = 99 -> 98 (even) -> ·2
-    (100, 2, 2, 8, 192),   # p = 16: 96 -> ·2
-    (7, 8, 1, 1, 48),      # 6 per rank ·8
-    (15, 1, 2, 4, 8),      # p = 8: 8
-    (1, 2, 1, 1, 0),       # a device of 1 token cannot hold a zigzag pair
-])
+@pytest.mark.parametrize(
+    "m,cp,tp,pad,cap",
+    [
+        (100, 1, 1, 1, 100),
+        (101, 1, 1, 1, 100),  # made even
+        (101, 4, 1, 1, 400),
+        (100, 2, 3, 1, 196),  # floor(100/3)·3 = 99 -> 98 (even) -> ·2
+        (100, 2, 2, 8, 192),  # p = 16: 96 -> ·2
+        (7, 8, 1, 1, 48),  # 6 per rank ·8
+        (15, 1, 2, 4, 8),  # p = 8: 8
+        (1, 2, 1, 1, 0),  # a device of 1 token cannot hold a zigzag pair
+    ],
+)
 def test_datum_token_cap(m, cp, tp, pad, cap):
     assert mesh_lib.datum_token_cap(m, cp, tp, pad) == cap
 
@@ -184,8 +187,10 @@ def test_bucket_length_minimum_and_maximum():
             assert b == mesh_lib.bucket_length(n)
 
 
-@pytest.mark.parametrize("n, minimum, want", [(0, 1, 1), (1, 1, 1), (3, 1, 4), (4, 1, 4),
-                                              (5, 1, 8), (5, 16, 16), (17, 16, 32)])
+@pytest.mark.parametrize(
+    "n, minimum, want",
+    [(0, 1, 1), (1, 1, 1), (3, 1, 4), (4, 1, 4), (5, 1, 8), (5, 16, 16), (17, 16, 32)],
+)
 def test_pow2_at_least(n, minimum, want):
     assert mesh_lib.pow2_at_least(n, minimum) == want
 
@@ -224,21 +229,28 @@ def test_psum_flat_sums_as_psum_does_in_one_all_reduce_per_group(tp):
 
     mesh = jcp.make_mesh(dp=2, cp=4 // tp, tp=tp)
     rng = np.random.default_rng(0)
-    tree = {"a1": rng.normal(size=(8, 3)).astype(np.float32),
-            "a2": rng.normal(size=(8, 2, 5)).astype(np.float32),
-            "b": rng.normal(size=(8 // tp, 7)).astype(np.float32),
-            "c": np.arange(8 * 6, dtype=np.int32).reshape(8, 6)}
+    tree = {
+        "a1": rng.normal(size=(8, 3)).astype(np.float32),
+        "a2": rng.normal(size=(8, 2, 5)).astype(np.float32),
+        "b": rng.normal(size=(8 // tp, 7)).astype(np.float32),
+        "c": np.arange(8 * 6, dtype=np.int32).reshape(8, 6),
+    }
     every, batch = P(("dp", "cp", "tp")), P(("dp", "cp"))
     spec = {"a1": every, "a2": every, "b": batch, "c": every}
     out = {"a1": P("tp"), "a2": P("tp"), "b": P(), "c": P("tp")}
 
     def run(fn):
-        f = jax.jit(jax.shard_map(lambda t: fn(t, ("dp", "cp")), mesh=mesh, in_specs=(spec,),
-                                  out_specs=out))
+        f = jax.jit(
+            jax.shard_map(lambda t: fn(t, ("dp", "cp")), mesh=mesh, in_specs=(spec,), out_specs=out)
+        )
         hlo = f.lower(tree).compile().as_text()
-        operands = [m[0].count("%") for m in re.findall(
-            r" all-reduce(?:-start)?\(([^)]*)\).*replica_groups=(\{[{}\d,]*\})", hlo)
-            if re.search(r"\d,\d", m[1])]  # groups of more than one device
+        operands = [
+            m[0].count("%")
+            for m in re.findall(
+                r" all-reduce(?:-start)?\(([^)]*)\).*replica_groups=(\{[{}\d,]*\})", hlo
+            )
+            if re.search(r"\d,\d", m[1])
+        ]  # groups of more than one device
         return f(tree), operands
 
     want, plain = run(jax.lax.psum)
@@ -246,8 +258,7 @@ def test_psum_flat_sums_as_psum_does_in_one_all_reduce_per_group(tp):
     for k in tree:
         assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape
         assert got[k].sharding.spec == want[k].sharding.spec, k
-        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6,
-                                   err_msg=k)
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6, err_msg=k)
     assert min(np.abs(np.asarray(want[k])).max() for k in tree) > 0
     # Groups: a1 + a2 (float32, varying over tp too), b (float32), c (int32); with tp = 1,
     # a1 + a2 + b.

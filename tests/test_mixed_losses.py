@@ -9,10 +9,15 @@ CFG = jcp.QwenConfig.tiny()
 
 
 def _datum(rng, n):
-    return jcp.Datum(rng.integers(0, CFG.vocab_size, n),
-                     {"target_tokens": rng.integers(0, CFG.vocab_size, n),
-                      "weights": rng.uniform(size=n), "advantages": rng.normal(size=n),
-                      "logprobs": -rng.uniform(1, 6, n)})
+    return jcp.Datum(
+        rng.integers(0, CFG.vocab_size, n),
+        {
+            "target_tokens": rng.integers(0, CFG.vocab_size, n),
+            "weights": rng.uniform(size=n),
+            "advantages": rng.normal(size=n),
+            "logprobs": -rng.uniform(1, 6, n),
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +28,7 @@ def trainer():
     rng = np.random.default_rng(3)
     warm = [_datum(rng, 12) for _ in range(2)]
     tr.forward_backward(warm, "cross_entropy", adapters=[a, b])
-    tr.optim_step(a, jcp.AdamParams(learning_rate=1e-2))   # B ≠ 0, so A gets gradients too
+    tr.optim_step(a, jcp.AdamParams(learning_rate=1e-2))  # B ≠ 0, so A gets gradients too
     tr.optim_step(b, jcp.AdamParams(learning_rate=1e-2))
     return tr, a, b
 
@@ -39,28 +44,31 @@ def test_mixed_pass_equals_separate_passes(trainer):
 
     mixed = tr.forward_backward(data, losses, cfg, adapters)
     g_mixed = {x: tr.gradients(x) for x in (a, b)}
-    tr.optim_step(a, jcp.AdamParams(learning_rate=0.0))   # zero the accumulators only
+    tr.optim_step(a, jcp.AdamParams(learning_rate=0.0))  # zero the accumulators only
     tr.optim_step(b, jcp.AdamParams(learning_rate=0.0))
 
     separate = {}
     total, clipped = 0.0, 0
     for name in sorted(set(losses)):
         idx = [i for i, l in enumerate(losses) if l == name]
-        out = tr.forward_backward([data[i] for i in idx], name, cfg.get(name),
-                                  [adapters[i] for i in idx])
+        out = tr.forward_backward(
+            [data[i] for i in idx], name, cfg.get(name), [adapters[i] for i in idx]
+        )
         total += out.metrics["loss:sum"]
         clipped += out.metrics.get("clipped_tokens:sum", 0)
         separate.update({i: o for i, o in zip(idx, out.loss_fn_outputs)})
     for i, o in enumerate(mixed.loss_fn_outputs):
         np.testing.assert_allclose(o["logprobs"], separate[i]["logprobs"], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(o["elementwise_loss"], separate[i]["elementwise_loss"],
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            o["elementwise_loss"], separate[i]["elementwise_loss"], rtol=1e-5, atol=1e-6
+        )
     assert mixed.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
     assert mixed.metrics["clipped_tokens:sum"] == clipped > 0
     for x in (a, b):
         for k, v in tr.gradients(x).items():
-            np.testing.assert_allclose(g_mixed[x][k], v, rtol=1e-4,
-                                       atol=1e-5 * max(np.abs(v).max(), 1e-30))
+            np.testing.assert_allclose(
+                g_mixed[x][k], v, rtol=1e-4, atol=1e-5 * max(np.abs(v).max(), 1e-30)
+            )
         assert any(np.abs(v).max() > 0 for v in g_mixed[x].values())
 
 

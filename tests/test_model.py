@@ -18,9 +18,9 @@ import functools
 import jax
 import numpy as np
 import pytest
+from helpers import model_harness as MH
 
 import jcp
-from helpers import model_harness as MH
 from jcp import mesh as mesh_lib
 
 ATOL = 2e-4
@@ -28,7 +28,7 @@ LENGTHS = (37, 1, 20, 64)  # a one-token datum; lengths not multiples of 2·cp
 VARIANTS = (("qwen3", False), ("qwen3", True), ("qwen2", False), ("qwen2", True))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _variant(arch, tied, tmp_root):
     """(hf model, cfg, lazy base params) for one architecture, through load_hf."""
     hm = MH.hf_model(arch, tied, seed=1 + len(arch) + 2 * tied)
@@ -89,8 +89,9 @@ def test_dense_attention_matches_transformers(tmp_root, data):
 # 2. Packing isolation
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 4, 1), (2, 2, 2)],
-                         ids=lambda m: "dp{}cp{}tp{}".format(*m))
+@pytest.mark.parametrize(
+    "mesh_shape", [(1, 1, 1), (1, 4, 1), (2, 2, 2)], ids=lambda m: "dp{}cp{}tp{}".format(*m)
+)
 def test_packed_datum_equals_alone(mesh_shape, tmp_root):
     _, cfg, base = _variant("qwen3", False, tmp_root)
     seqs, targets, _ = MH.random_data((45, 30, 9, 27), seed=3)
@@ -102,14 +103,15 @@ def test_packed_datum_equals_alone(mesh_shape, tmp_root):
     shard_segs = set(np.unique(packed_pb.segment[p0.shard])) - {-1}
     assert len(shard_segs) > 1
     assert packed_pb.tokens.shape != alone_pb.tokens.shape or not np.array_equal(
-        packed_pb.segment, alone_pb.segment)
+        packed_pb.segment, alone_pb.segment
+    )
 
     alone = MH.logprobs(cfg, base, mesh_shape, seqs[:1], targets[:1])[0]
     packed = MH.logprobs(cfg, base, mesh_shape, seqs, targets)
     np.testing.assert_allclose(packed[0], alone, rtol=0, atol=2e-5)
     # Every other datum is likewise unaffected by its neighbours.
     for i in range(1, len(seqs)):
-        single = MH.logprobs(cfg, base, mesh_shape, seqs[i:i + 1], targets[i:i + 1])[0]
+        single = MH.logprobs(cfg, base, mesh_shape, seqs[i : i + 1], targets[i : i + 1])[0]
         np.testing.assert_allclose(packed[i], single, rtol=0, atol=2e-5, err_msg=f"datum {i}")
 
 
@@ -117,8 +119,7 @@ def test_packed_datum_equals_alone(mesh_shape, tmp_root):
 # 3. Gradients through the whole model: cp-independent and equal to torch autograd
 
 # Each variant at cp = 1 and two other meshes; together they cover cp = 2, 4, tp and dp.
-GRAD_MESHES = {("qwen3", False): ((1, 2, 1), (2, 2, 2)),
-               ("qwen2", True): ((1, 4, 1), (1, 2, 2))}
+GRAD_MESHES = {("qwen3", False): ((1, 2, 1), (2, 2, 2)), ("qwen2", True): ((1, 4, 1), (1, 2, 2))}
 GRAD_VARIANTS = tuple(GRAD_MESHES)
 GRAD_RTOL = 2e-4  # relative to each parameter's largest gradient entry
 
@@ -133,11 +134,16 @@ def _assert_tree_close(actual, desired, rtol, what, allow_zero=False):
         scale = float(np.max(np.abs(d)))
         assert scale > 0 or allow_zero, f"{what}: zero gradient at {jax.tree_util.keystr(path)}"
         assert np.all(np.isfinite(a)), f"{what}: non-finite at {jax.tree_util.keystr(path)}"
-        np.testing.assert_allclose(np.asarray(a, np.float64), d, rtol=0, atol=rtol * scale,
-                                   err_msg=f"{what}: {jax.tree_util.keystr(path)}")
+        np.testing.assert_allclose(
+            np.asarray(a, np.float64),
+            d,
+            rtol=0,
+            atol=rtol * scale,
+            err_msg=f"{what}: {jax.tree_util.keystr(path)}",
+        )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _grads(arch, tied, tmp_root, mesh_shape):
     _, cfg, base = _variant(arch, tied, tmp_root)
     seqs, targets, weights = MH.random_data((29, 1, 50, 16), seed=7)
@@ -154,16 +160,18 @@ def test_grad_cp1_matches_torch(arch, tied, tmp_root):
     _assert_tree_close(g, ref, GRAD_RTOL, "cp=1 vs torch")
 
 
-@pytest.mark.parametrize("arch,tied,mesh_shape",
-                         [(a, t, m) for (a, t), ms in GRAD_MESHES.items() for m in ms],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "arch,tied,mesh_shape",
+    [(a, t, m) for (a, t), ms in GRAD_MESHES.items() for m in ms],
+    ids=lambda v: str(v),
+)
 def test_grad_cp_matches_cp1(arch, tied, mesh_shape, tmp_root):
     loss1, g1, pb1 = _grads(arch, tied, tmp_root, (1, 1, 1))
     loss_k, g_k, pb_k = _grads(arch, tied, tmp_root, mesh_shape)
     # The two runs really used different layouts: cp streams, zigzag-cut.
     assert pb1.tokens.shape[1] == 1 and pb_k.tokens.shape[1] == mesh_shape[1] > 1
     assert pb_k.tokens.shape[2] < pb1.tokens.shape[2]
-    assert not np.array_equal(pb_k.position[0, 0], pb1.position[0, 0, :pb_k.tokens.shape[2]])
+    assert not np.array_equal(pb_k.position[0, 0], pb1.position[0, 0, : pb_k.tokens.shape[2]])
     np.testing.assert_allclose(loss_k, loss1, rtol=1e-5)
     _assert_tree_close(g_k, g1, GRAD_RTOL, f"mesh {mesh_shape} vs cp=1")
 
@@ -197,8 +205,9 @@ def test_padding_only_ranks_and_one_token_datum(tmp_root):
 # 5. No [S, T] array per device, forward or backward
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 2, 1)],
-                         ids=lambda m: "dp{}cp{}tp{}".format(*m))
+@pytest.mark.parametrize(
+    "mesh_shape", [(1, 1, 1), (1, 2, 1)], ids=lambda m: "dp{}cp{}tp{}".format(*m)
+)
 def test_backward_memory_is_linear_in_tokens(mesh_shape, tmp_root):
     """The compiled gradient (remat on, layers under lax.scan) holds no [S, T] array.
 
@@ -224,14 +233,16 @@ def test_bf16_layer_scan_holds_no_f32_weight_stack():
     no f32 copy of a whole [L, …] weight stack (a plain lax.scan over the same weights
     does: XLA:CPU's float normalization slices an f32 conversion of the stack, hoisted out
     of the loop), with the same values and gradients (also w.r.t. the weights)."""
-    from jcp.model import decoder
-
     import jax.numpy as jnp
+
+    from jcp.model import decoder
 
     layers, d = 3, 24
     rng = np.random.default_rng(0)
-    w = {"w": jnp.asarray(rng.standard_normal((layers, d, d)) / 5, jnp.bfloat16),
-         "n": jnp.asarray(1 + rng.standard_normal((layers, d)) / 5, jnp.bfloat16)}
+    w = {
+        "w": jnp.asarray(rng.standard_normal((layers, d, d)) / 5, jnp.bfloat16),
+        "n": jnp.asarray(1 + rng.standard_normal((layers, d)) / 5, jnp.bfloat16),
+    }
     lora = jnp.asarray(rng.standard_normal((layers, d)), jnp.float32)
     h0 = jnp.asarray(rng.standard_normal((5, d)), jnp.bfloat16)
 
@@ -244,14 +255,18 @@ def test_bf16_layer_scan_holds_no_f32_weight_stack():
 
     ours = lambda w, lora, h0: decoder.scan_layers(body, h0, w, (lora,), True)[0]  # noqa: E731
     plain = lambda w, lora, h0: jax.lax.scan(  # noqa: E731
-        jax.checkpoint(body), h0, (w, lora))[0]
+        jax.checkpoint(body), h0, (w, lora)
+    )[0]
+
     def grad_of(f, argnums):
         return jax.jit(jax.value_and_grad(functools.partial(loss, f), argnums=argnums))
 
     # As jcp trains: the weights frozen, gradients w.r.t. the adapter and the input. The
     # plain scan's temporaries hold the f32 stack (and more); ours do not.
-    temp = {n: grad_of(f, (1, 2)).lower(w, lora, h0).compile().memory_analysis()
-            .temp_size_in_bytes for n, f in (("ours", ours), ("plain", plain))}
+    temp = {
+        n: grad_of(f, (1, 2)).lower(w, lora, h0).compile().memory_analysis().temp_size_in_bytes
+        for n, f in (("ours", ours), ("plain", plain))
+    }
     assert temp["plain"] - temp["ours"] >= layers * d * d * 4, temp
     grads = {n: grad_of(f, (0, 1, 2)) for n, f in (("ours", ours), ("plain", plain))}
     (v1, g1), (v2, g2) = (g(w, lora, h0) for g in grads.values())
@@ -265,6 +280,7 @@ def test_hybrid_model_refuses_unrolled_layer_slices():
     """A hybrid model's layers are not a uniform stack, so layer_slices' unrolled path would
     run its Gated DeltaNet layers as dense attention: refused before any computation."""
     from jcp import model as model_lib
+
     cfg = jcp.QwenConfig.tiny_qwen3_5()
     params = model_lib.random_params(cfg)
     slices = model_lib.layer_slices(cfg, params)

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.torch
-
-import jcp
 from helpers import model_harness as MH
 from helpers import moe_harness as MoE
+
+import jcp
 from jcp import hf as hf_lib
 from jcp import model as model_lib
 from jcp.model import moe as moe_lib
@@ -27,7 +27,7 @@ from jcp.model import moe as moe_lib
 EXPERTS, TOP_K, FE = MoE.EXPERTS, MoE.TOP_K, MoE.FE
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def saved(norm_topk_prob: bool, tmp):
     hm = MoE.hf_moe(norm_topk_prob)
     path = MH.save(hm, f"{tmp}/moe_{norm_topk_prob}")
@@ -51,23 +51,33 @@ def test_config_from_hf_and_validation(tmp):
     _, path = saved(True, tmp)
     cfg = jcp.QwenConfig.from_hf(path)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
-        EXPERTS, TOP_K, FE)
+        EXPERTS,
+        TOP_K,
+        FE,
+    )
     assert cfg.norm_topk_prob and cfg.qk_norm and cfg.mlp_only_layers == (0,)
     assert cfg.moe_layers == (False, True, True)
     assert jcp.QwenConfig.tiny_moe().is_moe and not jcp.QwenConfig.tiny().is_moe
-    assert jcp.QwenConfig.tiny_moe(decoder_sparse_step=2,
-                                   mlp_only_layers=()).moe_layers == (False, True, False)
-    for bad, match in ((dict(num_experts_per_tok=9), "num_experts_per_tok"),
-                       (dict(mlp_only_layers=(3,)), "mlp_only_layers"),
-                       (dict(decoder_sparse_step=0), "decoder_sparse_step"),
-                       (dict(moe_intermediate_size=0), "moe_intermediate_size")):
+    assert jcp.QwenConfig.tiny_moe(decoder_sparse_step=2, mlp_only_layers=()).moe_layers == (
+        False,
+        True,
+        False,
+    )
+    for bad, match in (
+        (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+        (dict(mlp_only_layers=(3,)), "mlp_only_layers"),
+        (dict(decoder_sparse_step=0), "decoder_sparse_step"),
+        (dict(moe_intermediate_size=0), "moe_intermediate_size"),
+    ):
         with pytest.raises(ValueError, match=match):
             jcp.QwenConfig.tiny_moe(**bad)
     with pytest.raises(ValueError, match="tp=4 does not divide num_experts=6"):
         jcp.QwenConfig.tiny_moe(num_kv_heads=4, num_experts=6).check_mesh(4)
     # Dense configs keep their fingerprint; MoE fields shape a MoE one.
-    assert jcp.QwenConfig.tiny_moe().fingerprint() != jcp.QwenConfig.tiny_moe(
-        norm_topk_prob=False).fingerprint()
+    assert (
+        jcp.QwenConfig.tiny_moe().fingerprint()
+        != jcp.QwenConfig.tiny_moe(norm_topk_prob=False).fingerprint()
+    )
 
 
 def tensor_names(folder: str) -> set[str]:
@@ -82,10 +92,12 @@ def tensor_names(folder: str) -> set[str]:
             names |= set(st.keys())
     return names
 
+
 def test_fused_and_per_expert_checkpoints_load_alike(tmp):
     hm, path = saved(True, tmp)
     fused = f"{tmp}/fused"
     import os
+
     os.makedirs(fused)
     # transformers' in-memory (fused) names, as transformers 5 holds them.
     sd = {k: v.contiguous() for k, v in hm.state_dict().items()}
@@ -113,8 +125,15 @@ def test_fused_and_per_expert_checkpoints_load_alike(tmp):
 # Parity with transformers
 
 
-PARITY = [((1, 1, 1), True), ((1, 2, 1), True), ((1, 2, 2), True), ((1, 1, 4), True),
-          ((2, 2, 2), True), ((1, 1, 1), False), ((1, 2, 2), False)]
+PARITY = [
+    ((1, 1, 1), True),
+    ((1, 2, 1), True),
+    ((1, 2, 2), True),
+    ((1, 1, 4), True),
+    ((2, 2, 2), True),
+    ((1, 1, 1), False),
+    ((1, 2, 2), False),
+]
 
 
 @pytest.mark.parametrize("mesh_shape,norm_topk_prob", PARITY)
@@ -154,8 +173,7 @@ def test_grouped_matmul_matches_ragged_dot_with_empty_groups():
     assert jax.default_backend() == "cpu"  # so the tiled path, not ragged_dot, ran
     assert float(jnp.max(jnp.abs(want[73:]))) == 0.0
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    gg = jax.grad(lambda x, w: jnp.sum(jnp.sin(moe_lib.grouped_matmul(x, w, sizes))),
-                  (0, 1))(x, w)
+    gg = jax.grad(lambda x, w: jnp.sum(jnp.sin(moe_lib.grouped_matmul(x, w, sizes))), (0, 1))(x, w)
     gw = jax.grad(lambda x, w: jnp.sum(jnp.sin(jax.lax.ragged_dot(x, w, sizes))), (0, 1))(x, w)
     for a, b in zip(gg, gw):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
@@ -183,7 +201,7 @@ def test_expert_without_tokens_gives_no_nan_and_zero_gradient():
             for e in range(4):
                 sel = (experts[:, k] == 4 + e)[:, None]
                 h = jax.nn.silu(x @ gate[e]) * (x @ up[e]) @ down[e]
-                y = y + jnp.where(sel, h * wts[:, k:k + 1], 0)
+                y = y + jnp.where(sel, h * wts[:, k : k + 1], 0)
         return y
 
     out = run(x, gate, up, down)
@@ -213,25 +231,41 @@ def test_expert_without_tokens_gives_no_nan_and_zero_gradient():
 
 
 def test_attention_adapter_trains_alike_on_two_meshes(tmp_path):
-    cfg = jcp.QwenConfig.tiny_moe(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                  num_heads=4, num_kv_heads=2, head_dim=8,
-                                  moe_intermediate_size=16)
+    cfg = jcp.QwenConfig.tiny_moe(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        moe_intermediate_size=16,
+    )
     base = model_lib.random_params(cfg, seed=0)
     base["moe_mlp"]["router"] = base["moe_mlp"]["router"] * 15.0  # decisive routing
     seqs, targets, weights = MH.random_data([23, 40], seed=5)
-    data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
-            for s, t, w in zip(seqs, targets, weights)]
+    data = [
+        jcp.Datum(s, {"target_tokens": t, "weights": w}) for s, t, w in zip(seqs, targets, weights)
+    ]
     meshes = ((1, 1, 1), (1, 2, 2))
     assert meshes[0] != meshes[1] and meshes[1][2] > 1  # experts really split over tp
-    trainers = [jcp.Trainer(cfg, jcp.make_mesh(*m), base_params=base, max_adapters=2,
-                            max_rank=4, seed=0) for m in meshes]
+    trainers = [
+        jcp.Trainer(cfg, jcp.make_mesh(*m), base_params=base, max_adapters=2, max_rank=4, seed=0)
+        for m in meshes
+    ]
     assert [t.mesh.shape["tp"] for t in trainers] == [1, 2]
     # Train on the first mesh. A MoE model's default targets add the experts
     # (tests/test_moe_lora.py); this adapter is attention + lm_head only.
     tr = trainers[0]
     assert tr._check_new_adapter(4, 8.0, None).targets == (
-        "q_proj", "k_proj", "v_proj", "o_proj", "expert_gate", "expert_up", "expert_down",
-        "lm_head")
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "expert_gate",
+        "expert_up",
+        "expert_down",
+        "lm_head",
+    )
     a = tr.create_adapter(rank=4, alpha=8.0, seed=1, targets=["attn", "unembed"])
     assert tr.adapters[a].targets == ("q_proj", "k_proj", "v_proj", "o_proj", "lm_head")
     assert tr.adapters[a].expert_lora is None

@@ -8,24 +8,24 @@ computation. All three parameterisations (per-expert, shared-outer, fused gate_u
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
-import jcp
 from helpers import model_harness as MH
 from helpers import moe_harness as TM
 from helpers.moe_harness import ALPHA, MOE_LAYERS, RANK, install, merged, model, random_adapter
+
+import jcp
 from jcp import lora as lora_lib
 from jcp.model import moe as moe_lib
 
 # peft warns that the gate_up rank / alpha pattern of an exported adapter "did not match
 # any targeted module": it checks module names only, and does apply it to the parameter.
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:The following (rank|alpha)_pattern keys did not match:RuntimeWarning")
+    "ignore:The following (rank|alpha)_pattern keys did not match:RuntimeWarning"
+)
 MESHES = ((1, 1, 1), (2, 1, 4))  # test_peft_expert_adapter_matches_peft adds (1, 2, 2)
 
 
@@ -38,19 +38,26 @@ def reference(hm, trees, data_adapters, seqs, targets, weights):
     """(log-probs per datum, loss −Σ w·lp, d loss / d factor per adapter) in float64."""
     hm64 = hm.double()
     params64 = {n: p.detach() for n, p in hm64.named_parameters()}
-    leaves = {(id(tree), m, k): torch.tensor(x, dtype=torch.float64, requires_grad=True)
-              for tree in trees for m, ab in tree.items() for k, x in ab.items()}
+    leaves = {
+        (id(tree), m, k): torch.tensor(x, dtype=torch.float64, requires_grad=True)
+        for tree in trees
+        for m, ab in tree.items()
+        for k, x in ab.items()
+    }
     lps, total = [], 0.0
     for s, t, w, k in zip(seqs, targets, weights, data_adapters):
         over = merged(params64, trees[k], ALPHA / RANK, leaves)
-        logits = torch.func.functional_call(hm64, {**params64, **over},
-                                            (torch.tensor(np.asarray(s))[None],)).logits[0]
+        logits = torch.func.functional_call(
+            hm64, {**params64, **over}, (torch.tensor(np.asarray(s))[None],)
+        ).logits[0]
         lp = torch.log_softmax(logits, -1)[torch.arange(len(s)), torch.tensor(np.asarray(t))]
         total = total - (torch.tensor(np.asarray(w, np.float64)) * lp).sum()
         lps.append(lp.detach().numpy())
     total.backward()
-    grads = [{m: {k: leaves[(id(tree), m, k)].grad.numpy() for k in ab}
-              for m, ab in tree.items()} for tree in trees]
+    grads = [
+        {m: {k: leaves[(id(tree), m, k)].grad.numpy() for k in ab} for m, ab in tree.items()}
+        for tree in trees
+    ]
     hm.float()
     return lps, float(total.detach()), grads
 
@@ -68,13 +75,15 @@ def test_expert_lora_matches_torch(tmp, mesh_shape):
     data_adapters = [0, 1, 2, 0]
     want_lp, want_loss, want_g = reference(hm, trees, data_adapters, seqs, targets, weights)
 
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=4,
-                     max_rank=8, seed=0)
+    tr = jcp.Trainer(
+        cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=4, max_rank=8, seed=0
+    )
     assert tr.mesh.shape["tp"] == mesh_shape[2]
     ids = [install(tr, tree, m) for tree, m in zip(trees, modes)]
     assert [tr.adapters[i].expert_lora for i in ids] == list(modes)
-    data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
-            for s, t, w in zip(seqs, targets, weights)]
+    data = [
+        jcp.Datum(s, {"target_tokens": t, "weights": w}) for s, t, w in zip(seqs, targets, weights)
+    ]
     out = tr.forward_backward(data, "cross_entropy", adapters=[ids[k] for k in data_adapters])
     for o, want in zip(out.loss_fn_outputs, want_lp):
         got = o["logprobs"]
@@ -87,20 +96,27 @@ def test_expert_lora_matches_torch(tmp, mesh_shape):
         for m in want:
             for k in want[m]:
                 assert float(np.max(np.abs(want[m][k]))) > 1e-4 * scale, (m, k)  # exercised
-                np.testing.assert_allclose(got[m][k], want[m][k], atol=2e-5 * scale,
-                                           rtol=1e-3, err_msg=f"adapter {i} {m}.{k}")
+                np.testing.assert_allclose(
+                    got[m][k],
+                    want[m][k],
+                    atol=2e-5 * scale,
+                    rtol=1e-3,
+                    err_msg=f"adapter {i} {m}.{k}",
+                )
 
 
 def test_optim_step_isolates_adapters_and_keeps_unused_factors_zero(tmp):
     _, path = model(tmp)
     cfg, base = jcp.load_hf(path)
-    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 2, 2), base_params=base, max_adapters=3,
-                     max_rank=8, seed=0)
+    tr = jcp.Trainer(
+        cfg, jcp.make_mesh(1, 2, 2), base_params=base, max_adapters=3, max_rank=8, seed=0
+    )
     modes = ("shared_outer", "per_expert", "fused_gate_up")
     ids = [install(tr, random_adapter(cfg, m, 10 + i), m) for i, m in enumerate(modes)]
     seqs, targets, weights = MH.random_data([20, 31, 12], seed=6)
-    data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
-            for s, t, w in zip(seqs, targets, weights)]
+    data = [
+        jcp.Datum(s, {"target_tokens": t, "weights": w}) for s, t, w in zip(seqs, targets, weights)
+    ]
     tr.forward_backward(data, "cross_entropy", adapters=ids)
     before = jax.tree.map(np.asarray, tr.state.tables())
     tr.optim_step(ids[0], jcp.AdamParams(learning_rate=1e-2, weight_decay=0.1))
@@ -112,8 +128,9 @@ def test_optim_step_isolates_adapters_and_keeps_unused_factors_zero(tmp):
                 for i in ids[1:]:
                     np.testing.assert_array_equal(after[name][m][k][i], before[name][m][k][i])
             used = k in lora_lib.expert_keys(m, "shared_outer")
-            changed = not np.array_equal(after["weights"][m][k][ids[0]],
-                                         before["weights"][m][k][ids[0]])
+            changed = not np.array_equal(
+                after["weights"][m][k][ids[0]], before["weights"][m][k][ids[0]]
+            )
             assert changed == used, (m, k)
             if not used:  # the per-expert hidden-side factor of a shared-outer slot
                 assert not np.any(after["weights"][m][k][ids[0]])
@@ -141,19 +158,26 @@ def test_experts_unit_reference_empty_expert_and_all_elsewhere():
     assert not np.isin(5, experts).any()
     x = jnp.asarray(rng.standard_normal((s, d)), jnp.float32)
     wts = jnp.asarray(rng.uniform(0.1, 1.0, (s, k)), jnp.float32)
-    w = [jnp.asarray(0.3 * rng.standard_normal(sh), jnp.float32)
-         for sh in ((e, d, f), (e, d, f), (e, f, d))]
+    w = [
+        jnp.asarray(0.3 * rng.standard_normal(sh), jnp.float32)
+        for sh in ((e, d, f), (e, d, f), (e, f, d))
+    ]
 
     def factors(shared):
         n = lambda *sh: jnp.asarray(0.3 * rng.standard_normal(sh), jnp.float32)  # noqa: E731
-        return {"expert_gate": {"a": n(2, e, d, r), "a_shared": n(2, d, r), "b": n(2, e, r, f)},
-                "expert_up": {"a": n(2, e, d, r), "a_shared": n(2, d, r), "b": n(2, e, r, f)},
-                "expert_down": {"a": n(2, e, f, r), "b": n(2, e, r, d),
-                                "b_shared": n(2, r, d)}}
+        return {
+            "expert_gate": {"a": n(2, e, d, r), "a_shared": n(2, d, r), "b": n(2, e, r, f)},
+            "expert_up": {"a": n(2, e, d, r), "a_shared": n(2, d, r), "b": n(2, e, r, f)},
+            "expert_down": {"a": n(2, e, f, r), "b": n(2, e, r, d), "b_shared": n(2, r, d)},
+        }
 
     lora = factors(None)
-    route = lora_lib.Routing(active_A=jnp.asarray([0, 1]), spans_Ax2=jnp.asarray([[0, 5], [5, 12]]),
-                             scale_A=jnp.asarray([2.0, 0.5]), shared_A=jnp.asarray([1.0, 0.0]))
+    route = lora_lib.Routing(
+        active_A=jnp.asarray([0, 1]),
+        spans_Ax2=jnp.asarray([[0, 5], [5, 12]]),
+        scale_A=jnp.asarray([2.0, 0.5]),
+        shared_A=jnp.asarray([1.0, 0.0]),
+    )
     token_adapter = np.asarray([0] * 5 + [1] * 7)
 
     @jax.jit  # one program (op by op it took twice the CPU time)
@@ -169,12 +193,23 @@ def test_experts_unit_reference_empty_expert_and_all_elsewhere():
                 ge = int(experts[t, c]) - 4
                 if not 0 <= ge < e:
                     continue
-                fa = lambda m, key: (lora[m][key + "_shared"][a] if shared  # noqa: E731
-                                     else lora[m][key][a, ge])
-                g = x[t] @ w[0][ge] + sc * (x[t] @ fa("expert_gate", "a")) @ lora["expert_gate"]["b"][a, ge]
-                u = x[t] @ w[1][ge] + sc * (x[t] @ fa("expert_up", "a")) @ lora["expert_up"]["b"][a, ge]
+                fa = lambda m, key: (
+                    lora[m][key + "_shared"][a]
+                    if shared  # noqa: E731
+                    else lora[m][key][a, ge]
+                )
+                g = (
+                    x[t] @ w[0][ge]
+                    + sc * (x[t] @ fa("expert_gate", "a")) @ lora["expert_gate"]["b"][a, ge]
+                )
+                u = (
+                    x[t] @ w[1][ge]
+                    + sc * (x[t] @ fa("expert_up", "a")) @ lora["expert_up"]["b"][a, ge]
+                )
                 z = jax.nn.silu(g) * u
-                o = z @ w[2][ge] + sc * (z @ lora["expert_down"]["a"][a, ge]) @ fa("expert_down", "b")
+                o = z @ w[2][ge] + sc * (z @ lora["expert_down"]["a"][a, ge]) @ fa(
+                    "expert_down", "b"
+                )
                 y = y.at[t].add(wts[t, c] * o)
         return y
 
@@ -191,8 +226,11 @@ def test_experts_unit_reference_empty_expert_and_all_elsewhere():
     for m, key in (("expert_gate", "a"), ("expert_up", "a"), ("expert_down", "b")):
         assert float(jnp.max(jnp.abs(g[1][m][key][0]))) == 0.0
         assert float(jnp.max(jnp.abs(g[1][m][key][1]))) > 0.0
-    for m, key in (("expert_gate", "a_shared"), ("expert_up", "a_shared"),
-                   ("expert_down", "b_shared")):
+    for m, key in (
+        ("expert_gate", "a_shared"),
+        ("expert_up", "a_shared"),
+        ("expert_down", "b_shared"),
+    ):
         assert float(jnp.max(jnp.abs(g[1][m][key][1]))) == 0.0
         assert float(jnp.max(jnp.abs(g[1][m][key][0]))) > 0.0
     # Local expert 1 (global 5) received no row: its per-expert factors get no gradient.
@@ -231,13 +269,12 @@ def test_top_k_ties_go_to_the_lower_expert_on_every_mesh(tmp):
         # Ties really straddle the boundary: exactly top_k − 1 experts above the pair.
         straddling.append(int(((probs > probs[:, 1:2]).sum(-1) == TM.TOP_K - 1).sum()))
         order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
-        idx = order[:, :TM.TOP_K]
+        idx = order[:, : TM.TOP_K]
         top = torch.gather(probs, 1, idx)
         top = top / top.sum(-1, keepdim=True)  # norm_topk_prob
         return logits, top.to(logits.dtype), idx
 
-    hooks = [hm.model.layers[li].mlp.gate.register_forward_hook(stable_top_k)
-             for li in MOE_LAYERS]
+    hooks = [hm.model.layers[li].mlp.gate.register_forward_hook(stable_top_k) for li in MOE_LAYERS]
     want = MH.reference_logprobs(hm, seqs, targets)
     for h in hooks:
         h.remove()
@@ -256,12 +293,21 @@ def peft_folder(tmp):
     """A peft adapter on attention and the experts' fused parameters (random nonzero A and
     B), saved by peft; its fp64 log-probs, loss and gradients by parameter name."""
     import peft
+
     hm = TM.hf_moe(True, seed=3)
     base_path = MH.save(hm, f"{tmp}/peft_base")  # before peft wraps hm's modules in place
-    pm = peft.get_peft_model(hm, peft.LoraConfig(
-        r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
-        target_modules=list(lora_lib.ATTN),
-        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    pm = peft.get_peft_model(
+        hm,
+        peft.LoraConfig(
+            r=RANK,
+            lora_alpha=ALPHA,
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+            target_modules=list(lora_lib.ATTN),
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        ),
+    )
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in pm.named_parameters():
@@ -271,23 +317,31 @@ def peft_folder(tmp):
     seqs, targets, weights = MH.random_data([29, 44], seed=9)
     lps, total, grads = MH.peft_fp64_reference(pm, seqs, targets, weights)
     assert any("experts.base_layer.lora_A" in n for n in grads)  # gate_up really targeted
-    return {"path": f"{tmp}/peft_experts", "base": base_path, "data": (seqs, targets, weights),
-            "lps": lps, "loss": total, "grads": grads}
+    return {
+        "path": f"{tmp}/peft_experts",
+        "base": base_path,
+        "data": (seqs, targets, weights),
+        "lps": lps,
+        "loss": total,
+        "grads": grads,
+    }
 
 
 @pytest.mark.parametrize("mesh_shape", PEFT_MESHES)
 def test_peft_expert_adapter_matches_peft(peft_folder, mesh_shape, tmp_path):
     cfg, base = jcp.load_hf(peft_folder["base"])
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=2,
-                     max_rank=8, seed=0)
+    tr = jcp.Trainer(
+        cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=2, max_rank=8, seed=0
+    )
     a = tr.load_peft(peft_folder["path"])
     info = tr.adapters[a]
     # peft's parameterisation: gate and up share the fused gate_up's one A per expert
     assert info.expert_lora == "fused_gate_up" and info.rank == RANK
     assert set(lora_lib.EXPERT) <= set(info.targets)
     seqs, targets, weights = peft_folder["data"]
-    data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
-            for s, t, w in zip(seqs, targets, weights)]
+    data = [
+        jcp.Datum(s, {"target_tokens": t, "weights": w}) for s, t, w in zip(seqs, targets, weights)
+    ]
     out = tr.forward_backward(data, "cross_entropy", adapters=a)
     for o, want in zip(out.loss_fn_outputs, peft_folder["lps"]):
         np.testing.assert_allclose(o["logprobs"], want, atol=2e-4, rtol=0)
@@ -295,7 +349,9 @@ def test_peft_expert_adapter_matches_peft(peft_folder, mesh_shape, tmp_path):
     # peft's keys and shapes exactly: gate_up lora_A [r·E, D], not 2r·E rows
     want, got = peft_folder["grads"], tr.gradients(a)
     assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
-    gate_up_a = f"base_model.model.model.layers.{MOE_LAYERS[0]}.mlp.experts.base_layer.lora_A.weight"
+    gate_up_a = (
+        f"base_model.model.model.layers.{MOE_LAYERS[0]}.mlp.experts.base_layer.lora_A.weight"
+    )
     assert got[gate_up_a].shape == (RANK * TM.EXPERTS, MH.D)
     scale = max(float(np.max(np.abs(g))) for g in want.values())
     for k in want:
@@ -303,6 +359,7 @@ def test_peft_expert_adapter_matches_peft(peft_folder, mesh_shape, tmp_path):
     if mesh_shape == PEFT_MESHES[-1]:
         # Export -> peft -> the same log-probs.
         import peft
+
         tr.export_peft(a, tmp_path / "out")
         hm = transformers_model(peft_folder["base"])
         pm = peft.PeftModel.from_pretrained(hm, str(tmp_path / "out")).eval()
@@ -317,26 +374,37 @@ def test_peft_expert_adapter_trains_as_peft_does(peft_folder, tmp_path):
     """Two AdamW steps of the imported adapter equal torch's AdamW on the peft model (fp64),
     parameter by parameter under peft's names, and the export is still at rank r."""
     import peft
+
     cfg, base = jcp.load_hf(peft_folder["base"])
-    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), base_params=base, max_adapters=1,
-                     max_rank=8, seed=0)
+    tr = jcp.Trainer(
+        cfg, jcp.make_mesh(1, 1, 1), base_params=base, max_adapters=1, max_rank=8, seed=0
+    )
     a = tr.load_peft(peft_folder["path"])
     seqs, targets, weights = peft_folder["data"]
-    data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
-            for s, t, w in zip(seqs, targets, weights)]
+    data = [
+        jcp.Datum(s, {"target_tokens": t, "weights": w}) for s, t, w in zip(seqs, targets, weights)
+    ]
     # eps well above float32's gradient noise, so Adam's sign-like first step cannot
     # amplify it; weight decay on, no clipping
     hp = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.1)
-    adam = jcp.AdamParams(learning_rate=hp["lr"], beta1=0.9, beta2=0.95, eps=hp["eps"],
-                          weight_decay=hp["weight_decay"], grad_clip_norm=0.0)
+    adam = jcp.AdamParams(
+        learning_rate=hp["lr"],
+        beta1=0.9,
+        beta2=0.95,
+        eps=hp["eps"],
+        weight_decay=hp["weight_decay"],
+        grad_clip_norm=0.0,
+    )
 
-    pm = peft.PeftModel.from_pretrained(transformers_model(peft_folder["base"]),
-                                        peft_folder["path"], is_trainable=True).double()
+    pm = peft.PeftModel.from_pretrained(
+        transformers_model(peft_folder["base"]), peft_folder["path"], is_trainable=True
+    ).double()
     params = {n.replace(".default", ""): p for n, p in pm.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(list(params.values()), **hp)
     start = {k: v.detach().numpy().copy() for k, v in params.items()}
-    assert {k: v.shape for k, v in tr.adapter_weights(a).items()} == \
-        {k: v.shape for k, v in start.items()}
+    assert {k: v.shape for k, v in tr.adapter_weights(a).items()} == {
+        k: v.shape for k, v in start.items()
+    }
     for _ in range(2):
         tr.forward_backward(data, "cross_entropy", adapters=a)
         tr.optim_step(a, adam)
@@ -344,8 +412,7 @@ def test_peft_expert_adapter_trains_as_peft_does(peft_folder, tmp_path):
         total = 0.0
         for s, t, w in zip(seqs, targets, weights):
             logits = pm(torch.tensor(np.asarray(s))[None]).logits[0]
-            lp = torch.log_softmax(logits, -1)[torch.arange(len(s)),
-                                               torch.tensor(np.asarray(t))]
+            lp = torch.log_softmax(logits, -1)[torch.arange(len(s)), torch.tensor(np.asarray(t))]
             total = total - (torch.tensor(np.asarray(w, np.float64)) * lp).sum()
         total.backward()
         opt.step()
@@ -359,8 +426,9 @@ def test_peft_expert_adapter_trains_as_peft_does(peft_folder, tmp_path):
     with open(tmp_path / "trained" / "adapter_config.json") as f:
         pc = __import__("json").load(f)
     assert pc["r"] == RANK and not pc["rank_pattern"]
-    back = peft.PeftModel.from_pretrained(transformers_model(peft_folder["base"]),
-                                          str(tmp_path / "trained"))
+    back = peft.PeftModel.from_pretrained(
+        transformers_model(peft_folder["base"]), str(tmp_path / "trained")
+    )
     for n, p in back.named_parameters():
         if "lora_" in n:
             k = n.replace(".default", "")
@@ -376,8 +444,10 @@ def test_peft_expert_adapter_trains_as_peft_does(peft_folder, tmp_path):
 
 def transformers_model(path):
     import transformers
+
     return transformers.Qwen3MoeForCausalLM.from_pretrained(
-        path, experts_implementation="eager", dtype=torch.float32).eval()
+        path, experts_implementation="eager", dtype=torch.float32
+    ).eval()
 
 
 # ----------------------------------------------------------------------------------------
@@ -390,33 +460,43 @@ def test_sampling_a_moe_model(tmp, mesh_shape):
     log-probs with expert adapters of both kinds (mixed in one call) equal forward's."""
     hm, path = model(tmp)
     cfg, base = jcp.load_hf(path)
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=3,
-                     max_rank=8, seed=0)
-    ids = [install(tr, random_adapter(cfg, "shared_outer", 21), "shared_outer"),
-           install(tr, random_adapter(cfg, "per_expert", 22), "per_expert")]
+    tr = jcp.Trainer(
+        cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=3, max_rank=8, seed=0
+    )
+    ids = [
+        install(tr, random_adapter(cfg, "shared_outer", 21), "shared_outer"),
+        install(tr, random_adapter(cfg, "per_expert", 22), "per_expert"),
+    ]
     prompts = [np.arange(5, 17), np.asarray([3, 99, 42]), np.arange(60, 90)]
     greedy = jcp.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
     got = tr.sample(prompts, greedy)
     for p, r in zip(prompts, got):
         with torch.no_grad():
             ids_t = torch.tensor(p)[None]
-            want = hm.generate(input_ids=ids_t, attention_mask=torch.ones_like(ids_t),
-                               do_sample=False, max_new_tokens=8, min_new_tokens=8,
-                               pad_token_id=0)[0, len(p):].numpy()
+            want = hm.generate(
+                input_ids=ids_t,
+                attention_mask=torch.ones_like(ids_t),
+                do_sample=False,
+                max_new_tokens=8,
+                min_new_tokens=8,
+                pad_token_id=0,
+            )[0, len(p) :].numpy()
         np.testing.assert_array_equal(r.sequences[0].tokens, want)
     adapters = [ids[0], ids[1], ids[0]]
     sp = jcp.SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[])
     res = tr.sample(prompts, sp, adapters=adapters, prompt_logprobs=True)
-    assert any(not np.array_equal(r.sequences[0].tokens, g.sequences[0].tokens)
-               for r, g in zip(res, got))
+    assert any(
+        not np.array_equal(r.sequences[0].tokens, g.sequences[0].tokens) for r, g in zip(res, got)
+    )
     for p, r, a in zip(prompts, res, adapters):
         seq = r.sequences[0]
         full = np.concatenate([p, seq.tokens]).astype(np.int32)
-        d = jcp.Datum(full[:-1], {"target_tokens": full[1:],
-                                  "weights": np.zeros(len(full) - 1, np.float32)})
+        d = jcp.Datum(
+            full[:-1], {"target_tokens": full[1:], "weights": np.zeros(len(full) - 1, np.float32)}
+        )
         lp = tr.forward([d], adapters=a).loss_fn_outputs[0]["logprobs"]
-        np.testing.assert_allclose(seq.logprobs, lp[len(p) - 1:], atol=2e-4, rtol=0)
-        np.testing.assert_allclose(r.prompt_logprobs[1:], lp[:len(p) - 1], atol=2e-4, rtol=0)
+        np.testing.assert_allclose(seq.logprobs, lp[len(p) - 1 :], atol=2e-4, rtol=0)
+        np.testing.assert_allclose(r.prompt_logprobs[1:], lp[: len(p) - 1], atol=2e-4, rtol=0)
 
 
 def test_shared_outer_only_slots_are_leaner_and_equal(tmp):
@@ -427,8 +507,15 @@ def test_shared_outer_only_slots_are_leaner_and_equal(tmp):
     cfg, base = jcp.load_hf(path)
     mesh = jcp.make_mesh(1, 1, 2)
     both = jcp.Trainer(cfg, mesh, base_params=base, max_adapters=2, max_rank=8, seed=0)
-    lean = jcp.Trainer(cfg, mesh, base_params=base, max_adapters=2, max_rank=8, seed=0,
-                       expert_lora_modes=("shared_outer",))
+    lean = jcp.Trainer(
+        cfg,
+        mesh,
+        base_params=base,
+        max_adapters=2,
+        max_rank=8,
+        seed=0,
+        expert_lora_modes=("shared_outer",),
+    )
     tables = [t.state.tables()["weights"] for t in (both, lean)]
     assert set(tables[0]["expert_gate"]) == {"a", "a_shared", "b"}
     assert set(tables[1]["expert_gate"]) == {"a_shared", "b"}
@@ -437,8 +524,9 @@ def test_shared_outer_only_slots_are_leaner_and_equal(tmp):
     assert size(tables[1]) < 0.7 * size(tables[0])
     tree = random_adapter(cfg, "shared_outer", 31)
     seqs, targets, weights = MH.random_data([25, 14], seed=2)
-    data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
-            for s, t, w in zip(seqs, targets, weights)]
+    data = [
+        jcp.Datum(s, {"target_tokens": t, "weights": w}) for s, t, w in zip(seqs, targets, weights)
+    ]
     results = []
     for tr in (both, lean):
         a = install(tr, tree, "shared_outer")
@@ -447,8 +535,9 @@ def test_shared_outer_only_slots_are_leaner_and_equal(tmp):
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
     for m in results[0][1]:
         for k in results[0][1][m]:
-            np.testing.assert_allclose(results[1][1][m][k], results[0][1][m][k], rtol=1e-5,
-                                       atol=1e-6, err_msg=f"{m}.{k}")
+            np.testing.assert_allclose(
+                results[1][1][m][k], results[0][1][m][k], rtol=1e-5, atol=1e-6, err_msg=f"{m}.{k}"
+            )
     before = jax.tree.map(np.asarray, lean.state.tables())
     with pytest.raises(jcp.InputError, match="expert_lora_modes"):
         lean.create_adapter(rank=4, expert_lora="per_expert")
@@ -462,7 +551,8 @@ def test_shared_outer_only_slots_are_leaner_and_equal(tmp):
     with pytest.raises(jcp.InputError, match="expert_lora must be one of"):
         both.create_adapter(rank=4, expert_lora="shared")
     assert dict(both.adapters) == infos
-    assert jax.tree.all(jax.tree.map(np.array_equal, before,
-                                     jax.tree.map(np.asarray, both.state.tables())))
+    assert jax.tree.all(
+        jax.tree.map(np.array_equal, before, jax.tree.map(np.asarray, both.state.tables()))
+    )
     with pytest.raises(ValueError, match="dense model"):
         lora_lib.resolve_targets(["experts"], jcp.QwenConfig.tiny())

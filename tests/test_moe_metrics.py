@@ -17,18 +17,23 @@ import functools
 import numpy as np
 import pytest
 import torch
+from helpers import model_harness as MH
+from helpers import moe_harness as TM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 import jcp
-from helpers import model_harness as MH
-from helpers import moe_harness as TM
 from jcp.model import moe as moe_lib
 
 MESHES = ((1, 1, 1), (1, 2, 2), (2, 1, 2))
 LENGTHS = (37, 52, 23, 41)  # odd lengths: zigzag padding at cp = 2
 COEF = 10.0  # large: the aux gradient well above float32 noise of the CE one
-E_KEYS = ("e_frac_with_tokens:mean", "e_frac_oversubscribed:mean", "e_max_violation:mean",
-          "e_max_violation:max", "e_min_violation:mean")
+E_KEYS = (
+    "e_frac_with_tokens:mean",
+    "e_frac_oversubscribed:mean",
+    "e_max_violation:mean",
+    "e_max_violation:max",
+    "e_min_violation:mean",
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +52,15 @@ def numpy_metrics(experts_per_layer, num_experts):
         over.append(np.count_nonzero(load > balance) / num_experts)
         max_v.append((load.max() - balance) / balance)
         min_v.append((load.min() - balance) / balance)
-    return dict(zip(E_KEYS, (np.mean(with_tokens), np.mean(over), np.mean(max_v),
-                             np.max(max_v), np.mean(min_v))))
+    return dict(
+        zip(
+            E_KEYS,
+            (np.mean(with_tokens), np.mean(over), np.mean(max_v), np.max(max_v), np.mean(min_v)),
+        )
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def setup(tmp):
     """(hm, cfg, base, adapter tree, data, reference) — reference: picked experts per MoE
     layer [Σ N, top_k], the CE loss and its gradient, the aux loss and its gradient."""
@@ -59,16 +68,20 @@ def setup(tmp):
     cfg, base = jcp.load_hf(path)
     tree = TM.random_adapter(cfg, "shared_outer", 3)
     seqs, targets, weights = MH.random_data(LENGTHS, seed=3)  # no near-tie (see margin)
-    data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
-            for s, t, w in zip(seqs, targets, weights)]
+    data = [
+        jcp.Datum(s, {"target_tokens": t, "weights": w}) for s, t, w in zip(seqs, targets, weights)
+    ]
     return hm, cfg, base, tree, data, reference(hm, tree, seqs, targets, weights)
 
 
 def reference(hm, tree, seqs, targets, weights):
     hm64 = hm.double()
     params64 = {n: p.detach() for n, p in hm64.named_parameters()}
-    leaves = {(id(tree), m, k): torch.tensor(x, dtype=torch.float64, requires_grad=True)
-              for m, ab in tree.items() for k, x in ab.items()}
+    leaves = {
+        (id(tree), m, k): torch.tensor(x, dtype=torch.float64, requires_grad=True)
+        for m, ab in tree.items()
+        for k, x in ab.items()
+    }
     over = TM.merged(params64, tree, TM.ALPHA / TM.RANK, leaves)
     picked = {li: [] for li in TM.MOE_LAYERS}
     margins = []
@@ -79,17 +92,21 @@ def reference(hm, tree, seqs, targets, weights):
             probs = torch.softmax(logits.detach(), -1).sort(-1, descending=True).values
             margins.append(float((probs[:, TM.TOP_K - 1] - probs[:, TM.TOP_K]).min()))
             picked[li].append(idx.numpy())
+
         return hook
 
-    hooks = [hm64.model.layers[li].mlp.gate.register_forward_hook(capture(li))
-             for li in TM.MOE_LAYERS]
+    hooks = [
+        hm64.model.layers[li].mlp.gate.register_forward_hook(capture(li)) for li in TM.MOE_LAYERS
+    ]
     ce, logits_per_layer = 0.0, [[] for _ in TM.MOE_LAYERS]
     for s, t, w in zip(seqs, targets, weights):
-        out = torch.func.functional_call(hm64, {**params64, **over},
-                                         (torch.tensor(np.asarray(s))[None],),
-                                         {"output_router_logits": True})
-        lp = torch.log_softmax(out.logits[0], -1)[torch.arange(len(s)),
-                                                  torch.tensor(np.asarray(t))]
+        out = torch.func.functional_call(
+            hm64,
+            {**params64, **over},
+            (torch.tensor(np.asarray(s))[None],),
+            {"output_router_logits": True},
+        )
+        lp = torch.log_softmax(out.logits[0], -1)[torch.arange(len(s)), torch.tensor(np.asarray(t))]
         ce = ce - (torch.tensor(np.asarray(w, np.float64)) * lp).sum()
         assert len(out.router_logits) == len(TM.MOE_LAYERS)
         for j, rl in enumerate(out.router_logits):
@@ -97,24 +114,37 @@ def reference(hm, tree, seqs, targets, weights):
     for h in hooks:
         h.remove()
     # transformers' loss of one layer normalises f by tokens, jcp's by assignments.
-    aux = sum(load_balancing_loss_func((torch.cat(ls),), TM.EXPERTS, TM.TOP_K)
-              for ls in logits_per_layer) / TM.TOP_K
+    aux = (
+        sum(
+            load_balancing_loss_func((torch.cat(ls),), TM.EXPERTS, TM.TOP_K)
+            for ls in logits_per_layer
+        )
+        / TM.TOP_K
+    )
     keys = list(leaves)
     g_ce = torch.autograd.grad(ce, [leaves[k] for k in keys], retain_graph=True)
     # Factors downstream of the last router (the last layer's experts, lm_head) get none.
-    g_aux = torch.autograd.grad(aux, [leaves[k] for k in keys], allow_unused=True,
-                                materialize_grads=True)
-    as_tree = lambda gs: {m: {k: g.numpy() for (_, mm, k), g in zip(keys, gs) if mm == m}
-                          for m in tree}
+    g_aux = torch.autograd.grad(
+        aux, [leaves[k] for k in keys], allow_unused=True, materialize_grads=True
+    )
+    as_tree = lambda gs: {
+        m: {k: g.numpy() for (_, mm, k), g in zip(keys, gs) if mm == m} for m in tree
+    }
     hm.float()
-    return dict(picked=[np.concatenate(picked[li]) for li in TM.MOE_LAYERS],
-                margin=min(margins), ce=float(ce.detach()), g_ce=as_tree(g_ce),
-                aux=float(aux.detach()), g_aux=as_tree(g_aux))
+    return dict(
+        picked=[np.concatenate(picked[li]) for li in TM.MOE_LAYERS],
+        margin=min(margins),
+        ce=float(ce.detach()),
+        g_ce=as_tree(g_ce),
+        aux=float(aux.detach()),
+        g_aux=as_tree(g_aux),
+    )
 
 
 def trainer(cfg, base, tree, mesh_shape, **kw):
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=2,
-                     max_rank=8, seed=0, **kw)
+    tr = jcp.Trainer(
+        cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=2, max_rank=8, seed=0, **kw
+    )
     return tr, TM.install(tr, tree, "shared_outer")
 
 
@@ -126,19 +156,23 @@ def test_load_metrics_definitions():
     # Layer 0: balance 2 (8 assignments, 4 experts); layer 1: perfectly balanced.
     got = moe_lib.load_metrics(np.array([[4, 0, 3, 1], [2, 2, 2, 2]]))
     assert set(got) == set(E_KEYS)
-    want = {"e_frac_with_tokens:mean": (3 / 4 + 1) / 2,
-            "e_frac_oversubscribed:mean": (2 / 4 + 0) / 2,
-            "e_max_violation:mean": ((4 - 2) / 2 + 0) / 2,
-            "e_max_violation:max": 1.0,
-            "e_min_violation:mean": ((0 - 2) / 2 + 0) / 2}
+    want = {
+        "e_frac_with_tokens:mean": (3 / 4 + 1) / 2,
+        "e_frac_oversubscribed:mean": (2 / 4 + 0) / 2,
+        "e_max_violation:mean": ((4 - 2) / 2 + 0) / 2,
+        "e_max_violation:max": 1.0,
+        "e_min_violation:mean": ((0 - 2) / 2 + 0) / 2,
+    }
     for k in E_KEYS:
         assert got[k] == pytest.approx(want[k], abs=1e-12), k
-    assert numpy_metrics([np.array([[0, 0], [0, 2], [2, 3], [2, 0]]), np.arange(8) % 4], 4) \
-        == pytest.approx(want)
+    assert numpy_metrics(
+        [np.array([[0, 0], [0, 2], [2, 3], [2, 0]]), np.arange(8) % 4], 4
+    ) == pytest.approx(want)
 
 
-@pytest.mark.parametrize("mesh_shape,max_tokens", [((1, 1, 1), 64), ((1, 2, 2), None),
-                                                   ((2, 1, 2), None)])
+@pytest.mark.parametrize(
+    "mesh_shape,max_tokens", [((1, 1, 1), 64), ((1, 2, 2), None), ((2, 1, 2), None)]
+)
 def test_metrics_match_transformers_routing(tmp, mesh_shape, max_tokens):
     """Over the real tokens of the whole call: equal on every mesh, padding excluded, and
     at (1, 1, 1) a call of several micro-batches, whose counts are summed."""
@@ -155,8 +189,9 @@ def test_metrics_match_transformers_routing(tmp, mesh_shape, max_tokens):
         # Per micro-batch the figures differ: the sum over micro-batches matters.
         first = [p.index for p in packed[0].placements]
         starts = np.cumsum((0,) + LENGTHS)
-        part = [np.concatenate([p[starts[j]:starts[j + 1]] for j in first])
-                for p in ref["picked"]]
+        part = [
+            np.concatenate([p[starts[j] : starts[j + 1]] for j in first]) for p in ref["picked"]
+        ]
         assert numpy_metrics(part, TM.EXPERTS) != pytest.approx(want)
     got = tr.forward(data, "cross_entropy", adapters=a).metrics
     assert "router_aux_loss:sum" not in got
@@ -168,8 +203,9 @@ def test_dense_model_has_no_load_metrics_and_coefficient_is_checked():
     cfg = jcp.QwenConfig.tiny()
     tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=2, max_rank=2)
     seqs, targets, weights = MH.random_data([9, 14], seed=1)
-    data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
-            for s, t, w in zip(seqs, targets, weights)]
+    data = [
+        jcp.Datum(s, {"target_tokens": t, "weights": w}) for s, t, w in zip(seqs, targets, weights)
+    ]
     out = tr.forward_backward(data, "cross_entropy", adapters=tr.create_adapter(rank=2))
     assert set(out.metrics) == {"loss:sum"}
     with pytest.raises(ValueError, match="mixture-of-experts"):
@@ -212,7 +248,9 @@ def test_router_aux_loss_gradient_matches_transformers_on_two_meshes(tmp):
             if m == "lm_head":  # downstream of every router: none
                 assert not np.any(want_d)
             for g in (g1, g2):
-                np.testing.assert_allclose(g[m][k] - g0[m][k], want_d, rtol=0,
-                                           atol=2e-4 * scale, err_msg=f"{m}.{k}")
-            np.testing.assert_allclose(g2[m][k], g1[m][k], rtol=1e-4,
-                                       atol=1e-5 * MH.tree_max_abs(g1), err_msg=f"{m}.{k}")
+                np.testing.assert_allclose(
+                    g[m][k] - g0[m][k], want_d, rtol=0, atol=2e-4 * scale, err_msg=f"{m}.{k}"
+                )
+            np.testing.assert_allclose(
+                g2[m][k], g1[m][k], rtol=1e-4, atol=1e-5 * MH.tree_max_abs(g1), err_msg=f"{m}.{k}"
+            )

@@ -13,9 +13,9 @@ import sys
 import jax
 import numpy as np
 import pytest
+from helpers import mp_case
 
 import jcp
-from helpers import mp_case
 from jcp import host_sum, train_step
 
 HERE = os.path.dirname(__file__)
@@ -32,9 +32,22 @@ def test_two_processes_match_one(tmp_path):
     port = str(_free_port())
     env = dict(os.environ)
     env["XLA_FLAGS"] = os.environ.get("JCP_TEST_CHILD_XLA_FLAGS", "")
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "helpers", "mp_worker.py"), str(i), port,
-                               str(tmp_path)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(HERE, "helpers", "mp_worker.py"),
+                str(i),
+                port,
+                str(tmp_path),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     logs = []
     for p in procs:
         try:
@@ -79,23 +92,35 @@ def test_outputs_summed_with_the_gradient_are_the_forward_sums():
     mp_case's step (2, 2, 2, ppo with clipped tokens, two adapters), so its program is the
     one test_two_processes_match_one compiled in this process."""
     rng = np.random.default_rng(0)
-    data = [jcp.Datum(rng.integers(0, mp_case.CFG.vocab_size, n),
-                      {"target_tokens": rng.integers(0, mp_case.CFG.vocab_size, n),
-                       "advantages": rng.normal(size=n), "logprobs": -rng.uniform(1, 6, n)})
-            for n in (37, 1, 20, 64, 5)]
-    tr = jcp.Trainer(mp_case.CFG, jcp.make_mesh(2, 2, 2), max_rank=8, attn_block=16,
-                     logprob_chunk=16)
+    data = [
+        jcp.Datum(
+            rng.integers(0, mp_case.CFG.vocab_size, n),
+            {
+                "target_tokens": rng.integers(0, mp_case.CFG.vocab_size, n),
+                "advantages": rng.normal(size=n),
+                "logprobs": -rng.uniform(1, 6, n),
+            },
+        )
+        for n in (37, 1, 20, 64, 5)
+    ]
+    tr = jcp.Trainer(
+        mp_case.CFG, jcp.make_mesh(2, 2, 2), max_rank=8, attn_block=16, logprob_chunk=16
+    )
     runs = []
     for fold in (True, False):
-        tr._fb_steps = {r: train_step.make_forward_backward(
-            tr.cfg, tr.mesh, dataclasses.replace(tr.step_cfg, remat=r), fold=fold)
-            for r in tr._fb_steps}
+        tr._fb_steps = {
+            r: train_step.make_forward_backward(
+                tr.cfg, tr.mesh, dataclasses.replace(tr.step_cfg, remat=r), fold=fold
+            )
+            for r in tr._fb_steps
+        }
         tr._fb_programs.clear()
         a, b = tr.create_adapter(rank=4, seed=1), tr.create_adapter(rank=8, seed=2)
         out = tr.forward_backward(data, "ppo", adapters=[a, b, a, b, a])
         (program,) = tr.forward_backward_programs.values()
-        runs.append((out, tr.gradients(a), tr.gradients(b),
-                     _all_reduce_operands(program.as_text())))
+        runs.append(
+            (out, tr.gradients(a), tr.gradients(b), _all_reduce_operands(program.as_text()))
+        )
     (folded, fa, fb, f_ops), (ref, ra, rb, r_ops) = runs
     assert f_ops == r_ops - 1, (f_ops, r_ops)
     assert ref.metrics["clipped_tokens:sum"] > 0
@@ -118,14 +143,22 @@ def test_sums_on_host_match_the_all_reduce():
     meshes with tp = 1."""
     assert not host_sum.sums_on_host(jcp.make_mesh(8, 1, 1))  # one process
     rng = np.random.default_rng(1)
-    data = [jcp.Datum(rng.integers(0, mp_case.CFG.vocab_size, n),
-                      {"target_tokens": rng.integers(0, mp_case.CFG.vocab_size, n),
-                       "advantages": rng.normal(size=n), "logprobs": -rng.uniform(1, 6, n)})
-            for n in (37, 1, 20, 64, 5)]
+    data = [
+        jcp.Datum(
+            rng.integers(0, mp_case.CFG.vocab_size, n),
+            {
+                "target_tokens": rng.integers(0, mp_case.CFG.vocab_size, n),
+                "advantages": rng.normal(size=n),
+                "logprobs": -rng.uniform(1, 6, n),
+            },
+        )
+        for n in (37, 1, 20, 64, 5)
+    ]
     runs = []
     for on_host in (False, True):
-        tr = jcp.Trainer(mp_case.CFG, jcp.make_mesh(4, 2, 1), max_rank=8, attn_block=16,
-                         logprob_chunk=16)
+        tr = jcp.Trainer(
+            mp_case.CFG, jcp.make_mesh(4, 2, 1), max_rank=8, attn_block=16, logprob_chunk=16
+        )
         tr.sums_on_host = on_host
         a, b = tr.create_adapter(rank=4, seed=1), tr.create_adapter(rank=8, seed=2)
         tr.forward_backward(data, "ppo", adapters=[a, b, a, b, a])
@@ -135,8 +168,9 @@ def test_sums_on_host_match_the_all_reduce():
         fwd = tr.forward(data, "ppo", adapters=[b, a, b, a, b])
         # A refused call (a loss not finite in float32) leaves the accumulators as they were.
         kept = tr.gradients(a)
-        bad = jcp.Datum(data[0].model_input, {**data[0].loss_fn_inputs,
-                                              "advantages": np.full(37, 1e38)})
+        bad = jcp.Datum(
+            data[0].model_input, {**data[0].loss_fn_inputs, "advantages": np.full(37, 1e38)}
+        )
         with pytest.raises(jcp.InputError, match="datum 0"):
             tr.forward_backward([bad] + data[1:], "ppo", adapters=[a, b, a, b, a])
         for k, v in tr.gradients(a).items():
@@ -146,20 +180,21 @@ def test_sums_on_host_match_the_all_reduce():
         runs.append((out, tr.gradients(a), tr.gradients(b), program, fwd))
     (ref, ra, rb, one, ref_fwd), (got, ga, gb, two, got_fwd) = runs
     assert isinstance(two, host_sum.HostSummedProgram) and not isinstance(
-        one, host_sum.HostSummedProgram)
+        one, host_sum.HostSummedProgram
+    )
     assert _all_reduce_operands(one.as_text()) > 0
     assert _all_reduce_operands(two.partials.as_text()) == 0
     assert ref.metrics["clipped_tokens:sum"] > 0
     assert ref.metrics["clipped_tokens:sum"] == got.metrics["clipped_tokens:sum"]
     np.testing.assert_allclose(got.metrics["loss:sum"], ref.metrics["loss:sum"], rtol=1e-6)
-    for x, y in zip(got.loss_fn_outputs + got_fwd.loss_fn_outputs,
-                    ref.loss_fn_outputs + ref_fwd.loss_fn_outputs):
+    for x, y in zip(
+        got.loss_fn_outputs + got_fwd.loss_fn_outputs, ref.loss_fn_outputs + ref_fwd.loss_fn_outputs
+    ):
         assert x.keys() == y.keys()
         for k in x:
             np.testing.assert_allclose(x[k], y[k], rtol=1e-5, atol=1e-6, err_msg=k)
     assert ref_fwd.metrics["clipped_tokens:sum"] == got_fwd.metrics["clipped_tokens:sum"]
-    np.testing.assert_allclose(got_fwd.metrics["loss:sum"], ref_fwd.metrics["loss:sum"],
-                               rtol=1e-6)
+    np.testing.assert_allclose(got_fwd.metrics["loss:sum"], ref_fwd.metrics["loss:sum"], rtol=1e-6)
     for g, want in ((ga, ra), (gb, rb)):
         assert any(np.abs(v).max() > 0 for v in want.values())
         for k in want:

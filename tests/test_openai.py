@@ -65,19 +65,26 @@ TEMPLATE = (
     "{%- if m['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '<|im_end|>' }}{% endif %}"
     "{{ '\\n' }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 def _quiet(fast) -> list[int]:
     """Special tokens and tokens that are not printable ASCII: never greedy text."""
-    return [i for i in range(len(fast)) if i in fast.added_tokens_decoder
-            or not fast.decode([i]) or not all(32 <= ord(c) < 127 for c in fast.decode([i]))]
+    return [
+        i
+        for i in range(len(fast))
+        if i in fast.added_tokens_decoder
+        or not fast.decode([i])
+        or not all(32 <= ord(c) < 127 for c in fast.decode([i]))
+    ]
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return C.build_numpy(str(tmp_path_factory.mktemp("tiny-chat")), chat_template=TEMPLATE,
-                         quiet=_quiet)
+    return C.build_numpy(
+        str(tmp_path_factory.mktemp("tiny-chat")), chat_template=TEMPLATE, quiet=_quiet
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +95,21 @@ def text(folder):
 @pytest.fixture(scope="module")
 def env(folder):
     cfg, base = jcp.load_hf(folder)
-    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), base_params=base, max_adapters=4,
-                     max_rank=8)
-    with serving(tr, MODEL, KEYS, "jcp-serve-openai-", tokenizer_id=folder, sample_slots=16,
-                 sample_max_len=128) as state:
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), base_params=base, max_adapters=4, max_rank=8)
+    with serving(
+        tr,
+        MODEL,
+        KEYS,
+        "jcp-serve-openai-",
+        tokenizer_id=folder,
+        sample_slots=16,
+        sample_max_len=128,
+    ) as state:
         state["text"] = Text.load(folder)
-        state["oai"] = {k: openai.OpenAI(base_url=state["srv"].url + "/v1", api_key=k,
-                                         max_retries=0) for k in KEYS}
+        state["oai"] = {
+            k: openai.OpenAI(base_url=state["srv"].url + "/v1", api_key=k, max_retries=0)
+            for k in KEYS
+        }
         yield state
 
 
@@ -109,6 +124,7 @@ GREEDY = dict(temperature=0.0)
 
 
 # ---------------------------------------------------------------------- text.py alone
+
 
 def test_detokenizer_streams_whole_characters(text):
     s = "Hi héllo 你好 🙂 — the answer is 42."
@@ -131,21 +147,23 @@ def test_stop_strings_cut_where_they_start(text):
     ids = text.encode(s)
     pieces = [text.decode([t]) for t in ids]
     # A stop string across a token boundary (the end of one token, the start of the next).
-    k = next(i for i in range(1, len(pieces) - 1)
-             if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    k = next(
+        i for i in range(1, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2
+    )
     across = pieces[k][-2:] + pieces[k + 1][:2]
     at = s.find(across)
-    assert at == len("".join(pieces[:k + 1])) - 2
+    assert at == len("".join(pieces[: k + 1])) - 2
     got, keep = complete_text(text, ids, [across])
     assert (got, keep) == (s[:at], k + 2)
     # One inside a token; the earliest of several wins; none found keeps everything.
     got, keep = complete_text(text, ids, ["zzz", "ello"])
-    assert got == s[:s.find("ello")] and keep == next(
-        i + 1 for i in range(len(ids)) if "ello" in text.decode(ids[:i + 1]))
+    assert got == s[: s.find("ello")] and keep == next(
+        i + 1 for i in range(len(ids)) if "ello" in text.decode(ids[: i + 1])
+    )
     assert complete_text(text, ids, ["zzz"]) == (s, None)
     # A stream holds back what could still become a stop string, never more.
     seq = SeqText(text, [across])
-    for t in ids[:k + 1]:
+    for t in ids[: k + 1]:
         assert not seq.push(t)
     assert seq.ready == len(seq.text) - (len(across) - 1)
     assert seq.push(ids[k + 1]) and seq.text == s[:at] and seq.ready == at
@@ -155,18 +173,22 @@ def test_stop_strings_cut_where_they_start(text):
     watch = StopWatch(text, [across], lambda j, t, lp, rows: fed.append((j, t)))
     assert watch(0, ids[:k], [0.0] * k) is None
     assert watch(1, ids, [0.0] * len(ids)) == k + 2
-    assert fed == [(0, ids[:k]), (1, ids[:k + 2])]
+    assert fed == [(0, ids[:k]), (1, ids[: k + 2])]
 
 
 def test_chat_template_renders_as_transformers(text, folder):
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(folder)
-    chats = [[{"role": "user", "content": "What is 4 + 5?"}],
-             [{"role": "system", "content": "You are a helpful assistant."},
-              {"role": "user", "content": "Hello, how are you?"},
-              {"role": "assistant", "content": "I am fine, thank you. And you?"},
-              {"role": "assistant", "content": ""},
-              {"role": "user", "content": "Tell me a short story about a cat."}]]
+    chats = [
+        [{"role": "user", "content": "What is 4 + 5?"}],
+        [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Hello, how are you?"},
+            {"role": "assistant", "content": "I am fine, thank you. And you?"},
+            {"role": "assistant", "content": ""},
+            {"role": "user", "content": "Tell me a short story about a cat."},
+        ],
+    ]
     for msgs in chats:
         for gen in (True, False):
             want = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
@@ -175,37 +197,56 @@ def test_chat_template_renders_as_transformers(text, folder):
             ids = ids["input_ids"] if not isinstance(ids, list) else ids
             assert text.chat_tokens(msgs, gen) == list(ids)
     assert "<|im_end|>" in want and text.chat_tokens(chats[0])[0] == hf.convert_tokens_to_ids(
-        "<|im_start|>")
+        "<|im_start|>"
+    )
     from jcp.server.text import TextError
+
     with pytest.raises(TextError, match="unknown role tool"):
         text.render_chat([{"role": "tool", "content": "x"}])
 
 
 # ---------------------------------------------------------------------- one engine
 
+
 def test_greedy_text_equals_tinker_sample(env):
     text, oai = env["text"], env["oai"]["tml-alice"]
     prompt = "Hello, how are you?"
     ids = text.encode(prompt)
-    ref = _sampler(env).sample(types.ModelInput.from_ints(ids), 1, types.SamplingParams(
-        max_tokens=12, **GREEDY)).result().sequences[0]
+    ref = (
+        _sampler(env)
+        .sample(types.ModelInput.from_ints(ids), 1, types.SamplingParams(max_tokens=12, **GREEDY))
+        .result()
+        .sequences[0]
+    )
     assert len(text.decode(ref.tokens).strip()) >= 6  # the model writes text
     r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **GREEDY)
     assert r.choices[0].text == text.decode(ref.tokens)
     assert r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 12)
     # Token-id prompts and lists of prompts: one choice per prompt, in order.
-    r = oai.completions.create(model=MODEL, prompt=[ids, text.encode("What is 4 + 5?")],
-                               max_tokens=12, **GREEDY)
-    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].text == text.decode(
-        ref.tokens)
+    r = oai.completions.create(
+        model=MODEL, prompt=[ids, text.encode("What is 4 + 5?")], max_tokens=12, **GREEDY
+    )
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].text == text.decode(ref.tokens)
     # Chat: the template's tokens, sampled by the SDK, decoded.
-    msgs = [{"role": "system", "content": "Be brief."},
-            {"role": "user", "content": [{"type": "text", "text": "What is 12 + 30?"}]}]
-    chat_ids = text.chat_tokens([{"role": "system", "content": "Be brief."},
-                                 {"role": "user", "content": "What is 12 + 30?"}])
-    ref = _sampler(env).sample(types.ModelInput.from_ints(chat_ids), 1, types.SamplingParams(
-        max_tokens=10, **GREEDY)).result().sequences[0]
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "What is 12 + 30?"}]},
+    ]
+    chat_ids = text.chat_tokens(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is 12 + 30?"},
+        ]
+    )
+    ref = (
+        _sampler(env)
+        .sample(
+            types.ModelInput.from_ints(chat_ids), 1, types.SamplingParams(max_tokens=10, **GREEDY)
+        )
+        .result()
+        .sequences[0]
+    )
     r = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, **GREEDY)
     assert r.choices[0].message.content == text.decode(ref.tokens)
     assert r.choices[0].message.role == "assistant" and r.usage.prompt_tokens == len(chat_ids)
@@ -216,20 +257,26 @@ def test_echo_logprobs_equal_compute_logprobs(env):
     ids = text.encode("Once upon a time there was a small cat")
     want = _sampler(env).compute_logprobs(types.ModelInput.from_ints(ids)).result()
     for max_tokens in (0, 1):
-        r = oai.completions.create(model=MODEL, prompt=ids, max_tokens=max_tokens, echo=True,
-                                   logprobs=2, **GREEDY)
+        r = oai.completions.create(
+            model=MODEL, prompt=ids, max_tokens=max_tokens, echo=True, logprobs=2, **GREEDY
+        )
         lp = r.choices[0].logprobs
         assert r.choices[0].text.startswith(text.decode(ids, skip_special_tokens=False))
         assert len(lp.tokens) == len(ids) + max_tokens
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        np.testing.assert_allclose(lp.token_logprobs[1:len(ids)], want[1:], rtol=1e-5,
-                                   atol=1e-5)
+        np.testing.assert_allclose(lp.token_logprobs[1 : len(ids)], want[1:], rtol=1e-5, atol=1e-5)
         for lpv, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
             assert len(top) <= 2 and max(top.values()) >= lpv - 1e-5
         assert r.usage.completion_tokens == max_tokens
     # Chat log-probs: the sampled tokens' own, with their top alternatives.
-    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                    max_tokens=6, logprobs=True, top_logprobs=3, **GREEDY)
+    r = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=3,
+        **GREEDY,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 6 and all(len(c.top_logprobs) == 3 for c in content)
     assert all(c.logprob == c.top_logprobs[0].logprob for c in content)  # greedy: the top
@@ -238,35 +285,50 @@ def test_echo_logprobs_equal_compute_logprobs(env):
 
 def test_n_with_a_seed_reproduces(env):
     text, oai = env["text"], env["oai"]["tml-bob"]
-    kw = dict(model=MODEL, prompt="Tell me a short story", max_tokens=10, n=3, seed=11,
-              temperature=1.0)
+    kw = dict(
+        model=MODEL, prompt="Tell me a short story", max_tokens=10, n=3, seed=11, temperature=1.0
+    )
     a = oai.completions.create(**kw)
     b = oai.completions.create(**kw)
     texts = [c.text for c in a.choices]
     assert len(set(texts)) > 1  # the three draws differ...
     assert texts == [c.text for c in b.choices]  # ...and the seed reproduces them
-    ref = _sampler(env, "tml-bob").sample(types.ModelInput.from_ints(text.encode(kw["prompt"])),
-                                          3, types.SamplingParams(max_tokens=10, seed=11)
-                                          ).result()
+    ref = (
+        _sampler(env, "tml-bob")
+        .sample(
+            types.ModelInput.from_ints(text.encode(kw["prompt"])),
+            3,
+            types.SamplingParams(max_tokens=10, seed=11),
+        )
+        .result()
+    )
     assert [text.decode(s.tokens) for s in ref.sequences] == texts
     assert oai.completions.create(**{**kw, "seed": 12}).choices[0].text != texts[0]
 
 
 def test_tenant_weights_by_path_and_isolation(env):
     text, alice, bob = env["text"], env["oai"]["tml-alice"], env["oai"]["tml-bob"]
-    tc = client(env, "tml-alice").create_lora_training_client(base_model=MODEL, rank=4,
-                                                              seed=3).result()
+    tc = (
+        client(env, "tml-alice")
+        .create_lora_training_client(base_model=MODEL, rank=4, seed=3)
+        .result()
+    )
     toks = text.encode("The answer is 17. Hello, how are you?")
-    d = types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                    loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * (len(toks) - 1)})
+    d = types.Datum(
+        model_input=types.ModelInput.from_ints(toks[:-1]),
+        loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * (len(toks) - 1)},
+    )
     for _ in range(2):
         tc.forward_backward([d], "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     named = tc.save_weights_for_sampler("oai-named").result().path
     ckpt = tc.save_state("oai-ckpt").result().path
     snap = tc.save_weights_and_get_sampling_client().result()
-    snap_path = [r.model_path for r in env["srv"].store.samplers.values()
-                 if r.owner == "alice" and r.folder is None and r.model_path][-1]
+    snap_path = [
+        r.model_path
+        for r in env["srv"].store.samplers.values()
+        if r.owner == "alice" and r.folder is None and r.model_path
+    ][-1]
     prompt = text.encode("What is 4 + 5?")
     sp = types.SamplingParams(max_tokens=10, **GREEDY)
     base = _sampler(env).sample(types.ModelInput.from_ints(prompt), 1, sp).result()
@@ -288,37 +350,63 @@ def test_tenant_weights_by_path_and_isolation(env):
 
 # ---------------------------------------------------------------------- stop strings
 
+
 def test_stop_strings_end_the_text_where_they_start(env):
     text, oai = env["text"], env["oai"]["tml-alice"]
     prompt = text.encode("Once upon a time")
-    full = _sampler(env).sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(
-        max_tokens=24, **GREEDY)).result().sequences[0].tokens
+    full = (
+        _sampler(env)
+        .sample(
+            types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=24, **GREEDY)
+        )
+        .result()
+        .sequences[0]
+        .tokens
+    )
     pieces = [text.decode([t]) for t in full]
     whole = "".join(pieces)
-    k = next(i for i in range(2, len(pieces) - 1) if len(pieces[i]) >= 2
-             and len(pieces[i + 1]) >= 1 and whole.find(pieces[i][-2:] + pieces[i + 1][:1])
-             == len("".join(pieces[:i + 1])) - 2)
+    k = next(
+        i
+        for i in range(2, len(pieces) - 1)
+        if len(pieces[i]) >= 2
+        and len(pieces[i + 1]) >= 1
+        and whole.find(pieces[i][-2:] + pieces[i + 1][:1]) == len("".join(pieces[: i + 1])) - 2
+    )
     across = pieces[k][-2:] + pieces[k + 1][:1]  # ends inside token k + 1
     inside = next(p for p in pieces[1:] if len(p.strip()) >= 2).strip()[:2]
     for stop in (across, inside):
         at = whole.find(stop)
-        keep = next(i + 1 for i in range(len(full)) if stop in text.decode(full[:i + 1]))
-        r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=24, stop=[stop, "@@"],
-                                   **GREEDY)
+        keep = next(i + 1 for i in range(len(full)) if stop in text.decode(full[: i + 1]))
+        r = oai.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, stop=[stop, "@@"], **GREEDY
+        )
         c = r.choices[0]
         assert (c.text, c.finish_reason) == (whole[:at], "stop"), stop
         assert r.usage.completion_tokens == keep
-        streamed = "".join(ch.choices[0].text for ch in oai.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=24, stop=stop, stream=True, **GREEDY)
-            if ch.choices)
+        streamed = "".join(
+            ch.choices[0].text
+            for ch in oai.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=24, stop=stop, stream=True, **GREEDY
+            )
+            if ch.choices
+        )
         assert streamed == whole[:at]
         # Tinker's SamplingParams.stop strings: the tokens through the completing one.
-        seq = _sampler(env).sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(
-            max_tokens=24, stop=[stop], **GREEDY)).result().sequences[0]
+        seq = (
+            _sampler(env)
+            .sample(
+                types.ModelInput.from_ints(prompt),
+                1,
+                types.SamplingParams(max_tokens=24, stop=[stop], **GREEDY),
+            )
+            .result()
+            .sequences[0]
+        )
         assert list(seq.tokens) == list(full[:keep]) and seq.stop_reason == "stop"
 
 
 # ---------------------------------------------------------------------- streaming
+
 
 def _joined(chunks, chat=False):
     out, reasons, usage = {}, {}, None
@@ -335,23 +423,36 @@ def _joined(chunks, chat=False):
 
 def test_streaming_concatenates_to_the_whole(env):
     oai = env["oai"]["tml-alice"]
-    kw = dict(model=MODEL, prompt="Hello, how are you?", max_tokens=20, n=2, seed=5,
-              temperature=0.8, logprobs=1)
+    kw = dict(
+        model=MODEL,
+        prompt="Hello, how are you?",
+        max_tokens=20,
+        n=2,
+        seed=5,
+        temperature=0.8,
+        logprobs=1,
+    )
     whole = oai.completions.create(**kw)
-    got, reasons, usage = _joined(oai.completions.create(
-        **kw, stream=True, stream_options={"include_usage": True}))
+    got, reasons, usage = _joined(
+        oai.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
     assert got == {c.index: c.text for c in whole.choices}
     assert reasons == {c.index: c.finish_reason for c in whole.choices}
     assert usage.completion_tokens == whole.usage.completion_tokens == 40
 
     async def chat():
-        aoai = openai.AsyncOpenAI(base_url=env["srv"].url + "/v1", api_key="tml-bob",
-                                  max_retries=0)
-        ckw = dict(model=MODEL, messages=[{"role": "user", "content": "What is 4 + 5?"}],
-                   max_completion_tokens=16, seed=2, temperature=0.7, n=2)
+        aoai = openai.AsyncOpenAI(base_url=env["srv"].url + "/v1", api_key="tml-bob", max_retries=0)
+        ckw = dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": "What is 4 + 5?"}],
+            max_completion_tokens=16,
+            seed=2,
+            temperature=0.7,
+            n=2,
+        )
         whole, stream = await asyncio.gather(
-            aoai.chat.completions.create(**ckw),
-            aoai.chat.completions.create(**ckw, stream=True))
+            aoai.chat.completions.create(**ckw), aoai.chat.completions.create(**ckw, stream=True)
+        )
         chunks = [ch async for ch in stream]
         await aoai.close()
         return whole, chunks
@@ -368,14 +469,28 @@ def test_disconnect_mid_stream_frees_its_rows(env):
     real = sampling.cancel
     sampling.cancel = lambda rid: (cancelled.append(rid), real(rid))[1]
     try:
-        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 400, "n": 3, "stream": True,
-                "temperature": 0}
-        with httpx.stream("POST", env["srv"].url + "/v1/completions", json=body, timeout=60,
-                          headers={"Authorization": "Bearer tml-bob"}) as r:
+        body = {
+            "model": MODEL,
+            "prompt": "Hello",
+            "max_tokens": 400,
+            "n": 3,
+            "stream": True,
+            "temperature": 0,
+        }
+        with httpx.stream(
+            "POST",
+            env["srv"].url + "/v1/completions",
+            json=body,
+            timeout=60,
+            headers={"Authorization": "Bearer tml-bob"},
+        ) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
-            first = next(x for x in lines if x.startswith("data: {") and json.loads(
-                x[6:])["choices"][0]["text"])
+            first = next(
+                x
+                for x in lines
+                if x.startswith("data: {") and json.loads(x[6:])["choices"][0]["text"]
+            )
             assert first and sampling.live == 3  # decoding, its three rows held
         deadline = time.monotonic() + 30
         while not (cancelled and sampling.idle):
@@ -384,9 +499,12 @@ def test_disconnect_mid_stream_frees_its_rows(env):
         assert sampling.live == 0
         # A client that gives up waiting for a whole (non-streamed) answer: the same.
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(env["srv"].url + "/v1/completions", json={
-                **body, "stream": False, "n": 1, "max_tokens": 1000},
-                       headers={"Authorization": "Bearer tml-bob"}, timeout=0.5)
+            httpx.post(
+                env["srv"].url + "/v1/completions",
+                json={**body, "stream": False, "n": 1, "max_tokens": 1000},
+                headers={"Authorization": "Bearer tml-bob"},
+                timeout=0.5,
+            )
         deadline = time.monotonic() + 30
         while not (len(cancelled) == 2 and sampling.idle):
             assert time.monotonic() < deadline, "the abandoned request was not cancelled"
@@ -397,6 +515,7 @@ def test_disconnect_mid_stream_frees_its_rows(env):
 
 # ---------------------------------------------------------------------- refusals
 
+
 def test_unsupported_fields_are_refused_naming_them(env):
     oai, srv = env["oai"]["tml-alice"], env["srv"]
     before = (srv.scheduler.counters.passes, srv.engine.sampling.steps, srv.scheduler.pending())
@@ -404,9 +523,20 @@ def test_unsupported_fields_are_refused_naming_them(env):
     cases = [
         ("tools", dict(messages=msgs, tools=[{"type": "function", "function": {"name": "f"}}])),
         ("response_format", dict(messages=msgs, response_format={"type": "json_object"})),
-        ("messages[0].content[1].type", dict(messages=[{"role": "user", "content": [
-            {"type": "text", "text": "what is this"},
-            {"type": "image_url", "image_url": {"url": "data:,"}}]}])),
+        (
+            "messages[0].content[1].type",
+            dict(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is this"},
+                            {"type": "image_url", "image_url": {"url": "data:,"}},
+                        ],
+                    }
+                ]
+            ),
+        ),
         ("logit_bias", dict(messages=msgs, logit_bias={"5": 10})),
         ("messages[0]", dict(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}])),
     ]
@@ -420,10 +550,12 @@ def test_unsupported_fields_are_refused_naming_them(env):
         oai.completions.create(model=MODEL, prompt="x" * 10, max_tokens=10**6)
     assert e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0
-                      ).models.list()
-    assert (srv.scheduler.counters.passes, srv.engine.sampling.steps,
-            srv.scheduler.pending()) == before
+        openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert (
+        srv.scheduler.counters.passes,
+        srv.engine.sampling.steps,
+        srv.scheduler.pending(),
+    ) == before
 
 
 def test_a_model_without_tokenizer_refuses_text_routes(tmp_path):
@@ -434,22 +566,27 @@ def test_a_model_without_tokenizer_refuses_text_routes(tmp_path):
     from jcp.server.state import StateStore
 
     sched, store = Scheduler(), StateStore(str(tmp_path), None)
-    app = create_app(store, sched, FutureTable(),
-                     ServedModel("jcp-tiny", 4096, 32, None))
+    app = create_app(store, sched, FutureTable(), ServedModel("jcp-tiny", 4096, 32, None))
     with TestClient(app) as tc:
         assert [m["id"] for m in tc.get("/v1/models").json()["data"]] == ["jcp-tiny"]
-        for route, body in (("completions", {"prompt": [1, 2, 3]}),
-                            ("chat/completions", {"messages": [{"role": "user",
-                                                                "content": "hi"}]})):
+        for route, body in (
+            ("completions", {"prompt": [1, 2, 3]}),
+            ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ):
             r = tc.post(f"/v1/{route}", json={"model": "jcp-tiny", **body})
             assert r.status_code == 400
             err = r.json()["error"]
             assert err["code"] == "no_tokenizer" and "tokenizer" in err["message"]
         # Tinker string stops need the tokenizer too: the sample's future fails naming stop.
         sid = store.add_sampler("local", "jcp-tiny", None, None)
-        rid = tc.post("/api/v1/asample", json={
-            "sampling_session_id": sid, "prompt": {"chunks": [{"tokens": [1, 2, 3]}]},
-            "sampling_params": {"max_tokens": 2, "stop": ["\n\n"]}}).json()["request_id"]
+        rid = tc.post(
+            "/api/v1/asample",
+            json={
+                "sampling_session_id": sid,
+                "prompt": {"chunks": [{"tokens": [1, 2, 3]}]},
+                "sampling_params": {"max_tokens": 2, "stop": ["\n\n"]},
+            },
+        ).json()["request_id"]
         got = tc.post("/api/v1/retrieve_future", json={"request_id": rid}).json()
         assert got["category"] == "user" and "stop: string stops need" in got["error"]
     assert sched.pending() == 0
@@ -457,14 +594,17 @@ def test_a_model_without_tokenizer_refuses_text_routes(tmp_path):
 
 # ---------------------------------------------------------------------- lm-eval
 
+
 def test_lm_eval_local_completions_loglikelihood(env, folder, tmp_path):
     pytest.importorskip("lm_eval")
     from lm_eval import evaluator
     from lm_eval.tasks import TaskManager
 
     text = env["text"]
-    rows = [{"q": "What is 4 + 5?", "choices": ["9", "12"], "gold": 0},
-            {"q": "The answer is", "choices": ["17.", "a cat"], "gold": 0}]
+    rows = [
+        {"q": "What is 4 + 5?", "choices": ["9", "12"], "gold": 0},
+        {"q": "The answer is", "choices": ["17.", "a cat"], "gold": 0},
+    ]
     with open(tmp_path / "mc.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
@@ -472,14 +612,24 @@ def test_lm_eval_local_completions_loglikelihood(env, folder, tmp_path):
         "task: jcp_mc\ndataset_path: json\n"
         f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'mc.jsonl'}\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\n"
-        "doc_to_choice: '{{choices}}'\ndoc_to_target: gold\nmetric_list:\n  - metric: acc\n")
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: gold\nmetric_list:\n  - metric: acc\n"
+    )
     out = evaluator.simple_evaluate(
-        model="local-completions", tasks=["jcp_mc"], task_manager=TaskManager(
-            include_path=str(tmp_path)),
-        model_args=dict(model=MODEL, base_url=f"{env['srv'].url}/v1/completions",
-                        tokenizer_backend="huggingface", tokenizer=folder, num_concurrent=1,
-                        max_retries=1, header={"Authorization": "Bearer tml-alice"}),
-        log_samples=True, limit=None)
+        model="local-completions",
+        tasks=["jcp_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        model_args=dict(
+            model=MODEL,
+            base_url=f"{env['srv'].url}/v1/completions",
+            tokenizer_backend="huggingface",
+            tokenizer=folder,
+            num_concurrent=1,
+            max_retries=1,
+            header={"Authorization": "Bearer tml-alice"},
+        ),
+        log_samples=True,
+        limit=None,
+    )
     samples = out["samples"]["jcp_mc"]
     assert len(samples) == 2
     sampler = _sampler(env)
@@ -487,6 +637,6 @@ def test_lm_eval_local_completions_loglikelihood(env, folder, tmp_path):
         ctx = text.encode(s["doc"]["q"])
         for (ll, _), choice in zip(s["filtered_resps"], s["doc"]["choices"]):
             whole = text.encode(s["doc"]["q"] + " " + choice)
-            assert whole[:len(ctx)] == ctx
+            assert whole[: len(ctx)] == ctx
             lp = sampler.compute_logprobs(types.ModelInput.from_ints(whole)).result()
-            assert ll == pytest.approx(sum(lp[len(ctx):]), abs=1e-4)
+            assert ll == pytest.approx(sum(lp[len(ctx) :]), abs=1e-4)

@@ -26,13 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import kernel_checks as KC
 from jax.sharding import PartitionSpec as P
 
 import jcp
-from helpers import kernel_checks as KC
-from jcp import attention
+from jcp import attention, model
 from jcp import mesh as mesh_lib
-from jcp import model
 from jcp.attention import pallas as pa
 
 H = KC.H
@@ -43,8 +42,9 @@ random_qkv, zigzag_layout = KC.random_qkv, KC.zigzag_layout
 # Small tiles, so every stream spans several blocks: all sides BLOCK, or of unequal sides
 # (every kernel's plan is then a different table, and dK/dV's query tiles differ from dQ's).
 EVEN = pa.Tiles(*(BLOCK,) * 6)
-UNEVEN = pa.Tiles(fwd_q=2 * BLOCK, fwd_k=BLOCK, dq_q=BLOCK, dq_k=2 * BLOCK, dkv_q=BLOCK,
-                  dkv_k=2 * BLOCK)
+UNEVEN = pa.Tiles(
+    fwd_q=2 * BLOCK, fwd_k=BLOCK, dq_q=BLOCK, dq_k=2 * BLOCK, dkv_q=BLOCK, dkv_k=2 * BLOCK
+)
 
 
 def _pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, tiles=EVEN):
@@ -54,24 +54,33 @@ def _pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, tiles=EVEN):
 def _dense(q, k, v, seg_q, pos_q, seg_k, pos_k):
     s_len, q_heads, _ = q.shape
     kv_heads = k.shape[1]
-    out = attention.blockwise.dense(q.reshape(s_len, kv_heads, q_heads // kv_heads, H), k, v, seg_q,
-                           pos_q, seg_k, pos_k)
+    out = attention.blockwise.dense(
+        q.reshape(s_len, kv_heads, q_heads // kv_heads, H), k, v, seg_q, pos_q, seg_k, pos_k
+    )
     return out.reshape(q.shape)
 
 
 def _blockwise(q, k, v, seg_q, pos_q, seg_k, pos_k):
     s_len, q_heads, _ = q.shape
     t_len, kv_heads, _ = k.shape
-    out = attention.blockwise.flash(q.reshape(s_len, kv_heads, q_heads // kv_heads, H), k, v, seg_q,
-                           pos_q, seg_k, pos_k, attention.tile(s_len, BLOCK),
-                           attention.tile(t_len, BLOCK))
+    out = attention.blockwise.flash(
+        q.reshape(s_len, kv_heads, q_heads // kv_heads, H),
+        k,
+        v,
+        seg_q,
+        pos_q,
+        seg_k,
+        pos_k,
+        attention.tile(s_len, BLOCK),
+        attention.tile(t_len, BLOCK),
+    )
     return out.reshape(q.shape)
 
 
 IMPLS = {"pallas": _pallas, "dense": _dense, "blockwise": _blockwise}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def value_and_grads(impl, tiles=None):
     """jit of (q, k, v, seg_q, pos_q, seg_k, pos_k, cot) -> (out, d/d(q, k, v) of Σ out·cot)."""
     f = IMPLS[impl] if tiles is None else functools.partial(IMPLS[impl], tiles=tiles)
@@ -134,8 +143,9 @@ def test_pallas_matches_dense_and_blockwise(name):
         kinds, _ = attention.tiling.block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)
         assert set(np.unique(np.asarray(kinds)).tolist()) == {0, 1, 2}, side
 
-    KC.assert_kernel_matches_references(run("pallas", *args, tiles=tiles), run("dense", *args),
-                                        run("blockwise", *args))
+    KC.assert_kernel_matches_references(
+        run("pallas", *args, tiles=tiles), run("dense", *args), run("blockwise", *args)
+    )
 
 
 def test_bfloat16_close_to_fp32_dense():
@@ -196,8 +206,10 @@ def sharded_args(seed=4):
 def test_cp_attention_and_ring_in_shard_map():
     args = sharded_args()
     seg = args[3]
-    text = {key: str(jax.make_jaxpr(sharded_fn(*key))(*args))
-            for key in (("pallas", "gather"), ("pallas", "ring"), ("dense", "gather"))}
+    text = {
+        key: str(jax.make_jaxpr(sharded_fn(*key))(*args))
+        for key in (("pallas", "gather"), ("pallas", "ring"), ("dense", "gather"))
+    }
     # The paths really differ: pallas kernels vs none; all-gather vs ppermute (the ring
     # gathers nothing but, in interpret mode, the kernels' inputs: see
     # attention.pallas._interpret_invariant).
@@ -213,8 +225,9 @@ def test_trainer_pallas_matches_blockwise(tmp_path, monkeypatch):
     """The whole training step — StepConfig accepts "pallas", the layer scan with remat
     (attention output and lse saved by name), the custom VJP — gives blockwise's log-probs
     and LoRA gradients, at cp = 2."""
-    KC.assert_trainer_matches_blockwise(tmp_path, monkeypatch, pa, "pallas",
-                                        attn_block=BLOCK, cp_attention="gather")
+    KC.assert_trainer_matches_blockwise(
+        tmp_path, monkeypatch, pa, "pallas", attn_block=BLOCK, cp_attention="gather"
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -238,12 +251,16 @@ def test_kernels_lower_to_triton(monkeypatch):
     rows = sd((384,), jnp.int32)
 
     def flash(q, k, v, seg, pos):
-        out, vjp = jax.vjp(lambda q, k, v: pa.flash_attention(q, k, v, seg, pos, seg, pos, 512),
-                           q, k, v)
+        out, vjp = jax.vjp(
+            lambda q, k, v: pa.flash_attention(q, k, v, seg, pos, seg, pos, 512), q, k, v
+        )
         return vjp(out)
 
     assert sorted(_triton_kernels(flash, q, kv, kv, rows, rows)) == [
-        "jcp_attention_dkv", "jcp_attention_dq", "jcp_attention_fwd"]
+        "jcp_attention_dkv",
+        "jcp_attention_dq",
+        "jcp_attention_fwd",
+    ]
 
     # The ring (cp = 2: two steps each way) and the model's layer scan with remat, inside
     # shard_maps that check varying axes, as the training step runs them.
@@ -251,8 +268,11 @@ def test_kernels_lower_to_triton(monkeypatch):
     assert len(_triton_kernels(ring, *sharded_args())) == 6
 
     cfg = jcp.QwenConfig.tiny()
-    params = jax.tree.map(lambda s: sd(s, jnp.float32), model.param_shapes(cfg),
-                          is_leaf=lambda x: isinstance(x, tuple))
+    params = jax.tree.map(
+        lambda s: sd(s, jnp.float32),
+        model.param_shapes(cfg),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
     seg, pos = zigzag_layout((37, 1, 20), 2, 32)
 
     def inner(params, tokens, seg, pos):
@@ -260,12 +280,11 @@ def test_kernels_lower_to_triton(monkeypatch):
         h = model.hidden_states(cfg, params, tokens[0], pos[0], attend, remat=True).h_SxD
         return jax.lax.psum(jnp.sum(h), mesh_lib.CP)
 
-    f = jax.shard_map(inner, mesh=jcp.make_mesh(1, 2, 1), in_specs=(P(),) + (ROWS,) * 3,
-                      out_specs=P())
+    f = jax.shard_map(
+        inner, mesh=jcp.make_mesh(1, 2, 1), in_specs=(P(),) + (ROWS,) * 3, out_specs=P()
+    )
     names = _triton_kernels(jax.grad(f), params, seg, seg, pos)
     assert sorted(set(names)) == ["jcp_attention_dkv", "jcp_attention_dq", "jcp_attention_fwd"]
-
-
 
 
 def test_ring_steps_are_one_loop_on_triton(monkeypatch):
@@ -280,18 +299,26 @@ def test_ring_steps_are_one_loop_on_triton(monkeypatch):
 
     def kernels(cp):
         def inner(q, k, v, seg, pos):
-            return attention.ring_attention(q[0], k[0], v[0], seg[0], pos[0], block=BLOCK,
-                                            implementation="pallas")[None]
+            return attention.ring_attention(
+                q[0], k[0], v[0], seg[0], pos[0], block=BLOCK, implementation="pallas"
+            )[None]
 
-        f = jax.shard_map(inner, mesh=jcp.make_mesh(1, cp, 1),
-                          in_specs=(KC.HEADS,) * 3 + (ROWS,) * 2, out_specs=KC.HEADS)
+        f = jax.shard_map(
+            inner,
+            mesh=jcp.make_mesh(1, cp, 1),
+            in_specs=(KC.HEADS,) * 3 + (ROWS,) * 2,
+            out_specs=KC.HEADS,
+        )
 
         def run(q, k, v, seg, pos):
             out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, seg, pos), q, k, v)
             return vjp(out)
 
-        q, kv, rows = (sd((cp, 64, 4, H), jnp.float32), sd((cp, 64, 2, H), jnp.float32),
-                       sd((cp, 64), jnp.int32))
+        q, kv, rows = (
+            sd((cp, 64, 4, H), jnp.float32),
+            sd((cp, 64, 2, H), jnp.float32),
+            sd((cp, 64), jnp.int32),
+        )
         return sorted(_triton_kernels(run, q, kv, kv, rows, rows))
 
     two = kernels(2)
@@ -316,8 +343,14 @@ def test_triton_path_refuses_what_it_cannot_lower():
     pa.check_head_dim(128, interpret=False)
     x = jnp.zeros((16, 4, H))
     with pytest.raises(ValueError, match="ring attention implementation"):
-        attention.ring_attention(x, x[:, :2], x[:, :2], jnp.zeros(16, jnp.int32),
-                                 jnp.zeros(16, jnp.int32), implementation="dense")
+        attention.ring_attention(
+            x,
+            x[:, :2],
+            x[:, :2],
+            jnp.zeros(16, jnp.int32),
+            jnp.zeros(16, jnp.int32),
+            implementation="dense",
+        )
 
 
 def test_auto_takes_pallas_on_gpus_for_16_bit_models_only():
@@ -335,7 +368,15 @@ def test_auto_takes_pallas_on_gpus_for_16_bit_models_only():
     assert choose("gpu", jnp.float32) == "blockwise"
     assert "pallas" not in (choose("cpu", jnp.bfloat16), choose("cpu", jnp.float32))
     assert attention.resolve_implementation("blockwise", "gpu", 32, jnp.bfloat16) == "blockwise"
-    cfg = jcp.QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
-                         num_heads=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+    cfg = jcp.QwenConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="bfloat16",
+    )
     with pytest.raises(ValueError, match="attn_impl"):
         jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=4, attn_impl="fast")

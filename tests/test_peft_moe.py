@@ -29,13 +29,13 @@ import numpy as np
 import peft
 import pytest
 import torch
+from helpers import hf_models
+from helpers.hf_models import tiny_hf
 from safetensors.numpy import load_file, save_file
 
 import jcp
 from jcp import lora as lora_lib
 from jcp import peft as peft_lib
-from helpers import hf_models
-from helpers.hf_models import tiny_hf
 from jcp.adapter_state import AdapterInfo
 
 V, D, F_DENSE, FE, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 16, 24, 12, 3, 2, 1, 8
@@ -43,26 +43,41 @@ EXPERTS, TOP_K = 4, 2
 R, ALPHA = 3, 6.0  # r ≠ E and F ≠ D, so a wrong interleave or orientation cannot pass
 MOE_IDS = (1, 2)  # layer 0 dense (mlp_only_layers)
 ATOL = 1e-6  # fp32 peft against the fp64 reference; deltas are O(0.1)
-LOGIT_ATOL = 5e-5  # two fp32 evaluations (peft unmerged vs merged by hand) of one model; 2.2e-5 seen
+LOGIT_ATOL = (
+    5e-5  # two fp32 evaluations (peft unmerged vs merged by hand) of one model; 2.2e-5 seen
+)
 GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 EXPERT_PARAMS = [GATE_UP, DOWN]
-ALL_TARGETS = ("q_proj", "v_proj", "o_proj", "expert_gate", "expert_up", "expert_down",
-               "lm_head")
+ALL_TARGETS = ("q_proj", "v_proj", "o_proj", "expert_gate", "expert_up", "expert_down", "lm_head")
 
 # peft 0.21 warns that the gate_up rank / alpha pattern "did not match any targeted
 # module": its check looks at module names only, while the pattern is applied to the
 # parameter (the tests assert the rank 2r it gives).
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:The following (rank|alpha)_pattern keys did not match:RuntimeWarning")
+    "ignore:The following (rank|alpha)_pattern keys did not match:RuntimeWarning"
+)
 
 
 @pytest.fixture(scope="module")
 def hm():
-    return tiny_hf("qwen3_moe", seed=0, weight_std=0.1, vocab_size=V, hidden_size=D,
-                   intermediate_size=F_DENSE, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                   num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_experts=EXPERTS,
-                   num_experts_per_tok=TOP_K, moe_intermediate_size=FE, norm_topk_prob=True,
-                   mlp_only_layers=[0], max_position_embeddings=256)
+    return tiny_hf(
+        "qwen3_moe",
+        seed=0,
+        weight_std=0.1,
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=F_DENSE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        moe_intermediate_size=FE,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+        max_position_embeddings=256,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +109,10 @@ def wrappers(pm, layer):
 def random_tree(cfg, rank, targets, mode, seed):
     shapes = lora_lib.adapter_shapes(cfg, rank, targets, mode)
     rng = np.random.default_rng(seed)
-    return {m: {k: rng.normal(0.0, 0.3, s).astype(np.float32) for k, s in ks.items()}
-            for m, ks in shapes.items()}
+    return {
+        m: {k: rng.normal(0.0, 0.3, s).astype(np.float32) for k, s in ks.items()}
+        for m, ks in shapes.items()
+    }
 
 
 def factors(tree, m, lm, e):
@@ -113,8 +130,11 @@ def expert_deltas(tree, scale, lm):
     [E, D, F]; zero for untargeted modules."""
     gu, dn = np.zeros((EXPERTS, 2 * FE, D)), np.zeros((EXPERTS, D, FE))
     for e in range(EXPERTS):
-        for m, dst in (("expert_gate", gu[e, :FE]), ("expert_up", gu[e, FE:]),
-                       ("expert_down", dn[e])):
+        for m, dst in (
+            ("expert_gate", gu[e, :FE]),
+            ("expert_up", gu[e, FE:]),
+            ("expert_down", dn[e]),
+        ):
             if m in tree:
                 a, b = factors(tree, m, lm, e)
                 dst[...] = scale * (a @ b).T
@@ -124,6 +144,7 @@ def expert_deltas(tree, scale, lm):
 def expert_mlp(x, gate_up, down, lora, scale):
     """down(silu(gate(x)) · up(x)) of one expert in fp64, LoRA unmerged:
     lora {module: (A [I, r], B [r, O])}."""
+
     def lin(m, w, h):
         y = h @ w.T
         if m in lora:
@@ -152,26 +173,37 @@ PEFT_SPECS = {
     "plain": dict(r=R, lora_alpha=ALPHA),
     "rslora": dict(r=R, lora_alpha=ALPHA, use_rslora=True),
     # gate_up at rank 2r, B not block-diagonal: gate and up keep rank 2r each.
-    "fused_2r": dict(r=R, lora_alpha=ALPHA, rank_pattern={r".*\.gate_up_proj": 2 * R},
-                     alpha_pattern={r".*\.gate_up_proj": 2 * ALPHA}),
+    "fused_2r": dict(
+        r=R,
+        lora_alpha=ALPHA,
+        rank_pattern={r".*\.gate_up_proj": 2 * R},
+        alpha_pattern={r".*\.gate_up_proj": 2 * ALPHA},
+    ),
 }
 
 
 @pytest.mark.parametrize("spec", list(PEFT_SPECS))
 def test_read_folder_matches_peft_deltas_and_forward(hm, cfg, tmp_path, spec):
     kw = PEFT_SPECS[spec]
-    pm = peft_model(hm, seed=1, target_modules=["q_proj", "o_proj"],
-                    target_parameters=EXPERT_PARAMS, **kw)
+    pm = peft_model(
+        hm, seed=1, target_modules=["q_proj", "o_proj"], target_parameters=EXPERT_PARAMS, **kw
+    )
     pm.save_pretrained(tmp_path / spec)
     saved = load_file(str(tmp_path / spec / "adapter_model.safetensors"))
     # peft's names and shapes: gate_up inner (base_layer), down outer; rows (expert, rank).
     k_gu = 2 * R if spec == "fused_2r" else R
-    assert saved["base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight"].shape \
-        == (k_gu * EXPERTS, D)
-    assert saved["base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight"].shape \
-        == (2 * FE, k_gu * EXPERTS)
+    assert saved["base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight"].shape == (
+        k_gu * EXPERTS,
+        D,
+    )
+    assert saved["base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight"].shape == (
+        2 * FE,
+        k_gu * EXPERTS,
+    )
     assert saved["base_model.model.model.layers.2.mlp.experts.lora_A.weight"].shape == (
-        R * EXPERTS, FE)
+        R * EXPERTS,
+        FE,
+    )
     assert not any("layers.0.mlp" in k for k in saved)
 
     rank, alpha, targets, tree = read(tmp_path / spec, cfg)
@@ -184,7 +216,9 @@ def test_read_folder_matches_peft_deltas_and_forward(hm, cfg, tmp_path, spec):
     if spec == "fused_2r":
         assert rank == 2 * R and alpha == 2 * ALPHA
         # The attention and down factors are zero-padded from r to 2r.
-        assert not np.any(tree["q_proj"]["a"][..., R:]) and not np.any(tree["expert_down"]["b"][:, :, R:])
+        assert not np.any(tree["q_proj"]["a"][..., R:]) and not np.any(
+            tree["expert_down"]["b"][:, :, R:]
+        )
     else:
         assert rank == R
 
@@ -194,29 +228,42 @@ def test_read_folder_matches_peft_deltas_and_forward(hm, cfg, tmp_path, spec):
         assert w["gate_up_proj"].scaling["default"] == pytest.approx(scale)
         gu, dn = expert_deltas(tree, alpha / rank, lm)
         assert np.max(np.abs(gu)) > 0.1 and np.max(np.abs(dn)) > 0.1
-        np.testing.assert_allclose(t64(w["gate_up_proj"].get_delta_weight("default")), gu,
-                                   rtol=1e-5, atol=ATOL, err_msg=f"layer {i} gate_up")
-        np.testing.assert_allclose(t64(w["down_proj"].get_delta_weight("default")), dn,
-                                   rtol=1e-5, atol=ATOL, err_msg=f"layer {i} down")
+        np.testing.assert_allclose(
+            t64(w["gate_up_proj"].get_delta_weight("default")),
+            gu,
+            rtol=1e-5,
+            atol=ATOL,
+            err_msg=f"layer {i} gate_up",
+        )
+        np.testing.assert_allclose(
+            t64(w["down_proj"].get_delta_weight("default")),
+            dn,
+            rtol=1e-5,
+            atol=ATOL,
+            err_msg=f"layer {i} down",
+        )
         # The expert MLP from the unmerged factors equals peft's experts forward.
         base = hm.model.layers[i].mlp.experts
         x = np.random.default_rng(i).normal(size=(5, D))
         for e in range(EXPERTS):
             with torch.no_grad():
                 got = pm.base_model.model.model.layers[i].mlp.experts(
-                    torch.tensor(x, dtype=torch.float32), torch.full((5, 1), e),
-                    torch.ones(5, 1))
+                    torch.tensor(x, dtype=torch.float32), torch.full((5, 1), e), torch.ones(5, 1)
+                )
             lora = {m: factors(tree, m, lm, e) for m in lora_lib.EXPERT}
-            want = expert_mlp(x, t64(base.gate_up_proj[e]), t64(base.down_proj[e]), lora,
-                              alpha / rank)
+            want = expert_mlp(
+                x, t64(base.gate_up_proj[e]), t64(base.down_proj[e]), lora, alpha / rank
+            )
             plain = expert_mlp(x, t64(base.gate_up_proj[e]), t64(base.down_proj[e]), {}, 0.0)
             assert np.max(np.abs(want - plain)) > 1e-2
-            np.testing.assert_allclose(t64(got), want, rtol=1e-5, atol=1e-5,
-                                       err_msg=f"layer {i} expert {e}")
+            np.testing.assert_allclose(
+                t64(got), want, rtol=1e-5, atol=1e-5, err_msg=f"layer {i} expert {e}"
+            )
     q = pm.base_model.model.model.layers[2].self_attn.q_proj
     a, b = tree["q_proj"]["a"][2].astype(np.float64), tree["q_proj"]["b"][2].astype(np.float64)
-    np.testing.assert_allclose(t64(q.get_delta_weight("default")), alpha / rank * (a @ b).T,
-                               rtol=1e-5, atol=ATOL)
+    np.testing.assert_allclose(
+        t64(q.get_delta_weight("default")), alpha / rank * (a @ b).T, rtol=1e-5, atol=ATOL
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -259,15 +306,21 @@ def test_write_folder_loads_in_peft_with_the_trees_weights(hm, cfg, tmp_path, mo
             for name, delta in (("gate_up_proj", gu), ("down_proj", dn)):
                 base = getattr(hm.model.layers[i].mlp.experts, name)
                 np.testing.assert_allclose(
-                    t64(getattr(merged.model.layers[i].mlp.experts, name)), t64(base) + delta,
-                    rtol=0, atol=ATOL, err_msg=f"layer {i} {name}")
+                    t64(getattr(merged.model.layers[i].mlp.experts, name)),
+                    t64(base) + delta,
+                    rtol=0,
+                    atol=ATOL,
+                    err_msg=f"layer {i} {name}",
+                )
                 getattr(by_hand.model.layers[i].mlp.experts, name).add_(
-                    torch.tensor(delta, dtype=torch.float32))
+                    torch.tensor(delta, dtype=torch.float32)
+                )
         for i in range(LAYERS):
             for m in ("q_proj", "v_proj", "o_proj"):
                 a, b = (tree[m][k][i].astype(np.float64) for k in ("a", "b"))
                 getattr(by_hand.model.layers[i].self_attn, m).weight.add_(
-                    torch.tensor(scale * (a @ b).T, dtype=torch.float32))
+                    torch.tensor(scale * (a @ b).T, dtype=torch.float32)
+                )
         a, b = (tree["lm_head"][k].astype(np.float64) for k in ("a", "b"))
         by_hand.lm_head.weight.add_(torch.tensor(scale * (a @ b).T, dtype=torch.float32))
         want = t64(by_hand(input_ids=tokens).logits)
@@ -292,8 +345,11 @@ ROUND_TRIPS = {
 def test_round_trip_keeps_rank_and_factors(cfg, tmp_path, mode, which):
     targets = ROUND_TRIPS[which]
     for fresh in (False, True):  # random B, and PEFT's initialisation (B = 0)
-        tree = (lora_lib.init_adapter(cfg, R, targets, 4, mode) if fresh
-                else random_tree(cfg, R, targets, mode, seed=4))
+        tree = (
+            lora_lib.init_adapter(cfg, R, targets, 4, mode)
+            if fresh
+            else random_tree(cfg, R, targets, mode, seed=4)
+        )
         path = tmp_path / f"{which}_{fresh}"
         peft_lib.write_folder(path, cfg, AdapterInfo(R, ALPHA, targets, mode), tree)
         saved = load_file(str(path / "adapter_model.safetensors"))
@@ -302,13 +358,14 @@ def test_round_trip_keeps_rank_and_factors(cfg, tmp_path, mode, which):
         rank, alpha, got_targets, got = read(path, cfg)
         assert (rank, alpha, got_targets) == (R, ALPHA, targets)
         back = "fused_gate_up" if mode == "fused_gate_up" else "per_expert"
-        assert lora_lib.tree_expert_lora(got) == (back if set(targets) & {"expert_up"}
-                                                  else "per_expert")
+        assert lora_lib.tree_expert_lora(got) == (
+            back if set(targets) & {"expert_up"} else "per_expert"
+        )
         assert got.keys() == tree.keys()
         for m in targets:
             assert set(got[m]) == set(lora_lib.expert_keys(m, back))
-            for lm in (range(len(MOE_IDS)) if m in lora_lib.EXPERT else [None]):
-                for e in (range(EXPERTS) if m in lora_lib.EXPERT else [None]):
+            for lm in range(len(MOE_IDS)) if m in lora_lib.EXPERT else [None]:
+                for e in range(EXPERTS) if m in lora_lib.EXPERT else [None]:
                     if m in lora_lib.EXPERT:
                         want = factors(tree, m, lm, e)
                         have = tuple(np.asarray(x, np.float32) for x in factors(got, m, lm, e))
@@ -323,8 +380,9 @@ def test_one_of_gate_and_up_comes_back_as_both(cfg, tmp_path):
     """PEFT's gate_up adapts gate and up together: a gate-only adapter is written at rank r
     with up's half of B zero, and reads back as gate + an up whose B is zero."""
     tree = random_tree(cfg, R, ("expert_gate",), "per_expert", seed=5)
-    peft_lib.write_folder(tmp_path / "g", cfg, AdapterInfo(R, ALPHA, ("expert_gate",),
-                                                           "per_expert"), tree)
+    peft_lib.write_folder(
+        tmp_path / "g", cfg, AdapterInfo(R, ALPHA, ("expert_gate",), "per_expert"), tree
+    )
     with open(tmp_path / "g" / "adapter_config.json") as f:
         pc = json.load(f)
     assert pc["target_parameters"] == [GATE_UP] and pc["rank_pattern"] == {}
@@ -348,11 +406,16 @@ def test_vllm_layout_holds_per_expert_factors(hm, cfg, tmp_path, mode):
     with open(path / "adapter_config.json") as f:
         pc = json.load(f)
     assert sorted(pc["target_modules"]) == sorted(
-        ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     assert (pc["r"], pc["lora_alpha"]) == (R, ALPHA) and "target_parameters" not in pc
     saved = load_file(str(path / "adapter_model.safetensors"))
-    want_keys = {f"base_model.model.model.layers.{i}.self_attn.{m}.lora_{x}.weight"
-                 for i in range(LAYERS) for m in ("q_proj", "o_proj") for x in "AB"}
+    want_keys = {
+        f"base_model.model.model.layers.{i}.self_attn.{m}.lora_{x}.weight"
+        for i in range(LAYERS)
+        for m in ("q_proj", "o_proj")
+        for x in "AB"
+    }
     proj = {"expert_gate": "gate_proj", "expert_up": "up_proj", "expert_down": "down_proj"}
     for lm, i in enumerate(MOE_IDS):
         for e in range(EXPERTS):
@@ -372,8 +435,12 @@ def test_vllm_layout_holds_per_expert_factors(hm, cfg, tmp_path, mode):
         gu, dn = expert_deltas(tree, ALPHA / R, lm)
         for name, delta in (("gate_up_proj", gu), ("down_proj", dn)):
             base = t64(getattr(hm.model.layers[i].mlp.experts, name))
-            np.testing.assert_allclose(t64(getattr(merged.model.layers[i].mlp.experts, name)),
-                                       base + delta, rtol=0, atol=ATOL)
+            np.testing.assert_allclose(
+                t64(getattr(merged.model.layers[i].mlp.experts, name)),
+                base + delta,
+                rtol=0,
+                atol=ATOL,
+            )
     # ... and what it saves then is read back at rank r, factors unchanged.
     pm.save_pretrained(tmp_path / "fused")
     rank, alpha, got_targets, got = read(tmp_path / "fused", cfg)
@@ -390,8 +457,9 @@ def test_vllm_layout_writes_every_expert_projection(cfg, tmp_path):
     """vLLM packs gate, up and down of every expert: an adapter on down alone gets zero
     gate and up factors (no change to the model), down's own factors as they are."""
     tree = random_tree(cfg, R, ("expert_down",), "shared_outer", seed=10)
-    peft_lib.write_vllm_folder(tmp_path / "v", cfg, AdapterInfo(R, ALPHA, ("expert_down",),
-                                                                "shared_outer"), tree)
+    peft_lib.write_vllm_folder(
+        tmp_path / "v", cfg, AdapterInfo(R, ALPHA, ("expert_down",), "shared_outer"), tree
+    )
     saved = load_file(str(tmp_path / "v" / "adapter_model.safetensors"))
     assert len(saved) == len(MOE_IDS) * EXPERTS * 3 * 2
     for lm, i in enumerate(MOE_IDS):
@@ -428,38 +496,60 @@ def _edit_tensors(path, edit):
 GU_A = "base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight"
 DOWN_B2 = "base_model.model.model.layers.2.mlp.experts.lora_B.weight"
 CONFIG_EDITS = {
-    "unknown_parameter": (dict(target_parameters=[GATE_UP, "mlp.experts.gate_proj"]),
-                          r"adapter_config.json: target_parameters .*gate_proj"),
-    "one_layer_parameter": (dict(target_parameters=["model.layers.1." + GATE_UP, DOWN]),
-                            r"adapter_config.json: target_parameters"),
-    "dense_mlp_module": (dict(target_modules=["q_proj", "gate_proj"]),
-                         r"adapter_config.json: target_modules \['gate_proj'\] are dense MLP"),
-    "expert_name_as_module": (dict(target_modules=["q_proj", "expert_gate"]),
-                              r"adapter_config.json: target_modules"),
-    "pattern_on_attention": (dict(rank_pattern={r".*\.gate_up_proj": 2 * R, "q_proj": 2}),
-                             r"adapter_config.json: rank_pattern / alpha_pattern give "
-                             r"model\.layers\.0\.self_attn\.q_proj"),
-    "gate_up_other_scale": (dict(alpha_pattern={r".*\.gate_up_proj": ALPHA}),
-                            r"adapter_config.json: mlp.experts.gate_up_proj at rank 6, alpha "
-                            r"6.0 has another scale"),
-    "gate_up_rank_mismatch": (dict(rank_pattern={}, alpha_pattern={}),
-                              r"adapter_model.safetensors: tensor .*experts\.base_layer\."
-                              r"lora_A\.weight has shape \(24, 16\), expected \(12, 16\)"),
+    "unknown_parameter": (
+        dict(target_parameters=[GATE_UP, "mlp.experts.gate_proj"]),
+        r"adapter_config.json: target_parameters .*gate_proj",
+    ),
+    "one_layer_parameter": (
+        dict(target_parameters=["model.layers.1." + GATE_UP, DOWN]),
+        r"adapter_config.json: target_parameters",
+    ),
+    "dense_mlp_module": (
+        dict(target_modules=["q_proj", "gate_proj"]),
+        r"adapter_config.json: target_modules \['gate_proj'\] are dense MLP",
+    ),
+    "expert_name_as_module": (
+        dict(target_modules=["q_proj", "expert_gate"]),
+        r"adapter_config.json: target_modules",
+    ),
+    "pattern_on_attention": (
+        dict(rank_pattern={r".*\.gate_up_proj": 2 * R, "q_proj": 2}),
+        r"adapter_config.json: rank_pattern / alpha_pattern give "
+        r"model\.layers\.0\.self_attn\.q_proj",
+    ),
+    "gate_up_other_scale": (
+        dict(alpha_pattern={r".*\.gate_up_proj": ALPHA}),
+        r"adapter_config.json: mlp.experts.gate_up_proj at rank 6, alpha "
+        r"6.0 has another scale",
+    ),
+    "gate_up_rank_mismatch": (
+        dict(rank_pattern={}, alpha_pattern={}),
+        r"adapter_model.safetensors: tensor .*experts\.base_layer\."
+        r"lora_A\.weight has shape \(24, 16\), expected \(12, 16\)",
+    ),
 }
 TENSOR_EDITS = {
-    "misshapen": (lambda w: w.__setitem__(GU_A, w[GU_A][:-1]),
-                  r"adapter_model.safetensors: tensor " + GU_A.replace(".", r"\.")
-                  + r" has shape \(23, 16\), expected \(24, 16\)"),
-    "missing": (lambda w: w.pop(DOWN_B2),
-                r"adapter_model.safetensors: tensor " + DOWN_B2.replace(".", r"\.")
-                + " is missing"),
-    "dense_layer_expert": (lambda w: w.__setitem__(GU_A.replace("layers.1", "layers.0"),
-                                                   w[GU_A]),
-                           r"adapter_model.safetensors: tensor .*layers\.0\.mlp\.experts.* is "
-                           r"not used"),
-    "non_finite": (lambda w: w[DOWN_B2].__setitem__((0, 0), np.nan),
-                   r"adapter_model.safetensors: tensor " + DOWN_B2.replace(".", r"\.")
-                   + " has non-finite values"),
+    "misshapen": (
+        lambda w: w.__setitem__(GU_A, w[GU_A][:-1]),
+        r"adapter_model.safetensors: tensor "
+        + GU_A.replace(".", r"\.")
+        + r" has shape \(23, 16\), expected \(24, 16\)",
+    ),
+    "missing": (
+        lambda w: w.pop(DOWN_B2),
+        r"adapter_model.safetensors: tensor " + DOWN_B2.replace(".", r"\.") + " is missing",
+    ),
+    "dense_layer_expert": (
+        lambda w: w.__setitem__(GU_A.replace("layers.1", "layers.0"), w[GU_A]),
+        r"adapter_model.safetensors: tensor .*layers\.0\.mlp\.experts.* is "
+        r"not used",
+    ),
+    "non_finite": (
+        lambda w: w[DOWN_B2].__setitem__((0, 0), np.nan),
+        r"adapter_model.safetensors: tensor "
+        + DOWN_B2.replace(".", r"\.")
+        + " has non-finite values",
+    ),
 }
 
 
@@ -488,17 +578,29 @@ def test_dense_model_refuses_target_parameters(tmp_path):
         assert "target_parameters" not in json.load(f)
     read(tmp_path / "d", dense)
     _edit_config(tmp_path / "d", target_parameters=[GATE_UP])
-    with pytest.raises(jcp.InputError, match=r"adapter_config.json: target_parameters is not "
-                                             r"supported"):
+    with pytest.raises(
+        jcp.InputError,
+        match=r"adapter_config.json: target_parameters is not "
+        r"supported",
+    ):
         read(tmp_path / "d", dense)
 
 
 def test_wider_fused_gate_up_than_max_rank_is_refused(hm, cfg, tmp_path):
-    pm = peft_model(hm, seed=9, r=R, lora_alpha=ALPHA, target_modules=["q_proj"],
-                    target_parameters=EXPERT_PARAMS, **{k: v for k, v in PEFT_SPECS[
-                        "fused_2r"].items() if k.endswith("pattern")})
+    pm = peft_model(
+        hm,
+        seed=9,
+        r=R,
+        lora_alpha=ALPHA,
+        target_modules=["q_proj"],
+        target_parameters=EXPERT_PARAMS,
+        **{k: v for k, v in PEFT_SPECS["fused_2r"].items() if k.endswith("pattern")},
+    )
     pm.save_pretrained(tmp_path / "w")
     assert read(tmp_path / "w", cfg, max_rank=2 * R)[0] == 2 * R
-    with pytest.raises(jcp.InputError, match=r"adapter_config.json: the experts' gate and up "
-                                             r"take rank 6 each .* exceeds max_rank 5"):
+    with pytest.raises(
+        jcp.InputError,
+        match=r"adapter_config.json: the experts' gate and up "
+        r"take rank 6 each .* exceeds max_rank 5",
+    ):
         read(tmp_path / "w", cfg, max_rank=2 * R - 1)

@@ -14,18 +14,18 @@ import jax
 import numpy as np
 import pytest
 import torch
+from helpers import model_harness as mh
+from helpers.hf_models import peft_model
 from transformers import Qwen3_5ForCausalLM
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 import jcp
-from helpers import model_harness as mh
-from helpers.hf_models import peft_model
 from jcp import model as model_lib
 
 LENGTHS = (37, 1, 20, 64)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference():
     """(HF model, its folder's jcp config, jcp base params as NumPy)."""
     hm, path = _saved()
@@ -33,18 +33,33 @@ def _reference():
     return hm, cfg, jax.tree.map(np.asarray, base)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _saved():
     """(the tiny random HF Qwen3_5ForCausalLM, the folder it is saved in)."""
     torch.manual_seed(0)
     hc = Qwen3_5TextConfig(
-        vocab_size=mh.V, hidden_size=mh.D, intermediate_size=mh.F, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=8, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+        vocab_size=mh.V,
+        hidden_size=mh.D,
+        intermediate_size=mh.F,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=False,
         max_position_embeddings=1024,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                         "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]})
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [1, 1, 0],
+        },
+    )
     hm = Qwen3_5ForCausalLM(hc)
     with torch.no_grad():
         for name, p in hm.named_parameters():
@@ -58,6 +73,7 @@ def _saved():
                 p.copy_(0.05 * torch.randn_like(p))
     hm = hm.eval().float()
     import tempfile
+
     return hm, mh.save(hm, tempfile.mkdtemp(prefix="jcp_qwen3_5_"))
 
 
@@ -72,15 +88,17 @@ def test_config_from_hf_reads_the_hybrid_fields():
     with pytest.raises(ValueError, match="linear_num_value_heads"):
         jcp.QwenConfig.tiny_qwen3_5(linear_num_value_heads=3)
     with pytest.raises(ValueError, match="tp=4 does not divide linear_num_key_heads"):
-        jcp.QwenConfig.tiny_qwen3_5(linear_num_key_heads=2, num_kv_heads=4,
-                                    num_heads=4).check_mesh(4)
+        jcp.QwenConfig.tiny_qwen3_5(linear_num_key_heads=2, num_kv_heads=4, num_heads=4).check_mesh(
+            4
+        )
     assert jcp.QwenConfig.tiny().fingerprint() != jcp.QwenConfig.tiny_qwen3_5().fingerprint()
 
 
 # (2,2,2) and (1,8,1) hung before delta_rule.unit_lower_inverse replaced solve_triangular
 # (its XLA:CPU kernel deadlocked the 8-thread intra-op pool with 8 devices).
-@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 2, 1), (1, 4, 1), (1, 8, 1), (2, 2, 2),
-                                        (1, 2, 2)])
+@pytest.mark.parametrize(
+    "mesh_shape", [(1, 1, 1), (1, 2, 1), (1, 4, 1), (1, 8, 1), (2, 2, 2), (1, 2, 2)]
+)
 def test_logprobs_equal_transformers(mesh_shape):
     hm, cfg, base = _reference()
     seqs, targets, _ = mh.random_data(LENGTHS)
@@ -94,11 +112,22 @@ def test_logprobs_equal_transformers(mesh_shape):
 # Training: LoRA on every projection (gated q_proj, Gated DeltaNet's in_proj_qkv / in_proj_z
 # / out_proj, MLP, lm_head) through the Trainer, against peft and cp = 1
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
-           "gate_proj", "up_proj", "down_proj", "lm_head"]
+TARGETS = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "in_proj_qkv",
+    "in_proj_z",
+    "out_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _peft_world():
     """(peft model in fp64, its folder, data) on the reference Qwen3.5; every lora_B
     random so each factor has a gradient."""
@@ -109,8 +138,9 @@ def _peft_world():
     folder = tempfile.mkdtemp(prefix="jcp_qwen3_5_peft_")
     pm.save_pretrained(folder)
     seqs, targets, weights = mh.random_data(LENGTHS, seed=4)
-    data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
-            for s, t, w in zip(seqs, targets, weights)]
+    data = [
+        jcp.Datum(s, {"target_tokens": t, "weights": w}) for s, t, w in zip(seqs, targets, weights)
+    ]
     return pm.double().eval(), folder, data
 
 
@@ -121,19 +151,25 @@ def _torch_grads(pm, data):
         logits = pm(torch.tensor(np.asarray(d.model_input))[None]).logits[0]
         lp = torch.log_softmax(logits.double(), -1)[
             torch.arange(len(d.model_input)),
-            torch.tensor(np.asarray(d.loss_fn_inputs["target_tokens"]))]
-        total = total - (torch.tensor(np.asarray(d.loss_fn_inputs["weights"], np.float64))
-                         * lp).sum()
+            torch.tensor(np.asarray(d.loss_fn_inputs["target_tokens"])),
+        ]
+        total = (
+            total - (torch.tensor(np.asarray(d.loss_fn_inputs["weights"], np.float64)) * lp).sum()
+        )
     total.backward()
-    return {n.replace(".default.", "."): p.grad.numpy().copy()
-            for n, p in pm.named_parameters() if "lora_" in n}
+    return {
+        n.replace(".default.", "."): p.grad.numpy().copy()
+        for n, p in pm.named_parameters()
+        if "lora_" in n
+    }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trainer(mesh_shape):
     _, cfg, base = _reference()
-    return jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=2,
-                       max_rank=4)
+    return jcp.Trainer(
+        cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=2, max_rank=4
+    )
 
 
 def _jcp_grads(mesh_shape, folder, data):
@@ -155,8 +191,12 @@ def test_lora_gradients_equal_peft_and_cp1():
     out1, g1 = _jcp_grads((1, 1, 1), folder, data)
     out2, g2 = _jcp_grads((1, 2, 2), folder, data)
     assert g1.keys() == want.keys()
-    for key in ("layers.0.linear_attn.in_proj_qkv.lora_B", "layers.3.self_attn.q_proj.lora_A",
-                "layers.2.linear_attn.out_proj.lora_A", "layers.1.linear_attn.in_proj_z"):
+    for key in (
+        "layers.0.linear_attn.in_proj_qkv.lora_B",
+        "layers.3.self_attn.q_proj.lora_A",
+        "layers.2.linear_attn.out_proj.lora_A",
+        "layers.1.linear_attn.in_proj_z",
+    ):
         assert any(key in k for k in want), key
     scale = max(float(np.abs(v).max()) for v in want.values())
     assert scale > 1e-3
@@ -173,6 +213,7 @@ def test_peft_round_trip(tmp_path):
     tensor equal to the original's, and its log-probs equal jcp's forward."""
     import peft
     from safetensors.numpy import load_file
+
     pm, folder, data = _peft_world()
     tr = _trainer((1, 1, 1))
     a = tr.load_peft(folder)
@@ -197,10 +238,15 @@ def test_peft_round_trip(tmp_path):
 def test_lora_targets_on_a_hybrid_model():
     _, cfg, _ = _reference()
     from jcp import lora as lora_lib
+
     assert lora_lib.resolve_targets(None, cfg) == tuple(
-        m for m in lora_lib.ALL_MODULES if m in TARGETS)
-    assert lora_lib.resolve_targets(["linear_attn"], cfg) == ("in_proj_qkv", "in_proj_z",
-                                                              "out_proj")
+        m for m in lora_lib.ALL_MODULES if m in TARGETS
+    )
+    assert lora_lib.resolve_targets(["linear_attn"], cfg) == (
+        "in_proj_qkv",
+        "in_proj_z",
+        "out_proj",
+    )
     with pytest.raises(ValueError, match="no linear-attention layers"):
         lora_lib.resolve_targets(["in_proj_qkv"], jcp.QwenConfig.tiny())
     assert "in_proj_qkv" not in lora_lib.resolve_targets(None, jcp.QwenConfig.tiny())
@@ -212,27 +258,39 @@ SAMPLE_PROMPTS = ([5], [3, 9, 14, 2, 7], list(range(1, 71)), [11, 4, 8, 20, 6, 1
 SAMPLE_TOKENS = 6
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_greedy():
     hm = _reference()[0]
     out = []
     with torch.no_grad():
         for p in SAMPLE_PROMPTS:
             ids = torch.tensor([p])
-            g = hm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                            max_new_tokens=SAMPLE_TOKENS, min_new_tokens=SAMPLE_TOKENS,
-                            pad_token_id=0)
-            out.append(g[0, len(p):].numpy().astype(np.int32))
+            g = hm.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=SAMPLE_TOKENS,
+                min_new_tokens=SAMPLE_TOKENS,
+                pad_token_id=0,
+            )
+            out.append(g[0, len(p) :].numpy().astype(np.int32))
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sampling_trainer(mesh_shape):
     """(Trainer, an adapter with PEFT's initialisation: B = 0, the base model's outputs).
     Room for the engine tests' two peft adapters too (one Trainer: one compile set)."""
     _, cfg, base = _reference()
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=base, max_adapters=3,
-                     max_rank=4, attn_block=16, logprob_chunk=16)
+    tr = jcp.Trainer(
+        cfg,
+        jcp.make_mesh(*mesh_shape),
+        base_params=base,
+        max_adapters=3,
+        max_rank=4,
+        attn_block=16,
+        logprob_chunk=16,
+    )
     return tr, tr.create_adapter(rank=2, seed=0)
 
 
@@ -240,8 +298,9 @@ def _no_stop(n=SAMPLE_TOKENS, **kw):
     return jcp.SamplingParams(max_tokens=n, stop=[], **kw)
 
 
-@pytest.mark.parametrize("mesh_shape,cache_mode", [((1, 1, 1), None), ((1, 2, 2), "batch"),
-                                                   ((1, 2, 2), "split")])
+@pytest.mark.parametrize(
+    "mesh_shape,cache_mode", [((1, 1, 1), None), ((1, 2, 2), "batch"), ((1, 2, 2), "split")]
+)
 def test_greedy_sampling_equals_hf_generate(mesh_shape, cache_mode):
     """Recurrent states beside the KV cache: prefill (over the cp pieces) hands each prompt's
     final conv window and delta-rule state to its decode rows — both samples of a prompt
@@ -249,8 +308,9 @@ def test_greedy_sampling_equals_hf_generate(mesh_shape, cache_mode):
     tr, _ = _sampling_trainer(mesh_shape)
     want = _hf_greedy()
     assert len({tuple(w) for w in want}) > 1
-    res = tr.sample(list(SAMPLE_PROMPTS), _no_stop(temperature=0.0), num_samples=2,
-                    cache_mode=cache_mode)
+    res = tr.sample(
+        list(SAMPLE_PROMPTS), _no_stop(temperature=0.0), num_samples=2, cache_mode=cache_mode
+    )
     assert tr.sampler.last_plan.mode == (cache_mode or "batch")
     for i, (r, w) in enumerate(zip(res, want)):
         for seq in r.sequences:
@@ -259,25 +319,35 @@ def test_greedy_sampling_equals_hf_generate(mesh_shape, cache_mode):
 
 def test_sampled_logprobs_equal_forward_and_transformers():
     tr, a = _sampling_trainer((1, 2, 2))
-    res = tr.sample(list(SAMPLE_PROMPTS), _no_stop(temperature=1.0, seed=3), num_samples=2,
-                    prompt_logprobs=True, adapters=a)
+    res = tr.sample(
+        list(SAMPLE_PROMPTS),
+        _no_stop(temperature=1.0, seed=3),
+        num_samples=2,
+        prompt_logprobs=True,
+        adapters=a,
+    )
     hm = _reference()[0]
-    seqs = [np.concatenate([p, s.tokens]).astype(np.int32)
-            for p, r in zip(SAMPLE_PROMPTS, res) for s in r.sequences]
+    seqs = [
+        np.concatenate([p, s.tokens]).astype(np.int32)
+        for p, r in zip(SAMPLE_PROMPTS, res)
+        for s in r.sequences
+    ]
     assert len({tuple(x) for x in seqs}) == len(seqs)  # the draws differ
     ref = mh.reference_logprobs(hm, [x[:-1] for x in seqs], [x[1:] for x in seqs])
-    data = [jcp.Datum(x[:-1], {"target_tokens": x[1:],
-                               "weights": np.zeros(len(x) - 1, np.float32)}) for x in seqs]
+    data = [
+        jcp.Datum(x[:-1], {"target_tokens": x[1:], "weights": np.zeros(len(x) - 1, np.float32)})
+        for x in seqs
+    ]
     fwd = [o["logprobs"] for o in tr.forward(data, adapters=a).loss_fn_outputs]
     plain = tr.compute_logprobs([list(p) for p in SAMPLE_PROMPTS], adapters=a)
     k = 0
     for p, r, pl in zip(SAMPLE_PROMPTS, res, plain):
         n = len(p)
-        np.testing.assert_allclose(pl[1:], ref[k][:n - 1], atol=2e-4)
+        np.testing.assert_allclose(pl[1:], ref[k][: n - 1], atol=2e-4)
         np.testing.assert_array_equal(r.prompt_logprobs, pl)
         for s in r.sequences:
-            np.testing.assert_allclose(s.logprobs, fwd[k][n - 1:], atol=2e-5)
-            np.testing.assert_allclose(s.logprobs, ref[k][n - 1:], atol=2e-4)
+            np.testing.assert_allclose(s.logprobs, fwd[k][n - 1 :], atol=2e-5)
+            np.testing.assert_allclose(s.logprobs, ref[k][n - 1 :], atol=2e-4)
             k += 1
 
 
@@ -287,7 +357,7 @@ def test_sampled_logprobs_equal_forward_and_transformers():
 ENGINE = dict(slots=8, max_len=80, chunk=4, page_size=8, prefill_tokens=32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _engine_adapters():
     """Two peft adapters on the reference model (every target, B random): (peft models,
     their folders)."""
@@ -304,24 +374,30 @@ def _engine_adapters():
     return pms, folders
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_engine_greedy(which, i):
     """HF generate (greedy) of SAMPLE_PROMPTS[i] by the base model (which None) or peft
     adapter `which`."""
     model = _reference()[0] if which is None else _engine_adapters()[0][which]
     ids = torch.tensor([SAMPLE_PROMPTS[i]])
     with torch.no_grad():
-        g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                           max_new_tokens=SAMPLE_TOKENS, min_new_tokens=SAMPLE_TOKENS,
-                           pad_token_id=0)
-    return g[0, ids.shape[1]:].numpy().astype(np.int32)
+        g = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=SAMPLE_TOKENS,
+            min_new_tokens=SAMPLE_TOKENS,
+            pad_token_id=0,
+        )
+    return g[0, ids.shape[1] :].numpy().astype(np.int32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _engine(mesh_shape):
     """(Trainer, [adapter ids of the two peft folders], Engine) over the reference model
     (the static sampling tests' Trainer)."""
     from jcp.sample.engine import Engine
+
     tr = _sampling_trainer(mesh_shape)[0]
     ids = [tr.load_peft(f) for f in _engine_adapters()[1]]
     return tr, ids, Engine(tr.make_sampler(), **ENGINE)
@@ -340,15 +416,23 @@ def test_engine_greedy_equals_hf_generate(mesh_shape):
     assert not np.array_equal(_hf_engine_greedy(0, 2), _hf_engine_greedy(None, 2))
     assert not np.array_equal(_hf_engine_greedy(0, 3), _hf_engine_greedy(1, 3))
     adapter = {None: None, a: 0, b: 1}
-    waves = [[(2, a, 1), (0, None, 1)], [(1, b, 1), (3, a, 2)], [], [(3, b, 1), (0, a, 1)],
-             [(2, None, 1)]]
+    waves = [
+        [(2, a, 1), (0, None, 1)],
+        [(1, b, 1), (3, a, 2)],
+        [],
+        [(3, b, 1), (0, a, 1)],
+        [(2, None, 1)],
+    ]
     rids, rows_seen = [], set()
     for wave in waves:
-        rids += [(eng.submit(SAMPLE_PROMPTS[i], _no_stop(temperature=0.0), ad, n), i, ad)
-                 for i, ad, n in wave]
+        rids += [
+            (eng.submit(SAMPLE_PROMPTS[i], _no_stop(temperature=0.0), ad, n), i, ad)
+            for i, ad, n in wave
+        ]
         eng.step()
-        rows_seen |= {(x.g, x.row) for r in eng.requests.values() for x in r.seqs
-                      if x.row is not None}
+        rows_seen |= {
+            (x.g, x.row) for r in eng.requests.values() for x in r.seqs if x.row is not None
+        }
     assert eng.live > 0
     eng.run()
     assert eng.idle and eng.live == 0 and all(len(f) == eng.b_local for f in eng.free_rows)
@@ -356,8 +440,9 @@ def test_engine_greedy_equals_hf_generate(mesh_shape):
     for rid, i, ad in rids:
         res = eng.result(rid)
         for seq in res.sequences:
-            np.testing.assert_array_equal(seq.tokens, _hf_engine_greedy(adapter[ad], i),
-                                          err_msg=f"prompt {i} adapter {ad}")
+            np.testing.assert_array_equal(
+                seq.tokens, _hf_engine_greedy(adapter[ad], i), err_msg=f"prompt {i} adapter {ad}"
+            )
 
 
 def test_engine_drawn_logprobs_equal_forward_and_one_prefill():
@@ -380,12 +465,14 @@ def test_engine_drawn_logprobs_equal_forward_and_one_prefill():
     got = eng.result(rid)
     seqs = [np.concatenate([prompt, x.tokens]).astype(np.int32) for x in got.sequences]
     assert len({tuple(x) for x in seqs}) == 3  # the draws differ
-    data = [jcp.Datum(x[:-1], {"target_tokens": x[1:],
-                               "weights": np.zeros(len(x) - 1, np.float32)}) for x in seqs]
+    data = [
+        jcp.Datum(x[:-1], {"target_tokens": x[1:], "weights": np.zeros(len(x) - 1, np.float32)})
+        for x in seqs
+    ]
     fwd = [o["logprobs"] for o in tr.forward(data, adapters=a).loss_fn_outputs]
     n = len(prompt)
     for x, f in zip(got.sequences, fwd):
-        np.testing.assert_allclose(x.logprobs, f[n - 1:], atol=2e-5)
+        np.testing.assert_allclose(x.logprobs, f[n - 1 :], atol=2e-5)
     alone = tr.sample([prompt], sp, adapters=a, num_samples=3, prompt_logprobs=True)[0]
     for x, y in zip(got.sequences, alone.sequences):
         np.testing.assert_array_equal(x.tokens, y.tokens)
@@ -393,8 +480,9 @@ def test_engine_drawn_logprobs_equal_forward_and_one_prefill():
     # Prefilled in three chunks vs one: the delta rule's sums run in another order (fp32
     # rounding, ~2e-6 relative at |log p| ~ 5); forward's bound above.
     np.testing.assert_allclose(got.prompt_logprobs, alone.prompt_logprobs, atol=2e-5, rtol=0)
-    np.testing.assert_allclose(got.prompt_logprobs[1:],
-                               tr.compute_logprobs([prompt], adapters=a)[0][1:], atol=2e-5)
+    np.testing.assert_allclose(
+        got.prompt_logprobs[1:], tr.compute_logprobs([prompt], adapters=a)[0][1:], atol=2e-5
+    )
     assert eng.prefilled - before == n - 1
     rid = eng.submit(prompt, sp, a, num_samples=3, prompt_logprobs=True)
     eng.run()
@@ -411,12 +499,15 @@ def test_engine_warmup_covers_a_hybrid_model():
     state rows untouched — and then requests of random lengths and sample counts compile
     nothing."""
     from jcp.sample.engine import Engine
+
     tr, (a, _), _ = _engine((1, 1, 1))
-    eng = Engine(tr.make_sampler(), slots=8, max_len=32, chunk=4, page_size=8,
-                 prefill_tokens=16)
+    eng = Engine(tr.make_sampler(), slots=8, max_len=32, chunk=4, page_size=8, prefill_tokens=16)
     p = eng.s.paged
-    compiled = lambda: (p.extend._cache_size() + p.decode._cache_size()  # noqa: E731
-                        + p.copy._cache_size())
+    compiled = lambda: (
+        p.extend._cache_size()
+        + p.decode._cache_size()  # noqa: E731
+        + p.copy._cache_size()
+    )
     assert eng.warmup(active=(1,), draws=("greedy",)) == 2 + 2 + 1
     assert eng.idle and all(len(f) == eng.b_local for f in eng.free_rows)
     warm, before = set(eng.program_keys), compiled()
@@ -426,9 +517,14 @@ def test_engine_warmup_covers_a_hybrid_model():
     for _ in range(2):
         for _ in range(2):
             n = int(rng.integers(2, 25))
-            rids.append(eng.submit(rng.integers(0, mh.V, n).tolist(),
-                                   _no_stop(n=int(rng.integers(1, 32 - n)), temperature=0.0),
-                                   a, num_samples=int(rng.integers(1, 4))))
+            rids.append(
+                eng.submit(
+                    rng.integers(0, mh.V, n).tolist(),
+                    _no_stop(n=int(rng.integers(1, 32 - n)), temperature=0.0),
+                    a,
+                    num_samples=int(rng.integers(1, 4)),
+                )
+            )
         eng.step()
     eng.run()
     assert all(eng.result(r).sequences for r in rids)
@@ -443,14 +539,24 @@ def test_load_hf_reads_the_text_model_of_an_image_text_checkpoint(tmp_path):
     config and weights as the Qwen3_5ForCausalLM it was built from, whose log-probs equal
     transformers' (test_logprobs_equal_transformers); the vision tower is not read."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
     hm, cfg, base = _reference()
-    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, patch_size=4,
-                  out_hidden_size=mh.D, num_position_embeddings=16)
-    vc = Qwen3_5Config(text_config=hm.config.to_dict(), vision_config=vision,
-                       tie_word_embeddings=False)
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=32,
+        num_heads=2,
+        patch_size=4,
+        out_hidden_size=mh.D,
+        num_position_embeddings=16,
+    )
+    vc = Qwen3_5Config(
+        text_config=hm.config.to_dict(), vision_config=vision, tie_word_embeddings=False
+    )
     vm = Qwen3_5ForConditionalGeneration(vc).eval()
     missing, unexpected = vm.model.language_model.load_state_dict(
-        hm.model.state_dict(), strict=True)
+        hm.model.state_dict(), strict=True
+    )
     assert not missing and not unexpected
     with torch.no_grad():
         vm.lm_head.weight.copy_(hm.lm_head.weight)
@@ -458,6 +564,7 @@ def test_load_hf_reads_the_text_model_of_an_image_text_checkpoint(tmp_path):
         np.testing.assert_allclose(vm(ids).logits.numpy(), hm(ids).logits.numpy(), atol=1e-5)
     path = mh.save(vm, tmp_path / "vlm")
     import json
+
     saved = json.load(open(tmp_path / "vlm" / "config.json"))
     assert saved["architectures"] == ["Qwen3_5ForConditionalGeneration"]
     assert "text_config" in saved
@@ -480,23 +587,54 @@ def test_jcp_train_runs_on_a_qwen3_5_folder(tmp_path):
     import json
     import subprocess
     import sys
+
     _, path = _saved()
     rng = np.random.default_rng(0)
     lines = []
     for i in range(4):
         toks = rng.integers(0, mh.V, 30 + 7 * i).tolist()
-        lines.append({"model_input": toks, "adapter": "ab"[i % 2],
-                      "loss_fn_inputs": {"target_tokens": toks[1:] + [0],
-                                         "weights": [1.0] * len(toks)}})
+        lines.append(
+            {
+                "model_input": toks,
+                "adapter": "ab"[i % 2],
+                "loss_fn_inputs": {"target_tokens": toks[1:] + [0], "weights": [1.0] * len(toks)},
+            }
+        )
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "run"
-    env = {**__import__("os").environ,
-           "XLA_FLAGS": __import__("os").environ.get("JCP_TEST_CHILD_XLA_FLAGS", "")}
-    p = subprocess.run([sys.executable, "-m", "jcp.train", "--hf-model", path, "--out",
-                        str(out), "--steps", "3", "--data", str(data), "--batch-size", "2",
-                        "--lr", "1e-2", "--no-progress", "--save-every", "3", "--mesh", "1,2,2"],
-                       capture_output=True, text=True, env=env, timeout=900)
+    env = {
+        **__import__("os").environ,
+        "XLA_FLAGS": __import__("os").environ.get("JCP_TEST_CHILD_XLA_FLAGS", ""),
+    }
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jcp.train",
+            "--hf-model",
+            path,
+            "--out",
+            str(out),
+            "--steps",
+            "3",
+            "--data",
+            str(data),
+            "--batch-size",
+            "2",
+            "--lr",
+            "1e-2",
+            "--no-progress",
+            "--save-every",
+            "3",
+            "--mesh",
+            "1,2,2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     for name in "ab":
@@ -510,8 +648,9 @@ def test_jcp_serve_trains_a_qwen3_5_model():
     Gated DeltaNet projections included); a sample of the trained weights (in-memory
     snapshot), decoded by the server's paged engine, equals Trainer.sample."""
     pytest.importorskip("tinker")
-    from tinker import types
     from helpers.server_harness import client, serving
+    from tinker import types
+
     _, cfg, _ = _reference()
     tr = _trainer((1, 2, 2))
     pairs = []
@@ -519,22 +658,30 @@ def test_jcp_serve_trains_a_qwen3_5_model():
         rng = np.random.default_rng(seed)
         toks = rng.integers(0, cfg.vocab_size, n + 1).tolist()
         w = rng.uniform(0.2, 1.0, n).astype(np.float32).tolist()
-        pairs.append((types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                                  loss_fn_inputs={"target_tokens": toks[1:], "weights": w}),
-                      jcp.Datum(toks[:-1], {"target_tokens": toks[1:], "weights": w})))
+        pairs.append(
+            (
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(toks[:-1]),
+                    loss_fn_inputs={"target_tokens": toks[1:], "weights": w},
+                ),
+                jcp.Datum(toks[:-1], {"target_tokens": toks[1:], "weights": w}),
+            )
+        )
     sdk_data, jcp_data = [p[0] for p in pairs], [p[1] for p in pairs]
     adam = dict(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=50.0)
     with serving(tr, "qwen3_5-tiny", {"tml-alice": "alice"}, "jcp-serve-q35-") as env:
-        tc = client(env).create_lora_training_client(base_model="qwen3_5-tiny", rank=4,
-                                                      seed=3).result()
+        tc = (
+            client(env)
+            .create_lora_training_client(base_model="qwen3_5-tiny", rank=4, seed=3)
+            .result()
+        )
         slot = env["srv"].store.models[tc.model_id].slot
         local = tr.create_adapter(rank=4, alpha=32.0, seed=3)
         assert "in_proj_qkv" in tr.adapters[slot].targets
         try:
             out = tc.forward_backward(sdk_data, "cross_entropy").result()
             ref = tr.forward_backward(jcp_data, "cross_entropy", adapters=local)
-            np.testing.assert_allclose(out.metrics["loss:sum"], ref.metrics["loss:sum"],
-                                       rtol=1e-5)
+            np.testing.assert_allclose(out.metrics["loss:sum"], ref.metrics["loss:sum"], rtol=1e-5)
             tc.optim_step(types.AdamParams(**adam)).result()
             tr.optim_step(local, jcp.AdamParams(**adam))
             got, want = tr.adapter_weights(slot), tr.adapter_weights(local)
@@ -549,12 +696,15 @@ def test_jcp_serve_trains_a_qwen3_5_model():
             assert sampling.peak_live == 0
             sc = tc.save_weights_and_get_sampling_client().result()
             prompt = list(SAMPLE_PROMPTS[3])
-            res = sc.sample(types.ModelInput.from_ints(prompt), 2,
-                            types.SamplingParams(max_tokens=SAMPLE_TOKENS, temperature=1.0,
-                                                 seed=11, stop=[])).result()
+            res = sc.sample(
+                types.ModelInput.from_ints(prompt),
+                2,
+                types.SamplingParams(max_tokens=SAMPLE_TOKENS, temperature=1.0, seed=11, stop=[]),
+            ).result()
             assert sampling.peak_live == 2  # both samples decoded in the engine's batch
-            ref = tr.sample([prompt], _no_stop(temperature=1.0, seed=11), adapters=slot,
-                            num_samples=2)[0]
+            ref = tr.sample(
+                [prompt], _no_stop(temperature=1.0, seed=11), adapters=slot, num_samples=2
+            )[0]
             assert len(res.sequences) == 2
             assert res.sequences[0].tokens != res.sequences[1].tokens
             for x, y in zip(res.sequences, ref.sequences):

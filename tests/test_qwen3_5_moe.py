@@ -9,32 +9,50 @@ import tempfile
 import numpy as np
 import pytest
 import torch
+from helpers import model_harness as mh
+from helpers.hf_models import peft_model
 from transformers import Qwen3_5MoeForCausalLM
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
 import jcp
-from helpers import model_harness as mh
-from helpers.hf_models import peft_model
 
 LENGTHS = (37, 1, 20)
 MODULES = ["q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "lm_head"]
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _world():
     """(base folder, peft folder, data, peft fp64 log-probs, loss, gradients by name)."""
     torch.manual_seed(0)
     hc = Qwen3_5MoeTextConfig(
-        vocab_size=mh.V, hidden_size=mh.D, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
-        linear_conv_kernel_dim=4, moe_intermediate_size=24, shared_expert_intermediate_size=40,
-        num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+        vocab_size=mh.V,
+        hidden_size=mh.D,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
         experts_implementation="eager",
-        layer_types=["linear_attention", "full_attention"], max_position_embeddings=1024,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                         "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]})
+        layer_types=["linear_attention", "full_attention"],
+        max_position_embeddings=1024,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [1, 1, 0],
+        },
+    )
     hm = Qwen3_5MoeForCausalLM(hc)
     with torch.no_grad():
         for name, p in hm.named_parameters():
@@ -46,14 +64,23 @@ def _world():
                 p.copy_(0.1 * torch.randn_like(p))
     hm = hm.eval().float()
     base = mh.save(hm, tempfile.mkdtemp(prefix="jcp_qwen3_5_moe_"))
-    pm = peft_model(hm, 2, std=0.2, factors="lora_", r=3, lora_alpha=6,
-                    target_modules=MODULES, target_parameters=EXPERT_PARAMS)
+    pm = peft_model(
+        hm,
+        2,
+        std=0.2,
+        factors="lora_",
+        r=3,
+        lora_alpha=6,
+        target_modules=MODULES,
+        target_parameters=EXPERT_PARAMS,
+    )
     folder = tempfile.mkdtemp(prefix="jcp_qwen3_5_moe_peft_")
     pm.save_pretrained(folder)
     seqs, targets, weights = mh.random_data(LENGTHS, seed=5)
     lps, total, grads = mh.peft_fp64_reference(pm, seqs, targets, weights)
-    data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
-            for s, t, w in zip(seqs, targets, weights)]
+    data = [
+        jcp.Datum(s, {"target_tokens": t, "weights": w}) for s, t, w in zip(seqs, targets, weights)
+    ]
     return base, folder, data, lps, total, grads
 
 
@@ -61,8 +88,12 @@ def test_config_reads_qwen3_5_moe():
     base, *_ = _world()
     cfg = jcp.QwenConfig.from_hf(base)
     assert cfg.is_hybrid and cfg.moe_layers == (True, True) and cfg.norm_topk_prob
-    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-            cfg.shared_expert_intermediate_size) == (4, 2, 24, 40)
+    assert (
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+        cfg.moe_intermediate_size,
+        cfg.shared_expert_intermediate_size,
+    ) == (4, 2, 24, 40)
     tiny = jcp.QwenConfig.tiny_qwen3_5_moe()
     assert tiny.is_hybrid and all(tiny.moe_layers) and tiny.shared_expert_intermediate_size
     with pytest.raises(ValueError, match="MoE MLPs in every layer"):
@@ -75,8 +106,9 @@ def test_config_reads_qwen3_5_moe():
 def test_logprobs_and_lora_gradients_equal_peft(mesh_shape):
     base, folder, data, lps, loss, want = _world()
     cfg, params = jcp.load_hf(base)
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=params, max_adapters=1,
-                     max_rank=4)
+    tr = jcp.Trainer(
+        cfg, jcp.make_mesh(*mesh_shape), base_params=params, max_adapters=1, max_rank=4
+    )
     a = tr.load_peft(folder)
     assert tr.adapters[a].expert_lora == "fused_gate_up"
     out = tr.forward_backward(data, "cross_entropy", adapters=a)
@@ -97,14 +129,14 @@ def test_engine_greedy_equals_hf_generate():
     (requests at different steps, a prompt prefilled over 2 chunks, 2 samples of one
     prompt, a one-token prompt) = HF generate + peft."""
     import peft
+
     from jcp.sample.engine import Engine
+
     base, folder, *_ = _world()
     cfg, params = jcp.load_hf(base)
-    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), base_params=params, max_adapters=1,
-                     max_rank=3)
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), base_params=params, max_adapters=1, max_rank=3)
     a = tr.load_peft(folder)
-    eng = Engine(tr.make_sampler(), slots=4, max_len=48, chunk=4, page_size=8,
-                 prefill_tokens=16)
+    eng = Engine(tr.make_sampler(), slots=4, max_len=48, chunk=4, page_size=8, prefill_tokens=16)
     hm = Qwen3_5MoeForCausalLM.from_pretrained(base, experts_implementation="eager").eval()
     pm = peft.PeftModel.from_pretrained(hm, folder).eval()
     prompts = [list(range(3, 33)), [7], [11, 4, 8, 20, 6]]
@@ -113,10 +145,15 @@ def test_engine_greedy_equals_hf_generate():
     def hf(model, p):
         ids = torch.tensor([p])
         with torch.no_grad():
-            g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                               do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new,
-                               pad_token_id=0)
-        return g[0, len(p):].numpy()
+            g = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=n_new,
+                min_new_tokens=n_new,
+                pad_token_id=0,
+            )
+        return g[0, len(p) :].numpy()
 
     greedy = jcp.SamplingParams(max_tokens=n_new, temperature=0.0, stop=[])
     waves = [[(0, a, 1)], [(1, None, 1), (2, a, 2)], [(0, None, 1)]]

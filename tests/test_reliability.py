@@ -21,9 +21,9 @@ import os
 import jax
 import numpy as np
 import pytest
+from helpers import trainer_harness as H
 
 import jcp
-from helpers import trainer_harness as H
 
 N = 16
 MESH = (1, 1, 1)
@@ -35,16 +35,23 @@ ADVANTAGES = (1.0, -1.0, 0.0, 1e30, -1e30, 1e38)
 
 def rl(lp, adv, seed=0):
     rng = np.random.default_rng(seed)
-    return jcp.Datum(rng.integers(0, H.CFG.vocab_size, N), {
-        "target_tokens": rng.integers(0, H.CFG.vocab_size, N),
-        "advantages": np.full(N, adv), "logprobs": np.full(N, lp),  # float64: cast by jcp
-        "sequence_ratio_mask": np.ones(N)})
+    return jcp.Datum(
+        rng.integers(0, H.CFG.vocab_size, N),
+        {
+            "target_tokens": rng.integers(0, H.CFG.vocab_size, N),
+            "advantages": np.full(N, adv),
+            "logprobs": np.full(N, lp),  # float64: cast by jcp
+            "sequence_ratio_mask": np.ones(N),
+        },
+    )
 
 
 def ce(seed=1, **extra):
     rng = np.random.default_rng(seed)
-    inputs = {"target_tokens": rng.integers(0, H.CFG.vocab_size, N),
-              "weights": np.ones(N, np.float32)}
+    inputs = {
+        "target_tokens": rng.integers(0, H.CFG.vocab_size, N),
+        "weights": np.ones(N, np.float32),
+    }
     inputs.update(extra)
     return jcp.Datum(rng.integers(0, H.CFG.vocab_size, N), inputs)
 
@@ -88,12 +95,16 @@ def test_overflow_table_never_puts_nan_in_an_adapter(tr, loss_fn):
         for adv in ADVANTAGES:
             edge = rl(lp, adv)
             if loss_fn == "cross_entropy":  # cross_entropy reads weights; give it the edge too
-                edge = ce(seed=0, logprobs=np.full(N, lp, np.float32),
-                          advantages=np.full(N, adv, np.float32))
+                edge = ce(
+                    seed=0,
+                    logprobs=np.full(N, lp, np.float32),
+                    advantages=np.full(N, adv, np.float32),
+                )
                 edge.loss_fn_inputs["weights"] = np.full(N, min(abs(adv), 1e30), np.float32)
-            for batch, losses in (([edge], loss_fn),
-                                  ([edge, ce(), ordinary()],
-                                   [loss_fn, "cross_entropy", "importance_sampling"])):
+            for batch, losses in (
+                ([edge], loss_fn),
+                ([edge, ce(), ordinary()], [loss_fn, "cross_entropy", "importance_sampling"]),
+            ):
                 case = f"{loss_fn} lp={lp} adv={adv} batch of {len(batch)}"
                 before = H.snapshot(tr)
                 try:
@@ -108,8 +119,9 @@ def test_overflow_table_never_puts_nan_in_an_adapter(tr, loss_fn):
                     outcomes["refused"] += 1
                     continue
                 assert np.isfinite(fwd.metrics["loss:sum"]), case
-                assert all(np.all(np.isfinite(o["elementwise_loss"]))
-                           for o in fwd.loss_fn_outputs), case
+                assert all(
+                    np.all(np.isfinite(o["elementwise_loss"])) for o in fwd.loss_fn_outputs
+                ), case
                 # A finite loss has a finite gradient.
                 out = tr.forward_backward(batch, losses, adapters=a)
                 assert np.isfinite(out.metrics["loss:sum"]), case
@@ -144,8 +156,9 @@ def test_ppo_clipped_branch_is_finite_with_zero_gradient(tr):
     a = _adapter(tr)
     hi = 1.2
     out = tr.forward_backward([rl(-100.0, 1.0)], "ppo", adapters=a)
-    np.testing.assert_array_equal(out.loss_fn_outputs[0]["elementwise_loss"],
-                                  np.full(N, -hi, np.float32))
+    np.testing.assert_array_equal(
+        out.loss_fn_outputs[0]["elementwise_loss"], np.full(N, -hi, np.float32)
+    )
     assert out.metrics["clipped_tokens:sum"] == N
     assert all(not np.any(g) for g in tr.gradients(a).values())
 
@@ -160,8 +173,9 @@ def test_gspo_sequence_ratio_overflow_is_refused_naming_the_datum(tr):
         tr.forward_backward([ordinary(), rl(-100.0, -1.0)], "gspo", adapters=a)
     H.assert_same_state(before, H.snapshot(tr))
     out = tr.forward_backward([rl(-100.0, 1.0)], "gspo", adapters=a)
-    np.testing.assert_array_equal(out.loss_fn_outputs[0]["elementwise_loss"],
-                                  np.full(N, -1.2, np.float32))
+    np.testing.assert_array_equal(
+        out.loss_fn_outputs[0]["elementwise_loss"], np.full(N, -1.2, np.float32)
+    )
     assert out.metrics["clipped_tokens:sum"] == N
     assert all(not np.any(g) for g in tr.gradients(a).values())
 
@@ -179,8 +193,10 @@ def test_a_vector_carried_for_no_loss_changes_nothing(tr):
     gradient are exactly those without the extra field."""
     a = _adapter(tr)
     plain = [ce(), ordinary()]
-    extra = [ce(logprobs=np.full(N, -100.0, np.float32),
-                advantages=np.full(N, 1e30, np.float32)), ordinary()]
+    extra = [
+        ce(logprobs=np.full(N, -100.0, np.float32), advantages=np.full(N, 1e30, np.float32)),
+        ordinary(),
+    ]
     assert "logprobs" in extra[0].loss_fn_inputs and "logprobs" not in plain[0].loss_fn_inputs
     losses = ["cross_entropy", "importance_sampling"]
     got = tr.forward_backward(extra, losses, adapters=a)
@@ -220,7 +236,7 @@ def test_micro_batches_in_flight_are_bounded(tr, monkeypatch):
     monkeypatch.setattr(jax, "block_until_ready", lambda x: (waits.append(1), real(x))[1])
     monkeypatch.setattr(small, "MAX_IN_FLIGHT", 2)
     bounded = small.forward(data, "cross_entropy", adapters=a)
-    assert len(waits) == len(data) - 2   # one micro-batch per datum at this budget
+    assert len(waits) == len(data) - 2  # one micro-batch per datum at this budget
     for x, y in zip(free.loss_fn_outputs, bounded.loss_fn_outputs):
         np.testing.assert_array_equal(x["logprobs"], y["logprobs"])
 
@@ -230,9 +246,12 @@ def test_export_onto_a_file_is_an_input_error(tr, tmp_path, export):
     a = tr.create_adapter(rank=2, alpha=4.0, seed=1)
     f = tmp_path / "file"
     f.write_text("keep")
-    for path, pattern in ((f, "exists and is not a folder"), (f / "sub", "not a folder"),
-                          (str(tmp_path / "x\0y"), "NUL"),
-                          (str(tmp_path / ("n" * 300)), "longer than 255")):
+    for path, pattern in (
+        (f, "exists and is not a folder"),
+        (f / "sub", "not a folder"),
+        (str(tmp_path / "x\0y"), "NUL"),
+        (str(tmp_path / ("n" * 300)), "longer than 255"),
+    ):
         with pytest.raises(jcp.InputError, match=f"^{export}: path.*{pattern}"):
             getattr(tr, export)(a, path)
     assert f.read_text() == "keep" and sorted(os.listdir(tmp_path)) == ["file"]
@@ -268,8 +287,10 @@ def test_optim_step_with_non_finite_result_changes_nothing(tr, cause):
         np.testing.assert_array_equal(after["weights"][a][k], w, err_msg=k)
     assert all(not np.any(g) for g in after["grads"][a].values())
     for part in ("mu", "nu"):
-        for x, y in zip(jax.tree.leaves(getattr(before["opt"], part)),
-                        jax.tree.leaves(getattr(after["opt"], part))):
+        for x, y in zip(
+            jax.tree.leaves(getattr(before["opt"], part)),
+            jax.tree.leaves(getattr(after["opt"], part)),
+        ):
             np.testing.assert_array_equal(x, y)
     np.testing.assert_array_equal(before["opt"].count, after["opt"].count)
     for k, g in before["grads"][other].items():
@@ -284,22 +305,25 @@ def test_optim_step_with_non_finite_result_changes_nothing(tr, cause):
 # 4. Settings at the float32 edges, malformed arguments
 
 
-@pytest.mark.parametrize("field, value, pattern", [
-    ("learning_rate", 1e39, "learning_rate .*overflows float32"),
-    ("learning_rate", 10**400, "learning_rate .*overflows float32"),
-    ("weight_decay", -10**400, "weight_decay .*overflows float32"),
-    ("learning_rate", float("inf"), "learning_rate must be finite"),
-    ("learning_rate", "x", "learning_rate must be a number"),
-    ("weight_decay", 1e39, "weight_decay .*overflows float32"),
-    ("grad_clip_norm", -1e39, "grad_clip_norm .*overflows float32"),
-    ("beta1", 0.99999999, "beta1 must be < 1 in float32"),
-    ("beta2", 0.99999999, "beta2 must be < 1 in float32"),
-    ("beta2", 1.0, "beta2 must be < 1"),
-    ("eps", 1e-45, "eps must be ≥ 1.175e-38"),
-    ("eps", 1e-39, "eps must be ≥ 1.175e-38"),
-    ("eps", 0.0, "eps must be ≥"),
-    ("beta1", -0.1, "beta1 must be ≥ 0"),
-])
+@pytest.mark.parametrize(
+    "field, value, pattern",
+    [
+        ("learning_rate", 1e39, "learning_rate .*overflows float32"),
+        ("learning_rate", 10**400, "learning_rate .*overflows float32"),
+        ("weight_decay", -(10**400), "weight_decay .*overflows float32"),
+        ("learning_rate", float("inf"), "learning_rate must be finite"),
+        ("learning_rate", "x", "learning_rate must be a number"),
+        ("weight_decay", 1e39, "weight_decay .*overflows float32"),
+        ("grad_clip_norm", -1e39, "grad_clip_norm .*overflows float32"),
+        ("beta1", 0.99999999, "beta1 must be < 1 in float32"),
+        ("beta2", 0.99999999, "beta2 must be < 1 in float32"),
+        ("beta2", 1.0, "beta2 must be < 1"),
+        ("eps", 1e-45, "eps must be ≥ 1.175e-38"),
+        ("eps", 1e-39, "eps must be ≥ 1.175e-38"),
+        ("eps", 0.0, "eps must be ≥"),
+        ("beta1", -0.1, "beta1 must be ≥ 0"),
+    ],
+)
 def test_adam_params_refused_in_float32(tr, field, value, pattern):
     a = _adapter(tr)
     tr.forward_backward([ce()], "cross_entropy", adapters=a)
@@ -309,18 +333,21 @@ def test_adam_params_refused_in_float32(tr, field, value, pattern):
     H.assert_same_state(before, H.snapshot(tr))
 
 
-@pytest.mark.parametrize("loss_fn, config, pattern", [
-    ("ppo", {"clip_high_threshold": 1e39}, "clip_high_threshold .*overflows float32"),
-    ("ppo", {"clip_high_threshold": 10**400}, "clip_high_threshold .*overflows float32"),
-    ("dro", {"beta": 1e39}, "beta .*overflows float32"),
-    ("dro", {"beta": -1.0}, "beta must be ≥ 0"),
-    ("cispo", {"clip_low_threshold": -1.0}, "clip_low_threshold must be ≥ 0"),
-    ("ppo", {"clip_low_threshold": 2.0}, "exceeds clip_high_threshold"),
-    ("ppo", {"clip": 1.0}, "not a setting of ppo"),
-    ("cross_entropy", {"cross_entropy": 5}, "for cross_entropy must be a dict"),
-    ("ppo", {"ppo": "x"}, "for ppo must be a dict"),
-    ("ppo", [1, 2], "loss_fn_config must be a dict"),
-])
+@pytest.mark.parametrize(
+    "loss_fn, config, pattern",
+    [
+        ("ppo", {"clip_high_threshold": 1e39}, "clip_high_threshold .*overflows float32"),
+        ("ppo", {"clip_high_threshold": 10**400}, "clip_high_threshold .*overflows float32"),
+        ("dro", {"beta": 1e39}, "beta .*overflows float32"),
+        ("dro", {"beta": -1.0}, "beta must be ≥ 0"),
+        ("cispo", {"clip_low_threshold": -1.0}, "clip_low_threshold must be ≥ 0"),
+        ("ppo", {"clip_low_threshold": 2.0}, "exceeds clip_high_threshold"),
+        ("ppo", {"clip": 1.0}, "not a setting of ppo"),
+        ("cross_entropy", {"cross_entropy": 5}, "for cross_entropy must be a dict"),
+        ("ppo", {"ppo": "x"}, "for ppo must be a dict"),
+        ("ppo", [1, 2], "loss_fn_config must be a dict"),
+    ],
+)
 def test_loss_fn_config_refused(tr, loss_fn, config, pattern):
     a = _adapter(tr)
     datum = ce() if loss_fn == "cross_entropy" else ordinary()
@@ -330,34 +357,74 @@ def test_loss_fn_config_refused(tr, loss_fn, config, pattern):
     H.assert_same_state(before, H.snapshot(tr))
 
 
-@pytest.mark.parametrize("call, pattern", [
-    (lambda tr, a: tr.forward_backward([ce()], [["cross_entropy"]], adapters=a),
-     r"datum 0: unknown loss_fn \['cross_entropy'\]"),
-    (lambda tr, a: tr.forward_backward([ce()], 5, adapters=a), "loss_fn must be"),
-    (lambda tr, a: tr.create_adapter(targets=5), "LoRA targets must be a list"),
-    (lambda tr, a: tr.create_adapter(targets=[["q_proj"]]), r"unknown LoRA target \['q_proj'\]"),
-    (lambda tr, a: tr.create_adapter(seed=-1), "seed must be a non-negative integer"),
-    (lambda tr, a: tr.create_adapter(seed="x"), "seed must be a non-negative integer"),
-    (lambda tr, a: tr.create_adapter(alpha=1e39), "alpha = 1e\\+39 overflows float32"),
-    (lambda tr, a: tr.create_adapter(alpha=10**400), "alpha = 1000.* overflows float32"),
-    (lambda tr, a: tr.sample([[1, 2]], jcp.SamplingParams(max_tokens=2, temperature=10**400)),
-     "temperature = 1000.* overflows float32"),
-    (lambda tr, a: tr.forward_backward(
-        [jcp.Datum(np.arange(N) + 0j, {"target_tokens": np.arange(N), "weights": np.ones(N)})],
-        "cross_entropy", adapters=a), "datum 0: model_input must hold integer token ids"),
-    (lambda tr, a: tr.forward_backward(
-        [ce(weights=np.ones(N) + 1j)], "cross_entropy", adapters=a),
-     "datum 0: loss_fn_inputs.weights is not a vector of numbers"),
-    (lambda tr, a: tr.forward_backward(
-        [ce(weights=np.full(N, 1e39))], "cross_entropy", adapters=a),
-     r"datum 0: loss_fn_inputs.weights\[0\] = 1e\+39 overflows float32"),
-    (lambda tr, a: tr.forward_backward(
-        [rl(-1.0, 1e39)], "ppo", adapters=a),
-     r"datum 0: loss_fn_inputs.advantages\[0\] = 1e\+39 overflows float32"),
-], ids=["loss_fn-nested", "loss_fn-int", "targets-int", "targets-nested", "seed-negative",
-        "seed-str", "alpha-overflow", "alpha-int-overflow", "temperature-int-overflow",
-        "complex-tokens", "complex-weights", "weights-overflow",
-        "advantages-overflow"])
+@pytest.mark.parametrize(
+    "call, pattern",
+    [
+        (
+            lambda tr, a: tr.forward_backward([ce()], [["cross_entropy"]], adapters=a),
+            r"datum 0: unknown loss_fn \['cross_entropy'\]",
+        ),
+        (lambda tr, a: tr.forward_backward([ce()], 5, adapters=a), "loss_fn must be"),
+        (lambda tr, a: tr.create_adapter(targets=5), "LoRA targets must be a list"),
+        (
+            lambda tr, a: tr.create_adapter(targets=[["q_proj"]]),
+            r"unknown LoRA target \['q_proj'\]",
+        ),
+        (lambda tr, a: tr.create_adapter(seed=-1), "seed must be a non-negative integer"),
+        (lambda tr, a: tr.create_adapter(seed="x"), "seed must be a non-negative integer"),
+        (lambda tr, a: tr.create_adapter(alpha=1e39), "alpha = 1e\\+39 overflows float32"),
+        (lambda tr, a: tr.create_adapter(alpha=10**400), "alpha = 1000.* overflows float32"),
+        (
+            lambda tr, a: tr.sample(
+                [[1, 2]], jcp.SamplingParams(max_tokens=2, temperature=10**400)
+            ),
+            "temperature = 1000.* overflows float32",
+        ),
+        (
+            lambda tr, a: tr.forward_backward(
+                [
+                    jcp.Datum(
+                        np.arange(N) + 0j, {"target_tokens": np.arange(N), "weights": np.ones(N)}
+                    )
+                ],
+                "cross_entropy",
+                adapters=a,
+            ),
+            "datum 0: model_input must hold integer token ids",
+        ),
+        (
+            lambda tr, a: tr.forward_backward(
+                [ce(weights=np.ones(N) + 1j)], "cross_entropy", adapters=a
+            ),
+            "datum 0: loss_fn_inputs.weights is not a vector of numbers",
+        ),
+        (
+            lambda tr, a: tr.forward_backward(
+                [ce(weights=np.full(N, 1e39))], "cross_entropy", adapters=a
+            ),
+            r"datum 0: loss_fn_inputs.weights\[0\] = 1e\+39 overflows float32",
+        ),
+        (
+            lambda tr, a: tr.forward_backward([rl(-1.0, 1e39)], "ppo", adapters=a),
+            r"datum 0: loss_fn_inputs.advantages\[0\] = 1e\+39 overflows float32",
+        ),
+    ],
+    ids=[
+        "loss_fn-nested",
+        "loss_fn-int",
+        "targets-int",
+        "targets-nested",
+        "seed-negative",
+        "seed-str",
+        "alpha-overflow",
+        "alpha-int-overflow",
+        "temperature-int-overflow",
+        "complex-tokens",
+        "complex-weights",
+        "weights-overflow",
+        "advantages-overflow",
+    ],
+)
 def test_malformed_arguments_are_input_errors(tr, call, pattern):
     a = _adapter(tr)
     before = H.snapshot(tr)
@@ -386,26 +453,32 @@ def test_clean_peft_folder_loads(tr, tmp_path):
     assert tr.adapters[a].targets == ("q_proj", "v_proj")
 
 
-@pytest.mark.parametrize("key", [
-    "base_model.model.model.layers.{L}.self_attn.q_proj.lora_A.weight",  # past the depth
-    "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight",  # outside target_modules
-    "junk",
-], ids=["layer-past-depth", "module-not-targeted", "junk-key"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "base_model.model.model.layers.{L}.self_attn.q_proj.lora_A.weight",  # past the depth
+        "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight",  # outside target_modules
+        "junk",
+    ],
+    ids=["layer-past-depth", "module-not-targeted", "junk-key"],
+)
 def test_load_peft_refuses_unused_tensors(tr, tmp_path, key):
     key = key.format(L=H.CFG.num_layers)
-    path = _peft_folder(tmp_path, extra_tensors={key: np.zeros((2, H.CFG.hidden_size),
-                                                              np.float32)})
+    path = _peft_folder(tmp_path, extra_tensors={key: np.zeros((2, H.CFG.hidden_size), np.float32)})
     before = H.snapshot(tr)
     with pytest.raises(jcp.InputError, match=f"adapter_model.safetensors: tensor {key} .*not used"):
         tr.load_peft(path)
     H.assert_same_state(before, H.snapshot(tr))
 
 
-@pytest.mark.parametrize("damage, pattern", [
-    ("garbage", "is not a safetensors file"),
-    ("truncated", "is truncated or corrupt"),
-    ("bad-header", "is not a safetensors file"),
-])
+@pytest.mark.parametrize(
+    "damage, pattern",
+    [
+        ("garbage", "is not a safetensors file"),
+        ("truncated", "is truncated or corrupt"),
+        ("bad-header", "is not a safetensors file"),
+    ],
+)
 def test_load_peft_refuses_malformed_safetensors(tr, tmp_path, damage, pattern):
     path = _peft_folder(tmp_path)
     f = os.path.join(path, "adapter_model.safetensors")
@@ -416,7 +489,7 @@ def test_load_peft_refuses_malformed_safetensors(tr, tmp_path, damage, pattern):
         data = data[: len(data) // 2]
     else:
         n = int.from_bytes(data[:8], "little")
-        data = data[:8] + b"{" * n + data[8 + n:]
+        data = data[:8] + b"{" * n + data[8 + n :]
     open(f, "wb").write(data)
     before = H.snapshot(tr)
     with pytest.raises(jcp.InputError, match=f"{f} {pattern}"):
@@ -424,14 +497,24 @@ def test_load_peft_refuses_malformed_safetensors(tr, tmp_path, damage, pattern):
     H.assert_same_state(before, H.snapshot(tr))
 
 
-@pytest.mark.parametrize("config, pattern", [
-    ("{not json", "adapter_config.json is not valid JSON"),
-    ("[1, 2]", "adapter_config.json must hold a JSON object"),
-    (json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": 5}),
-     "target_modules 5 must be a non-empty list"),
-    (json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4,
-                 "target_modules": [["q_proj"]]}), "must be a non-empty list"),
-], ids=["not-json", "json-list", "targets-int", "targets-nested"])
+@pytest.mark.parametrize(
+    "config, pattern",
+    [
+        ("{not json", "adapter_config.json is not valid JSON"),
+        ("[1, 2]", "adapter_config.json must hold a JSON object"),
+        (
+            json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": 5}),
+            "target_modules 5 must be a non-empty list",
+        ),
+        (
+            json.dumps(
+                {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": [["q_proj"]]}
+            ),
+            "must be a non-empty list",
+        ),
+    ],
+    ids=["not-json", "json-list", "targets-int", "targets-nested"],
+)
 def test_load_peft_refuses_malformed_config(tr, tmp_path, config, pattern):
     path = _peft_folder(tmp_path, config=config)
     with pytest.raises(jcp.InputError, match=pattern):

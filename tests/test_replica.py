@@ -86,8 +86,9 @@ class FakeTrainer:
 @pytest.fixture
 def job():
     store, mine, theirs, failures = Store(), FakeTrainer(), FakeTrainer(), []
-    follower = threading.Thread(target=replica.follow, args=(theirs,),
-                                kwargs=dict(client=store, process_id=1), daemon=True)
+    follower = threading.Thread(
+        target=replica.follow, args=(theirs,), kwargs=dict(client=store, process_id=1), daemon=True
+    )
     follower.start()
     leader = replica.Leader([1], TIMEOUT_S, on_failure=failures.append, client=store)
     yield leader, mine, theirs, failures
@@ -150,8 +151,9 @@ def test_a_follower_disagreeing_on_a_returned_call_fails_the_next(job, then):
     assert leader.call("trainer", mine, "forward_backward", 3) == 6
     with pytest.raises(replica.JobFailed, match="process 1 disagreed on forward_backward"):
         leader.call("trainer", mine, then, 4)
-    assert mine.calls == ["forward_backward"] + (["forward_backward"]
-                                                 if then == "forward_backward" else [])
+    assert mine.calls == ["forward_backward"] + (
+        ["forward_backward"] if then == "forward_backward" else []
+    )
     assert len(failures) == 1 and "restarted" in failures[0]
 
 

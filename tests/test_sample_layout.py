@@ -27,9 +27,17 @@ def test_samples_share_a_prefill_and_rows_deal_round_robin():
     lay = L.call_layout([5, 3], [7, 7], 3, p, dp=2, cp=1)
     rows = sorted(lay.row_of.reshape(-1).tolist())
     assert len(set(rows)) == 6 and rows == [0, 1, 2, 4, 5, 6]  # 3 per device of 2
-    packed = batch_lib.pack([batch_lib.CheckedDatum(np.arange(4), np.arange(1, 5), {}),
-                             batch_lib.CheckedDatum(np.arange(2), np.arange(1, 3), {})],
-                            [7, 7], 2, 1, 8, 4)
+    packed = batch_lib.pack(
+        [
+            batch_lib.CheckedDatum(np.arange(4), np.arange(1, 5), {}),
+            batch_lib.CheckedDatum(np.arange(2), np.arange(1, 3), {}),
+        ],
+        [7, 7],
+        2,
+        1,
+        8,
+        4,
+    )
     (pb,) = packed
     src = L.prefill_source(lay, pb.placements, [0, 1], pb.tokens.shape[-1], cp=1)
     for i, n in ((0, 4), (1, 2)):
@@ -47,7 +55,7 @@ def test_split_layout_rows_follow_the_zigzag():
     (r,) = lay.row_of[0]
     # 8 prefill tokens over cp = 2: chunks of 2, rank 0 holds [0, 1, 6, 7], rank 1 [2..5].
     assert lay.row_position[r, :4].tolist() == [0, 1, 6, 7]
-    assert lay.row_position[r, p.t_local:p.t_local + 4].tolist() == [2, 3, 4, 5]
+    assert lay.row_position[r, p.t_local : p.t_local + 4].tolist() == [2, 3, 4, 5]
     assert lay.base[r] == 4
 
 

@@ -14,16 +14,31 @@ from jcp.sample.pages import PagePool, page_keys
 
 
 def _sizes(groups=1, hybrid=False, **kw) -> EngineSizes:
-    kw = {"slots": 4 * groups, "max_len": 32, "chunk": 4, "max_chunk": 16, "page_size": 4,
-          "prefill_tokens": 16, **kw}
+    kw = {
+        "slots": 4 * groups,
+        "max_len": 32,
+        "chunk": 4,
+        "max_chunk": 16,
+        "page_size": 4,
+        "prefill_tokens": 16,
+        **kw,
+    }
     return EngineSizes.of(EngineConfig(**kw), groups, 1024, hybrid)
 
 
-def _req(prompt, max_tokens=4, num_samples=1, adapter=-1, rid=0, salt=b"",
-         prompt_logprobs=False) -> Request:
-    return Request(rid, np.asarray(prompt, np.int32), adapter, -1 if adapter < 0 else 0,
-                   {"max_tokens": max_tokens, "seed": 1, "stop": ()}, num_samples,
-                   prompt_logprobs, salt=salt)
+def _req(
+    prompt, max_tokens=4, num_samples=1, adapter=-1, rid=0, salt=b"", prompt_logprobs=False
+) -> Request:
+    return Request(
+        rid,
+        np.asarray(prompt, np.int32),
+        adapter,
+        -1 if adapter < 0 else 0,
+        {"max_tokens": max_tokens, "seed": 1, "stop": ()},
+        num_samples,
+        prompt_logprobs,
+        salt=salt,
+    )
 
 
 # ---------------------------------------------------------------------- pages
@@ -78,24 +93,33 @@ def test_page_keys_chain_over_full_pages_and_partition_by_salt():
     other = np.array(prompt)
     other[0] = 99
     assert set(page_keys(other, -1, -1, 4)).isdisjoint(keys)  # chained: page 0 changes all
-    assert set(page_keys(prompt, 0, 1, 4)).isdisjoint(keys)   # adapter and version
+    assert set(page_keys(prompt, 0, 1, 4)).isdisjoint(keys)  # adapter and version
     salted = page_keys(prompt, -1, -1, 4, b"alice")
     assert set(salted).isdisjoint(keys) and set(salted).isdisjoint(
-        page_keys(prompt, -1, -1, 4, b"bob"))
+        page_keys(prompt, -1, -1, 4, b"bob")
+    )
 
 
 # ---------------------------------------------------------------------- config and sizes
 
 
 def test_config_is_validated_and_sizes_resolve_the_defaults():
-    for bad in ({"slots": 0}, {"chunk": 2.5}, {"page_size": -1}, {"pages": 0},
-                {"max_chunk": 0}, {"long_len": True}, {"prefill_tokens": 0}):
+    for bad in (
+        {"slots": 0},
+        {"chunk": 2.5},
+        {"page_size": -1},
+        {"pages": 0},
+        {"max_chunk": 0},
+        {"long_len": True},
+        {"prefill_tokens": 0},
+    ):
         with pytest.raises(ValueError, match=f"{next(iter(bad))} must be a positive integer"):
             EngineConfig(**bad)
     with pytest.raises(ValueError, match="multiple of dp·cp = 4"):
         EngineSizes.of(EngineConfig(slots=6), 4, 64, False)
-    s = EngineSizes.of(EngineConfig(slots=8, max_len=32, chunk=4, page_size=4, long_len=64),
-                       2, 96, hybrid=True)
+    s = EngineSizes.of(
+        EngineConfig(slots=8, max_len=32, chunk=4, page_size=4, long_len=64), 2, 96, hybrid=True
+    )
     assert (s.b_local, s.max_pages, s.long_pages, s.n_pages, s.seq_cap) == (4, 8, 16, 32, 64)
     assert (s.max_chunk, s.prefill_tokens, s.prefill_rows, s.chunk_top) == (16, 96, 4, 32)
     assert s.min_stream == 16 and s.hybrid and not s.prefix_cache
@@ -104,8 +128,9 @@ def test_config_is_validated_and_sizes_resolve_the_defaults():
     assert wide.table_rungs() == [64, 16] and wide.table_width(17) == 64
     assert s.decode_rungs() == [16, 4] and rungs(512, 8) == [512, 128, 32, 8]
     assert s.pages_per_seq(13, 4) == 5
-    small = EngineSizes.of(EngineConfig(max_len=32, page_size=4, pages=12, long_len=64), 1,
-                           96, False)
+    small = EngineSizes.of(
+        EngineConfig(max_len=32, page_size=4, pages=12, long_len=64), 1, 96, False
+    )
     assert small.seq_cap == 48 and small.prefix_cache
 
 

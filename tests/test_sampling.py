@@ -33,17 +33,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
-import jcp
 from helpers import hf_models
 from helpers import model_harness as MH
+
+import jcp
 from jcp import sample as sample_lib
 
 PROMPTS = ([3, 17, 42, 8, 99, 1, 64, 30, 2, 77, 12], [50], [6, 7, 120, 33, 4], [11, 90])
 MAX_TOKENS = 12
 LP_ATOL = 2e-4
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-               "lm_head"]
+ALL_TARGETS = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+]
 
 
 def peft_model(hm, seed, r=4, alpha=8):
@@ -51,7 +59,7 @@ def peft_model(hm, seed, r=4, alpha=8):
     return hf_models.peft_model(hm, seed, r=r, lora_alpha=alpha, target_modules=ALL_TARGETS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _world(arch, root):
     """(HF model, PEFT models, base folder, adapter folders) of one architecture."""
     hm = MH.hf_model(arch, tied=False, seed=11)
@@ -66,9 +74,18 @@ def _world(arch, root):
     # some sequence really stops early), and one more.
     with torch.no_grad():
         ids = torch.tensor([PROMPTS[0]])
-        free = pms[0].generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                               do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None,
-                               pad_token_id=0)[0, len(PROMPTS[0]):].tolist()
+        free = (
+            pms[0]
+            .generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(PROMPTS[0]) :]
+            .tolist()
+        )
     eos = (free[MAX_TOKENS // 2], MH.V - 1 if free[MAX_TOKENS // 2] != MH.V - 1 else 0)
     hm.generation_config.eos_token_id = list(eos)
     hm.generation_config.pad_token_id = 0
@@ -82,18 +99,19 @@ def root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("sampling"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trainer(arch, mesh_shape, root):
     _, _, base, folders, eos = _world(arch, root)
     cfg, params = jcp.load_hf(base)
     assert cfg.eos_token_ids == eos
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=params, max_adapters=3,
-                     max_rank=8)
+    tr = jcp.Trainer(
+        cfg, jcp.make_mesh(*mesh_shape), base_params=params, max_adapters=3, max_rank=8
+    )
     ids = [tr.load_peft(f) for f in folders]
     return tr, ids
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_greedy(arch, root, which):
     """HF generate(do_sample=False) of every prompt, one at a time: which = None (base) or
     the PEFT adapter index."""
@@ -103,10 +121,15 @@ def _hf_greedy(arch, root, which):
     with torch.no_grad():
         for p in PROMPTS:
             ids = torch.tensor([p])
-            g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                               do_sample=False, max_new_tokens=MAX_TOKENS,
-                               eos_token_id=list(eos), pad_token_id=0)
-            out.append(g[0, len(p):].numpy().astype(np.int32))
+            g = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
+                eos_token_id=list(eos),
+                pad_token_id=0,
+            )
+            out.append(g[0, len(p) :].numpy().astype(np.int32))
     return out
 
 
@@ -116,7 +139,8 @@ def _tables(tr):
 
 GREEDY = jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 CASES = [("qwen3", m) for m in ((1, 1, 1), (1, 2, 1), (1, 2, 2), (2, 2, 2))] + [
-    ("qwen2", m) for m in ((1, 1, 1), (2, 2, 2))]
+    ("qwen2", m) for m in ((1, 1, 1), (2, 2, 2))
+]
 
 
 @pytest.mark.parametrize("arch,mesh_shape", CASES)
@@ -143,18 +167,26 @@ def test_greedy_matches_hf_generate(arch, mesh_shape, root):
 def _forward_logprobs(tr, prompt, tokens, adapter):
     """tr.forward's log-probs of prompt[1:] + tokens (positions 1 … of the full sequence)."""
     full = np.concatenate([prompt, tokens]).astype(np.int32)
-    d = jcp.Datum(full[:-1], {"target_tokens": full[1:],
-                              "weights": np.zeros(len(full) - 1, np.float32)})
+    d = jcp.Datum(
+        full[:-1], {"target_tokens": full[1:], "weights": np.zeros(len(full) - 1, np.float32)}
+    )
     return tr.forward([d], adapters=adapter).loss_fn_outputs[0]["logprobs"]
 
 
-@pytest.mark.parametrize("mesh_shape,cache_mode", [((1, 1, 1), None), ((1, 2, 1), None),
-                                                   ((1, 2, 1), "split")])
+@pytest.mark.parametrize(
+    "mesh_shape,cache_mode", [((1, 1, 1), None), ((1, 2, 1), None), ((1, 2, 1), "split")]
+)
 def test_logprobs_equal_forward(mesh_shape, cache_mode, root):
     tr, (a, b) = _trainer("qwen3", mesh_shape, root)
     sp = jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=5)
-    res = tr.sample(PROMPTS, sp, adapters=[a, b, None, a], num_samples=2, prompt_logprobs=True,
-                    cache_mode=cache_mode)
+    res = tr.sample(
+        PROMPTS,
+        sp,
+        adapters=[a, b, None, a],
+        num_samples=2,
+        prompt_logprobs=True,
+        cache_mode=cache_mode,
+    )
     assert tr.sampler.last_plan.mode == (cache_mode or "batch")
     plain = tr.compute_logprobs(PROMPTS, adapters=[a, b, None, a])
     for i, (p, r, ad) in enumerate(zip(PROMPTS, res, [a, b, None, a])):
@@ -165,10 +197,20 @@ def test_logprobs_equal_forward(mesh_shape, cache_mode, root):
             if ad is None:  # the base model: an adapter of zero scale in forward's terms
                 continue
             lp = _forward_logprobs(tr, np.asarray(p), seq.tokens, ad)
-            np.testing.assert_allclose(seq.logprobs, lp[len(p) - 1:], atol=LP_ATOL, rtol=0,
-                                       err_msg=f"prompt {i}: sampled log-probs")
-            np.testing.assert_allclose(r.prompt_logprobs[1:], lp[:len(p) - 1], atol=LP_ATOL,
-                                       rtol=0, err_msg=f"prompt {i}: prompt log-probs")
+            np.testing.assert_allclose(
+                seq.logprobs,
+                lp[len(p) - 1 :],
+                atol=LP_ATOL,
+                rtol=0,
+                err_msg=f"prompt {i}: sampled log-probs",
+            )
+            np.testing.assert_allclose(
+                r.prompt_logprobs[1:],
+                lp[: len(p) - 1],
+                atol=LP_ATOL,
+                rtol=0,
+                err_msg=f"prompt {i}: prompt log-probs",
+            )
     # The base model's log-probs are the HF model's.
     hm = _world("qwen3", root)[0]
     with torch.no_grad():
@@ -176,9 +218,10 @@ def test_logprobs_equal_forward(mesh_shape, cache_mode, root):
         full = torch.tensor(np.concatenate([PROMPTS[2], seq.tokens]))[None]
         ref = torch.log_softmax(hm(full).logits[0].double(), -1)
         ref = ref[torch.arange(full.shape[1] - 1), full[0, 1:]].numpy()
-    np.testing.assert_allclose(seq.logprobs, ref[len(PROMPTS[2]) - 1:], atol=LP_ATOL, rtol=0)
-    np.testing.assert_allclose(res[2].prompt_logprobs[1:], ref[:len(PROMPTS[2]) - 1],
-                               atol=LP_ATOL, rtol=0)
+    np.testing.assert_allclose(seq.logprobs, ref[len(PROMPTS[2]) - 1 :], atol=LP_ATOL, rtol=0)
+    np.testing.assert_allclose(
+        res[2].prompt_logprobs[1:], ref[: len(PROMPTS[2]) - 1], atol=LP_ATOL, rtol=0
+    )
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 2, 1), (2, 2, 2), (1, 4, 1)])
@@ -208,8 +251,9 @@ def test_split_cache_equals_batch_cache_and_hf_generate(mesh_shape, root):
     one_s = tr.sample(ones, GREEDY, adapters=a, cache_mode="split")
     for x, y in zip(one_b, one_s):
         np.testing.assert_array_equal(x.sequences[0].tokens, y.sequences[0].tokens)
-        np.testing.assert_allclose(x.sequences[0].logprobs, y.sequences[0].logprobs,
-                                   atol=1e-5, rtol=0)
+        np.testing.assert_allclose(
+            x.sequences[0].logprobs, y.sequences[0].logprobs, atol=1e-5, rtol=0
+        )
 
 
 def _prefill_jaxprs(tr, call):
@@ -235,14 +279,24 @@ def test_ring_prefill_equals_gather_prefill(mesh_shape, cache_mode, root):
     tr_auto, (a, b) = _trainer("qwen3", mesh_shape, root)
     _, _, base, folders, _ = _world("qwen3", root)
     cfg, params = jcp.load_hf(base)
-    tr_ring = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), base_params=params, max_adapters=3,
-                          max_rank=8, cp_attention="ring")
+    tr_ring = jcp.Trainer(
+        cfg,
+        jcp.make_mesh(*mesh_shape),
+        base_params=params,
+        max_adapters=3,
+        max_rank=8,
+        cp_attention="ring",
+    )
     assert [tr_ring.load_peft(f) for f in folders] == [a, b]
     adapters = [a, None, b, a]
     res, jaxprs = {}, {}
     for name, tr in (("auto", tr_auto), ("ring", tr_ring)):
-        res[name], jaxprs[name] = _prefill_jaxprs(tr, lambda tr=tr: tr.sample(
-            PROMPTS, GREEDY, adapters=adapters, prompt_logprobs=True, cache_mode=cache_mode))
+        res[name], jaxprs[name] = _prefill_jaxprs(
+            tr,
+            lambda tr=tr: tr.sample(
+                PROMPTS, GREEDY, adapters=adapters, prompt_logprobs=True, cache_mode=cache_mode
+            ),
+        )
     # The ring really ran (K/V passed with ppermute) and the automatic choice gathered.
     assert jaxprs["ring"] and all("ppermute" in j for j in jaxprs["ring"])
     assert jaxprs["auto"] and not any("ppermute" in j for j in jaxprs["auto"])
@@ -257,7 +311,7 @@ def test_ring_prefill_equals_gather_prefill(mesh_shape, cache_mode, root):
 
 
 def test_automatic_cache_mode(monkeypatch, root):
-    """"split" iff cp > 1, the "batch" cache is over the threshold and splitting shrinks it."""
+    """ "split" iff cp > 1, the "batch" cache is over the threshold and splitting shrinks it."""
     tr2, _ = _trainer("qwen3", (1, 2, 1), root)
     tr1, _ = _trainer("qwen3", (1, 1, 1), root)
     long = tr2.sampler.plan([3000], 16)  # one long sequence: "batch" idles a device
@@ -266,8 +320,9 @@ def test_automatic_cache_mode(monkeypatch, root):
     assert long.split_bytes <= 1.2 / 2 * long.batch_bytes
     many = tr2.sampler.plan([100] * 64, 16)  # many short: splitting saves nothing
     assert many.split_bytes >= many.batch_bytes
-    monkeypatch.setattr(sample_lib.layout, "SPLIT_ABOVE_BYTES", min(long.batch_bytes,
-                                                             many.batch_bytes) - 1)
+    monkeypatch.setattr(
+        sample_lib.layout, "SPLIT_ABOVE_BYTES", min(long.batch_bytes, many.batch_bytes) - 1
+    )
     assert tr2.sampler.plan([3000], 16).mode == "split"
     assert tr2.sampler.plan([100] * 64, 16).mode == "batch"
     assert tr1.sampler.plan([3000], 16).mode == "batch"  # cp = 1: nothing to split over
@@ -282,13 +337,17 @@ def test_mixed_adapters_equal_one_call_per_adapter(root):
     singles = [tr.sample([p], GREEDY, adapters=ad)[0] for p, ad in zip(PROMPTS, adapters)]
     # The adapters really differ from each other on these prompts.
     other = tr.sample(PROMPTS, GREEDY, adapters=[a, b, a, a])
-    assert any(not np.array_equal(x.sequences[0].tokens, y.sequences[0].tokens)
-               for x, y in zip(mixed, other))
+    assert any(
+        not np.array_equal(x.sequences[0].tokens, y.sequences[0].tokens)
+        for x, y in zip(mixed, other)
+    )
     for i, (m, s) in enumerate(zip(mixed, singles)):
-        np.testing.assert_array_equal(m.sequences[0].tokens, s.sequences[0].tokens,
-                                      err_msg=f"prompt {i}")
-        np.testing.assert_allclose(m.sequences[0].logprobs, s.sequences[0].logprobs,
-                                   atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(
+            m.sequences[0].tokens, s.sequences[0].tokens, err_msg=f"prompt {i}"
+        )
+        np.testing.assert_allclose(
+            m.sequences[0].logprobs, s.sequences[0].logprobs, atol=1e-5, rtol=0
+        )
 
 
 def test_seeds_reproduce_and_samples_differ(root):
@@ -304,30 +363,36 @@ def test_seeds_reproduce_and_samples_differ(root):
     assert toks(fresh[0]) != toks(fresh[1])
     for r in one:  # the num_samples sequences of one prompt differ
         assert len({tuple(s.tokens) for s in r.sequences}) == 3
-        assert all(len(s.tokens) == MAX_TOKENS and s.stop_reason == "length"
-                   for s in r.sequences)
+        assert all(len(s.tokens) == MAX_TOKENS and s.stop_reason == "length" for s in r.sequences)
 
 
 def test_stop_tokens_and_max_tokens(root):
     tr, (a, _) = _trainer("qwen3", (1, 2, 1), root)
-    free = tr.sample(PROMPTS, jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                 stop=[]), adapters=a)
-    assert all(len(r.sequences[0].tokens) == MAX_TOKENS and r.sequences[0].stop_reason ==
-               "length" for r in free)
+    free = tr.sample(
+        PROMPTS, jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[]), adapters=a
+    )
+    assert all(
+        len(r.sequences[0].tokens) == MAX_TOKENS and r.sequences[0].stop_reason == "length"
+        for r in free
+    )
     toks = free[0].sequences[0].tokens
     stop_tok = int(toks[3])
     first = int(np.flatnonzero(toks == stop_tok)[0])
-    res = tr.sample(PROMPTS, jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                stop=[stop_tok]), adapters=a)
+    res = tr.sample(
+        PROMPTS,
+        jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[stop_tok]),
+        adapters=a,
+    )
     seq = res[0].sequences[0]
-    np.testing.assert_array_equal(seq.tokens, toks[:first + 1])
+    np.testing.assert_array_equal(seq.tokens, toks[: first + 1])
     assert seq.stop_reason == "stop"
     for r, f in zip(res, free):  # the others stop at their own first stop token, if any
         hit = np.flatnonzero(f.sequences[0].tokens == stop_tok)
         n = hit[0] + 1 if hit.size else MAX_TOKENS
         np.testing.assert_array_equal(r.sequences[0].tokens, f.sequences[0].tokens[:n])
-    short = tr.sample(PROMPTS, jcp.SamplingParams(max_tokens=3, temperature=0.0, stop=[]),
-                      adapters=a)
+    short = tr.sample(
+        PROMPTS, jcp.SamplingParams(max_tokens=3, temperature=0.0, stop=[]), adapters=a
+    )
     for r, f in zip(short, free):
         np.testing.assert_array_equal(r.sequences[0].tokens, f.sequences[0].tokens[:3])
         assert r.sequences[0].stop_reason == "length"
@@ -336,17 +401,22 @@ def test_stop_tokens_and_max_tokens(root):
 def test_top_k1_and_cold_temperature_equal_greedy(root):
     tr, (a, _) = _trainer("qwen3", (1, 2, 1), root)
     greedy = tr.sample(PROMPTS, GREEDY, adapters=a)
-    top1 = tr.sample(PROMPTS, jcp.SamplingParams(max_tokens=MAX_TOKENS, top_k=1, seed=3),
-                     adapters=a)
-    cold = tr.sample(PROMPTS, jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=1e-7,
-                                                 seed=3), adapters=a)
+    top1 = tr.sample(
+        PROMPTS, jcp.SamplingParams(max_tokens=MAX_TOKENS, top_k=1, seed=3), adapters=a
+    )
+    cold = tr.sample(
+        PROMPTS, jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=1e-7, seed=3), adapters=a
+    )
     warm = tr.sample(PROMPTS, jcp.SamplingParams(max_tokens=MAX_TOKENS, seed=3), adapters=a)
-    assert any(not np.array_equal(g.sequences[0].tokens, w.sequences[0].tokens)
-               for g, w in zip(greedy, warm))
+    assert any(
+        not np.array_equal(g.sequences[0].tokens, w.sequences[0].tokens)
+        for g, w in zip(greedy, warm)
+    )
     for g, t, c in zip(greedy, top1, cold):
         np.testing.assert_array_equal(t.sequences[0].tokens, g.sequences[0].tokens)
-        np.testing.assert_allclose(t.sequences[0].logprobs, g.sequences[0].logprobs,
-                                   atol=1e-6, rtol=0)  # both log_softmax at T = 1
+        np.testing.assert_allclose(
+            t.sequences[0].logprobs, g.sequences[0].logprobs, atol=1e-6, rtol=0
+        )  # both log_softmax at T = 1
         np.testing.assert_array_equal(c.sequences[0].tokens, g.sequences[0].tokens)
 
 
@@ -358,20 +428,20 @@ def test_top_k_top_p_keep_exactly_the_nucleus():
     p = np.exp(logits - logits.max())
     p /= p.sum()
     order = np.argsort(-p, kind="stable")
-    keys = np.stack([np.random.SeedSequence([9, i]).generate_state(2, np.uint32)
-                     for i in range(n)])
+    keys = np.stack([np.random.SeedSequence([9, i]).generate_state(2, np.uint32) for i in range(n)])
 
     @functools.partial(jax.jit, static_argnames=("filtered",))
     def draw(top_k, top_p, filtered=True):
         x = jnp.broadcast_to(jnp.asarray(logits), (n, v))
-        return sample_lib.sample_tokens(x, keys, 0, 1.0, top_k, top_p, greedy=False,
-                                        filtered=filtered)
+        return sample_lib.sample_tokens(
+            x, keys, 0, 1.0, top_k, top_p, greedy=False, filtered=filtered
+        )
 
     def kept(top_k, top_p):
-        q = p[order[:top_k if top_k > 0 else v]]
+        q = p[order[: top_k if top_k > 0 else v]]
         q = q / q.sum()
         m = int(np.searchsorted(np.cumsum(q), top_p) + 1) if top_p < 1 else len(q)
-        return set(order[:min(m, len(q))].tolist())
+        return set(order[: min(m, len(q))].tolist())
 
     everything, lp_all = draw(-1, 1.0, filtered=False)
     assert len(set(np.asarray(everything).tolist())) > 15
@@ -409,16 +479,22 @@ def test_rows_split_over_tp_draw_as_every_rank_drawing_every_row():
         temp = np.where(np.arange(b) == 1, 0.0, 0.7 + 0.1 * np.arange(b)).astype(np.float32)
         top_k = np.where(np.arange(b) % 3 == 0, 5, -1).astype(np.int32)
         top_p = np.where(np.arange(b) % 2 == 0, 0.8, 1.0).astype(np.float32)
-        for kw in (dict(greedy=True, filtered=False), dict(greedy=False, filtered=False),
-                   dict(greedy=False, filtered=True, topk=3)):
+        for kw in (
+            dict(greedy=True, filtered=False),
+            dict(greedy=False, filtered=False),
+            dict(greedy=False, filtered=True, topk=3),
+        ):
+
             def run(split, x=logits, kw=kw):
                 def f(x_loc):
                     args = (keys, count, temp, top_k, top_p)
                     if split:
                         return draws.sample_rows_over_tp(x_loc, *args, **kw)
                     return draws.sample_tokens(draws.gather_vocab(x_loc), *args, **kw)
-                out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(None, mesh_lib.TP),
-                                            out_specs=P()))(x)
+
+                out = jax.jit(
+                    jax.shard_map(f, mesh=mesh, in_specs=P(None, mesh_lib.TP), out_specs=P())
+                )(x)
                 return [np.asarray(o) for o in out]
 
             split, whole = run(True), run(False)
@@ -459,12 +535,22 @@ BAD = [
 def test_bad_input_is_refused_with_state_unchanged(what, bad, root):
     tr, (a, _) = _trainer("qwen3", (1, 2, 1), root)
     before = _tables(tr)
-    call = dict(prompts=[[1, 2, 3], [4]], sp=jcp.SamplingParams(max_tokens=4), adapters=a,
-                num_samples=1, cache_mode=None)
+    call = dict(
+        prompts=[[1, 2, 3], [4]],
+        sp=jcp.SamplingParams(max_tokens=4),
+        adapters=a,
+        num_samples=1,
+        cache_mode=None,
+    )
     call.update(bad(a))
     with pytest.raises(jcp.InputError) as e:
-        tr.sample(call["prompts"], call["sp"], adapters=call["adapters"],
-                  num_samples=call["num_samples"], cache_mode=call["cache_mode"])
+        tr.sample(
+            call["prompts"],
+            call["sp"],
+            adapters=call["adapters"],
+            num_samples=call["num_samples"],
+            cache_mode=call["cache_mode"],
+        )
     assert what.split()[0] in str(e.value) or what == "adapter"
     if what in ("prompts", "adapter", "adapters") and not isinstance(call["adapters"], list):
         with pytest.raises(jcp.InputError):
@@ -487,5 +573,6 @@ def test_layers_are_sliced_out_of_the_loop_only_when_small(root, monkeypatch):
     scanned = tr.sample(PROMPTS, sp, adapters=a)
     for x, y in zip(sliced, scanned):
         np.testing.assert_array_equal(x.sequences[0].tokens, y.sequences[0].tokens)
-        np.testing.assert_allclose(x.sequences[0].logprobs, y.sequences[0].logprobs,
-                                   atol=1e-5, rtol=0)
+        np.testing.assert_allclose(
+            x.sequences[0].logprobs, y.sequences[0].logprobs, atol=1e-5, rtol=0
+        )

@@ -72,6 +72,7 @@ def test_a_burst_waits_the_longer_burst_gap_a_lone_sample_only_the_gap():
     (an RL step's requests reach a loaded server unevenly); with no burst_gap the same
     arrivals split at the first gap longer than `gap`. With nothing arriving the wait is
     `gap`, not `burst_gap`."""
+
     def gathered(burst_gap):
         sched, stop = Scheduler(), threading.Event()
         sched.submit(_sample(99))  # the first, taken after `gap`
@@ -113,6 +114,7 @@ def test_scaled_gap_ends_a_burst_sooner_than_the_burst_gap():
     """scale: a burst whose samples come ~10 ms apart ends scale × that after its last
     (here ≤ 0.13 s), so a sample 0.4 s later is left for the next turn; with no scale the
     full burst_gap (2 s) takes it too. `taken` (samples the worker took before) counts."""
+
     def gathered(scale):
         sched = Scheduler()
         first = _sample(99)
@@ -128,8 +130,9 @@ def test_scaled_gap_ends_a_burst_sooner_than_the_burst_gap():
 
         t = threading.Thread(target=feed)
         t.start()
-        got, _ = sched.gather_samples(gap=0.02, window=30.0, burst_gap=2.0, scale=scale,
-                                      taken=taken)
+        got, _ = sched.gather_samples(
+            gap=0.02, window=30.0, burst_gap=2.0, scale=scale, taken=taken
+        )
         t.join()
         return [w.request_id for w in got]
 

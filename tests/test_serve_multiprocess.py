@@ -46,8 +46,7 @@ def assert_same(a, b, key):
 def test_two_processes_serve_as_one_and_fail_cleanly(tmp_path):
     single = mp_serve.Job(1, str(tmp_path / "single"), *SLOTS)
     cache = str(tmp_path / "xla-cache")
-    multi = mp_serve.Job(2, str(tmp_path / "multi"), *SLOTS, follower_timeout=TIMEOUT,
-                         cache=cache)
+    multi = mp_serve.Job(2, str(tmp_path / "multi"), *SLOTS, follower_timeout=TIMEOUT, cache=cache)
     t0 = time.monotonic()
     clients, again = [], None
     try:
@@ -74,15 +73,18 @@ def test_two_processes_serve_as_one_and_fail_cleanly(tmp_path):
             if key == "trained" or key.endswith("_ckpt"):
                 continue
             assert_same(got[key], ref[key], key)
-        files = {name: mp_serve.checkpoint_files(job.state_dir) for name, job in
-                 (("single", single), ("multi", multi))}
+        files = {
+            name: mp_serve.checkpoint_files(job.state_dir)
+            for name, job in (("single", single), ("multi", multi))
+        }
         assert files["single"].keys() == files["multi"].keys() and files["single"]
         for f, arrays in files["single"].items():
             assert arrays.keys() == files["multi"][f].keys()
             assert any(np.abs(v).max() > 0 for v in arrays.values())
             for k, v in arrays.items():
-                np.testing.assert_allclose(files["multi"][f][k], v, rtol=1e-5, atol=1e-6,
-                                           err_msg=f"{f}:{k}")
+                np.testing.assert_allclose(
+                    files["multi"][f][k], v, rtol=1e-5, atol=1e-6, err_msg=f"{f}:{k}"
+                )
         single.stop()
 
         # ---------------------------------------------- the follower is lost mid-save
@@ -103,22 +105,28 @@ def test_two_processes_serve_as_one_and_fail_cleanly(tmp_path):
         assert time.monotonic() - lost < TIMEOUT + 20
         health = httpx.get(multi.url + "/api/v1/healthz", timeout=10)
         assert health.status_code == 503 and "process 1" in health.json()["detail"]
-        refused = httpx.post(multi.url + "/api/v1/optim_step", timeout=10,
-                             headers={"x-api-key": "tml-alice"},
-                             json={"model_id": ta.model_id, "seq_id": 1000,
-                                   "adam_params": {"learning_rate": 0.01}})
+        refused = httpx.post(
+            multi.url + "/api/v1/optim_step",
+            timeout=10,
+            headers={"x-api-key": "tml-alice"},
+            json={"model_id": ta.model_id, "seq_id": 1000, "adam_params": {"learning_rate": 0.01}},
+        )
         assert refused.status_code == 503 and "restarted" in refused.json()["detail"]
         mp_serve.close(clients)
         clients.clear()
         assert multi.stop()[0] is not None  # process 0 exits (it does not hang)
-        leftovers = [f for f in glob.glob(os.path.join(multi.state_dir, "**"), recursive=True)
-                     if "tmp" in os.path.basename(f)]
+        leftovers = [
+            f
+            for f in glob.glob(os.path.join(multi.state_dir, "**"), recursive=True)
+            if "tmp" in os.path.basename(f)
+        ]
         assert not leftovers, leftovers
 
         # ---------------------------------------------- the whole job restarted
         print(f"failed {time.monotonic() - t0:.0f} s")
-        again = mp_serve.Job(2, multi.state_dir, *SLOTS, follower_timeout=TIMEOUT,
-                             cache=cache).wait_ready()
+        again = mp_serve.Job(
+            2, multi.state_dir, *SLOTS, follower_timeout=TIMEOUT, cache=cache
+        ).wait_ready()
         print(f"restarted {time.monotonic() - t0:.0f} s")
         sc = tinker.ServiceClient(base_url=again.url, api_key="tml-alice")
         clients.append(sc)
@@ -138,10 +146,24 @@ def test_multiprocess_flags_parse():
     from jcp.cli import CliError
     from jcp.serve import parse_args
 
-    args = parse_args(["--coordinator-address", "h:1", "--num-processes", "2",
-                       "--process-id", "1", "--follower-timeout", "5"])
-    assert (args.coordinator_address, args.num_processes, args.process_id,
-            args.follower_timeout) == ("h:1", 2, 1, 5.0)
+    args = parse_args(
+        [
+            "--coordinator-address",
+            "h:1",
+            "--num-processes",
+            "2",
+            "--process-id",
+            "1",
+            "--follower-timeout",
+            "5",
+        ]
+    )
+    assert (
+        args.coordinator_address,
+        args.num_processes,
+        args.process_id,
+        args.follower_timeout,
+    ) == ("h:1", 2, 1, 5.0)
     assert parse_args([]).follower_timeout == 60.0 and parse_args([]).num_processes is None
     for bad in ("0", "-1", "nan"):
         with pytest.raises(CliError, match="--follower-timeout"):

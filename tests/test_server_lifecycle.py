@@ -18,12 +18,12 @@ import pytest
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 tinker = pytest.importorskip("tinker")
 httpx = pytest.importorskip("httpx")
+from helpers.server_harness import client, serving  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 from tinker import types  # noqa: E402
 from tinker.types.provenance_spans import PromptProvenanceSpan, SampledProvenanceSpan  # noqa: E402
 
 import jcp  # noqa: E402
-from helpers.server_harness import client, serving  # noqa: E402
 from jcp.serve import Server  # noqa: E402
 
 MODEL = "jcp-tiny"
@@ -36,8 +36,14 @@ VOCAB = jcp.QwenConfig.tiny().vocab_size
 
 @pytest.fixture(scope="module")
 def env():
-    tr = jcp.Trainer(jcp.QwenConfig.tiny(), jcp.make_mesh(1, 1, 1), max_adapters=2,
-                     max_rank=RANK, attn_block=16, logprob_chunk=16)
+    tr = jcp.Trainer(
+        jcp.QwenConfig.tiny(),
+        jcp.make_mesh(1, 1, 1),
+        max_adapters=2,
+        max_rank=RANK,
+        attn_block=16,
+        logprob_chunk=16,
+    )
     with serving(tr, MODEL, KEYS, "jcp-serve-life-") as state:
         yield state
 
@@ -47,14 +53,16 @@ def data(seed: int, n: int = 20):
     toks = rng.integers(0, VOCAB, n + 1).tolist()
     w = rng.uniform(0.2, 1.0, n).astype(np.float32).tolist()
     inputs = {"target_tokens": toks[1:], "weights": w}
-    return (types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                        loss_fn_inputs=inputs),
-            jcp.Datum(model_input=toks[:-1], loss_fn_inputs=inputs))
+    return (
+        types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]), loss_fn_inputs=inputs),
+        jcp.Datum(model_input=toks[:-1], loss_fn_inputs=inputs),
+    )
 
 
 def post(env, route, body, key="tml-alice"):
-    return httpx.post(f"{env['srv'].url}/api/v1/{route}", json=body,
-                      headers={"X-API-Key": key}, timeout=60)
+    return httpx.post(
+        f"{env['srv'].url}/api/v1/{route}", json=body, headers={"X-API-Key": key}, timeout=60
+    )
 
 
 def result(env, fut, key="tml-alice"):
@@ -86,8 +94,10 @@ def test_more_models_than_slots_train_as_alone(env):
     assert not np.array_equal(ref[11][next(iter(ref[11]))], ref[12][next(iter(ref[12]))])
 
     scs = [client(env) for _ in seeds]
-    tcs = [sc.create_lora_training_client(base_model=MODEL, rank=RANK, seed=s).result()
-           for sc, s in zip(scs, seeds)]
+    tcs = [
+        sc.create_lora_training_client(base_model=MODEL, rank=RANK, seed=s).result()
+        for sc, s in zip(scs, seeds)
+    ]
     offloads = srv.engine.offloads
     for step in range(2):
         for tc, s in zip(tcs, seeds):
@@ -96,8 +106,15 @@ def test_more_models_than_slots_train_as_alone(env):
             tc.optim_step(ADAM).result()
         for tc in tcs:
             sc = tc.save_weights_and_get_sampling_client()
-            out = sc.result().sample(types.ModelInput.from_ints([1, 2, 3]), 1,
-                                     types.SamplingParams(max_tokens=3, seed=1)).result()
+            out = (
+                sc.result()
+                .sample(
+                    types.ModelInput.from_ints([1, 2, 3]),
+                    1,
+                    types.SamplingParams(max_tokens=3, seed=1),
+                )
+                .result()
+            )
             assert len(out.sequences[0].tokens) == 3
     assert srv.engine.offloads > offloads and srv.engine.restores > 0
     for tc, s in zip(tcs, seeds):
@@ -137,8 +154,11 @@ def test_expired_session_releases_its_models(env):
     srv = env["srv"]
     sid = post(env, "create_session", {})
     sid = sid.json()["session_id"]
-    fut = post(env, "create_model", {"session_id": sid, "model_seq_id": 0,
-                                     "base_model": MODEL, "lora_config": {"rank": 2}}).json()
+    fut = post(
+        env,
+        "create_model",
+        {"session_id": sid, "model_seq_id": 0, "base_model": MODEL, "lora_config": {"rank": 2}},
+    ).json()
     mid = result(env, fut)["model_id"]
     assert mid in srv.store.models
     alive = env["again"].model_id.split(":train:")[0]
@@ -160,23 +180,39 @@ def test_expired_session_releases_its_models(env):
 def test_reused_model_seq_id_and_failed_create_leave_no_trace(env):
     srv, tr = env["srv"], env["tr"]
     sid = post(env, "create_session", {}).json()["session_id"]
-    body = {"session_id": sid, "model_seq_id": 0, "base_model": MODEL,
-            "lora_config": {"rank": 2}, "user_metadata": {"renderer_name": "qwen3"}}
+    body = {
+        "session_id": sid,
+        "model_seq_id": 0,
+        "base_model": MODEL,
+        "lora_config": {"rank": 2},
+        "user_metadata": {"renderer_name": "qwen3"},
+    }
     mid = result(env, post(env, "create_model", body).json())["model_id"]
     slots = dict(tr.adapters)
     again = result(env, post(env, "create_model", body).json())
     assert again["category"] == "user" and "already used" in again["error"]
     assert dict(tr.adapters) == slots and srv.store.models[mid].slot in slots
     runs = set(os.listdir(os.path.join(srv.store.state_dir, "runs")))
-    for bad in ({**body, "model_seq_id": 1, "base_model": "other"},
-                {**body, "model_seq_id": 2, "lora_config": {"rank": 2, "train_attn": False,
-                                                             "train_mlp": False,
-                                                             "train_unembed": False}}):
+    for bad in (
+        {**body, "model_seq_id": 1, "base_model": "other"},
+        {
+            **body,
+            "model_seq_id": 2,
+            "lora_config": {
+                "rank": 2,
+                "train_attn": False,
+                "train_mlp": False,
+                "train_unembed": False,
+            },
+        },
+    ):
         out = result(env, post(env, "create_model", bad).json())
         assert out["category"] == "user", out
     assert post(env, "create_model", {**body, "model_seq_id": "x"}).status_code == 422
-    assert post(env, "create_model", {**body, "model_seq_id": 3,
-                                      "user_metadata": [1]}).status_code == 422
+    assert (
+        post(env, "create_model", {**body, "model_seq_id": 3, "user_metadata": [1]}).status_code
+        == 422
+    )
     assert set(os.listdir(os.path.join(srv.store.state_dir, "runs"))) == runs
     assert dict(tr.adapters) == slots and set(srv.store.models) >= {mid}
     assert not any(m.startswith(f"{sid}:train:") and m != mid for m in srv.store.models)
@@ -191,33 +227,48 @@ def test_provenance_spans_are_accepted_and_ignored(env):
     n = 12
     rng = np.random.default_rng(5)
     toks = rng.integers(0, VOCAB, n + 1).tolist()
-    inputs = {"target_tokens": toks[1:], "advantages": rng.normal(size=n).tolist(),
-              "logprobs": (-np.log(VOCAB) + 0.1 * rng.normal(size=n)).tolist()}
-    plain = types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                        loss_fn_inputs=inputs)
-    spans = [PromptProvenanceSpan(sequence_id="seq-a", offset=0, length=5),
-             SampledProvenanceSpan(sequence_id="seq-a", offset=0, length=n - 5)]
+    inputs = {
+        "target_tokens": toks[1:],
+        "advantages": rng.normal(size=n).tolist(),
+        "logprobs": (-np.log(VOCAB) + 0.1 * rng.normal(size=n)).tolist(),
+    }
+    plain = types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]), loss_fn_inputs=inputs)
+    spans = [
+        PromptProvenanceSpan(sequence_id="seq-a", offset=0, length=5),
+        SampledProvenanceSpan(sequence_id="seq-a", offset=0, length=n - 5),
+    ]
     tagged = plain.with_provenance(model_input=spans, loss_fn_inputs=spans)
     for loss in ("importance_sampling", "ppo"):
         a, b = (tc.forward([d], loss).result() for d in (plain, tagged))
         assert a.metrics["loss:sum"] == b.metrics["loss:sum"] != 0
-        np.testing.assert_array_equal(a.loss_fn_outputs[0]["logprobs"].to_numpy(),
-                                      b.loss_fn_outputs[0]["logprobs"].to_numpy())
-    ce = types.Datum(model_input=plain.model_input,
-                     loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * n},
-                     model_input_spans=spans, loss_fn_input_spans=spans)
+        np.testing.assert_array_equal(
+            a.loss_fn_outputs[0]["logprobs"].to_numpy(), b.loss_fn_outputs[0]["logprobs"].to_numpy()
+        )
+    ce = types.Datum(
+        model_input=plain.model_input,
+        loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * n},
+        model_input_spans=spans,
+        loss_fn_input_spans=spans,
+    )
     assert tc.forward([ce], "cross_entropy").result().metrics["loss:sum"] > 0
     short = [SampledProvenanceSpan(sequence_id="seq-a", offset=0, length=n - 1)]
-    bad = types.Datum(model_input=plain.model_input, loss_fn_inputs=inputs,
-                      model_input_spans=spans, loss_fn_input_spans=short)
+    bad = types.Datum(
+        model_input=plain.model_input,
+        loss_fn_inputs=inputs,
+        model_input_spans=spans,
+        loss_fn_input_spans=short,
+    )
     with pytest.raises(Exception, match=r"datum 0: loss_fn_input_spans cover 11 positions"):
         tc.forward([bad], "importance_sampling").result()
     with pytest.raises(Exception, match="stable_reinforce is not served"):
         tc.forward_backward([tagged], "stable_reinforce").result()
     # record_stability_info on a sampling client is accepted (it records nothing).
     sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
-    assert sc.sample(types.ModelInput.from_ints([1, 2]), 1,
-                     types.SamplingParams(max_tokens=2)).result().sequences
+    assert (
+        sc.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2))
+        .result()
+        .sequences
+    )
 
 
 def test_optim_metrics_do_not_collide_with_client_keys(env):
@@ -232,8 +283,9 @@ def test_rest_routes_and_tenants(env):
     """The RestClient surface the cookbook uses: runs (with the user_metadata sent at
     create), checkpoints, weights_info, copy, TTL, delete — and bob sees none of alice's."""
     sc = client(env)
-    tc = sc.create_lora_training_client(base_model=MODEL, rank=RANK, seed=4,
-                                        user_metadata={"renderer_name": "qwen3"}).result()
+    tc = sc.create_lora_training_client(
+        base_model=MODEL, rank=RANK, seed=4, user_metadata={"renderer_name": "qwen3"}
+    ).result()
     first = tc.save_state("r1").result().path
     second = tc.save_weights_for_sampler("s1", ttl_seconds=3600).result().path
     rc = tinker.RestClient(base_url=env["srv"].url, api_key="tml-alice")
@@ -242,24 +294,30 @@ def test_rest_routes_and_tenants(env):
     assert run.base_model == MODEL and run.last_checkpoint.tinker_path == first
     assert run.last_sampler_checkpoint.tinker_path == second
     assert run.last_sampler_checkpoint.expires_at is not None
-    assert tc.model_id in [r.training_run_id for r in rc.list_training_runs(limit=100).result()
-                           .training_runs]
+    assert tc.model_id in [
+        r.training_run_id for r in rc.list_training_runs(limit=100).result().training_runs
+    ]
     ckpts = rc.list_checkpoints(tc.model_id).result().checkpoints
-    assert {c.tinker_path: c.checkpoint_type for c in ckpts} == {first: "training",
-                                                                second: "sampler"}
+    assert {c.tinker_path: c.checkpoint_type for c in ckpts} == {
+        first: "training",
+        second: "sampler",
+    }
     assert all(c.size_bytes > 0 for c in ckpts)
     info = rc.get_weights_info_by_tinker_path(first).result()
     assert (info.base_model, info.lora_rank, info.train_mlp) == (MODEL, RANK, True)
 
     bob = tinker.RestClient(base_url=env["srv"].url, api_key="tml-bob")
-    assert tc.model_id not in [r.training_run_id for r in bob.list_training_runs().result()
-                               .training_runs]
-    for call in (lambda: bob.get_training_run(tc.model_id).result(),
-                 lambda: bob.list_checkpoints(tc.model_id).result(),
-                 lambda: bob.get_weights_info_by_tinker_path(first).result(),
-                 lambda: bob.delete_checkpoint_from_tinker_path(first).result(),
-                 lambda: bob.set_checkpoint_ttl_from_tinker_path(first, 5).result()):
-        with pytest.raises(Exception):
+    assert tc.model_id not in [
+        r.training_run_id for r in bob.list_training_runs().result().training_runs
+    ]
+    for call in (
+        lambda: bob.get_training_run(tc.model_id).result(),
+        lambda: bob.list_checkpoints(tc.model_id).result(),
+        lambda: bob.get_weights_info_by_tinker_path(first).result(),
+        lambda: bob.delete_checkpoint_from_tinker_path(first).result(),
+        lambda: bob.set_checkpoint_ttl_from_tinker_path(first, 5).result(),
+    ):
+        with pytest.raises(Exception):  # noqa: B017 — the SDK's error class varies by status
             call()
 
     copy = rc.copy_weights(first, "archive").result()
@@ -282,12 +340,13 @@ def same_file(name: str, a: bytes, b: bytes) -> bool:
     if not name.endswith(".safetensors"):
         return a == b
     from safetensors.numpy import load
+
     x, y = load(a), load(b)
     return x.keys() == y.keys() and len(x) > 0 and all(np.array_equal(x[k], y[k]) for k in x)
 
 
 def srv_folder(env, path):
-    run, kind, name = path[len("tinker://"):].split("/")
+    run, kind, name = path[len("tinker://") :].split("/")
     return os.path.join(env["srv"].store.state_dir, "runs", run, kind, name)
 
 
@@ -306,8 +365,11 @@ def test_external_weights_download(env, monkeypatch):
     plain = tc.save_weights_external("plain").result().path
     ref = srv_folder(env, tc.save_weights_for_sampler("ref").result().path)
     urls = rc.get_external_weights_urls(plain).result()
-    assert set(urls.urls) == set(os.listdir(ref)) == {"adapter_config.json",
-                                                      "adapter_model.safetensors"}
+    assert (
+        set(urls.urls)
+        == set(os.listdir(ref))
+        == {"adapter_config.json", "adapter_model.safetensors"}
+    )
     for name, url in urls.urls.items():
         with urllib.request.urlopen(url) as r, open(os.path.join(ref, name), "rb") as f:
             assert same_file(name, r.read(), f.read()), name
@@ -324,12 +386,11 @@ def test_external_weights_download(env, monkeypatch):
             data = r.read()
         with open(os.path.join(ref, name[:-4]), "rb") as f:
             clear = f.read()
-        assert data[:20] != clear[:20] and same_file(name[:-4], pyrage.decrypt(data, [key]),
-                                                     clear)
+        assert data[:20] != clear[:20] and same_file(name[:-4], pyrage.decrypt(data, [key]), clear)
     with pytest.raises(Exception, match="age_encryption_recipients"):
         tc.save_weights_external("bad", age_encryption_recipients=["age1nope"]).result()
     bob = tinker.RestClient(base_url=env["srv"].url, api_key="tml-bob")
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 — the SDK's error class varies by status
         bob.get_external_weights_urls(plain).result()
 
     monkeypatch.setattr(app_mod, "URL_TTL_S", 0.5)
@@ -349,22 +410,28 @@ def test_dot_names_and_failed_saves_on_every_route(env, monkeypatch):
     tc = sc.create_lora_training_client(base_model=MODEL, rank=RANK, seed=5).result()
     run, good = tc.model_id, tc.save_state("good").result().path
     rc = tinker.RestClient(base_url=env["srv"].url, api_key="tml-alice")
-    url, key = f"{env['srv'].url}/api/v1/training_runs/{run}/checkpoints", {
-        "X-API-Key": "tml-alice"}
+    url, key = (
+        f"{env['srv'].url}/api/v1/training_runs/{run}/checkpoints",
+        {"X-API-Key": "tml-alice"},
+    )
     for kind in ("weights", "sampler_weights", "external_weights"):
         for name in ("%2e%2e", "%2e", ".%2e"):
-            answers = [httpx.delete(f"{url}/{kind}/{name}", headers=key),
-                       httpx.put(f"{url}/{kind}/{name}/ttl", json={"ttl_seconds": 60},
-                                 headers=key),
-                       httpx.get(f"{url}/{kind}/{name}/external_weights_urls", headers=key)]
+            answers = [
+                httpx.delete(f"{url}/{kind}/{name}", headers=key),
+                httpx.put(f"{url}/{kind}/{name}/ttl", json={"ttl_seconds": 60}, headers=key),
+                httpx.get(f"{url}/{kind}/{name}/external_weights_urls", headers=key),
+            ]
             assert [a.status_code for a in answers] == [404] * 3, [a.text for a in answers]
             assert not any("owner.json" in a.text for a in answers)
     for kind in ("weights", "sampler_weights"):
         for route, field in (("weights_info", "tinker_path"), ("copy_weights", "source_path")):
             assert post(env, route, {field: f"tinker://{run}/{kind}/.."}).status_code == 404
-    for call in (lambda: sc.create_training_client_from_state(f"tinker://{run}/weights/.."),
-                 lambda: sc.create_sampling_client(f"tinker://{run}/sampler_weights/.."),
-                 lambda: tc.save_state(".."), lambda: tc.save_weights_for_sampler(".")):
+    for call in (
+        lambda: sc.create_training_client_from_state(f"tinker://{run}/weights/.."),
+        lambda: sc.create_sampling_client(f"tinker://{run}/sampler_weights/.."),
+        lambda: tc.save_state(".."),
+        lambda: tc.save_weights_for_sampler("."),
+    ):
         with pytest.raises(Exception, match=r"not found|not '\.' or '\.\.'"):
             call().result()
 
@@ -385,33 +452,53 @@ def test_dot_names_and_failed_saves_on_every_route(env, monkeypatch):
 def test_cancel_and_retrieve_futures(env):
     srv = env["srv"]
     sid = post(env, "create_session", {}).json()["session_id"]
-    samp = post(env, "create_sampling_session", {"session_id": sid, "base_model": MODEL,
-                                                  "sampling_session_seq_id": 0}).json()
+    samp = post(
+        env,
+        "create_sampling_session",
+        {"session_id": sid, "base_model": MODEL, "sampling_session_seq_id": 0},
+    ).json()
     ssid = samp["sampling_session_id"]
-    body = {"sampling_session_id": ssid, "num_samples": 1,
-            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
-            "sampling_params": {"max_tokens": 2, "seed": 1}}
+    body = {
+        "sampling_session_id": ssid,
+        "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        "sampling_params": {"max_tokens": 2, "seed": 1},
+    }
     srv.scheduler.hold()
     try:
         keep, drop = post(env, "asample", body).json(), post(env, "asample", body).json()
         assert post(env, "cancel_future", {"request_id": drop["request_id"]}).status_code == 200
-        assert post(env, "cancel_future", {"request_id": drop["request_id"]},
-                    "tml-bob").status_code == 404
+        assert (
+            post(env, "cancel_future", {"request_id": drop["request_id"]}, "tml-bob").status_code
+            == 404
+        )
     finally:
         srv.scheduler.release()
     assert "cancelled" in result(env, drop)["error"]
-    poll = post(env, "retrieve_futures", {"target": {"type": "sampling_session",
-                                                     "sampling_session_id": ssid},
-                                          "prev_cursor": 0, "timeout": 10}).json()
+    poll = post(
+        env,
+        "retrieve_futures",
+        {
+            "target": {"type": "sampling_session", "sampling_session_id": ssid},
+            "prev_cursor": 0,
+            "timeout": 10,
+        },
+    ).json()
     states = {c["request_id"]: c["state"] for c in poll["completions"]}
     if keep["request_id"] not in states:  # the cancel completed first; poll once more
-        poll = post(env, "retrieve_futures", {"target": {"sampling_session_id": ssid},
-                                              "prev_cursor": poll["cursor"],
-                                              "timeout": 10}).json()
+        poll = post(
+            env,
+            "retrieve_futures",
+            {"target": {"sampling_session_id": ssid}, "prev_cursor": poll["cursor"], "timeout": 10},
+        ).json()
         states.update({c["request_id"]: c["state"] for c in poll["completions"]})
     assert states == {drop["request_id"]: "failed", keep["request_id"]: "finished"}
-    assert post(env, "retrieve_futures", {"target": {"sampling_session_id": ssid}},
-                "tml-bob").status_code == 404
+    assert (
+        post(
+            env, "retrieve_futures", {"target": {"sampling_session_id": ssid}}, "tml-bob"
+        ).status_code
+        == 404
+    )
     post(env, f"sessions/{sid}/finish", {})
 
 
@@ -420,19 +507,33 @@ def test_fused_requests_report_their_own_metrics(env):
     metrics (loss:sum and clipped_tokens:sum) and log-probs each gets alone."""
     srv = env["srv"]
     sched = srv.scheduler
-    tcs = [client(env).create_lora_training_client(base_model=MODEL, rank=RANK, seed=s)
-           .result() for s in (21, 22)]
+    tcs = [
+        client(env).create_lora_training_client(base_model=MODEL, rank=RANK, seed=s).result()
+        for s in (21, 22)
+    ]
     reqs = []
     for i, tc in enumerate(tcs):
         plain = [data(40 + 2 * i + k, 16 + 3 * k)[0] for k in range(2)]
         lps = tc.forward(plain, "cross_entropy").result().loss_fn_outputs
         rng = np.random.default_rng(i)
-        reqs.append([types.Datum(model_input=d.model_input, loss_fn_inputs={
-            "target_tokens": d.loss_fn_inputs["target_tokens"],
-            "logprobs": (o["logprobs"].to_numpy() + 0.3 * rng.normal(size=len(
-                o["logprobs"].to_numpy()))).astype(np.float32),
-            "advantages": rng.normal(size=len(o["logprobs"].to_numpy())).astype(np.float32)})
-            for d, o in zip(plain, lps)])
+        reqs.append(
+            [
+                types.Datum(
+                    model_input=d.model_input,
+                    loss_fn_inputs={
+                        "target_tokens": d.loss_fn_inputs["target_tokens"],
+                        "logprobs": (
+                            o["logprobs"].to_numpy()
+                            + 0.3 * rng.normal(size=len(o["logprobs"].to_numpy()))
+                        ).astype(np.float32),
+                        "advantages": rng.normal(size=len(o["logprobs"].to_numpy())).astype(
+                            np.float32
+                        ),
+                    },
+                )
+                for d, o in zip(plain, lps)
+            ]
+        )
     before = sched.counters.fused_passes
     sched.hold()
     try:
@@ -450,8 +551,9 @@ def test_fused_requests_report_their_own_metrics(env):
         assert f.metrics["clipped_tokens:sum"] == a.metrics["clipped_tokens:sum"] > 0
         np.testing.assert_allclose(f.metrics["loss:sum"], a.metrics["loss:sum"], rtol=1e-5)
         for x, y in zip(f.loss_fn_outputs, a.loss_fn_outputs):
-            np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(),
-                                       rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), rtol=1e-5, atol=1e-6
+            )
 
 
 def test_snapshots_outlast_idle_training_models(env):
@@ -459,16 +561,22 @@ def test_snapshots_outlast_idle_training_models(env):
     idle training models can be offloaded instead (his own included: he holds the most
     slots); his sampling client still samples."""
     srv = env["srv"]
-    tb = client(env, "tml-bob").create_lora_training_client(base_model=MODEL, rank=RANK,
-                                                            seed=31).result()
+    tb = (
+        client(env, "tml-bob")
+        .create_lora_training_client(base_model=MODEL, rank=RANK, seed=31)
+        .result()
+    )
     sb = tb.save_weights_and_get_sampling_client().result()
-    tas = [client(env).create_lora_training_client(base_model=MODEL, rank=RANK, seed=s)
-           .result() for s in (32, 33)]
+    tas = [
+        client(env).create_lora_training_client(base_model=MODEL, rank=RANK, seed=s).result()
+        for s in (32, 33)
+    ]
     for ta in tas:
         assert ta.forward([data(5)[0]], "cross_entropy").result().metrics["loss:sum"] > 0
     assert srv.store.models[tb.model_id].slot is None  # offloaded, the snapshot was not
-    out = sb.sample(types.ModelInput.from_ints([1, 2, 3]), 1,
-                    types.SamplingParams(max_tokens=2, seed=1)).result()
+    out = sb.sample(
+        types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2, seed=1)
+    ).result()
     assert len(out.sequences[0].tokens) == 2
     env["swap"] = tb, tas
 
@@ -501,8 +609,12 @@ def test_server_failures_name_no_server_files(env):
     sc = client(env)
     tc = sc.create_lora_training_client(base_model=MODEL, rank=RANK).result()
     path = tc.save_state("cut").result().path
-    cut = [os.path.join(d, f) for d, _, fs in os.walk(srv_folder(env, path)) for f in fs
-           if os.path.basename(d) == "d"]
+    cut = [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(srv_folder(env, path))
+        for f in fs
+        if os.path.basename(d) == "d"
+    ]
     assert cut
     for f in cut:
         with open(f, "r+b") as fh:
@@ -523,14 +635,27 @@ def test_error_messages_are_redacted_and_bounded():
 
     state = "/srv/jcp-state"
     ckpt = f"{state}/runs/s1:train:0/weights/step-4"
-    listed = str([(f"{ckpt}/state/d/{i:032x}", f"{state}/runs/copy-1/weights/step-4/d/{i}",
-                   "[Errno 18] Invalid cross-device link") for i in range(100)])
+    listed = str(
+        [
+            (
+                f"{ckpt}/state/d/{i:032x}",
+                f"{state}/runs/copy-1/weights/step-4/d/{i}",
+                "[Errno 18] Invalid cross-device link",
+            )
+            for i in range(100)
+        ]
+    )
     said = client_message(listed, state)
     assert len(listed) > 10_000 and len(said) == MAX_CHARS and said.endswith("…")
     assert said.startswith("[('tinker://s1:train:0/weights/step-4', 'tinker://copy-1/weights")
-    assert client_message(f"{state}/runs/r1/checkpoints.json: bad; {state}-old/x; "
-                          f"{state}/.tmp-1 and /usr/lib/x.py", state) == \
-        "tinker://r1: bad; <path>; <state> and <path>"
+    assert (
+        client_message(
+            f"{state}/runs/r1/checkpoints.json: bad; {state}-old/x; "
+            f"{state}/.tmp-1 and /usr/lib/x.py",
+            state,
+        )
+        == "tinker://r1: bad; <path>; <state> and <path>"
+    )
     kept = "tinker://r:train:0/weights/a not found; 3/4 tokens/s; loss / n"
     assert client_message(kept, state) == kept
 
@@ -538,16 +663,17 @@ def test_error_messages_are_redacted_and_bounded():
 def test_train_mlp_means_the_experts_on_moe(tmp_path):
     """On a MoE model the SDK's default train_mlp=True trains the experts (as Tinker does);
     train_mlp=False leaves them out."""
-    tr = jcp.Trainer(jcp.QwenConfig.tiny_moe(), jcp.make_mesh(1, 1, 1), max_adapters=2,
-                     max_rank=RANK)
+    tr = jcp.Trainer(
+        jcp.QwenConfig.tiny_moe(), jcp.make_mesh(1, 1, 1), max_adapters=2, max_rank=RANK
+    )
     srv = Server(tr, MODEL, str(tmp_path)).start()
     sc = tinker.ServiceClient(base_url=srv.url, api_key="tml-local")
     try:
         on = sc.create_lora_training_client(base_model=MODEL, rank=RANK).result()
-        off = sc.create_lora_training_client(base_model=MODEL, rank=RANK,
-                                             train_mlp=False).result()
-        targets = {tc: set(tr.adapters[srv.store.models[tc.model_id].slot].targets)
-                   for tc in (on, off)}
+        off = sc.create_lora_training_client(base_model=MODEL, rank=RANK, train_mlp=False).result()
+        targets = {
+            tc: set(tr.adapters[srv.store.models[tc.model_id].slot].targets) for tc in (on, off)
+        }
         experts = {"expert_gate", "expert_up", "expert_down"}
         assert experts <= targets[on] and not experts & targets[off]
         assert targets[on] - experts == targets[off] and "q_proj" in targets[off]

@@ -83,10 +83,12 @@ def test_dot_names_are_refused_on_every_store_entry(tmp_path):
     for name in ("..", ".", ""):
         for kind in CHECKPOINT_TYPES:
             path = f"tinker://{mid}/{kind}/{name}"
-            for call in (lambda: st.resolve(path, "alice", kind),
-                         lambda: st.checkpoint_folder(mid, f"{kind}/{name}", "alice"),
-                         lambda: st.set_ttl(mid, f"{kind}/{name}", "alice", 60),
-                         lambda: st.run_info(path, "alice")):
+            for call in (
+                lambda: st.resolve(path, "alice", kind),
+                lambda: st.checkpoint_folder(mid, f"{kind}/{name}", "alice"),
+                lambda: st.set_ttl(mid, f"{kind}/{name}", "alice", 60),
+                lambda: st.run_info(path, "alice"),
+            ):
                 with pytest.raises(NotFound):
                     call()
             with pytest.raises(ValueError, match="not '.' or '..'"):
@@ -94,8 +96,7 @@ def test_dot_names_are_refused_on_every_store_entry(tmp_path):
             with pytest.raises(ValueError, match="not '.' or '..'"):
                 with st.saving("alice", mid, kind, name):
                     raise AssertionError("the block must not run")
-    assert os.path.isfile(os.path.join(run_dir, "owner.json")) and listed(st, mid) == [
-        "weights/ok"]
+    assert os.path.isfile(os.path.join(run_dir, "owner.json")) and listed(st, mid) == ["weights/ok"]
 
 
 def test_failed_save_is_never_recorded(tmp_path):
@@ -123,8 +124,10 @@ def test_failed_save_is_never_recorded(tmp_path):
     with pytest.raises(OSError, match="link or special file") as e:  # could lead out of the run
         with st.saving("alice", mid, "external_weights", "linked") as (path, folder):
             os.makedirs(folder)
-            os.symlink(os.path.join(st.state_dir, "runs", mid, "owner.json"),
-                       os.path.join(folder, "owner.json"))
+            os.symlink(
+                os.path.join(st.state_dir, "runs", mid, "owner.json"),
+                os.path.join(folder, "owner.json"),
+            )
     assert path in str(e.value) and st.state_dir not in str(e.value)
     assert listed(st, mid) == ["weights/good"] and not os.path.lexists(folder)
 
@@ -166,8 +169,7 @@ def test_storage_quota_is_per_tenant_and_freed_by_delete(tmp_path):
 
 def test_runs_are_bounded_per_tenant_and_empty_ones_reused(tmp_path):
     st = store(tmp_path, runs=3)
-    copies = [save(st, "alice", f"copy-{i}", "c", new_run={"base_model": "m"})
-              for i in range(3)]
+    copies = [save(st, "alice", f"copy-{i}", "c", new_run={"base_model": "m"}) for i in range(3)]
     with pytest.raises(LimitReached, match="training runs") as e:
         model(st, "alice")
     assert e.value.status == 422
@@ -212,8 +214,7 @@ def test_listing_and_ttl_sweep_read_only_what_they_must(tmp_path, monkeypatch):
     disk.listed.clear()
     assert st.expired_folders() == []
     time.sleep(0.25)
-    assert st.expired_folders() == [os.path.join(st.state_dir, "runs", "copy-bob", "weights",
-                                                 "c")]
+    assert st.expired_folders() == [os.path.join(st.state_dir, "runs", "copy-bob", "weights", "c")]
     assert disk.opened == disk.listed == []
     # A TTL set again leaves its old heap entry stale: skipped, never a deletion.
     st.set_ttl("copy-0", "weights/c", "alice", 0.2)
@@ -234,8 +235,7 @@ def test_ended_sessions_and_their_samplers_are_forgotten(tmp_path):
         sid = st.new_session("alice")
         samp = st.add_sampler("alice", "m", None, None, sid)
         mid = model(st, "alice")
-        snap = st.add_sampler("alice", "m", f"tinker://{mid}/sampler_weights/ephemeral-1",
-                              None)
+        snap = st.add_sampler("alice", "m", f"tinker://{mid}/sampler_weights/ephemeral-1", None)
         st.end_session(sid)
         st.end_session(mid.split(":train:")[0])
         st.drop_model(mid)

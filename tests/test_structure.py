@@ -76,7 +76,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(n)
         for m in sorted(graph.get(n, ())):
             if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
+                return stack[stack.index(m) :] + [m]
             if m not in state:
                 found = visit(m)
                 if found:
@@ -101,8 +101,16 @@ def graph_of(edges) -> dict[str, set[str]]:
 def test_the_walk_sees_the_package():
     """The walk finds the modules and edges it must (so the checks below can fail)."""
     modules = _modules()
-    assert {"jcp", "jcp.trainer", "jcp.attention", "jcp.attention.blockwise", "jcp.model",
-            "jcp.model.params", "jcp.config", "jcp.server.app"} <= set(modules)
+    assert {
+        "jcp",
+        "jcp.trainer",
+        "jcp.attention",
+        "jcp.attention.blockwise",
+        "jcp.model",
+        "jcp.model.params",
+        "jcp.config",
+        "jcp.server.app",
+    } <= set(modules)
     edges = imports(modules)
     assert ("jcp.config", "QwenConfig") in {(t, n) for t, n, _ in edges["jcp.hf"]}
     assert "jcp.model.params" in graph_of(edges)["jcp.hf"]
@@ -116,15 +124,26 @@ def test_no_import_cycle():
 
 
 def test_no_cross_module_private_import():
-    bad = [f"{m}:{line} imports {t}.{n}" for m, es in imports(_modules()).items()
-           for t, n, line in es
-           if n is not None and n.startswith("_") and not n.startswith("__") and t != m]
+    bad = [
+        f"{m}:{line} imports {t}.{n}"
+        for m, es in imports(_modules()).items()
+        for t, n, line in es
+        if n is not None and n.startswith("_") and not n.startswith("__") and t != m
+    ]
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("module", ["jcp.server.app", "jcp.server.state", "jcp.server.wire",
-                                    "jcp.server.scheduler", "jcp.server.openai_api",
-                                    "jcp.server.text"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "jcp.server.app",
+        "jcp.server.state",
+        "jcp.server.wire",
+        "jcp.server.scheduler",
+        "jcp.server.openai_api",
+        "jcp.server.text",
+    ],
+)
 def test_server_http_side_never_imports_jax(module):
     """The HTTP side of the server imports no jax, directly or through jcp modules."""
     modules = _modules()
@@ -137,9 +156,13 @@ def test_server_http_side_never_imports_jax(module):
         with open(modules[m]) as f:
             tree = ast.parse(f.read())
         for node in ast.walk(tree):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
-                     else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             assert not any(n == "jax" or n.startswith("jax.") for n in names), (m, names)
         todo += [t for t, _, _ in imports(modules)[m]]
 
@@ -162,23 +185,32 @@ def private_reach_of_tests(root: str = TESTS) -> list[str]:
             jcp_names = set()
             for node in ast.walk(tree):
                 if isinstance(node, ast.Import):
-                    jcp_names |= {(a.asname or a.name).split(".")[0] for a in node.names
-                                  if a.name.split(".")[0] == "jcp"}
+                    jcp_names |= {
+                        (a.asname or a.name).split(".")[0]
+                        for a in node.names
+                        if a.name.split(".")[0] == "jcp"
+                    }
                 elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jcp"):
                     for a in node.names:
                         if a.name.startswith("_") and not a.name.startswith("__"):
-                            bad.append(f"{os.path.relpath(path, root)}:{node.lineno} imports "
-                                       f"{node.module}.{a.name}")
+                            bad.append(
+                                f"{os.path.relpath(path, root)}:{node.lineno} imports "
+                                f"{node.module}.{a.name}"
+                            )
                         jcp_names.add(a.asname or a.name)
             for node in ast.walk(tree):
-                if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
-                        and not node.attr.startswith("__")):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                ):
                     base = node.value
                     while isinstance(base, ast.Attribute):
                         base = base.value
                     if isinstance(base, ast.Name) and base.id in jcp_names:
-                        bad.append(f"{os.path.relpath(path, root)}:{node.lineno} reads "
-                                   f"{ast.unparse(node)}")
+                        bad.append(
+                            f"{os.path.relpath(path, root)}:{node.lineno} reads {ast.unparse(node)}"
+                        )
     return bad
 
 
@@ -187,8 +219,13 @@ def test_tests_reach_jcp_through_public_names_only(tmp_path):
     walk first shown to find each kind in a file made for it)."""
     (tmp_path / "test_x.py").write_text(
         "import jcp\nfrom jcp import lora as L\nfrom jcp.mesh import _hidden, put\n"
-        "L._route(1)\njcp.trainer._f\nput._y\nself._ok\n")
+        "L._route(1)\njcp.trainer._f\nput._y\nself._ok\n"
+    )
     assert sorted(b.split(" ", 1)[1] for b in private_reach_of_tests(str(tmp_path))) == [
-        "imports jcp.mesh._hidden", "reads L._route", "reads jcp.trainer._f", "reads put._y"]
+        "imports jcp.mesh._hidden",
+        "reads L._route",
+        "reads jcp.trainer._f",
+        "reads put._y",
+    ]
     bad = private_reach_of_tests()
     assert not bad, "\n".join(bad)

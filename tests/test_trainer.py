@@ -30,9 +30,9 @@ import contextlib
 import jax
 import numpy as np
 import pytest
+from helpers import trainer_harness as H
 
 import jcp
-from helpers import trainer_harness as H
 from jcp import attention
 
 REF = (1, 1, 1)
@@ -74,6 +74,7 @@ def _counting_attention(counts):
         def g(*a, **kw):
             counts[name] += 1
             return f(*a, **kw)
+
         return g
 
     paths.cp_attention = counted("gather", saved[0])
@@ -97,8 +98,11 @@ def _mesh_results(mesh_shape, folders, data, cp_attention="auto"):
     pass's output, and "paths": how often each cp attention path was traced meanwhile."""
     key = (mesh_shape, cp_attention)
     if key not in _MESH_RESULTS:
-        tr = H.trainer(mesh_shape, **MESH_TRAINER_KW,
-                       **({} if cp_attention == "auto" else {"cp_attention": cp_attention}))
+        tr = H.trainer(
+            mesh_shape,
+            **MESH_TRAINER_KW,
+            **({} if cp_attention == "auto" else {"cp_attention": cp_attention}),
+        )
         with _counting_attention({"gather": 0, "ring": 0}) as counts, H.borrowed(tr):
             ids = {loss: H.load_adapters(tr, folders) for loss in H.LOSS_NAMES}
             batch, losses, adapters = [], [], []
@@ -110,14 +114,14 @@ def _mesh_results(mesh_shape, folders, data, cp_attention="auto"):
             out = tr.forward_backward(batch, losses, configs, adapters=adapters)
             res = {"mixed": out}
             for i, loss in enumerate(H.LOSS_NAMES):
-                outputs = out.loss_fn_outputs[i * len(data):(i + 1) * len(data)]
+                outputs = out.loss_fn_outputs[i * len(data) : (i + 1) * len(data)]
                 metrics = {"loss:sum": sum(o["loss:sum"] for o in outputs)}
                 if "clipped_tokens:sum" in outputs[0]:
-                    metrics["clipped_tokens:sum"] = sum(o["clipped_tokens:sum"]
-                                                        for o in outputs)
-                res[loss] = (jcp.ForwardBackwardOutput(loss_fn_outputs=outputs,
-                                                       metrics=metrics),
-                             {n: tr.gradients(a) for n, a in ids[loss].items()})
+                    metrics["clipped_tokens:sum"] = sum(o["clipped_tokens:sum"] for o in outputs)
+                res[loss] = (
+                    jcp.ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics),
+                    {n: tr.gradients(a) for n, a in ids[loss].items()},
+                )
         res["paths"] = counts
         _MESH_RESULTS[key] = res
     return _MESH_RESULTS[key]
@@ -132,8 +136,9 @@ def test_reference_results_are_informative(folders, data):
         assert [len(o["logprobs"]) for o in out.loss_fn_outputs] == list(H.LENGTHS)
         for name, g in grads.items():
             spec = H.ADAPTERS[name]
-            assert len(g) == 2 * sum(1 if m == "lm_head" else H.CFG.num_layers
-                                     for m in spec["targets"])
+            assert len(g) == 2 * sum(
+                1 if m == "lm_head" else H.CFG.num_layers for m in spec["targets"]
+            )
             for k, v in g.items():
                 # Non-zero B makes A's gradient non-zero too.
                 assert np.any(v != 0), f"{loss}: {name} {k} has a zero gradient"
@@ -155,13 +160,17 @@ def _mesh_id(m):
 RING_MESHES = ((1, 8, 1), (2, 2, 2))
 
 
-@pytest.mark.parametrize("mesh_shape,cp_attention",
-                         [pytest.param(m, "auto", id=_mesh_id(m)) for m in MESHES]
-                         + [pytest.param(m, "ring", id=_mesh_id(m) + "-ring")
-                            for m in RING_MESHES])
+@pytest.mark.parametrize(
+    "mesh_shape,cp_attention",
+    [pytest.param(m, "auto", id=_mesh_id(m)) for m in MESHES]
+    + [pytest.param(m, "ring", id=_mesh_id(m) + "-ring") for m in RING_MESHES],
+)
 def test_forward_backward_same_on_every_mesh(mesh_shape, cp_attention, folders, data):
-    tr = H.trainer(mesh_shape, **MESH_TRAINER_KW,
-                   **({} if cp_attention == "auto" else {"cp_attention": "ring"}))
+    tr = H.trainer(
+        mesh_shape,
+        **MESH_TRAINER_KW,
+        **({} if cp_attention == "auto" else {"cp_attention": "ring"}),
+    )
     assert mesh_shape != REF and (tr.dp, tr.cp, tr.tp) == mesh_shape
     assert tr.mesh.devices.size == np.prod(mesh_shape) > 1
     assert tr.step_cfg.cp_attention == cp_attention
@@ -176,8 +185,13 @@ def test_forward_backward_same_on_every_mesh(mesh_shape, cp_attention, folders, 
     for loss in H.LOSS_NAMES:
         H.assert_outputs_close(got[loss][0], ref[loss][0], RTOL, ATOL, f"{loss} {mesh_shape}")
         for name in H.ADAPTERS:
-            H.assert_grads_close(got[loss][1][name], ref[loss][1][name], RTOL, GRAD_ATOL,
-                                 f"{loss} {mesh_shape} adapter {name}")
+            H.assert_grads_close(
+                got[loss][1][name],
+                ref[loss][1][name],
+                RTOL,
+                GRAD_ATOL,
+                f"{loss} {mesh_shape} adapter {name}",
+            )
 
 
 # ----------------------------------------------------------------------------------------
@@ -199,10 +213,12 @@ def test_optim_step_touches_only_its_slot(folders, data):
             ab = before["opt"].mu[m]
             assert np.any(ab["a"][q] != 0) and np.any(ab["b"][q] != 0), m
 
-        norm = float(np.sqrt(sum(np.sum(g.astype(np.float64) ** 2)
-                                 for g in before["grads"][p].values())))
-        m = tr.optim_step(p, jcp.AdamParams(learning_rate=1e-2, weight_decay=0.5,
-                                            grad_clip_norm=0.5 * norm))
+        norm = float(
+            np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in before["grads"][p].values()))
+        )
+        m = tr.optim_step(
+            p, jcp.AdamParams(learning_rate=1e-2, weight_decay=0.5, grad_clip_norm=0.5 * norm)
+        )
         after = H.snapshot(tr)
         assert m["step"] == 1 and m["grad_norm"] == pytest.approx(norm, rel=1e-5)
 
@@ -216,12 +232,14 @@ def test_optim_step_touches_only_its_slot(folders, data):
         others = [g for g in range(tr.max_adapters) if g != p]
         assert len(others) == tr.max_adapters - 1 and q in others
         for part in ("lora", "acc"):
-            for (path, x), (_, y) in zip(*(jax.tree.leaves_with_path(s[part])
-                                           for s in (before, after))):
+            for (path, x), (_, y) in zip(
+                *(jax.tree.leaves_with_path(s[part]) for s in (before, after))
+            ):
                 np.testing.assert_array_equal(x[others], y[others], err_msg=f"{part} {path}")
         for part in ("mu", "nu"):
-            for (path, x), (_, y) in zip(*(jax.tree.leaves_with_path(getattr(s["opt"], part))
-                                           for s in (before, after))):
+            for (path, x), (_, y) in zip(
+                *(jax.tree.leaves_with_path(getattr(s["opt"], part)) for s in (before, after))
+            ):
                 np.testing.assert_array_equal(x[others], y[others], err_msg=f"{part} {path}")
         np.testing.assert_array_equal(before["opt"].count[others], after["opt"].count[others])
         for a in (q, ids["r"]):
@@ -242,8 +260,9 @@ def test_two_calls_accumulate_to_one_and_forward_changes_nothing(folders, data):
         ids = H.load_adapters(tr, folders)
         outs, after = [], []
         for half, h in zip(halves, H.HALVES):
-            outs.append(tr.forward_backward(half, loss, cfg,
-                                            adapters=_ids(ids, [H.ASSIGN[i] for i in h])))
+            outs.append(
+                tr.forward_backward(half, loss, cfg, adapters=_ids(ids, [H.ASSIGN[i] for i in h]))
+            )
             after.append({n: tr.gradients(a) for n, a in ids.items()})
         after_first, acc = after
 
@@ -265,10 +284,15 @@ def test_two_calls_accumulate_to_one_and_forward_changes_nothing(folders, data):
     for half_out, h in zip(outs, H.HALVES):
         for j, i in enumerate(h):
             for key in ("logprobs", "elementwise_loss"):
-                np.testing.assert_allclose(half_out.loss_fn_outputs[j][key],
-                                           one.loss_fn_outputs[i][key], rtol=RTOL, atol=1e-5)
-    assert sum(o.metrics["loss:sum"] for o in outs) == pytest.approx(one.metrics["loss:sum"],
-                                                                      rel=1e-5)
+                np.testing.assert_allclose(
+                    half_out.loss_fn_outputs[j][key],
+                    one.loss_fn_outputs[i][key],
+                    rtol=RTOL,
+                    atol=1e-5,
+                )
+    assert sum(o.metrics["loss:sum"] for o in outs) == pytest.approx(
+        one.metrics["loss:sum"], rel=1e-5
+    )
     H.assert_outputs_close(fwd, one, RTOL, ATOL, "forward vs forward_backward")
 
 
@@ -286,8 +310,8 @@ def _adamw_reference(params, grads, mu, nu, t, hp: jcp.AdamParams):
     nu = {k: hp.beta2 * nu[k] + (1 - hp.beta2) * g[k] ** 2 for k in g}
     out = {}
     for k, p in params.items():
-        m_hat = mu[k] / (1 - hp.beta1 ** t)
-        v_hat = nu[k] / (1 - hp.beta2 ** t)
+        m_hat = mu[k] / (1 - hp.beta1**t)
+        v_hat = nu[k] / (1 - hp.beta2**t)
         p = p.astype(np.float64)
         out[k] = p - hp.learning_rate * (m_hat / (np.sqrt(v_hat) + hp.eps) + hp.weight_decay * p)
     return out, mu, nu, norm
@@ -306,8 +330,14 @@ def test_optim_step_matches_numpy_adamw(folders, data):
             g = tr.gradients(p)
             norm = float(np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in g.values())))
             # Step 1 clips (to 40% of the norm); step 2 does not.
-            hp = jcp.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8,
-                                weight_decay=0.1, grad_clip_norm=0.4 * norm if t == 1 else 0.0)
+            hp = jcp.AdamParams(
+                learning_rate=1e-2,
+                beta1=0.9,
+                beta2=0.95,
+                eps=1e-8,
+                weight_decay=0.1,
+                grad_clip_norm=0.4 * norm if t == 1 else 0.0,
+            )
             want, mu, nu, ref_norm = _adamw_reference(w, g, mu, nu, t, hp)
             assert (ref_norm > hp.grad_clip_norm > 0) == (t == 1)
             m = tr.optim_step(p, hp)
@@ -317,8 +347,9 @@ def test_optim_step_matches_numpy_adamw(folders, data):
             got = tr.adapter_weights(p)
             for k in want:
                 assert np.any(got[k] != w[k]), k
-                np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7,
-                                           err_msg=f"step {t}: {k}")
+                np.testing.assert_allclose(
+                    got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=f"step {t}: {k}"
+                )
             assert all(np.all(v == 0) for v in tr.gradients(p).values())
             w = got
 
@@ -355,8 +386,9 @@ def test_micro_batches_match_single_pass(folders):
         try:
             with H.borrowed(tr):
                 ids = H.load_adapters(tr, folders, names=("p", "q"))
-                out = tr.forward_backward(data, "ppo", H.LOSS_CONFIGS["ppo"],
-                                          adapters=_ids(ids, assign))
+                out = tr.forward_backward(
+                    data, "ppo", H.LOSS_CONFIGS["ppo"], adapters=_ids(ids, assign)
+                )
                 results.append((out, {n: tr.gradients(a) for n, a in ids.items()}))
         finally:
             tr._forward_backward = inner
@@ -365,8 +397,12 @@ def test_micro_batches_match_single_pass(folders):
     big_calls = [seg for t, seg in seen if t is big]
     assert len(small_calls) >= 2 and len(big_calls) == 1
     # Some (dp, cp) device of some micro-batch holds no real token.
-    assert any(np.all(seg[d, c] < 0) for seg in small_calls
-               for d in range(seg.shape[0]) for c in range(seg.shape[1]))
+    assert any(
+        np.all(seg[d, c] < 0)
+        for seg in small_calls
+        for d in range(seg.shape[0])
+        for c in range(seg.shape[1])
+    )
     (out_s, g_s), (out_b, g_b) = results
     H.assert_outputs_close(out_s, out_b, RTOL, ATOL, "micro-batched vs single pass")
     assert 0 < out_b.metrics["clipped_tokens:sum"]
@@ -414,49 +450,100 @@ def test_refused_input_changes_nothing(folders, data, tmp_path):
         tok0[7] = V
         tgt4 = np.array(data[4].loss_fn_inputs["target_tokens"])
         tgt4[1] = -1
-        big_rank = H.write_peft(str(tmp_path / "r9"), H.MAX_RANK + 1, 8.0, ("q_proj",),
-                                H.random_peft_weights(H.CFG, H.MAX_RANK + 1, ("q_proj",), 0))
+        big_rank = H.write_peft(
+            str(tmp_path / "r9"),
+            H.MAX_RANK + 1,
+            8.0,
+            ("q_proj",),
+            H.random_peft_weights(H.CFG, H.MAX_RANK + 1, ("q_proj",), 0),
+        )
         free = next(g for g in range(tr.max_adapters) if g not in tr.adapters)
 
         cases = [
-            (lambda: tr.forward_backward(_bad(data, 2, weights=w2[:-1]), "cross_entropy",
-                                         adapters=adapters), r"datum 2\b.*weights"),
-            (lambda: tr.forward_backward(_bad(data, 1, advantages=None), "ppo",
-                                         adapters=adapters), r"datum 1\b.*advantages"),
-            (lambda: tr.forward_backward(_bad(data, 0, model_input=tok0), "cross_entropy",
-                                         adapters=adapters), r"datum 0\b.*model_input"),
-            (lambda: tr.forward_backward(_bad(data, 4, target_tokens=tgt4), "cross_entropy",
-                                         adapters=adapters), r"datum 4\b.*target_tokens"),
-            (lambda: tr.forward_backward(_bad(data, 3, advantages=adv3), "dro",
-                                         adapters=adapters), r"datum 3\b.*advantages"),
-            (lambda: tr.forward(_bad(data, 3, advantages=adv3), "dro", adapters=adapters),
-             r"datum 3\b.*advantages"),
-            (lambda: tr.forward_backward(_bad(data, 5, model_input=np.zeros(tr.token_cap + 1,
-                                                                            np.int64),
-                                              target_tokens=np.zeros(tr.token_cap + 1),
-                                              weights=np.ones(tr.token_cap + 1)),
-                                         "cross_entropy", adapters=adapters), r"datum 5\b.*cap"),
+            (
+                lambda: tr.forward_backward(
+                    _bad(data, 2, weights=w2[:-1]), "cross_entropy", adapters=adapters
+                ),
+                r"datum 2\b.*weights",
+            ),
+            (
+                lambda: tr.forward_backward(
+                    _bad(data, 1, advantages=None), "ppo", adapters=adapters
+                ),
+                r"datum 1\b.*advantages",
+            ),
+            (
+                lambda: tr.forward_backward(
+                    _bad(data, 0, model_input=tok0), "cross_entropy", adapters=adapters
+                ),
+                r"datum 0\b.*model_input",
+            ),
+            (
+                lambda: tr.forward_backward(
+                    _bad(data, 4, target_tokens=tgt4), "cross_entropy", adapters=adapters
+                ),
+                r"datum 4\b.*target_tokens",
+            ),
+            (
+                lambda: tr.forward_backward(
+                    _bad(data, 3, advantages=adv3), "dro", adapters=adapters
+                ),
+                r"datum 3\b.*advantages",
+            ),
+            (
+                lambda: tr.forward(_bad(data, 3, advantages=adv3), "dro", adapters=adapters),
+                r"datum 3\b.*advantages",
+            ),
+            (
+                lambda: tr.forward_backward(
+                    _bad(
+                        data,
+                        5,
+                        model_input=np.zeros(tr.token_cap + 1, np.int64),
+                        target_tokens=np.zeros(tr.token_cap + 1),
+                        weights=np.ones(tr.token_cap + 1),
+                    ),
+                    "cross_entropy",
+                    adapters=adapters,
+                ),
+                r"datum 5\b.*cap",
+            ),
             (lambda: tr.forward_backward(data, "kl", adapters=adapters), "loss_fn"),
             (lambda: tr.forward_backward(data, "ppo", {"beta": 0.1}, adapters=adapters), "beta"),
-            (lambda: tr.forward_backward(data, "cispo", {"clip_low_threshold": float("nan")},
-                                         adapters=adapters), "clip_low_threshold"),
+            (
+                lambda: tr.forward_backward(
+                    data, "cispo", {"clip_low_threshold": float("nan")}, adapters=adapters
+                ),
+                "clip_low_threshold",
+            ),
             (lambda: tr.forward_backward(data, "cross_entropy", adapters=free), str(free)),
-            (lambda: tr.forward_backward(data, "cross_entropy",
-                                         adapters=adapters[:2] + [free] + adapters[3:]),
-             rf"datum 2\b.*{free}"),
-            (lambda: tr.forward_backward(data, "cross_entropy", adapters=adapters[:-1]),
-             "adapters"),
+            (
+                lambda: tr.forward_backward(
+                    data, "cross_entropy", adapters=adapters[:2] + [free] + adapters[3:]
+                ),
+                rf"datum 2\b.*{free}",
+            ),
+            (
+                lambda: tr.forward_backward(data, "cross_entropy", adapters=adapters[:-1]),
+                "adapters",
+            ),
             (lambda: tr.create_adapter(rank=H.MAX_RANK + 1), "max_rank"),
             (lambda: tr.create_adapter(rank=0), "rank"),
             (lambda: tr.create_adapter(rank=2, targets=["qproj"]), "qproj"),
             (lambda: tr.load_peft(big_rank), "max_rank"),
             (lambda: tr.load_peft(str(tmp_path / "missing")), "PEFT"),
-            (lambda: tr.optim_step(ids["p"], jcp.AdamParams(learning_rate=float("nan"))),
-             "learning_rate"),
-            (lambda: tr.optim_step(ids["p"], jcp.AdamParams(weight_decay=float("inf"))),
-             "weight_decay"),
-            (lambda: tr.optim_step(ids["p"], jcp.AdamParams(grad_clip_norm=-1.0)),
-             "grad_clip_norm"),
+            (
+                lambda: tr.optim_step(ids["p"], jcp.AdamParams(learning_rate=float("nan"))),
+                "learning_rate",
+            ),
+            (
+                lambda: tr.optim_step(ids["p"], jcp.AdamParams(weight_decay=float("inf"))),
+                "weight_decay",
+            ),
+            (
+                lambda: tr.optim_step(ids["p"], jcp.AdamParams(grad_clip_norm=-1.0)),
+                "grad_clip_norm",
+            ),
             # eps = 0 would make 0/0 = NaN of every zero-padded entry of the slot.
             (lambda: tr.optim_step(ids["p"], jcp.AdamParams(eps=0.0)), "eps"),
             (lambda: tr.optim_step(free, jcp.AdamParams()), str(free)),

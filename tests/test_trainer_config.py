@@ -12,17 +12,20 @@ def test_kv_heads_must_divide_tp():
         jcp.Trainer(cfg, jcp.make_mesh(1, 1, 4))
 
 
-@pytest.mark.parametrize("kw, pattern", [
-    (dict(attn_impl="flash"), "attn_impl"),
-    (dict(attn_block=0), "attn_block"),
-    (dict(logprob_chunk=True), "logprob_chunk"),
-    (dict(max_adapters=0), "max_adapters"),
-    (dict(max_rank=2.5), "max_rank"),
-    (dict(max_tokens_per_device=1), "max_tokens_per_device"),
-    (dict(remat="sometimes"), "remat"),
-    (dict(remat=1), "remat"),
-    (dict(remat_budget_bytes=0), "remat_budget_bytes"),
-])
+@pytest.mark.parametrize(
+    "kw, pattern",
+    [
+        (dict(attn_impl="flash"), "attn_impl"),
+        (dict(attn_block=0), "attn_block"),
+        (dict(logprob_chunk=True), "logprob_chunk"),
+        (dict(max_adapters=0), "max_adapters"),
+        (dict(max_rank=2.5), "max_rank"),
+        (dict(max_tokens_per_device=1), "max_tokens_per_device"),
+        (dict(remat="sometimes"), "remat"),
+        (dict(remat=1), "remat"),
+        (dict(remat_budget_bytes=0), "remat_budget_bytes"),
+    ],
+)
 def test_bad_settings(kw, pattern):
     with pytest.raises(ValueError, match=pattern):
         jcp.Trainer(jcp.QwenConfig.tiny(), jcp.make_mesh(1, 1, 1), **kw)
@@ -46,28 +49,98 @@ def test_token_cap_follows_max_tokens_per_device():
     assert b.token_cap == cfg.max_position_embeddings
 
 
-def test_remat_auto_decides_from_compiled_memory():
-    """remat="auto" compiles the forward_backward without recomputation and keeps it iff
-    its compiled memory fits the budget: a budget of exactly that many bytes keeps it, one
-    byte less recomputes — and both programs give the same numbers."""
+def _count_compiles(monkeypatch) -> list:
+    """Every AOT compile from now on (the Trainer's forward_backward programs) appends to
+    the returned list."""
+    import jax
+
+    compiled, compile_ = [], jax.stages.Lowered.compile
+
+    def counting(self, *a, **kw):
+        compiled.append(self)
+        return compile_(self, *a, **kw)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", counting)
+    return compiled
+
+
+def test_remat_auto_decides_without_compiling_the_discarded_program(monkeypatch, tmp_path):
+    """remat="auto" with a budget far above / below remat_estimate's figure decides from it
+    and compiles only the program it keeps — without recomputation / with it — and both
+    programs give the same numbers. With the budget at the estimate it compiles the
+    program without recomputation and reads its memory ("measured", within
+    Trainer.REMAT_MARGIN of the estimate), keeps it iff it fits, and stores the decision
+    beside the compilation cache: a second Trainer of the same settings reads it
+    ("cached") and compiles only the program it keeps."""
+    import jax
     from helpers import trainer_harness as H
 
     cfg = jcp.QwenConfig.tiny()
     data = H.random_data((37, 20, 5), seed=1)
+    compiled = _count_compiles(monkeypatch)
     results, decisions = [], []
-    need = None
-    for budget in (1 << 50, None):
-        tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=4,
-                         attn_block=16, logprob_chunk=16, remat_budget_bytes=budget or need - 1)
-        assert tr.remat == "auto"
-        a = tr.create_adapter(rank=4, alpha=8.0, seed=3)
-        out = tr.forward_backward(data, "cross_entropy", adapters=a)
-        (decision,) = tr.remat_decisions.values()
-        need = decision["bytes"]
-        decisions.append(decision["remat"])
-        results.append((out, tr.gradients(a)))
-    assert decisions == [False, True]
-    _assert_same_training(*results)
+    old_dir = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        for budget in (1 << 50, 1, "estimate", "estimate"):
+            budget = decisions[0]["estimate"] if budget == "estimate" else budget
+            tr = jcp.Trainer(
+                cfg,
+                jcp.make_mesh(1, 1, 1),
+                max_adapters=1,
+                max_rank=4,
+                attn_block=16,
+                logprob_chunk=16,
+                remat_budget_bytes=budget,
+            )
+            assert tr.remat == "auto"
+            a = tr.create_adapter(rank=4, alpha=8.0, seed=3)
+            before = len(compiled)
+            out = tr.forward_backward(data, "cross_entropy", adapters=a)
+            (d,) = tr.remat_decisions.values()
+            assert len(compiled) - before == (2 if d["how"] == "measured" and d["remat"] else 1), d
+            decisions.append(d)
+            results.append((out, tr.gradients(a)))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", old_dir)
+    assert [(d["how"], d["remat"]) for d in decisions[:2]] == [
+        ("estimate", False),
+        ("estimate", True),
+    ]
+    assert all(d["bytes"] == d["estimate"] for d in decisions[:2])
+    measured, cached = decisions[2:]
+    assert (measured["how"], cached["how"]) == ("measured", "cached")
+    assert (measured["remat"], measured["bytes"]) == (cached["remat"], cached["bytes"])
+    assert 1 / tr.REMAT_MARGIN <= measured["bytes"] / measured["estimate"] <= tr.REMAT_MARGIN
+    _assert_same_training(*results[:2])
+
+
+def test_groupings_of_one_length_run_the_warmed_up_program():
+    """After Trainer.warmup of a stream length, calls of that length compile no
+    forward_backward program, whether one adapter holds all datums or two share them (their
+    adapter and datum counts follow the length: batch.static_counts)."""
+    from helpers import trainer_harness as H
+
+    cfg = jcp.QwenConfig.tiny(num_layers=1)
+    tr = jcp.Trainer(
+        cfg,
+        jcp.make_mesh(1, 1, 1),
+        max_adapters=3,
+        max_rank=4,
+        attn_block=16,
+        logprob_chunk=16,
+        remat=False,
+    )
+    assert tr.warmup(rows=[512]) == 1
+    a, b = tr.create_adapter(rank=4), tr.create_adapter(rank=2, alpha=4.0)
+    data = H.random_data((64,) * 8, seed=2)  # 512 rows
+    assert [shape[1] for shape in tr.pass_shapes(data)] == [512]
+    for adapters in ([a] * 8, [a] * 4 + [b] * 4):
+        tr.forward_backward(data, "cross_entropy", adapters=adapters)
+        tr.optim_step(a)
+    assert len(tr.forward_backward_programs) == 1
+    assert tr.adapters.keys() == {a, b}  # the warm-up's scratch adapter is gone
+    assert np.abs(tr.gradients(b)["base_model.model.lm_head.lora_B.weight"]).max() > 0
 
 
 def test_cpu_unrolled_layer_loop_equals_rolled(monkeypatch):
@@ -77,6 +150,7 @@ def test_cpu_unrolled_layer_loop_equals_rolled(monkeypatch):
     once for all layers (decoder.rotary), not per layer, nor fused into every q / k element:
     the unrolled program holds one cosine per branch of rotary's cond."""
     from helpers import trainer_harness as H
+
     from jcp import train_step
 
     cfg = jcp.QwenConfig.tiny()
@@ -84,13 +158,18 @@ def test_cpu_unrolled_layer_loop_equals_rolled(monkeypatch):
     results, whiles, cosines = [], [], []
     for limit in (train_step.CPU_UNROLL_LAYERS, 0):
         monkeypatch.setattr(train_step, "CPU_UNROLL_LAYERS", limit)
-        tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=4,
-                         attn_block=16, logprob_chunk=16)
+        tr = jcp.Trainer(
+            cfg, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=4, attn_block=16, logprob_chunk=16
+        )
         a = tr.create_adapter(rank=4, alpha=8.0, seed=3)
         out = tr.forward_backward(data, "cross_entropy", adapters=a)
         (program,) = tr.forward_backward_programs.values()
-        whiles.append(sum("si,io->so/dot_general" in ln and "while/body" in ln
-                          for ln in program.as_text().splitlines()))
+        whiles.append(
+            sum(
+                "si,io->so/dot_general" in ln and "while/body" in ln
+                for ln in program.as_text().splitlines()
+            )
+        )
         cosines.append(program.as_text().count(" cosine("))
         results.append((out, tr.gradients(a)))
     assert whiles[0] == 0 < whiles[1], whiles
@@ -107,5 +186,6 @@ def _assert_same_training(a, b):
         np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-6, atol=1e-6)
     assert any(np.abs(v).max() > 0 for v in g_a.values())
     for k in g_a:
-        np.testing.assert_allclose(g_a[k], g_b[k], rtol=1e-5,
-                                   atol=1e-6 * np.abs(g_a[k]).max(), err_msg=k)
+        np.testing.assert_allclose(
+            g_a[k], g_b[k], rtol=1e-5, atol=1e-6 * np.abs(g_a[k]).max(), err_msg=k
+        )

@@ -24,16 +24,27 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jcp.attention.tiling import (SAVED_NAMES, SoftmaxState, block_kinds, needed_range, no_grads,
-                                  online_softmax_finish, online_softmax_step, ring_fold,
-                                  ring_fold_grads, visible)
+from jcp.attention.tiling import (
+    SAVED_NAMES,
+    SoftmaxState,
+    block_kinds,
+    needed_range,
+    no_grads,
+    online_softmax_finish,
+    online_softmax_step,
+    ring_fold,
+    ring_fold_grads,
+    visible,
+)
 from jcp.mesh import vary_all
 
 
 def _scores(q_BqxKxMxH, k_BkxKxH, scale):
     """[K, M, Bq, Bk] fp32 scaled scores of a query block against a key block."""
-    return jnp.einsum("skmh,tkh->kmst", q_BqxKxMxH, k_BkxKxH,
-                      preferred_element_type=jnp.float32) * scale
+    return (
+        jnp.einsum("skmh,tkh->kmst", q_BqxKxMxH, k_BkxKxH, preferred_element_type=jnp.float32)
+        * scale
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -76,13 +87,21 @@ def _tiling(q_KxWxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k):
     rq = block_q * per_kv
     nq, nk = s_len // block_q, k_KxTxH.shape[1] // block_k
     kinds, need = block_kinds(seg_q, pos_q, seg_k, pos_k, block_q, block_k)
-    return (1.0 / np.sqrt(head_dim), rq, nq, nk, kinds, need,
-            jnp.repeat(seg_q, per_kv).reshape(nq, rq), jnp.repeat(pos_q, per_kv).reshape(nq, rq),
-            seg_k.reshape(nk, block_k), pos_k.reshape(nk, block_k))
+    return (
+        1.0 / np.sqrt(head_dim),
+        rq,
+        nq,
+        nk,
+        kinds,
+        need,
+        jnp.repeat(seg_q, per_kv).reshape(nq, rq),
+        jnp.repeat(pos_q, per_kv).reshape(nq, rq),
+        seg_k.reshape(nk, block_k),
+        pos_k.reshape(nk, block_k),
+    )
 
 
-def _fold_keys(states, q_KxWxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q,
-               block_k):
+def _fold_keys(states, q_KxWxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k):
     """Fold keys k, v [K, Tk, H] (seg_k, pos_k [Tk]) into the states of q's blocks.
 
     q_KxWxH: the query rows (W = S·M); seg_q, pos_q [S]; block_q in tokens (Bq·M rows);
@@ -90,7 +109,8 @@ def _fold_keys(states, q_KxWxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, bl
     visible ones skip the mask.
     """
     scale, rq, nq, nk, kinds, need, seg_r, pos_r, skb, pkb = _tiling(
-        q_KxWxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k)
+        q_KxWxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k
+    )
     k_lo, k_hi = needed_range(need)
     qb, kb = _split_blocks(q_KxWxH, nq), _split_blocks(k_KxTxH, nk)
     vb = _split_blocks(v_KxTxH.astype(jnp.float32), nk)
@@ -112,8 +132,12 @@ def _fold_keys(states, q_KxWxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, bl
                 mask = visible(sr, pr, skb[j], pkb[j])
                 return online_softmax_step(state, jnp.where(mask, s, -jnp.inf), pv, scale)
 
-            return jax.lax.cond(kinds[i, j] > 0, lambda c: jax.lax.cond(
-                kinds[i, j] > 1, full, masked, c), lambda c: c, state)
+            return jax.lax.cond(
+                kinds[i, j] > 0,
+                lambda c: jax.lax.cond(kinds[i, j] > 1, full, masked, c),
+                lambda c: c,
+                state,
+            )
 
         state = jax.tree.map(lambda x: vary_all(x, qi, k_KxTxH, v_KxTxH), state)
         return jax.lax.fori_loop(k_lo[i], k_hi[i], k_step, state)
@@ -138,9 +162,11 @@ def _blocks_init(q_KxWxH, k, block_rows):
     """Empty online-softmax states of q's blocks of block_rows rows: [nq, K, rows(, H)]."""
     kv_heads, rows, head_dim = q_KxWxH.shape
     nq = rows // block_rows
-    init = SoftmaxState(jnp.full((nq, kv_heads, block_rows), -jnp.inf, jnp.float32),
-                        jnp.zeros((nq, kv_heads, block_rows), jnp.float32),
-                        jnp.zeros((nq, kv_heads, block_rows, head_dim), jnp.float32))
+    init = SoftmaxState(
+        jnp.full((nq, kv_heads, block_rows), -jnp.inf, jnp.float32),
+        jnp.zeros((nq, kv_heads, block_rows), jnp.float32),
+        jnp.zeros((nq, kv_heads, block_rows, head_dim), jnp.float32),
+    )
     return jax.tree.map(lambda x: vary_all(x, q_KxWxH, k), init)
 
 
@@ -153,12 +179,29 @@ def _finish_blocks(states, per_kv, dtype):
     out = jnp.einsum("nkrh->nrkh", out).reshape(nq * rq // per_kv, per_kv, kv_heads, head_dim)
     out = jnp.einsum("smkh->skmh", out)
     lse = jnp.einsum("nkr->knr", lse).reshape(kv_heads, nq * rq)
-    return (checkpoint_name(out.astype(dtype), SAVED_NAMES[0]),
-            checkpoint_name(lse, SAVED_NAMES[1]))
+    return (
+        checkpoint_name(out.astype(dtype), SAVED_NAMES[0]),
+        checkpoint_name(lse, SAVED_NAMES[1]),
+    )
 
 
-def _grad_keys(dq, dk, dv, q_KxWxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k, do_KxWxH,
-               lse_KxW, delta_KxW, block_q, block_k):
+def _grad_keys(
+    dq,
+    dk,
+    dv,
+    q_KxWxH,
+    k_KxTxH,
+    v_KxTxH,
+    seg_q,
+    pos_q,
+    seg_k,
+    pos_k,
+    do_KxWxH,
+    lse_KxW,
+    delta_KxW,
+    block_q,
+    block_k,
+):
     """Backward of q's attention over one key stream k, v [K, Tk, H] (seg_k, pos_k [Tk]).
 
     lse and delta = Σ_h d_out·out [K, W] are of the whole attention (every stream), so the
@@ -173,7 +216,8 @@ def _grad_keys(dq, dk, dv, q_KxWxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k
     [H, Bk] made once per call.
     """
     scale, rq, nq, nk, kinds, need, seg_r, pos_r, skb, pkb = _tiling(
-        q_KxWxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k)
+        q_KxWxH, k_KxTxH, seg_q, pos_q, seg_k, pos_k, block_q, block_k
+    )
     q_lo, q_hi = needed_range(need.T)
     kv_heads, _, head_dim = q_KxWxH.shape
     qb, dob = _split_blocks(q_KxWxH, nq), _split_blocks(do_KxWxH, nq)
@@ -206,11 +250,17 @@ def _grad_keys(dq, dk, dv, q_KxWxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k
             # The conds return this q block's dQᵀ part and dQᵀ is updated outside them: a
             # buffer updated inside a cond branch is copied whole at every visit.
             dq_t, dk, dv = carry
-            part, (dk, dv) = jax.lax.cond(kinds[i, j] > 0, lambda c: jax.lax.cond(
-                kinds[i, j] > 1, lambda c: compute(c, False), lambda c: compute(c, True), c),
-                skip, (dk, dv))
+            part, (dk, dv) = jax.lax.cond(
+                kinds[i, j] > 0,
+                lambda c: jax.lax.cond(
+                    kinds[i, j] > 1, lambda c: compute(c, False), lambda c: compute(c, True), c
+                ),
+                skip,
+                (dk, dv),
+            )
             dq_t = jax.lax.dynamic_update_index_in_dim(
-                dq_t, jax.lax.dynamic_index_in_dim(dq_t, i, 0, keepdims=False) + part, i, 0)
+                dq_t, jax.lax.dynamic_index_in_dim(dq_t, i, 0, keepdims=False) + part, i, 0
+            )
             return dq_t, dk, dv
 
         dq_t, dk, dv = jax.lax.fori_loop(q_lo[j], q_hi[j], q_step, (dq_t, dkb[j], dvb[j]))
@@ -218,8 +268,9 @@ def _grad_keys(dq, dk, dv, q_KxWxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k
 
     refs = (q_KxWxH, k_KxTxH, v_KxTxH, do_KxWxH, dq, dk, dv)
     dq_t = jnp.einsum("knrh->nkhr", dq.reshape(kv_heads, nq, rq, head_dim))  # [nq, K, H, rq]
-    dq_t, dkb, dvb = (vary_all(x, *refs)
-                      for x in (dq_t, _split_blocks(dk, nk), _split_blocks(dv, nk)))
+    dq_t, dkb, dvb = (
+        vary_all(x, *refs) for x in (dq_t, _split_blocks(dk, nk), _split_blocks(dv, nk))
+    )
     (dq_t, dkb, dvb), _ = jax.lax.scan(k_block, (dq_t, dkb, dvb), jnp.arange(nk))
     dq = jnp.einsum("nkhr->knrh", dq_t).reshape(kv_heads, nq * rq, head_dim)
     return dq, _join_blocks(dkb), _join_blocks(dvb)
@@ -228,8 +279,9 @@ def _grad_keys(dq, dk, dv, q_KxWxH, k_KxTxH, v_KxTxH, seg_q, pos_q, seg_k, pos_k
 def _delta_KxW(d_out, out):
     """Σ_h d_out · out in query rows: [K, W] fp32, the softmax-backward row term."""
     kv_heads = d_out.shape[1]
-    return jnp.einsum("skmh,skmh->ksm", d_out.astype(jnp.float32),
-                      out.astype(jnp.float32)).reshape(kv_heads, -1)
+    return jnp.einsum("skmh,skmh->ksm", d_out.astype(jnp.float32), out.astype(jnp.float32)).reshape(
+        kv_heads, -1
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
@@ -244,12 +296,21 @@ def _flash_fwd(q, k, v, seg_q, pos_q, seg_k, pos_k, block_q, block_k):
     # depends only on them and on constants (block predicates, masks, fills) and stacks
     # it per block as [nq, nk, …, Bq, Bk] residuals: O(S·T) memory. Tying seg and pos to
     # q (loop-variant) through a barrier keeps the whole loop nest in one piece.
-    q, seg_q, pos_q, seg_k, pos_k = jax.lax.optimization_barrier(
-        (q, seg_q, pos_q, seg_k, pos_k))
+    q, seg_q, pos_q, seg_k, pos_k = jax.lax.optimization_barrier((q, seg_q, pos_q, seg_k, pos_k))
     per_kv = q.shape[2]
     q_r = _rows(q)
-    states = _fold_keys(_blocks_init(q_r, k, block_q * per_kv), q_r, _heads_first(k),
-                        _heads_first(v), seg_q, pos_q, seg_k, pos_k, block_q, block_k)
+    states = _fold_keys(
+        _blocks_init(q_r, k, block_q * per_kv),
+        q_r,
+        _heads_first(k),
+        _heads_first(v),
+        seg_q,
+        pos_q,
+        seg_k,
+        pos_k,
+        block_q,
+        block_k,
+    )
     out, lse = _finish_blocks(states, per_kv, q.dtype)
     return out, (q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse)
 
@@ -260,11 +321,29 @@ def _flash_bwd(block_q, block_k, res, d_out):
     q_r, k_h, v_h = _rows(q), _heads_first(k), _heads_first(v)
     dq = jnp.zeros(q_r.shape, jnp.float32)
     dk = jnp.zeros(k_h.shape, jnp.float32)
-    dq, dk, dv = _grad_keys(dq, dk, dk, q_r, k_h, v_h, seg_q, pos_q, seg_k, pos_k,
-                            _rows(d_out.astype(jnp.float32)), lse, _delta_KxW(d_out, out),
-                            block_q, block_k)
-    return (_unrows(dq, per_kv).astype(q.dtype), _heads_last(dk).astype(k.dtype),
-            _heads_last(dv).astype(v.dtype), *no_grads(seg_q, pos_q, seg_k, pos_k))
+    dq, dk, dv = _grad_keys(
+        dq,
+        dk,
+        dk,
+        q_r,
+        k_h,
+        v_h,
+        seg_q,
+        pos_q,
+        seg_k,
+        pos_k,
+        _rows(d_out.astype(jnp.float32)),
+        lse,
+        _delta_KxW(d_out, out),
+        block_q,
+        block_k,
+    )
+    return (
+        _unrows(dq, per_kv).astype(q.dtype),
+        _heads_last(dk).astype(k.dtype),
+        _heads_last(dv).astype(v.dtype),
+        *no_grads(seg_q, pos_q, seg_k, pos_k),
+    )
 
 
 flash.defvjp(_flash_fwd, _flash_bwd)
@@ -321,17 +400,39 @@ def _ring_bwd(block, cp, res, d_out):
     kv, meta = jnp.stack([_heads_first(k), _heads_first(v)]), jnp.stack([seg, pos])
 
     def grad(dq, dkv, kv, meta):
-        dq, dk, dv = _grad_keys(dq, dkv[0], dkv[1], q_r, kv[0], kv[1], seg, pos, meta[0],
-                                meta[1], do_r, lse, delta, block, block)
+        dq, dk, dv = _grad_keys(
+            dq,
+            dkv[0],
+            dkv[1],
+            q_r,
+            kv[0],
+            kv[1],
+            seg,
+            pos,
+            meta[0],
+            meta[1],
+            do_r,
+            lse,
+            delta,
+            block,
+            block,
+        )
         return dq, jnp.stack([dk, dv])
 
-    dq, dkv = ring_fold_grads(grad, jnp.zeros(q_r.shape, jnp.float32),
-                              vary_all(jnp.zeros(kv.shape, jnp.float32), q, kv, d_out),
-                              kv, meta, cp)
-    return (_unrows(dq, per_kv).astype(q.dtype), _heads_last(dkv[0]).astype(k.dtype),
-            _heads_last(dkv[1]).astype(v.dtype), *no_grads(seg, pos))
+    dq, dkv = ring_fold_grads(
+        grad,
+        jnp.zeros(q_r.shape, jnp.float32),
+        vary_all(jnp.zeros(kv.shape, jnp.float32), q, kv, d_out),
+        kv,
+        meta,
+        cp,
+    )
+    return (
+        _unrows(dq, per_kv).astype(q.dtype),
+        _heads_last(dkv[0]).astype(k.dtype),
+        _heads_last(dkv[1]).astype(v.dtype),
+        *no_grads(seg, pos),
+    )
 
 
 ring.defvjp(_ring_fwd, _ring_bwd)
-
-

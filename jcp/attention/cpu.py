@@ -41,14 +41,18 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jcp.attention.tiling import (delta_QxS, kernel_ring_bwd, kernel_ring_fwd, no_grads,
-                                  saved_out_lse)
+from jcp.attention.tiling import (
+    delta_QxS,
+    kernel_ring_bwd,
+    kernel_ring_fwd,
+    no_grads,
+    saved_out_lse,
+)
 from jcp.files import atomic_write, private
 from jcp.mesh import CP, vary_all
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_flash.cc")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
-         "-w")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the instantiations in cpu_flash.cc
 FWD_TARGET, BWD_TARGET = "jcp_cpu_flash_forward", "jcp_cpu_flash_backward"
 
@@ -65,9 +69,11 @@ def _compiler() -> str:
     cxx = os.environ.get("CXX", "g++")
     path = shutil.which(cxx) or (None if "CXX" in os.environ else shutil.which("c++"))
     if path is None:
-        raise NoCompiler(f"attention implementation 'cpu' compiles cpu_flash.cc on first use "
-                         f"and needs a C++ compiler: none found ({cxx!r} / 'c++' not on PATH, "
-                         f"or set CXX); use attn_impl 'blockwise'")
+        raise NoCompiler(
+            f"attention implementation 'cpu' compiles cpu_flash.cc on first use "
+            f"and needs a C++ compiler: none found ({cxx!r} / 'c++' not on PATH, "
+            f"or set CXX); use attn_impl 'blockwise'"
+        )
     return path
 
 
@@ -121,26 +127,40 @@ def library_path() -> pathlib.Path:
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     include = jax.ffi.include_dir()
-    key = hashlib.sha256("\0".join(
-        [SOURCE.read_text(), " ".join(FLAGS), version, jax.__version__, include,
-         _cpu_identity()]).encode())
+    key = hashlib.sha256(
+        "\0".join(
+            [
+                SOURCE.read_text(),
+                " ".join(FLAGS),
+                version,
+                jax.__version__,
+                include,
+                _cpu_identity(),
+            ]
+        ).encode()
+    )
     lib = _cache_dir() / f"cpu_flash-{key.hexdigest()[:20]}.so"
     lib.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     why = private(lib.parent)
     if why:
-        raise Unavailable(f"attention implementation 'cpu' will not use its kernel cache: "
-                          f"{why} (fix it, or set XDG_CACHE_HOME)")
+        raise Unavailable(
+            f"attention implementation 'cpu' will not use its kernel cache: "
+            f"{why} (fix it, or set XDG_CACHE_HOME)"
+        )
     if not refusal(lib):
         return lib
     digest = ""
 
     def build(tmp):
         nonlocal digest
-        done = subprocess.run([cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp], capture_output=True, text=True
+        )
         if done.returncode:
-            raise Unavailable(f"attention implementation 'cpu': {cxx} failed to build "
-                              f"{SOURCE.name}:\n{done.stderr[-4000:]}")
+            raise Unavailable(
+                f"attention implementation 'cpu': {cxx} failed to build "
+                f"{SOURCE.name}:\n{done.stderr[-4000:]}"
+            )
         os.chmod(tmp, 0o700)  # the linker's mode follows the umask, maybe group-writable
         digest = hashlib.sha256(pathlib.Path(tmp).read_bytes()).hexdigest()
 
@@ -158,11 +178,14 @@ def _load() -> str:
         lib = ctypes.CDLL(str(library_path()))
     except (Unavailable, OSError) as e:
         if not isinstance(e, NoCompiler):
-            warnings.warn(f"{e}; attn_impl 'auto' uses 'blockwise'", RuntimeWarning,
-                          stacklevel=2)
+            warnings.warn(f"{e}; attn_impl 'auto' uses 'blockwise'", RuntimeWarning, stacklevel=2)
         return str(e)
-    jax.ffi.register_ffi_target(FWD_TARGET, jax.ffi.pycapsule(lib.JcpCpuFlashForward), platform="cpu")
-    jax.ffi.register_ffi_target(BWD_TARGET, jax.ffi.pycapsule(lib.JcpCpuFlashBackward), platform="cpu")
+    jax.ffi.register_ffi_target(
+        FWD_TARGET, jax.ffi.pycapsule(lib.JcpCpuFlashForward), platform="cpu"
+    )
+    jax.ffi.register_ffi_target(
+        BWD_TARGET, jax.ffi.pycapsule(lib.JcpCpuFlashBackward), platform="cpu"
+    )
     return ""
 
 
@@ -175,11 +198,15 @@ def require(head_dim: int) -> None:
     """Refuses what the kernels cannot run: no build, a non-CPU backend, a head dim not
     instantiated."""
     if jax.default_backend() != "cpu":
-        raise ValueError(f"attention implementation 'cpu' runs on CPU, not on "
-                         f"{jax.default_backend()!r}; use 'blockwise' or 'pallas'")
+        raise ValueError(
+            f"attention implementation 'cpu' runs on CPU, not on "
+            f"{jax.default_backend()!r}; use 'blockwise' or 'pallas'"
+        )
     if head_dim not in HEAD_DIMS:
-        raise ValueError(f"attention implementation 'cpu' supports head dims {HEAD_DIMS}, "
-                         f"got {head_dim}; use 'blockwise'")
+        raise ValueError(
+            f"attention implementation 'cpu' supports head dims {HEAD_DIMS}, "
+            f"got {head_dim}; use 'blockwise'"
+        )
     why = _load()
     if why:
         raise Unavailable(why)
@@ -187,7 +214,7 @@ def require(head_dim: int) -> None:
 
 def supports(head_dim: int) -> bool:
     """Whether require(head_dim) passes (what attn_impl 'auto' asks)."""
-    return (jax.default_backend() == "cpu" and head_dim in HEAD_DIMS and available())
+    return jax.default_backend() == "cpu" and head_dim in HEAD_DIMS and available()
 
 
 def _f32(*xs):
@@ -205,8 +232,9 @@ def _ffi(name, out_shapes, *args):
     # ffi_call types its results invariant (a result ShapeDtypeStruct with varying axes
     # would need the manual mesh's sharding too); pvary is free in the forward, and these
     # calls are never differentiated (the VJPs are written out).
-    outs = jax.ffi.ffi_call(name, [jax.ShapeDtypeStruct(s, jnp.float32) for s in out_shapes],
-                            vmap_method="sequential")(*args)
+    outs = jax.ffi.ffi_call(
+        name, [jax.ShapeDtypeStruct(s, jnp.float32) for s in out_shapes], vmap_method="sequential"
+    )(*args)
     return [vary_all(o, *args) for o in outs]
 
 
@@ -214,19 +242,27 @@ def kernel_forward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, out_dt
     """(out [S, Q, H] in out_dtype, lse [Q, S] fp32, −inf where a row sees nothing)."""
     require(q_SxQxH.shape[-1])
     s_len, q_heads, _ = q_SxQxH.shape
-    out, lse = _ffi(FWD_TARGET, [q_SxQxH.shape, (q_heads, s_len)],
-                    *_f32(q_SxQxH, k_TxKxH, v_TxKxH), *_i32(seg_q, pos_q, seg_k, pos_k))
+    out, lse = _ffi(
+        FWD_TARGET,
+        [q_SxQxH.shape, (q_heads, s_len)],
+        *_f32(q_SxQxH, k_TxKxH, v_TxKxH),
+        *_i32(seg_q, pos_q, seg_k, pos_k),
+    )
     return out.astype(out_dtype), lse
 
 
-def kernel_backward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_SxQxH, lse_QxS,
-              delta_QxS):
+def kernel_backward(
+    q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_SxQxH, lse_QxS, delta_QxS
+):
     """fp32 (dq [S, Q, H], dk, dv [T, K, H]) of the attention whose (global) lse and
     delta = Σ_h do·out are given: over one key stream of several, the gradients add."""
     require(q_SxQxH.shape[-1])
-    return _ffi(BWD_TARGET, [q_SxQxH.shape, k_TxKxH.shape, k_TxKxH.shape],
-                *_f32(q_SxQxH, k_TxKxH, v_TxKxH, do_SxQxH, lse_QxS, delta_QxS),
-                *_i32(seg_q, pos_q, seg_k, pos_k))
+    return _ffi(
+        BWD_TARGET,
+        [q_SxQxH.shape, k_TxKxH.shape, k_TxKxH.shape],
+        *_f32(q_SxQxH, k_TxKxH, v_TxKxH, do_SxQxH, lse_QxS, delta_QxS),
+        *_i32(seg_q, pos_q, seg_k, pos_k),
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -248,10 +284,15 @@ def _flash_fwd(q, k, v, seg_q, pos_q, seg_k, pos_k):
 
 def _flash_bwd(res, d_out):
     q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse = res
-    dq, dk, dv = kernel_backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out, lse,
-                           delta_QxS(d_out, out))
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-            *no_grads(seg_q, pos_q, seg_k, pos_k))
+    dq, dk, dv = kernel_backward(
+        q, k, v, seg_q, pos_q, seg_k, pos_k, d_out, lse, delta_QxS(d_out, out)
+    )
+    return (
+        dq.astype(q.dtype),
+        dk.astype(k.dtype),
+        dv.astype(v.dtype),
+        *no_grads(seg_q, pos_q, seg_k, pos_k),
+    )
 
 
 flash_attention.defvjp(_flash_fwd, _flash_bwd)

@@ -45,8 +45,9 @@ from jcp.attention.tiling import SoftmaxState, online_softmax_finish, online_sof
 BLOCK_KEYS = 64
 
 
-def _kernel(pages_ref, q_ref, pos_ref, knew_ref, vnew_ref, k_ref, v_ref, o_ref, *, scale,
-            per_block):
+def _kernel(
+    pages_ref, q_ref, pos_ref, knew_ref, vnew_ref, k_ref, v_ref, o_ref, *, scale, per_block
+):
     """Row b, kv head g: q [Mp, H] against the pages pages_ref [Wp] lists (k, v [N, T, H]),
     positions < pos_ref[0], then its own key knew, vnew [H]."""
     q_MpxH = q_ref[...]
@@ -65,12 +66,20 @@ def _kernel(pages_ref, q_ref, pos_ref, knew_ref, vnew_ref, k_ref, v_ref, o_ref, 
         have = jnp.broadcast_to((ids >= 0)[:, None], (per_block, page)).reshape(keys)
         t = j * keys + jax.lax.broadcasted_iota(jnp.int32, (keys,), 0)
         s_MpxBk = jnp.where((have & (t < pos))[None, :], s_MpxBk, -jnp.inf)
-        return online_softmax_step(state, s_MpxBk, lambda p: plgpu.dot(
-            p, v_BkxH.astype(jnp.float32), allow_tf32=False))
+        return online_softmax_step(
+            state, s_MpxBk, lambda p: plgpu.dot(p, v_BkxH.astype(jnp.float32), allow_tf32=False)
+        )
 
-    state = jax.lax.fori_loop(0, n_blocks, body, SoftmaxState(
-        jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-        jnp.zeros((rows, head_dim), jnp.float32)))
+    state = jax.lax.fori_loop(
+        0,
+        n_blocks,
+        body,
+        SoftmaxState(
+            jnp.full((rows,), -jnp.inf, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32),
+        ),
+    )
     # The row's own key: always visible (so no row ends empty).
     knew_1xH = knew_ref[...].astype(jnp.float32)[None, :]
     s_Mpx1 = jnp.sum(q_MpxH.astype(jnp.float32) * knew_1xH, axis=1, keepdims=True) * scale
@@ -83,8 +92,16 @@ def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, 1 << max(n - 1, 0).bit_length())
 
 
-def paged_decode(q_BxQxH, k_new_BxKxH, v_new_BxKxH, k_NxTxKxH, v_NxTxKxH, pages_BxW,
-                 position_B, block_keys: int = BLOCK_KEYS):
+def paged_decode(
+    q_BxQxH,
+    k_new_BxKxH,
+    v_new_BxKxH,
+    k_NxTxKxH,
+    v_NxTxKxH,
+    pages_BxW,
+    position_B,
+    block_keys: int = BLOCK_KEYS,
+):
     """Decode attention of each row's new token over its pages, read in place.
 
     q: the rows' queries; k_new, v_new: their own new keys and values; k, v: the page
@@ -100,8 +117,9 @@ def paged_decode(q_BxQxH, k_new_BxKxH, v_new_BxKxH, k_NxTxKxH, v_NxTxKxH, pages_
     per_kv = q_heads // kv_heads
     check_head_dim(head_dim, interpret)
     if not interpret and (page & (page - 1)):
-        raise ValueError(f"the Pallas paged decode kernel needs a power-of-two page size on "
-                         f"GPU, got {page}")
+        raise ValueError(
+            f"the Pallas paged decode kernel needs a power-of-two page size on GPU, got {page}"
+        )
     # Pages per loop step: a power of two, so every load has power-of-two sides.
     per_block = _pow2_at_least(-(-block_keys // page), 1)
     if not interpret and per_block * page < MIN_TILE:
@@ -111,8 +129,9 @@ def paged_decode(q_BxQxH, k_new_BxKxH, v_new_BxKxH, k_NxTxKxH, v_NxTxKxH, pages_
     wp = -(-w // per_block) * per_block
     pages = jnp.pad(pages_BxW.astype(jnp.int32), ((0, 0), (0, wp - w)), constant_values=-1)
     mp = _pow2_at_least(per_kv, MIN_TILE)
-    q = jnp.pad(q_BxQxH.reshape(b, kv_heads, per_kv, head_dim),
-                ((0, 0), (0, 0), (0, mp - per_kv), (0, 0)))
+    q = jnp.pad(
+        q_BxQxH.reshape(b, kv_heads, per_kv, head_dim), ((0, 0), (0, 0), (0, mp - per_kv), (0, 0))
+    )
     n_pages = k_NxTxKxH.shape[0]
     pool_spec = pl.BlockSpec((n_pages, page, None, head_dim), lambda i, g: (0, 0, g, 0))
     new_spec = pl.BlockSpec((None, None, head_dim), lambda i, g: (i, g, 0))
@@ -120,9 +139,20 @@ def paged_decode(q_BxQxH, k_new_BxKxH, v_new_BxKxH, k_NxTxKxH, v_NxTxKxH, pages_
     (out,) = call_kernel(
         functools.partial(_kernel, scale=1.0 / np.sqrt(head_dim), per_block=per_block),
         (b, kv_heads),
-        [pl.BlockSpec((None, wp), lambda i, g: (i, 0)), q_spec,
-         pl.BlockSpec((1,), lambda i, g: (i,)), new_spec, new_spec, pool_spec, pool_spec],
-        [q_spec], [((b, kv_heads, mp, head_dim), q_BxQxH.dtype)],
-        [pages, q, position_B.astype(jnp.int32), k_new_BxKxH, v_new_BxKxH, k_NxTxKxH,
-         v_NxTxKxH], "jcp_paged_decode", head_dim, interpret)
+        [
+            pl.BlockSpec((None, wp), lambda i, g: (i, 0)),
+            q_spec,
+            pl.BlockSpec((1,), lambda i, g: (i,)),
+            new_spec,
+            new_spec,
+            pool_spec,
+            pool_spec,
+        ],
+        [q_spec],
+        [((b, kv_heads, mp, head_dim), q_BxQxH.dtype)],
+        [pages, q, position_B.astype(jnp.int32), k_new_BxKxH, v_new_BxKxH, k_NxTxKxH, v_NxTxKxH],
+        "jcp_paged_decode",
+        head_dim,
+        interpret,
+    )
     return out[:, :, :per_kv].reshape(b, q_heads, head_dim)

@@ -51,9 +51,18 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jcp.attention.tiling import (SoftmaxState, block_kinds, delta_QxS, kernel_ring_bwd,
-                                  kernel_ring_fwd, no_grads, online_softmax_finish,
-                                  online_softmax_step, saved_out_lse, visible)
+from jcp.attention.tiling import (
+    SoftmaxState,
+    block_kinds,
+    delta_QxS,
+    kernel_ring_bwd,
+    kernel_ring_fwd,
+    no_grads,
+    online_softmax_finish,
+    online_softmax_step,
+    saved_out_lse,
+    visible,
+)
 from jcp.mesh import CP, block_size, vary_all, varying_axes
 
 
@@ -87,24 +96,30 @@ def interpret_mode() -> bool:
     """
     backend = jax.default_backend()
     if backend not in ("cpu", "gpu"):
-        raise ValueError(f"attention implementation 'pallas' runs on GPU (Triton) or, "
-                         f"interpreted, on CPU; not on {backend!r} — use 'blockwise'")
+        raise ValueError(
+            f"attention implementation 'pallas' runs on GPU (Triton) or, "
+            f"interpreted, on CPU; not on {backend!r} — use 'blockwise'"
+        )
     return backend == "cpu"
 
 
 def tile_rows(n: int, cap: int, block: int, interpret: bool) -> int:
     t = block_size(n, min(cap, block))
     if not interpret and t < MIN_TILE:
-        raise ValueError(f"attention implementation 'pallas' needs streams whose length has a "
-                         f"power-of-two divisor ≥ {MIN_TILE} (and block ≥ {MIN_TILE}); got "
-                         f"{n} rows, block {block} → tile {t}")
+        raise ValueError(
+            f"attention implementation 'pallas' needs streams whose length has a "
+            f"power-of-two divisor ≥ {MIN_TILE} (and block ≥ {MIN_TILE}); got "
+            f"{n} rows, block {block} → tile {t}"
+        )
     return t
 
 
 def check_head_dim(head_dim: int, interpret: bool) -> None:
     if not interpret and (head_dim < MIN_TILE or head_dim & (head_dim - 1)):
-        raise ValueError(f"attention implementation 'pallas' needs a power-of-two head dim "
-                         f"≥ {MIN_TILE} on GPU, got {head_dim}")
+        raise ValueError(
+            f"attention implementation 'pallas' needs a power-of-two head dim "
+            f"≥ {MIN_TILE} on GPU, got {head_dim}"
+        )
 
 
 def visit_plan(kinds_AxB):
@@ -114,8 +129,9 @@ def visit_plan(kinds_AxB):
 
     Example, kinds [[2, 0, 1, 1]] -> [[2, 1, 2, 3, 0, 1]]: visit 2 and 3 masked, 0 full.
     """
-    order = jnp.argsort(jnp.where(kinds_AxB == 1, 0, jnp.where(kinds_AxB == 2, 1, 2)), axis=1,
-                        stable=True)
+    order = jnp.argsort(
+        jnp.where(kinds_AxB == 1, 0, jnp.where(kinds_AxB == 2, 1, 2)), axis=1, stable=True
+    )
     counts = jnp.stack([(kinds_AxB == 1).sum(1), (kinds_AxB == 2).sum(1)], axis=1)
     return jnp.concatenate([counts, order], axis=1).astype(jnp.int32)
 
@@ -124,8 +140,9 @@ def _visit(plan_ref, body, carry):
     """carry = body(block, masked, carry) over the blocks of this program's plan row."""
     n_masked, n_full = plan_ref[0], plan_ref[1]
     carry = jax.lax.fori_loop(0, n_masked, lambda t, c: body(plan_ref[2 + t], True, c), carry)
-    return jax.lax.fori_loop(n_masked, n_masked + n_full,
-                             lambda t, c: body(plan_ref[2 + t], False, c), carry)
+    return jax.lax.fori_loop(
+        n_masked, n_masked + n_full, lambda t, c: body(plan_ref[2 + t], False, c), carry
+    )
 
 
 def _block_slice(i, b):
@@ -136,8 +153,21 @@ def _block_slice(i, b):
 # Kernels. One program per (block, head); refs are that program's blocks (BlockSpecs below).
 
 
-def _fwd_kernel(plan_ref, q_ref, k_ref, v_ref, segq_ref, posq_ref, segk_ref, posk_ref, o_ref,
-                lse_ref, *, scale, block_k):
+def _fwd_kernel(
+    plan_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    segq_ref,
+    posq_ref,
+    segk_ref,
+    posk_ref,
+    o_ref,
+    lse_ref,
+    *,
+    scale,
+    block_k,
+):
     """Query block i of head h ([Bq, H]) against the key blocks of its plan (keys [T, H])."""
     q_BqxH = q_ref[...]
     seg_q, pos_q = segq_ref[...], posq_ref[...]
@@ -146,16 +176,24 @@ def _fwd_kernel(plan_ref, q_ref, k_ref, v_ref, segq_ref, posq_ref, segk_ref, pos
         keys = _block_slice(j, block_k)
         s_BqxBk = plgpu.dot(q_BqxH, k_ref[keys, :], trans_b=True) * scale
         if masked:
-            s_BqxBk = jnp.where(visible(seg_q, pos_q, segk_ref[keys], posk_ref[keys]), s_BqxBk,
-                                -jnp.inf)
+            s_BqxBk = jnp.where(
+                visible(seg_q, pos_q, segk_ref[keys], posk_ref[keys]), s_BqxBk, -jnp.inf
+            )
         v_BkxH = v_ref[keys, :]
-        return online_softmax_step(state, s_BqxBk,
-                                   lambda p: plgpu.dot(p.astype(v_BkxH.dtype), v_BkxH))
+        return online_softmax_step(
+            state, s_BqxBk, lambda p: plgpu.dot(p.astype(v_BkxH.dtype), v_BkxH)
+        )
 
     rows, head_dim = q_BqxH.shape
-    state = _visit(plan_ref, body, SoftmaxState(jnp.full((rows,), -jnp.inf, jnp.float32),
-                                                jnp.zeros((rows,), jnp.float32),
-                                                jnp.zeros((rows, head_dim), jnp.float32)))
+    state = _visit(
+        plan_ref,
+        body,
+        SoftmaxState(
+            jnp.full((rows,), -jnp.inf, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32),
+        ),
+    )
     out_BqxH, lse_Bq = online_softmax_finish(state, empty_lse=-jnp.inf)
     o_ref[...] = out_BqxH.astype(o_ref.dtype)
     lse_ref[...] = lse_Bq
@@ -167,8 +205,23 @@ def _probs(q_BqxH, k_BkxH, lse_Bq, mask, scale):
     return jnp.exp(s_BqxBk if mask is None else jnp.where(mask, s_BqxBk, -jnp.inf))
 
 
-def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, posq_ref,
-               segk_ref, posk_ref, dq_ref, *, scale, block_k):
+def _dq_kernel(
+    plan_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    segq_ref,
+    posq_ref,
+    segk_ref,
+    posk_ref,
+    dq_ref,
+    *,
+    scale,
+    block_k,
+):
     """dQ of query block i of head h: Σ over its plan's key blocks of dS·k."""
     q_BqxH, do_BqxH = q_ref[...], do_ref[...]
     lse_Bq, delta_Bq = lse_ref[...], delta_ref[...]
@@ -187,8 +240,25 @@ def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_r
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _dkv_kernel(plan_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, posq_ref,
-                segk_ref, posk_ref, dk_ref, dv_ref, *, scale, block_q, per_kv):
+def _dkv_kernel(
+    plan_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    segq_ref,
+    posq_ref,
+    segk_ref,
+    posk_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    scale,
+    block_q,
+    per_kv,
+):
     """dK, dV of key block j of kv head g: Σ over its M query heads and over the query
     blocks of its plan (q, do [S, M, H]; lse, delta [M, S] of this group)."""
     k_BkxH, v_BkxH = k_ref[...], v_ref[...]
@@ -224,11 +294,17 @@ def call_kernel(kernel, grid, in_specs, out_specs, out_shapes, args, name, head_
     def call(*args):
         mat = jax.typeof(args[1]).manual_axis_type
         return pl.pallas_call(
-            kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+            kernel,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
             out_shape=[jax.ShapeDtypeStruct(s, d, manual_axis_type=mat) for s, d in out_shapes],
-            compiler_params=plgpu.CompilerParams(num_warps=4 if head_dim <= 64 else 8,
-                                                 num_stages=2),
-            interpret=interpret, name=name)(*args)
+            compiler_params=plgpu.CompilerParams(
+                num_warps=4 if head_dim <= 64 else 8, num_stages=2
+            ),
+            interpret=interpret,
+            name=name,
+        )(*args)
 
     axes = varying_axes(args[1])
     return _interpret_invariant(call, args, axes) if interpret and axes else call(*args)
@@ -244,8 +320,7 @@ def _interpret_invariant(call, args, axes):
     own row: n× the work, tests only.
     """
     me, n = jax.lax.axis_index(axes), jax.lax.axis_size(axes)
-    stacked = [jax.lax.psum(jnp.zeros((n,) + a.shape, a.dtype).at[me].set(a), axes)
-               for a in args]
+    stacked = [jax.lax.psum(jnp.zeros((n,) + a.shape, a.dtype).at[me].set(a), axes) for a in args]
     return [out[me] for out in jax.vmap(call)(*stacked)]
 
 
@@ -269,13 +344,29 @@ def kernel_forward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, block,
         + [pl.BlockSpec((t_len,), lambda i, h: (0,))] * 2,
         [q_spec, pl.BlockSpec((None, bq), lambda i, h: (h, i))],
         [((s_len, q_heads, head_dim), out_dtype), ((q_heads, s_len), jnp.float32)],
-        [plan, q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k], "jcp_attention_fwd",
-        head_dim, interpret)
+        [plan, q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k],
+        "jcp_attention_fwd",
+        head_dim,
+        interpret,
+    )
     return out, lse
 
 
-def kernel_backward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_SxQxH, lse_QxS,
-              delta_QxS, block, tiles, dtype):
+def kernel_backward(
+    q_SxQxH,
+    k_TxKxH,
+    v_TxKxH,
+    seg_q,
+    pos_q,
+    seg_k,
+    pos_k,
+    do_SxQxH,
+    lse_QxS,
+    delta_QxS,
+    block,
+    tiles,
+    dtype,
+):
     """(dq [S, Q, H], dk, dv [T, K, H]) in dtype, of the attention whose (global) lse and
     delta = Σ_h do·out are given: over one key stream of several, the streams' gradients
     simply add."""
@@ -286,22 +377,40 @@ def kernel_backward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_Sx
     scale = 1.0 / np.sqrt(head_dim)
     args = [q_SxQxH, k_TxKxH, v_TxKxH, do_SxQxH, lse_QxS, delta_QxS, seg_q, pos_q, seg_k, pos_k]
 
-    bq, bk = tile_rows(s_len, tiles.dq_q, block, interpret), tile_rows(t_len, tiles.dq_k, block,
-                                                                   interpret)
+    bq, bk = (
+        tile_rows(s_len, tiles.dq_q, block, interpret),
+        tile_rows(t_len, tiles.dq_k, block, interpret),
+    )
     plan = visit_plan(block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)[0])  # [nq, 2 + nk]
     q_spec = pl.BlockSpec((bq, None, head_dim), lambda i, h: (i, h, 0))
     kv_spec = pl.BlockSpec((t_len, None, head_dim), lambda i, h: (0, h // per_kv, 0))
     row_spec = pl.BlockSpec((None, bq), lambda i, h: (h, i))
     (dq,) = call_kernel(
-        functools.partial(_dq_kernel, scale=scale, block_k=bk), (s_len // bq, q_heads),
-        [pl.BlockSpec((None, plan.shape[1]), lambda i, h: (i, 0)), q_spec, kv_spec, kv_spec,
-         q_spec, row_spec, row_spec] + [pl.BlockSpec((bq,), lambda i, h: (i,))] * 2
+        functools.partial(_dq_kernel, scale=scale, block_k=bk),
+        (s_len // bq, q_heads),
+        [
+            pl.BlockSpec((None, plan.shape[1]), lambda i, h: (i, 0)),
+            q_spec,
+            kv_spec,
+            kv_spec,
+            q_spec,
+            row_spec,
+            row_spec,
+        ]
+        + [pl.BlockSpec((bq,), lambda i, h: (i,))] * 2
         + [pl.BlockSpec((t_len,), lambda i, h: (0,))] * 2,
-        [q_spec], [((s_len, q_heads, head_dim), dtype)], [plan] + args, "jcp_attention_dq",
-        head_dim, interpret)
+        [q_spec],
+        [((s_len, q_heads, head_dim), dtype)],
+        [plan] + args,
+        "jcp_attention_dq",
+        head_dim,
+        interpret,
+    )
 
-    bq, bk = tile_rows(s_len, tiles.dkv_q, block, interpret), tile_rows(t_len, tiles.dkv_k, block,
-                                                                    interpret)
+    bq, bk = (
+        tile_rows(s_len, tiles.dkv_q, block, interpret),
+        tile_rows(t_len, tiles.dkv_k, block, interpret),
+    )
     plan = visit_plan(block_kinds(seg_q, pos_q, seg_k, pos_k, bq, bk)[0].T)  # [nk, 2 + nq]
     group_spec = pl.BlockSpec((s_len, per_kv, head_dim), lambda j, g: (0, g, 0))
     group_rows_spec = pl.BlockSpec((per_kv, s_len), lambda j, g: (g, 0))
@@ -309,14 +418,25 @@ def kernel_backward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_Sx
     dk, dv = call_kernel(
         functools.partial(_dkv_kernel, scale=scale, block_q=bq, per_kv=per_kv),
         (t_len // bk, kv_heads),
-        [pl.BlockSpec((None, plan.shape[1]), lambda j, g: (j, 0)), group_spec, kv_spec, kv_spec,
-         group_spec, group_rows_spec, group_rows_spec]
+        [
+            pl.BlockSpec((None, plan.shape[1]), lambda j, g: (j, 0)),
+            group_spec,
+            kv_spec,
+            kv_spec,
+            group_spec,
+            group_rows_spec,
+            group_rows_spec,
+        ]
         + [pl.BlockSpec((s_len,), lambda j, g: (0,))] * 2
         + [pl.BlockSpec((bk,), lambda j, g: (j,))] * 2,
-        [kv_spec, kv_spec], [((t_len, kv_heads, head_dim), dtype)] * 2, [plan] + args,
-        "jcp_attention_dkv", head_dim, interpret)
+        [kv_spec, kv_spec],
+        [((t_len, kv_heads, head_dim), dtype)] * 2,
+        [plan] + args,
+        "jcp_attention_dkv",
+        head_dim,
+        interpret,
+    )
     return dq, dk, dv
-
 
 
 # ----------------------------------------------------------------------------------------
@@ -324,8 +444,7 @@ def kernel_backward(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, do_Sx
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def flash_attention(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, block,
-                    tiles=TILES):
+def flash_attention(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, block, tiles=TILES):
     """Attention of queries q [S, Q, H] (seg_q, pos_q [S]) over keys and values k, v
     [T, K, H] (seg_k, pos_k [T]) under jcp's mask; `tiles`, each capped at `block` rows.
     Returns out [S, Q, H] (0 for a query that sees nothing)."""
@@ -333,7 +452,9 @@ def flash_attention(q_SxQxH, k_TxKxH, v_TxKxH, seg_q, pos_q, seg_k, pos_k, block
 
 
 def _flash_fwd(q, k, v, seg_q, pos_q, seg_k, pos_k, block, tiles):
-    out, lse = saved_out_lse(*kernel_forward(q, k, v, seg_q, pos_q, seg_k, pos_k, block, tiles, q.dtype))
+    out, lse = saved_out_lse(
+        *kernel_forward(q, k, v, seg_q, pos_q, seg_k, pos_k, block, tiles, q.dtype)
+    )
     return out, (q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse)
 
 
@@ -341,10 +462,27 @@ def _flash_bwd(block, tiles, res, d_out):
     q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse = res
     # Each program sums its block's whole gradient in fp32 registers: written once, in
     # the inputs' dtype.
-    dq, dk, dv = kernel_backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out.astype(q.dtype), lse,
-                           delta_QxS(d_out, out), block, tiles, q.dtype)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-            *no_grads(seg_q, pos_q, seg_k, pos_k))
+    dq, dk, dv = kernel_backward(
+        q,
+        k,
+        v,
+        seg_q,
+        pos_q,
+        seg_k,
+        pos_k,
+        d_out.astype(q.dtype),
+        lse,
+        delta_QxS(d_out, out),
+        block,
+        tiles,
+        q.dtype,
+    )
+    return (
+        dq.astype(q.dtype),
+        dk.astype(k.dtype),
+        dv.astype(v.dtype),
+        *no_grads(seg_q, pos_q, seg_k, pos_k),
+    )
 
 
 flash_attention.defvjp(_flash_fwd, _flash_bwd)
@@ -361,13 +499,27 @@ def _ring(q, k, v, seg, pos, block, cp):
 
 def _ring_fwd(q, k, v, seg, pos, block, cp):
     return kernel_ring_fwd(
-        lambda *a: kernel_forward(*a, block, TILES, jnp.float32), q, k, v, seg, pos, cp)
+        lambda *a: kernel_forward(*a, block, TILES, jnp.float32), q, k, v, seg, pos, cp
+    )
 
 
 def _ring_bwd(block, cp, res, d_out):
     def backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out, lse, delta):
-        return kernel_backward(q, k, v, seg_q, pos_q, seg_k, pos_k, d_out.astype(q.dtype), lse,
-                         delta, block, TILES, jnp.float32)
+        return kernel_backward(
+            q,
+            k,
+            v,
+            seg_q,
+            pos_q,
+            seg_k,
+            pos_k,
+            d_out.astype(q.dtype),
+            lse,
+            delta,
+            block,
+            TILES,
+            jnp.float32,
+        )
 
     return kernel_ring_bwd(backward, cp, res, d_out)
 
@@ -378,5 +530,4 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 def ring_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S, *, block: int):
     """attention.ring_attention with these kernels: same arguments, mask and result; runs
     inside shard_map over "cp"; per-device memory O(S)."""
-    return _ring(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S, block,
-                 jax.lax.axis_size(CP))
+    return _ring(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S, block, jax.lax.axis_size(CP))

@@ -72,12 +72,21 @@ def gather_cp(x):
 
 def _check_implementation(implementation: str) -> None:
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, "
-                         f"got {implementation!r}")
+        raise ValueError(
+            f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
+        )
 
 
-def cp_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S, *,
-                 implementation: str = "blockwise", block: int = DEFAULT_BLOCK):
+def cp_attention(
+    q_SxQxH,
+    k_SxKxH,
+    v_SxKxH,
+    segment_S,
+    position_S,
+    *,
+    implementation: str = "blockwise",
+    block: int = DEFAULT_BLOCK,
+):
     """Causal, datum-isolated attention of this rank's queries over every cp rank's keys.
 
     q: [S, Q, H] (RoPE applied), k, v: [S, K, H]; segment: datum slot (−1 = padding);
@@ -92,21 +101,31 @@ def cp_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S, *,
     k_TxKxH, v_TxKxH = gather_cp(k_SxKxH), gather_cp(v_SxKxH)
     seg_T, pos_T = gather_cp(segment_S), gather_cp(position_S)
     if implementation == "pallas":
-        return pallas.flash_attention(q_SxQxH, k_TxKxH, v_TxKxH, segment_S,
-                                                position_S, seg_T, pos_T, block)
+        return pallas.flash_attention(
+            q_SxQxH, k_TxKxH, v_TxKxH, segment_S, position_S, seg_T, pos_T, block
+        )
     if implementation == "cpu":  # its own tiles: `block` is not used
-        return cpu.flash_attention(q_SxQxH, k_TxKxH, v_TxKxH, segment_S, position_S, seg_T,
-                                   pos_T)
+        return cpu.flash_attention(q_SxQxH, k_TxKxH, v_TxKxH, segment_S, position_S, seg_T, pos_T)
     if implementation == "dense":
         out = blockwise.dense(q_SxKxMxH, k_TxKxH, v_TxKxH, segment_S, position_S, seg_T, pos_T)
     else:
-        out = blockwise.flash(q_SxKxMxH, k_TxKxH, v_TxKxH, segment_S, position_S, seg_T, pos_T,
-                     tile(s_len, block), tile(k_TxKxH.shape[0], block))
+        out = blockwise.flash(
+            q_SxKxMxH,
+            k_TxKxH,
+            v_TxKxH,
+            segment_S,
+            position_S,
+            seg_T,
+            pos_T,
+            tile(s_len, block),
+            tile(k_TxKxH.shape[0], block),
+        )
     return out.reshape(s_len, q_heads, head_dim)
 
 
-def cp_attend(segment_S, position_S, *, implementation: str = "blockwise",
-              block: int = DEFAULT_BLOCK) -> Attend:
+def cp_attend(
+    segment_S, position_S, *, implementation: str = "blockwise", block: int = DEFAULT_BLOCK
+) -> Attend:
     """The training strategy: cp_attention over the packed streams, state passed through.
 
     Closes over this rank's (segment, position) [S]; the state is None (training keeps no
@@ -115,14 +134,29 @@ def cp_attend(segment_S, position_S, *, implementation: str = "blockwise",
     _check_implementation(implementation)
 
     def attend(q_SxQxH, k_SxKxH, v_SxKxH, state):
-        return cp_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S,
-                            implementation=implementation, block=block), state
+        return cp_attention(
+            q_SxQxH,
+            k_SxKxH,
+            v_SxKxH,
+            segment_S,
+            position_S,
+            implementation=implementation,
+            block=block,
+        ), state
 
     return attend
 
 
-def ring_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S, *,
-                   block: int = DEFAULT_BLOCK, implementation: str = "blockwise"):
+def ring_attention(
+    q_SxQxH,
+    k_SxKxH,
+    v_SxKxH,
+    segment_S,
+    position_S,
+    *,
+    block: int = DEFAULT_BLOCK,
+    implementation: str = "blockwise",
+):
     """cp_attention's result without gathering K/V: they travel the cp ring instead.
 
     Same arguments, mask and result as cp_attention (blockwise); per-device memory is
@@ -133,28 +167,44 @@ def ring_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S, *,
     per step).
     """
     if implementation not in RING_IMPLEMENTATIONS:
-        raise ValueError(f"ring attention implementation must be one of "
-                         f"{RING_IMPLEMENTATIONS}, got {implementation!r}")
+        raise ValueError(
+            f"ring attention implementation must be one of "
+            f"{RING_IMPLEMENTATIONS}, got {implementation!r}"
+        )
     if implementation == "cpu":
         return cpu.ring_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S)
     if implementation == "pallas":
-        return pallas.ring_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S,
-                                               position_S, block=block)
+        return pallas.ring_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S, block=block)
     s_len, q_heads, head_dim = q_SxQxH.shape
     kv_heads = k_SxKxH.shape[1]
     q_SxKxMxH = q_SxQxH.reshape(s_len, kv_heads, q_heads // kv_heads, head_dim)
-    out = blockwise.ring(q_SxKxMxH, k_SxKxH, v_SxKxH, segment_S, position_S, tile(s_len, block),
-                jax.lax.axis_size(CP))
+    out = blockwise.ring(
+        q_SxKxMxH,
+        k_SxKxH,
+        v_SxKxH,
+        segment_S,
+        position_S,
+        tile(s_len, block),
+        jax.lax.axis_size(CP),
+    )
     return out.reshape(s_len, q_heads, head_dim)
 
 
-def ring_attend(segment_S, position_S, *, block: int = DEFAULT_BLOCK,
-                implementation: str = "blockwise") -> Attend:
+def ring_attend(
+    segment_S, position_S, *, block: int = DEFAULT_BLOCK, implementation: str = "blockwise"
+) -> Attend:
     """The training strategy with ring_attention: like cp_attend, state passed through."""
 
     def attend(q_SxQxH, k_SxKxH, v_SxKxH, state):
-        return ring_attention(q_SxQxH, k_SxKxH, v_SxKxH, segment_S, position_S,
-                              block=block, implementation=implementation), state
+        return ring_attention(
+            q_SxQxH,
+            k_SxKxH,
+            v_SxKxH,
+            segment_S,
+            position_S,
+            block=block,
+            implementation=implementation,
+        ), state
 
     return attend
 
@@ -174,9 +224,10 @@ def gathered_kv_bytes(cp: int, s_len: int, kv_heads: int, head_dim: int, itemsiz
     return cp * s_len * kv_heads * head_dim * 2 * (itemsize + 4)
 
 
-def choose_cp_attention(choice: str, cp: int, s_len: int, kv_heads: int, head_dim: int,
-                        itemsize: int) -> str:
-    """"gather" or "ring": choice itself unless "auto"; then ring iff cp > 1 and
+def choose_cp_attention(
+    choice: str, cp: int, s_len: int, kv_heads: int, head_dim: int, itemsize: int
+) -> str:
+    """ "gather" or "ring": choice itself unless "auto"; then ring iff cp > 1 and
     gathered_kv_bytes > RING_ABOVE_BYTES."""
     if choice not in CP_ATTENTION:
         raise ValueError(f"cp_attention must be one of {CP_ATTENTION}, got {choice!r}")

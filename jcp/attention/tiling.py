@@ -49,9 +49,13 @@ def block_summary(segment, position, block, xp=jnp):
     pos = position.reshape(-1, block)
     real = seg >= 0
     big = np.iinfo(np.int32).max
-    return (real.any(-1),
-            xp.where(real, seg, big).min(-1), xp.where(real, seg, -1).max(-1),
-            xp.where(real, pos, big).min(-1), xp.where(real, pos, -1).max(-1))
+    return (
+        real.any(-1),
+        xp.where(real, seg, big).min(-1),
+        xp.where(real, seg, -1).max(-1),
+        xp.where(real, pos, big).min(-1),
+        xp.where(real, pos, -1).max(-1),
+    )
 
 
 def blocks_needed(q_summary, k_summary, xp=jnp):
@@ -61,8 +65,13 @@ def blocks_needed(q_summary, k_summary, xp=jnp):
     """
     qa, qs0, qs1, _, qp1 = q_summary
     ka, ks0, ks1, kp0, _ = k_summary
-    return (qa[:, None] & ka[None, :] & (qs0[:, None] <= ks1[None, :])
-            & (ks0[None, :] <= qs1[:, None]) & (kp0[None, :] <= qp1[:, None]))
+    return (
+        qa[:, None]
+        & ka[None, :]
+        & (qs0[:, None] <= ks1[None, :])
+        & (ks0[None, :] <= qs1[:, None])
+        & (kp0[None, :] <= qp1[:, None])
+    )
 
 
 def needed_range(need_AxB):
@@ -77,8 +86,11 @@ def needed_range(need_AxB):
 
 def visible(seg_q, pos_q, seg_k, pos_k):
     """[Bq, Bk] bool, jcp's attention mask: same datum, key not after query, query is a real token."""
-    return ((seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] >= 0)
-            & (pos_k[None, :] <= pos_q[:, None]))
+    return (
+        (seg_q[:, None] == seg_k[None, :])
+        & (seg_q[:, None] >= 0)
+        & (pos_k[None, :] <= pos_q[:, None])
+    )
 
 
 def block_kinds(seg_q, pos_q, seg_k, pos_k, block_q, block_k):
@@ -89,8 +101,12 @@ def block_kinds(seg_q, pos_q, seg_k, pos_k, block_q, block_k):
     _, ks0, ks1, _, kp1 = block_summary(seg_k, pos_k, block_k)
     q_one = (seg_q.reshape(-1, block_q) >= 0).all(-1) & (qs0 == qs1)
     k_one = (seg_k.reshape(-1, block_k) >= 0).all(-1) & (ks0 == ks1)
-    full = (q_one[:, None] & k_one[None, :] & (qs0[:, None] == ks0[None, :])
-            & (kp1[None, :] <= qp0[:, None]))
+    full = (
+        q_one[:, None]
+        & k_one[None, :]
+        & (qs0[:, None] == ks0[None, :])
+        & (kp1[None, :] <= qp0[:, None])
+    )
     return need.astype(jnp.int32) + (need & full).astype(jnp.int32), need
 
 
@@ -104,8 +120,9 @@ def tile(n: int, block: int) -> int:
     return block_size(n, max(block, min(n // TILES_PER_STREAM, GROWN_TILE)))
 
 
-def block_work(segment_CPxS: np.ndarray, position_CPxS: np.ndarray,
-               block: int = DEFAULT_BLOCK) -> np.ndarray:
+def block_work(
+    segment_CPxS: np.ndarray, position_CPxS: np.ndarray, block: int = DEFAULT_BLOCK
+) -> np.ndarray:
     """Host-side count of attention blocks each cp rank computes: int [CP].
 
     Uses the same skip predicate as the kernel, on one dp row of a packed batch.
@@ -113,9 +130,14 @@ def block_work(segment_CPxS: np.ndarray, position_CPxS: np.ndarray,
     cp, s_len = segment_CPxS.shape
     bq, bk = tile(s_len, block), tile(cp * s_len, block)
     k_sum = block_summary(segment_CPxS.reshape(-1), position_CPxS.reshape(-1), bk, xp=np)
-    return np.array([
-        blocks_needed(block_summary(segment_CPxS[r], position_CPxS[r], bq, xp=np), k_sum,
-                      xp=np).sum() for r in range(cp)])
+    return np.array(
+        [
+            blocks_needed(
+                block_summary(segment_CPxS[r], position_CPxS[r], bq, xp=np), k_sum, xp=np
+            ).sum()
+            for r in range(cp)
+        ]
+    )
 
 
 def ring_perm(cp: int):
@@ -123,15 +145,20 @@ def ring_perm(cp: int):
     return [(r, (r + 1) % cp) for r in range(cp)]
 
 
-def ring_block_work(segment_CPxS: np.ndarray, position_CPxS: np.ndarray,
-                    block: int = DEFAULT_BLOCK) -> np.ndarray:
+def ring_block_work(
+    segment_CPxS: np.ndarray, position_CPxS: np.ndarray, block: int = DEFAULT_BLOCK
+) -> np.ndarray:
     """Host-side count of attention blocks each rank computes at each ring step: int
     [CP steps, CP ranks] (at step t, rank r holds the keys of rank r − t)."""
     cp, s_len = segment_CPxS.shape
     b = tile(s_len, block)
     summ = [block_summary(segment_CPxS[r], position_CPxS[r], b, xp=np) for r in range(cp)]
-    return np.array([[blocks_needed(summ[r], summ[(r - t) % cp], xp=np).sum()
-                      for r in range(cp)] for t in range(cp)])
+    return np.array(
+        [
+            [blocks_needed(summ[r], summ[(r - t) % cp], xp=np).sum() for r in range(cp)]
+            for t in range(cp)
+        ]
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -152,9 +179,11 @@ class SoftmaxState(NamedTuple):
 
 def online_softmax_init(kv_heads: int, per_kv: int, rows: int, head_dim: int) -> SoftmaxState:
     """The state before any key: max −inf, sum 0, accumulator 0 ([K, M, Bq(, H)])."""
-    return SoftmaxState(jnp.full((kv_heads, per_kv, rows), -jnp.inf, jnp.float32),
-                        jnp.zeros((kv_heads, per_kv, rows), jnp.float32),
-                        jnp.zeros((kv_heads, per_kv, rows, head_dim), jnp.float32))
+    return SoftmaxState(
+        jnp.full((kv_heads, per_kv, rows), -jnp.inf, jnp.float32),
+        jnp.zeros((kv_heads, per_kv, rows), jnp.float32),
+        jnp.zeros((kv_heads, per_kv, rows, head_dim), jnp.float32),
+    )
 
 
 def online_softmax_update(state: SoftmaxState, s_KxMxBqxBk, v_BkxKxH) -> SoftmaxState:
@@ -164,8 +193,9 @@ def online_softmax_update(state: SoftmaxState, s_KxMxBqxBk, v_BkxKxH) -> Softmax
     and accumulator are rescaled by exp(old max − new max); a row whose max is still −inf
     (nothing visible yet) subtracts 0 instead, so it stays exactly 0, never NaN.
     """
-    return online_softmax_step(state, s_KxMxBqxBk, lambda p: jnp.einsum(
-        "kmst,tkh->kmsh", p, v_BkxKxH.astype(jnp.float32)))
+    return online_softmax_step(
+        state, s_KxMxBqxBk, lambda p: jnp.einsum("kmst,tkh->kmsh", p, v_BkxKxH.astype(jnp.float32))
+    )
 
 
 def online_softmax_step(state: SoftmaxState, s, pv, scale: float = 1.0) -> SoftmaxState:
@@ -258,8 +288,7 @@ def ring_fold_grads(grad, carry, dkv, kv, meta, cp: int):
 
     if cp == 1:
         return grad(carry, dkv, kv, meta)
-    carry, dkv, kv, meta = jax.lax.fori_loop(0, cp - 1, hop,
-                                             _vary_together((carry, dkv, kv, meta)))
+    carry, dkv, kv, meta = jax.lax.fori_loop(0, cp - 1, hop, _vary_together((carry, dkv, kv, meta)))
     carry, dkv = grad(carry, dkv, kv, meta)
     return carry, jax.lax.ppermute(dkv, CP, ring_perm(cp))  # to its owner
 
@@ -270,8 +299,7 @@ def ring_fold_grads(grad, carry, dkv, kv, meta, cp: int):
 
 def delta_QxS(do_SxQxH, out_SxQxH):
     """Σ_h do·out: [Q, S] fp32, the softmax-backward row term."""
-    return jnp.einsum("sqh,sqh->qs", do_SxQxH.astype(jnp.float32),
-                      out_SxQxH.astype(jnp.float32))
+    return jnp.einsum("sqh,sqh->qs", do_SxQxH.astype(jnp.float32), out_SxQxH.astype(jnp.float32))
 
 
 def saved_out_lse(out, lse):
@@ -305,8 +333,10 @@ def kernel_ring_fwd(forward, q, k, v, seg, pos, cp: int):
     # (weights exp(−inf) = 0 and exp(0) = 1), so the loop's carry has one structure.
     kv, meta = jnp.stack([k, v]), jnp.stack([seg, pos])
     s_len, q_heads = q.shape[:2]
-    empty = (vary_all(jnp.zeros(q.shape, jnp.float32), q, kv),
-             vary_all(jnp.full((q_heads, s_len), -jnp.inf, jnp.float32), q, kv))
+    empty = (
+        vary_all(jnp.zeros(q.shape, jnp.float32), q, kv),
+        vary_all(jnp.full((q_heads, s_len), -jnp.inf, jnp.float32), q, kv),
+    )
     out, lse = ring_fold(fold, empty, kv, meta, cp)
     out, lse = saved_out_lse(out.astype(q.dtype), lse)
     return out, (q, k, v, seg, pos, out, lse)
@@ -325,8 +355,12 @@ def kernel_ring_bwd(backward, cp: int, res, d_out):
         dq_t, dk, dv = backward(q, kv[0], kv[1], seg, pos, meta[0], meta[1], d_out, lse, delta)
         return dq + dq_t, dkv + jnp.stack([dk, dv])
 
-    dq, dkv = ring_fold_grads(grad, vary_all(jnp.zeros(q.shape, jnp.float32), q, kv, d_out),
-                              vary_all(jnp.zeros(kv.shape, jnp.float32), q, kv, d_out),
-                              kv, meta, cp)
-    return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype),
-            *no_grads(seg, pos))
+    dq, dkv = ring_fold_grads(
+        grad,
+        vary_all(jnp.zeros(q.shape, jnp.float32), q, kv, d_out),
+        vary_all(jnp.zeros(kv.shape, jnp.float32), q, kv, d_out),
+        kv,
+        meta,
+        cp,
+    )
+    return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), *no_grads(seg, pos))

@@ -13,11 +13,38 @@ value head dims (letters Dk, Dv in names), Ck the kernel block (chunk) length, P
 bound on pieces per stream, Kc the conv kernel, C conv channels.
 """
 
-from jcp.delta_rule.cp import (CPMix, Pieces, Recurrent, StepMix, causal_conv, cp_mix,
-                               gated_delta_rule, pieces)
-from jcp.delta_rule.rule import (DEFAULT_CHUNK, block_factors, chunked, l2norm, recurrent,
-                                 unit_lower_inverse)
+from jcp.delta_rule.cp import (
+    CPMix,
+    Pieces,
+    Recurrent,
+    StepMix,
+    causal_conv,
+    cp_mix,
+    gated_delta_rule,
+    pieces,
+)
+from jcp.delta_rule.rule import (
+    DEFAULT_CHUNK,
+    block_factors,
+    chunked,
+    l2norm,
+    recurrent,
+    unit_lower_inverse,
+)
 
-__all__ = ["CPMix", "DEFAULT_CHUNK", "Pieces", "Recurrent", "StepMix", "block_factors",
-           "causal_conv", "chunked", "cp_mix", "gated_delta_rule", "l2norm", "pieces",
-           "recurrent", "unit_lower_inverse"]
+__all__ = [
+    "CPMix",
+    "DEFAULT_CHUNK",
+    "Pieces",
+    "Recurrent",
+    "StepMix",
+    "block_factors",
+    "causal_conv",
+    "chunked",
+    "cp_mix",
+    "gated_delta_rule",
+    "l2norm",
+    "pieces",
+    "recurrent",
+    "unit_lower_inverse",
+]

@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jcp.delta_rule.rule import DEFAULT_CHUNK, chunked, recurrent
-from jcp.mesh import varying_axes, vary
-
+from jcp.mesh import vary, varying_axes
 
 # ----------------------------------------------------------------------------------------
 # Pieces of a stream and their order across cp ranks
@@ -55,9 +54,19 @@ class Pieces:
 
 
 jax.tree_util.register_dataclass(
-    Pieces, data_fields=["start_S", "piece_S", "end_P", "length_P", "pred_X", "length_X",
-                         "order_X", "rank"],
-    meta_fields=["axis"])
+    Pieces,
+    data_fields=[
+        "start_S",
+        "piece_S",
+        "end_P",
+        "length_P",
+        "pred_X",
+        "length_X",
+        "order_X",
+        "rank",
+    ],
+    meta_fields=["axis"],
+)
 
 
 def _gather(x, axis):
@@ -82,23 +91,36 @@ def pieces(segment_S, position_S, max_pieces: int, axis: str | None = None) -> P
     start = (t == 0) | (real & ((segment_S != prev_seg) | (position_S != prev_pos + 1)))
     piece = jnp.cumsum(start) - 1
     p = max_pieces
-    first_seg = jnp.full((p,), -1, jnp.int32).at[piece].max(
-        jnp.where(start & real, segment_S, -1))
+    first_seg = jnp.full((p,), -1, jnp.int32).at[piece].max(jnp.where(start & real, segment_S, -1))
     first_pos = jnp.full((p,), -1, jnp.int32).at[piece].max(jnp.where(start, position_S, -1))
     last_pos = jnp.full((p,), -1, jnp.int32).at[piece].max(jnp.where(real, position_S, -1))
     end = jnp.full((p,), -1, jnp.int32).at[piece].max(jnp.where(real, t, -1))
     length = jnp.zeros((p,), jnp.int32).at[piece].add(real.astype(jnp.int32))
     seg_x, first_x, last_x, len_x = jnp.moveaxis(
-        _gather(jnp.stack([first_seg, first_pos, last_pos, length], axis=1), axis), 1, 0)
-    link = ((seg_x[:, None] == seg_x[None, :]) & (seg_x[:, None] >= 0) & (first_x[:, None] > 0)
-            & (last_x[None, :] == first_x[:, None] - 1) & (len_x[None, :] > 0))
+        _gather(jnp.stack([first_seg, first_pos, last_pos, length], axis=1), axis), 1, 0
+    )
+    link = (
+        (seg_x[:, None] == seg_x[None, :])
+        & (seg_x[:, None] >= 0)
+        & (first_x[:, None] > 0)
+        & (last_x[None, :] == first_x[:, None] - 1)
+        & (len_x[None, :] > 0)
+    )
     pred = jnp.where(link.any(1), jnp.argmax(link, axis=1), -1)
     used = (seg_x >= 0) & (len_x > 0)
     order = jnp.lexsort((first_x, jnp.where(used, seg_x, jnp.iinfo(jnp.int32).max)))
     rank = jnp.zeros((), jnp.int32) if axis is None else jax.lax.axis_index(axis)
-    return Pieces(start_S=start, piece_S=piece.astype(jnp.int32), end_P=jnp.maximum(end, 0),
-                  length_P=length, pred_X=pred.astype(jnp.int32), length_X=len_x,
-                  order_X=order.astype(jnp.int32), rank=rank, axis=axis)
+    return Pieces(
+        start_S=start,
+        piece_S=piece.astype(jnp.int32),
+        end_P=jnp.maximum(end, 0),
+        length_P=length,
+        pred_X=pred.astype(jnp.int32),
+        length_X=len_x,
+        order_X=order.astype(jnp.int32),
+        rank=rank,
+        axis=axis,
+    )
 
 
 def _incoming(pcs: Pieces, out_of, own_X, zero):
@@ -179,8 +201,17 @@ def causal_conv(x_SxC, w_KxC, pcs: Pieces, hand_out: bool = False):
     return (y, window_PxHxC) if hand_out else y
 
 
-def gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, segment_S,
-                     pcs: Pieces, chunk: int = DEFAULT_CHUNK, hand_out: bool = False):
+def gated_delta_rule(
+    q_SxHkxDk,
+    k_SxHkxDk,
+    v_SxHxDv,
+    g_SxH,
+    beta_SxH,
+    segment_S,
+    pcs: Pieces,
+    chunk: int = DEFAULT_CHUNK,
+    hand_out: bool = False,
+):
     """The gated delta rule over a packed stream, every piece from its datum's true state:
     o [S, H, Dv] fp32 (q, k L2-normalised; padding tokens' rows are meaningless).
     hand_out: (o, the state after each of this rank's pieces [P, H, Dk, Dv]) — after a
@@ -202,8 +233,18 @@ def gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, segment_S,
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (h, dk, dk))
     init_aug = jnp.concatenate([jnp.zeros((h, dk, dv), jnp.float32), eye], axis=-1)[None]
     zeros_piece = jnp.zeros((v32.shape[0],), jnp.int32)
-    _, ends = chunked(q_SxHkxDk, k_SxHkxDk, v_aug, g, beta, pcs.start_S, zeros_piece,
-                      init_aug, chunk, ends_P=pcs.end_P)
+    _, ends = chunked(
+        q_SxHkxDk,
+        k_SxHkxDk,
+        v_aug,
+        g,
+        beta,
+        pcs.start_S,
+        zeros_piece,
+        init_aug,
+        chunk,
+        ends_P=pcs.end_P,
+    )
     ends_x = _gather(ends, pcs.axis)  # one exchange of [U | M] (see _gather)
 
     def out_of(inc_HxDkxDv, um_HxDkxDvDk):
@@ -211,8 +252,18 @@ def gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, segment_S,
         return jnp.einsum("hkj,hjv->hkv", m_HxDkxDk, inc_HxDkxDv) + u_HxDkxDv
 
     inc_PxHxDkxDv, _ = _incoming(pcs, out_of, ends_x, jnp.zeros((h, dk, dv), jnp.float32))
-    o, final = chunked(q_SxHkxDk, k_SxHkxDk, v32, g, beta, pcs.start_S, pcs.piece_S,
-                       inc_PxHxDkxDv, chunk, ends_P=pcs.end_P if hand_out else None)
+    o, final = chunked(
+        q_SxHkxDk,
+        k_SxHkxDk,
+        v32,
+        g,
+        beta,
+        pcs.start_S,
+        pcs.piece_S,
+        inc_PxHxDkxDv,
+        chunk,
+        ends_P=pcs.end_P if hand_out else None,
+    )
     return (o, final) if hand_out else o
 
 
@@ -249,13 +300,28 @@ class CPMix:
         return out if self.hand_out else (out, None)
 
     def rule(self, q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, state=None):
-        out = gated_delta_rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH,
-                               self.segment_S, self.pcs, self.chunk, self.hand_out)
+        out = gated_delta_rule(
+            q_SxHkxDk,
+            k_SxHkxDk,
+            v_SxHxDv,
+            g_SxH,
+            beta_SxH,
+            self.segment_S,
+            self.pcs,
+            self.chunk,
+            self.hand_out,
+        )
         return out if self.hand_out else (out, None)
 
 
-def cp_mix(segment_S, position_S, max_pieces: int, axis: str | None,
-           chunk: int = DEFAULT_CHUNK, hand_out: bool = False) -> CPMix:
+def cp_mix(
+    segment_S,
+    position_S,
+    max_pieces: int,
+    axis: str | None,
+    chunk: int = DEFAULT_CHUNK,
+    hand_out: bool = False,
+) -> CPMix:
     """CPMix of a packed stream (see pieces for max_pieces and axis; hand_out: CPMix)."""
     return CPMix(segment_S, pieces(segment_S, position_S, max_pieces, axis), chunk, hand_out)
 
@@ -274,15 +340,16 @@ class StepMix:
 
     def conv(self, x_BxC, w_KxC, window_BxHxC):
         """(SiLU(Σ_j w[j] · [window | x][j]) [B, C], the new window [B, Kc − 1, C])."""
-        full = jnp.concatenate([self._start(window_BxHxC),
-                                x_BxC.astype(jnp.float32)[:, None]], axis=1)
+        full = jnp.concatenate(
+            [self._start(window_BxHxC), x_BxC.astype(jnp.float32)[:, None]], axis=1
+        )
         out = jnp.einsum("bjc,jc->bc", full, w_KxC.astype(jnp.float32))
         return jax.nn.silu(out).astype(x_BxC.dtype), full[:, 1:]
 
     def rule(self, q_BxHkxDk, k_BxHkxDk, v_BxHxDv, g_BxH, beta_BxH, s_BxHxDkxDv):
         """(o [B, H, Dv] fp32, the new state [B, H, Dk, Dv]): one step of `recurrent`."""
-        one = lambda q, k, v, g, b, s: recurrent(q[None], k[None], v[None], g[None], b[None],
-                                                 s)  # noqa: E731
-        o, s = jax.vmap(one)(q_BxHkxDk, k_BxHkxDk, v_BxHxDv, g_BxH, beta_BxH,
-                             self._start(s_BxHxDkxDv))
+        one = lambda q, k, v, g, b, s: recurrent(q[None], k[None], v[None], g[None], b[None], s)  # noqa: E731
+        o, s = jax.vmap(one)(
+            q_BxHkxDk, k_BxHkxDk, v_BxHxDv, g_BxH, beta_BxH, self._start(s_BxHxDkxDv)
+        )
         return o[:, 0], s

@@ -55,8 +55,8 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, start_ref, t_ref, p_ref):
     eye = (rows == cols).astype(jnp.float32)
 
     def row(i, t_CxC):
-        a_i = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)       # A's row i, along j
-        t_i = jnp.sum(a_i[:, None] * t_CxC, axis=0)                 # Σ_j A_ij T_j
+        a_i = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)  # A's row i, along j
+        t_i = jnp.sum(a_i[:, None] * t_CxC, axis=0)  # Σ_j A_ij T_j
         return jnp.where(rows == i, eye - t_i[None, :], t_CxC)
 
     t_ref[...] = jax.lax.fori_loop(1, ck, row, eye)
@@ -71,15 +71,27 @@ def _pallas(q_NxCxHxDk, k_NxCxHxDk, g_NxCxH, beta_NxCxH, start_NxC, interpret):
     # Triton's compiler parameters select the Triton lowering (without them jax 0.10 lowers
     # a pallas_call for Mosaic GPU, which rejects this kernel).
     return pl.pallas_call(
-        _kernel, grid=(n, h),
-        in_specs=[qk_spec, qk_spec, vec_spec, vec_spec,
-                  pl.BlockSpec((None, ck), lambda i, j: (i, 0))],
-        out_specs=[out_spec, out_spec], out_shape=[shape, shape], interpret=interpret,
+        _kernel,
+        grid=(n, h),
+        in_specs=[
+            qk_spec,
+            qk_spec,
+            vec_spec,
+            vec_spec,
+            pl.BlockSpec((None, ck), lambda i, j: (i, 0)),
+        ],
+        out_specs=[out_spec, out_spec],
+        out_shape=[shape, shape],
+        interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        name="delta_rule_block_factors")(
-        q_NxCxHxDk.astype(jnp.float32), k_NxCxHxDk.astype(jnp.float32),
-        g_NxCxH.astype(jnp.float32), beta_NxCxH.astype(jnp.float32),
-        start_NxC.astype(jnp.int32))
+        name="delta_rule_block_factors",
+    )(
+        q_NxCxHxDk.astype(jnp.float32),
+        k_NxCxHxDk.astype(jnp.float32),
+        g_NxCxH.astype(jnp.float32),
+        beta_NxCxH.astype(jnp.float32),
+        start_NxC.astype(jnp.int32),
+    )
 
 
 def _reference(q, k, g, beta, start):
@@ -104,8 +116,9 @@ def _factors_bwd(interpret, res, cot):
 _factors.defvjp(_factors_fwd, _factors_bwd)
 
 
-def block_factors(q_NxCxHxDk, k_NxCxHxDk, g_NxCxH, beta_NxCxH, start_NxC,
-                  interpret: bool | None = None):
+def block_factors(
+    q_NxCxHxDk, k_NxCxHxDk, g_NxCxH, beta_NxCxH, start_NxC, interpret: bool | None = None
+):
     """delta_rule.block_factors of every block: (T, P) [N, H, Ck, Ck] fp32, from blocked
     q, k [N, Ck, H, Dk] (heads expanded), g, β [N, Ck, H], start bool [N, Ck].
     interpret: Pallas interpret mode (default: off on GPU, on elsewhere)."""

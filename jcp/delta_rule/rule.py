@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jcp.mesh import varying_axes, vary
+from jcp.mesh import vary, varying_axes
 
 DEFAULT_CHUNK = 64
 
@@ -43,9 +43,12 @@ def recurrent(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, initial_HxDkxDv=N
     """
     h, dk, dv = v_SxHxDv.shape[1], q_SxHkxDk.shape[-1], v_SxHxDv.shape[-1]
     q, k = _expand_heads(q_SxHkxDk, k_SxHkxDk, h)
-    q = q.astype(jnp.float32) * dk ** -0.5
-    s0 = (jnp.zeros((h, dk, dv), jnp.float32) if initial_HxDkxDv is None
-          else initial_HxDkxDv.astype(jnp.float32))
+    q = q.astype(jnp.float32) * dk**-0.5
+    s0 = (
+        jnp.zeros((h, dk, dv), jnp.float32)
+        if initial_HxDkxDv is None
+        else initial_HxDkxDv.astype(jnp.float32)
+    )
 
     def step(s_HxDkxDv, xs):
         q_t, k_t, v_t, g_t, b_t = xs
@@ -54,8 +57,13 @@ def recurrent(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, initial_HxDkxDv=N
         s = s + k_t[:, :, None] * delta[:, None, :]
         return s, jnp.einsum("hkv,hk->hv", s, q_t)
 
-    xs = (q, k.astype(jnp.float32), v_SxHxDv.astype(jnp.float32), g_SxH.astype(jnp.float32),
-          beta_SxH.astype(jnp.float32))
+    xs = (
+        q,
+        k.astype(jnp.float32),
+        v_SxHxDv.astype(jnp.float32),
+        g_SxH.astype(jnp.float32),
+        beta_SxH.astype(jnp.float32),
+    )
     s, o = jax.lax.scan(step, s0, xs)
     return o, s
 
@@ -85,8 +93,9 @@ def unit_lower_inverse(a_XxCxC):
         diag = jnp.moveaxis(jnp.diagonal(pairs, axis1=-4, axis2=-2), -1, -3)  # [.., n, 2b, 2b]
         t1, t2 = t[..., 0::2, :, :], t[..., 1::2, :, :]
         low = -jnp.matmul(t2, jnp.matmul(diag[..., b:, :b], t1))
-        t = jnp.concatenate([jnp.concatenate([t1, jnp.zeros_like(t1)], -1),
-                             jnp.concatenate([low, t2], -1)], -2)
+        t = jnp.concatenate(
+            [jnp.concatenate([t1, jnp.zeros_like(t1)], -1), jnp.concatenate([low, t2], -1)], -2
+        )
         b *= 2
     return t[..., 0, :, :]
 
@@ -101,8 +110,7 @@ def _piece_decay(g_CxH, start_C):
     cum_HxC = jnp.cumsum(g_CxH, axis=0).T
     same_CxC = (head[:, None] == head[None, :]) & (idx[None, :] <= idx[:, None])
     diff_HxCxC = cum_HxC[:, :, None] - cum_HxC[:, None, :]
-    return head, cum_HxC, jnp.where(same_CxC, jnp.exp(jnp.where(same_CxC, diff_HxCxC, 0.0)),
-                                     0.0)
+    return head, cum_HxC, jnp.where(same_CxC, jnp.exp(jnp.where(same_CxC, diff_HxCxC, 0.0)), 0.0)
 
 
 def block_factors(q_CxHxDk, k_CxHxDk, g_CxH, beta_CxH, start_C):
@@ -120,8 +128,18 @@ def block_factors(q_CxHxDk, k_CxHxDk, g_CxH, beta_CxH, start_C):
     return unit_lower_inverse(a_HxCxC), qk_HxCxC
 
 
-def _block(q_CxHxDk, k_CxHxDk, v_CxHxDv, g_CxH, beta_CxH, start_C, piece_C, cand_XxHxDkxDv,
-           row, factors=None):
+def _block(
+    q_CxHxDk,
+    k_CxHxDk,
+    v_CxHxDv,
+    g_CxH,
+    beta_CxH,
+    start_C,
+    piece_C,
+    cand_XxHxDkxDv,
+    row,
+    factors=None,
+):
     """One kernel block of Ck tokens: (o [Ck, H, Dv], state just after token `row`).
     factors: block_factors of the block when computed outside (the Pallas path), else
     computed here.
@@ -140,8 +158,9 @@ def _block(q_CxHxDk, k_CxHxDk, v_CxHxDv, g_CxH, beta_CxH, start_C, piece_C, cand
     head, cum_HxC, decay_HxCxC = _piece_decay(g_CxH, start_C)
     which_C = jnp.where(head >= 0, piece_C[jnp.maximum(head, 0)] + 1, 0)  # its candidate
     before = jnp.where(head >= 0, (cum_HxC - g_CxH.T)[:, jnp.maximum(head, 0)], 0.0)
-    t_HxCxC, qk_HxCxC = (block_factors(q_CxHxDk, k_CxHxDk, g_CxH, beta_CxH, start_C)
-                         if factors is None else factors)
+    t_HxCxC, qk_HxCxC = (
+        block_factors(q_CxHxDk, k_CxHxDk, g_CxH, beta_CxH, start_C) if factors is None else factors
+    )
     from_init_HxC = jnp.exp(cum_HxC - before)
 
     def against_own(x_CxHxDk):
@@ -152,12 +171,14 @@ def _block(q_CxHxDk, k_CxHxDk, v_CxHxDv, g_CxH, beta_CxH, start_C, piece_C, cand
     kb_CxHxDk = k_CxHxDk * (beta_CxH * from_init_HxC.T)[:, :, None]
     rhs_HxCxDv = jnp.swapaxes(v_CxHxDv * beta_CxH[:, :, None] - against_own(kb_CxHxDk), 0, 1)
     vnew_HxCxDv = jnp.matmul(t_HxCxC, rhs_HxCxDv)
-    o_CxHxDv = (against_own(q_CxHxDk * from_init_HxC.T[:, :, None])
-                + jnp.swapaxes(jnp.einsum("hij,hjv->hiv", qk_HxCxC, vnew_HxCxDv), 0, 1))
+    o_CxHxDv = against_own(q_CxHxDk * from_init_HxC.T[:, :, None]) + jnp.swapaxes(
+        jnp.einsum("hij,hjv->hiv", qk_HxCxC, vnew_HxCxDv), 0, 1
+    )
     # State after `row`: the decayed incoming state of row's piece plus its updates so far.
     d_row_HxC = decay_HxCxC[:, row, :]
-    s_HxDkxDv = (cand_XxHxDkxDv[which_C[row]] * from_init_HxC[:, row][:, None, None]
-                 + jnp.einsum("hj,jhk,hjv->hkv", d_row_HxC, k_CxHxDk, vnew_HxCxDv))
+    s_HxDkxDv = cand_XxHxDkxDv[which_C[row]] * from_init_HxC[:, row][:, None, None] + jnp.einsum(
+        "hj,jhk,hjv->hkv", d_row_HxC, k_CxHxDk, vnew_HxCxDv
+    )
     return o_CxHxDv, s_HxDkxDv
 
 
@@ -166,8 +187,19 @@ def _blocks(x, chunk):
     return x.reshape((x.shape[0] // chunk, chunk) + x.shape[1:])
 
 
-def chunked(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, start_S=None, piece_S=None,
-            init_PxHxDkxDv=None, chunk: int = DEFAULT_CHUNK, ends_P=None, factors=None):
+def chunked(
+    q_SxHkxDk,
+    k_SxHkxDk,
+    v_SxHxDv,
+    g_SxH,
+    beta_SxH,
+    start_S=None,
+    piece_S=None,
+    init_PxHxDkxDv=None,
+    chunk: int = DEFAULT_CHUNK,
+    ends_P=None,
+    factors=None,
+):
     """The gated delta rule in blocks of `chunk` tokens (a power of two; S is padded to
     whole blocks with tokens that leave the state unchanged).
 
@@ -186,7 +218,7 @@ def chunked(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, start_S=None, piece
     if chunk < 1 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two, got {chunk}")
     q, k = _expand_heads(q_SxHkxDk, k_SxHkxDk, h)
-    q = jnp.asarray(q, jnp.float32) * dk ** -0.5
+    q = jnp.asarray(q, jnp.float32) * dk**-0.5
     k = jnp.asarray(k, jnp.float32)
     v = jnp.asarray(v_SxHxDv, jnp.float32)
     g, beta = jnp.asarray(g_SxH, jnp.float32), jnp.asarray(beta_SxH, jnp.float32)
@@ -201,16 +233,15 @@ def chunked(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, start_S=None, piece
     if pad:
         q, k, v, g, beta, start_S, piece_S = (
             jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)])
-            for x in (q, k, v, g, beta, start_S, piece_S))
+            for x in (q, k, v, g, beta, start_S, piece_S)
+        )
 
     def run(s0, blk, row):
         qb, kb, vb, gb, bb, stb, pb, fb = blk
-        return _block(qb, kb, vb, gb, bb, stb, pb, jnp.concatenate([s0[None], init_P]), row,
-                      fb)
+        return _block(qb, kb, vb, gb, bb, stb, pb, jnp.concatenate([s0[None], init_P]), row, fb)
 
     blocks = tuple(_blocks(x, chunk) for x in (q, k, v, g, beta, start_S, piece_S))
-    blocks = blocks + (None if factors is None else factors(*(blocks[i] for i in
-                                                              (0, 1, 3, 4, 5))),)
+    blocks = blocks + (None if factors is None else factors(*(blocks[i] for i in (0, 1, 3, 4, 5))),)
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def body(s0, blk):
@@ -223,6 +254,7 @@ def chunked(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, start_S=None, piece
     o = o_NxCxHxDv.reshape(-1, h, dv)[:s_len]
     if ends_P is None:
         return o, final
+
     # The state after each piece's last token: rerun that token's block from its carry.
     def at(end):
         b = end // chunk

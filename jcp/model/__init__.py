@@ -10,16 +10,55 @@
 """
 
 from jcp.model import decoder, moe, params
-from jcp.model.decoder import (Hidden, HybridState, attention_block, decoder_layer,
-                               dense_mlp, embed, hidden_states, layer_slices, moe_mlp,
-                               rms_norm, rope, rotary, Rotary, unembed_factors)
-from jcp.model.params import (COLUMN, ROW, check_shapes, param_shapes, param_specs, place,
-                              random_params)
+from jcp.model.decoder import (
+    Hidden,
+    HybridState,
+    Rotary,
+    attention_block,
+    decoder_layer,
+    dense_mlp,
+    embed,
+    hidden_states,
+    layer_slices,
+    moe_mlp,
+    rms_norm,
+    rope,
+    rotary,
+    unembed_factors,
+)
+from jcp.model.params import (
+    COLUMN,
+    ROW,
+    check_shapes,
+    param_shapes,
+    param_specs,
+    place,
+    random_params,
+)
 
 __all__ = [
-    "decoder", "moe", "params",
-    "Hidden", "HybridState", "attention_block", "decoder_layer", "dense_mlp", "embed",
-    "hidden_states", "layer_slices", "moe_mlp", "rms_norm", "rope", "rotary", "Rotary",
+    "decoder",
+    "moe",
+    "params",
+    "Hidden",
+    "HybridState",
+    "attention_block",
+    "decoder_layer",
+    "dense_mlp",
+    "embed",
+    "hidden_states",
+    "layer_slices",
+    "moe_mlp",
+    "rms_norm",
+    "rope",
+    "rotary",
+    "Rotary",
     "unembed_factors",
-    "COLUMN", "ROW", "check_shapes", "param_shapes", "param_specs", "place", "random_params",
+    "COLUMN",
+    "ROW",
+    "check_shapes",
+    "param_shapes",
+    "param_specs",
+    "place",
+    "random_params",
 ]

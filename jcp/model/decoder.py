@@ -51,17 +51,16 @@ def rotary(position_S, theta, rotary_dim) -> Rotary:
     element of q and k — every head of every layer, and again in the backward pass (~5 % of
     benchmarks/throughput.py's 8 × 512 CPU step), where the tables hold S · R of each.
     """
+
     def tables(position_S):
-        inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32)
-                                    / rotary_dim))
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
         ang = position_S.astype(jnp.float32)[:, None] * inv_freq[None, :]
         ang = jnp.concatenate([ang, ang], axis=-1)
         return Rotary(jnp.cos(ang), jnp.sin(ang))
 
     # Both branches compute the tables: the cond only keeps XLA from fusing them into
     # their consumers (an optimization barrier does not: XLA:CPU removes it before fusion).
-    return jax.lax.cond(position_S.shape[0] > 0 and position_S[0] >= -1, tables, tables,
-                        position_S)
+    return jax.lax.cond(position_S.shape[0] > 0 and position_S[0] >= -1, tables, tables, position_S)
 
 
 def rope(x, rot: Rotary):
@@ -111,9 +110,17 @@ def _lora(lora_layer, module):
     return None if lora_layer is None else lora_layer.get(module)
 
 
-def attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None,
-                    position_S, attend: attention_lib.Attend, attn_state,
-                    rot: Rotary | None = None):
+def attention_block(
+    cfg: QwenConfig,
+    h_SxD,
+    layer,
+    lora_layer,
+    route: lora_lib.Routing | None,
+    position_S,
+    attend: attention_lib.Attend,
+    attn_state,
+    rot: Rotary | None = None,
+):
     """Pre-norm self-attention of one layer: (its output [S, D], psum'd over tp; new state).
 
     norm → q/k/v projections (+ bias, + LoRA) → qk-norm (Qwen3) → RoPE at position_S →
@@ -132,7 +139,7 @@ def attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.R
     gate_SxQH = None
     if cfg.attn_output_gate:  # per head [query | gate] (transformers' torch.chunk)
         q_gate = q.reshape(s_len, -1, 2 * cfg.head_dim)
-        q, gate_SxQH = q_gate[..., :cfg.head_dim], q_gate[..., cfg.head_dim:]
+        q, gate_SxQH = q_gate[..., : cfg.head_dim], q_gate[..., cfg.head_dim :]
         gate_SxQH = gate_SxQH.reshape(s_len, -1)
     q_SxQxH = q.reshape(s_len, -1, cfg.head_dim)
     k_SxKxH = k.reshape(s_len, -1, cfg.head_dim)
@@ -151,8 +158,9 @@ def attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.R
 
 
 @jax.named_scope("gated_delta_net")  # names its ops in compiled programs (memory reports)
-def linear_attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer,
-                           route: lora_lib.Routing | None, mix, state=None):
+def linear_attention_block(
+    cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None, mix, state=None
+):
     """Pre-norm Gated DeltaNet of one layer (Qwen3.5's linear attention): (its output
     [S, D], psum'd over tp; its outgoing state).
 
@@ -171,14 +179,17 @@ def linear_attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer,
     q, k, v = lin("in_proj_q"), lin("in_proj_k"), lin("in_proj_v")
     qkv_lora = _lora(lora_layer, lora_lib.QKV)
     if qkv_lora is not None:  # one A, its B split into this rank's q, k, v columns
-        u_SxAR = lora_lib.low_rank_input(x_SxD, qkv_lora["a"], route)
-        q, k, v = (y + lora_lib.expand(u_SxAR, qkv_lora[b], y.dtype)
-                   for y, b in zip((q, k, v), lora_lib.QKV_B))
+        u_QxR = lora_lib.low_rank_input(x_SxD, qkv_lora["a"], route)
+        q, k, v = (
+            y + lora_lib.expand(u_QxR, qkv_lora[b], route, y.dtype)
+            for y, b in zip((q, k, v), lora_lib.QKV_B)
+        )
     widths = (q.shape[1], k.shape[1])
     mixed, conv_state = mix.conv(
         jnp.concatenate([q, k, v], axis=-1),
         jnp.concatenate([layer["conv_q"], layer["conv_k"], layer["conv_v"]], -1),
-        None if state is None else state.conv)
+        None if state is None else state.conv,
+    )
     q, k, v = jnp.split(mixed, [widths[0], widths[0] + widths[1]], axis=-1)
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     q_SxHkxDk = delta_rule_lib.l2norm(q.reshape(s_len, -1, dk))
@@ -186,15 +197,21 @@ def linear_attention_block(cfg: QwenConfig, h_SxD, layer, lora_layer,
     v_SxHxDv = v.reshape(s_len, -1, dv)
     beta_SxH = jax.nn.sigmoid(lin("in_proj_b")).astype(jnp.float32)
     g_SxH = -jnp.exp(layer["a_log"].astype(jnp.float32)) * jax.nn.softplus(
-        lin("in_proj_a").astype(jnp.float32) + layer["dt_bias"].astype(jnp.float32))
-    o_SxHxDv, ssm_state = mix.rule(q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH,
-                                   None if state is None else state.ssm)
+        lin("in_proj_a").astype(jnp.float32) + layer["dt_bias"].astype(jnp.float32)
+    )
+    o_SxHxDv, ssm_state = mix.rule(
+        q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, None if state is None else state.ssm
+    )
     o_SxHxDv = o_SxHxDv.astype(x_SxD.dtype)
     z_SxHxDv = lin("in_proj_z").reshape(s_len, -1, dv)
     normed = rms_norm(o_SxHxDv, layer["gated_norm"], cfg.rms_norm_eps)
-    gated = (normed.astype(jnp.float32) * jax.nn.silu(z_SxHxDv.astype(jnp.float32)))
-    o_SxD = _linear(gated.astype(x_SxD.dtype).reshape(s_len, -1), layer["out_proj"],
-                    _lora(lora_layer, "out_proj"), route)
+    gated = normed.astype(jnp.float32) * jax.nn.silu(z_SxHxDv.astype(jnp.float32))
+    o_SxD = _linear(
+        gated.astype(x_SxD.dtype).reshape(s_len, -1),
+        layer["out_proj"],
+        _lora(lora_layer, "out_proj"),
+        route,
+    )
     new = None if ssm_state is None else delta_rule_lib.Recurrent(conv_state, ssm_state)
     return jax.lax.psum(o_SxD, TP), new
 
@@ -210,13 +227,15 @@ def dense_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing
     x_SxD = rms_norm(h_SxD, layer["post_norm"], cfg.rms_norm_eps)
     g_SxF = _linear(x_SxD, layer["gate_proj"], _lora(lora_layer, "gate_proj"), route)
     u_SxF = _linear(x_SxD, layer["up_proj"], _lora(lora_layer, "up_proj"), route)
-    y_SxD = _linear(jax.nn.silu(g_SxF) * u_SxF, layer["down_proj"],
-                    _lora(lora_layer, "down_proj"), route)
+    y_SxD = _linear(
+        jax.nn.silu(g_SxF) * u_SxF, layer["down_proj"], _lora(lora_layer, "down_proj"), route
+    )
     return jax.lax.psum(y_SxD, TP), None
 
 
-def moe_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None,
-            count_S=None):
+def moe_mlp(
+    cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None, count_S=None
+):
     """Pre-norm sparse MoE MLP of one layer (Qwen3-MoE): (output psum'd over tp [S, D];
     moe.RouterStats [E] of the tokens where count_S (bool [S]), or None without count_S).
 
@@ -230,11 +249,17 @@ def moe_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing |
     their experts; the router is not adapted. The caller adds the residual.
     """
     x_SxD = rms_norm(h_SxD, layer["post_norm"], cfg.rms_norm_eps)
-    weights_SxX, experts_SxX = moe_lib.route(x_SxD, layer["router"], cfg.num_experts_per_tok,
-                                             cfg.norm_topk_prob)
+    weights_SxX, experts_SxX = moe_lib.route(
+        x_SxD, layer["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob
+    )
     # The same tp-invariant routing on every rank: its statistics need no collective here.
-    stats = None if count_S is None else moe_lib.router_stats(
-        moe_lib.router_probs(x_SxD, layer["router"]), experts_SxX, count_S)
+    stats = (
+        None
+        if count_S is None
+        else moe_lib.router_stats(
+            moe_lib.router_probs(x_SxD, layer["router"]), experts_SxX, count_S
+        )
+    )
     num_local = layer["expert_gate"].shape[0]
     # x is invariant over tp but each rank uses its own rows of it: cast it to varying
     # explicitly so its cotangent is psum'd over tp by that cast's transpose. Left to the
@@ -244,30 +269,51 @@ def moe_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing |
     # factors (replicated, used by every rank's experts) are cast likewise.
     lora = None
     if lora_layer is not None and lora_lib.EXPERT[0] in lora_layer:
-        lora = jax.tree.map(lambda w: mesh_lib.vary(w, (TP,)),
-                            {m: lora_layer[m] for m in lora_lib.EXPERT})
-    y_SxD = moe_lib.experts(mesh_lib.vary(x_SxD, (TP,)), weights_SxX, experts_SxX,
-                            layer["expert_gate"], layer["expert_up"], layer["expert_down"],
-                            jax.lax.axis_index(TP) * num_local, lora, route)
+        lora = jax.tree.map(
+            lambda w: mesh_lib.vary(w, (TP,)), {m: lora_layer[m] for m in lora_lib.EXPERT}
+        )
+    y_SxD = moe_lib.experts(
+        mesh_lib.vary(x_SxD, (TP,)),
+        weights_SxX,
+        experts_SxX,
+        layer["expert_gate"],
+        layer["expert_up"],
+        layer["expert_down"],
+        jax.lax.axis_index(TP) * num_local,
+        lora,
+        route,
+    )
     if "shared_gate" in layer:
         # Qwen3.5-MoE's shared expert: this rank's F/tp of a SwiGLU MLP (row-parallel down,
         # summed by the psum below), scaled by the tp-invariant sigmoid(x · w_gate).
         shared_SxD = jnp.einsum(
-            "sf,fd->sd", jax.nn.silu(x_SxD @ layer["shared_gate"].astype(x_SxD.dtype))
+            "sf,fd->sd",
+            jax.nn.silu(x_SxD @ layer["shared_gate"].astype(x_SxD.dtype))
             * (x_SxD @ layer["shared_up"].astype(x_SxD.dtype)),
-            layer["shared_down"].astype(x_SxD.dtype))
+            layer["shared_down"].astype(x_SxD.dtype),
+        )
         gate_Sx1 = jax.nn.sigmoid(x_SxD @ layer["shared_expert_gate"].astype(x_SxD.dtype))
         y_SxD = y_SxD + (gate_Sx1 * shared_SxD).astype(y_SxD.dtype)
     return jax.lax.psum(y_SxD, TP), stats
 
 
-def decoder_layer(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None,
-                  position_S, attend: attention_lib.Attend, attn_state, mlp=dense_mlp,
-                  rot: Rotary | None = None):
+def decoder_layer(
+    cfg: QwenConfig,
+    h_SxD,
+    layer,
+    lora_layer,
+    route: lora_lib.Routing | None,
+    position_S,
+    attend: attention_lib.Attend,
+    attn_state,
+    mlp=dense_mlp,
+    rot: Rotary | None = None,
+):
     """One pre-norm decoder layer on this shard: (h + attention, then + mlp; new state; the
     mlp's record). rot: as attention_block's."""
-    a_SxD, attn_state = attention_block(cfg, h_SxD, layer, lora_layer, route, position_S,
-                                        attend, attn_state, rot)
+    a_SxD, attn_state = attention_block(
+        cfg, h_SxD, layer, lora_layer, route, position_S, attend, attn_state, rot
+    )
     h_SxD = h_SxD + a_SxD
     y_SxD, record = mlp(cfg, h_SxD, layer, lora_layer, route)
     return h_SxD + y_SxD, attn_state, record
@@ -277,8 +323,10 @@ def _split_lora(lora):
     """(per-layer modules [L, …], expert modules [Lm, …]) of the active adapters' tree."""
     if lora is None:
         return None, None
-    return ({m: lora[m] for m in lora_lib.LAYER_MODULES if m in lora},
-            {m: lora[m] for m in lora_lib.EXPERT if m in lora})
+    return (
+        {m: lora[m] for m in lora_lib.LAYER_MODULES if m in lora},
+        {m: lora[m] for m in lora_lib.EXPERT if m in lora},
+    )
 
 
 def layer_slices(cfg: QwenConfig, params, lora=None) -> tuple:
@@ -294,8 +342,10 @@ def layer_slices(cfg: QwenConfig, params, lora=None) -> tuple:
         if cfg.is_moe:
             kind = cfg.moe_layers[i]
             j = sum(1 for k in cfg.moe_layers[:i] if k == kind)  # index among its kind
-            layer = {**layer, **jax.tree.map(lambda x: x[j],
-                                             params["moe_mlp" if kind else "dense_mlp"])}
+            layer = {
+                **layer,
+                **jax.tree.map(lambda x: x[j], params["moe_mlp" if kind else "dense_mlp"]),
+            }
             if kind and expert_lora is not None:
                 lo = {**lo, **jax.tree.map(lambda x: x[j], expert_lora)}
         out.append((layer, lo))
@@ -334,24 +384,30 @@ def scan_layers(body, h, weights, xs, remat: bool, unroll: bool = False):
     (Slicing a uint16 view instead does not help: the hoisted bitcast is a copy too.)
     """
     leaves, tree = jax.tree.flatten(weights)
-    held = [jax.default_backend() == "cpu" and x.dtype.itemsize == 2
-            and jnp.issubdtype(x.dtype, jnp.floating) for x in leaves]
+    held = [
+        jax.default_backend() == "cpu"
+        and x.dtype.itemsize == 2
+        and jnp.issubdtype(x.dtype, jnp.floating)
+        for x in leaves
+    ]
     stacks = [x for x, h_ in zip(leaves, held) if h_]
     n_layers = jax.tree.leaves((weights, xs))[0].shape[0]
 
     def step(h, args):
         index, scanned, layer_xs = args
         scanned, stacked = iter(scanned), iter(stacks)
-        layer = tree.unflatten([_layer_of(next(stacked), index) if h_ else next(scanned)
-                                for h_ in held])
+        layer = tree.unflatten(
+            [_layer_of(next(stacked), index) if h_ else next(scanned) for h_ in held]
+        )
         return body(h, (layer, *layer_xs))
 
     if remat:
         policy = jax.checkpoint_policies.save_only_these_names(*attention_lib.SAVED_NAMES)
         step = jax.checkpoint(step, prevent_cse=False, policy=policy)
     scanned = [x for x, h_ in zip(leaves, held) if not h_]
-    return jax.lax.scan(step, h, (jnp.arange(n_layers), scanned, xs),
-                        unroll=n_layers if unroll else 1)
+    return jax.lax.scan(
+        step, h, (jnp.arange(n_layers), scanned, xs), unroll=n_layers if unroll else 1
+    )
 
 
 def _layer_of(stack_LxN, index):
@@ -361,10 +417,23 @@ def _layer_of(stack_LxN, index):
     return jax.lax.dynamic_index_in_dim(stack_LxN, index, 0, keepdims=False)
 
 
-def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attention_lib.Attend,
-                  lora=None, route: lora_lib.Routing | None = None, *, attn_state=None,
-                  mlp=dense_mlp, remat: bool = True, layers=None, count_S=None, mix=None,
-                  unroll: bool = False):
+def hidden_states(
+    cfg: QwenConfig,
+    params,
+    tokens_S,
+    position_S,
+    attend: attention_lib.Attend,
+    lora=None,
+    route: lora_lib.Routing | None = None,
+    *,
+    attn_state=None,
+    mlp=dense_mlp,
+    remat: bool = True,
+    layers=None,
+    count_S=None,
+    mix=None,
+    unroll: bool = False,
+):
     """Hidden(final-norm hidden states [S, D] of this shard's tokens, new attention state,
     the routing statistics when count_S is given, else None).
 
@@ -401,15 +470,19 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
     def body(h, xs):
         layer, lora_layer, state = xs
         block = moe_block if "router" in layer else mlp
-        h, state, record = decoder_layer(cfg, h, layer, lora_layer, route, position_S, attend,
-                                         state, block, rot)
+        h, state, record = decoder_layer(
+            cfg, h, layer, lora_layer, route, position_S, attend, state, block, rot
+        )
         return h, (state, record)
 
     def finish(h, attn_state, records):
         """The final norm, and the MoE layers' records (one [n, E] stack per run) joined."""
         h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-        stats = (jax.tree.map(lambda *xs: jnp.concatenate(xs), *records)
-                 if records and count_S is not None else None)
+        stats = (
+            jax.tree.map(lambda *xs: jnp.concatenate(xs), *records)
+            if records and count_S is not None
+            else None
+        )
         return Hidden(h, attn_state, stats)
 
     if layers is not None:
@@ -424,24 +497,43 @@ def hidden_states(cfg: QwenConfig, params, tokens_S, position_S, attend: attenti
         return finish(h, attn_state, records)
 
     if cfg.is_hybrid:
-        return _hybrid_hidden(cfg, params, h, position_S, attend, mix, layer_lora, route,
-                              moe_block if cfg.is_moe else mlp, remat, finish, expert_lora,
-                              count_S is not None, attn_state, rot)
+        return _hybrid_hidden(
+            cfg,
+            params,
+            h,
+            position_S,
+            attend,
+            mix,
+            layer_lora,
+            route,
+            moe_block if cfg.is_moe else mlp,
+            remat,
+            finish,
+            expert_lora,
+            count_S is not None,
+            attn_state,
+            rot,
+        )
     if not cfg.is_moe:
-        h, (attn_state, _) = scan_layers(body, h, params["layers"], (layer_lora, attn_state),
-                                         remat, unroll)
+        h, (attn_state, _) = scan_layers(
+            body, h, params["layers"], (layer_lora, attn_state), remat, unroll
+        )
         return finish(h, attn_state, [])
     # MoE and dense layers have different MLP weights, so each run of same-kind layers is
     # its own scan over its slice of the stacks (one scan when every layer is MoE).
     states, records = [], []
     for is_moe, start, end, first in kind_runs(cfg.moe_layers):
         cut = lambda t, a=start, b=end: jax.tree.map(lambda x: x[a:b], t)
-        cut_kind = lambda t, a=first, n=end - start: jax.tree.map(lambda x: x[a:a + n], t)
+        cut_kind = lambda t, a=first, n=end - start: jax.tree.map(lambda x: x[a : a + n], t)
         mlp_w = cut_kind(params["moe_mlp" if is_moe else "dense_mlp"])
-        lora_w = None if lora is None else {
-            **cut(layer_lora), **(cut_kind(expert_lora) if is_moe else {})}
-        h, (state, record) = scan_layers(body, h, {**cut(params["layers"]), **mlp_w},
-                                         (lora_w, cut(attn_state)), remat, unroll)
+        lora_w = (
+            None
+            if lora is None
+            else {**cut(layer_lora), **(cut_kind(expert_lora) if is_moe else {})}
+        )
+        h, (state, record) = scan_layers(
+            body, h, {**cut(params["layers"]), **mlp_w}, (lora_w, cut(attn_state)), remat, unroll
+        )
         states.append(state)
         if is_moe and count_S is not None:
             records.append(record)
@@ -478,9 +570,23 @@ def _concat(parts):
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts) if parts else None
 
 
-def _hybrid_hidden(cfg: QwenConfig, params, h, position_S, attend, mix, layer_lora, route,
-                   mlp, remat, finish, expert_lora=None, record=False,
-                   state: HybridState | None = None, rot: Rotary | None = None):
+def _hybrid_hidden(
+    cfg: QwenConfig,
+    params,
+    h,
+    position_S,
+    attend,
+    mix,
+    layer_lora,
+    route,
+    mlp,
+    remat,
+    finish,
+    expert_lora=None,
+    record=False,
+    state: HybridState | None = None,
+    rot: Rotary | None = None,
+):
     """hidden_states of a hybrid model: each run of same-kind layers (gated full attention
     or Gated DeltaNet) one lax.scan over its slice of `layers` (norms, MLP), of its kind's
     mixer weights (full_attn [Lf, …] / linear_attn [Ll, …]) and of its kind's state. A
@@ -493,8 +599,9 @@ def _hybrid_hidden(cfg: QwenConfig, params, h, position_S, attend, mix, layer_lo
             if linear:
                 a_SxD, st = linear_attention_block(cfg, h, layer, lora_layer, route, mix, st)
             else:
-                a_SxD, st = attention_block(cfg, h, layer, lora_layer, route, position_S,
-                                            attend, st, rot)
+                a_SxD, st = attention_block(
+                    cfg, h, layer, lora_layer, route, position_S, attend, st, rot
+                )
             h = h + a_SxD
             y_SxD, stats = mlp(cfg, h, layer, lora_layer, route)
             return h + y_SxD, (st, stats)
@@ -506,20 +613,30 @@ def _hybrid_hidden(cfg: QwenConfig, params, h, position_S, attend, mix, layer_lo
     records = []
     for linear, start, end, first in kind_runs(cfg.linear_layers):
         cut = lambda t, a=start, b=end: jax.tree.map(lambda x: x[a:b], t)
-        cut_kind = lambda t, a=first, n=end - start: jax.tree.map(lambda x: x[a:a + n], t)
+        cut_kind = lambda t, a=first, n=end - start: jax.tree.map(lambda x: x[a : a + n], t)
         mixer = cut_kind(params["linear_attn" if linear else "full_attn"])
         st = cut_kind(state.linear if linear else state.full)
         # LoRA likewise: the MLP's factors are [L, …], the mixer's per kind (lora.LINEAR
         # [Ll, …], lora.ATTN [Lf, …]; lora.module_layer_ids).
-        lora_w = None if layer_lora is None else {
-            **cut({m: x for m, x in layer_lora.items() if m in lora_lib.MLP}),
-            **cut_kind({m: x for m, x in layer_lora.items()
-                        if m in (lora_lib.LINEAR if linear else lora_lib.ATTN)}),
-            **cut(expert_lora or {})}
+        lora_w = (
+            None
+            if layer_lora is None
+            else {
+                **cut({m: x for m, x in layer_lora.items() if m in lora_lib.MLP}),
+                **cut_kind(
+                    {
+                        m: x
+                        for m, x in layer_lora.items()
+                        if m in (lora_lib.LINEAR if linear else lora_lib.ATTN)
+                    }
+                ),
+                **cut(expert_lora or {}),
+            }
+        )
         mlp_w = cut(params["moe_mlp"]) if cfg.is_moe else {}
-        h, (out, stats) = scan_layers(body_of(linear), h,
-                                      {**cut(params["layers"]), **mixer, **mlp_w}, (lora_w, st),
-                                      remat)
+        h, (out, stats) = scan_layers(
+            body_of(linear), h, {**cut(params["layers"]), **mixer, **mlp_w}, (lora_w, st), remat
+        )
         outs[linear].append(out)
         if record:
             records.append(stats)
@@ -538,6 +655,6 @@ def unembed_factors(params, h_SxD, lora=None, route: lora_lib.Routing | None = N
     lefts, rights = [h_SxD], [w_DxV]
     if lora is not None and lora_lib.HEAD in lora:
         head = lora[lora_lib.HEAD]
-        lefts.append(lora_lib.low_rank_input(h_SxD, head["a"], route).astype(h_SxD.dtype))
+        lefts.append(lora_lib.stacked_input(h_SxD, head["a"], route).astype(h_SxD.dtype))
         rights.append(head["b"].reshape(-1, head["b"].shape[-1]))
     return tuple(lefts), tuple(rights)

@@ -61,10 +61,10 @@ def grouped_matmul(x_ZxI, w_ExIxO, sizes_E):
     rank_in_group = jnp.arange(m) - (jnp.cumsum(sizes_E) - sizes_E)[g]
     # Destination row in the padded buffer; rows of no group go past its end (dropped).
     dest_Z = jnp.where(in_group, pad_end_E[g] - padded_E[g] + rank_in_group, tiles * TILE)
-    buf = jnp.zeros((tiles * TILE, x_ZxI.shape[1]), x_ZxI.dtype).at[dest_Z].set(
-        x_ZxI, mode="drop")
+    buf = jnp.zeros((tiles * TILE, x_ZxI.shape[1]), x_ZxI.dtype).at[dest_Z].set(x_ZxI, mode="drop")
     tile_group = jnp.minimum(
-        jnp.searchsorted(pad_end_E, jnp.arange(tiles) * TILE, side="right"), num_groups - 1)
+        jnp.searchsorted(pad_end_E, jnp.arange(tiles) * TILE, side="right"), num_groups - 1
+    )
     w = w_ExIxO.astype(x_ZxI.dtype)
 
     # Rematerialised, so the backward pass keeps each tile's rows, not a [tiles, I, O]
@@ -73,8 +73,9 @@ def grouped_matmul(x_ZxI, w_ExIxO, sizes_E):
     # still run on zeros: skipping them with lax.cond deadlocked under tp (the zero
     # branch must be cast to varying over tp, and that cast's transpose is a psum that
     # only the ranks taking the branch would enter).
-    y = jax.lax.map(jax.checkpoint(lambda t: t[0] @ w[t[1]]),
-                    (buf.reshape(tiles, TILE, -1), tile_group))
+    y = jax.lax.map(
+        jax.checkpoint(lambda t: t[0] @ w[t[1]]), (buf.reshape(tiles, TILE, -1), tile_group)
+    )
     return y.reshape(tiles * TILE, -1).at[dest_Z].get(mode="fill", fill_value=0)
 
 
@@ -100,7 +101,8 @@ def _expert_lora(x_ZxI, lora_m, sizes_E, token_Z, route, token_w_SxA, u_shared_S
         u_ZxAxR = u_shared_SxAxR[token_Z]
     else:
         u_ZxAxR = grouped_matmul(x_ZxI, _per_expert(lora_m["a"]), sizes_E).reshape(
-            m_rows, num_a, -1)
+            m_rows, num_a, -1
+        )
         if u_shared_SxAxR is not None:
             u_ZxAxR = jnp.where(shared_A, u_shared_SxAxR[token_Z], u_ZxAxR)
     u_ZxAxR = u_ZxAxR * token_w_SxA[token_Z][:, :, None].astype(u_ZxAxR.dtype)
@@ -118,8 +120,7 @@ def _expert_lora(x_ZxI, lora_m, sizes_E, token_Z, route, token_w_SxA, u_shared_S
         return per_expert_b(u_ZxAxR)
     if "b" not in lora_m:
         return shared_b(u_ZxAxR)
-    return (per_expert_b(jnp.where(shared_A, 0, u_ZxAxR))
-            + shared_b(jnp.where(shared_A, u_ZxAxR, 0)))
+    return per_expert_b(jnp.where(shared_A, 0, u_ZxAxR)) + shared_b(jnp.where(shared_A, u_ZxAxR, 0))
 
 
 def _tied_up(lora, route) -> dict:
@@ -132,8 +133,17 @@ def _tied_up(lora, route) -> dict:
     return {**up, "a": jnp.where(tied, gate["a"], up["a"]) if "a" in up else gate["a"]}
 
 
-def experts(x_SxD, weights_SxX, experts_SxX, gate_ExDxFe, up_ExDxFe, down_ExFexD, first: int,
-            lora=None, route=None):
+def experts(
+    x_SxD,
+    weights_SxX,
+    experts_SxX,
+    gate_ExDxFe,
+    up_ExDxFe,
+    down_ExFexD,
+    first: int,
+    lora=None,
+    route=None,
+):
     """Σ over each token's chosen experts held here (global ids first … first+E−1) of
     weight · down(silu(gate(x)) · up(x)): [S, D], this rank's part (psum over tp after).
 
@@ -165,15 +175,30 @@ def experts(x_SxD, weights_SxX, experts_SxX, gate_ExDxFe, up_ExDxFe, down_ExFexD
             a_sh = lora[m]["a_shared"]  # [A, D, R]
             return jnp.einsum("sd,adr->sar", x_SxD, a_sh.astype(x_SxD.dtype))
 
-        g_ZxFe = g_ZxFe + _expert_lora(x_ZxD, lora["expert_gate"], sizes_E, token_Z, route,
-                                     token_w_SxA, shared_in("expert_gate")).astype(g_ZxFe.dtype)
-        u_ZxFe = u_ZxFe + _expert_lora(x_ZxD, _tied_up(lora, route), sizes_E, token_Z, route,
-                                     token_w_SxA, shared_in("expert_up")).astype(u_ZxFe.dtype)
+        g_ZxFe = g_ZxFe + _expert_lora(
+            x_ZxD,
+            lora["expert_gate"],
+            sizes_E,
+            token_Z,
+            route,
+            token_w_SxA,
+            shared_in("expert_gate"),
+        ).astype(g_ZxFe.dtype)
+        u_ZxFe = u_ZxFe + _expert_lora(
+            x_ZxD,
+            _tied_up(lora, route),
+            sizes_E,
+            token_Z,
+            route,
+            token_w_SxA,
+            shared_in("expert_up"),
+        ).astype(u_ZxFe.dtype)
     z_ZxFe = jax.nn.silu(g_ZxFe) * u_ZxFe
     y_ZxD = grouped_matmul(z_ZxFe, down_ExFexD, sizes_E)
     if lora is not None:
-        y_ZxD = y_ZxD + _expert_lora(z_ZxFe, lora["expert_down"], sizes_E, token_Z, route,
-                                     token_w_SxA).astype(y_ZxD.dtype)
+        y_ZxD = y_ZxD + _expert_lora(
+            z_ZxFe, lora["expert_down"], sizes_E, token_Z, route, token_w_SxA
+        ).astype(y_ZxD.dtype)
     w_Z = jnp.where(mine_Z, weights_SxX.reshape(-1), 0)[order_Z]
     return jnp.zeros_like(x_SxD).at[token_Z].add(y_ZxD * w_Z[:, None].astype(y_ZxD.dtype))
 
@@ -197,8 +222,7 @@ class RouterStats:
     prob_sum: jax.Array
 
 
-jax.tree_util.register_dataclass(RouterStats, data_fields=["counts", "prob_sum"],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(RouterStats, data_fields=["counts", "prob_sum"], meta_fields=[])
 
 
 def router_stats(probs_SxE, experts_SxX, count_S) -> RouterStats:
@@ -227,8 +251,13 @@ def load_balancing_loss(counts_LxE, prob_sum_LxE, num_tokens, top_k: int):
     return counts_LxE.shape[-1] * jnp.sum(f_LxE * prob_sum_LxE / n)
 
 
-LOAD_METRICS = ("e_frac_with_tokens:mean", "e_frac_oversubscribed:mean",
-                "e_max_violation:mean", "e_max_violation:max", "e_min_violation:mean")
+LOAD_METRICS = (
+    "e_frac_with_tokens:mean",
+    "e_frac_oversubscribed:mean",
+    "e_max_violation:mean",
+    "e_max_violation:max",
+    "e_min_violation:mean",
+)
 
 
 def load_metrics(counts_LxE) -> dict[str, float]:
@@ -253,6 +282,15 @@ def load_metrics(counts_LxE) -> dict[str, float]:
     over = np.mean(c > b[:, None], axis=-1)
     max_v = np.where(b > 0, (c.max(axis=-1) - b) / safe, 0.0)
     min_v = np.where(b > 0, (c.min(axis=-1) - b) / safe, 0.0)
-    return dict(zip(LOAD_METRICS, (float(with_tokens.mean()), float(over.mean()),
-                                   float(max_v.mean()), float(max_v.max()),
-                                   float(min_v.mean()))))
+    return dict(
+        zip(
+            LOAD_METRICS,
+            (
+                float(with_tokens.mean()),
+                float(over.mean()),
+                float(max_v.mean()),
+                float(max_v.max()),
+                float(min_v.mean()),
+            ),
+        )
+    )

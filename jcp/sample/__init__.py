@@ -30,15 +30,46 @@ it never writes a second decoder and never changes adapter state.
 from jcp.sample.draws import nucleus_mask, sample_tokens
 from jcp.sample.engine_config import EngineConfig
 from jcp.sample.layout import CACHE_MODES, SPLIT_ABOVE_BYTES, Plan, choose_cache_mode
-from jcp.sample.params import (BASE, MAX_TOPK, MIN_TEMPERATURE, PromptFields, SampledSequence,
-                               SampleResult, SamplingParams, TopK, check_fields, check_params,
-                               check_prompts, sequence_keys)
+from jcp.sample.params import (
+    BASE,
+    MAX_TOPK,
+    MIN_TEMPERATURE,
+    PromptFields,
+    SampledSequence,
+    SampleResult,
+    SamplingParams,
+    TopK,
+    check_fields,
+    check_params,
+    check_prompts,
+    sequence_keys,
+)
 from jcp.sample.programs import SLICE_LAYERS_MAX_BYTES, make_decode, make_prefill
 from jcp.sample.sampler import Limits, Sampler
 
-__all__ = ["BASE", "CACHE_MODES", "EngineConfig", "Limits", "MAX_TOPK", "MIN_TEMPERATURE", "Plan",
-           "PromptFields", "SLICE_LAYERS_MAX_BYTES", "SPLIT_ABOVE_BYTES", "SampleResult",
-           "SampledSequence",
-           "Sampler", "SamplingParams", "TopK", "check_fields", "check_params", "check_prompts",
-           "choose_cache_mode", "make_decode", "make_prefill", "nucleus_mask", "sample_tokens",
-           "sequence_keys"]
+__all__ = [
+    "BASE",
+    "CACHE_MODES",
+    "EngineConfig",
+    "Limits",
+    "MAX_TOPK",
+    "MIN_TEMPERATURE",
+    "Plan",
+    "PromptFields",
+    "SLICE_LAYERS_MAX_BYTES",
+    "SPLIT_ABOVE_BYTES",
+    "SampleResult",
+    "SampledSequence",
+    "Sampler",
+    "SamplingParams",
+    "TopK",
+    "check_fields",
+    "check_params",
+    "check_prompts",
+    "choose_cache_mode",
+    "make_decode",
+    "make_prefill",
+    "nucleus_mask",
+    "sample_tokens",
+    "sequence_keys",
+]

@@ -53,9 +53,9 @@ class Request:
 
     rid: int
     prompt: np.ndarray
-    adapter: int                # slot or BASE
-    version: int                # the adapter slot's version at submission
-    params: dict                # check_params output
+    adapter: int  # slot or BASE
+    version: int  # the adapter slot's version at submission
+    params: dict  # check_params output
     num_samples: int
     prompt_logprobs: bool
     logprobs_only: bool = False
@@ -66,8 +66,8 @@ class Request:
     keys: np.ndarray | None = None  # uint32 [num_samples, 2], made once at admission
     fields: PromptFields = NO_FIELDS
     prompt_out: dict = dataclasses.field(default_factory=dict)  # SampleResult prompt fields
-    salt: bytes = b""               # its prefix-cache partition (page_keys)
-    watch: Callable | None = None   # submit(watch=…): where a sequence ends (text stops)
+    salt: bytes = b""  # its prefix-cache partition (page_keys)
+    watch: Callable | None = None  # submit(watch=…): where a sequence ends (text stops)
 
     @property
     def extend_logprobs(self) -> bool:
@@ -91,17 +91,17 @@ class Seq:
     """One sample of a request: its device, pages, reservation and drawn tokens."""
 
     req: Request
-    j: int                      # sample index
-    g: int                      # device (along the sequence axes)
+    j: int  # sample index
+    g: int  # device (along the sequence axes)
     pages: list = dataclasses.field(default_factory=list)
-    reserve: int = 0            # pages it may still take
+    reserve: int = 0  # pages it may still take
     tokens: list = dataclasses.field(default_factory=list)
     lps: list = dataclasses.field(default_factory=list)
     done: bool = False
-    decoding: bool = False      # forked (prefill over), decodes
-    row: int | None = None      # its recurrent-state row on device g (a hybrid model)
+    decoding: bool = False  # forked (prefill over), decodes
+    row: int | None = None  # its recurrent-state row on device g (a hybrid model)
     topk: list = dataclasses.field(default_factory=list)  # [(ids, lps)] per decode call
-    cut: bool = False           # ended by its request's watch (a text stop sequence)
+    cut: bool = False  # ended by its request's watch (a text stop sequence)
 
 
 @dataclasses.dataclass(eq=False)
@@ -109,7 +109,7 @@ class Group:
     """A request's samples on one device, sharing one prefill (the leader's pages)."""
 
     seqs: list
-    filled: int = 0             # prompt positions cached so far
+    filled: int = 0  # prompt positions cached so far
 
 
 class Admission:
@@ -156,8 +156,7 @@ class Admission:
         if plan is None:
             return False
         req.keys = sequence_keys(req.params["seed"], 0, req.num_samples)
-        req.plp = np.full(len(req.prompt), np.nan, np.float32) if req.extend_logprobs \
-            else None
+        req.plp = np.full(len(req.prompt), np.nan, np.float32) if req.extend_logprobs else None
         j = 0
         for g, k, hits in plan:
             group = Group([])
@@ -177,8 +176,11 @@ class Admission:
         could never be placed (it would wait at the head of the queue for ever)."""
         full = n // self.sizes.page
         own = self.sizes.pages_per_seq(n, max_tokens) - full
-        per_device = self.sizes.b_local if own == 0 else min(
-            self.sizes.b_local, max(self.sizes.n_pages - full, 0) // own)
+        per_device = (
+            self.sizes.b_local
+            if own == 0
+            else min(self.sizes.b_local, max(self.sizes.n_pages - full, 0) // own)
+        )
         return self.sizes.groups * per_device
 
     def need(self, req: Request, g: int, k: int, hits: list[int]) -> int:
@@ -194,8 +196,9 @@ class Admission:
         on one device when one fits them (the device with the longest cached prefix
         first), else spread over devices."""
         groups, b_local = self.sizes.groups, self.sizes.b_local
-        hits = {g: self.pool.lookup(g, keys, req.extend_logprobs) if keys else []
-                for g in range(groups)}
+        hits = {
+            g: self.pool.lookup(g, keys, req.extend_logprobs) if keys else [] for g in range(groups)
+        }
         order = sorted(range(groups), key=lambda g: (-len(hits[g]), -self.pool.available(g), g))
 
         def rows(g):
@@ -219,8 +222,7 @@ class Admission:
                 return plan
         return None
 
-    def start_group(self, req: Request, group: Group, g: int, hits: list[int],
-                    keys) -> None:
+    def start_group(self, req: Request, group: Group, g: int, hits: list[int], keys) -> None:
         """Give group (k samples of req on device g) its rows, cached pages and
         reservations; queue its prefill, or fork it when the prompt is all cached."""
         page = self.sizes.page
@@ -243,7 +245,7 @@ class Admission:
         group.filled = len(hits) * page
         if req.plp is not None:
             for i, p in enumerate(hits):
-                req.plp[i * page + 1:(i + 1) * page + 1] = self.pool.logprobs[g][p]
+                req.plp[i * page + 1 : (i + 1) * page + 1] = self.pool.logprobs[g][p]
         if group.filled >= req.n:
             self.fork(group, [])
         else:
@@ -276,8 +278,7 @@ class Admission:
             lead, page = group.seqs[0], self.sizes.page
             req = lead.req
             for i, key in enumerate(self.page_keys(req)):
-                lp = (None if req.plp is None
-                      else req.plp[i * page + 1:(i + 1) * page + 1].copy())
+                lp = None if req.plp is None else req.plp[i * page + 1 : (i + 1) * page + 1].copy()
                 self.pool.register(lead.g, key, lead.pages[i], lp)
         self.fork(group, copies)
         self.prefilling.remove(group)

@@ -38,8 +38,18 @@ def nucleus_mask(x_BxV, top_k_B, top_p_B):
     return jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], order_BxV].set(keep_sorted)
 
 
-def sample_tokens(logits_BxV, keys_Bx2, count_B, temperature_B, top_k_B, top_p_B, *,
-                  greedy: bool, filtered: bool, topk: int = 0):
+def sample_tokens(
+    logits_BxV,
+    keys_Bx2,
+    count_B,
+    temperature_B,
+    top_k_B,
+    top_p_B,
+    *,
+    greedy: bool,
+    filtered: bool,
+    topk: int = 0,
+):
     """(token int32 [B], log-prob float32 [B]) of one decode step, per row; with topk > 0
     also (ids int32 [B, topk], log-probs [B, topk]): the topk most likely tokens of the
     distribution the log-probs are taken from (ids −1 past the vocabulary).
@@ -67,8 +77,7 @@ def sample_tokens(logits_BxV, keys_Bx2, count_B, temperature_B, top_k_B, top_p_B
             x_BxV = jnp.where(nucleus_mask(x_BxV, top_k_B, top_p_B), x_BxV, -jnp.inf)
 
         def draw(key_2, count, row_V):
-            key = jax.random.fold_in(jax.random.wrap_key_data(key_2, impl="threefry2x32"),
-                                     count)
+            key = jax.random.fold_in(jax.random.wrap_key_data(key_2, impl="threefry2x32"), count)
             return jnp.argmax(row_V + jax.random.gumbel(key, row_V.shape, jnp.float32))
 
         count_B = jnp.broadcast_to(jnp.asarray(count_B, jnp.int32), (b,))
@@ -79,13 +88,26 @@ def sample_tokens(logits_BxV, keys_Bx2, count_B, temperature_B, top_k_B, top_p_B
         return tok_B.astype(jnp.int32), lp_B
     val, idx = jax.lax.top_k(logp_BxV, min(topk, logp_BxV.shape[1]))
     pad = ((0, 0), (0, topk - val.shape[1]))
-    return (tok_B.astype(jnp.int32), lp_B,
-            jnp.pad(idx.astype(jnp.int32), pad, constant_values=-1),
-            jnp.pad(val, pad, constant_values=-jnp.inf))
+    return (
+        tok_B.astype(jnp.int32),
+        lp_B,
+        jnp.pad(idx.astype(jnp.int32), pad, constant_values=-1),
+        jnp.pad(val, pad, constant_values=-jnp.inf),
+    )
 
 
-def sample_rows_over_tp(logits_BxVloc, keys_Bx2, count_B, temperature_B, top_k_B, top_p_B,
-                        *, greedy: bool, filtered: bool, topk: int = 0):
+def sample_rows_over_tp(
+    logits_BxVloc,
+    keys_Bx2,
+    count_B,
+    temperature_B,
+    top_k_B,
+    top_p_B,
+    *,
+    greedy: bool,
+    filtered: bool,
+    topk: int = 0,
+):
     """sample_tokens of vocab-parallel logits [B, V/tp] (each tp rank its vocab slice), the
     rows split over tp: an all_to_all gives each rank B/tp rows over the whole vocabulary,
     each rank draws its rows, and the rows' results are gathered back (replicated over tp).
@@ -98,8 +120,9 @@ def sample_rows_over_tp(logits_BxVloc, keys_Bx2, count_B, temperature_B, top_k_B
     b = logits_BxVloc.shape[0]
     kw = dict(greedy=greedy, filtered=filtered, topk=topk)
     if tp == 1 or b % tp:
-        return sample_tokens(gather_vocab(logits_BxVloc), keys_Bx2, count_B, temperature_B,
-                             top_k_B, top_p_B, **kw)
+        return sample_tokens(
+            gather_vocab(logits_BxVloc), keys_Bx2, count_B, temperature_B, top_k_B, top_p_B, **kw
+        )
     n = b // tp
     x_NxV = jax.lax.all_to_all(logits_BxVloc, TP, 0, 1, tiled=True)  # rank-major vocab
     start = jax.lax.axis_index(TP) * n
@@ -108,9 +131,15 @@ def sample_rows_over_tp(logits_BxVloc, keys_Bx2, count_B, temperature_B, top_k_B
         x = jnp.broadcast_to(jnp.asarray(x, dtype), (b,) + jnp.shape(x)[1:])
         return jax.lax.dynamic_slice_in_dim(x, start, n, axis=0)
 
-    out = sample_tokens(x_NxV, mine(keys_Bx2, jnp.uint32), mine(count_B, jnp.int32),
-                        mine(temperature_B, jnp.float32), mine(top_k_B, jnp.int32),
-                        mine(top_p_B, jnp.float32), **kw)
+    out = sample_tokens(
+        x_NxV,
+        mine(keys_Bx2, jnp.uint32),
+        mine(count_B, jnp.int32),
+        mine(temperature_B, jnp.float32),
+        mine(top_k_B, jnp.int32),
+        mine(top_p_B, jnp.float32),
+        **kw,
+    )
     return tuple(gather_batch(x, TP) for x in out)
 
 

@@ -111,24 +111,45 @@ class Engine:
     does submit + run + results for a list of prompts.
     """
 
-    def __init__(self, sampler: Sampler, config: EngineConfig | None = None, *,
-                 adapter_version: Callable[[int], int] | None = None, **knobs):
+    def __init__(
+        self,
+        sampler: Sampler,
+        config: EngineConfig | None = None,
+        *,
+        adapter_version: Callable[[int], int] | None = None,
+        **knobs,
+    ):
         if config is None:
             config = EngineConfig(**knobs)
         elif knobs:
             raise TypeError(f"Engine: pass config or keywords, not both ({sorted(knobs)})")
         self.s, self.config = sampler, config
-        self.sizes = s = EngineSizes.of(config, sampler.dp * sampler.cp,
-                                        sampler.limits.max_tokens_per_device * sampler.dp,
-                                        sampler.cfg.is_hybrid)
+        self.sizes = s = EngineSizes.of(
+            config,
+            sampler.dp * sampler.cp,
+            sampler.limits.max_tokens_per_device * sampler.dp,
+            sampler.cfg.is_hybrid,
+        )
         # The resolved sizes callers read (jcp-serve, tests, benchmarks).
-        self.slots, self.max_len, self.chunk, self.max_chunk = (s.slots, s.max_len, s.chunk,
-                                                                s.max_chunk)
+        self.slots, self.max_len, self.chunk, self.max_chunk = (
+            s.slots,
+            s.max_len,
+            s.chunk,
+            s.max_chunk,
+        )
         self.prefill_tokens, self.page, self.long_len, self.seq_cap = (
-            s.prefill_tokens, s.page, s.long_len, s.seq_cap)
+            s.prefill_tokens,
+            s.page,
+            s.long_len,
+            s.seq_cap,
+        )
         self.n_pages, self.max_pages, self.long_pages = s.n_pages, s.max_pages, s.long_pages
         self.groups, self.b_local, self.hybrid, self.prefix_cache = (
-            s.groups, s.b_local, s.hybrid, s.prefix_cache)
+            s.groups,
+            s.b_local,
+            s.hybrid,
+            s.prefix_cache,
+        )
         self.version = adapter_version or sampler.state.version
         self.admission = Admission(s)
         # The device side: the Sampler's runner (shared programs) and this engine's pages.
@@ -148,10 +169,18 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, prompt, sampling_params, adapter=None, num_samples: int = 1,
-               prompt_logprobs: bool = False, callback: Callable | None = None,
-               fields: PromptFields | None = None, salt: str | bytes | None = None,
-               watch: Callable | None = None) -> int:
+    def submit(
+        self,
+        prompt,
+        sampling_params,
+        adapter=None,
+        num_samples: int = 1,
+        prompt_logprobs: bool = False,
+        callback: Callable | None = None,
+        fields: PromptFields | None = None,
+        salt: str | bytes | None = None,
+        watch: Callable | None = None,
+    ) -> int:
         """Queue one prompt's num_samples sequences -> request id. Refused (InputError)
         before anything is queued: as Trainer.sample, and when the prompt plus max_tokens
         exceed max_len, num_samples exceeds the slots, or the request could never fit
@@ -177,42 +206,74 @@ class Engine:
         n = len(c.prompts[0])
         fields = check_fields(fields, n, self.s.cfg.vocab_size, bool(prompt_logprobs))
         if n - 1 + c.max_tokens > self.long_len:
-            raise InputError(f"prompt of {n} tokens + max_tokens {c.max_tokens} exceed the "
-                             f"engine's {self.long_len} positions per sequence")
+            raise InputError(
+                f"prompt of {n} tokens + max_tokens {c.max_tokens} exceed the "
+                f"engine's {self.long_len} positions per sequence"
+            )
         if c.num_samples > self.slots:
-            raise InputError(f"num_samples {c.num_samples} exceeds the engine's "
-                             f"{self.slots} slots")
+            raise InputError(f"num_samples {c.num_samples} exceeds the engine's {self.slots} slots")
         if self.sizes.pages_per_seq(n - 1, c.max_tokens) > self.n_pages:
-            raise InputError(f"prompt of {n} tokens + max_tokens {c.max_tokens} need more "
-                             f"than the engine's {self.n_pages} pages per device")
+            raise InputError(
+                f"prompt of {n} tokens + max_tokens {c.max_tokens} need more "
+                f"than the engine's {self.n_pages} pages per device"
+            )
         most = self.admission.most_samples(n - 1, c.max_tokens)
         if c.num_samples > most:
-            raise InputError(f"num_samples {c.num_samples} of a prompt of {n} tokens + "
-                             f"max_tokens {c.max_tokens} need more pages than the engine "
-                             f"holds (at most {most} such samples at once)")
-        params = dict(max_tokens=c.max_tokens, temperature=c.temperature, top_k=c.top_k,
-                      top_p=c.top_p, stop=c.stop, seed=c.seed)
-        req = Request(next(self._ids), c.prompts[0], c.adapters[0],
-                      self._version(c.adapters[0]), params, c.num_samples,
-                      bool(prompt_logprobs), fields=fields, salt=salt or b"", watch=watch)
+            raise InputError(
+                f"num_samples {c.num_samples} of a prompt of {n} tokens + "
+                f"max_tokens {c.max_tokens} need more pages than the engine "
+                f"holds (at most {most} such samples at once)"
+            )
+        params = dict(
+            max_tokens=c.max_tokens,
+            temperature=c.temperature,
+            top_k=c.top_k,
+            top_p=c.top_p,
+            stop=c.stop,
+            seed=c.seed,
+        )
+        req = Request(
+            next(self._ids),
+            c.prompts[0],
+            c.adapters[0],
+            self._version(c.adapters[0]),
+            params,
+            c.num_samples,
+            bool(prompt_logprobs),
+            fields=fields,
+            salt=salt or b"",
+            watch=watch,
+        )
         self._queue(req, callback)
         self.waiting.append(req)
         return req.rid
 
-    def submit_logprobs(self, prompt, adapter=None, callback: Callable | None = None,
-                        prompt_logprobs_last_n: int | None = None) -> int:
+    def submit_logprobs(
+        self,
+        prompt,
+        adapter=None,
+        callback: Callable | None = None,
+        prompt_logprobs_last_n: int | None = None,
+    ) -> int:
         """Queue a compute_logprobs request -> request id; its result is float32
         [len(prompt)] (NaN at 0, and before the last prompt_logprobs_last_n positions), as
         Trainer.compute_logprobs."""
         (p,) = check_prompts([prompt], self.s.cfg.vocab_size)
         (a,) = self.s.check_adapters(adapter, 1)
         if len(p) > self.s.limits.token_cap:
-            raise InputError(f"prompt has {len(p)} tokens, over the cap of "
-                             f"{self.s.limits.token_cap} tokens per sequence")
-        fields = check_fields(PromptFields(prompt_logprobs_last_n=prompt_logprobs_last_n),
-                              len(p), self.s.cfg.vocab_size, True)
-        req = Request(next(self._ids), p, a, self._version(a), {}, 0, True, logprobs_only=True,
-                      fields=fields)
+            raise InputError(
+                f"prompt has {len(p)} tokens, over the cap of "
+                f"{self.s.limits.token_cap} tokens per sequence"
+            )
+        fields = check_fields(
+            PromptFields(prompt_logprobs_last_n=prompt_logprobs_last_n),
+            len(p),
+            self.s.cfg.vocab_size,
+            True,
+        )
+        req = Request(
+            next(self._ids), p, a, self._version(a), {}, 0, True, logprobs_only=True, fields=fields
+        )
         self._queue(req, callback)
         self.logprob_waiting.append(req)
         return req.rid
@@ -327,8 +388,7 @@ class Engine:
         self._logprobs()
         if self.admission.decoding and decode:
             self._decode(self.decode_len(hurry))
-        self.peak_pages = max([self.peak_pages] + [self.pool.used(g)
-                                                   for g in range(self.groups)])
+        self.peak_pages = max([self.peak_pages] + [self.pool.used(g) for g in range(self.groups)])
         self.steps += 1
         return self._ended
 
@@ -339,13 +399,20 @@ class Engine:
             self.step()
             n += 1
 
-    def sample(self, prompts, sampling_params, adapters=None, num_samples: int = 1,
-               prompt_logprobs: bool = False) -> list[SampleResult]:
+    def sample(
+        self,
+        prompts,
+        sampling_params,
+        adapters=None,
+        num_samples: int = 1,
+        prompt_logprobs: bool = False,
+    ) -> list[SampleResult]:
         """Trainer.sample's contract through the engine (every prompt its own request)."""
-        per = self.s.check_adapters(adapters, len(check_prompts(prompts,
-                                                                self.s.cfg.vocab_size)))
-        rids = [self.submit(p, sampling_params, None if a == BASE else a, num_samples,
-                            prompt_logprobs) for p, a in zip(prompts, per)]
+        per = self.s.check_adapters(adapters, len(check_prompts(prompts, self.s.cfg.vocab_size)))
+        rids = [
+            self.submit(p, sampling_params, None if a == BASE else a, num_samples, prompt_logprobs)
+            for p, a in zip(prompts, per)
+        ]
         self.run()
         return [self.result(r) for r in rids]
 
@@ -354,9 +421,13 @@ class Engine:
             if req.cancelled:
                 self._end(req, EngineError(f"request {req.rid} was cancelled"))
             elif self._version(req.adapter) != req.version:
-                self._end(req, EngineError(
-                    f"adapter {req.adapter} changed (or was deleted) while request {req.rid} "
-                    "was sampling from it; its sequences were dropped, none mixes weights"))
+                self._end(
+                    req,
+                    EngineError(
+                        f"adapter {req.adapter} changed (or was deleted) while request {req.rid} "
+                        "was sampling from it; its sequences were dropped, none mixes weights"
+                    ),
+                )
 
     # ------------------------------------------------------------------ admission
 
@@ -374,8 +445,13 @@ class Engine:
     def _prompt_stats(self, reqs: list[Request]) -> None:
         """The SDK prompt fields of newly admitted requests: one cache-less prefill."""
         prompts, fields = [r.prompt for r in reqs], [r.fields for r in reqs]
-        call = PromptStatsCall.of(prompts, fields, [r.params["temperature"] for r in reqs],
-                                  [r.params["seed"] for r in reqs], [0] * len(reqs))
+        call = PromptStatsCall.of(
+            prompts,
+            fields,
+            [r.params["temperature"] for r in reqs],
+            [r.params["seed"] for r in reqs],
+            [0] * len(reqs),
+        )
         try:
             outs = self.device.prompt_outputs(prompts, [r.adapter for r in reqs], fields, call)
         except Exception as e:  # noqa: BLE001 — these requests fail, nothing else
@@ -404,7 +480,7 @@ class Engine:
         for group, c in work:
             req, i, f = group.seqs[0].req, at[id(group)], group.filled
             if req.plp is not None:
-                req.plp[f + 1:f + c + 1] = lp[i, :c]
+                req.plp[f + 1 : f + c + 1] = lp[i, :c]
             group.filled = f + c
             self.prefilled += c
             if group.filled >= req.n:
@@ -428,7 +504,7 @@ class Engine:
         for r, lp in zip(reqs, out):
             last_n = r.fields.prompt_logprobs_last_n
             if last_n is not None:
-                lp[:len(lp) - last_n] = np.nan
+                lp[: len(lp) - last_n] = np.nan
             self._end(r, lp)
 
     # ------------------------------------------------------------------ decode
@@ -470,8 +546,11 @@ class Engine:
                     del seq.tokens[keep:], seq.lps[keep:]
                     seq.cut = True
             c = len(seq.tokens)
-            if seq.cut or c >= req.params["max_tokens"] or (
-                    c and seq.tokens[-1] in req.params["stop"]):
+            if (
+                seq.cut
+                or c >= req.params["max_tokens"]
+                or (c and seq.tokens[-1] in req.params["stop"])
+            ):
                 self.admission.release(seq)
                 if all(x.done for x in req.seqs):
                     ended.append(req)
@@ -481,10 +560,16 @@ class Engine:
 
     # ------------------------------------------------------------------ warm-up
 
-    def warmup(self, active: Sequence[int] = (1,), draws: Sequence[str] = ("greedy", "drawn"),
-               prompt_logprobs: Sequence[bool] = (False,), compute_logprobs: bool = False,
-               stop_width: Sequence[int] = (STOP_WIDTH,), topk: Sequence[int] = (0,),
-               prompt_stats: Sequence[tuple[int, int, int]] = ()) -> int:
+    def warmup(
+        self,
+        active: Sequence[int] = (1,),
+        draws: Sequence[str] = ("greedy", "drawn"),
+        prompt_logprobs: Sequence[bool] = (False,),
+        compute_logprobs: bool = False,
+        stop_width: Sequence[int] = (STOP_WIDTH,),
+        topk: Sequence[int] = (0,),
+        prompt_stats: Sequence[tuple[int, int, int]] = (),
+    ) -> int:
         """Compile, up front, the programs the engine can run for these buckets -> how many
         it ran (program_keys then holds them): the bounded set of the module docstring,
         "Programs", as warmup.warmup lists it per argument. Runs each program once on
@@ -492,18 +577,31 @@ class Engine:
         compile nothing. Only on an idle engine."""
         if not self.idle:
             raise RuntimeError("Engine.warmup runs on an idle engine only")
-        return warmup_lib.warmup(self.device, active, draws, prompt_logprobs, compute_logprobs,
-                                 stop_width, topk, prompt_stats)
+        return warmup_lib.warmup(
+            self.device,
+            active,
+            draws,
+            prompt_logprobs,
+            compute_logprobs,
+            stop_width,
+            topk,
+            prompt_stats,
+        )
 
 
 def _result(req: Request) -> SampleResult:
     """The SampleResult of a request whose sequences have all ended."""
     stops = set(req.params["stop"])
     k = req.fields.topk_sample_logprobs
-    seqs = [SampledSequence(np.array(x.tokens, np.int32), np.array(x.lps, np.float32),
-                            "stop" if x.cut or x.tokens and x.tokens[-1] in stops else "length",
-                            _stack_topk(x.topk, k, len(x.tokens)) if k else None)
-            for x in req.seqs]
+    seqs = [
+        SampledSequence(
+            np.array(x.tokens, np.int32),
+            np.array(x.lps, np.float32),
+            "stop" if x.cut or x.tokens and x.tokens[-1] in stops else "length",
+            _stack_topk(x.topk, k, len(x.tokens)) if k else None,
+        )
+        for x in req.seqs
+    ]
     if req.plp is not None:
         req.prompt_out = prompt_results({"lp": req.plp}, len(req.prompt), req.fields, True)
     return SampleResult(seqs, **req.prompt_out)
@@ -513,5 +611,6 @@ def _stack_topk(parts, k: int, n: int | None = None) -> TopK:
     """The per-call top-k parts of a sequence as one TopK (its first n rows)."""
     ids = [p[0] for p in parts] or [np.zeros((0, k), np.int32)]
     lps = [p[1] for p in parts] or [np.zeros((0, k), np.float32)]
-    return TopK(np.concatenate(ids)[:n].astype(np.int32),
-                np.concatenate(lps)[:n].astype(np.float32))
+    return TopK(
+        np.concatenate(ids)[:n].astype(np.int32), np.concatenate(lps)[:n].astype(np.float32)
+    )

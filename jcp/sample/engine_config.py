@@ -18,8 +18,8 @@ from jcp.sample.params import is_int
 # docstring, "Programs"). Decode reads every weight once per step whatever the rows, so a
 # few more rows cost little while each window compiled costs tens of seconds.
 WINDOW_FLOOR = (8, 64)
-PREFILL_ROWS = (64, 4)   # prefill rows per device: the most per step, the smallest rung
-MIN_CHUNK = 16           # the smallest prefill chunk bucket
+PREFILL_ROWS = (64, 4)  # prefill rows per device: the most per step, the smallest rung
+MIN_CHUNK = 16  # the smallest prefill chunk bucket
 # Decode rows per device step down by 2 (b_local, b_local / 2, … ≥ 8): a decode call's
 # time grows with its rows on CPU, and ÷ 4 rungs ran up to 4× padding (257 sequences on
 # 2 devices decoded 512 rows each: 1.03 s instead of ~0.3 s).
@@ -64,8 +64,16 @@ class EngineConfig:
     max_len); the table rungs above max_len's serve the longer ones."""
 
     def __post_init__(self):
-        for name in ("slots", "max_len", "chunk", "page_size", "max_chunk", "long_len",
-                     "prefill_tokens", "pages"):
+        for name in (
+            "slots",
+            "max_len",
+            "chunk",
+            "page_size",
+            "max_chunk",
+            "long_len",
+            "prefill_tokens",
+            "pages",
+        ):
             v = getattr(self, name)
             if v is None and name in ("max_chunk", "long_len", "prefill_tokens", "pages"):
                 continue
@@ -104,8 +112,9 @@ class EngineSizes:
     prefix_cache: bool
 
     @staticmethod
-    def of(config: EngineConfig, groups: int, default_prefill_tokens: int,
-           hybrid: bool) -> EngineSizes:
+    def of(
+        config: EngineConfig, groups: int, default_prefill_tokens: int, hybrid: bool
+    ) -> EngineSizes:
         """config on `groups` devices along the sequence axes; default_prefill_tokens
         stands in for prefill_tokens None. ValueError when slots do not divide."""
         c = config
@@ -115,20 +124,30 @@ class EngineSizes:
         max_pages = -(-c.max_len // c.page_size)
         n_pages = c.pages if c.pages is not None else b_local * max_pages
         long_len = c.max_len if c.long_len is None else max(c.max_len, c.long_len)
-        prefill_tokens = (c.prefill_tokens if c.prefill_tokens is not None
-                          else default_prefill_tokens)
+        prefill_tokens = (
+            c.prefill_tokens if c.prefill_tokens is not None else default_prefill_tokens
+        )
         max_chunk = 4 * c.chunk if c.max_chunk is None else c.max_chunk
         return EngineSizes(
-            groups=groups, slots=c.slots, b_local=b_local, max_len=c.max_len,
-            long_len=long_len, page=c.page_size, max_pages=max_pages,
-            long_pages=-(-long_len // c.page_size), n_pages=n_pages,
-            seq_cap=min(long_len, n_pages * c.page_size), chunk=c.chunk,
-            max_chunk=max(c.chunk, max_chunk), prefill_tokens=prefill_tokens,
+            groups=groups,
+            slots=c.slots,
+            b_local=b_local,
+            max_len=c.max_len,
+            long_len=long_len,
+            page=c.page_size,
+            max_pages=max_pages,
+            long_pages=-(-long_len // c.page_size),
+            n_pages=n_pages,
+            seq_cap=min(long_len, n_pages * c.page_size),
+            chunk=c.chunk,
+            max_chunk=max(c.chunk, max_chunk),
+            prefill_tokens=prefill_tokens,
             prefill_rows=min(PREFILL_ROWS[0], b_local),
-            chunk_top=max(MIN_CHUNK, min(pow2_at_least(prefill_tokens),
-                                         pow2_at_least(c.max_len))),
+            chunk_top=max(MIN_CHUNK, min(pow2_at_least(prefill_tokens), pow2_at_least(c.max_len))),
             min_stream=max(16, pow2_at_least(c.max_len) // 4),
-            hybrid=bool(hybrid), prefix_cache=bool(c.prefix_cache) and not hybrid)
+            hybrid=bool(hybrid),
+            prefix_cache=bool(c.prefix_cache) and not hybrid,
+        )
 
     def pages_per_seq(self, n: int, max_tokens: int) -> int:
         """Pages of a sequence of n prefilled positions and max_tokens new ones."""
@@ -143,8 +162,10 @@ class EngineSizes:
 
     def table_rungs(self) -> list[int]:
         """Every value table_width takes."""
-        return (rungs(self.max_pages, max(1, WINDOW_FLOOR[1] // self.page))
-                + rungs(self.long_pages, self.max_pages)[:-1])
+        return (
+            rungs(self.max_pages, max(1, WINDOW_FLOOR[1] // self.page))
+            + rungs(self.long_pages, self.max_pages)[:-1]
+        )
 
     def rows_bucket(self, n: int) -> int:
         """Decode rows per device of a call whose fullest device holds n live rows."""

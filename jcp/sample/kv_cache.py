@@ -93,8 +93,9 @@ class Layout:
         """The recurrent state's specs: a sequence's row on the devices of its sequence
         axes (replicated over cp under "split": every rank of the sequence runs its
         recurrent step alike), channels and heads over tp."""
-        return delta_rule.Recurrent(P(None, self.seq_axes, None, TP),
-                                    P(None, self.seq_axes, TP, None, None))
+        return delta_rule.Recurrent(
+            P(None, self.seq_axes, None, TP), P(None, self.seq_axes, TP, None, None)
+        )
 
     def cache_specs(self, hybrid: bool) -> Cache:
         """specs, with rec_specs for a hybrid model."""
@@ -106,11 +107,26 @@ class Layout:
 
 
 LAYOUTS = {
-    "batch": Layout("batch", (DP, CP), (), SPECS.cache_LxBxTxKxH, SPECS.cache_position_BxT,
-                    SPECS.seqs_B, SPECS.seqs_Bx2, SPECS.spans_DPxCPxAx2),
-    "split": Layout("split", (DP,), (CP,), SPECS.split_cache_LxBxTxKxH,
-                    SPECS.split_cache_position_BxT, SPECS.split_seqs_B, SPECS.split_seqs_Bx2,
-                    SPECS.split_spans_DPx1xAx2),
+    "batch": Layout(
+        "batch",
+        (DP, CP),
+        (),
+        SPECS.cache_LxBxTxKxH,
+        SPECS.cache_position_BxT,
+        SPECS.seqs_B,
+        SPECS.seqs_Bx2,
+        SPECS.spans_DPxCPxAx2,
+    ),
+    "split": Layout(
+        "split",
+        (DP,),
+        (CP,),
+        SPECS.split_cache_LxBxTxKxH,
+        SPECS.split_cache_position_BxT,
+        SPECS.split_seqs_B,
+        SPECS.split_seqs_Bx2,
+        SPECS.split_spans_DPx1xAx2,
+    ),
 }
 
 
@@ -158,12 +174,17 @@ def fill(kv: KV, source_BxT, layout: Layout, old: KV | None) -> KV:
             old_LxBxTxKxH = jnp.zeros_like(rows)
         return jnp.where(keep, rows, old_LxBxTxKxH)
 
-    return KV(*(one(x, None if old is None else o)
-                for x, o in zip(kv[:2], (None, None) if old is None else old[:2])))
+    return KV(
+        *(
+            one(x, None if old is None else o)
+            for x, o in zip(kv[:2], (None, None) if old is None else old[:2])
+        )
+    )
 
 
-def fill_recurrent(rec: delta_rule.Recurrent, source_B, old: delta_rule.Recurrent | None,
-                   layout: Layout) -> delta_rule.Recurrent:
+def fill_recurrent(
+    rec: delta_rule.Recurrent, source_B, old: delta_rule.Recurrent | None, layout: Layout
+) -> delta_rule.Recurrent:
     """Inside shard_map: this device's rows of the recurrent state from prefill's hand-out.
 
     rec: the state after each of this device's stream pieces [Ll, P, …]. All-gathered over
@@ -180,16 +201,18 @@ def fill_recurrent(rec: delta_rule.Recurrent, source_B, old: delta_rule.Recurren
     # each device).
     ll, p = rec.conv.shape[:2]
     flat = jax.lax.all_gather(
-        jnp.concatenate([x.reshape(ll, p, -1) for x in rec], axis=-1), (DP, CP), axis=1,
-        tiled=True)
+        jnp.concatenate([x.reshape(ll, p, -1) for x in rec], axis=-1), (DP, CP), axis=1, tiled=True
+    )
     rows = jnp.take(flat, jnp.maximum(source_B, 0), axis=1)  # [Ll, B, conv + ssm]
     if spread:
         first = sum(jax.lax.axis_index(a) for a in spread) == 0
         rows = jax.lax.psum(jnp.where(first, rows, 0.0), spread)
     cut = rec.conv[0, 0].size
     b = source_B.shape[0]
-    new = delta_rule.Recurrent(rows[..., :cut].reshape((ll, b) + rec.conv.shape[2:]),
-                               rows[..., cut:].reshape((ll, b) + rec.ssm.shape[2:]))
+    new = delta_rule.Recurrent(
+        rows[..., :cut].reshape((ll, b) + rec.conv.shape[2:]),
+        rows[..., cut:].reshape((ll, b) + rec.ssm.shape[2:]),
+    )
     if old is None:
         old = jax.tree.map(jnp.zeros_like, new)
     return keep_recurrent(old, new, keep)
@@ -239,17 +262,20 @@ def decode_attend(position_B, row_position_BxT, merge_axes=()) -> attention_lib.
         q_BxKxMxH = q_BxQxH.reshape(b, kv_heads, per_kv, head_dim)
 
         def rows(q_KxMxH, k_TxKxH, v_TxKxH, visible_T):
-            s_KxMxT = jnp.einsum("kmh,tkh->kmt", q_KxMxH, k_TxKxH,
-                                 preferred_element_type=jnp.float32) * scale
+            s_KxMxT = (
+                jnp.einsum("kmh,tkh->kmt", q_KxMxH, k_TxKxH, preferred_element_type=jnp.float32)
+                * scale
+            )
             s_KxMxT = jnp.where(visible_T, s_KxMxT, -jnp.inf)
             init = attention_lib.online_softmax_init(kv_heads, per_kv, 1, head_dim)
             return attention_lib.online_softmax_update(init, s_KxMxT[:, :, None, :], v_TxKxH)
 
         def own(st, q_KxMxH, k_new_KxH, v_new_KxH):
-            s_KxM = jnp.einsum("kmh,kh->km", q_KxMxH, k_new_KxH,
-                               preferred_element_type=jnp.float32) * scale
-            st = attention_lib.online_softmax_update(st, s_KxM[:, :, None, None],
-                                                     v_new_KxH[None])
+            s_KxM = (
+                jnp.einsum("kmh,kh->km", q_KxMxH, k_new_KxH, preferred_element_type=jnp.float32)
+                * scale
+            )
+            st = attention_lib.online_softmax_update(st, s_KxM[:, :, None, None], v_new_KxH[None])
             return attention_lib.online_softmax_finish(st)[0][:, :, 0]
 
         st = jax.vmap(rows)(q_BxKxMxH, state.k, state.v, visible_BxT)
@@ -267,18 +293,22 @@ def write_rows(cache: Cache, new: KV, row_B, position_B) -> Cache:
     "split") a rank that is not this step's writer.
     """
     b = jnp.arange(row_B.shape[0])
-    k, v = (c.at[:, b, row_B].set(n.astype(c.dtype), mode="drop")
-            for c, n in zip((cache.k, cache.v), new))
+    k, v = (
+        c.at[:, b, row_B].set(n.astype(c.dtype), mode="drop")
+        for c, n in zip((cache.k, cache.v), new)
+    )
     pos = cache.position.at[b, row_B].set(position_B.astype(jnp.int32), mode="drop")
     return cache._replace(k=k, v=v, position=pos)
 
 
-def keep_recurrent(old: delta_rule.Recurrent, new: delta_rule.Recurrent, live_B
-                   ) -> delta_rule.Recurrent:
+def keep_recurrent(
+    old: delta_rule.Recurrent, new: delta_rule.Recurrent, live_B
+) -> delta_rule.Recurrent:
     """The recurrent state after a decode step: new [Ll, B, …] on live rows, old elsewhere
     (a finished or empty row keeps what it had)."""
     return jax.tree.map(
-        lambda o, n: jnp.where(live_B.reshape((1, -1) + (1,) * (o.ndim - 2)), n, o), old, new)
+        lambda o, n: jnp.where(live_B.reshape((1, -1) + (1,) * (o.ndim - 2)), n, o), old, new
+    )
 
 
 def step_rows(count_B, base_B, layout: Layout, t_len: int):

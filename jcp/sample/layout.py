@@ -41,8 +41,7 @@ def ladder(n: int, full: int, floor: int, step: int = 4) -> int:
     return b
 
 
-def choose_cache_mode(requested: str | None, cp: int, batch_bytes: int,
-                      split_bytes: int) -> str:
+def choose_cache_mode(requested: str | None, cp: int, batch_bytes: int, split_bytes: int) -> str:
     """The cache layout of a call: `requested` when given; else "split" iff cp > 1, the
     per-device cache of "batch" exceeds SPLIT_ABOVE_BYTES and "split"'s is smaller."""
     if requested is not None:
@@ -80,8 +79,15 @@ def kv_row_bytes(num_layers: int, kv_heads_local: int, head_dim: int, itemsize: 
     return 2 * num_layers * kv_heads_local * head_dim * itemsize + 4
 
 
-def plan(prompt_lengths: Sequence[int], max_tokens: int, num_samples: int, dp: int, cp: int,
-         row_bytes: int, cache_mode: str | None = None) -> Plan:
+def plan(
+    prompt_lengths: Sequence[int],
+    max_tokens: int,
+    num_samples: int,
+    dp: int,
+    cp: int,
+    row_bytes: int,
+    cache_mode: str | None = None,
+) -> Plan:
     """The cache layout a call with these prompt lengths would use.
 
     "batch": b_local = pow2(⌈sequences / (dp·cp)⌉), t_local = pow2(longest − 1 +
@@ -90,8 +96,9 @@ def plan(prompt_lengths: Sequence[int], max_tokens: int, num_samples: int, dp: i
     prefill; pow2 = mesh.pow2_at_least. cache_mode None: choose_cache_mode.
     """
     if cache_mode is not None and cache_mode not in CACHE_MODES:
-        raise InputError(f"cache_mode must be None (automatic), \"batch\" or \"split\", "
-                         f"got {cache_mode!r}")
+        raise InputError(
+            f'cache_mode must be None (automatic), "batch" or "split", got {cache_mode!r}'
+        )
     n_seq = len(prompt_lengths) * num_samples
     longest = max(prompt_lengths)
     b_batch = pow2_at_least(-(-n_seq // (dp * cp)))
@@ -133,8 +140,14 @@ class CallLayout:
 PADDING = np.iinfo(np.int32).min  # adapter key of a decode row that holds no sequence
 
 
-def call_layout(prompt_lengths: Sequence[int], adapters: Sequence[int], num_samples: int,
-                p: Plan, dp: int, cp: int) -> CallLayout:
+def call_layout(
+    prompt_lengths: Sequence[int],
+    adapters: Sequence[int],
+    num_samples: int,
+    p: Plan,
+    dp: int,
+    cp: int,
+) -> CallLayout:
     """Decode rows and prefilled cache rows of a call.
 
     Sequences are sorted by (adapter, prompt, sample) and dealt round robin over the
@@ -171,8 +184,7 @@ def call_layout(prompt_lengths: Sequence[int], adapters: Sequence[int], num_samp
         else:
             row_position[rows, :n] = np.arange(n)
             base[rows] = n
-    return CallLayout(row_of, row_position, base, adapter, n_groups, p.b_local, p.t_local,
-                      split)
+    return CallLayout(row_of, row_position, base, adapter, n_groups, p.b_local, p.t_local, split)
 
 
 def prefill_source(lay: CallLayout, placements, prompt_of, s_len: int, cp: int) -> np.ndarray:
@@ -197,8 +209,9 @@ def prefill_source(lay: CallLayout, placements, prompt_of, s_len: int, cp: int) 
     return source
 
 
-def active_index(adapter_B: np.ndarray, bucket: int, base_key: int) -> tuple[np.ndarray,
-                                                                                np.ndarray]:
+def active_index(
+    adapter_B: np.ndarray, bucket: int, base_key: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(active int32 [bucket]: the distinct adapters of the rows, sorted, padded with
     base_key; index int32 [B]: each row's index into active — padding rows (PADDING)
     point at a base_key entry when there is one, else at entry 0, and decode nothing)."""
@@ -217,7 +230,7 @@ def stop_table(stops: Sequence[Sequence[int]], minimum: int = 8) -> np.ndarray:
     width = pow2_at_least(max((len(s) for s in stops), default=0), minimum)
     out = np.full((len(stops), width), -1, np.int32)
     for b, s in enumerate(stops):
-        out[b, :len(s)] = s
+        out[b, : len(s)] = s
     return out
 
 
@@ -236,8 +249,9 @@ def stream_pieces(segment: np.ndarray, position: np.ndarray) -> tuple[np.ndarray
     return piece.astype(np.int32), pow2_at_least(int(piece.max()) + 1)
 
 
-def recurrent_source(row_of, placements, prompt_of, piece: np.ndarray, pieces: int,
-                     n_rows: int, cp: int) -> np.ndarray:
+def recurrent_source(
+    row_of, placements, prompt_of, piece: np.ndarray, pieces: int, n_rows: int, cp: int
+) -> np.ndarray:
     """int32 [B]: the flat prefill piece whose final recurrent state each decode row takes
     (−1: none), for kv_cache.fill_recurrent — its prompt's last prefill token's piece, on
     the device holding that token (flat row (d·CP + r)·P + p over (dp, cp), whatever the

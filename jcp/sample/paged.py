@@ -54,16 +54,15 @@ from jcp import model as model_lib
 from jcp.attention import paged as paged_kernel
 from jcp.config import QwenConfig
 from jcp.mesh import SPECS
-from jcp.sample import draws
-from jcp.sample import kv_cache
+from jcp.sample import draws, kv_cache
 from jcp.sample.programs import DecodeRows, decode_hidden, decode_loop
 
-POOL_SPEC = SPECS.cache_LxBxTxKxH   # [L, P, page, K, H]: pages over (dp, cp), heads over tp
-ROWS_SPEC = SPECS.seqs_B            # [B]
-TABLE_SPEC = SPECS.seqs_Bx2         # [B, M] / [B, C]
-LAYOUT = kv_cache.LAYOUTS["batch"]   # the engine's sequences: over (dp, cp)
+POOL_SPEC = SPECS.cache_LxBxTxKxH  # [L, P, page, K, H]: pages over (dp, cp), heads over tp
+ROWS_SPEC = SPECS.seqs_B  # [B]
+TABLE_SPEC = SPECS.seqs_Bx2  # [B, M] / [B, C]
+LAYOUT = kv_cache.LAYOUTS["batch"]  # the engine's sequences: over (dp, cp)
 SEQ_AXES = LAYOUT.seq_axes
-REC_SPEC = LAYOUT.rec_specs          # Recurrent [Ll, R, …]: state rows over (dp, cp)
+REC_SPEC = LAYOUT.rec_specs  # Recurrent [Ll, R, …]: state rows over (dp, cp)
 
 
 class Programs(NamedTuple):
@@ -112,7 +111,7 @@ class ChunkMix(NamedTuple):
         x = x_SxC.astype(jnp.float32).reshape(b, c, -1)
         full = jnp.concatenate([self._start(window_BxHxC), x], axis=1)  # [B, Kc−1+C, Ch]
         w = w_KxC.astype(jnp.float32)
-        out = sum(full[:, j:j + c] * w[j] for j in range(kc))
+        out = sum(full[:, j : j + c] * w[j] for j in range(kc))
         n_B = jnp.sum(self.valid_BxC, axis=1)
         at = n_B[:, None] + jnp.arange(kc - 1)[None, :]
         window = jnp.take_along_axis(full, at[:, :, None], axis=1)
@@ -129,12 +128,20 @@ class ChunkMix(NamedTuple):
         chunk = min(c, delta_rule.DEFAULT_CHUNK)
 
         def one(q, k, v, g, beta, s0, end):
-            o, s = delta_rule.chunked(q, k, v, g, beta, init_PxHxDkxDv=s0[None], chunk=chunk,
-                                      ends_P=end[None])
+            o, s = delta_rule.chunked(
+                q, k, v, g, beta, init_PxHxDkxDv=s0[None], chunk=chunk, ends_P=end[None]
+            )
             return o, s[0]
 
-        o, s = jax.vmap(one)(rows(q_SxHkxDk), rows(k_SxHkxDk), rows(v_SxHxDv), g, beta,
-                             self._start(s_BxHxDkxDv), end_B)
+        o, s = jax.vmap(one)(
+            rows(q_SxHkxDk),
+            rows(k_SxHkxDk),
+            rows(v_SxHxDv),
+            g,
+            beta,
+            self._start(s_BxHxDkxDv),
+            end_B,
+        )
         return o.reshape((b * c,) + o.shape[2:]), s
 
 
@@ -144,11 +151,9 @@ def take_rows(rec: delta_rule.Recurrent, slot_B) -> delta_rule.Recurrent:
     return jax.tree.map(lambda x: jnp.take(x, jnp.clip(slot_B, 0, r - 1), axis=1), rec)
 
 
-def put_rows(rec: delta_rule.Recurrent, new: delta_rule.Recurrent, slot_B
-             ) -> delta_rule.Recurrent:
+def put_rows(rec: delta_rule.Recurrent, new: delta_rule.Recurrent, slot_B) -> delta_rule.Recurrent:
     """rec with rows slot_B ← new [Ll, B, …] (slots ≥ R dropped: padding rows)."""
-    return jax.tree.map(lambda x, n: x.at[:, slot_B].set(n.astype(x.dtype), mode="drop"),
-                        rec, new)
+    return jax.tree.map(lambda x, n: x.at[:, slot_B].set(n.astype(x.dtype), mode="drop"), rec, new)
 
 
 def paged_attend(table_BxM, start_B, valid_BxC):
@@ -172,27 +177,38 @@ def paged_attend(table_BxM, start_B, valid_BxC):
         k_new = k_NxKxH.reshape(b, c, kv_heads, head_dim)
         v_new = v_NxKxH.reshape(b, c, kv_heads, head_dim)
         take = jnp.maximum(table_BxM, 0)
-        k_old, v_old = (jnp.take(x, take, axis=0).reshape(b, m * page, kv_heads, head_dim)
-                        for x in (state.k, state.v))
+        k_old, v_old = (
+            jnp.take(x, take, axis=0).reshape(b, m * page, kv_heads, head_dim)
+            for x in (state.k, state.v)
+        )
         t = jnp.arange(m * page)
         seen_BxT = (t[None] < start_B[:, None]) & jnp.repeat(table_BxM >= 0, page, axis=1)
         causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
         seen_BxCxC = causal[None] & valid_BxC[:, None, :]
         scale = 1.0 / np.sqrt(head_dim)
-        s_old = jnp.einsum("bckmh,btkh->bkmct", q, k_old,
-                           preferred_element_type=jnp.float32) * scale
-        s_new = jnp.einsum("bckmh,bdkh->bkmcd", q, k_new,
-                           preferred_element_type=jnp.float32) * scale
-        s = jnp.concatenate([jnp.where(seen_BxT[:, None, None, None], s_old, -jnp.inf),
-                             jnp.where(seen_BxCxC[:, None, None], s_new, -jnp.inf)], -1)
+        s_old = (
+            jnp.einsum("bckmh,btkh->bkmct", q, k_old, preferred_element_type=jnp.float32) * scale
+        )
+        s_new = (
+            jnp.einsum("bckmh,bdkh->bkmcd", q, k_new, preferred_element_type=jnp.float32) * scale
+        )
+        s = jnp.concatenate(
+            [
+                jnp.where(seen_BxT[:, None, None, None], s_old, -jnp.inf),
+                jnp.where(seen_BxCxC[:, None, None], s_new, -jnp.inf),
+            ],
+            -1,
+        )
         top = jnp.max(s, -1, keepdims=True)
         p = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0))
         total = jnp.sum(p, -1)
         vals = jnp.concatenate([v_old, v_new], 1).astype(jnp.float32)
         out = jnp.einsum("bkmct,btkh->bckmh", p, vals)
         out = out / jnp.where(total == 0, 1.0, total).transpose(0, 3, 1, 2)[..., None]
-        return (out.reshape(b * c, q_heads, head_dim).astype(q_NxQxH.dtype),
-                kv_cache.KV(k_NxKxH, v_NxKxH))
+        return (
+            out.reshape(b * c, q_heads, head_dim).astype(q_NxQxH.dtype),
+            kv_cache.KV(k_NxKxH, v_NxKxH),
+        )
 
     return attend
 
@@ -215,8 +231,10 @@ def paged_decode_attend(table_BxM, position_B, page: int):
 
     def attend(q_BxQxH, k_BxKxH, v_BxKxH, state: kv_cache.KV):
         kv_heads, head_dim = state.k.shape[2:]
-        k_old, v_old = (jnp.take(x, take, axis=0).reshape(b, m * page, kv_heads, head_dim)
-                        for x in (state.k, state.v))
+        k_old, v_old = (
+            jnp.take(x, take, axis=0).reshape(b, m * page, kv_heads, head_dim)
+            for x in (state.k, state.v)
+        )
         return inner(q_BxQxH, k_BxKxH, v_BxKxH, kv_cache.KV(k_old, v_old))
 
     return attend
@@ -236,8 +254,9 @@ def pallas_decode_attend(table_BxM, position_B, pool_k, pool_v):
 
     def attend(q_BxQxH, k_BxKxH, v_BxKxH, layer: kv_cache.KV):
         pages_BxM = jnp.where(table_BxM >= 0, layer.k * n_pages + table_BxM, -1)
-        out = paged_kernel.paged_decode(q_BxQxH, k_BxKxH, v_BxKxH, flat_k, flat_v, pages_BxM,
-                                        position_B)
+        out = paged_kernel.paged_decode(
+            q_BxQxH, k_BxKxH, v_BxKxH, flat_k, flat_v, pages_BxM, position_B
+        )
         return out, kv_cache.KV(k_BxKxH, v_BxKxH)
 
     return attend
@@ -251,8 +270,10 @@ def layer_indices(pool_k):
 def write_pages(pool: Pool, new: kv_cache.KV, page_N, row_N) -> Pool:
     """pool with new [L, N, K, H] token n written to row row_N[n] of page page_N[n]
     (pages ≥ P are dropped: padding, finished rows)."""
-    k, v = (x.at[:, page_N, row_N].set(n.astype(x.dtype), mode="drop")
-            for x, n in zip((pool.k, pool.v), (new.k, new.v)))
+    k, v = (
+        x.at[:, page_N, row_N].set(n.astype(x.dtype), mode="drop")
+        for x, n in zip((pool.k, pool.v), (new.k, new.v))
+    )
     return pool._replace(k=k, v=v)
 
 
@@ -283,14 +304,16 @@ class ExtendRows:
 
     @staticmethod
     def specs() -> ExtendRows:
-        return ExtendRows(TABLE_SPEC, TABLE_SPEC, TABLE_SPEC, ROWS_SPEC, ROWS_SPEC, TABLE_SPEC,
-                          ROWS_SPEC)
+        return ExtendRows(
+            TABLE_SPEC, TABLE_SPEC, TABLE_SPEC, ROWS_SPEC, ROWS_SPEC, TABLE_SPEC, ROWS_SPEC
+        )
 
 
 def token_pages(table_BxM, position_BxC, valid_BxC, n_pages: int, page: int):
     """(page, row) int32 [B·C] where each new token's K/V goes (page n_pages: nowhere)."""
-    at = jnp.take_along_axis(table_BxM, jnp.clip(position_BxC // page, 0,
-                                                 table_BxM.shape[1] - 1), axis=1)
+    at = jnp.take_along_axis(
+        table_BxM, jnp.clip(position_BxC // page, 0, table_BxM.shape[1] - 1), axis=1
+    )
     ok = valid_BxC & (at >= 0)
     return (jnp.where(ok, at, n_pages).reshape(-1), (position_BxC % page).reshape(-1))
 
@@ -313,35 +336,55 @@ def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
             position = r.start[:, None] + jnp.arange(c)[None, :]
             route = slot_meta.routing(active, None, jnp.repeat(r.index, c))
             attend = paged_attend(r.table, r.start, r.valid)
-            layers = (model_lib.layer_slices(cfg, params, lora_active)
-                      if modes.slice_layers else None)
+            layers = (
+                model_lib.layer_slices(cfg, params, lora_active) if modes.slice_layers else None
+            )
             state, mix = kv_cache.KV(pool.k, pool.v), None
             if hybrid:
                 state = model_lib.HybridState(state, take_rows(pool.rec, r.slot))
                 mix = ChunkMix(r.valid, r.start == 0)
             h, new, _ = model_lib.hidden_states(
-                cfg, params, r.tokens.reshape(-1), position.reshape(-1), attend, lora_active,
-                route, attn_state=state, remat=False, layers=layers, mix=mix)
+                cfg,
+                params,
+                r.tokens.reshape(-1),
+                position.reshape(-1),
+                attend,
+                lora_active,
+                route,
+                attn_state=state,
+                remat=False,
+                layers=layers,
+                mix=mix,
+            )
             if hybrid:
                 pool = pool._replace(rec=put_rows(pool.rec, new.linear, r.slot))
                 new = new.full
-            page_N, row_N = token_pages(r.table, position, r.valid, pool.k.shape[1],
-                                        pool.k.shape[2])
+            page_N, row_N = token_pages(
+                r.table, position, r.valid, pool.k.shape[1], pool.k.shape[2]
+            )
             pool = write_pages(pool, new, page_N, row_N)
             lp = None
             if modes.with_logprobs:
                 lefts, rights = model_lib.unembed_factors(params, h, lora_active, route)
-                lp = losses_lib.target_logprobs(lefts, rights, r.targets.reshape(-1),
-                                                logprob_chunk).reshape(b, c)
+                lp = losses_lib.target_logprobs(
+                    lefts, rights, r.targets.reshape(-1), logprob_chunk
+                ).reshape(b, c)
                 lp = draws.gather_batch(jnp.where(r.valid, lp, 0.0), SEQ_AXES)
             return pool, lp
 
         pool_spec = pool_specs(hybrid)
-        in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
-                    SPECS.slot_G, pool_spec, ExtendRows.specs(), SPECS.replicated)
+        in_specs = (
+            lora_lib.slot_specs_active(cfg, lora_active),
+            model_lib.param_specs(cfg),
+            SPECS.slot_G,
+            pool_spec,
+            ExtendRows.specs(),
+            SPECS.replicated,
+        )
         out_specs = (pool_spec, P() if modes.with_logprobs else None)
         return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
-            lora_active, params, slot_meta, pool, rows, active)
+            lora_active, params, slot_meta, pool, rows, active
+        )
 
     return extend
 
@@ -354,16 +397,24 @@ def make_copy(mesh):
     @functools.partial(jax.jit, donate_argnames=("pool",))
     def copy(pool, src, dst, rec_src, rec_dst):
         def shard(pool, src, dst, rec_src, rec_dst):
-            k, v = (x.at[:, dst].set(jnp.take(x, jnp.maximum(src, 0), axis=1), mode="drop")
-                    for x in (pool.k, pool.v))
-            rec = (None if pool.rec is None
-                   else put_rows(pool.rec, take_rows(pool.rec, rec_src), rec_dst))
+            k, v = (
+                x.at[:, dst].set(jnp.take(x, jnp.maximum(src, 0), axis=1), mode="drop")
+                for x in (pool.k, pool.v)
+            )
+            rec = (
+                None
+                if pool.rec is None
+                else put_rows(pool.rec, take_rows(pool.rec, rec_src), rec_dst)
+            )
             return Pool(k, v, rec)
 
         spec = pool_specs(pool.rec is not None)
-        return jax.shard_map(shard, mesh=mesh,
-                             in_specs=(spec, ROWS_SPEC, ROWS_SPEC, ROWS_SPEC, ROWS_SPEC),
-                             out_specs=spec)(pool, src, dst, rec_src, rec_dst)
+        return jax.shard_map(
+            shard,
+            mesh=mesh,
+            in_specs=(spec, ROWS_SPEC, ROWS_SPEC, ROWS_SPEC, ROWS_SPEC),
+            out_specs=spec,
+        )(pool, src, dst, rec_src, rec_dst)
 
     return copy
 
@@ -371,8 +422,9 @@ def make_copy(mesh):
 _INT_FIELDS = ("token", "position", "base", "done", "count", "index", "max_tokens", "top_k")
 
 
-def pack_rows(rows: DecodeRows, table_BxM: np.ndarray, slot_B: np.ndarray | None = None
-              ) -> tuple[np.ndarray, np.ndarray]:
+def pack_rows(
+    rows: DecodeRows, table_BxM: np.ndarray, slot_B: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Host DecodeRows, page table and state rows (slot_B: a hybrid model's recurrent-state
     row per row; None: none) as two arrays, so a decode call moves 2 host arrays to the
     devices instead of 14 (each transfer costs ~ms of host time on CPU): int32
@@ -381,9 +433,15 @@ def pack_rows(rows: DecodeRows, table_BxM: np.ndarray, slot_B: np.ndarray | None
     inside the program."""
     slot_B = np.zeros(len(rows.token), np.int32) if slot_B is None else slot_B
     ints = np.concatenate(
-        [np.stack([np.asarray(getattr(rows, f)).astype(np.int32) for f in _INT_FIELDS], 1),
-         np.ascontiguousarray(rows.keys, np.uint32).view(np.int32), rows.stop,
-         np.asarray(slot_B, np.int32)[:, None], table_BxM], axis=1).astype(np.int32)
+        [
+            np.stack([np.asarray(getattr(rows, f)).astype(np.int32) for f in _INT_FIELDS], 1),
+            np.ascontiguousarray(rows.keys, np.uint32).view(np.int32),
+            rows.stop,
+            np.asarray(slot_B, np.int32)[:, None],
+            table_BxM,
+        ],
+        axis=1,
+    ).astype(np.int32)
     floats = np.stack([rows.temperature, rows.top_p], 1).astype(np.float32)
     return ints, floats
 
@@ -393,11 +451,14 @@ def unpack_rows(ints, floats, stop_width: int) -> tuple[DecodeRows, jax.Array, j
     f = {name: ints[:, i] for i, name in enumerate(_INT_FIELDS)}
     f["done"] = f["done"] != 0
     n = len(_INT_FIELDS)
-    keys = jax.lax.bitcast_convert_type(ints[:, n:n + 2], jnp.uint32)
-    stop = ints[:, n + 2:n + 2 + stop_width]
+    keys = jax.lax.bitcast_convert_type(ints[:, n : n + 2], jnp.uint32)
+    stop = ints[:, n + 2 : n + 2 + stop_width]
     slot = ints[:, n + 2 + stop_width]
-    return (DecodeRows(keys=keys, stop=stop, temperature=floats[:, 0], top_p=floats[:, 1], **f),
-            ints[:, n + 3 + stop_width:], slot)
+    return (
+        DecodeRows(keys=keys, stop=stop, temperature=floats[:, 0], top_p=floats[:, 1], **f),
+        ints[:, n + 3 + stop_width :],
+        slot,
+    )
 
 
 # Decode phases by table width (make_decode): the loop attends over the first ⌈M/2⌉ table
@@ -434,7 +495,8 @@ class PagedDecodeModes:
 
 
 def make_decode(cfg: QwenConfig, mesh, attn_impl: str = "blockwise"):
-    """jit(decode)(lora, params, slot_meta, pool, ints, floats, active, *, modes) -> (tokens [B, N] (−1: nothing drawn), log-probs [B, N], both replicated[, top-k
+    """jit(decode)(lora, params, slot_meta, pool, ints, floats, active, *, modes) -> (tokens [B, N] (−1: nothing drawn),
+    log-probs [B, N], both replicated[, top-k
     ids [B, N, k], top-k log-probs [B, N, k] with modes.topk]; pool).
 
     programs.decode_loop (every row's newest token through the decoder, drawn with
@@ -465,15 +527,24 @@ def make_decode(cfg: QwenConfig, mesh, attn_impl: str = "blockwise"):
             def run(width):
                 def one_step(tok_B, pos_B, store, lora_active, layers):
                     if in_place:
-                        attend = pallas_decode_attend(table[:, :width], pos_B, store.k,
-                                                      store.v)
+                        attend = pallas_decode_attend(table[:, :width], pos_B, store.k, store.v)
                         k = v = layer_indices(store.k)
                     else:
                         attend = paged_decode_attend(table[:, :width], pos_B, page)
                         k, v = store.k, store.v
-                    return decode_hidden(cfg, params, tok_B, pos_B, attend, k, v,
-                                         store.rec if hybrid else None, lora_active, route,
-                                         layers)
+                    return decode_hidden(
+                        cfg,
+                        params,
+                        tok_B,
+                        pos_B,
+                        attend,
+                        k,
+                        v,
+                        store.rec if hybrid else None,
+                        lora_active,
+                        route,
+                        layers,
+                    )
 
                 return one_step
 
@@ -481,28 +552,38 @@ def make_decode(cfg: QwenConfig, mesh, attn_impl: str = "blockwise"):
                 # As in programs.make_decode: skipping the rows of finished sequences makes
                 # the write depend on the draw, so XLA orders the reads before it (no copy).
                 if hybrid:
-                    store = store._replace(rec=kv_cache.keep_recurrent(store.rec, new.linear,
-                                                                       live_B))
+                    store = store._replace(
+                        rec=kv_cache.keep_recurrent(store.rec, new.linear, live_B)
+                    )
                     new = new.full
-                page_B, row_B = token_pages(table, pos_B[:, None], ~done_B[:, None],
-                                            n_pages, page)
+                page_B, row_B = token_pages(table, pos_B[:, None], ~done_B[:, None], n_pages, page)
                 return write_pages(store, new, page_B, row_B)
 
             widths = phase_widths(table.shape[1], modes.phases)
             phases = [(w * page if w < table.shape[1] else None, run(w)) for w in widths]
-            store, outs = decode_loop(cfg, params, lora_active, route, r, store, modes,
-                                      SEQ_AXES, phases, write)
+            store, outs = decode_loop(
+                cfg, params, lora_active, route, r, store, modes, SEQ_AXES, phases, write
+            )
             if hybrid:  # padding rows' slots are out of range: dropped
                 store = store._replace(rec=put_rows(pool.rec, store.rec, slot))
             return (*outs, store)
 
         pool_spec = pool_specs(hybrid)
-        in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
-                    SPECS.slot_G, pool_spec, TABLE_SPEC, ROWS_SPEC, DecodeRows.specs(LAYOUT),
-                    SPECS.replicated)
-        return jax.shard_map(shard, mesh=mesh, in_specs=in_specs,
-                             out_specs=(P(), P()) + (P(), P()) * bool(modes.topk)
-                             + (pool_spec,))(
-            lora_active, params, slot_meta, pool, table, slot, rows, active)
+        in_specs = (
+            lora_lib.slot_specs_active(cfg, lora_active),
+            model_lib.param_specs(cfg),
+            SPECS.slot_G,
+            pool_spec,
+            TABLE_SPEC,
+            ROWS_SPEC,
+            DecodeRows.specs(LAYOUT),
+            SPECS.replicated,
+        )
+        return jax.shard_map(
+            shard,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=(P(), P()) + (P(), P()) * bool(modes.topk) + (pool_spec,),
+        )(lora_active, params, slot_meta, pool, table, slot, rows, active)
 
     return decode

@@ -104,8 +104,9 @@ class PagePool:
             self.logprobs[g][p] = logprobs
 
 
-def page_keys(prompt: np.ndarray, adapter: int, version: int, page: int,
-              salt: bytes = b"") -> list[bytes]:
+def page_keys(
+    prompt: np.ndarray, adapter: int, version: int, page: int, salt: bytes = b""
+) -> list[bytes]:
     """The chained hash of every full page of prompt[:-1] (the prefilled positions). salt:
     the partition of the prefix cache these pages belong to (jcp-serve: the tenant), so
     that keys of different salts never meet; b"" keeps the unsalted keys."""
@@ -114,7 +115,8 @@ def page_keys(prompt: np.ndarray, adapter: int, version: int, page: int,
         h += hashlib.blake2b(salt, digest_size=16, person=b"jcp-prefix-salt").digest()
     out = []
     for i in range((len(prompt) - 1) // page):
-        h = hashlib.blake2b(h + np.asarray(prompt[i * page:(i + 1) * page], np.int64).tobytes(),
-                            digest_size=16).digest()
+        h = hashlib.blake2b(
+            h + np.asarray(prompt[i * page : (i + 1) * page], np.int64).tobytes(), digest_size=16
+        ).digest()
         out.append(h)
     return out

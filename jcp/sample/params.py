@@ -134,8 +134,11 @@ class PromptFields:
     @property
     def prompt_stats(self) -> bool:
         """Whether the prefill must compute more than prompt log-probs."""
-        return bool(self.topk_prompt_logprobs or self.prompt_alt_tokens_k
-                    or self.target_prompt_logprobs is not None)
+        return bool(
+            self.topk_prompt_logprobs
+            or self.prompt_alt_tokens_k
+            or self.target_prompt_logprobs is not None
+        )
 
     @property
     def target_width(self) -> int:
@@ -146,15 +149,17 @@ class PromptFields:
 NO_FIELDS = PromptFields()
 
 
-def check_fields(fields, prompt_len: int, vocab_size: int, prompt_logprobs: bool,
-                 what: str = "") -> PromptFields:
+def check_fields(
+    fields, prompt_len: int, vocab_size: int, prompt_logprobs: bool, what: str = ""
+) -> PromptFields:
     """PromptFields (or None) for a prompt of prompt_len tokens -> a checked private copy;
     InputError naming the field."""
     if fields is None:
         return NO_FIELDS
     if not isinstance(fields, PromptFields):
-        raise InputError(f"{what}fields must be jcp.sample.PromptFields, got "
-                         f"{type(fields).__name__}")
+        raise InputError(
+            f"{what}fields must be jcp.sample.PromptFields, got {type(fields).__name__}"
+        )
     cap = min(MAX_TOPK, vocab_size)
     for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
         k = getattr(fields, name)
@@ -163,37 +168,53 @@ def check_fields(fields, prompt_len: int, vocab_size: int, prompt_logprobs: bool
     n = fields.prompt_logprobs_last_n
     if n is not None:
         if not is_int(n) or not 1 <= n <= prompt_len - 1:
-            raise InputError(f"{what}prompt_logprobs_last_n must be an integer in [1, "
-                             f"len(prompt) − 1 = {prompt_len - 1}] or None, got {n!r}")
+            raise InputError(
+                f"{what}prompt_logprobs_last_n must be an integer in [1, "
+                f"len(prompt) − 1 = {prompt_len - 1}] or None, got {n!r}"
+            )
         if not prompt_logprobs:
-            raise InputError(f"{what}prompt_logprobs_last_n applies to prompt log-probs; "
-                             "set prompt_logprobs")
+            raise InputError(
+                f"{what}prompt_logprobs_last_n applies to prompt log-probs; set prompt_logprobs"
+            )
     t = fields.target_prompt_logprobs
     if t is not None:
         try:
             arr = np.array(t, copy=True)
         except Exception as e:  # noqa: BLE001 — ragged and the like
-            raise InputError(f"{what}target_prompt_logprobs is not an array of token ids "
-                             f"({e})") from None
+            raise InputError(
+                f"{what}target_prompt_logprobs is not an array of token ids ({e})"
+            ) from None
         if arr.ndim != 2 or arr.shape[0] != prompt_len - 1:
-            raise InputError(f"{what}target_prompt_logprobs must have shape [len(prompt) − 1 "
-                             f"= {prompt_len - 1}, K], got {list(arr.shape)}")
+            raise InputError(
+                f"{what}target_prompt_logprobs must have shape [len(prompt) − 1 "
+                f"= {prompt_len - 1}, K], got {list(arr.shape)}"
+            )
         if not np.issubdtype(arr.dtype, np.integer):
-            raise InputError(f"{what}target_prompt_logprobs must hold integer token ids, got "
-                             f"{arr.dtype}")
+            raise InputError(
+                f"{what}target_prompt_logprobs must hold integer token ids, got {arr.dtype}"
+            )
         if not 1 <= arr.shape[1] <= MAX_TOPK:
-            raise InputError(f"{what}target_prompt_logprobs has K = {arr.shape[1]} ids per "
-                             f"position; 1 ≤ K ≤ {MAX_TOPK}")
+            raise InputError(
+                f"{what}target_prompt_logprobs has K = {arr.shape[1]} ids per "
+                f"position; 1 ≤ K ≤ {MAX_TOPK}"
+            )
         bad = np.argwhere((arr < -1) | (arr >= vocab_size))
         if bad.size:
             i, j = (int(x) for x in bad[0])
-            raise InputError(f"{what}target_prompt_logprobs[{i}][{j}] = {arr[i, j]} is "
-                             f"neither −1 nor a token id in [0, {vocab_size})")
+            raise InputError(
+                f"{what}target_prompt_logprobs[{i}][{j}] = {arr[i, j]} is "
+                f"neither −1 nor a token id in [0, {vocab_size})"
+            )
         if not np.any(arr >= 0):
             raise InputError(f"{what}target_prompt_logprobs names no token id (all −1)")
         t = arr.astype(np.int32)
-    return PromptFields(int(fields.topk_prompt_logprobs), int(fields.topk_sample_logprobs),
-                        None if n is None else int(n), t, int(fields.prompt_alt_tokens_k))
+    return PromptFields(
+        int(fields.topk_prompt_logprobs),
+        int(fields.topk_sample_logprobs),
+        None if n is None else int(n),
+        t,
+        int(fields.prompt_alt_tokens_k),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,14 +255,18 @@ def check_prompts(prompts, vocab_size: int, what: str = "prompts") -> list[np.nd
         if arr.size == 0:
             raise InputError(f"{what}[{i}] is empty")
         if not np.issubdtype(arr.dtype, np.integer):
-            if arr.dtype.kind != "f" or not np.all(np.isfinite(arr)) \
-                    or np.any(arr != np.round(arr)):
+            if (
+                arr.dtype.kind != "f"
+                or not np.all(np.isfinite(arr))
+                or np.any(arr != np.round(arr))
+            ):
                 raise InputError(f"{what}[{i}] must hold integer token ids, got {arr.dtype}")
         bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
         if bad.size:
             j = int(bad[0])
-            raise InputError(f"{what}[{i}][{j}] = {arr[j]} is outside the vocabulary "
-                             f"[0, {vocab_size})")
+            raise InputError(
+                f"{what}[{i}][{j}] = {arr[j]} is outside the vocabulary [0, {vocab_size})"
+            )
         out.append(arr.astype(np.int32))
     return out
 
@@ -251,14 +276,14 @@ def check_params(sp, vocab_size: int, eos: tuple[int, ...]) -> dict:
     if not isinstance(sp, SamplingParams):
         raise InputError(f"sampling_params must be jcp.SamplingParams, got {type(sp).__name__}")
     if not is_int(sp.max_tokens) or sp.max_tokens < 1:
-        raise InputError(f"SamplingParams.max_tokens must be an integer ≥ 1, got "
-                         f"{sp.max_tokens!r}")
+        raise InputError(f"SamplingParams.max_tokens must be an integer ≥ 1, got {sp.max_tokens!r}")
     temperature = float32_number(sp.temperature, "SamplingParams.temperature")
     if temperature < 0:
         raise InputError(f"SamplingParams.temperature must be ≥ 0, got {sp.temperature}")
     if not is_int(sp.top_k) or not (sp.top_k == -1 or sp.top_k >= 1):
-        raise InputError(f"SamplingParams.top_k must be −1 (no limit) or an integer ≥ 1, got "
-                         f"{sp.top_k!r}")
+        raise InputError(
+            f"SamplingParams.top_k must be −1 (no limit) or an integer ≥ 1, got {sp.top_k!r}"
+        )
     top_p = float32_number(sp.top_p, "SamplingParams.top_p")
     if not 0.0 < top_p <= 1.0:
         raise InputError(f"SamplingParams.top_p must lie in (0, 1], got {sp.top_p}")
@@ -266,23 +291,31 @@ def check_params(sp, vocab_size: int, eos: tuple[int, ...]) -> dict:
         stop = tuple(eos)
     else:
         if isinstance(sp.stop, (str, bytes)) or not isinstance(sp.stop, (Sequence, np.ndarray)):
-            raise InputError(f"SamplingParams.stop must be a list of token ids or None, got "
-                             f"{sp.stop!r}")
+            raise InputError(
+                f"SamplingParams.stop must be a list of token ids or None, got {sp.stop!r}"
+            )
         for j, t in enumerate(sp.stop):
             if not is_int(t) or not 0 <= t < vocab_size:
-                raise InputError(f"SamplingParams.stop[{j}] = {t!r} is not a token id in "
-                                 f"[0, {vocab_size})")
+                raise InputError(
+                    f"SamplingParams.stop[{j}] = {t!r} is not a token id in [0, {vocab_size})"
+                )
         stop = tuple(int(t) for t in sp.stop)
     if sp.seed is None:
         seed = int(np.random.SeedSequence().entropy % (1 << 63))
     elif not is_int(sp.seed) or not 0 <= sp.seed < 1 << 63:
-        raise InputError(f"SamplingParams.seed must be an integer in [0, 2^63) or None, got "
-                         f"{sp.seed!r}")
+        raise InputError(
+            f"SamplingParams.seed must be an integer in [0, 2^63) or None, got {sp.seed!r}"
+        )
     else:
         seed = int(sp.seed)
-    return dict(max_tokens=int(sp.max_tokens), temperature=temperature,
-                top_k=int(min(sp.top_k, vocab_size)) if sp.top_k > 0 else -1,
-                top_p=top_p, stop=stop, seed=seed)
+    return dict(
+        max_tokens=int(sp.max_tokens),
+        temperature=temperature,
+        top_k=int(min(sp.top_k, vocab_size)) if sp.top_k > 0 else -1,
+        top_p=top_p,
+        stop=stop,
+        seed=seed,
+    )
 
 
 def alt_key(seed: int, prompt: int) -> np.ndarray:
@@ -294,8 +327,12 @@ def alt_key(seed: int, prompt: int) -> np.ndarray:
 def sequence_keys(seed: int, prompt: int, num_samples: int) -> np.ndarray:
     """Raw threefry keys uint32 [num_samples, 2] of one prompt's sequences: a pure function
     of (seed, prompt index, sample index), so a draw never depends on the batch around it."""
-    return np.stack([np.random.SeedSequence([seed, prompt, j]).generate_state(2, np.uint32)
-                     for j in range(num_samples)])
+    return np.stack(
+        [
+            np.random.SeedSequence([seed, prompt, j]).generate_state(2, np.uint32)
+            for j in range(num_samples)
+        ]
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,11 +357,11 @@ class PromptStatsCall:
         alt = k_bucket(max(f.prompt_alt_tokens_k for f in fields))
         if not (topk or alt):
             return None
-        t = np.array([0.0 if x == 0 else max(x, MIN_TEMPERATURE) for x in temperatures],
-                     np.float32)
+        t = np.array([0.0 if x == 0 else max(x, MIN_TEMPERATURE) for x in temperatures], np.float32)
         keys = np.stack([alt_key(sd, i) for sd, i in zip(seeds, prompt_index)])
-        return PromptStatsCall(topk, alt, t, keys,
-                               tuple(i for i, x in enumerate(prompts) if len(x) > 1))
+        return PromptStatsCall(
+            topk, alt, t, keys, tuple(i for i, x in enumerate(prompts) if len(x) > 1)
+        )
 
     def streams(self, pb) -> tuple[np.ndarray, np.ndarray]:
         """(temperature [DP, CP, S], keys [DP, CP, S, 2]) of a packed batch's tokens (pb: a
@@ -332,8 +369,10 @@ class PromptStatsCall:
         members = np.array(sorted(p.index for p in pb.placements) or [0])
         real = pb.segment >= 0
         prompt = np.array(self.which)[members[np.where(real, pb.segment, 0)]]
-        return (np.where(real, self.temperature[prompt], 0.0).astype(np.float32),
-                np.where(real[..., None], self.keys[prompt], 0).astype(np.uint32))
+        return (
+            np.where(real, self.temperature[prompt], 0.0).astype(np.float32),
+            np.where(real[..., None], self.keys[prompt], 0).astype(np.uint32),
+        )
 
 
 def prompt_results(out: dict, n: int, fields: PromptFields, prompt_logprobs: bool) -> dict:
@@ -354,11 +393,13 @@ def prompt_results(out: dict, n: int, fields: PromptFields, prompt_logprobs: boo
         kw["topk_prompt_logprobs"] = TopK(ids, lps)
     t = fields.target_prompt_logprobs
     if t is not None:
-        kw["target_prompt_logprobs"] = np.where(t >= 0, out["targets"][:, :t.shape[1]],
-                                                0.0).astype(np.float32)
+        kw["target_prompt_logprobs"] = np.where(
+            t >= 0, out["targets"][:, : t.shape[1]], 0.0
+        ).astype(np.float32)
     k = fields.prompt_alt_tokens_k
     if k:
         kw["prompt_alt_tokens"] = TopK(
             out["alt_ids"][:, :k].astype(np.int32) if n > 1 else np.zeros((0, k), np.int32),
-            out["alt_lp"][:, :k].astype(np.float32) if n > 1 else np.zeros((0, k), np.float32))
+            out["alt_lp"][:, :k].astype(np.float32) if n > 1 else np.zeros((0, k), np.float32),
+        )
     return kw

@@ -29,8 +29,7 @@ from jcp import model as model_lib
 from jcp import train_step
 from jcp.config import QwenConfig
 from jcp.mesh import CP, SPECS, vary
-from jcp.sample import draws
-from jcp.sample import kv_cache
+from jcp.sample import draws, kv_cache
 
 # The largest per-device layer weights the decode loop copies out of their stacks.
 SLICE_LAYERS_MAX_BYTES = 256 << 20
@@ -38,7 +37,8 @@ SLICE_LAYERS_MAX_BYTES = 256 << 20
 
 def _register(cls):
     jax.tree_util.register_dataclass(
-        cls, data_fields=[f.name for f in dataclasses.fields(cls)], meta_fields=[])
+        cls, data_fields=[f.name for f in dataclasses.fields(cls)], meta_fields=[]
+    )
     return cls
 
 
@@ -63,8 +63,16 @@ class PrefillArgs:
     @staticmethod
     def specs(draws: bool = False) -> PrefillArgs:
         s = SPECS.stream_DPxCPxS
-        return PrefillArgs(s, s, s, s, SPECS.spans_DPxCPxAx2, SPECS.replicated,
-                           s if draws else None, s if draws else None)
+        return PrefillArgs(
+            s,
+            s,
+            s,
+            s,
+            SPECS.spans_DPxCPxAx2,
+            SPECS.replicated,
+            s if draws else None,
+            s if draws else None,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,63 +168,110 @@ def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
     hybrid = cfg.is_hybrid
 
     @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("old",))
-    def prefill(lora, params, slot_meta, args: PrefillArgs, source, old, rec_source=None, *,
-                modes: PrefillModes):
+    def prefill(
+        lora,
+        params,
+        slot_meta,
+        args: PrefillArgs,
+        source,
+        old,
+        rec_source=None,
+        *,
+        modes: PrefillModes,
+    ):
         lora_active = lora_lib.take_active(lora, jnp.maximum(args.active, 0))
         lay = None if modes.layout is None else kv_cache.LAYOUTS[modes.layout]
 
         def shard(lora_active, params, slot_meta, a: PrefillArgs, source, old, rec_source):
             one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
-            route = slot_meta.routing(a.active, one(a.spans))
+            route = slot_meta.routing(a.active, one(a.spans), s_len=a.tokens.shape[-1])
             attend = kv_cache.prefill_attend(
-                train_step.training_attend(cfg, step_cfg, one(a.segment), one(a.position)))
-            mix = (delta_rule_lib.cp_mix(one(a.segment), one(a.position), modes.pieces, CP,
-                                         hand_out=lay is not None) if hybrid else None)
-            h_SxD, kv, _ = model_lib.hidden_states(cfg, params, one(a.tokens), one(a.position),
-                                                   attend, lora_active, route, remat=False,
-                                                   mix=mix)
+                train_step.training_attend(cfg, step_cfg, one(a.segment), one(a.position))
+            )
+            mix = (
+                delta_rule_lib.cp_mix(
+                    one(a.segment), one(a.position), modes.pieces, CP, hand_out=lay is not None
+                )
+                if hybrid
+                else None
+            )
+            h_SxD, kv, _ = model_lib.hidden_states(
+                cfg,
+                params,
+                one(a.tokens),
+                one(a.position),
+                attend,
+                lora_active,
+                route,
+                remat=False,
+                mix=mix,
+            )
             rec = None
             if hybrid:
                 kv, rec = kv.full, kv.linear
             kv = None if lay is None else kv_cache.fill(kv, source, lay, old)
             if lay is not None and hybrid:
-                kv = kv._replace(rec=kv_cache.fill_recurrent(
-                    rec, rec_source, None if old is None else old.rec, lay))
+                kv = kv._replace(
+                    rec=kv_cache.fill_recurrent(
+                        rec, rec_source, None if old is None else old.rec, lay
+                    )
+                )
             lp = None
             if modes.with_logprobs and modes.stats:
                 lefts, rights = model_lib.unembed_factors(params, h_SxD, lora_active, route)
                 stats = losses_lib.prompt_stats(
-                    lefts, rights, one(a.targets).reshape(one(a.tokens).shape[0], -1),
-                    step_cfg.logprob_chunk, topk=modes.topk, alt=modes.alt,
+                    lefts,
+                    rights,
+                    one(a.targets).reshape(one(a.tokens).shape[0], -1),
+                    step_cfg.logprob_chunk,
+                    topk=modes.topk,
+                    alt=modes.alt,
                     temperature_S=None if a.temperature is None else one(a.temperature),
                     keys_Sx2=None if a.keys is None else one(a.keys),
-                    position_S=one(a.position))
+                    position_S=one(a.position),
+                )
                 real = one(a.segment) >= 0
-                lp = {k: losses_lib.gather_stream(
-                    jnp.where(real.reshape((-1,) + (1,) * (v.ndim - 1)), v,
-                              jnp.zeros((), v.dtype))) for k, v in stats.items()}
+                lp = {
+                    k: losses_lib.gather_stream(
+                        jnp.where(
+                            real.reshape((-1,) + (1,) * (v.ndim - 1)), v, jnp.zeros((), v.dtype)
+                        )
+                    )
+                    for k, v in stats.items()
+                }
             elif modes.with_logprobs:
                 lefts, rights = model_lib.unembed_factors(params, h_SxD, lora_active, route)
-                lp_S = losses_lib.target_logprobs(lefts, rights, one(a.targets),
-                                                  step_cfg.logprob_chunk)
+                lp_S = losses_lib.target_logprobs(
+                    lefts, rights, one(a.targets), step_cfg.logprob_chunk
+                )
                 real = one(a.segment) >= 0
                 lp = losses_lib.gather_stream(
-                    jnp.where(real.reshape((-1,) + (1,) * (lp_S.ndim - 1)), lp_S, 0.0))
+                    jnp.where(real.reshape((-1,) + (1,) * (lp_S.ndim - 1)), lp_S, 0.0)
+                )
             return kv, lp
 
         kv_spec = None if lay is None else lay.kv_specs(hybrid)
-        in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
-                    SPECS.slot_G, PrefillArgs.specs(args.keys is not None),
-                    None if lay is None else lay.position_BxT,
-                    None if old is None else kv_spec,
-                    None if rec_source is None else lay.seqs_B)
+        in_specs = (
+            lora_lib.slot_specs_active(cfg, lora_active),
+            model_lib.param_specs(cfg),
+            SPECS.slot_G,
+            PrefillArgs.specs(args.keys is not None),
+            None if lay is None else lay.position_BxT,
+            None if old is None else kv_spec,
+            None if rec_source is None else lay.seqs_B,
+        )
         lp_spec = P() if modes.with_logprobs else None
         if modes.with_logprobs and modes.stats:
-            lp_spec = {k: P() for k in ("lp",) + ("topk_ids", "topk_lp") * bool(modes.topk)
-                       + ("alt_ids", "alt_lp") * bool(modes.alt)}
+            lp_spec = {
+                k: P()
+                for k in ("lp",)
+                + ("topk_ids", "topk_lp") * bool(modes.topk)
+                + ("alt_ids", "alt_lp") * bool(modes.alt)
+            }
         out_specs = (kv_spec, lp_spec)
         return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
-            lora_active, params, slot_meta, args, source, old, rec_source)
+            lora_active, params, slot_meta, args, source, old, rec_source
+        )
 
     return prefill
 
@@ -246,8 +301,7 @@ def make_decode(cfg: QwenConfig, mesh):
     hybrid = cfg.is_hybrid
 
     @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("cache",))
-    def decode(lora, params, slot_meta, cache, rows: DecodeRows, active, *,
-               modes: DecodeModes):
+    def decode(lora, params, slot_meta, cache, rows: DecodeRows, active, *, modes: DecodeModes):
         lay = kv_cache.LAYOUTS[modes.layout]
         # Gathered once, outside the loop: the A active slots, layers leading.
         lora_active = lora_lib.take_active(lora, jnp.maximum(active, 0))
@@ -257,50 +311,68 @@ def make_decode(cfg: QwenConfig, mesh):
             if modes.window is not None:
                 w_b, w_t = modes.window
                 cache = kv_cache.Cache(
-                    full.k[:, :w_b, :w_t], full.v[:, :w_b, :w_t], full.position[:w_b, :w_t],
-                    None if full.rec is None else jax.tree.map(lambda x: x[:, :w_b], full.rec))
+                    full.k[:, :w_b, :w_t],
+                    full.v[:, :w_b, :w_t],
+                    full.position[:w_b, :w_t],
+                    None if full.rec is None else jax.tree.map(lambda x: x[:, :w_b], full.rec),
+                )
             route = slot_meta.routing(active, None, r.index)
             b, t_len = cache.position.shape
-            # The A factors enter the loop as [I, A, R] and are viewed back as [A, I, R]
-            # inside it (swap_a_factors): XLA folds that view into low_rank_input's own
-            # transpose to [I, A·R], so no step copies them (XLA:CPU hoists no loop
-            # invariants; this cost 1.2× the decode time at A = 4 on the tiny model).
+
             def run(tok_B, pos_B, cache, lora_active, layers):
                 attend = kv_cache.decode_attend(pos_B, cache.position, lay.row_axes)
-                return decode_hidden(cfg, params, tok_B, pos_B, attend, cache.k, cache.v,
-                                     cache.rec if hybrid else None, lora_active, route,
-                                     layers)
+                return decode_hidden(
+                    cfg,
+                    params,
+                    tok_B,
+                    pos_B,
+                    attend,
+                    cache.k,
+                    cache.v,
+                    cache.rec if hybrid else None,
+                    lora_active,
+                    route,
+                    layers,
+                )
 
             def write(cache, new, pos_B, done_B, count_B, live_B):
                 # A finished sequence needs no more rows. Skipping them also makes the write
                 # depend on this step's draw, hence on every layer's reads of the cache (the
                 # last layer's feed nothing else): only then does XLA order the reads before
                 # the in-place write instead of copying the whole cache twice per step.
-                rows_B = jnp.where(done_B, t_len,
-                                   kv_cache.step_rows(count_B, r.base, lay, t_len))
+                rows_B = jnp.where(done_B, t_len, kv_cache.step_rows(count_B, r.base, lay, t_len))
                 if hybrid:
-                    cache = cache._replace(rec=kv_cache.keep_recurrent(cache.rec, new.linear,
-                                                                       live_B))
+                    cache = cache._replace(
+                        rec=kv_cache.keep_recurrent(cache.rec, new.linear, live_B)
+                    )
                     new = new.full
                 return kv_cache.write_rows(cache, new, rows_B, pos_B)
 
-            cache, outs = decode_loop(cfg, params, lora_active, route, r, cache, modes,
-                                      lay.seq_axes, run, write)
+            cache, outs = decode_loop(
+                cfg, params, lora_active, route, r, cache, modes, lay.seq_axes, run, write
+            )
             if modes.window is not None:
                 cache = jax.tree.map(
-                    lambda f, c: jax.lax.dynamic_update_slice(f, c, (0,) * f.ndim), full, cache)
+                    lambda f, c: jax.lax.dynamic_update_slice(f, c, (0,) * f.ndim), full, cache
+                )
             return (*outs, cache)
 
-        in_specs = (lora_lib.slot_specs_active(cfg, lora_active), model_lib.param_specs(cfg),
-                    SPECS.slot_G, lay.cache_specs(hybrid), DecodeRows.specs(lay),
-                    SPECS.replicated)
-        return jax.shard_map(shard, mesh=mesh, in_specs=in_specs,
-                             out_specs=(P(), P()) + (P(), P()) * bool(modes.topk)
-                             + (lay.cache_specs(hybrid),))(
-            lora_active, params, slot_meta, cache, rows, active)
+        in_specs = (
+            lora_lib.slot_specs_active(cfg, lora_active),
+            model_lib.param_specs(cfg),
+            SPECS.slot_G,
+            lay.cache_specs(hybrid),
+            DecodeRows.specs(lay),
+            SPECS.replicated,
+        )
+        return jax.shard_map(
+            shard,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=(P(), P()) + (P(), P()) * bool(modes.topk) + (lay.cache_specs(hybrid),),
+        )(lora_active, params, slot_meta, cache, rows, active)
 
     return decode
-
 
 
 def decode_hidden(cfg, params, tok_B, pos_B, attend, k, v, rec, lora_active, route, layers):
@@ -313,12 +385,24 @@ def decode_hidden(cfg, params, tok_B, pos_B, attend, k, v, rec, lora_active, rou
         state = model_lib.HybridState(state, rec)
         mix = delta_rule_lib.StepMix(pos_B == 0)
     h_BxD, new, _ = model_lib.hidden_states(
-        cfg, params, tok_B, pos_B, attend, lora_active, route,
-        attn_state=state, remat=False, layers=layers, mix=mix)
+        cfg,
+        params,
+        tok_B,
+        pos_B,
+        attend,
+        lora_active,
+        route,
+        attn_state=state,
+        remat=False,
+        layers=layers,
+        mix=mix,
+    )
     return h_BxD, new
 
-def decode_loop(cfg: QwenConfig, params, lora_active, route, r: DecodeRows, store, modes,
-                seq_axes, run, write):
+
+def decode_loop(
+    cfg: QwenConfig, params, lora_active, route, r: DecodeRows, store, modes, seq_axes, run, write
+):
     """The decode loop both decoders run inside their shard_map (this module's make_decode
     over slot rows, paged.make_decode over pages) -> (store, (tokens [B, N], log-probs
     [B, N][, top-k ids [B, N, k], top-k log-probs [B, N, k]]) gathered over seq_axes).
@@ -338,35 +422,38 @@ def decode_loop(cfg: QwenConfig, params, lora_active, route, r: DecodeRows, stor
     """
     phases = run if isinstance(run, (list, tuple)) else [(None, run)]
     b = r.token.shape[0]
-    # The A factors enter the loop as [I, A, R] and are viewed back as [A, I, R] inside it
-    # (swap_a_factors): XLA folds that view into low_rank_input's own transpose to
-    # [I, A·R], so no step copies them (XLA:CPU hoists no loop invariants; this cost 1.2×
-    # the decode time at A = 4 on the tiny model).
-    lora_outside = swap_a_factors(lora_active)
-    layers_outside = (model_lib.layer_slices(cfg, params, lora_outside)
-                      if modes.slice_layers else None)
+    # Each step gathers, per module, the factors of its rows' adapters once per tile
+    # (lora.Tiles, planned once per call in route): no [A, …] copy of the factors.
+    layers = model_lib.layer_slices(cfg, params, lora_active) if modes.slice_layers else None
 
     def body(run):
         def step(carry):
             i, tok_B, pos_B, done_B, count_B, store, out_tok, out_lp, out_tk = carry
-            lora_active = swap_a_factors(lora_outside)
-            layers = (None if layers_outside is None else
-                      tuple((w, swap_a_factors(lo)) for w, lo in layers_outside))
             h_BxD, new = run(tok_B, pos_B, store, lora_active, layers)
             lefts, rights = model_lib.unembed_factors(params, h_BxD, lora_active, route)
-            logits = sum(jnp.einsum("bd,dv->bv", left, right,
-                                    preferred_element_type=jnp.float32)
-                         for left, right in zip(lefts, rights))
+            logits = sum(
+                jnp.einsum("bd,dv->bv", left, right, preferred_element_type=jnp.float32)
+                for left, right in zip(lefts, rights)
+            )
             nxt_B, lp_B, *tk = draws.sample_rows_over_tp(
-                logits, r.keys, count_B, r.temperature, r.top_k, r.top_p,
-                greedy=modes.greedy, filtered=modes.filtered, topk=modes.topk)
+                logits,
+                r.keys,
+                count_B,
+                r.temperature,
+                r.top_k,
+                r.top_p,
+                greedy=modes.greedy,
+                filtered=modes.filtered,
+                topk=modes.topk,
+            )
             live_B = ~done_B
             out_tok = out_tok.at[:, i].set(jnp.where(live_B, nxt_B, -1))
             out_lp = out_lp.at[:, i].set(jnp.where(live_B, lp_B, 0.0))
             if tk:
                 out_tk = (out_tk[0].at[:, i].set(tk[0]), out_tk[1].at[:, i].set(tk[1]))
-            done_B = (done_B | jnp.any(nxt_B[:, None] == r.stop, axis=1)
-                      | (count_B + 1 >= r.max_tokens))
+            done_B = (
+                done_B | jnp.any(nxt_B[:, None] == r.stop, axis=1) | (count_B + 1 >= r.max_tokens)
+            )
             store = write(store, new, pos_B, done_B, count_B, live_B)
             count_B = count_B + live_B.astype(jnp.int32)
             return i + 1, nxt_B, pos_B + 1, done_B, count_B, store, out_tok, out_lp, out_tk
@@ -391,22 +478,12 @@ def decode_loop(cfg: QwenConfig, params, lora_active, route, r: DecodeRows, stor
     out_tk = ()
     if modes.topk:
         k = modes.topk
-        out_tk = (vary(jnp.full((b, modes.out_len, k), -1, jnp.int32), seq_axes),
-                  vary(jnp.zeros((b, modes.out_len, k), jnp.float32), seq_axes))
-    carry = (jnp.int32(0), r.token, r.position, r.done, r.count, store, out_tok, out_lp,
-             out_tk)
+        out_tk = (
+            vary(jnp.full((b, modes.out_len, k), -1, jnp.int32), seq_axes),
+            vary(jnp.zeros((b, modes.out_len, k), jnp.float32), seq_axes),
+        )
+    carry = (jnp.int32(0), r.token, r.position, r.done, r.count, store, out_tok, out_lp, out_tk)
     for limit, run_i in phases:
         carry = jax.lax.while_loop(cond(limit), body(run_i), carry)
     store, out_tok, out_lp, out_tk = carry[5:]
     return store, tuple(draws.gather_batch(x, seq_axes) for x in (out_tok, out_lp, *out_tk))
-
-
-def swap_a_factors(lora):
-    """The A factors of the dense LoRA modules with their adapter and input axes swapped:
-    [.., A, I, R] <-> [.., I, A, R] (an involution; other factors unchanged). None: None."""
-    if lora is None:
-        return None
-    dense = lora_lib.LAYER_MODULES + (lora_lib.HEAD,)
-    return {m: {k: jnp.swapaxes(x, -3, -2) if m in dense and k == "a" else x
-                for k, x in ab.items()} if ab is not None else ab
-            for m, ab in lora.items()}

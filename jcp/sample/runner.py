@@ -45,8 +45,15 @@ class Runner:
     state_bytes describe the model's cache (below).
     """
 
-    def __init__(self, cfg: QwenConfig, mesh, params: dict, state: AdapterState,
-                 step_cfg: train_step.StepConfig, limits):
+    def __init__(
+        self,
+        cfg: QwenConfig,
+        mesh,
+        params: dict,
+        state: AdapterState,
+        step_cfg: train_step.StepConfig,
+        limits,
+    ):
         self.cfg, self.mesh, self.params, self.state = cfg, mesh, params, state
         self.limits, self.step_cfg = limits, step_cfg
         self.dp, self.cp, self.tp = (mesh_lib.axis_size(mesh, a) for a in mesh_lib.AXES)
@@ -56,26 +63,29 @@ class Runner:
         # of the layer weights for the call (measured: 26.7 vs 14.1 MiB of temporaries at
         # hidden 512, 18 MiB of layer weights) for 1.93× faster steps on CPU (XLA:CPU
         # slices the stacks anew each step). Worth it only while that copy is small.
-        layer_bytes = sum(x.addressable_data(0).nbytes for k, t in params.items()
-                          if isinstance(t, dict) for x in jax.tree.leaves(t))
+        layer_bytes = sum(
+            x.addressable_data(0).nbytes
+            for k, t in params.items()
+            if isinstance(t, dict)
+            for x in jax.tree.leaves(t)
+        )
         # A hybrid model's layers run as scans by kind (model.layer_slices is per layer).
-        self.slice_layers = (layer_bytes <= programs.SLICE_LAYERS_MAX_BYTES
-                             and not cfg.is_hybrid)
+        self.slice_layers = layer_bytes <= programs.SLICE_LAYERS_MAX_BYTES and not cfg.is_hybrid
         # Cache rows hold the full-attention layers only; a hybrid model's Gated DeltaNet
         # layers keep one recurrent state per sequence instead (kv_cache.Cache.rec).
-        self.kv_layers = (cfg.linear_layers.count(False) if cfg.is_hybrid
-                          else cfg.num_layers)
-        self.row_bytes = layout_lib.kv_row_bytes(self.kv_layers, cfg.num_kv_heads // self.tp,
-                                                 cfg.head_dim, jnp.dtype(cfg.dtype).itemsize)
+        self.kv_layers = cfg.linear_layers.count(False) if cfg.is_hybrid else cfg.num_layers
+        self.row_bytes = layout_lib.kv_row_bytes(
+            self.kv_layers, cfg.num_kv_heads // self.tp, cfg.head_dim, jnp.dtype(cfg.dtype).itemsize
+        )
         # A hybrid model's recurrent state per sequence on one device (fp32 conv window and
         # delta-rule state of every Gated DeltaNet layer; 0 for other models).
         self.state_bytes = 0
         if cfg.is_hybrid:
             ll = cfg.num_layers - self.kv_layers
-            conv = (cfg.linear_conv_kernel_dim - 1) * (2 * cfg.linear_key_dim
-                                                        + cfg.linear_value_dim)
-            ssm = (cfg.linear_num_value_heads * cfg.linear_key_head_dim
-                   * cfg.linear_value_head_dim)
+            conv = (cfg.linear_conv_kernel_dim - 1) * (
+                2 * cfg.linear_key_dim + cfg.linear_value_dim
+            )
+            ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
             self.state_bytes = 4 * ll * (conv + ssm) // self.tp
 
     @functools.cached_property
@@ -85,12 +95,14 @@ class Runner:
         return paged_lib.Programs(
             paged_lib.make_extend(self.cfg, self.mesh, self.step_cfg.logprob_chunk),
             paged_lib.make_decode(self.cfg, self.mesh, self.step_cfg.attn_impl),
-            paged_lib.make_copy(self.mesh))
+            paged_lib.make_copy(self.mesh),
+        )
 
     def put(self, x, spec):
         """A host array (the same on every process) as a global array of spec."""
-        return jax.make_array_from_callback(x.shape, NamedSharding(self.mesh, spec),
-                                            lambda idx: x[idx])
+        return jax.make_array_from_callback(
+            x.shape, NamedSharding(self.mesh, spec), lambda idx: x[idx]
+        )
 
     def zeros(self, shape, spec, dtype=None):
         """A zero array (in the model's dtype by default), each device making only its own
@@ -98,8 +110,7 @@ class Runner:
         sharding = NamedSharding(self.mesh, spec)
         local = sharding.shard_shape(shape)
         dtype = jnp.dtype(self.cfg.dtype) if dtype is None else dtype
-        return jax.make_array_from_callback(shape, sharding,
-                                            lambda idx: np.zeros(local, dtype))
+        return jax.make_array_from_callback(shape, sharding, lambda idx: np.zeros(local, dtype))
 
     def empty_cache(self, b: int, t: int, layout: kv_cache.Layout) -> kv_cache.KV:
         """A zero cache of b sequences × t rows in `layout` (with a hybrid model's zero
@@ -110,17 +121,32 @@ class Runner:
         if not cfg.is_hybrid:
             return kv
         ll = cfg.num_layers - self.kv_layers
-        conv = (ll, b, cfg.linear_conv_kernel_dim - 1,
-                2 * cfg.linear_key_dim + cfg.linear_value_dim)
-        ssm = (ll, b, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-               cfg.linear_value_head_dim)
+        conv = (
+            ll,
+            b,
+            cfg.linear_conv_kernel_dim - 1,
+            2 * cfg.linear_key_dim + cfg.linear_value_dim,
+        )
+        ssm = (
+            ll,
+            b,
+            cfg.linear_num_value_heads,
+            cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
+        )
         specs = layout.rec_specs
-        return kv._replace(rec=delta_rule.Recurrent(
-            *(self.zeros(x, spec, np.float32) for x, spec in ((conv, specs.conv),
-                                                              (ssm, specs.ssm)))))
+        return kv._replace(
+            rec=delta_rule.Recurrent(
+                *(
+                    self.zeros(x, spec, np.float32)
+                    for x, spec in ((conv, specs.conv), (ssm, specs.ssm))
+                )
+            )
+        )
 
-    def packed(self, prompts, adapters, min_stream: int = 1, fields=None
-               ) -> tuple[list[int], list[batch_lib.PackedBatch]]:
+    def packed(
+        self, prompts, adapters, min_stream: int = 1, fields=None
+    ) -> tuple[list[int], list[batch_lib.PackedBatch]]:
         """(prompt index of each prefill datum, packed micro-batches) of prompt[:-1] →
         prompt[1:] for every prompt longer than one token. Streams are padded on to a power
         of two ≥ min_stream (at most a device's rows): sampling's prefill also varies with
@@ -140,18 +166,33 @@ class Runner:
             t[:, 0] = prompts[i][1:]
             extra = fields[i].target_prompt_logprobs
             if extra is not None:
-                t[:, 1:1 + extra.shape[1]] = extra
+                t[:, 1 : 1 + extra.shape[1]] = extra
             return t
 
         data = [batch_lib.CheckedDatum(prompts[i][:-1], targets(i), {}) for i in which]
         cap = self.limits.max_tokens_per_device
-        packed = batch_lib.pack(data, [adapters[i] for i in which], self.dp, self.cp,
-                                cap, self.limits.max_adapters + 1)
-        return which, [batch_lib.pad_streams(
-            pb, min(mesh_lib.pow2_at_least(pb.tokens.shape[-1], min_stream), cap)) for pb in packed]
+        packed = batch_lib.pack(
+            data, [adapters[i] for i in which], self.dp, self.cp, cap, self.limits.max_adapters + 1
+        )
+        return which, [
+            batch_lib.pad_streams(
+                pb, min(mesh_lib.pow2_at_least(pb.tokens.shape[-1], min_stream), cap)
+            )
+            for pb in packed
+        ]
 
-    def run_prefill(self, pb, source=None, old=None, *, layout=None, with_logprobs,
-                    stats: PromptStatsCall | None = None, row_of=None, prompt_of=None):
+    def run_prefill(
+        self,
+        pb,
+        source=None,
+        old=None,
+        *,
+        layout=None,
+        with_logprobs,
+        stats: PromptStatsCall | None = None,
+        row_of=None,
+        prompt_of=None,
+    ):
         """One packed micro-batch through the prefill program (see programs.make_prefill);
         stats: the top-k / prompt draws to compute with the log-probs. A hybrid model
         filling a cache also needs row_of (the decode rows of each prompt) and prompt_of
@@ -162,9 +203,11 @@ class Runner:
             piece, pieces = layout_lib.stream_pieces(pb.segment, pb.position)
             if source is not None:
                 rec_source = self.put(
-                    layout_lib.recurrent_source(row_of, pb.placements, prompt_of, piece,
-                                                pieces, source.shape[0], self.cp),
-                    kv_cache.LAYOUTS[layout].seqs_B)
+                    layout_lib.recurrent_source(
+                        row_of, pb.placements, prompt_of, piece, pieces, source.shape[0], self.cp
+                    ),
+                    kv_cache.LAYOUTS[layout].seqs_B,
+                )
         if source is not None:
             source = self.put(source, kv_cache.LAYOUTS[layout].position_BxT)
         topk, alt = (stats.topk, stats.alt) if stats is not None else (0, 0)
@@ -173,28 +216,54 @@ class Runner:
             temperature, keys = stats.streams(pb)
             temperature, keys = self.put(temperature, s), self.put(keys, s)
         args = programs.PrefillArgs(
-            self.put(pb.tokens, s), self.put(pb.segment, s), self.put(pb.position, s),
-            self.put(pb.targets, s), self.put(pb.spans, SPECS.spans_DPxCPxAx2),
-            replicate(self.mesh, pb.active), temperature, keys)
-        modes = programs.PrefillModes(layout, bool(with_logprobs), topk if with_logprobs else 0,
-                                      alt if with_logprobs else 0, pieces)
-        return self.prefill(self.state.weights, self.params, self.state.meta, args, source,
-                            old, rec_source, modes=modes)
+            self.put(pb.tokens, s),
+            self.put(pb.segment, s),
+            self.put(pb.position, s),
+            self.put(pb.targets, s),
+            self.put(pb.spans, SPECS.spans_DPxCPxAx2),
+            replicate(self.mesh, pb.active),
+            temperature,
+            keys,
+        )
+        modes = programs.PrefillModes(
+            layout,
+            bool(with_logprobs),
+            topk if with_logprobs else 0,
+            alt if with_logprobs else 0,
+            pieces,
+        )
+        return self.prefill(
+            self.state.weights,
+            self.params,
+            self.state.meta,
+            args,
+            source,
+            old,
+            rec_source,
+            modes=modes,
+        )
 
-    def prompt_outputs(self, prompts, adapters, packed_results, min_stream: int = 1,
-                       fields=None, stats: PromptStatsCall | None = None) -> list[dict]:
+    def prompt_outputs(
+        self,
+        prompts,
+        adapters,
+        packed_results,
+        min_stream: int = 1,
+        fields=None,
+        stats: PromptStatsCall | None = None,
+    ) -> list[dict]:
         """Per prompt {"lp": float32 [len] (NaN at 0)} and, as the prefill computed them,
         "targets" [len − 1, K], "topk_ids" / "topk_lp" [len − 1, k], "alt_ids" / "alt_lp"
         [len − 1, k] (row i: position i + 1); from prefill results made with the same
         prompts, adapters, min_stream and fields (run here when packed_results is None)."""
         which, packed = self.packed(prompts, adapters, min_stream, fields)
         if packed_results is None:
-            packed_results = [self.run_prefill(pb, with_logprobs=True, stats=stats)[1]
-                              for pb in packed]
+            packed_results = [
+                self.run_prefill(pb, with_logprobs=True, stats=stats)[1] for pb in packed
+            ]
         out = [{"lp": np.full(len(x), np.nan, np.float32)} for x in prompts]
         for pb, res in zip(packed, packed_results):
-            res = host(res) if not isinstance(res, dict) else {k: host(v)
-                                                              for k, v in res.items()}
+            res = host(res) if not isinstance(res, dict) else {k: host(v) for k, v in res.items()}
             res = res if isinstance(res, dict) else {"lp": res}
             for key, stream in res.items():
                 for j, vec in batch_lib.unpack(stream, pb).items():
@@ -207,8 +276,9 @@ class Runner:
                         o[key] = vec
         return out
 
-    def prompt_logprobs(self, prompts, adapters, packed_results,
-                        min_stream: int = 1) -> list[np.ndarray]:
+    def prompt_logprobs(
+        self, prompts, adapters, packed_results, min_stream: int = 1
+    ) -> list[np.ndarray]:
         """Prompt log-probs from prefill results (run here when packed_results is None);
         min_stream as the `packed` call that made them."""
         which, packed = self.packed(prompts, adapters, min_stream)
@@ -219,7 +289,6 @@ class Runner:
             for j, vec in batch_lib.unpack(host(lp), pb).items():
                 out[which[j]][1:] = vec
         return out
-
 
     def active_index(self, adapter_B: np.ndarray, rows_live) -> tuple[np.ndarray, np.ndarray]:
         """(active adapters, each row's index into them) of a call whose rows rows_live
@@ -232,15 +301,14 @@ class Runner:
 def rows_at(per_device: list[list], width: int) -> dict[int, int]:
     """Row index (by id) of each item when every device's items fill its first rows of a
     [groups · width] batch."""
-    return {id(x): g * width + i for g, items in enumerate(per_device)
-            for i, x in enumerate(items)}
+    return {id(x): g * width + i for g, items in enumerate(per_device) for i, x in enumerate(items)}
 
 
 def page_table(seqs, at: dict[int, int], b: int, m: int) -> np.ndarray:
     """int32 [B, M]: each sequence's pages in its row (at), −1 elsewhere."""
     table = np.full((b, m), -1, np.int32)
     for seq in seqs:
-        table[at[id(seq)], :len(seq.pages)] = seq.pages[:m]
+        table[at[id(seq)], : len(seq.pages)] = seq.pages[:m]
     return table
 
 
@@ -267,26 +335,31 @@ class EngineDevice:
             rec = None
             if z.hybrid:  # one state row per decode slot (Runner.empty_cache's shapes)
                 rec = r.empty_cache(z.slots, 1, paged_lib.LAYOUT).rec
-            self.cache = paged_lib.Pool(*(r.zeros(shape, paged_lib.POOL_SPEC)
-                                          for _ in range(2)), rec)
+            self.cache = paged_lib.Pool(
+                *(r.zeros(shape, paged_lib.POOL_SPEC) for _ in range(2)), rec
+            )
 
     def _keep(self, pool) -> None:
         """Hold a program's output pages under the one sharding the engine made them with
         (a relabel, no copy): XLA may report an equivalent sharding with another spec, and a
         different input sharding would compile the next program anew."""
         self.cache = jax.tree.map(
-            lambda x, spec: jax.device_put(x, NamedSharding(self.runner.mesh, spec)), pool,
-            paged_lib.pool_specs(self.sizes.hybrid))
+            lambda x, spec: jax.device_put(x, NamedSharding(self.runner.mesh, spec)),
+            pool,
+            paged_lib.pool_specs(self.sizes.hybrid),
+        )
 
     def note_prefill(self, pb: batch_lib.PackedBatch, stats: tuple[int, int]) -> None:
         """Record a cache-less prefill of pb (stats: its (top-k, alt) widths)."""
-        self.program_keys.add(("prefill", None, pb.tokens.shape, pb.targets.shape,
-                               pb.spans.shape, True, stats))
+        self.program_keys.add(
+            ("prefill", None, pb.tokens.shape, pb.targets.shape, pb.spans.shape, True, stats)
+        )
 
     # ------------------------------------------------------------------ program calls
 
-    def prompt_outputs(self, prompts, adapters, fields,
-                       stats: PromptStatsCall | None) -> list[dict]:
+    def prompt_outputs(
+        self, prompts, adapters, fields, stats: PromptStatsCall | None
+    ) -> list[dict]:
         """Runner.prompt_outputs of newly admitted prompts (the SDK prompt fields): one
         cache-less prefill, its streams at least min_stream."""
         r, min_stream = self.runner, self.sizes.min_stream
@@ -301,46 +374,68 @@ class EngineDevice:
             self.note_prefill(pb, (0, 0))
         return r.prompt_logprobs(prompts, adapters, None, min_stream)
 
-    def extend(self, rows: paged_lib.ExtendRows, modes: paged_lib.ExtendModes,
-               active: np.ndarray) -> np.ndarray | None:
+    def extend(
+        self, rows: paged_lib.ExtendRows, modes: paged_lib.ExtendModes, active: np.ndarray
+    ) -> np.ndarray | None:
         """One extend call over the engine's pages (kept, donated) -> host log-probs."""
         r = self.runner
-        self.program_keys.add(("extend",) + rows.tokens.shape + (rows.table.shape[1],
-                                                                 len(active), modes))
+        self.program_keys.add(
+            ("extend",) + rows.tokens.shape + (rows.table.shape[1], len(active), modes)
+        )
         rows = jax.tree.map(r.put, rows, paged_lib.ExtendRows.specs())
         self._ensure_cache()
-        pool, lp = r.paged.extend(r.state.weights, r.params, r.state.meta, self.cache, rows,
-                                  replicate(r.mesh, active), modes=modes)
+        pool, lp = r.paged.extend(
+            r.state.weights,
+            r.params,
+            r.state.meta,
+            self.cache,
+            rows,
+            replicate(r.mesh, active),
+            modes=modes,
+        )
         self._keep(pool)
         del pool
         return host(lp) if modes.with_logprobs else None
 
-    def decode(self, table: np.ndarray, rows: programs.DecodeRows,
-               modes: paged_lib.PagedDecodeModes, active: np.ndarray,
-               slot: np.ndarray | None = None) -> list[np.ndarray]:
+    def decode(
+        self,
+        table: np.ndarray,
+        rows: programs.DecodeRows,
+        modes: paged_lib.PagedDecodeModes,
+        active: np.ndarray,
+        slot: np.ndarray | None = None,
+    ) -> list[np.ndarray]:
         """One decode call over the engine's pages (kept, donated) -> its host outputs
         (tokens, log-probs[, top-k ids, top-k log-probs]). slot: each row's state row."""
         r = self.runner
         self.program_keys.add(("decode", len(rows.token), table.shape[1], len(active), modes))
         ints, floats = paged_lib.pack_rows(rows, table, slot)
         self._ensure_cache()
-        *out, pool = r.paged.decode(r.state.weights, r.params, r.state.meta, self.cache,
-                                    r.put(ints, paged_lib.TABLE_SPEC),
-                                    r.put(floats, paged_lib.TABLE_SPEC),
-                                    replicate(r.mesh, active), modes=modes)
+        *out, pool = r.paged.decode(
+            r.state.weights,
+            r.params,
+            r.state.meta,
+            self.cache,
+            r.put(ints, paged_lib.TABLE_SPEC),
+            r.put(floats, paged_lib.TABLE_SPEC),
+            replicate(r.mesh, active),
+            modes=modes,
+        )
         self._keep(pool)
         del pool
         return [host(x) for x in out]
 
-    def copy(self, src: np.ndarray, dst: np.ndarray, rec_src: np.ndarray,
-             rec_dst: np.ndarray) -> None:
+    def copy(
+        self, src: np.ndarray, dst: np.ndarray, rec_src: np.ndarray, rec_dst: np.ndarray
+    ) -> None:
         """One page-copy call: pages src → dst and state rows rec_src → rec_dst (int32
         [groups · n] each, a device's entries in its n; dst n_pages / b_local: none)."""
         r = self.runner
         self.program_keys.add(("copy", len(src) // self.sizes.groups))
         self._ensure_cache()
-        out = r.paged.copy(self.cache, *(r.put(x, paged_lib.ROWS_SPEC)
-                                         for x in (src, dst, rec_src, rec_dst)))
+        out = r.paged.copy(
+            self.cache, *(r.put(x, paged_lib.ROWS_SPEC) for x in (src, dst, rec_src, rec_dst))
+        )
         self._keep(out)
 
     # ------------------------------------------------------------------ device arrays
@@ -351,10 +446,13 @@ class EngineDevice:
         if not copies:
             return
         z = self.sizes
-        per = {kind: [[c for c in copies if c[0] == g and c[3] == kind]
-                      for g in range(z.groups)] for kind in ("page", "row")}
-        n = layout_lib.ladder(max(len(x) for k in per.values() for x in k), z.b_local,
-                              WINDOW_FLOOR[0])
+        per = {
+            kind: [[c for c in copies if c[0] == g and c[3] == kind] for g in range(z.groups)]
+            for kind in ("page", "row")
+        }
+        n = layout_lib.ladder(
+            max(len(x) for k in per.values() for x in k), z.b_local, WINDOW_FLOOR[0]
+        )
         out = {}
         for kind, none in (("page", z.n_pages), ("row", z.b_local)):
             src = np.zeros(z.groups * n, np.int32)
@@ -365,8 +463,9 @@ class EngineDevice:
             out[kind] = (src, dst)
         self.copy(*out["page"], *out["row"])
 
-    def extend_batch(self, work: list) -> tuple[paged_lib.ExtendRows, paged_lib.ExtendModes,
-                                                 np.ndarray, dict[int, int]]:
+    def extend_batch(
+        self, work: list
+    ) -> tuple[paged_lib.ExtendRows, paged_lib.ExtendModes, np.ndarray, dict[int, int]]:
         """(rows, modes, active adapters, row of each group by id) of one extend call over
         work, [(group, positions)] (admission.Admission.prefill_work; pages grown): each
         device's groups in its first rows, every dimension bucketed."""
@@ -387,8 +486,8 @@ class EngineDevice:
         adapter = np.full(b, layout_lib.PADDING, np.int64)
         for group, c in work:
             req, i, f = group.seqs[0].req, at[id(group)], group.filled
-            tokens[i, :c] = req.prompt[f:f + c]
-            targets[i, :c] = req.prompt[f + 1:f + c + 1]
+            tokens[i, :c] = req.prompt[f : f + c]
+            targets[i, :c] = req.prompt[f + 1 : f + c + 1]
             valid[i, :c] = True
             start[i] = f
             adapter[i] = req.adapter
@@ -440,13 +539,28 @@ class EngineDevice:
         rows_live = [at[id(x)] for x in live]
         active, index = self.runner.active_index(adapter, rows_live)
         greedy = bool(np.all(temperature[rows_live] == 0.0))
-        filtered = bool(np.any((temperature[rows_live] > 0)
-                               & ((top_k[rows_live] > 0) | (top_p[rows_live] < 1.0))))
-        rows = programs.DecodeRows(token, position, np.zeros(b, np.int32), done, count, index,
-                                   max_tokens, temperature, top_k, top_p, keys,
-                                   layout_lib.stop_table(stops, STOP_WIDTH))
+        filtered = bool(
+            np.any(
+                (temperature[rows_live] > 0) & ((top_k[rows_live] > 0) | (top_p[rows_live] < 1.0))
+            )
+        )
+        rows = programs.DecodeRows(
+            token,
+            position,
+            np.zeros(b, np.int32),
+            done,
+            count,
+            index,
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            keys,
+            layout_lib.stop_table(stops, STOP_WIDTH),
+        )
         table = page_table(live, at, b, m)
         topk = decode_topk_bucket(max(x.req.fields.topk_sample_logprobs for x in live))
-        modes = paged_lib.PagedDecodeModes(n_steps, greedy, filtered, self.runner.slice_layers,
-                                           topk, rows.stop.shape[1])
+        modes = paged_lib.PagedDecodeModes(
+            n_steps, greedy, filtered, self.runner.slice_layers, topk, rows.stop.shape[1]
+        )
         return table, rows, modes, active, slot, at

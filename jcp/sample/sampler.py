@@ -73,9 +73,16 @@ class Sampler:
     Plan of the latest sample call.
     """
 
-    def __init__(self, cfg: QwenConfig, mesh, params: dict, state: AdapterState,
-                 step_cfg: train_step.StepConfig, limits: Limits,
-                 check_adapter: Callable[[object, str], int]):
+    def __init__(
+        self,
+        cfg: QwenConfig,
+        mesh,
+        params: dict,
+        state: AdapterState,
+        step_cfg: train_step.StepConfig,
+        limits: Limits,
+        check_adapter: Callable[[object, str], int],
+    ):
         self.cfg, self.mesh, self.params, self.state = cfg, mesh, params, state
         self.limits, self.check_adapter, self.step_cfg = limits, check_adapter, step_cfg
         # The device side, shared with every Engine over this Sampler (runner.py).
@@ -121,12 +128,16 @@ class Sampler:
         if is_int(adapters):
             return [self.check_adapter(adapters, "adapter")] * n
         if isinstance(adapters, (str, bytes)) or not isinstance(adapters, Sequence):
-            raise InputError(f"adapters must be None, an adapter id, or one entry (id or None) "
-                             f"per prompt, got {adapters!r}")
+            raise InputError(
+                f"adapters must be None, an adapter id, or one entry (id or None) "
+                f"per prompt, got {adapters!r}"
+            )
         if len(adapters) != n:
             raise InputError(f"adapters has {len(adapters)} entries for {n} prompts")
-        return [BASE if a is None else self.check_adapter(a, f"adapters[{i}]")
-                for i, a in enumerate(adapters)]
+        return [
+            BASE if a is None else self.check_adapter(a, f"adapters[{i}]")
+            for i, a in enumerate(adapters)
+        ]
 
     def check(self, prompts, sampling_params, adapters, num_samples) -> Checked:
         """Every refusal of a sampling call (InputError naming the argument), no device work."""
@@ -138,37 +149,49 @@ class Sampler:
         cap = self.limits.token_cap
         for i, x in enumerate(prompts):
             if len(x) + p["max_tokens"] > cap:
-                raise InputError(f"prompts[{i}]: {len(x)} prompt tokens + max_tokens "
-                                 f"{p['max_tokens']} exceed the token cap of {cap} tokens per "
-                                 "sequence (raise max_tokens_per_device or cp)")
+                raise InputError(
+                    f"prompts[{i}]: {len(x)} prompt tokens + max_tokens "
+                    f"{p['max_tokens']} exceed the token cap of {cap} tokens per "
+                    "sequence (raise max_tokens_per_device or cp)"
+                )
         return Checked(prompts, per_prompt, num_samples=int(num_samples), **p)
 
-    def plan(self, prompt_lengths: Sequence[int], max_tokens: int, num_samples: int = 1,
-             cache_mode: str | None = None) -> layout_lib.Plan:
+    def plan(
+        self,
+        prompt_lengths: Sequence[int],
+        max_tokens: int,
+        num_samples: int = 1,
+        cache_mode: str | None = None,
+    ) -> layout_lib.Plan:
         """The cache layout a call with these prompt lengths would use (host only)."""
-        return layout_lib.plan(prompt_lengths, max_tokens, num_samples, self.dp, self.cp,
-                               self.row_bytes, cache_mode)
+        return layout_lib.plan(
+            prompt_lengths, max_tokens, num_samples, self.dp, self.cp, self.row_bytes, cache_mode
+        )
 
     # ------------------------------------------------------------------ device helpers
 
     # ------------------------------------------------------------------ log-probs
 
-    def compute_logprobs(self, prompts, adapters=None,
-                         prompt_logprobs_last_n: int | None = None) -> list[np.ndarray]:
+    def compute_logprobs(
+        self, prompts, adapters=None, prompt_logprobs_last_n: int | None = None
+    ) -> list[np.ndarray]:
         """log p(prompt[t] | prompt[:t]) float32 [len(prompt)] per prompt, NaN at 0 (and
         before the last prompt_logprobs_last_n positions, when given)."""
         prompts = check_prompts(prompts, self.cfg.vocab_size)
         per_prompt = self.check_adapters(adapters, len(prompts))
         for i, x in enumerate(prompts):
             if len(x) > self.limits.token_cap:
-                raise InputError(f"prompts[{i}] has {len(x)} tokens, over the cap of "
-                                 f"{self.limits.token_cap} tokens per sequence")
-        self.check_fields(prompts, PromptFields(prompt_logprobs_last_n=prompt_logprobs_last_n),
-                          True)
+                raise InputError(
+                    f"prompts[{i}] has {len(x)} tokens, over the cap of "
+                    f"{self.limits.token_cap} tokens per sequence"
+                )
+        self.check_fields(
+            prompts, PromptFields(prompt_logprobs_last_n=prompt_logprobs_last_n), True
+        )
         out = self.runner.prompt_logprobs(prompts, per_prompt, None)
         if prompt_logprobs_last_n is not None:
             for lp in out:
-                lp[:len(lp) - prompt_logprobs_last_n] = np.nan
+                lp[: len(lp) - prompt_logprobs_last_n] = np.nan
         return out
 
     # ------------------------------------------------------------------ sample
@@ -180,25 +203,39 @@ class Sampler:
         elif isinstance(fields, Sequence) and len(fields) == len(prompts):
             per = list(fields)
         else:
-            raise InputError(f"fields must be None, a PromptFields, or one per prompt "
-                             f"({len(prompts)}), got {fields!r}")
-        return [check_fields(f, len(x), self.cfg.vocab_size, bool(prompt_logprobs),
-                             f"prompts[{i}]: ") for i, (f, x) in enumerate(zip(per, prompts))]
+            raise InputError(
+                f"fields must be None, a PromptFields, or one per prompt "
+                f"({len(prompts)}), got {fields!r}"
+            )
+        return [
+            check_fields(f, len(x), self.cfg.vocab_size, bool(prompt_logprobs), f"prompts[{i}]: ")
+            for i, (f, x) in enumerate(zip(per, prompts))
+        ]
 
-    def sample(self, prompts, sampling_params, adapters=None, num_samples=1,
-               prompt_logprobs=False, cache_mode=None, fields=None) -> list[SampleResult]:
+    def sample(
+        self,
+        prompts,
+        sampling_params,
+        adapters=None,
+        num_samples=1,
+        prompt_logprobs=False,
+        cache_mode=None,
+        fields=None,
+    ) -> list[SampleResult]:
         c = self.check(prompts, sampling_params, adapters, num_samples)
         if not isinstance(prompt_logprobs, (bool, np.bool_)):
             raise InputError(f"prompt_logprobs must be a bool, got {prompt_logprobs!r}")
         fields = self.check_fields(c.prompts, fields, prompt_logprobs)
         want_lp = bool(prompt_logprobs) or any(f.prompt_stats for f in fields)
         n_prompts = len(c.prompts)
-        stats = PromptStatsCall.of(c.prompts, fields, [c.temperature] * n_prompts,
-                                   [c.seed] * n_prompts, range(n_prompts))
+        stats = PromptStatsCall.of(
+            c.prompts, fields, [c.temperature] * n_prompts, [c.seed] * n_prompts, range(n_prompts)
+        )
         plan = self.plan([len(x) for x in c.prompts], c.max_tokens, c.num_samples, cache_mode)
         lay = kv_cache.LAYOUTS[plan.mode]
-        call = layout_lib.call_layout([len(x) for x in c.prompts], c.adapters, c.num_samples,
-                                      plan, self.dp, self.cp)
+        call = layout_lib.call_layout(
+            [len(x) for x in c.prompts], c.adapters, c.num_samples, plan, self.dp, self.cp
+        )
         b_total, t_total = call.shape
 
         # Prefill every prompt once, for all its num_samples sequences, straight into the
@@ -207,16 +244,23 @@ class Sampler:
         which, packed = r.packed(c.prompts, c.adapters, 1, fields)
         kv, lps = None, []
         for pb in packed:
-            source = layout_lib.prefill_source(call, pb.placements, which,
-                                               pb.tokens.shape[-1], self.cp)
-            kv, lp = r.run_prefill(pb, source, kv, layout=plan.mode,
-                                      with_logprobs=want_lp, stats=stats,
-                                      row_of=call.row_of, prompt_of=which)
+            source = layout_lib.prefill_source(
+                call, pb.placements, which, pb.tokens.shape[-1], self.cp
+            )
+            kv, lp = r.run_prefill(
+                pb,
+                source,
+                kv,
+                layout=plan.mode,
+                with_logprobs=want_lp,
+                stats=stats,
+                row_of=call.row_of,
+                prompt_of=which,
+            )
             lps.append(lp)
         if kv is None:  # every prompt is one token: nothing to prefill
             kv = r.empty_cache(b_total, t_total, lay)
-        cache = kv_cache.Cache(kv.k, kv.v, r.put(call.row_position, lay.position_BxT),
-                               kv.rec)
+        cache = kv_cache.Cache(kv.k, kv.v, r.put(call.row_position, lay.position_BxT), kv.rec)
 
         # Per-row start state and parameters.
         token = np.zeros(b_total, np.int32)
@@ -232,23 +276,40 @@ class Sampler:
         greedy = c.temperature == 0.0
         full = lambda v, dt: np.full(b_total, v, dt)  # noqa: E731
         rows = programs.DecodeRows(
-            token=token, position=position, base=call.base, done=done,
-            count=np.zeros(b_total, np.int32), index=index,
-            max_tokens=full(c.max_tokens, np.int32), temperature=full(c.temperature, np.float32),
-            top_k=full(c.top_k, np.int32), top_p=full(c.top_p, np.float32), keys=keys,
-            stop=layout_lib.stop_table([c.stop] * b_total))
+            token=token,
+            position=position,
+            base=call.base,
+            done=done,
+            count=np.zeros(b_total, np.int32),
+            index=index,
+            max_tokens=full(c.max_tokens, np.int32),
+            temperature=full(c.temperature, np.float32),
+            top_k=full(c.top_k, np.int32),
+            top_p=full(c.top_p, np.float32),
+            keys=keys,
+            stop=layout_lib.stop_table([c.stop] * b_total),
+        )
         rows = jax.tree.map(r.put, rows, programs.DecodeRows.specs(lay))
         topk = max(f.topk_sample_logprobs for f in fields)
         modes = programs.DecodeModes(
-            layout=plan.mode, out_len=plan.out_len, greedy=greedy,
+            layout=plan.mode,
+            out_len=plan.out_len,
+            greedy=greedy,
             filtered=not greedy and (c.top_k > 0 or c.top_p < 1.0),
-            slice_layers=r.slice_layers, topk=k_bucket(topk))
+            slice_layers=r.slice_layers,
+            topk=k_bucket(topk),
+        )
         self.last_plan = plan
         out_tok, out_lp, *out_tk, _ = r.decode(
-            self.state.weights, self.params, self.state.meta, cache, rows,
-            replicate(self.mesh, active), modes=modes)
-        outs = (r.prompt_outputs(c.prompts, c.adapters, lps, 1, fields) if want_lp
-                else None)
+            self.state.weights,
+            self.params,
+            self.state.meta,
+            cache,
+            rows,
+            replicate(self.mesh, active),
+            modes=modes,
+        )
+        outs = r.prompt_outputs(c.prompts, c.adapters, lps, 1, fields) if want_lp else None
         out_tok, out_lp = host(out_tok), host(out_lp)
         out_tk = [host(x) for x in out_tk]
 
@@ -262,11 +323,21 @@ class Sampler:
                 toks = out_tok[r, :n].astype(np.int32)
                 reason = "stop" if n and int(toks[-1]) in stops else "length"
                 k = fields[i].topk_sample_logprobs
-                tk = (TopK(out_tk[0][r, :n, :k].astype(np.int32),
-                           out_tk[1][r, :n, :k].astype(np.float32)) if k else None)
-                sequences.append(SampledSequence(toks, out_lp[r, :n].astype(np.float32),
-                                                 reason, tk))
-            extra = ({} if outs is None else
-                     prompt_results(outs[i], len(c.prompts[i]), fields[i], prompt_logprobs))
+                tk = (
+                    TopK(
+                        out_tk[0][r, :n, :k].astype(np.int32),
+                        out_tk[1][r, :n, :k].astype(np.float32),
+                    )
+                    if k
+                    else None
+                )
+                sequences.append(
+                    SampledSequence(toks, out_lp[r, :n].astype(np.float32), reason, tk)
+                )
+            extra = (
+                {}
+                if outs is None
+                else prompt_results(outs[i], len(c.prompts[i]), fields[i], prompt_logprobs)
+            )
             results.append(SampleResult(sequences, **extra))
         return results

@@ -28,10 +28,16 @@ from jcp.sample.runner import EngineDevice
 KINDS = {"greedy": (True, False), "drawn": (False, False), "filtered": (False, True)}
 
 
-def warmup(device: EngineDevice, active: Sequence[int] = (1,),
-           draws: Sequence[str] = ("greedy", "drawn"), prompt_logprobs: Sequence[bool] = (False,),
-           compute_logprobs: bool = False, stop_width: Sequence[int] = (STOP_WIDTH,),
-           topk: Sequence[int] = (0,), prompt_stats: Sequence[tuple[int, int, int]] = ()) -> int:
+def warmup(
+    device: EngineDevice,
+    active: Sequence[int] = (1,),
+    draws: Sequence[str] = ("greedy", "drawn"),
+    prompt_logprobs: Sequence[bool] = (False,),
+    compute_logprobs: bool = False,
+    stop_width: Sequence[int] = (STOP_WIDTH,),
+    topk: Sequence[int] = (0,),
+    prompt_stats: Sequence[tuple[int, int, int]] = (),
+) -> int:
     """Compile, up front, the programs an engine (its EngineDevice) can run for these
     buckets -> how many it ran (device.program_keys then holds them). The bounded set:
     every prefill (extend) rows × chunk × table-pages rung × active-adapter bucket ×
@@ -53,14 +59,19 @@ def warmup(device: EngineDevice, active: Sequence[int] = (1,),
     before = set(device.program_keys)
     _extends(device, a_lens, prompt_logprobs)
     variants = ([(0, 0, 0)] if compute_logprobs else []) + [
-        tuple(k_bucket(int(k)) for k in v) for v in prompt_stats]
+        tuple(k_bucket(int(k)) for k in v) for v in prompt_stats
+    ]
     _cacheless(device, a_lens, variants)
     _decodes(device, a_lens, draws, stop_width, topk)
     z = device.sizes
     for n in rungs(z.b_local, WINDOW_FLOOR[0]):
         zero = np.zeros(z.groups * n, np.int32)
-        device.copy(zero, np.full(z.groups * n, z.n_pages, np.int32), zero,
-                    np.full(z.groups * n, z.b_local, np.int32))
+        device.copy(
+            zero,
+            np.full(z.groups * n, z.n_pages, np.int32),
+            zero,
+            np.full(z.groups * n, z.b_local, np.int32),
+        )
     return len(device.program_keys - before)
 
 
@@ -79,10 +90,15 @@ def _extends(device: EngineDevice, a_lens: list[int], prompt_logprobs: Sequence[
             for m in z.table_rungs():
                 for a in a_lens:
                     act, index = _padding(b, a)
-                    rows = paged.ExtendRows(zero, zero, np.zeros((b, c), bool),
-                                            np.zeros(b, np.int32), index,
-                                            np.full((b, m), -1, np.int32),
-                                            np.full(b, z.b_local, np.int32))
+                    rows = paged.ExtendRows(
+                        zero,
+                        zero,
+                        np.zeros((b, c), bool),
+                        np.zeros(b, np.int32),
+                        index,
+                        np.full((b, m), -1, np.int32),
+                        np.full(b, z.b_local, np.int32),
+                    )
                     for lp in prompt_logprobs:
                         device.extend(rows, paged.ExtendModes(bool(lp), slice_layers), act)
 
@@ -95,8 +111,11 @@ def _cacheless(device: EngineDevice, a_lens: list[int], variants: list[tuple]) -
     while variants:
         for a, (k, width, alt) in itertools.product(a_lens, dict.fromkeys(variants)):
             pb = padding_batch(r.dp, r.cp, min(x, cap), a, width)
-            call = (PromptStatsCall(k, alt, np.zeros(1, np.float32),
-                                    np.zeros((1, 2), np.uint32), (0,)) if k or alt else None)
+            call = (
+                PromptStatsCall(k, alt, np.zeros(1, np.float32), np.zeros((1, 2), np.uint32), (0,))
+                if k or alt
+                else None
+            )
             device.note_prefill(pb, (k, alt))
             jax.tree.map(host, r.run_prefill(pb, with_logprobs=True, stats=call)[1])
         if x >= cap or x >= mesh_lib.pow2_at_least(max(z.max_len, z.prefill_tokens)):
@@ -104,8 +123,13 @@ def _cacheless(device: EngineDevice, a_lens: list[int], variants: list[tuple]) -
         x *= 2
 
 
-def _decodes(device: EngineDevice, a_lens: list[int], draws: Sequence[str],
-             stop_width: Sequence[int], topk: Sequence[int]) -> None:
+def _decodes(
+    device: EngineDevice,
+    a_lens: list[int],
+    draws: Sequence[str],
+    stop_width: Sequence[int],
+    topk: Sequence[int],
+) -> None:
     """Every decode program: rows × table pages × active × draw kind × stop width × top-k
     bucket × decode-chunk rung."""
     z, slice_layers = device.sizes, device.runner.slice_layers
@@ -115,23 +139,44 @@ def _decodes(device: EngineDevice, a_lens: list[int], draws: Sequence[str],
         for m, a, d, ns in itertools.product(z.table_rungs(), a_lens, draws, stop_width):
             act, index = _padding(b, a)
             rows = programs.DecodeRows(
-                zero, zero, zero, np.ones(b, bool), zero, index, np.ones(b, np.int32),
-                np.zeros(b, np.float32), np.full(b, -1, np.int32), np.ones(b, np.float32),
-                np.zeros((b, 2), np.uint32), layout_lib.stop_table([()] * b, ns))
+                zero,
+                zero,
+                zero,
+                np.ones(b, bool),
+                zero,
+                index,
+                np.ones(b, np.int32),
+                np.zeros(b, np.float32),
+                np.full(b, -1, np.int32),
+                np.ones(b, np.float32),
+                np.zeros((b, 2), np.uint32),
+                layout_lib.stop_table([()] * b, ns),
+            )
             for k, n in itertools.product(topk, z.decode_rungs()):
-                modes = paged.PagedDecodeModes(n, *KINDS[d], slice_layers,
-                                               decode_topk_bucket(k), rows.stop.shape[1])
-                device.decode(np.full((b, m), -1, np.int32), rows, modes, act,
-                              np.full(b, z.b_local, np.int32))
+                modes = paged.PagedDecodeModes(
+                    n, *KINDS[d], slice_layers, decode_topk_bucket(k), rows.stop.shape[1]
+                )
+                device.decode(
+                    np.full((b, m), -1, np.int32), rows, modes, act, np.full(b, z.b_local, np.int32)
+                )
 
 
-def padding_batch(dp: int, cp: int, length: int, active: int,
-                  target_width: int = 0) -> batch_lib.PackedBatch:
+def padding_batch(
+    dp: int, cp: int, length: int, active: int, target_width: int = 0
+) -> batch_lib.PackedBatch:
     """A packed prefill batch of `length` rows per stream that holds only padding, with
     `active` adapter entries and, if target_width, [.., 1 + target_width] targets."""
     z = np.zeros((dp, cp, length), np.int32)
     targets = np.zeros(z.shape + (1 + target_width,), np.int32) if target_width else z
     return batch_lib.PackedBatch(
-        tokens=z, targets=targets, segment=np.full((dp, cp, length), -1, np.int32), position=z,
-        loss_id=z, floats={}, spans=np.zeros((dp, cp, active, 2), np.int32),
-        active=np.full(active, BASE, np.int32), num_slots=8, placements=())
+        tokens=z,
+        targets=targets,
+        segment=np.full((dp, cp, length), -1, np.int32),
+        position=z,
+        loss_id=z,
+        floats={},
+        spans=np.zeros((dp, cp, active, 2), np.int32),
+        active=np.full(active, BASE, np.int32),
+        num_slots=8,
+        placements=(),
+    )

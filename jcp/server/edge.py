@@ -4,8 +4,11 @@ Owns every bound a client can push against before its request reaches the worker
 bytes before and after zstd, datums per forward_backward, samples and tokens per sample
 request, futures kept per tenant) and the strict schema of each JSON route, written after
 the SDK's own pydantic types (tinker/types/*_request.py): wrong types are refused naming
-the field, never coerced ("false" is not a bool, "1" is not an int). Unknown fields are
-ignored, as newer SDKs add some. It must never import jax or touch the worker.
+the field, never coerced ("false" is not a bool, "1" is not an int). Every integer is
+bounded (int64 at most, tighter where the field says so), every number finite, and a list
+stops at its first bad item (pydantic otherwise builds one error per item: a 5 MB body of
+bad tokens cost 1.3 GB). Unknown fields are ignored, as newer SDKs add some. It must never
+import jax or touch the worker.
 """
 
 from __future__ import annotations
@@ -13,10 +16,23 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import reprlib
 from typing import Annotated, Any, Literal
 
 import zstandard
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
+
+from jcp.sample.params import MAX_TOPK
 
 MiB = 1 << 20
 INT32_MAX = 2**31 - 1
@@ -55,6 +71,7 @@ class Refused(Exception):
 
 
 # ---------------------------------------------------------------------- bodies
+
 
 def decompress(raw: bytes, limit: int) -> bytes:
     """One zstd frame -> its bytes, streamed and stopped at `limit` (Refused 413); a
@@ -96,9 +113,52 @@ def parse_json(raw: bytes) -> dict:
 
 # ---------------------------------------------------------------------- JSON schema
 
+INT64_MAX = 2**63 - 1
+MAX_TTL_S = 10 * 365 * 24 * 3600
+Int64 = Annotated[StrictInt, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
 SeqId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
-Number = StrictFloat | StrictInt
+
+
+def _int64_if_int(v):
+    if isinstance(v, int) and not isinstance(v, bool) and not -INT64_MAX - 1 <= v <= INT64_MAX:
+        raise ValueError("an integer beyond int64")
+    return v
+
+
+# A finite float; an integer is taken as one (strict floats accept ints) within int64.
+Number = Annotated[StrictFloat, Field(allow_inf_nan=False), BeforeValidator(_int64_if_int)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+TopK = Annotated[StrictInt, Field(ge=0, le=MAX_TOPK)]
+TtlSeconds = Annotated[StrictInt, Field(ge=1, le=MAX_TTL_S)]
+
+
+def items(item, max_length: int | None = None):
+    """A list of `item`, refused at its first bad item (fail_fast), at most max_length."""
+    return Annotated[list[item], Field(fail_fast=True, max_length=max_length)]
+
+
+def _small_metadata(meta: dict) -> dict:
+    try:
+        ok = len(meta) <= 64 and all(
+            len(k) <= 256 and len(json.dumps(v)) <= 4096 for k, v in meta.items()
+        )
+    except (RecursionError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(
+            "user_metadata must be an object of at most 64 keys (up to 256 "
+            "characters; values up to 4096 as JSON)"
+        )
+    return meta
+
+
+# Stored with the run or checkpoint (owner.json, checkpoints.json) and listed back.
+Metadata = Annotated[dict[str, Any], AfterValidator(_small_metadata)]
+# Stop lists: the sampling engine's stop tables are one compiled width
+# (jcp.sample.params.STOP_WIDTH), so a longer list would compile a new program and stall
+# every tenant. Text stops (matched on the decoded text) are bounded the same way.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
 Seed = Annotated[StrictInt, Field(ge=0, le=2**64 - 1)]
 
 
@@ -115,8 +175,16 @@ class ModelRef(_Body):
     seq_id: SeqId | None = None
 
 
+class CreateSession(_Body):
+    tags: items(str) = []
+    user_metadata: Metadata | None = None
+    sdk_version: str | None = None
+    project_id: str | None = None
+    display_name: str | None = None
+
+
 class LoraConfig(_Body):
-    rank: StrictInt
+    rank: Int64  # its range (--max-rank) is the app's check
     seed: Seed | None = None
     train_unembed: bool = True
     train_mlp: bool = True
@@ -128,7 +196,7 @@ class CreateModel(_Body):
     model_seq_id: SeqId = 0
     base_model: str
     lora_config: LoraConfig | None = None
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: Metadata | None = None
 
 
 class AdamParams(_Body):
@@ -148,8 +216,14 @@ class OptimStep(ModelRef):
 
 class SaveWeights(ModelRef):
     path: str | None = None
-    ttl_seconds: Annotated[StrictInt, Field(ge=1, le=10 * 365 * 24 * 3600)] | None = None
-    user_metadata: dict[str, Any] | None = None
+    ttl_seconds: TtlSeconds | None = None
+    user_metadata: Metadata | None = None
+
+
+class SaveWeightsExternal(ModelRef):
+    path: str
+    ttl_seconds: TtlSeconds | None = None
+    age_encryption_recipients: items(str, 64) | None = None
 
 
 class LoadWeights(_Body):
@@ -159,7 +233,35 @@ class LoadWeights(_Body):
     seq_id: SeqId | None = None
     session_id: str | None = None
     model_seq_id: SeqId = 0
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: Metadata | None = None
+
+
+class WeightsInfo(_Body):
+    tinker_path: str
+
+
+class CopyWeights(_Body):
+    source_path: str
+    session_id: str | None = None
+    model_seq_id: SeqId | None = None
+    ttl_seconds: TtlSeconds | None = None
+    destination_project_id: str | None = None
+    weights_access_token: str | None = None
+
+
+class SetTtl(_Body):
+    ttl_seconds: TtlSeconds | None = None  # None: never expires
+
+
+class CreateCustomLoss(_Body):
+    """The envelope only: the graph and its inputs are checked node by node when the loss
+    is built (jcp.CustomLoss.from_graph)."""
+
+    session_id: str
+    custom_loss_seq_id: Int64 | None = None
+    name: str | None = None
+    inputs: items(Any)
+    graph: dict[str, Any]
 
 
 class CreateSamplingSession(_Body):
@@ -170,11 +272,11 @@ class CreateSamplingSession(_Body):
 
 class EncodedText(_Body):
     type: Literal["encoded_text"] = "encoded_text"
-    tokens: list[TokenId]
+    tokens: items(TokenId)
 
 
 class ModelInput(_Body):
-    chunks: list[EncodedText]
+    chunks: items(EncodedText)
 
 
 class SamplingParams(_Body):
@@ -185,22 +287,81 @@ class SamplingParams(_Body):
     top_k: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] = -1
     top_p: Number = 1.0
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _bounded_stop(cls, v):
+        """At most MAX_STOPS stop sequences, text ones of at most MAX_STOP_CHARS."""
+        items = v if isinstance(v, list) else [v]
+        if len(items) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(items)}")
+        if any(isinstance(x, str) and len(x) > MAX_STOP_CHARS for x in items):
+            raise ValueError(f"a stop sequence has at most {MAX_STOP_CHARS} characters")
+        return v
+
+
+class TensorData(_Body):
+    """The SDK's TensorData JSON (tinker/types/_pydantic_types/tensor_data.py): values
+    flattened; sparse CSR when the crow / col indices are set. Its sizes are the client's
+    word only: wire.decode_target_ids checks them against the prompt before it allocates."""
+
+    data: items(Number)
+    dtype: Literal["int64", "float32"]
+    shape: items(Annotated[StrictInt, Field(ge=0, le=INT64_MAX)], 8) | None = None
+    sparse_crow_indices: items(Int64) | None = None
+    sparse_col_indices: items(Int64) | None = None
+
 
 class Sample(_Body):
     sampling_session_id: str
-    num_samples: Annotated[StrictInt, Field(ge=1)] = 1
+    num_samples: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] = 1
     prompt: ModelInput
     sampling_params: SamplingParams
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: StrictInt = 0
-    topk_sample_logprobs: StrictInt = 0
-    prompt_alt_tokens_k: StrictInt = 0
-    target_prompt_logprobs: dict | None = None
-    prompt_logprobs_last_n: StrictInt | None = None
+    topk_prompt_logprobs: TopK = 0
+    topk_sample_logprobs: TopK = 0
+    prompt_alt_tokens_k: TopK = 0
+    target_prompt_logprobs: TensorData | None = None
+    prompt_logprobs_last_n: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
 
 
 class RequestRef(_Body):
     request_id: str
+
+
+class FuturesTarget(_Body):
+    type: Literal["sampling_session"] = "sampling_session"
+    sampling_session_id: str
+    cloned_sampler_id: Int64 = 0
+
+
+class RetrieveFutures(_Body):
+    target: FuturesTarget
+    prev_cursor: Int64 = 0
+    timeout: Annotated[Number, Field(ge=0)] | None = None
+    retrieved_request_ids: items(str) = []
+
+
+def json_schema(model: type[_Body]) -> dict:
+    """model's JSON schema with its $defs inlined (a route's OpenAPI request body: the
+    schema schemathesis fuzzes each route from)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(x):
+        if isinstance(x, dict):
+            if "$ref" in x:
+                return inline(defs[x["$ref"].rsplit("/", 1)[1]])
+            return {k: inline(v) for k, v in x.items()}
+        return [inline(v) for v in x] if isinstance(x, list) else x
+
+    return inline(schema)
+
+
+# The offending input as the refusal quotes it: a few items of a list, a few characters of
+# a string (repr of the whole input would be as large as the body).
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 2, 4, 4
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 40, 40, 40
 
 
 def parse(model: type[_Body], body: dict, what: str) -> _Body:
@@ -210,6 +371,5 @@ def parse(model: type[_Body], body: dict, what: str) -> _Body:
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         field = ".".join(str(p) for p in err["loc"]) or "body"
-        got = repr(err.get("input"))
-        got = got if len(got) <= 60 else got[:57] + "..."
+        got = _SHORT.repr(err.get("input"))
         raise Refused(422, f"{what}: {field}: {err['msg']} (got {got})") from None

@@ -4,9 +4,12 @@ Owns every Trainer call, the running sampling engine (jcp.sample.engine.Engine),
 from models / sampler weights to adapter slots, and the sessions' custom losses
 (create_custom_loss: the uploaded graph rebuilt as a jcp.CustomLoss, kept per session; a
 custom forward_backward runs as its own Trainer call). Every asample of every tenant is
-admitted into the one running engine batch (a sample whose prompt + max_tokens exceed the
-engine's rows runs beside it, Trainer.sample, whose cache may split over cp; hybrid
-Qwen3.5 models too go through the engine).
+admitted into the one running engine batch, long ones too: the engine's cache is sized by
+its rows per sequence, but a sequence may be as long as the token cap (its prompt
+prefilled over steps, its tokens decoded a chunk per step, like any other), so no sample
+holds the worker for more than one engine step. Only a sample whose KV cache exceeds a
+whole device's pages (Engine.seq_cap) runs beside it, Trainer.sample, its cache split
+over cp. Hybrid Qwen3.5 models too go through the engine.
 
 Interleaving policy: each turn of the loop runs at most one training pass (a fused
 forward / forward_backward, or one model operation) and then one engine step (at most
@@ -25,9 +28,10 @@ ends at that step boundary, its slots freed.
 Sampler weights: save_weights_for_sampler without a name makes an in-memory snapshot (a
 device copy of the model's slot into a free slot, no disk); with a name it writes the PEFT
 folder, and a sampler of that folder loads it afresh (a cached load of an older save under
-the same name is retired). Snapshot and loaded sampler slots are an LRU cache: when a slot
-is needed, the least recently used one that no running sequence reads is freed (a sampler
-whose snapshot was freed fails clearly and asks for a new save).
+the same name is retired). Snapshot and loaded sampler slots share the slot cache with the
+training models (Engine, "Eviction"): loaded named weights go first, snapshots only after
+every idle training model (a sampler whose snapshot was freed fails clearly and asks for a
+new save).
 
 A fused pass is one Trainer.forward / forward_backward over the datums of all its requests
 (adapters per datum); if that call refuses the batch (InputError: nothing was changed), each
@@ -43,6 +47,7 @@ decided on process 0 alone.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -59,7 +64,7 @@ import jcp
 from jcp import lora as lora_lib
 from jcp.errors import InputError
 from jcp.sample.engine import Engine as SampleEngine
-from jcp.server import wire
+from jcp.server import redact, wire
 from jcp.server.scheduler import Scheduler, Work
 from jcp.server.state import ModelRecord, NotFound, StateStore, age_recipients
 
@@ -115,12 +120,14 @@ SAMPLE_SLOTS = 512
 SAMPLE_CACHE_BYTES = 1 << 30
 REFUSED_LOSSES = {
     "stable_reinforce": "stable_reinforce is not served: its objective is not published (provenance "
-                        "spans and record_stability_info are accepted and ignored; use "
-                        "importance_sampling, ppo, cispo, dro or gspo)",
+    "spans and record_stability_info are accepted and ignored; use "
+    "importance_sampling, ppo, cispo, dro or gspo)",
 }
-# Custom losses a session may hold (create_custom_loss), and in all.
+# Custom losses a session and a tenant may hold (create_custom_loss). A tenant at its cap
+# is refused (4xx) until its sessions end: no handle is ever evicted, so a loss_id a client
+# holds stays valid for its session's life, and one tenant's creates never touch another's.
 MAX_CUSTOM_LOSSES_PER_SESSION = 64
-MAX_CUSTOM_LOSSES = 4096
+MAX_CUSTOM_LOSSES_PER_TENANT = 256
 
 
 class Engine:
@@ -128,28 +135,53 @@ class Engine:
 
     Adapter slots are a cache: a training model is resident (in a slot) or offloaded (its
     whole state — weights, accumulated gradient, AdamW moments, step count — in host
-    memory, Trainer.offload_adapter). When a slot is needed and none is free, a cached
-    sampler adapter is dropped first, else the least recently used training model not in
-    the current pass is offloaded; it is restored, bit for bit, on its next request. So
+    memory, Trainer.offload_adapter), and restored, bit for bit, on its next request. So
     `--max-adapters` bounds resident slots, and `max_offload_bytes` bounds the host memory
     of offloaded models. A model lives as long as its session: a finished or expired
     session's models are unloaded once their queued work is done (checkpoints stay).
+
+    Eviction: when a slot is needed and none is free, the first of these leaves its slot —
+    by class, and within a class the tenant holding the most slots first (so a tenant
+    evicts another's only while that one holds at least as many), least recently used
+    first: (0) named sampler weights no running sequence reads (reloaded from their
+    folder when next used); (1) idle training models (nothing queued) outside the current
+    pass, offloaded; (2) other training models outside the pass, offloaded; (3) in-memory
+    sampler snapshots no running sequence reads and no sampling session names; (4)
+    snapshots a sampling session names (their sampler then fails and asks for a new
+    save). A model is offloaded only if host memory has room for it, counting the room a
+    restore frees: a restore swaps the model with its victim, so it is never refused for
+    room when a victim of no more bytes (rank, targets) holds a slot outside the pass.
     """
 
-    def __init__(self, trainer, store: StateStore, scheduler: Scheduler, model_name: str,
-                 complete, tokenizer_id: str | None = None,
-                 max_offload_bytes: int = 16 << 30, session_timeout_s: float = 180.0,
-                 sample_slots: int | None = None, sample_rows: int | None = None,
-                 chunk: int = 8, prefill_tokens: int | None = None, leader=None):
+    def __init__(
+        self,
+        trainer,
+        store: StateStore,
+        scheduler: Scheduler,
+        model_name: str,
+        complete,
+        tokenizer_id: str | None = None,
+        max_offload_bytes: int = 16 << 30,
+        session_timeout_s: float = 180.0,
+        sample_slots: int | None = None,
+        sample_rows: int | None = None,
+        chunk: int = 8,
+        prefill_tokens: int | None = None,
+        leader=None,
+    ):
         self.tr, self.store, self.sched = trainer, store, scheduler
         self.model_name, self.tokenizer_id = model_name, tokenizer_id
         self.token_cap = int(trainer.token_cap)
         self.max_rank = int(trainer.max_rank)
         self.max_offload_bytes = int(max_offload_bytes)
         self.session_timeout_s = float(session_timeout_s)
-        self._complete = complete
+        # A failure's message names the tenant's tinker:// objects, never server files.
+        self._complete = lambda rid, result: complete(
+            rid, redact.client_result(result, store.state_dir)
+        )
         # tinker path (snapshots) or PEFT folder (named saves) -> slot, least recent first.
         self._sampler_slots: OrderedDict[str, int] = OrderedDict()
+        self._sampler_owner: dict[str, str] = {}  # the same keys -> the tenant they serve
         self._retired: set[int] = set()  # sampler slots to free once no sequence reads them
         # Prefill-only steps while a burst arrives (ADMIT_PREFILL None): off on a CPU host.
         self.accelerator = trainer.mesh.devices.flat[0].platform != "cpu"
@@ -161,8 +193,13 @@ class Engine:
             per_slot = rows * sampler.row_bytes + sampler.state_bytes
             fit = SAMPLE_CACHE_BYTES // per_slot * groups
             sample_slots = max(groups, min(SAMPLE_SLOTS, fit) // groups * groups)
-        engine_kw = dict(slots=sample_slots, max_len=rows, chunk=chunk,
-                         prefill_tokens=prefill_tokens)
+        engine_kw = dict(
+            slots=sample_slots,
+            max_len=rows,
+            chunk=chunk,
+            prefill_tokens=prefill_tokens,
+            long_len=self.token_cap,
+        )
         self.sampling = SampleEngine(sampler, **engine_kw)
         # A multi-process job (jcp/server/replica.py): every Trainer and sampling-engine
         # call below also runs, in the same order, on every other process.
@@ -170,11 +207,15 @@ class Engine:
         if leader is not None:
             self.tr, self.sampling = leader.wrap(trainer, self.sampling, engine_kw)
         self._running: dict[str, int] = {}  # request id -> engine request id (admitted)
-        self._cancelled: set[str] = set()   # admitted request ids their clients cancelled
-        self._unlogged: list[Work] = []     # samples admitted since the last step's log
-        self._resident: OrderedDict[str, int] = OrderedDict()       # model id -> slot, LRU first
-        self._offloaded: dict[str, object] = {}                     # model id -> HostSlot
-        self._closing: set[str] = set()     # models of ended sessions, unloaded when idle
+        self._cancelled: set[str] = set()  # admitted request ids their clients cancelled
+        # Admitted requests a client streams (an OpenAI stream): while any runs, engine
+        # steps are `chunk` decode steps (hurried), so its tokens go out as they come
+        # instead of once a long step ends.
+        self._streaming: set[str] = set()
+        self._unlogged: list[Work] = []  # samples admitted since the last step's log
+        self._resident: OrderedDict[str, int] = OrderedDict()  # model id -> slot, LRU first
+        self._offloaded: dict[str, object] = {}  # model id -> HostSlot
+        self._closing: set[str] = set()  # models of ended sessions, unloaded when idle
         self.offloads = self.restores = 0
         self.prefill_steps = 0  # prefill-only engine steps run while gathering a burst
         # Gathered bursts in a row that no sample joined while they ran (ADMIT_CALM_BURSTS),
@@ -229,8 +270,13 @@ class Engine:
                     self._calm = 0 if self._joined else self._calm + 1
                 self._admit_arrivals(samples)
                 _, arriving = self.sched.gather_samples(
-                    ADMIT_GAP_S, ADMIT_WINDOW_S, ADMIT_BURST_GAP_S, each=self._admit_arrivals,
-                    scale=ADMIT_GAP_SCALE, taken=samples)
+                    ADMIT_GAP_S,
+                    ADMIT_WINDOW_S,
+                    ADMIT_BURST_GAP_S,
+                    each=self._admit_arrivals,
+                    scale=ADMIT_GAP_SCALE,
+                    taken=samples,
+                )
                 arriving = arriving or ADMIT_HURRY or self._calm < ADMIT_CALM_BURSTS
                 self._joined = None if self.sampling.idle else False
             else:
@@ -241,7 +287,7 @@ class Engine:
             if group:
                 self._run_pass(group)
             if not self.sampling.idle:
-                self._step(arriving or self.sched.pending() > 0, True)
+                self._step(arriving or self.sched.pending() > 0 or bool(self._streaming), True)
                 if self._joined is False and self.sched.samples_queued():
                     self._joined = True  # samples came while the gathered burst ran
             self._unlogged = []
@@ -257,8 +303,9 @@ class Engine:
             self._admit_sample(w)
         self._unlogged += samples
         prefill = self.accelerator if ADMIT_PREFILL is None else ADMIT_PREFILL
-        if prefill and (len(self.sampling.waiting) + len(self.sampling.prefilling)
-                        >= ADMIT_PREFILL_MIN):
+        if prefill and (
+            len(self.sampling.waiting) + len(self.sampling.prefilling) >= ADMIT_PREFILL_MIN
+        ):
             self._step(False, False)
             self.prefill_steps += 1
 
@@ -275,11 +322,22 @@ class Engine:
         t1 = time.monotonic()
         self.busy_s["sample"] += t1 - t0
         if log.isEnabledFor(logging.DEBUG):  # benchmarks/engine.py reads these
-            log.debug("sampling step", extra={"step": dict(
-                t0=t0, t1=t1, admitted=len(self._unlogged), hurry=hurry, decode=decode,
-                arrived=[w.arrived_at for w in self._unlogged],
-                live=self.sampling.live, ended=len(ended),
-                waiting=len(self.sampling.waiting))})
+            log.debug(
+                "sampling step",
+                extra={
+                    "step": dict(
+                        t0=t0,
+                        t1=t1,
+                        admitted=len(self._unlogged),
+                        hurry=hurry,
+                        decode=decode,
+                        arrived=[w.arrived_at for w in self._unlogged],
+                        live=self.sampling.live,
+                        ended=len(ended),
+                        waiting=len(self.sampling.waiting),
+                    )
+                },
+            )
         self._unlogged = []
 
     def _run_pass(self, group: list[Work]) -> None:
@@ -306,35 +364,81 @@ class Engine:
         """Slots some queued or running sequence of the sampling engine reads."""
         return {r.adapter for r in self.sampling.requests.values()}
 
-    def _free_slot(self, why: str, keep: frozenset = frozenset()) -> None:
-        """Make one slot free: drop the least recently used sampler weights that no running
-        sequence reads, else offload the least recently used training model not in `keep`
-        to host memory."""
+    def _free_slot(
+        self, why: str, keep: frozenset = frozenset(), restoring: str | None = None
+    ) -> None:
+        """Make one slot free: evict the first of `_victims` (Engine docstring, "Eviction")
+        that host memory admits. restoring: the offloaded model the slot is for; its host
+        copy goes when it is restored, so offloading a victim into that room is a swap,
+        never refused for lack of room."""
         self._sweep_retired()
         if len(self.tr.adapters) < self.tr.max_adapters:
             return
+        used = self.offloaded_bytes()
+        if restoring is not None:
+            used -= self._offloaded[restoring].nbytes
+        full = False
+        for kind, key in self._victims(keep):
+            if kind == "model":
+                if (
+                    used + self._nbytes(self.tr.adapters[self._resident[key]])
+                    > self.max_offload_bytes
+                ):
+                    full = True
+                    continue
+                slot = self._resident.pop(key)
+                self._offloaded[key] = self.tr.offload_adapter(slot)
+                self.offloads += 1
+                self._set_slot(key, None)
+            else:
+                self._sampler_owner.pop(key, None)
+                self.tr.delete_adapter(self._sampler_slots.pop(key))
+            return
+        if full:
+            raise InputError(
+                f"cannot {why}: every adapter slot is in use and host memory "
+                f"for offloaded models is full ({used} of "
+                f"{self.max_offload_bytes} bytes, --max-offload-gb); finish "
+                "sessions you no longer need"
+            )
+        raise InputError(
+            f"all {self.tr.max_adapters} adapter slots are in use by this "
+            f"pass or by running samples; cannot {why} (raise --max-adapters)"
+        )
+
+    def offloaded_bytes(self) -> int:
+        """Host memory the offloaded models hold (at most max_offload_bytes)."""
+        return sum(h.nbytes for h in list(self._offloaded.values()))
+
+    def _victims(self, keep: frozenset) -> list[tuple[str, str]]:
+        """What may leave its slot, in eviction order (Engine docstring, "Eviction"):
+        ("sampler", key) for sampler weights no running sequence reads, ("model", id) for
+        training models not in `keep`; by class, then the tenant holding the most slots
+        first, then least recently used first."""
         busy = self._in_use()
-        for key, slot in self._sampler_slots.items():
-            if slot not in busy:
-                del self._sampler_slots[key]
-                self.tr.delete_adapter(slot)
-                return
-        victim = next((m for m in self._resident if m not in keep), None)
-        if victim is None:
-            raise InputError(f"all {self.tr.max_adapters} adapter slots are in use by this "
-                             f"pass or by running samples; cannot {why} (raise "
-                             "--max-adapters)")
-        used = sum(h.nbytes for h in self._offloaded.values())
-        info = self.tr.adapters[self._resident[victim]]
-        if used + self._nbytes(info) > self.max_offload_bytes:
-            raise InputError(f"cannot {why}: every adapter slot is in use and host memory "
-                             f"for offloaded models is full ({used} of "
-                             f"{self.max_offload_bytes} bytes, --max-offload-gb); finish "
-                             "sessions you no longer need")
-        slot = self._resident.pop(victim)
-        self._offloaded[victim] = self.tr.offload_adapter(slot)
-        self.offloads += 1
-        self._set_slot(victim, None)
+        owner = {
+            ("model", m): getattr(self.store.models.get(m), "owner", None) for m in self._resident
+        }
+        owner.update({("sampler", k): self._sampler_owner.get(k) for k in self._sampler_slots})
+        held = Counter(owner.values())
+        named = {r.model_path for r in list(self.store.samplers.values())}
+
+        def order(item: tuple[str, str]) -> tuple[int, int]:
+            kind, key = item
+            if kind == "model":
+                rank = 2 if self.sched.pending_for(key) else 1
+            elif not key.startswith("tinker://"):  # named weights: reloaded from the folder
+                rank = 0
+            else:  # an in-memory snapshot: gone for good once freed
+                rank = 4 if key in named else 3
+            return rank, -held[owner[item]]
+
+        # Both tables are least recently used first, and sorted() keeps that order.
+        return sorted(
+            [("model", m) for m in self._resident if m not in keep]
+            + [("sampler", k) for k, s in self._sampler_slots.items() if s not in busy],
+            key=order,
+        )
 
     def _sweep_retired(self) -> None:
         if self._retired:
@@ -344,14 +448,14 @@ class Engine:
 
     def _snapshot(self, slot: int) -> int:
         """A device copy of `slot` in a free slot (no disk) -> the copy's slot."""
-        self._free_slot("snapshot sampler weights", frozenset(
-            m for m, s in self._resident.items() if s == slot))
+        self._free_slot(
+            "snapshot sampler weights", frozenset(m for m, s in self._resident.items() if s == slot)
+        )
         return self.tr.copy_adapter(slot)
 
     def _nbytes(self, info) -> int:
         """Host bytes of an offloaded adapter (4 float32 trees at its rank)."""
-        shapes = lora_lib.adapter_shapes(self.tr.cfg, info.rank, info.targets,
-                                         info.expert_lora)
+        shapes = lora_lib.adapter_shapes(self.tr.cfg, info.rank, info.targets, info.expert_lora)
         return 16 * sum(int(np.prod(sh)) for ks in shapes.values() for sh in ks.values())
 
     def _set_slot(self, model_id: str, slot: int | None) -> None:
@@ -369,7 +473,7 @@ class Engine:
         saved = self._offloaded.get(mid)
         if saved is None:
             raise NotFound(f"model {mid!r} not found")
-        self._free_slot("restore an offloaded model", keep | {mid})
+        self._free_slot("restore an offloaded model", keep | {mid}, restoring=mid)
         slot = self.tr.restore_adapter(saved)
         del self._offloaded[mid]
         self.restores += 1
@@ -398,8 +502,7 @@ class Engine:
         """Unload the models of ended sessions whose queued work is done; end sessions
         whose heartbeats stopped."""
         for sid in self.store.expired_sessions(self.session_timeout_s):
-            log.info("session %s expired (no heartbeat for %.0f s)", sid,
-                     self.session_timeout_s)
+            log.info("session %s expired (no heartbeat for %.0f s)", sid, self.session_timeout_s)
             self._session_ended(sid)
         for mid in sorted(self._closing):
             if self.sched.pending_for(mid):
@@ -424,6 +527,7 @@ class Engine:
         snapshots = [k for k in self._sampler_slots if k.startswith(f"tinker://{model_id}/")]
         for key in snapshots + self.store.drop_model(model_id):
             s = self._sampler_slots.pop(key, None)
+            self._sampler_owner.pop(key, None)
             if s is not None:  # freed once no running sequence reads it
                 self._retired.add(s)
         self._sweep_retired()
@@ -435,39 +539,54 @@ class Engine:
         p = w.payload
         lora = p.get("lora_config") or {}
         if p.get("base_model") != self.model_name:
-            raise InputError(f"base_model {p.get('base_model')!r} is not served here; this "
-                             f"server serves {self.model_name!r}")
-        flags = {k: bool(lora.get(k, True)) for k in ("train_attn", "train_mlp",
-                                                          "train_unembed")}
+            raise InputError(
+                f"base_model {p.get('base_model')!r} is not served here; this "
+                f"server serves {self.model_name!r}"
+            )
+        flags = {k: bool(lora.get(k, True)) for k in ("train_attn", "train_mlp", "train_unembed")}
         # train_mlp means the experts on a MoE model, as Tinker trains them.
         mlp = "experts" if self.tr.cfg.is_moe else "mlp"
         # train_attn covers both mixers of a hybrid (Qwen3.5) model: the full-attention
         # projections and Gated DeltaNet's (lora.LINEAR).
         attn = ("attn", "linear_attn") if self.tr.cfg.is_hybrid else ("attn",)
-        targets = [g for gs, k in ((attn, "train_attn"), ((mlp,), "train_mlp"),
-                                   (("unembed",), "train_unembed")) if flags[k] for g in gs]
+        targets = [
+            g
+            for gs, k in (
+                (attn, "train_attn"),
+                ((mlp,), "train_mlp"),
+                (("unembed",), "train_unembed"),
+            )
+            if flags[k]
+            for g in gs
+        ]
         if not targets:
             raise InputError("at least one of train_attn, train_mlp, train_unembed must be true")
         self._check_new_model(w)
         self._free_slot("create a model")
-        slot = self.tr.create_adapter(rank=lora.get("rank", 32), alpha=LORA_ALPHA,
-                                      seed=lora.get("seed"), targets=targets)
+        slot = self.tr.create_adapter(
+            rank=lora.get("rank", 32), alpha=LORA_ALPHA, seed=lora.get("seed"), targets=targets
+        )
         self._register(w, slot, {**flags, "user_metadata": p.get("user_metadata")})
         return ("json", {"model_id": w.model_id, "type": "create_model"})
 
     def _check_new_model(self, w: Work) -> None:
         if w.model_id in self.store.models:
-            raise InputError(f"model {w.model_id!r} already exists (its model_seq_id is "
-                             "already used in this session)")
+            raise InputError(
+                f"model {w.model_id!r} already exists (its model_seq_id is "
+                "already used in this session)"
+            )
 
     def _register(self, w: Work, slot: int, run_info: dict) -> None:
         """Record a model just put in `slot`; if that fails, free the slot (a create that
         fails leaves no trace)."""
         sid = w.model_id.split(":train:")[0]
         try:
-            self.store.add_model(ModelRecord(w.model_id, w.owner, self.model_name,
-                                             self.tr.adapters[slot].rank, slot, sid),
-                                 run_info)
+            self.store.add_model(
+                ModelRecord(
+                    w.model_id, w.owner, self.model_name, self.tr.adapters[slot].rank, slot, sid
+                ),
+                run_info,
+            )
         except BaseException:
             self.tr.delete_adapter(slot)
             raise
@@ -482,18 +601,26 @@ class Engine:
         naming the node otherwise) and keep it for the session -> {loss_id}."""
         p = w.payload
         session = p.get("session_id")
-        loss = jcp.CustomLoss.from_graph(p.get("graph"), p.get("inputs"),
-                                         str(p.get("name") or "custom"))
-        mine = [k for k, (_, s, _) in self._custom_losses.items() if s == session]
-        if len(mine) >= MAX_CUSTOM_LOSSES_PER_SESSION:
-            raise InputError(f"this session already holds {len(mine)} custom losses (at most "
-                             f"{MAX_CUSTOM_LOSSES_PER_SESSION})")
-        while len(self._custom_losses) >= MAX_CUSTOM_LOSSES:
-            self._forget_loss(next(iter(self._custom_losses)))
+        held = [s for owner, s, _ in self._custom_losses.values() if owner == w.owner]
+        if held.count(session) >= MAX_CUSTOM_LOSSES_PER_SESSION:
+            raise InputError(
+                f"this session already holds {held.count(session)} custom losses "
+                f"(at most {MAX_CUSTOM_LOSSES_PER_SESSION})"
+            )
+        if len(held) >= MAX_CUSTOM_LOSSES_PER_TENANT:
+            raise InputError(
+                f"your sessions already hold {len(held)} custom losses (at most "
+                f"{MAX_CUSTOM_LOSSES_PER_TENANT}); a session's are released when "
+                "it ends"
+            )
+        loss = jcp.CustomLoss.from_graph(
+            p.get("graph"), p.get("inputs"), str(p.get("name") or "custom")
+        )
         loss_id = f"loss-{uuid.uuid4().hex}"
         if self.leader is not None:  # the followers rebuild it from the same graph
-            self.leader.share(loss, "custom_loss", p.get("graph"), p.get("inputs"),
-                              str(p.get("name") or "custom"))
+            self.leader.share(
+                loss, "custom_loss", p.get("graph"), p.get("inputs"), str(p.get("name") or "custom")
+            )
         self._custom_losses[loss_id] = (w.owner, session, loss)
         return ("json", {"loss_id": loss_id, "type": "create_custom_loss"})
 
@@ -502,24 +629,27 @@ class Engine:
         if self.leader is not None:
             self.leader.discard(loss)
 
-    def custom_loss_ids(self) -> list[str]:
-        """The loss_ids of every session's custom losses, oldest first."""
-        return list(self._custom_losses)
+    def custom_loss_ids(self, owner: str | None = None) -> list[str]:
+        """The loss_ids of every session's custom losses (or `owner`'s), oldest first."""
+        return [k for k, (o, _, _) in self._custom_losses.items() if owner in (None, o)]
 
-    def _custom_loss(self, w: Work, config) -> "jcp.CustomLoss":
+    def _custom_loss(self, w: Work, config) -> jcp.CustomLoss:
         """The custom loss a forward_backward names, if its model's session created it."""
         loss_id = (config or {}).get("loss_id")
         entry = self._custom_losses.get(loss_id) if isinstance(loss_id, str) else None
         session = w.model_id.rsplit(":train:", 1)[0] if w.model_id else None
         if entry is None or entry[0] != w.owner or entry[1] != session:
-            raise InputError(f"custom loss {loss_id!r} not found in this model's session "
-                             "(create it with create_custom_loss in the same session)")
+            raise InputError(
+                f"custom loss {loss_id!r} not found in this model's session "
+                "(create it with create_custom_loss in the same session)"
+            )
         return entry[2]
 
     def _fwd(self, group: list[Work]) -> None:
         """One fused Trainer call; on refusal, each request alone."""
-        if len(group) > 1 and (self.tr.cfg.is_moe
-                               or any(w.payload.loss_fn == "custom" for w in group)):
+        if len(group) > 1 and (
+            self.tr.cfg.is_moe or any(w.payload.loss_fn == "custom" for w in group)
+        ):
             # MoE load metrics and the router auxiliary loss are batch-level figures, and a
             # custom loss's metrics are per request: a fused pass could not report each
             # request's own, so each runs alone.
@@ -578,12 +708,14 @@ class Engine:
             # A request's metrics from its own datums: what it would get alone.
             metrics = {"loss:sum": float(sum(np.float64(d["loss:sum"]) for d in per))}
             if any("clipped_tokens:sum" in d for d in per):
-                metrics["clipped_tokens:sum"] = float(sum(d.get("clipped_tokens:sum", 0)
-                                                          for d in per))
+                metrics["clipped_tokens:sum"] = float(
+                    sum(d.get("clipped_tokens:sum", 0) for d in per)
+                )
             if len(group) == 1:
                 metrics = {k: float(v) for k, v in out.metrics.items()}
             body = wire.encode_forward_backward_output(
-                [{"logprobs": d["logprobs"]} for d in per], metrics)
+                [{"logprobs": d["logprobs"]} for d in per], metrics
+            )
             results.append(("proto", body))
         return results
 
@@ -597,41 +729,55 @@ class Engine:
         # Client loops merge these into their own log rows (the cookbook's
         # `metrics.update(optim_result.metrics)`), so no key may be one they log themselves
         # (`step`, `learning_rate`): Tinker-style `name:reduction` keys only.
-        return ("json", {"metrics": {"grad_norm:mean": float(m["grad_norm"]),
-                                     "adam_step:max": float(m["step"])}})
+        return (
+            "json",
+            {
+                "metrics": {
+                    "grad_norm:mean": float(m["grad_norm"]),
+                    "adam_step:max": float(m["step"]),
+                }
+            },
+        )
 
     def _save_weights(self, w: Work) -> tuple:
-        path, folder = self.store.new_path(w.model_id, "weights", w.payload.get("path"))
-        self.tr.save_state(self._slot(w), folder)
-        self._note(path, w.payload)
+        with self._saving(w, w.model_id, "weights", w.payload.get("path")) as (path, folder):
+            self.tr.save_state(self._slot(w), folder)
+        old = self._sampler_slots.pop(folder, None)  # an OpenAI route sampled the old save
+        self._sampler_owner.pop(folder, None)
+        if old is not None:
+            self._retired.add(old)
         return ("json", {"path": path, "type": "save_weights"})
 
-    def _note(self, path: str, p: dict) -> None:
-        self.store.note_checkpoint(path, p.get("ttl_seconds"), p.get("user_metadata"))
+    def _saving(self, w: Work, run: str, kind: str, name, **kw):
+        """store.saving with the request's TTL and user metadata: the checkpoint is
+        recorded only once written, and a failed save leaves no new folder."""
+        p = w.payload
+        return self.store.saving(
+            w.owner, run, kind, name, p.get("ttl_seconds"), p.get("user_metadata"), **kw
+        )
 
     def _save_weights_external(self, w: Work) -> tuple:
         """The adapter as a PEFT folder for download (GET …/external_weights_urls); with
         age_encryption_recipients every file is age-encrypted to them (`<file>.age`)."""
         p = w.payload
-        path, folder = self.store.new_path(w.model_id, "external_weights", p.get("path"))
-        tmp = f"{folder}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            self.tr.export_peft(self._slot(w), tmp)
-            if p.get("age_encryption_recipients"):
-                recipients = age_recipients(p["age_encryption_recipients"])
-                for name in os.listdir(tmp):
-                    f = os.path.join(tmp, name)
-                    with open(f, "rb") as src:
-                        data = pyrage.encrypt(src.read(), recipients)
-                    with open(f + ".age", "wb") as dst:
-                        dst.write(data)
-                    os.remove(f)
-            if os.path.isdir(folder):
-                shutil.rmtree(folder)
-            os.replace(tmp, folder)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        self._note(path, p)
+        with self._saving(w, w.model_id, "external_weights", p.get("path")) as (path, folder):
+            tmp = f"{folder}.tmp-{uuid.uuid4().hex[:8]}"
+            try:
+                self.tr.export_peft(self._slot(w), tmp)
+                if p.get("age_encryption_recipients"):
+                    recipients = age_recipients(p["age_encryption_recipients"])
+                    for name in os.listdir(tmp):
+                        f = os.path.join(tmp, name)
+                        with open(f, "rb") as src:
+                            data = pyrage.encrypt(src.read(), recipients)
+                        with open(f + ".age", "wb") as dst:
+                            dst.write(data)
+                        os.remove(f)
+                if os.path.isdir(folder):
+                    shutil.rmtree(folder)
+                os.replace(tmp, folder)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
         size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
         return ("json", {"path": path, "size_bytes": size, "type": "save_weights_external"})
 
@@ -641,6 +787,7 @@ class Engine:
 
     def _delete_folder(self, folder: str) -> None:
         slot = self._sampler_slots.pop(folder, None)
+        self._sampler_owner.pop(folder, None)
         if slot is not None:
             self.tr.delete_adapter(slot)
         self.store.delete_folder(folder)
@@ -650,10 +797,14 @@ class Engine:
         p = w.payload
         src, kind, run_info = p["folder"], p["kind"], p["run_info"]
         dest_run = p["dest_run"]
-        self.store.add_run(dest_run, w.owner, self.model_name, run_info)
-        path, folder = self.store.new_path(dest_run, kind, os.path.basename(src))
-        shutil.copytree(src, folder, copy_function=os.link, dirs_exist_ok=True)
-        self._note(path, p)
+        with self._saving(
+            w,
+            dest_run,
+            kind,
+            os.path.basename(src),
+            new_run={"base_model": self.model_name, **run_info},
+        ) as (path, folder):
+            shutil.copytree(src, folder, copy_function=os.link, dirs_exist_ok=True)
         return ("json", {"tinker_path": path})
 
     def _load_weights(self, w: Work) -> tuple:
@@ -681,12 +832,15 @@ class Engine:
         out = {"path": path, "type": "save_weights_for_sampler"}
         if name is None:  # an in-memory snapshot of the slot
             self._sampler_slots[path] = self._snapshot(self._slot(w))
-            out["sampling_session_id"] = self.store.add_sampler(w.owner, self.model_name, path,
-                                                                None)
+            self._sampler_owner[path] = w.owner
+            out["sampling_session_id"] = self.store.add_sampler(
+                w.owner, self.model_name, path, None
+            )
             return ("json", out)
-        self.tr.export_peft(self._slot(w), folder)
-        self._note(path, w.payload)
+        with self._saving(w, w.model_id, "sampler_weights", name):
+            self.tr.export_peft(self._slot(w), folder)
         old = self._sampler_slots.pop(folder, None)
+        self._sampler_owner.pop(folder, None)
         if old is not None:  # an older save under this name: samplers load the new one
             self._retired.add(old)
         return ("json", out)
@@ -697,56 +851,104 @@ class Engine:
         return ("json", {"model_id": w.model_id, "type": "unload_model"})
 
     def _sampler_adapter(self, rec) -> int | None:
-        """The slot a sampling session reads (None: the base model)."""
+        """The slot a sampling session reads (None: the base model). A training
+        checkpoint's folder (…/weights/<name>, named by an OpenAI route) loads its weights
+        only, and is cached like named sampler weights."""
         if rec.model_path is None:
             return None
         key = rec.folder if rec.folder is not None else rec.model_path
+        if self._sampler_owner.get(key, rec.owner) != rec.owner:
+            raise NotFound(f"model {rec.model_path!r} not found")
         slot = self._sampler_slots.get(key)
         if slot is None:
             if rec.folder is None:
-                raise InputError(f"the in-memory sampler weights {rec.model_path} were freed "
-                                 "to make room; save_weights_for_sampler again")
+                raise InputError(
+                    f"the in-memory sampler weights {rec.model_path} were freed "
+                    "to make room; save_weights_for_sampler again"
+                )
             self._free_slot("load sampler weights")
-            slot = self.tr.load_peft(rec.folder)
+            if os.path.basename(os.path.dirname(rec.folder)) == "weights":
+                slot = self.tr.load_state(rec.folder, None, with_optimizer=False)
+            else:
+                slot = self.tr.load_peft(rec.folder)
             self._sampler_slots[key] = slot
+            self._sampler_owner[key] = rec.owner
         self._sampler_slots.move_to_end(key)
         return slot
 
     def _admit_sample(self, w: Work) -> None:
-        """Admit one asample into the running engine (or run it beside, if too long)."""
+        """Admit one asample into the running engine (or run it beside, if too long).
+
+        An OpenAI route's sample (jcp/server/openai_api.py) is the same Work: its payload
+        names its weights by a SamplerRecord built at the edge ("sampler") instead of a
+        sampling session, and asks for the SampleResult itself ("raw": completed as
+        ("result", SampleResult)). "watch" (jcp.server.text.StopWatch), from either
+        protocol: text stop sequences and a stream's feed, called after each decode call."""
         try:
-            rec = self.store.sampler(w.payload["sampling_session_id"], w.owner)
-            args: wire.SampleArgs = w.payload["args"]
+            p = w.payload
+            rec = p.get("sampler") or self.store.sampler(p["sampling_session_id"], w.owner)
+            args: wire.SampleArgs = p["args"]
+            watch = p.get("watch")
             adapter = self._sampler_adapter(rec)
-            sp = jcp.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                    top_k=args.top_k, top_p=args.top_p, stop=args.stop,
-                                    seed=args.seed)
+            sp = jcp.SamplingParams(
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                stop=args.stop,
+                seed=args.seed,
+            )
             target = args.target_prompt_logprobs
             fields = jcp.PromptFields(
                 topk_prompt_logprobs=args.topk_prompt_logprobs,
                 topk_sample_logprobs=args.topk_sample_logprobs,
                 prompt_logprobs_last_n=args.prompt_logprobs_last_n,
                 target_prompt_logprobs=None if target is None else target.ids,
-                prompt_alt_tokens_k=args.prompt_alt_tokens_k)
-            if len(args.prompt) - 1 + args.max_tokens > self.sampling.max_len:
-                res = self.tr.sample([args.prompt], sp, adapters=adapter,
-                                     num_samples=args.num_samples,
-                                     prompt_logprobs=args.prompt_logprobs, fields=fields)[0]
-                self._complete(w.request_id, _encode_sample(res, target))
+                prompt_alt_tokens_k=args.prompt_alt_tokens_k,
+            )
+            if len(args.prompt) - 1 + args.max_tokens > self.sampling.seq_cap:
+                res = self.tr.sample(
+                    [args.prompt],
+                    sp,
+                    adapters=adapter,
+                    num_samples=args.num_samples,
+                    prompt_logprobs=args.prompt_logprobs,
+                    fields=fields,
+                )[0]
+                if watch is not None:
+                    res = _watched(res, watch)
+                self._complete(w.request_id, _encode_sample(res, target, p.get("raw")))
                 return
 
             def done(rid, outcome, request_id=w.request_id):
                 self._running.pop(request_id, None)
+                self._streaming.discard(request_id)
                 if request_id in self._cancelled:
                     self._cancelled.discard(request_id)
                     self._complete(request_id, ("error", "cancelled by the client", "user"))
                     return
-                self._complete(request_id, _error(outcome) if isinstance(outcome, Exception)
-                               else _encode_sample(outcome, target))
+                self._complete(
+                    request_id,
+                    _error(outcome)
+                    if isinstance(outcome, Exception)
+                    else _encode_sample(outcome, target, p.get("raw")),
+                )
 
-            rid = self.sampling.submit(args.prompt, sp, adapter, args.num_samples,
-                                       args.prompt_logprobs, callback=done, fields=fields)
+            # Salted by tenant: no tenant can hit (or time) another's cached prompt pages.
+            rid = self.sampling.submit(
+                args.prompt,
+                sp,
+                adapter,
+                args.num_samples,
+                args.prompt_logprobs,
+                callback=done,
+                fields=fields,
+                salt=w.owner,
+                watch=watch,
+            )
             self._running[w.request_id] = rid
+            if p.get("stream"):
+                self._streaming.add(w.request_id)
         except Exception as e:  # noqa: BLE001
             self._complete(w.request_id, _error(e))
 
@@ -760,11 +962,41 @@ class Engine:
                 self.sampling.cancel(rid)
 
 
-def _encode_sample(res, target=None) -> tuple:
+def _encode_sample(res, target=None, raw: bool = False) -> tuple:
+    if raw:  # an OpenAI route formats it (jcp/server/openai_api.py)
+        return ("result", res)
     return ("proto", wire.encode_sample_response(res, target))
 
 
-def _custom_datum(d: "jcp.Datum", loss: "jcp.CustomLoss") -> "jcp.Datum":
+def _watched(res, watch):
+    """A finished SampleResult under a StopWatch (a sample run beside the engine): each
+    sequence a text stop ended is cut after the token that completed it."""
+    seqs = []
+    for j, s in enumerate(res.sequences):
+        tk = s.topk_logprobs
+        keep = watch(
+            j,
+            s.tokens.tolist(),
+            s.logprobs.tolist(),
+            [] if tk is None else [(tk.token_ids, tk.logprobs)],
+        )
+        if keep is not None:
+            s = dataclasses.replace(
+                s,
+                tokens=s.tokens[:keep],
+                logprobs=s.logprobs[:keep],
+                stop_reason="stop",
+                topk_logprobs=None
+                if tk is None
+                else dataclasses.replace(
+                    tk, token_ids=tk.token_ids[:keep], logprobs=tk.logprobs[:keep]
+                ),
+            )
+        seqs.append(s)
+    return dataclasses.replace(res, sequences=seqs)
+
+
+def _custom_datum(d: jcp.Datum, loss: jcp.CustomLoss) -> jcp.Datum:
     """The wire has no shape for a scalar: an input the loss declares rank 0 arrives as
     one value [1]; make it the scalar."""
     inputs = dict(d.loss_fn_inputs)

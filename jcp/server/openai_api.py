@@ -58,17 +58,19 @@ DEFAULT_MAX_TOKENS = 16
 MIN_LOGPROB = -9999.0
 # Fields that ask for what these routes do not do, with the value that asks for nothing
 # (a predicate): sent with any other value they are refused, naming the field.
-_NONE = (lambda v: v is None)
-_FALSE = (lambda v: v is None or v is False)
-_EMPTY = (lambda v: v is None or v == [] or v == {} or v == "")
-_ZERO = (lambda v: v is None or v == 0)
+_NONE = lambda v: v is None
+_FALSE = lambda v: v is None or v is False
+_EMPTY = lambda v: v is None or v == [] or v == {} or v == ""
+_ZERO = lambda v: v is None or v == 0
 UNSUPPORTED = {
     "tools": ("tools are not supported", _EMPTY),
     "tool_choice": ("tools are not supported", lambda v: v in (None, "none", "auto")),
     "functions": ("functions are not supported", _EMPTY),
     "function_call": ("functions are not supported", lambda v: v in (None, "none", "auto")),
-    "response_format": ("response_format (structured output) is not supported",
-                        lambda v: v is None or v == {"type": "text"}),
+    "response_format": (
+        "response_format (structured output) is not supported",
+        lambda v: v is None or v == {"type": "text"},
+    ),
     "audio": ("audio is not supported", _NONE),
     "modalities": ("only text output is supported", lambda v: v in (None, ["text"])),
     "prediction": ("predicted outputs are not supported", _NONE),
@@ -85,8 +87,10 @@ UNSUPPORTED = {
     "stop_token_ids": ("stop_token_ids are not supported; use stop strings", _EMPTY),
     "ignore_eos": ("ignore_eos is not supported", _FALSE),
     "include_stop_str_in_output": ("include_stop_str_in_output is not supported", _FALSE),
-    "skip_special_tokens": ("skip_special_tokens: only true is supported",
-                            lambda v: v is None or v is True),
+    "skip_special_tokens": (
+        "skip_special_tokens: only true is supported",
+        lambda v: v is None or v is True,
+    ),
     "prompt_logprobs": ("prompt_logprobs: use echo with logprobs", _NONE),
     "truncate_prompt_tokens": ("truncate_prompt_tokens is not supported", _NONE),
     "guided_json": ("guided decoding is not supported", _NONE),
@@ -104,16 +108,30 @@ UNSUPPORTED = {
 class ApiError(Exception):
     """A request refused: HTTP `status` and OpenAI's error fields."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, kind: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
         self.kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
 
     def response(self, state_dir: str) -> JSONResponse:
-        return JSONResponse({"error": {
-            "message": redact.client_message(str(self), state_dir), "type": self.kind,
-            "param": self.param, "code": self.code}}, status_code=self.status)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": redact.client_message(str(self), state_dir),
+                    "type": self.kind,
+                    "param": self.param,
+                    "code": self.code,
+                }
+            },
+            status_code=self.status,
+        )
 
 
 def bad(param: str, message: str, code: str | None = None) -> ApiError:
@@ -121,6 +139,7 @@ def bad(param: str, message: str, code: str | None = None) -> ApiError:
 
 
 # ---------------------------------------------------------------------- request fields
+
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -139,8 +158,12 @@ def _num(body: dict, name: str, lo: float, hi: float, default: float) -> float:
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-            or not lo <= v <= hi:
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or not math.isfinite(v)
+        or not lo <= v <= hi
+    ):
         raise bad(name, f"must be a number in [{lo}, {hi}], got {v!r}")
     return float(v)
 
@@ -159,13 +182,13 @@ class Params:
     """What one OpenAI request asks of each of its prompts."""
 
     n: int
-    max_tokens: int | None      # None: the route's default
+    max_tokens: int | None  # None: the route's default
     temperature: float
     top_p: float
     top_k: int
     seed: int | None
     stop: tuple[str, ...]
-    logprobs: int | None        # top alternatives per position; None: no log-probs
+    logprobs: int | None  # top alternatives per position; None: no log-probs
     echo: bool
     stream: bool
     include_usage: bool
@@ -178,8 +201,9 @@ def parse_params(body: dict, chat: bool, limits: Limits) -> Params:
     n = _int(body, "n", 1, limits.num_samples, 1)
     best_of = body.get("best_of")
     if best_of is not None and best_of not in (1, n):
-        raise ApiError(400, "best_of: only best_of = n is supported", "best_of",
-                       "unsupported_parameter")
+        raise ApiError(
+            400, "best_of: only best_of = n is supported", "best_of", "unsupported_parameter"
+        )
     if chat:
         max_tokens = _int(body, "max_completion_tokens", 1, wire_int_max(), None)
         if max_tokens is None:
@@ -190,8 +214,9 @@ def parse_params(body: dict, chat: bool, limits: Limits) -> Params:
             raise bad("top_logprobs", "needs logprobs: true")
         logprobs = (top or 0) if want else None
         if _bool(body, "echo", False):
-            raise ApiError(400, "echo: not supported on chat completions", "echo",
-                           "unsupported_parameter")
+            raise ApiError(
+                400, "echo: not supported on chat completions", "echo", "unsupported_parameter"
+            )
         echo = False
     else:
         max_tokens = _int(body, "max_tokens", 0, wire_int_max(), DEFAULT_MAX_TOKENS)
@@ -205,25 +230,45 @@ def parse_params(body: dict, chat: bool, limits: Limits) -> Params:
         raise bad("stream_options", "an object, with stream: true")
     include_usage = bool(opts and opts.get("include_usage"))
     if stream and echo and logprobs is not None:
-        raise ApiError(400, "echo: prompt log-probs are not streamed; use stream: false",
-                       "echo", "unsupported_parameter")
+        raise ApiError(
+            400,
+            "echo: prompt log-probs are not streamed; use stream: false",
+            "echo",
+            "unsupported_parameter",
+        )
     top_k = _int(body, "top_k", -1, wire_int_max(), -1)
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 1 << 63):
         raise bad("seed", f"must be an integer in [0, 2^63), got {seed!r}")
     stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) \
-        else () if stop is None else None
+    stops = (
+        (stop,)
+        if isinstance(stop, str)
+        else tuple(stop)
+        if isinstance(stop, list)
+        else ()
+        if stop is None
+        else None
+    )
     if stops is None or not all(isinstance(s, str) and s for s in stops):
         raise bad("stop", "must be a non-empty string or a list of them")
     if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise bad("stop", f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} "
-                          "characters")
-    return Params(n=n, max_tokens=max_tokens,
-                  temperature=_num(body, "temperature", 0.0, 1e6, 1.0),
-                  top_p=_num(body, "top_p", 1e-9, 1.0, 1.0), top_k=-1 if top_k == 0 else top_k,
-                  seed=seed, stop=stops, logprobs=logprobs, echo=echo, stream=stream,
-                  include_usage=include_usage)
+        raise bad(
+            "stop", f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters"
+        )
+    return Params(
+        n=n,
+        max_tokens=max_tokens,
+        temperature=_num(body, "temperature", 0.0, 1e6, 1.0),
+        top_p=_num(body, "top_p", 1e-9, 1.0, 1.0),
+        top_k=-1 if top_k == 0 else top_k,
+        seed=seed,
+        stop=stops,
+        logprobs=logprobs,
+        echo=echo,
+        stream=stream,
+        include_usage=include_usage,
+    )
 
 
 def wire_int_max() -> int:
@@ -239,15 +284,20 @@ def prompts_of(body: dict, text: Text, limits: Limits) -> list[tuple[list[int], 
         items = [p]
     elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
         items = p
-    elif isinstance(p, list) and p and all(isinstance(x, list) and x and all(
-            _is_int(t) for t in x) for x in p):
+    elif (
+        isinstance(p, list)
+        and p
+        and all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p)
+    ):
         items = p
     else:
-        raise bad("prompt", "must be a string, a list of strings, a list of token ids or a "
-                            "list of such lists (none empty)")
+        raise bad(
+            "prompt",
+            "must be a string, a list of strings, a list of token ids or a "
+            "list of such lists (none empty)",
+        )
     if len(items) > limits.num_samples:
-        raise bad("prompt", f"at most {limits.num_samples} prompts per request "
-                            "(--max-num-samples)")
+        raise bad("prompt", f"at most {limits.num_samples} prompts per request (--max-num-samples)")
     out = []
     for i, x in enumerate(items):
         if isinstance(x, str):
@@ -274,20 +324,29 @@ def chat_prompt(body: dict, text: Text) -> list[int]:
             raise bad(where, "must be an object {role, content}")
         role = m.get("role")
         if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
-            raise ApiError(400, f"{where}: tool messages and tool calls are not supported",
-                           where, "unsupported_parameter")
+            raise ApiError(
+                400,
+                f"{where}: tool messages and tool calls are not supported",
+                where,
+                "unsupported_parameter",
+            )
         if role not in ("system", "developer", "user", "assistant"):
-            raise bad(f"{where}.role", f"must be system, developer, user or assistant, got "
-                                       f"{role!r}")
+            raise bad(
+                f"{where}.role", f"must be system, developer, user or assistant, got {role!r}"
+            )
         content = m.get("content")
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"{where}.content[{j}]: only text parts are supported"
-                                        f" (got type {kind!r}: images, audio and files are not)",
-                                   f"{where}.content[{j}].type", "unsupported_parameter")
+                    raise ApiError(
+                        400,
+                        f"{where}.content[{j}]: only text parts are supported"
+                        f" (got type {kind!r}: images, audio and files are not)",
+                        f"{where}.content[{j}].type",
+                        "unsupported_parameter",
+                    )
                 parts.append(part["text"])
             content = "\n".join(parts)
         elif content is None and role == "assistant":
@@ -296,10 +355,17 @@ def chat_prompt(body: dict, text: Text) -> list[int]:
             raise bad(f"{where}.content", "must be a string or a list of text parts")
         out.append({"role": "system" if role == "developer" else role, "content": content})
     kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict) or {"messages", "tools", "documents",
-                                        "add_generation_prompt"} & set(kwargs):
-        raise bad("chat_template_kwargs", "must be an object of template variables (not "
-                                          "messages, tools, documents, add_generation_prompt)")
+    if not isinstance(kwargs, dict) or {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+    } & set(kwargs):
+        raise bad(
+            "chat_template_kwargs",
+            "must be an object of template variables (not "
+            "messages, tools, documents, add_generation_prompt)",
+        )
     add = _bool(body, "add_generation_prompt", True)
     try:
         ids = text.chat_tokens(out, add, **kwargs)
@@ -312,22 +378,32 @@ def chat_prompt(body: dict, text: Text) -> list[int]:
 
 # ---------------------------------------------------------------------- the routes
 
+
 @dataclasses.dataclass
 class Job:
     """One prompt's engine request: its future, prompt, choices and (streamed) progress."""
 
     rid: str
-    entry: object               # its FutureTable entry (held: read after completion)
+    entry: object  # its FutureTable entry (held: read after completion)
     prompt: list[int]
     prompt_text: str | None
-    first: int                  # index of its first choice
-    seqs: list                  # SeqText per choice
-    sent: list                  # per choice: [tokens streamed, characters streamed]
-    result: object = None       # the SampleResult once done
+    first: int  # index of its first choice
+    seqs: list  # SeqText per choice
+    sent: list  # per choice: [tokens streamed, characters streamed]
+    result: object = None  # the SampleResult once done
 
 
-def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, limits: Limits,
-          text: Text | None, body_json, failure=lambda: None) -> None:
+def mount(
+    app: FastAPI,
+    store: StateStore,
+    sched: Scheduler,
+    futures,
+    served,
+    limits: Limits,
+    text: Text | None,
+    body_json,
+    failure=lambda: None,
+) -> None:
     """Add the /v1 routes to `app` (jcp.server.app.create_app calls this). served: the
     app's ServedModel; body_json(request) -> the JSON body under --max-body-bytes."""
     started = int(time.time())
@@ -335,13 +411,18 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
 
     def owner(request: Request) -> str:
         auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth[:7].lower() == "bearer " else \
-            request.headers.get("x-api-key")
+        key = (
+            auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key")
+        )
         try:
             return store.owner_of_key(key or None)
         except AuthError:
-            raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                           None, "invalid_api_key") from None
+            raise ApiError(
+                401,
+                "invalid or missing API key (Authorization: Bearer <key>)",
+                None,
+                "invalid_api_key",
+            ) from None
 
     def route(fn):
         @functools.wraps(fn)
@@ -354,8 +435,8 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
                 status = 400 if e.status == 422 else e.status
                 return ApiError(status, str(e)).response(store.state_dir)
             except NotFound as e:
-                return ApiError(404, str(e), "model", "model_not_found").response(
-                    store.state_dir)
+                return ApiError(404, str(e), "model", "model_not_found").response(store.state_dir)
+
         return handler
 
     def weights(model, who: str) -> SamplerRecord:
@@ -363,9 +444,11 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
         if model == served.name:
             return SamplerRecord("openai", who, served.name, None, None)
         if not isinstance(model, str) or not model.startswith("tinker://"):
-            raise NotFound(f"model {str(model)[:300]!r} not found; this server serves "
-                           f"{served.name!r} and your tinker:// checkpoints (GET /v1/models)")
-        parts = model[len("tinker://"):].split("/")
+            raise NotFound(
+                f"model {str(model)[:300]!r} not found; this server serves "
+                f"{served.name!r} and your tinker:// checkpoints (GET /v1/models)"
+            )
+        parts = model[len("tinker://") :].split("/")
         if len(parts) == 3 and parts[1] == "sampler_weights":
             for rec in list(store.samplers.values()):  # an in-memory snapshot of the caller's
                 if rec.model_path == model and rec.owner == who and rec.folder is None:
@@ -376,57 +459,110 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
 
     def needs_text() -> Text:
         if text is None:
-            raise ApiError(400, f"model {served.name!r} has no tokenizer (serve --hf-model "
-                                "with a tokenizer.json): the OpenAI text routes need one; "
-                                "the Tinker routes take token ids", "model", "no_tokenizer")
+            raise ApiError(
+                400,
+                f"model {served.name!r} has no tokenizer (serve --hf-model "
+                "with a tokenizer.json): the OpenAI text routes need one; "
+                "the Tinker routes take token ids",
+                "model",
+                "no_tokenizer",
+            )
         return text
 
     @app.get("/v1/models")
     @route
     async def models(request: Request):
         who = owner(request)
-        data = [{"id": served.name, "object": "model", "created": started, "owned_by": "jcp",
-                 "root": served.name, "parent": None,
-                 "max_model_len": served.max_context_length}]
+        data = [
+            {
+                "id": served.name,
+                "object": "model",
+                "created": started,
+                "owned_by": "jcp",
+                "root": served.name,
+                "parent": None,
+                "max_model_len": served.max_context_length,
+            }
+        ]
         for run in store.training_runs(who, 0, 1000)["training_runs"]:
             for c in store.checkpoints(run["training_run_id"], who)["checkpoints"]:
                 if c["checkpoint_type"] in ("training", "sampler"):
-                    data.append({"id": c["tinker_path"], "object": "model", "created": started,
-                                 "owned_by": who, "root": served.name,
-                                 "parent": run.get("base_model") or served.name,
-                                 "max_model_len": served.max_context_length})
+                    data.append(
+                        {
+                            "id": c["tinker_path"],
+                            "object": "model",
+                            "created": started,
+                            "owned_by": who,
+                            "root": served.name,
+                            "parent": run.get("base_model") or served.name,
+                            "max_model_len": served.max_context_length,
+                        }
+                    )
         seen = {d["id"] for d in data}
         for rec in list(store.samplers.values()):
-            if rec.owner == who and rec.folder is None and rec.model_path is not None \
-                    and rec.model_path not in seen:
+            if (
+                rec.owner == who
+                and rec.folder is None
+                and rec.model_path is not None
+                and rec.model_path not in seen
+            ):
                 seen.add(rec.model_path)
-                data.append({"id": rec.model_path, "object": "model", "created": started,
-                             "owned_by": who, "root": served.name, "parent": rec.base_model,
-                             "max_model_len": served.max_context_length})
+                data.append(
+                    {
+                        "id": rec.model_path,
+                        "object": "model",
+                        "created": started,
+                        "owned_by": who,
+                        "root": served.name,
+                        "parent": rec.base_model,
+                        "max_model_len": served.max_context_length,
+                    }
+                )
         return {"object": "list", "data": data}
 
     # ------------------------------------------------------------------ submission
 
-    def submit(who: str, rec: SamplerRecord, prompt: list[int], prm: Params, max_tokens: int,
-               on_tokens) -> str:
+    def submit(
+        who: str, rec: SamplerRecord, prompt: list[int], prm: Params, max_tokens: int, on_tokens
+    ) -> str:
         """Queue one prompt as a sample Work -> its future's id."""
         down = failure()
         if down is not None:
             raise ApiError(503, down)
         k = prm.logprobs or 0
         args = wire.SampleArgs(
-            prompt=np.asarray(prompt, np.int32), num_samples=prm.n,
-            max_tokens=max(1, max_tokens), temperature=prm.temperature, top_k=prm.top_k,
-            top_p=prm.top_p, stop=None, seed=prm.seed,
+            prompt=np.asarray(prompt, np.int32),
+            num_samples=prm.n,
+            max_tokens=max(1, max_tokens),
+            temperature=prm.temperature,
+            top_k=prm.top_k,
+            top_p=prm.top_p,
+            stop=None,
+            seed=prm.seed,
             prompt_logprobs=prm.echo and prm.logprobs is not None,
-            topk_prompt_logprobs=k if prm.echo else 0, topk_sample_logprobs=k)
+            topk_prompt_logprobs=k if prm.echo else 0,
+            topk_sample_logprobs=k,
+        )
         watch = None
         if prm.stop or on_tokens is not None:
             watch = StopWatch(text, prm.stop, on_tokens)
         rid = futures.new(who)
-        sched.submit(Work(request_id=rid, kind="sample", model_id=None, seq_id=None,
-                          payload={"sampler": rec, "args": args, "watch": watch, "raw": True,
-                                   "stream": on_tokens is not None}, owner=who))
+        sched.submit(
+            Work(
+                request_id=rid,
+                kind="sample",
+                model_id=None,
+                seq_id=None,
+                payload={
+                    "sampler": rec,
+                    "args": args,
+                    "watch": watch,
+                    "raw": True,
+                    "stream": on_tokens is not None,
+                },
+                owner=who,
+            )
+        )
         return rid
 
     def cancel(job: Job, who: str) -> None:
@@ -440,6 +576,7 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
         async def forget():
             await job.entry.event.wait()
             futures.forget(job.rid, who)
+
         task = asyncio.get_running_loop().create_task(forget())
         pending.add(task)
         task.add_done_callback(pending.discard)
@@ -469,19 +606,26 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
         else:
             prompts = prompts_of(body, txt, limits)
         if prm.n * len(prompts) > limits.num_samples:
-            raise bad("n", f"n × prompts = {prm.n * len(prompts)} exceeds "
-                           f"{limits.num_samples} (--max-num-samples)")
+            raise bad(
+                "n",
+                f"n × prompts = {prm.n * len(prompts)} exceeds "
+                f"{limits.num_samples} (--max-num-samples)",
+            )
         cap = served.max_context_length
         plans = []
         for ids, s in prompts:
             want = prm.max_tokens if prm.max_tokens is not None else cap - len(ids)
             if len(ids) + max(want, 1) > cap:
-                raise ApiError(400, f"This model's maximum context length is {cap} tokens. "
-                                    f"However, you requested {len(ids) + max(want, 1)} tokens "
-                                    f"({len(ids)} in the {'messages' if chat else 'prompt'}, "
-                                    f"{want} in the completion). Please reduce the length of "
-                                    f"the {'messages' if chat else 'prompt'} or completion.",
-                               "messages" if chat else "prompt", "context_length_exceeded")
+                raise ApiError(
+                    400,
+                    f"This model's maximum context length is {cap} tokens. "
+                    f"However, you requested {len(ids) + max(want, 1)} tokens "
+                    f"({len(ids)} in the {'messages' if chat else 'prompt'}, "
+                    f"{want} in the completion). Please reduce the length of "
+                    f"the {'messages' if chat else 'prompt'} or completion.",
+                    "messages" if chat else "prompt",
+                    "context_length_exceeded",
+                )
             plans.append((ids, s, want))
         return who, model, rec, txt, prm, plans
 
@@ -504,27 +648,43 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
         for s in strs:
             offs.append(at)
             at += len(s)
-        return {"tokens": strs, "token_logprobs": [logprob(x) for x in lps],
-                "top_logprobs": None if top is None else [
-                    None if row is None else {txt.token_str(i): logprob(v) for i, v in row}
-                    for row in top],
-                "text_offset": offs}
+        return {
+            "tokens": strs,
+            "token_logprobs": [logprob(x) for x in lps],
+            "top_logprobs": None
+            if top is None
+            else [
+                None if row is None else {txt.token_str(i): logprob(v) for i, v in row}
+                for row in top
+            ],
+            "text_offset": offs,
+        }
 
     def chat_logprobs(txt: Text, tokens, lps, top) -> dict:
         def entry(t, lp):
             s = txt.token_str(t)
             return {"token": s, "logprob": logprob(lp), "bytes": list(s.encode("utf-8"))}
-        return {"content": [{**entry(t, lp), "top_logprobs": [] if top is None else [
-            entry(i, v) for i, v in top[k]]} for k, (t, lp) in enumerate(zip(tokens, lps))],
-            "refusal": None}
+
+        return {
+            "content": [
+                {
+                    **entry(t, lp),
+                    "top_logprobs": [] if top is None else [entry(i, v) for i, v in top[k]],
+                }
+                for k, (t, lp) in enumerate(zip(tokens, lps))
+            ],
+            "refusal": None,
+        }
 
     def top_rows(tk, k: int, lo: int = 0, hi: int | None = None):
         """The top-k (id, lp) rows of a TopK (positions lo:hi), None where undefined."""
         if tk is None or k <= 0:
             return None
         ids, lps = np.asarray(tk.token_ids)[lo:hi, :k], np.asarray(tk.logprobs)[lo:hi, :k]
-        return [None if r[0] < 0 else [(int(i), float(v)) for i, v in zip(r, lv)]
-                for r, lv in zip(ids.tolist(), lps.tolist())]
+        return [
+            None if r[0] < 0 else [(int(i), float(v)) for i, v in zip(r, lv)]
+            for r, lv in zip(ids.tolist(), lps.tolist())
+        ]
 
     def finish(job: Job, j: int, prm: Params) -> tuple[list[int], list[float], object, str]:
         """A finished choice: (tokens, log-probs, top-k TopK, finish reason); its SeqText
@@ -537,7 +697,7 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
         toks = [int(t) for t in s.tokens]
         if not prm.stop and not seq.tokens:  # nothing streamed, no stops: one decode
             seq.tokens, seq.text, seq.ended = toks, text.decode(toks), True
-        for t in toks[len(seq.tokens):]:
+        for t in toks[len(seq.tokens) :]:
             if seq.push(t):
                 break
         seq.finish()
@@ -547,8 +707,11 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
 
     def usage(jobs: list[Job], completion: int) -> dict:
         prompt = sum(len(j.prompt) for j in jobs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
     def whole(jobs: list[Job], prm: Params, txt: Text, model: str, chat: bool) -> dict:
         choices, n_out = [], 0
@@ -560,15 +723,22 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
                 lp = None
                 if chat:
                     if prm.logprobs is not None:
-                        lp = chat_logprobs(txt, toks, lps, top_rows(tk, prm.logprobs, 0,
-                                                                      len(toks)))
-                    choices.append({"index": job.first + j, "message": {
-                        "role": "assistant", "content": body, "tool_calls": []},
-                        "logprobs": lp, "finish_reason": reason})
+                        lp = chat_logprobs(txt, toks, lps, top_rows(tk, prm.logprobs, 0, len(toks)))
+                    choices.append(
+                        {
+                            "index": job.first + j,
+                            "message": {"role": "assistant", "content": body, "tool_calls": []},
+                            "logprobs": lp,
+                            "finish_reason": reason,
+                        }
+                    )
                     continue
                 if prm.echo:
-                    head = job.prompt_text if job.prompt_text is not None else txt.decode(
-                        job.prompt, skip_special_tokens=False)
+                    head = (
+                        job.prompt_text
+                        if job.prompt_text is not None
+                        else txt.decode(job.prompt, skip_special_tokens=False)
+                    )
                     body = head + body
                 if prm.logprobs is not None:
                     k, top = prm.logprobs, top_rows(tk, prm.logprobs, 0, len(toks))
@@ -582,12 +752,19 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
                         lp = completion_logprobs(txt, toks_all, lps_all, top_all)
                     else:
                         lp = completion_logprobs(txt, toks, lps, top)
-                choices.append({"index": job.first + j, "text": body, "logprobs": lp,
-                                "finish_reason": reason})
+                choices.append(
+                    {"index": job.first + j, "text": body, "logprobs": lp, "finish_reason": reason}
+                )
         kind = "chat.completion" if chat else "text_completion"
-        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
-                "created": int(time.time()), "model": model, "choices": choices,
-                "usage": usage(jobs, n_out), "system_fingerprint": None}
+        return {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+            "usage": usage(jobs, n_out),
+            "system_fingerprint": None,
+        }
 
     # ------------------------------------------------------------------ handlers
 
@@ -600,26 +777,40 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
             for i, (ids, s, want) in enumerate(plans):
                 on_tokens = None
                 if prm.stream and prm.max_tokens != 0:
+
                     def on_tokens(j, toks, lps, rows, i=i):  # the worker thread
-                        loop.call_soon_threadsafe(feed.put_nowait, ("tokens", i, j, toks, lps,
-                                                                    rows))
+                        loop.call_soon_threadsafe(
+                            feed.put_nowait, ("tokens", i, j, toks, lps, rows)
+                        )
+
                 rid = submit(who, rec, ids, prm, want, on_tokens)
-                jobs.append(Job(rid, futures.get(rid, who), ids, s, i * prm.n,
-                                [SeqText(txt, prm.stop) for _ in range(prm.n)],
-                                [[0, 0] for _ in range(prm.n)]))
+                jobs.append(
+                    Job(
+                        rid,
+                        futures.get(rid, who),
+                        ids,
+                        s,
+                        i * prm.n,
+                        [SeqText(txt, prm.stop) for _ in range(prm.n)],
+                        [[0, 0] for _ in range(prm.n)],
+                    )
+                )
         except BaseException:
             for job in jobs:
                 cancel(job, who)
             raise
         if prm.stream:
-            return EventStream(stream(jobs, feed, prm, txt, model, chat, who),
-                               lambda: [cancel(j, who) for j in jobs if j.result is None])
+            return EventStream(
+                stream(jobs, feed, prm, txt, model, chat, who),
+                lambda: [cancel(j, who) for j in jobs if j.result is None],
+            )
         gone = loop.create_task(disconnected(request.receive))
         waits = [loop.create_task(j.entry.event.wait()) for j in jobs]
         try:
             while not all(w.done() for w in waits):
-                await asyncio.wait([gone, *[w for w in waits if not w.done()]],
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    [gone, *[w for w in waits if not w.done()]], return_when=asyncio.FIRST_COMPLETED
+                )
                 if gone.done():
                     for job in jobs:
                         if not job.entry.event.is_set():
@@ -639,17 +830,31 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
             raise errors[0]
         return whole(jobs, prm, txt, model, chat)
 
-    async def stream(jobs: list[Job], feed: asyncio.Queue, prm: Params, txt: Text,
-                     model: str, chat: bool, who: str):
+    async def stream(
+        jobs: list[Job],
+        feed: asyncio.Queue,
+        prm: Params,
+        txt: Text,
+        model: str,
+        chat: bool,
+        who: str,
+    ):
         """The server-sent events of a streamed request (each `data: {json}`), ending with
         the usage chunk (stream_options.include_usage) and `data: [DONE]`."""
         cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        created, kind = int(time.time()), "chat.completion.chunk" if chat else \
-            "text_completion"
+        created, kind = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices, **extra) -> bytes:
-            return sse({"id": cid, "object": kind, "created": created, "model": model,
-                        "choices": choices, **extra})
+            return sse(
+                {
+                    "id": cid,
+                    "object": kind,
+                    "created": created,
+                    "model": model,
+                    "choices": choices,
+                    **extra,
+                }
+            )
 
         def choice(index: int, piece: str | None, lp=None, reason=None, role=False) -> dict:
             if chat:
@@ -669,7 +874,7 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
         def step(job: Job, j: int, toks, lps, top, reason=None) -> bytes | None:
             """Text the choice may send now (and its tokens' log-probs), as one chunk."""
             seq, sent = job.seqs[j], job.sent[j]
-            piece = seq.text[sent[1]:seq.ready]
+            piece = seq.text[sent[1] : seq.ready]
             sent[1] += len(piece)
             lp = lps_of(toks, lps, top)
             if not piece and lp is None and reason is None:
@@ -681,14 +886,18 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
                 if chat:
                     yield chunk([choice(job.first + j, "", role=True)])
                 elif prm.echo:
-                    head = job.prompt_text if job.prompt_text is not None else txt.decode(
-                        job.prompt, skip_special_tokens=False)
+                    head = (
+                        job.prompt_text
+                        if job.prompt_text is not None
+                        else txt.decode(job.prompt, skip_special_tokens=False)
+                    )
                     yield chunk([choice(job.first + j, head)])
         loop = asyncio.get_running_loop()
 
         async def done(i: int, job: Job):
             await job.entry.event.wait()
             feed.put_nowait(("done", i))
+
         waits = [loop.create_task(done(i, job)) for i, job in enumerate(jobs)]
         try:
             async for out in events(jobs, feed, prm, chunk, step, who):
@@ -697,8 +906,7 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
             for w in waits:
                 w.cancel()
 
-    async def events(jobs: list[Job], feed: asyncio.Queue, prm: Params, chunk, step,
-                     who: str):
+    async def events(jobs: list[Job], feed: asyncio.Queue, prm: Params, chunk, step, who: str):
         """The chunks of a stream after its first ones: tokens as the engine's decode calls
         feed them, each job's end (its result's last tokens, finish reasons), the usage."""
         n_out, left = 0, len(jobs)
@@ -718,9 +926,10 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
                 sent[0] += take
                 top = None
                 if rows is not None and prm.logprobs:
-                    top = [[(int(a), float(b)) for a, b in zip(r[:prm.logprobs],
-                                                                v[:prm.logprobs])]
-                           for r, v in zip(rows[0][:take].tolist(), rows[1][:take].tolist())]
+                    top = [
+                        [(int(a), float(b)) for a, b in zip(r[: prm.logprobs], v[: prm.logprobs])]
+                        for r, v in zip(rows[0][:take].tolist(), rows[1][:take].tolist())
+                    ]
                 out = step(job, j, toks[:take], lps[:take], top)
                 if out is not None:
                     yield out
@@ -730,8 +939,16 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
             try:
                 job.result = outcome(job, who)
             except ApiError as e:
-                yield sse({"error": {"message": redact.client_message(str(e), store.state_dir),
-                                     "type": e.kind, "param": e.param, "code": e.code}})
+                yield sse(
+                    {
+                        "error": {
+                            "message": redact.client_message(str(e), store.state_dir),
+                            "type": e.kind,
+                            "param": e.param,
+                            "code": e.code,
+                        }
+                    }
+                )
                 for other in jobs:
                     if other.result is None and other is not job:
                         cancel(other, who)
@@ -759,8 +976,11 @@ def mount(app: FastAPI, store: StateStore, sched: Scheduler, futures, served, li
 
 
 def sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, allow_nan=False,
-                                  separators=(",", ":")).encode() + b"\n\n"
+    return (
+        b"data: "
+        + json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        + b"\n\n"
+    )
 
 
 class EventStream(Response):
@@ -771,14 +991,15 @@ class EventStream(Response):
     media_type = "text/event-stream"
 
     def __init__(self, chunks, on_disconnect):
-        super().__init__(media_type=self.media_type,
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        super().__init__(
+            media_type=self.media_type,
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
         self.chunks, self.on_disconnect = chunks, on_disconnect
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": self.raw_headers})
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         loop = asyncio.get_running_loop()
         gone = loop.create_task(_gone(receive))
         try:
@@ -791,8 +1012,7 @@ class EventStream(Response):
                 try:
                     data = nxt.result()
                 except StopAsyncIteration:
-                    await send({"type": "http.response.body", "body": b"",
-                                "more_body": False})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
                     return
                 if gone.done():
                     break

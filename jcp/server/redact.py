@@ -35,11 +35,14 @@ def client_message(text: str, state_dir: str) -> str:
     out = str(text)
     for root in {os.path.abspath(state_dir), os.path.realpath(state_dir)}:
         runs = re.escape(os.path.join(root, "runs"))
-        out = re.sub(rf"{runs}/({_RUN})(?:/({_KIND})/({_SEGMENT}))?(?:/{_SEGMENT})*/?",
-                     lambda m: "tinker://" + "/".join(g for g in m.groups() if g), out)
+        out = re.sub(
+            rf"{runs}/({_RUN})(?:/({_KIND})/({_SEGMENT}))?(?:/{_SEGMENT})*/?",
+            lambda m: "tinker://" + "/".join(g for g in m.groups() if g),
+            out,
+        )
         out = re.sub(rf"{re.escape(root)}{_END}(?:/{_SEGMENT})*/?", "<state>", out)
     out = _PATH.sub("<path>", out)
-    return out if len(out) <= MAX_CHARS else out[:MAX_CHARS - 1] + "…"
+    return out if len(out) <= MAX_CHARS else out[: MAX_CHARS - 1] + "…"
 
 
 def client_result(result: tuple, state_dir: str) -> tuple:

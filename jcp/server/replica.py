@@ -88,8 +88,14 @@ HEARTBEAT_S = 0.5
 POLL_MS = 500
 ACK_FACTOR = 10  # a call's acknowledgement may come this many heartbeat timeouts late
 # (target, method) of the calls whose acknowledgements are read after they return.
-DEFERRED = frozenset({("trainer", "forward"), ("trainer", "forward_backward"),
-                      ("trainer", "optim_step"), ("sampling", "step")})
+DEFERRED = frozenset(
+    {
+        ("trainer", "forward"),
+        ("trainer", "forward_backward"),
+        ("trainer", "optim_step"),
+        ("sampling", "step"),
+    }
+)
 # Objects a call returns that a later call passes back (the follower keeps its own), and
 # the calls that use such an object up.
 KEPT_RESULTS = frozenset({"offload_adapter"})
@@ -104,6 +110,7 @@ class JobFailed(RuntimeError):
 class Op:
     """One call for every process: `target` ("trainer", "sampling", "init_sampling",
     "share", "discard", "stop"), its method and arguments."""
+
     target: str
     method: str = ""
     args: tuple = ()
@@ -114,6 +121,7 @@ class Op:
 class Ref:
     """An object a follower kept from op `n` (what offload_adapter returned there, or the
     custom loss it built)."""
+
     n: int
 
 
@@ -139,8 +147,14 @@ class Leader:
     methods go through `call`. `on_failure(message)` runs once, from the thread that saw the
     failure."""
 
-    def __init__(self, followers, timeout_s: float = 60.0, on_failure=None, client=None,
-                 ack_timeout_s: float | None = None):
+    def __init__(
+        self,
+        followers,
+        timeout_s: float = 60.0,
+        on_failure=None,
+        client=None,
+        ack_timeout_s: float | None = None,
+    ):
         self.c = client or _client()
         self.followers = list(followers)
         self.timeout_s = float(timeout_s)
@@ -160,8 +174,7 @@ class Leader:
         self._pending: list[tuple[int, str, Exception | None, float]] = []
         self._running: tuple[int, str] | None = None
         self._stopped = threading.Event()
-        self._watcher = threading.Thread(target=self._watch, name="jcp-serve-watch",
-                                         daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name="jcp-serve-watch", daemon=True)
         self._watcher.start()
 
     # ------------------------------------------------------------------ proxies
@@ -195,8 +208,15 @@ class Leader:
         sent = {k: v for k, v in kwargs.items() if k != "callback"}
         deferred = (target, method) in DEFERRED
         with self._lock:
-            n = self._next(Op(target, method, tuple(self._ref(a) for a in args),
-                              {k: self._ref(v) for k, v in sent.items()}), settle=not deferred)
+            n = self._next(
+                Op(
+                    target,
+                    method,
+                    tuple(self._ref(a) for a in args),
+                    {k: self._ref(v) for k, v in sent.items()},
+                ),
+                settle=not deferred,
+            )
             self._running = (n, method)
             try:
                 out, err = getattr(obj, method)(*args, **kwargs), None
@@ -268,7 +288,7 @@ class Leader:
         if len(data) <= CHUNK_BYTES:
             self.c.key_value_set_bytes(_op_key(n), INLINE + data)
             return
-        pieces = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
+        pieces = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
         for i, piece in enumerate(pieces):
             self.c.key_value_set_bytes(f"{_op_key(n)}/{i}", piece)
         # Last: the pieces are there.
@@ -281,8 +301,7 @@ class Leader:
             self._acks(n, what, err, done)
             self._pending.pop(0)
 
-    def _acks(self, n: int, what: str, err: Exception | None,
-              done: float | None = None) -> None:
+    def _acks(self, n: int, what: str, err: Exception | None, done: float | None = None) -> None:
         """Wait for every follower's acknowledgement of call n (process 0 finished it at
         `done`, default now); JobFailed unless each came in time and agrees with `err`."""
         deadline = (time.monotonic() if done is None else done) + self.ack_timeout_s
@@ -297,23 +316,32 @@ class Leader:
                     if not _timed_out(e):
                         self.fail(f"the coordination service failed: {e}")
                     elif time.monotonic() > deadline:
-                        self.fail(f"process {pid} did not finish {what} (call {n}) within "
-                                  f"{self.ack_timeout_s:.0f} s of process 0")
+                        self.fail(
+                            f"process {pid} did not finish {what} (call {n}) within "
+                            f"{self.ack_timeout_s:.0f} s of process 0"
+                        )
             self._agree(pid, n, what, status, err)
         self._kept_calls += 1
 
     def _agree(self, pid: int, n: int, what: str, status: str, err: Exception | None) -> None:
         if (status == "ok") != (err is None):
             mine = "ok" if err is None else f"{type(err).__name__}: {err}"
-            self.fail(f"process {pid} disagreed on {what} (call {n}): it answered "
-                      f"{status!r}, process 0 {mine!r}")
+            self.fail(
+                f"process {pid} disagreed on {what} (call {n}): it answered "
+                f"{status!r}, process 0 {mine!r}"
+            )
 
     def fail(self, message: str) -> None:
         """Declare the job failed (once) and raise JobFailed."""
         first = False
         if self.failure is None:
-            self.failure, first = (f"{message}; this multi-process job must be restarted "
-                                   "(it resumes from --state-dir)"), True
+            self.failure, first = (
+                (
+                    f"{message}; this multi-process job must be restarted "
+                    "(it resumes from --state-dir)"
+                ),
+                True,
+            )
             log.error("jcp-serve job failed: %s", self.failure)
         if first and self.on_failure is not None:
             try:
@@ -335,8 +363,10 @@ class Leader:
                     if beat is None or beat != seen[pid][0]:  # not started yet, or alive
                         seen[pid] = (beat, now)
                     elif now - seen[pid][1] > self.timeout_s:
-                        self.fail(f"process {pid} stopped answering (no heartbeat for "
-                                  f"{self.timeout_s:.0f} s)")
+                        self.fail(
+                            f"process {pid} stopped answering (no heartbeat for "
+                            f"{self.timeout_s:.0f} s)"
+                        )
                 self._watch_calls(now, raised)
             except JobFailed:
                 return
@@ -354,8 +384,10 @@ class Leader:
                 if status is not None:
                     self._agree(pid, n, what, status, err)
                 elif now - done > self.ack_timeout_s:
-                    self.fail(f"process {pid} did not finish {what} (call {n}) within "
-                              f"{self.ack_timeout_s:.0f} s of process 0")
+                    self.fail(
+                        f"process {pid} did not finish {what} (call {n}) within "
+                        f"{self.ack_timeout_s:.0f} s of process 0"
+                    )
         running = self._running
         for key in [k for k in raised if running is None or k[0] != running[0]]:
             del raised[key]
@@ -368,8 +400,10 @@ class Leader:
                 continue
             first = raised.setdefault((n, pid), now)
             if now - first > self.timeout_s and self._running == running:
-                self.fail(f"process {pid} raised in {what} (call {n}): {status!r}, and "
-                          f"process 0 has not finished it {self.timeout_s:.0f} s later")
+                self.fail(
+                    f"process {pid} raised in {what} (call {n}): {status!r}, and "
+                    f"process 0 has not finished it {self.timeout_s:.0f} s later"
+                )
 
     def _try_get(self, key: str) -> str | None:
         try:
@@ -476,8 +510,10 @@ def _receive(c, n: int) -> Op | None:
     if head[:1] == INLINE:
         data = head[1:]
     else:
-        data = b"".join(c.blocking_key_value_get_bytes(f"{_op_key(n)}/{i}", 60_000)
-                        for i in range(int(head[1:])))
+        data = b"".join(
+            c.blocking_key_value_get_bytes(f"{_op_key(n)}/{i}", 60_000)
+            for i in range(int(head[1:]))
+        )
     return pickle.loads(zlib.decompress(data[1:]) if data[:1] == ZLIB else data[1:])
 
 

@@ -50,10 +50,10 @@ class Work:
 
 @dataclasses.dataclass
 class Counters:
-    passes: int = 0                 # worker passes of any kind
-    fwd_passes: int = 0             # Trainer forward / forward_backward calls
-    fused_passes: int = 0           # of those, passes holding more than one model
-    fused_requests: int = 0         # requests that ran inside a fused pass
+    passes: int = 0  # worker passes of any kind
+    fwd_passes: int = 0  # Trainer forward / forward_backward calls
+    fused_passes: int = 0  # of those, passes holding more than one model
+    fused_requests: int = 0  # requests that ran inside a fused pass
 
 
 class Scheduler:
@@ -61,11 +61,11 @@ class Scheduler:
         self._cv = threading.Condition()
         self._queues: dict[str, list[Work]] = {}  # model id -> its pending work
         self._samples: list[Work] = []
-        self._unordered: list[Work] = []          # model-less work (create_model)
-        self._last_seq: dict[str, int] = {}       # model id -> last seq_id taken
+        self._unordered: list[Work] = []  # model-less work (create_model)
+        self._last_seq: dict[str, int] = {}  # model id -> last seq_id taken
         self._arrivals = itertools.count()
         self._held = 0
-        self._cancels: list[str] = []             # taken request ids to cancel (worker)
+        self._cancels: list[str] = []  # taken request ids to cancel (worker)
         self._closed = False
         self.counters = Counters()
 
@@ -89,8 +89,7 @@ class Scheduler:
 
     def pending(self) -> int:
         with self._cv:
-            return (len(self._samples) + len(self._unordered)
-                    + sum(map(len, self._queues.values())))
+            return len(self._samples) + len(self._unordered) + sum(map(len, self._queues.values()))
 
     def samples_queued(self) -> int:
         """How many sample requests wait for the worker."""
@@ -116,6 +115,11 @@ class Scheduler:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def next_seq(self, model_id: str) -> int:
+        """The seq_id the model's queue waits for: one past the last it handed out."""
+        with self._cv:
+            return self._last_seq.get(model_id, 0) + 1
 
     def pending_for(self, model_id: str) -> int:
         """How many requests of the model are queued (not yet taken by the worker)."""
@@ -157,10 +161,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ worker side
 
-    def gather_samples(self, gap: float, window: float, burst_gap: float | None = None,
-                       each: Callable[[list[Work]], None] | None = None,
-                       scale: float | None = None, taken: Sequence[Work] = ()
-                       ) -> tuple[list[Work], bool]:
+    def gather_samples(
+        self,
+        gap: float,
+        window: float,
+        burst_gap: float | None = None,
+        each: Callable[[list[Work]], None] | None = None,
+        scale: float | None = None,
+        taken: Sequence[Work] = (),
+    ) -> tuple[list[Work], bool]:
         """The samples that arrive from now on while each comes soon after the one before —
         the first within `gap` seconds, every later one within `burst_gap` (default gap:
         once a second request has come, a burst is arriving) —, for at most `window`
@@ -200,8 +209,13 @@ class Scheduler:
         return out, arriving
 
     @staticmethod
-    def _gap(gap: float, burst_gap: float | None, scale: float | None, taken: Sequence[Work],
-             out: list[Work]) -> float:
+    def _gap(
+        gap: float,
+        burst_gap: float | None,
+        scale: float | None,
+        taken: Sequence[Work],
+        out: list[Work],
+    ) -> float:
         """How long gather_samples waits for the next sample (its docstring)."""
         if burst_gap is None or not out and len(taken) < 2:
             return gap
@@ -210,8 +224,9 @@ class Scheduler:
             return burst_gap
         return min(burst_gap, max(gap, scale * max(b - a for a, b in zip(t, t[1:]))))
 
-    def next_work(self, block: bool = True,
-                  timeout: float | None = None) -> tuple[list[Work], list[Work]] | None:
+    def next_work(
+        self, block: bool = True, timeout: float | None = None
+    ) -> tuple[list[Work], list[Work]] | None:
         """(a pass — one request or a fused group, possibly empty —, every queued sample),
         or None once closed. block: wait until either exists (at most `timeout` seconds,
         then ([], [])); else return at once."""
@@ -226,8 +241,9 @@ class Scheduler:
                     try:
                         group = self._take() or []
                     except Exception:  # noqa: BLE001 — a policy bug must not stop the worker
-                        log.exception("scheduler: could not pick a pass; failing the oldest "
-                                      "queued request")
+                        log.exception(
+                            "scheduler: could not pick a pass; failing the oldest queued request"
+                        )
                         group = self._fail_oldest() or []
                     samples, self._samples = self._samples, []
                     if group:

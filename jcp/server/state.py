@@ -43,8 +43,11 @@ _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _RUN = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
 KINDS = ("weights", "sampler_weights")
 # Folder kind -> the SDK's checkpoint_type.
-CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler",
-                    "external_weights": "external"}
+CHECKPOINT_TYPES = {
+    "weights": "training",
+    "sampler_weights": "sampler",
+    "external_weights": "external",
+}
 # Sampler weights saved without a name: deleted with their model (or their TTL).
 EPHEMERAL = "ephemeral-"
 GiB = 1 << 30
@@ -56,21 +59,25 @@ class TenantLimits:
     """What one tenant may hold. Each is counted per tenant, so no tenant's use evicts,
     blocks or slows another's. Only the storage bound is a flag (--max-storage-gb)."""
 
-    storage_bytes: int = 100 * GiB   # checkpoint files on disk (a hard-linked copy in full)
-    runs: int = 10_000               # training runs (at the bound, an empty one is reused)
+    storage_bytes: int = 100 * GiB  # checkpoint files on disk (a hard-linked copy in full)
+    runs: int = 10_000  # training runs (at the bound, an empty one is reused)
     checkpoints_per_run: int = 1_000
-    checkpoints: int = 50_000        # over all of the tenant's runs
-    sessions: int = 1_024            # live sessions (ended ones are forgotten)
-    samplers: int = 4_096            # sampling sessions
-    ended_sessions: int = 4_096      # ended session ids remembered, to answer 410
+    checkpoints: int = 50_000  # over all of the tenant's runs
+    sessions: int = 1_024  # live sessions (ended ones are forgotten)
+    samplers: int = 4_096  # sampling sessions
+    ended_sessions: int = 4_096  # ended session ids remembered, to answer 410
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if f.name ==
-                                                                     "storage_bytes" else 1):
-                raise ValueError(f"TenantLimits.{f.name} must be an integer ≥ 1 (storage ≥ 0), "
-                                 f"got {v!r}")
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int)
+                or v < (0 if f.name == "storage_bytes" else 1)
+            ):
+                raise ValueError(
+                    f"TenantLimits.{f.name} must be an integer ≥ 1 (storage ≥ 0), got {v!r}"
+                )
 
 
 class NotFound(LookupError):
@@ -107,11 +114,16 @@ def age_recipients(keys) -> list:
         try:
             if not isinstance(k, str):
                 raise ValueError
-            out.append(pyrage.x25519.Recipient.from_str(k) if k.startswith("age1")
-                       else pyrage.ssh.Recipient.from_str(k))
+            out.append(
+                pyrage.x25519.Recipient.from_str(k)
+                if k.startswith("age1")
+                else pyrage.ssh.Recipient.from_str(k)
+            )
         except Exception:  # noqa: BLE001 — pyrage raises its own error types
-            raise ValueError(f"age_encryption_recipients[{i}] is not an age X25519 "
-                             f"(age1…) or SSH public key: {str(k)[:80]!r}") from None
+            raise ValueError(
+                f"age_encryption_recipients[{i}] is not an age X25519 "
+                f"(age1…) or SSH public key: {str(k)[:80]!r}"
+            ) from None
     return out
 
 
@@ -121,8 +133,9 @@ def checkpoint_name(name) -> str:
     of a name on every route (save, load, list, TTL, delete, copy, weights info,
     downloads): StateStore.folder calls it."""
     if not isinstance(name, str) or not _NAME.match(name) or name in (".", ".."):
-        raise ValueError(f"checkpoint name {str(name)[:140]!r} must be 1-128 of "
-                         "[A-Za-z0-9._-], not '.' or '..'")
+        raise ValueError(
+            f"checkpoint name {str(name)[:140]!r} must be 1-128 of [A-Za-z0-9._-], not '.' or '..'"
+        )
     return name
 
 
@@ -152,16 +165,18 @@ def written_bytes(folder: str, what: str) -> int:
                 if stat.S_ISREG(st.st_mode):
                     total, files = total + st.st_size, files + 1
     except (OSError, ValueError):
-        raise OSError(errno.EIO, f"{what}: the written checkpoint holds a link or special "
-                                 "file, or a file vanished while it was measured") from None
+        raise OSError(
+            errno.EIO,
+            f"{what}: the written checkpoint holds a link or special "
+            "file, or a file vanished while it was measured",
+        ) from None
     if not files:
         raise OSError(errno.EIO, f"{what}: the save wrote no file")
     return total
 
 
 def _iso(t: float | None) -> str | None:
-    return None if t is None else datetime.datetime.fromtimestamp(
-        t, datetime.timezone.utc).isoformat()
+    return None if t is None else datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat()
 
 
 def atomic_json(path: str, obj) -> None:
@@ -189,7 +204,7 @@ class SessionRecord:
     """A live session (an ended one is forgotten; only its id is remembered, for 410)."""
 
     owner: str
-    last_seen: float                 # time.monotonic() of its last heartbeat or creation
+    last_seen: float  # time.monotonic() of its last heartbeat or creation
 
 
 @dataclasses.dataclass
@@ -227,8 +242,9 @@ def read_api_keys(path: str) -> dict[str, str]:
             parts = line.split()
             if len(parts) != 2:
                 # Never echo the line: it holds a key.
-                raise ValueError(f"{path}:{i}: expected `key name` (two fields), got "
-                                 f"{len(parts)} field(s)")
+                raise ValueError(
+                    f"{path}:{i}: expected `key name` (two fields), got {len(parts)} field(s)"
+                )
             if parts[0] in keys:
                 raise ValueError(f"{path}:{i}: this key already appears on an earlier line")
             if parts[1] in keys:
@@ -240,14 +256,15 @@ def read_api_keys(path: str) -> dict[str, str]:
 
 
 class StateStore:
-    def __init__(self, state_dir: str, api_keys: dict[str, str] | None,
-                 limits: TenantLimits = TenantLimits()):
+    def __init__(
+        self, state_dir: str, api_keys: dict[str, str] | None, limits: TenantLimits = TenantLimits()
+    ):
         self.state_dir = os.path.abspath(state_dir)
         os.makedirs(os.path.join(self.state_dir, "runs"), exist_ok=True)
         self.api_keys = api_keys
         self.limits = limits
         self._lock = threading.Lock()
-        self.sessions: dict[str, SessionRecord] = {}   # live ones only
+        self.sessions: dict[str, SessionRecord] = {}  # live ones only
         self.models: dict[str, ModelRecord] = {}
         self.samplers: dict[str, SamplerRecord] = {}
         # Per tenant: live sessions, ended session ids (oldest first), sampling sessions,
@@ -282,9 +299,12 @@ class StateStore:
         sid = f"s{uuid.uuid4().hex[:16]}"
         with self._lock:
             if self._live[owner] >= self.limits.sessions:
-                raise LimitReached(429, f"this tenant has {self._live[owner]} live sessions "
-                                        f"(at most {self.limits.sessions}); finish some, or "
-                                        "wait for idle ones to expire")
+                raise LimitReached(
+                    429,
+                    f"this tenant has {self._live[owner]} live sessions "
+                    f"(at most {self.limits.sessions}); finish some, or "
+                    "wait for idle ones to expire",
+                )
             self.sessions[sid] = SessionRecord(owner, time.monotonic())
             self._live[owner] += 1
         return sid
@@ -296,8 +316,10 @@ class StateStore:
             rec = self.sessions.get(sid) if isinstance(sid, str) else None
             if rec is None or rec.owner != owner:
                 if isinstance(sid, str) and sid in self._ended.get(owner, ()):
-                    raise SessionEnded(f"session {sid!r} has ended (finished, or no heartbeat "
-                                       "for too long); create a new one")
+                    raise SessionEnded(
+                        f"session {sid!r} has ended (finished, or no heartbeat "
+                        "for too long); create a new one"
+                    )
                 raise NotFound(f"session {str(sid)[:80]!r} not found")
             rec.last_seen = time.monotonic()
 
@@ -316,7 +338,8 @@ class StateStore:
                 while len(ended) > self.limits.ended_sessions:
                     ended.popitem(last=False)
                 gone = self._forget_samplers(
-                    [s for s, r in self.samplers.items() if r.session_id == sid])
+                    [s for s, r in self.samplers.items() if r.session_id == sid]
+                )
             models = [m for m, r in self.models.items() if r.session_id == sid]
         if gone:
             self.on_forget_samplers(rec.owner, gone)
@@ -341,8 +364,13 @@ class StateStore:
         `run_info`: lora_rank, train_* flags, user_metadata), which outlives the server.
         LimitReached (nothing written) when the tenant holds `limits.runs` runs and none
         is empty."""
-        meta = {"owner": rec.owner, "base_model": rec.base_model, "lora_rank": rec.rank,
-                "created": time.time(), **(run_info or {})}
+        meta = {
+            "owner": rec.owner,
+            "base_model": rec.base_model,
+            "lora_rank": rec.rank,
+            "created": time.time(),
+            **(run_info or {}),
+        }
         with self._lock:
             self._new_run(rec.model_id, meta)
             self.models[rec.model_id] = rec
@@ -359,8 +387,9 @@ class StateStore:
         os.makedirs(run_dir, exist_ok=True)
         atomic_json(os.path.join(run_dir, "owner.json"), meta)
         if old is None:
-            self._add_run(run, RunRecord(meta["owner"], meta["created"],
-                                         str(meta.get("base_model", ""))))
+            self._add_run(
+                run, RunRecord(meta["owner"], meta["created"], str(meta.get("base_model", "")))
+            )
         return old is None
 
     def model(self, model_id: str, owner: str) -> ModelRecord:
@@ -383,13 +412,17 @@ class StateStore:
         prefix = f"tinker://{model_id}/"
         gone = []
         with contextlib.suppress(OSError):
-            gone = [os.path.join(folder, n) for n in os.listdir(folder)
-                    if n.startswith(EPHEMERAL)]
+            gone = [os.path.join(folder, n) for n in os.listdir(folder) if n.startswith(EPHEMERAL)]
         with self._lock:
             rec = self.models.pop(model_id, None)
-            sids = self._forget_samplers([
-                s for s, r in self.samplers.items() if r.folder in gone or (
-                    r.folder is None and (r.model_path or "").startswith(prefix))])
+            sids = self._forget_samplers(
+                [
+                    s
+                    for s, r in self.samplers.items()
+                    if r.folder in gone
+                    or (r.folder is None and (r.model_path or "").startswith(prefix))
+                ]
+            )
         for f in gone:
             shutil.rmtree(f, ignore_errors=True)
         if sids and rec is not None:
@@ -402,7 +435,7 @@ class StateStore:
             folder, _ = self.resolve(path, owner, "weights")
             run_dir = os.path.dirname(os.path.dirname(folder))
         else:
-            run_dir = self._run_dir(path[len("tinker://"):].split("/")[0])
+            run_dir = self._run_dir(path[len("tinker://") :].split("/")[0])
             self._owned_run(os.path.basename(run_dir), owner)
         meta = self._read_meta(run_dir) or {}
         return {k: v for k, v in meta.items() if k.startswith("train_") or k == "user_metadata"}
@@ -439,8 +472,10 @@ class StateStore:
         if name is None:
             name = f"{EPHEMERAL}{uuid.uuid4().hex[:12]}"
         elif checkpoint_name(name).startswith(EPHEMERAL):
-            raise ValueError(f"checkpoint name {name!r}: names starting with {EPHEMERAL!r} are "
-                             "reserved for unnamed sampler weights")
+            raise ValueError(
+                f"checkpoint name {name!r}: names starting with {EPHEMERAL!r} are "
+                "reserved for unnamed sampler weights"
+            )
         folder = self.folder(model_id, kind, name)
         return f"tinker://{model_id}/{kind}/{name}", folder
 
@@ -448,20 +483,23 @@ class StateStore:
         """tinker://<run>/<kind>/<name> of a recorded, live checkpoint `owner` owns ->
         (folder, base model); NotFound otherwise."""
         if not isinstance(path, str) or not path.startswith("tinker://"):
-            raise NotFound(f"path {str(path)[:300]!r} not found (expected "
-                           f"tinker://<run>/{kind}/<name>)")
-        parts = path[len("tinker://"):].split("/")
+            raise NotFound(
+                f"path {str(path)[:300]!r} not found (expected tinker://<run>/{kind}/<name>)"
+            )
+        parts = path[len("tinker://") :].split("/")
         if len(parts) != 3 or parts[1] != kind:
-            raise NotFound(f"path {path[:300]!r} not found (expected "
-                           f"tinker://<run>/{kind}/<name>)")
+            raise NotFound(f"path {path[:300]!r} not found (expected tinker://<run>/{kind}/<name>)")
         try:
             folder = self.folder(*parts)
         except ValueError:
             raise NotFound(f"path {path[:300]!r} not found") from None
         with self._lock:
             run = self._runs.get(parts[0])
-            rec = None if run is None or run.owner != owner else run.checkpoints.get(
-                f"{kind}/{parts[2]}")
+            rec = (
+                None
+                if run is None or run.owner != owner
+                else run.checkpoints.get(f"{kind}/{parts[2]}")
+            )
         if rec is None or _expired(rec) or not os.path.isdir(folder):
             raise NotFound(f"path {path[:300]!r} not found")
         return folder, run.base_model
@@ -477,26 +515,32 @@ class StateStore:
         root = os.path.join(self.state_dir, "runs")
         for run in sorted(os.listdir(root)):
             run_dir = os.path.join(root, run)
-            meta = self._read_meta(run_dir) if _RUN.match(run) and run not in (".", "..") \
-                else None
+            meta = self._read_meta(run_dir) if _RUN.match(run) and run not in (".", "..") else None
             if meta is None or not isinstance(meta.get("owner"), str):
                 continue
             idx = _read_index(run_dir)
-            rec = RunRecord(meta["owner"], _number(meta.get("created")),
-                            str(meta.get("base_model", "")))
+            rec = RunRecord(
+                meta["owner"], _number(meta.get("created")), str(meta.get("base_model", ""))
+            )
             for kind in CHECKPOINT_TYPES:
                 with contextlib.suppress(OSError):
                     for name in os.listdir(os.path.join(run_dir, kind)):
                         cid, folder = f"{kind}/{name}", os.path.join(run_dir, kind, name)
                         entry = idx.get(cid)
-                        if isinstance(entry, dict) and _NAME.match(name) and name not in (
-                                ".", "..") and os.path.isdir(folder):
+                        if (
+                            isinstance(entry, dict)
+                            and _NAME.match(name)
+                            and name not in (".", "..")
+                            and os.path.isdir(folder)
+                        ):
                             if not isinstance(entry.get("size_bytes"), int):
                                 entry["size_bytes"] = folder_bytes(folder)
                             rec.checkpoints[cid] = entry
                             continue
-                        log.warning("state: removing %s (never recorded: a save that "
-                                    "failed or was killed)", folder)
+                        log.warning(
+                            "state: removing %s (never recorded: a save that failed or was killed)",
+                            folder,
+                        )
                         if os.path.isdir(folder) and not os.path.islink(folder):
                             shutil.rmtree(folder, ignore_errors=True)
                         else:
@@ -523,9 +567,12 @@ class StateStore:
         heapq.heappush(self._ttl, (float(expires_at), run, cid))
         # TTLs set again leave stale entries: rebuild once they outnumber the live ones.
         if len(self._ttl) > 2 * sum(self._nckpts.values()) + 1024:
-            self._ttl = [(float(c["expires_at"]), r, k) for r, rec in self._runs.items()
-                         for k, c in rec.checkpoints.items()
-                         if c.get("expires_at") is not None]
+            self._ttl = [
+                (float(c["expires_at"]), r, k)
+                for r, rec in self._runs.items()
+                for k, c in rec.checkpoints.items()
+                if c.get("expires_at") is not None
+            ]
             heapq.heapify(self._ttl)
 
     def _room_for_run(self, owner: str, take: bool = True) -> None:
@@ -535,12 +582,18 @@ class StateStore:
         runs = self._owned.get(owner, ())
         if len(runs) < self.limits.runs:
             return
-        empty = [(self._runs[r].created, r) for r in runs
-                 if not self._runs[r].checkpoints and r not in self.models]
+        empty = [
+            (self._runs[r].created, r)
+            for r in runs
+            if not self._runs[r].checkpoints and r not in self.models
+        ]
         if not empty:
-            raise LimitReached(422, f"training runs: this tenant holds {len(runs)}, the "
-                                    f"server's limit per tenant; delete the checkpoints of "
-                                    "runs it no longer needs (an empty run is then reused)")
+            raise LimitReached(
+                422,
+                f"training runs: this tenant holds {len(runs)}, the "
+                f"server's limit per tenant; delete the checkpoints of "
+                "runs it no longer needs (an empty run is then reused)",
+            )
         if take:
             self._forget_run(min(empty)[1])
 
@@ -568,19 +621,36 @@ class StateStore:
         lim, used = self.limits, self._bytes[owner]
         need = 0 if old is None else old.get("size_bytes", 0)
         if used + need > lim.storage_bytes or (old is None and used >= lim.storage_bytes):
-            raise LimitReached(422, f"storage: this tenant's checkpoints take {used} bytes "
-                                    f"(--max-storage-gb {lim.storage_bytes / GiB:g}); "
-                                    "delete some first")
+            raise LimitReached(
+                422,
+                f"storage: this tenant's checkpoints take {used} bytes "
+                f"(--max-storage-gb {lim.storage_bytes / GiB:g}); "
+                "delete some first",
+            )
         if old is None and self._nckpts[owner] >= lim.checkpoints:
-            raise LimitReached(422, f"checkpoints: this tenant holds {self._nckpts[owner]}, "
-                                    "the server's limit per tenant; delete some first")
+            raise LimitReached(
+                422,
+                f"checkpoints: this tenant holds {self._nckpts[owner]}, "
+                "the server's limit per tenant; delete some first",
+            )
         if old is None and run is not None and len(run.checkpoints) >= lim.checkpoints_per_run:
-            raise LimitReached(422, f"checkpoints: this run holds {len(run.checkpoints)}, the "
-                                    "server's limit per run; delete some first")
+            raise LimitReached(
+                422,
+                f"checkpoints: this run holds {len(run.checkpoints)}, the "
+                "server's limit per run; delete some first",
+            )
 
     @contextlib.contextmanager
-    def saving(self, owner: str, run: str, kind: str, name: str | None, ttl_seconds=None,
-               user_metadata=None, new_run: dict | None = None):
+    def saving(
+        self,
+        owner: str,
+        run: str,
+        kind: str,
+        name: str | None,
+        ttl_seconds=None,
+        user_metadata=None,
+        new_run: dict | None = None,
+    ):
         """Write checkpoint <kind>/<name> of `run`: -> (tinker path, folder) for the block
         to write into. `new_run`: the owner.json fields of the run, created here if it
         does not exist (copy_weights' destination).
@@ -598,7 +668,8 @@ class StateStore:
         cid = f"{kind}/{os.path.basename(folder)}"
         with self._lock:
             made = new_run is not None and self._new_run(
-                run, {"owner": owner, "created": time.time(), **new_run})
+                run, {"owner": owner, "created": time.time(), **new_run}
+            )
             rec = self._runs.get(run)
             if rec is None or rec.owner != owner:
                 raise NotFound(f"training run {run!r} not found")
@@ -615,14 +686,21 @@ class StateStore:
             with self._lock:
                 used = self._bytes[owner] - (old or {}).get("size_bytes", 0)
                 if old is None and used + size > self.limits.storage_bytes:
-                    raise LimitReached(422, f"storage: checkpoint {cid!r} ({size} bytes) "
-                                            f"would take this tenant's checkpoints to "
-                                            f"{used + size} bytes (--max-storage-gb "
-                                            f"{self.limits.storage_bytes / GiB:g}); delete "
-                                            "some first")
+                    raise LimitReached(
+                        422,
+                        f"storage: checkpoint {cid!r} ({size} bytes) "
+                        f"would take this tenant's checkpoints to "
+                        f"{used + size} bytes (--max-storage-gb "
+                        f"{self.limits.storage_bytes / GiB:g}); delete "
+                        "some first",
+                    )
                 now = time.time()
-                entry = {"time": now, "user_metadata": user_metadata, "size_bytes": size,
-                         "expires_at": None if ttl_seconds is None else now + ttl_seconds}
+                entry = {
+                    "time": now,
+                    "user_metadata": user_metadata,
+                    "size_bytes": size,
+                    "expires_at": None if ttl_seconds is None else now + ttl_seconds,
+                }
                 self._record(run, cid, entry)
         except BaseException:
             if old is None:
@@ -666,38 +744,59 @@ class StateStore:
             kind = cid.split("/")[0]
             if _expired(c) or not os.path.isdir(os.path.join(run_dir, cid)):
                 continue
-            out.append({"checkpoint_id": cid, "checkpoint_type": CHECKPOINT_TYPES[kind],
-                        "time": _iso(c.get("time")), "tinker_path": f"tinker://{run}/{cid}",
-                        "size_bytes": c.get("size_bytes", 0), "public": False,
-                        "user_metadata": c.get("user_metadata"),
-                        "expires_at": _iso(c.get("expires_at"))})
+            out.append(
+                {
+                    "checkpoint_id": cid,
+                    "checkpoint_type": CHECKPOINT_TYPES[kind],
+                    "time": _iso(c.get("time")),
+                    "tinker_path": f"tinker://{run}/{cid}",
+                    "size_bytes": c.get("size_bytes", 0),
+                    "public": False,
+                    "user_metadata": c.get("user_metadata"),
+                    "expires_at": _iso(c.get("expires_at")),
+                }
+            )
         return sorted(out, key=lambda c: c["time"] or "")
 
     def training_run(self, run: str, owner: str) -> dict:
         """The SDK's TrainingRun of a run `owner` owns."""
         meta = self._owned_run(run, owner)
         ckpts = self._checkpoints(run)
-        last = {t: next((c for c in reversed(ckpts) if c["checkpoint_type"] == t), None)
-                for t in ("training", "sampler")}
-        seen = max([meta.get("created", 0.0)] + [os.path.getmtime(os.path.join(
-            self._run_dir(run), "owner.json"))])
-        return {"training_run_id": run, "base_model": meta.get("base_model", ""),
-                "model_owner": owner, "is_lora": True, "corrupted": False,
-                "lora_rank": meta.get("lora_rank"), "last_request_time": _iso(seen),
-                "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
-                "user_metadata": meta.get("user_metadata")}
+        last = {
+            t: next((c for c in reversed(ckpts) if c["checkpoint_type"] == t), None)
+            for t in ("training", "sampler")
+        }
+        seen = max(
+            [meta.get("created", 0.0)]
+            + [os.path.getmtime(os.path.join(self._run_dir(run), "owner.json"))]
+        )
+        return {
+            "training_run_id": run,
+            "base_model": meta.get("base_model", ""),
+            "model_owner": owner,
+            "is_lora": True,
+            "corrupted": False,
+            "lora_rank": meta.get("lora_rank"),
+            "last_request_time": _iso(seen),
+            "last_checkpoint": last["training"],
+            "last_sampler_checkpoint": last["sampler"],
+            "user_metadata": meta.get("user_metadata"),
+        }
 
     def training_runs(self, owner: str, offset: int, limit: int) -> dict:
         """A page of `owner`'s runs, newest first (reads only that tenant's runs)."""
         with self._lock:
-            runs = sorted(((self._runs[r].created, r) for r in self._owned.get(owner, ())),
-                          reverse=True)
+            runs = sorted(
+                ((self._runs[r].created, r) for r in self._owned.get(owner, ())), reverse=True
+            )
         page = []
-        for _, r in runs[offset:offset + limit]:
+        for _, r in runs[offset : offset + limit]:
             with contextlib.suppress(NotFound):  # forgotten meanwhile (an empty run reused)
                 page.append(self.training_run(r, owner))
-        return {"training_runs": page,
-                "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
+        return {
+            "training_runs": page,
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
+        }
 
     def checkpoints(self, run: str, owner: str) -> dict:
         self._owned_run(run, owner)
@@ -734,8 +833,9 @@ class StateStore:
                 atomic_json(os.path.join(self._run_dir(run), "checkpoints.json"), new)
                 self._count(rec.owner, rec.checkpoints[cid], -1)
                 rec.checkpoints = new
-            sids = self._forget_samplers([s for s, r in self.samplers.items()
-                                          if r.folder == folder])
+            sids = self._forget_samplers(
+                [s for s, r in self.samplers.items() if r.folder == folder]
+            )
         if sids and rec is not None:
             self.on_forget_samplers(rec.owner, sids)
 
@@ -748,32 +848,49 @@ class StateStore:
                 exp, run, cid = heapq.heappop(self._ttl)
                 rec = self._runs.get(run)
                 c = rec.checkpoints.get(cid) if rec is not None else None
-                if c is not None and c.get("expires_at") is not None and float(
-                        c["expires_at"]) == exp:
+                if (
+                    c is not None
+                    and c.get("expires_at") is not None
+                    and float(c["expires_at"]) == exp
+                ):
                     out.append(os.path.join(self.state_dir, "runs", run, cid))
         return out
 
     def usage(self, owner: str) -> dict:
         """What `owner` holds, against TenantLimits' names."""
         with self._lock:
-            return {"storage_bytes": self._bytes[owner], "runs": len(self._owned.get(owner, ())),
-                    "checkpoints": self._nckpts[owner], "sessions": self._live[owner],
-                    "samplers": self._nsamplers[owner]}
+            return {
+                "storage_bytes": self._bytes[owner],
+                "runs": len(self._owned.get(owner, ())),
+                "checkpoints": self._nckpts[owner],
+                "sessions": self._live[owner],
+                "samplers": self._nsamplers[owner],
+            }
 
     # ------------------------------------------------------------------ samplers
 
-    def add_sampler(self, owner: str, base_model: str, model_path: str | None,
-                    folder: str | None, session_id: str | None = None) -> str:
+    def add_sampler(
+        self,
+        owner: str,
+        base_model: str,
+        model_path: str | None,
+        folder: str | None,
+        session_id: str | None = None,
+    ) -> str:
         """A new sampling session; forgotten when `session_id` ends (or, for an in-memory
         snapshot, when its model is unloaded; for a folder, when it is deleted)."""
         sid = f"sampler-{uuid.uuid4().hex[:16]}"
         with self._lock:
             if self._nsamplers[owner] >= self.limits.samplers:
-                raise LimitReached(429, f"this tenant has {self._nsamplers[owner]} sampling "
-                                        f"sessions (at most {self.limits.samplers}); end "
-                                        "sessions it no longer needs")
-            self.samplers[sid] = SamplerRecord(sid, owner, base_model, model_path, folder,
-                                               session_id)
+                raise LimitReached(
+                    429,
+                    f"this tenant has {self._nsamplers[owner]} sampling "
+                    f"sessions (at most {self.limits.samplers}); end "
+                    "sessions it no longer needs",
+                )
+            self.samplers[sid] = SamplerRecord(
+                sid, owner, base_model, model_path, folder, session_id
+            )
             self._nsamplers[owner] += 1
         return sid
 

@@ -80,8 +80,7 @@ class Text:
                 content = value.get("content") if isinstance(value, dict) else value
                 if isinstance(content, str):
                     specials[key] = content
-        return cls(tok, None if source is None else compile_template(source), specials,
-                   folder)
+        return cls(tok, None if source is None else compile_template(source), specials, folder)
 
     # ---------------------------------------------------------------- tokens <-> text
 
@@ -102,28 +101,37 @@ class Text:
 
     # ---------------------------------------------------------------- chat
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    **kwargs) -> str:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs
+    ) -> str:
         """The chat template applied to `messages`, as transformers' apply_chat_template(
         tokenize=False) renders it: the special tokens, then `kwargs`, as variables."""
         if self.template is None:
-            raise TextError("this model's tokenizer has no chat template "
-                            "(tokenizer_config.json chat_template); use /v1/completions")
+            raise TextError(
+                "this model's tokenizer has no chat template "
+                "(tokenizer_config.json chat_template); use /v1/completions"
+            )
         import jinja2
 
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
-            return self.template.render(messages=chat, tools=None, documents=None,
-                                        add_generation_prompt=add_generation_prompt,
-                                        **{**self.specials, **kwargs})
+            return self.template.render(
+                messages=chat,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **{**self.specials, **kwargs},
+            )
         except jinja2.TemplateError as e:
             raise TextError(f"messages: the chat template refused them ({e})") from None
         except Exception as e:  # noqa: BLE001 — a template fed odd values: the client's
-            raise TextError(f"the chat template failed on these messages "
-                            f"({type(e).__name__}: {e})") from None
+            raise TextError(
+                f"the chat template failed on these messages ({type(e).__name__}: {e})"
+            ) from None
 
-    def chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True,
-                    **kwargs) -> list[int]:
+    def chat_tokens(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs
+    ) -> list[int]:
         """render_chat, tokenized without adding special tokens (as transformers does)."""
         text = self.render_chat(messages, add_generation_prompt, **kwargs)
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -138,8 +146,10 @@ def _template_source(folder: str, config: dict) -> str | None:
             return f.read()
     t = config.get("chat_template")
     if isinstance(t, list):
-        t = next((x.get("template") for x in t if isinstance(x, dict)
-                  and x.get("name") == "default"), None)
+        t = next(
+            (x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"),
+            None,
+        )
     return t if isinstance(t, str) else None
 
 
@@ -157,8 +167,9 @@ def compile_template(source: str):
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [],
-                                          body).set_lineno(lineno)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(
+                lineno
+            )
 
         def _render(self, caller):
             return caller()
@@ -167,14 +178,16 @@ def compile_template(source: str):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     def strftime_now(fmt):
         return datetime.datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -182,6 +195,7 @@ def compile_template(source: str):
 
 
 # ---------------------------------------------------------------------- detokenization
+
 
 class Detokenizer:
     """A sequence's text, token by token (`push` -> the new text, "" while a character is
@@ -207,11 +221,11 @@ class Detokenizer:
     def _step(self, final: bool) -> str:
         if self.read == len(self.ids):
             return ""
-        before = self.text.decode(self.ids[self.prefix:self.read])
-        now = self.text.decode(self.ids[self.prefix:])
+        before = self.text.decode(self.ids[self.prefix : self.read])
+        now = self.text.decode(self.ids[self.prefix :])
         if len(now) > len(before) and (final or not now.endswith(REPLACEMENT)):
             self.prefix, self.read = self.read, len(self.ids)
-            return now[len(before):]
+            return now[len(before) :]
         if final:
             self.prefix = self.read = len(self.ids)
         return ""
@@ -255,7 +269,7 @@ class SeqText:
         if self.stops:
             found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
             if found:
-                self.text = self.text[:min(found)]
+                self.text = self.text[: min(found)]
                 self.stopped = self.ended = True
                 return True
         return False
@@ -265,8 +279,9 @@ class SeqText:
         return len(self.text) if self.ended else max(0, len(self.text) - self.hold)
 
 
-def complete_text(text: Text, tokens: Sequence[int], stops: Sequence[str] = ()
-                  ) -> tuple[str, int | None]:
+def complete_text(
+    text: Text, tokens: Sequence[int], stops: Sequence[str] = ()
+) -> tuple[str, int | None]:
     """The text of a finished sequence's tokens -> (text cut at the first stop string,
     how many tokens to keep if a stop string ended it, else None)."""
     seq = SeqText(text, stops)
@@ -288,8 +303,9 @@ class StopWatch:
     called with the tokens each call adds (cut at a stop), in order: a stream's feed. It is
     called on the worker thread; it must not block."""
 
-    def __init__(self, text: Text | None, stops: Sequence[str] = (),
-                 on_tokens: Callable | None = None):
+    def __init__(
+        self, text: Text | None, stops: Sequence[str] = (), on_tokens: Callable | None = None
+    ):
         self.text, self.stops, self.on_tokens = text, tuple(stops), on_tokens
         self._seqs: dict[int, SeqText] = {}
         self._sent: dict[int, int] = {}

@@ -14,8 +14,9 @@ import signal
 import sys
 
 if __name__ == "__main__":
-    os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=1 "
-                               + os.environ.get("JCP_TEST_CHILD_XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1 " + os.environ.get(
+        "JCP_TEST_CHILD_XLA_FLAGS", ""
+    )
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 import numpy as np  # noqa: E402
@@ -26,9 +27,11 @@ from jcp.adapter_state import AdapterInfo  # noqa: E402
 
 CFG = jcp.QwenConfig.tiny()
 # Different ranks, targets, moments and step counts, so a mix-up cannot go unseen.
-SPECS = {"old": dict(rank=4, alpha=8.0, targets="all", seed=1, count=3),
-         "new": dict(rank=6, alpha=3.0, targets=["attn"], seed=2, count=11),
-         "third": dict(rank=2, alpha=1.0, targets=["mlp"], seed=3, count=5)}
+SPECS = {
+    "old": dict(rank=4, alpha=8.0, targets="all", seed=1, count=3),
+    "new": dict(rank=6, alpha=3.0, targets=["attn"], seed=2, count=11),
+    "third": dict(rank=2, alpha=1.0, targets=["mlp"], seed=3, count=5),
+}
 
 
 def values(state, which: str) -> tuple[AdapterInfo, dict]:
@@ -40,13 +43,22 @@ def values(state, which: str) -> tuple[AdapterInfo, dict]:
     layout = state.layout(info)
 
     def tree(scale, positive=False):
-        out = {m: {ab: (rng.standard_normal(x.shape) * scale).astype(np.float32)
-                   for ab, x in v.items()} for m, v in layout.items()}
-        return {m: {ab: np.abs(x) for ab, x in v.items()} for m, v in out.items()} \
-            if positive else out
+        out = {
+            m: {
+                ab: (rng.standard_normal(x.shape) * scale).astype(np.float32) for ab, x in v.items()
+            }
+            for m, v in layout.items()
+        }
+        return (
+            {m: {ab: np.abs(x) for ab, x in v.items()} for m, v in out.items()} if positive else out
+        )
 
-    return info, {"weights": tree(0.1), "mu": tree(1e-3), "nu": tree(1e-6, positive=True),
-                  "count": s["count"]}
+    return info, {
+        "weights": tree(0.1),
+        "mu": tree(1e-3),
+        "nu": tree(1e-6, positive=True),
+        "count": s["count"],
+    }
 
 
 def put(tr, which: str) -> int:

@@ -28,8 +28,12 @@ def tiny_hf(arch: str = "qwen3", *, seed: int = 0, weight_std: float = 0.05, **c
     e.g. tie_word_embeddings, attention_bias, num_experts). Defaults: rope_theta 1e4,
     rms_norm_eps 1e-6, max_position_embeddings 1024, untied; MoE experts in eager mode."""
     config_cls, model_cls = ARCHS[arch]
-    kw = dict(rope_theta=10_000.0, rms_norm_eps=1e-6, max_position_embeddings=1024,
-              tie_word_embeddings=False)
+    kw = dict(
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
     if arch == "qwen3_moe":
         kw.update(decoder_sparse_step=1, experts_implementation="eager")
     kw.update(config)
@@ -52,8 +56,10 @@ def peft_model(hm, seed: int, *, std: float = 0.05, factors: str = "lora_B", **l
     """get_peft_model on a copy of hm (LoraConfig(**lora_kw), no dropout, no bias) with the
     parameters whose name contains `factors` ("lora_B", or "lora_" for A and B) set to
     std·N from a generator seeded with `seed`."""
-    pm = peft.get_peft_model(copy.deepcopy(hm), peft.LoraConfig(
-        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **lora_kw))
+    pm = peft.get_peft_model(
+        copy.deepcopy(hm),
+        peft.LoraConfig(lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **lora_kw),
+    )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in pm.named_parameters():

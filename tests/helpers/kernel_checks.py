@@ -22,15 +22,18 @@ def sharded(impl, path, block):
 
     def inner(q, k, v, seg, pos):
         if path == "ring":
-            out = attention.ring_attention(q[0], k[0], v[0], seg[0], pos[0], block=block,
-                                           implementation=impl)
+            out = attention.ring_attention(
+                q[0], k[0], v[0], seg[0], pos[0], block=block, implementation=impl
+            )
         else:
-            out = attention.cp_attention(q[0], k[0], v[0], seg[0], pos[0],
-                                         implementation=impl, block=block)
+            out = attention.cp_attention(
+                q[0], k[0], v[0], seg[0], pos[0], implementation=impl, block=block
+            )
         return out[None]
 
-    f = jax.shard_map(inner, mesh=jcp.make_mesh(1, 2, 1), in_specs=(HEADS,) * 3 + (ROWS,) * 2,
-                      out_specs=HEADS)
+    f = jax.shard_map(
+        inner, mesh=jcp.make_mesh(1, 2, 1), in_specs=(HEADS,) * 3 + (ROWS,) * 2, out_specs=HEADS
+    )
 
     def run(q, k, v, seg, pos, cot):
         out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, seg, pos), q, k, v)
@@ -46,12 +49,14 @@ def assert_paths_match_dense(run, impl, args, seg):
     real = seg >= 0
     for path in ("gather", "ring"):
         out, grads = run(impl, path)(*args)
-        np.testing.assert_allclose(out, out_d, rtol=0, atol=1e-5 * np.abs(out_d).max(),
-                                   err_msg=path)
+        np.testing.assert_allclose(
+            out, out_d, rtol=0, atol=1e-5 * np.abs(out_d).max(), err_msg=path
+        )
         assert np.all(np.asarray(out)[~real] == 0.0), path
         for which, a, d in zip("qkv", grads, g_d):
-            np.testing.assert_allclose(a, d, rtol=0, atol=1e-5 * np.abs(d).max(),
-                                       err_msg=f"{path} d{which}")
+            np.testing.assert_allclose(
+                a, d, rtol=0, atol=1e-5 * np.abs(d).max(), err_msg=f"{path} d{which}"
+            )
             assert np.all(np.asarray(a)[~real] == 0.0), f"{path} d{which} at padding"
 
 
@@ -89,13 +94,22 @@ def assert_trainer_matches_blockwise(tmp_path, monkeypatch, module, impl, **trai
     traced = {"forward": 0, "backward": 0}  # kernel calls traced by each step
     for name in traced:
         f = getattr(module, "kernel_" + name)
-        monkeypatch.setattr(module, "kernel_" + name,
-                            lambda *a, f=f, name=name: (traced.update({name: traced[name] + 1}),
-                                                        f(*a))[1])
+        monkeypatch.setattr(
+            module,
+            "kernel_" + name,
+            lambda *a, f=f, name=name: (traced.update({name: traced[name] + 1}), f(*a))[1],
+        )
     res, kernels = {}, {}
     for which in (impl, "blockwise"):
-        tr = jcp.Trainer(TH.CFG, jcp.make_mesh(1, 2, 1), max_adapters=1, max_rank=4,
-                         logprob_chunk=64, attn_impl=which, **trainer_kw)
+        tr = jcp.Trainer(
+            TH.CFG,
+            jcp.make_mesh(1, 2, 1),
+            max_adapters=1,
+            max_rank=4,
+            logprob_chunk=64,
+            attn_impl=which,
+            **trainer_kw,
+        )
         assert tr.step_cfg.attn_impl == which
         a = tr.load_peft(folder)
         before = dict(traced)
@@ -136,8 +150,8 @@ def zigzag_layout(lengths, cp, s_len):
     for d, n in enumerate(lengths):
         idx = mesh_lib.zigzag_indices(n, cp)  # [CP, 2C]
         w = idx.shape[1]
-        seg[:, fill:fill + w] = np.where(idx >= 0, d, -1)
-        pos[:, fill:fill + w] = np.maximum(idx, 0)
+        seg[:, fill : fill + w] = np.where(idx >= 0, d, -1)
+        pos[:, fill : fill + w] = np.maximum(idx, 0)
         fill += w
     assert fill <= s_len, (fill, s_len)
     return seg, pos
@@ -145,10 +159,12 @@ def zigzag_layout(lengths, cp, s_len):
 
 def random_qkv(s_len, t_len, q_heads, kv_heads, seed, dtype=np.float32):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((s_len, q_heads, H)).astype(dtype),
-            rng.standard_normal((t_len, kv_heads, H)).astype(dtype),
-            rng.standard_normal((t_len, kv_heads, H)).astype(dtype),
-            rng.standard_normal((s_len, q_heads, H)).astype(np.float32))
+    return (
+        rng.standard_normal((s_len, q_heads, H)).astype(dtype),
+        rng.standard_normal((t_len, kv_heads, H)).astype(dtype),
+        rng.standard_normal((t_len, kv_heads, H)).astype(dtype),
+        rng.standard_normal((s_len, q_heads, H)).astype(np.float32),
+    )
 
 
 def ring_temp_units(implementation, cp, s_len=256, heads=8, head_dim=16, block=64):
@@ -159,15 +175,23 @@ def ring_temp_units(implementation, cp, s_len=256, heads=8, head_dim=16, block=6
     rows = P(mesh_lib.CP)
 
     def inner(q, k, v, seg, pos, cot):
-        out = attention.ring_attention(q[0], k[0], v[0], seg[0], pos[0], block=block,
-                                       implementation=implementation)
+        out = attention.ring_attention(
+            q[0], k[0], v[0], seg[0], pos[0], block=block, implementation=implementation
+        )
         return jax.lax.psum(jnp.sum(out * cot[0]), mesh_lib.CP)
 
     f = jax.shard_map(inner, mesh=mesh, in_specs=(rows,) * 6, out_specs=P())
     sds = lambda shape, dtype=jnp.float32: jax.ShapeDtypeStruct(  # noqa: E731
-        shape, dtype, sharding=jax.sharding.NamedSharding(mesh, rows))
+        shape, dtype, sharding=jax.sharding.NamedSharding(mesh, rows)
+    )
     heads_x = sds((cp, s_len, heads, head_dim))
-    args = (heads_x, heads_x, heads_x, sds((cp, s_len), jnp.int32),
-            sds((cp, s_len), jnp.int32), heads_x)
+    args = (
+        heads_x,
+        heads_x,
+        heads_x,
+        sds((cp, s_len), jnp.int32),
+        sds((cp, s_len), jnp.int32),
+        heads_x,
+    )
     compiled = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(*args).compile()
     return compiled.memory_analysis().temp_size_in_bytes / (s_len * heads * head_dim * 4)

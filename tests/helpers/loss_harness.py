@@ -37,19 +37,14 @@ OVERRIDES = {
 
 # Every (dp, cp, tp) with dp·cp·tp ≤ 8, cp ∈ {1, 2, 4, 8}, tp ∈ {1, 2}.
 ALL_MESHES = tuple(
-    (dp, cp, tp)
-    for cp in (1, 2, 4, 8)
-    for tp in (1, 2)
-    for dp in range(1, 9)
-    if dp * cp * tp <= 8
+    (dp, cp, tp) for cp in (1, 2, 4, 8) for tp in (1, 2) for dp in range(1, 9) if dp * cp * tp <= 8
 )
 REFERENCE_MESH = (1, 1, 1)
 
 
 def configs(overrides=None) -> dict[str, dict[str, float]]:
     """Resolved loss_fn_config of every loss: defaults overlaid with overrides[name]."""
-    return {name: losses.resolve_config(name, (overrides or {}).get(name))
-            for name in LOSS_NAMES}
+    return {name: losses.resolve_config(name, (overrides or {}).get(name)) for name in LOSS_NAMES}
 
 
 # ----------------------------------------------------------------------------------------
@@ -104,16 +99,20 @@ def make_case(name: str, lengths, seed: int = 0, zero=()) -> Case:
             "advantages": rng.normal(size=n).astype(np.float32),
             "logprobs": lp + 0.3 * rng.normal(size=n),
             # Its own generator: the other vectors stay those of the cases before GSPO.
-            "sequence_ratio_mask": (np.random.default_rng([seed, i]).choice(
-                [0.0, 1.0, 1.0, 0.5], size=n) if n > 1 else np.zeros(n)),
+            "sequence_ratio_mask": (
+                np.random.default_rng([seed, i]).choice([0.0, 1.0, 1.0, 0.5], size=n)
+                if n > 1
+                else np.zeros(n)
+            ),
         }
         if i in zero:
             inputs["weights"] = np.zeros(n)
             inputs["advantages"] = np.zeros(n, np.float32)
         data.append(jcp.Datum(model_input=tokens, loss_fn_inputs=inputs))
         hidden.append(h)
-        snapshot.append({"model_input": tokens.copy(),
-                         **{k: copy.deepcopy(v) for k, v in inputs.items()}})
+        snapshot.append(
+            {"model_input": tokens.copy(), **{k: copy.deepcopy(v) for k, v in inputs.items()}}
+        )
     return Case(name, data, hidden, w_DxV, snapshot)
 
 
@@ -136,7 +135,7 @@ def to_stream(per_datum, pb: batch_lib.PackedBatch, cp: int, fill=None, seed: in
         out = np.zeros(shape, per_datum[0].dtype)
     for p in pb.placements:
         idx = mesh_lib.zigzag_indices(p.n, cp)
-        rows = out[p.shard, :, p.offset:p.offset + p.rows]
+        rows = out[p.shard, :, p.offset : p.offset + p.rows]
         rows[idx >= 0] = per_datum[p.index][idx[idx >= 0]]
     return out
 
@@ -147,12 +146,12 @@ def from_stream(stream, pb: batch_lib.PackedBatch) -> list[np.ndarray]:
     return [got[i] for i in range(len(got))]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mesh_of(dp: int, cp: int, tp: int):
     return jcp.make_mesh(dp=dp, cp=cp, tp=tp)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def step_fn(dp: int, cp: int, tp: int, num_slots: int):
     """Jitted: every loss's (loss, ShardOutputs, d loss/d hidden, d loss/d unembedding).
 
@@ -165,12 +164,15 @@ def step_fn(dp: int, cp: int, tp: int, num_slots: int):
     def one_loss(name, h, w, targets, segment, wts, adv, slp, srm, cfg):
         def inner(h, w, targets, segment, wts, adv, slp, srm, cfg):
             x = losses.TokenInputs(wts[0, 0], adv[0, 0], slp[0, 0], srm[0, 0])
-            return losses.shard_loss((h[0, 0],), (w,), targets[0, 0], segment[0, 0], x,
-                                     name, cfg, num_slots, chunk=CHUNK)
+            return losses.shard_loss(
+                (h[0, 0],), (w,), targets[0, 0], segment[0, 0], x, name, cfg, num_slots, chunk=CHUNK
+            )
 
         return jax.shard_map(
-            inner, mesh=mesh,
-            in_specs=(sp.stream_DPxCPxSxD, sp.unembed_DxV) + (sp.stream_DPxCPxS,) * 6
+            inner,
+            mesh=mesh,
+            in_specs=(sp.stream_DPxCPxSxD, sp.unembed_DxV)
+            + (sp.stream_DPxCPxS,) * 6
             + (sp.replicated,),
             out_specs=(sp.replicated, sp.replicated),
         )(h, w, targets, segment, wts, adv, slp, srm, cfg)
@@ -180,7 +182,8 @@ def step_fn(dp: int, cp: int, tp: int, num_slots: int):
         for name in LOSS_NAMES:
             f = functools.partial(one_loss, name)
             (loss, outs), (dh, dw) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
-                h, w, targets, segment, wts, adv, slp, srm, cfgs[name])
+                h, w, targets, segment, wts, adv, slp, srm, cfgs[name]
+            )
             out[name] = (loss, outs, dh, dw)
         return out
 
@@ -229,17 +232,25 @@ def run_case(case: Case, mesh_shape, overrides=None, noise_padding: bool = True)
     checked = batch_lib.validate(case.data, "dro", V, 10**6)  # dro needs every float field
     (pb,) = batch_lib.pack(checked, [0] * len(checked), dp, cp, max_rows=4096, max_adapters=4)
     h = to_stream(case.hidden, pb, cp, fill="noise" if noise_padding else None, seed=dp * 100 + cp)
-    host_args = (h, case.unembed_DxV, pb.targets, pb.segment, pb.floats["weights"],
-                 pb.floats["advantages"], pb.floats["logprobs"],
-                 pb.floats["sequence_ratio_mask"])
+    host_args = (
+        h,
+        case.unembed_DxV,
+        pb.targets,
+        pb.segment,
+        pb.floats["weights"],
+        pb.floats["advantages"],
+        pb.floats["logprobs"],
+        pb.floats["sequence_ratio_mask"],
+    )
     before = [a.copy() for a in host_args]
     cfgs = jax.tree.map(jnp.float32, configs(overrides))  # traced: no recompile per config
     res = step_fn(dp, cp, tp, pb.num_slots)(*host_args, cfgs)
     for a, b in zip(host_args, before):
         np.testing.assert_array_equal(a, b)
     n_dev = dp * cp * tp
-    slots = [int(pb.segment[p.shard, 0, p.offset]) for p in
-             sorted(pb.placements, key=lambda p: p.index)]
+    slots = [
+        int(pb.segment[p.shard, 0, p.offset]) for p in sorted(pb.placements, key=lambda p: p.index)
+    ]
     results = {}
     for name, (loss, outs, dh, dw) in res.items():
         dh = np.asarray(dh)
@@ -303,8 +314,10 @@ def np_token_loss(name, lp, w, a, s, m, cfg, lp_sg=None):
 def client_floats(inputs):
     """weights, advantages, logprobs, sequence_ratio_mask as the device sees them
     (float32), in float64."""
-    return tuple(np.asarray(inputs[k], np.float32).astype(np.float64)
-                 for k in ("weights", "advantages", "logprobs", "sequence_ratio_mask"))
+    return tuple(
+        np.asarray(inputs[k], np.float32).astype(np.float64)
+        for k in ("weights", "advantages", "logprobs", "sequence_ratio_mask")
+    )
 
 
 def np_reference(case: Case, name: str, cfg):

@@ -26,10 +26,9 @@ import jcp
 from helpers.hf_models import tiny_hf
 from jcp import batch as batch_lib
 from jcp import hf as hf_lib
-from jcp import losses
+from jcp import losses, train_step
 from jcp import mesh as mesh_lib
 from jcp import model as model_lib
-from jcp import train_step
 
 V, D, F, LAYERS = 128, 64, 96, 2
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 24  # head_dim ≠ D / HEADS on purpose
@@ -48,10 +47,19 @@ def hf_model(arch: str, tied: bool, seed: int = 0, attention_bias: bool | None =
     """A tiny random Qwen2ForCausalLM / Qwen3ForCausalLM of this harness's sizes
     (hf_models.tiny_hf)."""
     extra = {} if attention_bias is None or arch != "qwen3" else {"attention_bias": attention_bias}
-    return tiny_hf(arch, seed=seed, vocab_size=V, hidden_size=D, intermediate_size=F,
-                   num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                   num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, tie_word_embeddings=tied,
-                   **extra)
+    return tiny_hf(
+        arch,
+        seed=seed,
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=F,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        tie_word_embeddings=tied,
+        **extra,
+    )
 
 
 def save(hm, path, **kwargs) -> str:
@@ -108,8 +116,9 @@ def pack(cfg, mesh_shape, seqs, targets, weights=None) -> batch_lib.PackedBatch:
     """
     dp, cp, _ = mesh_shape
     weights = weights or [np.ones(len(s), np.float32) for s in seqs]
-    data = [jcp.Datum(s, {"target_tokens": t, "weights": w})
-            for s, t, w in zip(seqs, targets, weights)]
+    data = [
+        jcp.Datum(s, {"target_tokens": t, "weights": w}) for s, t, w in zip(seqs, targets, weights)
+    ]
     checked = batch_lib.validate(data, LOSS_FN, cfg.vocab_size, 10**6)
     (pb,) = batch_lib.pack(checked, [0] * len(checked), dp, cp, 1 << 16, 1)
     return batch_lib.pad_streams(pb, max(STREAM_TOKENS // cp, pb.tokens.shape[-1]))
@@ -119,7 +128,7 @@ def pack(cfg, mesh_shape, seqs, targets, weights=None) -> batch_lib.PackedBatch:
 # The model under shard_map
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mesh(mesh_shape):
     return jcp.make_mesh(*mesh_shape)
 
@@ -131,27 +140,43 @@ def place(cfg, base, mesh_shape):
 def _sharded_loss(cfg, mesh_shape, impl, num_slots, remat, attn_block=ATTN_BLOCK, chunk=CHUNK):
     """shard_map'd (params, tokens, segment, position, targets, weights) -> (loss, outputs):
     train_step.model_loss on the base model alone (no LoRA), base unembedding differentiated."""
-    step_cfg = train_step.StepConfig(remat=remat, attn_impl=impl, attn_block=attn_block,
-                                     logprob_chunk=chunk)
+    step_cfg = train_step.StepConfig(
+        remat=remat, attn_impl=impl, attn_block=attn_block, logprob_chunk=chunk
+    )
 
     def inner(params, tok, seg, pos, tgt, w):
         tok, seg, pos, tgt, w = (x[0, 0] for x in (tok, seg, pos, tgt, w))
-        return train_step.model_loss(cfg, step_cfg, params, None, None, tok, seg, pos, tgt,
-                                     losses.TokenInputs(w, w, w), LOSS_FN, {}, num_slots,
-                                     base_unembed_grad=True)
+        return train_step.model_loss(
+            cfg,
+            step_cfg,
+            params,
+            None,
+            None,
+            tok,
+            seg,
+            pos,
+            tgt,
+            losses.TokenInputs(w, w, w),
+            LOSS_FN,
+            {},
+            num_slots,
+            base_unembed_grad=True,
+        )
 
-    return jax.shard_map(inner, mesh=mesh(mesh_shape),
-                         in_specs=(model_lib.param_specs(cfg),)
-                         + (mesh_lib.SPECS.stream_DPxCPxS,) * 5,
-                         out_specs=(P(), P()))
+    return jax.shard_map(
+        inner,
+        mesh=mesh(mesh_shape),
+        in_specs=(model_lib.param_specs(cfg),) + (mesh_lib.SPECS.stream_DPxCPxS,) * 5,
+        out_specs=(P(), P()),
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def forward_fn(cfg, mesh_shape, impl="blockwise", num_slots=8):
     return jax.jit(_sharded_loss(cfg, mesh_shape, impl, num_slots, remat=False))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def grad_fn(cfg, mesh_shape, impl="blockwise", num_slots=8, remat=True):
     """jit(value_and_grad) of the loss w.r.t. the base parameters, taken outside shard_map."""
     f = _sharded_loss(cfg, mesh_shape, impl, num_slots, remat)
@@ -165,8 +190,9 @@ def _args(pb):
 def logprobs(cfg, base, mesh_shape, seqs, targets, impl="blockwise") -> list[np.ndarray]:
     """Per-datum log-probs [N] (original order) from the sharded model at mesh_shape."""
     pb = pack(cfg, mesh_shape, seqs, targets)
-    _, out = forward_fn(cfg, mesh_shape, impl, pb.num_slots)(place(cfg, base, mesh_shape),
-                                                             *_args(pb))
+    _, out = forward_fn(cfg, mesh_shape, impl, pb.num_slots)(
+        place(cfg, base, mesh_shape), *_args(pb)
+    )
     per = batch_lib.unpack(np.asarray(out.logprobs), pb)
     return [per[i] for i in range(len(seqs))]
 
@@ -175,14 +201,23 @@ def loss_and_grads(cfg, base, mesh_shape, seqs, targets, weights, remat=True):
     """(loss, gradient tree as NumPy) of −Σ w·lp w.r.t. the base parameters."""
     pb = pack(cfg, mesh_shape, seqs, targets, weights)
     loss, g = grad_fn(cfg, mesh_shape, "blockwise", pb.num_slots, remat)(
-        place(cfg, base, mesh_shape), *_args(pb))
+        place(cfg, base, mesh_shape), *_args(pb)
+    )
     return float(loss), jax.tree.map(np.asarray, g), pb
 
 
 def tree_max_abs_diff(a, b) -> float:
-    return max(jax.tree.leaves(jax.tree.map(
-        lambda x, y: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))),
-        a, b)))
+    return max(
+        jax.tree.leaves(
+            jax.tree.map(
+                lambda x, y: float(
+                    np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))
+                ),
+                a,
+                b,
+            )
+        )
+    )
 
 
 def tree_max_abs(a) -> float:
@@ -199,14 +234,20 @@ def compiled_grad(cfg, mesh_shape, s_len, attn_block=ATTN_BLOCK, chunk=CHUNK):
     def abstract(shape, spec, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(m, spec))
 
-    params = jax.tree.map(lambda s, sp: abstract(s, sp, jnp.float32),
-                          model_lib.param_shapes(cfg), model_lib.param_specs(cfg),
-                          is_leaf=lambda x: isinstance(x, tuple))
+    params = jax.tree.map(
+        lambda s, sp: abstract(s, sp, jnp.float32),
+        model_lib.param_shapes(cfg),
+        model_lib.param_specs(cfg),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
     ints = abstract((dp, cp, s_len), stream, jnp.int32)
     floats = abstract((dp, cp, s_len), stream, jnp.float32)
     f = _sharded_loss(cfg, mesh_shape, "blockwise", 8, True, attn_block, chunk)
-    return jax.jit(jax.grad(lambda p, *xs: f(p, *xs)[0])).lower(
-        params, ints, ints, ints, ints, floats).compile()
+    return (
+        jax.jit(jax.grad(lambda p, *xs: f(p, *xs)[0]))
+        .lower(params, ints, ints, ints, ints, floats)
+        .compile()
+    )
 
 
 def largest_hlo_arrays(compiled, top=5) -> list[tuple[int, str]]:
@@ -229,6 +270,9 @@ def peft_fp64_reference(pm, seqs, targets, weights):
         total = total - (torch.tensor(np.asarray(w, np.float64)) * lp).sum()
         lps.append(lp.detach().numpy())
     total.backward()
-    grads = {n.replace(".default", ""): p.grad.numpy() for n, p in pm.named_parameters()
-             if p.grad is not None}
+    grads = {
+        n.replace(".default", ""): p.grad.numpy()
+        for n, p in pm.named_parameters()
+        if p.grad is not None
+    }
     return lps, float(total.detach()), grads

@@ -20,10 +20,17 @@ def run(ckpt_dir: str) -> dict:
     """
     rng = np.random.default_rng(0)
     lens = (37, 1, 20, 64, 5)
-    data = [jcp.Datum(rng.integers(0, CFG.vocab_size, n),
-                      {"target_tokens": rng.integers(0, CFG.vocab_size, n),
-                       "advantages": rng.normal(size=n), "logprobs": -rng.uniform(1, 6, n)})
-            for n in lens]
+    data = [
+        jcp.Datum(
+            rng.integers(0, CFG.vocab_size, n),
+            {
+                "target_tokens": rng.integers(0, CFG.vocab_size, n),
+                "advantages": rng.normal(size=n),
+                "logprobs": -rng.uniform(1, 6, n),
+            },
+        )
+        for n in lens
+    ]
     tr = jcp.Trainer(CFG, jcp.make_mesh(*MESH), max_rank=8, attn_block=16, logprob_chunk=16)
     a = tr.create_adapter(rank=4, seed=1)
     b = tr.create_adapter(rank=8, seed=2)

@@ -30,8 +30,15 @@ class Job:
     """`processes` jcp-serve processes started alike (the jax.distributed flags), process 0
     serving HTTP on 127.0.0.1; logs in files of `state_dir`'s parent."""
 
-    def __init__(self, processes: int, state_dir: str, *extra: str, follower_timeout: float = 8,
-                 cache: str | None = None, cpus: list[set[int]] | None = None):
+    def __init__(
+        self,
+        processes: int,
+        state_dir: str,
+        *extra: str,
+        follower_timeout: float = 8,
+        cache: str | None = None,
+        cpus: list[set[int]] | None = None,
+    ):
         self.state_dir = state_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -44,26 +51,54 @@ class Job:
         env["XLA_FLAGS"] = os.environ.get("JCP_TEST_CHILD_XLA_FLAGS", "")
         env.setdefault("TINKER_TELEMETRY", "0")
         if cache:  # a restarted job reads what the first one compiled
-            env.update(JAX_COMPILATION_CACHE_DIR=cache,
-                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-        cmd = [sys.executable, "-m", "jcp.serve", "--port", str(self.port), "--state-dir",
-               state_dir, "--api-keys", keyfile, "--mesh", "2,2,2", "--max-rank", "8",
-               "--follower-timeout", str(follower_timeout), *extra]
+            env.update(
+                JAX_COMPILATION_CACHE_DIR=cache,
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+            )
+        cmd = [
+            sys.executable,
+            "-m",
+            "jcp.serve",
+            "--port",
+            str(self.port),
+            "--state-dir",
+            state_dir,
+            "--api-keys",
+            keyfile,
+            "--mesh",
+            "2,2,2",
+            "--max-rank",
+            "8",
+            "--follower-timeout",
+            str(follower_timeout),
+            "--no-warmup",
+            *extra,
+        ]
         if processes > 1:
-            cmd += ["--coordinator-address", f"127.0.0.1:{free_port()}",
-                    "--num-processes", str(processes)]
+            cmd += [
+                "--coordinator-address",
+                f"127.0.0.1:{free_port()}",
+                "--num-processes",
+                str(processes),
+            ]
         self.logs = [os.path.join(logs, f"p{i}.log") for i in range(processes)]
         self.procs = []
         for i, path in enumerate(self.logs):
             with open(path, "w") as out:
                 ids = ["--process-id", str(i)] if processes > 1 else []
                 pin = cpus and (lambda c=cpus[i]: os.sched_setaffinity(0, c))  # cores of i
-                self.procs.append(subprocess.Popen(cmd + ids, env=env, stdout=out,
-                                                   stderr=subprocess.STDOUT,
-                                                   preexec_fn=pin or None))
+                self.procs.append(
+                    subprocess.Popen(
+                        cmd + ids,
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        preexec_fn=pin or None,
+                    )
+                )
 
-    def wait_ready(self, timeout: float = 600) -> "Job":
+    def wait_ready(self, timeout: float = 600) -> Job:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for p in self.procs:
@@ -113,8 +148,10 @@ def datum(seed: int, n: int = 24):
     rng = np.random.default_rng(seed)
     toks = rng.integers(0, 512, n + 1).tolist()
     w = rng.uniform(0.2, 1.0, n).astype(np.float32).tolist()
-    return types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                       loss_fn_inputs={"target_tokens": toks[1:], "weights": w})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(toks[:-1]),
+        loss_fn_inputs={"target_tokens": toks[1:], "weights": w},
+    )
 
 
 def logprobs(out) -> list[np.ndarray]:

@@ -7,15 +7,15 @@ import os
 import sys
 
 pid, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
-                           + os.environ.get("JCP_TEST_CHILD_XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4 " + os.environ.get(
+    "JCP_TEST_CHILD_XLA_FLAGS", ""
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                           process_id=pid)
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 
 import numpy as np  # noqa: E402
 

@@ -38,8 +38,14 @@ def _install():
         try:
             return compile_or_get_cached(backend, computation, *args, **kwargs)
         finally:
-            _COMPILES.append((name, round(time.perf_counter() - t, 3),
-                              round(time.process_time() - c, 3), _HITS[0] > hits))
+            _COMPILES.append(
+                (
+                    name,
+                    round(time.perf_counter() - t, 3),
+                    round(time.process_time() - c, 3),
+                    _HITS[0] > hits,
+                )
+            )
 
     compiler.compile_or_get_cached = timed
 
@@ -52,8 +58,7 @@ def _install():
 
 
 def _cpu():
-    me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
-                                                resource.RUSAGE_CHILDREN))
+    me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
 
 
@@ -67,9 +72,13 @@ def pytest_runtest_protocol(item, nextitem):
     me2, kids2 = _cpu()
     out = os.environ.get("JCP_TIMING_OUT")
     if out:
-        rec = {"id": item.nodeid, "wall": round(time.perf_counter() - t, 2),
-               "cpu": round(me2 - me, 2), "child_cpu": round(kids2 - kids, 2),
-               "compiles": list(_COMPILES)}
+        rec = {
+            "id": item.nodeid,
+            "wall": round(time.perf_counter() - t, 2),
+            "cpu": round(me2 - me, 2),
+            "child_cpu": round(kids2 - kids, 2),
+            "compiles": list(_COMPILES),
+        }
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         with open(f"{out}.{worker}.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -83,7 +92,7 @@ def module_seconds(lines) -> dict[str, float]:
     for line in lines:
         rec = json.loads(line)
         path = rec["id"].split("::")[0]
-        path = path[len("tests/"):] if path.startswith("tests/") else path
+        path = path[len("tests/") :] if path.startswith("tests/") else path
         wall[path] = wall.get(path, 0.0) + rec["wall"]
         cpu[path] = cpu.get(path, 0.0) + rec["cpu"] + rec["child_cpu"]
     return {m: round(max(wall[m], cpu[m]), 1) for m in sorted(wall)}

@@ -67,14 +67,17 @@ def random_data(lengths, seed=0, vocab=CFG.vocab_size, lp_center=None):
     center = -np.log(vocab) if lp_center is None else lp_center
     out = []
     for n in lengths:
-        out.append(jcp.Datum(
-            model_input=rng.integers(0, vocab, n),
-            loss_fn_inputs={
-                "target_tokens": rng.integers(0, vocab, n),
-                "weights": rng.uniform(0.0, 1.5, n).astype(np.float32),
-                "advantages": rng.normal(size=n).astype(np.float32),
-                "logprobs": (center + 0.1 * rng.normal(size=n)).astype(np.float32),
-            }))
+        out.append(
+            jcp.Datum(
+                model_input=rng.integers(0, vocab, n),
+                loss_fn_inputs={
+                    "target_tokens": rng.integers(0, vocab, n),
+                    "weights": rng.uniform(0.0, 1.5, n).astype(np.float32),
+                    "advantages": rng.normal(size=n).astype(np.float32),
+                    "logprobs": (center + 0.1 * rng.normal(size=n)).astype(np.float32),
+                },
+            )
+        )
     return out
 
 
@@ -93,9 +96,16 @@ def peft_key(module: str, layer, which: str) -> str:
 def module_dims(cfg, module):
     d, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
-            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d),
-            "lm_head": (d, cfg.vocab_size)}[module]
+    return {
+        "q_proj": (d, q),
+        "k_proj": (d, kv),
+        "v_proj": (d, kv),
+        "o_proj": (q, d),
+        "gate_proj": (d, f),
+        "up_proj": (d, f),
+        "down_proj": (f, d),
+        "lm_head": (d, cfg.vocab_size),
+    }[module]
 
 
 def random_peft_weights(cfg, rank, targets, seed, b_std=0.05) -> dict[str, np.ndarray]:
@@ -104,7 +114,7 @@ def random_peft_weights(cfg, rank, targets, seed, b_std=0.05) -> dict[str, np.nd
     out = {}
     for m in targets:
         i, o = module_dims(cfg, m)
-        for layer in ([None] if m == "lm_head" else range(cfg.num_layers)):
+        for layer in [None] if m == "lm_head" else range(cfg.num_layers):
             a = rng.uniform(-1, 1, (rank, i)) / np.sqrt(i)
             out[peft_key(m, layer, "A")] = a.astype(np.float32)
             out[peft_key(m, layer, "B")] = (b_std * rng.normal(size=(o, rank))).astype(np.float32)
@@ -114,10 +124,21 @@ def random_peft_weights(cfg, rank, targets, seed, b_std=0.05) -> dict[str, np.nd
 def write_peft(path, rank, alpha, targets, weights, **extra) -> str:
     """A PEFT LoRA folder as peft's save_pretrained writes it (config + safetensors)."""
     os.makedirs(path, exist_ok=True)
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-              "target_modules": list(targets), "lora_dropout": 0.0, "bias": "none",
-              "use_rslora": False, "use_dora": False, "modules_to_save": None,
-              "rank_pattern": {}, "alpha_pattern": {}, "fan_in_fan_out": False}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(targets),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "fan_in_fan_out": False,
+    }
     config.update(extra)
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(config, f)
@@ -125,14 +146,15 @@ def write_peft(path, rank, alpha, targets, weights, **extra) -> str:
     return os.fspath(path)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def adapter_folders(root: str) -> dict[str, str]:
     """The three ADAPTERS as PEFT folders with non-zero B (so A gets a gradient)."""
     out = {}
     for name, spec in ADAPTERS.items():
         w = random_peft_weights(CFG, spec["rank"], spec["targets"], spec["seed"])
-        out[name] = write_peft(os.path.join(root, name), spec["rank"], spec["alpha"],
-                               spec["targets"], w)
+        out[name] = write_peft(
+            os.path.join(root, name), spec["rank"], spec["alpha"], spec["targets"], w
+        )
     return out
 
 
@@ -144,7 +166,7 @@ def load_adapters(tr, folders, names=("p", "q", "r")) -> dict[str, int]:
 # Trainers and state
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def trainer(mesh_shape, **kw) -> jcp.Trainer:
     """One Trainer per (mesh, settings) for the session, on CFG's seed-0 random base."""
     tr = jcp.Trainer(CFG, jcp.make_mesh(*mesh_shape), **{**TRAINER_KW, **kw})
@@ -172,7 +194,9 @@ def snapshot(tr) -> dict:
         "grads": {a: tr.gradients(a) for a in tr.adapters},
         "tables": tables,
         "opt": types.SimpleNamespace(mu=tables["mu"], nu=tables["nu"], count=tables["count"]),
-        "scale": tables["scale"], "lora": tables["weights"], "acc": tables["grads"],
+        "scale": tables["scale"],
+        "lora": tables["weights"],
+        "acc": tables["grads"],
     }
 
 
@@ -184,8 +208,9 @@ def assert_same_state(a: dict, b: dict) -> None:
         for ad in a[part]:
             assert a[part][ad].keys() == b[part][ad].keys()
             for k in a[part][ad]:
-                np.testing.assert_array_equal(a[part][ad][k], b[part][ad][k],
-                                              err_msg=f"{part} of adapter {ad}: {k}")
+                np.testing.assert_array_equal(
+                    a[part][ad][k], b[part][ad][k], err_msg=f"{part} of adapter {ad}: {k}"
+                )
     la, lb = jax.tree.leaves_with_path(a["tables"]), jax.tree.leaves_with_path(b["tables"])
     assert [p for p, _ in la] == [p for p, _ in lb]
     for (path, x), (_, y) in zip(la, lb):
@@ -206,8 +231,9 @@ def assert_grads_close(got: dict, want: dict, rtol: float, atol_frac: float, wha
     scale = max_abs(want)
     assert scale > 0, f"{what}: the reference gradient is zero"
     for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=atol_frac * scale,
-                                   err_msg=f"{what}: {k}")
+        np.testing.assert_allclose(
+            got[k], want[k], rtol=rtol, atol=atol_frac * scale, err_msg=f"{what}: {k}"
+        )
 
 
 def assert_outputs_close(got, want, rtol: float, atol: float, what: str):
@@ -217,17 +243,35 @@ def assert_outputs_close(got, want, rtol: float, atol: float, what: str):
     el_scale = max(float(np.max(np.abs(o["elementwise_loss"]))) for o in want.loss_fn_outputs)
     for i, (g, w) in enumerate(zip(got.loss_fn_outputs, want.loss_fn_outputs)):
         assert g["logprobs"].shape == w["logprobs"].shape, f"{what}: datum {i} length"
-        np.testing.assert_allclose(g["logprobs"], w["logprobs"], rtol=rtol, atol=atol * lp_scale,
-                                   err_msg=f"{what}: datum {i} logprobs")
-        np.testing.assert_allclose(g["elementwise_loss"], w["elementwise_loss"], rtol=rtol,
-                                   atol=atol * el_scale,
-                                   err_msg=f"{what}: datum {i} elementwise_loss")
-        np.testing.assert_allclose(g["loss:sum"], w["loss:sum"], rtol=rtol,
-                                   atol=atol * el_scale * len(w["logprobs"]),
-                                   err_msg=f"{what}: datum {i} loss:sum")
+        np.testing.assert_allclose(
+            g["logprobs"],
+            w["logprobs"],
+            rtol=rtol,
+            atol=atol * lp_scale,
+            err_msg=f"{what}: datum {i} logprobs",
+        )
+        np.testing.assert_allclose(
+            g["elementwise_loss"],
+            w["elementwise_loss"],
+            rtol=rtol,
+            atol=atol * el_scale,
+            err_msg=f"{what}: datum {i} elementwise_loss",
+        )
+        np.testing.assert_allclose(
+            g["loss:sum"],
+            w["loss:sum"],
+            rtol=rtol,
+            atol=atol * el_scale * len(w["logprobs"]),
+            err_msg=f"{what}: datum {i} loss:sum",
+        )
     assert got.metrics.keys() == want.metrics.keys()
     n_tokens = sum(len(o["logprobs"]) for o in want.loss_fn_outputs)
-    np.testing.assert_allclose(got.metrics["loss:sum"], want.metrics["loss:sum"], rtol=rtol,
-                               atol=atol * el_scale * n_tokens, err_msg=f"{what}: loss:sum")
+    np.testing.assert_allclose(
+        got.metrics["loss:sum"],
+        want.metrics["loss:sum"],
+        rtol=rtol,
+        atol=atol * el_scale * n_tokens,
+        err_msg=f"{what}: loss:sum",
+    )
     if "clipped_tokens:sum" in want.metrics:
         assert got.metrics["clipped_tokens:sum"] == want.metrics["clipped_tokens:sum"], what

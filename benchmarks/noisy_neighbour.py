@@ -1,0 +1,525 @@
+"""A victim tenant's latency on jcp-serve, alone and beside a hostile neighbour.
+
+One jcp-serve (a child process: tiny model, one CPU device, 127.0.0.1, two API keys) and an
+asyncio driver (httpx, raw Tinker routes) with two tenants:
+
+- bob, the victim: small requests at a steady rate (--rate per second, alternating a
+  forward of one 16-token datum on his model and a 4-token sample of an 8-token prompt),
+  each timed from its POST to its result (retrieve_future).
+- alice, the neighbour, the worst load the bounds allow, all at once: big samples
+  (--max-num-samples sequences to the end of the context), a burst of small samples up to
+  her futures, forward passes of --max-datums datums of the longest sequences that fit the
+  body bound, and a stream of hostile bodies the edge must refuse (a sparse
+  target_prompt_logprobs naming a huge shape, a list of 200,000 bad tokens, JSON nested
+  10,000 deep, a zstd bomb, out-of-window seq_ids).
+
+First bob alone for --seconds, then bob beside alice for --seconds (after an untimed
+spell beside her, so that what her load compiles is compiled); prints bob's p50 / p99 per
+phase and kind and their ratio (goal: p99 under the neighbour within 1.5× of alone), and
+how many of alice's requests ran or were refused. Bounded: a victim request counts at most
+--timeout s; alice's queued work is cancelled at the end and what still runs gets --drain
+s; then the server is stopped.
+
+    python benchmarks/noisy_neighbour.py [--seconds 20] [--rate 4] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+KEYS = {"tml-victim": "bob", "tml-hostile": "alice"}
+PROTO = "application/x-protobuf"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=20.0, help="length of each phase")
+    p.add_argument("--rate", type=float, default=4.0, help="victim requests per second")
+    p.add_argument("--max-num-samples", type=int, default=64)
+    p.add_argument("--max-datums", type=int, default=64)
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--context", type=int, default=1024, help="max_context_length")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="a victim request still waiting after this long counts as this long",
+    )
+    p.add_argument(
+        "--drain",
+        type=float,
+        default=30.0,
+        help="how long the neighbour's running work may finish after its phase",
+    )
+    p.add_argument("--sample-slots", type=int, default=128)
+    p.add_argument(
+        "--neighbour",
+        type=lambda s: s.split(","),
+        default=["samples", "burst", "forwards", "refused"],
+        help="what the neighbour sends, of samples,burst,forwards,refused",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a few seconds, small neighbour (tests/test_benchmarks.py)",
+    )
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.seconds, a.rate, a.max_num_samples, a.max_datums = 2.0, 5.0, 4, 4
+        a.context, a.sample_slots = 256, 16
+    return a
+
+
+# ---------------------------------------------------------------------- the server
+
+
+def start_server(a, folder: str) -> tuple[subprocess.Popen, str]:
+    """jcp-serve in a child process -> (process, base URL) once /healthz answers."""
+    keys = os.path.join(folder, "keys")
+    with open(keys, "w") as f:
+        f.write("".join(f"{k} {v}\n" for k, v in KEYS.items()))
+    env = dict(os.environ, TINKER_TELEMETRY="0")
+    if "JCP_TEST_CHILD_XLA_FLAGS" in env:  # under the tests: their compile settings
+        env["XLA_FLAGS"] = env["JCP_TEST_CHILD_XLA_FLAGS"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jcp.serve",
+        "--mesh",
+        "1,1,1",
+        "--port",
+        "0",
+        "--api-keys",
+        keys,
+        "--state-dir",
+        os.path.join(folder, "state"),
+        "--max-num-samples",
+        str(a.max_num_samples),
+        "--max-datums",
+        str(a.max_datums),
+        "--max-body-bytes",
+        str(a.max_body_bytes),
+        "--max-futures",
+        "512",
+        "--max-tokens-per-device",
+        str(a.context),
+        "--sample-slots",
+        str(a.sample_slots),
+        "--no-warmup",
+    ]  # the driver's warm-up compiles the shapes it sends
+    log = open(os.path.join(folder, "server.log"), "w+")
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        log.seek(0)
+        m = re.search(r"jcp-serve: (http://\S+)", log.read())
+        if m and proc.poll() is None:
+            import httpx
+
+            try:
+                if httpx.get(m.group(1) + "/api/v1/healthz", timeout=5).status_code == 200:
+                    return proc, m.group(1)
+            except httpx.HTTPError:
+                pass
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"jcp-serve exited {proc.returncode}:\n{log.read()[-3000:]}")
+        time.sleep(0.5)
+    stop_server(proc)
+    raise RuntimeError("jcp-serve did not start in 600 s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# ---------------------------------------------------------------------- requests
+
+
+class Tenant:
+    """One API key's raw Tinker calls over one httpx.AsyncClient."""
+
+    def __init__(self, client, key: str):
+        self.client, self.key = client, key
+
+    async def post(self, route: str, body=None, content: bytes | None = None, **headers):
+        h = {"X-API-Key": self.key, **headers}
+        if content is None:
+            return await self.client.post(f"/api/v1/{route}", json=body, headers=h)
+        return await self.client.post(f"/api/v1/{route}", content=content, headers=h)
+
+    async def result(self, answer):
+        """A future's result: JSON dict, or {"proto": bytes}; refusals as {"refused": …}."""
+        if answer.status_code != 200:
+            return {"refused": answer.status_code}
+        return await self.wait(answer.json()["request_id"])
+
+    async def wait(self, rid: str):
+        while True:
+            r = await self.post("retrieve_future", {"request_id": rid})
+            if r.status_code == 408:
+                continue
+            if r.headers["content-type"].startswith(PROTO):
+                return {"proto": r.content}
+            return r.json()
+
+    async def call(self, route: str, body=None, content=None, **headers):
+        return await self.result(await self.post(route, body, content, **headers))
+
+
+def fb_body(model_id: str, seq_id: int, n: int, length: int, vocab: int, seed: int) -> bytes:
+    from tinker.proto import tinker_public_pb2 as pb
+
+    msg = pb.ForwardBackwardRequest(
+        model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy", forward_only=True
+    )
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        toks = rng.integers(0, vocab, length + 1)
+        d = msg.data.add()
+        d.model_input.add().encoded_text.tokens = toks[:-1].astype(np.int32).tobytes()
+        for name, arr, dtype in (
+            ("target_tokens", toks[1:].astype(np.int64), pb.DTYPE_INT64),
+            ("weights", np.ones(length, np.float32), pb.DTYPE_FLOAT32),
+        ):
+            t = d.loss_fn_inputs[name]
+            t.dense, t.dtype, t.shape[:] = arr.tobytes(), dtype, [length]
+    return msg.SerializeToString()
+
+
+async def setup(t: Tenant, name: str) -> dict:
+    """A session, a rank-4 model and a sampling session on the base model."""
+    sid = (await t.post("create_session", {})).json()["session_id"]
+    model = await t.call(
+        "create_model",
+        {"session_id": sid, "model_seq_id": 0, "base_model": name, "lora_config": {"rank": 4}},
+    )
+    samp = (await t.post("create_sampling_session", {"session_id": sid, "base_model": name})).json()
+    return {
+        "session": sid,
+        "model": model["model_id"],
+        "seq": 0,
+        "base_model": name,
+        "sampler": samp["sampling_session_id"],
+    }
+
+
+def sample(sampler: str, prompt: list[int], n: int, max_tokens: int) -> dict:
+    return {
+        "sampling_session_id": sampler,
+        "num_samples": n,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0},
+    }
+
+
+# ---------------------------------------------------------------------- the two tenants
+
+
+async def victim(t: Tenant, st: dict, a, vocab: int, seconds: float) -> list[tuple]:
+    """bob's steady stream: one request every 1/rate s, each timed to its result."""
+    lat, tasks = [], []  # (kind, seconds)
+    rng = np.random.default_rng(1)
+
+    async def one(k: int):
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(send(k), a.timeout)
+        except TimeoutError:  # counted at the bound: p99 then reads ≥ --timeout
+            pass
+        lat.append(("forward" if k % 2 else "sample", time.perf_counter() - t0))
+
+    async def send(k: int):
+        if k % 2:
+            st["seq"] += 1
+            out = await t.call(
+                "forward_backward",
+                content=fb_body(st["model"], st["seq"], 1, 16, vocab, k),
+                **{"Content-Type": PROTO},
+            )
+        else:
+            out = await t.call(
+                "asample", sample(st["sampler"], rng.integers(0, vocab, 8).tolist(), 1, 4)
+            )
+        assert "proto" in out, out  # the victim's requests are all good ones
+
+    start, k = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        tasks.append(asyncio.create_task(one(k)))
+        k += 1
+        await asyncio.sleep(max(0.0, start + k / a.rate - time.perf_counter()))
+    await asyncio.gather(*tasks)
+    return lat
+
+
+def json_body(body: dict) -> tuple[bytes, dict]:
+    return json.dumps(body).encode(), {"Content-Type": "application/json"}
+
+
+def hostile_bodies(st: dict) -> list[tuple[str, bytes, dict]]:
+    """(route, body, headers): bodies the edge must refuse, each encoded once."""
+    import zstandard
+
+    c = zstandard.ZstdCompressor().compressobj()
+    bomb = b"".join(c.compress(bytes(1 << 20)) for _ in range(256)) + c.flush()
+    bad = sample(st["sampler"], [1, 2], 1, 2)
+    return [
+        (
+            "asample",
+            *json_body(
+                {
+                    **bad,
+                    "target_prompt_logprobs": {
+                        "data": [1],
+                        "dtype": "int64",
+                        "shape": [1, 10**11],
+                        "sparse_crow_indices": [0, 1],
+                        "sparse_col_indices": [0],
+                    },
+                }
+            ),
+        ),
+        ("asample", *json_body({**bad, "prompt": {"chunks": [{"tokens": ["a"] * 200_000}]}})),
+        (
+            "optim_step",
+            b'{"model_id": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+            {"Content-Type": "application/json"},
+        ),
+        ("forward_backward", bomb, {"Content-Type": PROTO, "Content-Encoding": "zstd"}),
+        (
+            "save_weights_external",
+            *json_body({"model_id": st["model"], "path": "x", "seq_id": 2**70}),
+        ),
+        ("save_weights", *json_body({"model_id": st["model"], "seq_id": st["seq"] + 10**6})),
+    ]
+
+
+async def hostile(url: str, st: dict, a, vocab: int, ctx: int, stop) -> dict:
+    """alice's worst legal load until `stop` (a multiprocessing Event) is set; then her
+    queued work is cancelled and what already runs is waited for. -> counts."""
+    import httpx
+
+    rids: list[str] = []
+    counts = collections.Counter()
+    prompt = list(range(1, 9))
+    length = max(16, min(ctx - 1, a.max_body_bytes // (a.max_datums * 20)))
+    # Encoded once: the driver's own CPU must not be what slows anyone. A forward's seq_id
+    # goes in front of its body (protobuf merges: the prefix's seq_id stands).
+    big_fb = fb_body("", 0, a.max_datums, length, vocab, 0)
+
+    def big_sample(max_tokens: int) -> list:  # [(body, headers), max_tokens]
+        return [json_body(sample(st["sampler"], prompt, a.max_num_samples, max_tokens)), max_tokens]
+
+    big = big_sample(ctx - len(prompt))
+    small = json_body(sample(st["sampler"], prompt, 1, 16))
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        t = Tenant(client, "tml-hostile")
+        from tinker.proto import tinker_public_pb2 as pb
+
+        async def submit(route, content, headers):
+            r = await t.post(route, content=content, **headers)
+            if r.status_code == 200 and "request_id" in r.json():
+                rids.append(r.json()["request_id"])
+            return r
+
+        def count(what: str, out: dict) -> None:
+            counts[
+                what if "proto" in out else f"{what} failed: {str(out.get('error', out))[:70]}"
+            ] += 1
+
+        async def big_samples():
+            # The longest the engine admits at this many samples: from the context's end,
+            # halved while refused for pages.
+            while True:
+                out = await t.result(await submit("asample", *big[0]))
+                if "proto" in out or big[1] <= 16 or "pages" not in str(out.get("error")):
+                    break
+                big[:] = big_sample(big[1] // 2)
+            count("big samples", out)
+            while True:
+                count("big samples", await t.result(await submit("asample", *big[0])))
+
+        async def futures_burst():
+            while True:
+                answers = await asyncio.gather(*(submit("asample", *small) for _ in range(256)))
+                for out in await asyncio.gather(*(t.result(r) for r in answers)):
+                    count("burst samples", out)
+
+        async def big_forwards():
+            while True:
+                st["seq"] += 1
+                head = pb.ForwardBackwardRequest(model_id=st["model"], seq_id=st["seq"])
+                count(
+                    "big forwards",
+                    await t.result(
+                        await submit(
+                            "forward_backward",
+                            head.SerializeToString() + big_fb,
+                            {"Content-Type": PROTO},
+                        )
+                    ),
+                )
+
+        async def refused():
+            bodies = hostile_bodies(st)
+            while True:
+                for route, body, headers in bodies:
+                    r = await t.post(route, content=body, **headers)
+                    ok = r.status_code != 200 or "error" in await t.result(r)
+                    counts["hostile bodies refused" if ok else "hostile bodies ACCEPTED"] += 1
+                await asyncio.sleep(0.05)
+
+        parts = {
+            "samples": (big_samples, big_samples),
+            "burst": (futures_burst,),
+            "forwards": (big_forwards,),
+            "refused": (refused,),
+        }
+        tasks = [asyncio.create_task(f()) for name in a.neighbour for f in parts[name]]
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(t.post("cancel_future", {"request_id": r}) for r in rids))
+        # What was already running may finish, for at most --drain seconds.
+        waits = [asyncio.create_task(t.wait(r)) for r in rids]
+        _, running = await asyncio.wait(waits, timeout=a.drain) if waits else ((), ())
+        for w in running:
+            w.cancel()
+        if running:
+            counts["still running at the end"] = len(running)
+    return dict(counts)
+
+
+def hostile_process(url: str, st: dict, a, vocab: int, ctx: int, stop, out) -> None:
+    """alice in her own process (the victim's timings share no event loop or GIL with
+    her driver): hostile() -> its counts on `out`."""
+    out.put(asyncio.run(hostile(url, st, a, vocab, ctx, stop)))
+
+
+class Neighbour:
+    """alice's process for one phase: `with Neighbour(...) as n:` … then n.counts."""
+
+    def __init__(self, url: str, st: dict, a, vocab: int, ctx: int):
+        import multiprocessing
+
+        mp = multiprocessing.get_context("spawn")
+        self.stop, self.out = mp.Event(), mp.Queue()
+        self.proc = mp.Process(
+            target=hostile_process, args=(url, st, a, vocab, ctx, self.stop, self.out)
+        )
+        self.counts: dict = {}
+
+    def __enter__(self):
+        self.proc.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.counts = self.out.get(timeout=900)
+        self.proc.join(60)
+
+
+# ---------------------------------------------------------------------- the run
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs) * 1e3, q))
+
+
+async def drive(a, url: str) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        bob, alice = Tenant(client, "tml-victim"), Tenant(client, "tml-hostile")
+        caps = (
+            await bob.client.get("/api/v1/get_server_capabilities", headers={"X-API-Key": bob.key})
+        ).json()
+        name = caps["supported_models"][0]["model_name"]
+        ctx = caps["supported_models"][0]["max_context_length"]
+        import jcp
+
+        vocab = jcp.QwenConfig.tiny().vocab_size
+        b, h = await setup(bob, name), await setup(alice, name)
+        await victim(bob, b, a, vocab, 2 / a.rate)  # compiles bob's shapes, untimed
+        alone = await victim(bob, b, a, vocab, a.seconds)
+        with Neighbour(url, h, a, vocab, ctx) as n:
+            # Untimed first: whatever alice's load compiles (bob's forwards fused with
+            # hers too) is compiled before bob is timed beside her.
+            await victim(bob, b, a, vocab, min(a.seconds, 10.0))
+            beside = await victim(bob, b, a, vocab, a.seconds)
+        counts = n.counts
+        health = await bob.client.get("/api/v1/healthz")
+        return {
+            "alone": alone,
+            "beside": beside,
+            "counts": dict(counts),
+            "ctx": ctx,
+            "healthy": health.status_code == 200,
+        }
+
+
+def main(argv=None) -> dict:
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    folder = tempfile.mkdtemp(prefix="jcp-noisy-")
+    t0 = time.monotonic()
+    proc, url = start_server(a, folder)
+    print(
+        f"jcp-serve at {url} (started in {time.monotonic() - t0:.0f} s); phases of "
+        f"{a.seconds:g} s, victim at {a.rate:g} requests/s",
+        flush=True,
+    )
+    try:
+        res = asyncio.run(drive(a, url))
+    finally:
+        stop_server(proc)
+    res["server_exit"] = proc.returncode
+    rows = {}
+    for phase in ("alone", "beside"):
+        for kind in ("sample", "forward", "all"):
+            xs = [s for k, s in res[phase] if kind in (k, "all")]
+            rows[phase, kind] = (pct(xs, 50), pct(xs, 99), len(xs))
+            print(
+                f"victim {phase:>6} {kind:>7}: p50 {rows[phase, kind][0]:8.1f} ms   "
+                f"p99 {rows[phase, kind][1]:8.1f} ms   ({len(xs)} requests)"
+            )
+    rows = {phase: rows[phase, "all"] for phase in ("alone", "beside")}
+    ratio = rows["beside"][1] / rows["alone"][1]
+    print(
+        f"p99 beside / alone: {ratio:.2f} (goal ≤ 1.5); p50 ratio "
+        f"{rows['beside'][0] / rows['alone'][0]:.2f}"
+    )
+    print(
+        "neighbour: "
+        + json.dumps(res["counts"], sort_keys=True)
+        + f"; context {res['ctx']}; healthz after: {'ok' if res['healthy'] else 'FAILED'}"
+    )
+    res["p99_ratio"], res["rows"] = ratio, rows
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""Time to steady state of jcp-serve: each step of a multi-tenant SDK flow against the steady
+step, and the time to the first step of a cold and a warm-cache restart.
+
+jcp-serve runs as a subprocess (the tiny model, its default flags plus --serve-args, on
+127.0.0.1, a free port, a fresh --state-dir and compilation cache), with jax_log_compiles
+on so that every XLA compile it makes is counted. --tenants SDK training clients (rank 8)
+each run --steps
+steps of forward_backward (--datums datums × --tokens tokens, cross_entropy) + optim_step,
+submitted back to back and both awaited (the SDK's pattern), all tenants in threads
+released together; then one sampling round: --prompts prompts × --num-samples samples ×
+--max-tokens tokens of the base model, spread over the tenants, sent at once. Each step
+prints its training and sampling wall time, their ratio to the steady figure (the median
+of the last half of the steps) and the compiles the server made meanwhile. Goal (issue
+37): every step within 1.3× of steady, with the default flags.
+
+Restart (--restart, on by default): the flow's server runs on an empty compilation cache
+folder (--compilation-cache), and is then restarted on it; each start's time from the
+process's start to the end of its first training step (start-up, warm-up, the first step)
+is printed, cold and warm. Goal: warm ≤ 20% of cold.
+
+    python benchmarks/steady_state.py [--steps 8] [--tenants 4] [--datums 4] [--tokens 256]
+                                      [--serve-args "--no-warmup"] [--no-restart]
+
+Every wait is bounded (--timeout seconds per server start and per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+RANK = 8
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--tenants", type=int, default=4)
+    p.add_argument("--datums", type=int, default=4, help="datums per tenant per step")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per datum")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per sampling round")
+    p.add_argument("--num-samples", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--serve-args", default="", help="extra jcp-serve flags (one string)")
+    p.add_argument(
+        "--restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time a cold and a warm-cache start to the first step",
+    )
+    p.add_argument("--verbose", action="store_true", help="name the programs each step compiled")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds allowed for a server start, and for each step",
+    )
+    return p.parse_args(argv)
+
+
+class Serve:
+    """One jcp-serve subprocess; its output (compile log included) in a file."""
+
+    def __init__(self, extra: list[str], cache: str | None, timeout: float):
+        self.t0 = time.monotonic()
+        self.dir = tempfile.mkdtemp(prefix="jcp-steady-")
+        self.log_path = os.path.join(self.dir, "serve.log")
+        env = dict(os.environ, TINKER_TELEMETRY="0", JAX_LOG_COMPILES="1")
+        # The benchmark's own environment must not choose the server's cache.
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        cmd = [
+            sys.executable,
+            "-m",
+            "jcp.serve",
+            "--port",
+            "0",
+            "--max-rank",
+            str(RANK),
+            "--state-dir",
+            os.path.join(self.dir, "state"),
+            *extra,
+        ]
+        if cache:
+            cmd += ["--compilation-cache", cache]
+        with open(self.log_path, "w") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.url = self._wait_url(timeout)
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def compiles(self) -> list[str]:
+        """The programs XLA compiled (or loaded from the persistent cache) so far."""
+        return re.findall(r"Finished XLA compilation of (\S+)", self.log())
+
+    def cache_hits(self) -> int:
+        return len(re.findall(r"Persistent compilation cache hit", self.log()))
+
+    def _wait_url(self, timeout: float) -> str:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        url = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"jcp-serve exited {self.proc.returncode}:\n{self.log()[-4000:]}"
+                )
+            m = url or re.search(r"jcp-serve: (http://\S+)", self.log())
+            url = url or (m.group(1) if m else None)
+            if url:
+                try:
+                    if httpx.get(url + "/api/v1/healthz", timeout=2).status_code == 200:
+                        return url
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.2)
+        log = self.log()[-4000:]
+        self.stop()
+        raise RuntimeError(f"jcp-serve did not start in {timeout:.0f} s:\n{log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Flow:
+    """The tenants' clients on one server, and the flow's two parts."""
+
+    def __init__(self, url: str, args):
+        import numpy as np
+        import tinker
+        from tinker import types
+
+        self.args, self.types = args, types
+        sc = tinker.ServiceClient(base_url=url, api_key="tml-steady")
+        self.clients = [
+            sc.create_lora_training_client(base_model="jcp-tiny", rank=RANK, seed=i).result()
+            for i in range(args.tenants)
+        ]
+        self.sampler = sc.create_sampling_client(base_model="jcp-tiny").result()
+        rng = np.random.default_rng(0)
+        vocab = 512  # the tiny model's vocabulary
+
+        def datum():
+            t = rng.integers(0, vocab, args.tokens + 1).tolist()
+            return types.Datum(
+                model_input=types.ModelInput.from_ints(t[:-1]),
+                loss_fn_inputs={"target_tokens": t[1:], "weights": [1.0] * args.tokens},
+            )
+
+        self.data = [[datum() for _ in range(args.datums)] for _ in self.clients]
+        self.prompts = [
+            types.ModelInput.from_ints(rng.integers(0, vocab, 8 + i % 8).tolist())
+            for i in range(args.prompts)
+        ]
+        self.adam = types.AdamParams(learning_rate=1e-4)
+        self.sp = types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=1, stop=[])
+
+    def train(self, timeout: float) -> float:
+        """One step of every tenant, released together -> wall seconds."""
+        go = threading.Barrier(len(self.clients) + 1)
+        errors = []
+
+        def run(c, d):
+            try:
+                go.wait()
+                fb, opt = c.forward_backward(d, "cross_entropy"), c.optim_step(self.adam)
+                fb.result(timeout=timeout)
+                opt.result(timeout=timeout)
+            except Exception as e:  # noqa: BLE001 — reported by the caller
+                errors.append(e)
+
+        threads = [
+            threading.Thread(target=run, args=cd, daemon=True)
+            for cd in zip(self.clients, self.data)
+        ]
+        for t in threads:
+            t.start()
+        go.wait()
+        t0 = time.perf_counter()
+        for t in threads:
+            t.join(timeout)
+        if errors or any(t.is_alive() for t in threads):
+            raise RuntimeError(f"a training step failed or timed out: {errors[:1]}")
+        return time.perf_counter() - t0
+
+    def sample(self, timeout: float) -> float:
+        t0 = time.perf_counter()
+        futs = [self.sampler.sample(p, self.args.num_samples, self.sp) for p in self.prompts]
+        for f in futs:
+            f.result(timeout=timeout)
+        return time.perf_counter() - t0
+
+
+def steady_run(args, extra: list[str], cache: str) -> tuple[float, int]:
+    """The flow's steps on a server started cold on `cache` (an empty folder); prints the
+    table -> (seconds from the server process's start to the end of its first training
+    step, the programs it compiled until then)."""
+    srv = Serve(extra, cache, args.timeout)
+    try:
+        flow = Flow(srv.url, args)
+        rows, first = [], None
+        for i in range(args.steps):
+            c0 = len(srv.compiles())
+            t_train = flow.train(args.timeout)
+            first = first or (time.monotonic() - srv.t0, len(srv.compiles()))
+            c1 = len(srv.compiles())
+            t_sample = flow.sample(args.timeout)
+            names = srv.compiles()
+            rows.append((t_train, t_sample, c1 - c0, len(names) - c1))
+            if args.verbose:
+                print(
+                    f"step {i + 1}: train compiled {names[c0:c1]}; sample compiled {names[c1:]}",
+                    flush=True,
+                )
+        half = rows[len(rows) // 2 :]
+        steady = [statistics.median(r[k] for r in half) for k in (0, 1)]
+        print(
+            f"\nsteps ({args.tenants} tenants × {args.datums} datums × {args.tokens} tokens "
+            f"fb + optim; sampling {args.prompts} × {args.num_samples} × "
+            f"{args.max_tokens}); steady = median of steps {len(rows) - len(half) + 1}…"
+            f"{len(rows)}: train {steady[0]:.3f} s, sample {steady[1]:.3f} s"
+        )
+        print(" step   train s  × steady  compiles   sample s  × steady  compiles")
+        worst = 0.0
+        for i, (tt, ts, ct, cs) in enumerate(rows, 1):
+            rt, rs = tt / steady[0], ts / steady[1]
+            worst = max(worst, rt, rs)
+            print(f" {i:4d}  {tt:8.3f}  {rt:8.2f}  {ct:8d}   {ts:8.3f}  {rs:8.2f}  {cs:8d}")
+        print(
+            f"worst step / steady: {worst:.2f}× (goal ≤ 1.3×: "
+            f"{'met' if worst <= 1.3 else 'NOT met'})",
+            flush=True,
+        )
+        return first
+    finally:
+        srv.stop()
+
+
+def first_step(args, extra: list[str], cache: str) -> tuple[float, int, int]:
+    """(seconds from the server process's start to the end of the first training step,
+    the programs it compiled or loaded until then, how many of those the persistent cache
+    held)."""
+    srv = Serve(extra, cache, args.timeout)
+    try:
+        Flow(srv.url, args).train(args.timeout)
+        return time.monotonic() - srv.t0, len(srv.compiles()), srv.cache_hits()
+    finally:
+        srv.stop()
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    extra = shlex.split(args.serve_args)
+    print(
+        f"jcp-serve {' '.join(extra) or '(default flags)'}; tiny model; {os.cpu_count()} CPUs",
+        flush=True,
+    )
+    cache = tempfile.mkdtemp(prefix="jcp-steady-cache-")
+    try:
+        cold, n_cold = steady_run(args, extra, cache)
+        if args.restart:
+            warm, n_warm, hits = first_step(args, extra, cache)
+            print(
+                f"\nstart to the end of the first step: cold {cold:.1f} s, restarted on "
+                f"its cache {warm:.1f} s = {warm / cold:.2f}× (goal ≤ 0.20: "
+                f"{'met' if warm <= 0.2 * cold else 'NOT met'}); programs {n_cold} cold, "
+                f"{n_warm} warm ({hits} from the cache)",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

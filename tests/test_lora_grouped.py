@@ -1,0 +1,227 @@
+"""The grouped multi-LoRA products (lora.Tiles, low_rank_input, expand, delta): each row is
+multiplied by its own adapter's factors only.
+
+The plan is checked row by row against the routing it comes from (no mesh, no jit); the
+products against the masked dense product over all A adapters that they replaced (every
+row times the stacked [I, A·R], masked), values and gradients in fp32; a plan that sends a
+boundary row to its neighbour's factors is shown to fail the row-by-row reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jcp import lora as lora_lib
+
+I, O, R = 12, 10, 4
+META = lora_lib.SlotMeta(
+    scale_G=jnp.asarray([0.5, 1.0, 2.0, 3.0, 0.25, 4.0, 1.5, 0.75, 6.0]), shared_G=jnp.zeros(9)
+)
+
+
+def spans_layout(s_len, lengths, base=(), seed=0):
+    """Spans of consecutive segments of `lengths` (0: an empty adapter) from row 0, padding
+    after; active slots a permutation (not the rows' order), entries in `base` the base
+    model (-1)."""
+    rng = np.random.default_rng(seed)
+    edges = np.concatenate([[0], np.cumsum(lengths)])
+    assert edges[-1] <= s_len
+    spans = np.stack([edges[:-1], edges[1:]], 1)
+    spans[np.asarray(lengths) == 0] = 0  # packing leaves an absent adapter at [0, 0)
+    active = rng.permutation(len(META.scale_G))[: len(lengths)]
+    active[list(base)] = -1
+    return jnp.asarray(active, jnp.int32), jnp.asarray(spans, jnp.int32)
+
+
+def row_adapter(route, s_len):
+    """Each stream row's active adapter (-1: none), from the routing itself."""
+    mask = np.asarray(route.mask_SxA(s_len)) & (np.asarray(route.scale_A) != 0)[None, :]
+    return np.where(mask.any(1), mask.argmax(1), -1)
+
+
+def kept_by(t: lora_lib.Tiles):
+    """[(place q, adapter)] of every (tile, row) the plan keeps."""
+    n, tile = t.keep_NxT.shape
+    out = [(int(i) * tile + int(j), int(t.pick_N[i])) for i, j in zip(*np.nonzero(t.keep_NxT))]
+    out += [
+        (int(t.tile_E[e]) * tile + int(j), int(t.pick_E[e]))
+        for e, j in zip(*np.nonzero(t.keep_ExT))
+    ]
+    return out
+
+
+def check_plan(route, s_len):
+    t = route.tiles
+    want = row_adapter(route, s_len)
+    order = np.arange(s_len) if t.order_Q is None else np.asarray(t.order_Q)
+    got = kept_by(t)
+    assert sorted(q for q, _ in got) == sorted(np.nonzero(want[order] >= 0)[0].tolist())
+    for q, a in got:  # each row kept once, by its own adapter
+        assert want[order[q]] == a
+    assert np.all(np.diff(np.asarray(t.rank_N)) >= 0) and np.all(np.diff(np.asarray(t.rank_E)) >= 0)
+    np.testing.assert_array_equal(np.asarray(t.rank_of_A)[np.asarray(t.pick_N)], t.rank_N)
+    np.testing.assert_array_equal(np.asarray(t.rank_of_A)[np.asarray(t.pick_E)], t.rank_E)
+    assert int(t.count_E) <= route.active_A.shape[0] - 1
+    assert not np.asarray(t.keep_ExT)[int(t.count_E) :].any()  # the loop skips those
+    w = np.where(want >= 0, np.asarray(route.scale_A)[np.maximum(want, 0)], 0.0)
+    np.testing.assert_array_equal(np.asarray(t.weight_Q), w[order])
+    if t.place_S is not None:
+        np.testing.assert_array_equal(order[np.asarray(t.place_S)], np.arange(s_len))
+
+
+LAYOUTS = {  # s_len, segment lengths, base-model entries, tile (None: tile_rows)
+    "one": (64, [50], (), None),
+    "uneven": (64, [13, 0, 37, 6], (), 8),
+    "base and empty": (64, [5, 9, 0, 1, 30, 2], (1,), 8),
+    "tiny segments": (32, [1, 1, 1, 3, 1, 2, 1, 1], (), 16),
+    "aligned": (64, [16, 16, 32], (), 16),
+    "one row a tile": (16, [3, 5, 8], (), 1),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_plan_keeps_every_row_once_by_its_own_adapter(name):
+    s_len, lengths, base, tile = LAYOUTS[name]
+    active, spans = spans_layout(s_len, lengths, base)
+    route = META.routing(active, spans, s_len=s_len)
+    if tile is not None:
+        route = dataclasses.replace(
+            route, tiles=lora_lib.plan_spans(spans, active >= 0, route.scale_A, s_len, tile)
+        )
+    check_plan(route, s_len)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_of_rows_in_any_order(seed):
+    rng = np.random.default_rng(seed)
+    s_len, n_a = (24, 5) if seed % 2 else (64, 3)
+    active = jnp.asarray(np.r_[rng.permutation(8)[: n_a - 1], -1], jnp.int32)
+    index = jnp.asarray(rng.integers(0, n_a, s_len), jnp.int32)
+    check_plan(META.routing(active, None, index), s_len)
+
+
+def test_tile_rows():
+    assert lora_lib.tile_rows(4096, 1) == 4096 and lora_lib.tile_rows(6144, 1) == 2048
+    assert [lora_lib.tile_rows(4096, a) for a in (4, 16, 64)] == [128, 64, 32]
+    assert lora_lib.tile_rows(48, 4) == 16  # a power of two dividing S
+    assert lora_lib.tile_rows(256, 64) == 8 and lora_lib.tile_rows(8, 8) == 4
+
+
+def dense_delta(x, a, b, route):
+    """The product the tiles replaced: every row times all A adapters, masked."""
+    w_SxA = jnp.where(route.mask_SxA(x.shape[0]), route.scale_A[None, :], 0.0)
+    u_SxAxR = jnp.einsum("si,air->sar", x, a) * w_SxA[:, :, None]
+    return jnp.einsum("sar,aro->so", u_SxAxR, b)
+
+
+def factors(n_a, seed=0):
+    rng = np.random.default_rng(seed)
+    return (
+        jnp.asarray(rng.standard_normal((n_a, I, R)), jnp.float32),
+        jnp.asarray(rng.standard_normal((n_a, R, O)), jnp.float32),
+    )
+
+
+ROUTES = {  # A = 1, 3, 8: uneven segments, an empty adapter, base-model rows, padding
+    1: lambda: spans_layout(64, [45]),
+    3: lambda: spans_layout(64, [21, 0, 30], ()),
+    8: lambda: spans_layout(128, [7, 30, 0, 1, 19, 40, 3, 20], (2, 6)),
+}
+
+
+@pytest.mark.parametrize("by", ["spans", "rows"])
+@pytest.mark.parametrize("n_a", sorted(ROUTES))
+def test_grouped_equals_masked_dense(n_a, by, chunk=None):
+    active, spans = ROUTES[n_a]()
+    s_len = 64 if n_a < 8 else 128
+    if by == "spans":
+        route = META.routing(active, spans, s_len=s_len)
+    else:  # the same rows' adapters, shuffled, routed one by one (a decode batch)
+        own = row_adapter(META.routing(active, spans, s_len=s_len), s_len)
+        own = np.where(
+            own < 0,
+            int(np.argmax(np.asarray(active) < 0)) if (np.asarray(active) < 0).any() else 0,
+            own,
+        )
+        route = META.routing(
+            active, None, jnp.asarray(np.random.default_rng(n_a).permutation(own), jnp.int32)
+        )
+    t = route.tiles
+    if n_a > 1:  # tiles of several rows, and adapters starting inside them
+        assert t.keep_NxT.shape[1] > 1 and bool(t.keep_ExT.any())
+    if chunk is not None:  # the extras in several steps of their loop
+        assert int(t.count_E) > chunk
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((s_len, I)), jnp.float32)
+    ct = jnp.asarray(rng.standard_normal((s_len, O)), jnp.float32)
+    a, b = factors(n_a)
+
+    def loss(fn):
+        return jax.value_and_grad(lambda *z: jnp.vdot(fn(*z, route), ct), argnums=(0, 1, 2))
+
+    got, want = loss(lora_lib.delta)(x, a, b), loss(dense_delta)(x, a, b)
+    assert float(jnp.abs(want[1][1]).max()) > 0  # some adapter really has rows
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.abs(w).max()))
+    # The unembedding's layout: each row's u in its own adapter's R columns.
+    u = lora_lib.stacked_input(x, a, route)
+    w_SxA = jnp.where(route.mask_SxA(s_len), route.scale_A[None, :], 0.0)
+    ref = (jnp.einsum("si,air->sar", x, a) * w_SxA[:, :, None]).reshape(s_len, -1)
+    np.testing.assert_allclose(u, ref, rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+
+
+def test_a_row_in_its_neighbours_tile_fails_the_reference():
+    """Segment boundaries inside tiles, every adapter's factors distinct: delta equals the
+    row-by-row product x_q · A_k · s_k · B_k; the same plan with one extra tile's adapter
+    swapped for the one leading that tile (the neighbour) does not."""
+    s_len, tile = 32, 8
+    active, spans = spans_layout(s_len, [5, 6, 13, 3], ())
+    route = META.routing(active, spans, s_len=s_len)
+    route = dataclasses.replace(
+        route, tiles=lora_lib.plan_spans(spans, active >= 0, route.scale_A, s_len, tile)
+    )
+    a, b = factors(4, seed=3)
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((s_len, I)), jnp.float32)
+    own = row_adapter(route, s_len)
+    scale = np.asarray(route.scale_A)
+    ref = np.stack(
+        [
+            np.asarray(x[q]) @ np.asarray(a[k]) * scale[k] @ np.asarray(b[k])
+            if k >= 0
+            else np.zeros(O, np.float32)
+            for q, k in enumerate(own)
+        ]
+    )
+    np.testing.assert_allclose(lora_lib.delta(x, a, b, route), ref, rtol=1e-5, atol=1e-5)
+    t = route.tiles
+    assert bool(t.keep_ExT.any())
+    wrong = dataclasses.replace(t, pick_E=t.pick_N[t.tile_E])
+    bad = lora_lib.delta(x, a, b, dataclasses.replace(route, tiles=wrong))
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(bad, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_backward_keeps_rank_wide_activations_only():
+    """What delta's VJP holds for the backward: x and the factors (the model has them
+    anyway), the plan, and [S, R] — never [S, A·R]."""
+    n_a, s_len = 8, 128
+    active, spans = ROUTES[n_a]()
+    route = META.routing(active, spans, s_len=s_len)
+    a, b = factors(n_a)
+    x = jnp.ones((s_len, I), jnp.float32)
+    _, vjp = jax.vjp(lambda x, a, b: lora_lib.delta(x, a, b, route), x, a, b)
+    floats = [v.shape for v in jax.tree.leaves(vjp) if jnp.issubdtype(v.dtype, jnp.floating)]
+    own = {x.shape, a.shape, b.shape}
+    assert [s for s in floats if s not in own and np.prod(s) > s_len * R] == [], floats
+    assert (s_len, R) in floats
+
+
+def test_extras_in_several_chunks(monkeypatch):
+    monkeypatch.setattr(lora_lib, "EXTRA_CHUNK", 2)
+    test_grouped_equals_masked_dense(8, "spans", chunk=2)
