@@ -510,11 +510,11 @@ def table(results: dict, device: str) -> str:
     for x in rows:
         of = x.get("of_roofline")
         out.append(
-            f"  {x['batch']:>5} {x['new_tokens']:>4} {x['attn_impl']:>9} "
+            f"  {x['batch']:>5} {x['new_tokens']:>4} {x.get('attn_impl', '—'):>9} "
             f"{x['tokens']:>7} {x['seconds']:>9.2f} {x['tokens_per_s']:>9.0f} "
             f"{_fmt(x.get('roofline_tokens_per_s'), '9.0f'):>9} "
             f"{'—' if of is None else format(100 * of, '.1f') + '%':>8} "
-            f"{x['weights_gib']:>6.2f} {x['kv_gib_per_step']:>9.3f} "
+            f"{_fmt(x.get('weights_gib'), '6.2f'):>6} {_fmt(x.get('kv_gib_per_step'), '9.3f'):>9} "
             f"{x['first_call_s']:>9.1f}"
         )
     out += missing

@@ -92,7 +92,7 @@ def job():
     follower.start()
     leader = replica.Leader([1], TIMEOUT_S, on_failure=failures.append, client=store)
     yield leader, mine, theirs, failures
-    leader.stop()
+    leader.stop_heartbeat()
     store.close()
     follower.join(timeout=15)
     assert not follower.is_alive()

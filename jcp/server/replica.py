@@ -416,6 +416,11 @@ class Leader:
         """Calls made whose followers' acknowledgements are not read yet (deferred)."""
         return len(self._pending)
 
+    def stop_heartbeat(self) -> None:
+        """Stop this process's heartbeat without a word to the followers (they are left to
+        their own timeout: a follower told to stop exits its process)."""
+        self._stopped.set()
+
     def stop(self) -> None:
         """Tell the followers to exit (unless the job already failed)."""
         if self.failure is None:
