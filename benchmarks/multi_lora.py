@@ -22,7 +22,7 @@ it.
 
 --parts kernels times the grouped LoRA product alone (lora.delta, forward + backward, S = 4096,
 I = O = 1024, R = 16) against the masked dense product it replaced and jax.lax.ragged_dot,
-at tile sizes 16 … 256: the figures that chose lora.TILE_MAX.
+at tile sizes 16 … 256 (in isolation; lora.tile_rows is set by the fused pass).
 
     python benchmarks/multi_lora.py [--adapters 1,4,16,64] [--parts fused,sample,kernels]
     python benchmarks/multi_lora.py --smoke          # tiny shapes: every part runs
@@ -282,8 +282,8 @@ def main(argv=None) -> dict:
     if "kernels" in parts:
         res["kernels"] = rows = kernels(args.smoke)
         print(
-            "lora.delta forward + backward, CPU ms (S = 4096, I = O = 1024, R = 16; "
-            "uneven random spans)"
+            "lora.delta forward + backward, CPU ms (S = 4096, I = O = 1024, R = 16, or "
+            "smoke's 256, 64, 4; uneven random spans)"
         )
         for r in rows:
             print(

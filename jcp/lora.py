@@ -295,27 +295,27 @@ def init_adapter(
     return out
 
 
-# What one tile of the grouped LoRA products costs beyond its rows, in rows: gathering its
-# adapter's factors and one more small product. Measured on XLA:CPU (I = 1024, R = 16;
-# benchmarks/multi_lora.py --parts kernels): a batched [T, I] x [I, R] product runs at
-# about one [S, I] x [I, R] GEMM's speed from T = 64 up, 2x its time at T = 32, 3x at 16.
-TILE_COST_ROWS = 16
 # Extra tiles (Tiles) are multiplied this many at a time, in a loop over those in use.
 EXTRA_CHUNK = 8
 
 
 def tile_rows(s_len: int, n_active: int) -> int:
-    """Rows T of a tile of the grouped LoRA products over s_len rows and n_active adapters.
+    """Rows T of a tile of the grouped LoRA products over s_len rows and n_active adapters:
+    the largest power of two dividing s_len and at most S / (4·√(A − 1)) (all rows in one
+    tile for one adapter).
 
-    Work: the s_len rows, plus up to A − 1 extra tiles (Tiles: one per adapter starting
-    inside a tile), plus TILE_COST_ROWS per tile: S + (A − 1)·T + c·(S / T + A − 1) rows,
-    least at T = √(c·S / (A − 1)) — taken as the largest power of two at most that which
-    divides s_len (one tile of all rows for one adapter). Training's 4096 rows: 128, 64
-    and 32 rows at A = 4, 16, 64; a decode batch of 256 rows: 16 at A = 16, 8 at 64.
+    Work: the S rows, the extra tiles of adapters starting inside a tile (up to A − 1 of T
+    rows) and, per tile, a gather of its adapter's factors — rows of product ∝ S + (A − 1)·T,
+    factor copies ∝ S / T + A − 1: T = S / (4√(A − 1)) keeps both within √(A − 1)·S/4 and
+    4√(A − 1) + A − 1. Measured (benchmarks/multi_lora.py, one fused forward_backward of
+    4096 rows at A = 64; XLA:CPU): T = 128 9.2 s, T = 32 9.7 s, T = 256 10.6 s, no LoRA
+    product 8.6 s; a decode batch of 64 rows at A = 64 (T = 2 here) 1.29× the time of one
+    adapter, 1.54× at T = 16. Training's 4096 rows: 512, 256, 128 at A = 4, 16, 64; decode's
+    256 rows: 16 at A = 16, 8 at 64.
     """
     if n_active == 1:
         return block_size(s_len, s_len)
-    return block_size(s_len, math.isqrt(TILE_COST_ROWS * s_len // (n_active - 1)))
+    return block_size(s_len, int(s_len / (4 * math.sqrt(n_active - 1))))
 
 
 @dataclasses.dataclass(frozen=True)

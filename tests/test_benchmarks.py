@@ -12,6 +12,7 @@ sys.path.insert(
 )
 
 import gpu  # noqa: E402
+import multi_lora  # noqa: E402
 
 
 def test_gpu_script_smoke(capsys):
@@ -137,3 +138,17 @@ def test_gpu_part_stopped_at_its_limit_keeps_its_rows(tmp_path):
     assert "error: exit 1: boom" in out and "not run" in out[out.index("Per-device") :]
     done = gpu.subprocess_json([sys.executable, "-c", "print('RESULT [1]')"], 30)
     assert done == [1]
+
+
+def test_multi_lora_smoke(capsys):
+    """benchmarks/multi_lora.py --smoke: the fused pass, sampling and the grouped-product
+    kernels at A = 1 and more, tiny shapes (the kernels assert agreement with the masked
+    dense product)."""
+    res = multi_lora.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert [r["A"] for r in res["fused"]] == [1, 4] == [r["A"] for r in res["sample"]]
+    assert all(r["cpu_s"] > 0 and r["temp_mib"] > 0 for r in res["fused"])
+    assert [r["A"] for r in res["kernels"]] == [1, 8]
+    assert all(r["grouped (tile_rows)"] > 0 for r in res["kernels"])
+    for title in ("fused forward_backward", "sample:", "lora.delta"):
+        assert title in out

@@ -107,9 +107,9 @@ def test_plan_of_rows_in_any_order(seed):
 
 def test_tile_rows():
     assert lora_lib.tile_rows(4096, 1) == 4096 and lora_lib.tile_rows(6144, 1) == 2048
-    assert [lora_lib.tile_rows(4096, a) for a in (4, 16, 64)] == [128, 64, 32]
-    assert lora_lib.tile_rows(48, 4) == 16  # a power of two dividing S
-    assert lora_lib.tile_rows(256, 64) == 8 and lora_lib.tile_rows(8, 8) == 4
+    assert [lora_lib.tile_rows(4096, a) for a in (4, 16, 64)] == [512, 256, 128]
+    assert lora_lib.tile_rows(48, 4) == 4  # a power of two dividing S
+    assert lora_lib.tile_rows(256, 64) == 8 and lora_lib.tile_rows(8, 8) == 1
 
 
 def dense_delta(x, a, b, route):
