@@ -243,6 +243,35 @@ def _tokenizer_dir(path: str | None) -> str | None:
     return None
 
 
+def peft_layout(cfg):
+    """The PEFT tensors an uploaded adapter of this model may hold (checkpoint_api's
+    PeftLayout): every lora_A / lora_B jcp's export names, by module and layer, and the
+    modules each Tinker LoraConfig flag selects, as create_model chooses them."""
+    from jcp import lora, peft
+    from jcp.server.checkpoint_api import PeftLayout
+
+    keys = {}
+    for m in lora.table_modules(cfg):
+        if m in lora.EXPERT:
+            continue
+        i, o = lora.module_dims(cfg, m)
+        layers = [None] if m == lora.HEAD else lora.module_layer_ids(cfg, m)
+        for li in layers:
+            keys[peft.peft_key(m, li, "a")] = (m, "a", i)
+            keys[peft.peft_key(m, li, "b")] = (m, "b", o)
+    have = set(lora.table_modules(cfg))
+    attn = lora.ATTN + (lora.LINEAR if cfg.is_hybrid else ())
+    return PeftLayout(
+        keys=keys,
+        groups={
+            "train_attn": tuple(m for m in attn if m in have),
+            "train_mlp": None if cfg.is_moe else lora.MLP,
+            "train_unembed": (lora.HEAD,),
+        },
+        fingerprint=cfg.fingerprint(),
+    )
+
+
 class Server:
     """The assembled server over `trainer`; start() serves in a background thread."""
 
@@ -297,7 +326,13 @@ class Server:
             raise CliError(f"sampling engine: {e}") from None
         if leader is not None:  # a follower lost: pending requests fail, new ones are refused
             leader.on_failure = self._job_failed
-        served = ServedModel(model_name, self.engine.token_cap, self.engine.max_rank, tokenizer_id)
+        served = ServedModel(
+            model_name,
+            self.engine.token_cap,
+            self.engine.max_rank,
+            tokenizer_id,
+            peft_layout(trainer.cfg),
+        )
         self.app = create_app(
             self.store,
             self.scheduler,

@@ -142,6 +142,7 @@ def test_no_cross_module_private_import():
         "jcp.server.scheduler",
         "jcp.server.openai_api",
         "jcp.server.text",
+        "jcp.server.checkpoint_api",
     ],
 )
 def test_server_http_side_never_imports_jax(module):

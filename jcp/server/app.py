@@ -8,7 +8,8 @@ model, undecodable body) still gets a future, completed with the error, so the S
 RequestFailedError for that request only. REST routes (training runs, checkpoints, TTLs,
 weights info, copies, external-weights download URLs with expiring per-file tokens, kept
 per tenant, cancel_future, retrieve_futures) answer from the state store, or wait for the
-worker when they touch folders a load might be reading. It must never import jax or the worker.
+worker when they touch folders a load might be reading; SDK 0.39's checkpoint search and
+external-weights uploads are checkpoint_api's. It must never import jax or the worker.
 
 The sampling hot path — POST asample and retrieve_future, hundreds at once per RL step —
 is answered by `HotRoutes`, a plain ASGI layer in front of the FastAPI app: FastAPI's
@@ -35,7 +36,7 @@ from collections import OrderedDict
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from jcp.server import edge, openai_api, redact, wire
+from jcp.server import checkpoint_api, edge, openai_api, redact, wire
 from jcp.server import text as text_lib
 from jcp.server.edge import Limits, Refused
 from jcp.server.scheduler import Scheduler, Work
@@ -65,6 +66,8 @@ class ServedModel:
     max_context_length: int
     max_rank: int
     tokenizer_id: str | None
+    # The adapter files an external-weights upload may hold (None: uploads are refused).
+    peft: checkpoint_api.PeftLayout | None = None
 
 
 class _Entry:
@@ -595,7 +598,14 @@ def create_app(
         req = edge.parse(edge.CreateSamplingSession, body, "create_sampling_session")
         store.check_session(req.session_id, who)
         if req.model_path:
-            folder, base = store.resolve(req.model_path, who, "sampler_weights")
+            # Named sampler weights, or an uploaded (or exported) PEFT folder: the worker
+            # loads either with load_peft.
+            kind = (
+                "external_weights"
+                if req.model_path.split("/")[3:4] == ["external_weights"]
+                else "sampler_weights"
+            )
+            folder, base = store.resolve(req.model_path, who, kind)
         else:
             folder, base = None, req.base_model
             if base != served.name:
@@ -852,6 +862,7 @@ def create_app(
         return {"error": rest[0], "category": rest[1]}
 
     openai_api.mount(app, store, sched, futures, served, limits, text, body_json, failure)
+    checkpoint_api.mount(app, store, served, owner, body_json, takes)
     hot = {
         "/api/v1/asample": (asample, edge.Sample),
         "/api/v1/retrieve_future": (retrieve_future, edge.RequestRef),

@@ -341,6 +341,48 @@ class RetrieveFutures(_Body):
     retrieved_request_ids: items(str) = []
 
 
+# ---------------------------------------------------------------------- SDK 0.39 REST
+# After tinker 0.39's types/checkpoint_search_request.py and external_weights_upload.py
+# (the published reference; the SDK itself is not installable here).
+
+
+class SearchOwner(_Body):
+    """SearchOwner: "own" (the default) | "accessible" | "user" with owner_urns."""
+
+    type: Literal["own", "accessible", "user"] = "own"
+    owner_urns: items(str, 10) | None = None
+
+
+class SearchCursor(_Body):
+    """A page's next_cursor, passed back unchanged (the time is an aware ISO datetime;
+    the handler parses it: strict pydantic takes no string for a datetime)."""
+
+    last_created_at: Annotated[str, Field(max_length=64)]
+    last_checkpoint_uuid: Annotated[str, Field(max_length=1024)]
+
+
+class SearchCheckpoints(_Body):
+    project_ids: items(str, 64) | None = None
+    user_metadata: Annotated[dict[str, str], Field(max_length=64)] = {}
+    checkpoint_type: Literal["training", "sampler", "external"] | None = None
+    owner: SearchOwner = SearchOwner()
+    base_models: items(str, 64) | None = None
+    # "Page size, 1 to 200"; the reference does not show the default: 50, as the 0.38
+    # SessionSearchRequest this request is modelled on.
+    limit: Annotated[StrictInt, Field(ge=1, le=200)] = 50
+    cursor: SearchCursor | None = None
+
+
+class UploadStart(_Body):
+    base_model: str
+    lora_config: LoraConfig
+    destination_project_id: str | None = None
+
+
+class UploadFinish(_Body):
+    upload_id: str
+
+
 def json_schema(model: type[_Body]) -> dict:
     """model's JSON schema with its $defs inlined (a route's OpenAPI request body: the
     schema schemathesis fuzzes each route from)."""

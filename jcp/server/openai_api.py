@@ -453,7 +453,11 @@ def mount(
             for rec in list(store.samplers.values()):  # an in-memory snapshot of the caller's
                 if rec.model_path == model and rec.owner == who and rec.folder is None:
                     return SamplerRecord("openai", who, rec.base_model, model, None)
-        kind = parts[1] if len(parts) == 3 and parts[1] == "weights" else "sampler_weights"
+        kind = (
+            parts[1]
+            if len(parts) == 3 and parts[1] in ("weights", "external_weights")
+            else "sampler_weights"
+        )
         folder, base = store.resolve(model, who, kind)
         return SamplerRecord("openai", who, base or served.name, model, folder)
 

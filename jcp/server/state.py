@@ -739,24 +739,53 @@ class StateStore:
         with self._lock:
             rec = self._runs.get(run)
             items = list(rec.checkpoints.items()) if rec is not None else []
-        out = []
-        for cid, c in items:
-            kind = cid.split("/")[0]
-            if _expired(c) or not os.path.isdir(os.path.join(run_dir, cid)):
-                continue
-            out.append(
-                {
-                    "checkpoint_id": cid,
-                    "checkpoint_type": CHECKPOINT_TYPES[kind],
-                    "time": _iso(c.get("time")),
-                    "tinker_path": f"tinker://{run}/{cid}",
-                    "size_bytes": c.get("size_bytes", 0),
-                    "public": False,
-                    "user_metadata": c.get("user_metadata"),
-                    "expires_at": _iso(c.get("expires_at")),
-                }
-            )
+        out = [
+            _checkpoint(run, cid, c, rec.base_model)
+            for cid, c in items
+            if not _expired(c) and os.path.isdir(os.path.join(run_dir, cid))
+        ]
         return sorted(out, key=lambda c: c["time"] or "")
+
+    def search_checkpoints(
+        self,
+        owner: str,
+        user_metadata: dict,
+        checkpoint_type: str | None,
+        base_models: list[str] | None,
+        limit: int,
+        after: tuple[datetime.datetime, str] | None,
+    ) -> tuple[list[dict], tuple[datetime.datetime, str] | None]:
+        """One page of `owner`'s live checkpoints that match, newest first -> (the SDK's
+        Checkpoints, the (time, tinker path) of the page's last one, or None once nothing
+        follows it). Order and cursor are (creation time to the microsecond, as listings
+        write it, then tinker path), both descending; `after` resumes below that key.
+        Reads the memory index of that tenant's runs only, and the disk for the page."""
+        want = None if base_models is None else set(base_models)
+        with self._lock:
+            found = [
+                (_when(c.get("time")), f"tinker://{run}/{cid}", run, cid, c, rec.base_model)
+                for run in self._owned.get(owner, ())
+                for rec in (self._runs[run],)
+                if want is None or rec.base_model in want
+                for cid, c in rec.checkpoints.items()
+                if not _expired(c)
+                and (
+                    checkpoint_type is None
+                    or CHECKPOINT_TYPES[cid.split("/")[0]] == checkpoint_type
+                )
+                and _has(c.get("user_metadata"), user_metadata)
+            ]
+        found.sort(key=lambda f: f[:2], reverse=True)
+        if after is not None:
+            found = [f for f in found if f[:2] < after]
+        page, last = [], None
+        for f in found:
+            if len(page) == limit:
+                return page, last
+            if os.path.isdir(os.path.join(self.state_dir, "runs", f[2], f[3])):
+                page.append(_checkpoint(*f[2:]))
+                last = f[:2]
+        return page, None
 
     def training_run(self, run: str, owner: str) -> dict:
         """The SDK's TrainingRun of a run `owner` owns."""
@@ -905,6 +934,32 @@ class StateStore:
         if rec is None or rec.owner != owner:
             raise NotFound(f"sampling session {str(sid)[:80]!r} not found")
         return rec
+
+
+def _checkpoint(run: str, cid: str, c: dict, base_model: str) -> dict:
+    """A recorded checkpoint as the SDK's Checkpoint (0.39 adds base_model)."""
+    return {
+        "checkpoint_id": cid,
+        "checkpoint_type": CHECKPOINT_TYPES[cid.split("/")[0]],
+        "time": _iso(c.get("time")),
+        "tinker_path": f"tinker://{run}/{cid}",
+        "size_bytes": c.get("size_bytes", 0),
+        "public": False,
+        "user_metadata": c.get("user_metadata"),
+        "expires_at": _iso(c.get("expires_at")),
+        "base_model": base_model or None,
+    }
+
+
+def _when(t) -> datetime.datetime:
+    """A record's time as listings write it (UTC, to the microsecond): the search order,
+    so a cursor read back from its ISO form compares exactly."""
+    return datetime.datetime.fromtimestamp(_number(t), datetime.UTC)
+
+
+def _has(meta, want: dict) -> bool:
+    """Whether user_metadata `meta` holds every key of `want` with an equal value."""
+    return all(isinstance(meta, dict) and k in meta and meta[k] == v for k, v in want.items())
 
 
 def _expired(rec: dict) -> bool:
