@@ -26,8 +26,10 @@ Evidence:
    fields (tools, response_format, an image part, logit_bias), the context length, and a
    model without a tokenizer (text routes refused clearly);
 6. lm-eval's `local-completions` runs a local multiple-choice loglikelihood task against
-   the server; its per-choice log-likelihoods equal `compute_logprobs` sums (skipped when
-   lm-eval is not installed).
+   the server; its per-choice log-likelihoods equal `compute_logprobs` sums; its
+   `local-chat-completions` runs a local generate_until task whose outputs equal the
+   SDK's greedy samples of the chat template's tokens, decoded (skipped when lm-eval is
+   not installed).
 """
 
 from __future__ import annotations
@@ -640,3 +642,61 @@ def test_lm_eval_local_completions_loglikelihood(env, folder, tmp_path):
             assert whole[: len(ctx)] == ctx
             lp = sampler.compute_logprobs(types.ModelInput.from_ints(whole)).result()
             assert ll == pytest.approx(sum(lp[len(ctx) :]), abs=1e-4)
+
+
+def test_lm_eval_local_chat_completions_generate_until(env, tmp_path):
+    """lm-eval's `local-chat-completions` (its chat template applied by the server) runs a
+    local generate_until task; each output is the greedy text of the same server through
+    the Tinker SDK: the chat template's tokens sampled, decoded."""
+    pytest.importorskip("lm_eval")
+    from lm_eval import evaluator
+    from lm_eval.tasks import TaskManager
+
+    text = env["text"]
+    rows = [{"q": "What is 4 + 5?", "a": "9"}, {"q": "Name a small animal.", "a": "a cat"}]
+    with open(tmp_path / "gen.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    # "\n\n" never ends these texts (the model draws printable ASCII only), so each runs to
+    # max_gen_toks: the SDK reference needs no stop of its own.
+    (tmp_path / "gen.yaml").write_text(
+        "task: jcp_gen\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'gen.jsonl'}\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_text: '{{q}}'\n"
+        "doc_to_target: '{{a}}'\n"
+        'generation_kwargs:\n  until: ["\\n\\n"]\n  max_gen_toks: 12\n'
+        "metric_list:\n  - metric: exact_match\n"
+    )
+    out = evaluator.simple_evaluate(
+        model="local-chat-completions",
+        tasks=["jcp_gen"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        model_args=dict(
+            model=MODEL,
+            base_url=f"{env['srv'].url}/v1/chat/completions",
+            num_concurrent=1,
+            max_retries=1,
+            header={"Authorization": "Bearer tml-alice"},
+        ),
+        apply_chat_template=True,
+        log_samples=True,
+        limit=None,
+    )
+    samples = out["samples"]["jcp_gen"]
+    assert len(samples) == len(rows)
+    sampler = _sampler(env)
+    got = {}
+    for s in samples:
+        ids = text.chat_tokens([{"role": "user", "content": s["doc"]["q"]}])
+        ref = (
+            sampler.sample(
+                types.ModelInput.from_ints(ids), 1, types.SamplingParams(max_tokens=12, **GREEDY)
+            )
+            .result()
+            .sequences[0]
+        )
+        want = text.decode(ref.tokens)
+        assert len(ref.tokens) == 12 and want.strip()
+        got[s["doc"]["q"]] = want
+        assert s["resps"][0][0] == want, (s["doc"], s["resps"], want)
+    assert len(set(got.values())) == len(rows)  # two prompts, two different answers
