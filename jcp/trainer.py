@@ -85,6 +85,46 @@ class ForwardBackwardOutput:
     metrics: dict
 
 
+class Steps:
+    """A forward / forward_backward run one micro-batch at a time (Trainer.forward_steps,
+    forward_backward_steps), so that a caller may do other work between its micro-batches
+    (jcp-serve interleaves other tenants' passes: docs/serving.md, "Fairness").
+
+    Validation and packing happen when it is made (InputError then, nothing changed);
+    each `step()` dispatches the next micro-batch (at most Trainer.MAX_IN_FLIGHT run
+    ahead of the oldest unread one), and the last one also reads every result back ->
+    True, and `output` holds the ForwardBackwardOutput. The same micro-batches, programs
+    and accumulation order as forward / forward_backward, so the same results bit for
+    bit. Between steps, other Trainer calls may run if none of them touches this call's
+    adapters (their gradient rows are restored on failure, a copy taken on entry). A
+    step that raises (a non-finite loss or gradient: InputError) has rolled the call's
+    accumulation back; `close()` before the end does the same.
+    """
+
+    def __init__(self, gen, passes: int):
+        self._gen, self.passes = gen, passes
+        self.done, self.output = False, None
+        self._dispatched: list = []
+
+    def step(self, settle: bool = False) -> bool:
+        """Dispatch the next micro-batch (read everything back after the last) -> whether
+        the call is over. settle: also wait until every dispatched micro-batch has run (a
+        caller about to hand the device to other work; no result changes)."""
+        try:
+            self._dispatched = next(self._gen)
+        except StopIteration as end:
+            self.done, self.output = True, end.value
+            return True
+        if settle:
+            jax.block_until_ready(self._dispatched)
+        return False
+
+    def close(self) -> None:
+        """Abandon the call: its accumulation so far is rolled back."""
+        self._gen.close()
+        self.done = True
+
+
 class Trainer:
     """Many LoRA adapters on one frozen Qwen base, trained over a (dp, cp, tp) mesh.
 
@@ -530,6 +570,14 @@ class Trainer:
         return jax.tree.map(lambda x, spec: put(self.mesh, x, spec), host, specs)
 
     def _run(self, data, loss_fn, loss_fn_config, adapters, backward: bool, keep: bool = True):
+        steps = self._steps(data, loss_fn, loss_fn_config, adapters, backward, keep)
+        while not steps.step():
+            pass
+        return steps.output
+
+    def _steps(
+        self, data, loss_fn, loss_fn_config, adapters, backward: bool, keep: bool = True
+    ) -> Steps:
         checked, packed, cfg_arrays = self._prepare(data, loss_fn, loss_fn_config, adapters)
         custom = loss_fn if isinstance(loss_fn, custom_loss_lib.CustomLoss) else None
         loss_cfg = jax.tree.map(lambda v: replicate(self.mesh, v), cfg_arrays)
@@ -576,18 +624,37 @@ class Trainer:
             # Micro-batches are dispatched ahead of reading any result back, so the device
             # never waits on a host transfer, but at most MAX_IN_FLIGHT of them: dozens of
             # queued programs made XLA:CPU's collectives miss their rendezvous timeout and
-            # abort the process.
+            # abort the process. Each one dispatched is a step (Steps).
             results = []
             for i, pb in enumerate(packed):
+                if i:
+                    yield results
                 if i >= self.MAX_IN_FLIGHT:
                     jax.block_until_ready(results[i - self.MAX_IN_FLIGHT])
                 results.append(step(pb, accumulate))
             return self._outputs(checked, packed, results)
 
-        if not backward:
-            return dispatch(None)
-        with self.state.accumulating(per_datum_slots(packed), keep) as accumulate:
-            return dispatch(accumulate)
+        def run():
+            if not backward:
+                return (yield from dispatch(None))
+            with self.state.accumulating(per_datum_slots(packed), keep) as accumulate:
+                return (yield from dispatch(accumulate))
+
+        return Steps(run(), len(packed))
+
+    def forward_steps(
+        self, data, loss_fn="cross_entropy", loss_fn_config=None, adapters=0
+    ) -> Steps:
+        """`forward`, one micro-batch at a time (Steps): refused (InputError) here, before
+        any device work, exactly as forward would refuse."""
+        return self._steps(data, loss_fn, loss_fn_config, adapters, backward=False)
+
+    def forward_backward_steps(
+        self, data, loss_fn="cross_entropy", loss_fn_config=None, adapters=0
+    ) -> Steps:
+        """`forward_backward`, one micro-batch at a time (Steps): refused (InputError)
+        here, before any device work, exactly as forward_backward would refuse."""
+        return self._steps(data, loss_fn, loss_fn_config, adapters, backward=True)
 
     @property
     def forward_backward_programs(self) -> dict:

@@ -410,6 +410,58 @@ def test_micro_batches_match_single_pass(folders):
         H.assert_grads_close(g_s[n], g_b[n], RTOL, GRAD_ATOL, f"micro-batched vs single, {n}")
 
 
+def test_steps_with_other_calls_between_equal_one_call(folders):
+    """forward_backward_steps — one micro-batch per step, another adapter's
+    forward_backward, optim_step and forward run between them (jcp-serve's fair worker) —
+    gives the one call's outputs and gradients bit for bit; close() before the end rolls
+    its accumulation back."""
+    tr = H.trainer(REF, max_tokens_per_device=32)
+    data = H.random_data((32, 32, 32, 1, 1), seed=5)
+    other = H.random_data((20, 7), seed=6)
+    assign = ("p", "q", "p", "q", "p")
+    cfg = H.LOSS_CONFIGS["ppo"]
+
+    def run(between: bool):
+        with H.borrowed(tr):
+            ids = H.load_adapters(tr, folders)
+            r0 = tr.adapter_weights(ids["r"])
+            if between:
+                steps = tr.forward_backward_steps(data, "ppo", cfg, adapters=_ids(ids, assign))
+                assert steps.passes >= 3
+                k = 0
+                while not steps.step(settle=k % 2 == 0):
+                    tr.forward_backward(other, "cross_entropy", adapters=ids["r"])
+                    tr.optim_step(ids["r"], jcp.AdamParams(learning_rate=1e-2))
+                    tr.forward(other, "cross_entropy", adapters=ids["r"])
+                    k += 1
+                out = steps.output
+                # The calls between really ran: r moved.
+                r1 = tr.adapter_weights(ids["r"])
+                assert k >= 2 and any(not np.array_equal(r1[m], r0[m]) for m in r0)
+            else:
+                out = tr.forward_backward(data, "ppo", cfg, adapters=_ids(ids, assign))
+            grads = {n: tr.gradients(ids[n]) for n in ("p", "q")}
+            # An abandoned call leaves the accumulators as they were.
+            steps = tr.forward_backward_steps(data, "ppo", cfg, adapters=_ids(ids, assign))
+            steps.step()
+            steps.close()
+            for n in ("p", "q"):
+                for k, g in tr.gradients(ids[n]).items():
+                    np.testing.assert_array_equal(g, grads[n][k])
+            return out, grads
+
+    (out_a, g_a), (out_b, g_b) = run(True), run(False)
+    assert out_a.metrics == out_b.metrics
+    for a, b in zip(out_a.loss_fn_outputs, out_b.loss_fn_outputs):
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])
+    for n in g_b:
+        assert any(np.any(g != 0) for g in g_b[n].values())
+        for k in g_b[n]:
+            np.testing.assert_array_equal(g_a[n][k], g_b[n][k])
+
+
 # ----------------------------------------------------------------------------------------
 # 6. Refused input changes nothing
 
