@@ -1,8 +1,8 @@
 """The request queue and the policy that groups requests into worker passes.
 
-Owns ordering and fusion, nothing else: each model's requests run in seq_id order (a
-request waits until its model's previous seq_id has been taken); a pass is either one
-request, or every ready forward (or every ready forward_backward) request of every model
+Owns ordering, fairness and fusion, nothing else: each model's requests run in seq_id
+order (a request waits until its model's previous seq_id has been taken); a pass is either
+one request, or every ready forward (or every ready forward_backward) request of every model
 whose loss settings agree, fused into one multi-LoRA Trainer call. optim_step,
 load_weights, save_* and unload_model are therefore barriers for their own model only:
 they head its queue and nothing of that model behind them can join a fused pass. Samples
@@ -12,6 +12,20 @@ batch serves all tenants. A request refused at the edge whose model and seq_id a
 queued as kind "refused", so that it still takes its seq_id. If the policy itself ever
 raises, the oldest queued request is handed out failed (`failure`) instead, so the worker
 goes on. It must never import jax or touch the Trainer; HTTP handlers only call `submit`.
+
+Fairness across tenants (Work.owner; docs/serving.md, "Fairness"): passes go round robin
+over the tenants with ready work — the tenant served least recently first, ties to the
+oldest head —, a tenant's own pass being its oldest ready request and, if that is a
+forward or forward_backward, all its other ready ones of that kind (so one tenant alone
+is scheduled exactly as first come, first served with full fusion). Other tenants'
+ready requests of the kind join that pass only while it stays within `pass_tokens`
+tokens (one Trainer micro-batch): a small request rides along a small pass, never behind
+a large one. A pass the worker runs over several turns (`split`: a Trainer call of
+several micro-batches, one per turn) comes back as its tenant's pass at each of that
+tenant's turns until `finish`, and while it runs nothing else of its tenant or of its
+models is taken: so another tenant's request waits for at most one micro-batch of it (or
+one unsplittable operation), and each tenant's and each model's requests keep their
+order.
 """
 
 from __future__ import annotations
@@ -46,6 +60,17 @@ class Work:
     arrival: int = 0
     arrived_at: float = 0.0
     failure: str | None = None  # set when the scheduler could not place it
+    # Tokens of a forward / forward_backward (its pass budget, Scheduler.pass_tokens); None:
+    # counted from payload.data at submit.
+    tokens: int | None = None
+
+
+def _tokens(w: Work) -> int:
+    """A fusable request's tokens; one that cannot be counted never fits beside others."""
+    try:
+        return sum(len(d[0]) for d in w.payload.data)
+    except Exception:  # noqa: BLE001 — a payload the worker will refuse
+        return 1 << 62
 
 
 @dataclasses.dataclass
@@ -57,7 +82,13 @@ class Counters:
 
 
 class Scheduler:
-    def __init__(self):
+    """pass_tokens: the most tokens a pass may hold for other tenants' requests to join it
+    (the module docstring, "Fairness"); 0: passes never mix tenants; None: no bound (every
+    ready request of the kind joins, as for a single tenant). jcp-serve's worker sets it
+    to one Trainer micro-batch."""
+
+    def __init__(self, pass_tokens: int | None = 0):
+        self.pass_tokens = pass_tokens
         self._cv = threading.Condition()
         self._queues: dict[str, list[Work]] = {}  # model id -> its pending work
         self._samples: list[Work] = []
@@ -68,6 +99,9 @@ class Scheduler:
         self._cancels: list[str] = []  # taken request ids to cancel (worker)
         self._closed = False
         self.counters = Counters()
+        self._turns = itertools.count()
+        self._served: dict[str, int] = {}  # tenant -> its last turn (round robin)
+        self._split: dict[str, list[Work]] = {}  # tenant -> its pass running over turns
 
     # ------------------------------------------------------------------ producer side
 
@@ -77,6 +111,8 @@ class Scheduler:
             raise ValueError(f"seq_id must be an integer ≥ 0 or None, got {seq!r}")
         with self._cv:
             work.arrival, work.arrived_at = next(self._arrivals), time.monotonic()
+            if work.kind in FUSABLE and work.tokens is None:
+                work.tokens = _tokens(work)
             if work.kind == "sample":
                 self._samples.append(work)
             elif work.model_id is None:
@@ -122,9 +158,30 @@ class Scheduler:
             return self._last_seq.get(model_id, 0) + 1
 
     def pending_for(self, model_id: str) -> int:
-        """How many requests of the model are queued (not yet taken by the worker)."""
+        """How many requests of the model are queued or in a pass still running over
+        turns (split)."""
         with self._cv:
-            return len(self._queues.get(model_id) or [])
+            running = sum(w.model_id == model_id for g in self._split.values() for w in g)
+            return len(self._queues.get(model_id) or []) + running
+
+    def split(self, group: list[Work]) -> None:
+        """The worker runs `group` (a pass it was handed) over several turns: it comes
+        back as its tenant's pass at each of that tenant's turns until `finish(group)`;
+        meanwhile nothing else of its tenant or its models is handed out."""
+        with self._cv:
+            self._split[group[0].owner] = group
+
+    def finish(self, group: list[Work]) -> None:
+        """A split pass is over (its requests completed or failed)."""
+        with self._cv:
+            if self._split.get(group[0].owner) is group:
+                del self._split[group[0].owner]
+            self._cv.notify_all()
+
+    def splitting(self) -> bool:
+        """Whether a split pass is running (the worker then has more to do)."""
+        with self._cv:
+            return bool(self._split)
 
     def cancel(self, request_id: str) -> bool:
         """Remove a request that no pass has taken yet -> whether it was still queued. A
@@ -194,7 +251,7 @@ class Scheduler:
                         arriving = bool(out)
                         break
                     self._cv.wait(min(wait, left))
-                    if self._closed or self._unordered or self._queues:
+                    if self._closed or self._unordered or self._queues or self._split:
                         break  # samples queued now go with the next pass (next_work)
                     if not self._samples:  # a quiet gap, or the window's end
                         arriving = bool(out) and left <= wait
@@ -237,7 +294,9 @@ class Scheduler:
                     return None
                 group, samples = [], []
                 # Nothing queued, nothing to pick (the worker also wakes just to reap).
-                if not self._held and (self._samples or self._unordered or self._queues):
+                if not self._held and (
+                    self._samples or self._unordered or self._queues or self._split
+                ):
                     try:
                         group = self._take() or []
                     except Exception:  # noqa: BLE001 — a policy bug must not stop the worker
@@ -246,7 +305,7 @@ class Scheduler:
                         )
                         group = self._fail_oldest() or []
                     samples, self._samples = self._samples, []
-                    if group:
+                    if group and group is not self._split.get(group[0].owner):
                         self.counters.passes += 1
                 if group or samples or not block:
                     return group, samples
@@ -272,25 +331,50 @@ class Scheduler:
         return run
 
     def _take(self) -> list[Work] | None:
+        """The next pass (the module docstring, "Fairness")."""
         now = time.monotonic()
-        runs = {m: r for m in self._queues if (r := self._ready_run(m, now))}
-        heads = [r[0] for r in runs.values()] + self._unordered[:1]
-        if not heads:
+        busy = {w.model_id for g in self._split.values() for w in g}
+        runs = {
+            m: r
+            for m in self._queues
+            if m not in busy and self._queues[m][0].owner not in self._split
+            if (r := self._ready_run(m, now))
+        }
+        heads: dict[str, Work] = {}  # tenant -> its oldest ready request
+        for w in [r[0] for r in runs.values()] + self._unordered:
+            if w.owner not in self._split and (
+                w.owner not in heads or w.arrival < heads[w.owner].arrival
+            ):
+                heads[w.owner] = w
+        first_of = {**heads, **{t: g[0] for t, g in self._split.items()}}
+        if not first_of:
             return None
-        first = min(heads, key=lambda w: w.arrival)
+        tenant = min(first_of, key=lambda t: (self._served.get(t, -1), first_of[t].arrival))
+        self._served[tenant] = next(self._turns)
+        if tenant in self._split:
+            return self._split[tenant]
+        first = heads[tenant]
         if first.kind not in FUSABLE:
             self._remove([first])
             return [first]
-        group, settings = [], {}
-        for run in sorted(runs.values(), key=lambda r: r[0].arrival):
-            for w in run:
-                if w.kind != first.kind:
-                    break
-                loss, cfg = w.loss_key
-                if settings.get(loss, cfg) != cfg:
-                    break
-                settings[loss] = cfg
-                group.append(w)
+        group, settings, tokens = [], {}, 0
+        ordered = sorted(runs.values(), key=lambda r: r[0].arrival)
+        for own in (True, False):
+            for run in ordered:
+                if (run[0].owner == tenant) != own:
+                    continue
+                for w in run:
+                    if w.kind != first.kind:
+                        break
+                    loss, cfg = w.loss_key
+                    if settings.get(loss, cfg) != cfg:
+                        break
+                    if not own and self.pass_tokens is not None:
+                        if tokens + w.tokens > self.pass_tokens:
+                            break
+                    settings[loss] = cfg
+                    group.append(w)
+                    tokens += w.tokens
         self._remove(group)
         return group
 
