@@ -266,3 +266,58 @@ def test_decode_len_shrinks_the_batch_when_the_rows_left_fit_a_smaller_bucket():
     for r in reqs[:8]:
         adm.remove(r)
     assert adm.decode_len() == 16
+
+
+# ---------------------------------------------------------------------- tenants
+
+
+def _tenant_req(tenant, rid, prompt_len=5, max_tokens=4, num_samples=1) -> Request:
+    req = _req(range(prompt_len), max_tokens=max_tokens, num_samples=num_samples, rid=rid)
+    req.tenant = tenant
+    return req
+
+
+def test_admission_goes_round_robin_over_tenants_in_order_within_each():
+    """alice's burst queued first does not go first: tenants alternate, and each tenant's
+    requests are admitted in the order they came."""
+    from collections import deque
+
+    adm = Admission(_sizes(slots=8))
+    waiting = deque([_tenant_req("alice", i) for i in range(6)])
+    waiting += [_tenant_req("bob", 10 + i) for i in range(2)]
+    got = adm.admit_fair(waiting, active=1)
+    assert [r.rid for r in got] == [0, 10, 1, 11, 2, 3, 4, 5] and not waiting
+
+
+def test_one_tenants_head_that_does_not_fit_holds_back_only_that_tenant():
+    from collections import deque
+
+    adm = Admission(_sizes(slots=4))
+    assert adm.admit(_tenant_req("alice", 0, num_samples=3))
+    # alice's next needs 2 rows (1 left): it and her later ones wait; bob's goes in.
+    waiting = deque([_tenant_req("alice", 1, num_samples=2), _tenant_req("alice", 2)])
+    waiting.append(_tenant_req("bob", 3))
+    assert [r.rid for r in adm.admit_fair(waiting, active=1)] == [3]
+    assert [r.rid for r in waiting] == [1, 2]
+
+
+def test_a_tenant_holds_at_most_its_share_while_others_use_the_engine():
+    from collections import deque
+
+    adm = Admission(_sizes(slots=8))
+    waiting = deque([_tenant_req("alice", i) for i in range(8)])
+    # Two tenants share the engine: alice takes 4 of the 8 rows, the rest are bob's.
+    assert len(adm.admit_fair(waiting, active=2)) == 4 and adm.held("alice")[0] == 4
+    waiting += [_tenant_req("bob", 20 + i) for i in range(5)]
+    assert [r.rid for r in adm.admit_fair(waiting, active=2)] == [20, 21, 22, 23]
+    # A request larger than a share waits while another tenant is active ...
+    big = deque([_tenant_req("carol", 30, num_samples=5)])
+    fresh = Admission(_sizes(slots=8))
+    assert fresh.admit_fair(big, active=2) == [] and len(big) == 1
+    # ... and the pages count too: a share is half the pages.
+    pages = deque([_tenant_req("carol", 31, prompt_len=30, max_tokens=2)])
+    tight = Admission(_sizes(slots=8, max_len=32, pages=8))
+    assert tight.admit_fair(pages, active=2) == [] and len(pages) == 1
+    # Alone, a tenant may take everything, as first come, first served.
+    assert [r.rid for r in fresh.admit_fair(big, active=1)] == [30]
+    assert [r.rid for r in tight.admit_fair(pages, active=1)] == [31]

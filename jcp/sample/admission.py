@@ -15,7 +15,16 @@ prefill ends (copy on write at the fork). Admission reserves a request's worst c
 (prompt pages + ⌈(prompt + max_tokens) / page⌉ per sample, less shared pages) so a running
 sequence never runs out of pages, but pages are taken only as the sequence grows, and a
 sequence that stops early gives back its pages and reservation. A request that does not
-fit waits (first come, first served); one that could never fit is refused at submit.
+fit waits; one that could never fit is refused at submit.
+
+Tenants (`admit_fair`, Request.tenant): waiting requests are admitted round robin over
+tenants — the tenant admitted least recently first —, first come, first served within
+a tenant (a tenant's head that does not fit holds back that tenant's later requests, no
+one else's). While `active` > 1 tenants use the engine, a tenant's admitted requests may
+hold at most 1/active of the rows and of the pages (reservations counted, shared prompt
+pages once per sample), so one tenant's burst cannot fill the batch while another's
+request waits; a request larger than that share waits until the other tenants have gone
+quiet. One tenant alone is served exactly first come, first served.
 
 Decode chunks (`decode_len`): a step's device loop runs `chunk` decode steps while other
 work waits — a prompt still prefilling, or step(hurry=True) from a caller whose queue
@@ -37,6 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -67,6 +78,7 @@ class Request:
     fields: PromptFields = NO_FIELDS
     prompt_out: dict = dataclasses.field(default_factory=dict)  # SampleResult prompt fields
     salt: bytes = b""  # its prefix-cache partition (page_keys)
+    tenant: str = ""  # whose request (Admission.admit_fair)
     watch: Callable | None = None  # submit(watch=…): where a sequence ends (text stops)
 
     @property
@@ -128,6 +140,8 @@ class Admission:
         self.rows_used = [0] * sizes.groups
         self.prefilling: list[Group] = []
         self.decoding: list[Seq] = []
+        self._turns = itertools.count()
+        self._admitted: dict[str, int] = {}  # tenant -> its last admission (round robin)
 
     def all_rows(self) -> list[list[int]]:
         """Every device's state rows, all free (heaps)."""
@@ -168,6 +182,43 @@ class Admission:
             self.start_group(req, group, g, hits, keys)
             req.groups.append(group)
         return True
+
+    def admit_fair(self, waiting: deque, active: int = 1) -> list[Request]:
+        """Admit from `waiting` round robin over tenants within their shares (the module
+        docstring, "Tenants"; active: how many tenants use the engine) -> the requests
+        admitted, in order, removed from `waiting`."""
+        out, blocked = [], set()
+        while True:
+            heads: dict[str, Request] = {}
+            for req in waiting:
+                if req.tenant not in blocked and req.tenant not in heads:
+                    heads[req.tenant] = req
+            if not heads:
+                return out
+            t = min(heads, key=lambda t: (self._admitted.get(t, -1), heads[t].rid))
+            req = heads[t]
+            if not (self.within_share(req, active) and self.admit(req)):
+                blocked.add(t)
+                continue
+            waiting.remove(req)
+            self._admitted[t] = next(self._turns)
+            out.append(req)
+
+    def held(self, tenant: str) -> tuple[int, int]:
+        """(decode rows, pages held or reserved) of the tenant's admitted sequences."""
+        seqs = self.decoding + [x for gr in self.prefilling for x in gr.seqs]
+        mine = [x for x in seqs if x.req.tenant == tenant and not x.done]
+        return len(mine), sum(len(x.pages) + x.reserve for x in mine)
+
+    def within_share(self, req: Request, active: int) -> bool:
+        """Whether admitting req keeps its tenant within 1/active of the rows and pages."""
+        if active <= 1:
+            return True
+        s = self.sizes
+        rows, pages = self.held(req.tenant)
+        rows += req.num_samples
+        pages += req.num_samples * s.pages_per_seq(req.n, req.params["max_tokens"])
+        return rows <= s.slots // active and pages <= s.groups * s.n_pages // active
 
     def most_samples(self, n: int, max_tokens: int) -> int:
         """The most samples of one request (n prefilled positions, max_tokens new ones) the

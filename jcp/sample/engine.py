@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -180,6 +180,7 @@ class Engine:
         fields: PromptFields | None = None,
         salt: str | bytes | None = None,
         watch: Callable | None = None,
+        tenant: str | None = None,
     ) -> int:
         """Queue one prompt's num_samples sequences -> request id. Refused (InputError)
         before anything is queued: as Trainer.sample, and when the prompt plus max_tokens
@@ -195,7 +196,8 @@ class Engine:
         given, is called after every decode call with each running sequence's tokens so
         far -> how many of them it keeps when the sequence must end there (a text stop
         sequence, jcp.server.text.StopWatch: it ends at that step, stop reason "stop"),
-        or None; it must not raise."""
+        or None; it must not raise. tenant: whose request, for fair admission across
+        tenants (admission.py's module docstring, "Tenants"; None: one shared tenant)."""
         c = self.s.check([prompt], sampling_params, adapter, num_samples)
         if isinstance(salt, str):
             salt = salt.encode()
@@ -243,6 +245,7 @@ class Engine:
             fields=fields,
             salt=salt or b"",
             watch=watch,
+            tenant=tenant or "",
         )
         self._queue(req, callback)
         self.waiting.append(req)
@@ -371,7 +374,9 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, hurry: bool = False, decode: bool = True) -> list[int]:
+    def step(
+        self, hurry: bool = False, decode: bool = True, tenants: Collection[str] = ()
+    ) -> list[int]:
         """One engine step (see the module docstring) -> ids of the requests it ended.
         hurry: work outside the engine waits for this step to end (a server's queued
         requests), so decode only `chunk` steps (admission.py's module docstring, "Decode
@@ -379,10 +384,12 @@ class Engine:
         decode=False: a prefill-only step (admit, one prefill chunk, compute_logprobs; no
         decode step), e.g. to prefill a burst's first arrivals while the rest still arrive
         so that all decode together; it changes no result (a sequence's first token is
-        drawn by its first decode step, from its own key and count)."""
+        drawn by its first decode step, from its own key and count). tenants: the tenants
+        sharing the engine now besides those with requests in it, for their shares of rows
+        and pages (admission.py's module docstring, "Tenants")."""
         self._ended = []
         self._fail_stale()
-        self._admit()
+        self._admit(tenants)
         if self.prefilling:
             self._prefill()
         self._logprobs()
@@ -431,14 +438,14 @@ class Engine:
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self) -> None:
-        # First come, first served: a request that does not fit waits, and so does
-        # everything behind it (no starvation of large requests).
-        stats = []
-        while self.waiting and self.admission.admit(self.waiting[0]):
-            req = self.waiting.popleft()
-            if req.fields.prompt_stats:
-                stats.append(req)
+    def _admit(self, tenants: Collection[str]) -> None:
+        # Round robin over tenants, first come, first served within one (a request that
+        # does not fit holds back its tenant's later ones: no starvation of its large
+        # requests), each within its share while several use the engine
+        # (Admission.admit_fair).
+        active = {r.tenant for r in self.requests.values()} | set(tenants)
+        admitted = self.admission.admit_fair(self.waiting, len(active))
+        stats = [req for req in admitted if req.fields.prompt_stats]
         if stats:
             self._prompt_stats(stats)
 
