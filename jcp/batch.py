@@ -353,9 +353,10 @@ def active_bucket(k: int, max_adapters: int) -> int:
 # grouping of tenants into a fused pass of one S bucket runs one program, and a warm-up
 # compiles one program per S bucket (Trainer.warmup). ADAPTER_ROWS: an active entry per
 # 256 rows (entries without rows cost the grouped LoRA products nothing; lora.tile_rows
-# sizes their tiles by the entry count: 256 rows at S = 4096); a stream shorter than 512
-# rows keeps one entry, and so no extra tiles (with a second entry the tiny model's
-# forward_backward took 1.6× the CPU seconds to compile);
+# sizes their tiles by the entry count: 256 rows at S = 4096; up to
+# lora.DENSE_MAX_ADAPTERS entries the products run dense, and an empty entry costs R
+# columns); a stream shorter than 512 rows keeps one entry (with a second entry the tiny
+# model's forward_backward took 1.6× the CPU seconds to compile);
 # SLOT_TOKENS: room for datums of ≥ 128 tokens on average. A batch with more adapters or
 # datums than that takes the next bucket up (a program of its own).
 ADAPTER_ROWS = 256

@@ -88,7 +88,7 @@ LAYOUTS = {  # s_len, segment lengths, base-model entries, tile (None: tile_rows
 def test_plan_keeps_every_row_once_by_its_own_adapter(name):
     s_len, lengths, base, tile = LAYOUTS[name]
     active, spans = spans_layout(s_len, lengths, base)
-    route = META.routing(active, spans, s_len=s_len)
+    route = META.routing(active, spans, s_len=s_len, grouped=True)
     if tile is not None:
         route = dataclasses.replace(
             route, tiles=lora_lib.plan_spans(spans, active >= 0, route.scale_A, s_len, tile)
@@ -102,7 +102,15 @@ def test_plan_of_rows_in_any_order(seed):
     s_len, n_a = (24, 5) if seed % 2 else (64, 3)
     active = jnp.asarray(np.r_[rng.permutation(8)[: n_a - 1], -1], jnp.int32)
     index = jnp.asarray(rng.integers(0, n_a, s_len), jnp.int32)
-    check_plan(META.routing(active, None, index), s_len)
+    check_plan(META.routing(active, None, index, grouped=True), s_len)
+
+
+def test_routing_groups_more_than_dense_max_adapters():
+    for n_a in (1, lora_lib.DENSE_MAX_ADAPTERS, lora_lib.DENSE_MAX_ADAPTERS + 1):
+        active, spans = spans_layout(64, [8] * n_a)
+        assert (META.routing(active, spans, s_len=64).tiles is None) == (
+            n_a <= lora_lib.DENSE_MAX_ADAPTERS
+        )
 
 
 def test_tile_rows():
@@ -134,13 +142,16 @@ ROUTES = {  # A = 1, 3, 8: uneven segments, an empty adapter, base-model rows, p
 }
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "dense"])
 @pytest.mark.parametrize("by", ["spans", "rows"])
 @pytest.mark.parametrize("n_a", sorted(ROUTES))
-def test_grouped_equals_masked_dense(n_a, by, chunk=None):
+def test_grouped_equals_masked_dense(n_a, by, grouped, chunk=None):
+    """lora.delta / stacked_input, grouped (Tiles) or dense (no Tiles: SlotMeta.routing's
+    choice up to DENSE_MAX_ADAPTERS), against the reference: values and gradients."""
     active, spans = ROUTES[n_a]()
     s_len = 64 if n_a < 8 else 128
     if by == "spans":
-        route = META.routing(active, spans, s_len=s_len)
+        route = META.routing(active, spans, s_len=s_len, grouped=grouped)
     else:  # the same rows' adapters, shuffled, routed one by one (a decode batch)
         own = row_adapter(META.routing(active, spans, s_len=s_len), s_len)
         own = np.where(
@@ -148,11 +159,11 @@ def test_grouped_equals_masked_dense(n_a, by, chunk=None):
             int(np.argmax(np.asarray(active) < 0)) if (np.asarray(active) < 0).any() else 0,
             own,
         )
-        route = META.routing(
-            active, None, jnp.asarray(np.random.default_rng(n_a).permutation(own), jnp.int32)
-        )
+        index = jnp.asarray(np.random.default_rng(n_a).permutation(own), jnp.int32)
+        route = META.routing(active, None, index, grouped=grouped)
     t = route.tiles
-    if n_a > 1:  # tiles of several rows, and adapters starting inside them
+    assert (t is not None) == grouped
+    if grouped and n_a > 1:  # tiles of several rows, and adapters starting inside them
         assert t.keep_NxT.shape[1] > 1 and bool(t.keep_ExT.any())
     if chunk is not None:  # the extras in several steps of their loop
         assert int(t.count_E) > chunk
@@ -181,7 +192,7 @@ def test_a_row_in_its_neighbours_tile_fails_the_reference():
     swapped for the one leading that tile (the neighbour) does not."""
     s_len, tile = 32, 8
     active, spans = spans_layout(s_len, [5, 6, 13, 3], ())
-    route = META.routing(active, spans, s_len=s_len)
+    route = META.routing(active, spans, s_len=s_len, grouped=True)
     route = dataclasses.replace(
         route, tiles=lora_lib.plan_spans(spans, active >= 0, route.scale_A, s_len, tile)
     )
@@ -212,7 +223,7 @@ def test_backward_keeps_rank_wide_activations_only():
     anyway), the plan, and [S, R] — never [S, A·R]."""
     n_a, s_len = 8, 128
     active, spans = ROUTES[n_a]()
-    route = META.routing(active, spans, s_len=s_len)
+    route = META.routing(active, spans, s_len=s_len, grouped=True)
     a, b = factors(n_a)
     x = jnp.ones((s_len, I), jnp.float32)
     _, vjp = jax.vjp(lambda x, a, b: lora_lib.delta(x, a, b, route), x, a, b)
@@ -224,4 +235,64 @@ def test_backward_keeps_rank_wide_activations_only():
 
 def test_extras_in_several_chunks(monkeypatch):
     monkeypatch.setattr(lora_lib, "EXTRA_CHUNK", 2)
-    test_grouped_equals_masked_dense(8, "spans", chunk=2)
+    test_grouped_equals_masked_dense(8, "spans", True, chunk=2)
+
+
+def test_a_fused_pass_over_six_adapters_equals_one_pass_each():
+    """Through the model (attention and MLP LoRA, cp = 2): six adapters in one
+    forward_backward — more than DENSE_MAX_ADAPTERS, so the grouped products — give each
+    datum the log-probs and each adapter the gradients of a pass of its datums alone (one
+    adapter: the dense product)."""
+    import jcp
+
+    cfg = jcp.QwenConfig.tiny()
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 2, 1), max_adapters=8, max_rank=4, logprob_chunk=16)
+    ids = [tr.create_adapter(rank=4, seed=s) for s in range(6)]
+    for k in ids:  # B ≠ 0, so every factor has a gradient
+        tr.forward_backward([_train_datum(k, 9)], "cross_entropy", adapters=[k])
+        tr.optim_step(k, jcp.AdamParams(learning_rate=1e-2))
+    data = [_train_datum(i, n) for i, n in enumerate((11, 3, 20, 7, 14, 5, 9, 16))]
+    owner = [ids[i % 6] for i in range(8)]
+    assert 6 > lora_lib.DENSE_MAX_ADAPTERS
+    fused = tr.forward_backward(data, "cross_entropy", adapters=owner)
+    grads = {k: tr.gradients(k) for k in ids}
+    for k in ids:
+        tr.optim_step(k, jcp.AdamParams(learning_rate=0.0))  # zero the accumulators only
+    assert (
+        len(
+            {
+                float(
+                    np.abs(
+                        g["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+                    ).sum()
+                )
+                for g in grads.values()
+            }
+        )
+        == 6
+    )
+    for k in ids:
+        mine = [i for i in range(8) if owner[i] == k]
+        alone = tr.forward_backward(
+            [data[i] for i in mine], "cross_entropy", adapters=[k] * len(mine)
+        )
+        for i, out in zip(mine, alone.loss_fn_outputs):
+            np.testing.assert_allclose(
+                fused.loss_fn_outputs[i]["logprobs"], out["logprobs"], rtol=1e-5, atol=1e-5
+            )
+        for name, g in tr.gradients(k).items():
+            np.testing.assert_allclose(
+                grads[k][name], g, rtol=1e-4, atol=1e-5 * float(np.abs(g).max()), err_msg=name
+            )
+        tr.optim_step(k, jcp.AdamParams(learning_rate=0.0))
+
+
+def _train_datum(seed, n):
+    import jcp
+
+    rng = np.random.default_rng(100 + seed)
+    vocab = jcp.QwenConfig.tiny().vocab_size
+    return jcp.Datum(
+        rng.integers(0, vocab, n),
+        {"target_tokens": rng.integers(0, vocab, n), "weights": rng.uniform(size=n)},
+    )
