@@ -594,6 +594,50 @@ def test_a_model_without_tokenizer_refuses_text_routes(tmp_path):
     assert sched.pending() == 0
 
 
+def test_bodies_are_typed_in_the_schema_and_wrong_types_refused_in_openais_shape(env):
+    """/openapi.json describes both routes' bodies (what schemathesis fuzzes); a wrong type
+    is refused with OpenAI's error naming the field (param), with nothing queued."""
+    srv = env["srv"]
+    spec = httpx.get(srv.url + "/openapi.json").json()
+    for path, want in (
+        ("/v1/completions", {"prompt", "max_tokens", "logprobs", "echo", "stop", "stream"}),
+        ("/v1/chat/completions", {"messages", "max_completion_tokens", "top_logprobs", "seed"}),
+    ):
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert want | {"model"} <= set(body["schema"]["properties"]), path
+        assert {"model", next(iter(want & {"prompt", "messages"}))} <= set(
+            body["schema"]["required"]
+        )
+    before = (srv.scheduler.counters.passes, srv.engine.sampling.steps, srv.scheduler.pending())
+    cases = [
+        ("completions", {"model": MODEL, "prompt": "hi", "temperature": "0.5"}, "temperature"),
+        ("completions", {"model": MODEL, "prompt": "hi", "echo": "yes"}, "echo"),
+        ("completions", {"model": MODEL, "prompt": [1, "a"]}, "prompt"),
+        ("completions", {"prompt": "hi"}, "model"),
+        ("chat/completions", {"model": MODEL, "messages": "hi"}, "messages"),
+        (
+            "chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+            "messages[0].content",
+        ),
+        (
+            "chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 2},
+            "logprobs",
+        ),
+    ]
+    for route, body, param in cases:
+        r = httpx.post(
+            f"{srv.url}/v1/{route}", json=body, headers={"Authorization": "Bearer tml-alice"}
+        )
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert (err["param"], err["type"]) == (param, "invalid_request_error"), (body, err)
+        assert err["message"].startswith(param + ":"), err
+    after = (srv.scheduler.counters.passes, srv.engine.sampling.steps, srv.scheduler.pending())
+    assert after == before
+
+
 # ---------------------------------------------------------------------- lm-eval
 
 

@@ -383,6 +383,77 @@ class UploadFinish(_Body):
     upload_id: str
 
 
+# ---------------------------------------------------------------------- OpenAI bodies
+# The types of /v1/completions and /v1/chat/completions (jcp.server.openai_api): what the
+# OpenAPI schema shows and a wrong type is refused by (in OpenAI's error shape, there).
+# Ranges, what a field asks for together with another, and the fields asked for that are
+# not served (openai_api.UNSUPPORTED, left to extra="ignore") are openai_api's checks.
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+class _OpenAI(_Body):
+    model: str
+    max_tokens: Int64 | None = None
+    n: Int64 | None = None
+    best_of: Int64 | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: Int64 | None = None  # vLLM's extension
+    seed: Int64 | None = None
+    stop: str | items(str) | None = None
+    echo: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class Completion(_OpenAI):
+    prompt: str | items(str) | items(Int64) | items(items(Int64))
+    logprobs: Int64 | None = None  # top alternatives per position
+
+
+class ChatMessage(_Body):
+    role: str
+    # A string or content parts ({"type": "text", "text": …}; openai_api refuses others
+    # naming the part); an assistant turn's may be null.
+    content: str | items(dict[str, Any]) | None = None
+    name: str | None = None
+
+
+class ChatCompletion(_OpenAI):
+    messages: items(ChatMessage)
+    max_completion_tokens: Int64 | None = None
+    logprobs: bool | None = None
+    top_logprobs: Int64 | None = None
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def type_error(model: type[_Body], body: dict) -> tuple[str, str] | None:
+    """The first wrong type of `body` as (OpenAI's param: `messages[0].content`, message),
+    None if every field has its type."""
+    try:
+        model.model_validate(body)
+        return None
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+    param = ""
+    for part in err["loc"]:  # up to a union member's tag (`str`, `list[int]`): no field
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            param += f".{part}" if param else part
+        else:
+            break
+    return param or "body", f"{err['msg']} (got {_SHORT.repr(err.get('input'))})"
+
+
 def json_schema(model: type[_Body]) -> dict:
     """model's JSON schema with its $defs inlined (a route's OpenAPI request body: the
     schema schemathesis fuzzes each route from)."""

@@ -41,7 +41,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from jcp.server import redact, wire
+from jcp.server import edge, redact, wire
 from jcp.server.edge import MAX_STOP_CHARS, MAX_STOPS, Limits, Refused
 from jcp.server.scheduler import Scheduler, Work
 from jcp.server.state import AuthError, LimitReached, NotFound, SamplerRecord, StateStore
@@ -54,6 +54,7 @@ MAX_LOGPROBS = 20
 # Completions' max_tokens when none is given (OpenAI's legacy default); chat's default is
 # the context left after the prompt (vLLM).
 DEFAULT_MAX_TOKENS = 16
+JSON = "application/json"
 # A log-prob JSON cannot hold (-inf) is written as vLLM writes it.
 MIN_LOGPROB = -9999.0
 # Fields that ask for what these routes do not do, with the value that asks for nothing
@@ -599,9 +600,10 @@ def mount(
     async def prepare(request: Request, chat: bool):
         who = owner(request)
         body = await body_json(request)
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise bad("model", "required (a string)")
+        wrong = edge.type_error(edge.ChatCompletion if chat else edge.Completion, body)
+        if wrong is not None:
+            raise bad(*wrong)
+        model = body["model"]
         rec = weights(model, who)
         txt = needs_text()
         prm = parse_params(body, chat, limits)
@@ -968,12 +970,21 @@ def mount(
             yield chunk([], usage=usage(jobs, n_out))
         yield b"data: [DONE]\n\n"
 
-    @app.post("/v1/completions")
+    # The bodies in the OpenAPI schema (what the fuzz tests generate requests from).
+    def takes(model) -> dict:
+        schema = edge.json_schema(model)
+        return {
+            "openapi_extra": {
+                "requestBody": {"required": True, "content": {JSON: {"schema": schema}}}
+            }
+        }
+
+    @app.post("/v1/completions", **takes(edge.Completion))
     @route
     async def completions(request: Request):
         return await serve(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **takes(edge.ChatCompletion))
     @route
     async def chat_completions(request: Request):
         return await serve(request, chat=True)
