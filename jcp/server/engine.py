@@ -12,7 +12,10 @@ whole device's pages (Engine.seq_cap) runs beside it, Trainer.sample, its cache 
 over cp. Hybrid Qwen3.5 models too go through the engine.
 
 Interleaving policy: each turn of the loop runs at most one training pass (a fused
-forward / forward_backward, or one model operation) and then one engine step (at most
+forward / forward_backward, or one model operation; a pass of several Trainer
+micro-batches runs one micro-batch per turn, jcp.trainer.Steps, with the same results,
+while the scheduler hands the other tenants' passes out between them: Scheduler,
+"Fairness") and then one engine step (at most
 `prefill_tokens` of newly admitted prompts, then decode steps of every live sequence:
 `chunk` of them while any request is queued and in the first step after a gather —
 Engine.step(hurry=True), unless recent bursts came whole (ADMIT_CALM_BURSTS) —, else up
@@ -20,10 +23,14 @@ to `max_chunk`, Engine.decode_len; ADMIT_* below for the gathering and its prefi
 steps, which other work ends once the running one is over). So a training pass queued
 while nothing else was waits for at most one engine step of max_chunk decode steps
 (during a gather, which it ends: one prefill-only step and one hurried step), and
-running sequences wait for at most one training pass between decode chunks; neither
-starves. A sample the client cancels after admission (cancel_future ->
-Scheduler.cancel_running) is cancelled in the engine at the start of the next turn and
-ends at that step boundary, its slots freed.
+running sequences wait for at most one training pass (micro-batch) between decode
+chunks; neither starves. Samples are admitted round robin over tenants, each within its
+share of rows and pages while several sample (Admission.admit_fair; a tenant counts for
+TENANT_WINDOW_S after its last sample arrived), and then every step is a short one
+(`chunk` decode steps), so one tenant's request waits for one chunk of another's rows.
+A sample the client cancels after admission (cancel_future -> Scheduler.cancel_running)
+is cancelled in the engine at the start of the next turn and ends at that step
+boundary, its slots freed; so does a split pass of one request, its accumulation undone.
 
 Sampler weights: save_weights_for_sampler without a name makes an in-memory snapshot (a
 device copy of the model's slot into a free slot, no disk); with a name it writes the PEFT
@@ -110,6 +117,10 @@ ADMIT_PREFILL: bool | None = None
 ADMIT_PREFILL_MIN = 16  # requests admitted and not yet prefilled that make one worth its cost
 ADMIT_BURST_GAP_S = 0.03
 ADMIT_WINDOW_S = 0.5
+# A tenant shares the sampling engine's rows and pages (Admission.admit_fair) while its
+# samples run and for this long after its last one arrived, so that one whose short
+# requests come and go keeps its share between them.
+TENANT_WINDOW_S = 10.0
 # How often the worker looks for checkpoints whose TTL has passed.
 EXPIRY_SCAN_S = 5.0
 # Tinker does not expose alpha; its LoRA uses a fixed alpha of 32.
@@ -206,7 +217,15 @@ class Engine:
         self.leader = leader
         if leader is not None:
             self.tr, self.sampling = leader.wrap(trainer, self.sampling, engine_kw)
+        # Other tenants' requests join a pass only within one Trainer micro-batch
+        # (Scheduler.pass_tokens), and a pass of several micro-batches runs one per turn
+        # (`_splits`), other tenants' passes between them.
+        scheduler.pass_tokens = trainer.max_tokens_per_device * trainer.dp * trainer.cp
+        # tenant -> (group, jcp.trainer.Steps, each request's datum span) of its pass
+        # running over turns (Scheduler.split).
+        self._splits: dict[str, tuple] = {}
         self._running: dict[str, int] = {}  # request id -> engine request id (admitted)
+        self._sampled: dict[str, float] = {}  # tenant -> its last sample (TENANT_WINDOW_S)
         self._cancelled: set[str] = set()  # admitted request ids their clients cancelled
         # Admitted requests a client streams (an OpenAI stream): while any runs, engine
         # steps are `chunk` decode steps (hurried), so its tokens go out as they come
@@ -287,7 +306,8 @@ class Engine:
             if group:
                 self._run_pass(group)
             if not self.sampling.idle:
-                self._step(arriving or self.sched.pending() > 0 or bool(self._streaming), True)
+                busy = self.sched.pending() > 0 or bool(self._splits)
+                self._step(arriving or busy or bool(self._streaming), True)
                 if self._joined is False and self.sched.samples_queued():
                     self._joined = True  # samples came while the gathered burst ran
             self._unlogged = []
@@ -313,7 +333,14 @@ class Engine:
         """One engine step (Engine.step); a failed one fails the engine's requests."""
         t0 = time.monotonic()
         try:
-            ended = self.sampling.step(hurry=hurry, decode=decode)
+            now = time.monotonic()
+            for t in [t for t, at in self._sampled.items() if now - at > TENANT_WINDOW_S]:
+                del self._sampled[t]
+            # Several tenants: short steps (`chunk` decode steps), so that one tenant's
+            # request waits for one chunk of another's rows, not max_chunk.
+            tenants = tuple(sorted(self._sampled))
+            several = len(set(tenants) | {r.tenant for r in self.sampling.requests.values()}) > 1
+            ended = self.sampling.step(hurry=hurry or several, decode=decode, tenants=tenants)
         except Exception as e:  # noqa: BLE001 — the engine's requests fail, not the server
             ended = []
             for rid in list(self.sampling.requests):
@@ -343,7 +370,9 @@ class Engine:
     def _run_pass(self, group: list[Work]) -> None:
         t0 = time.perf_counter()
         try:
-            if group[0].failure is not None:
+            if group is self._splits.get(group[0].owner, (None,))[0]:
+                self._advance(group[0].owner)
+            elif group[0].failure is not None:
                 self._complete(group[0].request_id, ("error", group[0].failure, "server"))
             elif group[0].kind in ("forward", "forward_backward"):
                 self._fwd(group)
@@ -374,6 +403,8 @@ class Engine:
         self._sweep_retired()
         if len(self.tr.adapters) < self.tr.max_adapters:
             return
+        # The models of passes running over turns stay in their slots.
+        keep = keep | {w.model_id for g, _, _ in self._splits.values() for w in g}
         used = self.offloaded_bytes()
         if restoring is not None:
             used -= self._offloaded[restoring].nbytes
@@ -645,8 +676,9 @@ class Engine:
             )
         return entry[2]
 
-    def _fwd(self, group: list[Work]) -> None:
-        """One fused Trainer call; on refusal, each request alone."""
+    def _fwd(self, group: list[Work], split: bool = True) -> None:
+        """One fused Trainer call; on refusal, each request alone. split: a call of several
+        micro-batches runs one per turn (`_advance`), other tenants' passes between."""
         if len(group) > 1 and (
             self.tr.cfg.is_moe or any(w.payload.loss_fn == "custom" for w in group)
         ):
@@ -654,27 +686,68 @@ class Engine:
             # custom loss's metrics are per request: a fused pass could not report each
             # request's own, so each runs alone.
             for w in group:
-                self._fwd([w])
+                self._fwd([w], split=False)
             return
         self.sched.note_pass(group)
         try:
-            outs = self._run_fwd(group)
-        except Exception as e:  # noqa: BLE001
-            if len(group) == 1:
-                self._complete(group[0].request_id, _error(e))
+            steps, spans = self._start_fwd(group)
+            # A multi-process job's Trainer is a proxy that runs whole calls only.
+            if split and steps.passes > 1 and self.leader is None:
+                self._splits[group[0].owner] = (group, steps, spans)
+                self.sched.split(group)
+                self._advance(group[0].owner)
                 return
-            for w in group:
-                try:
-                    self.sched.note_pass([w])
-                    out = self._run_fwd([w])[0]
-                except Exception as e1:  # noqa: BLE001
-                    out = _error(e1)
-                self._complete(w.request_id, out)
+            while not steps.step():
+                pass
+            outs = self._fwd_results(group, steps.output, spans)
+        except Exception as e:  # noqa: BLE001
+            self._fwd_failed(group, e)
             return
         for w, out in zip(group, outs):
             self._complete(w.request_id, out)
 
-    def _run_fwd(self, group: list[Work]) -> list[tuple]:
+    def _advance(self, tenant: str) -> None:
+        """One micro-batch of the tenant's split pass; completes its requests after the
+        last."""
+        group, steps, spans = self._splits[tenant]
+        try:
+            # Other work waiting: let this micro-batch finish before it runs, so that it
+            # waits for one micro-batch, not MAX_IN_FLIGHT.
+            settle = self.sched.pending() > 0 or not self.sampling.idle or len(self._splits) > 1
+            if not steps.step(settle=settle):
+                return
+            outs = self._fwd_results(group, steps.output, spans)
+        except Exception as e:  # noqa: BLE001 — the call rolled its accumulation back
+            self._end_split(tenant)
+            self._fwd_failed(group, e)
+            return
+        self._end_split(tenant)
+        for w, out in zip(group, outs):
+            self._complete(w.request_id, out)
+
+    def _end_split(self, tenant: str) -> None:
+        self.sched.finish(self._splits.pop(tenant)[0])
+
+    def _fwd_failed(self, group: list[Work], e: Exception) -> None:
+        """A Trainer call refused or failed (nothing accumulated): alone, the request
+        fails; fused, each request is rerun alone so that only the bad one fails."""
+        if len(group) == 1:
+            self._complete(group[0].request_id, _error(e))
+            return
+        for w in group:
+            try:
+                self.sched.note_pass([w])
+                steps, spans = self._start_fwd([w])
+                while not steps.step():
+                    pass
+                out = self._fwd_results([w], steps.output, spans)[0]
+            except Exception as e1:  # noqa: BLE001
+                out = _error(e1)
+            self._complete(w.request_id, out)
+
+    def _start_fwd(self, group: list[Work]) -> tuple:
+        """(the group's Trainer call as jcp.trainer.Steps, each request's datum span);
+        refused here, before any device work."""
         data, adapters, losses, configs, spans = [], [], [], {}, []
         keep = frozenset(w.model_id for w in group)
         for w in group:
@@ -700,8 +773,16 @@ class Engine:
         else:
             config = {k: v for k, v in configs.items() if v}
             loss_fn = losses
-        run = self.tr.forward if group[0].kind == "forward" else self.tr.forward_backward
-        out = run(data, loss_fn=loss_fn, loss_fn_config=config or None, adapters=adapters)
+        if self.leader is not None:  # the proxy runs whole calls: one step
+            run = self.tr.forward if group[0].kind == "forward" else self.tr.forward_backward
+            return _Whole(run, data, loss_fn, config or None, adapters), spans
+        start = (
+            self.tr.forward_steps if group[0].kind == "forward" else self.tr.forward_backward_steps
+        )
+        return start(data, loss_fn=loss_fn, loss_fn_config=config or None, adapters=adapters), spans
+
+    def _fwd_results(self, group: list[Work], out, spans: list[tuple]) -> list[tuple]:
+        """Each request's result from the call's output."""
         results = []
         for a, b in spans:
             per = out.loss_fn_outputs[a:b]
@@ -935,6 +1016,9 @@ class Engine:
                 )
 
             # Salted by tenant: no tenant can hit (or time) another's cached prompt pages.
+            # When it came, not when the worker got to it: a slow turn must not make an
+            # active tenant look gone.
+            self._sampled[w.owner] = max(self._sampled.get(w.owner, 0.0), w.arrived_at)
             rid = self.sampling.submit(
                 args.prompt,
                 sp,
@@ -945,6 +1029,7 @@ class Engine:
                 fields=fields,
                 salt=w.owner,
                 watch=watch,
+                tenant=w.owner,
             )
             self._running[w.request_id] = rid
             if p.get("stream"):
@@ -956,10 +1041,32 @@ class Engine:
         """Cancel the engine requests whose clients cancelled them (cancel_future after
         admission): they end at this step boundary, their slots freed; others run on."""
         for request_id in self.sched.take_cancels():
+            split = [t for t, (g, _, _) in self._splits.items() if len(g) == 1]
+            split = [t for t in split if self._splits[t][0][0].request_id == request_id]
+            if split:
+                # A split pass of this one request: it ends here, its accumulation undone.
+                self._splits[split[0]][1].close()
+                self._end_split(split[0])
+                self._complete(request_id, ("error", "cancelled by the client", "user"))
+                continue
             rid = self._running.get(request_id)
             if rid is not None:
                 self._cancelled.add(request_id)
                 self.sampling.cancel(rid)
+
+
+class _Whole:
+    """A whole Trainer call with jcp.trainer.Steps' face (a multi-process job's proxy)."""
+
+    passes = 1
+
+    def __init__(self, run, *args):
+        self._run, self._args, self.output = run, args, None
+
+    def step(self, settle: bool = False) -> bool:
+        data, loss_fn, config, adapters = self._args
+        self.output = self._run(data, loss_fn=loss_fn, loss_fn_config=config, adapters=adapters)
+        return True
 
 
 def _encode_sample(res, target=None, raw: bool = False) -> tuple:
