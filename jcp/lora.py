@@ -1,15 +1,15 @@
-"""Multi-LoRA: the slot layout, initialisation, target modules, routing and the grouped
-products.
+"""Multi-LoRA: the slot layout, initialisation, target modules, routing and the products.
 
 Owns the layout of the stacked slots (`a [G, L, I, R]`, `b [G, L, R, O]` per target
 module, lm_head without L; the experts of a MoE model add an E axis, see slot_shapes; on a
 hybrid model the attention modules stack over its full-attention layers only and the Gated
 DeltaNet ones over its linear layers, module_layer_ids), PEFT's initialisation, the
 routing of tokens to adapters used inside the model, and the products that multiply each
-token by its own adapter only, in tiles of one adapter's tokens (Tiles, delta): a pass
-costs what its tokens cost, whatever the number of adapters in it. It must never copy
-adapter weights per token, never multiply a token by another adapter's factors, and never
-hold base weights or slot arrays (jcp/adapter_state.py owns those).
+token by its own adapter only (delta): dense up to DENSE_MAX_ADAPTERS active adapters, in
+tiles of one adapter's tokens beyond (jcp/lora_grouped.py: Tiles, their plan and product),
+so a pass costs what its tokens cost, whatever the number of adapters in it. It must never
+copy adapter weights per token, never multiply a token by another adapter's factors, and
+never hold base weights or slot arrays (jcp/adapter_state.py owns those).
 
 Shapes: see the legend in jcp/mesh.py.
 """
@@ -17,14 +17,15 @@ Shapes: see the legend in jcp/mesh.py.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jcp.config import QwenConfig
-from jcp.mesh import SPECS, block_size, vary_all
+from jcp.lora_grouped import Tiles, plan_rows, plan_spans, tile_product
+from jcp.lora_grouped import tile_rows as tile_rows  # re-exported: jcp.lora.tile_rows
+from jcp.mesh import SPECS, vary_all
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -295,8 +296,6 @@ def init_adapter(
     return out
 
 
-# Extra tiles (Tiles) are multiplied this many at a time, in a loop over those in use.
-EXTRA_CHUNK = 8
 # Up to this many active adapters the LoRA products run dense (SlotMeta.routing makes no
 # Tiles): every row times the stacked [I, A·R], masked to its own adapter's R columns —
 # at most A times one adapter's product (a few % of the frozen projection beside it at
@@ -304,158 +303,6 @@ EXTRA_CHUNK = 8
 # tiny Qwen3's forward_backward at A = 3: 3.7 against 1.1 CPU s per program). More
 # adapters take the grouped products, whose work does not grow with A.
 DENSE_MAX_ADAPTERS = 4
-
-
-def tile_rows(s_len: int, n_active: int) -> int:
-    """Rows T of a tile of the grouped LoRA products over s_len rows and n_active adapters:
-    the largest power of two dividing s_len and at most S / (4·√(A − 1)) (all rows in one
-    tile for one adapter).
-
-    Work: the S rows, the extra tiles of adapters starting inside a tile (up to A − 1 of T
-    rows) and, per tile, a gather of its adapter's factors — rows of product ∝ S + (A − 1)·T,
-    factor copies ∝ S / T + A − 1: T = S / (4√(A − 1)) keeps both within √(A − 1)·S/4 and
-    4√(A − 1) + A − 1. Measured (benchmarks/multi_lora.py, one fused forward_backward of
-    4096 rows at A = 64; XLA:CPU): T = 128 9.2 s, T = 32 9.7 s, T = 256 10.6 s, no LoRA
-    product 8.6 s; a decode batch of 64 rows at A = 64 (T = 2 here) 1.29× the time of one
-    adapter, 1.54× at T = 16. Training's 4096 rows: 512, 256, 128 at A = 4, 16, 64; decode's
-    256 rows: 16 at A = 16, 8 at 64.
-    """
-    if n_active == 1:
-        return block_size(s_len, s_len)
-    return block_size(s_len, int(s_len / (4 * math.sqrt(n_active - 1))))
-
-
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """How the rows of one stream meet their own adapter's factors, in tiles of T rows.
-
-    The rows are taken in adapter order (Q: the stream's rows in that order; order_Q the
-    stream row at each place, place_S each stream row's place — both None for spans, where
-    packing already sorted the stream by adapter) and cut into N = Q / T tiles. Each tile
-    is multiplied by one adapter, its first routed row's: pick_N (index into the A active
-    adapters); keep_NxT marks the rows that adapter owns. A tile in which further adapters
-    start is multiplied again for each of them: the extras tile_E, pick_E, keep_ExT, the
-    first count_E of E ≤ A − 1 (rounded up to EXTRA_CHUNK) in use — the products loop over
-    those only, so active entries without rows (a padded bucket) cost nothing. Rows of no
-    adapter (padding, the base model)
-    are kept by no tile. rank_N / rank_E: those adapters' order along the stream
-    (nondecreasing: the factor gradients' sorted segment sums), rank_of_A the rank of each
-    active adapter; pick_Q the active adapter of each row (any where it has none);
-    weight_Q its scale alpha / r (0 for none).
-
-    Worked example, T = 4, adapters a (rows 0–5), b (6–6), c (7–11), padding 12–15:
-        tiles     [0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 14 15]
-        pick_N      a         a         c           (c, keeps nothing)
-        keep_NxT  [1 1 1 1 | 1 1 0 0 | 1 1 1  1  | 0  0  0  0 ]
-        extras    (tile 1, b: keep 0 0 1 0), (tile 1, c: keep 0 0 0 1)
-    Work: N + count_E tiles of T rows, each with its own adapter's factors gathered once
-    per tile: cost (Q + count_E·T)·I·R, whatever A is — never A·R columns per row.
-    """
-
-    pick_N: jax.Array
-    rank_N: jax.Array
-    keep_NxT: jax.Array
-    tile_E: jax.Array
-    pick_E: jax.Array
-    rank_E: jax.Array
-    keep_ExT: jax.Array
-    count_E: jax.Array
-    rank_of_A: jax.Array
-    pick_Q: jax.Array
-    weight_Q: jax.Array
-    order_Q: jax.Array | None = None
-    place_S: jax.Array | None = None
-
-
-jax.tree_util.register_dataclass(
-    Tiles, data_fields=[f.name for f in dataclasses.fields(Tiles)], meta_fields=[]
-)
-
-
-def _plan(rank_Q, has_Q, start_A, live_A, slot_A, scale_A, tile: int, order_Q=None) -> Tiles:
-    """Tiles of rows already in adapter order. rank_Q: each row's adapter as its rank along
-    the rows (nondecreasing where has_Q); start_A / live_A: the first row of each rank and
-    whether it has rows; slot_A: the active adapter of each rank; scale_A by active
-    adapter."""
-    n_q, n_a = rank_Q.shape[0], slot_A.shape[0]
-    n = n_q // tile
-    rank_NxT, has_NxT = rank_Q.reshape(n, tile), has_Q.reshape(n, tile)
-    lead_N = jnp.take_along_axis(rank_NxT, jnp.argmax(has_NxT, axis=1)[:, None], axis=1)[:, 0]
-    # A tile of no adapter's rows keeps nothing; its rank keeps rank_N nondecreasing.
-    rank_N = jax.lax.cummax(jnp.where(has_NxT.any(axis=1), lead_N, 0))
-    keep_NxT = has_NxT & (rank_NxT == rank_N[:, None])
-    # An adapter whose first tile leads with another one's rows needs that tile again.
-    first_A = jnp.clip(start_A // tile, 0, n - 1)
-    extra_A = live_A & (rank_N[first_A] != jnp.arange(n_a))
-    n_e = min(n_a - 1, n * (tile - 1))
-    chunk = min(EXTRA_CHUNK, n_e)
-    n_e = -(-n_e // chunk) * chunk if n_e else 0
-    (rank_E,) = jnp.nonzero(extra_A, size=n_e, fill_value=n_a - 1)
-    tile_E = first_A[rank_E]
-    count = jnp.sum(extra_A, dtype=jnp.int32)
-    keep_ExT = (
-        (jnp.arange(n_e) < count)[:, None]
-        & jnp.take(has_NxT, tile_E, axis=0)
-        & (jnp.take(rank_NxT, tile_E, axis=0) == rank_E[:, None])
-    )
-    pick_Q = slot_A[rank_Q]
-    return Tiles(
-        pick_N=slot_A[rank_N],
-        rank_N=rank_N,
-        keep_NxT=keep_NxT,
-        tile_E=tile_E,
-        pick_E=slot_A[rank_E],
-        rank_E=rank_E,
-        keep_ExT=keep_ExT,
-        count_E=count,
-        rank_of_A=jnp.argsort(slot_A),
-        pick_Q=pick_Q,
-        weight_Q=jnp.where(has_Q, scale_A[pick_Q], 0.0),
-        order_Q=order_Q,
-        place_S=None if order_Q is None else jnp.argsort(order_Q),
-    )
-
-
-def plan_spans(spans_Ax2, lora_A, scale_A, s_len: int, tile: int | None = None) -> Tiles:
-    """Tiles of a stream routed by disjoint row spans [start, end) (any order, empty ones
-    anywhere); lora_A: False for an entry without LoRA (the base model), whose rows are
-    kept by no tile. tile: T (a power of two dividing s_len; default tile_rows)."""
-    start_A, end_A = spans_Ax2[:, 0], spans_Ax2[:, 1]
-    key_A = jnp.where((end_A > start_A) & lora_A, start_A, s_len)
-    slot_A = jnp.argsort(key_A)  # rank -> active adapter: adapters in the order of their rows
-    q_S = jnp.arange(s_len)
-    rank_S = jnp.searchsorted(key_A[slot_A], q_S, side="right") - 1
-    has_S = (rank_S >= 0) & (q_S < end_A[slot_A[jnp.maximum(rank_S, 0)]])
-    return _plan(
-        jnp.maximum(rank_S, 0),
-        has_S,
-        key_A[slot_A],
-        key_A[slot_A] < s_len,
-        slot_A,
-        scale_A,
-        tile or tile_rows(s_len, slot_A.shape[0]),
-    )
-
-
-def plan_rows(index_S, lora_A, scale_A, tile: int | None = None) -> Tiles:
-    """Tiles of rows routed one by one (index_S: each row's active adapter, in any order —
-    a decode batch): the rows sorted by adapter (stable), rows of an entry without LoRA
-    (lora_A False) first and kept by no tile."""
-    n_a = lora_A.shape[0]
-    key_S = jnp.where(lora_A[index_S], index_S, -1)
-    order_Q = jnp.argsort(key_S, stable=True)
-    rank_Q = key_S[order_Q]
-    bounds = jnp.searchsorted(rank_Q, jnp.arange(n_a + 1), side="left")
-    return _plan(
-        jnp.maximum(rank_Q, 0),
-        rank_Q >= 0,
-        bounds[:-1],
-        bounds[1:] > bounds[:-1],
-        jnp.arange(n_a),
-        scale_A,
-        tile or tile_rows(index_S.shape[0], n_a),
-        order_Q,
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -593,7 +440,7 @@ def low_rank_input(x_SxI, a_AxIxR, route: Routing):
     # One varying type for both (a custom VJP's cotangents must match its inputs'): the
     # casts' transposes sum A's gradient over the devices where x varies and A does not.
     x_QxI, a_AxIxR = (vary_all(v, x_SxI, a_AxIxR) for v in (x_SxI, a_AxIxR.astype(x_SxI.dtype)))
-    return _tile_product(x_QxI, a_AxIxR, t) * t.weight_Q[:, None]
+    return tile_product(x_QxI, a_AxIxR, t) * t.weight_Q[:, None]
 
 
 def _dense_input(x_SxI, a_AxIxR, route: Routing):
@@ -613,7 +460,7 @@ def _dense_input(x_SxI, a_AxIxR, route: Routing):
 @jax.custom_vjp
 def _down_project(x_SxI, a_IxR):
     """x @ A in fp32: [S, R], with the A gradient written narrow side first (dAᵀ = duᵀ·x,
-    as _tile_product's: XLA:CPU runs autodiff's xᵀ·du off its fast GEMM path)."""
+    as tile_product's: XLA:CPU runs autodiff's xᵀ·du off its fast GEMM path)."""
     return jnp.einsum("si,ir->sr", x_SxI, a_IxR, preferred_element_type=jnp.float32)
 
 
@@ -644,7 +491,7 @@ def expand(u, b_AxRxO, route: Routing, dtype):
             "sr,ro->so", u.astype(dtype), b_ARxO.astype(dtype), preferred_element_type=jnp.float32
         ).astype(dtype)
     u_QxR, b_AxRxO = (vary_all(v, u, b_AxRxO) for v in (u.astype(dtype), b_AxRxO.astype(dtype)))
-    y_QxO = _tile_product(u_QxR, b_AxRxO, t).astype(dtype)
+    y_QxO = tile_product(u_QxR, b_AxRxO, t).astype(dtype)
     return y_QxO if t.place_S is None else y_QxO[t.place_S]
 
 
@@ -664,111 +511,3 @@ def stacked_input(x_SxI, a_AxIxR, route: Routing):
     own_QxA = t.pick_Q[:, None] == jnp.arange(a_AxIxR.shape[0])[None, :]
     u_QxAR = jnp.where(own_QxA[:, :, None], u[:, None, :], 0.0).reshape(u.shape[0], -1)
     return u_QxAR if t.place_S is None else u_QxAR[t.place_S]
-
-
-def _keep(x_KxTxC, keep_KxT):
-    return jnp.where(keep_KxT[..., None], x_KxTxC, jnp.zeros((), x_KxTxC.dtype))
-
-
-def _extra_chunk(t: Tiles, e):
-    """(tile_C, pick_C, keep_CxT) of the EXTRA_CHUNK extra tiles from e on."""
-    chunk = min(EXTRA_CHUNK, t.tile_E.shape[0])
-    return tuple(
-        jax.lax.dynamic_slice_in_dim(v, e, chunk) for v in (t.tile_E, t.pick_E, t.keep_ExT)
-    )
-
-
-def _over_extras(t: Tiles, body, carry):
-    """carry through body(e, carry) for the chunks of extra tiles in use (e: the chunk's
-    first extra): a loop of as many steps as count_E needs, none without extras."""
-    n_e = t.tile_E.shape[0]
-    if not n_e:
-        return carry
-    chunk = min(EXTRA_CHUNK, n_e)
-    steps = (t.count_E + chunk - 1) // chunk
-    return jax.lax.fori_loop(0, steps, lambda i, c: body(i * chunk, c), carry)
-
-
-@jax.custom_vjp
-def _tile_product(x_QxI, w_AxIxO, t: Tiles):
-    """y[q] = x[q] @ w[k(q)] fp32 [Q, O], k(q) row q's adapter (Tiles; 0 for rows of none):
-    one batched product over the N tiles (x viewed as [N, T, I], no copy) plus one over
-    the E extra tiles, added in. Each row is kept by exactly one tile, so the sum adds
-    zeros only. The mask falls on the narrower side (x's I or y's O).
-
-    Custom VJP: autodiff's gradient of w contracts the token axis with the wide operand
-    first (xᵀ·dy [I, R] for the down projection), which XLA:CPU runs off its fast GEMM path
-    (x [4096, 256], dy [4096, 8]: 2.1 ms on one core, batched per tile likewise); written
-    with the narrow side leading (dyᵀ·x [R, I]) it takes 0.6 ms. The barrier keeps XLA from
-    folding the small [R, I] → [I, R] transpose back into the dot. The per-tile gradients
-    of w are summed per adapter in stream order (sorted segment sums), never by a
-    scatter.
-    """
-    n, tile = t.keep_NxT.shape
-    x_NxTxI = x_QxI.reshape(n, tile, -1)
-    narrow_in = x_QxI.shape[1] <= w_AxIxO.shape[2]
-
-    def part(x_KxTxI, pick_K, keep_KxT):
-        x = _keep(x_KxTxI, keep_KxT) if narrow_in else x_KxTxI
-        y = jnp.einsum("kti,kio->kto", x, w_AxIxO[pick_K], preferred_element_type=jnp.float32)
-        return y if narrow_in else _keep(y, keep_KxT)
-
-    def extra(e, y_NxTxO):
-        tile_C, pick_C, keep_CxT = _extra_chunk(t, e)
-        return y_NxTxO.at[tile_C].add(part(x_NxTxI[tile_C], pick_C, keep_CxT))
-
-    y_NxTxO = _over_extras(t, extra, part(x_NxTxI, t.pick_N, t.keep_NxT))
-    return y_NxTxO.reshape(n * tile, -1)
-
-
-def _tile_product_fwd(x_QxI, w_AxIxO, t):
-    return _tile_product(x_QxI, w_AxIxO, t), (x_QxI, w_AxIxO, t)
-
-
-def _tile_product_bwd(res, dy_QxO):
-    x_QxI, w_AxIxO, t = res
-    n, tile = t.keep_NxT.shape
-    n_a = w_AxIxO.shape[0]
-    narrow_in = x_QxI.shape[1] <= w_AxIxO.shape[2]
-    x_NxTxI = x_QxI.reshape(n, tile, -1)
-    dy_NxTxO = dy_QxO.astype(x_QxI.dtype).reshape(n, tile, -1)
-
-    def part(x_KxTxI, dy_KxTxO, pick_K, keep_KxT):
-        """(dx [K, T, I], dw per tile: [K, I, O] if narrow_in else [K, O, I])."""
-        w_KxIxO = w_AxIxO[pick_K]
-        if narrow_in:
-            dw = jnp.einsum(
-                "kti,kto->kio",
-                _keep(x_KxTxI, keep_KxT),
-                dy_KxTxO,
-                preferred_element_type=jnp.float32,
-            )
-            dx = _keep(
-                jnp.einsum("kto,kio->kti", dy_KxTxO, w_KxIxO, preferred_element_type=jnp.float32),
-                keep_KxT,
-            )
-            return dx, dw
-        dy = _keep(dy_KxTxO, keep_KxT)
-        dw = jnp.einsum("kto,kti->koi", dy, x_KxTxI, preferred_element_type=jnp.float32)
-        return jnp.einsum("kto,kio->kti", dy, w_KxIxO, preferred_element_type=jnp.float32), dw
-
-    def per_adapter(dw_K, rank_K):
-        return jax.ops.segment_sum(dw_K, rank_K, n_a, indices_are_sorted=True)
-
-    def extra(e, carry):
-        dx_NxTxI, dw_A = carry
-        tile_C, pick_C, keep_CxT = _extra_chunk(t, e)
-        dx_C, dw_C = part(x_NxTxI[tile_C], dy_NxTxO[tile_C], pick_C, keep_CxT)
-        rank_C = jax.lax.dynamic_slice_in_dim(t.rank_E, e, tile_C.shape[0])
-        return dx_NxTxI.at[tile_C].add(dx_C), dw_A + per_adapter(dw_C, rank_C)
-
-    dx_NxTxI, dw_N = part(x_NxTxI, dy_NxTxO, t.pick_N, t.keep_NxT)
-    dx_NxTxI, dw_A = _over_extras(t, extra, (dx_NxTxI, per_adapter(dw_N, t.rank_N)))
-    dw_A = dw_A[t.rank_of_A]
-    if not narrow_in:
-        dw_A = jnp.swapaxes(jax.lax.optimization_barrier(dw_A), 1, 2)
-    dx_QxI = dx_NxTxI.reshape(x_QxI.shape).astype(x_QxI.dtype)
-    return dx_QxI, dw_A.astype(w_AxIxO.dtype), None
-
-
-_tile_product.defvjp(_tile_product_fwd, _tile_product_bwd)

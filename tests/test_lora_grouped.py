@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from jcp import lora as lora_lib
+from jcp import lora_grouped
 
 I, O, R = 12, 10, 4
 META = lora_lib.SlotMeta(
@@ -234,7 +235,7 @@ def test_backward_keeps_rank_wide_activations_only():
 
 
 def test_extras_in_several_chunks(monkeypatch):
-    monkeypatch.setattr(lora_lib, "EXTRA_CHUNK", 2)
+    monkeypatch.setattr(lora_grouped, "EXTRA_CHUNK", 2)
     test_grouped_equals_masked_dense(8, "spans", True, chunk=2)
 
 
