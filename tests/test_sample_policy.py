@@ -310,14 +310,17 @@ def test_a_tenant_holds_at_most_its_share_while_others_use_the_engine():
     assert len(adm.admit_fair(waiting, active=2)) == 4 and adm.held("alice")[0] == 4
     waiting += [_tenant_req("bob", 20 + i) for i in range(5)]
     assert [r.rid for r in adm.admit_fair(waiting, active=2)] == [20, 21, 22, 23]
-    # A request larger than a share waits while another tenant is active ...
-    big = deque([_tenant_req("carol", 30, num_samples=5)])
+    # A tenant holding nothing may take more than its share (nothing starves) ...
+    big = deque([_tenant_req("carol", 30, num_samples=5), _tenant_req("carol", 31)])
     fresh = Admission(_sizes(slots=8))
-    assert fresh.admit_fair(big, active=2) == [] and len(big) == 1
-    # ... and the pages count too: a share is half the pages.
-    pages = deque([_tenant_req("carol", 31, prompt_len=30, max_tokens=2)])
+    assert [r.rid for r in fresh.admit_fair(big, active=2)] == [30] and len(big) == 1
+    # ... but once over its share, it waits while another tenant is active; alone it may
+    # take everything, as first come, first served.
+    assert fresh.admit_fair(big, active=2) == []
+    assert [r.rid for r in fresh.admit_fair(big, active=1)] == [31]
+    # The pages count too: a share is half the pages.
     tight = Admission(_sizes(slots=8, max_len=32, pages=8))
-    assert tight.admit_fair(pages, active=2) == [] and len(pages) == 1
-    # Alone, a tenant may take everything, as first come, first served.
-    assert [r.rid for r in fresh.admit_fair(big, active=1)] == [30]
-    assert [r.rid for r in tight.admit_fair(pages, active=1)] == [31]
+    pages = deque([_tenant_req("dan", 40, prompt_len=14, max_tokens=2)])  # 4 pages
+    pages.append(_tenant_req("dan", 41, prompt_len=5, max_tokens=2))  # 2 more
+    assert [r.rid for r in tight.admit_fair(pages, active=2)] == [40] and len(pages) == 1
+    assert [r.rid for r in tight.admit_fair(pages, active=1)] == [41]

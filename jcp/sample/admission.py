@@ -20,11 +20,13 @@ fit waits; one that could never fit is refused at submit.
 Tenants (`admit_fair`, Request.tenant): waiting requests are admitted round robin over
 tenants — the tenant admitted least recently first —, first come, first served within
 a tenant (a tenant's head that does not fit holds back that tenant's later requests, no
-one else's). While `active` > 1 tenants use the engine, a tenant's admitted requests may
-hold at most 1/active of the rows and of the pages (reservations counted, shared prompt
-pages once per sample), so one tenant's burst cannot fill the batch while another's
-request waits; a request larger than that share waits until the other tenants have gone
-quiet. One tenant alone is served exactly first come, first served.
+one else's). While `active` > 1 tenants use the engine, a tenant that holds rows already
+is admitted more only within 1/active of the rows and of the pages (reservations
+counted, shared prompt pages once per sample), so one tenant's burst cannot fill the
+batch while another's request waits. A tenant's first request is admitted whatever its
+size (when it fits), so no request starves: one request larger than a share holds the
+rows and pages it takes until it ends (nothing is preempted). One tenant alone is served
+exactly first come, first served.
 
 Decode chunks (`decode_len`): a step's device loop runs `chunk` decode steps while other
 work waits — a prompt still prefilling, or step(hurry=True) from a caller whose queue
@@ -211,11 +213,14 @@ class Admission:
         return len(mine), sum(len(x.pages) + x.reserve for x in mine)
 
     def within_share(self, req: Request, active: int) -> bool:
-        """Whether admitting req keeps its tenant within 1/active of the rows and pages."""
+        """Whether req may be admitted within its tenant's share: 1/active of the rows and
+        pages, or any size while its tenant holds nothing (so nothing starves)."""
         if active <= 1:
             return True
         s = self.sizes
         rows, pages = self.held(req.tenant)
+        if rows == 0:
+            return True
         rows += req.num_samples
         pages += req.num_samples * s.pages_per_seq(req.n, req.params["max_tokens"])
         return rows <= s.slots // active and pages <= s.groups * s.n_pages // active
