@@ -120,21 +120,9 @@ def compiled_step(cfg, cp, tokens, attn_block, chunk, cp_attention="gather", dum
 
     def inner(params, tok, seg, pos, tgt, w):
         tok, seg, pos, tgt, w = (x[0, 0] for x in (tok, seg, pos, tgt, w))
-        loss, _ = train_step.model_loss(
-            cfg,
-            step_cfg,
-            params,
-            None,
-            None,
-            tok,
-            seg,
-            pos,
-            tgt,
-            losses.TokenInputs(w, w, w),
-            "cross_entropy",
-            {},
-            8,
-        )
+        stream = train_step.Stream(tok, seg, pos, tgt, losses.TokenInputs(w, w, w))
+        opts = train_step.LossOptions("cross_entropy", 8)
+        loss, _ = train_step.model_loss(cfg, step_cfg, params, None, None, stream, {}, opts)
         return loss
 
     f = jax.shard_map(inner, mesh=mesh, in_specs=(specs,) + (stream,) * 5, out_specs=P())

@@ -1,10 +1,10 @@
-"""Token log-probs (chunked, vocab-parallel), the Tinker losses, and per-datum outputs.
+"""The Tinker losses and per-datum outputs.
 
-The device side (target_logprobs; prompt_stats — sampling's forward-only top-k and draws
-of the same log_softmax; the loss functions, token_losses, shard_loss and the
-per-datum gathers) runs per shard inside the one shard_map. It must never build an array
-of [tokens, vocab] (forward or backward), never average a loss (Tinker losses are sums),
-and never let the per-datum outputs reach the gradient.
+The device side (the loss functions, token_losses, shard_loss and the per-datum gathers)
+runs per shard inside the one shard_map, on the log-probs of jcp/logprobs.py (chunked,
+vocab-parallel; target_logprobs, and prompt_stats re-exported here). It must never build an
+array of [tokens, vocab] (forward or backward), never average a loss (Tinker losses are
+sums), and never let the per-datum outputs reach the gradient.
 
 The one loss table (LOSSES) registers each Tinker loss: its function, the loss_fn_inputs
 it reads, its loss_fn_config settings and defaults, and whether it clips. Adding a loss is
@@ -21,7 +21,6 @@ Shapes: see the legend in jcp/mesh.py.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping
 
 import jax
@@ -29,232 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jcp.errors import InputError, float32_number
-from jcp.mesh import BATCH_AXES, CP, DP, TP, block_size, psum_flat, vary, varying_axes
-
-DEFAULT_CHUNK = 1024
-
-
-# ----------------------------------------------------------------------------------------
-# Vocab-parallel target log-probs
-
-
-def _chunk_logits(lefts, rights, i, chunk):
-    """fp32 logits [chunk, V/tp] of token chunk i: Σ left[chunk] @ right."""
-    out = None
-    for left, right in zip(lefts, rights):
-        part = jax.lax.dynamic_slice_in_dim(left, i * chunk, chunk, axis=0)
-        y = jnp.einsum("sd,dv->sv", part, right, preferred_element_type=jnp.float32)
-        out = y if out is None else out + y
-    return out
-
-
-def _local_targets(targets_SxK, v_local):
-    """Targets as indices into this tp rank's vocab slice, and whether they fall in it
-    (a padding target −1 falls in no slice: its log-prob is −lse, masked by the caller)."""
-    local = targets_SxK - jax.lax.axis_index(TP) * v_local
-    inside = (local >= 0) & (local < v_local)
-    return jnp.where(inside, local, 0), inside
-
-
-def _lp_fwd_impl(lefts, rights, targets_SxK, chunk):
-    s_len = targets_SxK.shape[0]
-    v_local = rights[0].shape[1]
-    n_chunks = s_len // chunk
-    tgt_SxK, inside_SxK = _local_targets(targets_SxK, v_local)
-
-    def body(_, i):
-        logits = _chunk_logits(lefts, rights, i, chunk)
-        m = jax.lax.pmax(jnp.max(logits, axis=-1), TP)
-        se = jax.lax.psum(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1), TP)
-        lse = m + jnp.log(se)
-        t = jax.lax.dynamic_slice_in_dim(tgt_SxK, i * chunk, chunk)
-        ins = jax.lax.dynamic_slice_in_dim(inside_SxK, i * chunk, chunk)
-        picked = jnp.take_along_axis(logits, t, axis=-1)  # [chunk, K]
-        picked = jax.lax.psum(jnp.where(ins, picked, 0.0), TP)
-        return None, (picked - lse[:, None], lse)
-
-    _, (lp, lse) = jax.lax.scan(body, None, jnp.arange(n_chunks))
-    return lp.reshape(targets_SxK.shape), lse.reshape(s_len)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _target_logprobs(lefts, rights, targets_SxK, chunk, right_grads):
-    return _lp_fwd_impl(lefts, rights, targets_SxK, chunk)[0]
-
-
-def _lp_fwd(lefts, rights, targets_SxK, chunk, right_grads):
-    lp, lse = _lp_fwd_impl(lefts, rights, targets_SxK, chunk)
-    return lp, (lefts, rights, targets_SxK, lse)
-
-
-def _lp_bwd(chunk, right_grads, res, g_SxK):
-    lefts, rights, targets_SxK, lse_S = res
-    s_len = targets_SxK.shape[0]
-    v_local = rights[0].shape[1]
-    tgt_SxK, inside_SxK = _local_targets(targets_SxK, v_local)
-    # Frozen factors (the base unembedding) get no gradient work at all.
-    d_rights0 = tuple(
-        vary(jnp.zeros(r.shape if want else (), jnp.float32), varying_axes(r))
-        for r, want in zip(rights, right_grads)
-    )
-
-    def body(d_rights, i):
-        logits = _chunk_logits(lefts, rights, i, chunk)
-        lse = jax.lax.dynamic_slice_in_dim(lse_S, i * chunk, chunk)
-        g = jax.lax.dynamic_slice_in_dim(g_SxK, i * chunk, chunk)
-        t = jax.lax.dynamic_slice_in_dim(tgt_SxK, i * chunk, chunk)
-        ins = jax.lax.dynamic_slice_in_dim(inside_SxK, i * chunk, chunk)
-        # d lp_k / d logits = onehot(target_k) − softmax; the one-hot parts are a scatter
-        # of g, so no [chunk, V] index or mask array is built.
-        d_logits = -jnp.sum(g, axis=-1)[:, None] * jnp.exp(logits - lse[:, None])
-        d_logits = d_logits.at[jnp.arange(chunk)[:, None], t].add(jnp.where(ins, g, 0.0))
-        d_lefts = []
-        new_d_rights = []
-        for left, right, dr, want in zip(lefts, rights, d_rights, right_grads):
-            part = jax.lax.dynamic_slice_in_dim(left, i * chunk, chunk, axis=0)
-            dl = jnp.einsum("sv,dv->sd", d_logits, right.astype(jnp.float32))
-            d_lefts.append(jax.lax.psum(dl, TP))  # sum over the vocab shards
-            if want:
-                dr = dr + jnp.einsum("sd,sv->dv", part.astype(jnp.float32), d_logits)
-            new_d_rights.append(dr)
-        return tuple(new_d_rights), tuple(d_lefts)
-
-    d_rights, d_lefts = jax.lax.scan(body, d_rights0, jnp.arange(s_len // chunk))
-    d_lefts = tuple(dl.reshape(left.shape).astype(left.dtype) for dl, left in zip(d_lefts, lefts))
-    d_rights = tuple(
-        dr.astype(r.dtype) if want else jnp.zeros_like(r)
-        for dr, r, want in zip(d_rights, rights, right_grads)
-    )
-    targets_ct = np.zeros(targets_SxK.shape, dtype=jax.dtypes.float0)
-    return d_lefts, d_rights, targets_ct
-
-
-_target_logprobs.defvjp(_lp_fwd, _lp_bwd)
-
-
-def target_logprobs(lefts, rights, targets_S, chunk: int = DEFAULT_CHUNK, right_grads=None):
-    """log p(target) [S] for logits = Σ_i lefts[i] @ rights[i], vocab split over "tp";
-    [S, K] for targets [S, K] (K scored targets per token, e.g. a teacher's top-k: one
-    softmax per token, K picks; a target −1 gets −lse, for the caller to mask).
-
-    lefts[i]: [S, D_i], the same on every tp rank; rights[i]: [D_i, V/tp], this rank's
-    vocab slice (rank t holds vocab rows t·V/tp …). The softmax pieces are combined with
-    pmax / psum over "tp". Tokens are processed `chunk` at a time under a custom VJP that
-    keeps only the log-sum-exp [S] and recomputes each chunk's logits in the backward pass,
-    so no [S, V] array ever exists. right_grads[i] = False skips the gradient of a frozen
-    rights[i] (its cotangent is zero).
-    """
-    lefts, rights = tuple(lefts), tuple(rights)
-    chunk = block_size(targets_S.shape[0], chunk)
-    # The batch axes vary across devices; weights replicated over them must be marked
-    # varying before the custom VJP so that their cotangents are summed by the transpose
-    # of this cast (outside), not inside the rule.
-    rights = tuple(vary(r, BATCH_AXES) for r in rights)
-    lefts = tuple(vary(x, BATCH_AXES) for x in lefts)
-    right_grads = (True,) * len(rights) if right_grads is None else tuple(right_grads)
-    if targets_S.ndim == 1:
-        return _target_logprobs(lefts, rights, targets_S[:, None], chunk, right_grads)[:, 0]
-    return _target_logprobs(lefts, rights, targets_S, chunk, right_grads)
-
-
-def _gather_tp(x_CxK):
-    """[C, K] on each tp rank -> [C, tp·K] on all (rank-major), typed replicated over tp."""
-    tp = jax.lax.axis_size(TP)
-    grid = jnp.zeros((tp,) + x_CxK.shape, x_CxK.dtype).at[jax.lax.axis_index(TP)].set(x_CxK)
-    return jnp.moveaxis(jax.lax.psum(grid, TP), 0, 1).reshape(x_CxK.shape[0], -1)
-
-
-def prompt_stats(
-    lefts,
-    rights,
-    targets_SxK,
-    chunk: int = DEFAULT_CHUNK,
-    *,
-    topk: int = 0,
-    alt: int = 0,
-    temperature_S=None,
-    keys_Sx2=None,
-    position_S=None,
-) -> dict:
-    """Forward-only log-prob statistics of every token, vocab-parallel over "tp" (no
-    [tokens, V] array, no vocab gather): {"lp": [S, K] log_softmax(logits) of targets
-    (as target_logprobs; −1 gets −lse, for the caller to mask)} and, with topk > 0,
-    "topk_ids" int32 / "topk_lp" [S, topk]: the topk most likely tokens and their
-    log-probs (each rank's own top-k of its vocab slice, merged: tp·topk candidates per
-    token; ids −1 / −inf past the vocabulary); with alt > 0, "alt_ids" int32 / "alt_lp"
-    [S, alt]: alt independent draws from softmax(logits / T) (T = temperature_S; T = 0:
-    the argmax every time) with their log-probs log_softmax(logits / T) (T = 0: of the
-    logits) — Gumbel-max on each rank's slice, the max merged over tp; draw j of a token
-    uses key fold_in(fold_in(fold_in(keys_Sx2, position_S), j), tp rank), so draws
-    depend on the seed, the position and tp, not on the batch around the token.
-    """
-    lefts = tuple(vary(x, BATCH_AXES) for x in lefts)
-    rights = tuple(vary(r, BATCH_AXES) for r in rights)
-    s_len = targets_SxK.shape[0]
-    chunk = block_size(s_len, chunk)
-    v_local = rights[0].shape[1]
-    rank = jax.lax.axis_index(TP)
-    v_total = v_local * jax.lax.axis_size(TP)
-    offset = rank * v_local
-    tgt_SxK, inside_SxK = _local_targets(targets_SxK, v_local)
-
-    def lse_of(x):
-        m = jax.lax.pmax(jnp.max(x, axis=-1), TP)
-        return m + jnp.log(jax.lax.psum(jnp.sum(jnp.exp(x - m[:, None]), axis=-1), TP))
-
-    def body(_, i):
-        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk)  # noqa: E731
-        logits = _chunk_logits(lefts, rights, i, chunk)
-        lse = lse_of(logits)
-        picked = jnp.take_along_axis(logits, sl(tgt_SxK), axis=-1)
-        out = {"lp": jax.lax.psum(jnp.where(sl(inside_SxK), picked, 0.0), TP) - lse[:, None]}
-        if topk:
-            k_loc = min(topk, v_local)
-            val, idx = jax.lax.top_k(logits, k_loc)
-            val, idx = _gather_tp(val), _gather_tp(idx.astype(jnp.int32) + offset)
-            val, at = jax.lax.top_k(val, min(topk, val.shape[1]))
-            idx = jnp.take_along_axis(idx, at, axis=-1)
-            pad = topk - val.shape[1]
-            out["topk_lp"] = jnp.pad(
-                val - lse[:, None], ((0, 0), (0, pad)), constant_values=-jnp.inf
-            )
-            out["topk_ids"] = jnp.pad(idx, ((0, 0), (0, pad)), constant_values=-1)
-        if alt:
-            t_C = sl(temperature_S)
-            x = logits / jnp.where(t_C > 0, t_C, 1.0)[:, None]
-            lse_t = lse_of(x)
-            keys, pos = sl(keys_Sx2), sl(position_S)
-
-            def draw(_, j):
-                def noise(key_2, p):
-                    key = jax.random.wrap_key_data(key_2, impl="threefry2x32")
-                    key = jax.random.fold_in(
-                        jax.random.fold_in(jax.random.fold_in(key, p), j), rank
-                    )
-                    return jax.random.gumbel(key, (v_local,), jnp.float32)
-
-                y = jnp.where((t_C > 0)[:, None], x + jax.vmap(noise)(keys, pos), x)
-                best = jnp.max(y, axis=-1)
-                top = jax.lax.pmax(best, TP)
-                tok = jax.lax.pmin(
-                    jnp.where(best == top, jnp.argmax(y, axis=-1) + offset, v_total), TP
-                )
-                here = (tok >= offset) & (tok < offset + v_local)
-                xi = jnp.take_along_axis(
-                    x, jnp.clip(tok - offset, 0, v_local - 1)[:, None], axis=-1
-                )[:, 0]
-                return None, (
-                    tok.astype(jnp.int32),
-                    jax.lax.psum(jnp.where(here, xi, 0.0), TP) - lse_t,
-                )
-
-            _, (ids, lps) = jax.lax.scan(draw, None, jnp.arange(alt))
-            out["alt_ids"], out["alt_lp"] = ids.T, lps.T
-        return None, out
-
-    _, out = jax.lax.scan(body, None, jnp.arange(s_len // chunk))
-    return {k: v.reshape((s_len,) + v.shape[2:]) for k, v in out.items()}
-
+from jcp.logprobs import DEFAULT_CHUNK, target_logprobs
+from jcp.logprobs import prompt_stats as prompt_stats  # re-exported: jcp.losses.prompt_stats
+from jcp.mesh import BATCH_AXES, CP, DP, psum_flat
 
 # ----------------------------------------------------------------------------------------
 # Tinker losses: one signature, token losses (summed by the caller, never averaged)
@@ -605,24 +381,34 @@ def token_losses(lp_S, inputs: TokenInputs, loss_fn, cfg, loss_id_S=None):
     return tok_loss_S, clipped_S
 
 
+@dataclasses.dataclass(frozen=True)
+class LossPlan:
+    """The static options of shard_loss: loss_fn (a name, or a tuple of names picked per
+    token by loss_id_S, as in token_losses), num_slots (the datum slots of the stream),
+    chunk (tokens per log-prob chunk), right_grads (target_logprobs'), keep_token_logprobs
+    and summed (see shard_loss)."""
+
+    loss_fn: str | tuple[str, ...]
+    num_slots: int
+    chunk: int = DEFAULT_CHUNK
+    right_grads: tuple[bool, ...] | None = None
+    keep_token_logprobs: bool = False
+    summed: bool = True
+
+
 def shard_loss(
     lefts,
     rights,
     targets_S,
     segment_S,
     inputs: TokenInputs,
-    loss_fn,
     cfg,
-    num_slots: int,
-    chunk: int = DEFAULT_CHUNK,
-    right_grads=None,
+    plan: LossPlan,
     loss_id_S=None,
-    keep_token_logprobs: bool = False,
-    summed: bool = True,
 ):
     """Loss of this shard's tokens and the complete per-datum outputs.
 
-    loss_fn / cfg / loss_id_S as in token_losses (one loss, or one per token).
+    plan.loss_fn / cfg / loss_id_S as in token_losses (one loss, or one per token).
     Returns (loss, outputs): loss is the local-shard token sum psum'd over (dp, cp), so it
     is replicated and `jax.grad` of it taken outside the shard_map is the CP = 1 gradient;
     outputs (ShardOutputs) are built under stop_gradient and gathered so every device holds
@@ -630,16 +416,17 @@ def shard_loss(
 
     2-D targets [S, K] (padding −1): log-probs [S, K], zero (and no gradient) at padding
     targets; the batch holds only cross_entropy (token loss Σ_k −w_k·lp_k, weights [S, K])
-    and custom datums. keep_token_logprobs: also return this shard's log-probs, not
+    and custom datums. plan.keep_token_logprobs: also return this shard's log-probs, not
     gathered and still differentiable, as outputs.token_logprobs (for a custom loss).
 
-    summed=False: no sum over (dp, cp) here; returns (this shard's loss, OUTPUT_PARTS of
+    plan.summed=False: no sum over (dp, cp) here; returns (this shard's loss, OUTPUT_PARTS of
     this shard: its loss again (no gradient), the log-prob and token-loss grids, the
     datum losses and clipped counts as float32), and the caller sums the parts and makes
     ShardOutputs of them (shard_outputs) — train_step folds that sum into the gradient's
     all-reduce.
     """
-    lp_S = target_logprobs(lefts, rights, targets_S, chunk, right_grads)
+    num_slots = plan.num_slots
+    lp_S = target_logprobs(lefts, rights, targets_S, plan.chunk, plan.right_grads)
     real_S = segment_S >= 0
     inputs = dataclasses.replace(inputs, datum_sum=datum_sum(segment_S, num_slots))
     if lp_S.ndim == 2:
@@ -647,7 +434,7 @@ def shard_loss(
         tok_loss_S = jnp.sum(-inputs.weights * lp_S, axis=-1)
         clipped_S = jnp.zeros(real_S.shape, bool)
     else:
-        tok_loss_S, clipped_S = token_losses(lp_S, inputs, loss_fn, cfg, loss_id_S)
+        tok_loss_S, clipped_S = token_losses(lp_S, inputs, plan.loss_fn, cfg, loss_id_S)
     tok_loss_S = jnp.where(real_S, tok_loss_S, 0.0)
 
     real = real_S if lp_S.ndim == 1 else real_S[:, None]
@@ -669,16 +456,16 @@ def shard_loss(
         datum_loss,
         clipped.astype(jnp.float32),
     )
-    if not summed:
+    if not plan.summed:
         return loss, parts
     loss, *sums = psum_flat((loss,) + parts[1:], BATCH_AXES)
     _, outputs = shard_outputs((loss, *sums))
-    if keep_token_logprobs:
+    if plan.keep_token_logprobs:
         outputs = dataclasses.replace(outputs, token_logprobs=jnp.where(real, lp_S, 0.0))
     return loss, outputs
 
 
-# What shard_loss(summed=False) returns as its parts, in order.
+# What shard_loss(plan.summed=False) returns as its parts, in order.
 OUTPUT_PARTS = ("loss", "logprobs", "elementwise_loss", "datum_loss", "clipped")
 
 

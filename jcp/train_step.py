@@ -1,6 +1,8 @@
 """The jitted pure steps: forward and forward_backward.
 
-Owns the one shard_map over (dp, cp, tp) that runs model + losses and the gradient taken
+Owns the one shard_map over (dp, cp, tp) that runs model + losses (the body of one device's
+stream: jcp/model_loss.py, whose model_loss, StepConfig, training_attend and unroll_layers
+are importable from here) and the gradient taken
 outside it w.r.t. the active adapter slots only (AdamW is jcp.optim's). It must
 never differentiate base weights, never psum a gradient beyond the one sum over dp and cp
 that the replicated adapters' transpose makes (vary_on_entry; or, in a multi-process CPU
@@ -22,63 +24,19 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jcp import attention as attention_lib
 from jcp import custom_loss as custom_loss_lib
-from jcp import delta_rule as delta_rule_lib
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import mesh as mesh_lib
 from jcp import model as model_lib
 from jcp.config import QwenConfig
-from jcp.errors import float32_number
-from jcp.mesh import BATCH_AXES, CP, SPECS, TP
-from jcp.model import moe as moe_lib
+from jcp.mesh import BATCH_AXES, SPECS
 
-
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-    """Static settings of the compiled steps, each validated here and only here (Trainer
-    builds one before anything else; ValueError naming the setting)."""
-
-    # True / False: recompute each layer in the backward pass or not; "auto" is the
-    # Trainer's (it compiles the step with each as the compiled memory requires); the
-    # steps themselves recompute only for True.
-    remat: bool | str = True
-    attn_impl: str = "blockwise"
-    attn_block: int = 128
-    logprob_chunk: int = 1024
-    # How queries reach the other cp ranks' keys: "gather", "ring", or "auto" (see
-    # attention.choose_cp_attention).
-    cp_attention: str = "auto"
-    # MoE only: the weight of the router auxiliary loss added to the differentiated loss
-    # (model_loss); 0 adds nothing and compiles nothing for it. Kept as its float32 value.
-    router_aux_loss_coef: float = 0.0
-
-    def __post_init__(self):
-        if not (self.remat is True or self.remat is False or self.remat == "auto"):
-            raise ValueError(f"remat must be True, False or 'auto', got {self.remat!r}")
-        if self.attn_impl not in attention_lib.IMPLEMENTATIONS:
-            raise ValueError(
-                f"attn_impl must be one of {attention_lib.IMPLEMENTATIONS}, got {self.attn_impl!r}"
-            )
-        if self.cp_attention not in attention_lib.CP_ATTENTION:
-            raise ValueError(
-                f"cp_attention must be one of {attention_lib.CP_ATTENTION}, got "
-                f"{self.cp_attention!r}"
-            )
-        coef = float32_number(self.router_aux_loss_coef, "router_aux_loss_coef")
-        if coef < 0:
-            raise ValueError(f"router_aux_loss_coef must be ≥ 0, got {coef}")
-        object.__setattr__(self, "router_aux_loss_coef", coef)
-        for name in ("attn_block", "logprob_chunk"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.cp_attention == "ring" and self.attn_impl == "dense":
-            raise ValueError(
-                f"cp_attention='ring' needs attn_impl one of "
-                f"{attention_lib.RING_IMPLEMENTATIONS}, got 'dense'"
-            )
+# The model + loss body (jcp/model_loss.py), re-exported: the design card names train_step.
+from jcp.model_loss import LossOptions, Stream, model_loss
+from jcp.model_loss import StepConfig as StepConfig
+from jcp.model_loss import training_attend as training_attend
+from jcp.model_loss import unroll_layers as unroll_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,145 +81,6 @@ def batch_specs() -> Batch:
     )
 
 
-def model_loss(
-    cfg: QwenConfig,
-    step_cfg: StepConfig,
-    params,
-    lora,
-    route,
-    tokens_S,
-    segment_S,
-    position_S,
-    targets_S,
-    inputs: losses_lib.TokenInputs,
-    loss_fn,
-    loss_cfg,
-    num_slots: int,
-    *,
-    loss_id_S=None,
-    base_unembed_grad: bool = False,
-    call_tokens=None,
-    keep_token_logprobs: bool = False,
-    summed: bool = True,
-):
-    """Model + loss of this device's stream, inside the shard_map: (loss, ShardOutputs);
-    summed=False (dense models only): (this shard's loss, its output parts), as
-    losses.shard_loss(summed=False).
-
-    embed → hidden_states (CP attention, the training strategy) → unembed_factors →
-    losses.shard_loss. Streams are this device's [S] rows; lora: the active adapters
-    (take_active) or None for the base model alone, routed by `route`; loss_fn, loss_cfg,
-    num_slots, loss_id_S, keep_token_logprobs as in losses.shard_loss. base_unembed_grad:
-    differentiate the base unembedding too (training never does: it is frozen; tests of
-    base gradients do).
-
-    MoE models: outputs.expert_counts [Lm, E] counts every MoE layer's assignments of the
-    real tokens of all (dp, cp) shards (psum over dp and cp only: every tp rank routes the
-    same tokens alike). With step_cfg.router_aux_loss_coef = c > 0 the loss gains
-    c · w · moe.load_balancing_loss over this micro-batch's real tokens (f and P global
-    over dp and cp), w = its real tokens / call_tokens (the call's; None: this micro-batch
-    is the whole call) — so a call split into several micro-batches gets the token-weighted
-    mean of theirs; outputs.router_aux_loss holds that term's value.
-    """
-    attend = training_attend(cfg, step_cfg, segment_S, position_S)
-    real_S = segment_S >= 0
-    # Gated DeltaNet layers (hybrid models): a stream holds at most two pieces (zigzag
-    # chunks) of each of its num_slots datums, and one padding piece.
-    mix = (
-        delta_rule_lib.cp_mix(segment_S, position_S, 2 * num_slots + 1, CP)
-        if cfg.is_hybrid
-        else None
-    )
-    h_SxD, _, stats = model_lib.hidden_states(
-        cfg,
-        params,
-        tokens_S,
-        position_S,
-        attend,
-        lora,
-        route,
-        remat=step_cfg.remat is True,
-        count_S=real_S,
-        mix=mix,
-        unroll=unroll_layers(cfg, step_cfg),
-    )
-    lefts, rights = model_lib.unembed_factors(params, h_SxD, lora, route)
-    loss, outputs = losses_lib.shard_loss(
-        lefts,
-        rights,
-        targets_S,
-        segment_S,
-        inputs,
-        loss_fn,
-        loss_cfg,
-        num_slots,
-        chunk=step_cfg.logprob_chunk,
-        right_grads=(base_unembed_grad,) + (True,) * (len(rights) - 1),
-        loss_id_S=loss_id_S,
-        keep_token_logprobs=keep_token_logprobs,
-        summed=summed,
-    )
-    if stats is None:
-        return loss, outputs
-    if not summed:
-        raise ValueError("model_loss(summed=False) is for dense models")
-    counts_LxE = jax.lax.psum(stats.counts, BATCH_AXES)
-    outputs = dataclasses.replace(outputs, expert_counts=counts_LxE)
-    if not step_cfg.router_aux_loss_coef:
-        return loss, outputs
-    tokens = jax.lax.psum(jnp.sum(real_S, dtype=jnp.int32), BATCH_AXES)
-    weight = step_cfg.router_aux_loss_coef * (
-        1.0 if call_tokens is None else tokens / jnp.maximum(call_tokens, 1)
-    )
-    aux = weight * moe_lib.load_balancing_loss(
-        counts_LxE, jax.lax.psum(stats.prob_sum, BATCH_AXES), tokens, cfg.num_experts_per_tok
-    )
-    outputs = dataclasses.replace(outputs, router_aux_loss=jax.lax.stop_gradient(aux))
-    return loss + aux.astype(loss.dtype), outputs
-
-
-# Training unrolls the layer loop on XLA:CPU up to this many layers (unroll_layers).
-CPU_UNROLL_LAYERS = 8
-
-
-def unroll_layers(cfg: QwenConfig, step_cfg: StepConfig) -> bool:
-    """Whether the training step unrolls its layer loop (model.scan_layers): on XLA:CPU with
-    ≤ CPU_UNROLL_LAYERS layers, when the layers are not recomputed. A rolled loop slices
-    every weight stack per layer and copies every saved activation into an [L, …] stack,
-    ~10 % of the CPU step of throughput.py's 4-layer model; unrolled, compile time grows
-    ∝ L, which is why deep models keep the loop (on accelerators those copies are cheap next
-    to the layers' work). A recomputing step (remat: chosen where memory requires it) keeps
-    the loop, whose liveness is one layer's: unrolled, XLA:CPU's schedule of the
-    recomputation held ~30 % more temporaries (tests/test_model.py's memory bound)."""
-    return (
-        jax.default_backend() == "cpu"
-        and cfg.num_layers <= CPU_UNROLL_LAYERS
-        and step_cfg.remat is not True
-    )
-
-
-def training_attend(cfg: QwenConfig, step_cfg: StepConfig, segment_S, position_S):
-    """The attention strategy of training (inside the shard_map): ring_attend or cp_attend,
-    as attention.choose_cp_attention picks for this stream's shape ("dense" always gathers)."""
-    cp, tp = jax.lax.axis_size(CP), jax.lax.axis_size(TP)
-    choice = "gather" if step_cfg.attn_impl == "dense" else step_cfg.cp_attention
-    how = attention_lib.choose_cp_attention(
-        choice,
-        cp,
-        segment_S.shape[0],
-        cfg.num_kv_heads // tp,
-        cfg.head_dim,
-        jnp.dtype(cfg.dtype).itemsize,
-    )
-    if how == "ring":
-        return attention_lib.ring_attend(
-            segment_S, position_S, block=step_cfg.attn_block, implementation=step_cfg.attn_impl
-        )
-    return attention_lib.cp_attend(
-        segment_S, position_S, implementation=step_cfg.attn_impl, block=step_cfg.attn_block
-    )
-
-
 def stream_loss(
     cfg: QwenConfig,
     step_cfg: StepConfig,
@@ -275,36 +94,52 @@ def stream_loss(
     **kw,
 ):
     """model_loss of this device's row of the batch, inside the shard_map (kw: its
-    keep_token_logprobs / summed)."""
+    keep_token_logprobs / summed, LossOptions)."""
     one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
     route = slot_meta.routing(b.active, one(b.spans), s_len=b.tokens.shape[-1])
     inputs = losses_lib.TokenInputs(**{k: one(getattr(b, k)) for k in losses_lib.FLOAT_INPUTS})
-    return model_loss(
-        cfg,
-        step_cfg,
-        params,
-        lora_active,
-        route,
+    stream = Stream(
         one(b.tokens),
         one(b.segment),
         one(b.position),
         one(b.targets),
         inputs,
-        loss_fns,
-        loss_cfg,
-        num_slots,
         loss_id_S=one(b.loss_id),
         call_tokens=b.call_tokens,
-        **kw,
     )
+    opts = LossOptions(loss_fns, num_slots, **kw)
+    return model_loss(cfg, step_cfg, params, lora_active, route, stream, loss_cfg, opts)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+    """What a compiled step fixes for its shard_map'd pass: the model, the mesh, the step
+    settings, the batch's loss names (tokens pick theirs by loss_id) and datum slots."""
+
+    cfg: QwenConfig
+    mesh: object
+    step_cfg: StepConfig
+    loss_fns: tuple[str, ...]
+    num_slots: int
+
+    def stream_loss(self, lora_active, params, slot_meta, b: Batch, loss_cfg, **kw):
+        """stream_loss of this pass (inside the shard_map)."""
+        return stream_loss(
+            self.cfg,
+            self.step_cfg,
+            self.loss_fns,
+            self.num_slots,
+            lora_active,
+            params,
+            slot_meta,
+            b,
+            loss_cfg,
+            **kw,
+        )
 
 
 def _loss_and_outputs(
-    cfg: QwenConfig,
-    mesh,
-    step_cfg: StepConfig,
-    loss_fns: tuple[str, ...],
-    num_slots: int,
+    p: _Pass,
     lora_active,
     params,
     slot_meta,
@@ -316,17 +151,13 @@ def _loss_and_outputs(
     """The shard_map'd model + loss, and a custom loss after it. Returns (replicated loss,
     ShardOutputs).
 
-    loss_fns: the losses in the batch (tokens pick theirs by loss_id); loss_cfg
-    {name: {setting: scalar}}; custom: the call's CustomLoss (static) or None, with
-    custom_args its datums (see custom_terms).
+    loss_cfg {name: {setting: scalar}} (p.loss_fns' settings); custom: the call's CustomLoss
+    (static) or None, with custom_args its datums (see custom_terms).
     """
+    cfg, mesh = p.cfg, p.mesh
 
     def shard(lora_active, params, slot_meta, b: Batch, loss_cfg):
-        loss, out = stream_loss(
-            cfg,
-            step_cfg,
-            loss_fns,
-            num_slots,
+        loss, out = p.stream_loss(
             vary_on_entry(lora_active),
             params,
             slot_meta,
@@ -372,18 +203,7 @@ def folds_outputs(cfg: QwenConfig, custom) -> bool:
     return custom is None and not cfg.is_moe
 
 
-def _folded_value_and_grad(
-    cfg: QwenConfig,
-    mesh,
-    step_cfg: StepConfig,
-    loss_fns: tuple[str, ...],
-    num_slots: int,
-    lora_active,
-    params,
-    slot_meta,
-    batch: Batch,
-    loss_cfg,
-):
+def _folded_value_and_grad(p: _Pass, lora_active, params, slot_meta, batch: Batch, loss_cfg):
     """(gradient w.r.t. lora_active, loss, ShardOutputs) — _loss_and_outputs and its
     gradient, with the outputs summed over (dp, cp) in the backward pass's one all-reduce.
 
@@ -396,22 +216,12 @@ def _folded_value_and_grad(
     outputs and the backward's gradient). The gradient is that of the summed loss: each
     shard's loss is a [DP, CP] output whose cotangent is 1, as psum's transpose gives it.
     """
+    cfg, mesh, num_slots = p.cfg, p.mesh, p.num_slots
     size = sum(math.prod(s) for s in part_shapes(batch, num_slots))
 
     def shard(lora_active, sink, params, slot_meta, b: Batch, loss_cfg):
         lora_active, sink = vary_on_entry((lora_active, sink))
-        loss, parts = stream_loss(
-            cfg,
-            step_cfg,
-            loss_fns,
-            num_slots,
-            lora_active,
-            params,
-            slot_meta,
-            b,
-            loss_cfg,
-            summed=False,
-        )
+        loss, parts = p.stream_loss(lora_active, params, slot_meta, b, loss_cfg, summed=False)
         payload = jnp.concatenate([x.reshape(-1) for x in parts])
         return _emit(sink, loss, payload)[None, None]
 
@@ -589,20 +399,8 @@ def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
         modules=None,
     ):
         active = lora_lib.take_active(used_modules(lora, modules), batch.active)
-        return _loss_and_outputs(
-            cfg,
-            mesh,
-            step_cfg,
-            loss_fns,
-            num_slots,
-            active,
-            params,
-            slot_meta,
-            batch,
-            loss_cfg,
-            custom,
-            custom_args,
-        )
+        p = _Pass(cfg, mesh, step_cfg, loss_fns, num_slots)
+        return _loss_and_outputs(p, active, params, slot_meta, batch, loss_cfg, custom, custom_args)
 
     return forward
 
@@ -642,27 +440,16 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig, fold: boo
         custom=None,
         modules=None,
     ):
+        p = _Pass(cfg, mesh, step_cfg, loss_fns, num_slots)
+
         def loss_of(active):
             return _loss_and_outputs(
-                cfg,
-                mesh,
-                step_cfg,
-                loss_fns,
-                num_slots,
-                active,
-                params,
-                slot_meta,
-                batch,
-                loss_cfg,
-                custom,
-                custom_args,
+                p, active, params, slot_meta, batch, loss_cfg, custom, custom_args
             )
 
         active = lora_lib.take_active(used_modules(lora, modules), batch.active)
         if folds_outputs(cfg, custom) and fold:
-            grads, loss, out = _folded_value_and_grad(
-                cfg, mesh, step_cfg, loss_fns, num_slots, active, params, slot_meta, batch, loss_cfg
-            )
+            grads, loss, out = _folded_value_and_grad(p, active, params, slot_meta, batch, loss_cfg)
         else:
             (loss, out), grads = jax.value_and_grad(loss_of, has_aux=True)(active)
         acc, finite_A = accumulate(acc, lora_lib.untake_active(grads), batch.active, modules)

@@ -151,13 +151,13 @@ def test_cpu_unrolled_layer_loop_equals_rolled(monkeypatch):
     the unrolled program holds one cosine per branch of rotary's cond."""
     from helpers import trainer_harness as H
 
-    from jcp import train_step
+    from jcp import model_loss
 
     cfg = jcp.QwenConfig.tiny()
     data = H.random_data((37, 20, 5), seed=1)
     results, whiles, cosines = [], [], []
-    for limit in (train_step.CPU_UNROLL_LAYERS, 0):
-        monkeypatch.setattr(train_step, "CPU_UNROLL_LAYERS", limit)
+    for limit in (model_loss.CPU_UNROLL_LAYERS, 0):
+        monkeypatch.setattr(model_loss, "CPU_UNROLL_LAYERS", limit)
         tr = jcp.Trainer(
             cfg, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=4, attn_block=16, logprob_chunk=16
         )

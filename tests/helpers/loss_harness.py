@@ -164,9 +164,8 @@ def step_fn(dp: int, cp: int, tp: int, num_slots: int):
     def one_loss(name, h, w, targets, segment, wts, adv, slp, srm, cfg):
         def inner(h, w, targets, segment, wts, adv, slp, srm, cfg):
             x = losses.TokenInputs(wts[0, 0], adv[0, 0], slp[0, 0], srm[0, 0])
-            return losses.shard_loss(
-                (h[0, 0],), (w,), targets[0, 0], segment[0, 0], x, name, cfg, num_slots, chunk=CHUNK
-            )
+            plan = losses.LossPlan(name, num_slots, chunk=CHUNK)
+            return losses.shard_loss((h[0, 0],), (w,), targets[0, 0], segment[0, 0], x, cfg, plan)
 
         return jax.shard_map(
             inner,

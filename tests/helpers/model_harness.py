@@ -146,22 +146,9 @@ def _sharded_loss(cfg, mesh_shape, impl, num_slots, remat, attn_block=ATTN_BLOCK
 
     def inner(params, tok, seg, pos, tgt, w):
         tok, seg, pos, tgt, w = (x[0, 0] for x in (tok, seg, pos, tgt, w))
-        return train_step.model_loss(
-            cfg,
-            step_cfg,
-            params,
-            None,
-            None,
-            tok,
-            seg,
-            pos,
-            tgt,
-            losses.TokenInputs(w, w, w),
-            LOSS_FN,
-            {},
-            num_slots,
-            base_unembed_grad=True,
-        )
+        stream = train_step.Stream(tok, seg, pos, tgt, losses.TokenInputs(w, w, w))
+        opts = train_step.LossOptions(LOSS_FN, num_slots, base_unembed_grad=True)
+        return train_step.model_loss(cfg, step_cfg, params, None, None, stream, {}, opts)
 
     return jax.shard_map(
         inner,
