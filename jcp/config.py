@@ -506,33 +506,7 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
         )
     if d.get("use_sliding_window"):
         raise ValueError("sliding-window attention (use_sliding_window) is not supported")
-    moe = {}
-    if kind == "qwen3_moe":
-        # transformers 5 writes num_local_experts (its attribute_map); published
-        # checkpoints say num_experts.
-        experts = d.get("num_experts", d.get("num_local_experts"))
-        if experts is None:
-            raise ValueError("the Hugging Face config lacks 'num_experts'")
-        moe = dict(
-            num_experts=experts,
-            num_experts_per_tok=d.get("num_experts_per_tok"),
-            moe_intermediate_size=d.get("moe_intermediate_size"),
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            decoder_sparse_step=d.get("decoder_sparse_step", 1),
-            mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-        )
-    if kind == "qwen3_5_moe":
-        # transformers' Qwen3_5MoeSparseMoeBlock: every layer MoE, top-k weights always
-        # renormalised, plus a gated shared expert.
-        moe = dict(
-            num_experts=d.get("num_experts", d.get("num_local_experts")),
-            num_experts_per_tok=d.get("num_experts_per_tok"),
-            moe_intermediate_size=d.get("moe_intermediate_size"),
-            norm_topk_prob=True,
-            shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 0),
-        )
-        if None in moe.values():
-            raise ValueError(f"the Hugging Face config lacks one of {sorted(moe)}")
+    moe = _moe_fields(d, kind)
     try:
         heads = d["num_attention_heads"]
         return QwenConfig(
@@ -561,3 +535,35 @@ def config_from_hf(config, dtype: str = "float32") -> QwenConfig:
         )
     except KeyError as e:
         raise ValueError(f"the Hugging Face config lacks {e.args[0]!r}") from None
+
+
+def _moe_fields(d: dict, kind: str) -> dict:
+    """QwenConfig's MoE fields of a Hugging Face config of this kind ({} for a dense one)."""
+    moe = {}
+    if kind == "qwen3_moe":
+        # transformers 5 writes num_local_experts (its attribute_map); published
+        # checkpoints say num_experts.
+        experts = d.get("num_experts", d.get("num_local_experts"))
+        if experts is None:
+            raise ValueError("the Hugging Face config lacks 'num_experts'")
+        moe = dict(
+            num_experts=experts,
+            num_experts_per_tok=d.get("num_experts_per_tok"),
+            moe_intermediate_size=d.get("moe_intermediate_size"),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            decoder_sparse_step=d.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+        )
+    if kind == "qwen3_5_moe":
+        # transformers' Qwen3_5MoeSparseMoeBlock: every layer MoE, top-k weights always
+        # renormalised, plus a gated shared expert.
+        moe = dict(
+            num_experts=d.get("num_experts", d.get("num_local_experts")),
+            num_experts_per_tok=d.get("num_experts_per_tok"),
+            moe_intermediate_size=d.get("moe_intermediate_size"),
+            norm_topk_prob=True,
+            shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 0),
+        )
+        if None in moe.values():
+            raise ValueError(f"the Hugging Face config lacks one of {sorted(moe)}")
+    return moe
