@@ -21,6 +21,7 @@ max_tokens ≤ 10, so one cache shape serves every call.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import numpy as np
@@ -371,53 +372,16 @@ def _compiled(eng):
     return p.extend._cache_size() + p.decode._cache_size() + p.copy._cache_size()
 
 
-def test_varied_requests_after_warm_up_compile_nothing(root):
-    """Every dynamic dimension is bucketed: after Engine.warmup (drawn rows, one active
-    adapter, run on padding: prefill rows 32 / 8 / 4 × chunks 64 / 16 × table pages 8 / 4,
-    decode rows 32 / 16 / 8 × pages 8 / 4 × decode chunks 16 / 4, page copies 32 / 8),
-    requests of random prompt lengths, num_samples and max_tokens, joining at different
-    steps or alone, compile no new program (counted by jax's caches and by the engine's program_keys)."""
-    tr, (a, _), _ = _setup((1, 1, 1), root)
-    eng = Engine(tr.make_sampler(), slots=32, max_len=128, chunk=4, prefill_tokens=48)
-    sp = lambda n: jcp.SamplingParams(max_tokens=n, temperature=1.0, seed=n, stop=[])  # noqa: E731
-    rng = np.random.default_rng(0)
-    prompt = lambda n: rng.integers(0, 128, n).tolist()  # noqa: E731
-    before = _compiled(eng)
-    assert eng.warmup(active=(1,), draws=("drawn",)) == 12 + 6 * 2 + 2
-    assert eng.idle and eng.live == 0 and eng.pool.used(0) == 0
-    warm = set(eng.program_keys)
-    assert _compiled(eng) - before == len(warm)
-    compiled = _compiled(eng)
-    eng.program_keys.clear()
-    rids = []
-
-    def submit(length, samples):
-        n = int(rng.integers(1, min(40, 129 - length)))
-        rids.append((eng.submit(prompt(length), sp(n), a, num_samples=samples), n))
-
-    for _wave in range(4):  # requests join a running batch
-        for _ in range(2):
-            submit(int(rng.integers(2, 61)), int(rng.integers(1, 13)))
-        eng.step()
-    eng.run()
-    for length in rng.integers(2, 61, 3):  # alone
-        submit(int(length), int(rng.integers(1, 13)))
-        eng.run()
-    for rid, n in rids:
-        assert all(len(x.tokens) == n for x in eng.result(rid).sequences)
-    keys = eng.program_keys
-    assert len({k[0] for k in keys}) == 3 and len(keys) >= 5  # several shapes ran
-    assert keys <= warm, keys - warm
-    assert _compiled(eng) == compiled
-
-
-def test_served_warm_up_covers_top_k_fields_and_log_probs(root):
-    """jcp-serve --warmup's set (serve.SAMPLING_WARMUP; one active adapter here, to keep it
-    cheap) on a small engine: afterwards varied requests — greedy, drawn and top-k / top-p
-    rows, stop lists of 0 to STOP_WIDTH ids (the edge admits no more), with and without
-    prompt log-probs, any topk_sample_logprobs and topk_prompt_logprobs up to 4,
-    compute_logprobs, joining at different steps, hurried or not — compile nothing (no
-    client-chosen width reaches a program shape)."""
+def test_varied_requests_after_the_served_warm_up_compile_nothing(root):
+    """Every dynamic dimension is bucketed: after jcp-serve --warmup's set
+    (serve.SAMPLING_WARMUP; one active adapter here, to keep it cheap; run on padding) on a
+    small engine, varied requests — greedy, drawn and top-k / top-p rows, stop lists of 0
+    to STOP_WIDTH ids (the edge admits no more), with and without prompt log-probs, any
+    topk_sample_logprobs and topk_prompt_logprobs up to 4, compute_logprobs, joining at
+    different steps, hurried or not; then random prompt lengths, num_samples and
+    max_tokens joining a running batch, and alone — compile nothing (counted by jax's
+    caches and by the engine's program_keys: no client-chosen width reaches a program
+    shape)."""
     from jcp.serve import SAMPLING_WARMUP
 
     tr, (a, _), _ = _setup((1, 1, 1), root)
@@ -462,8 +426,29 @@ def test_served_warm_up_covers_top_k_fields_and_log_probs(root):
     eng.run()
     for rid in rids:
         eng.result(rid)
-    assert {k[0] for k in eng.program_keys} == {"extend", "decode", "copy", "prefill"}
-    assert eng.program_keys <= warm, eng.program_keys - warm
+    drawn = jcp.SamplingParams(max_tokens=1, temperature=1.0, seed=0, stop=[])
+    lengths = []
+
+    def submit(length):
+        n = int(rng.integers(1, min(24, 65 - length)))
+        sp = dataclasses.replace(drawn, max_tokens=n, seed=n)
+        samples = int(rng.integers(1, 5))
+        lengths.append((eng.submit(rng.integers(0, 128, length).tolist(), sp, a, samples), n))
+
+    for _wave in range(4):  # requests join a running batch
+        for _ in range(2):
+            submit(int(rng.integers(2, 41)))
+        eng.step()
+    eng.run()
+    for length in rng.integers(2, 41, 3):  # alone
+        submit(int(length))
+        eng.run()
+    for rid, n in lengths:
+        assert all(len(x.tokens) == n for x in eng.result(rid).sequences)
+    keys = eng.program_keys
+    assert {k[0] for k in keys} == {"extend", "decode", "copy", "prefill"}
+    assert len(keys) >= 8  # several shapes ran
+    assert keys <= warm, keys - warm
     assert every() == compiled
 
 
