@@ -72,6 +72,18 @@ SAMPLING_WARMUP = dict(
     topk=(0, 64),
     prompt_stats=((4, 0, 0),),
 )
+# On XLA:CPU each compiled program keeps its kernels' code in memory maps (300-450 per
+# program of the tiny model, measured on /proc/self/maps), and a process may hold
+# vm.max_map_count of them (65,530 by default): SAMPLING_WARMUP on the default engine is
+# about 250 programs, and LLVM aborted jcp-serve mid warm-up ("Cannot allocate memory").
+# There the warm-up compiles what most requests meet (one adapter per step, greedy and
+# drawn rows, compute_logprobs); the rest compile when first met.
+SAMPLING_WARMUP_CPU = dict(active=(1,), draws=("greedy", "drawn"), compute_logprobs=True)
+
+
+def sampling_warmup(backend: str) -> dict:
+    """The sampling warm-up set of jcp-serve on this backend ("cpu", "gpu", "tpu")."""
+    return SAMPLING_WARMUP_CPU if backend == "cpu" else SAMPLING_WARMUP
 
 
 def parse_args(argv):
@@ -497,7 +509,7 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         n_train = srv.engine.tr.warmup(rows=tr.warmup_rows(TRAINING_WARMUP_ROWS))
         t1 = time.monotonic()
-        n = eng.warmup(**SAMPLING_WARMUP)
+        n = eng.warmup(**sampling_warmup(jax.default_backend()))
         print(
             f"jcp-serve: warm-up compiled {n_train} training programs in {t1 - t0:.1f} s "
             f"and {n} sampling programs in {time.monotonic() - t1:.1f} s",
