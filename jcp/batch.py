@@ -374,13 +374,15 @@ def static_counts(
     slot_tokens: int | None = None,
 ) -> tuple[int, int]:
     """(A, B) of a micro-batch of S = s_len rows per device: its active-adapter entries
-    (active_bucket, at least the power of two ≤ S / adapter_rows, capped at max_adapters)
-    and datum slots (mesh.bucket_length ≥ 8, at least the bucket of dp·cp·S / slot_tokens).
-    None: no floor. E.g. dp = cp = 2, floors 256 / 128: S = 1024 -> (A, B) = (4, 32) for 1
-    to 4 adapters and 1 to 32 datums."""
+    (active_bucket, at least the power of two ≥ ⌊S / adapter_rows⌋, capped at
+    max_adapters: a power of two, as active_bucket's are, so that a length's warm-up
+    program serves every count up to its floor) and datum slots (mesh.bucket_length ≥ 8,
+    at least the bucket of dp·cp·S / slot_tokens). None: no floor. E.g. dp = cp = 2, floors
+    256 / 128: S = 1024 -> (A, B) = (4, 32) for 1 to 4 adapters and 1 to 32 datums; S =
+    768 -> A = 4 (3 adapters take active_bucket's 4, not a floor of 2)."""
     a = active_bucket(n_active, max_adapters)
     if adapter_rows:
-        a = max(a, min(max_adapters, 1 << (max(1, s_len // adapter_rows).bit_length() - 1)))
+        a = max(a, min(max_adapters, mesh_lib.pow2_at_least(max(1, s_len // adapter_rows))))
     b = mesh_lib.bucket_length(n_datums, minimum=8)
     if slot_tokens:
         b = max(b, mesh_lib.bucket_length(dp * cp * s_len // slot_tokens, minimum=8))

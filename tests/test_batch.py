@@ -701,3 +701,7 @@ def test_floors_make_the_counts_follow_the_stream_length():
     assert shapes(one, **floors) == shapes(two, **floors) == ((2, 2, 512), 2, 16)
     assert batch_lib.static_counts(1024, 2, 2, 1, 1, 8, **floors) == (4, 32)
     assert batch_lib.static_counts(1024, 2, 2, 5, 40, 8, **floors) == (8, 48)
+    # A length between powers of two: 3 adapters in 768 rows meet the warm-up's program
+    # (jcp-serve's first fused pass of 3 tenants compiled one more before the floor was a
+    # power of two at least S / adapter_rows).
+    assert [batch_lib.static_counts(768, 2, 2, k, 1, 8, **floors)[0] for k in (1, 3, 4)] == [4] * 3
