@@ -21,6 +21,7 @@ from jcp.files import atomic_write
 from jcp.hf import SafetensorsFile
 from jcp.peft.experts import DOWN, GATE_UP, GATE_UP_PATTERN, VLLM_EXPERT, moe_layer_ids
 from jcp.peft.tensors import from_peft, peft_key, to_peft, to_vllm, tree_rank
+from jcp.peft_options import TENSOR_MEANING_OPTIONS
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -177,20 +178,7 @@ def _refuse_options(pc: dict, cfg_path: str, moe: bool) -> None:
     for key in ("rank_pattern", "alpha_pattern"):
         if pc.get(key) and not moe:
             raise InputError(f"{cfg_path}: {key} is not supported (one rank and alpha per adapter)")
-    # Each of these changes what the tensors mean (a bias on lora_B, a transposed layout,
-    # other layers or parameters); read as plain LoRA they would give silently wrong results.
-    for key in (
-        "modules_to_save",
-        "layers_to_transform",
-        "layers_pattern",
-        "lora_bias",
-        "fan_in_fan_out",
-        "layer_replication",
-        "target_parameters",
-        "trainable_token_indices",
-        "alora_invocation_tokens",
-        "use_qalora",
-    ):
+    for key in TENSOR_MEANING_OPTIONS:
         if pc.get(key) and not (moe and key == "target_parameters"):
             raise InputError(f"{cfg_path}: {key} is not supported")
     if pc.get("bias", "none") != "none":

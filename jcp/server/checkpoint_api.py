@@ -40,6 +40,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from jcp.peft_options import TENSOR_MEANING_OPTIONS
 from jcp.server import edge
 from jcp.server.edge import Refused
 from jcp.server.state import NotFound, StateStore
@@ -50,23 +51,9 @@ FILES = (CONFIG_FILE, WEIGHTS_FILE)
 CONFIG_BYTES = 64 << 10
 UPLOAD_TTL_S = 15 * 60
 MAX_UPLOADS = 8  # open uploads per tenant: bounds the staged bytes
-# adapter_config.json options that change what the tensors mean, refused as jcp.peft's
-# reader refuses them (it imports jax through jcp.lora, so it cannot run here).
-REFUSED_OPTIONS = (
-    "modules_to_save",
-    "layers_to_transform",
-    "layers_pattern",
-    "lora_bias",
-    "fan_in_fan_out",
-    "layer_replication",
-    "target_parameters",
-    "trainable_token_indices",
-    "alora_invocation_tokens",
-    "use_qalora",
-    "rank_pattern",
-    "alpha_pattern",
-    "use_dora",
-)
+# adapter_config.json options refused as jcp.peft's reader refuses them; per-module ranks
+# and DoRA too (an upload is the plain LoRA of one rank that lora_config declares).
+REFUSED_OPTIONS = (*TENSOR_MEANING_OPTIONS, "rank_pattern", "alpha_pattern", "use_dora")
 # safetensors dtype -> (numpy dtype of its bits, mask of the exponent: all ones = inf/NaN).
 DTYPES = {
     "F32": (np.dtype("<u4"), 0x7F800000),
