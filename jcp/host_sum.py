@@ -60,7 +60,7 @@ class HostSummedStep:
     each device's own gradient of its shard's loss w.r.t. the active slots and its shard's
     output parts (shard_loss(summed=False)), one vector per device; no collective over dp
     or cp. The host adds the rows of its own devices (`local_sum`), and `finish`(acc, lora,
-    sums, batch) adds the processes' sums over a (process, local device) view of the mesh —
+    slot_meta, sums, batch) adds the processes' sums over a (process, local device) view of the mesh —
     an all-reduce of one device per process — and accumulates as forward_backward does.
     `forward` is make_forward's step the same way (the output parts only). Dense models
     without a custom loss only (folds_outputs).
@@ -113,7 +113,9 @@ class HostSummedStep:
         def partials(
             lora, params, slot_meta, batch, loss_cfg, *, loss_fns, num_slots, modules=None
         ):
-            active = lora_lib.take_active(train_step.used_modules(lora, modules), batch.active)
+            active = lora_lib.take_active(
+                train_step.used_modules(lora, modules), slot_meta.page_GK, batch.active
+            )
 
             def shard(active, params, slot_meta, b: train_step.Batch, loss_cfg):
                 def local(active):
@@ -190,16 +192,18 @@ class HostSummedStep:
             train_step.split_parts(self._total(sums), train_step.part_shapes(batch, num_slots))
         )
 
-    def _finish(self, acc, lora, sums, batch, *, num_slots, modules=None):
+    def _finish(self, acc, lora, slot_meta, sums, batch, *, num_slots, modules=None):
         total = self._total(sums)
-        active = lora_lib.take_active(train_step.used_modules(lora, modules), batch.active)
+        active = lora_lib.take_active(
+            train_step.used_modules(lora, modules), slot_meta.page_GK, batch.active
+        )
         leaves, treedef = jax.tree.flatten(active)
         pieces = train_step.split_parts(
             total, [x.shape for x in leaves] + list(train_step.part_shapes(batch, num_slots))
         )
         grads = treedef.unflatten([p.astype(x.dtype) for p, x in zip(pieces, leaves)])
         acc, finite_A = train_step.accumulate(
-            acc, lora_lib.untake_active(grads), batch.active, modules
+            acc, slot_meta, lora_lib.untake_active(grads), batch.active
         )
         loss, out = losses_lib.shard_outputs(pieces[len(leaves) :])
         return acc, loss, out, finite_A
@@ -239,7 +243,7 @@ class HostSummedStep:
             sharding=self.sums_sharding,
         )
         finish = self.finish.lower(
-            acc, lora, sums, batch, num_slots=num_slots, modules=modules
+            acc, lora, slot_meta, sums, batch, num_slots=num_slots, modules=modules
         ).compile()
         return HostSummedProgram(self, partials, finish)
 
@@ -256,7 +260,7 @@ class HostSummedProgram:
 
     def __call__(self, acc, lora, params, slot_meta, batch, loss_cfg, custom_args=()):
         local = self.step.local_sum(self.partials(lora, params, slot_meta, batch, loss_cfg))
-        return self.finish(acc, lora, self.step.sums(local), batch)
+        return self.finish(acc, lora, slot_meta, self.step.sums(local), batch)
 
     def memory_analysis(self):
         return self.partials.memory_analysis()

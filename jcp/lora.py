@@ -347,11 +347,14 @@ jax.tree_util.register_dataclass(
 class SlotMeta:
     """What the model reads per slot besides its weights: scale_G alpha / rank (0 for a
     free slot), shared_G 1.0 where the slot's experts are shared-outer, tied_G 1.0 where
-    they are fused_gate_up (None: no such slot possible)."""
+    they are fused_gate_up (None: no such slot possible); page_GK the pages of each slot
+    in a paged table (take_active; an entry ≥ the table's page count: no page, zeros),
+    None where the table holds one row per slot."""
 
     scale_G: jax.Array
     shared_G: jax.Array
     tied_G: jax.Array | None = None
+    page_GK: jax.Array | None = None
 
     def routing(
         self,
@@ -391,19 +394,65 @@ class SlotMeta:
 
 
 jax.tree_util.register_dataclass(
-    SlotMeta, data_fields=["scale_G", "shared_G", "tied_G"], meta_fields=[]
+    SlotMeta, data_fields=["scale_G", "shared_G", "tied_G", "page_GK"], meta_fields=[]
 )
 
 
-def take_active(slots: dict, active_A) -> dict:
+def rank_axis(which: str, ndim: int) -> int:
+    """The rank axis of a factor of `ndim` axes: last for "a*" keys, second to last for "b*"."""
+    return ndim - 1 if which.startswith("a") else ndim - 2
+
+
+def gather_pages(which: str, x_P, page_AK):
+    """[P, …page] -> [A, …slot]: row a holds pages page_AK[a] of factor `which` joined
+    along the rank axis, page k as rank columns [k·r, (k+1)·r) (r the page's rank); an
+    index ≥ P reads zeros. Only the A·K pages are copied."""
+    g = jnp.take(x_P, page_AK, axis=0, mode="fill", fill_value=0)  # [A, K, …page]
+    ax = rank_axis(which, x_P.ndim)
+    g = jnp.moveaxis(g, 1, ax)  # K just before the page's rank axis
+    return g.reshape(g.shape[:ax] + (g.shape[ax] * g.shape[ax + 1],) + g.shape[ax + 2 :])
+
+
+def scatter_pages(which: str, x_P, page_AK, v_A, *, add: bool):
+    """x_P with v_A [A, …slot] (gather_pages' layout) added into or written over the pages
+    page_AK; indices ≥ P are dropped."""
+    ax = rank_axis(which, x_P.ndim)
+    k = page_AK.shape[1]
+    v = v_A.reshape(v_A.shape[:ax] + (k, v_A.shape[ax] // k) + v_A.shape[ax + 1 :])
+    v = jnp.moveaxis(v, ax, 1).reshape((-1,) + x_P.shape[1:]).astype(x_P.dtype)
+    at = x_P.at[page_AK.reshape(-1)]
+    return at.add(v, mode="drop") if add else at.set(v, mode="drop")
+
+
+def take_active(slots: dict, page_GK, active_A) -> dict:
     """Gather the active slots for the model: [G, L, …] -> [L, A, …]; lm_head [G, …] -> [A, …].
+    page_GK (SlotMeta.page_GK): the tables are paged ([P, L, …, r] pages, gather_pages);
+    None: one row per slot.
 
     Only A adapters are copied (not one per token); layers lead so lax.scan can slice them.
     """
     out = {}
     for m, ab in slots.items():
-        picked = jax.tree.map(lambda x: jnp.take(x, active_A, axis=0), ab)
+        if page_GK is None:
+            picked = {k: jnp.take(x, active_A, axis=0) for k, x in ab.items()}
+        else:
+            page_AK = jnp.take(page_GK, active_A, axis=0)
+            picked = {k: gather_pages(k, x, page_AK) for k, x in ab.items()}
         out[m] = picked if m == HEAD else jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), picked)
+    return out
+
+
+def add_active(acc: dict, page_GK, active_A, grads_A: dict) -> dict:
+    """acc (a table like take_active's `slots`) with grads_A {module: {key: [A, …slot]}}
+    (untake_active's layout) added into the rows or pages of the slots active_A; the
+    modules of acc absent from grads_A unchanged."""
+    out = dict(acc)
+    for m, ab in grads_A.items():
+        if page_GK is None:
+            out[m] = {k: acc[m][k].at[active_A].add(g) for k, g in ab.items()}
+        else:
+            page_AK = jnp.take(page_GK, active_A, axis=0)
+            out[m] = {k: scatter_pages(k, acc[m][k], page_AK, g, add=True) for k, g in ab.items()}
     return out
 
 

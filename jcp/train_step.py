@@ -398,7 +398,7 @@ def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
         custom=None,
         modules=None,
     ):
-        active = lora_lib.take_active(used_modules(lora, modules), batch.active)
+        active = lora_lib.take_active(used_modules(lora, modules), slot_meta.page_GK, batch.active)
         p = _Pass(cfg, mesh, step_cfg, loss_fns, num_slots)
         return _loss_and_outputs(p, active, params, slot_meta, batch, loss_cfg, custom, custom_args)
 
@@ -447,24 +447,21 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig, fold: boo
                 p, active, params, slot_meta, batch, loss_cfg, custom, custom_args
             )
 
-        active = lora_lib.take_active(used_modules(lora, modules), batch.active)
+        active = lora_lib.take_active(used_modules(lora, modules), slot_meta.page_GK, batch.active)
         if folds_outputs(cfg, custom) and fold:
             grads, loss, out = _folded_value_and_grad(p, active, params, slot_meta, batch, loss_cfg)
         else:
             (loss, out), grads = jax.value_and_grad(loss_of, has_aux=True)(active)
-        acc, finite_A = accumulate(acc, lora_lib.untake_active(grads), batch.active, modules)
+        acc, finite_A = accumulate(acc, slot_meta, lora_lib.untake_active(grads), batch.active)
         return acc, loss, out, finite_A
 
     return forward_backward
 
 
-def accumulate(acc, grads, active_A, modules):
-    """(acc with `grads` of the A active slots added, finite_A: whether each active
-    slot's gradient is finite)."""
-    acc = {
-        **acc,
-        **jax.tree.map(lambda a, g: a.at[active_A].add(g), used_modules(acc, modules), grads),
-    }
+def accumulate(acc, slot_meta, grads, active_A):
+    """(acc with `grads` [A, …] of the A active slots added — the modules grads holds —,
+    finite_A: whether each active slot's gradient is finite)."""
+    acc = lora_lib.add_active(acc, slot_meta.page_GK, active_A, grads)
     finite_A = jnp.all(
         jnp.stack(
             [jnp.all(jnp.isfinite(g), axis=tuple(range(1, g.ndim))) for g in jax.tree.leaves(grads)]

@@ -329,7 +329,7 @@ def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
 
     @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("pool",))
     def extend(lora, params, slot_meta, pool, rows: ExtendRows, active, *, modes: ExtendModes):
-        lora_active = lora_lib.take_active(lora, jnp.maximum(active, 0))
+        lora_active = lora_lib.take_active(lora, slot_meta.page_GK, jnp.maximum(active, 0))
 
         def shard(lora_active, params, slot_meta, pool, r: ExtendRows, active):
             b, c = r.tokens.shape
@@ -515,7 +515,7 @@ def make_decode(cfg: QwenConfig, mesh, attn_impl: str = "blockwise"):
 
     @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("pool",))
     def decode(lora, params, slot_meta, pool, ints, floats, active, *, modes: PagedDecodeModes):
-        lora_active = lora_lib.take_active(lora, jnp.maximum(active, 0))
+        lora_active = lora_lib.take_active(lora, slot_meta.page_GK, jnp.maximum(active, 0))
         rows, table, slot = unpack_rows(ints, floats, modes.stop_width)
 
         def shard(lora_active, params, slot_meta, pool, table, slot, r: DecodeRows, active):

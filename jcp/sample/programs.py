@@ -179,7 +179,7 @@ def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
         *,
         modes: PrefillModes,
     ):
-        lora_active = lora_lib.take_active(lora, jnp.maximum(args.active, 0))
+        lora_active = lora_lib.take_active(lora, slot_meta.page_GK, jnp.maximum(args.active, 0))
         lay = None if modes.layout is None else kv_cache.LAYOUTS[modes.layout]
 
         def shard(lora_active, params, slot_meta, a: PrefillArgs, source, old, rec_source):
@@ -304,7 +304,7 @@ def make_decode(cfg: QwenConfig, mesh):
     def decode(lora, params, slot_meta, cache, rows: DecodeRows, active, *, modes: DecodeModes):
         lay = kv_cache.LAYOUTS[modes.layout]
         # Gathered once, outside the loop: the A active slots, layers leading.
-        lora_active = lora_lib.take_active(lora, jnp.maximum(active, 0))
+        lora_active = lora_lib.take_active(lora, slot_meta.page_GK, jnp.maximum(active, 0))
 
         def shard(lora_active, params, slot_meta, cache, r: DecodeRows, active):
             full = cache
