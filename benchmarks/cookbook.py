@@ -3,7 +3,7 @@ the time goes.
 
 The tiny local Qwen3 of tests/helpers/cookbook_harness.py (vocab 512, hidden 64, 2 layers, a BPE
 chat tokenizer), LoRA rank 8, on --mesh (default 1,1,1: one CPU device). The server runs
-in this process (jcp.serve.Server on 127.0.0.1); the cookbook (tinker-cookbook 0.6.1,
+in this process (jcp.server.service.Server on 127.0.0.1); the cookbook (tinker-cookbook 0.6.1,
 unmodified) drives it through the Tinker SDK:
 
 - supervised.train: FromConversationFileBuilder, batch 4 chats of ~45 tokens, qwen3
@@ -62,15 +62,15 @@ def run(srv, make_config, steps: int) -> list[tuple[float, dict]]:
     out = []
     for _ in range(2):
         main, cfg = make_config(tempfile.mkdtemp(), steps)
-        before, programs = dict(srv.engine.busy_s), srv.engine.sampling.programs()
+        before, programs = dict(srv.worker.busy_s), srv.worker.sampling.programs()
         t0 = time.perf_counter()
         asyncio.run(main(cfg))
         wall = time.perf_counter() - t0
         out.append(
             (
                 wall,
-                {k: v - before.get(k, 0.0) for k, v in srv.engine.busy_s.items()},
-                srv.engine.sampling.programs() - programs,
+                {k: v - before.get(k, 0.0) for k, v in srv.worker.busy_s.items()},
+                srv.worker.sampling.programs() - programs,
             )
         )
     return out
@@ -86,7 +86,7 @@ def main() -> None:
     from helpers import cookbook_harness as C
 
     import jcp
-    from jcp.serve import Server
+    from jcp.server.service import Server
 
     path = C.build(os.path.join(tempfile.gettempdir(), "jcp-cookbook-tiny-qwen3"))
     cfg, base = jcp.load_hf(path)

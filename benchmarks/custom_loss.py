@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     from tinker import types
 
     import jcp
-    from jcp.serve import Server
+    from jcp.server.service import Server
 
     def seq_mean_is_kl(logprobs, sampling_logprobs, advantages):
         ratio = torch.exp(logprobs - sampling_logprobs)

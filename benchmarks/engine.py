@@ -126,7 +126,7 @@ DEFAULT_ADMISSION: dict = {}
 
 def set_admission(policy: str) -> None:
     """The jcp-serve worker's burst admission policy (module constants it reads per turn)."""
-    import jcp.server.engine as worker
+    import jcp.server.worker as worker
 
     if not DEFAULT_ADMISSION:
         DEFAULT_ADMISSION.update(
@@ -315,9 +315,9 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
 
     import numpy as np
 
-    from jcp.serve import Server
+    from jcp.server.service import Server
 
-    # The worker logs each engine step at DEBUG (jcp/server/engine.py): collect them to
+    # The worker logs each engine step at DEBUG (jcp/server/worker.py): collect them to
     # say where a round's time goes.
     steps: list[dict] = []
 
@@ -334,14 +334,14 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
     # its programs compiled up front (Engine.warmup, as jcp-serve --warmup).
     srv = Server(tr, "jcp-tiny", tempfile.mkdtemp(), {"tml-k": "k"}, sample_slots=slots)
     t0 = time.perf_counter()
-    n_warm = srv.engine.sampling.warmup(active=(1,), draws=("drawn",))
+    n_warm = srv.worker.sampling.warmup(active=(1,), draws=("drawn",))
     print(
         f"   server engine: {slots} slots, warm-up compiled {n_warm} programs in "
         f"{time.perf_counter() - t0:.0f} s",
         flush=True,
     )
     srv.start()
-    threads = {srv._thread.native_id: "HTTP thread", srv.engine._thread.native_id: "worker"}
+    threads = {srv._thread.native_id: "HTTP thread", srv.worker._thread.native_id: "worker"}
     modes = ("process", "thread") if args.clients == "both" else (args.clients,)
     try:
         t_in = None
@@ -363,16 +363,16 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
             policies = args.admission
             n_prog, warm, quiet = -1, 0, 0
             while quiet < 2 and warm < 8:  # two rounds in a row that compile nothing
-                quiet = quiet + 1 if n_prog == srv.engine.sampling.programs() else 0
-                n_prog = srv.engine.sampling.programs()
+                quiet = quiet + 1 if n_prog == srv.worker.sampling.programs() else 0
+                n_prog = srv.worker.sampling.programs()
                 for policy in policies:
                     set_admission(policy)
                     round_()
                 warm += 1
-            n_prog = srv.engine.sampling.programs()
+            n_prog = srv.worker.sampling.programs()
             by_policy = {policy: [] for policy in policies}
             bare: list[tuple] = []  # rounds without model work: (wall, server CPU, clients CPU)
-            with no_model(srv.engine.sampling):
+            with no_model(srv.worker.sampling):
                 round_()  # its first round: the SDK's and server's paths warm
             if t_in is None:
                 tr.sample(prompts, sp, num_samples=args.s)  # compiles
@@ -401,7 +401,7 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
                     tr.sample(prompts, sp, num_samples=args.s)
                     calls.append((time.perf_counter() - t0, time.process_time() - c0))
                 # The same requests answered without model work (the bound below).
-                with no_model(srv.engine.sampling):
+                with no_model(srv.worker.sampling):
                     c0, th0 = time.process_time(), thread_cpu(threads)
                     c_t0, _, c_t1, c_cpu = round_()
                     th = {k: v - th0.get(k, 0.0) for k, v in thread_cpu(threads).items()}
@@ -428,7 +428,7 @@ def served(args, tr, prompts, sp, slots: int, n_seq: int) -> None:
                     f"{n_seq * args.t / t_srv:.0f} tok/s vs in-process "
                     f"{n_seq * args.t / t_in:.0f} tok/s -> {t_in / t_srv:.2f}× (goal ≥ 0.8); "
                     f"engine programs {n_prog} after {warm} warm-up round(s), "
-                    f"{srv.engine.sampling.programs()} after {len(rounds)} timed rounds "
+                    f"{srv.worker.sampling.programs()} after {len(rounds)} timed rounds "
                     f"(median kept; all: {', '.join(f'{r[0]:.2f}' for r in rounds)} s); "
                     f"CPU s per round, median of all: server "
                     f"{median(r[5][0] for r in rounds):.2f}"

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     from helpers import cookbook_harness as C
 
     import jcp
-    from jcp.serve import Server
+    from jcp.server.service import Server
 
     folder = C.build_numpy(
         tempfile.mkdtemp(prefix="jcp-openai-bench-"),
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     )
     proc.start()
 
-    threads = {srv._thread.native_id: "HTTP", srv.engine._thread.native_id: "worker"}
+    threads = {srv._thread.native_id: "HTTP", srv.worker._thread.native_id: "worker"}
     cpu = {}
 
     def run(kind):
@@ -179,8 +179,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         n_prog, quiet, warm = -1, 0, 0
         while quiet < 2 and warm < 8:  # two warm-up rounds in a row that compile nothing
-            quiet = quiet + 1 if n_prog == srv.engine.sampling.programs() else 0
-            n_prog = srv.engine.sampling.programs()
+            quiet = quiet + 1 if n_prog == srv.worker.sampling.programs() else 0
+            n_prog = srv.worker.sampling.programs()
             for kind in ("tinker", "openai", "ttft", "alone"):
                 run(kind)
             warm += 1
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
             f"{wall['openai']:.2f} s",
             flush=True,
         )
-        programs = srv.engine.sampling.programs()
+        programs = srv.worker.sampling.programs()
         print(f"   programs compiled during the timed rounds: {programs - n_prog}", flush=True)
     finally:
         parent.send(None)

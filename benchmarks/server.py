@@ -3,7 +3,7 @@
 The tiny model (jcp.QwenConfig.tiny(), the server's default), LoRA rank 8, token-sum
 cross_entropy, on --mesh (default 1,1,1: one CPU device, so the figures are the server's
 overhead, not fake-device collectives). One Trainer backs both sides; the server runs in
-this process (jcp.serve.Server, 127.0.0.1, a free port) and is driven by the Tinker SDK.
+this process (jcp.server.service.Server, 127.0.0.1, a free port) and is driven by the Tinker SDK.
 
 1. Overhead: one training step = forward_backward of 8 × 512 tokens + optim_step (AdamW).
    In-process: tr.forward_backward(...) then tr.optim_step(...) on a local adapter.
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     from tinker import types
 
     import jcp
-    from jcp.serve import Server
+    from jcp.server.service import Server
 
     cfg = jcp.QwenConfig.tiny()
     tr = jcp.Trainer(

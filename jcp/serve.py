@@ -11,9 +11,9 @@
               [--follower-timeout S]
 
 With no --hf-model it serves the tiny random model, on 8 fake CPU devices when there is no
-accelerator (like jcp-train). Owns the command line and the assembly of the pieces in
-jcp/server/ (state store, scheduler, worker, app); `Server` also runs one in a background
-thread for tests and benchmarks.
+accelerator (like jcp-train). Owns the command line; the pieces of jcp/server/ (state
+store, scheduler, worker, app) are assembled by jcp.server.service.Server, which also runs
+one in a background thread for tests and benchmarks.
 
 Started as a multi-process JAX job (the jax.distributed flags, or JAX_COORDINATOR_ADDRESS /
 JAX_NUM_PROCESSES / JAX_PROCESS_ID, on every process alike), process 0 serves HTTP and
@@ -27,7 +27,6 @@ import os
 import socket
 import sys
 import tempfile
-import threading
 import time
 
 from jcp.cli import (
@@ -255,146 +254,15 @@ def _tokenizer_dir(path: str | None) -> str | None:
     return None
 
 
-def peft_layout(cfg):
-    """The PEFT tensors an uploaded adapter of this model may hold (checkpoint_api's
-    PeftLayout): every lora_A / lora_B jcp's export names, by module and layer, and the
-    modules each Tinker LoraConfig flag selects, as create_model chooses them."""
-    from jcp import lora, peft
-    from jcp.server.checkpoint_api import PeftLayout
+def __getattr__(name: str):
+    """`jcp.serve.Server` / `ServerConfig` / `peft_layout`: their home is jcp.server.service
+    (imported on first use, so that a mistyped flag fails before the server's packages
+    load)."""
+    if name in ("Server", "ServerConfig", "peft_layout"):
+        from jcp.server import service
 
-    keys = {}
-    for m in lora.table_modules(cfg):
-        if m in lora.EXPERT:
-            continue
-        i, o = lora.module_dims(cfg, m)
-        layers = [None] if m == lora.HEAD else lora.module_layer_ids(cfg, m)
-        for li in layers:
-            keys[peft.peft_key(m, li, "a")] = (m, "a", i)
-            keys[peft.peft_key(m, li, "b")] = (m, "b", o)
-    have = set(lora.table_modules(cfg))
-    attn = lora.ATTN + (lora.LINEAR if cfg.is_hybrid else ())
-    return PeftLayout(
-        keys=keys,
-        groups={
-            "train_attn": tuple(m for m in attn if m in have),
-            "train_mlp": None if cfg.is_moe else lora.MLP,
-            "train_unembed": (lora.HEAD,),
-        },
-        fingerprint=cfg.fingerprint(),
-    )
-
-
-class Server:
-    """The assembled server over `trainer`; start() serves in a background thread."""
-
-    def __init__(
-        self,
-        trainer,
-        model_name: str,
-        state_dir: str,
-        api_keys=None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        tokenizer_id: str | None = None,
-        limits=None,
-        max_offload_bytes: int = 16 << 30,
-        session_timeout_s: float = 180.0,
-        sample_slots: int | None = None,
-        sample_max_len: int | None = None,
-        sample_chunk: int = 8,
-        prefill_tokens: int | None = None,
-        leader=None,
-        tenant_limits=None,
-    ):
-        import uvicorn
-
-        from jcp.server.app import FutureTable, ServedModel, create_app
-        from jcp.server.edge import Limits
-        from jcp.server.engine import Engine
-        from jcp.server.scheduler import Scheduler
-        from jcp.server.state import StateStore, TenantLimits
-
-        self.store = StateStore(state_dir, api_keys, tenant_limits or TenantLimits())
-        self.scheduler = Scheduler()
-        self.limits = limits if limits is not None else Limits()
-        self.futures = FutureTable(self.limits.futures)
-        try:
-            self.engine = Engine(
-                trainer,
-                self.store,
-                self.scheduler,
-                model_name,
-                self.futures.complete,
-                tokenizer_id,
-                max_offload_bytes,
-                session_timeout_s,
-                sample_slots,
-                sample_max_len,
-                sample_chunk,
-                prefill_tokens,
-                leader=leader,
-            )
-        except ValueError as e:  # an engine size that does not fit the mesh
-            raise CliError(f"sampling engine: {e}") from None
-        if leader is not None:  # a follower lost: pending requests fail, new ones are refused
-            leader.on_failure = self._job_failed
-        served = ServedModel(
-            model_name,
-            self.engine.token_cap,
-            self.engine.max_rank,
-            tokenizer_id,
-            peft_layout(trainer.cfg),
-        )
-        self.app = create_app(
-            self.store,
-            self.scheduler,
-            self.futures,
-            served,
-            self.limits,
-            alive=self.engine.alive,
-            failure=self.engine.failure,
-        )
-        if port == 0:
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-        self.host, self.port = host, port
-        self.url = f"http://{host}:{port}"
-        # httptools parses HTTP/1.1 in C (h11, uvicorn's pure-Python fallback, costs the
-        # engine CPU on a CPU host); the event loop is uvloop (orbax-checkpoint needs it).
-        self._uv = uvicorn.Server(
-            uvicorn.Config(
-                self.app,
-                host=host,
-                port=port,
-                http="httptools",
-                loop="uvloop",
-                log_level="warning",
-                access_log=False,
-            )
-        )
-        self._thread: threading.Thread | None = None
-
-    def _job_failed(self, message: str) -> None:
-        self.scheduler.close()
-        self.futures.fail_pending(message)
-
-    def start(self) -> Server:
-        self.engine.start()
-        self._thread = threading.Thread(target=self._uv.run, name="jcp-serve-http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._uv.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"jcp-serve did not start on {self.url}")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self._uv.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        self.engine.stop()
+        return getattr(service, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def require_server_packages() -> None:
@@ -415,6 +283,7 @@ def main(argv=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         require_server_packages()
+        from jcp.server.service import Server, ServerConfig
         from jcp.server.state import TenantLimits, read_api_keys
 
         keys = None
@@ -460,25 +329,21 @@ def main(argv=None) -> int:
         os.path.basename(os.path.normpath(args.hf_model)) if args.hf_model else "jcp-tiny"
     )
     state_dir = args.state_dir or tempfile.mkdtemp(prefix="jcp-serve-")
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        tokenizer_id=_tokenizer_dir(args.hf_model),
+        limits=limits,
+        max_offload_bytes=int(args.max_offload_gb * (1 << 30)),
+        session_timeout_s=args.session_timeout,
+        sample_slots=args.sample_slots,
+        sample_max_len=args.sample_max_len,
+        sample_chunk=args.sample_chunk,
+        prefill_tokens=args.prefill_tokens,
+        tenant_limits=TenantLimits(storage_bytes=int(args.max_storage_gb * (1 << 30))),
+    )
     try:
-        srv = Server(
-            tr,
-            name,
-            state_dir,
-            keys,
-            args.host,
-            args.port,
-            _tokenizer_dir(args.hf_model),
-            limits,
-            int(args.max_offload_gb * (1 << 30)),
-            args.session_timeout,
-            args.sample_slots,
-            args.sample_max_len,
-            args.sample_chunk,
-            args.prefill_tokens,
-            leader,
-            TenantLimits(storage_bytes=int(args.max_storage_gb * (1 << 30))),
-        )
+        srv = Server(tr, name, state_dir, keys, config, leader)
     except CliError as e:
         if leader is not None:  # the followers wait for process 0's first call: release them
             leader.stop()
@@ -499,7 +364,7 @@ def main(argv=None) -> int:
         ),
         flush=True,
     )
-    eng = srv.engine.sampling
+    eng = srv.worker.sampling
     print(
         f"jcp-serve: sampling engine {eng.slots} slots × {eng.max_len} rows, chunk "
         f"{eng.chunk}, {eng.prefill_tokens} prefill tokens per step",
@@ -507,7 +372,7 @@ def main(argv=None) -> int:
     )
     if args.warmup:
         t0 = time.monotonic()
-        n_train = srv.engine.tr.warmup(rows=tr.warmup_rows(TRAINING_WARMUP_ROWS))
+        n_train = srv.worker.tr.warmup(rows=tr.warmup_rows(TRAINING_WARMUP_ROWS))
         t1 = time.monotonic()
         n = eng.warmup(**sampling_warmup(jax.default_backend()))
         print(
@@ -515,15 +380,15 @@ def main(argv=None) -> int:
             f"and {n} sampling programs in {time.monotonic() - t1:.1f} s",
             flush=True,
         )
-    srv.engine.start()
+    srv.worker.start()
     try:
-        srv._uv.run()
+        srv.run()
     finally:
-        srv.engine.stop()
-        if srv.engine.failure() is not None:
+        srv.worker.stop()
+        if srv.worker.failure() is not None:
             # The worker may be blocked in a collective with the lost process: exiting
             # normally would wait for it (and for jax.distributed's shutdown) forever.
-            print(f"jcp-serve: {srv.engine.failure()}", file=sys.stderr, flush=True)
+            print(f"jcp-serve: {srv.worker.failure()}", file=sys.stderr, flush=True)
             os._exit(1)
     return 0
 

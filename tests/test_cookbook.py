@@ -32,7 +32,7 @@ pytest.importorskip(
 from helpers import cookbook_harness as C  # noqa: E402
 
 import jcp  # noqa: E402
-from jcp.serve import Server  # noqa: E402
+from jcp.server.service import Server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,8 @@ from helpers.custom_zoo import ZOO, encoded, zoo_inputs  # noqa: E402
 from tinker import types  # noqa: E402
 
 import jcp  # noqa: E402
-from jcp.serve import Server  # noqa: E402
-from jcp.server import engine as engine_lib  # noqa: E402
+from jcp.server import model_ops  # noqa: E402
+from jcp.server.service import Server  # noqa: E402
 
 MODEL = "jcp-tiny"
 KEYS = {"tml-alice": "alice", "tml-bob": "bob"}
@@ -159,8 +159,8 @@ def _post(env, route, body, key="tml-alice"):
 def test_refusals_change_nothing(env):
     if env["tr"].dp * env["tr"].cp * env["tr"].tp != 1:
         pytest.skip("refusals happen before any device work: one mesh shows them")
-    sc, engine = env["sc"], env["srv"].engine
-    held = engine.custom_loss_ids()
+    sc, worker = env["sc"], env["srv"].worker
+    held = worker.custom_loss_ids()
 
     def lgamma_loss(logprobs):
         return torch.lgamma(-logprobs).sum(), {}
@@ -199,7 +199,7 @@ def test_refusals_change_nothing(env):
         },
     )
     assert r["category"] == "user" and "deeper than" in r["error"]
-    assert engine.custom_loss_ids() == held
+    assert worker.custom_loss_ids() == held
 
     # A handle of this session, used by a model of another session (same tenant, and
     # another tenant): refused, that model's gradient untouched.
@@ -235,7 +235,7 @@ def test_custom_losses_are_capped_per_tenant(env, monkeypatch):
     other tenant's handle is evicted (a global table used to evict the oldest, anyone's)."""
     if env["tr"].dp * env["tr"].cp * env["tr"].tp != 1:
         pytest.skip("the table is host-side: one mesh shows it")
-    engine = env["srv"].engine
+    worker = env["srv"].worker
     bob = tinker.ServiceClient(base_url=env["srv"].url, api_key="tml-bob")
     env["clients"].append(bob)
 
@@ -246,19 +246,19 @@ def test_custom_losses_are_capped_per_tenant(env, monkeypatch):
         return total
 
     bobs = bob.create_custom_loss(scaled(1.0), {"logprobs": 1}).result().loss_id
-    cap = len(engine.custom_loss_ids("alice")) + 2
-    monkeypatch.setattr(engine_lib, "MAX_CUSTOM_LOSSES_PER_TENANT", cap)
+    cap = len(worker.custom_loss_ids("alice")) + 2
+    monkeypatch.setattr(model_ops, "MAX_CUSTOM_LOSSES_PER_TENANT", cap)
     for c in (1.5, 2.5):
         env["sc"].create_custom_loss(scaled(c), {"logprobs": 1}).result()
-    held = engine.custom_loss_ids()
+    held = worker.custom_loss_ids()
     with pytest.raises(
         tinker.RequestFailedError, match=f"hold {cap} custom losses \\(at most {cap}\\)"
     ):
         env["sc"].create_custom_loss(scaled(3.5), {"logprobs": 1}).result()
-    assert engine.custom_loss_ids() == held and bobs in held
-    assert len(engine.custom_loss_ids("alice")) == cap
+    assert worker.custom_loss_ids() == held and bobs in held
+    assert len(worker.custom_loss_ids("alice")) == cap
     bob.create_custom_loss(scaled(2.0), {"logprobs": 1}).result()  # bob's own cap is his
-    assert len(engine.custom_loss_ids("bob")) == 2
+    assert len(worker.custom_loss_ids("bob")) == 2
 
 
 def test_a_finished_sessions_custom_losses_are_released(env):
@@ -270,10 +270,10 @@ def test_a_finished_sessions_custom_losses_are_released(env):
         return logprobs.sum(), {}
 
     handle = sc.create_custom_loss(total, {"logprobs": 1}).result()
-    engine = env["srv"].engine
-    assert handle.loss_id in engine.custom_loss_ids()
+    worker = env["srv"].worker
+    assert handle.loss_id in worker.custom_loss_ids()
     sc.close("success").result()
     deadline = time.monotonic() + 30
-    while handle.loss_id in engine.custom_loss_ids() and time.monotonic() < deadline:
+    while handle.loss_id in worker.custom_loss_ids() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert handle.loss_id not in engine.custom_loss_ids()
+    assert handle.loss_id not in worker.custom_loss_ids()

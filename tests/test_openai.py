@@ -466,7 +466,7 @@ def test_streaming_concatenates_to_the_whole(env):
 
 
 def test_disconnect_mid_stream_frees_its_rows(env):
-    sampling = env["srv"].engine.sampling
+    sampling = env["srv"].worker.sampling
     cancelled = []
     real = sampling.cancel
     sampling.cancel = lambda rid: (cancelled.append(rid), real(rid))[1]
@@ -520,7 +520,7 @@ def test_disconnect_mid_stream_frees_its_rows(env):
 
 def test_unsupported_fields_are_refused_naming_them(env):
     oai, srv = env["oai"]["tml-alice"], env["srv"]
-    before = (srv.scheduler.counters.passes, srv.engine.sampling.steps, srv.scheduler.pending())
+    before = (srv.scheduler.counters.passes, srv.worker.sampling.steps, srv.scheduler.pending())
     msgs = [{"role": "user", "content": "hi"}]
     cases = [
         ("tools", dict(messages=msgs, tools=[{"type": "function", "function": {"name": "f"}}])),
@@ -555,7 +555,7 @@ def test_unsupported_fields_are_refused_naming_them(env):
         openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert (
         srv.scheduler.counters.passes,
-        srv.engine.sampling.steps,
+        srv.worker.sampling.steps,
         srv.scheduler.pending(),
     ) == before
 
@@ -608,7 +608,7 @@ def test_bodies_are_typed_in_the_schema_and_wrong_types_refused_in_openais_shape
         assert {"model", next(iter(want & {"prompt", "messages"}))} <= set(
             body["schema"]["required"]
         )
-    before = (srv.scheduler.counters.passes, srv.engine.sampling.steps, srv.scheduler.pending())
+    before = (srv.scheduler.counters.passes, srv.worker.sampling.steps, srv.scheduler.pending())
     cases = [
         ("completions", {"model": MODEL, "prompt": "hi", "temperature": "0.5"}, "temperature"),
         ("completions", {"model": MODEL, "prompt": "hi", "echo": "yes"}, "echo"),
@@ -634,7 +634,7 @@ def test_bodies_are_typed_in_the_schema_and_wrong_types_refused_in_openais_shape
         err = r.json()["error"]
         assert (err["param"], err["type"]) == (param, "invalid_request_error"), (body, err)
         assert err["message"].startswith(param + ":"), err
-    after = (srv.scheduler.counters.passes, srv.engine.sampling.steps, srv.scheduler.pending())
+    after = (srv.scheduler.counters.passes, srv.worker.sampling.steps, srv.scheduler.pending())
     assert after == before
 
 

@@ -692,7 +692,7 @@ def test_jcp_serve_trains_a_qwen3_5_model():
                 np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
             tr.delete_adapter(local)  # room for the sampler snapshot
             # Sampling the trained weights goes through the server's paged engine.
-            sampling = env["srv"].engine.sampling
+            sampling = env["srv"].worker.sampling
             assert sampling.peak_live == 0
             sc = tc.save_weights_and_get_sampling_client().result()
             prompt = list(SAMPLE_PROMPTS[3])

@@ -21,7 +21,7 @@ from helpers.server_harness import client, serving  # noqa: E402
 from tinker import types  # noqa: E402
 
 import jcp  # noqa: E402
-from jcp.serve import Server  # noqa: E402
+from jcp.server.service import Server  # noqa: E402
 
 MODEL = "jcp-tiny"
 KEYS = {"tml-alice": "alice", "tml-bob": "bob"}

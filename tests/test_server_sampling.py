@@ -64,7 +64,7 @@ def env():
         sample_chunk=8,
         prefill_tokens=512,
     ) as state:
-        eng = state["srv"].engine.sampling
+        eng = state["srv"].worker.sampling
         assert (eng.slots, eng.max_len, eng.chunk, eng.prefill_tokens) == (16, 256, 8, 512)
         yield state
 
@@ -127,8 +127,8 @@ def test_concurrent_tenants_each_equal_alone(env, monkeypatch):
     # Every arrival of the burst is prefilled in a prefill-only step as it comes (the
     # server's default, on an accelerator, waits for ADMIT_PREFILL_MIN of them): results
     # must not change.
-    monkeypatch.setattr("jcp.server.engine.ADMIT_PREFILL", True)
-    monkeypatch.setattr("jcp.server.engine.ADMIT_PREFILL_MIN", 1)
+    monkeypatch.setattr("jcp.server.worker.ADMIT_PREFILL", True)
+    monkeypatch.setattr("jcp.server.worker.ADMIT_PREFILL_MIN", 1)
     tr = env["tr"]
     tc = (
         client(env, "tml-alice")
@@ -151,8 +151,8 @@ def test_concurrent_tenants_each_equal_alone(env, monkeypatch):
             stop=[],
         )
         reqs.append((k % 2, prompt, sp, 1 + k % 3))
-    sampling = env["srv"].engine.sampling
-    peak, prefill_steps = sampling.peak_live, env["srv"].engine.prefill_steps
+    sampling = env["srv"].worker.sampling
+    peak, prefill_steps = sampling.peak_live, env["srv"].worker.prefill_steps
     with cf.ThreadPoolExecutor(len(reqs)) as pool:  # all in flight together
         futs = [
             pool.submit(
@@ -167,7 +167,7 @@ def test_concurrent_tenants_each_equal_alone(env, monkeypatch):
         ]
         got = [f.result() for f in futs]
     assert sampling.peak_live > max(peak, 3)  # several requests decoded in one batch
-    assert env["srv"].engine.prefill_steps > prefill_steps  # prefilled while arriving
+    assert env["srv"].worker.prefill_steps > prefill_steps  # prefilled while arriving
     slot = _slot(env, tc)
     differ = 0
     for (tenant, prompt, sp, n), res in zip(reqs, got):
@@ -207,7 +207,7 @@ def test_a_burst_decodes_in_one_step_once_bursts_come_whole(env, monkeypatch):
         ("ADMIT_HURRY", False),
         ("ADMIT_CALM_BURSTS", 1),
     ):
-        monkeypatch.setattr(f"jcp.server.engine.{name}", value)
+        monkeypatch.setattr(f"jcp.server.worker.{name}", value)
     steps = []
 
     class Steps(logging.Handler):
@@ -223,7 +223,7 @@ def test_a_burst_decodes_in_one_step_once_bursts_come_whole(env, monkeypatch):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 256, int(rng.integers(2, 12))).tolist() for _ in range(4)]
     sp = dict(max_tokens=16, temperature=0.9, seed=7, stop=[])
-    worker, sched = env["srv"].engine, env["srv"].scheduler
+    worker, sched = env["srv"].worker, env["srv"].scheduler
     step = worker._step
     late = []
 
@@ -252,11 +252,11 @@ def test_a_burst_decodes_in_one_step_once_bursts_come_whole(env, monkeypatch):
     try:
         # A short first step, so that the straggler joins this burst (after a whole one
         # it would find the engine idle and be gathered as a burst of its own).
-        monkeypatch.setattr("jcp.server.engine.ADMIT_HURRY", True)
+        monkeypatch.setattr("jcp.server.worker.ADMIT_HURRY", True)
         monkeypatch.setattr(worker, "_step", straggler)
         burst()
         late[0].result()
-        monkeypatch.setattr("jcp.server.engine.ADMIT_HURRY", False)
+        monkeypatch.setattr("jcp.server.worker.ADMIT_HURRY", False)
         joined, joined_steps = burst()  # after a burst a straggler joined: hurried
         whole, whole_steps = burst()  # after one that came whole: one step
     finally:
@@ -378,7 +378,7 @@ def _until(cond, what, timeout=120.0):
 
 def test_cancel_of_an_admitted_sample_frees_its_slots(env):
     tr = env["tr"]
-    sampling = env["srv"].engine.sampling
+    sampling = env["srv"].worker.sampling
     cancelled = []
     real_cancel = sampling.cancel
     sampling.cancel = lambda rid: (cancelled.append(rid), real_cancel(rid))[1]
@@ -411,7 +411,7 @@ def test_long_sample_runs_in_engine_steps_between_other_work(env):
     worker): bob's forward, queued with it, is served while alice's sample still decodes.
     (Long sequences equal Trainer.sample alone: test_engine.py.)"""
     srv = env["srv"]
-    sampling, sched = srv.engine.sampling, srv.scheduler
+    sampling, sched = srv.worker.sampling, srv.scheduler
     assert sampling.max_len == 256 and sampling.seq_cap >= 287
     sc = client(env, "tml-alice").create_sampling_client(base_model=MODEL).result()
     tb = (
@@ -451,7 +451,7 @@ def test_stop_lists_are_bounded_at_the_edge(env):
     srv = env["srv"]
     sc = client(env, "tml-bob").create_sampling_client(base_model=MODEL).result()
     prompt = types.ModelInput.from_ints([1, 2, 3])
-    queued = srv.scheduler.counters.passes, srv.engine.sampling.steps
+    queued = srv.scheduler.counters.passes, srv.worker.sampling.steps
     for stop, why in (
         (list(range(MAX_STOPS + 1)), "at most 16 stop sequences"),
         (["x"] * (MAX_STOPS + 1), "at most 16 stop sequences"),
@@ -459,7 +459,7 @@ def test_stop_lists_are_bounded_at_the_edge(env):
     ):
         with pytest.raises(tinker.RequestFailedError, match=f"stop: .*{why}"):
             sc.sample(prompt, 1, types.SamplingParams(max_tokens=2, stop=stop)).result()
-    assert (srv.scheduler.counters.passes, srv.engine.sampling.steps) == queued
+    assert (srv.scheduler.counters.passes, srv.worker.sampling.steps) == queued
     out = sc.sample(
         prompt,
         1,

@@ -3,7 +3,7 @@
 Every process of a `jax.distributed` job holds the same Trainer over the global mesh, and a
 device program runs only when every process calls it, in the same order, with the same
 arguments. Process 0 serves HTTP and owns the scheduler, the state store and every decision
-of the worker (jcp/server/engine.py). Each call that worker makes on the Trainer or on the
+of the worker (jcp/server/worker.py). Each call that worker makes on the Trainer or on the
 sampling engine is one `Op` (target, method, arguments: which datums and slots, which loss
 and its parameters, which folder to save or load, which seed) — the host-side plan of one
 step of a pass, decided once on process 0. `Leader` sends it to the followers before process

@@ -7,7 +7,7 @@ import tempfile
 
 import tinker
 
-from jcp.serve import Server
+from jcp.server.service import Server
 
 
 @contextlib.contextmanager

@@ -1,0 +1,496 @@
+"""The worker: the one thread that owns the Trainer and runs the scheduler's passes.
+
+Owns every Trainer call, the running sampling engine (jcp.sample.engine.Engine), the loop
+below and its handler table (request kind -> method). Its parts live by owner: the
+adapter-slot cache (jcp/server/slots.py: `SlotCache`, eviction, offload / restore), the
+model operations and custom losses (jcp/server/model_ops.py: `ModelOps`) and the fused
+training passes (jcp/server/passes.py: `Passes`). Every asample of every tenant is
+admitted into the one running engine batch, long ones too: the engine's cache is sized by
+its rows per sequence, but a sequence may be as long as the token cap (its prompt
+prefilled over steps, its tokens decoded a chunk per step, like any other), so no sample
+holds the worker for more than one engine step. Only a sample whose KV cache exceeds a
+whole device's pages (Engine.seq_cap) runs beside it, Trainer.sample, its cache split
+over cp. Hybrid Qwen3.5 models too go through the engine.
+
+Interleaving policy: each turn of the loop runs at most one training pass (a fused
+forward / forward_backward, or one model operation; a pass of several Trainer
+micro-batches runs one micro-batch per turn, jcp.trainer.Steps, with the same results,
+while the scheduler hands the other tenants' passes out between them: Scheduler,
+"Fairness") and then one engine step (at most
+`prefill_tokens` of newly admitted prompts, then decode steps of every live sequence:
+`chunk` of them while any request is queued and in the first step after a gather —
+Engine.step(hurry=True), unless recent bursts came whole (ADMIT_CALM_BURSTS) —, else up
+to `max_chunk`, Engine.decode_len; ADMIT_* below for the gathering and its prefill-only
+steps, which other work ends once the running one is over). So a training pass queued
+while nothing else was waits for at most one engine step of max_chunk decode steps
+(during a gather, which it ends: one prefill-only step and one hurried step), and
+running sequences wait for at most one training pass (micro-batch) between decode
+chunks; neither starves. Samples are admitted round robin over tenants, each within its
+share of rows and pages while several sample (Admission.admit_fair; a tenant counts for
+TENANT_WINDOW_S after its last sample arrived), and then every step is a short one
+(`chunk` decode steps), so one tenant's request waits for one chunk of another's rows.
+A sample the client cancels after admission (cancel_future -> Scheduler.cancel_running)
+is cancelled in the engine at the start of the next turn and ends at that step
+boundary, its slots freed; so does a split pass of one request, its accumulation undone.
+
+Sampler weights: save_weights_for_sampler without a name makes an in-memory snapshot (a
+device copy of the model's slot into a free slot, no disk); with a name it writes the PEFT
+folder, and a sampler of that folder loads it afresh (a cached load of an older save under
+the same name is retired). Snapshot and loaded sampler slots share the slot cache with the
+training models (SlotCache, "Eviction"): loaded named weights go first, snapshots only
+after every idle training model (a sampler whose snapshot was freed fails clearly and asks
+for a new save).
+
+Results go back through `complete`, as ("proto", bytes) / ("json", dict) / ("error",
+message, category). This is the owner side of the server: the HTTP modules never import
+it or jax.
+
+In a multi-process job (`leader`, jcp/server/replica.py) this worker runs on process 0 and
+its Trainer and sampling engine are proxies: each call on them runs on every process, in
+the order made here; everything else here (the store, slots, losses, scheduling) is
+decided on process 0 alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import jcp
+from jcp.sample.engine import Engine as SampleEngine
+from jcp.server import redact, wire
+from jcp.server.model_ops import ModelOps
+from jcp.server.passes import Passes, error_result
+from jcp.server.scheduler import Scheduler, Work
+from jcp.server.slots import SlotCache
+from jcp.server.state import StateStore
+
+log = logging.getLogger("jcp.serve")
+
+# Samples reaching an idle engine are gathered into one decode batch: a lone sample waits
+# ADMIT_GAP_S for company; once a second one has come, a burst is arriving (an RL step's
+# prompt groups, sent at once) and the worker takes every sample that comes within
+# ADMIT_GAP_SCALE × the largest gap between the burst's arrivals so far (at least
+# ADMIT_GAP_S, at most ADMIT_BURST_GAP_S) of the one before, for at most ADMIT_WINDOW_S.
+# While it gathers, it admits the arrivals and, on an accelerator, prefills them in
+# prefill-only steps (Engine.step(decode=False)) once ADMIT_PREFILL_MIN are waiting; on a
+# CPU host those steps would take the cores from the HTTP thread still taking the burst.
+# Decoding the first arrivals while the rest arrive costs more than it saves. The first
+# decode step after a gather is short (hurry), so that stragglers join one chunk later,
+# unless the last ADMIT_CALM_BURSTS gathered bursts came whole: then a burst that ended at
+# a quiet gap decodes in one step to its end. ADMIT_HURRY: every first step short.
+# Measured: benchmarks/RESULTS.md, "Sampling engine" (benchmarks/engine.py --admission).
+ADMIT_HURRY = False
+ADMIT_CALM_BURSTS = 2
+ADMIT_GAP_S = 0.01
+ADMIT_GAP_SCALE: float | None = 4.0  # None: every later gap is ADMIT_BURST_GAP_S
+# False: no prefill-only steps (the burst prefills in its first step); None: on an
+# accelerator only.
+ADMIT_PREFILL: bool | None = None
+ADMIT_PREFILL_MIN = 16  # requests admitted and not yet prefilled that make one worth its cost
+ADMIT_BURST_GAP_S = 0.03
+ADMIT_WINDOW_S = 0.5
+# A tenant shares the sampling engine's rows and pages (Admission.admit_fair) while its
+# samples run and for this long after its last one arrived, so that one whose short
+# requests come and go keeps its share between them.
+TENANT_WINDOW_S = 10.0
+# The sampling engine's KV cache: rows per sequence, and at most this many bytes per device.
+SAMPLE_ROWS = 256
+SAMPLE_SLOTS = 512
+SAMPLE_CACHE_BYTES = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """The worker's settings (jcp-serve's flags of the same names)."""
+
+    model_name: str  # the base_model clients name
+    max_offload_bytes: int = 16 << 30  # host memory for offloaded models (--max-offload-gb)
+    session_timeout_s: float = 180.0  # no heartbeat for this long ends a session
+    sample_slots: int | None = None  # engine sequences (None: what fits SAMPLE_CACHE_BYTES)
+    sample_rows: int | None = None  # KV rows per sequence (None: min(token cap, SAMPLE_ROWS))
+    chunk: int = 8  # decode steps per hurried engine step
+    prefill_tokens: int | None = None  # prompt tokens prefilled per engine step
+
+    def __post_init__(self):
+        if self.max_offload_bytes < 0 or self.session_timeout_s < 0:
+            raise ValueError("max_offload_bytes and session_timeout_s must be >= 0")
+
+
+def sampling_engine_kw(trainer, sampler, config: WorkerConfig) -> dict:
+    """The sampling engine's settings over `sampler`: rows per sequence, and as many
+    sequences as fit SAMPLE_CACHE_BYTES per device (at most SAMPLE_SLOTS) unless given."""
+    token_cap = int(trainer.token_cap)
+    groups = sampler.dp * sampler.cp
+    rows = config.sample_rows or min(token_cap, SAMPLE_ROWS)
+    slots = config.sample_slots
+    if slots is None:
+        # A hybrid model's slots each hold a recurrent-state row too.
+        per_slot = rows * sampler.row_bytes + sampler.state_bytes
+        fit = SAMPLE_CACHE_BYTES // per_slot * groups
+        slots = max(groups, min(SAMPLE_SLOTS, fit) // groups * groups)
+    return dict(
+        slots=slots,
+        max_len=rows,
+        chunk=config.chunk,
+        prefill_tokens=config.prefill_tokens,
+        long_len=token_cap,
+    )
+
+
+class Worker(SlotCache, ModelOps, Passes):
+    """The worker over `trainer`: one thread, the scheduler's work in order (module
+    docstring); adapter slots as a cache (SlotCache)."""
+
+    def __init__(
+        self,
+        trainer,
+        store: StateStore,
+        scheduler: Scheduler,
+        complete,
+        config: WorkerConfig,
+        leader=None,
+    ):
+        self.tr, self.store, self.sched = trainer, store, scheduler
+        self.model_name = config.model_name
+        self.token_cap = int(trainer.token_cap)
+        self.max_rank = int(trainer.max_rank)
+        self.max_offload_bytes = int(config.max_offload_bytes)
+        self.session_timeout_s = float(config.session_timeout_s)
+        # A failure's message names the tenant's tinker:// objects, never server files.
+        self._complete = lambda rid, result: complete(
+            rid, redact.client_result(result, store.state_dir)
+        )
+        self._init_slots()
+        self._init_model_ops()
+        self._init_passes()
+        # Prefill-only steps while a burst arrives (ADMIT_PREFILL None): off on a CPU host.
+        self.accelerator = trainer.mesh.devices.flat[0].platform != "cpu"
+        sampler = trainer.make_sampler()
+        engine_kw = sampling_engine_kw(trainer, sampler, config)
+        self.sampling = SampleEngine(sampler, **engine_kw)
+        # A multi-process job (jcp/server/replica.py): every Trainer and sampling-engine
+        # call below also runs, in the same order, on every other process.
+        self.leader = leader
+        if leader is not None:
+            self.tr, self.sampling = leader.wrap(trainer, self.sampling, engine_kw)
+        # Other tenants' requests join a pass only within one Trainer micro-batch
+        # (Scheduler.pass_tokens), and a pass of several micro-batches runs one per turn
+        # (`_splits`), other tenants' passes between them.
+        scheduler.pass_tokens = trainer.max_tokens_per_device * trainer.dp * trainer.cp
+
+        self._running: dict[str, int] = {}  # request id -> engine request id (admitted)
+        self._sampled: dict[str, float] = {}  # tenant -> its last sample (TENANT_WINDOW_S)
+        self._cancelled: set[str] = set()  # admitted request ids their clients cancelled
+        # Admitted requests a client streams (an OpenAI stream): while any runs, engine
+        # steps are `chunk` decode steps (hurried), so its tokens go out as they come
+        # instead of once a long step ends.
+        self._streaming: set[str] = set()
+        self._unlogged: list[Work] = []  # samples admitted since the last step's log
+        self.prefill_steps = 0  # prefill-only engine steps run while gathering a burst
+        # Gathered bursts in a row that no sample joined while they ran (ADMIT_CALM_BURSTS),
+        # and whether one joined the last one (None: none ran since the last count).
+        self._calm, self._joined = 0, None
+        self.busy_s: Counter[str] = Counter()  # worker seconds per request kind
+        self._handlers: dict[str, Callable[[Work], tuple]] = {
+            "create_model": self._create_model,
+            "load_weights": self._load_weights,
+            "optim_step": self._optim_step,
+            "save_weights": self._save_weights,
+            "save_weights_for_sampler": self._save_weights_for_sampler,
+            "save_weights_external": self._save_weights_external,
+            "copy_weights": self._copy_weights,
+            "delete_checkpoint": self._delete_checkpoint,
+            "unload_model": self._unload_model,
+            "create_custom_loss": self._create_custom_loss,
+            "end_session": self._end_session,
+            "refused": self._refused,
+        }
+        self._thread = threading.Thread(target=self._loop, name="jcp-serve-worker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.failure() is None
+
+    def failure(self) -> str | None:
+        """Why a multi-process job can serve nothing more (None: it can)."""
+        return self.leader.failure if self.leader is not None else None
+
+    def stop(self) -> None:
+        self.sched.close()
+        # A failed job's worker may be blocked in a collective that never completes.
+        self._thread.join(timeout=60 if self.failure() is None else 1)
+        if self.leader is not None:
+            self.leader.stop()
+
+    # ------------------------------------------------------------------ loop
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                got = self.sched.next_work(block=self.sampling.idle, timeout=1.0)
+            except Exception:  # noqa: BLE001 — the worker must outlive any one failure
+                log.exception("worker: next_work failed")
+                time.sleep(0.5)
+                continue
+            if got is None:
+                return
+            group, samples = got
+            arriving = False
+            if samples and not group and self.sampling.idle:
+                # A burst of concurrent samples (an RL step's prompt groups) reaches an
+                # idle engine over some ms: gather it whole, so that it decodes as one
+                # batch, and admit and prefill the arrivals so far in prefill-only steps
+                # while the rest arrive (ADMIT_* above). Its first decode step is short
+                # (hurry), so that stragglers join one chunk later, unless recent bursts
+                # came whole (no sample joined them): then one that ended at a quiet gap
+                # decodes in one step to its end (Engine.decode_len).
+                if self._joined is not None:  # the last gathered burst ran: came it whole?
+                    self._calm = 0 if self._joined else self._calm + 1
+                self._admit_arrivals(samples)
+                _, arriving = self.sched.gather_samples(
+                    ADMIT_GAP_S,
+                    ADMIT_WINDOW_S,
+                    ADMIT_BURST_GAP_S,
+                    each=self._admit_arrivals,
+                    scale=ADMIT_GAP_SCALE,
+                    taken=samples,
+                )
+                arriving = arriving or ADMIT_HURRY or self._calm < ADMIT_CALM_BURSTS
+                self._joined = None if self.sampling.idle else False
+            else:
+                for w in samples:
+                    self._admit_sample(w)
+                self._unlogged += samples
+            self._cancel_running()
+            if group:
+                self._run_pass(group)
+            if not self.sampling.idle:
+                busy = self.sched.pending() > 0 or bool(self._splits)
+                self._step(arriving or busy or bool(self._streaming), True)
+                if self._joined is False and self.sched.samples_queued():
+                    self._joined = True  # samples came while the gathered burst ran
+            self._unlogged = []
+            try:
+                self._sweep_retired()
+                self._reap()
+            except Exception as e:  # noqa: BLE001 — never let cleanup stop the worker
+                log.error("unloading ended sessions failed: %s", e)
+
+    def _admit_arrivals(self, samples: list[Work]) -> None:
+        """Admit samples of a burst still arriving and prefill them (no decode yet)."""
+        for w in samples:
+            self._admit_sample(w)
+        self._unlogged += samples
+        prefill = self.accelerator if ADMIT_PREFILL is None else ADMIT_PREFILL
+        if prefill and (
+            len(self.sampling.waiting) + len(self.sampling.prefilling) >= ADMIT_PREFILL_MIN
+        ):
+            self._step(False, False)
+            self.prefill_steps += 1
+
+    def _step(self, hurry: bool, decode: bool) -> None:
+        """One engine step (Engine.step); a failed one fails the engine's requests."""
+        t0 = time.monotonic()
+        try:
+            now = time.monotonic()
+            for t in [t for t, at in self._sampled.items() if now - at > TENANT_WINDOW_S]:
+                del self._sampled[t]
+            # Several tenants: short steps (`chunk` decode steps), so that one tenant's
+            # request waits for one chunk of another's rows, not max_chunk.
+            tenants = tuple(sorted(self._sampled))
+            several = len(set(tenants) | {r.tenant for r in self.sampling.requests.values()}) > 1
+            ended = self.sampling.step(hurry=hurry or several, decode=decode, tenants=tenants)
+        except Exception as e:  # noqa: BLE001 — the engine's requests fail, not the server
+            ended = []
+            for rid in list(self.sampling.requests):
+                self.sampling.cancel(rid)
+            log.error("sampling step failed: %s", e)
+        t1 = time.monotonic()
+        self.busy_s["sample"] += t1 - t0
+        if log.isEnabledFor(logging.DEBUG):  # benchmarks/engine.py reads these
+            log.debug(
+                "sampling step",
+                extra={
+                    "step": dict(
+                        t0=t0,
+                        t1=t1,
+                        admitted=len(self._unlogged),
+                        hurry=hurry,
+                        decode=decode,
+                        arrived=[w.arrived_at for w in self._unlogged],
+                        live=self.sampling.live,
+                        ended=len(ended),
+                        waiting=len(self.sampling.waiting),
+                    )
+                },
+            )
+        self._unlogged = []
+
+    def _run_pass(self, group: list[Work]) -> None:
+        t0 = time.perf_counter()
+        try:
+            if group is self._splits.get(group[0].owner, (None,))[0]:
+                self._advance(group[0].owner)
+            elif group[0].failure is not None:
+                self._complete(group[0].request_id, ("error", group[0].failure, "server"))
+            elif group[0].kind in ("forward", "forward_backward"):
+                self._fwd(group)
+            else:  # one model operation (ModelOps) or session end, by the handler table
+                w = group[0]
+                self._complete(w.request_id, self._handlers[w.kind](w))
+        except Exception as e:  # noqa: BLE001 — one request's failure is only its own
+            for w in group:
+                try:
+                    self._complete(w.request_id, error_result(e))
+                except Exception:  # noqa: BLE001
+                    log.exception("worker: could not complete %s", w.request_id)
+        self.busy_s[group[0].kind] += time.perf_counter() - t0
+
+    def _admit_sample(self, w: Work) -> None:
+        """Admit one asample into the running engine (or run it beside, if too long).
+
+        An OpenAI route's sample (jcp/server/openai_api.py) is the same Work: its payload
+        names its weights by a SamplerRecord built at the edge ("sampler") instead of a
+        sampling session, and asks for the SampleResult itself ("raw": completed as
+        ("result", SampleResult)). "watch" (jcp.server.text.StopWatch), from either
+        protocol: text stop sequences and a stream's feed, called after each decode call."""
+        try:
+            p = w.payload
+            rec = p.get("sampler") or self.store.sampler(p["sampling_session_id"], w.owner)
+            args: wire.SampleArgs = p["args"]
+            watch = p.get("watch")
+            adapter = self._sampler_adapter(rec)
+            sp, fields = _sample_call(args)
+            target = args.target_prompt_logprobs
+            if len(args.prompt) - 1 + args.max_tokens > self.sampling.seq_cap:
+                res = self.tr.sample(
+                    [args.prompt],
+                    sp,
+                    adapters=adapter,
+                    num_samples=args.num_samples,
+                    prompt_logprobs=args.prompt_logprobs,
+                    fields=fields,
+                )[0]
+                if watch is not None:
+                    res = _watched(res, watch)
+                self._complete(w.request_id, _encode_sample(res, target, p.get("raw")))
+                return
+            # Salted by tenant: no tenant can hit (or time) another's cached prompt pages.
+            # When it came, not when the worker got to it: a slow turn must not make an
+            # active tenant look gone.
+            self._sampled[w.owner] = max(self._sampled.get(w.owner, 0.0), w.arrived_at)
+            rid = self.sampling.submit(
+                args.prompt,
+                sp,
+                adapter,
+                args.num_samples,
+                args.prompt_logprobs,
+                callback=self._sample_done(w.request_id, target, p.get("raw")),
+                fields=fields,
+                salt=w.owner,
+                watch=watch,
+                tenant=w.owner,
+            )
+            self._running[w.request_id] = rid
+            if p.get("stream"):
+                self._streaming.add(w.request_id)
+        except Exception as e:  # noqa: BLE001
+            self._complete(w.request_id, error_result(e))
+
+    def _sample_done(self, request_id: str, target, raw) -> Callable:
+        """The engine's callback for one admitted request: its result, or its error."""
+
+        def done(rid, outcome):
+            self._running.pop(request_id, None)
+            self._streaming.discard(request_id)
+            if request_id in self._cancelled:
+                self._cancelled.discard(request_id)
+                self._complete(request_id, ("error", "cancelled by the client", "user"))
+                return
+            self._complete(
+                request_id,
+                error_result(outcome)
+                if isinstance(outcome, Exception)
+                else _encode_sample(outcome, target, raw),
+            )
+
+        return done
+
+    def _cancel_running(self) -> None:
+        """Cancel the engine requests whose clients cancelled them (cancel_future after
+        admission): they end at this step boundary, their slots freed; others run on."""
+        for request_id in self.sched.take_cancels():
+            split = [t for t, (g, _, _) in self._splits.items() if len(g) == 1]
+            split = [t for t in split if self._splits[t][0][0].request_id == request_id]
+            if split:
+                # A split pass of this one request: it ends here, its accumulation undone.
+                self._splits[split[0]][1].close()
+                self._end_split(split[0])
+                self._complete(request_id, ("error", "cancelled by the client", "user"))
+                continue
+            rid = self._running.get(request_id)
+            if rid is not None:
+                self._cancelled.add(request_id)
+                self.sampling.cancel(rid)
+
+
+def _sample_call(args: wire.SampleArgs) -> tuple[jcp.SamplingParams, jcp.PromptFields]:
+    """A sample request's SamplingParams and prompt fields, as jcp takes them."""
+    sp = jcp.SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        stop=args.stop,
+        seed=args.seed,
+    )
+    target = args.target_prompt_logprobs
+    fields = jcp.PromptFields(
+        topk_prompt_logprobs=args.topk_prompt_logprobs,
+        topk_sample_logprobs=args.topk_sample_logprobs,
+        prompt_logprobs_last_n=args.prompt_logprobs_last_n,
+        target_prompt_logprobs=None if target is None else target.ids,
+        prompt_alt_tokens_k=args.prompt_alt_tokens_k,
+    )
+    return sp, fields
+
+
+def _encode_sample(res, target=None, raw: bool = False) -> tuple:
+    if raw:  # an OpenAI route formats it (jcp/server/openai_api.py)
+        return ("result", res)
+    return ("proto", wire.encode_sample_response(res, target))
+
+
+def _watched(res, watch):
+    """A finished SampleResult under a StopWatch (a sample run beside the engine): each
+    sequence a text stop ended is cut after the token that completed it."""
+    seqs = []
+    for j, s in enumerate(res.sequences):
+        tk = s.topk_logprobs
+        keep = watch(
+            j,
+            s.tokens.tolist(),
+            s.logprobs.tolist(),
+            [] if tk is None else [(tk.token_ids, tk.logprobs)],
+        )
+        if keep is not None:
+            s = dataclasses.replace(
+                s,
+                tokens=s.tokens[:keep],
+                logprobs=s.logprobs[:keep],
+                stop_reason="stop",
+                topk_logprobs=None
+                if tk is None
+                else dataclasses.replace(
+                    tk, token_ids=tk.token_ids[:keep], logprobs=tk.logprobs[:keep]
+                ),
+            )
+        seqs.append(s)
+    return dataclasses.replace(res, sequences=seqs)
