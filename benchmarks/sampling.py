@@ -307,6 +307,8 @@ def long_prompt_memory(cfg, cp, mode, n):
         temperature=seq(np.float32),
         top_k=i32,
         top_p=seq(np.float32),
+        want_topk=seq(bool),
+        steps=i32,
         keys=sds((b, 2), np.uint32, lay.seqs_Bx2),
         stop=sds((b, 8), np.int32, lay.seqs_Bx2),
     )
@@ -317,7 +319,7 @@ def long_prompt_memory(cfg, cp, mode, n):
         cache,
         rows,
         put(np.full(2, -1, np.int32), SPECS.replicated),
-        modes=programs.DecodeModes(mode, 16, greedy=True, filtered=False),
+        modes=programs.DecodeModes(mode, 16),
     ).compile()
     return {
         "cache": plan.cache_bytes,

@@ -524,14 +524,12 @@ def test_flag_types_take_what_they_should():
     )
 
 
-def test_cpu_sampling_warm_up_is_a_part_of_the_served_set():
-    """jcp-serve warms up a smaller sampling set on XLA:CPU (serve.SAMPLING_WARMUP_CPU: its
-    programs' memory maps must fit vm.max_map_count); every bucket in it is one the full
-    set warms up on accelerators."""
-    from jcp.serve import SAMPLING_WARMUP, SAMPLING_WARMUP_CPU, sampling_warmup
+def test_every_backend_warms_up_the_whole_sampling_set():
+    """jcp-serve warms up the whole sampling set (serve.SAMPLING_WARMUP) on every backend:
+    with draw kinds, top-k log-probs, prompt log-probs and decode lengths run-time values
+    it is a few dozen programs, whose memory maps fit vm.max_map_count on XLA:CPU too."""
+    from jcp.serve import SAMPLING_WARMUP, sampling_warmup
 
-    assert sampling_warmup("gpu") is SAMPLING_WARMUP and sampling_warmup("tpu") is SAMPLING_WARMUP
-    assert sampling_warmup("cpu") is SAMPLING_WARMUP_CPU and SAMPLING_WARMUP_CPU != SAMPLING_WARMUP
-    for key, value in SAMPLING_WARMUP_CPU.items():
-        full = SAMPLING_WARMUP[key]
-        assert set(value) <= set(full) if isinstance(value, tuple) else value == full, key
+    for backend in ("cpu", "gpu", "tpu"):
+        assert sampling_warmup(backend) is SAMPLING_WARMUP
+    assert set(SAMPLING_WARMUP["active"]) == {1, 2} and SAMPLING_WARMUP["compute_logprobs"]

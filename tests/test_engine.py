@@ -447,7 +447,7 @@ def test_varied_requests_after_the_served_warm_up_compile_nothing(root):
         assert all(len(x.tokens) == n for x in eng.result(rid).sequences)
     keys = eng.program_keys
     assert {k[0] for k in keys} == {"extend", "decode", "copy", "prefill"}
-    assert len(keys) >= 8  # several shapes ran
+    assert len(keys) >= 5  # several shapes ran (decode lengths and draw kinds share one)
     assert keys <= warm, keys - warm
     assert every() == compiled
 

@@ -430,12 +430,10 @@ def test_top_k_top_p_keep_exactly_the_nucleus():
     order = np.argsort(-p, kind="stable")
     keys = np.stack([np.random.SeedSequence([9, i]).generate_state(2, np.uint32) for i in range(n)])
 
-    @functools.partial(jax.jit, static_argnames=("filtered",))
-    def draw(top_k, top_p, filtered=True):
+    @jax.jit
+    def draw(top_k, top_p):
         x = jnp.broadcast_to(jnp.asarray(logits), (n, v))
-        return sample_lib.sample_tokens(
-            x, keys, 0, 1.0, top_k, top_p, greedy=False, filtered=filtered
-        )
+        return sample_lib.sample_tokens(x, keys, 0, 1.0, top_k, top_p)
 
     def kept(top_k, top_p):
         q = p[order[: top_k if top_k > 0 else v]]
@@ -443,7 +441,7 @@ def test_top_k_top_p_keep_exactly_the_nucleus():
         m = int(np.searchsorted(np.cumsum(q), top_p) + 1) if top_p < 1 else len(q)
         return set(order[: min(m, len(q))].tolist())
 
-    everything, lp_all = draw(-1, 1.0, filtered=False)
+    everything, lp_all = draw(-1, 1.0)
     assert len(set(np.asarray(everything).tolist())) > 15
     for top_k, top_p in ((-1, 0.6), (5, 1.0), (5, 0.8), (-1, 0.95)):
         want = kept(top_k, top_p)
@@ -477,17 +475,19 @@ def test_rows_split_over_tp_draw_as_every_rank_drawing_every_row():
         keys = rng.integers(0, 2**32, (b, 2), dtype=np.uint32)
         count = rng.integers(0, 9, b).astype(np.int32)
         temp = np.where(np.arange(b) == 1, 0.0, 0.7 + 0.1 * np.arange(b)).astype(np.float32)
+        cold = np.zeros(b, np.float32)
         top_k = np.where(np.arange(b) % 3 == 0, 5, -1).astype(np.int32)
         top_p = np.where(np.arange(b) % 2 == 0, 0.8, 1.0).astype(np.float32)
-        for kw in (
-            dict(greedy=True, filtered=False),
-            dict(greedy=False, filtered=False),
-            dict(greedy=False, filtered=True, topk=3),
+        no_k, no_p = np.full(b, -1, np.int32), np.ones(b, np.float32)
+        for greedy, (t, k, p), kw in (
+            (True, (cold, top_k, top_p), {}),
+            (False, (temp, no_k, no_p), {}),
+            (False, (temp, top_k, top_p), dict(topk=3)),
         ):
 
-            def run(split, x=logits, kw=kw):
+            def run(split, x=logits, kw=kw, t=t, k=k, p=p):
                 def f(x_loc):
-                    args = (keys, count, temp, top_k, top_p)
+                    args = (keys, count, t, k, p)
                     if split:
                         return draws.sample_rows_over_tp(x_loc, *args, **kw)
                     return draws.sample_tokens(draws.gather_vocab(x_loc), *args, **kw)
@@ -500,9 +500,42 @@ def test_rows_split_over_tp_draw_as_every_rank_drawing_every_row():
             split, whole = run(True), run(False)
             for a, w in zip(split, whole):
                 np.testing.assert_array_equal(a, w)
-            if not kw["greedy"]:  # the draws are draws: not all the argmax
+            if not greedy:  # the draws are draws: not all the argmax
                 assert np.any(split[0] != np.argmax(logits, -1)), kw
             assert np.all((split[0] >= 0) & (split[0] < v))
+
+
+def test_a_row_draws_the_same_whatever_kinds_share_its_call():
+    """One program serves every draw kind (draws.sample_tokens picks greedy / drawn /
+    truncated / top-k log-probs at run time per call): each row of a batch that mixes
+    greedy, drawn, top-k and top-p rows, some wanting top-k log-probs, gets exactly what it
+    gets alone (its batch of one takes another branch: all greedy, or no truncation)."""
+    from jcp.sample import draws
+
+    rng = np.random.default_rng(5)
+    b, v, k = 12, 96, 4
+    logits = (2.0 * rng.standard_normal((b, v))).astype(np.float32)
+    keys = rng.integers(0, 2**32, (b, 2), dtype=np.uint32)
+    count = rng.integers(0, 9, b).astype(np.int32)
+    temp = np.where(np.arange(b) % 4 == 0, 0.0, 0.6 + 0.1 * np.arange(b)).astype(np.float32)
+    top_k = np.where(np.arange(b) % 3 == 1, 5, -1).astype(np.int32)
+    top_p = np.where(np.arange(b) % 5 == 2, 0.7, 1.0).astype(np.float32)
+    want = np.arange(b) % 2 == 0
+    assert np.any(temp == 0) and np.any((temp > 0) & (top_k < 0) & (top_p == 1))
+    assert np.any((temp > 0) & (top_k > 0)) and np.any((temp > 0) & (top_p < 1))
+    draw = jax.jit(functools.partial(draws.sample_tokens, topk=k))
+    whole = [np.asarray(x) for x in draw(logits, keys, count, temp, top_k, top_p, want_B=want)]
+    for i in range(b):
+        s = slice(i, i + 1)
+        one = draw(logits[s], keys[s], count[s], temp[s], top_k[s], top_p[s], want_B=want[s])
+        np.testing.assert_array_equal(whole[0][i], np.asarray(one[0])[0])
+        np.testing.assert_array_equal(whole[1][i], np.asarray(one[1])[0])
+        if want[i]:
+            np.testing.assert_array_equal(whole[2][i], np.asarray(one[2])[0])
+            np.testing.assert_array_equal(whole[3][i], np.asarray(one[3])[0])
+        else:  # alone, no top-k is taken
+            assert np.all(np.asarray(one[2]) == -1)
+    assert np.any(whole[0] != np.argmax(logits, -1))  # some rows really drew
 
 
 BAD = [

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jcp.mesh import TP
+from jcp.mesh import TP, vary_like
 from jcp.sample.params import MIN_TEMPERATURE
 
 
@@ -46,52 +46,81 @@ def sample_tokens(
     top_k_B,
     top_p_B,
     *,
-    greedy: bool,
-    filtered: bool,
     topk: int = 0,
+    want_B=True,
 ):
     """(token int32 [B], log-prob float32 [B]) of one decode step, per row; with topk > 0
     also (ids int32 [B, topk], log-probs [B, topk]): the topk most likely tokens of the
-    distribution the log-probs are taken from (ids −1 past the vocabulary).
+    distribution the log-probs are taken from (ids −1 past the vocabulary) for the rows
+    with want_B (the others' are −1 / −inf unless a wanting row shares the call).
 
-    Row b with temperature 0 (or every row when `greedy`): argmax (the first, as torch),
-    log-prob log_softmax(logits). Else x = logits / T_b; log-prob log_softmax(x) of the
-    drawn token (before truncation); with `filtered` (some row truncates) the draw is
-    restricted to nucleus_mask(x, top_k, top_p). The draw is Gumbel-max with key
-    fold_in(key_b, count_b), count_b = tokens the sequence has drawn before: a sequence's
-    draws depend on its key and its own step only. Scalars broadcast over rows.
+    Row b with temperature 0: argmax (the first, as torch), log-prob log_softmax(logits).
+    Else x = logits / T_b; log-prob log_softmax(x) of the drawn token (before truncation);
+    the draw is restricted to nucleus_mask(x, top_k, top_p). The draw is Gumbel-max with
+    key fold_in(key_b, count_b), count_b = tokens the sequence has drawn before: a
+    sequence's draws depend on its key and its own step only. Scalars broadcast over rows.
+
+    One program serves every mix of rows: what a call needs is chosen at run time
+    (lax.cond on the rows' parameters), so a call whose rows are all greedy draws no noise,
+    one where no row truncates sorts no vocabulary, and one where no row wants top-k
+    log-probs takes no top-k — the same values, row by row, as the draw of that row alone
+    (a greedy row divides by exactly 1; the mask keeps every token of a row that does not
+    truncate).
     """
     logits_BxV = logits_BxV.astype(jnp.float32)
     b = logits_BxV.shape[0]
-    if greedy:
-        tok_B = jnp.argmax(logits_BxV, axis=-1)
-        logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
-    else:
-        temperature_B = jnp.broadcast_to(jnp.asarray(temperature_B, jnp.float32), (b,))
-        cold_B = temperature_B == 0.0
+    temperature_B = jnp.broadcast_to(jnp.asarray(temperature_B, jnp.float32), (b,))
+    cold_B = temperature_B == 0.0
+
+    def greedy():
+        return jnp.argmax(logits_BxV, axis=-1), jax.nn.log_softmax(logits_BxV, axis=-1)
+
+    def drawn():
         # Greedy rows divide by exactly 1, so their log-probs are log_softmax(logits).
         t_B = jnp.where(cold_B, 1.0, jnp.maximum(temperature_B, MIN_TEMPERATURE))
         x_BxV = logits_BxV / t_B[:, None]
         logp_BxV = jax.nn.log_softmax(x_BxV, axis=-1)
-        if filtered:
-            x_BxV = jnp.where(nucleus_mask(x_BxV, top_k_B, top_p_B), x_BxV, -jnp.inf)
+        top_k = jnp.broadcast_to(jnp.asarray(top_k_B, jnp.int32), (b,))
+        top_p = jnp.broadcast_to(jnp.asarray(top_p_B, jnp.float32), (b,))
+        truncates = jnp.any(~cold_B & ((top_k > 0) | (top_p < 1.0)))
+        x_BxV = jax.lax.cond(
+            truncates,
+            lambda x: jnp.where(nucleus_mask(x, top_k, top_p), x, -jnp.inf),
+            lambda x: x,
+            x_BxV,
+        )
 
         def draw(key_2, count, row_V):
             key = jax.random.fold_in(jax.random.wrap_key_data(key_2, impl="threefry2x32"), count)
             return jnp.argmax(row_V + jax.random.gumbel(key, row_V.shape, jnp.float32))
 
-        count_B = jnp.broadcast_to(jnp.asarray(count_B, jnp.int32), (b,))
-        drawn_B = jax.vmap(draw)(keys_Bx2, count_B, x_BxV)
-        tok_B = jnp.where(cold_B, jnp.argmax(logits_BxV, axis=-1), drawn_B)
+        count = jnp.broadcast_to(jnp.asarray(count_B, jnp.int32), (b,))
+        drawn_B = jax.vmap(draw)(keys_Bx2, count, x_BxV)
+        return jnp.where(cold_B, jnp.argmax(logits_BxV, axis=-1), drawn_B), logp_BxV
+
+    tok_B, logp_BxV = jax.lax.cond(jnp.all(cold_B), greedy, drawn)
     lp_B = jnp.take_along_axis(logp_BxV, tok_B[:, None], axis=-1)[:, 0]
     if not topk:
         return tok_B.astype(jnp.int32), lp_B
-    val, idx = jax.lax.top_k(logp_BxV, min(topk, logp_BxV.shape[1]))
-    pad = ((0, 0), (0, topk - val.shape[1]))
+    k = min(topk, logp_BxV.shape[1])
+
+    def top():
+        val, idx = jax.lax.top_k(logp_BxV, k)
+        return idx.astype(jnp.int32), val
+
+    def none():
+        return (
+            vary_like(jnp.full((b, k), -1, jnp.int32), logp_BxV),
+            vary_like(jnp.full((b, k), -jnp.inf, jnp.float32), logp_BxV),
+        )
+
+    want = jnp.any(jnp.broadcast_to(jnp.asarray(want_B, bool), (b,)))
+    idx, val = jax.lax.cond(want, top, none)
+    pad = ((0, 0), (0, topk - k))
     return (
         tok_B.astype(jnp.int32),
         lp_B,
-        jnp.pad(idx.astype(jnp.int32), pad, constant_values=-1),
+        jnp.pad(idx, pad, constant_values=-1),
         jnp.pad(val, pad, constant_values=-jnp.inf),
     )
 
@@ -104,9 +133,8 @@ def sample_rows_over_tp(
     top_k_B,
     top_p_B,
     *,
-    greedy: bool,
-    filtered: bool,
     topk: int = 0,
+    want_B=True,
 ):
     """sample_tokens of vocab-parallel logits [B, V/tp] (each tp rank its vocab slice), the
     rows split over tp: an all_to_all gives each rank B/tp rows over the whole vocabulary,
@@ -118,10 +146,16 @@ def sample_rows_over_tp(
     every row."""
     tp = jax.lax.axis_size(TP)
     b = logits_BxVloc.shape[0]
-    kw = dict(greedy=greedy, filtered=filtered, topk=topk)
     if tp == 1 or b % tp:
         return sample_tokens(
-            gather_vocab(logits_BxVloc), keys_Bx2, count_B, temperature_B, top_k_B, top_p_B, **kw
+            gather_vocab(logits_BxVloc),
+            keys_Bx2,
+            count_B,
+            temperature_B,
+            top_k_B,
+            top_p_B,
+            topk=topk,
+            want_B=want_B,
         )
     n = b // tp
     x_NxV = jax.lax.all_to_all(logits_BxVloc, TP, 0, 1, tiled=True)  # rank-major vocab
@@ -138,7 +172,8 @@ def sample_rows_over_tp(
         mine(temperature_B, jnp.float32),
         mine(top_k_B, jnp.int32),
         mine(top_p_B, jnp.float32),
-        **kw,
+        topk=topk,
+        want_B=mine(want_B, bool),
     )
     return tuple(gather_batch(x, TP) for x in out)
 

@@ -39,10 +39,13 @@ values (layout.ladder rungs, steps of 4 from the top unless said): decode rows p
 (b_local, b_local / 2, … ≥ 8), table pages (max_len / page, … ≥ 64 / page, and
 long_len / page, ÷ 4, … > max_len / page for long sequences), prefill rows per
 device (min(64, b_local), ÷ 4, … ≥ 4), prefill chunk (pow2(prefill_tokens) capped at
-max_len, ÷ 4, … ≥ 16), decode steps per call (max_chunk, ÷ 4, … ≥ chunk), active adapters
-(powers of two), draw kinds, page copies (rows rungs). What a client chooses per row has one
-width: stop tables params.STOP_WIDTH ids (longer stop lists widen to a power of two;
-jcp-serve refuses them), topk_sample_logprobs 0 or MAX_TOPK (params.decode_topk_bucket).
+max_len, ÷ 4, … ≥ 16), active adapters (powers of two from 2, runner.active_entries),
+page copies (rows rungs). Run-time values inside one program, not program dimensions:
+decode steps per call (max_chunk, ÷ 4, … ≥ chunk: a bound of the loop, outputs max_chunk
+wide), the draw kind (draws.sample_tokens), topk_sample_logprobs (MAX_TOPK columns,
+computed only when a row asks) and prompt log-probs (extend computes them only when a row
+asks). Stop tables have one width, params.STOP_WIDTH ids (longer stop lists widen to a
+power of two; jcp-serve refuses them).
 `program_keys` holds the static signature of every program the engine has run
 (`programs()` counts them); `warmup` compiles the bounded set up front.
 

@@ -279,10 +279,9 @@ def write_pages(pool: Pool, new: kv_cache.KV, page_N, row_N) -> Pool:
 
 @dataclasses.dataclass(frozen=True)
 class ExtendModes:
-    """with_logprobs: also return each new token's target log-prob; slice_layers: as
-    programs.DecodeModes."""
+    """slice_layers: as programs.DecodeModes. Whether a call computes log-probs is no mode
+    (ExtendRows.want_lp, at run time)."""
 
-    with_logprobs: bool
     slice_layers: bool = True
 
 
@@ -292,7 +291,8 @@ class ExtendRows:
     """tokens, targets int32 [B, C] (targets: the next prompt token, for log-probs);
     valid bool [B, C]; start int32 [B]: position of tokens[:, 0]; index int32 [B]: the
     row's adapter as an index into active; table int32 [B, M]; slot int32 [B]: the row's
-    device-local recurrent-state row (a hybrid model; ≥ R: none)."""
+    device-local recurrent-state row (a hybrid model; ≥ R: none); want_lp bool [B]: the
+    row's request asked for prompt log-probs."""
 
     tokens: jax.Array
     targets: jax.Array
@@ -301,11 +301,19 @@ class ExtendRows:
     index: jax.Array
     table: jax.Array
     slot: jax.Array
+    want_lp: jax.Array
 
     @staticmethod
     def specs() -> ExtendRows:
         return ExtendRows(
-            TABLE_SPEC, TABLE_SPEC, TABLE_SPEC, ROWS_SPEC, ROWS_SPEC, TABLE_SPEC, ROWS_SPEC
+            TABLE_SPEC,
+            TABLE_SPEC,
+            TABLE_SPEC,
+            ROWS_SPEC,
+            ROWS_SPEC,
+            TABLE_SPEC,
+            ROWS_SPEC,
+            ROWS_SPEC,
         )
 
 
@@ -320,7 +328,9 @@ def token_pages(table_BxM, position_BxC, valid_BxC, n_pages: int, page: int):
 
 def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
     """jit(extend)(lora, params, slot_meta, pool, rows: ExtendRows, active, *, modes) ->
-    (pool, log-probs [B, C] replicated or None). pool is donated.
+    (pool, log-probs [B, C] replicated). pool is donated. The log-probs (each new token's
+    target log-prob) are computed only when some row wants them (rows.want_lp, decided at
+    run time: one program with and without); zeros otherwise.
 
     A hybrid model's Gated DeltaNet layers continue each row's state row (rows.slot) over
     its chunk (ChunkMix; a row at position 0 starts from zeros) and write the state after
@@ -363,13 +373,18 @@ def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
                 r.table, position, r.valid, pool.k.shape[1], pool.k.shape[2]
             )
             pool = write_pages(pool, new, page_N, row_N)
-            lp = None
-            if modes.with_logprobs:
+
+            def logprobs():
                 lefts, rights = model_lib.unembed_factors(params, h, lora_active, route)
                 lp = losses_lib.target_logprobs(
                     lefts, rights, r.targets.reshape(-1), logprob_chunk
                 ).reshape(b, c)
-                lp = draws.gather_batch(jnp.where(r.valid, lp, 0.0), SEQ_AXES)
+                return draws.gather_batch(jnp.where(r.valid, lp, 0.0), SEQ_AXES)
+
+            # The same on every device (its collectives run on all or none).
+            want = jax.lax.psum(jnp.any(r.want_lp).astype(jnp.int32), SEQ_AXES) > 0
+            groups = jax.lax.axis_size(SEQ_AXES)
+            lp = jax.lax.cond(want, logprobs, lambda: jnp.zeros((groups * b, c), jnp.float32))
             return pool, lp
 
         pool_spec = pool_specs(hybrid)
@@ -381,7 +396,7 @@ def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
             ExtendRows.specs(),
             SPECS.replicated,
         )
-        out_specs = (pool_spec, P() if modes.with_logprobs else None)
+        out_specs = (pool_spec, P())
         return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
             lora_active, params, slot_meta, pool, rows, active
         )
@@ -419,7 +434,18 @@ def make_copy(mesh):
     return copy
 
 
-_INT_FIELDS = ("token", "position", "base", "done", "count", "index", "max_tokens", "top_k")
+_INT_FIELDS = (
+    "token",
+    "position",
+    "base",
+    "done",
+    "count",
+    "index",
+    "max_tokens",
+    "top_k",
+    "want_topk",
+    "steps",
+)
 
 
 def pack_rows(
@@ -428,7 +454,7 @@ def pack_rows(
     """Host DecodeRows, page table and state rows (slot_B: a hybrid model's recurrent-state
     row per row; None: none) as two arrays, so a decode call moves 2 host arrays to the
     devices instead of 14 (each transfer costs ~ms of host time on CPU): int32
-    [B, 8 + 2 + NS + 1 + M] (the int fields, done as 0/1, keys' bits, stop table, state
+    [B, 10 + 2 + NS + 1 + M] (the int fields, done and want_topk as 0/1, keys' bits, stop table, state
     row, page table) and float32 [B, 2] (temperature, top_p). unpack_rows inverts it
     inside the program."""
     slot_B = np.zeros(len(rows.token), np.int32) if slot_B is None else slot_B
@@ -449,7 +475,7 @@ def pack_rows(
 def unpack_rows(ints, floats, stop_width: int) -> tuple[DecodeRows, jax.Array, jax.Array]:
     """(DecodeRows, table [B, M], state rows [B]) from pack_rows' arrays (traced)."""
     f = {name: ints[:, i] for i, name in enumerate(_INT_FIELDS)}
-    f["done"] = f["done"] != 0
+    f["done"], f["want_topk"] = f["done"] != 0, f["want_topk"] != 0
     n = len(_INT_FIELDS)
     keys = jax.lax.bitcast_convert_type(ints[:, n : n + 2], jnp.uint32)
     stop = ints[:, n + 2 : n + 2 + stop_width]
@@ -480,14 +506,12 @@ def phase_widths(m: int, phases: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class PagedDecodeModes:
-    """out_len: most steps of the call; greedy / filtered / slice_layers / topk: as
-    programs.DecodeModes; stop_width: the stop tables' width; phases: most table-width
-    phases of the decode loop (phase_widths; 1: every step attends over the whole
-    table)."""
+    """out_len: most steps of a call (the outputs' width; the call's rows.steps bound the
+    loop at run time); slice_layers / topk: as programs.DecodeModes; stop_width: the stop
+    tables' width; phases: most table-width phases of the decode loop (phase_widths; 1:
+    every step attends over the whole table)."""
 
     out_len: int
-    greedy: bool
-    filtered: bool
     slice_layers: bool = True
     topk: int = 0
     stop_width: int = 8

@@ -61,14 +61,6 @@ def k_bucket(k: int) -> int:
     return b
 
 
-def decode_topk_bucket(k: int) -> int:
-    """The compiled top-k width of an engine decode call whose widest row asks
-    topk_sample_logprobs = k: 0, or MAX_TOPK for any k > 0 — one width, so the decode
-    programs a client can reach stay the few compiled at warm-up (a row's top k are the
-    first k of the top MAX_TOPK)."""
-    return MAX_TOPK if k > 0 else 0
-
-
 # The width of the engine's stop tables: every stop list of at most STOP_WIDTH token ids
 # shares one compiled width (a longer one would compile a wider table; jcp-serve refuses
 # longer lists at the edge, jcp.server.edge.MAX_STOPS).

@@ -103,8 +103,11 @@ class DecodeRows:
     first decode row of the sequence's cache; done: the row decodes nothing; count:
     tokens the sequence has drawn so far (seeds its draws; its rows go to base + count);
     index: the row's adapter as an index into the call's active [A]; max_tokens,
-    temperature, top_k (≤ 0: all), top_p: the sequence's SamplingParams; keys [B, 2]:
-    raw threefry keys; stop [B, NS]: stop token ids, −1 padded.
+    temperature, top_k (≤ 0: all), top_p: the sequence's SamplingParams; want_topk: the
+    row wants its steps' top-k log-probs (DecodeModes.topk wide); steps: the call's most
+    decode steps (the same in every row, ≤ DecodeModes.out_len: a run-time bound, so calls
+    of different lengths share one program); keys [B, 2]: raw threefry keys; stop [B, NS]:
+    stop token ids, −1 padded.
     """
 
     token: jax.Array
@@ -117,29 +120,30 @@ class DecodeRows:
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    want_topk: jax.Array
+    steps: jax.Array
     keys: jax.Array
     stop: jax.Array
 
     @staticmethod
     def specs(layout: kv_cache.Layout) -> DecodeRows:
         b, b2 = layout.seqs_B, layout.seqs_Bx2
-        return DecodeRows(b, b, b, b, b, b, b, b, b, b, b2, b2)
+        return DecodeRows(b, b, b, b, b, b, b, b, b, b, b, b, b2, b2)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeModes:
-    """layout: kv_cache.LAYOUTS name; out_len: most steps of the call (bucketed); greedy:
-    every row is greedy (no draw at all); filtered: some row truncates by top-k / top-p;
-    slice_layers: take the layers out of their stacks once before the loop (see
-    make_decode); window: (rows, cache rows) — decode only the first `rows` sequences of
-    each device's cache over its first `cache rows` rows (the engine's live slots and
-    lengths, bucketed), writing them back in place; None: the whole cache. topk
-    (bucketed, 0: none): also return each step's top-k log-probs (draws.sample_tokens)."""
+    """layout: kv_cache.LAYOUTS name; out_len: most steps of the call (bucketed: the
+    outputs' width; rows.steps bounds the loop at run time); slice_layers: take the layers
+    out of their stacks once before the loop (see make_decode); window: (rows, cache rows)
+    — decode only the first `rows` sequences of each device's cache over its first `cache
+    rows` rows (the engine's live slots and lengths, bucketed), writing them back in place;
+    None: the whole cache. topk (bucketed, 0: none): also return each step's top-k
+    log-probs (draws.sample_tokens) for the rows with want_topk. The draw kind (greedy,
+    drawn, truncated) is no mode: draws.sample_tokens picks it per call at run time."""
 
     layout: str
     out_len: int
-    greedy: bool
-    filtered: bool
     slice_layers: bool = True
     window: tuple[int, int] | None = None
     topk: int = 0
@@ -416,8 +420,9 @@ def decode_loop(
     psum); the next token is drawn with the row's own parameters (r) and recorded;
     write(store, new, pos_B, done_B, count_B, live_B) -> store keeps the step's K/V (done_B
     already holds the rows this step ended); the loop stops when no row is live. A row ends
-    at a stop token of its own or its own max_tokens. modes: out_len, greedy, filtered,
-    topk, slice_layers (take every layer's weights out of the stacked arrays once, before
+    at a stop token of its own or its own max_tokens, and the loop after r.steps steps
+    (≤ modes.out_len, the outputs' width; a run-time bound). modes: out_len, topk,
+    slice_layers (take every layer's weights out of the stacked arrays once, before
     the loop, and run the layers unrolled on them — model.layer_slices).
     """
     phases = run if isinstance(run, (list, tuple)) else [(None, run)]
@@ -442,9 +447,8 @@ def decode_loop(
                 r.temperature,
                 r.top_k,
                 r.top_p,
-                greedy=modes.greedy,
-                filtered=modes.filtered,
                 topk=modes.topk,
+                want_B=r.want_topk & ~done_B,
             )
             live_B = ~done_B
             out_tok = out_tok.at[:, i].set(jnp.where(live_B, nxt_B, -1))
@@ -468,11 +472,13 @@ def decode_loop(
             if limit is not None:  # live rows this phase's run cannot attend for
                 counts.append(jnp.sum(live_B & (pos_B > limit), dtype=jnp.int32))
             counts = jax.lax.psum(jnp.stack(counts), seq_axes)
-            ok = (i < modes.out_len) & (counts[0] > 0)
+            ok = (i < limit_steps) & (counts[0] > 0)
             return ok & (counts[1] == 0) if limit is not None else ok
 
         return go_on
 
+    # Every row holds the call's bound; min keeps the loop within the outputs' width.
+    limit_steps = jnp.minimum(r.steps[0], modes.out_len)
     out_tok = vary(jnp.full((b, modes.out_len), -1, jnp.int32), seq_axes)
     out_lp = vary(jnp.zeros((b, modes.out_len), jnp.float32), seq_axes)
     out_tk = ()
@@ -486,4 +492,13 @@ def decode_loop(
     for limit, run_i in phases:
         carry = jax.lax.while_loop(cond(limit), body(run_i), carry)
     store, out_tok, out_lp, out_tk = carry[5:]
-    return store, tuple(draws.gather_batch(x, seq_axes) for x in (out_tok, out_lp, *out_tk))
+    outs = tuple(draws.gather_batch(x, seq_axes) for x in (out_tok, out_lp))
+    if modes.topk:  # gathered only when a row anywhere wants them (the same on every device)
+        want = jax.lax.psum(jnp.any(r.want_topk & ~r.done).astype(jnp.int32), seq_axes) > 0
+        groups = jax.lax.axis_size(seq_axes)
+        outs += jax.lax.cond(
+            want,
+            lambda: tuple(draws.gather_batch(x, seq_axes) for x in out_tk),
+            lambda: tuple(jnp.zeros((groups * b,) + x.shape[1:], x.dtype) for x in out_tk),
+        )
+    return store, outs

@@ -15,6 +15,7 @@ pages per row, DP / CP / S = a packed prefill batch's streams and their rows.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,7 +33,32 @@ from jcp.sample import kv_cache, programs
 from jcp.sample import layout as layout_lib
 from jcp.sample import paged as paged_lib
 from jcp.sample.engine_config import MIN_CHUNK, PREFILL_ROWS, WINDOW_FLOOR, EngineSizes
-from jcp.sample.params import BASE, STOP_WIDTH, PromptStatsCall, decode_topk_bucket, k_bucket
+from jcp.sample.params import BASE, MAX_TOPK, STOP_WIDTH, PromptStatsCall, k_bucket
+
+# Every sampling program takes at least ACTIVE_FLOOR active-adapter entries: up to
+# lora.DENSE_MAX_ADAPTERS the LoRA products are one GEMM masked per row, an entry more
+# costs R columns of it, and one program then serves steps of one adapter and of two (a
+# warm-up compiles one adapter bucket for both).
+ACTIVE_FLOOR = 2
+
+
+def active_entries(n: int, cap: int) -> int:
+    """Active-adapter entries of a sampling call with n distinct adapters (the base model
+    counts as one): the power of two ≥ max(n, ACTIVE_FLOOR), at most cap (the limit's
+    max_adapters + 1) unless n itself is more."""
+    return max(n, min(mesh_lib.pow2_at_least(max(n, ACTIVE_FLOOR)), cap))
+
+
+def floor_active(pb: batch_lib.PackedBatch, cap: int) -> batch_lib.PackedBatch:
+    """pb with active_entries(…) active entries (extra ones as pack pads: the first
+    adapter again, with empty spans)."""
+    a = len(pb.active)
+    more = active_entries(a, cap) - a
+    if more <= 0:
+        return pb
+    spans = np.concatenate([pb.spans, np.zeros(pb.spans.shape[:2] + (more, 2), np.int32)], 2)
+    active = np.concatenate([pb.active, np.full(more, pb.active[0], np.int32)])
+    return dataclasses.replace(pb, spans=spans, active=active)
 
 
 class Runner:
@@ -175,8 +201,11 @@ class Runner:
             data, [adapters[i] for i in which], self.dp, self.cp, cap, self.limits.max_adapters + 1
         )
         return which, [
-            batch_lib.pad_streams(
-                pb, min(mesh_lib.pow2_at_least(pb.tokens.shape[-1], min_stream), cap)
+            floor_active(
+                batch_lib.pad_streams(
+                    pb, min(mesh_lib.pow2_at_least(pb.tokens.shape[-1], min_stream), cap)
+                ),
+                self.limits.max_adapters + 1,
             )
             for pb in packed
         ]
@@ -292,9 +321,9 @@ class Runner:
 
     def active_index(self, adapter_B: np.ndarray, rows_live) -> tuple[np.ndarray, np.ndarray]:
         """(active adapters, each row's index into them) of a call whose rows rows_live
-        hold sequences of adapter_B (padding elsewhere); active bucketed to a power of two."""
+        hold sequences of adapter_B (padding elsewhere); active_entries of them."""
         n_active = len({int(adapter_B[x]) for x in rows_live})
-        a_len = batch_lib.active_bucket(n_active, self.limits.max_adapters + 1)
+        a_len = active_entries(n_active, self.limits.max_adapters + 1)
         return layout_lib.active_index(adapter_B, a_len, BASE)
 
 
@@ -377,11 +406,13 @@ class EngineDevice:
     def extend(
         self, rows: paged_lib.ExtendRows, modes: paged_lib.ExtendModes, active: np.ndarray
     ) -> np.ndarray | None:
-        """One extend call over the engine's pages (kept, donated) -> host log-probs."""
+        """One extend call over the engine's pages (kept, donated) -> host log-probs (None
+        when no row wants them)."""
         r = self.runner
         self.program_keys.add(
             ("extend",) + rows.tokens.shape + (rows.table.shape[1], len(active), modes)
         )
+        want_lp = bool(np.any(rows.want_lp))
         rows = jax.tree.map(r.put, rows, paged_lib.ExtendRows.specs())
         self._ensure_cache()
         pool, lp = r.paged.extend(
@@ -395,7 +426,7 @@ class EngineDevice:
         )
         self._keep(pool)
         del pool
-        return host(lp) if modes.with_logprobs else None
+        return host(lp) if want_lp else None
 
     def decode(
         self,
@@ -406,9 +437,11 @@ class EngineDevice:
         slot: np.ndarray | None = None,
     ) -> list[np.ndarray]:
         """One decode call over the engine's pages (kept, donated) -> its host outputs
-        (tokens, log-probs[, top-k ids, top-k log-probs]). slot: each row's state row."""
+        (tokens, log-probs[, top-k ids, top-k log-probs: when a live row wants them]). slot:
+        each row's state row."""
         r = self.runner
         self.program_keys.add(("decode", len(rows.token), table.shape[1], len(active), modes))
+        want_topk = bool(np.any(rows.want_topk & ~rows.done))
         ints, floats = paged_lib.pack_rows(rows, table, slot)
         self._ensure_cache()
         *out, pool = r.paged.decode(
@@ -423,7 +456,7 @@ class EngineDevice:
         )
         self._keep(pool)
         del pool
-        return [host(x) for x in out]
+        return [host(x) for x in out[: 4 if want_topk else 2]]
 
     def copy(
         self, src: np.ndarray, dst: np.ndarray, rec_src: np.ndarray, rec_dst: np.ndarray
@@ -483,6 +516,7 @@ class EngineDevice:
         valid = np.zeros((b, c_len), bool)
         start = np.zeros(b, np.int32)
         slot = np.full(b, z.b_local, np.int32)
+        want_lp = np.zeros(b, bool)
         adapter = np.full(b, layout_lib.PADDING, np.int64)
         for group, c in work:
             req, i, f = group.seqs[0].req, at[id(group)], group.filled
@@ -490,21 +524,24 @@ class EngineDevice:
             targets[i, :c] = req.prompt[f + 1 : f + c + 1]
             valid[i, :c] = True
             start[i] = f
+            want_lp[i] = req.plp is not None
             adapter[i] = req.adapter
             if z.hybrid:
                 slot[i] = group.seqs[0].row
         at_seq = {id(g.seqs[0]): at[id(g)] for g, _ in work}
         table = page_table([g.seqs[0] for g, _ in work], at_seq, b, m)
         active, index = self.runner.active_index(adapter, [at[id(g)] for g, _ in work])
-        want_lp = any(g.seqs[0].req.plp is not None for g, _ in work)
-        rows = paged_lib.ExtendRows(tokens, targets, valid, start, index, table, slot)
-        return rows, paged_lib.ExtendModes(want_lp, self.runner.slice_layers), active, at
+        rows = paged_lib.ExtendRows(tokens, targets, valid, start, index, table, slot, want_lp)
+        return rows, paged_lib.ExtendModes(self.runner.slice_layers), active, at
 
     def decode_batch(self, live: list, n_steps: int) -> tuple:
         """(table, rows, modes, active adapters, state rows, row of each sequence by id) of
         one decode call of n_steps over the live sequences (admission.Seq; pages grown):
         each device's sequences in its first rows, their tables M pages wide, each
-        bucketed (engine.py's module docstring, "Programs")."""
+        bucketed (engine.py's module docstring, "Programs"). One program serves every
+        n_steps ≤ max_chunk, draw kind and topk_sample_logprobs: they are run-time values
+        (rows.steps, the rows' parameters, rows.want_topk) under static bounds (max_chunk
+        outputs, params.MAX_TOPK top-k columns)."""
         z = self.sizes
         per = [[] for _ in range(z.groups)]
         for seq in live:
@@ -521,6 +558,7 @@ class EngineDevice:
         temperature = np.zeros(b, np.float32)
         top_k = np.full(b, -1, np.int32)
         top_p = np.ones(b, np.float32)
+        want_topk = np.zeros(b, bool)
         keys = np.zeros((b, 2), np.uint32)
         slot = np.full(b, z.b_local, np.int32)
         adapter = np.full(b, layout_lib.PADDING, np.int64)
@@ -534,16 +572,11 @@ class EngineDevice:
             position[i], count[i], done[i] = req.n + c, c, False
             max_tokens[i], temperature[i] = p["max_tokens"], p["temperature"]
             top_k[i], top_p[i] = p["top_k"], p["top_p"]
+            want_topk[i] = req.fields.topk_sample_logprobs > 0
             keys[i] = req.keys[seq.j]
             adapter[i], stops[i] = req.adapter, p["stop"]
         rows_live = [at[id(x)] for x in live]
         active, index = self.runner.active_index(adapter, rows_live)
-        greedy = bool(np.all(temperature[rows_live] == 0.0))
-        filtered = bool(
-            np.any(
-                (temperature[rows_live] > 0) & ((top_k[rows_live] > 0) | (top_p[rows_live] < 1.0))
-            )
-        )
         rows = programs.DecodeRows(
             token,
             position,
@@ -555,12 +588,13 @@ class EngineDevice:
             temperature,
             top_k,
             top_p,
+            want_topk,
+            np.full(b, n_steps, np.int32),
             keys,
             layout_lib.stop_table(stops, STOP_WIDTH),
         )
         table = page_table(live, at, b, m)
-        topk = decode_topk_bucket(max(x.req.fields.topk_sample_logprobs for x in live))
         modes = paged_lib.PagedDecodeModes(
-            n_steps, greedy, filtered, self.runner.slice_layers, topk, rows.stop.shape[1]
+            z.max_chunk, self.runner.slice_layers, MAX_TOPK, rows.stop.shape[1]
         )
         return table, rows, modes, active, slot, at

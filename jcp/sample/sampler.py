@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from jcp import batch as batch_lib
 from jcp import train_step
 from jcp.adapter_state import AdapterState, host, replicate
 from jcp.config import QwenConfig
@@ -31,6 +30,7 @@ from jcp.errors import InputError
 from jcp.sample import kv_cache, programs
 from jcp.sample import layout as layout_lib
 from jcp.sample import paged as paged_lib
+from jcp.sample import runner as runner_lib
 from jcp.sample.params import (
     BASE,
     Checked,
@@ -271,10 +271,10 @@ class Sampler:
             k = sequence_keys(c.seed, i, c.num_samples)
             rows = call.row_of[i]
             token[rows], position[rows], done[rows], keys[rows] = x[-1], len(x) - 1, False, k
-        a_len = batch_lib.active_bucket(len(set(c.adapters)), self.limits.max_adapters + 1)
+        a_len = runner_lib.active_entries(len(set(c.adapters)), self.limits.max_adapters + 1)
         active, index = layout_lib.active_index(call.adapter, a_len, BASE)
-        greedy = c.temperature == 0.0
         full = lambda v, dt: np.full(b_total, v, dt)  # noqa: E731
+        topk = max(f.topk_sample_logprobs for f in fields)
         rows = programs.DecodeRows(
             token=token,
             position=position,
@@ -286,16 +286,15 @@ class Sampler:
             temperature=full(c.temperature, np.float32),
             top_k=full(c.top_k, np.int32),
             top_p=full(c.top_p, np.float32),
+            want_topk=full(topk > 0, bool),
+            steps=full(plan.out_len, np.int32),
             keys=keys,
             stop=layout_lib.stop_table([c.stop] * b_total),
         )
         rows = jax.tree.map(r.put, rows, programs.DecodeRows.specs(lay))
-        topk = max(f.topk_sample_logprobs for f in fields)
         modes = programs.DecodeModes(
             layout=plan.mode,
             out_len=plan.out_len,
-            greedy=greedy,
-            filtered=not greedy and (c.top_k > 0 or c.top_p < 1.0),
             slice_layers=r.slice_layers,
             topk=k_bucket(topk),
         )

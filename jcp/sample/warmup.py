@@ -21,17 +21,19 @@ from jcp.adapter_state import host
 from jcp.sample import layout as layout_lib
 from jcp.sample import paged, programs
 from jcp.sample.engine_config import DECODE_ROWS_STEP, MIN_CHUNK, PREFILL_ROWS, WINDOW_FLOOR, rungs
-from jcp.sample.params import BASE, STOP_WIDTH, PromptStatsCall, decode_topk_bucket, k_bucket
-from jcp.sample.runner import EngineDevice
+from jcp.sample.params import BASE, MAX_TOPK, STOP_WIDTH, PromptStatsCall, k_bucket
+from jcp.sample.runner import EngineDevice, active_entries
 
-# Draw kinds of a decode program: (greedy, filtered).
-KINDS = {"greedy": (True, False), "drawn": (False, False), "filtered": (False, True)}
+# Draw kinds a request may take (greedy; drawn; drawn with top-k / top-p): one decode
+# program serves them all (draws.sample_tokens picks at run time), so `draws` only checks
+# the names its callers pass.
+KINDS = ("greedy", "drawn", "filtered")
 
 
 def warmup(
     device: EngineDevice,
     active: Sequence[int] = (1,),
-    draws: Sequence[str] = ("greedy", "drawn"),
+    draws: Sequence[str] = KINDS,
     prompt_logprobs: Sequence[bool] = (False,),
     compute_logprobs: bool = False,
     stop_width: Sequence[int] = (STOP_WIDTH,),
@@ -40,29 +42,31 @@ def warmup(
 ) -> int:
     """Compile, up front, the programs an engine (its EngineDevice) can run for these
     buckets -> how many it ran (device.program_keys then holds them). The bounded set:
-    every prefill (extend) rows × chunk × table-pages rung × active-adapter bucket ×
-    prompt_logprobs, every decode rows × table-pages rung × active bucket × draw kind
-    ("greedy", "drawn", "filtered": some row top-k / top-p) × stop-table width ×
-    topk_sample_logprobs bucket (params.decode_topk_bucket) × decode-chunk rung, every
-    page-copy rung, and the cache-less prefill's stream buckets (min_stream … max(max_len,
+    every prefill (extend) rows × chunk × table-pages rung × active-adapter bucket, every
+    decode rows × table-pages rung × active bucket × stop-table width, every page-copy
+    rung, and the cache-less prefill's stream buckets (min_stream … max(max_len,
     prefill_tokens), doubling) × active bucket for compute_logprobs (if compute_logprobs)
     and for each prompt_stats entry (topk_prompt_logprobs, target_prompt_logprobs width,
     prompt_alt_tokens_k) of the SDK prompt fields (each bucketed by params.k_bucket; a
     request's fields take the widest of those admitted with it). active: distinct adapters
-    (the base model counts as one) per step. Runs each program once on padding, so later
-    requests of those shapes compile nothing."""
+    (the base model counts as one) per step, bucketed by runner.active_entries (1 and 2
+    share one bucket). What is decided at run time inside one program needs no entry:
+    prompt log-probs on or off (prompt_logprobs), the draw kind (draws: "greedy", "drawn",
+    "filtered"), topk_sample_logprobs (topk) and the decode steps of a call; those
+    arguments are only checked. Runs each program once on padding, so later requests of
+    those shapes compile nothing."""
     for d in draws:
         if d not in KINDS:
             raise ValueError(f"draws: {d!r} is not one of {sorted(KINDS)}")
-    limits = device.runner.limits
-    a_lens = sorted({batch_lib.active_bucket(a, limits.max_adapters + 1) for a in active})
+    cap = device.runner.limits.max_adapters + 1
+    a_lens = sorted({active_entries(a, cap) for a in active})
     before = set(device.program_keys)
-    _extends(device, a_lens, prompt_logprobs)
+    _extends(device, a_lens)
     variants = ([(0, 0, 0)] if compute_logprobs else []) + [
         tuple(k_bucket(int(k)) for k in v) for v in prompt_stats
     ]
     _cacheless(device, a_lens, variants)
-    _decodes(device, a_lens, draws, stop_width, topk)
+    _decodes(device, a_lens, stop_width)
     z = device.sizes
     for n in rungs(z.b_local, WINDOW_FLOOR[0]):
         zero = np.zeros(z.groups * n, np.int32)
@@ -80,7 +84,7 @@ def _padding(b: int, a: int) -> tuple[np.ndarray, np.ndarray]:
     return layout_lib.active_index(np.full(b, layout_lib.PADDING), a, BASE)
 
 
-def _extends(device: EngineDevice, a_lens: list[int], prompt_logprobs: Sequence[bool]) -> None:
+def _extends(device: EngineDevice, a_lens: list[int]) -> None:
     """Every extend (chunked prefill) program: rows × chunk × table pages × active."""
     z, slice_layers = device.sizes, device.runner.slice_layers
     for e_b in rungs(z.prefill_rows, PREFILL_ROWS[1]):
@@ -98,9 +102,9 @@ def _extends(device: EngineDevice, a_lens: list[int], prompt_logprobs: Sequence[
                         index,
                         np.full((b, m), -1, np.int32),
                         np.full(b, z.b_local, np.int32),
+                        np.zeros(b, bool),
                     )
-                    for lp in prompt_logprobs:
-                        device.extend(rows, paged.ExtendModes(bool(lp), slice_layers), act)
+                    device.extend(rows, paged.ExtendModes(slice_layers), act)
 
 
 def _cacheless(device: EngineDevice, a_lens: list[int], variants: list[tuple]) -> None:
@@ -123,20 +127,13 @@ def _cacheless(device: EngineDevice, a_lens: list[int], variants: list[tuple]) -
         x *= 2
 
 
-def _decodes(
-    device: EngineDevice,
-    a_lens: list[int],
-    draws: Sequence[str],
-    stop_width: Sequence[int],
-    topk: Sequence[int],
-) -> None:
-    """Every decode program: rows × table pages × active × draw kind × stop width × top-k
-    bucket × decode-chunk rung."""
+def _decodes(device: EngineDevice, a_lens: list[int], stop_width: Sequence[int]) -> None:
+    """Every decode program: rows × table pages × active × stop width."""
     z, slice_layers = device.sizes, device.runner.slice_layers
     for w_b in rungs(z.b_local, WINDOW_FLOOR[0], DECODE_ROWS_STEP):
         b = z.groups * w_b
         zero = np.zeros(b, np.int32)
-        for m, a, d, ns in itertools.product(z.table_rungs(), a_lens, draws, stop_width):
+        for m, a, ns in itertools.product(z.table_rungs(), a_lens, stop_width):
             act, index = _padding(b, a)
             rows = programs.DecodeRows(
                 zero,
@@ -149,16 +146,15 @@ def _decodes(
                 np.zeros(b, np.float32),
                 np.full(b, -1, np.int32),
                 np.ones(b, np.float32),
+                np.zeros(b, bool),
+                np.full(b, z.max_chunk, np.int32),
                 np.zeros((b, 2), np.uint32),
                 layout_lib.stop_table([()] * b, ns),
             )
-            for k, n in itertools.product(topk, z.decode_rungs()):
-                modes = paged.PagedDecodeModes(
-                    n, *KINDS[d], slice_layers, decode_topk_bucket(k), rows.stop.shape[1]
-                )
-                device.decode(
-                    np.full((b, m), -1, np.int32), rows, modes, act, np.full(b, z.b_local, np.int32)
-                )
+            modes = paged.PagedDecodeModes(z.max_chunk, slice_layers, MAX_TOPK, rows.stop.shape[1])
+            device.decode(
+                np.full((b, m), -1, np.int32), rows, modes, act, np.full(b, z.b_local, np.int32)
+            )
 
 
 def padding_batch(
