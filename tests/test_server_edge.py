@@ -31,11 +31,11 @@ from pydantic import ValidationError  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
 
-from jcp.server import app as app_lib  # noqa: E402
 from jcp.server import edge as edge_lib  # noqa: E402
 from jcp.server import wire  # noqa: E402
 from jcp.server.app import FutureTable, ServedModel, create_app  # noqa: E402
 from jcp.server.edge import Limits  # noqa: E402
+from jcp.server.routes import futures as future_routes  # noqa: E402
 from jcp.server.scheduler import Scheduler  # noqa: E402
 from jcp.server.state import ModelRecord, StateStore  # noqa: E402
 
@@ -319,7 +319,7 @@ def test_fuzz_every_route_from_its_schema(env, monkeypatch):
     """Every operation of /openapi.json, 6 positive and 6 negative cases each (seeded): no
     5xx, each answered within its budget, and bob's control requests (healthz, get_info)
     served after every one."""
-    monkeypatch.setattr(app_lib, "POLL_S", 0.2)  # long polls answer 408 quickly
+    monkeypatch.setattr(future_routes, "POLL_S", 0.2)  # long polls answer 408 quickly
     api = schemathesis.openapi.from_dict(env["client"].get("/openapi.json").json())
     client, bob, seen = env["client"], env["bob"], set()
     ops = [r.ok() for r in api.get_all_operations()]
@@ -418,7 +418,7 @@ def test_every_field_of_every_route_refuses_every_wrong_type(env, monkeypatch):
     """Every JSON route's body with every optional field present (from /openapi.json),
     then each field, nested ones too, set to each JSON type in turn and to ints beyond
     int64: never a 5xx (which the SDK retries), each answered at once, bob always served."""
-    monkeypatch.setattr(app_lib, "POLL_S", 0.2)
+    monkeypatch.setattr(future_routes, "POLL_S", 0.2)
     spec = env["client"].get("/openapi.json").json()
     client, sent = env["client"], 0
     for path, methods in spec["paths"].items():

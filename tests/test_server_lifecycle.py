@@ -24,7 +24,7 @@ from tinker import types  # noqa: E402
 from tinker.types.provenance_spans import PromptProvenanceSpan, SampledProvenanceSpan  # noqa: E402
 
 import jcp  # noqa: E402
-from jcp.serve import Server  # noqa: E402
+from jcp.server.service import Server  # noqa: E402
 
 MODEL = "jcp-tiny"
 KEYS = {"tml-alice": "alice", "tml-bob": "bob"}
@@ -98,7 +98,7 @@ def test_more_models_than_slots_train_as_alone(env):
         sc.create_lora_training_client(base_model=MODEL, rank=RANK, seed=s).result()
         for sc, s in zip(scs, seeds)
     ]
-    offloads = srv.engine.offloads
+    offloads = srv.worker.offloads
     for step in range(2):
         for tc, s in zip(tcs, seeds):
             tc.forward_backward([data(s * 10 + step)[0]], "cross_entropy").result()
@@ -116,7 +116,7 @@ def test_more_models_than_slots_train_as_alone(env):
                 .result()
             )
             assert len(out.sequences[0].tokens) == 3
-    assert srv.engine.offloads > offloads and srv.engine.restores > 0
+    assert srv.worker.offloads > offloads and srv.worker.restores > 0
     for tc, s in zip(tcs, seeds):
         path = tc.save_weights_for_sampler(f"final-{s}").result().path
         folder, _ = srv.store.resolve(path, "alice", "sampler_weights")
@@ -167,12 +167,12 @@ def test_expired_session_releases_its_models(env):
         assert post(env, "session_heartbeat", {"session_id": alive}).status_code == 200
         return mid not in srv.store.models
 
-    old = srv.engine.session_timeout_s
-    srv.engine.session_timeout_s = 1.0
+    old = srv.worker.session_timeout_s
+    srv.worker.session_timeout_s = 1.0
     try:
         wait_until(expired, "expiry")
     finally:
-        srv.engine.session_timeout_s = old
+        srv.worker.session_timeout_s = old
     assert post(env, "session_heartbeat", {"session_id": sid}).status_code == 410
     assert env["again"].model_id in srv.store.models
 
@@ -359,7 +359,7 @@ def test_external_weights_download(env, monkeypatch):
 
     import pyrage
 
-    from jcp.server import app as app_mod
+    from jcp.server.routes import runs as run_routes
 
     sc, tc, rc = env["rest"]
     plain = tc.save_weights_external("plain").result().path
@@ -393,7 +393,7 @@ def test_external_weights_download(env, monkeypatch):
     with pytest.raises(Exception):  # noqa: B017 — the SDK's error class varies by status
         bob.get_external_weights_urls(plain).result()
 
-    monkeypatch.setattr(app_mod, "URL_TTL_S", 0.5)
+    monkeypatch.setattr(run_routes, "URL_TTL_S", 0.5)
     short = rc.get_external_weights_urls(plain).result().urls
     time.sleep(1.0)
     with pytest.raises(urllib.error.HTTPError):
@@ -589,17 +589,17 @@ def test_restore_swaps_when_host_memory_is_full(env):
     tb, (ta0, ta1) = env.pop("swap")
     assert srv.store.models[ta1.model_id].slot is not None
     assert srv.store.models[tb.model_id].slot is None
-    used, old = srv.engine.offloaded_bytes(), srv.engine.max_offload_bytes
-    srv.engine.max_offload_bytes = used
+    used, old = srv.worker.offloaded_bytes(), srv.worker.max_offload_bytes
+    srv.worker.max_offload_bytes = used
     try:
-        restores = srv.engine.restores
+        restores = srv.worker.restores
         assert tb.forward([data(6)[0]], "cross_entropy").result().metrics["loss:sum"] > 0
         assert srv.store.models[ta1.model_id].slot is None  # alice's idle model swapped out
         assert ta0.forward([data(7)[0]], "cross_entropy").result().metrics["loss:sum"] > 0
-        assert srv.engine.restores == restores + 2
-        assert srv.engine.offloaded_bytes() == used
+        assert srv.worker.restores == restores + 2
+        assert srv.worker.offloaded_bytes() == used
     finally:
-        srv.engine.max_offload_bytes = old
+        srv.worker.max_offload_bytes = old
 
 
 def test_server_failures_name_no_server_files(env):

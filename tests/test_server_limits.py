@@ -25,9 +25,9 @@ from tinker import types  # noqa: E402
 from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
 
 import jcp  # noqa: E402
-from jcp.serve import Server  # noqa: E402
 from jcp.server import scheduler as scheduler_lib  # noqa: E402
 from jcp.server.edge import Limits  # noqa: E402
+from jcp.server.service import Server  # noqa: E402
 
 MODEL = "jcp-tiny"
 KEYS = {"tml-alice": "alice", "tml-bob": "bob"}
@@ -162,7 +162,7 @@ def assert_others_served(env):
     assert np.isfinite(out.metrics["loss:sum"])
     h = httpx.get(env["srv"].url + "/api/v1/healthz")
     assert (h.status_code, h.json()) == (200, {"status": "ok"})
-    assert env["srv"].engine.alive()
+    assert env["srv"].worker.alive()
 
 
 # ---------------------------------------------------------------------- items 1, 7
@@ -313,7 +313,7 @@ def test_hot_routes_answer_as_fastapi_routes(env, monkeypatch):
 
 
 def test_retrieve_future_long_polls_then_answers_try_again(env, monkeypatch):
-    monkeypatch.setattr("jcp.server.app.POLL_S", 0.3)
+    monkeypatch.setattr("jcp.server.routes.futures.POLL_S", 0.3)
     mid = env.get("m0") or new_model(env, 2)
     env["srv"].scheduler.hold()
     try:
@@ -671,8 +671,8 @@ def test_healthz_is_unhealthy_when_the_worker_is_gone(env, monkeypatch):
     post(env, "get_info", {"model_id": "x"})
     post(env, "unload_model", {"model_id": env["m0"]})
     deadline = time.monotonic() + 10
-    while srv.engine.alive() and time.monotonic() < deadline:
+    while srv.worker.alive() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not srv.engine.alive()
+    assert not srv.worker.alive()
     h = httpx.get(srv.url + "/api/v1/healthz")
     assert h.status_code == 503 and h.json()["status"] == "unhealthy"

@@ -1,0 +1,142 @@
+"""The ASGI layer of jcp-serve: JSON bodies and answers, and the hot routes in front of FastAPI.
+
+The sampling hot path — POST asample and retrieve_future, hundreds at once per RL step —
+is answered by `HotRoutes`, a plain ASGI layer in front of the FastAPI app: FastAPI's
+middleware, routing, dependency solving and response serialization cost more CPU than
+these two handlers themselves, and on a CPU host that CPU is taken from the engine.
+Every other request goes through FastAPI. Also owns the status of each exception a
+handler may raise (STATUS), `read_body` (the --max-body-bytes bound) and `json_bytes`.
+Never imports jax or the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from jcp.server import edge, redact
+from jcp.server.edge import Refused
+from jcp.server.state import AuthError, NotFound, SessionEnded
+
+PROTO = "application/x-protobuf"
+# Exceptions a handler may raise -> HTTP status; the body is {"detail": message}.
+STATUS = ((AuthError, 401), (NotFound, 404), (SessionEnded, 410))
+log = logging.getLogger("jcp.serve")
+JSON = "application/json"
+
+
+def json_bytes(obj) -> bytes:
+    """A JSON body as FastAPI writes one (compact, UTF-8, no NaN)."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def fastapi_route(handler):
+    """A HotRoutes handler (app context, tenant, JSON body) -> dict | (status, type, bytes)
+    as a FastAPI route."""
+
+    async def route(request: Request):
+        c = request.app.state.jcp
+        out = handler(c, c.owner(request), await c.body_json(request))
+        if asyncio.iscoroutine(out):
+            out = await out
+        if isinstance(out, tuple):
+            return Response(out[2], status_code=out[0], media_type=out[1])
+        return Response(json_bytes(out), media_type=JSON)
+
+    route.__name__ = handler.__name__
+    return route
+
+
+async def read_body(length: str, chunks, limit: int) -> bytes:
+    """A request body from its content-length header and its chunks (an async iterator),
+    refused (413) once over `limit` bytes (--max-body-bytes)."""
+    if length.isdigit() and int(length) > limit:
+        raise Refused(413, f"body: {length} bytes exceed {limit} (--max-body-bytes)")
+    parts, size = [], 0
+    async for c in chunks:
+        size += len(c)
+        if size > limit:
+            raise Refused(413, f"body: more than {limit} bytes (--max-body-bytes)")
+        parts.append(c)
+    return b"".join(parts)
+
+
+class HotRoutes:
+    """The server's ASGI app: POST to a hot path (`routes`: path -> handler(app context,
+    tenant, JSON body) -> dict, answered as JSON, or (status, content type, bytes); sync or
+    async) is answered here, everything else by the FastAPI `app` (whose `state.jcp` is
+    the context). Errors are answered as FastAPI's handlers answer them (STATUS, Refused;
+    500 for anything else)."""
+
+    def __init__(self, app: FastAPI, routes: dict):
+        self.app, self.routes = app, routes
+        self.ctx = app.state.jcp
+        self.store, self.limits = self.ctx.store, self.ctx.limits
+
+    async def __call__(self, scope, receive, send) -> None:
+        handler = self.routes.get(scope.get("path")) if scope["type"] == "http" else None
+        if handler is None:
+            return await self.app(scope, receive, send)
+        if scope["method"] != "POST":
+            return await self.answer(
+                send, 405, JSON, json_bytes({"detail": "Method Not Allowed"}), [(b"allow", b"POST")]
+            )
+        headers = dict(scope["headers"])
+        try:
+            who = self.store.owner_of_key(
+                (headers.get(b"x-api-key") or b"").decode("latin-1") or None
+            )
+            body = edge.parse_json(
+                await read_body(
+                    headers.get(b"content-length", b"").decode("latin-1"),
+                    self.chunks(receive),
+                    self.limits.body_bytes,
+                )
+            )
+            out = handler(self.ctx, who, body)
+            if asyncio.iscoroutine(out):
+                out = await out
+            status, kind, data = out if isinstance(out, tuple) else (200, JSON, json_bytes(out))
+        except Refused as e:
+            status, kind, data = e.status, JSON, self.detail(e)
+        except Exception as e:  # noqa: BLE001 — answered as FastAPI would, then logged
+            status = next((st for t, st in STATUS if isinstance(e, t)), None)
+            if status is None:
+                log.exception("%s failed", scope["path"])
+                return await self.answer(
+                    send, 500, "text/plain; charset=utf-8", b"Internal Server Error"
+                )
+            kind, data = JSON, self.detail(e)
+        await self.answer(send, status, kind, data)
+
+    def detail(self, e: Exception) -> bytes:
+        return json_bytes({"detail": redact.client_message(str(e), self.store.state_dir)})
+
+    @staticmethod
+    async def chunks(receive):
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            yield msg.get("body", b"")
+            if not msg.get("more_body", False):
+                return
+
+    @staticmethod
+    async def answer(send, status: int, kind: str, data: bytes, extra=()) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", kind.encode()),
+                    (b"content-length", str(len(data)).encode()),
+                    *extra,
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": data})
