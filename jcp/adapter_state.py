@@ -7,9 +7,14 @@ the sampler and the server use. It must never touch base weights, never change a
 other than the one named (every write is `.at[slot].set`), and never leave a non-finite
 value in any slot: a step whose result is not finite changes nothing.
 
-Shapes: see the legend in jcp/mesh.py. A slot tree is {module: {"a": [G, L, I, R],
-"b": [G, L, R, O]}} (lm_head without L); one adapter's tree drops G and holds only its
-target modules at its own rank r.
+Paged by rank: a table is {module: {"a": [P, L, I, r], "b": [P, L, r, O]}} (lm_head
+without L) of P pages of rank r = page_rank(max_rank); an adapter of rank ρ holds ⌈ρ / r⌉
+pages, listed in SlotMeta.page_GK (G slots × K = max_rank / r entries; an unused entry is
+P, which reads zeros and is never written). So a slot costs what its rank costs, and the
+number of pages — the device memory the table takes — is set apart from the number of
+slots (`memory_bytes`). The compiled steps read the pages of their active slots only
+(lora.take_active / add_active); one adapter's tree holds only its target modules at its
+own rank ρ. Shapes: see the legend in jcp/mesh.py.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import heapq
+import math
 import types
 
 import jax
@@ -30,6 +37,17 @@ from jcp import optim
 from jcp.config import QwenConfig
 from jcp.errors import InputError
 from jcp.mesh import host, pow2_at_least, replicate
+
+# The rank of one page of a slot table: the finest rank step a slot's memory follows.
+PAGE_RANK = 8
+# The four tables a slot holds in every page: weights, gradient accumulator, AdamW moments.
+TABLES = 4
+
+
+def page_rank(max_rank: int) -> int:
+    """A page's rank for slots of rank ≤ max_rank: the largest divisor of max_rank ≤ PAGE_RANK
+    that is a power of two (max_rank / page_rank pages hold a max-rank slot)."""
+    return math.gcd(max_rank, PAGE_RANK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,27 +115,44 @@ def _sans_slot(spec) -> P:
     return P(*tuple(spec)[1:])
 
 
-def _pad_into(table_G, slot, small):
-    """table_G with row `slot` replaced by `small` zero-padded to the table's rank; modules
-    and factors absent from `small` (not targeted, not of its expert mode) become zero."""
+def _slot_shape(which: str, page_shape: tuple, k: int) -> tuple:
+    """The shape of one slot's factor (rank K·r) from its page's shape (rank r)."""
+    ax = lora_lib.rank_axis(which, len(page_shape))
+    return page_shape[:ax] + (page_shape[ax] * k,) + page_shape[ax + 1 :]
+
+
+def _pad_into(table_P, pages_K, small):
+    """table_P with the pages pages_K overwritten by `small` zero-padded to the slot's
+    rank; modules and factors absent from `small` (not targeted, not of its expert mode)
+    become zero."""
     out = {}
-    for m, ab in table_G.items():
+    for m, ab in table_P.items():
         out[m] = {}
         for which, x in ab.items():
-            full = jnp.zeros(x.shape[1:], x.dtype)
+            full = jnp.zeros(_slot_shape(which, x.shape[1:], pages_K.shape[0]), x.dtype)
             if which in small.get(m, {}):
                 v = jnp.asarray(small[m][which], x.dtype)
                 full = jax.lax.dynamic_update_slice(full, v, (0,) * v.ndim)
-            out[m][which] = x.at[slot].set(full)
+            out[m][which] = lora_lib.scatter_pages(which, x, pages_K[None], full[None], add=False)
     return out
 
 
+def _gather_slot(tree, pages_K):
+    """One slot's factors [..., K·r] from its pages (lora.gather_pages)."""
+    return {
+        m: {k: lora_lib.gather_pages(k, x, pages_K[None])[0] for k, x in ab.items()}
+        for m, ab in tree.items()
+    }
+
+
 class AdapterState:
-    """Slot arrays of up to `max_adapters` adapters of rank ≤ `max_rank` over one mesh.
+    """Slot arrays of up to `max_adapters` adapters of rank ≤ `max_rank` over one mesh, in
+    pages (module docstring): `memory_bytes` of each device for the tables (None: room for
+    every slot at max_rank).
 
     Public reads: `infos` (slot -> AdapterInfo), `weights` and `meta` (the tables the
-    compiled steps consume), `read`, `export`, `tables`. Writes: `install`, `reset`,
-    `accumulate`, `step`. Slot ids are the adapter ids the Trainer hands out.
+    compiled steps consume), `read`, `export`, `tables`, `room`. Writes: `install`,
+    `reset`, `accumulate`, `step`. Slot ids are the adapter ids the Trainer hands out.
     """
 
     def __init__(
@@ -127,6 +162,7 @@ class AdapterState:
         max_adapters: int,
         max_rank: int,
         expert_lora_modes=lora_lib.EXPERT_LORA,
+        memory_bytes: int | None = None,
     ):
         self.cfg, self.mesh = cfg, mesh
         self.max_adapters, self.max_rank = max_adapters, max_rank
@@ -135,7 +171,21 @@ class AdapterState:
         self._specs = specs
         self._shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
         rep = NamedSharding(mesh, P())
-        shapes = lora_lib.slot_shapes(cfg, max_adapters, max_rank, self.expert_lora_modes)
+        self.page_rank = page_rank(max_rank)
+        self.pages_per_slot = max_rank // self.page_rank
+        self.page_bytes = page_bytes(cfg, mesh, self.page_rank, self.expert_lora_modes)
+        self.num_pages = max_adapters * self.pages_per_slot
+        if memory_bytes is not None:
+            if memory_bytes < self.page_bytes * self.pages_per_slot:
+                raise ValueError(
+                    f"adapter memory {memory_bytes} bytes holds no adapter of rank "
+                    f"{max_rank}: one takes {self.page_bytes * self.pages_per_slot} bytes "
+                    "of each device"
+                )
+            self.num_pages = min(self.num_pages, memory_bytes // self.page_bytes)
+        self._free_pages = list(range(self.num_pages))  # a heap: lowest pages first
+        self._page_GK = np.full((max_adapters, self.pages_per_slot), self.num_pages, np.int32)
+        shapes = lora_lib.slot_shapes(cfg, self.num_pages, self.page_rank, self.expert_lora_modes)
         zeros = jax.jit(
             lambda: jax.tree.map(
                 lambda s: jnp.zeros(s, jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
@@ -145,7 +195,8 @@ class AdapterState:
         self._weights, self._grads, self._mu, self._nu = zeros(), zeros(), zeros(), zeros()
         self._count = self._replicated(np.zeros(max_adapters, np.int32))
         self._meta = lora_lib.SlotMeta(
-            *(self._replicated(np.zeros(max_adapters, np.float32)) for _ in range(3))
+            *(self._replicated(np.zeros(max_adapters, np.float32)) for _ in range(3)),
+            page_GK=self._replicated(self._page_GK),
         )
         self._infos: dict[int, AdapterInfo] = {}
         # Bumped by every write of a slot's weights (install, reset, step): a reader that
@@ -155,41 +206,50 @@ class AdapterState:
         tables = (self._shardings,) * 4 + (rep, rep)
 
         @functools.partial(jax.jit, donate_argnums=(0,), out_shardings=tables)
-        def install(tables, slot, weights, grads, mu, nu, count, scale, shared, tied):
+        def install(
+            tables, slot, pages_K, row_K, weights, grads, mu, nu, count, scale, shared, tied
+        ):
             w, g, m, n, c, meta = tables
             return (
-                _pad_into(w, slot, weights),
-                _pad_into(g, slot, grads),
-                _pad_into(m, slot, mu),
-                _pad_into(n, slot, nu),
+                _pad_into(w, pages_K, weights),
+                _pad_into(g, pages_K, grads),
+                _pad_into(m, pages_K, mu),
+                _pad_into(n, pages_K, nu),
                 c.at[slot].set(count),
                 lora_lib.SlotMeta(
                     meta.scale_G.at[slot].set(scale),
                     meta.shared_G.at[slot].set(shared),
                     meta.tied_G.at[slot].set(tied),
+                    meta.page_GK.at[slot].set(row_K),
                 ),
             )
 
         self._install = install
-        self._take_rows = jax.jit(lambda tree, rows: jax.tree.map(lambda x: x[rows], tree))
+        self._take_rows = jax.jit(
+            lambda tree, rows: jax.tree.map(
+                lambda x: jnp.take(x, rows, axis=0, mode="fill", fill_value=0), tree
+            )
+        )
         self._put_rows = jax.jit(
-            lambda tree, rows, v: jax.tree.map(lambda x, y: x.at[rows].set(y), tree, v),
+            lambda tree, rows, v: jax.tree.map(
+                lambda x, y: x.at[rows].set(y, mode="drop"), tree, v
+            ),
             donate_argnums=(0,),
             out_shardings=self._shardings,
         )
-        self._read = jax.jit(
-            lambda tree, slot: jax.tree.map(lambda x: x[slot], tree), out_shardings=rep
-        )
+        self._read = jax.jit(_gather_slot, out_shardings=rep)
+        self._read_count = jax.jit(lambda count, slot: count[slot], out_shardings=rep)
         self._optim_step = optim.make_optim_step(mesh)
 
         @functools.partial(jax.jit, static_argnames=("rank", "targets", "expert_lora"))
-        def export(weights, mu, nu, count, slot, *, rank, targets, expert_lora):
+        def export(weights, mu, nu, count, slot, pages_K, *, rank, targets, expert_lora):
             def one(tree):
                 out = {}
                 for m in targets:
                     out[m] = {}
                     for which in lora_lib.expert_keys(m, expert_lora):
-                        y = lora_lib.at_rank(which, tree[m][which][slot], rank)
+                        x = lora_lib.gather_pages(which, tree[m][which], pages_K[None])[0]
+                        y = lora_lib.at_rank(which, x, rank)
                         spec = NamedSharding(mesh, _sans_slot(specs[m][which]))
                         out[m][which] = jax.lax.with_sharding_constraint(y, spec)
                 return out
@@ -220,12 +280,25 @@ class AdapterState:
 
     @property
     def meta(self) -> lora_lib.SlotMeta:
-        """Per-slot scale (alpha / rank, 0 for free slots) and expert mode, float32 [G]."""
+        """Per-slot scale (alpha / rank, 0 for free slots) and expert mode, float32 [G];
+        each slot's pages, int32 [G, K]."""
         return self._meta
 
+    def pages_for(self, rank: int) -> int:
+        """The pages an adapter of `rank` holds."""
+        return -(-rank // self.page_rank)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def room(self, rank: int) -> bool:
+        """Whether an adapter of `rank` fits now: a free slot and its pages."""
+        return len(self._infos) < self.max_adapters and self.pages_for(rank) <= self.free_pages
+
     def tables(self) -> dict:
-        """Every table as global arrays, for snapshots and tests: weights, grads, mu, nu,
-        count [G], scale [G], shared [G], tied [G]."""
+        """Every table as global arrays, for snapshots and tests: weights, grads, mu, nu
+        (pages), count [G], scale [G], shared [G], tied [G], pages [G, K]."""
         return {
             "weights": self._weights,
             "grads": self._grads,
@@ -235,6 +308,7 @@ class AdapterState:
             "scale": self._meta.scale_G,
             "shared": self._meta.shared_G,
             "tied": self._meta.tied_G,
+            "pages": self._meta.page_GK,
         }
 
     def version(self, slot: int) -> int:
@@ -261,7 +335,10 @@ class AdapterState:
         ]
         keys = {m: lora_lib.expert_keys(m, info.expert_lora) for m in info.targets}
         full = jax.tree.map(
-            host, self._read({m: {k: table[m][k] for k in keys[m]} for m in info.targets}, slot)
+            host,
+            self._read(
+                {m: {k: table[m][k] for k in keys[m]} for m in info.targets}, self._pages_of(slot)
+            ),
         )
         return {
             m: {k: lora_lib.at_rank(k, x, info.rank) for k, x in ab.items()}
@@ -278,6 +355,7 @@ class AdapterState:
             self._nu,
             self._count,
             self._replicated(np.asarray(slot, np.int32)),
+            self._pages_of(slot),
             rank=info.rank,
             targets=info.targets,
             expert_lora=info.expert_lora,
@@ -317,10 +395,24 @@ class AdapterState:
         for name, tree in (("mu", mu), ("nu", nu), ("grads", grads)):
             if tree is not None:
                 self._check_tree(tree, info, name)
+        need = self.pages_for(info.rank)
+        held = self.pages_for(self._infos[slot].rank) if slot in self._infos else 0
+        if need > self.free_pages + held:
+            raise InputError(
+                f"adapter memory is full: an adapter of rank {info.rank} needs {need} "
+                f"pages of rank {self.page_rank}, {self.free_pages} of {self.num_pages} are "
+                "free; delete or offload an adapter, or give the tables more memory"
+            )
+        if slot in self._infos:  # replaced: its pages are zeroed and freed first
+            self.reset(slot)
+        row = self._page_GK[slot].copy()
+        row[:need] = [heapq.heappop(self._free_pages) for _ in range(need)]
         tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._meta)
         (self._weights, self._grads, self._mu, self._nu, self._count, self._meta) = self._install(
             tables,
             np.int32(slot),
+            row,
+            row,
             weights,
             grads or {},
             mu or {},
@@ -330,8 +422,12 @@ class AdapterState:
             np.float32(info.shared_outer),
             np.float32(info.tied_gate_up),
         )
+        self._page_GK[slot] = row
         self._infos[slot] = info
         self._versions[slot] += 1
+
+    def _pages_of(self, slot: int) -> jax.Array:
+        return self._replicated(self._page_GK[slot])
 
     def offload(self, slot: int) -> HostSlot:
         """Move one adapter to host memory and free its slot. Rank padding and untargeted
@@ -342,7 +438,7 @@ class AdapterState:
         out = HostSlot(
             info,
             *(self.read(slot, w) for w in ("weights", "grads", "mu", "nu")),
-            count=int(host(self._read(self._count, slot))),
+            count=int(host(self._read_count(self._count, slot))),
         )
         self.reset(slot)
         return out
@@ -360,11 +456,16 @@ class AdapterState:
             raise InputError(f"adapter {what}: expected shapes {want}, got {have}")
 
     def reset(self, slot: int) -> None:
-        """Free a slot: weights, accumulator, moments, count and scale all zero."""
+        """Free a slot: its pages, accumulator, moments, count and scale all zero, its
+        pages back in the free list."""
+        row = self._page_GK[slot]
+        empty = np.full_like(row, self.num_pages)
         tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._meta)
         (self._weights, self._grads, self._mu, self._nu, self._count, self._meta) = self._install(
             tables,
             np.int32(slot),
+            row,
+            empty,
             {},
             {},
             {},
@@ -374,6 +475,9 @@ class AdapterState:
             np.float32(0.0),
             np.float32(0.0),
         )
+        for page in row[row < self.num_pages]:
+            heapq.heappush(self._free_pages, int(page))
+        self._page_GK[slot] = empty
         del self._infos[slot]
         self._versions[slot] += 1
 
@@ -394,7 +498,7 @@ class AdapterState:
         `keep` (a run for its programs only: Trainer.warmup), the accumulators of `slots`
         are restored bit for bit (from a copy of those rows taken on entry).
         """
-        rows = self._replicated(self.rows_bucket(slots))
+        rows = self._replicated(self._page_GK[self.rows_bucket(slots)].reshape(-1))
         saved = self._take_rows(self._grads, rows)
 
         def accumulate(fn):
@@ -422,6 +526,7 @@ class AdapterState:
             self._grads,
             optim.OptState(mu=self._mu, nu=self._nu, count=self._count),
             self._replicated(np.asarray(slot, np.int32)),
+            self._pages_of(slot),
             self._replicated(hp_6),
         )
         self._mu, self._nu, self._count = opt.mu, opt.nu, opt.count
@@ -443,3 +548,15 @@ class AdapterState:
             "learning_rate": float(m["learning_rate"]),
             "step": int(m["step"]),
         }
+
+
+def page_bytes(cfg: QwenConfig, mesh, rank: int, modes=lora_lib.EXPERT_LORA) -> int:
+    """Bytes of one page of rank `rank` of every table (TABLES of them, float32) on one
+    device of `mesh`."""
+    shapes = lora_lib.slot_shapes(cfg, 1, rank, modes)
+    specs = lora_lib.slot_specs(cfg, modes)
+    return TABLES * sum(
+        4 * math.prod(NamedSharding(mesh, specs[m][k]).shard_shape(shape))
+        for m, ks in shapes.items()
+        for k, shape in ks.items()
+    )

@@ -45,12 +45,15 @@ def _norm(tree) -> jax.Array:
 
 
 def make_optim_step(mesh):
-    """jit(step)(lora, acc, opt, slot, hp) -> (lora, acc, opt, metrics) for one slot.
+    """jit(step)(lora, acc, opt, slot, pages_K, hp) -> (lora, acc, opt, metrics) for one
+    slot: its step count at `slot`, its weights, gradient and moments in the table pages
+    pages_K (entries ≥ the page count: none; see lora.gather_pages).
 
     hp: float32 [6] = (learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm).
     AdamW (optax.scale_by_adam, bias-corrected by the slot's own count, decoupled weight
     decay); grad_clip_norm > 0 clips the slot's global gradient norm. The slot's
-    accumulator is zeroed. Every other slot is left bit-identical (only `.at[slot].set`).
+    accumulator is zeroed. Every other slot is left bit-identical (only its own pages and
+    count are written).
     Nothing non-finite is ever applied: unless the gradient and the new weights and moments
     are all finite, the slot's weights, moments and count are written back unchanged
     (metrics grad_finite / applied say which).
@@ -58,9 +61,13 @@ def make_optim_step(mesh):
     replicated = NamedSharding(mesh, P())
 
     @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-    def optim_step(lora, acc, opt: OptState, slot, hp):
+    def optim_step(lora, acc, opt: OptState, slot, pages_K, hp):
         lr, b1, b2, eps, wd, clip = (hp[i] for i in range(6))
-        take = lambda t: jax.tree.map(lambda x: x[slot], t)  # noqa: E731
+        # The slot's pages, [K, …page]; a missing page reads zeros (weights, gradient and
+        # moments all zero: its AdamW update is zero) and is not written back.
+        take = lambda t: jax.tree.map(  # noqa: E731
+            lambda x: jnp.take(x, pages_K, axis=0, mode="fill", fill_value=0), t
+        )
         params, grads = take(lora), take(acc)
         grad_finite = _finite(grads)
         grad_norm = _norm(grads)
@@ -76,9 +83,11 @@ def make_optim_step(mesh):
         )
         new_params, state = keep(new_params, params), keep(state, old)
 
-        put = lambda t, v: jax.tree.map(lambda x, y: x.at[slot].set(y.astype(x.dtype)), t, v)  # noqa: E731
+        put = lambda t, v: jax.tree.map(  # noqa: E731
+            lambda x, y: x.at[pages_K].set(y.astype(x.dtype), mode="drop"), t, v
+        )
         lora = put(lora, new_params)
-        acc = jax.tree.map(lambda x: x.at[slot].set(jnp.zeros_like(x[slot])), acc)
+        acc = jax.tree.map(lambda x: x.at[pages_K].set(0.0, mode="drop"), acc)
         opt = OptState(
             mu=put(opt.mu, state.mu),
             nu=put(opt.nu, state.nu),

@@ -174,6 +174,13 @@ class Trainer:
     Qwen3-30B-A3B 462 M instead of 1.66 B parameters per slot, each held four times —
     weights, accumulator, two AdamW moments), and per-expert adapters (PEFT imports) are
     then refused.
+    adapter_memory — bytes of each device for the adapter tables (None: room for
+    max_adapters adapters at max_rank). They are paged by rank (jcp/adapter_state.py): an
+    adapter of rank r holds ⌈r / 8⌉ pages of rank 8 (for max_rank a multiple of 8), each
+    with its weights, gradient accumulator and two AdamW moments, so many low-rank adapters
+    fit where few max-rank ones would; max_adapters then bounds the count only (its
+    per-slot cost is a few bytes of metadata). An adapter that does not fit is refused
+    (InputError) before any device work; state.room(rank) says whether one fits.
 
     Mixture-of-experts models: forward / forward_backward metrics add Tinker's expert-load
     figures (e_frac_with_tokens:mean, e_frac_oversubscribed:mean, e_max_violation:mean and
@@ -212,6 +219,7 @@ class Trainer:
         cp_attention: str = "auto",
         router_aux_loss_coef: float = 0.0,
         expert_lora_modes: tuple[str, ...] = lora_lib.EXPERT_LORA,
+        adapter_memory: int | None = None,
     ):
         if tuple(mesh.axis_names) != mesh_lib.AXES:
             raise ValueError(f"mesh axes must be {mesh_lib.AXES}, got {mesh.axis_names}")
@@ -284,7 +292,13 @@ class Trainer:
                 f"expert_lora_modes must be a non-empty tuple of distinct "
                 f"{lora_lib.EXPERT_LORA}, got {expert_lora_modes!r}"
             )
-        self.state = AdapterState(cfg, mesh, max_adapters, max_rank, modes)
+        if adapter_memory is not None and (
+            isinstance(adapter_memory, bool) or not isinstance(adapter_memory, int)
+        ):
+            raise ValueError(
+                f"adapter_memory must be bytes (an int) or None, got {adapter_memory!r}"
+            )
+        self.state = AdapterState(cfg, mesh, max_adapters, max_rank, modes, adapter_memory)
         self._forward = train_step.make_forward(cfg, mesh, self.step_cfg)
         self._fb_steps = {
             r: train_step.make_forward_backward(

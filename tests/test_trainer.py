@@ -681,12 +681,12 @@ def test_offload_and_restore_are_bit_exact(folders, data):
         q = ids["q"]
         before = H.snapshot(tr)
         assert H.max_abs(before["grads"][q]) > 0 and before["opt"].count[q] == 1
-        assert np.max(np.abs(before["tables"]["mu"]["q_proj"]["a"][q])) > 0
+        assert np.max(np.abs(before["opt"].mu["q_proj"]["a"][q])) > 0
 
         saved = tr.offload_adapter(q)
         assert q not in tr.adapters and saved.count == 1 and saved.nbytes > 0
         gone = H.snapshot(tr)
-        assert all(np.all(x[q] == 0) for x in jax.tree.leaves(gone["tables"]["grads"]))
+        assert all(np.all(x[q] == 0) for x in jax.tree.leaves(gone["acc"]))
         # Someone else uses the slot meanwhile, and leaves it.
         filler = tr.create_adapter(rank=8, alpha=8.0, seed=1)
         assert filler == q

@@ -185,18 +185,35 @@ def borrowed(tr):
             tr.delete_adapter(a)
 
 
+def by_slot(table: dict, pages_GK: np.ndarray) -> dict:
+    """A paged table ({module: {key: [P, …, r]}}) as one row per slot [G, …, K·r], page k
+    of a slot its rank columns [k·r, (k+1)·r), a page index ≥ P zeros (NumPy, written
+    apart from jcp.lora.gather_pages)."""
+
+    def one(which, x):
+        padded = np.concatenate([x, np.zeros_like(x[:1])])
+        g = padded[np.minimum(pages_GK, len(x))]  # [G, K, …, r]
+        ax = x.ndim - 1 if which.startswith("a") else x.ndim - 2
+        g = np.moveaxis(g, 1, ax)
+        return g.reshape(g.shape[:ax] + (-1,) + g.shape[ax + 2 :])
+
+    return {m: {k: one(k, x) for k, x in ab.items()} for m, ab in table.items()}
+
+
 def snapshot(tr) -> dict:
-    """Everything a refused call must leave alone, as host copies."""
+    """Everything a refused call must leave alone, as host copies: the raw tables, and
+    the weights, accumulators and moments one row per slot (by_slot)."""
     tables = jax.tree.map(np.array, jax.device_get(tr.state.tables()))
+    slot = {k: by_slot(tables[k], tables["pages"]) for k in ("weights", "grads", "mu", "nu")}
     return {
         "adapters": dict(tr.adapters),
         "weights": {a: tr.adapter_weights(a) for a in tr.adapters},
         "grads": {a: tr.gradients(a) for a in tr.adapters},
         "tables": tables,
-        "opt": types.SimpleNamespace(mu=tables["mu"], nu=tables["nu"], count=tables["count"]),
+        "opt": types.SimpleNamespace(mu=slot["mu"], nu=slot["nu"], count=tables["count"]),
         "scale": tables["scale"],
-        "lora": tables["weights"],
-        "acc": tables["grads"],
+        "lora": slot["weights"],
+        "acc": slot["grads"],
     }
 
 
