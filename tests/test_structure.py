@@ -141,6 +141,8 @@ def test_no_cross_module_private_import():
         "jcp.server.wire",
         "jcp.server.scheduler",
         "jcp.server.openai_api",
+        "jcp.server.openai_params",
+        "jcp.server.openai_format",
         "jcp.server.text",
         "jcp.server.checkpoint_api",
         "jcp.server.asgi",

@@ -96,7 +96,7 @@ def create_app(
     store.on_forget_samplers = futures.forget_groups
     for module in (service, training, sampling, runs, futures_routes):
         app.include_router(module.router)
-    openai_api.mount(app, store, sched, futures, served, limits, ctx.text, ctx.body_json, failure)
+    openai_api.mount(app)
     checkpoint_api.mount(app, store, served, ctx.owner, ctx.body_json, takes)
     hot = {
         "/api/v1/asample": (sampling.asample, edge.Sample),
