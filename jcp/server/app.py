@@ -97,7 +97,7 @@ def create_app(
     for module in (service, training, sampling, runs, futures_routes):
         app.include_router(module.router)
     openai_api.mount(app)
-    checkpoint_api.mount(app, store, served, ctx.owner, ctx.body_json, takes)
+    checkpoint_api.mount(app)
     hot = {
         "/api/v1/asample": (sampling.asample, edge.Sample),
         "/api/v1/retrieve_future": (futures_routes.retrieve_future, edge.RequestRef),

@@ -18,7 +18,8 @@ refused or failed finish leaves no run, no checkpoint and no file. Files wait in
 upload whatever its outcome; an unfinished one is dropped when its URLs expire. Uploads
 are bound to the tenant that started them: the URLs carry a random token, and another
 tenant's finish is "not found" and leaves the upload as it was. It must never import jax
-or touch the worker (the adapter's layout comes in as a PeftLayout, built by jcp.serve).
+or touch the worker (the adapter's layout comes in as a PeftLayout, built by
+jcp.server.service). Its routes are a module-level router over the AppContext.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ import uuid
 from collections.abc import Mapping
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from jcp.peft_options import TENSOR_MEANING_OPTIONS
 from jcp.server import edge
+from jcp.server.context import context, takes
 from jcp.server.edge import Refused
 from jcp.server.state import NotFound, StateStore
 
@@ -300,135 +302,140 @@ def _iso(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat()
 
 
-def mount(app: FastAPI, store: StateStore, served, owner, body_json, takes) -> None:
-    """Add the routes to `app` (jcp.server.app.create_app calls this). owner(request) ->
-    tenant; body_json(request) -> the JSON body under --max-body-bytes; takes(model,
-    content) -> route kwargs declaring the body in the OpenAPI schema."""
-    uploads = Uploads(os.path.join(store.state_dir, "uploads"))
+def mount(app: FastAPI) -> None:
+    """Add the routes to `app` (jcp.server.app.create_app calls this, its AppContext on
+    app.state.jcp) with the uploads' staging folder under the state folder."""
+    app.state.uploads = Uploads(os.path.join(app.state.jcp.store.state_dir, "uploads"))
+    app.include_router(router)
 
-    # The route is the 0.38 /api/v1/sessions/search's twin: the reference gives the
-    # request and response types but not the path.
-    @app.post("/api/v1/checkpoints/search", **takes(edge.SearchCheckpoints))
-    async def search_checkpoints(request: Request):
-        who, body = owner(request), await body_json(request)
-        req = edge.parse(edge.SearchCheckpoints, body, "search_checkpoints")
-        if req.project_ids:  # "naming a project the caller cannot list is an error"
-            raise NotFound(f"project {req.project_ids[0][:80]!r} not found (jcp has none)")
-        if req.owner.type == "user":
-            # Tenants see only their own checkpoints; "accessible" is theirs too.
-            raise Refused(422, "search_checkpoints: owner: only 'own' and 'accessible' are served")
-        after = None
-        if req.cursor is not None:
-            try:
-                t = datetime.datetime.fromisoformat(req.cursor.last_created_at)
-            except ValueError:
-                t = None
-            if t is None or t.tzinfo is None:
-                raise Refused(
-                    422, "search_checkpoints: cursor.last_created_at: not an aware ISO datetime"
-                )
-            after = (t.astimezone(datetime.UTC), req.cursor.last_checkpoint_uuid)
-        page, last = store.search_checkpoints(
-            who, req.user_metadata, req.checkpoint_type, req.base_models, req.limit, after
-        )
-        # last_checkpoint_uuid: jcp's checkpoints have no uuid; the tinker path is as
-        # unique, and the cursor is opaque to clients.
-        cursor = (
-            None
-            if last is None
-            else {"last_created_at": last[0].isoformat(), "last_checkpoint_uuid": last[1]}
-        )
-        return {"checkpoints": page, "next_cursor": cursor}
 
-    @app.post("/api/v1/external_weights_upload_start", **takes(edge.UploadStart))
-    async def upload_start(request: Request):
-        who, body = owner(request), await body_json(request)
-        req = edge.parse(edge.UploadStart, body, "external_weights_upload_start")
-        if req.base_model != served.name:
-            raise NotFound(
-                f"base model {req.base_model[:200]!r} not found; this server serves {served.name!r}"
-            )
-        if req.destination_project_id is not None:
-            raise NotFound(f"project {req.destination_project_id[:80]!r} not found (jcp has none)")
-        layout, rank = served.peft, req.lora_config.rank
-        if layout is None:
-            raise Refused(422, "external_weights_upload_start: this server takes no uploads")
-        if not 1 <= rank <= served.max_rank:
+router = APIRouter()
+
+
+# The route is the 0.38 /api/v1/sessions/search's twin: the reference gives the
+# request and response types but not the path.
+@router.post("/api/v1/checkpoints/search", **takes(edge.SearchCheckpoints))
+async def search_checkpoints(request: Request):
+    c = context(request)
+    who, body = c.owner(request), await c.body_json(request)
+    req = edge.parse(edge.SearchCheckpoints, body, "search_checkpoints")
+    if req.project_ids:  # "naming a project the caller cannot list is an error"
+        raise NotFound(f"project {req.project_ids[0][:80]!r} not found (jcp has none)")
+    if req.owner.type == "user":
+        # Tenants see only their own checkpoints; "accessible" is theirs too.
+        raise Refused(422, "search_checkpoints: owner: only 'own' and 'accessible' are served")
+    after = None
+    if req.cursor is not None:
+        try:
+            t = datetime.datetime.fromisoformat(req.cursor.last_created_at)
+        except ValueError:
+            t = None
+        if t is None or t.tzinfo is None:
             raise Refused(
-                422,
-                f"external_weights_upload_start: lora_config.rank {rank} must be in "
-                f"[1, {served.max_rank}] (--max-rank)",
+                422, "search_checkpoints: cursor.last_created_at: not an aware ISO datetime"
             )
-        flags = {
-            k: getattr(req.lora_config, k) for k in ("train_attn", "train_mlp", "train_unembed")
-        }
-        modules = layout.modules(flags)
-        store.check_room(who, new_run=True, save=True)
-        up = uploads.new(
-            owner=who,
-            base_model=req.base_model,
-            rank=rank,
-            flags=flags,
-            modules=modules,
-            bounds={
-                CONFIG_FILE: CONFIG_BYTES,
-                WEIGHTS_FILE: layout.weights_bytes(rank, modules),
-            },
-        )
-        base = str(request.base_url).rstrip("/")
-        return {
-            "upload_id": up.upload_id,
-            "urls": {
-                f: f"{base}/api/v1/external_weights_upload/{tok}/{f}"
-                for f, tok in up.tokens.items()
-            },
-            "expires": _iso(up.expires),
-        }
-
-    # A signed URL: the token is the credential (as a storage bucket's signed PUT URL, which
-    # clients call without their API key).
-    @app.put(
-        "/api/v1/external_weights_upload/{token}/{file}",
-        **takes(None, "application/octet-stream"),
+        after = (t.astimezone(datetime.UTC), req.cursor.last_checkpoint_uuid)
+    page, last = c.store.search_checkpoints(
+        who, req.user_metadata, req.checkpoint_type, req.base_models, req.limit, after
     )
-    async def upload_file(token: str, file: str, request: Request):
-        up = uploads.by_token(token, file)
-        limit = up.bounds[file]
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            raise Refused(413, f"{file}: {length} bytes exceed this upload's bound of {limit}")
-        tmp = os.path.join(up.folder, f".{file}.{uuid.uuid4().hex[:8]}")
-        try:
-            size = 0
-            with open(tmp, "wb") as f:
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise Refused(
-                            413, f"{file}: more than this upload's bound of {limit} bytes"
-                        )
-                    f.write(chunk)
-            os.replace(tmp, os.path.join(up.folder, file))
-        except FileNotFoundError:  # the upload finished or expired meanwhile
-            raise NotFound("upload URL unknown or expired; start a new upload") from None
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        return Response(status_code=200)
+    # last_checkpoint_uuid: jcp's checkpoints have no uuid; the tinker path is as
+    # unique, and the cursor is opaque to clients.
+    cursor = (
+        None
+        if last is None
+        else {"last_created_at": last[0].isoformat(), "last_checkpoint_uuid": last[1]}
+    )
+    return {"checkpoints": page, "next_cursor": cursor}
 
-    @app.post("/api/v1/external_weights_upload_finish", **takes(edge.UploadFinish))
-    async def upload_finish(request: Request):
-        who, body = owner(request), await body_json(request)
-        req = edge.parse(edge.UploadFinish, body, "external_weights_upload_finish")
-        up = uploads.take(req.upload_id, who)
-        try:
-            for f in FILES:
-                if not os.path.isfile(os.path.join(up.folder, f)):
-                    raise Refused(422, f"external_weights_upload_finish: {f} was not uploaded")
-            path = await asyncio.to_thread(install, store, up, served.peft)
-        finally:
-            shutil.rmtree(up.folder, ignore_errors=True)
-        return {"tinker_path": path}
+
+@router.post("/api/v1/external_weights_upload_start", **takes(edge.UploadStart))
+async def upload_start(request: Request):
+    c = context(request)
+    who, body = c.owner(request), await c.body_json(request)
+    req = edge.parse(edge.UploadStart, body, "external_weights_upload_start")
+    if req.base_model != c.served.name:
+        raise NotFound(
+            f"base model {req.base_model[:200]!r} not found; this server serves {c.served.name!r}"
+        )
+    if req.destination_project_id is not None:
+        raise NotFound(f"project {req.destination_project_id[:80]!r} not found (jcp has none)")
+    layout, rank = c.served.peft, req.lora_config.rank
+    if layout is None:
+        raise Refused(422, "external_weights_upload_start: this server takes no uploads")
+    if not 1 <= rank <= c.served.max_rank:
+        raise Refused(
+            422,
+            f"external_weights_upload_start: lora_config.rank {rank} must be in "
+            f"[1, {c.served.max_rank}] (--max-rank)",
+        )
+    flags = {k: getattr(req.lora_config, k) for k in ("train_attn", "train_mlp", "train_unembed")}
+    modules = layout.modules(flags)
+    c.store.check_room(who, new_run=True, save=True)
+    up = request.app.state.uploads.new(
+        owner=who,
+        base_model=req.base_model,
+        rank=rank,
+        flags=flags,
+        modules=modules,
+        bounds={
+            CONFIG_FILE: CONFIG_BYTES,
+            WEIGHTS_FILE: layout.weights_bytes(rank, modules),
+        },
+    )
+    base = str(request.base_url).rstrip("/")
+    return {
+        "upload_id": up.upload_id,
+        "urls": {
+            f: f"{base}/api/v1/external_weights_upload/{tok}/{f}" for f, tok in up.tokens.items()
+        },
+        "expires": _iso(up.expires),
+    }
+
+
+# A signed URL: the token is the credential (as a storage bucket's signed PUT URL, which
+# clients call without their API key).
+@router.put(
+    "/api/v1/external_weights_upload/{token}/{file}",
+    **takes(None, "application/octet-stream"),
+)
+async def upload_file(token: str, file: str, request: Request):
+    up = request.app.state.uploads.by_token(token, file)
+    limit = up.bounds[file]
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise Refused(413, f"{file}: {length} bytes exceed this upload's bound of {limit}")
+    tmp = os.path.join(up.folder, f".{file}.{uuid.uuid4().hex[:8]}")
+    try:
+        size = 0
+        with open(tmp, "wb") as f:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise Refused(413, f"{file}: more than this upload's bound of {limit} bytes")
+                f.write(chunk)
+        os.replace(tmp, os.path.join(up.folder, file))
+    except FileNotFoundError:  # the upload finished or expired meanwhile
+        raise NotFound("upload URL unknown or expired; start a new upload") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return Response(status_code=200)
+
+
+@router.post("/api/v1/external_weights_upload_finish", **takes(edge.UploadFinish))
+async def upload_finish(request: Request):
+    c = context(request)
+    who, body = c.owner(request), await c.body_json(request)
+    req = edge.parse(edge.UploadFinish, body, "external_weights_upload_finish")
+    up = request.app.state.uploads.take(req.upload_id, who)
+    try:
+        for f in FILES:
+            if not os.path.isfile(os.path.join(up.folder, f)):
+                raise Refused(422, f"external_weights_upload_finish: {f} was not uploaded")
+        path = await asyncio.to_thread(install, c.store, up, c.served.peft)
+    finally:
+        shutil.rmtree(up.folder, ignore_errors=True)
+    return {"tinker_path": path}
 
 
 def install(store: StateStore, up: Upload, layout: PeftLayout) -> str:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from fastapi import Request
 
-from jcp.server import checkpoint_api, edge
+from jcp.server import edge
 from jcp.server import text as text_lib
 from jcp.server.asgi import JSON, read_body
 from jcp.server.edge import Limits, Refused
@@ -31,7 +31,7 @@ class ServedModel:
     max_rank: int
     tokenizer_id: str | None
     # The adapter files an external-weights upload may hold (None: uploads are refused).
-    peft: checkpoint_api.PeftLayout | None = None
+    peft: object | None = None  # a checkpoint_api.PeftLayout
 
 
 @dataclasses.dataclass
