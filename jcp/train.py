@@ -54,84 +54,11 @@ NAME_MAX = 255  # bytes in a file name: adapter names become checkpoint folders
 
 def parse_args(argv):
     p = Parser(prog="jcp-train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=COUNT, default=100, help="optimizer steps in all (default 100)")
-    p.add_argument(
-        "--mesh", default=None, help="dp,cp,tp (default 2,2,2 on 8 devices, else 1,<devices>,1)"
-    )
-    p.add_argument(
-        "--hf-model",
-        type=existing_folder,
-        default=None,
-        help="Hugging Face Qwen2/Qwen3/Qwen3-MoE/Qwen3.5 folder",
-    )
-    p.add_argument(
-        "--moe",
-        action="store_true",
-        help="without --hf-model: the tiny random mixture-of-experts model "
-        "(QwenConfig.tiny_moe()) instead of the dense one",
-    )
-    p.add_argument(
-        "--expert-lora",
-        default="shared_outer",
-        choices=("shared_outer", "per_expert"),
-        help="how adapters hold the experts of a MoE model (default shared_outer)",
-    )
-    p.add_argument(
-        "--data",
-        type=existing_file,
-        default=None,
-        help='JSONL of Tinker datums, each with an "adapter" name and optionally a "loss_fn"',
-    )
-    p.add_argument(
-        "--loss-fn", default=None, help="loss for --data lines without one (default cross_entropy)"
-    )
-    p.add_argument("--lr", type=POSITIVE, default=2e-3, help="Adam learning rate (default 2e-3)")
-    p.add_argument("--rank", type=COUNT, default=8, help="LoRA rank (default 8)")
-    p.add_argument("--alpha", type=POSITIVE, default=16.0, help="LoRA alpha (default 16)")
-    p.add_argument("--batch-size", type=COUNT, default=4, help="datums per adapter per step")
-    p.add_argument(
-        "--seq-len", type=integer(PROMPT + 2), default=512, help="synthetic datum length"
-    )
-    p.add_argument(
-        "--group-size", type=COUNT, default=4, help="rl: completions sampled per prompt (default 4)"
-    )
-    p.add_argument(
-        "--rl-tokens",
-        type=COUNT,
-        default=16,
-        help="rl: most tokens sampled per completion (default 16)",
-    )
-    p.add_argument(
-        "--rl-loss",
-        default="importance_sampling",
-        choices=RL_LOSSES,
-        help="rl: loss on the sampled rollouts (default importance_sampling)",
-    )
-    p.add_argument("--max-tokens-per-device", type=integer(2), default=None)
-    p.add_argument(
-        "--save-every", type=COUNT, default=25, help="checkpoint every K steps (default 25)"
-    )
-    p.add_argument(
-        "--out", type=folder, default="jcp-out", help="output folder (default ./jcp-out)"
-    )
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    p.add_argument("--seed", type=SEED, default=0)
-    p.add_argument(
-        "--coordinator-address",
-        type=address,
-        default=None,
-        help="jax.distributed coordinator host:port (or JAX_COORDINATOR_ADDRESS)",
-    )
-    p.add_argument("--num-processes", type=COUNT, default=None, help="(or JAX_NUM_PROCESSES)")
-    p.add_argument("--process-id", type=integer(0), default=None, help="(or JAX_PROCESS_ID)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--warmup",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="compile the run's training programs before its first step (every "
-        "stream length its steps pack to; default on)",
-    )
+    _model_flags(p.add_argument_group("model"))
+    _training_flags(p.add_argument_group("training"))
+    _rl_flags(p.add_argument_group("rl adapter"))
+    _run_flags(p.add_argument_group("run"))
+    _process_flags(p.add_argument_group("multi-process job"))
     add_cache_flags(p, "~/.cache/jcp/xla")
     a = p.parse_args(argv)
     if a.mesh is not None:
@@ -143,9 +70,107 @@ def parse_args(argv):
         )
     if None not in (a.process_id, a.num_processes) and a.process_id >= a.num_processes:
         raise CliError(f"--process-id {a.process_id} must be < --num-processes {a.num_processes}")
+    _check_with_jcp(a)
+    return a
 
-    # The checks that need jcp (and so JAX) come last, so that a mistyped flag fails fast.
-    # Importing JAX touches no backend; setup_devices still runs before one starts.
+
+def _model_flags(g) -> None:
+    g.add_argument(
+        "--mesh", default=None, help="dp,cp,tp (default 2,2,2 on 8 devices, else 1,<devices>,1)"
+    )
+    g.add_argument(
+        "--hf-model",
+        type=existing_folder,
+        default=None,
+        help="Hugging Face Qwen2/Qwen3/Qwen3-MoE/Qwen3.5 folder",
+    )
+    g.add_argument(
+        "--moe",
+        action="store_true",
+        help="without --hf-model: the tiny random mixture-of-experts model "
+        "(QwenConfig.tiny_moe()) instead of the dense one",
+    )
+    g.add_argument(
+        "--expert-lora",
+        default="shared_outer",
+        choices=("shared_outer", "per_expert"),
+        help="how adapters hold the experts of a MoE model (default shared_outer)",
+    )
+    g.add_argument("--max-tokens-per-device", type=integer(2), default=None)
+
+
+def _training_flags(g) -> None:
+    g.add_argument("--steps", type=COUNT, default=100, help="optimizer steps in all (default 100)")
+    g.add_argument(
+        "--data",
+        type=existing_file,
+        default=None,
+        help='JSONL of Tinker datums, each with an "adapter" name and optionally a "loss_fn"',
+    )
+    g.add_argument(
+        "--loss-fn", default=None, help="loss for --data lines without one (default cross_entropy)"
+    )
+    g.add_argument("--lr", type=POSITIVE, default=2e-3, help="Adam learning rate (default 2e-3)")
+    g.add_argument("--rank", type=COUNT, default=8, help="LoRA rank (default 8)")
+    g.add_argument("--alpha", type=POSITIVE, default=16.0, help="LoRA alpha (default 16)")
+    g.add_argument("--batch-size", type=COUNT, default=4, help="datums per adapter per step")
+    g.add_argument(
+        "--seq-len", type=integer(PROMPT + 2), default=512, help="synthetic datum length"
+    )
+
+
+def _rl_flags(g) -> None:
+    g.add_argument(
+        "--group-size", type=COUNT, default=4, help="rl: completions sampled per prompt (default 4)"
+    )
+    g.add_argument(
+        "--rl-tokens",
+        type=COUNT,
+        default=16,
+        help="rl: most tokens sampled per completion (default 16)",
+    )
+    g.add_argument(
+        "--rl-loss",
+        default="importance_sampling",
+        choices=RL_LOSSES,
+        help="rl: loss on the sampled rollouts (default importance_sampling)",
+    )
+
+
+def _run_flags(g) -> None:
+    g.add_argument(
+        "--save-every", type=COUNT, default=25, help="checkpoint every K steps (default 25)"
+    )
+    g.add_argument(
+        "--out", type=folder, default="jcp-out", help="output folder (default ./jcp-out)"
+    )
+    g.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    g.add_argument("--seed", type=SEED, default=0)
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile the run's training programs before its first step (every "
+        "stream length its steps pack to; default on)",
+    )
+
+
+def _process_flags(g) -> None:
+    g.add_argument(
+        "--coordinator-address",
+        type=address,
+        default=None,
+        help="jax.distributed coordinator host:port (or JAX_COORDINATOR_ADDRESS)",
+    )
+    g.add_argument("--num-processes", type=COUNT, default=None, help="(or JAX_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=integer(0), default=None, help="(or JAX_PROCESS_ID)")
+
+
+def _check_with_jcp(a) -> None:
+    """The checks that need jcp (and so JAX) come last, so that a mistyped flag fails fast.
+    Importing JAX touches no backend; setup_devices still runs before one starts. Sets
+    a.adam."""
     import jcp
     from jcp.errors import float32_number
     from jcp.losses import check_loss_fn
@@ -173,7 +198,6 @@ def parse_args(argv):
         a.adam.checked()  # in float32, as the optimizer will see it
     except jcp.InputError as e:
         raise CliError(f"--lr: {e}") from None
-    return a
 
 
 # ----------------------------------------------------------------------------------------
@@ -608,7 +632,6 @@ def train_loop(tr, args, src: DataFile | None, adapters: dict, start: int) -> di
     """Steps start+1 .. --steps: one forward_backward over every adapter's batch, one
     optim_step per adapter, a metrics row per adapter, a checkpoint every --save-every."""
     import jax
-    import numpy as np
     from tqdm import tqdm
 
     import jcp
@@ -616,7 +639,6 @@ def train_loop(tr, args, src: DataFile | None, adapters: dict, start: int) -> di
     primary = jax.process_index() == 0
     metrics_path = os.path.join(args.out, "metrics.jsonl")
     last = {}
-    rewards = None
     with tqdm(
         range(start + 1, args.steps + 1),
         initial=start,
@@ -626,17 +648,7 @@ def train_loop(tr, args, src: DataFile | None, adapters: dict, start: int) -> di
         unit="step",
     ) as bar:
         for step in bar:
-            if src:
-                data, names, losses, picks = src.batch(step, args.batch_size)
-            else:
-                picks = None
-                data = synthetic_sft(
-                    step, args.seed, args.batch_size, args.seq_len, tr.cfg.vocab_size
-                )
-                rl_data, rewards = rl_rollouts(tr, adapters[RL], step, args)
-                names = [SFT] * len(data) + [RL] * len(rl_data)
-                losses = ["cross_entropy"] * len(data) + [args.rl_loss] * len(rl_data)
-                data = data + rl_data
+            data, names, losses, picks, rewards = _step_data(tr, args, src, adapters, step)
             try:
                 out = tr.forward_backward(data, losses, None, [adapters[n] for n in names])
             except jcp.InputError as e:
@@ -644,42 +656,13 @@ def train_loop(tr, args, src: DataFile | None, adapters: dict, start: int) -> di
             rows = []
             for name, aid in adapters.items():
                 mine = [i for i, n in enumerate(names) if n == name]
-                loss_sum = float(sum(out.loss_fn_outputs[i]["loss:sum"] for i in mine))
-                tokens = int(sum(len(out.loss_fn_outputs[i]["logprobs"]) for i in mine))
                 try:
                     opt = tr.optim_step(aid, args.adam)
                 except jcp.InputError as e:
                     raise _blame(e, step, src, picks) from None
-                rows.append(
-                    {
-                        "step": step,
-                        "adapter": name,
-                        "loss_fn": ",".join(sorted({losses[i] for i in mine})),
-                        "loss:sum": loss_sum,
-                        "datums:sum": len(mine),
-                        "tokens:sum": tokens,
-                        "grad_norm": opt["grad_norm"],
-                        "learning_rate": opt["learning_rate"],
-                        "optim_step": opt["step"],
-                    }
-                )
+                rows.append(_metrics_row(step, name, mine, losses, out, opt))
                 if name == RL and rewards is not None:
-                    # On-policy: the trained log-probs of the sampled tokens equal the
-                    # sampler's (up to fp32 rounding) before this step's update.
-                    diff = max(
-                        float(
-                            np.max(
-                                np.abs(
-                                    out.loss_fn_outputs[i]["logprobs"][PROMPT - 1 :]
-                                    - data[i].loss_fn_inputs["logprobs"][PROMPT - 1 :]
-                                )
-                            )
-                        )
-                        for i in mine
-                    )
-                    rows[-1].update(
-                        {"reward:mean": float(np.mean(rewards)), "sampler_logprob_diff:max": diff}
-                    )
+                    rows[-1].update(_rl_metrics(out, data, mine, rewards))
                 last[name] = rows[-1]
             if primary:
                 write_metrics(metrics_path, rows)
@@ -687,6 +670,54 @@ def train_loop(tr, args, src: DataFile | None, adapters: dict, start: int) -> di
             if step % args.save_every == 0 or step == args.steps:
                 save_run(tr, adapters, args.out, step)
     return last
+
+
+def _step_data(tr, args, src: DataFile | None, adapters: dict, step: int) -> tuple:
+    """One step's datums -> (data, adapter name per datum, loss per datum, the --data
+    lines picked (None: synthetic), the rl rollouts' rewards (None: --data))."""
+    if src:
+        data, names, losses, picks = src.batch(step, args.batch_size)
+        return data, names, losses, picks, None
+    data = synthetic_sft(step, args.seed, args.batch_size, args.seq_len, tr.cfg.vocab_size)
+    rl_data, rewards = rl_rollouts(tr, adapters[RL], step, args)
+    names = [SFT] * len(data) + [RL] * len(rl_data)
+    losses = ["cross_entropy"] * len(data) + [args.rl_loss] * len(rl_data)
+    return data + rl_data, names, losses, None, rewards
+
+
+def _metrics_row(step: int, name: str, mine: list[int], losses, out, opt) -> dict:
+    """One adapter's metrics row of a step (`mine`: its datums' indices)."""
+    return {
+        "step": step,
+        "adapter": name,
+        "loss_fn": ",".join(sorted({losses[i] for i in mine})),
+        "loss:sum": float(sum(out.loss_fn_outputs[i]["loss:sum"] for i in mine)),
+        "datums:sum": len(mine),
+        "tokens:sum": int(sum(len(out.loss_fn_outputs[i]["logprobs"]) for i in mine)),
+        "grad_norm": opt["grad_norm"],
+        "learning_rate": opt["learning_rate"],
+        "optim_step": opt["step"],
+    }
+
+
+def _rl_metrics(out, data, mine: list[int], rewards) -> dict:
+    """The rl adapter's mean reward, and how far the trained log-probs of the sampled
+    tokens are from the sampler's: on-policy they are equal (up to fp32 rounding) before
+    this step's update."""
+    import numpy as np
+
+    diff = max(
+        float(
+            np.max(
+                np.abs(
+                    out.loss_fn_outputs[i]["logprobs"][PROMPT - 1 :]
+                    - data[i].loss_fn_inputs["logprobs"][PROMPT - 1 :]
+                )
+            )
+        )
+        for i in mine
+    )
+    return {"reward:mean": float(np.mean(rewards)), "sampler_logprob_diff:max": diff}
 
 
 def run(args) -> dict:
