@@ -1,6 +1,10 @@
-"""jcp-serve: the Tinker SDK 0.38 protocol over one Trainer.
+"""jcp-serve: the Tinker SDK 0.38 protocol (and OpenAI routes) over one Trainer.
 
-wire (protobuf / JSON formats), scheduler (queue, ordering, fusion policy), state (tenants,
-sessions, models, tinker:// paths on disk), app (FastAPI routes), engine (the worker thread
-that owns the Trainer). Only engine imports jax (through jcp); see jcp/serve.py for the CLI.
+The HTTP side (never jax): app + routes/ (FastAPI routers over context.AppContext), asgi
+(hot routes), edge (typed bodies, bounds), wire (protobuf / JSON), future_table, state
+(+ run_index, run_listing: tenants, sessions, models, tinker:// paths on disk), scheduler
+(order, fusion, fairness), openai_api / openai_params / openai_format, checkpoint_api, text,
+redact. The owner side: worker (the thread that owns the Trainer; its parts slots,
+model_ops, passes) and replica (multi-process jobs). service assembles them; see
+jcp/serve.py for the CLI. docs/architecture.md draws the map.
 """
