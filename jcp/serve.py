@@ -81,127 +81,12 @@ def sampling_warmup(backend: str) -> dict:
 
 def parse_args(argv):
     p = Parser(prog="jcp-serve", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--hf-model", type=existing_folder, help="Hugging Face folder (config.json + safetensors)"
-    )
-    p.add_argument(
-        "--model-name",
-        help="the base_model name clients use (default: the folder's name, or jcp-tiny)",
-    )
-    p.add_argument("--mesh", help="dp,cp,tp (default 2,2,2 on 8 devices, else 1,n,1)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=PORT, default=8000, help="0: any free port")
-    p.add_argument("--max-adapters", type=COUNT, default=8)
-    p.add_argument("--max-rank", type=COUNT, default=32)
-    p.add_argument("--max-tokens-per-device", type=integer(2), default=None)
-    p.add_argument(
-        "--api-keys", type=existing_file, help="file of `key [name]` lines; enables key checks"
-    )
-    p.add_argument(
-        "--state-dir", type=folder, help="checkpoints and sampler weights (default: a temp dir)"
-    )
-    p.add_argument("--seed", type=SEED, default=0)
-    from jcp.server.edge import Limits
-
-    d = Limits()
-    p.add_argument(
-        "--max-body-bytes",
-        type=COUNT,
-        default=d.body_bytes,
-        help="largest HTTP body, and zstd body once decompressed (413 beyond)",
-    )
-    p.add_argument(
-        "--max-datums",
-        type=COUNT,
-        default=d.datums,
-        help="datums per forward / forward_backward request",
-    )
-    p.add_argument(
-        "--max-num-samples",
-        type=COUNT,
-        default=d.num_samples,
-        help="num_samples per sample request",
-    )
-    p.add_argument(
-        "--max-futures",
-        type=COUNT,
-        default=d.futures,
-        help="request results kept per tenant (pending ones are never evicted)",
-    )
-    p.add_argument(
-        "--max-offload-gb",
-        type=GIGABYTES,
-        default=16.0,
-        help="host memory for training models moved out of their adapter slot "
-        "when slots are short (bounds how many models may exist)",
-    )
-    p.add_argument(
-        "--max-storage-gb",
-        type=GIGABYTES,
-        default=100.0,
-        help="checkpoint files on disk per tenant under --state-dir (a save or "
-        "copy beyond it is refused; deleting frees it)",
-    )
-    p.add_argument(
-        "--session-timeout",
-        type=number(0.0),
-        default=180.0,
-        help="seconds without a heartbeat after which a session ends and its models are unloaded",
-    )
-    p.add_argument(
-        "--sample-slots",
-        type=COUNT,
-        default=None,
-        help="sampling engine: sequences decoded together (a multiple of dp·cp; "
-        "default: as many as fit 1 GiB of KV cache per device, at most 512)",
-    )
-    p.add_argument(
-        "--sample-max-len",
-        type=COUNT,
-        default=None,
-        help="sampling engine: KV rows per sequence, prompt + max_tokens − 1 "
-        "(default min(256, max_context_length)); longer requests run beside "
-        "the engine",
-    )
-    p.add_argument(
-        "--sample-chunk",
-        type=COUNT,
-        default=8,
-        help="sampling engine: decode steps per engine step (requests join and "
-        "leave between them; a training pass waits at most one engine step)",
-    )
-    p.add_argument(
-        "--prefill-tokens",
-        type=COUNT,
-        default=None,
-        help="sampling engine: most prompt tokens prefilled per engine step "
-        "(default max_tokens_per_device · dp)",
-    )
-    p.add_argument(
-        "--warmup",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="compile the training and sampling programs before serving "
-        "(TRAINING_WARMUP_ROWS, SAMPLING_WARMUP; cheap on a restart with the "
-        "compilation cache; default on)",
-    )
+    _model_flags(p.add_argument_group("model"))
+    _http_flags(p.add_argument_group("HTTP and tenants"))
+    _memory_flags(p.add_argument_group("memory and sessions"))
+    _engine_flags(p.add_argument_group("sampling engine and warm-up"))
+    _process_flags(p.add_argument_group("multi-process job"))
     add_cache_flags(p, "--state-dir/xla-cache, or ~/.cache/jcp/xla without --state-dir")
-    p.add_argument(
-        "--coordinator-address",
-        type=address,
-        default=None,
-        help="jax.distributed coordinator host:port (or JAX_COORDINATOR_ADDRESS); "
-        "every process gets the same flags, process 0 serves HTTP",
-    )
-    p.add_argument("--num-processes", type=COUNT, default=None, help="(or JAX_NUM_PROCESSES)")
-    p.add_argument("--process-id", type=integer(0), default=None, help="(or JAX_PROCESS_ID)")
-    p.add_argument(
-        "--follower-timeout",
-        type=POSITIVE,
-        default=60.0,
-        help="seconds after which a follower process that stopped answering "
-        "fails the job (/healthz 503, requests refused)",
-    )
     args = p.parse_args(argv)
     if args.mesh:
         args.mesh = parse_mesh(args.mesh)
@@ -210,6 +95,141 @@ def parse_args(argv):
             f"--process-id {args.process_id} must be < --num-processes {args.num_processes}"
         )
     return args
+
+
+def _model_flags(g) -> None:
+    g.add_argument(
+        "--hf-model", type=existing_folder, help="Hugging Face folder (config.json + safetensors)"
+    )
+    g.add_argument(
+        "--model-name",
+        help="the base_model name clients use (default: the folder's name, or jcp-tiny)",
+    )
+    g.add_argument("--mesh", help="dp,cp,tp (default 2,2,2 on 8 devices, else 1,n,1)")
+    g.add_argument("--max-adapters", type=COUNT, default=8)
+    g.add_argument("--max-rank", type=COUNT, default=32)
+    g.add_argument("--max-tokens-per-device", type=integer(2), default=None)
+    g.add_argument("--seed", type=SEED, default=0)
+
+
+def _http_flags(g) -> None:
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=PORT, default=8000, help="0: any free port")
+    g.add_argument(
+        "--api-keys", type=existing_file, help="file of `key [name]` lines; enables key checks"
+    )
+    g.add_argument(
+        "--state-dir", type=folder, help="checkpoints and sampler weights (default: a temp dir)"
+    )
+    from jcp.server.edge import Limits
+
+    d = Limits()
+    g.add_argument(
+        "--max-body-bytes",
+        type=COUNT,
+        default=d.body_bytes,
+        help="largest HTTP body, and zstd body once decompressed (413 beyond)",
+    )
+    g.add_argument(
+        "--max-datums",
+        type=COUNT,
+        default=d.datums,
+        help="datums per forward / forward_backward request",
+    )
+    g.add_argument(
+        "--max-num-samples",
+        type=COUNT,
+        default=d.num_samples,
+        help="num_samples per sample request",
+    )
+    g.add_argument(
+        "--max-futures",
+        type=COUNT,
+        default=d.futures,
+        help="request results kept per tenant (pending ones are never evicted)",
+    )
+
+
+def _memory_flags(g) -> None:
+    g.add_argument(
+        "--max-offload-gb",
+        type=GIGABYTES,
+        default=16.0,
+        help="host memory for training models moved out of their adapter slot "
+        "when slots are short (bounds how many models may exist)",
+    )
+    g.add_argument(
+        "--max-storage-gb",
+        type=GIGABYTES,
+        default=100.0,
+        help="checkpoint files on disk per tenant under --state-dir (a save or "
+        "copy beyond it is refused; deleting frees it)",
+    )
+    g.add_argument(
+        "--session-timeout",
+        type=number(0.0),
+        default=180.0,
+        help="seconds without a heartbeat after which a session ends and its models are unloaded",
+    )
+
+
+def _engine_flags(g) -> None:
+    g.add_argument(
+        "--sample-slots",
+        type=COUNT,
+        default=None,
+        help="sampling engine: sequences decoded together (a multiple of dp·cp; "
+        "default: as many as fit 1 GiB of KV cache per device, at most 512)",
+    )
+    g.add_argument(
+        "--sample-max-len",
+        type=COUNT,
+        default=None,
+        help="sampling engine: KV rows per sequence, prompt + max_tokens − 1 "
+        "(default min(256, max_context_length)); longer requests run beside "
+        "the engine",
+    )
+    g.add_argument(
+        "--sample-chunk",
+        type=COUNT,
+        default=8,
+        help="sampling engine: decode steps per engine step (requests join and "
+        "leave between them; a training pass waits at most one engine step)",
+    )
+    g.add_argument(
+        "--prefill-tokens",
+        type=COUNT,
+        default=None,
+        help="sampling engine: most prompt tokens prefilled per engine step "
+        "(default max_tokens_per_device · dp)",
+    )
+    g.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile the training and sampling programs before serving "
+        "(TRAINING_WARMUP_ROWS, SAMPLING_WARMUP; cheap on a restart with the "
+        "compilation cache; default on)",
+    )
+
+
+def _process_flags(g) -> None:
+    g.add_argument(
+        "--coordinator-address",
+        type=address,
+        default=None,
+        help="jax.distributed coordinator host:port (or JAX_COORDINATOR_ADDRESS); "
+        "every process gets the same flags, process 0 serves HTTP",
+    )
+    g.add_argument("--num-processes", type=COUNT, default=None, help="(or JAX_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=integer(0), default=None, help="(or JAX_PROCESS_ID)")
+    g.add_argument(
+        "--follower-timeout",
+        type=POSITIVE,
+        default=60.0,
+        help="seconds after which a follower process that stopped answering "
+        "fails the job (/healthz 503, requests refused)",
+    )
 
 
 def make_state_dir(path: str) -> None:
@@ -277,8 +297,8 @@ def main(argv=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         require_server_packages()
-        from jcp.server.service import Server, ServerConfig
-        from jcp.server.state import TenantLimits, read_api_keys
+        from jcp.server.service import Server
+        from jcp.server.state import read_api_keys
 
         keys = None
         if args.api_keys:  # before any device work: a bad key file costs nothing
@@ -323,7 +343,25 @@ def main(argv=None) -> int:
         os.path.basename(os.path.normpath(args.hf_model)) if args.hf_model else "jcp-tiny"
     )
     state_dir = args.state_dir or tempfile.mkdtemp(prefix="jcp-serve-")
-    config = ServerConfig(
+    try:
+        srv = Server(tr, name, state_dir, keys, _server_config(args, limits), leader)
+    except CliError as e:
+        if leader is not None:  # the followers wait for process 0's first call: release them
+            leader.stop()
+        print(f"jcp-serve: error: {e}", file=sys.stderr)
+        return 2
+    _announce(srv, args, tr, keys, name, state_dir)
+    if args.warmup:
+        _warm_up(srv, tr)
+    return _serve(srv)
+
+
+def _server_config(args, limits):
+    """The ServerConfig the flags name."""
+    from jcp.server.service import ServerConfig
+    from jcp.server.state import TenantLimits
+
+    return ServerConfig(
         host=args.host,
         port=args.port,
         tokenizer_id=_tokenizer_dir(args.hf_model),
@@ -336,13 +374,12 @@ def main(argv=None) -> int:
         prefill_tokens=args.prefill_tokens,
         tenant_limits=TenantLimits(storage_bytes=int(args.max_storage_gb * (1 << 30))),
     )
-    try:
-        srv = Server(tr, name, state_dir, keys, config, leader)
-    except CliError as e:
-        if leader is not None:  # the followers wait for process 0's first call: release them
-            leader.stop()
-        print(f"jcp-serve: error: {e}", file=sys.stderr)
-        return 2
+
+
+def _announce(srv, args, tr, keys, name: str, state_dir: str) -> None:
+    """What jcp-serve serves, where, and to whom (stdout)."""
+    import jax
+
     print(
         f"jcp-serve: {srv.url}  model {name!r}  mesh dp={tr.dp} cp={tr.cp} tp={tr.tp}  "
         f"max_context_length {tr.token_cap}  state {state_dir}  processes "
@@ -364,16 +401,26 @@ def main(argv=None) -> int:
         f"{eng.chunk}, {eng.prefill_tokens} prefill tokens per step",
         flush=True,
     )
-    if args.warmup:
-        t0 = time.monotonic()
-        n_train = srv.worker.tr.warmup(rows=tr.warmup_rows(TRAINING_WARMUP_ROWS))
-        t1 = time.monotonic()
-        n = eng.warmup(**sampling_warmup(jax.default_backend()))
-        print(
-            f"jcp-serve: warm-up compiled {n_train} training programs in {t1 - t0:.1f} s "
-            f"and {n} sampling programs in {time.monotonic() - t1:.1f} s",
-            flush=True,
-        )
+
+
+def _warm_up(srv, tr) -> None:
+    """Compile the training and sampling programs before serving (--warmup)."""
+    import jax
+
+    eng = srv.worker.sampling
+    t0 = time.monotonic()
+    n_train = srv.worker.tr.warmup(rows=tr.warmup_rows(TRAINING_WARMUP_ROWS))
+    t1 = time.monotonic()
+    n = eng.warmup(**sampling_warmup(jax.default_backend()))
+    print(
+        f"jcp-serve: warm-up compiled {n_train} training programs in {t1 - t0:.1f} s "
+        f"and {n} sampling programs in {time.monotonic() - t1:.1f} s",
+        flush=True,
+    )
+
+
+def _serve(srv) -> int:
+    """Serve in this thread until stopped; a failed multi-process job exits 1 at once."""
     srv.worker.start()
     try:
         srv.run()
