@@ -58,6 +58,7 @@ def parse_args(argv):
         help="also time a cold and a warm-cache start to the first step",
     )
     p.add_argument("--verbose", action="store_true", help="name the programs each step compiled")
+    p.add_argument("--keep-log", default=None, help="copy the first server's log to this file")
     p.add_argument(
         "--timeout",
         type=float,
@@ -70,8 +71,10 @@ def parse_args(argv):
 class Serve:
     """One jcp-serve subprocess; its output (compile log included) in a file."""
 
-    def __init__(self, extra: list[str], cache: str | None, timeout: float):
-        self.t0 = time.monotonic()
+    def __init__(
+        self, extra: list[str], cache: str | None, timeout: float, keep_log: str | None = None
+    ):
+        self.t0, self.keep_log = time.monotonic(), keep_log
         self.dir = tempfile.mkdtemp(prefix="jcp-steady-")
         self.log_path = os.path.join(self.dir, "serve.log")
         env = dict(os.environ, TINKER_TELEMETRY="0", JAX_LOG_COMPILES="1")
@@ -106,6 +109,24 @@ class Serve:
     def cache_hits(self) -> int:
         return len(re.findall(r"Persistent compilation cache hit", self.log()))
 
+    def traces(self) -> list[str]:
+        """The functions JAX traced (a jit cache miss: new shapes, static arguments or
+        argument shardings; a compile follows unless the lowering was compiled before)."""
+        return re.findall(r"Finished tracing (\S+) for jit", self.log())
+
+    def warmup_line(self) -> str:
+        m = re.search(r"jcp-serve: warm-up compiled .*", self.log())
+        return m.group(0) if m else "jcp-serve: no warm-up line"
+
+    def maps(self) -> int | None:
+        """The server process's memory maps now (XLA:CPU keeps 300-450 per program; a
+        process may hold vm.max_map_count), None where /proc cannot tell."""
+        try:
+            with open(f"/proc/{self.proc.pid}/maps") as f:
+                return sum(1 for _ in f)
+        except OSError:
+            return None
+
     def _wait_url(self, timeout: float) -> str:
         import httpx
 
@@ -137,6 +158,8 @@ class Serve:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.keep_log:
+            shutil.copyfile(self.log_path, self.keep_log)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -213,21 +236,23 @@ def steady_run(args, extra: list[str], cache: str) -> tuple[float, int]:
     """The flow's steps on a server started cold on `cache` (an empty folder); prints the
     table -> (seconds from the server process's start to the end of its first training
     step, the programs it compiled until then)."""
-    srv = Serve(extra, cache, args.timeout)
+    srv = Serve(extra, cache, args.timeout, args.keep_log)
     try:
+        print(f"{srv.warmup_line()}; server memory maps {srv.maps()}", flush=True)
         flow = Flow(srv.url, args)
         rows, first = [], None
         for i in range(args.steps):
-            c0 = len(srv.compiles())
+            c0, r0 = len(srv.compiles()), len(srv.traces())
             t_train = flow.train(args.timeout)
             first = first or (time.monotonic() - srv.t0, len(srv.compiles()))
-            c1 = len(srv.compiles())
+            c1, r1 = len(srv.compiles()), len(srv.traces())
             t_sample = flow.sample(args.timeout)
-            names = srv.compiles()
+            names, traced = srv.compiles(), srv.traces()
             rows.append((t_train, t_sample, c1 - c0, len(names) - c1))
             if args.verbose:
                 print(
-                    f"step {i + 1}: train compiled {names[c0:c1]}; sample compiled {names[c1:]}",
+                    f"step {i + 1}: train compiled {names[c0:c1]}, traced {traced[r0:r1]}; "
+                    f"sample compiled {names[c1:]}, traced {traced[r1:]}",
                     flush=True,
                 )
         half = rows[len(rows) // 2 :]
