@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import math
 import os
+import re
 
 
 class CliError(Exception):
@@ -81,6 +82,24 @@ COUNT = integer(1)
 SEED = integer(0)
 POSITIVE = number(0.0, above=True)
 GIGABYTES = number(0.0, hi=1e9)  # an exabyte: its bytes fit an int64
+
+
+_UNITS = {"": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def memory_bytes(text: str) -> int | str:
+    """The converter of a memory size: "auto", or bytes as an integer with an optional
+    unit KiB / MiB / GiB / TiB ("512MiB")."""
+    if text == "auto":
+        return text
+    m = re.fullmatch(r"(\d+)\s*([A-Za-z]*)", text.strip())
+    unit = _UNITS.get(m.group(2).lower()) if m else None
+    value = int(m.group(1)) if m else None
+    if unit is None or value is None or value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto' or a positive number of bytes (e.g. 536870912 or 512MiB), got {text!r}"
+        )
+    return value * unit
 
 
 def address(text: str) -> str:
@@ -265,9 +284,10 @@ def load_model_and_mesh(args):
     return cfg, base, mesh
 
 
-def build_trainer(args, *, max_adapters: int, max_rank: int):
+def build_trainer(args, *, max_adapters: int, max_rank: int, adapter_memory=None):
     """The Trainer of a command: model and mesh from the flags (load_model_and_mesh), seed
-    and --max-tokens-per-device from args; CliError where the Trainer refuses them."""
+    and --max-tokens-per-device from args, the adapter tables' memory (bytes, "auto" or
+    None: Trainer's adapter_memory); CliError where the Trainer refuses them."""
     import jcp
 
     cfg, base, mesh = load_model_and_mesh(args)
@@ -280,6 +300,7 @@ def build_trainer(args, *, max_adapters: int, max_rank: int):
             max_rank=max_rank,
             seed=args.seed,
             max_tokens_per_device=args.max_tokens_per_device,
+            adapter_memory=adapter_memory,
         )
     except ValueError as e:
         raise CliError(str(e)) from None

@@ -1,7 +1,8 @@
 """`jcp-serve`: a Tinker SDK 0.38 compatible training and sampling server over one Trainer.
 
     jcp-serve [--hf-model DIR] [--model-name NAME] [--mesh dp,cp,tp] [--host 127.0.0.1]
-              [--port 8000] [--max-adapters N] [--max-rank R] [--max-tokens-per-device N]
+              [--port 8000] [--max-adapters N] [--adapter-memory B] [--max-rank R]
+              [--max-tokens-per-device N]
               [--api-keys FILE] [--state-dir DIR] [--max-body-bytes N] [--max-datums N]
               [--max-num-samples N] [--max-futures N] [--max-offload-gb G] [--max-storage-gb G]
               [--session-timeout S] [--sample-slots N] [--sample-max-len N]
@@ -45,6 +46,7 @@ from jcp.cli import (
     existing_folder,
     folder,
     integer,
+    memory_bytes,
     number,
     parse_mesh,
     setup_compilation_cache,
@@ -106,7 +108,22 @@ def _model_flags(g) -> None:
         help="the base_model name clients use (default: the folder's name, or jcp-tiny)",
     )
     g.add_argument("--mesh", help="dp,cp,tp (default 2,2,2 on 8 devices, else 1,n,1)")
-    g.add_argument("--max-adapters", type=COUNT, default=8)
+    g.add_argument(
+        "--max-adapters",
+        type=COUNT,
+        default=1024,
+        help="adapters on the device at once (training models and sampler weights; "
+        "more are offloaded to host memory): a slot costs a few bytes, its rank's pages "
+        "of --adapter-memory the rest",
+    )
+    g.add_argument(
+        "--adapter-memory",
+        type=memory_bytes,
+        default="auto",
+        help="device memory of the adapter tables, per device (bytes, e.g. 4GiB; "
+        "auto: a fifth of the device's free memory once the model is loaded); an "
+        "adapter of rank r takes ceil(r/8) pages of rank 8",
+    )
     g.add_argument("--max-rank", type=COUNT, default=32)
     g.add_argument("--max-tokens-per-device", type=integer(2), default=None)
     g.add_argument("--seed", type=SEED, default=0)
@@ -321,7 +338,12 @@ def main(argv=None) -> int:
             num_samples=args.max_num_samples,
             futures=args.max_futures,
         )
-        tr = build_trainer(args, max_adapters=args.max_adapters, max_rank=args.max_rank)
+        tr = build_trainer(
+            args,
+            max_adapters=args.max_adapters,
+            max_rank=args.max_rank,
+            adapter_memory=args.adapter_memory,
+        )
     except CliError as e:
         print(f"jcp-serve: error: {e}", file=sys.stderr)
         return 2

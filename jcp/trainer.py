@@ -175,7 +175,8 @@ class Trainer:
     weights, accumulator, two AdamW moments), and per-expert adapters (PEFT imports) are
     then refused.
     adapter_memory — bytes of each device for the adapter tables (None: room for
-    max_adapters adapters at max_rank). They are paged by rank (jcp/adapter_state.py): an
+    max_adapters adapters at max_rank; "auto": AUTO_ADAPTER_MEMORY of the device's free
+    memory once the base model is placed, at most that room). They are paged by rank (jcp/adapter_state.py): an
     adapter of rank r holds ⌈r / 8⌉ pages of rank 8 (for max_rank a multiple of 8), each
     with its weights, gradient accumulator and two AdamW moments, so many low-rank adapters
     fit where few max-rank ones would; max_adapters then bounds the count only (its
@@ -219,7 +220,7 @@ class Trainer:
         cp_attention: str = "auto",
         router_aux_loss_coef: float = 0.0,
         expert_lora_modes: tuple[str, ...] = lora_lib.EXPERT_LORA,
-        adapter_memory: int | None = None,
+        adapter_memory: int | str | None = None,
     ):
         if tuple(mesh.axis_names) != mesh_lib.AXES:
             raise ValueError(f"mesh axes must be {mesh_lib.AXES}, got {mesh.axis_names}")
@@ -292,11 +293,13 @@ class Trainer:
                 f"expert_lora_modes must be a non-empty tuple of distinct "
                 f"{lora_lib.EXPERT_LORA}, got {expert_lora_modes!r}"
             )
-        if adapter_memory is not None and (
+        if adapter_memory == "auto":
+            adapter_memory = _default_adapter_memory(mesh)
+        elif adapter_memory is not None and (
             isinstance(adapter_memory, bool) or not isinstance(adapter_memory, int)
         ):
             raise ValueError(
-                f"adapter_memory must be bytes (an int) or None, got {adapter_memory!r}"
+                f"adapter_memory must be bytes (an int), 'auto' or None, got {adapter_memory!r}"
             )
         self.state = AdapterState(cfg, mesh, max_adapters, max_rank, modes, adapter_memory)
         self._forward = train_step.make_forward(cfg, mesh, self.step_cfg)
@@ -1209,21 +1212,38 @@ def _source_hash() -> str:
     return h.hexdigest()
 
 
-def _default_remat_budget(mesh) -> int:
-    """90% of a device's memory limit (accelerators), or half the host's physical memory
-    over its local devices (CPU); the smallest over processes."""
+def _device_memory(mesh) -> tuple[int, int]:
+    """(limit, in use) of one device's memory: an accelerator's own figures, or half the
+    host's physical memory over its local devices (CPU, in use unknown: 0); the smallest
+    free memory over processes."""
     device = mesh.devices.flat[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and stats.get("bytes_limit"):
-        budget = int(0.9 * stats["bytes_limit"])
+        limit, used = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
     else:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        budget = int(0.5 * physical / max(1, jax.local_device_count()))
+        limit, used = int(0.5 * physical / max(1, jax.local_device_count())), 0
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
-    return budget
+        both = multihost_utils.process_allgather(np.asarray([limit, limit - used], np.int64))
+        limit, free = int(np.min(both[:, 0])), int(np.min(both[:, 1]))
+        used = limit - free
+    return limit, used
+
+
+def _default_remat_budget(mesh) -> int:
+    """90% of a device's memory limit (_device_memory)."""
+    return int(0.9 * _device_memory(mesh)[0])
+
+
+# adapter_memory="auto": this share of a device's free memory once the base model is placed.
+AUTO_ADAPTER_MEMORY = 0.2
+
+
+def _default_adapter_memory(mesh) -> int:
+    limit, used = _device_memory(mesh)
+    return int(AUTO_ADAPTER_MEMORY * (limit - used))
 
 
 def _split_first(result):

@@ -197,3 +197,42 @@ def test_a_split_pass_keeps_its_models_and_is_counted_as_pending():
     sched.finish(group)
     assert not sched.splitting()
     assert sched.next_work(block=False)[0] == [after]
+
+
+def test_a_pass_holds_only_the_models_that_fit_the_device():
+    """pass_room bounds the models of one pass (the worker: its adapter slots and pages);
+    the first is always taken, a model that does not fit waits for the next pass, and a
+    model's requests stay together and in order."""
+    sizes = {"m0": 2, "m1": 1, "m2": 2, "m3": 1, "m4": 1}
+
+    def room():
+        left = {"pages": 3}
+
+        def admit(model_id):
+            if sizes[model_id] > left["pages"]:
+                return False
+            left["pages"] -= sizes[model_id]
+            return True
+
+        return admit
+
+    sched = Scheduler(pass_tokens=None, pass_room=room)
+    works = [fwd("alice", m, 1, 10) for m in sizes] + [fwd("alice", "m0", 2, 10)]
+    for w in works:
+        sched.submit(w)
+    passes = []
+    while group := sched.next_work(block=False)[0]:
+        passes.append([(w.model_id, w.seq_id) for w in group])
+    # m0 (2 pages) + m1 (1); m2 + m3; m4. m0's two requests ride together.
+    assert passes == [[("m0", 1), ("m0", 2), ("m1", 1)], [("m2", 1), ("m3", 1)], [("m4", 1)]]
+    # Without the bound, one pass.
+    sched = Scheduler(pass_tokens=None)
+    for m in sizes:
+        sched.submit(fwd("alice", m, 1, 10))
+    assert len(sched.next_work(block=False)[0]) == len(sizes)
+    # A first model larger than the room still runs (alone): no starvation.
+    sizes["big"] = 9
+    sched = Scheduler(pass_tokens=None, pass_room=room)
+    sched.submit(fwd("alice", "big", 1, 10))
+    sched.submit(fwd("alice", "m1", 1, 10))
+    assert [w.model_id for w in sched.next_work(block=False)[0]] == ["big"]

@@ -74,7 +74,7 @@ class ModelOps:
         if not targets:
             raise InputError("at least one of train_attn, train_mlp, train_unembed must be true")
         self._check_new_model(w)
-        self._free_slot("create a model")
+        self._free_slot("create a model", rank=lora.get("rank", 32))
         slot = self.tr.create_adapter(
             rank=lora.get("rank", 32), alpha=LORA_ALPHA, seed=lora.get("seed"), targets=targets
         )

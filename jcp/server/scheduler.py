@@ -20,7 +20,8 @@ forward or forward_backward, all its other ready ones of that kind (so one tenan
 is scheduled exactly as first come, first served with full fusion). Other tenants'
 ready requests of the kind join that pass only while it stays within `pass_tokens`
 tokens (one Trainer micro-batch): a small request rides along a small pass, never behind
-a large one. A pass the worker runs over several turns (`split`: a Trainer call of
+a large one. A pass also holds no more models than the device keeps resident at once
+(`pass_room`); the others wait for a later pass. A pass the worker runs over several turns (`split`: a Trainer call of
 several micro-batches, one per turn) comes back as its tenant's pass at each of that
 tenant's turns until `finish`, and while it runs nothing else of its tenant or of its
 models is taken: so another tenant's request waits for at most one micro-batch of it (or
@@ -85,10 +86,17 @@ class Scheduler:
     """pass_tokens: the most tokens a pass may hold for other tenants' requests to join it
     (the module docstring, "Fairness"); 0: passes never mix tenants; None: no bound (every
     ready request of the kind joins, as for a single tenant). jcp-serve's worker sets it
-    to one Trainer micro-batch."""
+    to one Trainer micro-batch.
 
-    def __init__(self, pass_tokens: int | None = 0):
+    pass_room: None (no bound), or a callable () -> admit, called once per fused pass,
+    where admit(model_id) -> bool says whether one more model fits beside those admitted
+    before it (the worker: its adapter slots and memory, so that a pass never holds more
+    models than the device can keep resident at once); the pass's first model is always
+    taken, and a model that does not fit waits for a later pass."""
+
+    def __init__(self, pass_tokens: int | None = 0, pass_room: Callable | None = None):
         self.pass_tokens = pass_tokens
+        self.pass_room = pass_room
         self._cv = threading.Condition()
         self._queues: dict[str, list[Work]] = {}  # model id -> its pending work
         self._samples: list[Work] = []
@@ -359,10 +367,16 @@ class Scheduler:
             return [first]
         group, settings, tokens = [], {}, 0
         ordered = sorted(runs.values(), key=lambda r: r[0].arrival)
+        admit = self.pass_room() if self.pass_room is not None else None
+        if admit is not None and first.model_id is not None and not admit(first.model_id):
+            admit = lambda model_id: model_id == first.model_id  # noqa: E731 — it runs alone
         for own in (True, False):
             for run in ordered:
                 if (run[0].owner == tenant) != own:
                     continue
+                if admit is not None and run[0].model_id != first.model_id:
+                    if not admit(run[0].model_id):
+                        continue
                 for w in run:
                     if w.kind != first.kind:
                         break

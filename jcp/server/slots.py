@@ -27,11 +27,13 @@ class SlotCache:
     A training model is resident (in a slot) or offloaded (its whole state — weights,
     accumulated gradient, AdamW moments, step count — in host memory,
     Trainer.offload_adapter), and restored, bit for bit, on its next request. So
-    `--max-adapters` bounds resident slots, and `max_offload_bytes` bounds the host memory
-    of offloaded models. A model lives as long as its session: a finished or expired
+    `--max-adapters` bounds resident slots, `--adapter-memory` the device memory they
+    take (a slot costs what its rank costs: jcp/adapter_state.py), and
+    `max_offload_bytes` the host memory of offloaded models. A model lives as long as its session: a finished or expired
     session's models are unloaded once their queued work is done (checkpoints stay).
 
-    Eviction: when a slot is needed and none is free, the first of these leaves its slot —
+    Eviction: when a slot is needed and none is free, or its rank's pages are not, the
+    first of these leaves its slot (and the next, until the new one fits) —
     by class, and within a class the tenant holding the most slots first (so a tenant
     evicts another's only while that one holds at least as many), least recently used
     first: (0) named sampler weights no running sequence reads (reloaded from their
@@ -58,14 +60,23 @@ class SlotCache:
         return {r.adapter for r in self.sampling.requests.values()}
 
     def _free_slot(
-        self, why: str, keep: frozenset = frozenset(), restoring: str | None = None
+        self,
+        why: str,
+        keep: frozenset = frozenset(),
+        restoring: str | None = None,
+        rank: int | None = None,
     ) -> None:
-        """Make one slot free: evict the first of `_victims` (SlotCache docstring, "Eviction")
-        that host memory admits. restoring: the offloaded model the slot is for; its host
-        copy goes when it is restored, so offloading a victim into that room is a swap,
-        never refused for lack of room."""
+        """Make room for one adapter of `rank` (None: max_rank, for weights whose rank is
+        read later) — a free slot and its pages of adapter memory (AdapterState.room):
+        evict the first of `_victims` (SlotCache docstring, "Eviction") that host memory
+        admits, and the next, until it fits. restoring: the offloaded model the room is
+        for; its host copy goes when it is restored, so offloading a victim into that room
+        is a swap, never refused for lack of room."""
         self._sweep_retired()
-        if len(self.tr.adapters) < self.tr.max_adapters:
+        rank = self.tr.max_rank if rank is None else rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 < rank <= self.tr.max_rank:
+            return  # the create refuses it, with its own message; nothing is evicted for it
+        if self.tr.state.room(rank):
             return
         # The models of passes running over turns stay in their slots.
         keep = keep | {w.model_id for g, _, _ in self._splits.values() for w in g}
@@ -75,31 +86,58 @@ class SlotCache:
         full = False
         for kind, key in self._victims(keep):
             if kind == "model":
-                if (
-                    used + self._nbytes(self.tr.adapters[self._resident[key]])
-                    > self.max_offload_bytes
-                ):
+                nbytes = self._nbytes(self.tr.adapters[self._resident[key]])
+                if used + nbytes > self.max_offload_bytes:
                     full = True
                     continue
                 slot = self._resident.pop(key)
                 self._offloaded[key] = self.tr.offload_adapter(slot)
+                used += nbytes
                 self.offloads += 1
                 self._set_slot(key, None)
             else:
                 self._sampler_owner.pop(key, None)
                 self.tr.delete_adapter(self._sampler_slots.pop(key))
-            return
+            if self.tr.state.room(rank):
+                return
         if full:
             raise InputError(
-                f"cannot {why}: every adapter slot is in use and host memory "
+                f"cannot {why}: adapter slots and memory are in use and host memory "
                 f"for offloaded models is full ({used} of "
                 f"{self.max_offload_bytes} bytes, --max-offload-gb); finish "
                 "sessions you no longer need"
             )
+        st = self.tr.state
         raise InputError(
-            f"all {self.tr.max_adapters} adapter slots are in use by this "
-            f"pass or by running samples; cannot {why} (raise --max-adapters)"
+            f"no room for an adapter of rank {rank}: {len(st.infos)} of {st.max_adapters} "
+            f"adapter slots and {st.num_pages - st.free_pages} of {st.num_pages} pages of "
+            "adapter memory are held by this pass or by running samples; cannot "
+            f"{why} (raise --max-adapters or --adapter-memory)"
         )
+
+    def _pass_room(self):
+        """Scheduler.pass_room: admit(model_id) while the models of one pass fit on the
+        device together — in the slots and pages of adapter memory beside those that
+        cannot leave (sampler weights running sequences read, the models of passes
+        running over turns)."""
+        st = self.tr.state
+        split = {w.model_id for g, _, _ in self._splits.values() for w in g}
+        pinned = (self._in_use() | {self._resident.get(m) for m in split}) & set(st.infos)
+        room = {
+            "pages": st.num_pages - sum(st.pages_for(st.infos[s].rank) for s in pinned),
+            "slots": st.max_adapters - len(pinned),
+        }
+
+        def admit(model_id: str) -> bool:
+            rec = self.store.models.get(model_id)
+            need = st.pages_for(rec.rank) if rec is not None else 1
+            if need > room["pages"] or room["slots"] < 1:
+                return False
+            room["pages"] -= need
+            room["slots"] -= 1
+            return True
+
+        return admit
 
     def offloaded_bytes(self) -> int:
         """Host memory the offloaded models hold (at most max_offload_bytes)."""
@@ -144,7 +182,9 @@ class SlotCache:
     def _snapshot(self, slot: int) -> int:
         """A device copy of `slot` in a free slot (no disk) -> the copy's slot."""
         self._free_slot(
-            "snapshot sampler weights", frozenset(m for m, s in self._resident.items() if s == slot)
+            "snapshot sampler weights",
+            frozenset(m for m, s in self._resident.items() if s == slot),
+            rank=self.tr.adapters[slot].rank,
         )
         return self.tr.copy_adapter(slot)
 
@@ -168,7 +208,9 @@ class SlotCache:
         saved = self._offloaded.get(mid)
         if saved is None:
             raise NotFound(f"model {mid!r} not found")
-        self._free_slot("restore an offloaded model", keep | {mid}, restoring=mid)
+        self._free_slot(
+            "restore an offloaded model", keep | {mid}, restoring=mid, rank=saved.info.rank
+        )
         slot = self.tr.restore_adapter(saved)
         del self._offloaded[mid]
         self.restores += 1

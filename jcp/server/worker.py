@@ -182,6 +182,8 @@ class Worker(SlotCache, ModelOps, Passes):
         # (Scheduler.pass_tokens), and a pass of several micro-batches runs one per turn
         # (`_splits`), other tenants' passes between them.
         scheduler.pass_tokens = trainer.max_tokens_per_device * trainer.dp * trainer.cp
+        # A pass holds no more models than fit on the device at once (SlotCache._pass_room).
+        scheduler.pass_room = self._pass_room
 
         self._running: dict[str, int] = {}  # request id -> engine request id (admitted)
         self._sampled: dict[str, float] = {}  # tenant -> its last sample (TENANT_WINDOW_S)
