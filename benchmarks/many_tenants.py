@@ -1,0 +1,189 @@
+"""Many tenants on one jcp-serve: what a fused pass over N tenants' models costs against
+one model doing the same work.
+
+One jcp-serve (a child process: tiny model, one CPU device, the default --max-adapters and
+--adapter-memory, --no-warmup) and an asyncio driver (httpx, raw Tinker routes; one SDK
+client per tenant would cost more than the server): N tenants, each its own API key,
+session and rank-8 model, each send one forward_backward of one datum of --length tokens,
+all at once, so the server fuses them (jcp/server/scheduler.py: passes of as many models
+as the token budget and the adapter memory hold); then each its optim_step. The baseline:
+one tenant sends the same N datums on one model in one request. Rounds alternate (the first
+of each untimed: it compiles), best of --rounds; prints the forward_backward seconds and
+their ratio (goal, issue 33: fused ≤ 1.3× one model), and the N optim_steps apart (one
+each, which one model does not pay). In one more round of the N tenants, tenant N + 1 creates its
+model while the passes run: that round's time against the others, and the create's
+latency (a slot's copy: the create must not wait for the passes, nor delay them beyond
+its copy).
+
+    python benchmarks/many_tenants.py [--tenants 1024] [--length 256] [--rounds 2]
+    python benchmarks/many_tenants.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import tinker_http
+from tinker_http import PROTO, Tenant, fb_body
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tenants", type=int, default=1024)
+    p.add_argument("--length", type=int, default=256, help="tokens per datum")
+    p.add_argument("--rounds", type=int, default=2, help="timed rounds of each kind")
+    p.add_argument("--concurrency", type=int, default=64, help="HTTP requests in flight")
+    p.add_argument("--smoke", action="store_true", help="8 tenants of 16 tokens, one round")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.tenants, a.length, a.rounds = 8, 16, 1
+    return a
+
+
+async def gather(n: int, make, limit: int) -> list:
+    """make(i) for i < n, at most `limit` in flight."""
+    sem = asyncio.Semaphore(limit)
+
+    async def one(i):
+        async with sem:
+            return await make(i)
+
+    return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def new_model(t: Tenant, seed: int) -> dict:
+    sid = (await t.post("create_session", {})).json()["session_id"]
+    out = await t.call(
+        "create_model",
+        {
+            "session_id": sid,
+            "model_seq_id": 0,
+            "base_model": "jcp-tiny",
+            "lora_config": {"rank": 8, "seed": seed},
+        },
+    )
+    if "model_id" not in out:
+        raise RuntimeError(f"create_model failed: {out}")
+    return {"model": out["model_id"], "seq": 0}
+
+
+async def train_round(tenants, models, bodies, limit: int) -> tuple[float, float]:
+    """One forward_backward per (tenant, model, body) at once, then one optim_step each ->
+    (seconds to the last forward_backward's result, then to the last optim_step's)."""
+
+    async def fb(i):
+        st = models[i]
+        st["seq"] += 1
+        body = bodies[i](st["model"], st["seq"])
+        out = await tenants[i].call("forward_backward", content=body, **{"Content-Type": PROTO})
+        if "refused" in out or out.get("type") == "RequestFailedResponse":
+            raise RuntimeError(f"forward_backward failed: {str(out)[:300]}")
+
+    async def step(i):
+        st = models[i]
+        st["seq"] += 1
+        out = await tenants[i].call(
+            "optim_step",
+            {
+                "model_id": st["model"],
+                "seq_id": st["seq"],
+                "adam_params": {"learning_rate": 1e-4},
+            },
+        )
+        if "refused" in out or out.get("type") == "RequestFailedResponse":
+            raise RuntimeError(f"optim_step failed: {str(out)[:300]}")
+
+    t0 = time.perf_counter()
+    await gather(len(models), fb, limit)
+    t1 = time.perf_counter()
+    await gather(len(models), step, limit)
+    return t1 - t0, time.perf_counter() - t1
+
+
+async def drive(a, url: str, keys: list[str]) -> dict:
+    import httpx
+
+    vocab = 512  # jcp.QwenConfig.tiny()
+    n = a.tenants
+    limits = httpx.Limits(max_connections=a.concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        tenants = [Tenant(client, k) for k in keys]
+        t0 = time.perf_counter()
+        models = await gather(n + 1, lambda i: new_model(tenants[i], i), a.concurrency)
+        create_s = time.perf_counter() - t0
+        many = [lambda m, s, i=i: fb_body(m, s, 1, a.length, vocab, i, False) for i in range(n)]
+        one = [lambda m, s: fb_body(m, s, n, a.length, vocab, 0, False)]
+        fused, alone = [], []
+        for r in range(a.rounds + 1):
+            f = await train_round(tenants[:n], models[:n], many, a.concurrency)
+            s = await train_round(tenants[n:], models[n:], one, a.concurrency)
+            print(
+                f"round {r}: {n} tenants {f[0]:.2f} + {f[1]:.2f} s (forward_backward + "
+                f"optim_step), one model {s[0]:.2f} + {s[1]:.2f} s",
+                flush=True,
+            )
+            if r:  # the first of each compiles
+                fused.append(f)
+                alone.append(s)
+
+        # Tenant n + 1 creates its model while the n tenants' round runs.
+        late = Tenant(client, keys[n + 1])
+        round_task = asyncio.create_task(train_round(tenants[:n], models[:n], many, a.concurrency))
+        await asyncio.sleep(0.05)
+        c0 = time.perf_counter()
+        await new_model(late, n + 1)
+        late_create_s = time.perf_counter() - c0
+        during = await round_task
+    return {
+        "tenants": n,
+        "length": a.length,
+        "create_all_s": create_s,
+        "fused_s": min(f for f, _ in fused),
+        "one_model_s": min(s for s, _ in alone),
+        "ratio": min(f for f, _ in fused) / min(s for s, _ in alone),
+        "optim_steps_s": min(o for _, o in fused),
+        "round_with_create_s": during[0],
+        "round_s": [f for f, _ in fused],
+        "late_create_s": late_create_s,
+    }
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    keys = [f"tml-{i:05d}" for i in range(a.tenants + 2)]
+    folder = tempfile.mkdtemp(prefix="jcp-many-tenants-")
+    flags = ["--no-warmup", "--max-datums", str(max(a.tenants, 64))]
+    flags += ["--max-body-bytes", str(max(64 << 20, 16 * a.tenants * a.length))]
+    proc, url = tinker_http.start_server(folder, {k: k[4:] for k in keys}, flags)
+    try:
+        res = asyncio.run(drive(a, url, keys))
+    finally:
+        tinker_http.stop_server(proc)
+        with open(os.path.join(folder, "server.log")) as f:
+            lines = f.read().splitlines()
+    res["server_log_tail"] = lines[-3:]
+    print(
+        f"{res['tenants']} tenants x 1 datum of {res['length']} tokens, fused "
+        f"forward_backward: {res['fused_s']:.2f} s; one model, the same datums: "
+        f"{res['one_model_s']:.2f} s; ratio {res['ratio']:.2f} (goal <= 1.3); then "
+        f"{res['tenants']} optim_steps {res['optim_steps_s']:.2f} s"
+    )
+    print(
+        f"created {res['tenants'] + 1} models in {res['create_all_s']:.1f} s; a round with "
+        f"a create in it {res['round_with_create_s']:.2f} s, the create "
+        f"{res['late_create_s'] * 1000:.0f} ms"
+    )
+    print("RESULT " + json.dumps({k: v for k, v in res.items() if k != "server_log_tail"}))
+    return res
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,120 @@
+"""Raw Tinker HTTP for the serving benchmarks: jcp-serve in a child process, one API key's
+calls over an httpx.AsyncClient, and protobuf forward_backward bodies (lighter than one SDK
+client per tenant when a benchmark drives hundreds of tenants)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+PROTO = "application/x-protobuf"
+
+
+def start_server(folder: str, keys: dict, flags: list[str]) -> tuple[subprocess.Popen, str]:
+    """jcp-serve (tiny model, mesh 1,1,1, any free port, `keys`: API key -> tenant) in a
+    child process with `flags` -> (process, base URL) once /healthz answers."""
+    path = os.path.join(folder, "keys")
+    with open(path, "w") as f:
+        f.write("".join(f"{k} {v}\n" for k, v in keys.items()))
+    env = dict(os.environ, TINKER_TELEMETRY="0")
+    if "JCP_TEST_CHILD_XLA_FLAGS" in env:  # under the tests: their compile settings
+        env["XLA_FLAGS"] = env["JCP_TEST_CHILD_XLA_FLAGS"]
+    cmd = [sys.executable, "-m", "jcp.serve", "--mesh", "1,1,1", "--port", "0"]
+    cmd += ["--api-keys", path, "--state-dir", os.path.join(folder, "state"), *flags]
+    log = open(os.path.join(folder, "server.log"), "w+")
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        log.seek(0)
+        m = re.search(r"jcp-serve: (http://\S+)", log.read())
+        if m and proc.poll() is None:
+            import httpx
+
+            try:
+                if httpx.get(m.group(1) + "/api/v1/healthz", timeout=5).status_code == 200:
+                    return proc, m.group(1)
+            except httpx.HTTPError:
+                pass
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"jcp-serve exited {proc.returncode}:\n{log.read()[-3000:]}")
+        time.sleep(0.5)
+    stop_server(proc)
+    raise RuntimeError("jcp-serve did not start in 600 s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+class Tenant:
+    """One API key's raw Tinker calls over one httpx.AsyncClient."""
+
+    def __init__(self, client, key: str):
+        self.client, self.key = client, key
+
+    async def post(self, route: str, body=None, content: bytes | None = None, **headers):
+        h = {"X-API-Key": self.key, **headers}
+        if content is None:
+            return await self.client.post(f"/api/v1/{route}", json=body, headers=h)
+        return await self.client.post(f"/api/v1/{route}", content=content, headers=h)
+
+    async def result(self, answer):
+        """A future's result: JSON dict, or {"proto": bytes}; refusals as {"refused": …}."""
+        if answer.status_code != 200:
+            return {"refused": answer.status_code}
+        return await self.wait(answer.json()["request_id"])
+
+    async def wait(self, rid: str):
+        while True:
+            r = await self.post("retrieve_future", {"request_id": rid})
+            if r.status_code == 408:
+                continue
+            if r.headers["content-type"].startswith(PROTO):
+                return {"proto": r.content}
+            return r.json()
+
+    async def call(self, route: str, body=None, content=None, **headers):
+        return await self.result(await self.post(route, body, content, **headers))
+
+
+def fb_body(
+    model_id: str,
+    seq_id: int,
+    n: int,
+    length: int,
+    vocab: int,
+    seed: int,
+    forward_only: bool = True,
+) -> bytes:
+    from tinker.proto import tinker_public_pb2 as pb
+
+    msg = pb.ForwardBackwardRequest(
+        model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy", forward_only=forward_only
+    )
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        toks = rng.integers(0, vocab, length + 1)
+        d = msg.data.add()
+        d.model_input.add().encoded_text.tokens = toks[:-1].astype(np.int32).tobytes()
+        for name, arr, dtype in (
+            ("target_tokens", toks[1:].astype(np.int64), pb.DTYPE_INT64),
+            ("weights", np.ones(length, np.float32), pb.DTYPE_FLOAT32),
+        ):
+            t = d.loss_fn_inputs[name]
+            t.dense, t.dtype, t.shape[:] = arr.tobytes(), dtype, [length]
+    return msg.SerializeToString()
