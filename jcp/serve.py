@@ -121,7 +121,7 @@ def _model_flags(g) -> None:
         type=memory_bytes,
         default="auto",
         help="device memory of the adapter tables, per device (bytes, e.g. 4GiB; "
-        "auto: a fifth of the device's free memory once the model is loaded); an "
+        "auto: a quarter of the device's free memory once the model is loaded); an "
         "adapter of rank r takes ceil(r/8) pages of rank 8",
     )
     g.add_argument("--max-rank", type=COUNT, default=32)

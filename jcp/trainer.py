@@ -1238,7 +1238,7 @@ def _default_remat_budget(mesh) -> int:
 
 
 # adapter_memory="auto": this share of a device's free memory once the base model is placed.
-AUTO_ADAPTER_MEMORY = 0.2
+AUTO_ADAPTER_MEMORY = 0.25
 
 
 def _default_adapter_memory(mesh) -> int:
