@@ -293,7 +293,8 @@ class Placement:
 class PackedBatch:
     """One micro-batch as host arrays in the global [DP, CP, S] layout.
 
-    segment: datum slot in 0..B-1 (−1 = padding); position: index within the datum;
+    segment: datum slot in 0..B-1 (−1 = padding), numbered in stream order (slot_datums);
+    position: index within the datum;
     loss_id: index of each token's loss in `loss_fns` (sorted names of the whole call);
     floats: weights / advantages / logprobs already cut to each rank's zigzag shard;
     spans: [DP, CP, K, 2] row range of each active adapter; active: [K] adapter slots.
@@ -308,11 +309,16 @@ class PackedBatch:
     spans: np.ndarray
     active: np.ndarray
     num_slots: int
-    placements: tuple[Placement, ...]
+    placements: tuple[Placement, ...]  # in stream order: datum slot b is placements[b]
     loss_fns: tuple[str, ...] = ("cross_entropy",)
     # Custom-loss datums: (caller's index, flat index [N] or [N, K] of its log-probs in
     # the [DP, CP, S(, K)] log-prob stream, its inputs in the loss's order).
     custom: tuple[tuple[int, np.ndarray, tuple[np.ndarray, ...]], ...] = ()
+
+    @property
+    def slot_datums(self) -> tuple[int, ...]:
+        """The caller's index of the datum in each datum slot (segment id) 0, 1, …"""
+        return tuple(p.index for p in self.placements)
 
 
 def _assign(lengths_rows: list[int], dp: int, capacity: int) -> list[list[list[int]]]:
@@ -432,7 +438,6 @@ def pack(
         )
         active = np.array(active_list + [active_list[0]] * (k - len(active_list)), np.int32)
         where = {a: i for i, a in enumerate(active_list)}
-        slot_of = {j: b for b, j in enumerate(members)}
 
         widths = [datums[j].targets.shape[1] for j in members if datums[j].targets.ndim == 2]
         kk = (max(widths),) if widths else ()
@@ -463,7 +468,10 @@ def pack(
                     targets[s, :, sl, : cut.shape[-1]] = cut
                 else:
                     targets[s, :, sl] = cut
-                segment[s, :, sl] = np.where(valid, slot_of[j], -1)
+                # Datum slots (segment ids) in stream order, so that they ascend along
+                # every stream: attention skips blocks by their segment ranges
+                # (attention.tiling.blocks_needed), which out-of-order ids would widen.
+                segment[s, :, sl] = np.where(valid, len(placements), -1)
                 position[s, :, sl] = np.where(valid, idx, 0)
                 loss_id[s, :, sl] = loss_fns.index(d.loss_fn)
                 for name, vec in d.floats.items():

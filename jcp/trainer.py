@@ -898,7 +898,7 @@ class Trainer:
             lp = batch_lib.unpack(host(out.logprobs), pb)
             el = batch_lib.unpack(host(out.elementwise_loss), pb)
             datum_loss, datum_clipped = host(out.datum_loss), host(out.clipped)
-            members = sorted(p.index for p in pb.placements)
+            members = pb.slot_datums
             custom_loss = {}
             if pb.custom:  # per-datum custom losses and metrics, in pb.custom's order
                 custom_loss = dict(zip((c[0] for c in pb.custom), host(out.custom_loss)))
@@ -926,7 +926,7 @@ class Trainer:
                 bad = sorted({int(a) for a, ok in zip(pb.active, host(finite_A)) if not ok})
                 raise InputError(
                     f"the gradient of adapter(s) {bad} is not finite in float32 "
-                    f"for this batch (datums {members}); nothing was accumulated"
+                    f"for this batch (datums {sorted(members)}); nothing was accumulated"
                 )
             total += float(host(loss))
             clipped += int(datum_clipped.sum())

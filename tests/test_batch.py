@@ -705,3 +705,21 @@ def test_floors_make_the_counts_follow_the_stream_length():
     # (jcp-serve's first fused pass of 3 tenants compiled one more before the floor was a
     # power of two at least S / adapter_rows).
     assert [batch_lib.static_counts(768, 2, 2, k, 1, 8, **floors)[0] for k in (1, 3, 4)] == [4] * 3
+
+
+def test_datum_slots_ascend_along_every_stream():
+    """Segment ids are numbered in stream order (a stream is sorted by adapter, not by the
+    caller's index), so they ascend along every [S] stream — what attention's block
+    skipping by segment range needs — and slot_datums names each slot's datum."""
+    lengths = [9, 14, 5, 20, 7, 11, 3, 16]
+    adapters = [3, 1, 2, 1, 0, 3, 2, 0]  # not in the callers' order
+    (pb,) = batch_lib.pack(checked(lengths), adapters, dp=2, cp=2, max_rows=256, max_adapters=4)
+    for stream in pb.segment.reshape(-1, pb.segment.shape[-1]):
+        real = stream[stream >= 0]
+        assert real.size and (np.diff(real) >= 0).all(), stream
+    assert sorted(pb.slot_datums) == list(range(len(lengths)))
+    for b, j in enumerate(pb.slot_datums):
+        p = pb.placements[b]
+        assert p.index == j and (pb.segment[p.shard, :, p.offset : p.offset + p.rows] == b).any()
+    # The streams run by adapter: datum order differs from the callers'.
+    assert list(pb.slot_datums) != sorted(pb.slot_datums)

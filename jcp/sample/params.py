@@ -358,7 +358,7 @@ class PromptStatsCall:
     def streams(self, pb) -> tuple[np.ndarray, np.ndarray]:
         """(temperature [DP, CP, S], keys [DP, CP, S, 2]) of a packed batch's tokens (pb: a
         batch.PackedBatch)."""
-        members = np.array(sorted(p.index for p in pb.placements) or [0])
+        members = np.array(pb.slot_datums or (0,))
         real = pb.segment >= 0
         prompt = np.array(self.which)[members[np.where(real, pb.segment, 0)]]
         return (
