@@ -69,7 +69,7 @@ async def new_model(t: Tenant, seed: int) -> dict:
             "lora_config": {"rank": 8, "seed": seed},
         },
     )
-    if "model_id" not in out:
+    if "model_id" not in out:  # {"error": …} or {"refused": status}
         raise RuntimeError(f"create_model failed: {out}")
     return {"model": out["model_id"], "seq": 0}
 
@@ -83,7 +83,7 @@ async def train_round(tenants, models, bodies, limit: int) -> tuple[float, float
         st["seq"] += 1
         body = bodies[i](st["model"], st["seq"])
         out = await tenants[i].call("forward_backward", content=body, **{"Content-Type": PROTO})
-        if "refused" in out or out.get("type") == "RequestFailedResponse":
+        if "refused" in out or "error" in out:
             raise RuntimeError(f"forward_backward failed: {str(out)[:300]}")
 
     async def step(i):
@@ -97,7 +97,7 @@ async def train_round(tenants, models, bodies, limit: int) -> tuple[float, float
                 "adam_params": {"learning_rate": 1e-4},
             },
         )
-        if "refused" in out or out.get("type") == "RequestFailedResponse":
+        if "refused" in out or "error" in out:
             raise RuntimeError(f"optim_step failed: {str(out)[:300]}")
 
     t0 = time.perf_counter()
