@@ -462,6 +462,9 @@ SERVE_ERRORS = [
     (["--follower-timeout", "inf"], "--follower-timeout"),
     (["--max-tokens-per-device", "0"], "--max-tokens-per-device"),
     (["--max-datums", "0"], "--max-datums"),
+    (["--adapter-memory", "0"], "--adapter-memory"),
+    (["--adapter-memory", "1.5GiB"], "--adapter-memory"),
+    (["--adapter-memory", "4GB"], "--adapter-memory"),
     (["--sample-chunk", "-2"], "--sample-chunk"),
     (["--seed", "-1"], "--seed"),
     (["--hf-model", "{file}"], "--hf-model"),
@@ -496,10 +499,17 @@ def test_serve_refuses_bad_flags_in_one_line(tmp_path, capfd, monkeypatch, args,
 def test_flag_types_take_what_they_should():
     """The converters accept the edges of their ranges (a refusal test alone would pass
     with converters that refuse everything)."""
-    from jcp.cli import GIGABYTES, PORT, POSITIVE, address, folder
+    from jcp.cli import GIGABYTES, PORT, POSITIVE, address, folder, memory_bytes
     from jcp.serve import parse_args
 
     assert (PORT("0"), PORT("65535"), GIGABYTES("0"), GIGABYTES("1.5")) == (0, 65535, 0.0, 1.5)
+    assert [memory_bytes(t) for t in ("auto", "1", "512MiB", "2 GiB", "3kib")] == [
+        "auto",
+        1,
+        512 << 20,
+        2 << 30,
+        3 << 10,
+    ]
     assert POSITIVE("1e-9") == 1e-9 and address("10.0.0.1:1234") == "10.0.0.1:1234"
     assert folder("/tmp/not/yet/made") == "/tmp/not/yet/made"
     args = parse_args(
