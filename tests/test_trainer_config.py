@@ -24,6 +24,9 @@ def test_kv_heads_must_divide_tp():
         (dict(remat="sometimes"), "remat"),
         (dict(remat=1), "remat"),
         (dict(remat_budget_bytes=0), "remat_budget_bytes"),
+        (dict(adapter_memory=1.5e9), "adapter_memory"),
+        (dict(adapter_memory="lots"), "adapter_memory"),
+        (dict(adapter_memory=1000), "adapter memory 1000 bytes holds no adapter of rank 16"),
     ],
 )
 def test_bad_settings(kw, pattern):
@@ -189,3 +192,22 @@ def _assert_same_training(a, b):
         np.testing.assert_allclose(
             g_a[k], g_b[k], rtol=1e-5, atol=1e-6 * np.abs(g_a[k]).max(), err_msg=k
         )
+
+
+def test_auto_adapter_memory_takes_a_share_of_free_memory():
+    from jcp import adapter_state
+
+    cfg = jcp.QwenConfig.tiny()
+    mesh = jcp.make_mesh(1, 1, 1)
+    tr = jcp.Trainer(cfg, mesh, max_adapters=4096, max_rank=8, adapter_memory="auto")
+    page = adapter_state.page_bytes(cfg, mesh, 8)
+    assert tr.state.page_bytes == page
+    # A quarter of this host's share per device, and fewer pages than 4096 slots would ask.
+    import os
+
+    import jax
+
+    share = (
+        0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / jax.local_device_count()
+    )
+    assert tr.state.num_pages == min(4096, int(0.25 * share) // page)
