@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import json
-import os
 from collections.abc import Sequence
 
 import jax
@@ -24,13 +21,14 @@ import numpy as np
 
 from jcp import attention as attention_lib
 from jcp import batch as batch_lib
-from jcp import checkpoint, files, host_sum, train_step
+from jcp import checkpoint, host_sum, train_step
 from jcp import custom_loss as custom_loss_lib
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import mesh as mesh_lib
 from jcp import model as model_lib
 from jcp import peft as peft_lib
+from jcp import remat as remat_lib
 from jcp import sample as sample_lib
 from jcp.adapter_state import AdapterInfo, AdapterState, HostSlot
 from jcp.config import QwenConfig
@@ -137,7 +135,7 @@ class Trainer:
     forward_backward program (one per batch shape) by whether the program without
     recomputation fits remat_budget_bytes per device (arguments + outputs + temporaries,
     donated buffers once), compiling only the program it keeps wherever it can: from
-    remat_estimate (the config, the stream length and the placed arguments; no compile)
+    remat.estimate (jcp/remat.py: the config, the stream length and the placed arguments; no compile)
     where that is clearly within or beyond the budget (REMAT_MARGIN), else from a decision
     an earlier process measured, stored beside the persistent compilation cache, else by
     compiling the program without recomputation and reading XLA's memory analysis of it
@@ -321,7 +319,7 @@ class Trainer:
         """Per compiled forward_backward program, keyed as forward_backward_programs:
         {"remat": bool, "bytes": its per-device memory without recomputation (measured,
         cached or estimated; None unless remat="auto"), "budget": remat_budget_bytes used,
-        "estimate": remat_estimate's figure, "how": "estimate" / "cached" / "measured"
+        "estimate": remat.estimate's figure, "how": "estimate" / "cached" / "measured"
         (see remat; None unless "auto")}."""
 
     @property
@@ -777,7 +775,7 @@ class Trainer:
         """The per-device bytes a forward_backward program may take without recomputation
         (remat="auto"; see the class docstring)."""
         if self._remat_budget is None:
-            self._remat_budget = _default_remat_budget(self.mesh)
+            self._remat_budget = remat_lib.default_budget(self.mesh)
         return self._remat_budget
 
     def _forward_backward(
@@ -845,44 +843,27 @@ class Trainer:
             self.remat_decisions[key] = decision
         return self._fb_programs[key](*args)
 
-    # A forward_backward program's per-device bytes without recomputation lie within
-    # REMAT_MARGIN× of remat_estimate's (0.76–1.23× on small dense Qwen3 shapes, 1.8× on
-    # the tiny MoE; tests/test_trainer_config.py checks the tiny model): where the budget
-    # is beyond that band on either side, the estimate decides. Mixture-of-experts and
-    # hybrid layers are estimated more loosely.
-    REMAT_MARGIN = 2.0
-    REMAT_MARGIN_LOOSE = 4.0
+    # remat="auto" trusts remat.estimate where the budget lies beyond these factors of it
+    # (jcp/remat.py).
+    REMAT_MARGIN = remat_lib.MARGIN
+    REMAT_MARGIN_LOOSE = remat_lib.MARGIN_LOOSE
 
     def _decide_remat(self, key, args, s_len: int, compile_):
-        """remat="auto": (the program without recomputation if it was compiled here, else
-        None; the decision {"remat", "bytes", "budget", "estimate", "how"}). how:
-        "estimate" (no program compiled to decide: remat_estimate is clearly within or
-        beyond the budget), "cached" (an earlier process's measured decision, read from beside the
-        persistent compilation cache: _RematStore) or "measured" (the program without
-        recomputation compiled, and kept iff XLA's memory analysis of it fits)."""
-        budget = self.remat_budget_bytes()
-        est = remat_estimate(self.cfg, s_len, self.tp, self.max_rank, args)
-        decision = {"budget": budget, "estimate": est}
-        margin = (
-            self.REMAT_MARGIN_LOOSE if self.cfg.is_moe or self.cfg.is_hybrid else self.REMAT_MARGIN
+        """remat="auto": (the program without recomputation if it was compiled to decide,
+        else None; the decision) — remat.decide for this Trainer's model, mesh and budget."""
+        store = remat_lib.RematStore.open(
+            key, self.cfg, self.mesh, self.step_cfg, self.remat_budget_bytes()
         )
-        if est * margin <= budget or est / margin > budget:
-            return None, {
-                **decision,
-                "remat": est / margin > budget,
-                "bytes": est,
-                "how": "estimate",
-            }
-        store = _RematStore.open(self, key)
-        cached = store.read() if store else None
-        if cached is not None:
-            return None, {**decision, **cached, "how": "cached"}
-        program = compile_(False)
-        need = program_bytes(program)
-        decision.update(remat=need > budget, bytes=need, how="measured")
-        if store:
-            store.write({"remat": decision["remat"], "bytes": need})
-        return (None if decision["remat"] else program), decision
+        return remat_lib.decide(
+            self.cfg,
+            self.tp,
+            self.max_rank,
+            self.remat_budget_bytes(),
+            args,
+            s_len,
+            compile_,
+            store,
+        )
 
     def _outputs(self, checked, packed, results) -> ForwardBackwardOutput:
         """Read back every micro-batch's results; InputError (the caller rolls back) when a
@@ -1101,148 +1082,11 @@ def _array_equal(a, b):
     return jnp.array_equal(a, b)
 
 
-def program_bytes(compiled) -> int:
-    """Per-device bytes of a compiled program by XLA's memory analysis: arguments, outputs
-    and temporaries, donated (aliased) buffers counted once."""
-    m = compiled.memory_analysis()
-    return int(
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        + m.temp_size_in_bytes
-        - m.alias_size_in_bytes
-    )
-
-
-def remat_estimate(cfg: QwenConfig, s_len: int, tp: int, max_rank: int, args) -> int:
-    """An estimate of a forward_backward program's per-device bytes without recomputation,
-    compiling nothing: its arguments as placed (weights, slot tables, the batch), plus what
-    the backward keeps of each layer for each of the S rows, counted in fp32 (a bf16 model
-    keeps much of it in fp32: norms, attention outputs, LoRA products) — 16 × the hidden
-    size D (the residual stream, norms and their inputs), 3 × the attention's q, k, v and
-    output widths ((Hq + 2·Hkv)·head_dim / tp), 3 × the MLP width (intermediate / tp; a MoE
-    layer's routed experts' k · moe_intermediate and the shared expert) and the 7 modules'
-    LoRA products (rank R) — plus the log-prob chunk's fp32 logits and their gradient. The
-    coefficients are fitted to XLA's memory analysis of small Qwen3 shapes (fp32 and bf16,
-    tp 1 and 2), which it matches within Trainer.REMAT_MARGIN (tests/test_trainer_config.py
-    checks it)."""
-    placed = 0
-    for x in jax.tree.leaves(args):
-        if isinstance(x, jax.Array):
-            placed += int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-        else:
-            placed += np.asarray(x).nbytes
-    heads = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // tp
-    mlp = (
-        cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size
-        if cfg.is_moe
-        else cfg.intermediate_size
-    ) // tp
-    per_row_layer = 4 * (16 * cfg.hidden_size + 3 * heads + 3 * mlp + 7 * max_rank)
-    logits = 3 * 4 * min(s_len, 1024) * cfg.vocab_size // tp
-    return placed + cfg.num_layers * s_len * per_row_layer + logits
-
-
-class _RematStore:
-    """remat="auto"'s measured decisions on disk, beside JAX's persistent compilation cache
-    (jax_compilation_cache_dir; none without one): one JSON file per program, named by a
-    hash of everything the program's memory depends on — the program key (batch shapes,
-    losses, slot counts, modules), the model config, the mesh and its devices, the step
-    settings, the budget, the JAX version and jcp's own source. A custom loss's programs
-    are not stored (its key holds the loss object)."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    @classmethod
-    def open(cls, tr: Trainer, key) -> _RematStore | None:
-        folder = jax.config.jax_compilation_cache_dir
-        if not folder or key[4] is not None:
-            return None
-        dev = tr.mesh.devices.flat[0]
-        text = repr(
-            (
-                key,
-                tr.cfg,
-                tr.dp,
-                tr.cp,
-                tr.tp,
-                dev.platform,
-                dev.device_kind,
-                jax.process_count(),
-                tr.step_cfg,
-                tr.remat_budget_bytes(),
-                jax.__version__,
-                _source_hash(),
-            )
-        )
-        name = hashlib.sha256(text.encode()).hexdigest()[:32]
-        return cls(os.path.join(folder, "jcp-remat", name + ".json"))
-
-    def read(self) -> dict | None:
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                got = json.load(f)
-        except (OSError, ValueError):
-            return None
-        ok = (
-            isinstance(got, dict)
-            and isinstance(got.get("remat"), bool)
-            and type(got.get("bytes")) is int
-        )
-        return {"remat": got["remat"], "bytes": got["bytes"]} if ok else None
-
-    def write(self, decision: dict) -> None:
-        try:
-            os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-            files.atomic_write(self.path, json.dumps(decision))
-        except OSError:
-            pass  # an unwritable cache costs a compile next time, nothing else
-
-
-@functools.cache
-def _source_hash() -> str:
-    """A hash of jcp's Python source: a decision measured under other code is not reused."""
-    root = os.path.dirname(os.path.abspath(__file__))
-    h = hashlib.sha256()
-    for folder, _, names in sorted(os.walk(root)):
-        for n in sorted(names):
-            if n.endswith(".py"):
-                with open(os.path.join(folder, n), "rb") as f:
-                    h.update(n.encode() + b"\0" + f.read())
-    return h.hexdigest()
-
-
-def _device_memory(mesh) -> tuple[int, int]:
-    """(limit, in use) of one device's memory: an accelerator's own figures, or half the
-    host's physical memory over its local devices (CPU, in use unknown: 0); the smallest
-    free memory over processes."""
-    device = mesh.devices.flat[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and stats.get("bytes_limit"):
-        limit, used = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
-    else:
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        limit, used = int(0.5 * physical / max(1, jax.local_device_count())), 0
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        both = multihost_utils.process_allgather(np.asarray([limit, limit - used], np.int64))
-        limit, free = int(np.min(both[:, 0])), int(np.min(both[:, 1]))
-        used = limit - free
-    return limit, used
-
-
-def _default_remat_budget(mesh) -> int:
-    """90% of a device's memory limit (_device_memory)."""
-    return int(0.9 * _device_memory(mesh)[0])
-
-
-# adapter_memory="auto": this share of a device's free memory once the base model is placed.
 AUTO_ADAPTER_MEMORY = 0.25
 
 
 def _default_adapter_memory(mesh) -> int:
-    limit, used = _device_memory(mesh)
+    limit, used = remat_lib.device_memory(mesh)
     return int(AUTO_ADAPTER_MEMORY * (limit - used))
 
 
