@@ -317,8 +317,7 @@ router = APIRouter()
 @router.post("/api/v1/checkpoints/search", **takes(edge.SearchCheckpoints))
 async def search_checkpoints(request: Request):
     c = context(request)
-    who, body = c.owner(request), await c.body_json(request)
-    req = edge.parse(edge.SearchCheckpoints, body, "search_checkpoints")
+    who, body, req = await c.parsed(request, edge.SearchCheckpoints, "search_checkpoints")
     if req.project_ids:  # "naming a project the caller cannot list is an error"
         raise NotFound(f"project {req.project_ids[0][:80]!r} not found (jcp has none)")
     if req.owner.type == "user":
@@ -351,8 +350,7 @@ async def search_checkpoints(request: Request):
 @router.post("/api/v1/external_weights_upload_start", **takes(edge.UploadStart))
 async def upload_start(request: Request):
     c = context(request)
-    who, body = c.owner(request), await c.body_json(request)
-    req = edge.parse(edge.UploadStart, body, "external_weights_upload_start")
+    who, body, req = await c.parsed(request, edge.UploadStart, "external_weights_upload_start")
     if req.base_model != c.served.name:
         raise NotFound(
             f"base model {req.base_model[:200]!r} not found; this server serves {c.served.name!r}"
@@ -425,8 +423,7 @@ async def upload_file(token: str, file: str, request: Request):
 @router.post("/api/v1/external_weights_upload_finish", **takes(edge.UploadFinish))
 async def upload_finish(request: Request):
     c = context(request)
-    who, body = c.owner(request), await c.body_json(request)
-    req = edge.parse(edge.UploadFinish, body, "external_weights_upload_finish")
+    who, body, req = await c.parsed(request, edge.UploadFinish, "external_weights_upload_finish")
     up = request.app.state.uploads.take(req.upload_id, who)
     try:
         for f in FILES:

@@ -61,6 +61,12 @@ class AppContext:
     async def body_json(self, request: Request) -> dict:
         return edge.parse_json(await self.body_bytes(request))
 
+    async def parsed(self, request: Request, model: type, name: str) -> tuple[str, dict, object]:
+        """(the caller's tenant, the JSON body, the body parsed as `model` for route `name`):
+        a JSON route's first steps, refusals naming the field (edge.parse)."""
+        who, body = self.owner(request), await self.body_json(request)
+        return who, body, edge.parse(model, body, name)
+
     def check_seq(self, model_id: str, seq: int | None) -> None:
         """Refuse a seq_id the model's queue could never reach: more than --max-futures past
         the one it waits for (a tenant has no more requests outstanding). Queued, it would

@@ -45,8 +45,7 @@ async def retrieve_futures(request: Request):
     """Completions of a sampling session's requests after `prev_cursor`, long-polled
     up to `timeout` (POLL_S at most); payloads are then read with retrieve_future."""
     c = context(request)
-    who, body = c.owner(request), await c.body_json(request)
-    req = edge.parse(edge.RetrieveFutures, body, "retrieve_futures")
+    who, body, req = await c.parsed(request, edge.RetrieveFutures, "retrieve_futures")
     sid, after, wait = req.target.sampling_session_id, req.prev_cursor, req.timeout
     c.store.sampler(sid, who)
     deadline = time.monotonic() + min(POLL_S, POLL_S if wait is None else wait)

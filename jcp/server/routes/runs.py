@@ -94,8 +94,7 @@ async def weights_info(request: Request):
 @router.post("/api/v1/copy_weights", **takes(edge.CopyWeights))
 async def copy_weights(request: Request):
     c = context(request)
-    who, body = c.owner(request), await c.body_json(request)
-    req = edge.parse(edge.CopyWeights, body, "copy_weights")
+    who, body, req = await c.parsed(request, edge.CopyWeights, "copy_weights")
     parts, folder = checkpoint(c, req.source_path, who)
     if req.session_id is not None:
         c.store.check_session(req.session_id, who)

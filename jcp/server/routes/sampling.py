@@ -24,8 +24,7 @@ router = APIRouter()
 @router.post("/api/v1/create_sampling_session", **takes(edge.CreateSamplingSession))
 async def create_sampling_session(request: Request):
     c = context(request)
-    who, body = c.owner(request), await c.body_json(request)
-    req = edge.parse(edge.CreateSamplingSession, body, "create_sampling_session")
+    who, body, req = await c.parsed(request, edge.CreateSamplingSession, "create_sampling_session")
     c.store.check_session(req.session_id, who)
     if req.model_path:
         # Named sampler weights, or an uploaded (or exported) PEFT folder: the worker

@@ -24,8 +24,7 @@ router = APIRouter()
 @router.post("/api/v1/create_model", **takes(edge.CreateModel))
 async def create_model(request: Request):
     c = context(request)
-    who, body = c.owner(request), await c.body_json(request)
-    req = edge.parse(edge.CreateModel, body, "create_model")
+    who, body, req = await c.parsed(request, edge.CreateModel, "create_model")
     c.store.check_session(req.session_id, who)
     mid = c.store.model_id(req.session_id, req.model_seq_id)
     if mid in c.store.models:
@@ -166,7 +165,6 @@ async def load_weights(request: Request):
 @router.post("/api/v1/create_custom_loss", **takes(edge.CreateCustomLoss))
 async def create_custom_loss(request: Request):
     c = context(request)
-    who, body = c.owner(request), await c.body_json(request)
-    req = edge.parse(edge.CreateCustomLoss, body, "create_custom_loss")
+    who, body, req = await c.parsed(request, edge.CreateCustomLoss, "create_custom_loss")
     c.store.check_session(req.session_id, who)
     return c.enqueue(who, "create_custom_loss", None, None, req.model_dump(exclude_none=True))
