@@ -109,6 +109,19 @@ class Serve:
     def cache_hits(self) -> int:
         return len(re.findall(r"Persistent compilation cache hit", self.log()))
 
+    def compile_seconds(self) -> str:
+        """The compiles (or persistent-cache loads) so far by program: "name count × mean s
+        = total s", largest total first (JAX's own figure per program, wall seconds: they
+        grow with the machine's load)."""
+        found = re.findall(r"Finished XLA compilation of (\S+) in ([0-9.]+) sec", self.log())
+        by: dict[str, list[float]] = {}
+        for name, sec in found:
+            by.setdefault(name, []).append(float(sec))
+        rows = sorted(by.items(), key=lambda kv: -sum(kv[1]))
+        return "; ".join(
+            f"{n} {len(v)} × {sum(v) / len(v):.1f} s = {sum(v):.0f} s" for n, v in rows
+        )
+
     def traces(self) -> list[str]:
         """The functions JAX traced (a jit cache miss: new shapes, static arguments or
         argument shardings; a compile follows unless the lowering was compiled before)."""
@@ -239,6 +252,7 @@ def steady_run(args, extra: list[str], cache: str) -> tuple[float, int]:
     srv = Serve(extra, cache, args.timeout, args.keep_log)
     try:
         print(f"{srv.warmup_line()}; server memory maps {srv.maps()}", flush=True)
+        print(f"compiles by program: {srv.compile_seconds()}; load {os.getloadavg()}", flush=True)
         flow = Flow(srv.url, args)
         rows, first = [], None
         for i in range(args.steps):
@@ -286,6 +300,7 @@ def first_step(args, extra: list[str], cache: str) -> tuple[float, int, int]:
     srv = Serve(extra, cache, args.timeout)
     try:
         Flow(srv.url, args).train(args.timeout)
+        print(f"restart: {srv.warmup_line()}; compiles by program: {srv.compile_seconds()}")
         return time.monotonic() - srv.t0, len(srv.compiles()), srv.cache_hits()
     finally:
         srv.stop()
