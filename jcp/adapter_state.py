@@ -1,7 +1,8 @@
 """The adapter-state table: every slot's weights, gradient accumulator, AdamW moments and
 step count, its scale, and the host-side description of each allocated slot.
 
-This module is the only one that reads or writes slot arrays. Its surface is small —
+This module is the only one that reads or writes slot arrays (through the programs of
+jcp.adapter_tables, which nothing else calls). Its surface is small —
 install, read, export, reset, accumulate, step — and is what the Trainer, checkpointing,
 the sampler and the server use. It must never touch base weights, never change a slot
 other than the one named (every write is `.at[slot].set`), and never leave a non-finite
@@ -34,6 +35,16 @@ from jax.sharding import PartitionSpec as P
 
 from jcp import lora as lora_lib
 from jcp import optim
+from jcp.adapter_tables import (
+    SlotWrite,
+    export_slot,
+    gather_slot,
+    install_slot,
+    put_rows,
+    read_count,
+    sans_slot,
+    take_rows,
+)
 from jcp.config import QwenConfig
 from jcp.errors import InputError
 from jcp.mesh import host, pow2_at_least, replicate
@@ -110,41 +121,6 @@ class HostSlot:
         )
 
 
-def _sans_slot(spec) -> P:
-    """The PartitionSpec of one slot: the table's spec without its leading G axis."""
-    return P(*tuple(spec)[1:])
-
-
-def _slot_shape(which: str, page_shape: tuple, k: int) -> tuple:
-    """The shape of one slot's factor (rank K·r) from its page's shape (rank r)."""
-    ax = lora_lib.rank_axis(which, len(page_shape))
-    return page_shape[:ax] + (page_shape[ax] * k,) + page_shape[ax + 1 :]
-
-
-def _pad_into(table_P, pages_K, small):
-    """table_P with the pages pages_K overwritten by `small` zero-padded to the slot's
-    rank; modules and factors absent from `small` (not targeted, not of its expert mode)
-    become zero."""
-    out = {}
-    for m, ab in table_P.items():
-        out[m] = {}
-        for which, x in ab.items():
-            full = jnp.zeros(_slot_shape(which, x.shape[1:], pages_K.shape[0]), x.dtype)
-            if which in small.get(m, {}):
-                v = jnp.asarray(small[m][which], x.dtype)
-                full = jax.lax.dynamic_update_slice(full, v, (0,) * v.ndim)
-            out[m][which] = lora_lib.scatter_pages(which, x, pages_K[None], full[None], add=False)
-    return out
-
-
-def _gather_slot(tree, pages_K):
-    """One slot's factors [..., K·r] from its pages (lora.gather_pages)."""
-    return {
-        m: {k: lora_lib.gather_pages(k, x, pages_K[None])[0] for k, x in ab.items()}
-        for m, ab in tree.items()
-    }
-
-
 class AdapterState:
     """Slot arrays of up to `max_adapters` adapters of rank ≤ `max_rank` over one mesh, in
     pages (module docstring): `memory_bytes` of each device for the tables (None: room for
@@ -204,64 +180,16 @@ class AdapterState:
         self._versions = np.zeros(max_adapters, np.int64)
 
         tables = (self._shardings,) * 4 + (rep, rep)
-
-        @functools.partial(jax.jit, donate_argnums=(0,), out_shardings=tables)
-        def install(
-            tables, slot, pages_K, row_K, weights, grads, mu, nu, count, scale, shared, tied
-        ):
-            w, g, m, n, c, meta = tables
-            return (
-                _pad_into(w, pages_K, weights),
-                _pad_into(g, pages_K, grads),
-                _pad_into(m, pages_K, mu),
-                _pad_into(n, pages_K, nu),
-                c.at[slot].set(count),
-                lora_lib.SlotMeta(
-                    meta.scale_G.at[slot].set(scale),
-                    meta.shared_G.at[slot].set(shared),
-                    meta.tied_G.at[slot].set(tied),
-                    meta.page_GK.at[slot].set(row_K),
-                ),
-            )
-
-        self._install = install
-        self._take_rows = jax.jit(
-            lambda tree, rows: jax.tree.map(
-                lambda x: jnp.take(x, rows, axis=0, mode="fill", fill_value=0), tree
-            )
-        )
-        self._put_rows = jax.jit(
-            lambda tree, rows, v: jax.tree.map(
-                lambda x, y: x.at[rows].set(y, mode="drop"), tree, v
-            ),
-            donate_argnums=(0,),
-            out_shardings=self._shardings,
-        )
-        self._read = jax.jit(_gather_slot, out_shardings=rep)
-        self._read_count = jax.jit(lambda count, slot: count[slot], out_shardings=rep)
+        self._install = jax.jit(install_slot, donate_argnums=(0,), out_shardings=tables)
+        self._take_rows = jax.jit(take_rows)
+        self._put_rows = jax.jit(put_rows, donate_argnums=(0,), out_shardings=self._shardings)
+        self._read = jax.jit(gather_slot, out_shardings=rep)
+        self._read_count = jax.jit(read_count, out_shardings=rep)
         self._optim_step = optim.make_optim_step(mesh)
-
-        @functools.partial(jax.jit, static_argnames=("rank", "targets", "expert_lora"))
-        def export(weights, mu, nu, count, slot, pages_K, *, rank, targets, expert_lora):
-            def one(tree):
-                out = {}
-                for m in targets:
-                    out[m] = {}
-                    for which in lora_lib.expert_keys(m, expert_lora):
-                        x = lora_lib.gather_pages(which, tree[m][which], pages_K[None])[0]
-                        y = lora_lib.at_rank(which, x, rank)
-                        spec = NamedSharding(mesh, _sans_slot(specs[m][which]))
-                        out[m][which] = jax.lax.with_sharding_constraint(y, spec)
-                return out
-
-            return (
-                one(weights),
-                one(mu),
-                one(nu),
-                jax.lax.with_sharding_constraint(count[slot], rep),
-            )
-
-        self._export = export
+        self._export = jax.jit(
+            functools.partial(export_slot, mesh, specs),
+            static_argnames=("rank", "targets", "expert_lora"),
+        )
 
     def _replicated(self, x: np.ndarray):
         return replicate(self.mesh, x)
@@ -350,10 +278,7 @@ class AdapterState:
         table without its slot axis."""
         info = self._infos[slot]
         weights, mu, nu, count = self._export(
-            self._weights,
-            self._mu,
-            self._nu,
-            self._count,
+            (self._weights, self._mu, self._nu, self._count),
             self._replicated(np.asarray(slot, np.int32)),
             self._pages_of(slot),
             rank=info.rank,
@@ -369,7 +294,7 @@ class AdapterState:
         return {
             m: {
                 k: jax.ShapeDtypeStruct(
-                    s, jnp.float32, sharding=NamedSharding(self.mesh, _sans_slot(self._specs[m][k]))
+                    s, jnp.float32, sharding=NamedSharding(self.mesh, sans_slot(self._specs[m][k]))
                 )
                 for k, s in ks.items()
             }
@@ -407,24 +332,30 @@ class AdapterState:
             self.reset(slot)
         row = self._page_GK[slot].copy()
         row[:need] = [heapq.heappop(self._free_pages) for _ in range(need)]
-        tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._meta)
-        (self._weights, self._grads, self._mu, self._nu, self._count, self._meta) = self._install(
-            tables,
-            np.int32(slot),
-            row,
-            row,
-            weights,
-            grads or {},
-            mu or {},
-            nu or {},
-            np.int32(count),
-            np.float32(info.scale),
-            np.float32(info.shared_outer),
-            np.float32(info.tied_gate_up),
+        self._write(
+            SlotWrite(
+                slot=np.int32(slot),
+                pages_K=row,
+                row_K=row,
+                weights=weights,
+                grads=grads or {},
+                mu=mu or {},
+                nu=nu or {},
+                count=np.int32(count),
+                scale=np.float32(info.scale),
+                shared=np.float32(info.shared_outer),
+                tied=np.float32(info.tied_gate_up),
+            )
         )
         self._page_GK[slot] = row
         self._infos[slot] = info
         self._versions[slot] += 1
+
+    def _write(self, w: SlotWrite) -> None:
+        tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._meta)
+        (self._weights, self._grads, self._mu, self._nu, self._count, self._meta) = self._install(
+            tables, w
+        )
 
     def _pages_of(self, slot: int) -> jax.Array:
         return self._replicated(self._page_GK[slot])
@@ -460,20 +391,20 @@ class AdapterState:
         pages back in the free list."""
         row = self._page_GK[slot]
         empty = np.full_like(row, self.num_pages)
-        tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._meta)
-        (self._weights, self._grads, self._mu, self._nu, self._count, self._meta) = self._install(
-            tables,
-            np.int32(slot),
-            row,
-            empty,
-            {},
-            {},
-            {},
-            {},
-            np.int32(0),
-            np.float32(0.0),
-            np.float32(0.0),
-            np.float32(0.0),
+        self._write(
+            SlotWrite(
+                slot=np.int32(slot),
+                pages_K=row,
+                row_K=empty,
+                weights={},
+                grads={},
+                mu={},
+                nu={},
+                count=np.int32(0),
+                scale=np.float32(0.0),
+                shared=np.float32(0.0),
+                tied=np.float32(0.0),
+            )
         )
         for page in row[row < self.num_pages]:
             heapq.heappush(self._free_pages, int(page))
@@ -526,7 +457,10 @@ class AdapterState:
             self._grads,
             optim.OptState(mu=self._mu, nu=self._nu, count=self._count),
             self._replicated(np.asarray(slot, np.int32)),
-            self._pages_of(slot),
+            # One missing page more (reads zeros, never written): a gather of one page is a
+            # slice of the table, which XLA then copies whole before writing the table in
+            # place (measured: one table's bytes of temporaries at max_rank = page rank).
+            self._replicated(np.append(self._page_GK[slot], self.num_pages).astype(np.int32)),
             self._replicated(hp_6),
         )
         self._mu, self._nu, self._count = opt.mu, opt.nu, opt.count

@@ -69,6 +69,7 @@ def make_optim_step(mesh):
             lambda x: jnp.take(x, pages_K, axis=0, mode="fill", fill_value=0), t
         )
         params, grads = take(lora), take(acc)
+        taken = grads
         grad_finite = _finite(grads)
         grad_norm = _norm(grads)
         factor = jnp.where((clip > 0) & (grad_norm > clip), clip / grad_norm, 1.0)
@@ -87,7 +88,16 @@ def make_optim_step(mesh):
             lambda x, y: x.at[pages_K].set(y.astype(x.dtype), mode="drop"), t, v
         )
         lora = put(lora, new_params)
-        acc = jax.tree.map(lambda x: x.at[pages_K].set(0.0, mode="drop"), acc)
+        # Zeros computed from the pages read above: the write then follows the read by data,
+        # and XLA clears the donated accumulator in place; a constant 0 made it copy every
+        # whole table (a step cost O(all pages): 89 against 2.6 ms at 1,170 pages vs 8).
+        acc = jax.tree.map(
+            lambda x, g: x.at[pages_K].set(
+                jnp.where(jnp.isfinite(g), jnp.abs(g), 0.0) * 0.0, mode="drop"
+            ),
+            acc,
+            taken,
+        )
         opt = OptState(
             mu=put(opt.mu, state.mu),
             nu=put(opt.nu, state.nu),
