@@ -16,6 +16,7 @@ latency (a slot's copy: the create must not wait for the passes, nor delay them 
 its copy).
 
     python benchmarks/many_tenants.py [--tenants 1024] [--length 256] [--warm 2] [--rounds 2]
+    python benchmarks/many_tenants.py --in-process [--tenants 1024]   # no server
     python benchmarks/many_tenants.py --smoke
 """
 
@@ -47,6 +48,13 @@ def parse_args(argv):
         "and each new (rows, adapters) shape compiles once (--no-warmup)",
     )
     p.add_argument("--concurrency", type=int, default=64, help="HTTP requests in flight")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="no server: one Trainer's forward_backward over the N datums on N adapters "
+        "against one adapter, and N optim_steps (the pass's own cost, without HTTP and "
+        "scheduling)",
+    )
     p.add_argument("--smoke", action="store_true", help="8 tenants of 16 tokens, one round")
     a = p.parse_args(argv)
     if a.smoke:
@@ -163,8 +171,67 @@ async def drive(a, url: str, keys: list[str]) -> dict:
     }
 
 
+def in_process(a) -> dict:
+    """The fused pass without the server: N adapters' one datum each in one Trainer call
+    (micro-batches of one device's --max-tokens rows) against one adapter's N datums."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jcp
+
+    cfg = jcp.QwenConfig.tiny()
+    n = a.tenants
+    tr = jcp.Trainer(
+        cfg, jcp.make_mesh(1, 1, 1), max_adapters=n + 1, max_rank=8, max_tokens_per_device=4096
+    )
+    ids = [tr.create_adapter(rank=8, seed=i) for i in range(n)]
+    rng = np.random.default_rng(0)
+    data = []
+    for _ in range(n):
+        toks = rng.integers(0, cfg.vocab_size, a.length + 1)
+        data.append(
+            jcp.Datum(
+                model_input=toks[:-1],
+                loss_fn_inputs={
+                    "target_tokens": toks[1:],
+                    "weights": np.ones(a.length, np.float32),
+                },
+            )
+        )
+    runs = {"fused": ids, "one": [ids[0]] * n}
+    best = {k: float("inf") for k in runs}
+    for r in range(a.warm + a.rounds):
+        for k, owners in runs.items():
+            t0 = time.perf_counter()
+            tr.forward_backward(data, "cross_entropy", adapters=owners)
+            dt = time.perf_counter() - t0
+            print(f"round {r}: {k} {dt:.2f} s", flush=True)
+            if r >= a.warm:
+                best[k] = min(best[k], dt)
+    t0 = time.perf_counter()
+    for k in ids:
+        tr.optim_step(k, jcp.AdamParams(learning_rate=1e-4))
+    steps = time.perf_counter() - t0
+    return {
+        "tenants": n,
+        "length": a.length,
+        "fused_s": best["fused"],
+        "one_model_s": best["one"],
+        "ratio": best["fused"] / best["one"],
+        "optim_steps_s": steps,
+        "pages": tr.state.num_pages,
+    }
+
+
 def main(argv=None) -> dict:
     a = parse_args(argv)
+    if a.in_process:
+        res = in_process(a)
+        print(
+            f"in process: {res['tenants']} adapters x 1 datum of {res['length']} tokens "
+            f"{res['fused_s']:.2f} s, one adapter {res['one_model_s']:.2f} s, ratio "
+            f"{res['ratio']:.2f}; {res['tenants']} optim_steps {res['optim_steps_s']:.2f} s"
+        )
+        print("RESULT " + json.dumps(res))
+        return res
     keys = [f"tml-{i:05d}" for i in range(a.tenants + 2)]
     folder = tempfile.mkdtemp(prefix="jcp-many-tenants-")
     # The driver sends no heartbeats: sessions must outlive the run.
