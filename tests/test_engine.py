@@ -323,6 +323,24 @@ def test_decode_step_ends_where_the_batch_shrinks(root):
     _same(eng.result(long), _alone(tr, PROMPTS[2], sp(10, 2), None, 2), "long")
 
 
+def test_a_light_tenants_step_runs_apart_and_changes_no_result(root):
+    """bob's one row beside alice's 17 (slots 32: rows buckets 32, 16, 8): the first step
+    prefills and decodes bob's row alone (admission.py, "Light steps") and ends his
+    request while alice's prompt waits unprefilled; then alice's steps. Each result = the
+    request served alone."""
+    tr, (a, _), _ = _setup((1, 1, 1), root)
+    eng = Engine(tr.make_sampler(), slots=32, max_len=32, chunk=4, max_chunk=4)
+    sp = jcp.SamplingParams(max_tokens=4, temperature=1.0, seed=5, stop=[])
+    alice = eng.submit(PROMPTS[0], sp, a, num_samples=17, tenant="alice")
+    bob = eng.submit(PROMPTS[2], sp, None, tenant="bob")
+    assert eng.light_next() and eng.light_next()  # a peek: still bob's step next
+    assert eng.step() == [bob]
+    assert eng.requests[alice].tokens == [[]] * 17 and eng.prefilled == len(PROMPTS[2]) - 1
+    eng.run()
+    _same(eng.result(bob), _alone(tr, PROMPTS[2], sp, None), "bob")
+    _same(eng.result(alice), _alone(tr, PROMPTS[0], sp, a, 17), "alice")
+
+
 def test_cancel_and_adapter_change_mid_flight(root):
     tr, _, _ = _setup((1, 1, 1), root)
     c = tr.create_adapter(rank=4, seed=3)

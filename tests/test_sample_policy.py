@@ -324,3 +324,92 @@ def test_a_tenant_holds_at_most_its_share_while_others_use_the_engine():
     pages.append(_tenant_req("dan", 41, prompt_len=5, max_tokens=2))  # 2 more
     assert [r.rid for r in tight.admit_fair(pages, active=2)] == [40] and len(pages) == 1
     assert [r.rid for r in tight.admit_fair(pages, active=1)] == [41]
+
+
+# ---------------------------------------------------------------------- light steps
+
+
+def _split_batch(light_rows=1, heavy_rows=17, slots=32):
+    """alice holds heavy_rows rows (one request), bob light_rows (one request each)."""
+    adm = Admission(_sizes(slots=slots))
+    assert adm.admit(_tenant_req("alice", 0, num_samples=heavy_rows))
+    for i in range(light_rows):
+        assert adm.admit(_tenant_req("bob", 10 + i))
+    return adm
+
+
+def test_a_light_tenants_rows_step_apart_from_a_heavy_tenants_light_first():
+    """bob's one row beside alice's 17 (rows buckets 32, 16, 8: together 32 rows, bob alone
+    8 ≤ 32 / 4): the steps alternate, bob's rows alone first, then alice's alone — each
+    step prefills and decodes only its tenants' groups and rows."""
+    adm = _split_batch()
+    assert adm.rows_by_tenant() == {"alice": [17], "bob": [1]}
+    assert adm.split() == {"bob"}
+    assert adm.step_tenants(commit=False) == {"bob"}  # a peek changes nothing
+    assert adm.step_tenants() == {"bob"}
+    bob = [gr for gr in adm.prefilling if gr.seqs[0].req.tenant == "bob"]
+    assert [gr for gr, _ in adm.prefill_work({"bob"})] == bob
+    assert [gr.seqs[0].req.tenant for gr, _ in adm.prefill_work({"alice"})] == ["alice"]
+    for gr, c in adm.prefill_work():
+        adm.grow(gr.seqs[0], c)
+        gr.filled = c
+        adm.end_prefill(gr, [])
+    assert {x.req.tenant for x in adm.serving({"bob"})} == {"bob"}
+    assert len(adm.serving({"alice"})) == 17 and len(adm.serving(None)) == 18
+    assert adm.step_tenants() == {"alice"}
+    assert adm.step_tenants() == {"bob"}
+    # bob's rows end: alice alone again, every row in every step; bob's next request
+    # goes first again.
+    for x in adm.serving({"bob"}):
+        adm.release(x)
+    adm.decoding = [x for x in adm.decoding if not x.done]
+    assert adm.split() is None and adm.step_tenants() is None
+    assert adm.admit(_tenant_req("bob", 20))
+    assert adm.step_tenants() == {"bob"}
+
+
+def test_decode_len_of_a_light_step_follows_its_own_rows():
+    """A step serving bob alone: his rows' max_tokens set the decode length, not alice's,
+    and alice's prompt still prefilling does not shorten it."""
+    adm = Admission(_sizes(slots=32))
+    assert adm.admit(_tenant_req("alice", 0, prompt_len=14, num_samples=17, max_tokens=16))
+    bob = _tenant_req("bob", 1, max_tokens=16)
+    assert adm.admit(bob)
+    gr = bob.groups[0]
+    adm.grow(gr.seqs[0], bob.n)
+    gr.filled = bob.n
+    adm.end_prefill(gr, [])
+    assert adm.prefilling and adm.decode_len() == 4  # alice prefills: chunk for all
+    assert adm.decode_len(tenants={"bob"}) == 16  # bob's step: to his end
+
+
+def test_the_batch_splits_only_where_the_light_step_is_much_smaller():
+    """No split for one tenant, for tenants of equal rows, or where the light tenants'
+    rows bucket is over a quarter of the whole batch's (bob 6 of 17 rows: 8 vs 32 rows
+    splits; bob 10 beside alice 12: 16 vs 32 does not; a 16-slot engine never splits)."""
+    assert _split_batch(light_rows=0).split() is None
+    assert _split_batch(light_rows=6, heavy_rows=11).split() == {"bob"}
+    assert _split_batch(light_rows=10, heavy_rows=12).split() is None
+    assert _split_batch(light_rows=4, heavy_rows=4).split() is None
+    assert _split_batch(light_rows=1, heavy_rows=12, slots=16).split() is None
+
+
+def test_steps_that_leave_out_a_light_tenant_are_a_quarter_chunk():
+    """While bob (light: one row, or none between his requests) is left out of a step,
+    the step decodes chunk / 4 steps (chunk 4: 1), so his next request waits for that;
+    his own step, or alice alone, decodes as before."""
+    adm = _split_batch(heavy_rows=17, light_rows=1)
+    for gr, c in adm.prefill_work():
+        adm.grow(gr.seqs[0], c)
+        gr.filled = c
+        adm.end_prefill(gr, [])
+    both = {"alice", "bob"}
+    assert adm.decode_len(tenants={"alice"}) == 4  # no active tenants named: as before
+    assert adm.decode_len(tenants={"alice"}, active=both) == 1
+    assert adm.decode_len(tenants={"bob"}, active=both) == 4
+    assert adm.decode_len(active={"alice"}) == 4  # one tenant alone
+    for x in adm.serving({"bob"}):
+        adm.release(x)
+    adm.decoding = [x for x in adm.decoding if not x.done]
+    assert adm.light_beside(None, both) and adm.decode_len(active=both) == 1
+    assert not adm.light_beside(None, {"alice"})

@@ -28,6 +28,19 @@ size (when it fits), so no request starves: one request larger than a share hold
 rows and pages it takes until it ends (nothing is preempted). One tenant alone is served
 exactly first come, first served.
 
+Light steps (`step_tenants`): a step need not serve every row. While several tenants hold
+rows and the light ones — each holding fewer than an equal split of the live rows (1/n)
+— would run in a rows bucket at most 1/LIGHT_STEP_RATIO of the whole batch's, the steps
+alternate between the light tenants' rows alone and the others' rows alone, the light
+first: a tenant whose one short request sits beside another's 64 long ones gets its
+prefill and decode chunk in a step the size of its own rows, not of hers, and she loses
+only those small steps. While a step leaves out a light tenant (one holding no rows too,
+between its requests), it decodes chunk / LIGHT_STEP_RATIO steps (`decode_len`), so that
+the light tenant's next request waits for that, not a whole chunk. A step that serves some
+tenants prefills and decodes only their groups and rows (`prefill_work`, `decode_len`,
+`serving`); a row's draws depend on its own key and token count only, and the chunk
+length changes none either, so this changes no result.
+
 Decode chunks (`decode_len`): a step's device loop runs `chunk` decode steps while other
 work waits — a prompt still prefilling, or step(hurry=True) from a caller whose queue
 holds requests (jcp-serve) —, so a newcomer's first token waits for at most one such
@@ -50,7 +63,7 @@ import dataclasses
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 
@@ -58,6 +71,11 @@ from jcp.sample.engine_config import EngineSizes
 from jcp.sample.layout import ladder
 from jcp.sample.pages import PagePool, page_keys
 from jcp.sample.params import NO_FIELDS, PromptFields, sequence_keys
+
+# A step serves the light tenants' rows alone when their rows bucket is at most
+# 1/LIGHT_STEP_RATIO of the whole batch's (the module docstring, "Light steps"): such a
+# step costs the others about that fraction of one of theirs.
+LIGHT_STEP_RATIO = 4
 
 
 @dataclasses.dataclass(eq=False)
@@ -144,6 +162,7 @@ class Admission:
         self.decoding: list[Seq] = []
         self._turns = itertools.count()
         self._admitted: dict[str, int] = {}  # tenant -> its last admission (round robin)
+        self._light_next = True  # a split batch's next step serves its light tenants
 
     def all_rows(self) -> list[list[int]]:
         """Every device's state rows, all free (heaps)."""
@@ -224,6 +243,57 @@ class Admission:
         rows += req.num_samples
         pages += req.num_samples * s.pages_per_seq(req.n, req.params["max_tokens"])
         return rows <= s.slots // active and pages <= s.groups * s.n_pages // active
+
+    # ------------------------------------------------------------------ light steps
+
+    def rows_by_tenant(self) -> dict[str, list[int]]:
+        """tenant -> its rows (decoding or prefilling sequences) on each device."""
+        out: dict[str, list[int]] = {}
+        seqs = self.decoding + [x for gr in self.prefilling for x in gr.seqs]
+        for x in seqs:
+            if not x.done:
+                out.setdefault(x.req.tenant, [0] * self.sizes.groups)[x.g] += 1
+        return out
+
+    def split(self) -> frozenset | None:
+        """The light tenants when the batch splits (the module docstring, "Light steps"),
+        else None."""
+        per = self.rows_by_tenant()
+        if len(per) < 2:
+            return None
+        total = sum(map(sum, per.values()))
+        light = frozenset(t for t, rows in per.items() if sum(rows) * len(per) < total)
+        if not light:
+            return None
+
+        def bucket(tenants) -> int:
+            return self.sizes.rows_bucket(
+                max(sum(per[t][g] for t in tenants) for g in range(self.sizes.groups))
+            )
+
+        if bucket(light) * LIGHT_STEP_RATIO > bucket(per):
+            return None
+        return light
+
+    def step_tenants(self, commit: bool = True) -> frozenset | None:
+        """Whose rows this step serves (the module docstring, "Light steps"): None, every
+        tenant's; else the light tenants' or the others', alternating, the light first.
+        commit=False: only say what the next step would serve."""
+        light = self.split()
+        if light is None:
+            serve, light_next = None, True
+        else:
+            heavy = frozenset(self.rows_by_tenant()) - light
+            serve, light_next = (light, False) if self._light_next else (heavy, True)
+        if commit:
+            self._light_next = light_next
+        return serve
+
+    def serving(self, tenants: Collection[str] | None) -> list[Seq]:
+        """The decoding sequences a step serving `tenants` (None: all) decodes."""
+        if tenants is None:
+            return list(self.decoding)
+        return [x for x in self.decoding if x.req.tenant in tenants]
 
     def most_samples(self, n: int, max_tokens: int) -> int:
         """The most samples of one request (n prefilled positions, max_tokens new ones) the
@@ -309,9 +379,10 @@ class Admission:
 
     # ------------------------------------------------------------------ prefill
 
-    def prefill_work(self) -> list[tuple[Group, int]]:
+    def prefill_work(self, tenants: Collection[str] | None = None) -> list[tuple[Group, int]]:
         """[(group, positions)] of this step's prefill: one chunk of every prefilling
-        prompt, FIFO, within prefill_tokens in all and prefill_rows per device."""
+        prompt (of `tenants`' only, when given: "Light steps"), FIFO, within
+        prefill_tokens in all and prefill_rows per device."""
         budget, s = self.sizes.prefill_tokens, self.sizes
         taken = [0] * s.groups
         work = []
@@ -319,6 +390,8 @@ class Admission:
             lead = group.seqs[0]
             if budget <= 0:
                 break
+            if tenants is not None and lead.req.tenant not in tenants:
+                continue
             if taken[lead.g] >= s.prefill_rows:
                 continue
             c = min(lead.req.n - group.filled, budget, s.chunk_top)
@@ -391,7 +464,25 @@ class Admission:
 
     # ------------------------------------------------------------------ decode length
 
-    def decode_len(self, hurry: bool = False, waiting: bool = False) -> int:
+    def light_beside(self, tenants: Collection[str] | None, active: Collection[str]) -> bool:
+        """Whether a step serving `tenants` (None: every tenant holding rows) leaves out a
+        light tenant of `active` (the tenants using the engine): one holding fewer than an
+        equal split of the live rows — none, between its requests ("Light steps")."""
+        per = self.rows_by_tenant()
+        active = set(active) | set(per)
+        total = sum(map(sum, per.values()))
+        if len(active) < 2 or not total:
+            return False
+        served = set(per) if tenants is None else set(tenants)
+        return any(sum(per.get(t, ())) * len(active) < total for t in active - served)
+
+    def decode_len(
+        self,
+        hurry: bool = False,
+        waiting: bool = False,
+        tenants: Collection[str] | None = None,
+        active: Collection[str] = (),
+    ) -> int:
         """Decode steps of this step's device call (the module docstring, "Decode chunks"):
         `chunk` while other work waits (hurry, or a prompt still prefilling); else, if a request
         waits for rows or pages (waiting), the largest rung that no live row's max_tokens
@@ -401,17 +492,26 @@ class Admission:
         rows that joined later would otherwise keep the early ones' rows running); else the
         least rung by which every live row's max_tokens has ended. Rungs: max_chunk,
         max_chunk / 4, … ≥ chunk (layout.ladder); the device loop stops early once every
-        row has ended."""
+        row has ended. tenants: a step serving only theirs ("Light steps"; None: all).
+        active: the tenants using the engine; while the step leaves out a light one
+        (light_beside), at most chunk / LIGHT_STEP_RATIO steps, so that its next request
+        waits for a quarter of a chunk of the others' rows."""
         s = self.sizes
-        if hurry or self.prefilling or not self.decoding:
+        if active and self.light_beside(tenants, active):
+            return max(1, s.chunk // LIGHT_STEP_RATIO)
+        decoding = self.serving(tenants)
+        prefilling = [
+            gr for gr in self.prefilling if tenants is None or gr.seqs[0].req.tenant in tenants
+        ]
+        if hurry or prefilling or not decoding:
             return s.chunk
-        left = [seq.req.params["max_tokens"] - len(seq.tokens) for seq in self.decoding]
+        left = [seq.req.params["max_tokens"] - len(seq.tokens) for seq in decoding]
         before_shortest = max([r for r in s.decode_rungs() if r <= min(left)] or [s.chunk])
         if waiting:
             return before_shortest
         if min(left) < max(left):
             every, rest = [0] * s.groups, [0] * s.groups
-            for seq, n in zip(self.decoding, left):
+            for seq, n in zip(decoding, left):
                 every[seq.g] += 1
                 rest[seq.g] += n > min(left)
             if s.rows_bucket(max(rest)) < s.rows_bucket(max(every)):

@@ -12,9 +12,10 @@ requests while decode rows and pages last, prefill one chunk of every admitted p
 (at most `prefill_tokens` prompt tokens per step over all prompts: a long prompt is split
 over steps, and running sequences decode between its chunks), run every compute_logprobs
 request waiting (one prefill, no cache), then decode every live sequence for up to
-`decode_len` steps in one device loop. Every row carries its own adapter (routed by index,
-lora.Routing.index_S: a row costs its adapter's rank, not the slot table), temperature,
-top-k, top-p, seed stream, stop set and max_tokens.
+`decode_len` steps in one device loop (while a light tenant's few rows sit beside
+another's many, only one of the two sets: admission.py's "Light steps"). Every row carries
+its own adapter (routed by index, lora.Routing.index_S: a row costs its adapter's rank,
+not the slot table), temperature, top-k, top-p, seed stream, stop set and max_tokens.
 
 Results equal Trainer.sample of the same request alone (one prompt, the same seed), token
 for token, whatever else is in the batch: a sequence's draws depend on its own key and
@@ -392,15 +393,28 @@ class Engine:
         and pages (admission.py's module docstring, "Tenants")."""
         self._ended = []
         self._fail_stale()
-        self._admit(tenants)
+        active = self._admit(tenants)
+        # Light steps (admission.py's module docstring): while a light tenant's few rows
+        # sit beside another's many, steps alternate between the two sets' rows.
+        serve = self.admission.step_tenants()
         if self.prefilling:
-            self._prefill()
+            self._prefill(serve)
         self._logprobs()
-        if self.admission.decoding and decode:
-            self._decode(self.decode_len(hurry))
+        live = self.admission.serving(serve)
+        if live and decode:
+            n_steps = self.admission.decode_len(hurry, bool(self.waiting), serve, active)
+            self._decode(n_steps, live)
         self.peak_pages = max([self.peak_pages] + [self.pool.used(g) for g in range(self.groups)])
         self.steps += 1
         return self._ended
+
+    def light_next(self, tenants: Collection[str] = ()) -> bool:
+        """Admit what waits (as a step would first) -> whether the next step serves only
+        light tenants' rows (admission.py's module docstring, "Light steps"): a step the
+        size of a few rows, which a caller may run before its other work."""
+        self._admit(tenants)
+        serve = self.admission.step_tenants(commit=False)
+        return serve is not None and serve == self.admission.split()
 
     def run(self, max_steps: int | None = None) -> None:
         """Step until no request is left (or max_steps)."""
@@ -441,7 +455,8 @@ class Engine:
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self, tenants: Collection[str]) -> None:
+    def _admit(self, tenants: Collection[str]) -> set[str]:
+        """Admit what waits -> the tenants using the engine."""
         # Round robin over tenants, first come, first served within one (a request that
         # does not fit holds back its tenant's later ones: no starvation of its large
         # requests), each within its share while several use the engine
@@ -451,6 +466,7 @@ class Engine:
         stats = [req for req in admitted if req.fields.prompt_stats]
         if stats:
             self._prompt_stats(stats)
+        return active
 
     def _prompt_stats(self, reqs: list[Request]) -> None:
         """The SDK prompt fields of newly admitted requests: one cache-less prefill."""
@@ -473,9 +489,10 @@ class Engine:
 
     # ------------------------------------------------------------------ prefill
 
-    def _prefill(self) -> None:
-        """One chunk of every prefilling prompt (FIFO, within the prefill_tokens budget)."""
-        work = self.admission.prefill_work()
+    def _prefill(self, tenants: Collection[str] | None = None) -> None:
+        """One chunk of every prefilling prompt (FIFO, within the prefill_tokens budget;
+        tenants: only theirs)."""
+        work = self.admission.prefill_work(tenants)
         if not work:
             return
         for group, c in work:
@@ -524,8 +541,7 @@ class Engine:
         docstring, "Decode chunks")."""
         return self.admission.decode_len(hurry, bool(self.waiting))
 
-    def _decode(self, n_steps: int) -> None:
-        live = self.admission.decoding
+    def _decode(self, n_steps: int, live: list) -> None:
         for seq in live:
             req = seq.req
             end = req.n + req.params["max_tokens"]
