@@ -236,3 +236,25 @@ def test_a_pass_holds_only_the_models_that_fit_the_device():
     sched.submit(fwd("alice", "big", 1, 10))
     sched.submit(fwd("alice", "m1", 1, 10))
     assert [w.model_id for w in sched.next_work(block=False)[0]] == ["big"]
+
+
+def test_small_ready_names_another_tenants_one_micro_batch_pass():
+    """small_ready(tenant): another tenant, with no pass of its own running over turns,
+    has a ready forward / forward_backward of at most one micro-batch — the worker runs
+    it before its engine step, after one of `tenant`'s micro-batches."""
+    sched = Scheduler(pass_tokens=PASS)
+    sched.submit(fwd("alice", "a", 1, 4 * PASS))
+    big = sched.next_work(block=False)[0]
+    sched.split(big)
+    assert not sched.small_ready("alice")  # nothing else queued
+    sched.submit(fwd("alice", "a2", 1, 16))
+    assert not sched.small_ready("alice")  # her own
+    sched.submit(fwd("bob", "b", 2, 16))
+    assert not sched.small_ready("alice")  # not ready: bob's seq_id 1 has not come
+    sched.submit(fwd("carol", "c", 1, 2 * PASS))
+    assert not sched.small_ready("alice")  # more than one micro-batch
+    sched.submit(op("bob", "b", 1))
+    assert not sched.small_ready("alice")  # an optim_step heads bob's queue
+    sched.submit(fwd("dan", "d", 1, PASS))
+    assert sched.small_ready("alice") and not sched.small_ready("dan")
+    assert not Scheduler(pass_tokens=0).small_ready("alice")

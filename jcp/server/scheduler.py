@@ -322,6 +322,26 @@ class Scheduler:
                     return [], []
                 self._cv.wait(wait)
 
+    def small_ready(self, but: str) -> bool:
+        """Whether a tenant other than `but`, with no pass running over turns, has a ready
+        forward / forward_backward of at most `pass_tokens` tokens (one micro-batch) at
+        the head of a model's queue: the worker then runs it before its engine step
+        (worker.py, "Interleaving policy")."""
+        with self._cv:
+            if not self.pass_tokens:
+                return False
+            now = time.monotonic()
+            for m, q in self._queues.items():
+                w = q[0]
+                if w.owner == but or w.owner in self._split or w.kind not in FUSABLE:
+                    continue
+                if any(w.model_id == x.model_id for g in self._split.values() for x in g):
+                    continue
+                run = self._ready_run(m, now)
+                if run and run[0].tokens <= self.pass_tokens:
+                    return True
+            return False
+
     def _ready_run(self, model_id: str, now: float) -> list[Work]:
         """The model's queued requests that may run now, in order: a run of consecutive
         seq_ids starting right after the last one taken."""

@@ -29,6 +29,12 @@ chunks; neither starves. Samples are admitted round robin over tenants, each wit
 share of rows and pages while several sample (Admission.admit_fair; a tenant counts for
 TENANT_WINDOW_S after its last sample arrived), and then every step is a short one
 (`chunk` decode steps), so one tenant's request waits for one chunk of another's rows.
+Light work first: while a light tenant's few rows sit beside another's many, the engine
+steps them apart (Admission, "Light steps"), and a light step runs before the turn's
+pass, not after it; after one micro-batch of a split pass, another tenant's ready pass of
+at most one micro-batch (Scheduler.small_ready) runs before the engine step (the engine
+step skipped for at most one turn in a row), so a small request waits for one heavy unit,
+not a micro-batch and an engine step.
 A sample the client cancels after admission (cancel_future -> Scheduler.cancel_running)
 is cancelled in the engine at the start of the next turn and ends at that step
 boundary, its slots freed; so does a split pass of one request, its accumulation undone.
@@ -197,6 +203,7 @@ class Worker(SlotCache, ModelOps, Passes):
         # Gathered bursts in a row that no sample joined while they ran (ADMIT_CALM_BURSTS),
         # and whether one joined the last one (None: none ran since the last count).
         self._calm, self._joined = 0, None
+        self._deferred = False  # the last turn ran no engine step (a small pass went first)
         self.busy_s: Counter[str] = Counter()  # worker seconds per request kind
         self._handlers: dict[str, Callable[[Work], tuple]] = {
             "create_model": self._create_model,
@@ -271,9 +278,22 @@ class Worker(SlotCache, ModelOps, Passes):
                     self._admit_sample(w)
                 self._unlogged += samples
             self._cancel_running()
+            if group and self._light_next():
+                # A light tenant's few rows beside another's many: their step (the size of
+                # their rows) runs before the pass (Admission, "Light steps").
+                self._step(True, True)
+            deferred = False
             if group:
                 self._run_pass(group)
-            if not self.sampling.idle:
+                # One micro-batch of a split pass ran: another tenant's small ready pass
+                # goes next, before the engine step (at most once in a row).
+                deferred = (
+                    not self._deferred
+                    and group[0].owner in self._splits
+                    and self.sched.small_ready(group[0].owner)
+                )
+            self._deferred = deferred
+            if not self.sampling.idle and not deferred:
                 busy = self.sched.pending() > 0 or bool(self._splits)
                 self._step(arriving or busy or bool(self._streaming), True)
                 if self._joined is False and self.sched.samples_queued():
@@ -301,12 +321,9 @@ class Worker(SlotCache, ModelOps, Passes):
         """One engine step (Engine.step); a failed one fails the engine's requests."""
         t0 = time.monotonic()
         try:
-            now = time.monotonic()
-            for t in [t for t, at in self._sampled.items() if now - at > TENANT_WINDOW_S]:
-                del self._sampled[t]
             # Several tenants: short steps (`chunk` decode steps), so that one tenant's
             # request waits for one chunk of another's rows, not max_chunk.
-            tenants = tuple(sorted(self._sampled))
+            tenants = self._tenants()
             several = len(set(tenants) | {r.tenant for r in self.sampling.requests.values()}) > 1
             ended = self.sampling.step(hurry=hurry or several, decode=decode, tenants=tenants)
         except Exception as e:  # noqa: BLE001 — the engine's requests fail, not the server
@@ -334,6 +351,23 @@ class Worker(SlotCache, ModelOps, Passes):
                 },
             )
         self._unlogged = []
+
+    def _light_next(self) -> bool:
+        """Whether the engine's next step serves only light tenants (Engine.light_next)."""
+        if self.sampling.idle:
+            return False
+        try:
+            return self.sampling.light_next(self._tenants())
+        except Exception as e:  # noqa: BLE001 — the engine step reports it; the worker goes on
+            log.error("sampling admission failed: %s", e)
+            return False
+
+    def _tenants(self) -> tuple[str, ...]:
+        """The tenants that sampled within TENANT_WINDOW_S (forgetting older ones)."""
+        now = time.monotonic()
+        for t in [t for t, at in self._sampled.items() if now - at > TENANT_WINDOW_S]:
+            del self._sampled[t]
+        return tuple(sorted(self._sampled))
 
     def _run_pass(self, group: list[Work]) -> None:
         t0 = time.perf_counter()
