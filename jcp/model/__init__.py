@@ -2,17 +2,20 @@
 
 - params: base-parameter names, shapes, PartitionSpecs, random init, placement (what
   jcp.hf needs; imports neither attention nor lora).
-- decoder: RMSNorm, RoPE, embedding, attention / dense / MoE MLP blocks, the layer and
-  the layer stack (hidden_states), the unembedding's factors.
+- blocks: RMSNorm, RoPE, embedding, attention / Gated DeltaNet / dense / MoE MLP blocks,
+  the layer.
+- decoder: the layer stack (hidden_states, scanned by runs of one kind), the
+  unembedding's factors; re-exports the blocks.
 - moe: routing, grouped expert matmuls, router statistics.
 
 `from jcp import model` gives the names callers use; the modules hold the rest.
 """
 
-from jcp.model import decoder, moe, params
+from jcp.model import blocks, decoder, moe, params
 from jcp.model.decoder import (
     Hidden,
     HybridState,
+    LayerInputs,
     Rotary,
     attention_block,
     decoder_layer,
@@ -37,11 +40,13 @@ from jcp.model.params import (
 )
 
 __all__ = [
+    "blocks",
     "decoder",
     "moe",
     "params",
     "Hidden",
     "HybridState",
+    "LayerInputs",
     "attention_block",
     "decoder_layer",
     "dense_mlp",

@@ -1,18 +1,20 @@
 """The Qwen2/Qwen3 decoder as a per-shard function (runs inside the one shard_map).
 
 Owns the forward pass from tokens to final hidden states (over the parameter tree of
-model.params). The layer is built from two blocks, attention and MLP, and the differing
-piece of each use is passed in: the attention strategy (`attend`, see attention.Attend: training's CP attention, or
-prefill / decode over a KV cache) and the MLP block (dense SwiGLU, or an MoE block with
-the same signature). It must never compute the unembedding's full logits (losses.py does
-that, chunked) and never update base weights: they are frozen and not differentiated.
+model.params): the layer stack, scanned by runs of same-kind layers (dense / MoE, full
+attention / Gated DeltaNet), over the blocks of jcp.model.blocks (re-exported here). The
+differing piece of each use is passed in: the attention strategy (`attend`, see
+attention.Attend: training's CP attention, or prefill / decode over a KV cache), the
+sequence mixing and the MLP block (dense SwiGLU, or an MoE block with the same
+signature). It must never compute the unembedding's full logits (losses.py does that,
+chunked) and never update base weights: they are frozen and not differentiated.
 
-Shapes: see the legend in jcp/mesh.py. Under tp, the q/k/v projections hold this rank's
-Q/tp and K/tp heads (widths Q·H and K·H), gate/up/down F/tp.
+Shapes: see the legend in jcp/mesh.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -20,303 +22,44 @@ import jax
 import jax.numpy as jnp
 
 from jcp import attention as attention_lib
-from jcp import delta_rule as delta_rule_lib
 from jcp import lora as lora_lib
-from jcp import mesh as mesh_lib
 from jcp.config import QwenConfig
-from jcp.mesh import TP
-from jcp.model import moe as moe_lib
+from jcp.model.blocks import (
+    LayerInputs,
+    Rotary,
+    attention_block,
+    decoder_layer,
+    dense_mlp,
+    embed,
+    linear_attention_block,
+    moe_mlp,
+    partial_rope,
+    rms_norm,
+    rope,
+    rotary,
+)
 
-
-def rms_norm(x, w, eps):
-    """RMSNorm in fp32 math, cast back to x's dtype, then scaled (as Hugging Face Qwen)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return w.astype(x.dtype) * xf.astype(x.dtype)
-
-
-class Rotary(NamedTuple):
-    """RoPE's per-token tables [S, R] (R = the rotary dims of a head): cos and sin of each
-    token's angles, each frequency twice (the rotate-half layout)."""
-
-    cos_SxR: jax.Array
-    sin_SxR: jax.Array
-
-
-def rotary(position_S, theta, rotary_dim) -> Rotary:
-    """The Rotary tables of tokens at position_S (their position in their datum), computed
-    once per call and shared by every layer's q and k.
-
-    Held apart by a lax.cond: fused into their consumers, XLA:CPU took cos and sin once per
-    element of q and k — every head of every layer, and again in the backward pass (~5 % of
-    benchmarks/throughput.py's 8 × 512 CPU step), where the tables hold S · R of each.
-    """
-
-    def tables(position_S):
-        inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
-        ang = position_S.astype(jnp.float32)[:, None] * inv_freq[None, :]
-        ang = jnp.concatenate([ang, ang], axis=-1)
-        return Rotary(jnp.cos(ang), jnp.sin(ang))
-
-    # Both branches compute the tables: the cond only keeps XLA from fusing them into
-    # their consumers (an optimization barrier does not: XLA:CPU removes it before fusion).
-    return jax.lax.cond(position_S.shape[0] > 0 and position_S[0] >= -1, tables, tables, position_S)
-
-
-def rope(x, rot: Rotary):
-    """Rotary embedding, rotate-half form, by the tokens' Rotary tables.
-
-    x: [S, heads, H] (q with Q heads or k with K heads), H the tables' width.
-    """
-    cos, sin = rot.cos_SxR[:, None, :], rot.sin_SxR[:, None, :]
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    turned = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + turned * sin).astype(x.dtype)
-
-
-def partial_rope(x, rot: Rotary):
-    """rope on the first R dims of each head, R the tables' width (Qwen3.5's
-    partial_rotary_factor); the rest pass unchanged."""
-    rotary_dim = rot.cos_SxR.shape[-1]
-    if rotary_dim == x.shape[-1]:
-        return rope(x, rot)
-    turned = rope(x[..., :rotary_dim], rot)
-    return jnp.concatenate([turned, x[..., rotary_dim:]], axis=-1)
-
-
-def embed(embed_VxD, tokens_S):
-    """Vocab-parallel lookup: each tp rank holds V/tp rows; psum over "tp" combines them."""
-    v_local = embed_VxD.shape[0]
-    local = tokens_S - jax.lax.axis_index(TP) * v_local
-    inside = (local >= 0) & (local < v_local)
-    rows = jnp.take(embed_VxD, jnp.where(inside, local, 0), axis=0)
-    return jax.lax.psum(jnp.where(inside[:, None], rows, 0), TP)
-
-
-def _linear(x_SxI, w_IxO, lora_ab, route, bias_O=None):
-    """x @ W (+ bias) (+ each token's own LoRA update) in x's dtype: [S, O]."""
-    y = jnp.einsum("si,io->so", x_SxI, w_IxO.astype(x_SxI.dtype))
-    if bias_O is not None:
-        y = y + bias_O.astype(x_SxI.dtype)
-    if lora_ab is not None:
-        y = y + lora_lib.delta(x_SxI, lora_ab["a"], lora_ab["b"], route)
-    return y
-
-
-def _lora(lora_layer, module):
-    """One module's {"a", "b"} of this layer's active adapters, or None without LoRA (or
-    when the table has no such module: a MoE model's dense-layer MLP)."""
-    return None if lora_layer is None else lora_layer.get(module)
-
-
-def attention_block(
-    cfg: QwenConfig,
-    h_SxD,
-    layer,
-    lora_layer,
-    route: lora_lib.Routing | None,
-    position_S,
-    attend: attention_lib.Attend,
-    attn_state,
-    rot: Rotary | None = None,
-):
-    """Pre-norm self-attention of one layer: (its output [S, D], psum'd over tp; new state).
-
-    norm → q/k/v projections (+ bias, + LoRA) → qk-norm (Qwen3) → RoPE at position_S →
-    attend(q [S, Q, H], k, v [S, K, H], attn_state) → o_proj (+ LoRA) → psum over tp.
-    The caller adds the residual. layer / lora_layer: this layer's slice of the stacked
-    weights and of the active adapters ({module: {"a": [A, I, R], "b": [A, R, O]}} or None).
-    rot: rotary(position_S, …) taken once for all layers by the caller, or None (taken here).
-    """
-    if rot is None:
-        rot = rotary(position_S, cfg.rope_theta, cfg.rotary_dim)
-    s_len = h_SxD.shape[0]
-    x_SxD = rms_norm(h_SxD, layer["input_norm"], cfg.rms_norm_eps)
-    q = _linear(x_SxD, layer["q_proj"], _lora(lora_layer, "q_proj"), route, layer.get("q_bias"))
-    k = _linear(x_SxD, layer["k_proj"], _lora(lora_layer, "k_proj"), route, layer.get("k_bias"))
-    v = _linear(x_SxD, layer["v_proj"], _lora(lora_layer, "v_proj"), route, layer.get("v_bias"))
-    gate_SxQH = None
-    if cfg.attn_output_gate:  # per head [query | gate] (transformers' torch.chunk)
-        q_gate = q.reshape(s_len, -1, 2 * cfg.head_dim)
-        q, gate_SxQH = q_gate[..., : cfg.head_dim], q_gate[..., cfg.head_dim :]
-        gate_SxQH = gate_SxQH.reshape(s_len, -1)
-    q_SxQxH = q.reshape(s_len, -1, cfg.head_dim)
-    k_SxKxH = k.reshape(s_len, -1, cfg.head_dim)
-    v_SxKxH = v.reshape(s_len, -1, cfg.head_dim)
-    if cfg.qk_norm:
-        q_SxQxH = rms_norm(q_SxQxH, layer["q_norm"], cfg.rms_norm_eps)
-        k_SxKxH = rms_norm(k_SxKxH, layer["k_norm"], cfg.rms_norm_eps)
-    q_SxQxH = partial_rope(q_SxQxH, rot)
-    k_SxKxH = partial_rope(k_SxKxH, rot)
-    o_SxQxH, attn_state = attend(q_SxQxH, k_SxKxH, v_SxKxH, attn_state)
-    o_SxQH = o_SxQxH.reshape(s_len, -1)
-    if gate_SxQH is not None:
-        o_SxQH = o_SxQH * jax.nn.sigmoid(gate_SxQH)
-    o_SxD = _linear(o_SxQH, layer["o_proj"], _lora(lora_layer, "o_proj"), route)
-    return jax.lax.psum(o_SxD, TP), attn_state
-
-
-@jax.named_scope("gated_delta_net")  # names its ops in compiled programs (memory reports)
-def linear_attention_block(
-    cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None, mix, state=None
-):
-    """Pre-norm Gated DeltaNet of one layer (Qwen3.5's linear attention): (its output
-    [S, D], psum'd over tp; its outgoing state).
-
-    state: the layer's incoming delta_rule.Recurrent (decode: one row per sequence) or None
-    (training, prefill); the outgoing one is the mix's (None in training; prefill hands out
-    each piece's, decode each row's).
-
-    norm → in_proj q, k, v (this rank's heads) → mix.conv (depthwise causal conv + SiLU over
-    each datum) → L2-normalised q, k → β = sigmoid(b), g = −exp(A_log)·softplus(a + dt_bias)
-    → mix.rule (the gated delta rule over each datum, delta_rule.CPMix in training) →
-    RMSNorm gated by SiLU(z) → out_proj → psum over tp. The caller adds the residual.
-    """
-    s_len = h_SxD.shape[0]
-    x_SxD = rms_norm(h_SxD, layer["input_norm"], cfg.rms_norm_eps)
-    lin = lambda m: _linear(x_SxD, layer[m], _lora(lora_layer, m), route)  # noqa: E731
-    q, k, v = lin("in_proj_q"), lin("in_proj_k"), lin("in_proj_v")
-    qkv_lora = _lora(lora_layer, lora_lib.QKV)
-    if qkv_lora is not None:  # one A, its B split into this rank's q, k, v columns
-        u_QxR = lora_lib.low_rank_input(x_SxD, qkv_lora["a"], route)
-        q, k, v = (
-            y + lora_lib.expand(u_QxR, qkv_lora[b], route, y.dtype)
-            for y, b in zip((q, k, v), lora_lib.QKV_B)
-        )
-    widths = (q.shape[1], k.shape[1])
-    mixed, conv_state = mix.conv(
-        jnp.concatenate([q, k, v], axis=-1),
-        jnp.concatenate([layer["conv_q"], layer["conv_k"], layer["conv_v"]], -1),
-        None if state is None else state.conv,
-    )
-    q, k, v = jnp.split(mixed, [widths[0], widths[0] + widths[1]], axis=-1)
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    q_SxHkxDk = delta_rule_lib.l2norm(q.reshape(s_len, -1, dk))
-    k_SxHkxDk = delta_rule_lib.l2norm(k.reshape(s_len, -1, dk))
-    v_SxHxDv = v.reshape(s_len, -1, dv)
-    beta_SxH = jax.nn.sigmoid(lin("in_proj_b")).astype(jnp.float32)
-    g_SxH = -jnp.exp(layer["a_log"].astype(jnp.float32)) * jax.nn.softplus(
-        lin("in_proj_a").astype(jnp.float32) + layer["dt_bias"].astype(jnp.float32)
-    )
-    o_SxHxDv, ssm_state = mix.rule(
-        q_SxHkxDk, k_SxHkxDk, v_SxHxDv, g_SxH, beta_SxH, None if state is None else state.ssm
-    )
-    o_SxHxDv = o_SxHxDv.astype(x_SxD.dtype)
-    z_SxHxDv = lin("in_proj_z").reshape(s_len, -1, dv)
-    normed = rms_norm(o_SxHxDv, layer["gated_norm"], cfg.rms_norm_eps)
-    gated = normed.astype(jnp.float32) * jax.nn.silu(z_SxHxDv.astype(jnp.float32))
-    o_SxD = _linear(
-        gated.astype(x_SxD.dtype).reshape(s_len, -1),
-        layer["out_proj"],
-        _lora(lora_layer, "out_proj"),
-        route,
-    )
-    new = None if ssm_state is None else delta_rule_lib.Recurrent(conv_state, ssm_state)
-    return jax.lax.psum(o_SxD, TP), new
-
-
-def dense_mlp(cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None):
-    """Pre-norm SwiGLU MLP of one layer: (down(silu(gate(x)) · up(x)), psum'd over tp [S, D];
-    its record, None).
-
-    The MLP strategy of decoder_layer; an MoE block with this signature can replace it.
-    A block returns its output and a per-layer record (a pytree the layer scan stacks;
-    moe_mlp's routing statistics). The caller adds the residual.
-    """
-    x_SxD = rms_norm(h_SxD, layer["post_norm"], cfg.rms_norm_eps)
-    g_SxF = _linear(x_SxD, layer["gate_proj"], _lora(lora_layer, "gate_proj"), route)
-    u_SxF = _linear(x_SxD, layer["up_proj"], _lora(lora_layer, "up_proj"), route)
-    y_SxD = _linear(
-        jax.nn.silu(g_SxF) * u_SxF, layer["down_proj"], _lora(lora_layer, "down_proj"), route
-    )
-    return jax.lax.psum(y_SxD, TP), None
-
-
-def moe_mlp(
-    cfg: QwenConfig, h_SxD, layer, lora_layer, route: lora_lib.Routing | None, count_S=None
-):
-    """Pre-norm sparse MoE MLP of one layer (Qwen3-MoE): (output psum'd over tp [S, D];
-    moe.RouterStats [E] of the tokens where count_S (bool [S]), or None without count_S).
-
-    Same signature as dense_mlp (count_S bound by the caller). A shared expert
-    (cfg.shared_expert_intermediate_size, Qwen3.5-MoE) is added to every token, gated by
-    sigmoid(x · shared_expert_gate); it is not adapted. h is identical on every tp
-    rank, so every rank routes alike (moe.route: softmax in fp32, top-k, renormalised when
-    cfg.norm_topk_prob), runs only its own E/tp experts (layer["expert_*"]: [E/tp, …]) on
-    the rows routed to them, dropless, and the psum over tp adds the ranks' parts. The
-    experts' LoRA factors (lora_layer["expert_*"], see moe.experts) are split over tp with
-    their experts; the router is not adapted. The caller adds the residual.
-    """
-    x_SxD = rms_norm(h_SxD, layer["post_norm"], cfg.rms_norm_eps)
-    weights_SxX, experts_SxX = moe_lib.route(
-        x_SxD, layer["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob
-    )
-    # The same tp-invariant routing on every rank: its statistics need no collective here.
-    stats = (
-        None
-        if count_S is None
-        else moe_lib.router_stats(
-            moe_lib.router_probs(x_SxD, layer["router"]), experts_SxX, count_S
-        )
-    )
-    num_local = layer["expert_gate"].shape[0]
-    # x is invariant over tp but each rank uses its own rows of it: cast it to varying
-    # explicitly so its cotangent is psum'd over tp by that cast's transpose. Left to the
-    # implicit casts, the gradient w.r.t. x came out wrong at tp > 1 (jax 0.10.2; caught by
-    # test_moe's two-mesh gradient test; a lone gather or scatter at varying indices
-    # transposes correctly, the combination in moe.experts did not). The shared-outer
-    # factors (replicated, used by every rank's experts) are cast likewise.
-    lora = None
-    if lora_layer is not None and lora_lib.EXPERT[0] in lora_layer:
-        lora = jax.tree.map(
-            lambda w: mesh_lib.vary(w, (TP,)), {m: lora_layer[m] for m in lora_lib.EXPERT}
-        )
-    y_SxD = moe_lib.experts(
-        mesh_lib.vary(x_SxD, (TP,)),
-        weights_SxX,
-        experts_SxX,
-        layer["expert_gate"],
-        layer["expert_up"],
-        layer["expert_down"],
-        jax.lax.axis_index(TP) * num_local,
-        lora,
-        route,
-    )
-    if "shared_gate" in layer:
-        # Qwen3.5-MoE's shared expert: this rank's F/tp of a SwiGLU MLP (row-parallel down,
-        # summed by the psum below), scaled by the tp-invariant sigmoid(x · w_gate).
-        shared_SxD = jnp.einsum(
-            "sf,fd->sd",
-            jax.nn.silu(x_SxD @ layer["shared_gate"].astype(x_SxD.dtype))
-            * (x_SxD @ layer["shared_up"].astype(x_SxD.dtype)),
-            layer["shared_down"].astype(x_SxD.dtype),
-        )
-        gate_Sx1 = jax.nn.sigmoid(x_SxD @ layer["shared_expert_gate"].astype(x_SxD.dtype))
-        y_SxD = y_SxD + (gate_Sx1 * shared_SxD).astype(y_SxD.dtype)
-    return jax.lax.psum(y_SxD, TP), stats
-
-
-def decoder_layer(
-    cfg: QwenConfig,
-    h_SxD,
-    layer,
-    lora_layer,
-    route: lora_lib.Routing | None,
-    position_S,
-    attend: attention_lib.Attend,
-    attn_state,
-    mlp=dense_mlp,
-    rot: Rotary | None = None,
-):
-    """One pre-norm decoder layer on this shard: (h + attention, then + mlp; new state; the
-    mlp's record). rot: as attention_block's."""
-    a_SxD, attn_state = attention_block(
-        cfg, h_SxD, layer, lora_layer, route, position_S, attend, attn_state, rot
-    )
-    h_SxD = h_SxD + a_SxD
-    y_SxD, record = mlp(cfg, h_SxD, layer, lora_layer, route)
-    return h_SxD + y_SxD, attn_state, record
+__all__ = [
+    "Hidden",
+    "HybridState",
+    "LayerInputs",
+    "Rotary",
+    "attention_block",
+    "decoder_layer",
+    "dense_mlp",
+    "embed",
+    "hidden_states",
+    "kind_runs",
+    "layer_slices",
+    "linear_attention_block",
+    "moe_mlp",
+    "partial_rope",
+    "rms_norm",
+    "rope",
+    "rotary",
+    "scan_layers",
+    "unembed_factors",
+]
 
 
 def _split_lora(lora):
@@ -465,80 +208,104 @@ def hidden_states(
     h = embed(params["embed"], tokens_S).astype(dtype)
     layer_lora, expert_lora = _split_lora(lora)
     moe_block = moe_mlp if count_S is None else functools.partial(moe_mlp, count_S=count_S)
-    rot = rotary(position_S, cfg.rope_theta, cfg.rotary_dim)  # once, for every layer
-
-    def body(h, xs):
-        layer, lora_layer, state = xs
-        block = moe_block if "router" in layer else mlp
-        h, state, record = decoder_layer(
-            cfg, h, layer, lora_layer, route, position_S, attend, state, block, rot
+    run = _Layers(
+        cfg=cfg,
+        params=params,
+        inputs=LayerInputs.of(cfg, route, position_S, attend),  # rotary once, for every layer
+        mlp=mlp,
+        moe_block=moe_block,
+        mix=mix,
+        remat=remat,
+        unroll=unroll,
+        record=count_S is not None,
+    )
+    if layers is not None:
+        return _unrolled_hidden(run, h, layers, attn_state)
+    if cfg.is_hybrid:
+        return _hybrid_hidden(run, h, layer_lora, expert_lora, attn_state)
+    if not cfg.is_moe:
+        h, (attn_state, _) = scan_layers(
+            run.body, h, params["layers"], (layer_lora, attn_state), remat, unroll
         )
+        return run.finish(h, attn_state, [])
+    return _moe_hidden(run, h, layer_lora, expert_lora, attn_state)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # holds arrays: hashed by identity
+class _Layers:
+    """What every layer of one hidden_states call shares (its arguments, the LayerInputs
+    with the rotary tables taken once, the MoE block), and the steps its paths share: `body`, one dense or
+    MoE layer as a scan step, and `finish`, the final norm and the routing records."""
+
+    cfg: QwenConfig
+    params: Any
+    inputs: LayerInputs
+    mlp: Any
+    moe_block: Any
+    mix: Any
+    remat: bool
+    unroll: bool
+    record: bool
+
+    def body(self, h, xs):
+        layer, lora_layer, state = xs
+        block = self.moe_block if "router" in layer else self.mlp
+        h, state, record = decoder_layer(self.cfg, h, layer, lora_layer, self.inputs, state, block)
         return h, (state, record)
 
-    def finish(h, attn_state, records):
+    def finish(self, h, attn_state, records) -> Hidden:
         """The final norm, and the MoE layers' records (one [n, E] stack per run) joined."""
-        h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+        h = rms_norm(h, self.params["final_norm"], self.cfg.rms_norm_eps)
         stats = (
             jax.tree.map(lambda *xs: jnp.concatenate(xs), *records)
-            if records and count_S is not None
+            if records and self.record
             else None
         )
         return Hidden(h, attn_state, stats)
 
-    if layers is not None:
-        states, records = [], []
-        for i, (layer, lora_layer) in enumerate(layers):
-            state = jax.tree.map(lambda x: x[i], attn_state)
-            h, (state, record) = body(h, (layer, lora_layer, state))
-            states.append(state)
-            if record is not None:
-                records.append(jax.tree.map(lambda x: x[None], record))
-        attn_state = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-        return finish(h, attn_state, records)
 
-    if cfg.is_hybrid:
-        return _hybrid_hidden(
-            cfg,
-            params,
-            h,
-            position_S,
-            attend,
-            mix,
-            layer_lora,
-            route,
-            moe_block if cfg.is_moe else mlp,
-            remat,
-            finish,
-            expert_lora,
-            count_S is not None,
-            attn_state,
-            rot,
-        )
-    if not cfg.is_moe:
-        h, (attn_state, _) = scan_layers(
-            body, h, params["layers"], (layer_lora, attn_state), remat, unroll
-        )
-        return finish(h, attn_state, [])
-    # MoE and dense layers have different MLP weights, so each run of same-kind layers is
-    # its own scan over its slice of the stacks (one scan when every layer is MoE).
+def _unrolled_hidden(run: _Layers, h, layers, attn_state) -> Hidden:
+    """hidden_states over layer_slices: each layer unrolled on its own arrays, attn_state
+    sliced and restacked per layer."""
     states, records = [], []
-    for is_moe, start, end, first in kind_runs(cfg.moe_layers):
+    for i, (layer, lora_layer) in enumerate(layers):
+        state = jax.tree.map(lambda x: x[i], attn_state)
+        h, (state, record) = run.body(h, (layer, lora_layer, state))
+        states.append(state)
+        if record is not None:
+            records.append(jax.tree.map(lambda x: x[None], record))
+    attn_state = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    return run.finish(h, attn_state, records)
+
+
+def _moe_hidden(run: _Layers, h, layer_lora, expert_lora, attn_state) -> Hidden:
+    """hidden_states of a MoE model: MoE and dense layers have different MLP weights, so
+    each run of same-kind layers is its own scan over its slice of the stacks (one scan
+    when every layer is MoE)."""
+    params = run.params
+    states, records = [], []
+    for is_moe, start, end, first in kind_runs(run.cfg.moe_layers):
         cut = lambda t, a=start, b=end: jax.tree.map(lambda x: x[a:b], t)
         cut_kind = lambda t, a=first, n=end - start: jax.tree.map(lambda x: x[a : a + n], t)
         mlp_w = cut_kind(params["moe_mlp" if is_moe else "dense_mlp"])
         lora_w = (
             None
-            if lora is None
+            if layer_lora is None
             else {**cut(layer_lora), **(cut_kind(expert_lora) if is_moe else {})}
         )
         h, (state, record) = scan_layers(
-            body, h, {**cut(params["layers"]), **mlp_w}, (lora_w, cut(attn_state)), remat, unroll
+            run.body,
+            h,
+            {**cut(params["layers"]), **mlp_w},
+            (lora_w, cut(attn_state)),
+            run.remat,
+            run.unroll,
         )
         states.append(state)
-        if is_moe and count_S is not None:
+        if is_moe and run.record:
             records.append(record)
     attn_state = jax.tree.map(lambda *xs: jnp.concatenate(xs), *states)
-    return finish(h, attn_state, records)
+    return run.finish(h, attn_state, records)
 
 
 def kind_runs(kinds) -> tuple[tuple[bool, int, int, int], ...]:
@@ -570,38 +337,23 @@ def _concat(parts):
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts) if parts else None
 
 
-def _hybrid_hidden(
-    cfg: QwenConfig,
-    params,
-    h,
-    position_S,
-    attend,
-    mix,
-    layer_lora,
-    route,
-    mlp,
-    remat,
-    finish,
-    expert_lora=None,
-    record=False,
-    state: HybridState | None = None,
-    rot: Rotary | None = None,
-):
+def _hybrid_hidden(run: _Layers, h, layer_lora, expert_lora, state: HybridState | None) -> Hidden:
     """hidden_states of a hybrid model: each run of same-kind layers (gated full attention
     or Gated DeltaNet) one lax.scan over its slice of `layers` (norms, MLP), of its kind's
     mixer weights (full_attn [Lf, …] / linear_attn [Ll, …]) and of its kind's state. A
     hybrid MoE model (Qwen3.5-MoE) has MoE MLPs in every layer: moe_mlp [L, …] and the
-    experts' LoRA are cut like `layers`; `record`: collect their routing statistics."""
+    experts' LoRA are cut like `layers`; run.record: collect their routing statistics."""
+    cfg, params = run.cfg, run.params
+    mlp = run.moe_block if cfg.is_moe else run.mlp
 
     def body_of(linear):
         def body(h, xs):
             layer, lora_layer, st = xs
+            route = run.inputs.route
             if linear:
-                a_SxD, st = linear_attention_block(cfg, h, layer, lora_layer, route, mix, st)
+                a_SxD, st = linear_attention_block(cfg, h, layer, lora_layer, route, run.mix, st)
             else:
-                a_SxD, st = attention_block(
-                    cfg, h, layer, lora_layer, route, position_S, attend, st, rot
-                )
+                a_SxD, st = attention_block(cfg, h, layer, lora_layer, run.inputs, st)
             h = h + a_SxD
             y_SxD, stats = mlp(cfg, h, layer, lora_layer, route)
             return h + y_SxD, (st, stats)
@@ -635,12 +387,16 @@ def _hybrid_hidden(
         )
         mlp_w = cut(params["moe_mlp"]) if cfg.is_moe else {}
         h, (out, stats) = scan_layers(
-            body_of(linear), h, {**cut(params["layers"]), **mixer, **mlp_w}, (lora_w, st), remat
+            body_of(linear),
+            h,
+            {**cut(params["layers"]), **mixer, **mlp_w},
+            (lora_w, st),
+            run.remat,
         )
         outs[linear].append(out)
-        if record:
+        if run.record:
             records.append(stats)
-    return finish(h, HybridState(_concat(outs[False]), _concat(outs[True])), records)
+    return run.finish(h, HybridState(_concat(outs[False]), _concat(outs[True])), records)
 
 
 def unembed_factors(params, h_SxD, lora=None, route: lora_lib.Routing | None = None):
