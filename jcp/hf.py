@@ -156,13 +156,46 @@ def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) 
     leading L axis. Every tensor is checked for presence and shape before anything is read.
     """
     shapes = params_lib.param_shapes(cfg)
-    used = set()
+    r = _Reader(cfg, tensors)
+    out = {
+        "embed": r.plain("model.embed_tokens.weight", shapes["embed"]),
+        "final_norm": r.plain("model.norm.weight", shapes["final_norm"]),
+        "layers": {k: r.stacked(k, s) for k, s in shapes["layers"].items()},
+    }
+    if cfg.is_hybrid:
+        out.update(_hybrid_tensors(cfg, shapes, r.stacked, r.fetch))
+        # Qwen3.5's RMSNorms hold offsets (x · (1 + w)); jcp's hold the factor 1 + w.
+        # (The gated norm of Gated DeltaNet is a plain one.)
+        out["final_norm"] = _plus_one(out["final_norm"])
+        out["layers"] = {
+            k: _plus_one(t) if k.endswith("_norm") else t for k, t in out["layers"].items()
+        }
+        if "full_attn" in out:
+            out["full_attn"] = {
+                k: _plus_one(t) if k.endswith("_norm") else t for k, t in out["full_attn"].items()
+            }
+    if cfg.is_moe:
+        out.update(_moe_mlps(cfg, shapes, r))
+    if "lm_head" in shapes:
+        out["lm_head"] = r.plain("lm_head.weight", shapes["lm_head"], transpose=True)
+    r.check_all_used()
+    return out
 
-    def fetch(name, want):
-        used.add(name)
-        if name not in tensors:
+
+class _Reader:
+    """hf_params' reads of one checkpoint's tensors: each one checked for presence and
+    shape when asked for (`fetch`), wrapped as a LazyTensor (`plain`, or `stacked` over
+    layers), and remembered, so that `check_all_used` can refuse the rest."""
+
+    def __init__(self, cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]):
+        self.cfg, self.tensors = cfg, tensors
+        self.used: set[str] = set()
+
+    def fetch(self, name, want):
+        self.used.add(name)
+        if name not in self.tensors:
             raise ValueError(f"checkpoint is missing tensor {name}")
-        arr = tensors[name]()
+        arr = self.tensors[name]()
         if tuple(arr.shape) != tuple(want):
             raise ValueError(
                 f"checkpoint tensor {name} has shape {tuple(arr.shape)}, "
@@ -170,9 +203,9 @@ def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) 
             )
         return arr
 
-    def plain(name, shape, transpose=False):
+    def plain(self, name, shape, transpose=False) -> LazyTensor:
         hf_shape = shape[::-1] if transpose else shape
-        arr = fetch(name, hf_shape)
+        arr = self.fetch(name, hf_shape)
 
         def read(index):
             if transpose:
@@ -181,12 +214,12 @@ def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) 
 
         return LazyTensor(shape, np.float32, read)
 
-    def stacked(module, shape, layer_ids=None):
-        layer_ids = list(range(cfg.num_layers)) if layer_ids is None else layer_ids
+    def stacked(self, module, shape, layer_ids=None) -> LazyTensor:
+        layer_ids = list(range(self.cfg.num_layers)) if layer_ids is None else layer_ids
         per_layer = shape[1:]
         transpose = len(per_layer) == 2
         arrs = [
-            fetch(_hf_layer_names(module, i), per_layer[::-1] if transpose else per_layer)
+            self.fetch(_hf_layer_names(module, i), per_layer[::-1] if transpose else per_layer)
             for i in layer_ids
         ]
 
@@ -200,53 +233,40 @@ def hf_params(cfg: QwenConfig, tensors: Mapping[str, Callable[[], np.ndarray]]) 
 
         return LazyTensor(shape, np.float32, read)
 
-    out = {
-        "embed": plain("model.embed_tokens.weight", shapes["embed"]),
-        "final_norm": plain("model.norm.weight", shapes["final_norm"]),
-        "layers": {k: stacked(k, s) for k, s in shapes["layers"].items()},
-    }
-    if cfg.is_hybrid:
-        out.update(_hybrid_tensors(cfg, shapes, stacked, fetch))
-        # Qwen3.5's RMSNorms hold offsets (x · (1 + w)); jcp's hold the factor 1 + w.
-        # (The gated norm of Gated DeltaNet is a plain one.)
-        out["final_norm"] = _plus_one(out["final_norm"])
-        out["layers"] = {
-            k: _plus_one(t) if k.endswith("_norm") else t for k, t in out["layers"].items()
+    def check_all_used(self) -> None:
+        """A tensor the config does not account for (an o_proj bias, extra layers, …) means
+        the checkpoint is not the model jcp would compute: refuse rather than ignore it."""
+        ignorable = {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
+        extra = sorted(
+            n
+            for n in self.tensors
+            if n not in self.used and n not in ignorable and not n.endswith("rotary_emb.inv_freq")
+        )
+        if extra:
+            more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+            raise ValueError(
+                f"checkpoint has tensor {extra[0]}{more}, which this config does not describe"
+            )
+
+
+def _moe_mlps(cfg: QwenConfig, shapes: dict, r: _Reader) -> dict:
+    """{"dense_mlp" (where some layers are dense), "moe_mlp"}: the router, experts and
+    shared expert of the MoE layers, the dense MLPs of the others."""
+    kinds = cfg.moe_layers
+    dense_ids = [i for i, k in enumerate(kinds) if not k]
+    moe_ids = [i for i, k in enumerate(kinds) if k]
+    out = {}
+    if dense_ids:
+        out["dense_mlp"] = {k: r.stacked(k, s, dense_ids) for k, s in shapes["dense_mlp"].items()}
+    out["moe_mlp"] = {"router": r.stacked("router", shapes["moe_mlp"]["router"], moe_ids)}
+    out["moe_mlp"].update(_expert_tensors(cfg, moe_ids, r.tensors, r.fetch))
+    out["moe_mlp"].update(
+        {
+            k: r.stacked(k, shapes["moe_mlp"][k], moe_ids)
+            for k in shapes["moe_mlp"]
+            if k.startswith("shared_")
         }
-        if "full_attn" in out:
-            out["full_attn"] = {
-                k: _plus_one(t) if k.endswith("_norm") else t for k, t in out["full_attn"].items()
-            }
-    if cfg.is_moe:
-        kinds = cfg.moe_layers
-        dense_ids = [i for i, k in enumerate(kinds) if not k]
-        moe_ids = [i for i, k in enumerate(kinds) if k]
-        if dense_ids:
-            out["dense_mlp"] = {k: stacked(k, s, dense_ids) for k, s in shapes["dense_mlp"].items()}
-        out["moe_mlp"] = {"router": stacked("router", shapes["moe_mlp"]["router"], moe_ids)}
-        out["moe_mlp"].update(_expert_tensors(cfg, moe_ids, tensors, fetch))
-        out["moe_mlp"].update(
-            {
-                k: stacked(k, shapes["moe_mlp"][k], moe_ids)
-                for k in shapes["moe_mlp"]
-                if k.startswith("shared_")
-            }
-        )
-    if "lm_head" in shapes:
-        out["lm_head"] = plain("lm_head.weight", shapes["lm_head"], transpose=True)
-    # A tensor the config does not account for (an o_proj bias, extra layers, …) means the
-    # checkpoint is not the model jcp would compute: refuse rather than ignore it.
-    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    extra = sorted(
-        n
-        for n in tensors
-        if n not in used and n not in ignorable and not n.endswith("rotary_emb.inv_freq")
     )
-    if extra:
-        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise ValueError(
-            f"checkpoint has tensor {extra[0]}{more}, which this config does not describe"
-        )
     return out
 
 
