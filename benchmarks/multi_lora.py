@@ -68,7 +68,11 @@ def datums(n: int, tokens: int, vocab: int, seed: int = 0) -> list:
     rng = np.random.default_rng(seed)
     mean = tokens // n
     lengths = 2 * rng.integers(max(1, mean // 4), mean // 2 + mean // 4 + 1, n)
-    lengths[-1] += tokens - lengths.sum()
+    while lengths.sum() != tokens:  # even steps onto the longest / shortest until exact
+        if lengths.sum() > tokens:
+            lengths[np.argmax(lengths)] -= 2
+        else:
+            lengths[np.argmin(lengths)] += 2
     assert lengths.min() >= 2, lengths
     out = []
     for n_tok in lengths:
