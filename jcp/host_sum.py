@@ -81,7 +81,7 @@ class HostSummedStep:
         self.finish = jax.jit(
             self._finish, static_argnames=("num_slots", "modules"), donate_argnums=(0,)
         )
-        self._forward_partials = self._make_partials(step_cfg, backward=False)
+        self.forward_partials = self._make_partials(step_cfg, backward=False)
         self._forward_finish = jax.jit(self._finish_forward, static_argnames=("num_slots",))
 
     def forward(
@@ -89,7 +89,7 @@ class HostSummedStep:
     ):
         """make_forward's (loss, out), the outputs summed on the host."""
         local = self.local_sum(
-            self._forward_partials(
+            self.forward_partials(
                 lora,
                 params,
                 slot_meta,
@@ -119,18 +119,8 @@ class HostSummedStep:
 
             def shard(active, params, slot_meta, b: train_step.Batch, loss_cfg):
                 def local(active):
-                    return train_step.stream_loss(
-                        cfg,
-                        step_cfg,
-                        loss_fns,
-                        num_slots,
-                        active,
-                        params,
-                        slot_meta,
-                        b,
-                        loss_cfg,
-                        summed=False,
-                    )
+                    p = train_step.PassConfig(cfg, mesh, step_cfg, loss_fns, num_slots)
+                    return p.stream_loss(active, params, slot_meta, b, loss_cfg, summed=False)
 
                 if backward:
                     # Varying over dp and cp, so that nothing sums the gradient over them
@@ -209,20 +199,11 @@ class HostSummedStep:
         return acc, loss, out, finite_A
 
     def compile(
-        self,
-        remat: bool,
-        acc,
-        lora,
-        params,
-        slot_meta,
-        batch,
-        loss_cfg,
-        *,
-        loss_fns,
-        num_slots,
-        modules=None,
+        self, remat: bool, args: tuple, *, loss_fns, num_slots, modules=None
     ) -> HostSummedProgram:
-        """Both programs compiled for these arguments."""
+        """Both programs compiled for args: (acc, lora, params, slot_meta, batch, loss_cfg),
+        forward_backward's arguments without custom_args."""
+        acc, lora, params, slot_meta, batch, loss_cfg = args
         partials = (
             self.partials[remat]
             .lower(

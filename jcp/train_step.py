@@ -81,18 +81,23 @@ def batch_specs() -> Batch:
     )
 
 
-def stream_loss(
-    cfg: QwenConfig,
-    step_cfg: StepConfig,
-    loss_fns: tuple[str, ...],
-    num_slots: int,
-    lora_active,
-    params,
-    slot_meta,
-    b: Batch,
-    loss_cfg,
-    **kw,
-):
+@dataclasses.dataclass(frozen=True)
+class PassConfig:
+    """What a compiled step fixes for its shard_map'd pass: the model, the mesh, the step
+    settings, the batch's loss names (tokens pick theirs by loss_id) and datum slots."""
+
+    cfg: QwenConfig
+    mesh: object
+    step_cfg: StepConfig
+    loss_fns: tuple[str, ...]
+    num_slots: int
+
+    def stream_loss(self, lora_active, params, slot_meta, b: Batch, loss_cfg, **kw):
+        """stream_loss of this pass (inside the shard_map)."""
+        return stream_loss(self, lora_active, params, slot_meta, b, loss_cfg, **kw)
+
+
+def stream_loss(p: PassConfig, lora_active, params, slot_meta, b: Batch, loss_cfg, **kw):
     """model_loss of this device's row of the batch, inside the shard_map (kw: its
     keep_token_logprobs / summed, LossOptions)."""
     one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
@@ -107,39 +112,12 @@ def stream_loss(
         loss_id_S=one(b.loss_id),
         call_tokens=b.call_tokens,
     )
-    opts = LossOptions(loss_fns, num_slots, **kw)
-    return model_loss(cfg, step_cfg, params, lora_active, route, stream, loss_cfg, opts)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pass:
-    """What a compiled step fixes for its shard_map'd pass: the model, the mesh, the step
-    settings, the batch's loss names (tokens pick theirs by loss_id) and datum slots."""
-
-    cfg: QwenConfig
-    mesh: object
-    step_cfg: StepConfig
-    loss_fns: tuple[str, ...]
-    num_slots: int
-
-    def stream_loss(self, lora_active, params, slot_meta, b: Batch, loss_cfg, **kw):
-        """stream_loss of this pass (inside the shard_map)."""
-        return stream_loss(
-            self.cfg,
-            self.step_cfg,
-            self.loss_fns,
-            self.num_slots,
-            lora_active,
-            params,
-            slot_meta,
-            b,
-            loss_cfg,
-            **kw,
-        )
+    opts = LossOptions(p.loss_fns, p.num_slots, **kw)
+    return model_loss(p.cfg, p.step_cfg, params, lora_active, route, stream, loss_cfg, opts)
 
 
 def _loss_and_outputs(
-    p: _Pass,
+    p: PassConfig,
     lora_active,
     params,
     slot_meta,
@@ -203,7 +181,7 @@ def folds_outputs(cfg: QwenConfig, custom) -> bool:
     return custom is None and not cfg.is_moe
 
 
-def _folded_value_and_grad(p: _Pass, lora_active, params, slot_meta, batch: Batch, loss_cfg):
+def _folded_value_and_grad(p: PassConfig, lora_active, params, slot_meta, batch: Batch, loss_cfg):
     """(gradient w.r.t. lora_active, loss, ShardOutputs) — _loss_and_outputs and its
     gradient, with the outputs summed over (dp, cp) in the backward pass's one all-reduce.
 
@@ -399,7 +377,7 @@ def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
         modules=None,
     ):
         active = lora_lib.take_active(used_modules(lora, modules), slot_meta.page_GK, batch.active)
-        p = _Pass(cfg, mesh, step_cfg, loss_fns, num_slots)
+        p = PassConfig(cfg, mesh, step_cfg, loss_fns, num_slots)
         return _loss_and_outputs(p, active, params, slot_meta, batch, loss_cfg, custom, custom_args)
 
     return forward
@@ -440,7 +418,7 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig, fold: boo
         custom=None,
         modules=None,
     ):
-        p = _Pass(cfg, mesh, step_cfg, loss_fns, num_slots)
+        p = PassConfig(cfg, mesh, step_cfg, loss_fns, num_slots)
 
         def loss_of(active):
             return _loss_and_outputs(

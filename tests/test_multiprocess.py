@@ -108,13 +108,13 @@ def test_outputs_summed_with_the_gradient_are_the_forward_sums():
     )
     runs = []
     for fold in (True, False):
-        tr._fb_steps = {
+        tr.programs.fb_steps = {
             r: train_step.make_forward_backward(
                 tr.cfg, tr.mesh, dataclasses.replace(tr.step_cfg, remat=r), fold=fold
             )
-            for r in tr._fb_steps
+            for r in tr.programs.fb_steps
         }
-        tr._fb_programs.clear()
+        tr.programs.compiled.clear()
         a, b = tr.create_adapter(rank=4, seed=1), tr.create_adapter(rank=8, seed=2)
         out = tr.forward_backward(data, "ppo", adapters=[a, b, a, b, a])
         (program,) = tr.forward_backward_programs.values()
@@ -176,7 +176,7 @@ def test_sums_on_host_match_the_all_reduce():
         for k, v in tr.gradients(a).items():
             np.testing.assert_array_equal(v, kept[k], err_msg=k)
         # forward took the host sum's programs exactly where they were asked for.
-        assert (tr._host_step._forward_partials._cache_size() > 0) == on_host
+        assert (tr.programs.host_step.forward_partials._cache_size() > 0) == on_host
         runs.append((out, tr.gradients(a), tr.gradients(b), program, fwd))
     (ref, ra, rb, one, ref_fwd), (got, ga, gb, two, got_fwd) = runs
     assert isinstance(two, host_sum.HostSummedProgram) and not isinstance(

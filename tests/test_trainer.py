@@ -373,9 +373,9 @@ def test_micro_batches_match_single_pass(folders):
     def spy(tr):
         inner = tr._forward_backward
 
-        def wrapped(acc, lora, params, scale, b, *rest, **kw):
-            seen.append((tr, np.asarray(b.segment)))
-            return inner(acc, lora, params, scale, b, *rest, **kw)
+        def wrapped(acc, lora, step_args, static):
+            seen.append((tr, np.asarray(step_args[2].segment)))  # (params, meta, batch, …)
+            return inner(acc, lora, step_args, static)
 
         tr._forward_backward = wrapped
         return inner

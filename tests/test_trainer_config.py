@@ -34,6 +34,23 @@ def test_bad_settings(kw, pattern):
         jcp.Trainer(jcp.QwenConfig.tiny(), jcp.make_mesh(1, 1, 1), **kw)
 
 
+def test_options_object_equals_keywords():
+    """TrainerOptions builds the Trainer its keywords build; both at once are refused."""
+    from jcp.trainer import TrainerOptions
+
+    cfg, mesh = jcp.QwenConfig.tiny(), jcp.make_mesh(1, 1, 1)
+    kw = dict(attn_block=32, logprob_chunk=64, remat=False, expert_lora_modes=["shared_outer"])
+    a = jcp.Trainer(cfg, mesh, options=TrainerOptions(**kw))
+    b = jcp.Trainer(cfg, mesh, **kw)
+    assert a.step_cfg == b.step_cfg != jcp.Trainer(cfg, mesh).step_cfg
+    assert a.options == b.options and a.options.expert_lora_modes == ("shared_outer",)
+    assert a.state.expert_lora_modes == b.state.expert_lora_modes == ("shared_outer",)
+    with pytest.raises(ValueError, match="not both"):
+        jcp.Trainer(cfg, mesh, attn_block=32, options=TrainerOptions(remat=False))
+    with pytest.raises(ValueError, match="remat_budget_bytes"):
+        TrainerOptions(remat_budget_bytes=0)
+
+
 @pytest.mark.parametrize("vocab, tp", [(512, 1), (151936, 1), (151936, 2)])
 def test_default_logprob_chunk_bounds_the_logits(vocab, tp):
     cfg = jcp.QwenConfig.tiny(vocab_size=vocab)

@@ -1,0 +1,135 @@
+"""One Trainer's jitted steps and their compiled programs: forward and forward_backward
+(train_step) for its model, mesh and step settings, the compiled forward_backward program
+of each batch shape with remat="auto" decided per program (jcp/remat.py), and the
+host-summed variants of a multi-process XLA:CPU job (jcp/host_sum.py, where
+`sums_on_host`).
+
+It compiles and runs programs only; it never validates a call (jcp.calls, the Trainer)
+and never holds adapter state (the caller passes the tables in and keeps what comes
+back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+from jcp import host_sum, train_step
+from jcp import remat as remat_lib
+from jcp.config import QwenConfig
+from jcp.mesh import TP, axis_size
+
+
+class StepPrograms:
+    """The steps of one (model, mesh, StepConfig) and a cache of compiled forward_backward
+    programs keyed by everything a program is specialised on.
+
+    `fb_steps` {remat: jitted forward_backward} holds both variants under remat="auto";
+    `compiled` the programs so far; `decisions` how each one's remat was chosen (the
+    Trainer's remat_decisions); `sums_on_host` whether forward and forward_backward (dense
+    models, Tinker losses) take the host-summed path (settable before the first call).
+    """
+
+    def __init__(
+        self,
+        cfg: QwenConfig,
+        mesh,
+        step_cfg: train_step.StepConfig,
+        max_rank: int,
+        budget_bytes: int | None = None,
+    ):
+        self.cfg, self.mesh, self.step_cfg, self.max_rank = cfg, mesh, step_cfg, max_rank
+        self.forward_step = train_step.make_forward(cfg, mesh, step_cfg)
+        self.fb_steps = {
+            r: train_step.make_forward_backward(cfg, mesh, dataclasses.replace(step_cfg, remat=r))
+            for r in (True, False)
+            if step_cfg.remat in (r, "auto")
+        }
+        self._budget = budget_bytes
+        self.sums_on_host = host_sum.sums_on_host(mesh)
+        self.compiled: dict = {}
+        self.decisions: dict = {}
+
+    @functools.cached_property
+    def host_step(self) -> host_sum.HostSummedStep:
+        return host_sum.HostSummedStep(self.cfg, self.mesh, self.step_cfg, tuple(self.fb_steps))
+
+    def budget_bytes(self) -> int:
+        """The per-device bytes a forward_backward program may take without recomputation
+        (None at construction: remat.default_budget of the mesh, taken on first use)."""
+        if self._budget is None:
+            self._budget = remat_lib.default_budget(self.mesh)
+        return self._budget
+
+    def forward(self, lora, step_args: tuple, static: dict):
+        """train_step's forward -> (loss, out); host-summed where sums_on_host allows.
+        step_args: (params, slot_meta, batch, loss_cfg, custom_args); static: its
+        keywords loss_fns, num_slots, custom, modules."""
+        if self.sums_on_host and train_step.folds_outputs(self.cfg, static["custom"]):
+            return self.host_step.forward(
+                lora,
+                *step_args[:-1],
+                loss_fns=static["loss_fns"],
+                num_slots=static["num_slots"],
+                modules=static["modules"],
+            )
+        return self.forward_step(lora, *step_args, **static)
+
+    def forward_backward(self, acc, lora, step_args: tuple, static: dict):
+        """train_step's forward_backward through the program compiled for this batch's
+        shapes (with remat="auto", the one `decide` picks); step_args and static as
+        `forward`'s."""
+        args = (acc, lora, *step_args)
+        _, _, batch, loss_cfg, custom_args = step_args
+        # Everything the compiled program is specialised on: the per-call arguments' tree and
+        # every leaf's shape and dtype (2-D targets, custom inputs), and the static arguments.
+        per_call = (batch, loss_cfg, custom_args)
+        key = (
+            jax.tree.structure(per_call),
+            tuple((x.shape, x.dtype) for x in jax.tree.leaves(per_call)),
+            *(static[k] for k in ("loss_fns", "num_slots", "custom", "modules")),
+        )
+        if key not in self.compiled:
+            self.compiled[key], self.decisions[key] = self._compile(key, args, static)
+        return self.compiled[key](*args)
+
+    def _compile(self, key, args: tuple, static: dict):
+        """(the program for args, its remat decision)."""
+        on_host = self.sums_on_host and train_step.folds_outputs(self.cfg, static["custom"])
+
+        def compile_(remat):
+            if on_host:
+                return self.host_step.compile(
+                    remat,
+                    args[:-1],
+                    loss_fns=static["loss_fns"],
+                    num_slots=static["num_slots"],
+                    modules=static["modules"],
+                )
+            return self.fb_steps[remat].lower(*args, **static).compile()
+
+        remat = self.step_cfg.remat
+        if remat != "auto":
+            decision = {"remat": remat, "bytes": None, "budget": None, "estimate": None}
+            return compile_(remat), {**decision, "how": None}
+        program, decision = self.decide(key, args, args[4].tokens.shape[-1], compile_)
+        return program or compile_(decision["remat"]), decision
+
+    def decide(self, key, args, s_len: int, compile_):
+        """remat="auto": (the program without recomputation if it was compiled to decide,
+        else None; the decision) — remat.decide for this model, mesh and budget."""
+        store = remat_lib.RematStore.open(
+            key, self.cfg, self.mesh, self.step_cfg, self.budget_bytes()
+        )
+        return remat_lib.decide(
+            self.cfg,
+            axis_size(self.mesh, TP),
+            self.max_rank,
+            self.budget_bytes(),
+            args,
+            s_len,
+            compile_,
+            store,
+        )

@@ -1,0 +1,118 @@
+"""TrainerOptions: the Trainer's tuning settings (its keyword-only constructor arguments)
+in one frozen, validated value, each field documented.
+
+`Trainer(cfg, mesh, …, remat=…, attn_impl=…)` and `Trainer(cfg, mesh, …,
+options=TrainerOptions(remat=…, attn_impl=…))` build the same Trainer. What needs neither
+the model nor the mesh is checked here (ValueError); the rest, and every default that
+depends on them, is resolved by the Trainer (the step settings by train_step.StepConfig).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jcp import lora as lora_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerOptions:
+    """The Trainer's tuning settings. None means: resolved for the model and mesh."""
+
+    remat: bool | str = "auto"
+    """True: recompute each layer in the backward pass (keeping only the attention
+    kernel's output and log-sum-exp); False: keep every activation the backward needs;
+    "auto": decided per compiled forward_backward program (one per batch shape) by whether
+    the program without recomputation fits remat_budget_bytes per device (arguments +
+    outputs + temporaries, donated buffers once), compiling only the program it keeps
+    wherever it can: from remat.estimate (jcp/remat.py: the config, the stream length and
+    the placed arguments; no compile) where that is clearly within or beyond the budget
+    (Trainer.REMAT_MARGIN), else from a decision an earlier process measured, stored
+    beside the persistent compilation cache, else by compiling the program without
+    recomputation and reading XLA's memory analysis of it (the recomputing one is compiled
+    only if it does not fit). Both give the same numbers; recomputation only costs time
+    (about one more forward pass), so it is spent only where memory requires it.
+    Trainer.remat_decisions says what was chosen."""
+
+    remat_budget_bytes: int | None = None
+    """Per-device bytes of a program without recomputation (remat="auto"). None: 90% of
+    the device's memory limit on an accelerator; on CPU, half the host's physical memory
+    shared by its local devices; with several processes, the smallest of theirs, so that
+    every process compiles the same programs."""
+
+    attn_impl: str = "auto"
+    """"auto" (attention.resolve_implementation: "pallas" on GPUs for bf16/fp16 models,
+    "cpu" on CPU devices where the C++ kernels build and the head dim is one of
+    attention.cpu.HEAD_DIMS, else "blockwise"), "blockwise" (the reference kernel in plain
+    JAX), "cpu" (fused C++ flash-attention kernels for XLA:CPU, compiled on first use with
+    the system C++ compiler into ~/.cache/jcp; fp32 inside, bf16 converted; on CPU faster
+    end to end than "blockwise": benchmarks/RESULTS.md; see jcp/attention/cpu.py),
+    "pallas" (a fused Pallas flash-attention kernel for GPUs, Triton; interpreted —
+    slowly, for tests — on CPU; see jcp/attention/pallas.py) or "dense" (tests only).
+    Trainer.step_cfg.attn_impl says which one was chosen."""
+
+    attn_block: int | None = None
+    """Attention tile rows of "blockwise" and "pallas" ("cpu" has its own 64-row tiles).
+    None: 64 on CPU, where the masked half of diagonal tiles dominates, 512 on
+    accelerators."""
+
+    logprob_chunk: int | None = None
+    """Tokens per log-prob chunk. None: at most 1024, fewer for large vocabularies so that
+    one chunk's fp32 logits [chunk, V/tp] stay within 256 MiB."""
+
+    cp_attention: str = "auto"
+    """How a rank's queries reach the other cp ranks' keys: "gather" all-gathers K/V (one
+    collective; every rank holds all CP·S keys and their fp32 gradients per layer), "ring"
+    passes them around the cp ring with ppermute (cp − 1 hops each way; memory O(S) per
+    rank), "auto" rings iff cp > 1 and the gathered K/V of one layer with their fp32
+    gradients, CP·S·K·H·2·(itemsize + 4) bytes (K local kv heads under tp), would exceed
+    attention.RING_ABOVE_BYTES (64 MiB) — decided per compiled stream length, so short
+    batches gather and long ones ring. attn_impl "dense" always gathers."""
+
+    router_aux_loss_coef: float = 0.0
+    """MoE models only (≥ 0): adds c · Σ over MoE layers of E · Σ_e f_e · P_e (Switch
+    Transformer's load-balancing loss; f_e the fraction of the layer's (token, choice)
+    assignments routed to expert e, P_e the mean router probability of e, over the call's
+    real tokens on all dp and cp shards; see moe.load_balancing_loss) to the
+    differentiated loss, so its gradient reaches the adapters' factors upstream of each
+    (frozen) router; it is reported as the metric router_aux_loss:sum, and loss:sum stays
+    the Tinker token sum without it. A call split into several micro-batches
+    (max_tokens_per_device) gets the token-weighted mean of the micro-batches' terms, f
+    and P then taken per micro-batch. 0: Tinker's losses are pure token sums."""
+
+    expert_lora_modes: tuple[str, ...] = lora_lib.EXPERT_LORA
+    """The expert parameterisations (lora.EXPERT_LORA) the slots can hold, for MoE models:
+    all by default; ("shared_outer",) drops the per-expert hidden-side factors from every
+    slot (the bulk of a per-expert adapter: at r = 32 on Qwen3-30B-A3B 462 M instead of
+    1.66 B parameters per slot, each held four times — weights, accumulator, two AdamW
+    moments), and per-expert adapters (PEFT imports) are then refused."""
+
+    adapter_memory: int | str | None = None
+    """Bytes of each device for the adapter tables. None: room for max_adapters adapters
+    at max_rank; "auto": trainer.AUTO_ADAPTER_MEMORY of the device's free memory once the
+    base model is placed, at most that room. They are paged by rank
+    (jcp/adapter_state.py): an adapter of rank r holds ⌈r / 8⌉ pages of rank 8 (for
+    max_rank a multiple of 8), each with its weights, gradient accumulator and two AdamW
+    moments, so many low-rank adapters fit where few max-rank ones would; max_adapters
+    then bounds the count only (its per-slot cost is a few bytes of metadata). An adapter
+    that does not fit is refused (InputError) before any device work; state.room(rank)
+    says whether one fits."""
+
+    def __post_init__(self):
+        b = self.remat_budget_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"remat_budget_bytes must be a positive integer or None, got {b!r}")
+        modes = self.expert_lora_modes
+        modes = tuple(modes) if isinstance(modes, (list, tuple)) else ()
+        if (
+            not modes
+            or len(set(modes)) < len(modes)
+            or any(m not in lora_lib.EXPERT_LORA for m in modes)
+        ):
+            raise ValueError(
+                f"expert_lora_modes must be a non-empty tuple of distinct "
+                f"{lora_lib.EXPERT_LORA}, got {self.expert_lora_modes!r}"
+            )
+        object.__setattr__(self, "expert_lora_modes", modes)
+        m = self.adapter_memory
+        if m != "auto" and m is not None and (isinstance(m, bool) or not isinstance(m, int)):
+            raise ValueError(f"adapter_memory must be bytes (an int), 'auto' or None, got {m!r}")
