@@ -20,13 +20,16 @@ how many of alice's requests ran or were refused. Bounded: a victim request coun
 --timeout s; alice's queued work is cancelled at the end and what still runs gets --drain
 s; then the server is stopped.
 
-The untimed spell lasts --settle s (60): shapes the neighbour's load reaches only late
+The untimed spell lasts --settle s (240): shapes the neighbour's load reaches only late
 (her long samples' table rungs, row buckets; the server runs with --no-warmup) would
 otherwise compile in the timed phase, each stalling the worker for seconds — a compile
 cost, not a scheduling one (docs/serving.md, "Fairness across tenants"); with 10 s,
-bob's p99 beside her read 5-10 s from those compiles alone.
+bob's p99 beside her read 5-10 s from those compiles alone, and since each decode
+program holds every draw kind (longer compiles), 60 s no longer covers them either
+(2026-12-05, load ~7: bob's p99 beside her 37 s, 578×, every timed request behind a
+compile).
 
-    python benchmarks/noisy_neighbour.py [--seconds 20] [--rate 4] [--settle 60] [--smoke]
+    python benchmarks/noisy_neighbour.py [--seconds 20] [--rate 4] [--settle 240] [--smoke]
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import argparse
 import asyncio
 import collections
 import json
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -72,7 +77,7 @@ def parse_args(argv):
         "--settle",
         type=float,
         default=None,
-        help="seconds of the untimed spell beside the neighbour (default 60, --smoke: "
+        help="seconds of the untimed spell beside the neighbour (default 240, --smoke: "
         "--seconds): so that the shapes her load reaches late (her long samples' table "
         "rungs, row buckets) compile before bob is timed",
     )
@@ -92,7 +97,7 @@ def parse_args(argv):
         a.seconds, a.rate, a.max_num_samples, a.max_datums = 2.0, 5.0, 4, 4
         a.context, a.sample_slots = 256, 16
     if a.settle is None:
-        a.settle = a.seconds if a.smoke else 60.0
+        a.settle = a.seconds if a.smoke else 240.0
     return a
 
 
@@ -157,12 +162,19 @@ async def victim(t: Tenant, st: dict, a, vocab: int, seconds: float) -> list[tup
     rng = np.random.default_rng(1)
 
     async def one(k: int):
+        import httpx
+
+        kind = "forward" if k % 2 else "sample"
         t0 = time.perf_counter()
         try:
             await asyncio.wait_for(send(k), a.timeout)
         except TimeoutError:  # counted at the bound: p99 then reads ≥ --timeout
             pass
-        lat.append(("forward" if k % 2 else "sample", time.perf_counter() - t0))
+        except httpx.TransportError:
+            # A connection the server dropped (a keep-alive closed as it was reused, under
+            # load): not timed, counted apart.
+            kind = "dropped " + kind
+        lat.append((kind, time.perf_counter() - t0))
 
     async def send(k: int):
         if k % 2:
@@ -234,7 +246,7 @@ async def hostile(url: str, st: dict, a, vocab: int, ctx: int, stop) -> dict:
     queued work is cancelled and what already runs is waited for. -> counts."""
     import httpx
 
-    rids: list[str] = []
+    rids: set[str] = set()  # her futures not yet answered (cancelled at the end)
     counts = collections.Counter()
     prompt = list(range(1, 9))
     length = max(16, min(ctx - 1, a.max_body_bytes // (a.max_datums * 20)))
@@ -255,8 +267,14 @@ async def hostile(url: str, st: dict, a, vocab: int, ctx: int, stop) -> dict:
         async def submit(route, content, headers):
             r = await t.post(route, content=content, **headers)
             if r.status_code == 200 and "request_id" in r.json():
-                rids.append(r.json()["request_id"])
+                rids.add(r.json()["request_id"])
             return r
+
+        async def result(answer):
+            out = await t.result(answer)
+            if answer.status_code == 200:
+                rids.discard(answer.json().get("request_id"))
+            return out
 
         def count(what: str, out: dict) -> None:
             counts[
@@ -267,18 +285,18 @@ async def hostile(url: str, st: dict, a, vocab: int, ctx: int, stop) -> dict:
             # The longest the engine admits at this many samples: from the context's end,
             # halved while refused for pages.
             while True:
-                out = await t.result(await submit("asample", *big[0]))
+                out = await result(await submit("asample", *big[0]))
                 if "proto" in out or big[1] <= 16 or "pages" not in str(out.get("error")):
                     break
                 big[:] = big_sample(big[1] // 2)
             count("big samples", out)
             while True:
-                count("big samples", await t.result(await submit("asample", *big[0])))
+                count("big samples", await result(await submit("asample", *big[0])))
 
         async def futures_burst():
             while True:
                 answers = await asyncio.gather(*(submit("asample", *small) for _ in range(256)))
-                for out in await asyncio.gather(*(t.result(r) for r in answers)):
+                for out in await asyncio.gather(*(result(r) for r in answers)):
                     count("burst samples", out)
 
         async def big_forwards():
@@ -287,7 +305,7 @@ async def hostile(url: str, st: dict, a, vocab: int, ctx: int, stop) -> dict:
                 head = pb.ForwardBackwardRequest(model_id=st["model"], seq_id=st["seq"])
                 count(
                     "big forwards",
-                    await t.result(
+                    await result(
                         await submit(
                             "forward_backward",
                             head.SerializeToString() + big_fb,
@@ -317,7 +335,14 @@ async def hostile(url: str, st: dict, a, vocab: int, ctx: int, stop) -> dict:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*(t.post("cancel_future", {"request_id": r}) for r in rids))
+        # A few at a time: thousands of posts at once cost httpx's pool quadratic time.
+        gate = asyncio.Semaphore(32)
+
+        async def cancel(r):
+            async with gate:
+                await t.post("cancel_future", {"request_id": r})
+
+        await asyncio.gather(*(cancel(r) for r in rids))
         # What was already running may finish, for at most --drain seconds.
         waits = [asyncio.create_task(t.wait(r)) for r in rids]
         _, running = await asyncio.wait(waits, timeout=a.drain) if waits else ((), ())
@@ -364,6 +389,22 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs) * 1e3, q))
 
 
+def log_size(a) -> int:
+    return os.path.getsize(a.server_log)
+
+
+def compiles_since(a, at: int) -> tuple[int, float]:
+    """(programs, seconds) the server compiled since its log was `at` bytes long
+    (JAX_LOG_COMPILES: a compile stalls the worker, whoever's shape it is)."""
+    with open(a.server_log, errors="replace") as f:
+        f.seek(at)
+        secs = [
+            float(m)
+            for m in re.findall(r"Finished XLA compilation of .* in ([0-9.]+) sec", f.read())
+        ]
+    return len(secs), sum(secs)
+
+
 async def drive(a, url: str) -> dict:
     import httpx
 
@@ -380,17 +421,22 @@ async def drive(a, url: str) -> dict:
         vocab = jcp.QwenConfig.tiny().vocab_size
         b, h = await setup(bob, name), await setup(alice, name)
         await victim(bob, b, a, vocab, 2 / a.rate)  # compiles bob's shapes, untimed
+        at = log_size(a)
         alone = await victim(bob, b, a, vocab, a.seconds)
+        compiles = {"alone": compiles_since(a, at)}
         with Neighbour(url, h, a, vocab, ctx) as n:
             # Untimed first: whatever alice's load compiles (bob's forwards fused with
             # hers too) is compiled before bob is timed beside her.
             await victim(bob, b, a, vocab, a.settle)
+            at = log_size(a)
             beside = await victim(bob, b, a, vocab, a.seconds)
+            compiles["beside"] = compiles_since(a, at)
         counts = n.counts
         health = await bob.client.get("/api/v1/healthz")
         return {
             "alone": alone,
             "beside": beside,
+            "compiles": compiles,
             "counts": dict(counts),
             "ctx": ctx,
             "healthy": health.status_code == 200,
@@ -400,8 +446,13 @@ async def drive(a, url: str) -> dict:
 def main(argv=None) -> dict:
     a = parse_args(sys.argv[1:] if argv is None else argv)
     folder = tempfile.mkdtemp(prefix="jcp-noisy-")
+    a.server_log = os.path.join(folder, "server.log")
     t0 = time.monotonic()
-    proc, url = start_server(a, folder)
+    os.environ["JAX_LOG_COMPILES"] = "1"  # the server's log counts its compiles
+    try:
+        proc, url = start_server(a, folder)
+    finally:
+        del os.environ["JAX_LOG_COMPILES"]
     print(
         f"jcp-serve at {url} (started in {time.monotonic() - t0:.0f} s); phases of "
         f"{a.seconds:g} s, victim at {a.rate:g} requests/s",
@@ -415,12 +466,17 @@ def main(argv=None) -> dict:
     rows = {}
     for phase in ("alone", "beside"):
         for kind in ("sample", "forward", "all"):
-            xs = [s for k, s in res[phase] if kind in (k, "all")]
+            xs = [s for k, s in res[phase] if kind in (k, "all") and "dropped" not in k]
             rows[phase, kind] = (pct(xs, 50), pct(xs, 99), len(xs))
             print(
                 f"victim {phase:>6} {kind:>7}: p50 {rows[phase, kind][0]:8.1f} ms   "
                 f"p99 {rows[phase, kind][1]:8.1f} ms   ({len(xs)} requests)"
             )
+        n, secs = res["compiles"][phase]
+        print(f"victim {phase:>6}: the server compiled {n} programs ({secs:.1f} s) meanwhile")
+        dropped = sum("dropped" in k for k, _ in res[phase])
+        if dropped:
+            print(f"victim {phase:>6}: {dropped} requests on a dropped connection (not timed)")
     rows = {phase: rows[phase, "all"] for phase in ("alone", "beside")}
     ratio = rows["beside"][1] / rows["alone"][1]
     print(
