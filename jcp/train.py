@@ -18,12 +18,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
-import json
 import os
-import re
-import shutil
 import sys
 
 from jcp.cli import (
@@ -43,13 +38,49 @@ from jcp.cli import (
     setup_compilation_cache,
     setup_devices,
 )
-from jcp.files import atomic_write
+from jcp.train_job.data import (
+    NAME_MAX,
+    PROMPT,
+    DataFile,
+    blame,
+    load_data,
+    read_jsonl,
+    reward,
+    rl_rollouts,
+    synthetic_sft,
+)
+from jcp.train_job.run_files import (
+    plot_metrics,
+    progress_postfix,
+    read_latest,
+    save_run,
+    trim_metrics,
+    write_metrics,
+)
+
+# The job's data and files live in jcp.train_job; their names stay importable from here.
+__all__ = [
+    "NAME_MAX",
+    "PROMPT",
+    "DataFile",
+    "load_data",
+    "main",
+    "parse_args",
+    "plot_metrics",
+    "progress_postfix",
+    "read_jsonl",
+    "read_latest",
+    "reward",
+    "rl_rollouts",
+    "run",
+    "save_run",
+    "synthetic_sft",
+    "write_metrics",
+]
 
 SFT, RL = "sft", "rl"
-PROMPT = 16  # leading tokens of every synthetic datum that carry no weight/advantage
 RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
 MAX_STEP_TOKENS = 1 << 24  # per adapter per step: ~64 MiB per int32 host array
-NAME_MAX = 255  # bytes in a file name: adapter names become checkpoint folders
 
 
 def parse_args(argv):
@@ -201,365 +232,6 @@ def _check_with_jcp(a) -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# Data
-
-
-def synthetic_sft(step: int, seed: int, batch_size: int, seq_len: int, vocab: int):
-    """The sft task, deterministic in (seed, step), so a resumed run sees the same data:
-    counting sequences t_{i+1} = t_i + 3 (mod 64) over tokens [0, 64), cross_entropy on
-    every token after the prompt. Returns datums."""
-    import numpy as np
-
-    from jcp import Datum
-
-    if vocab < 129:
-        raise CliError(f"the synthetic tasks need a vocabulary of at least 129 tokens, got {vocab}")
-    rng = np.random.default_rng([seed, step])
-    data = []
-    for _ in range(batch_size):
-        start = rng.integers(0, 64)
-        seq = (start + 3 * np.arange(seq_len + 1)) % 64
-        w = np.ones(seq_len, np.float32)
-        w[:PROMPT] = 0.0
-        data.append(Datum(seq[:-1], {"target_tokens": seq[1:], "weights": w}))
-    return data
-
-
-def reward(tokens) -> float:
-    """The verifiable reward of a completion: the fraction of its tokens that are even."""
-    import numpy as np
-
-    tokens = np.asarray(tokens)
-    return float(np.mean(tokens % 2 == 0)) if tokens.size else 0.0
-
-
-def rl_rollouts(tr, adapter: int, step: int, args):
-    """On-policy rollouts of the rl adapter: --batch-size prompts (random tokens of
-    [64, 128), deterministic in (seed, step)), --group-size completions each sampled at
-    T = 1 from the adapter's current weights (seeded by (seed, step), so a resumed run
-    samples the same), scored by `reward`. GRPO advantage: the reward standardised within
-    its group, on every completion token (0 on the prompt). Datums carry the sampler's
-    log-probs, so the importance ratio starts at exactly 1.
-    Returns (datums, rewards).
-    """
-    import numpy as np
-
-    import jcp
-
-    rng = np.random.default_rng([args.seed, step, 1])
-    prompts = [rng.integers(64, 128, PROMPT) for _ in range(args.batch_size)]
-    sp = jcp.SamplingParams(
-        max_tokens=args.rl_tokens, temperature=1.0, seed=int(rng.integers(0, 2**62))
-    )
-    results = tr.sample(prompts, sp, adapters=adapter, num_samples=args.group_size)
-    data, rewards = [], []
-    for prompt, res in zip(prompts, results):
-        r = np.array([reward(s.tokens) for s in res.sequences])
-        adv = (r - r.mean()) / (r.std() + 1e-6)
-        for seq, a in zip(res.sequences, adv):
-            full = np.concatenate([prompt, seq.tokens]).astype(np.int32)
-            advantages = np.zeros(len(full) - 1, np.float32)
-            logprobs = np.zeros(len(full) - 1, np.float32)
-            advantages[PROMPT - 1 :] = a
-            logprobs[PROMPT - 1 :] = seq.logprobs
-            data.append(
-                jcp.Datum(
-                    full[:-1],
-                    {"target_tokens": full[1:], "advantages": advantages, "logprobs": logprobs},
-                )
-            )
-        rewards.extend(r.tolist())
-    return data, rewards
-
-
-@dataclasses.dataclass(frozen=True)
-class DataFile:
-    """The datums of a --data file, and the line each came from."""
-
-    path: str
-    datums: list
-    adapters: list[str]  # per datum
-    losses: list[str]  # per datum
-    lines: list[int]  # per datum, 1-based
-
-    @functools.cached_property
-    def by_adapter(self) -> dict[str, list[int]]:
-        """{adapter name: its datums}, names sorted."""
-        return {
-            n: [i for i, m in enumerate(self.adapters) if m == n]
-            for n in sorted(set(self.adapters))
-        }
-
-    @property
-    def adapter_names(self) -> list[str]:
-        return list(self.by_adapter)
-
-    def batch(self, step: int, batch_size: int):
-        """batch_size datums of every adapter for `step`, each adapter cycling its own lines
-        -> (datums, adapter names, loss names, their indices here)."""
-        picks = [
-            mine[((step - 1) * batch_size + j) % len(mine)]
-            for mine in self.by_adapter.values()
-            for j in range(batch_size)
-        ]
-        return (
-            [self.datums[i] for i in picks],
-            [self.adapters[i] for i in picks],
-            [self.losses[i] for i in picks],
-            picks,
-        )
-
-    def where(self, i: int) -> str:
-        return f"{self.path}:{self.lines[i]}"
-
-
-def _text_lines(path: str):
-    """(line number, text) of a UTF-8 file; a file that cannot be read is a CliError."""
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise CliError(f"{path}: {e.strerror}") from None
-    with f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                yield lineno, raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise CliError(
-                    f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start} of the line)"
-                ) from None
-
-
-def _tokens_ok(model_input) -> bool:
-    """A list, or Tinker's ModelInput {"chunks": [{"tokens": [...]}, ...]}."""
-    if isinstance(model_input, list):
-        return True
-    chunks = model_input.get("chunks") if isinstance(model_input, dict) else None
-    return isinstance(chunks, list) and all(
-        isinstance(ch, dict) and isinstance(ch.get("tokens"), list) for ch in chunks
-    )
-
-
-def _parse_datum(obj, default_loss: str):
-    """One JSON line -> (Datum, adapter name, loss name); InputError names the field."""
-    import jcp
-    from jcp.losses import check_loss_fn
-
-    if not isinstance(obj, dict) or "model_input" not in obj:
-        raise jcp.InputError("expected an object with model_input and loss_fn_inputs")
-    if not _tokens_ok(obj["model_input"]):
-        raise jcp.InputError(
-            'model_input must be a list of token ids or {"chunks": [{"tokens": [...]}, ...]}'
-        )
-    if not isinstance(obj.get("loss_fn_inputs", {}), dict):
-        raise jcp.InputError(
-            "loss_fn_inputs must be an object of named vectors, got "
-            f"{json.dumps(obj['loss_fn_inputs'])[:40]}"
-        )
-    loss = obj.get("loss_fn", default_loss)
-    if not isinstance(loss, str):
-        raise jcp.InputError(f"loss_fn must be a loss name, got {json.dumps(loss)[:40]}")
-    check_loss_fn(loss)
-    adapter = obj.get("adapter", "default")
-    # The name becomes a folder under checkpoints/.
-    if (
-        not isinstance(adapter, str)
-        or adapter in ("", ".", "..")
-        or "/" in adapter
-        or os.sep in adapter
-        or "\0" in adapter
-        or len(adapter.encode("utf-8", "surrogatepass")) > NAME_MAX
-    ):
-        raise jcp.InputError(
-            f"adapter must be a name usable as a folder name (no / or NUL, "
-            f"at most {NAME_MAX} bytes), got {json.dumps(adapter)[:40]}"
-        )
-    return jcp.Datum.from_json(obj), adapter, loss
-
-
-def read_jsonl(path: str, default_loss: str) -> DataFile:
-    """Tinker datums from JSONL; errors name the file and line."""
-    import jcp
-
-    datums, adapters, losses, lines = [], [], [], []
-    for lineno, line in _text_lines(path):
-        if not line.strip():
-            continue
-        try:
-            datum, adapter, loss = _parse_datum(json.loads(line), default_loss)
-        except json.JSONDecodeError as e:
-            raise CliError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-        except RecursionError:
-            raise CliError(f"{path}:{lineno}: JSON nested too deeply") from None
-        except jcp.InputError as e:
-            raise CliError(f"{path}:{lineno}: {e}") from None
-        datums.append(datum)
-        adapters.append(adapter)
-        losses.append(loss)
-        lines.append(lineno)
-    if not datums:
-        raise CliError(f"{path}: no datums")
-    return DataFile(path, datums, adapters, losses, lines)
-
-
-def load_data(args) -> DataFile | None:
-    """The --data file, or None for the synthetic tasks."""
-    if args.data:
-        return read_jsonl(args.data, args.loss_fn or "cross_entropy")
-    if args.loss_fn:
-        raise CliError("--loss-fn applies to --data; the default run has its own losses")
-    return None
-
-
-def _blame(err, step: int, src: DataFile | None, picks: list[int] | None) -> CliError:
-    """A Trainer refusal during training as a CliError; "datum i" of the step's batch
-    becomes the file and line it came from."""
-    msg = str(err)
-    m = re.search(r"\bdatum (\d+)\b:? ?", msg)
-    if src is None or m is None or int(m[1]) >= len(picks):
-        return CliError(f"step {step}: {msg}")
-    if m.start() == 0:
-        msg = msg[m.end() :]
-    return CliError(f"{src.where(picks[int(m[1])])}: {msg} (at step {step})")
-
-
-# ----------------------------------------------------------------------------------------
-# Run state
-
-
-def read_latest(out: str, adapter_names: list[str]):
-    """checkpoints/latest.json as a dict, None when there is none; CliError when it is bad
-    or holds other adapters than `adapter_names`."""
-    path = os.path.join(out, "checkpoints", "latest.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            latest = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:  # ValueError: not JSON, not UTF-8
-        raise CliError(f"--resume: {path}: cannot be read ({e})") from None
-    ok = (
-        isinstance(latest, dict)
-        and type(latest.get("step")) is int
-        and latest["step"] >= 0
-        and isinstance(latest.get("dir"), str)
-        and re.fullmatch(r"step_\d+", latest["dir"]) is not None
-        and isinstance(latest.get("adapters"), list)
-        and all(isinstance(n, str) for n in latest["adapters"])
-    )
-    if not ok:
-        raise CliError(
-            f'--resume: {path}: expected {{"step": int, "dir": "step_N", '
-            f'"adapters": [names]}}, got {json.dumps(latest)[:80]}'
-        )
-    if sorted(latest["adapters"]) != sorted(adapter_names):
-        raise CliError(
-            f"--resume: the checkpoint in {out} holds adapters "
-            f"{sorted(latest['adapters'])}, this run trains {adapter_names}"
-        )
-    return latest
-
-
-def save_run(tr, adapters: dict, out: str, step: int, keep: int = 2) -> None:
-    """Checkpoint every adapter at `step`, then point latest.json at it (atomic)."""
-    import jax
-
-    root = os.path.join(out, "checkpoints")
-    d = os.path.join(root, f"step_{step:06d}")
-    for name, aid in adapters.items():
-        tr.save_state(aid, os.path.join(d, name))
-    if jax.process_index() == 0:
-        atomic_write(
-            os.path.join(root, "latest.json"),
-            json.dumps({"step": step, "dir": os.path.basename(d), "adapters": sorted(adapters)}),
-        )
-        steps = sorted(p for p in os.listdir(root) if p.startswith("step_"))
-        for old in steps[:-keep]:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-
-
-def _trim_metrics(path: str, last_step: int) -> None:
-    """Drop metrics rows after the checkpoint we resume from (they will be redone)."""
-    if not os.path.exists(path):
-        return
-    rows = []
-    for lineno, line in _text_lines(path):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise CliError(f"--resume: {path}:{lineno}: not JSON ({e.msg})") from None
-        step = row.get("step") if isinstance(row, dict) else None
-        if type(step) is not int:
-            raise CliError(f"--resume: {path}:{lineno}: not a metrics row (no integer step)")
-        if step <= last_step:
-            rows.append(line)
-    atomic_write(path, "".join(rows))
-
-
-def write_metrics(path: str, rows: list[dict]) -> None:
-    with open(path, "a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-
-
-def progress_postfix(rows: list[dict]) -> dict[str, str]:
-    """What the progress bar shows per adapter: the mean reward of an adapter whose rows
-    carry one (rl: its on-policy loss is ~0 and tells nothing), else loss per token."""
-    return {
-        r["adapter"]: (
-            f"reward {r['reward:mean']:.3f}"
-            if "reward:mean" in r
-            else f"loss {r['loss:sum'] / max(r['tokens:sum'], 1):.4f}"
-        )
-        for r in rows
-    }
-
-
-def plot_metrics(metrics_path: str, png_path: str) -> dict[str, dict[str, list]]:
-    """Write a PNG of each adapter's loss per token and (where rows carry one) mean reward
-    against the step, from every row of metrics.jsonl (a resumed run plots its whole
-    history). Returns the plotted series {adapter: {"step", "loss", "reward_step",
-    "reward"}}."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display, no GUI toolkit
-    import matplotlib.pyplot as plt
-
-    series: dict[str, dict[str, list]] = {}
-    for _, line in _text_lines(metrics_path):
-        if not line.strip():
-            continue
-        r = json.loads(line)
-        s = series.setdefault(
-            r["adapter"], {"step": [], "loss": [], "reward_step": [], "reward": []}
-        )
-        s["step"].append(r["step"])
-        s["loss"].append(r["loss:sum"] / max(r["tokens:sum"], 1))
-        if "reward:mean" in r:
-            s["reward_step"].append(r["step"])
-            s["reward"].append(r["reward:mean"])
-    rewarded = any(s["reward"] for s in series.values())
-    fig, axes = plt.subplots(
-        1, 2 if rewarded else 1, figsize=(10 if rewarded else 5.5, 3.8), squeeze=False
-    )
-    for name, s in series.items():
-        axes[0, 0].plot(s["step"], s["loss"], marker=".", label=name)
-        if s["reward"]:
-            axes[0, 1].plot(s["reward_step"], s["reward"], marker=".", label=name)
-    axes[0, 0].set(title="loss per token", xlabel="step")
-    if rewarded:
-        axes[0, 1].set(title="mean reward", xlabel="step")
-    for ax in axes.flat:
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    return series
-
-
-# ----------------------------------------------------------------------------------------
 # Main
 
 
@@ -615,7 +287,7 @@ def restore_or_create(tr, args, adapter_names: list[str], latest: dict | None) -
             except (jcp.InputError, OSError) as e:
                 raise CliError(f"--resume: {e}") from None
         if jax.process_index() == 0:
-            _trim_metrics(metrics_path, latest["step"])
+            trim_metrics(metrics_path, latest["step"])
         return adapters, latest["step"]
     if args.resume:
         print(f"jcp-train: no checkpoint in {args.out}; starting from step 0", file=sys.stderr)
@@ -652,14 +324,14 @@ def train_loop(tr, args, src: DataFile | None, adapters: dict, start: int) -> di
             try:
                 out = tr.forward_backward(data, losses, None, [adapters[n] for n in names])
             except jcp.InputError as e:
-                raise _blame(e, step, src, picks) from None
+                raise blame(e, step, src, picks) from None
             rows = []
             for name, aid in adapters.items():
                 mine = [i for i, n in enumerate(names) if n == name]
                 try:
                     opt = tr.optim_step(aid, args.adam)
                 except jcp.InputError as e:
-                    raise _blame(e, step, src, picks) from None
+                    raise blame(e, step, src, picks) from None
                 rows.append(_metrics_row(step, name, mine, losses, out, opt))
                 if name == RL and rewards is not None:
                     rows[-1].update(_rl_metrics(out, data, mine, rewards))
