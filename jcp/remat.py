@@ -174,8 +174,11 @@ def device_memory(mesh) -> tuple[int, int]:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        both = multihost_utils.process_allgather(np.asarray([limit, limit - used], np.int64))
-        limit, free = int(np.min(both[:, 0])), int(np.min(both[:, 1]))
+        # In MiB as int32: without jax_enable_x64 an int64 gathers as int32 and bytes
+        # beyond 2 GiB wrapped negative.
+        mib = np.asarray([limit >> 20, (limit - used) >> 20], np.int32)
+        both = np.asarray(multihost_utils.process_allgather(mib)).reshape(-1, 2)
+        limit, free = int(np.min(both[:, 0])) << 20, int(np.min(both[:, 1])) << 20
         used = limit - free
     return limit, used
 

@@ -21,7 +21,7 @@ from helpers.custom_zoo import ZOO, custom_graphs, encoded, zoo_inputs
 from hypothesis import HealthCheck, given, settings
 
 import jcp
-from jcp import InputError, batch
+from jcp import InputError, batch, datum
 from jcp import custom_loss as cl
 
 
@@ -322,7 +322,7 @@ def _datums(loss, name, count=1):
 
 def test_evaluation_has_a_time_budget_per_request(monkeypatch):
     """A graph still evaluating its shapes at the request's deadline is refused at the node
-    it reached (batch.validate gives every check of a request CHECK_BUDGET_S together)."""
+    it reached (batch.validate — jcp.datum's — gives every check of a request CHECK_BUDGET_S together)."""
     loss = rebuilt(*ZOO["clipped_kl"])
     lp, values = zoo_inputs("clipped_kl")
     shapes = {k: np.asarray(values[k]) for k in loss.input_names}
@@ -332,10 +332,10 @@ def test_evaluation_has_a_time_budget_per_request(monkeypatch):
         r"its time budget",
     ):
         loss.check(2, lp.shape, shapes, deadline=time.monotonic() - 1)
-    monkeypatch.setattr(batch, "CHECK_BUDGET_S", -1.0)
+    monkeypatch.setattr(datum, "CHECK_BUDGET_S", -1.0)
     with pytest.raises(InputError, match="datum 0: .*ran past its time budget"):
         batch.validate(_datums(loss, "clipped_kl"), loss, vocab_size=16, token_cap=64)
-    monkeypatch.setattr(batch, "CHECK_BUDGET_S", 60.0)
+    monkeypatch.setattr(datum, "CHECK_BUDGET_S", 60.0)
     assert len(batch.validate(_datums(loss, "clipped_kl"), loss, 16, 64)) == 1
 
 
@@ -343,7 +343,7 @@ def test_a_request_traces_a_bounded_number_of_operations(monkeypatch):
     """The loss is traced once per datum into the step: nodes × datums is bounded."""
     loss = rebuilt(*ZOO["seq_mean_is"])
     assert loss.ops == len(encoded(*ZOO["seq_mean_is"])[0]["nodes"]) - 5  # 4 inputs, output
-    monkeypatch.setattr(batch, "MAX_TRACED_OPS", 2 * loss.ops)
+    monkeypatch.setattr(datum, "MAX_TRACED_OPS", 2 * loss.ops)
     assert len(batch.validate(_datums(loss, "seq_mean_is", 2), loss, 16, 64)) == 2
     with pytest.raises(
         InputError, match=f"has {loss.ops} operations, traced once per datum: 3 datums"
