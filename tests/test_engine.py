@@ -121,7 +121,7 @@ def _same(got, want, what):
         assert x.stop_reason == y.stop_reason, what
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 2, 2), (2, 2, 1)])
+@pytest.mark.parametrize("mesh_shape", [(1, 2, 2), (2, 2, 1)])  # (1,1,1): the server tests
 def test_greedy_matches_hf_for_requests_arriving_at_different_steps(mesh_shape, root):
     tr, (a, b), eng = _setup(mesh_shape, root)
     assert (tr.dp, tr.cp, tr.tp) == mesh_shape

@@ -224,7 +224,7 @@ def test_logprobs_equal_forward(mesh_shape, cache_mode, root):
     )
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 2, 1), (2, 2, 2), (1, 4, 1)])
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 4, 1)])
 def test_split_cache_equals_batch_cache_and_hf_generate(mesh_shape, root):
     tr, (a, _) = _trainer("qwen3", mesh_shape, root)
     adapters = [a, None, a, None, None, a]
