@@ -206,6 +206,10 @@ def test_a_burst_decodes_in_one_step_once_bursts_come_whole(env, monkeypatch):
         ("ADMIT_PREFILL", False),
         ("ADMIT_HURRY", False),
         ("ADMIT_CALM_BURSTS", 1),
+        # Only this burst's tenant counts as sampling: a tenant of an earlier test still
+        # inside its window would make the steps light / heavy alternations (docs/serving.md,
+        # "Fairness across tenants") — a quick run of the module left one there.
+        ("TENANT_WINDOW_S", 0.0),
     ):
         monkeypatch.setattr(f"jcp.server.worker.{name}", value)
     steps = []
