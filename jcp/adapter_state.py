@@ -47,12 +47,22 @@ from jcp.adapter_tables import (
 )
 from jcp.config import QwenConfig
 from jcp.errors import InputError
-from jcp.mesh import host, pow2_at_least, replicate
+from jcp.mesh import device_memory, host, pow2_at_least, replicate
 
 # The rank of one page of a slot table: the finest rank step a slot's memory follows.
 PAGE_RANK = 8
 # The four tables a slot holds in every page: weights, gradient accumulator, AdamW moments.
 TABLES = 4
+
+
+# adapter_memory="auto": this share of a device's free memory once the base model is placed.
+AUTO_ADAPTER_MEMORY = 0.25
+
+
+def auto_memory_bytes(mesh) -> int:
+    """AUTO_ADAPTER_MEMORY of a device's free memory (mesh.device_memory)."""
+    limit, used = device_memory(mesh)
+    return int(AUTO_ADAPTER_MEMORY * (limit - used))
 
 
 def page_rank(max_rank: int) -> int:

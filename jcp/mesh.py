@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import numpy as np
@@ -317,3 +318,24 @@ def host(x) -> np.ndarray:
 def gather(x) -> np.ndarray:
     """Any global array's whole value on this host. A collective: every process calls it."""
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def device_memory(mesh) -> tuple[int, int]:
+    """(limit, in use) of one device's memory: an accelerator's own figures, or half the
+    host's physical memory over its local devices (CPU, in use unknown: 0); the smallest
+    free memory over processes."""
+    device = mesh.devices.flat[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        limit, used = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+    else:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        limit, used = int(0.5 * physical / max(1, jax.local_device_count())), 0
+    if jax.process_count() > 1:
+        # In MiB as int32: without jax_enable_x64 an int64 gathers as int32 and bytes
+        # beyond 2 GiB wrapped negative.
+        mib = np.asarray([limit >> 20, (limit - used) >> 20], np.int32)
+        both = np.asarray(multihost_utils.process_allgather(mib)).reshape(-1, 2)
+        limit, free = int(np.min(both[:, 0])) << 20, int(np.min(both[:, 1])) << 20
+        used = limit - free
+    return limit, used

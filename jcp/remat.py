@@ -3,7 +3,7 @@
 Owns the decision and what it reads: an estimate of a program's per-device bytes without
 recomputation that compiles nothing (`estimate`), XLA's memory analysis of a compiled one
 (`program_bytes`), measured decisions kept beside JAX's persistent compilation cache
-(`RematStore`), and a device's memory (`device_memory`, `default_budget`). The Trainer
+(`RematStore`), and the budget from a device's memory (`default_budget`). The Trainer
 calls `decide` once per compiled program shape; nothing here runs a step.
 """
 
@@ -19,6 +19,7 @@ import numpy as np
 
 from jcp import files
 from jcp.config import QwenConfig
+from jcp.mesh import device_memory
 
 # A forward_backward program's per-device bytes without recomputation lie within MARGIN× of
 # estimate's (0.76–1.23× on small dense Qwen3 shapes, 1.8× on the tiny MoE;
@@ -160,31 +161,8 @@ def source_hash() -> str:
     return h.hexdigest()
 
 
-def device_memory(mesh) -> tuple[int, int]:
-    """(limit, in use) of one device's memory: an accelerator's own figures, or half the
-    host's physical memory over its local devices (CPU, in use unknown: 0); the smallest
-    free memory over processes."""
-    device = mesh.devices.flat[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and stats.get("bytes_limit"):
-        limit, used = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
-    else:
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        limit, used = int(0.5 * physical / max(1, jax.local_device_count())), 0
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        # In MiB as int32: without jax_enable_x64 an int64 gathers as int32 and bytes
-        # beyond 2 GiB wrapped negative.
-        mib = np.asarray([limit >> 20, (limit - used) >> 20], np.int32)
-        both = np.asarray(multihost_utils.process_allgather(mib)).reshape(-1, 2)
-        limit, free = int(np.min(both[:, 0])) << 20, int(np.min(both[:, 1])) << 20
-        used = limit - free
-    return limit, used
-
-
 def default_budget(mesh) -> int:
-    """90% of a device's memory limit (device_memory)."""
+    """90% of a device's memory limit (mesh.device_memory)."""
     return int(0.9 * device_memory(mesh)[0])
 
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jcp import adapter_state as adapter_state_lib
 from jcp import attention as attention_lib
 from jcp import calls, checkpoint, train_step
 from jcp import custom_loss as custom_loss_lib
@@ -157,7 +158,7 @@ class Trainer:
 
         adapter_memory = opts.adapter_memory
         if adapter_memory == "auto":
-            adapter_memory = _default_adapter_memory(mesh)
+            adapter_memory = adapter_state_lib.auto_memory_bytes(mesh)
         self.state = AdapterState(
             cfg, mesh, max_adapters, max_rank, opts.expert_lora_modes, adapter_memory
         )
@@ -674,14 +675,6 @@ class Trainer:
 @functools.partial(jax.jit, out_shardings=None)
 def _array_equal(a, b):
     return jnp.array_equal(a, b)
-
-
-AUTO_ADAPTER_MEMORY = 0.25
-
-
-def _default_adapter_memory(mesh) -> int:
-    limit, used = remat_lib.device_memory(mesh)
-    return int(AUTO_ADAPTER_MEMORY * (limit - used))
 
 
 def _split_first(result):

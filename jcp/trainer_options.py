@@ -88,7 +88,7 @@ class TrainerOptions:
 
     adapter_memory: int | str | None = None
     """Bytes of each device for the adapter tables. None: room for max_adapters adapters
-    at max_rank; "auto": trainer.AUTO_ADAPTER_MEMORY of the device's free memory once the
+    at max_rank; "auto": adapter_state.AUTO_ADAPTER_MEMORY of the device's free memory once the
     base model is placed, at most that room. They are paged by rank
     (jcp/adapter_state.py): an adapter of rank r holds ⌈r / 8⌉ pages of rank 8 (for
     max_rank a multiple of 8), each with its weights, gradient accumulator and two AdamW
