@@ -3,14 +3,14 @@ weights, the adapter state and the compiled programs, and every call into them.
 
 Owns Runner (the programs — prefill, decode, and the engine's paged extend / decode /
 copy — and how host arrays become device arrays for them) and EngineDevice (one engine's
-paged KV cache on the devices, the device arrays of its extend / decode / copy calls built
-from admission's records, and the signature of every program it ran). The Sampler and
-every Engine over it hold the same Runner, so they share compiled programs. It decides
-nothing: which requests run, where, and for how many steps is admission.py's; it must
-never change adapter state.
+paged KV cache on the devices, its extend / decode / copy calls over the host arrays that
+engine_rows.py builds from admission's records, and the signature of every program it
+ran). The Sampler and every Engine over it hold the same Runner, so they share compiled
+programs. It decides nothing: which requests run, where, and for how many steps is
+admission.py's; it must never change adapter state.
 
-Shapes: B = decode rows of a call (groups · rows per device), C = prefill chunk, M = table
-pages per row, DP / CP / S = a packed prefill batch's streams and their rows.
+Shapes: B = rows of a call (groups · rows per device), M = table pages per row, DP / CP /
+S = a packed prefill batch's streams and their rows.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from jcp import mesh as mesh_lib
 from jcp.adapter_state import AdapterState, host, replicate
 from jcp.config import QwenConfig
 from jcp.mesh import SPECS
-from jcp.sample import kv_cache, programs
+from jcp.sample import engine_rows, kv_cache, programs
 from jcp.sample import layout as layout_lib
 from jcp.sample import paged as paged_lib
-from jcp.sample.engine_config import MIN_CHUNK, PREFILL_ROWS, WINDOW_FLOOR, EngineSizes
-from jcp.sample.params import BASE, MAX_TOPK, STOP_WIDTH, PromptStatsCall, k_bucket
+from jcp.sample.engine_config import EngineSizes
+from jcp.sample.params import BASE, MAX_TOPK, PromptStatsCall, k_bucket
 
 # Every sampling program takes at least ACTIVE_FLOOR active-adapter entries: up to
 # lora.DENSE_MAX_ADAPTERS the LoRA products are one GEMM masked per row, an entry more
@@ -327,25 +327,11 @@ class Runner:
         return layout_lib.active_index(adapter_B, a_len, BASE)
 
 
-def rows_at(per_device: list[list], width: int) -> dict[int, int]:
-    """Row index (by id) of each item when every device's items fill its first rows of a
-    [groups · width] batch."""
-    return {id(x): g * width + i for g, items in enumerate(per_device) for i, x in enumerate(items)}
-
-
-def page_table(seqs, at: dict[int, int], b: int, m: int) -> np.ndarray:
-    """int32 [B, M]: each sequence's pages in its row (at), −1 elsewhere."""
-    table = np.full((b, m), -1, np.int32)
-    for seq in seqs:
-        table[at[id(seq)], : len(seq.pages)] = seq.pages[:m]
-    return table
-
-
 class EngineDevice:
     """One engine's side of the devices: its paged KV cache (paged.Pool, made on first
-    use, donated to every program and held under the one sharding it was made with), the
-    device arrays of its calls built from admission's records (admission.Group / Seq),
-    and program_keys, the static signature of every program it ran."""
+    use, donated to every program and held under the one sharding it was made with), its
+    calls over the host arrays of admission's records (admission.Group / Seq, laid out by
+    engine_rows.py), and program_keys, the static signature of every program it ran."""
 
     def __init__(self, runner: Runner, sizes: EngineSizes):
         self.runner, self.sizes = runner, sizes
@@ -471,130 +457,32 @@ class EngineDevice:
         )
         self._keep(out)
 
-    # ------------------------------------------------------------------ device arrays
+    # ------------------------------------------------------------------ a step's calls
 
     def run_copies(self, copies: list) -> None:
         """Run the page and state-row copies of this step's forks ((device, src, dst,
         "page" | "row"), admission.Admission.fork) in one program call."""
-        if not copies:
-            return
-        z = self.sizes
-        per = {
-            kind: [[c for c in copies if c[0] == g and c[3] == kind] for g in range(z.groups)]
-            for kind in ("page", "row")
-        }
-        n = layout_lib.ladder(
-            max(len(x) for k in per.values() for x in k), z.b_local, WINDOW_FLOOR[0]
-        )
-        out = {}
-        for kind, none in (("page", z.n_pages), ("row", z.b_local)):
-            src = np.zeros(z.groups * n, np.int32)
-            dst = np.full(z.groups * n, none, np.int32)
-            for g, items in enumerate(per[kind]):
-                for i, (_, a, b, _) in enumerate(items):
-                    src[g * n + i], dst[g * n + i] = a, b
-            out[kind] = (src, dst)
-        self.copy(*out["page"], *out["row"])
+        if copies:
+            self.copy(*engine_rows.copy_rows(copies, self.sizes))
 
     def extend_batch(
         self, work: list
     ) -> tuple[paged_lib.ExtendRows, paged_lib.ExtendModes, np.ndarray, dict[int, int]]:
         """(rows, modes, active adapters, row of each group by id) of one extend call over
-        work, [(group, positions)] (admission.Admission.prefill_work; pages grown): each
-        device's groups in its first rows, every dimension bucketed."""
-        z = self.sizes
-        per = [[] for _ in range(z.groups)]
-        for group, _ in work:
-            per[group.seqs[0].g].append(group)
-        e_b = layout_lib.ladder(max(len(x) for x in per), z.prefill_rows, PREFILL_ROWS[1])
-        c_len = layout_lib.ladder(max(c for _, c in work), z.chunk_top, MIN_CHUNK)
-        m = z.table_width(max(len(g.seqs[0].pages) for g, _ in work))
-        b = z.groups * e_b
-        at = rows_at(per, e_b)
-        tokens = np.zeros((b, c_len), np.int32)
-        targets = np.zeros((b, c_len), np.int32)
-        valid = np.zeros((b, c_len), bool)
-        start = np.zeros(b, np.int32)
-        slot = np.full(b, z.b_local, np.int32)
-        want_lp = np.zeros(b, bool)
-        adapter = np.full(b, layout_lib.PADDING, np.int64)
-        for group, c in work:
-            req, i, f = group.seqs[0].req, at[id(group)], group.filled
-            tokens[i, :c] = req.prompt[f : f + c]
-            targets[i, :c] = req.prompt[f + 1 : f + c + 1]
-            valid[i, :c] = True
-            start[i] = f
-            want_lp[i] = req.plp is not None
-            adapter[i] = req.adapter
-            if z.hybrid:
-                slot[i] = group.seqs[0].row
-        at_seq = {id(g.seqs[0]): at[id(g)] for g, _ in work}
-        table = page_table([g.seqs[0] for g, _ in work], at_seq, b, m)
-        active, index = self.runner.active_index(adapter, [at[id(g)] for g, _ in work])
-        rows = paged_lib.ExtendRows(tokens, targets, valid, start, index, table, slot, want_lp)
+        work (engine_rows.extend_rows)."""
+        rows, active, at = engine_rows.extend_rows(work, self.sizes, self.runner.active_index)
         return rows, paged_lib.ExtendModes(self.runner.slice_layers), active, at
 
     def decode_batch(self, live: list, n_steps: int) -> tuple:
         """(table, rows, modes, active adapters, state rows, row of each sequence by id) of
-        one decode call of n_steps over the live sequences (admission.Seq; pages grown):
-        each device's sequences in its first rows, their tables M pages wide, each
-        bucketed (engine.py's module docstring, "Programs"). One program serves every
-        n_steps ≤ max_chunk, draw kind and topk_sample_logprobs: they are run-time values
-        (rows.steps, the rows' parameters, rows.want_topk) under static bounds (max_chunk
-        outputs, params.MAX_TOPK top-k columns)."""
-        z = self.sizes
-        per = [[] for _ in range(z.groups)]
-        for seq in live:
-            per[seq.g].append(seq)
-        w_b = z.rows_bucket(max(len(x) for x in per))
-        m = z.table_width(max(len(x.pages) for x in live))
-        b = z.groups * w_b
-        at = rows_at(per, w_b)
-        token = np.zeros(b, np.int32)
-        position = np.zeros(b, np.int32)
-        done = np.ones(b, bool)
-        count = np.zeros(b, np.int32)
-        max_tokens = np.ones(b, np.int32)
-        temperature = np.zeros(b, np.float32)
-        top_k = np.full(b, -1, np.int32)
-        top_p = np.ones(b, np.float32)
-        want_topk = np.zeros(b, bool)
-        keys = np.zeros((b, 2), np.uint32)
-        slot = np.full(b, z.b_local, np.int32)
-        adapter = np.full(b, layout_lib.PADDING, np.int64)
-        stops = [()] * b
-        for seq in live:
-            req, i, p = seq.req, at[id(seq)], seq.req.params
-            if z.hybrid:
-                slot[i] = seq.row
-            c = len(seq.tokens)
-            token[i] = seq.tokens[-1] if c else req.prompt[-1]
-            position[i], count[i], done[i] = req.n + c, c, False
-            max_tokens[i], temperature[i] = p["max_tokens"], p["temperature"]
-            top_k[i], top_p[i] = p["top_k"], p["top_p"]
-            want_topk[i] = req.fields.topk_sample_logprobs > 0
-            keys[i] = req.keys[seq.j]
-            adapter[i], stops[i] = req.adapter, p["stop"]
-        rows_live = [at[id(x)] for x in live]
-        active, index = self.runner.active_index(adapter, rows_live)
-        rows = programs.DecodeRows(
-            token,
-            position,
-            np.zeros(b, np.int32),
-            done,
-            count,
-            index,
-            max_tokens,
-            temperature,
-            top_k,
-            top_p,
-            want_topk,
-            np.full(b, n_steps, np.int32),
-            keys,
-            layout_lib.stop_table(stops, STOP_WIDTH),
+        one decode call of n_steps over the live sequences (engine_rows.decode_rows). One
+        program serves every n_steps ≤ max_chunk, draw kind and topk_sample_logprobs: they
+        are run-time values (rows.steps, the rows' parameters, rows.want_topk) under static
+        bounds (max_chunk outputs, params.MAX_TOPK top-k columns)."""
+        table, rows, active, slot, at = engine_rows.decode_rows(
+            live, n_steps, self.sizes, self.runner.active_index
         )
-        table = page_table(live, at, b, m)
         modes = paged_lib.PagedDecodeModes(
-            z.max_chunk, self.runner.slice_layers, MAX_TOPK, rows.stop.shape[1]
+            self.sizes.max_chunk, self.runner.slice_layers, MAX_TOPK, rows.stop.shape[1]
         )
         return table, rows, modes, active, slot, at
