@@ -1,7 +1,8 @@
 """Multi-LoRA at fixed tokens: what a fused pass costs against the number of adapters in it.
 
 One Trainer (a 1024-wide, 4-layer Qwen3: jcp.QwenConfig.tiny(hidden_size=1024, …), fp32),
---adapters adapters of rank 16 (alpha 32) on attn + mlp, all created up front; one batch of
+--adapters adapters of rank 16 (alpha 32) on --targets (attn + mlp; add unembed for the
+unembedding's LoRA, with a wider --vocab to see it), all created up front; one batch of
 --datums datums of uneven lengths (--tokens in all, the same tokens in every row of the
 table), datum j on adapter ⌊j·A / datums⌋ of the first A. For each A: one fused
 forward_backward, timed (best of --reps, the A's run interleaved so a slow spell of the
@@ -48,7 +49,7 @@ MiB = float(1 << 20)
 TILES = (16, 32, 64, 128, 256)
 
 
-def config(smoke: bool) -> jcp.QwenConfig:
+def config(smoke: bool, vocab: int = 2048) -> jcp.QwenConfig:
     if smoke:
         return jcp.QwenConfig.tiny(num_layers=2)
     return jcp.QwenConfig.tiny(
@@ -58,7 +59,7 @@ def config(smoke: bool) -> jcp.QwenConfig:
         num_heads=16,
         num_kv_heads=8,
         head_dim=64,
-        vocab_size=2048,
+        vocab_size=vocab,
     )
 
 
@@ -113,7 +114,7 @@ def fused_passes(args, cfg) -> list[dict]:
         max_tokens_per_device=args.tokens,
     )
     ids = [
-        tr.create_adapter(rank=16, alpha=32.0, seed=i, targets=["attn", "mlp"])
+        tr.create_adapter(rank=16, alpha=32.0, seed=i, targets=args.targets.split(","))
         for i in range(max(counts))
     ]
     data = datums(args.datums, args.tokens, cfg.vocab_size)
@@ -148,7 +149,7 @@ def sampling(args, cfg) -> list[dict]:
     counts = [int(a) for a in args.adapters.split(",")]
     tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=max(counts), max_rank=16)
     ids = [
-        tr.create_adapter(rank=16, alpha=32.0, seed=i, targets=["attn", "mlp"])
+        tr.create_adapter(rank=16, alpha=32.0, seed=i, targets=args.targets.split(","))
         for i in range(max(counts))
     ]
     rng = np.random.default_rng(1)
@@ -234,7 +235,8 @@ def report_fused(args, cfg, rows) -> None:
     base = rows[0]
     print(
         f"fused forward_backward, {args.datums} datums / {args.tokens} tokens, hidden "
-        f"{cfg.hidden_size}, {cfg.num_layers} layers, r16 attn + mlp"
+        f"{cfg.hidden_size}, {cfg.num_layers} layers, vocab {cfg.vocab_size}, r16 on "
+        f"{args.targets}"
     )
     print(
         f"{'A':>4} {'wall s':>7} {'CPU s':>7} {'t/t1':>6} {'temp MiB':>9} {'temp/t1':>7} "
@@ -262,12 +264,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--parts", default="fused", help="of fused,sample,kernels")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--targets", default="attn,mlp", help="the adapters' targets (+ unembed)")
+    ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
         args.adapters, args.datums, args.tokens, args.reps = "1,4", 8, 128, 1
         args.rows, args.decode_steps, args.parts = 8, 4, "fused,sample,kernels"
-    cfg = config(args.smoke)
+    cfg = config(args.smoke, args.vocab)
     res = {}
     t0 = time.perf_counter()
     parts = args.parts.split(",")

@@ -1,6 +1,7 @@
 """Token log-probs, chunked and vocab-parallel: target_logprobs (training's, with a custom
 VJP that recomputes each chunk's logits) and prompt_stats (sampling's forward-only top-k and
-draws of the same log_softmax).
+draws of the same log_softmax), of the logits' factors (Unembedding: the base unembedding
+and its LoRA, each row by its own adapter — HeadLora).
 
 Both run per shard inside the one shard_map, the vocabulary split over "tp". They must never
 build an array of [tokens, vocab] (forward or backward) and never gather the vocabulary.
@@ -10,24 +11,120 @@ Shapes: see the legend in jcp/mesh.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jcp.lora_grouped import plan_rows, plan_spans, tile_product, tile_product_grads_into, tile_rows
 from jcp.mesh import BATCH_AXES, TP, block_size, vary, varying_axes
 
 DEFAULT_CHUNK = 1024
 
 
-def _chunk_logits(lefts, rights, i, chunk):
-    """fp32 logits [chunk, V/tp] of token chunk i: Σ left[chunk] @ right."""
+@dataclasses.dataclass(frozen=True)
+class HeadLora:
+    """The unembedding's LoRA, each row by its own adapter only: logits[s] += u_SxR[s] @
+    b_AxRxV[k(s)], in tiles of one adapter's rows (jcp.lora_grouped), chunk by chunk — so
+    it costs what the rows cost, whatever the number A of adapters (a stacked [S, A·R] @
+    [A·R, V] costs A times that).
+
+    u_SxR: each row's (h @ a_k)·scale_k in the stream's rows, zero for rows of no adapter;
+    b_AxRxV: the active adapters' B, this tp rank's vocab slice. The rows' adapters, as
+    the model's Routing gives them: spans_Ax2 [start, end) (rows contiguous per adapter;
+    live_A False for entries without LoRA) or, where spans_Ax2 is None, k_S each row's
+    index into the A adapters (any order: a decode batch).
+    """
+
+    u_SxR: jax.Array
+    b_AxRxV: jax.Array
+    live_A: jax.Array
+    spans_Ax2: jax.Array | None = None
+    k_S: jax.Array | None = None
+
+    def tiles(self, start, rows: int):
+        """(u [rows, R] in the tiles' row order, Tiles) of rows [start, start + rows)."""
+        n_a = self.b_AxRxV.shape[0]
+        tile = tile_rows(rows, n_a)
+        u = jax.lax.dynamic_slice_in_dim(self.u_SxR, start, rows, axis=0)
+        scale_A = jnp.ones((n_a,), jnp.float32)  # unused: u holds the scales
+        if self.spans_Ax2 is None:
+            k = jax.lax.dynamic_slice_in_dim(self.k_S, start, rows)
+            t = plan_rows(k, self.live_A, scale_A, tile)
+            return u[t.order_Q], t
+        spans = jnp.clip(self.spans_Ax2 - start, 0, rows)
+        return u, plan_spans(spans, self.live_A, scale_A, rows, tile)
+
+    def logits(self, start, rows: int):
+        """fp32 [rows, V/tp]: the LoRA's logits of rows [start, start + rows)."""
+        u_QxR, t = self.tiles(start, rows)
+        y = tile_product(u_QxR, self.b_AxRxV, t)
+        return y if t.place_S is None else y[t.place_S]
+
+    def grads_into(self, start, rows: int, d_logits, d_b):
+        """(d u [rows, R] fp32, d_b + the gradient of b) for the cotangent d_logits of
+        logits(start, rows); d_b [A, R, V/tp] fp32, added tile by tile."""
+        u_QxR, t = self.tiles(start, rows)
+        if t.order_Q is not None:
+            d_logits = d_logits[t.order_Q]
+        f32 = jnp.float32
+        du, d_b = tile_product_grads_into(
+            u_QxR.astype(f32), d_logits, self.b_AxRxV.astype(f32), t, d_b
+        )
+        return (du if t.place_S is None else du[t.place_S]), d_b
+
+
+jax.tree_util.register_dataclass(
+    HeadLora, data_fields=["u_SxR", "b_AxRxV", "live_A", "spans_Ax2", "k_S"], meta_fields=[]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unembedding:
+    """The factors of the logits, vocab split over "tp": logits = Σ_i lefts[i] @ rights[i]
+    (+ head's). lefts[i]: [S, D_i], the same on every tp rank; rights[i]: [D_i, V/tp], this
+    rank's vocab slice (rank t holds vocab rows t·V/tp …); head: the unembedding's LoRA by
+    tiles (HeadLora), or None (no LoRA there, or the few adapters' stacked in lefts /
+    rights)."""
+
+    lefts: tuple
+    rights: tuple
+    head: HeadLora | None = None
+
+    def logits(self):
+        """fp32 logits [S, V/tp] of every row at once (a decode batch's)."""
+        return _chunk_logits(self, 0, self.lefts[0].shape[0])
+
+    def varying(self, axes) -> Unembedding:
+        """The factors typed varying over axes (before a custom VJP: see target_logprobs)."""
+        head = self.head
+        if head is not None:
+            head = dataclasses.replace(
+                head, u_SxR=vary(head.u_SxR, axes), b_AxRxV=vary(head.b_AxRxV, axes)
+            )
+        return Unembedding(
+            tuple(vary(x, axes) for x in self.lefts),
+            tuple(vary(r, axes) for r in self.rights),
+            head,
+        )
+
+
+jax.tree_util.register_dataclass(
+    Unembedding, data_fields=["lefts", "rights", "head"], meta_fields=[]
+)
+
+
+def _chunk_logits(f: Unembedding, i, chunk):
+    """fp32 logits [chunk, V/tp] of token chunk i: Σ left[chunk] @ right (+ the head's)."""
     out = None
-    for left, right in zip(lefts, rights):
+    for left, right in zip(f.lefts, f.rights):
         part = jax.lax.dynamic_slice_in_dim(left, i * chunk, chunk, axis=0)
         y = jnp.einsum("sd,dv->sv", part, right, preferred_element_type=jnp.float32)
         out = y if out is None else out + y
+    if f.head is not None:
+        out = out + f.head.logits(i * chunk, chunk)
     return out
 
 
@@ -39,14 +136,14 @@ def _local_targets(targets_SxK, v_local):
     return jnp.where(inside, local, 0), inside
 
 
-def _lp_fwd_impl(lefts, rights, targets_SxK, chunk):
+def _lp_fwd_impl(f: Unembedding, targets_SxK, chunk):
     s_len = targets_SxK.shape[0]
-    v_local = rights[0].shape[1]
+    v_local = f.rights[0].shape[1]
     n_chunks = s_len // chunk
     tgt_SxK, inside_SxK = _local_targets(targets_SxK, v_local)
 
     def body(_, i):
-        logits = _chunk_logits(lefts, rights, i, chunk)
+        logits = _chunk_logits(f, i, chunk)
         m = jax.lax.pmax(jnp.max(logits, axis=-1), TP)
         se = jax.lax.psum(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1), TP)
         lse = m + jnp.log(se)
@@ -60,29 +157,43 @@ def _lp_fwd_impl(lefts, rights, targets_SxK, chunk):
     return lp.reshape(targets_SxK.shape), lse.reshape(s_len)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _target_logprobs(lefts, rights, targets_SxK, chunk, right_grads):
-    return _lp_fwd_impl(lefts, rights, targets_SxK, chunk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _target_logprobs(f: Unembedding, targets_SxK, chunk, right_grads):
+    return _lp_fwd_impl(f, targets_SxK, chunk)[0]
 
 
-def _lp_fwd(lefts, rights, targets_SxK, chunk, right_grads):
-    lp, lse = _lp_fwd_impl(lefts, rights, targets_SxK, chunk)
-    return lp, (lefts, rights, targets_SxK, lse)
+def _lp_fwd(f, targets_SxK, chunk, right_grads):
+    lp, lse = _lp_fwd_impl(f, targets_SxK, chunk)
+    return lp, (f, targets_SxK, lse)
+
+
+def _zero_cotangent(x):
+    """The cotangent of an input that gets none: float0 for integer and bool arrays."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
 def _lp_bwd(chunk, right_grads, res, g_SxK):
-    lefts, rights, targets_SxK, lse_S = res
+    f, targets_SxK, lse_S = res
     s_len = targets_SxK.shape[0]
-    v_local = rights[0].shape[1]
+    v_local = f.rights[0].shape[1]
     tgt_SxK, inside_SxK = _local_targets(targets_SxK, v_local)
     # Frozen factors (the base unembedding) get no gradient work at all.
     d_rights0 = tuple(
         vary(jnp.zeros(r.shape if want else (), jnp.float32), varying_axes(r))
-        for r, want in zip(rights, right_grads)
+        for r, want in zip(f.rights, right_grads)
+    )
+    head = f.head
+    d_b0 = (
+        None
+        if head is None
+        else vary(jnp.zeros(head.b_AxRxV.shape, jnp.float32), varying_axes(head.b_AxRxV))
     )
 
-    def body(d_rights, i):
-        logits = _chunk_logits(lefts, rights, i, chunk)
+    def body(carry, i):
+        d_rights, d_b = carry
+        logits = _chunk_logits(f, i, chunk)
         lse = jax.lax.dynamic_slice_in_dim(lse_S, i * chunk, chunk)
         g = jax.lax.dynamic_slice_in_dim(g_SxK, i * chunk, chunk)
         t = jax.lax.dynamic_slice_in_dim(tgt_SxK, i * chunk, chunk)
@@ -93,51 +204,62 @@ def _lp_bwd(chunk, right_grads, res, g_SxK):
         d_logits = d_logits.at[jnp.arange(chunk)[:, None], t].add(jnp.where(ins, g, 0.0))
         d_lefts = []
         new_d_rights = []
-        for left, right, dr, want in zip(lefts, rights, d_rights, right_grads):
+        for left, right, dr, want in zip(f.lefts, f.rights, d_rights, right_grads):
             part = jax.lax.dynamic_slice_in_dim(left, i * chunk, chunk, axis=0)
             dl = jnp.einsum("sv,dv->sd", d_logits, right.astype(jnp.float32))
             d_lefts.append(jax.lax.psum(dl, TP))  # sum over the vocab shards
             if want:
                 dr = dr + jnp.einsum("sd,sv->dv", part.astype(jnp.float32), d_logits)
             new_d_rights.append(dr)
-        return tuple(new_d_rights), tuple(d_lefts)
+        d_u = None
+        if head is not None:
+            d_u, d_b = head.grads_into(i * chunk, chunk, d_logits, d_b)
+            d_u = jax.lax.psum(d_u, TP)
+        return (tuple(new_d_rights), d_b), (tuple(d_lefts), d_u)
 
-    d_rights, d_lefts = jax.lax.scan(body, d_rights0, jnp.arange(s_len // chunk))
-    d_lefts = tuple(dl.reshape(left.shape).astype(left.dtype) for dl, left in zip(d_lefts, lefts))
+    (d_rights, d_b), (d_lefts, d_u) = jax.lax.scan(
+        body, (d_rights0, d_b0), jnp.arange(s_len // chunk)
+    )
+    d_lefts = tuple(dl.reshape(left.shape).astype(left.dtype) for dl, left in zip(d_lefts, f.lefts))
     d_rights = tuple(
         dr.astype(r.dtype) if want else jnp.zeros_like(r)
-        for dr, r, want in zip(d_rights, rights, right_grads)
+        for dr, r, want in zip(d_rights, f.rights, right_grads)
     )
+    d_head = None
+    if head is not None:
+        d_head = jax.tree.map(_zero_cotangent, head)
+        d_head = dataclasses.replace(
+            d_head,
+            u_SxR=d_u.reshape(head.u_SxR.shape).astype(head.u_SxR.dtype),
+            b_AxRxV=d_b.astype(head.b_AxRxV.dtype),
+        )
     targets_ct = np.zeros(targets_SxK.shape, dtype=jax.dtypes.float0)
-    return d_lefts, d_rights, targets_ct
+    return Unembedding(d_lefts, d_rights, d_head), targets_ct
 
 
 _target_logprobs.defvjp(_lp_fwd, _lp_bwd)
 
 
-def target_logprobs(lefts, rights, targets_S, chunk: int = DEFAULT_CHUNK, right_grads=None):
-    """log p(target) [S] for logits = Σ_i lefts[i] @ rights[i], vocab split over "tp";
-    [S, K] for targets [S, K] (K scored targets per token, e.g. a teacher's top-k: one
-    softmax per token, K picks; a target −1 gets −lse, for the caller to mask).
+def target_logprobs(f: Unembedding, targets_S, chunk: int = DEFAULT_CHUNK, right_grads=None):
+    """log p(target) [S] for the logits of f (Unembedding), vocab split over "tp"; [S, K]
+    for targets [S, K] (K scored targets per token, e.g. a teacher's top-k: one softmax
+    per token, K picks; a target −1 gets −lse, for the caller to mask).
 
-    lefts[i]: [S, D_i], the same on every tp rank; rights[i]: [D_i, V/tp], this rank's
-    vocab slice (rank t holds vocab rows t·V/tp …). The softmax pieces are combined with
-    pmax / psum over "tp". Tokens are processed `chunk` at a time under a custom VJP that
-    keeps only the log-sum-exp [S] and recomputes each chunk's logits in the backward pass,
-    so no [S, V] array ever exists. right_grads[i] = False skips the gradient of a frozen
-    rights[i] (its cotangent is zero).
+    The softmax pieces are combined with pmax / psum over "tp". Tokens are processed
+    `chunk` at a time under a custom VJP that keeps only the log-sum-exp [S] and recomputes
+    each chunk's logits in the backward pass, so no [S, V] array ever exists.
+    right_grads[i] = False skips the gradient of a frozen f.rights[i] (its cotangent is
+    zero); the head's LoRA always gets its gradient.
     """
-    lefts, rights = tuple(lefts), tuple(rights)
     chunk = block_size(targets_S.shape[0], chunk)
     # The batch axes vary across devices; weights replicated over them must be marked
     # varying before the custom VJP so that their cotangents are summed by the transpose
     # of this cast (outside), not inside the rule.
-    rights = tuple(vary(r, BATCH_AXES) for r in rights)
-    lefts = tuple(vary(x, BATCH_AXES) for x in lefts)
-    right_grads = (True,) * len(rights) if right_grads is None else tuple(right_grads)
+    f = f.varying(BATCH_AXES)
+    right_grads = (True,) * len(f.rights) if right_grads is None else tuple(right_grads)
     if targets_S.ndim == 1:
-        return _target_logprobs(lefts, rights, targets_S[:, None], chunk, right_grads)[:, 0]
-    return _target_logprobs(lefts, rights, targets_S, chunk, right_grads)
+        return _target_logprobs(f, targets_S[:, None], chunk, right_grads)[:, 0]
+    return _target_logprobs(f, targets_S, chunk, right_grads)
 
 
 def _gather_tp(x_CxK):
@@ -154,8 +276,7 @@ def _lse_tp(x):
 
 
 def prompt_stats(
-    lefts,
-    rights,
+    f: Unembedding,
     targets_SxK,
     chunk: int = DEFAULT_CHUNK,
     *,
@@ -165,8 +286,8 @@ def prompt_stats(
     keys_Sx2=None,
     position_S=None,
 ) -> dict:
-    """Forward-only log-prob statistics of every token, vocab-parallel over "tp" (no
-    [tokens, V] array, no vocab gather): {"lp": [S, K] log_softmax(logits) of targets
+    """Forward-only log-prob statistics of every token of f's logits (Unembedding),
+    vocab-parallel over "tp" (no [tokens, V] array, no vocab gather): {"lp": [S, K] log_softmax(logits) of targets
     (as target_logprobs; −1 gets −lse, for the caller to mask)} and, with topk > 0,
     "topk_ids" int32 / "topk_lp" [S, topk]: the topk most likely tokens and their
     log-probs (each rank's own top-k of its vocab slice, merged: tp·topk candidates per
@@ -177,16 +298,15 @@ def prompt_stats(
     uses key fold_in(fold_in(fold_in(keys_Sx2, position_S), j), tp rank), so draws
     depend on the seed, the position and tp, not on the batch around the token.
     """
-    lefts = tuple(vary(x, BATCH_AXES) for x in lefts)
-    rights = tuple(vary(r, BATCH_AXES) for r in rights)
+    f = f.varying(BATCH_AXES)
     s_len = targets_SxK.shape[0]
     chunk = block_size(s_len, chunk)
-    v_local = rights[0].shape[1]
+    v_local = f.rights[0].shape[1]
     tgt_SxK, inside_SxK = _local_targets(targets_SxK, v_local)
 
     def body(_, i):
         sl = lambda x: jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk)  # noqa: E731
-        logits = _chunk_logits(lefts, rights, i, chunk)
+        logits = _chunk_logits(f, i, chunk)
         lse = _lse_tp(logits)
         picked = jnp.take_along_axis(logits, sl(tgt_SxK), axis=-1)
         out = {"lp": jax.lax.psum(jnp.where(sl(inside_SxK), picked, 0.0), TP) - lse[:, None]}

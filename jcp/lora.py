@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jcp.config import QwenConfig
+from jcp.logprobs import HeadLora
 from jcp.lora_grouped import Tiles, plan_rows, plan_spans, tile_product
 from jcp.lora_grouped import tile_rows as tile_rows  # re-exported: jcp.lora.tile_rows
 from jcp.lora_slots import (
@@ -80,6 +81,7 @@ __all__ = [
     "factor_shapes",
     "gather_pages",
     "init_adapter",
+    "head_lora",
     "low_rank_input",
     "module_dims",
     "module_layer_ids",
@@ -90,7 +92,6 @@ __all__ = [
     "slot_shapes",
     "slot_specs",
     "slot_specs_active",
-    "stacked_input",
     "table_modules",
     "take_active",
     "tile_rows",
@@ -352,14 +353,16 @@ def delta(x_SxI, a_AxIxR, b_AxRxO, route: Routing):
     return expand(low_rank_input(x_SxI, a_AxIxR, route), b_AxRxO, route, x_SxI.dtype)
 
 
-def stacked_input(x_SxI, a_AxIxR, route: Routing):
-    """low_rank_input laid out for the stacked B [A·R, O] (the unembedding's LoRA, which
-    losses.py multiplies chunk by chunk): [S, A·R] in the stream's rows, each row's u in its
-    own adapter's R columns, zero elsewhere."""
-    u = low_rank_input(x_SxI, a_AxIxR, route)
+def head_lora(x_SxI, a_AxIxR, b_AxRxO, route: Routing) -> HeadLora:
+    """The unembedding's LoRA of a grouped routing (route.tiles) as jcp.logprobs multiplies
+    it, chunk by chunk and each row by its own adapter's B only: each row's u = (x @ a_k)·
+    scale_k in the stream's rows (in x's dtype), the B [A, R, O], and the rows' adapters
+    (the routing's spans, or each row's index)."""
     t = route.tiles
-    if t is None:
-        return u
-    own_QxA = t.pick_Q[:, None] == jnp.arange(a_AxIxR.shape[0])[None, :]
-    u_QxAR = jnp.where(own_QxA[:, :, None], u[:, None, :], 0.0).reshape(u.shape[0], -1)
-    return u_QxAR if t.place_S is None else u_QxAR[t.place_S]
+    u = low_rank_input(x_SxI, a_AxIxR, route)
+    if t.place_S is not None:
+        u = u[t.place_S]
+    live_A = route.scale_A != 0
+    if route.index_S is not None:
+        return HeadLora(u.astype(x_SxI.dtype), b_AxRxO, live_A, k_S=route.index_S)
+    return HeadLora(u.astype(x_SxI.dtype), b_AxRxO, live_A, spans_Ax2=route.spans_Ax2)

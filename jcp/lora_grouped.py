@@ -237,32 +237,30 @@ def _tile_product_fwd(x_QxI, w_AxIxO, t):
     return tile_product(x_QxI, w_AxIxO, t), (x_QxI, w_AxIxO, t)
 
 
+def _part_grads(x_KxTxI, dy_KxTxO, w_AxIxO, pick_K, keep_KxT):
+    """(dx [K, T, I], dw per tile) of K tiles, each by its adapter pick_K and rows keep_KxT:
+    dw [K, I, O] where I ≤ O (the narrow side leads), else [K, O, I] (see tile_product)."""
+    w_KxIxO = w_AxIxO[pick_K]
+    if x_KxTxI.shape[2] <= w_AxIxO.shape[2]:
+        dw = jnp.einsum(
+            "kti,kto->kio", _keep(x_KxTxI, keep_KxT), dy_KxTxO, preferred_element_type=jnp.float32
+        )
+        dx = _keep(
+            jnp.einsum("kto,kio->kti", dy_KxTxO, w_KxIxO, preferred_element_type=jnp.float32),
+            keep_KxT,
+        )
+        return dx, dw
+    dy = _keep(dy_KxTxO, keep_KxT)
+    dw = jnp.einsum("kto,kti->koi", dy, x_KxTxI, preferred_element_type=jnp.float32)
+    return jnp.einsum("kto,kio->kti", dy, w_KxIxO, preferred_element_type=jnp.float32), dw
+
+
 def _tile_product_bwd(res, dy_QxO):
     x_QxI, w_AxIxO, t = res
     n, tile = t.keep_NxT.shape
     n_a = w_AxIxO.shape[0]
-    narrow_in = x_QxI.shape[1] <= w_AxIxO.shape[2]
     x_NxTxI = x_QxI.reshape(n, tile, -1)
     dy_NxTxO = dy_QxO.astype(x_QxI.dtype).reshape(n, tile, -1)
-
-    def part(x_KxTxI, dy_KxTxO, pick_K, keep_KxT):
-        """(dx [K, T, I], dw per tile: [K, I, O] if narrow_in else [K, O, I])."""
-        w_KxIxO = w_AxIxO[pick_K]
-        if narrow_in:
-            dw = jnp.einsum(
-                "kti,kto->kio",
-                _keep(x_KxTxI, keep_KxT),
-                dy_KxTxO,
-                preferred_element_type=jnp.float32,
-            )
-            dx = _keep(
-                jnp.einsum("kto,kio->kti", dy_KxTxO, w_KxIxO, preferred_element_type=jnp.float32),
-                keep_KxT,
-            )
-            return dx, dw
-        dy = _keep(dy_KxTxO, keep_KxT)
-        dw = jnp.einsum("kto,kti->koi", dy, x_KxTxI, preferred_element_type=jnp.float32)
-        return jnp.einsum("kto,kio->kti", dy, w_KxIxO, preferred_element_type=jnp.float32), dw
 
     def per_adapter(dw_K, rank_K):
         return jax.ops.segment_sum(dw_K, rank_K, n_a, indices_are_sorted=True)
@@ -270,17 +268,41 @@ def _tile_product_bwd(res, dy_QxO):
     def extra(e, carry):
         dx_NxTxI, dw_A = carry
         tile_C, pick_C, keep_CxT = _extra_chunk(t, e)
-        dx_C, dw_C = part(x_NxTxI[tile_C], dy_NxTxO[tile_C], pick_C, keep_CxT)
+        dx_C, dw_C = _part_grads(x_NxTxI[tile_C], dy_NxTxO[tile_C], w_AxIxO, pick_C, keep_CxT)
         rank_C = jax.lax.dynamic_slice_in_dim(t.rank_E, e, tile_C.shape[0])
         return dx_NxTxI.at[tile_C].add(dx_C), dw_A + per_adapter(dw_C, rank_C)
 
-    dx_NxTxI, dw_N = part(x_NxTxI, dy_NxTxO, t.pick_N, t.keep_NxT)
+    dx_NxTxI, dw_N = _part_grads(x_NxTxI, dy_NxTxO, w_AxIxO, t.pick_N, t.keep_NxT)
     dx_NxTxI, dw_A = _over_extras(t, extra, (dx_NxTxI, per_adapter(dw_N, t.rank_N)))
     dw_A = dw_A[t.rank_of_A]
-    if not narrow_in:
+    if x_QxI.shape[1] > w_AxIxO.shape[2]:
         dw_A = jnp.swapaxes(jax.lax.optimization_barrier(dw_A), 1, 2)
     dx_QxI = dx_NxTxI.reshape(x_QxI.shape).astype(x_QxI.dtype)
     return dx_QxI, dw_A.astype(w_AxIxO.dtype), None
+
+
+def tile_product_grads_into(x_QxI, dy_QxO, w_AxIxO, t: Tiles, dw_AxIxO):
+    """(dx [Q, I], dw_AxIxO + the gradient of w) of tile_product(x, w, t) for the cotangent
+    dy, in the operands' dtypes (pass fp32 for an fp32 gradient), with I ≤ O: each
+    tile's gradient is added into the accumulator at its own adapter (a scatter of the
+    tiles' adapters only, no [A, I, O] temporary) — for a product repeated chunk by chunk
+    into one gradient, as the unembedding's per log-prob chunk (jcp.logprobs)."""
+    n, tile = t.keep_NxT.shape
+    if x_QxI.shape[1] > w_AxIxO.shape[2]:
+        raise ValueError("tile_product_grads_into takes the narrow side as x (I ≤ O)")
+    x_NxTxI = x_QxI.reshape(n, tile, -1)
+    dy_NxTxO = dy_QxO.astype(x_QxI.dtype).reshape(n, tile, -1)
+
+    def extra(e, carry):
+        dx_NxTxI, dw = carry
+        tile_C, pick_C, keep_CxT = _extra_chunk(t, e)
+        dx_C, dw_C = _part_grads(x_NxTxI[tile_C], dy_NxTxO[tile_C], w_AxIxO, pick_C, keep_CxT)
+        return dx_NxTxI.at[tile_C].add(dx_C), dw.at[pick_C].add(dw_C.astype(dw.dtype))
+
+    dx_NxTxI, dw_N = _part_grads(x_NxTxI, dy_NxTxO, w_AxIxO, t.pick_N, t.keep_NxT)
+    dw = dw_AxIxO.at[t.pick_N].add(dw_N.astype(dw_AxIxO.dtype))
+    dx_NxTxI, dw = _over_extras(t, extra, (dx_NxTxI, dw))
+    return dx_NxTxI.reshape(x_QxI.shape), dw
 
 
 tile_product.defvjp(_tile_product_fwd, _tile_product_bwd)

@@ -29,6 +29,7 @@ import numpy as np
 
 from jcp.errors import InputError, float32_number
 from jcp.logprobs import DEFAULT_CHUNK, target_logprobs
+from jcp.logprobs import Unembedding as Unembedding  # re-exported: jcp.losses.Unembedding
 from jcp.logprobs import prompt_stats as prompt_stats  # re-exported: jcp.losses.prompt_stats
 from jcp.mesh import BATCH_AXES, CP, DP, psum_flat
 
@@ -397,8 +398,7 @@ class LossPlan:
 
 
 def shard_loss(
-    lefts,
-    rights,
+    factors,
     targets_S,
     segment_S,
     inputs: TokenInputs,
@@ -406,7 +406,8 @@ def shard_loss(
     plan: LossPlan,
     loss_id_S=None,
 ):
-    """Loss of this shard's tokens and the complete per-datum outputs.
+    """Loss of this shard's tokens (logits of factors, a logprobs.Unembedding) and the
+    complete per-datum outputs.
 
     plan.loss_fn / cfg / loss_id_S as in token_losses (one loss, or one per token).
     Returns (loss, outputs): loss is the local-shard token sum psum'd over (dp, cp), so it
@@ -426,7 +427,7 @@ def shard_loss(
     all-reduce.
     """
     num_slots = plan.num_slots
-    lp_S = target_logprobs(lefts, rights, targets_S, plan.chunk, plan.right_grads)
+    lp_S = target_logprobs(factors, targets_S, plan.chunk, plan.right_grads)
     real_S = segment_S >= 0
     inputs = dataclasses.replace(inputs, datum_sum=datum_sum(segment_S, num_slots))
     if lp_S.ndim == 2:

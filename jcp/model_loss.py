@@ -153,17 +153,17 @@ def model_loss(
         mix=mix,
         unroll=unroll_layers(cfg, step_cfg),
     )
-    lefts, rights = model_lib.unembed_factors(params, h_SxD, lora, route)
+    factors = model_lib.unembed_factors(params, h_SxD, lora, route)
     plan = losses_lib.LossPlan(
         opts.loss_fn,
         opts.num_slots,
         chunk=step_cfg.logprob_chunk,
-        right_grads=(opts.base_unembed_grad,) + (True,) * (len(rights) - 1),
+        right_grads=(opts.base_unembed_grad,) + (True,) * (len(factors.rights) - 1),
         keep_token_logprobs=opts.keep_token_logprobs,
         summed=opts.summed,
     )
     loss, outputs = losses_lib.shard_loss(
-        lefts, rights, stream.targets_S, segment_S, stream.inputs, loss_cfg, plan, stream.loss_id_S
+        factors, stream.targets_S, segment_S, stream.inputs, loss_cfg, plan, stream.loss_id_S
     )
     if stats is None:
         return loss, outputs

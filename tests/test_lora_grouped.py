@@ -147,7 +147,7 @@ ROUTES = {  # A = 1, 3, 8: uneven segments, an empty adapter, base-model rows, p
 @pytest.mark.parametrize("by", ["spans", "rows"])
 @pytest.mark.parametrize("n_a", sorted(ROUTES))
 def test_grouped_equals_masked_dense(n_a, by, grouped, chunk=None):
-    """lora.delta / stacked_input, grouped (Tiles) or dense (no Tiles: SlotMeta.routing's
+    """lora.delta / head_lora, grouped (Tiles) or dense (no Tiles: SlotMeta.routing's
     choice up to DENSE_MAX_ADAPTERS), against the reference: values and gradients."""
     active, spans = ROUTES[n_a]()
     s_len = 64 if n_a < 8 else 128
@@ -180,11 +180,33 @@ def test_grouped_equals_masked_dense(n_a, by, grouped, chunk=None):
     assert float(jnp.abs(want[1][1]).max()) > 0  # some adapter really has rows
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.abs(w).max()))
-    # The unembedding's layout: each row's u in its own adapter's R columns.
-    u = lora_lib.stacked_input(x, a, route)
-    w_SxA = jnp.where(route.mask_SxA(s_len), route.scale_A[None, :], 0.0)
-    ref = (jnp.einsum("si,air->sar", x, a) * w_SxA[:, :, None]).reshape(s_len, -1)
-    np.testing.assert_allclose(u, ref, rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+    if grouped:  # the unembedding's: chunk by chunk, chunks crossing adapters' rows
+        check_head(x, a, b, route, ct, want[0])
+
+
+def check_head(x, a, b, route, ct, want_value):
+    """lora.head_lora's logits and gradients, chunk by chunk (4 chunks), equal the masked
+    dense product and its gradients row by row."""
+    s_len, c = x.shape[0], x.shape[0] // 4
+    head = lora_lib.head_lora(x, a, b, route)
+    y = jnp.concatenate([head.logits(i * c, c) for i in range(4)])
+    ref = dense_delta(x, a, b, route)
+    assert float(jnp.abs(ref).max()) > 0
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+    np.testing.assert_allclose(jnp.vdot(y, ct), want_value, rtol=1e-5)
+    d_b, d_u = jnp.zeros(b.shape, jnp.float32), []
+    for i in range(4):
+        du, d_b = head.grads_into(i * c, c, ct[i * c : (i + 1) * c], d_b)
+        d_u.append(du)
+    own = row_adapter(route, s_len)
+    b_own = jnp.asarray(b)[np.maximum(own, 0)] * (own >= 0)[:, None, None]
+    du_ref = jnp.einsum("so,sro->sr", ct, b_own)
+    u_ref = head.u_SxR * (own >= 0)[:, None]
+    db_ref = jnp.zeros(b.shape).at[np.maximum(own, 0)].add(
+        jnp.einsum("sr,so->sro", u_ref, ct) * (own >= 0)[:, None, None]
+    )
+    np.testing.assert_allclose(jnp.concatenate(d_u), du_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(d_b, db_ref, rtol=1e-5, atol=1e-5 * float(jnp.abs(db_ref).max()))
 
 
 def test_a_row_in_its_neighbours_tile_fails_the_reference():

@@ -208,8 +208,7 @@ def test_prompt_draws_follow_the_tempered_distribution():
 
     def inner(h, w, t, temp, keys, pos):
         out = losses.prompt_stats(
-            (h[0, 0],),
-            (w,),
+            losses.Unembedding((h[0, 0],), (w,)),
             t[0, 0][:, None],
             16,
             topk=4,

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jcp import attention as attention_lib
+from jcp import logprobs as logprobs_lib
 from jcp import lora as lora_lib
 from jcp.config import QwenConfig
 from jcp.model.blocks import (
@@ -399,18 +400,22 @@ def _hybrid_hidden(run: _Layers, h, layer_lora, expert_lora, state: HybridState 
     return run.finish(h, HybridState(_concat(outs[False]), _concat(outs[True])), records)
 
 
-def unembed_factors(params, h_SxD, lora=None, route: lora_lib.Routing | None = None):
-    """(lefts, rights) with logits = Σ lefts[i] @ rights[i], rights split over vocab.
+def unembed_factors(
+    params, h_SxD, lora=None, route: lora_lib.Routing | None = None
+) -> logprobs_lib.Unembedding:
+    """The factors of the logits (logprobs.Unembedding), vocab split over tp.
 
-    Base: h [S, D] @ W [D, V/tp] (W = lm_head, or embed^T when tied); LoRA on lm_head adds
-    [S, A·R] @ [A·R, V/tp]: each token's (h @ lora_a[a])·scale[a] in its own adapter a's
-    R columns, zero elsewhere, times the stacked lora_b. losses.target_logprobs consumes
-    these.
+    Base: h [S, D] @ W [D, V/tp] (W = lm_head, or embed^T when tied). LoRA on lm_head:
+    grouped (route.tiles), each row's (h @ lora_a[a])·scale[a] times its own adapter's
+    lora_b only (logprobs.HeadLora, by tiles); dense (a few adapters), [S, A·R] @ [A·R,
+    V/tp]: each row's values in its own adapter's R columns, zero elsewhere, times the
+    stacked lora_b. losses.target_logprobs / prompt_stats consume these.
     """
     w_DxV = params["lm_head"] if "lm_head" in params else params["embed"].T
-    lefts, rights = [h_SxD], [w_DxV]
-    if lora is not None and lora_lib.HEAD in lora:
-        head = lora[lora_lib.HEAD]
-        lefts.append(lora_lib.stacked_input(h_SxD, head["a"], route).astype(h_SxD.dtype))
-        rights.append(head["b"].reshape(-1, head["b"].shape[-1]))
-    return tuple(lefts), tuple(rights)
+    if lora is None or lora_lib.HEAD not in lora:
+        return logprobs_lib.Unembedding((h_SxD,), (w_DxV,))
+    a, b = lora[lora_lib.HEAD]["a"], lora[lora_lib.HEAD]["b"]
+    if route.tiles is not None:
+        return logprobs_lib.Unembedding((h_SxD,), (w_DxV,), lora_lib.head_lora(h_SxD, a, b, route))
+    u = lora_lib.low_rank_input(h_SxD, a, route).astype(h_SxD.dtype)
+    return logprobs_lib.Unembedding((h_SxD, u), (w_DxV, b.reshape(-1, b.shape[-1])))

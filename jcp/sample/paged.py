@@ -375,9 +375,9 @@ def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
             pool = write_pages(pool, new, page_N, row_N)
 
             def logprobs():
-                lefts, rights = model_lib.unembed_factors(params, h, lora_active, route)
+                factors = model_lib.unembed_factors(params, h, lora_active, route)
                 lp = losses_lib.target_logprobs(
-                    lefts, rights, r.targets.reshape(-1), logprob_chunk
+                    factors, r.targets.reshape(-1), logprob_chunk
                 ).reshape(b, c)
                 return draws.gather_batch(jnp.where(r.valid, lp, 0.0), SEQ_AXES)
 

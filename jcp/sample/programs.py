@@ -222,10 +222,9 @@ def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
                 )
             lp = None
             if modes.with_logprobs and modes.stats:
-                lefts, rights = model_lib.unembed_factors(params, h_SxD, lora_active, route)
+                factors = model_lib.unembed_factors(params, h_SxD, lora_active, route)
                 stats = losses_lib.prompt_stats(
-                    lefts,
-                    rights,
+                    factors,
                     one(a.targets).reshape(one(a.tokens).shape[0], -1),
                     step_cfg.logprob_chunk,
                     topk=modes.topk,
@@ -244,10 +243,8 @@ def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
                     for k, v in stats.items()
                 }
             elif modes.with_logprobs:
-                lefts, rights = model_lib.unembed_factors(params, h_SxD, lora_active, route)
-                lp_S = losses_lib.target_logprobs(
-                    lefts, rights, one(a.targets), step_cfg.logprob_chunk
-                )
+                factors = model_lib.unembed_factors(params, h_SxD, lora_active, route)
+                lp_S = losses_lib.target_logprobs(factors, one(a.targets), step_cfg.logprob_chunk)
                 real = one(a.segment) >= 0
                 lp = losses_lib.gather_stream(
                     jnp.where(real.reshape((-1,) + (1,) * (lp_S.ndim - 1)), lp_S, 0.0)
@@ -435,11 +432,7 @@ def decode_loop(
         def step(carry):
             i, tok_B, pos_B, done_B, count_B, store, out_tok, out_lp, out_tk = carry
             h_BxD, new = run(tok_B, pos_B, store, lora_active, layers)
-            lefts, rights = model_lib.unembed_factors(params, h_BxD, lora_active, route)
-            logits = sum(
-                jnp.einsum("bd,dv->bv", left, right, preferred_element_type=jnp.float32)
-                for left, right in zip(lefts, rights)
-            )
+            logits = model_lib.unembed_factors(params, h_BxD, lora_active, route).logits()
             nxt_B, lp_B, *tk = draws.sample_rows_over_tp(
                 logits,
                 r.keys,
