@@ -256,7 +256,8 @@ def test_attention_adapter_trains_alike_on_two_meshes(tmp_path):
     # Train on the first mesh. A MoE model's default targets add the experts
     # (tests/test_moe_lora.py); this adapter is attention + lm_head only.
     tr = trainers[0]
-    assert tr._check_new_adapter(4, 8.0, None).targets == (
+    default = tr.create_adapter(rank=4, alpha=8.0)
+    assert tr.adapters[default].targets == (
         "q_proj",
         "k_proj",
         "v_proj",
@@ -266,6 +267,7 @@ def test_attention_adapter_trains_alike_on_two_meshes(tmp_path):
         "expert_down",
         "lm_head",
     )
+    tr.delete_adapter(default)
     a = tr.create_adapter(rank=4, alpha=8.0, seed=1, targets=["attn", "unembed"])
     assert tr.adapters[a].targets == ("q_proj", "k_proj", "v_proj", "o_proj", "lm_head")
     assert tr.adapters[a].expert_lora is None

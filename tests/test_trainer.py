@@ -33,7 +33,7 @@ import pytest
 from helpers import trainer_harness as H
 
 import jcp
-from jcp import attention
+from jcp import attention, calls
 
 REF = (1, 1, 1)
 MESHES = ((1, 4, 1), (1, 8, 1), (2, 2, 2), (1, 2, 2))  # cp = 2: (1,2,2), test_losses
@@ -56,6 +56,25 @@ def data():
 
 def _ids(ids, names):
     return [ids[n] for n in names]
+
+
+def micro_batches(tr, data, loss_fn, adapters) -> list:
+    """The packed micro-batches (batch.PackedBatch) a forward / forward_backward call of
+    tr packs data into: calls.prepare under tr's limits, checked to be tr's own packing
+    against its pass_shapes."""
+    limits = calls.CallLimits(
+        vocab_size=tr.cfg.vocab_size,
+        token_cap=tr.token_cap,
+        dp=tr.dp,
+        cp=tr.cp,
+        max_tokens_per_device=tr.max_tokens_per_device,
+        max_adapters=tr.max_adapters,
+        hybrid=tr.cfg.is_hybrid,
+    )
+    _, packed, _ = calls.prepare(data, loss_fn, None, adapters, lambda a, what="": int(a), limits)
+    shapes = [(pb.loss_fns, pb.tokens.shape[-1], len(pb.active), pb.num_slots) for pb in packed]
+    assert shapes == tr.pass_shapes(data, loss_fn, adapters)
+    return packed
 
 
 # ----------------------------------------------------------------------------------------
@@ -368,40 +387,28 @@ def test_micro_batches_match_single_pass(folders):
     big = H.trainer(REF)
     assert small.token_cap == 64 and big.token_cap >= sum(lengths)
 
-    seen = []
-
-    def spy(tr):
-        inner = tr._forward_backward
-
-        def wrapped(acc, lora, step_args, static):
-            seen.append((tr, np.asarray(step_args[2].segment)))  # (params, meta, batch, …)
-            return inner(acc, lora, step_args, static)
-
-        tr._forward_backward = wrapped
-        return inner
-
-    results = []
+    results, runs, packs = [], [], []
     for tr in (small, big):
-        inner = spy(tr)
-        try:
-            with H.borrowed(tr):
-                ids = H.load_adapters(tr, folders, names=("p", "q"))
-                out = tr.forward_backward(
-                    data, "ppo", H.LOSS_CONFIGS["ppo"], adapters=_ids(ids, assign)
-                )
-                results.append((out, {n: tr.gradients(a) for n, a in ids.items()}))
-        finally:
-            tr._forward_backward = inner
+        with H.borrowed(tr):
+            ids = H.load_adapters(tr, folders, names=("p", "q"))
+            adapters = _ids(ids, assign)
+            packs.append(micro_batches(tr, data, "ppo", adapters))
+            # forward_backward one micro-batch at a time: each step() runs the next one.
+            steps = tr.forward_backward_steps(data, "ppo", H.LOSS_CONFIGS["ppo"], adapters)
+            ran = 1
+            while not steps.step():
+                ran += 1
+            runs.append(ran)
+            results.append((steps.output, {n: tr.gradients(a) for n, a in ids.items()}))
 
-    small_calls = [seg for t, seg in seen if t is small]
-    big_calls = [seg for t, seg in seen if t is big]
-    assert len(small_calls) >= 2 and len(big_calls) == 1
+    assert runs[0] >= 2 and runs[1] == 1
+    assert runs == [len(p) for p in packs]
     # Some (dp, cp) device of some micro-batch holds no real token.
     assert any(
-        np.all(seg[d, c] < 0)
-        for seg in small_calls
-        for d in range(seg.shape[0])
-        for c in range(seg.shape[1])
+        np.all(pb.segment[d, c] < 0)
+        for pb in packs[0]
+        for d in range(pb.segment.shape[0])
+        for c in range(pb.segment.shape[1])
     )
     (out_s, g_s), (out_b, g_b) = results
     H.assert_outputs_close(out_s, out_b, RTOL, ATOL, "micro-batched vs single pass")
