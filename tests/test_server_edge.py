@@ -13,6 +13,7 @@ requests always served.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -190,6 +191,115 @@ def test_a_list_of_bad_items_is_refused_at_the_first():
     with pytest.raises(edge_lib.Refused, match=r"tokens\.0") as ei:
         edge_lib.parse(edge_lib.Sample, body, "asample")
     assert len(str(ei.value)) < 300
+
+
+# ---------------------------------------------------------------------- the event loop
+
+
+def fb_request(model: str, seq: int, datums: int, length: int) -> bytes:
+    """A protobuf forward request of `datums` datums of `length` tokens."""
+    msg = pb.ForwardBackwardRequest(model_id=model, seq_id=seq, loss_fn="cross_entropy")
+    for _ in range(datums):
+        d = msg.data.add()
+        d.model_input.add().encoded_text.tokens = np.arange(length, dtype=np.int32).tobytes()
+        t = d.loss_fn_inputs["target_tokens"]
+        t.dense, t.dtype, t.shape[:] = np.zeros(length, np.int64).tobytes(), pb.DTYPE_INT64, []
+    return msg.SerializeToString()
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(env, monkeypatch):
+    """alice's multi-MiB bodies were decoded on the event loop (JSON, protobuf, the datum
+    and token loops): bob's small request waited behind each. A body over OFF_LOOP_BYTES
+    is now parsed in a thread: while it parses (held here for 1 s), bob is served; a small
+    body is still parsed on the loop; and the refusals are the same words either way."""
+    from jcp.server import asgi
+
+    where, gate = [], threading.Event()
+    parse_json, decode_head = edge_lib.parse_json, wire.decode_forward_backward_head
+
+    def on_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+            return True
+        except RuntimeError:
+            return False
+
+    def slow(raw):
+        where.append((len(raw), on_loop()))
+        if len(raw) > asgi.OFF_LOOP_BYTES:
+            gate.wait(5)  # a long parse (sleeping: the GIL is free for the loop)
+        return raw
+
+    monkeypatch.setattr(edge_lib, "parse_json", lambda raw: parse_json(slow(raw)))
+    monkeypatch.setattr(wire, "decode_forward_backward_head", lambda raw: decode_head(slow(raw)))
+    big_prompt = sample_body(env, prompt={"chunks": [{"tokens": [5] * 40_000}]})
+    mid = env["alice"]["model"]
+    big_fb = fb_request(mid, env["sched"].next_seq(mid), 64, 400)
+    assert min(len(json.dumps(big_prompt)), len(big_fb)) > asgi.OFF_LOOP_BYTES
+    for route, kw in (
+        ("asample", {"body": big_prompt}),
+        (
+            "forward_backward",
+            {"content": big_fb, "headers": {"Content-Type": "application/x-protobuf"}},
+        ),
+    ):
+        answers = []
+        alice = threading.Thread(target=lambda: answers.append(post(env, route, **kw)))
+        where.clear()
+        alice.start()
+        try:
+            deadline = time.monotonic() + 5
+            while not where and time.monotonic() < deadline:
+                time.sleep(0.01)
+            t0 = time.monotonic()
+            info = post(env, "get_info", {"model_id": env["bob"]["model"]}, "tml-bob")
+            took = time.monotonic() - t0
+        finally:
+            gate.set()
+            alice.join(10)
+            gate.clear()
+        assert info.status_code == 200 and took < 1.0, (route, took)
+        assert where[0] == (where[0][0], False), (route, where)  # alice's: in a thread
+        assert (small := [w for w in where if w[0] < 1000]) and all(s[1] for s in small), where
+        status, detail = outcome(env, answers[0])
+        if route == "asample":  # refused as before: the prompt exceeds the context
+            assert status == 200 and "max_context_length" in detail, detail
+        else:  # queued as before, in the model's order
+            assert outcome(env, answers[0]) == (200, "stub worker")
+
+
+def test_large_and_small_bodies_are_refused_in_the_same_words(env):
+    """The same malformed datum in a small and in a large forward_backward body, and a
+    bad token in a small and a large sample: one message each way (the decoding is the
+    same code, on the loop or in a thread)."""
+    from jcp.server import asgi
+
+    mid = env["alice"]["model"]
+    details = []
+    for datums in (1, 64):
+        msg = pb.ForwardBackwardRequest()
+        msg.ParseFromString(fb_request(mid, env["sched"].next_seq(mid), datums, 400))
+        msg.data[-1].loss_fn_inputs["target_tokens"].shape[:] = [3, 5]
+        raw = msg.SerializeToString()
+        r = env["client"].post(
+            "/api/v1/forward_backward",
+            content=raw,
+            headers={"X-API-Key": "tml-alice", "Content-Type": "application/x-protobuf"},
+        )
+        assert outcome(env, r) == (200, "stub worker")  # its seq_id kept in the model's order
+        # The refusal the worker was handed in the model's order: its words.
+        rid = r.json()["request_id"]
+        (refused,) = [w for w in env["handed"] if w.request_id == rid]
+        details.append((len(raw) > asgi.OFF_LOOP_BYTES, refused.kind, refused.payload))
+    (small, _, a), (large, kind, b) = details
+    assert (small, large, kind) == (False, True, "refused")
+    assert a.replace("datum 0", "datum 63") == b and "shape" in b, details
+    details = []
+    for n in (4, 40_000):
+        body = sample_body(env, prompt={"chunks": [{"tokens": [5] * n + [-1]}]})
+        details.append(outcome(env, post(env, "asample", body)))
+    a, b = details
+    assert a[1].replace("4", "40000") == b[1] and "tokens" in b[1], details
 
 
 # ---------------------------------------------------------------------- types

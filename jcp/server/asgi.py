@@ -5,8 +5,16 @@ is answered by `HotRoutes`, a plain ASGI layer in front of the FastAPI app: Fast
 middleware, routing, dependency solving and response serialization cost more CPU than
 these two handlers themselves, and on a CPU host that CPU is taken from the engine.
 Every other request goes through FastAPI. Also owns the status of each exception a
-handler may raise (STATUS), `read_body` (the --max-body-bytes bound) and `json_bytes`.
-Never imports jax or the worker.
+handler may raise (STATUS), `read_body` (the --max-body-bytes bound), `off_loop` (where a
+body is parsed) and `json_bytes`. Never imports jax or the worker.
+
+Bodies over OFF_LOOP_BYTES are parsed, validated and enqueued in a thread (`off_loop`),
+not on the event loop: one tenant's multi-MiB forward_backward or sample body (JSON or
+protobuf decoding, a datum or token loop in Python) no longer holds up every other
+tenant's small request behind it. Only what is O(1) per body or bounded before it runs
+stays on the loop: the tenant, reading the body under --max-body-bytes (413 before
+anything is decoded) and the answer. The parsing code is the same in either place, so
+its checks (every size bounded before it is allocated from) and messages are too.
 """
 
 from __future__ import annotations
@@ -27,6 +35,26 @@ PROTO = "application/x-protobuf"
 STATUS = ((AuthError, 401), (NotFound, 404), (SessionEnded, 410))
 log = logging.getLogger("jcp.serve")
 JSON = "application/json"
+# A body up to this many bytes is parsed on the event loop (a thread hop costs more than
+# parsing it: ~0.1 ms); a larger one in a thread (`off_loop`).
+OFF_LOOP_BYTES = 64 << 10
+
+
+async def off_loop(size: int, fn, *args):
+    """fn(*args) for a body of `size` bytes: on the event loop when it is at most
+    OFF_LOOP_BYTES, else in a thread (asyncio.to_thread), so that the loop serves other
+    requests meanwhile. fn must be safe to run off the loop: the state store, scheduler
+    and futures it may reach are locked (FutureTable completes through the loop)."""
+    if size <= OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def call_json(handler, ctx, who: str, raw: bytes):
+    """handler(ctx, who, the JSON body of raw): a hot-path handler's parse and call, one
+    unit for off_loop (an async handler's coroutine is only made here; its caller awaits
+    it on the loop)."""
+    return handler(ctx, who, edge.parse_json(raw))
 
 
 def json_bytes(obj) -> bytes:
@@ -40,7 +68,8 @@ def fastapi_route(handler):
 
     async def route(request: Request):
         c = request.app.state.jcp
-        out = handler(c, c.owner(request), await c.body_json(request))
+        who, raw = c.owner(request), await c.body_bytes(request)
+        out = await off_loop(len(raw), call_json, handler, c, who, raw)
         if asyncio.iscoroutine(out):
             out = await out
         if isinstance(out, tuple):
@@ -90,14 +119,12 @@ class HotRoutes:
             who = self.store.owner_of_key(
                 (headers.get(b"x-api-key") or b"").decode("latin-1") or None
             )
-            body = edge.parse_json(
-                await read_body(
-                    headers.get(b"content-length", b"").decode("latin-1"),
-                    self.chunks(receive),
-                    self.limits.body_bytes,
-                )
+            raw = await read_body(
+                headers.get(b"content-length", b"").decode("latin-1"),
+                self.chunks(receive),
+                self.limits.body_bytes,
             )
-            out = handler(self.ctx, who, body)
+            out = await off_loop(len(raw), call_json, handler, self.ctx, who, raw)
             if asyncio.iscoroutine(out):
                 out = await out
             status, kind, data = out if isinstance(out, tuple) else (200, JSON, json_bytes(out))

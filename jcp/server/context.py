@@ -17,7 +17,7 @@ from fastapi import Request
 
 from jcp.server import edge
 from jcp.server import text as text_lib
-from jcp.server.asgi import JSON, read_body
+from jcp.server.asgi import JSON, off_loop, read_body
 from jcp.server.edge import Limits, Refused
 from jcp.server.future_table import FutureTable, UrlTokens
 from jcp.server.scheduler import Scheduler, Work
@@ -59,13 +59,25 @@ class AppContext:
         )
 
     async def body_json(self, request: Request) -> dict:
-        return edge.parse_json(await self.body_bytes(request))
+        """The JSON body (off the event loop when large: asgi.off_loop); its size is kept
+        for `parse`."""
+        raw = await self.body_bytes(request)
+        request.state.body_size = len(raw)
+        return await off_loop(len(raw), edge.parse_json, raw)
+
+    async def parse(self, request: Request, model: type, body: dict, name: str):
+        """edge.parse(model, body, name) of the body that body_json read: off the event
+        loop when that body was large (a client names the sizes of its lists and maps)."""
+        size = getattr(request.state, "body_size", 0)
+        return await off_loop(size, edge.parse, model, body, name)
 
     async def parsed(self, request: Request, model: type, name: str) -> tuple[str, dict, object]:
         """(the caller's tenant, the JSON body, the body parsed as `model` for route `name`):
-        a JSON route's first steps, refusals naming the field (edge.parse)."""
-        who, body = self.owner(request), await self.body_json(request)
-        return who, body, edge.parse(model, body, name)
+        a JSON route's first steps, refusals naming the field (edge.parse); off the event
+        loop when the body is large."""
+        who, raw = self.owner(request), await self.body_bytes(request)
+        body, req = await off_loop(len(raw), _json_as, raw, model, name)
+        return who, body, req
 
     def check_seq(self, model_id: str, seq: int | None) -> None:
         """Refuse a seq_id the model's queue could never reach: more than --max-futures past
@@ -159,6 +171,11 @@ class AppContext:
         if kind == "error":
             raise Refused(422, rest[0])
         return rest[0]
+
+
+def _json_as(raw: bytes, model: type, name: str) -> tuple[dict, object]:
+    body = edge.parse_json(raw)
+    return body, edge.parse(model, body, name)
 
 
 def context(request: Request) -> AppContext:

@@ -38,6 +38,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from jcp.server import edge, redact, wire
+from jcp.server.asgi import off_loop
 from jcp.server.context import AppContext, context
 from jcp.server.edge import Refused
 from jcp.server.openai_format import (
@@ -274,7 +275,13 @@ def _plans(c: AppContext, prm: Params, prompts: list, chat: bool) -> list:
 
 async def prepare(c: AppContext, request: Request, chat: bool) -> Call:
     who = owner(c, request)
-    body = await c.body_json(request)
+    raw = await c.body_bytes(request)
+    # Parsed, templated and tokenized off the event loop when large (asgi.off_loop).
+    return await off_loop(len(raw), _prepare, c, who, raw, chat)
+
+
+def _prepare(c: AppContext, who: str, raw: bytes, chat: bool) -> Call:
+    body = edge.parse_json(raw)
     wrong = edge.type_error(edge.ChatCompletion if chat else edge.Completion, body)
     if wrong is not None:
         raise bad(*wrong)

@@ -79,8 +79,7 @@ async def capabilities(request: Request):
 @router.post("/api/v1/create_session", **takes(edge.CreateSession))
 async def create_session(request: Request):
     c = context(request)
-    who = c.owner(request)
-    edge.parse(edge.CreateSession, await c.body_json(request), "create_session")
+    who, _, _ = await c.parsed(request, edge.CreateSession, "create_session")
     return {"type": "create_session", "session_id": c.store.new_session(who)}
 
 

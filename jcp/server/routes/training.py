@@ -5,7 +5,8 @@ Each handler authenticates, parses and validates what can be checked without the
 and enqueues a scheduler.Work for the worker; it answers with a future ({request_id}) at
 once. A request that fails before it is queued (unknown model, undecodable body) still
 gets a future, completed with the error (AppContext.failed), so the SDK raises
-RequestFailedError for that request only. No jax, no worker.
+RequestFailedError for that request only. A large body is decoded off the event loop
+(asgi.off_loop). No jax, no worker.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from jcp.server import edge, wire
-from jcp.server.asgi import PROTO
-from jcp.server.context import context, takes
+from jcp.server.asgi import PROTO, off_loop
+from jcp.server.context import AppContext, context, takes
 from jcp.server.edge import Refused
 from jcp.server.state import LimitReached, NotFound, age_recipients
 
@@ -73,7 +74,16 @@ async def forward_backward(request: Request):
     c = context(request)
     who = c.owner(request)
     raw = await c.body_bytes(request)
-    if request.headers.get("content-encoding", "").lower() == "zstd":
+    zstd = request.headers.get("content-encoding", "").lower() == "zstd"
+    # Decoded off the event loop when large (asgi.off_loop); a zstd body may decompress
+    # to the bound whatever its size on the wire.
+    size = c.limits.body_bytes if zstd else len(raw)
+    return await off_loop(size, _forward_backward, c, who, raw, zstd)
+
+
+def _forward_backward(c: AppContext, who: str, raw: bytes, zstd: bool) -> dict:
+    """forward_backward's decoding, checks and enqueue (on the loop or in a thread)."""
+    if zstd:
         raw = edge.decompress(raw, c.limits.body_bytes)
     try:
         head = wire.decode_forward_backward_head(raw)
@@ -98,7 +108,7 @@ def model_op(kind: str, schema: type[edge.ModelRef]):
         c = context(request)
         who, body = c.owner(request), await c.body_json(request)
         try:
-            req = edge.parse(schema, body, kind)
+            req = await c.parse(request, schema, body, kind)
             c.store.model(req.model_id, who)
             c.check_seq(req.model_id, req.seq_id)
         except (Refused, NotFound) as e:
@@ -123,7 +133,7 @@ async def save_weights_external(request: Request):
     c = context(request)
     who, body = c.owner(request), await c.body_json(request)
     try:
-        req = edge.parse(edge.SaveWeightsExternal, body, "save_weights_external")
+        req = await c.parse(request, edge.SaveWeightsExternal, body, "save_weights_external")
         c.store.model(req.model_id, who)
         c.check_seq(req.model_id, req.seq_id)
         if req.age_encryption_recipients is not None:
@@ -144,7 +154,7 @@ async def load_weights(request: Request):
     c = context(request)
     who, body = c.owner(request), await c.body_json(request)
     try:
-        req = edge.parse(edge.LoadWeights, body, "load_weights")
+        req = await c.parse(request, edge.LoadWeights, body, "load_weights")
         c.store.resolve(req.path, who, "weights")
         if req.session_id is not None:
             c.store.check_session(req.session_id, who)
