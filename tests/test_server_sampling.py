@@ -470,3 +470,38 @@ def test_stop_lists_are_bounded_at_the_edge(env):
         types.SamplingParams(max_tokens=2, seed=1, stop=list(range(100, 100 + STOP_WIDTH))),
     ).result()
     assert len(out.sequences[0].tokens) >= 1
+
+
+def test_a_heavy_prompt_beside_a_light_tenant_prefills_in_quarters_as_alone(env, monkeypatch):
+    """While bob uses the engine (his sample done, still inside TENANT_WINDOW_S), a step
+    serving only alice leaves him out: it prefills prefill_tokens / LIGHT_STEP_RATIO (512:
+    128) of her 200-token prompt, not all of it, so his next request waits for a quarter
+    of her prefill (issue 36, fairness). Her samples equal the request served alone."""
+    from jcp.sample.admission import LIGHT_STEP_RATIO, Admission
+
+    monkeypatch.setattr("jcp.server.worker.TENANT_WINDOW_S", 60.0)
+    chunks = []
+    real = Admission.prefill_work
+
+    def prefill_work(self, tenants=None):
+        work = real(self, tenants)
+        chunks.extend((gr.seqs[0].req.tenant, c) for gr, c in work)
+        return work
+
+    monkeypatch.setattr(Admission, "prefill_work", prefill_work)
+    sampling = env["srv"].worker.sampling
+    quarter = sampling.prefill_tokens // LIGHT_STEP_RATIO
+    bob = client(env, "tml-bob").create_sampling_client(base_model=MODEL).result()
+    bob.sample(
+        types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)
+    ).result()
+    alice = client(env, "tml-alice").create_sampling_client(base_model=MODEL).result()
+    prompt = np.random.default_rng(11).integers(0, 256, 201).tolist()
+    sp = dict(max_tokens=6, temperature=0.9, seed=21, stop=[])
+    got = alice.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(**sp)).result()
+    hers = [c for t, c in chunks if t == "alice"]
+    assert sum(hers) == 200 and max(hers) == quarter < 200, hers
+    ref = env["tr"].sample([prompt], jcp.SamplingParams(**sp), num_samples=2)[0]
+    for s, r in zip(got.sequences, ref.sequences):
+        assert list(s.tokens) == r.tokens.tolist()
+        np.testing.assert_allclose(s.logprobs, r.logprobs, rtol=1e-5, atol=1e-6)

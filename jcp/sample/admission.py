@@ -163,6 +163,9 @@ class Admission:
         self._turns = itertools.count()
         self._admitted: dict[str, int] = {}  # tenant -> its last admission (round robin)
         self._light_next = True  # a split batch's next step serves its light tenants
+        # How many tenants use the engine, as the last admit_fair was told (its `active`):
+        # this step's, since a step admits first (prefill_work's "Light steps" bound).
+        self.users = 1
 
     def all_rows(self) -> list[list[int]]:
         """Every device's state rows, all free (heaps)."""
@@ -208,6 +211,7 @@ class Admission:
         """Admit from `waiting` round robin over tenants within their shares (the module
         docstring, "Tenants"; active: how many tenants use the engine) -> the requests
         admitted, in order, removed from `waiting`."""
+        self.users = active
         out, blocked = [], set()
         while True:
             heads: dict[str, Request] = {}
@@ -382,8 +386,13 @@ class Admission:
     def prefill_work(self, tenants: Collection[str] | None = None) -> list[tuple[Group, int]]:
         """[(group, positions)] of this step's prefill: one chunk of every prefilling
         prompt (of `tenants`' only, when given: "Light steps"), FIFO, within
-        prefill_tokens in all and prefill_rows per device."""
+        prefill_tokens in all and prefill_rows per device — prefill_tokens /
+        LIGHT_STEP_RATIO while the step leaves out a light tenant of the `users` using the
+        engine (as decode_len's chunk), so that its next request waits for a quarter of
+        the others' prefill, not all of it."""
         budget, s = self.sizes.prefill_tokens, self.sizes
+        if self.leaves_light(tenants, self.users):
+            budget = max(1, budget // LIGHT_STEP_RATIO)
         taken = [0] * s.groups
         work = []
         for group in self.prefilling:
@@ -468,13 +477,20 @@ class Admission:
         """Whether a step serving `tenants` (None: every tenant holding rows) leaves out a
         light tenant of `active` (the tenants using the engine): one holding fewer than an
         equal split of the live rows — none, between its requests ("Light steps")."""
+        return self.leaves_light(tenants, len(set(active) | set(self.rows_by_tenant())))
+
+    def leaves_light(self, tenants: Collection[str] | None, users: int) -> bool:
+        """light_beside for `users` tenants using the engine, by count: those holding no
+        rows are light and left out by every step (a step serves tenants holding rows)."""
         per = self.rows_by_tenant()
-        active = set(active) | set(per)
+        users = max(users, len(per))
+        served = set(per) if tenants is None else set(tenants) & set(per)
         total = sum(map(sum, per.values()))
-        if len(active) < 2 or not total:
+        if users < 2 or not total:
             return False
-        served = set(per) if tenants is None else set(tenants)
-        return any(sum(per.get(t, ())) * len(active) < total for t in active - served)
+        if users > len(per):  # a tenant holding no rows, between its requests
+            return True
+        return any(sum(rows) * users < total for t, rows in per.items() if t not in served)
 
     def decode_len(
         self,
