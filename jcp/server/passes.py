@@ -4,8 +4,9 @@ A fused pass is one Trainer.forward / forward_backward over the datums of all it
 (adapters per datum); if that call refuses the batch (InputError: nothing was changed), each
 request is rerun alone so that only the bad one fails. A pass of several Trainer
 micro-batches runs one micro-batch per turn (jcp.trainer.Steps, `_advance`), other
-tenants' passes between them. `Passes` is one part of `jcp.server.worker.Worker`; results
-go back through its `_complete`.
+tenants' passes between them; its first turn only validates and packs it (`_fwd`).
+`Passes` is one part of `jcp.server.worker.Worker`; results go back through its
+`_complete`.
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ class Passes:
             steps, spans = self._start_fwd(group)
             # A multi-process job's Trainer is a proxy that runs whole calls only.
             if split and steps.passes > 1 and self.leader is None:
+                # This turn validated and packed the whole call (O(its datums) on the
+                # host); its first micro-batch runs at the tenant's next turn, so that
+                # another's small request waits for one of the two, not both.
                 self._splits[group[0].owner] = (group, steps, spans)
                 self.sched.split(group)
-                self._advance(group[0].owner)
                 return
             while not steps.step():
                 pass

@@ -1,0 +1,69 @@
+"""The worker's turn when a tenant's pass spans several micro-batches (issue 36,
+fairness), host only: a stub Trainer call, the real Passes and Scheduler.
+
+The first turn of such a pass validated and packed the whole call (O(its datums) on the
+host: ~30 ms for 64 × 1,023 tokens) and then ran its first micro-batch, so another
+tenant's small request waited for both. The first turn now only prepares the call; its
+micro-batches run one per later turn, and the results are those of the one call.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from jcp.server.passes import Passes
+from jcp.server.scheduler import Scheduler, Work
+
+
+class _Steps:
+    """A Trainer call of `passes` micro-batches (jcp.trainer.Steps' face)."""
+
+    def __init__(self, passes: int):
+        self.passes, self.ran, self.output = passes, 0, None
+
+    def step(self, settle: bool = False) -> bool:
+        self.ran += 1
+        if self.ran == self.passes:
+            self.output = "the call's output"
+        return self.ran == self.passes
+
+
+class _Worker(Passes):
+    def __init__(self, passes: int):
+        self._init_passes()
+        self.sched, self.leader = Scheduler(pass_tokens=64), None
+        self.tr = SimpleNamespace(cfg=SimpleNamespace(is_moe=False))
+        self.sampling = SimpleNamespace(idle=True)
+        self.steps, self.completed = _Steps(passes), []
+
+    def _start_fwd(self, group):
+        return self.steps, [(0, 1)]
+
+    def _fwd_results(self, group, out, spans):
+        return [("proto", out)]
+
+    def _complete(self, rid, out):
+        self.completed.append((rid, out))
+
+
+def _work(owner: str) -> Work:
+    return Work("r1", "forward", "m1", 1, SimpleNamespace(loss_fn="cross_entropy"), owner)
+
+
+def test_a_split_pass_first_turn_prepares_only():
+    w = _Worker(passes=3)
+    w._fwd([_work("alice")])
+    assert w.steps.ran == 0 and "alice" in w._splits  # prepared, no micro-batch yet
+    assert w.sched.splitting()
+    for turn in range(3):
+        assert not w.completed
+        w._advance("alice")
+        assert w.steps.ran == turn + 1
+    assert w.completed == [("r1", ("proto", "the call's output"))]
+    assert not w._splits and not w.sched.splitting()
+
+
+def test_a_pass_of_one_micro_batch_runs_whole_in_its_turn():
+    w = _Worker(passes=1)
+    w._fwd([_work("alice")])
+    assert w.steps.ran == 1 and w.completed and not w._splits
