@@ -31,10 +31,10 @@ TENANT_WINDOW_S after its last sample arrived), and then every step is a short o
 (`chunk` decode steps), so one tenant's request waits for one chunk of another's rows.
 Light work first: while a light tenant's few rows sit beside another's many, the engine
 steps them apart (Admission, "Light steps"), and a light step runs before the turn's
-pass, not after it; after one micro-batch of a split pass, another tenant's ready pass of
-at most one micro-batch (Scheduler.small_ready) runs before the engine step (the engine
-step skipped for at most one turn in a row), so a small request waits for one heavy unit,
-not a micro-batch and an engine step.
+pass, not after it; after a turn of a split pass (its preparation, or one micro-batch:
+Passes), another tenant's ready pass of at most one micro-batch (Scheduler.small_ready)
+runs before the engine step (the engine step skipped for at most one turn in a row), so a
+small request waits for one heavy unit, not a micro-batch and an engine step.
 A sample the client cancels after admission (cancel_future -> Scheduler.cancel_running)
 is cancelled in the engine at the start of the next turn and ends at that step
 boundary, its slots freed; so does a split pass of one request, its accumulation undone.
@@ -285,8 +285,9 @@ class Worker(SlotCache, ModelOps, Passes):
             deferred = False
             if group:
                 self._run_pass(group)
-                # One micro-batch of a split pass ran: another tenant's small ready pass
-                # goes next, before the engine step (at most once in a row).
+                # A turn of a split pass ran (its preparation or one micro-batch):
+                # another tenant's small ready pass goes next, before the engine step (at
+                # most once in a row).
                 deferred = (
                     not self._deferred
                     and group[0].owner in self._splits
