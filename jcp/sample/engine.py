@@ -5,8 +5,8 @@ Owns the requests' lifecycle — submit, the waiting queues, step, result — an
 its parts together: the settings (engine_config.py: EngineConfig, EngineSizes), the
 admission policy over the host page pool (admission.py over pages.py: rows, pages, prefix
 cache, decode length), the device side (runner.py: the Runner it shares with the
-Sampler, and its EngineDevice: paged KV cache, device arrays, program calls) and the
-warm-up (warmup.py). Long form: docs/engine.md. A step (`step`) is: fail
+Sampler, and its EngineDevice: paged KV cache and program calls, over the host arrays of
+engine_rows.py) and the warm-up (warmup.py). Long form: docs/engine.md. A step (`step`) is: fail
 what must fail (cancelled requests, sequences whose adapter changed), admit waiting
 requests while decode rows and pages last, prefill one chunk of every admitted prompt
 (at most `prefill_tokens` prompt tokens per step over all prompts: a long prompt is split
@@ -26,15 +26,6 @@ request's samples on devices with free decode rows and pages, reserving its wors
 the prefix cache (pages.py's: "Prefix cache") lets a prompt take the cached pages of an
 earlier one with the same adapter, salt and leading tokens.
 
-Hybrid models (Qwen3.5: Gated DeltaNet + gated full attention): the pages hold the full
-layers' K/V; every decode slot also has one recurrent-state row on its device (conv window
-and delta-rule state per linear layer, paged.Pool.rec). A sequence takes its device's
-lowest free row at admission and frees it when it ends; chunked prefill carries the
-leader's state across the prompt's chunks, the fork copies the prompt's final state into
-every further sample's row, and decode steps each row's state. No prefix cache: a state
-is not recoverable from K/V pages (and one per cached page boundary would cost ~100× the
-page), so prefix_cache is off for hybrids and every prompt prefills all its positions.
-
 Programs: every dynamic dimension of the engine's device programs is bucketed to a few
 values (layout.ladder rungs, steps of 4 from the top unless said): decode rows per device
 (b_local, b_local / 2, … ≥ 8), table pages (max_len / page, … ≥ 64 / page, and
@@ -50,18 +41,14 @@ power of two; jcp-serve refuses them).
 `program_keys` holds the static signature of every program the engine has run
 (`programs()` counts them); `warmup` compiles the bounded set up front.
 
-Adapters: a sequence records its adapter slot's version (AdapterState.version) at
-admission; if the slot changes (optimizer step, load, delete) before the sequence ends,
-the request fails with a clear error — never a mix of old and new weights (and a changed
-adapter's version keys no prefix-cache page).
-
-Long sequences (long_len > max_len): max_len sizes the cache and the usual table rungs; a
-sequence of up to long_len positions runs in the engine like any other — its prompt
-prefilled over steps, its tokens decoded `decode_len` at a time, between other requests'
-steps — with its table on the rungs above (long_len / page, ÷ 4, … > max_len / page) and
-its pages on one device (reserved at admission, so it may wait for a device to drain).
-One whose pages exceed a whole device's (`seq_cap`) is refused; such a sequence, whose
-cache must be split over cp, runs beside the engine (Sampler.sample, cache_mode "split").
+Hybrid models (Qwen3.5): every decode slot also holds one recurrent-state row on its
+device (paged.Pool.rec), taken at admission and freed when the sequence ends; no prefix
+cache (a state is not recoverable from K/V pages). Long sequences (long_len > max_len) run
+like any other, on the table rungs above max_len / page, their pages on one device; one
+longer than a device's pages (seq_cap) is refused. Adapters: a sequence records its slot's
+version (AdapterState.version) at admission; a request whose adapter changes before it
+ends fails (EngineError), never mixing old and new weights. Each at length:
+docs/engine.md.
 
 It must never change adapter state, and never run a device program outside `step`.
 """
@@ -211,25 +198,7 @@ class Engine:
             raise InputError(f"prompt_logprobs must be a bool, got {prompt_logprobs!r}")
         n = len(c.prompts[0])
         fields = check_fields(fields, n, self.s.cfg.vocab_size, bool(prompt_logprobs))
-        if n - 1 + c.max_tokens > self.long_len:
-            raise InputError(
-                f"prompt of {n} tokens + max_tokens {c.max_tokens} exceed the "
-                f"engine's {self.long_len} positions per sequence"
-            )
-        if c.num_samples > self.slots:
-            raise InputError(f"num_samples {c.num_samples} exceeds the engine's {self.slots} slots")
-        if self.sizes.pages_per_seq(n - 1, c.max_tokens) > self.n_pages:
-            raise InputError(
-                f"prompt of {n} tokens + max_tokens {c.max_tokens} need more "
-                f"than the engine's {self.n_pages} pages per device"
-            )
-        most = self.admission.most_samples(n - 1, c.max_tokens)
-        if c.num_samples > most:
-            raise InputError(
-                f"num_samples {c.num_samples} of a prompt of {n} tokens + "
-                f"max_tokens {c.max_tokens} need more pages than the engine "
-                f"holds (at most {most} such samples at once)"
-            )
+        self._check_fits(n, c.max_tokens, c.num_samples)
         params = dict(
             max_tokens=c.max_tokens,
             temperature=c.temperature,
@@ -284,6 +253,29 @@ class Engine:
         self._queue(req, callback)
         self.logprob_waiting.append(req)
         return req.rid
+
+    def _check_fits(self, n: int, max_tokens: int, num_samples: int) -> None:
+        """Refuse (InputError) num_samples sequences of a prompt of n tokens + max_tokens
+        that the engine could never hold: too many positions, samples or pages."""
+        if n - 1 + max_tokens > self.long_len:
+            raise InputError(
+                f"prompt of {n} tokens + max_tokens {max_tokens} exceed the "
+                f"engine's {self.long_len} positions per sequence"
+            )
+        if num_samples > self.slots:
+            raise InputError(f"num_samples {num_samples} exceeds the engine's {self.slots} slots")
+        if self.sizes.pages_per_seq(n - 1, max_tokens) > self.n_pages:
+            raise InputError(
+                f"prompt of {n} tokens + max_tokens {max_tokens} need more "
+                f"than the engine's {self.n_pages} pages per device"
+            )
+        most = self.admission.most_samples(n - 1, max_tokens)
+        if num_samples > most:
+            raise InputError(
+                f"num_samples {num_samples} of a prompt of {n} tokens + "
+                f"max_tokens {max_tokens} need more pages than the engine "
+                f"holds (at most {most} such samples at once)"
+            )
 
     def _queue(self, req: Request, callback) -> None:
         self.requests[req.rid] = req
