@@ -55,12 +55,20 @@ def straight(straight_out):
     return _rows(straight_out)
 
 
-def test_resume_continues_exactly(tmp_path, straight):
-    out = str(tmp_path / "resumed")
-    _run("--out", out, "--steps", "3", *SMALL)
-    first = _rows(out)
-    assert sorted({r["step"] for r in first}) == [1, 2, 3]
-    p = _run("--out", out, "--steps", "5", "--resume", *SMALL)
+def test_resume_continues_exactly(tmp_path, straight_out, straight):
+    """A run killed while checkpointing step 5 (a copy of the straight run with step 5's
+    metrics rows written, sft's step-5 checkpoint written, rl's not, latest.json still at
+    step 4) resumes at step 5 as if never stopped: the rows after the checkpoint are
+    dropped and redone, the half-written step overwritten. (One jcp-train process: a run
+    of 3 steps resumed to 5 took one more for the same check, a step each side of a save.)"""
+    out = tmp_path / "resumed"
+    shutil.copytree(straight_out, out)
+    shutil.rmtree(_state(out).parent / "rl")
+    latest = json.loads(_latest(out).read_text())
+    assert latest["step"] == 5
+    _latest(out).write_text(json.dumps({**latest, "step": 4, "dir": "step_000004"}))
+    first = [r for r in straight if r["step"] <= 4]
+    p = _run("--out", str(out), "--steps", "5", "--resume", *SMALL)
     assert "done at step 5" in p.stdout
     rows = _rows(out)
     # One row per step and adapter: nothing repeated or lost.
@@ -78,6 +86,8 @@ def test_resume_continues_exactly(tmp_path, straight):
         )
         assert a["loss:sum"] == pytest.approx(b["loss:sum"], rel=1e-5, abs=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert json.loads(_latest(out).read_text())["step"] == 5
+    assert sorted(os.listdir(_state(out).parent)) == ["rl", "sft"]
 
 
 def test_default_run_learns_on_policy(straight):
@@ -138,19 +148,12 @@ def test_data_file(tmp_path):
         )
     data.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = str(tmp_path / "o")
-    _run(
-        "--out",
-        out,
-        "--steps",
-        "2",
-        "--data",
-        str(data),
-        "--mesh",
-        "1,2,1",
-        "--batch-size",
-        "1",
-        "--no-progress",
-    )
+    from jcp.train import main
+
+    # In this process: the default run above is the real program's; this one's own part is
+    # reading the file (a fresh process would add ~2 CPU s of imports).
+    argv = ["--out", out, "--steps", "2", "--data", str(data), "--batch-size", "1"]
+    assert main([*argv, "--mesh", "1,2,1", "--no-progress"]) == 0
     rows = _rows(out)
     assert sorted({r["adapter"] for r in rows}) == ["a", "b"]
     assert all(r["loss_fn"] == "cross_entropy" for r in rows)
@@ -160,7 +163,10 @@ def test_moe_run_trains_experts(tmp_path):
     """--moe: the tiny MoE model, adapters on attention + experts (shared-outer), both sft and
     the on-policy rl adapter (which samples the MoE model) train."""
     out = str(tmp_path / "moe")
-    _run("--out", out, "--steps", "3", "--moe", *SMALL)
+    # Mesh (1,1,1): what this run adds is jcp-train's MoE model and expert adapters; the
+    # MoE model's sharded training and sampling are test_moe_lora's (meshes (2,1,4),
+    # (1,2,2), (1,1,4)). At jcp-train's default (2,2,2) the run took 22 CPU s, here 17.
+    _run("--out", out, "--steps", "3", "--moe", "--mesh", "1,1,1", *SMALL)
     rows = _rows(out)
     assert sorted({(r["step"], r["adapter"]) for r in rows}) == sorted(
         (s, a) for s in (1, 2, 3) for a in ("sft", "rl")
