@@ -28,7 +28,10 @@ httpx = pytest.importorskip("httpx")
 
 from helpers import mp_serve  # noqa: E402
 
-TIMEOUT = 15  # --follower-timeout of the 2-process job
+# --follower-timeout of the 2-process job: the lost follower is seen this long after its
+# last heartbeat (the test waits it out); a slow follower's acknowledgement may come
+# replica.ACK_FACTOR times later, so a compile behind under load is no failure.
+TIMEOUT = 8
 SLOTS = ("--max-adapters", "2")  # fewer than the session's models: offload -> restore
 
 
