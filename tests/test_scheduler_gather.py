@@ -2,7 +2,8 @@
 arriving close together are taken together (the first within `gap`, later ones within
 `burst_gap`, or scale × the burst's largest gap so far); the window's end is reported when
 they are still arriving; other work stops it; `each` is handed every batch of arrivals as
-it comes (the worker prefills them while the rest arrive)."""
+it comes (the worker prefills them while the rest arrive); a second tenant's sample ends
+it."""
 
 from __future__ import annotations
 
@@ -140,3 +141,31 @@ def test_scaled_gap_ends_a_burst_sooner_than_the_burst_gap():
     assert gathered(None) == [f"s{i}" for i in range(6)]
     assert gathered(3.0) == [f"s{i}" for i in range(5)]
     assert time.monotonic() - t0 < 8.0
+
+
+def test_another_tenants_sample_ends_the_gathering():
+    """alice's burst trickling in (her requests slow to arrive: the server's HTTP side is
+    busy) held bob's lone sample, admitted among them, until the window ended (0.5 s on
+    jcp-serve; bob's p99 beside her: 255 ms of one request waiting so). A gather batches
+    one tenant's burst: bob's sample ends it, reported as still arriving (the worker's
+    next step is short, so that alice's stragglers join one chunk later)."""
+    sched, stop = Scheduler(), threading.Event()
+    t, sent = _feed(sched, stop, 0.002, n=2000)
+    try:
+        time.sleep(0.02)
+        threading.Timer(
+            0.05, lambda: sched.submit(Work("b", "sample", None, None, None, "bob"))
+        ).start()
+        t0 = time.monotonic()
+        got, arriving = sched.gather_samples(gap=0.5, window=10.0, burst_gap=0.5)
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        t.join()
+    assert "b" in [w.request_id for w in got] and arriving
+    assert took < 1.0, took  # not the window (10 s), nor alice's whole burst (4 s)
+    # Samples of two tenants already taken: no gathering at all.
+    both = [_sample(0), Work("b2", "sample", None, None, None, "bob")]
+    sched.submit(Work("late", "sample", None, None, None, "owner"))
+    assert sched.gather_samples(gap=0.5, window=10.0, taken=both) == ([], True)
+    assert [w.request_id for w in sched.next_work(block=False)[1]][-1] == "late"

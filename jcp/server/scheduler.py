@@ -245,9 +245,16 @@ class Scheduler:
         come 3 ms apart ends 12 ms after its last, not burst_gap. each: called (outside
         the lock) with every batch of newly arrived samples as they come (the worker
         admits and prefills them while the rest arrive); a gap counts from when it
-        returns. -> (samples, whether they were still arriving when the window ended)."""
+        returns. A gather batches one tenant's burst: a sample of a second tenant (among
+        `taken` or the arrivals) ends it at once, reported as still arriving, so that
+        his request is not held until her burst has all come (up to `window`; the
+        engine then steps his rows apart from hers: Admission, "Light steps").
+        -> (samples, whether they were still arriving when the window ended)."""
         end = time.monotonic() + window
         out: list[Work] = []
+        owners = {w.owner for w in taken}
+        if len(owners) > 1:
+            return out, True
         arriving = False
         while True:
             new: list[Work] = []
@@ -268,6 +275,10 @@ class Scheduler:
             out += new
             if each is not None:
                 each(new)
+            owners |= {w.owner for w in new}
+            if len(owners) > 1:  # another tenant's sample: not held for this burst
+                arriving = True
+                break
         if each is None:
             with self._cv:
                 out, self._samples = out + self._samples, []

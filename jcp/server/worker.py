@@ -81,7 +81,8 @@ log = logging.getLogger("jcp.serve")
 # ADMIT_GAP_S for company; once a second one has come, a burst is arriving (an RL step's
 # prompt groups, sent at once) and the worker takes every sample that comes within
 # ADMIT_GAP_SCALE × the largest gap between the burst's arrivals so far (at least
-# ADMIT_GAP_S, at most ADMIT_BURST_GAP_S) of the one before, for at most ADMIT_WINDOW_S.
+# ADMIT_GAP_S, at most ADMIT_BURST_GAP_S) of the one before, for at most ADMIT_WINDOW_S
+# — one tenant's burst: a second tenant's sample ends the gathering (Scheduler.gather_samples).
 # While it gathers, it admits the arrivals and, on an accelerator, prefills them in
 # prefill-only steps (Engine.step(decode=False)) once ADMIT_PREFILL_MIN are waiting; on a
 # CPU host those steps would take the cores from the HTTP thread still taking the burst.
