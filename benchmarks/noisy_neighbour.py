@@ -88,6 +88,12 @@ def parse_args(argv):
         help="what the neighbour sends, of samples,burst,forwards,refused",
     )
     p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="write every victim request (phase, kind, time.monotonic() at its POST, "
+        "seconds) and the summary to FILE",
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
         help="a few seconds, small neighbour (tests/test_benchmarks.py)",
@@ -158,14 +164,14 @@ def sample(sampler: str, prompt: list[int], n: int, max_tokens: int) -> dict:
 
 async def victim(t: Tenant, st: dict, a, vocab: int, seconds: float) -> list[tuple]:
     """bob's steady stream: one request every 1/rate s, each timed to its result."""
-    lat, tasks = [], []  # (kind, seconds)
+    lat, tasks = [], []  # (kind, seconds, time.monotonic() at its POST)
     rng = np.random.default_rng(1)
 
     async def one(k: int):
         import httpx
 
         kind = "forward" if k % 2 else "sample"
-        t0 = time.perf_counter()
+        at, t0 = time.monotonic(), time.perf_counter()
         try:
             await asyncio.wait_for(send(k), a.timeout)
         except TimeoutError:  # counted at the bound: p99 then reads ≥ --timeout
@@ -174,7 +180,7 @@ async def victim(t: Tenant, st: dict, a, vocab: int, seconds: float) -> list[tup
             # A connection the server dropped (a keep-alive closed as it was reused, under
             # load): not timed, counted apart.
             kind = "dropped " + kind
-        lat.append((kind, time.perf_counter() - t0))
+        lat.append((kind, time.perf_counter() - t0, at))
 
     async def send(k: int):
         if k % 2:
@@ -405,6 +411,30 @@ def compiles_since(a, at: int) -> tuple[int, float]:
     return len(secs), sum(secs)
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Usage:
+    """CPU seconds of the server and the drivers, and the 1-minute load average, over one
+    timed phase: on a shared 2-core host the neighbour's driver and other work take cores
+    from the server (and the victim's own driver waits for one too)."""
+
+    def __init__(self, pids: dict):
+        self.pids = pids
+        self.cpu0 = {k: cpu_s(p) for k, p in pids.items()}
+        self.load0 = os.getloadavg()[0]
+
+    def end(self) -> dict:
+        return {
+            "cpu_s": {k: round(cpu_s(p) - self.cpu0[k], 2) for k, p in self.pids.items()},
+            "load": (self.load0, os.getloadavg()[0]),
+        }
+
+
 async def drive(a, url: str) -> dict:
     import httpx
 
@@ -421,22 +451,26 @@ async def drive(a, url: str) -> dict:
         vocab = jcp.QwenConfig.tiny().vocab_size
         b, h = await setup(bob, name), await setup(alice, name)
         await victim(bob, b, a, vocab, 2 / a.rate)  # compiles bob's shapes, untimed
-        at = log_size(a)
+        at, pids = log_size(a), {"server": a.server_pid, "victim's driver": os.getpid()}
+        used = Usage(pids)
         alone = await victim(bob, b, a, vocab, a.seconds)
-        compiles = {"alone": compiles_since(a, at)}
+        compiles, usage = {"alone": compiles_since(a, at)}, {"alone": used.end()}
         with Neighbour(url, h, a, vocab, ctx) as n:
             # Untimed first: whatever alice's load compiles (bob's forwards fused with
             # hers too) is compiled before bob is timed beside her.
             await victim(bob, b, a, vocab, a.settle)
-            at = log_size(a)
+            at, beside_at = log_size(a), time.monotonic()
+            used = Usage({**pids, "neighbour's driver": n.proc.pid})
             beside = await victim(bob, b, a, vocab, a.seconds)
-            compiles["beside"] = compiles_since(a, at)
+            compiles["beside"], usage["beside"] = compiles_since(a, at), used.end()
         counts = n.counts
         health = await bob.client.get("/api/v1/healthz")
         return {
             "alone": alone,
             "beside": beside,
+            "beside_at": beside_at,
             "compiles": compiles,
+            "usage": usage,
             "counts": dict(counts),
             "ctx": ctx,
             "healthy": health.status_code == 200,
@@ -453,6 +487,7 @@ def main(argv=None) -> dict:
         proc, url = start_server(a, folder)
     finally:
         del os.environ["JAX_LOG_COMPILES"]
+    a.server_pid = proc.pid
     print(
         f"jcp-serve at {url} (started in {time.monotonic() - t0:.0f} s); phases of "
         f"{a.seconds:g} s, victim at {a.rate:g} requests/s",
@@ -466,7 +501,7 @@ def main(argv=None) -> dict:
     rows = {}
     for phase in ("alone", "beside"):
         for kind in ("sample", "forward", "all"):
-            xs = [s for k, s in res[phase] if kind in (k, "all") and "dropped" not in k]
+            xs = [s for k, s, _ in res[phase] if kind in (k, "all") and "dropped" not in k]
             rows[phase, kind] = (pct(xs, 50), pct(xs, 99), len(xs))
             print(
                 f"victim {phase:>6} {kind:>7}: p50 {rows[phase, kind][0]:8.1f} ms   "
@@ -474,7 +509,13 @@ def main(argv=None) -> dict:
             )
         n, secs = res["compiles"][phase]
         print(f"victim {phase:>6}: the server compiled {n} programs ({secs:.1f} s) meanwhile")
-        dropped = sum("dropped" in k for k, _ in res[phase])
+        use = res["usage"][phase]
+        print(
+            f"victim {phase:>6}: CPU s "
+            + ", ".join(f"{k} {v:.1f}" for k, v in use["cpu_s"].items())
+            + f"; load average {use['load'][0]:.2f} -> {use['load'][1]:.2f}"
+        )
+        dropped = sum("dropped" in k for k, _, _ in res[phase])
         if dropped:
             print(f"victim {phase:>6}: {dropped} requests on a dropped connection (not timed)")
     rows = {phase: rows[phase, "all"] for phase in ("alone", "beside")}
@@ -488,7 +529,15 @@ def main(argv=None) -> dict:
         + json.dumps(res["counts"], sort_keys=True)
         + f"; context {res['ctx']}; healthz after: {'ok' if res['healthy'] else 'FAILED'}"
     )
+    slow = sorted(res["beside"], key=lambda r: -r[1])[:5]
+    print(
+        "victim beside, slowest: "
+        + ", ".join(f"{k} {s * 1e3:.0f} ms at +{at - res['beside_at']:.1f} s" for k, s, at in slow)
+    )
     res["p99_ratio"], res["rows"] = ratio, rows
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({**res, "rows": {k: list(v) for k, v in rows.items()}}, f)
     return res
 
 
