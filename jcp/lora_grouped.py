@@ -157,12 +157,14 @@ def plan_spans(spans_Ax2, lora_A, scale_A, s_len: int, tile: int | None = None) 
     )
 
 
-def plan_rows(index_S, lora_A, scale_A, tile: int | None = None) -> Tiles:
+def plan_rows(index_S, lora_A, scale_A, tile: int | None = None, live_S=None) -> Tiles:
     """Tiles of rows routed one by one (index_S: each row's active adapter, in any order —
     a decode batch): the rows sorted by adapter (stable), rows of an entry without LoRA
-    (lora_A False) first and kept by no tile."""
+    (lora_A False) or, given live_S, of no LoRA themselves (live_S False) first and kept by
+    no tile."""
     n_a = lora_A.shape[0]
-    key_S = jnp.where(lora_A[index_S], index_S, -1)
+    live = lora_A[index_S] if live_S is None else lora_A[index_S] & live_S
+    key_S = jnp.where(live, index_S, -1)
     order_Q = jnp.argsort(key_S, stable=True)
     rank_Q = key_S[order_Q]
     bounds = jnp.searchsorted(rank_Q, jnp.arange(n_a + 1), side="left")

@@ -18,6 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jcp import lora as lora_lib
+from jcp.lora_grouped import plan_rows, tile_product, tile_rows
+from jcp.mesh import vary_all
+
 # Rows per tile of the CPU grouped matmul (see grouped_matmul).
 TILE = 64
 
@@ -123,6 +127,84 @@ def _expert_lora(x_ZxI, lora_m, sizes_E, token_Z, route, token_w_SxA, u_shared_S
     return per_expert_b(jnp.where(shared_A, 0, u_ZxAxR)) + shared_b(jnp.where(shared_A, u_ZxAxR, 0))
 
 
+def _masked_lora(x_SxD, lora, route, token_Z, sizes_E):
+    """delta(module, x_ZxI) -> [Z, O]: the expert modules' LoRA of a few adapters (a dense
+    routing): every row times all A adapters' factors of its expert, masked to its own
+    adapter (_expert_lora)."""
+    token_w_SxA = jnp.where(route.mask_SxA(x_SxD.shape[0]), route.scale_A[None, :], 0.0)
+
+    def shared_in(m):
+        if m == "expert_down" or "a_shared" not in lora[m]:  # down: B is the shared side
+            return None
+        a_sh = lora[m]["a_shared"]  # [A, D, R]
+        return jnp.einsum("sd,adr->sar", x_SxD, a_sh.astype(x_SxD.dtype))
+
+    def delta(m, x_ZxI):
+        lora_m = _tied_up(lora, route) if m == "expert_up" else lora[m]
+        return _expert_lora(x_ZxI, lora_m, sizes_E, token_Z, route, token_w_SxA, shared_in(m))
+
+    return delta
+
+
+def _grouped_lora(x_SxD, lora, route, token_Z, expert_Z, num_local):
+    """delta(module, x_ZxI) -> [Z, O]: the expert modules' LoRA of a grouped routing
+    (route.tiles) over the sorted rows (token_Z, expert_Z: local expert, -1 for another
+    rank's), each (token, expert) row times its own adapter's factors of its expert
+    only, in tiles of one (expert, adapter) group's rows (lora_grouped: G = E·A groups,
+    group e·A + k) — no row pays for the other adapters. Shared-outer factors: the shared
+    A per token by the routing's own tiles (lora.low_rank_input), the shared B as the
+    group's B; an adapter's unused factor gets no gradient (jnp.where)."""
+    tiles, n_a = route.tiles, route.active_A.shape[0]
+    k_S, w_S = tiles.pick_Q, tiles.weight_Q
+    if tiles.place_S is not None:  # rows routed one by one: back to the stream's order
+        k_S, w_S = k_S[tiles.place_S], w_S[tiles.place_S]
+    k_Z, w_Z = k_S[token_Z], w_S[token_Z]
+    n_g, n_z = num_local * n_a, k_Z.shape[0]
+    t = plan_rows(
+        jnp.maximum(expert_Z, 0) * n_a + k_Z,
+        jnp.ones((n_g,), bool),
+        jnp.zeros((n_g,), jnp.float32),
+        tile_rows(n_z, min(n_g, n_z)),
+        live_S=(expert_Z >= 0) & (w_Z != 0),
+    )
+    shared_A = route.shared_A > 0.5
+    shared_Q = shared_A[k_Z][t.order_Q][:, None]
+    shared_G = jnp.tile(shared_A, num_local)[:, None, None]  # group e·A + k: adapter k's
+    token_Q = token_Z[t.order_Q]
+
+    def groups(f_AxE):
+        """[A, E, …] -> [E·A, …] (group e·A + k)."""
+        return jnp.swapaxes(f_AxE, 0, 1).reshape((n_g,) + f_AxE.shape[2:])
+
+    def product(x_QxI, w_GxIxO):
+        w_GxIxO = w_GxIxO.astype(x_QxI.dtype)
+        return tile_product(vary_all(x_QxI, w_GxIxO), vary_all(w_GxIxO, x_QxI), t)
+
+    def shared_in(m, dtype):
+        """Each row's (x @ a_shared[k])·scale_k, in the plan's row order."""
+        u_S = lora_lib.low_rank_input(x_SxD, lora[m]["a_shared"], route)
+        u_S = u_S if tiles.place_S is None else u_S[tiles.place_S]
+        return u_S.astype(dtype)[token_Q]
+
+    def delta(m, x_ZxI):
+        lora_m = _tied_up(lora, route) if m == "expert_up" else lora[m]
+        dtype = x_ZxI.dtype
+        u_sh = None if m == "expert_down" or "a_shared" not in lora_m else shared_in(m, dtype)
+        if "a" in lora_m:
+            u = product(x_ZxI[t.order_Q], groups(lora_m["a"])) * w_Z[t.order_Q][:, None]
+            u = u.astype(dtype) if u_sh is None else jnp.where(shared_Q, u_sh, u.astype(dtype))
+        else:  # a table of shared-outer adapters only
+            u = u_sh
+        b_G = None if "b" not in lora_m else groups(lora_m["b"])
+        if "b_shared" in lora_m:
+            b_sh = lora_m["b_shared"]  # [A, R, O]: every expert of a group's adapter
+            b_sh = groups(jnp.broadcast_to(b_sh[:, None], (n_a, num_local) + b_sh.shape[1:]))
+            b_G = b_sh if b_G is None else jnp.where(shared_G, b_sh, b_G)
+        return product(u, b_G)[t.place_S]
+
+    return delta
+
+
 def _tied_up(lora, route) -> dict:
     """expert_up's factors with a fused_gate_up slot's A taken from expert_gate (the one A
     of peft's fused gate_up: both uses of it add into its gradient)."""
@@ -167,38 +249,17 @@ def experts(
     g_ZxFe = grouped_matmul(x_ZxD, gate_ExDxFe, sizes_E)
     u_ZxFe = grouped_matmul(x_ZxD, up_ExDxFe, sizes_E)
     if lora is not None:
-        token_w_SxA = jnp.where(route.mask_SxA(s_len), route.scale_A[None, :], 0.0)
-
-        def shared_in(m):
-            if "a_shared" not in lora[m]:  # a table of per-expert adapters only
-                return None
-            a_sh = lora[m]["a_shared"]  # [A, D, R]
-            return jnp.einsum("sd,adr->sar", x_SxD, a_sh.astype(x_SxD.dtype))
-
-        g_ZxFe = g_ZxFe + _expert_lora(
-            x_ZxD,
-            lora["expert_gate"],
-            sizes_E,
-            token_Z,
-            route,
-            token_w_SxA,
-            shared_in("expert_gate"),
-        ).astype(g_ZxFe.dtype)
-        u_ZxFe = u_ZxFe + _expert_lora(
-            x_ZxD,
-            _tied_up(lora, route),
-            sizes_E,
-            token_Z,
-            route,
-            token_w_SxA,
-            shared_in("expert_up"),
-        ).astype(u_ZxFe.dtype)
+        if route.tiles is None:
+            delta = _masked_lora(x_SxD, lora, route, token_Z, sizes_E)
+        else:
+            expert_Z = jnp.where(mine_Z, local_Z, -1)[order_Z]  # -1: another rank's
+            delta = _grouped_lora(x_SxD, lora, route, token_Z, expert_Z, num_local)
+        g_ZxFe = g_ZxFe + delta("expert_gate", x_ZxD).astype(g_ZxFe.dtype)
+        u_ZxFe = u_ZxFe + delta("expert_up", x_ZxD).astype(u_ZxFe.dtype)
     z_ZxFe = jax.nn.silu(g_ZxFe) * u_ZxFe
     y_ZxD = grouped_matmul(z_ZxFe, down_ExFexD, sizes_E)
     if lora is not None:
-        y_ZxD = y_ZxD + _expert_lora(
-            z_ZxFe, lora["expert_down"], sizes_E, token_Z, route, token_w_SxA
-        ).astype(y_ZxD.dtype)
+        y_ZxD = y_ZxD + delta("expert_down", z_ZxFe).astype(y_ZxD.dtype)
     w_Z = jnp.where(mine_Z, weights_SxX.reshape(-1), 0)[order_Z]
     return jnp.zeros_like(x_SxD).at[token_Z].add(y_ZxD * w_Z[:, None].astype(y_ZxD.dtype))
 
