@@ -67,3 +67,46 @@ def test_a_pass_of_one_micro_batch_runs_whole_in_its_turn():
     w = _Worker(passes=1)
     w._fwd([_work("alice")])
     assert w.steps.ran == 1 and w.completed and not w._splits
+
+
+class _Turn:
+    """What Worker._light_after_pass reads: the scheduler, the engine's state and steps."""
+
+    def __init__(self, light_next: bool, idle: bool = False):
+        from jcp.server.worker import Worker
+
+        self.sched, self.sampling = Scheduler(), SimpleNamespace(idle=idle)
+        self._unlogged, self.admitted, self.steps = [], [], []
+        self._admit_sample = self.admitted.append
+        self._light_next = lambda: light_next
+        self._step = lambda hurry, decode: self.steps.append((hurry, decode))
+        self.after_pass = lambda: Worker._light_after_pass(self)
+
+
+def _sample(owner: str) -> Work:
+    return Work(f"s-{owner}", "sample", None, None, None, owner)
+
+
+def test_a_light_sample_that_came_during_a_pass_steps_before_the_turns_engine_step():
+    """bob's sample arrived while alice's micro-batch ran: it used to wait for the turn's
+    engine step (alice's rows: the steps alternate) and then its own at the next turn.
+    Now it is admitted after the pass and, the engine's next step being his, stepped
+    before the turn's engine step."""
+    t = _Turn(light_next=True)
+    t.sched.submit(_sample("bob"))
+    t.after_pass()
+    assert [w.owner for w in t.admitted] == ["bob"] and t.steps == [(True, True)]
+    assert t.sched.samples_queued() == 0
+    # Not a light tenant's next step (one tenant alone, say): admitted, no extra step.
+    t = _Turn(light_next=False)
+    t.sched.submit(_sample("alice"))
+    t.after_pass()
+    assert len(t.admitted) == 1 and t.steps == []
+    # An idle engine gathers a burst at the next turn, as before; a held scheduler keeps
+    # its samples queued.
+    for t, held in ((_Turn(light_next=True, idle=True), False), (_Turn(light_next=True), True)):
+        if held:
+            t.sched.hold()
+        t.sched.submit(_sample("bob"))
+        t.after_pass()
+        assert t.admitted == [] and t.steps == [] and t.sched.samples_queued() == 1

@@ -140,6 +140,15 @@ class Scheduler:
         with self._cv:
             return len(self._samples)
 
+    def take_samples(self) -> list[Work]:
+        """Every queued sample, taken (the worker admits them between a pass and its
+        engine step); none while held."""
+        with self._cv:
+            if self._held:
+                return []
+            out, self._samples = self._samples, []
+            return out
+
     def hold(self) -> None:
         """Stop handing out passes (requests still queue) until `release`. For tests and
         benchmarks that need several clients' requests queued together."""
