@@ -110,3 +110,27 @@ def test_a_light_sample_that_came_during_a_pass_steps_before_the_turns_engine_st
         t.sched.submit(_sample("bob"))
         t.after_pass()
         assert t.admitted == [] and t.steps == [] and t.sched.samples_queued() == 1
+
+
+def test_what_exists_before_serving_is_frozen_out_of_the_cyclic_gc():
+    """A full collection stops every thread for as long as it scans the objects that
+    survived earlier ones (0.2-0.78 s beside the noisy neighbour, the model and programs
+    included): Worker.start freezes what exists before serving, stop unfreezes it."""
+    import gc
+
+    from jcp.server.worker import Worker
+
+    started = []
+    w = SimpleNamespace(
+        _thread=SimpleNamespace(start=lambda: started.append(1), join=lambda timeout: None),
+        sched=Scheduler(),
+        failure=lambda: None,
+        leader=None,
+    )
+    gc.unfreeze()
+    try:
+        Worker.start(w)
+        assert started and gc.get_freeze_count() > 0
+    finally:
+        Worker.stop(w)
+    assert gc.get_freeze_count() == 0 and w.sched.closed
