@@ -2,7 +2,8 @@
 
 One Trainer (a 1024-wide, 4-layer Qwen3: jcp.QwenConfig.tiny(hidden_size=1024, …), fp32),
 --adapters adapters of rank 16 (alpha 32) on --targets (attn + mlp; add unembed for the
-unembedding's LoRA, with a wider --vocab to see it), all created up front; one batch of
+unembedding's LoRA, with a wider --vocab to see it; --experts E: every layer MoE, E experts
+of width 256, top 2, with --targets attn,experts), all created up front; one batch of
 --datums datums of uneven lengths (--tokens in all, the same tokens in every row of the
 table), datum j on adapter ⌊j·A / datums⌋ of the first A. For each A: one fused
 forward_backward, timed (best of --reps, the A's run interleaved so a slow spell of the
@@ -49,10 +50,20 @@ MiB = float(1 << 20)
 TILES = (16, 32, 64, 128, 256)
 
 
-def config(smoke: bool, vocab: int = 2048) -> jcp.QwenConfig:
+def config(smoke: bool, vocab: int = 2048, experts: int = 0) -> jcp.QwenConfig:
     if smoke:
         return jcp.QwenConfig.tiny(num_layers=2)
+    moe = {}
+    if experts:  # every layer MoE, top 2 of `experts` experts of width 256
+        moe = dict(
+            num_experts=experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=256,
+            norm_topk_prob=True,
+            mlp_only_layers=(),
+        )
     return jcp.QwenConfig.tiny(
+        **moe,
         hidden_size=1024,
         intermediate_size=2048,
         num_layers=4,
@@ -266,12 +277,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--targets", default="attn,mlp", help="the adapters' targets (+ unembed)")
     ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument(
+        "--experts", type=int, default=0, help="a MoE model of this many experts (targets: experts)"
+    )
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
         args.adapters, args.datums, args.tokens, args.reps = "1,4", 8, 128, 1
         args.rows, args.decode_steps, args.parts = 8, 4, "fused,sample,kernels"
-    cfg = config(args.smoke, args.vocab)
+    cfg = config(args.smoke, args.vocab, args.experts)
     res = {}
     t0 = time.perf_counter()
     parts = args.parts.split(",")
