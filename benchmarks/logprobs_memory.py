@@ -31,7 +31,9 @@ def chunked_program(mesh, chunk):
 
     def loss(h_SxD, w_DxV, targets_S, coef_S):
         def inner(h, w, t, c):
-            lp_S = losses.target_logprobs(losses.Unembedding((h[0, 0],), (w,)), t[0, 0], chunk=chunk)
+            lp_S = losses.target_logprobs(
+                losses.Unembedding((h[0, 0],), (w,)), t[0, 0], chunk=chunk
+            )
             return jax.lax.psum(jnp.sum(c[0, 0] * lp_S), mesh_lib.BATCH_AXES)
 
         return jax.shard_map(
