@@ -202,8 +202,10 @@ def check_head(x, a, b, route, ct, want_value):
     b_own = jnp.asarray(b)[np.maximum(own, 0)] * (own >= 0)[:, None, None]
     du_ref = jnp.einsum("so,sro->sr", ct, b_own)
     u_ref = head.u_SxR * (own >= 0)[:, None]
-    db_ref = jnp.zeros(b.shape).at[np.maximum(own, 0)].add(
-        jnp.einsum("sr,so->sro", u_ref, ct) * (own >= 0)[:, None, None]
+    db_ref = (
+        jnp.zeros(b.shape)
+        .at[np.maximum(own, 0)]
+        .add(jnp.einsum("sr,so->sro", u_ref, ct) * (own >= 0)[:, None, None])
     )
     np.testing.assert_allclose(jnp.concatenate(d_u), du_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(d_b, db_ref, rtol=1e-5, atol=1e-5 * float(jnp.abs(db_ref).max()))

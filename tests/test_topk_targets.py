@@ -58,7 +58,9 @@ def shard_step(tp: int):
     def inner(h, w, t, seg, wt):
         x = losses.TokenInputs(wt[0, 0], jnp.zeros(N), jnp.zeros(N))
         plan = losses.LossPlan("cross_entropy", 8, chunk=CHUNK)
-        return losses.shard_loss(losses.Unembedding((h[0, 0],), (w,)), t[0, 0], seg[0, 0], x, {}, plan)
+        return losses.shard_loss(
+            losses.Unembedding((h[0, 0],), (w,)), t[0, 0], seg[0, 0], x, {}, plan
+        )
 
     def run(h, w, t, seg, wt):
         return jax.shard_map(

@@ -165,7 +165,9 @@ def step_fn(dp: int, cp: int, tp: int, num_slots: int):
         def inner(h, w, targets, segment, wts, adv, slp, srm, cfg):
             x = losses.TokenInputs(wts[0, 0], adv[0, 0], slp[0, 0], srm[0, 0])
             plan = losses.LossPlan(name, num_slots, chunk=CHUNK)
-            return losses.shard_loss(losses.Unembedding((h[0, 0],), (w,)), targets[0, 0], segment[0, 0], x, cfg, plan)
+            return losses.shard_loss(
+                losses.Unembedding((h[0, 0],), (w,)), targets[0, 0], segment[0, 0], x, cfg, plan
+            )
 
         return jax.shard_map(
             inner,
