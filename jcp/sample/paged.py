@@ -66,10 +66,9 @@ REC_SPEC = LAYOUT.rec_specs  # Recurrent [Ll, R, …]: state rows over (dp, cp)
 
 
 class Programs(NamedTuple):
-    """The jitted programs (make_extend, make_extend_logprobs, make_decode, make_copy)."""
+    """The three jitted programs (make_extend, make_decode, make_copy)."""
 
     extend: object
-    extend_logprobs: object
     decode: object
     copy: object
 
@@ -281,7 +280,7 @@ def write_pages(pool: Pool, new: kv_cache.KV, page_N, row_N) -> Pool:
 @dataclasses.dataclass(frozen=True)
 class ExtendModes:
     """slice_layers: as programs.DecodeModes. Whether a call computes log-probs is no mode
-    (ExtendRows.want_lp, at run time: make_extend_logprobs runs after the extend)."""
+    (ExtendRows.want_lp, at run time)."""
 
     slice_layers: bool = True
 
@@ -327,15 +326,11 @@ def token_pages(table_BxM, position_BxC, valid_BxC, n_pages: int, page: int):
     return (jnp.where(ok, at, n_pages).reshape(-1), (position_BxC % page).reshape(-1))
 
 
-H_SPEC = P(TABLE_SPEC[0], None, None)  # [B, C, D]: an extend's final hidden states
-
-
-def make_extend(cfg: QwenConfig, mesh):
+def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
     """jit(extend)(lora, params, slot_meta, pool, rows: ExtendRows, active, *, modes) ->
-    (pool, h [B, C, D]: the chunk's final hidden states, rows over (dp, cp), for
-    make_extend_logprobs). pool is donated. The log-probs are a program of their own, run
-    only when some row wants them: each table width's extend program compiles without
-    the unembedding.
+    (pool, log-probs [B, C] replicated). pool is donated. The log-probs (each new token's
+    target log-prob) are computed only when some row wants them (rows.want_lp, decided at
+    run time: one program with and without); zeros otherwise.
 
     A hybrid model's Gated DeltaNet layers continue each row's state row (rows.slot) over
     its chunk (ChunkMix; a row at position 0 starts from zeros) and write the state after
@@ -377,7 +372,20 @@ def make_extend(cfg: QwenConfig, mesh):
             page_N, row_N = token_pages(
                 r.table, position, r.valid, pool.k.shape[1], pool.k.shape[2]
             )
-            return write_pages(pool, new, page_N, row_N), h.reshape(b, c, -1)
+            pool = write_pages(pool, new, page_N, row_N)
+
+            def logprobs():
+                factors = model_lib.unembed_factors(params, h, lora_active, route)
+                lp = losses_lib.target_logprobs(
+                    factors, r.targets.reshape(-1), logprob_chunk
+                ).reshape(b, c)
+                return draws.gather_batch(jnp.where(r.valid, lp, 0.0), SEQ_AXES)
+
+            # The same on every device (its collectives run on all or none).
+            want = jax.lax.psum(jnp.any(r.want_lp).astype(jnp.int32), SEQ_AXES) > 0
+            groups = jax.lax.axis_size(SEQ_AXES)
+            lp = jax.lax.cond(want, logprobs, lambda: jnp.zeros((groups * b, c), jnp.float32))
+            return pool, lp
 
         pool_spec = pool_specs(hybrid)
         in_specs = (
@@ -388,45 +396,12 @@ def make_extend(cfg: QwenConfig, mesh):
             ExtendRows.specs(),
             SPECS.replicated,
         )
-        out_specs = (pool_spec, H_SPEC)
+        out_specs = (pool_spec, P())
         return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
             lora_active, params, slot_meta, pool, rows, active
         )
 
     return extend
-
-
-def make_extend_logprobs(cfg: QwenConfig, mesh, logprob_chunk: int):
-    """jit(logprobs)(lora, params, slot_meta, h, rows: ExtendRows, active) -> log-probs
-    [B, C] replicated: each new token's target log-prob (rows.targets) from an extend's
-    hidden states h (make_extend), zero at invalid tokens. Compiled per (rows, chunk,
-    adapters), whatever the table width; it reads only the unembedding's LoRA."""
-
-    @jax.jit
-    def logprobs(lora, params, slot_meta, h, rows: ExtendRows, active):
-        head = {m: ab for m, ab in lora.items() if m == lora_lib.HEAD}
-        lora_active = lora_lib.take_active(head, slot_meta.page_GK, jnp.maximum(active, 0))
-
-        def shard(lora_active, params, slot_meta, h, r: ExtendRows, active):
-            b, c = r.tokens.shape
-            route = slot_meta.routing(active, None, jnp.repeat(r.index, c))
-            factors = model_lib.unembed_factors(params, h.reshape(b * c, -1), lora_active, route)
-            lp = losses_lib.target_logprobs(factors, r.targets.reshape(-1), logprob_chunk)
-            return draws.gather_batch(jnp.where(r.valid, lp.reshape(b, c), 0.0), SEQ_AXES)
-
-        in_specs = (
-            lora_lib.slot_specs_active(cfg, lora_active),
-            model_lib.param_specs(cfg),
-            SPECS.slot_G,
-            H_SPEC,
-            ExtendRows.specs(),
-            SPECS.replicated,
-        )
-        return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=P())(
-            lora_active, params, slot_meta, h, rows, active
-        )
-
-    return logprobs
 
 
 def make_copy(mesh):

@@ -119,8 +119,7 @@ class Runner:
         """The engine's paged-cache programs (paged.py), made once per Runner so that every
         Engine over it shares their compiled variants."""
         return paged_lib.Programs(
-            paged_lib.make_extend(self.cfg, self.mesh),
-            paged_lib.make_extend_logprobs(self.cfg, self.mesh, self.step_cfg.logprob_chunk),
+            paged_lib.make_extend(self.cfg, self.mesh, self.step_cfg.logprob_chunk),
             paged_lib.make_decode(self.cfg, self.mesh, self.step_cfg.attn_impl),
             paged_lib.make_copy(self.mesh),
         )
@@ -400,21 +399,20 @@ class EngineDevice:
             ("extend",) + rows.tokens.shape + (rows.table.shape[1], len(active), modes)
         )
         want_lp = bool(np.any(rows.want_lp))
-        if want_lp:
-            self.program_keys.add(("extend_logprobs",) + rows.tokens.shape + (len(active),))
         rows = jax.tree.map(r.put, rows, paged_lib.ExtendRows.specs())
-        active = replicate(r.mesh, active)
         self._ensure_cache()
-        pool, h = r.paged.extend(
-            r.state.weights, r.params, r.state.meta, self.cache, rows, active, modes=modes
+        pool, lp = r.paged.extend(
+            r.state.weights,
+            r.params,
+            r.state.meta,
+            self.cache,
+            rows,
+            replicate(r.mesh, active),
+            modes=modes,
         )
         self._keep(pool)
         del pool
-        if not want_lp:
-            return None
-        return host(
-            r.paged.extend_logprobs(r.state.weights, r.params, r.state.meta, h, rows, active)
-        )
+        return host(lp) if want_lp else None
 
     def decode(
         self,

@@ -85,14 +85,13 @@ def _padding(b: int, a: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _extends(device: EngineDevice, a_lens: list[int]) -> None:
-    """Every extend (chunked prefill) program: rows × chunk × table pages × active, and
-    its log-probs program per rows × chunk × active (with the first table width)."""
+    """Every extend (chunked prefill) program: rows × chunk × table pages × active."""
     z, slice_layers = device.sizes, device.runner.slice_layers
     for e_b in rungs(z.prefill_rows, PREFILL_ROWS[1]):
         b = z.groups * e_b
         for c in rungs(z.chunk_top, MIN_CHUNK):
             zero = np.zeros((b, c), np.int32)
-            for j, m in enumerate(z.table_rungs()):
+            for m in z.table_rungs():
                 for a in a_lens:
                     act, index = _padding(b, a)
                     rows = paged.ExtendRows(
@@ -103,7 +102,7 @@ def _extends(device: EngineDevice, a_lens: list[int]) -> None:
                         index,
                         np.full((b, m), -1, np.int32),
                         np.full(b, z.b_local, np.int32),
-                        np.full(b, j == 0, bool),  # the log-probs: once, not per width
+                        np.zeros(b, bool),
                     )
                     device.extend(rows, paged.ExtendModes(slice_layers), act)
 
