@@ -362,10 +362,13 @@ class Trainer:
     def _prepare(self, data, loss_fn, loss_fn_config, adapters):
         """Validate everything and pack (calls.prepare); no device work, nothing changed."""
         return calls.prepare(
-            data, loss_fn, loss_fn_config, adapters, self._check_adapter, self._limits()
+            data, loss_fn, loss_fn_config, adapters, self._check_adapter, self.call_limits
         )
 
-    def _limits(self) -> calls.CallLimits:
+    @property
+    def call_limits(self) -> calls.CallLimits:
+        """What a call's data is checked and packed against (calls.prepare): the
+        vocabulary, token cap, mesh's dp / cp, tokens per device and adapters per pass."""
         return calls.CallLimits(
             vocab_size=self.cfg.vocab_size,
             token_cap=self.token_cap,
@@ -521,7 +524,7 @@ class Trainer:
         scratch = self.create_adapter(rank=self.max_rank)
         try:
             for s_len in rows if rows is not None else self.warmup_rows():
-                data, losses = calls.filling_data(names, int(s_len), self._limits())
+                data, losses = calls.filling_data(names, int(s_len), self.call_limits)
                 self.forward_backward(data, losses, adapters=scratch)
             self.optim_step(scratch)
         finally:

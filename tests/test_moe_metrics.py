@@ -19,10 +19,10 @@ import pytest
 import torch
 from helpers import model_harness as MH
 from helpers import moe_harness as TM
+from helpers.packing import micro_batches
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 import jcp
-from jcp import calls
 from jcp.model import moe as moe_lib
 
 MESHES = ((1, 1, 1), (1, 2, 2), (2, 1, 2))
@@ -149,27 +149,6 @@ def trainer(cfg, base, tree, mesh_shape, **kw):
     return tr, TM.install(tr, tree, "shared_outer")
 
 
-def micro_batches(tr, data, adapters) -> list:
-    """The packed micro-batches (batch.PackedBatch) tr.forward packs data into:
-    calls.prepare under tr's limits, checked to be tr's own packing against its
-    pass_shapes."""
-    limits = calls.CallLimits(
-        vocab_size=tr.cfg.vocab_size,
-        token_cap=tr.token_cap,
-        dp=tr.dp,
-        cp=tr.cp,
-        max_tokens_per_device=tr.max_tokens_per_device,
-        max_adapters=tr.max_adapters,
-        hybrid=tr.cfg.is_hybrid,
-    )
-    _, packed, _ = calls.prepare(
-        data, "cross_entropy", None, adapters, lambda a, what="": int(a), limits
-    )
-    shapes = [(pb.loss_fns, pb.tokens.shape[-1], len(pb.active), pb.num_slots) for pb in packed]
-    assert shapes == tr.pass_shapes(data, "cross_entropy", adapters)
-    return packed
-
-
 # ----------------------------------------------------------------------------------------
 # The load metrics
 
@@ -204,7 +183,7 @@ def test_metrics_match_transformers_routing(tmp, mesh_shape, max_tokens):
     assert ref["picked"][0].shape == (sum(LENGTHS), TM.TOP_K)
     tr, a = trainer(cfg, base, tree, mesh_shape, max_tokens_per_device=max_tokens)
     assert (tr.dp, tr.cp, tr.tp) == mesh_shape
-    packed = micro_batches(tr, data, a)
+    packed = micro_batches(tr, data, "cross_entropy", a)
     assert all((pb.segment < 0).any() for pb in packed)  # padding is there to exclude
     if max_tokens is not None:
         assert len(packed) > 1

@@ -31,9 +31,10 @@ import jax
 import numpy as np
 import pytest
 from helpers import trainer_harness as H
+from helpers.packing import micro_batches
 
 import jcp
-from jcp import attention, calls
+from jcp import attention
 
 REF = (1, 1, 1)
 MESHES = ((1, 4, 1), (1, 8, 1), (2, 2, 2), (1, 2, 2))  # cp = 2: (1,2,2), test_losses
@@ -56,25 +57,6 @@ def data():
 
 def _ids(ids, names):
     return [ids[n] for n in names]
-
-
-def micro_batches(tr, data, loss_fn, adapters) -> list:
-    """The packed micro-batches (batch.PackedBatch) a forward / forward_backward call of
-    tr packs data into: calls.prepare under tr's limits, checked to be tr's own packing
-    against its pass_shapes."""
-    limits = calls.CallLimits(
-        vocab_size=tr.cfg.vocab_size,
-        token_cap=tr.token_cap,
-        dp=tr.dp,
-        cp=tr.cp,
-        max_tokens_per_device=tr.max_tokens_per_device,
-        max_adapters=tr.max_adapters,
-        hybrid=tr.cfg.is_hybrid,
-    )
-    _, packed, _ = calls.prepare(data, loss_fn, None, adapters, lambda a, what="": int(a), limits)
-    shapes = [(pb.loss_fns, pb.tokens.shape[-1], len(pb.active), pb.num_slots) for pb in packed]
-    assert shapes == tr.pass_shapes(data, loss_fn, adapters)
-    return packed
 
 
 # ----------------------------------------------------------------------------------------
