@@ -21,20 +21,7 @@ a follower nor a follower's answer is on a request's path (they cost a forward_b
 optim_step step of 8 × 512 tokens ~4 ms; benchmarks/serve_multiprocess.py). A follower that
 disagrees on such a call fails the job before the next call's result is returned.
 
-Channel: the coordination service's key-value store (jax.distributed runs it in process 0;
-`global_state.client`), not `multihost_utils.broadcast_one_to_all`. A broadcast is a device
-collective: it needs every payload's shape agreed beforehand (a length first, then the
-bytes), compiles a program per shape, and waits without limit for a process that is gone —
-the very hang a server must not have. The key-value store carries bytes of any size (sent in
-1 MiB pieces), compiles nothing, and every read takes a timeout; the same store carries the
-followers' acknowledgements and heartbeats. One call costs one write of its op and one read
-of each follower's acknowledgement on process 0, one read of the op and one write of the
-acknowledgement on a follower: an op under 1 MiB is one key (its pieces otherwise, named by
-that key), and finished calls' keys are deleted as one directory every DELETE_EVERY calls.
-The store's client compresses what it sends (gRPC gzip, jax.distributed's setting): ~3 ms of
-process 0's CPU for the ~80 KB of a forward_backward of 8 × 512 tokens; an op of
-COMPRESS_MIN bytes or more is sent zlib-compressed at level 1 instead (~0.6 ms, and little
-left for gzip to do).
+Channel: jcp/server/op_channel.py (the coordination service's key-value store).
 
 Failure: each follower sets a heartbeat key every HEARTBEAT_S from a thread of its own; a
 watcher thread on process 0 declares the job failed when a follower's heartbeat stops for
@@ -63,10 +50,8 @@ import dataclasses
 import functools
 import logging
 import os
-import pickle
 import threading
 import time
-import zlib
 
 import numpy as np
 
@@ -74,16 +59,13 @@ from jcp import peft as peft_lib
 from jcp.custom_loss import CustomLoss
 from jcp.sample.engine import Engine as SampleEngine
 from jcp.sample.params import SamplingParams
+from jcp.server import op_channel
+from jcp.server.op_channel import PREFIX, Op, Ref, receive_op, send_op, timed_out
 
 log = logging.getLogger("jcp.serve")
 
-PREFIX = "jcp-serve"
-CHUNK_BYTES = 1 << 20
 DELETE_EVERY = 64  # finished calls' keys are deleted together, every this many calls
 DELETE_BYTES = 8 << 20  # or once the kept ops hold this many bytes
-INLINE, PIECES = b"i", b"p"  # an op key's first byte: the op itself follows, or a piece count
-RAW, ZLIB = b"r", b"z"  # an op's first byte: its pickle follows, plain or zlib-compressed
-COMPRESS_MIN = 4096
 HEARTBEAT_S = 0.5
 POLL_MS = 500
 ACK_FACTOR = 10  # a call's acknowledgement may come this many heartbeat timeouts late
@@ -106,41 +88,6 @@ class JobFailed(RuntimeError):
     """A process of the job died, stopped answering or disagreed: no call can run."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Op:
-    """One call for every process: `target` ("trainer", "sampling", "init_sampling",
-    "share", "discard", "stop"), its method and arguments."""
-
-    target: str
-    method: str = ""
-    args: tuple = ()
-    kwargs: dict = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class Ref:
-    """An object a follower kept from op `n` (what offload_adapter returned there, or the
-    custom loss it built)."""
-
-    n: int
-
-
-def _client():
-    from jax._src.distributed import global_state
-
-    if global_state.client is None:
-        raise RuntimeError("jax.distributed is not initialized")
-    return global_state.client
-
-
-def _timed_out(e: Exception) -> bool:
-    return "DEADLINE_EXCEEDED" in str(e)
-
-
-def _op_key(n: int) -> str:
-    return f"{PREFIX}/op/{n}"
-
-
 class Leader:
     """Process 0's side: `call` sends an op, runs it here, then waits for every follower's
     acknowledgement. `wrap` gives the worker proxies of its Trainer and sampling engine whose
@@ -155,7 +102,7 @@ class Leader:
         client=None,
         ack_timeout_s: float | None = None,
     ):
-        self.c = client or _client()
+        self.c = client or op_channel.client()
         self.followers = list(followers)
         self.timeout_s = float(timeout_s)
         # Calls return once dispatched (JAX runs them asynchronously), so a follower may
@@ -282,17 +229,7 @@ class Leader:
         return self.ops
 
     def _send(self, n: int, op: Op) -> None:
-        data = pickle.dumps(op, protocol=pickle.HIGHEST_PROTOCOL)
-        data = ZLIB + zlib.compress(data, 1) if len(data) >= COMPRESS_MIN else RAW + data
-        self._kept_bytes += len(data)
-        if len(data) <= CHUNK_BYTES:
-            self.c.key_value_set_bytes(_op_key(n), INLINE + data)
-            return
-        pieces = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
-        for i, piece in enumerate(pieces):
-            self.c.key_value_set_bytes(f"{_op_key(n)}/{i}", piece)
-        # Last: the pieces are there.
-        self.c.key_value_set_bytes(_op_key(n), PIECES + str(len(pieces)).encode())
+        self._kept_bytes += send_op(self.c, n, op)
 
     def _settle(self) -> None:
         """Read the acknowledgements of the calls that returned without them (DEFERRED)."""
@@ -313,7 +250,7 @@ class Leader:
                     status = self.c.blocking_key_value_get(key, POLL_MS)
                     break
                 except Exception as e:  # noqa: BLE001 — the store's errors are one type
-                    if not _timed_out(e):
+                    if not timed_out(e):
                         self.fail(f"the coordination service failed: {e}")
                     elif time.monotonic() > deadline:
                         self.fail(
@@ -463,7 +400,7 @@ def follow(trainer, client=None, process_id: int | None = None) -> int:
     (-> 1)."""
     import jax
 
-    c = client or _client()
+    c = client or op_channel.client()
     pid = jax.process_index() if process_id is None else process_id
     stop = threading.Event()
 
@@ -483,7 +420,7 @@ def follow(trainer, client=None, process_id: int | None = None) -> int:
     try:
         while True:
             n += 1
-            op = _receive(c, n)
+            op = receive_op(c, n)
             if op is None:
                 log.error("process %d: process 0 is gone; exiting", pid)
                 return 1
@@ -502,24 +439,6 @@ def follow(trainer, client=None, process_id: int | None = None) -> int:
                 os._exit(0)
     finally:
         stop.set()
-
-
-def _receive(c, n: int) -> Op | None:
-    while True:
-        try:
-            head = c.blocking_key_value_get_bytes(_op_key(n), 10_000)
-            break
-        except Exception as e:  # noqa: BLE001
-            if not _timed_out(e):
-                return None
-    if head[:1] == INLINE:
-        data = head[1:]
-    else:
-        data = b"".join(
-            c.blocking_key_value_get_bytes(f"{_op_key(n)}/{i}", 60_000)
-            for i in range(int(head[1:]))
-        )
-    return pickle.loads(zlib.decompress(data[1:]) if data[:1] == ZLIB else data[1:])
 
 
 def _run(op: Op, objs: dict, kept: dict, trainer):
