@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 from jcp.server.passes import Passes
 from jcp.server.scheduler import Scheduler, Work
+from jcp.server.worker import Worker
 
 
 class _Steps:
@@ -69,18 +70,17 @@ def test_a_pass_of_one_micro_batch_runs_whole_in_its_turn():
     assert w.steps.ran == 1 and w.completed and not w._splits
 
 
-class _Turn:
-    """What Worker._light_after_pass reads: the scheduler, the engine's state and steps."""
+class _Turn(Worker):
+    """A Worker holding only what its turn after a pass reads (the scheduler, the engine's
+    state and steps), as _Worker holds only what Passes reads."""
 
     def __init__(self, light_next: bool, idle: bool = False):
-        from jcp.server.worker import Worker
-
         self.sched, self.sampling = Scheduler(), SimpleNamespace(idle=idle)
         self._unlogged, self.admitted, self.steps = [], [], []
         self._admit_sample = self.admitted.append
         self._light_next = lambda: light_next
         self._step = lambda hurry, decode: self.steps.append((hurry, decode))
-        self.after_pass = lambda: Worker._light_after_pass(self)
+        self.after_pass = self._light_after_pass
 
 
 def _sample(owner: str) -> Work:
