@@ -399,7 +399,7 @@ class AdapterState:
     def reset(self, slot: int) -> None:
         """Free a slot: its pages, accumulator, moments, count and scale all zero, its
         pages back in the free list."""
-        row = self._page_GK[slot]
+        row = self._page_GK[slot].copy()  # not a view: the row is rewritten below, in flight
         empty = np.full_like(row, self.num_pages)
         self._write(
             SlotWrite(

@@ -299,10 +299,23 @@ def put(mesh: Mesh, x, spec: P, dtype=None) -> jax.Array:
     out by `spec`, each device receiving only its own slice (jax.make_array_from_callback):
     no device ever holds a replicated copy of a sharded array, and each process reads only
     the slices of its own devices. Every process passes the same value. dtype: cast each
-    slice (default: x's dtype)."""
+    slice (default: x's dtype). A writable NumPy array's slices are copies (host_slice).
+    """
     return jax.make_array_from_callback(
-        tuple(x.shape), NamedSharding(mesh, spec), lambda idx: np.asarray(x[idx], dtype)
+        tuple(x.shape), NamedSharding(mesh, spec), lambda idx: host_slice(x, idx, dtype)
     )
+
+
+def host_slice(x, idx, dtype=None) -> np.ndarray:
+    """x[idx] as NumPy that no one else writes: a copy when x is a writable NumPy array.
+    On CPU a device array may alias the NumPy memory it was made from, so a host array
+    changed after a call was dispatched (the adapter tables' page lists, the engine's
+    tables) would change what the call reads: served models trained through offloads
+    and sampler snapshots came out wrong, at random (tests/test_server_lifecycle.py)."""
+    v = x[idx]
+    if isinstance(x, np.ndarray) and x.flags.writeable:
+        return np.array(v, dtype=dtype, copy=True)
+    return np.asarray(v, dtype)
 
 
 def replicate(mesh: Mesh, x) -> jax.Array:

@@ -127,7 +127,7 @@ class Runner:
     def put(self, x, spec):
         """A host array (the same on every process) as a global array of spec."""
         return jax.make_array_from_callback(
-            x.shape, NamedSharding(self.mesh, spec), lambda idx: x[idx]
+            x.shape, NamedSharding(self.mesh, spec), lambda idx: mesh_lib.host_slice(x, idx)
         )
 
     def zeros(self, shape, spec, dtype=None):
