@@ -234,12 +234,13 @@ def test_offload_restore_and_snapshots_keep_every_adapter_exact():
             tr.optim_step(a, adam)
         ref[s] = tr.adapter_weights(a)
         tr.delete_adapter(a)
-    resident, saved = {}, {}
+    resident, saved, offloads = {}, {}, []
 
     def make_room(keep):
         if len(tr.adapters) >= 2:
             victim = next(v for v in resident if v != keep)
             saved[victim] = tr.offload_adapter(resident.pop(victim))
+            offloads.append(victim)
 
     def slot(s):
         if s not in resident:
@@ -260,6 +261,8 @@ def test_offload_restore_and_snapshots_keep_every_adapter_exact():
             a = slot(s)
             make_room(s)
             tr.delete_adapter(tr.copy_adapter(a))
+    # Not the alone run again: every adapter was offloaded with a gradient or moments.
+    assert set(offloads) == set(datum) and len(offloads) > len(datum)
     for s in datum:
         got = tr.adapter_weights(slot(s))
         assert got.keys() == ref[s].keys()

@@ -125,10 +125,8 @@ class Runner:
         )
 
     def put(self, x, spec):
-        """A host array (the same on every process) as a global array of spec."""
-        return jax.make_array_from_callback(
-            x.shape, NamedSharding(self.mesh, spec), lambda idx: mesh_lib.host_slice(x, idx)
-        )
+        """A host array (the same on every process) as a global array of spec (mesh.put)."""
+        return mesh_lib.put(self.mesh, x, spec)
 
     def zeros(self, shape, spec, dtype=None):
         """A zero array (in the model's dtype by default), each device making only its own
