@@ -63,21 +63,21 @@ class StepPrograms:
             self._budget = remat_lib.default_budget(self.mesh)
         return self._budget
 
-    def forward(self, lora, step_args: tuple, static: dict):
+    def forward(self, lora, step_args: tuple, static: train_step.BatchStatics):
         """train_step's forward -> (loss, out); host-summed where sums_on_host allows.
-        step_args: (params, slot_meta, batch, loss_cfg, custom_args); static: its
-        keywords loss_fns, num_slots, custom, modules."""
-        if self.sums_on_host and train_step.folds_outputs(self.cfg, static["custom"]):
+        step_args: (params, slot_meta, batch, loss_cfg, custom_args); static: the batch's
+        train_step.BatchStatics."""
+        if self._on_host(static):
             return self.host_step.forward(
                 lora,
                 *step_args[:-1],
-                loss_fns=static["loss_fns"],
-                num_slots=static["num_slots"],
-                modules=static["modules"],
+                loss_fns=static.loss_fns,
+                num_slots=static.num_slots,
+                modules=static.modules,
             )
-        return self.forward_step(lora, *step_args, **static)
+        return self.forward_step(lora, *step_args, static=static)
 
-    def forward_backward(self, acc, lora, step_args: tuple, static: dict):
+    def forward_backward(self, acc, lora, step_args: tuple, static: train_step.BatchStatics):
         """train_step's forward_backward through the program compiled for this batch's
         shapes (with remat="auto", the one `decide` picks); step_args and static as
         `forward`'s."""
@@ -89,26 +89,32 @@ class StepPrograms:
         key = (
             jax.tree.structure(per_call),
             tuple((x.shape, x.dtype) for x in jax.tree.leaves(per_call)),
-            *(static[k] for k in ("loss_fns", "num_slots", "custom", "modules")),
+            static.loss_fns,
+            static.num_slots,
+            static.custom,
+            static.modules,
         )
         if key not in self.compiled:
             self.compiled[key], self.decisions[key] = self._compile(key, args, static)
         return self.compiled[key](*args)
 
-    def _compile(self, key, args: tuple, static: dict):
+    def _on_host(self, static: train_step.BatchStatics) -> bool:
+        return self.sums_on_host and train_step.folds_outputs(self.cfg, static.custom)
+
+    def _compile(self, key, args: tuple, static: train_step.BatchStatics):
         """(the program for args, its remat decision)."""
-        on_host = self.sums_on_host and train_step.folds_outputs(self.cfg, static["custom"])
+        on_host = self._on_host(static)
 
         def compile_(remat):
             if on_host:
                 return self.host_step.compile(
                     remat,
                     args[:-1],
-                    loss_fns=static["loss_fns"],
-                    num_slots=static["num_slots"],
-                    modules=static["modules"],
+                    loss_fns=static.loss_fns,
+                    num_slots=static.num_slots,
+                    modules=static.modules,
                 )
-            return self.fb_steps[remat].lower(*args, **static).compile()
+            return self.fb_steps[remat].lower(*args, static=static).compile()
 
         remat = self.step_cfg.remat
         if remat != "auto":

@@ -82,6 +82,20 @@ def batch_specs() -> Batch:
 
 
 @dataclasses.dataclass(frozen=True)
+class BatchStatics:
+    """What a compiled step is specialised on besides its arguments' shapes, one static
+    (hashable) argument of the jitted steps: the batch's loss names (tokens pick theirs by
+    loss_id), its datum slots, the call's CustomLoss (or None) and the LoRA modules its
+    adapters target (used_modules; None: all). Equal values reuse a compiled program,
+    exactly as the four separate static arguments did."""
+
+    loss_fns: tuple[str, ...]
+    num_slots: int
+    custom: custom_loss_lib.CustomLoss | None = None
+    modules: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class PassConfig:
     """What a compiled step fixes for its shard_map'd pass: the model, the mesh, the step
     settings, the batch's loss names (tokens pick theirs by loss_id) and datum slots."""
@@ -355,77 +369,59 @@ def compiler_options(mesh) -> dict:
 
 
 def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
-    """jit(forward)(lora, params, slot_meta, batch, loss_cfg, custom_args, *, loss_fns,
-    num_slots, custom) -> (loss, out)."""
+    """jit(forward)(lora, params, slot_meta, batch, loss_cfg, custom_args, *, static) ->
+    (loss, out); static: the batch's BatchStatics."""
 
     @functools.partial(
-        jax.jit,
-        static_argnames=("loss_fns", "num_slots", "custom", "modules"),
-        compiler_options=compiler_options(mesh),
+        jax.jit, static_argnames=("static",), compiler_options=compiler_options(mesh)
     )
-    def forward(
-        lora,
-        params,
-        slot_meta,
-        batch,
-        loss_cfg,
-        custom_args=(),
-        *,
-        loss_fns,
-        num_slots,
-        custom=None,
-        modules=None,
-    ):
-        active = lora_lib.take_active(used_modules(lora, modules), slot_meta.page_GK, batch.active)
-        p = PassConfig(cfg, mesh, step_cfg, loss_fns, num_slots)
-        return _loss_and_outputs(p, active, params, slot_meta, batch, loss_cfg, custom, custom_args)
+    def forward(lora, params, slot_meta, batch, loss_cfg, custom_args=(), *, static: BatchStatics):
+        active = lora_lib.take_active(
+            used_modules(lora, static.modules), slot_meta.page_GK, batch.active
+        )
+        p = PassConfig(cfg, mesh, step_cfg, static.loss_fns, static.num_slots)
+        return _loss_and_outputs(
+            p, active, params, slot_meta, batch, loss_cfg, static.custom, custom_args
+        )
 
     return forward
 
 
 def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig, fold: bool = True):
-    """jit(fb)(acc, lora, params, slot_meta, batch, loss_cfg, custom_args) -> (acc + grad,
-    loss, out, finite_A).
+    """jit(fb)(acc, lora, params, slot_meta, batch, loss_cfg, custom_args, *, static) ->
+    (acc + grad, loss, out, finite_A).
 
     The gradient is taken w.r.t. the A active slots only (outside the shard_map) and
     scatter-added into the donated accumulators; padding entries of `active` route no
     tokens, so their gradient is zero. finite_A: whether each active adapter's gradient
     is finite (the caller refuses the call and restores the accumulators otherwise).
-    custom (static): a CustomLoss for the batch's custom datums (custom_args), or None.
-    modules (static): the LoRA modules the batch's adapters target (used_modules), or None
-    for all; the others' accumulators are left as they are.
+    static (BatchStatics): the batch's loss names and datum slots, the CustomLoss of its
+    custom datums (custom_args) or None, and the LoRA modules its adapters target
+    (used_modules; the others' accumulators are left as they are).
     fold: sum the loss and outputs in the gradient's all-reduce where folds_outputs allows
     (the same values; False: in the forward pass, for tests that compare the two).
     """
 
     @functools.partial(
         jax.jit,
-        static_argnames=("loss_fns", "num_slots", "custom", "modules"),
+        static_argnames=("static",),
         donate_argnums=(0,),
         compiler_options=compiler_options(mesh),
     )
     def forward_backward(
-        acc,
-        lora,
-        params,
-        slot_meta,
-        batch,
-        loss_cfg,
-        custom_args=(),
-        *,
-        loss_fns,
-        num_slots,
-        custom=None,
-        modules=None,
+        acc, lora, params, slot_meta, batch, loss_cfg, custom_args=(), *, static: BatchStatics
     ):
-        p = PassConfig(cfg, mesh, step_cfg, loss_fns, num_slots)
+        p = PassConfig(cfg, mesh, step_cfg, static.loss_fns, static.num_slots)
+        custom = static.custom
 
         def loss_of(active):
             return _loss_and_outputs(
                 p, active, params, slot_meta, batch, loss_cfg, custom, custom_args
             )
 
-        active = lora_lib.take_active(used_modules(lora, modules), slot_meta.page_GK, batch.active)
+        active = lora_lib.take_active(
+            used_modules(lora, static.modules), slot_meta.page_GK, batch.active
+        )
         if folds_outputs(cfg, custom) and fold:
             grads, loss, out = _folded_value_and_grad(p, active, params, slot_meta, batch, loss_cfg)
         else:

@@ -413,11 +413,13 @@ class Trainer:
                 {k: loss_cfg[k] for k in pb.loss_fns},
                 custom_args,
             )
-            kw = dict(loss_fns=pb.loss_fns, num_slots=pb.num_slots, custom=custom, modules=modules)
+            static = train_step.BatchStatics(pb.loss_fns, pb.num_slots, custom, modules)
             if accumulate is None:
-                return self.programs.forward(self.state.weights, args, kw) + (None,)
+                return self.programs.forward(self.state.weights, args, static) + (None,)
             return accumulate(
-                lambda acc: _split_first(self._forward_backward(acc, self.state.weights, args, kw))
+                lambda acc: _split_first(
+                    self.programs.forward_backward(acc, self.state.weights, args, static)
+                )
             )
 
         def dispatch(accumulate):
@@ -535,10 +537,6 @@ class Trainer:
         """The per-device bytes a forward_backward program may take without recomputation
         (remat="auto"; see the class docstring)."""
         return self.programs.budget_bytes()
-
-    def _forward_backward(self, acc, lora, step_args: tuple, static: dict):
-        """StepPrograms.forward_backward (one compiled program per batch shape)."""
-        return self.programs.forward_backward(acc, lora, step_args, static)
 
     # remat="auto" trusts remat.estimate where the budget lies beyond these factors of it
     # (jcp/remat.py).
