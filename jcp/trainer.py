@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jcp import adapter_state as adapter_state_lib
-from jcp import attention as attention_lib
 from jcp import calls, checkpoint, train_step
 from jcp import custom_loss as custom_loss_lib
 from jcp import lora as lora_lib
@@ -31,6 +30,7 @@ from jcp import model as model_lib
 from jcp import peft as peft_lib
 from jcp import remat as remat_lib
 from jcp import sample as sample_lib
+from jcp import trainer_options as options_lib
 from jcp.adapter_state import AdapterInfo, AdapterState, HostSlot
 from jcp.calls import ForwardBackwardOutput, Steps, per_datum_slots
 from jcp.config import QwenConfig
@@ -84,10 +84,11 @@ class Trainer:
     See docs/design.md for the contract. Gradients are raw sums over tokens and datums and
     accumulate across forward_backward calls until optim_step.
 
-    Tuning: the keyword-only arguments, or one TrainerOptions as `options` (each setting
-    documented there): remat, remat_budget_bytes, attn_impl, attn_block, logprob_chunk,
-    cp_attention, router_aux_loss_coef, expert_lora_modes, adapter_memory. `options`
-    holds what was given; step_cfg and remat_decisions what was resolved.
+    Tuning: keywords named as TrainerOptions' fields (`**tuning`), or one TrainerOptions as
+    `options` (each setting documented there): remat, remat_budget_bytes, attn_impl,
+    attn_block, logprob_chunk, cp_attention, router_aux_loss_coef, expert_lora_modes,
+    adapter_memory; any other keyword is a TypeError. `options` holds what was given;
+    step_cfg and remat_decisions what was resolved.
 
     Mixture-of-experts models: forward / forward_backward metrics add Tinker's expert-load
     figures (e_frac_with_tokens:mean, e_frac_oversubscribed:mean, e_max_violation:mean and
@@ -108,44 +109,23 @@ class Trainer:
         seed: int = 0,
         max_tokens_per_device: int | None = None,
         *,
-        remat: bool | str = "auto",
-        remat_budget_bytes: int | None = None,
-        attn_impl: str = "auto",
-        attn_block: int | None = None,
-        logprob_chunk: int | None = None,
-        cp_attention: str = "auto",
-        router_aux_loss_coef: float = 0.0,
-        expert_lora_modes: tuple[str, ...] = lora_lib.EXPERT_LORA,
-        adapter_memory: int | str | None = None,
         options: TrainerOptions | None = None,
+        **tuning,
     ):
         if tuple(mesh.axis_names) != mesh_lib.AXES:
             raise ValueError(f"mesh axes must be {mesh_lib.AXES}, got {mesh.axis_names}")
-        self.options = opts = _options(
-            options,
-            remat=remat,
-            remat_budget_bytes=remat_budget_bytes,
-            attn_impl=attn_impl,
-            attn_block=attn_block,
-            logprob_chunk=logprob_chunk,
-            cp_attention=cp_attention,
-            router_aux_loss_coef=router_aux_loss_coef,
-            expert_lora_modes=expert_lora_modes,
-            adapter_memory=adapter_memory,
-        )
+        self.options = opts = TrainerOptions.of(options, tuning)
         self.cfg, self.mesh = cfg, mesh
         self.dp, self.cp, self.tp = (mesh_lib.axis_size(mesh, a) for a in mesh_lib.AXES)
         cfg.check_mesh(self.tp)
         # Every step setting is checked by StepConfig (the one place); what needs the
         # model's config is checked here.
-        self.step_cfg = _step_config(cfg, mesh.devices.flat[0].platform, self.tp, opts)
+        self.step_cfg = options_lib.step_config(cfg, mesh.devices.flat[0].platform, self.tp, opts)
         self.remat = self.step_cfg.remat
-        for name, v in (("max_adapters", max_adapters), ("max_rank", max_rank)):
-            if not _positive_int(v):
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        options_lib.check_capacity(max_adapters, max_rank)
         self.max_adapters, self.max_rank = max_adapters, max_rank
         self._seed = seed
-        self.max_tokens_per_device, self.token_cap = _token_limits(
+        self.max_tokens_per_device, self.token_cap = options_lib.token_limits(
             cfg, self.cp, self.tp, max_tokens_per_device
         )
 
@@ -681,58 +661,3 @@ def _array_equal(a, b):
 def _split_first(result):
     """(table, *rest) -> (table, rest): the form AdapterState.accumulate expects."""
     return result[0], tuple(result[1:])
-
-
-def _positive_int(v) -> bool:
-    return not isinstance(v, bool) and isinstance(v, int) and v >= 1
-
-
-def _step_config(
-    cfg: QwenConfig, platform: str, tp: int, opts: TrainerOptions
-) -> train_step.StepConfig:
-    """The StepConfig of Trainer's step settings, the defaults resolved for this model and
-    mesh: attn_impl by attention.resolve_implementation; attn_block 64 on CPU (where the
-    masked half of diagonal tiles dominates), else attention.DEFAULT_BLOCK; logprob_chunk
-    at most 1024 tokens, fewer for large vocabularies so that one chunk's fp32 logits
-    [chunk, V/tp] stay within 256 MiB."""
-    names = ("remat", "attn_impl", "attn_block", "logprob_chunk", "cp_attention")
-    settings = {f: getattr(opts, f) for f in names + ("router_aux_loss_coef",)}
-    settings["attn_impl"] = attention_lib.resolve_implementation(
-        settings["attn_impl"], platform, cfg.head_dim, cfg.dtype
-    )
-    if settings["attn_block"] is None:
-        settings["attn_block"] = 64 if platform == "cpu" else attention_lib.DEFAULT_BLOCK
-    if settings["logprob_chunk"] is None:
-        per_chunk = max(16, (1 << 26) // (cfg.vocab_size // tp))
-        settings["logprob_chunk"] = 1 << (min(1024, per_chunk).bit_length() - 1)
-    step_cfg = train_step.StepConfig(**settings)
-    if step_cfg.router_aux_loss_coef and not cfg.is_moe:
-        raise ValueError(
-            "router_aux_loss_coef needs a mixture-of-experts model; this config has no router"
-        )
-    return step_cfg
-
-
-def _token_limits(cfg: QwenConfig, cp: int, tp: int, max_tokens_per_device) -> tuple[int, int]:
-    """(rows per device, the datum token cap): None gives the rows of the model's whole
-    context, zigzagged over cp."""
-    if max_tokens_per_device is None:
-        per_rank = 2 * mesh_lib.zigzag_chunk(cfg.max_position_embeddings, cp)
-        return per_rank, cfg.max_position_embeddings
-    if not isinstance(max_tokens_per_device, int) or max_tokens_per_device < 2:
-        raise ValueError(
-            f"max_tokens_per_device must be an integer ≥ 2, got {max_tokens_per_device!r}"
-        )
-    return max_tokens_per_device, mesh_lib.datum_token_cap(max_tokens_per_device, cp, tp)
-
-
-def _options(options: TrainerOptions | None, **keywords) -> TrainerOptions:
-    """The Trainer's TrainerOptions: `options`, or its keywords (not both)."""
-    from_keywords = TrainerOptions(**keywords)
-    if options is None:
-        return from_keywords
-    if not isinstance(options, TrainerOptions):
-        raise ValueError(f"options must be a jcp.trainer.TrainerOptions, got {options!r}")
-    if from_keywords != TrainerOptions():
-        raise ValueError("give the tuning settings as options or as keywords, not both")
-    return options

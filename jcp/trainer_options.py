@@ -1,17 +1,23 @@
-"""TrainerOptions: the Trainer's tuning settings (its keyword-only constructor arguments)
-in one frozen, validated value, each field documented.
+"""TrainerOptions: the Trainer's tuning settings in one frozen, validated value, each field
+documented, and what the Trainer's settings resolve to for a model and mesh.
 
 `Trainer(cfg, mesh, …, remat=…, attn_impl=…)` and `Trainer(cfg, mesh, …,
-options=TrainerOptions(remat=…, attn_impl=…))` build the same Trainer. What needs neither
-the model nor the mesh is checked here (ValueError); the rest, and every default that
-depends on them, is resolved by the Trainer (the step settings by train_step.StepConfig).
+options=TrainerOptions(remat=…, attn_impl=…))` build the same Trainer (`TrainerOptions.of`
+maps the keywords onto the fields). What needs neither the model nor the mesh is checked
+in the dataclass (ValueError); the rest, and every default that depends on them, is
+resolved here for the Trainer: `step_config` (the step settings, checked by
+train_step.StepConfig), `token_limits`, `check_capacity`. It never builds arrays.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from jcp import attention as attention_lib
 from jcp import lora as lora_lib
+from jcp import mesh as mesh_lib
+from jcp.config import QwenConfig
+from jcp.train_step import StepConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,3 +122,64 @@ class TrainerOptions:
         m = self.adapter_memory
         if m != "auto" and m is not None and (isinstance(m, bool) or not isinstance(m, int)):
             raise ValueError(f"adapter_memory must be bytes (an int), 'auto' or None, got {m!r}")
+
+    @classmethod
+    def of(cls, options: TrainerOptions | None, tuning: dict) -> TrainerOptions:
+        """The Trainer's TrainerOptions: `options`, or its tuning keywords (not both).
+        TypeError for a keyword that names no setting, as for any unknown argument."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for name in tuning:
+            if name not in names:
+                raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}")
+        from_keywords = cls(**tuning)
+        if options is None:
+            return from_keywords
+        if not isinstance(options, cls):
+            raise ValueError(f"options must be a jcp.trainer.TrainerOptions, got {options!r}")
+        if from_keywords != cls():
+            raise ValueError("give the tuning settings as options or as keywords, not both")
+        return options
+
+
+def step_config(cfg: QwenConfig, platform: str, tp: int, opts: TrainerOptions) -> StepConfig:
+    """The StepConfig of the Trainer's step settings, the defaults resolved for this model
+    and mesh: attn_impl by attention.resolve_implementation; attn_block 64 on CPU (where
+    the masked half of diagonal tiles dominates), else attention.DEFAULT_BLOCK;
+    logprob_chunk at most 1024 tokens, fewer for large vocabularies so that one chunk's
+    fp32 logits [chunk, V/tp] stay within 256 MiB."""
+    names = ("remat", "attn_impl", "attn_block", "logprob_chunk", "cp_attention")
+    settings = {f: getattr(opts, f) for f in names + ("router_aux_loss_coef",)}
+    settings["attn_impl"] = attention_lib.resolve_implementation(
+        settings["attn_impl"], platform, cfg.head_dim, cfg.dtype
+    )
+    if settings["attn_block"] is None:
+        settings["attn_block"] = 64 if platform == "cpu" else attention_lib.DEFAULT_BLOCK
+    if settings["logprob_chunk"] is None:
+        per_chunk = max(16, (1 << 26) // (cfg.vocab_size // tp))
+        settings["logprob_chunk"] = 1 << (min(1024, per_chunk).bit_length() - 1)
+    step_cfg = StepConfig(**settings)
+    if step_cfg.router_aux_loss_coef and not cfg.is_moe:
+        raise ValueError(
+            "router_aux_loss_coef needs a mixture-of-experts model; this config has no router"
+        )
+    return step_cfg
+
+
+def token_limits(cfg: QwenConfig, cp: int, tp: int, max_tokens_per_device) -> tuple[int, int]:
+    """(rows per device, the datum token cap): None gives the rows of the model's whole
+    context, zigzagged over cp."""
+    if max_tokens_per_device is None:
+        per_rank = 2 * mesh_lib.zigzag_chunk(cfg.max_position_embeddings, cp)
+        return per_rank, cfg.max_position_embeddings
+    if not isinstance(max_tokens_per_device, int) or max_tokens_per_device < 2:
+        raise ValueError(
+            f"max_tokens_per_device must be an integer ≥ 2, got {max_tokens_per_device!r}"
+        )
+    return max_tokens_per_device, mesh_lib.datum_token_cap(max_tokens_per_device, cp, tp)
+
+
+def check_capacity(max_adapters, max_rank) -> None:
+    """ValueError unless max_adapters and max_rank are positive integers."""
+    for name, v in (("max_adapters", max_adapters), ("max_rank", max_rank)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
