@@ -140,18 +140,15 @@ def model_loss(
         if cfg.is_hybrid
         else None
     )
-    h_SxD, _, stats = model_lib.hidden_states(
-        cfg,
-        params,
-        stream.tokens_S,
-        position_S,
+    run = model_lib.decoder.Pass(
         attend,
-        lora,
-        route,
-        remat=step_cfg.remat is True,
-        count_S=real_S,
         mix=mix,
+        remat=step_cfg.remat is True,
         unroll=unroll_layers(cfg, step_cfg),
+        count_S=real_S,
+    )
+    h_SxD, _, stats = model_lib.hidden_states(
+        cfg, params, stream.tokens_S, position_S, run, lora, route
     )
     factors = model_lib.unembed_factors(params, h_SxD, lora, route)
     plan = losses_lib.LossPlan(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -44,6 +45,7 @@ __all__ = [
     "Hidden",
     "HybridState",
     "LayerInputs",
+    "Pass",
     "Rotary",
     "attention_block",
     "decoder_layer",
@@ -78,7 +80,7 @@ def layer_slices(cfg: QwenConfig, params, lora=None) -> tuple:
     L × […], each layer's MLP weights (and expert factors) merged in for MoE models.
     Taken once outside a loop that runs the decoder many times (sampling's decode loop),
     so each step reads whole arrays instead of slicing the stacked weights per layer and
-    step; pass the result to hidden_states(…, layers=…)."""
+    step; pass the result to hidden_states as Pass(…, layers=…)."""
     layer_lora, expert_lora = _split_lora(lora)
     out = []
     for i in range(cfg.num_layers):
@@ -161,75 +163,119 @@ def _layer_of(stack_LxN, index):
     return jax.lax.dynamic_index_in_dim(stack_LxN, index, 0, keepdims=False)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)  # holds strategies over arrays: by identity
+class Pass:
+    """How one hidden_states call runs its layers: the pieces each use passes in. Built
+    once per call site, inside the traced function (never a static argument).
+
+    attend: the attention strategy (attention.cp_attend(segment_S, position_S, …) for
+    training, kv_cache.prefill_attend / decode_attend, paged.paged_attend). mix: the
+    sequence-mixing strategy of a hybrid model's Gated DeltaNet layers (delta_rule.cp_mix
+    for training and prefill, delta_rule.StepMix for decode); None for other models. mlp:
+    the MLP block of dense layers (dense_mlp); MoE layers (cfg.moe_layers) use moe_mlp.
+    remat: rematerialise each layer in the backward pass (all but the attention kernel's
+    output and lse). unroll: unroll the layer scans of a dense or MoE model (scan_layers).
+    layers: layer_slices(cfg, params, lora) taken by the caller — the layers then run
+    unrolled on those slices (params["layers"] and lora's layer modules are not read);
+    inference only. count_S: bool [S], the tokens whose MoE routing to record (training
+    passes its real tokens), or None: no routing statistics.
+    """
+
+    attend: attention_lib.Attend
+    mix: Any = None
+    mlp: Any = dense_mlp
+    remat: bool = False
+    unroll: bool = False
+    layers: tuple | None = None
+    count_S: Any = None
+
+
+# hidden_states' keyword arguments before Pass held them (and their defaults then).
+_LEGACY_PASS = {"attend": None, "mix": None, "mlp": dense_mlp, "remat": True, "unroll": False}
+_LEGACY_PASS |= {"layers": None, "count_S": None}
+
+
+def _legacy_pass(attend, legacy: dict) -> Pass:
+    """A Pass from hidden_states' old call form (attend positional or keyword, the options
+    as keywords), with a DeprecationWarning."""
+    unknown = set(legacy) - set(_LEGACY_PASS)
+    if unknown:
+        raise TypeError(f"hidden_states() got unexpected keyword arguments {sorted(unknown)}")
+    if "attend" in legacy and attend is not None:
+        raise TypeError("hidden_states() got multiple values for argument 'attend'")
+    warnings.warn(
+        "hidden_states(…, attend, …, remat=, mlp=, mix=, unroll=, layers=, count_S=) is "
+        "deprecated: pass a model.Pass(attend, …) as its fifth argument",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    fields = _LEGACY_PASS | legacy
+    if attend is not None:
+        fields["attend"] = attend
+    return Pass(**fields)
+
+
 def hidden_states(
     cfg: QwenConfig,
     params,
     tokens_S,
     position_S,
-    attend: attention_lib.Attend,
+    run: Pass | None = None,
     lora=None,
     route: lora_lib.Routing | None = None,
     *,
     attn_state=None,
-    mlp=dense_mlp,
-    remat: bool = True,
-    layers=None,
-    count_S=None,
-    mix=None,
-    unroll: bool = False,
+    **legacy,
 ):
     """Hidden(final-norm hidden states [S, D] of this shard's tokens, new attention state,
-    the routing statistics when count_S is given, else None).
+    the routing statistics when run.count_S is given, else None).
 
-    params: this shard's base weights (see param_shapes); lora: active adapters
-    {module: {"a": [L, A, I, R], "b": [L, A, R, O]}} or None; route: their token spans.
-    attend: the attention strategy (attention.cp_attend(segment_S, position_S, …) for
-    training); attn_state: per-layer attention state stacked on a leading [L] axis (None,
-    an empty pytree, for training), scanned with the weights and returned likewise.
-    mlp: the MLP block of dense layers (dense_mlp); MoE layers (cfg.moe_layers) use
-    moe_mlp, each run of same-kind layers scanned on its own. Layers run under lax.scan
-    (compile time independent of depth), each rematerialised in the backward pass when
-    `remat` (all but the attention kernel's output and lse). layers: layer_slices(cfg, params,
-    lora) taken by the caller — the layers then run unrolled on those slices
-    (params["layers"] and lora's layer modules are not read; attn_state is sliced and
-    restacked per layer); inference only. count_S: bool [S], the tokens whose routing to
-    record (training passes its real tokens), or None; given, router_stats is
-    moe.RouterStats of this shard's counted tokens stacked over the MoE layers in order
-    ([Lm, E] each, local: not summed over dp / cp), None for a dense model.
-    mix: the sequence-mixing strategy of a hybrid model's Gated DeltaNet layers
-    (delta_rule.cp_mix for training and prefill, delta_rule.StepMix for decode); hybrid
-    layers run as scans over runs of one kind. A hybrid model's attn_state is a
-    HybridState: the full-attention layers' states stacked [Lf, …] and the linear layers'
-    delta_rule.Recurrent stacked [Ll, …]; its result likewise. unroll: unroll the layer
-    scans of a dense or MoE model (scan_layers).
+    params: this shard's base weights (see param_shapes); run: how the layers run (Pass:
+    the attention and mixing strategies, the MLP block, remat, unrolling, which tokens'
+    routing to record); lora: active adapters {module: {"a": [L, A, I, R], "b": [L, A, R,
+    O]}} or None; route: their token spans. attn_state: per-layer attention state stacked
+    on a leading [L] axis (None, an empty pytree, for training), scanned with the weights
+    and returned likewise. MoE layers (cfg.moe_layers) use moe_mlp, each run of same-kind
+    layers scanned on its own. Layers run under lax.scan (compile time independent of
+    depth) unless run.layers holds layer slices (attn_state is then sliced and restacked
+    per layer). Given run.count_S, router_stats is moe.RouterStats of this shard's counted
+    tokens stacked over the MoE layers in order ([Lm, E] each, local: not summed over dp /
+    cp), None for a dense model. Hybrid layers run as scans over runs of one kind; a hybrid
+    model's attn_state is a HybridState: the full-attention layers' states stacked [Lf, …]
+    and the linear layers' delta_rule.Recurrent stacked [Ll, …]; its result likewise.
+
+    The old call form (attend in run's place, the options as keywords: remat=, mlp=, mix=,
+    unroll=, layers=, count_S=) still works, with a DeprecationWarning.
     """
-    if layers is not None and cfg.is_hybrid:
+    if legacy or not isinstance(run, Pass):
+        run = _legacy_pass(run, legacy)
+    if run.layers is not None and cfg.is_hybrid:
         raise NotImplementedError("unrolled layer slices of a hybrid model")
     dtype = jnp.dtype(cfg.dtype)
     h = embed(params["embed"], tokens_S).astype(dtype)
     layer_lora, expert_lora = _split_lora(lora)
-    moe_block = moe_mlp if count_S is None else functools.partial(moe_mlp, count_S=count_S)
-    run = _Layers(
+    count_S = run.count_S
+    stack = _Layers(
         cfg=cfg,
         params=params,
-        inputs=LayerInputs.of(cfg, route, position_S, attend),  # rotary once, for every layer
-        mlp=mlp,
-        moe_block=moe_block,
-        mix=mix,
-        remat=remat,
-        unroll=unroll,
+        inputs=LayerInputs.of(cfg, route, position_S, run.attend),  # rotary once, for every layer
+        mlp=run.mlp,
+        moe_block=moe_mlp if count_S is None else functools.partial(moe_mlp, count_S=count_S),
+        mix=run.mix,
+        remat=run.remat,
+        unroll=run.unroll,
         record=count_S is not None,
     )
-    if layers is not None:
-        return _unrolled_hidden(run, h, layers, attn_state)
+    if run.layers is not None:
+        return _unrolled_hidden(stack, h, run.layers, attn_state)
     if cfg.is_hybrid:
-        return _hybrid_hidden(run, h, layer_lora, expert_lora, attn_state)
+        return _hybrid_hidden(stack, h, layer_lora, expert_lora, attn_state)
     if not cfg.is_moe:
         h, (attn_state, _) = scan_layers(
-            run.body, h, params["layers"], (layer_lora, attn_state), remat, unroll
+            stack.body, h, params["layers"], (layer_lora, attn_state), run.remat, run.unroll
         )
-        return run.finish(h, attn_state, [])
-    return _moe_hidden(run, h, layer_lora, expert_lora, attn_state)
+        return stack.finish(h, attn_state, [])
+    return _moe_hidden(stack, h, layer_lora, expert_lora, attn_state)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # holds arrays: hashed by identity

@@ -55,7 +55,7 @@ from jcp.attention import paged as paged_kernel
 from jcp.config import QwenConfig
 from jcp.mesh import SPECS
 from jcp.sample import draws, kv_cache
-from jcp.sample.programs import DecodeRows, decode_hidden, decode_loop
+from jcp.sample.programs import DecodeRows, StepModel, decode_loop, decode_out_specs
 
 POOL_SPEC = SPECS.cache_LxBxTxKxH  # [L, P, page, K, H]: pages over (dp, cp), heads over tp
 ROWS_SPEC = SPECS.seqs_B  # [B]
@@ -353,18 +353,16 @@ def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
             if hybrid:
                 state = model_lib.HybridState(state, take_rows(pool.rec, r.slot))
                 mix = ChunkMix(r.valid, r.start == 0)
+            run = model_lib.decoder.Pass(attend, mix=mix, layers=layers)
             h, new, _ = model_lib.hidden_states(
                 cfg,
                 params,
                 r.tokens.reshape(-1),
                 position.reshape(-1),
-                attend,
+                run,
                 lora_active,
                 route,
                 attn_state=state,
-                remat=False,
-                layers=layers,
-                mix=mix,
             )
             if hybrid:
                 pool = pool._replace(rec=put_rows(pool.rec, new.linear, r.slot))
@@ -544,50 +542,20 @@ def make_decode(cfg: QwenConfig, mesh, attn_impl: str = "blockwise"):
 
         def shard(lora_active, params, slot_meta, pool, table, slot, r: DecodeRows, active):
             route = slot_meta.routing(active, None, r.index)
-            n_pages, page = pool.k.shape[1], pool.k.shape[2]
+            model = StepModel.of(cfg, params, lora_active, route, modes)
+            page = pool.k.shape[2]
             # A hybrid's loop carries its rows' states [Ll, B, …], not the state rows.
             store = pool._replace(rec=take_rows(pool.rec, slot)) if hybrid else pool
-
-            def run(width):
-                def one_step(tok_B, pos_B, store, lora_active, layers):
-                    if in_place:
-                        attend = pallas_decode_attend(table[:, :width], pos_B, store.k, store.v)
-                        k = v = layer_indices(store.k)
-                    else:
-                        attend = paged_decode_attend(table[:, :width], pos_B, page)
-                        k, v = store.k, store.v
-                    return decode_hidden(
-                        cfg,
-                        params,
-                        tok_B,
-                        pos_B,
-                        attend,
-                        k,
-                        v,
-                        store.rec if hybrid else None,
-                        lora_active,
-                        route,
-                        layers,
-                    )
-
-                return one_step
-
-            def write(store, new, pos_B, done_B, count_B, live_B):
-                # As in programs.make_decode: skipping the rows of finished sequences makes
-                # the write depend on the draw, so XLA orders the reads before it (no copy).
-                if hybrid:
-                    store = store._replace(
-                        rec=kv_cache.keep_recurrent(store.rec, new.linear, live_B)
-                    )
-                    new = new.full
-                page_B, row_B = token_pages(table, pos_B[:, None], ~done_B[:, None], n_pages, page)
-                return write_pages(store, new, page_B, row_B)
-
             widths = phase_widths(table.shape[1], modes.phases)
-            phases = [(w * page if w < table.shape[1] else None, run(w)) for w in widths]
-            store, outs = decode_loop(
-                cfg, params, lora_active, route, r, store, modes, SEQ_AXES, phases, write
-            )
+            phases = [
+                (
+                    w * page if w < table.shape[1] else None,
+                    _PagedStep(model, table[:, :w], in_place),
+                )
+                for w in widths
+            ]
+            write = functools.partial(_write_pool_step, table, hybrid)
+            store, outs = decode_loop(model, r, store, modes, SEQ_AXES, phases, write)
             if hybrid:  # padding rows' slots are out of range: dropped
                 store = store._replace(rec=put_rows(pool.rec, store.rec, slot))
             return (*outs, store)
@@ -604,10 +572,40 @@ def make_decode(cfg: QwenConfig, mesh, attn_impl: str = "blockwise"):
             SPECS.replicated,
         )
         return jax.shard_map(
-            shard,
-            mesh=mesh,
-            in_specs=in_specs,
-            out_specs=(P(), P()) + (P(), P()) * bool(modes.topk) + (pool_spec,),
+            shard, mesh=mesh, in_specs=in_specs, out_specs=decode_out_specs(modes, pool_spec)
         )(lora_active, params, slot_meta, pool, table, slot, rows, active)
 
     return decode
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # holds traced arrays: by identity
+class _PagedStep:
+    """make_decode's `run` for one phase (decode_loop): every row's newest token through
+    the decoder, attending through the first table_BxW entries of its page table — in
+    place (pallas_decode_attend) or over gathered pages (paged_decode_attend)."""
+
+    model: StepModel
+    table_BxW: jax.Array
+    in_place: bool
+
+    def __call__(self, tok_B, pos_B, store: Pool):
+        if self.in_place:
+            attend = pallas_decode_attend(self.table_BxW, pos_B, store.k, store.v)
+            k = v = layer_indices(store.k)
+        else:
+            attend = paged_decode_attend(self.table_BxW, pos_B, store.k.shape[2])
+            k, v = store.k, store.v
+        return self.model.hidden(tok_B, pos_B, attend, kv_cache.KV(k, v), store.rec)
+
+
+def _write_pool_step(table_BxM, hybrid: bool, store: Pool, new, pos_B, done_B, count_B, live_B):
+    """make_decode's `write` (decode_loop): the step's K/V to page table[position // page]
+    of each row not done, a hybrid's new recurrent states kept for the live rows."""
+    # As in programs.make_decode: skipping the rows of finished sequences makes the write
+    # depend on the draw, so XLA orders the reads before it (no copy).
+    if hybrid:
+        store = store._replace(rec=kv_cache.keep_recurrent(store.rec, new.linear, live_B))
+        new = new.full
+    n_pages, page = store.k.shape[1], store.k.shape[2]
+    page_B, row_B = token_pages(table_BxM, pos_B[:, None], ~done_B[:, None], n_pages, page)
+    return write_pages(store, new, page_B, row_B)
