@@ -22,7 +22,7 @@ from jcp import custom_loss as custom_loss_lib
 from jcp import losses as losses_lib
 from jcp import train_step
 from jcp.errors import InputError
-from jcp.mesh import host, put
+from jcp.mesh import bucket_length, host, put
 from jcp.model import moe as moe_lib
 
 # Micro-batches of one call dispatched ahead of the oldest's completion: enough to keep
@@ -262,6 +262,18 @@ def check_finite(i: int, datum, out: dict) -> None:
 def per_datum_slots(packed) -> list[int]:
     """Every adapter slot a packed call routes tokens to."""
     return sorted({int(a) for pb in packed for a in pb.active})
+
+
+def stream_lengths(max_tokens_per_device: int, limit: int | None = None) -> list[int]:
+    """The stream lengths (rows per device) a packed micro-batch can have, shortest first:
+    mesh.bucket_length's buckets below max_tokens_per_device, and it; only those ≤ limit
+    when given (what warm-up compiles)."""
+    top = max_tokens_per_device if limit is None else min(limit, max_tokens_per_device)
+    out, b = [], bucket_length(1)
+    while b < top:
+        out.append(b)
+        b = bucket_length(b + 1)
+    return out + [bucket_length(top, maximum=max_tokens_per_device)]
 
 
 def filling_data(names: tuple[str, ...], s_len: int, limits: CallLimits):

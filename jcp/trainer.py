@@ -4,15 +4,17 @@ Owns the base weights on the mesh, the validation of every public call, and the 
 work: validate and pack (jcp.calls), dispatch through the compiled steps
 (jcp.step_programs), read back (jcp.calls), commit. Every public call validates its whole
 input before any device work, so a refused call changes nothing; slot arrays are read and
-written only through jcp.adapter_state. Its tuning settings are a TrainerOptions
-(jcp.trainer_options). It must never differentiate or modify the base weights.
+written only through jcp.adapter_state. Its settings (TrainerOptions, AdamParams) and
+what they resolve to for the model and mesh are jcp.trainer_options'; the refusals of
+adapter ids and new adapters jcp.adapter_checks'. It is the public facade: most methods
+are their reference docstring over a few lines of work. It must never differentiate or
+modify the base weights.
 
 Shapes: see the legend in jcp/mesh.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -20,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jcp import adapter_checks, calls, checkpoint, train_step
 from jcp import adapter_state as adapter_state_lib
-from jcp import calls, checkpoint, train_step
 from jcp import custom_loss as custom_loss_lib
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
@@ -34,48 +36,11 @@ from jcp import trainer_options as options_lib
 from jcp.adapter_state import AdapterInfo, AdapterState, HostSlot
 from jcp.calls import ForwardBackwardOutput, Steps, per_datum_slots
 from jcp.config import QwenConfig
-from jcp.errors import F32, InputError, float32_number
+from jcp.errors import InputError
 from jcp.mesh import host, put, replicate
 from jcp.step_programs import StepPrograms
+from jcp.trainer_options import AdamParams as AdamParams
 from jcp.trainer_options import TrainerOptions
-
-
-@dataclasses.dataclass(frozen=True)
-class AdamParams:
-    """Tinker's optimizer settings. grad_clip_norm 0 = no clipping."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
-
-    def checked(self) -> np.ndarray:
-        """As float32 [6], each value checked after the cast to float32 (the device's
-        dtype); InputError naming the first bad field."""
-        vals = {
-            f.name: float32_number(getattr(self, f.name), f"AdamParams.{f.name}")
-            for f in dataclasses.fields(self)
-        }
-        for name, v in vals.items():
-            if v < 0:
-                raise InputError(f"AdamParams.{name} must be ≥ 0, got {v}")
-        for name in ("beta1", "beta2"):
-            if not vals[name] < 1.0:
-                raise InputError(
-                    f"AdamParams.{name} must be < 1 in float32, got "
-                    f"{getattr(self, name)} (rounds to {vals[name]})"
-                )
-        # eps = 0 turns every zero-gradient entry into 0/0 = NaN — always the zero padding
-        # of slots beyond an adapter's rank and targets — and a denormal eps is flushed to
-        # 0 on the device.
-        if not vals["eps"] >= F32.smallest_normal:
-            raise InputError(
-                f"AdamParams.eps must be ≥ {F32.smallest_normal:.4g} (the "
-                f"smallest normal float32), got {self.eps}"
-            )
-        return np.asarray(list(vals.values()), np.float32)
 
 
 class Trainer:
@@ -170,49 +135,16 @@ class Trainer:
     # ------------------------------------------------------------------ helpers
 
     def _check_adapter(self, adapter, what: str = "adapter") -> int:
-        if isinstance(adapter, (bool, np.bool_)) or not isinstance(adapter, (int, np.integer)):
-            raise InputError(f"{what} must be an adapter id (int), got {adapter!r}")
-        if int(adapter) not in self.adapters:
-            raise InputError(
-                f"{what} {adapter} is not an allocated adapter; allocated: {sorted(self.adapters)}"
-            )
-        return int(adapter)
+        return adapter_checks.allocated(self.adapters, adapter, what)
 
     def _check_new_adapter(
         self, rank, alpha, targets, expert_lora: str | None = "shared_outer"
     ) -> AdapterInfo:
-        """The AdapterInfo of a new adapter, or InputError. expert_lora applies only when
-        an expert module is targeted (None otherwise)."""
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
-            raise InputError(f"rank must be a positive integer, got {rank!r}")
-        if rank > self.max_rank:
-            raise InputError(f"rank {rank} exceeds max_rank {self.max_rank} of this Trainer")
-        alpha = float32_number(alpha, "alpha")
-        if alpha <= 0:
-            raise InputError(f"alpha must be > 0, got {alpha}")
-        try:
-            targets = lora_lib.resolve_targets(targets, self.cfg)
-        except ValueError as e:
-            raise InputError(str(e)) from None
-        if not set(targets) & set(lora_lib.EXPERT):
-            expert_lora = None
-        elif expert_lora not in lora_lib.EXPERT_LORA:
-            raise InputError(
-                f"expert_lora must be one of {lora_lib.EXPERT_LORA}, got {expert_lora!r}"
-            )
-        elif expert_lora == "fused_gate_up" and not {"expert_gate", "expert_up"} <= set(targets):
-            raise InputError(
-                "expert_lora 'fused_gate_up' ties expert_up's A to expert_gate's: "
-                f"target both, got {sorted(set(targets) & set(lora_lib.EXPERT))}"
-            )
-        elif expert_lora not in self.state.expert_lora_modes:
-            raise InputError(
-                f"a {expert_lora!r} adapter of the experts does not fit this "
-                f"Trainer's slots (expert_lora_modes="
-                f"{self.state.expert_lora_modes}); build it with "
-                f"expert_lora_modes including {expert_lora!r}"
-            )
-        return AdapterInfo(int(rank), alpha, targets, expert_lora)
+        """The AdapterInfo of a new adapter, or InputError (adapter_checks.new_adapter)."""
+        modes = self.state.expert_lora_modes
+        return adapter_checks.new_adapter(
+            self.cfg, self.max_rank, modes, rank, alpha, targets, expert_lora
+        )
 
     # ------------------------------------------------------------------ adapters
 
@@ -235,14 +167,9 @@ class Trainer:
         seed: a non-negative integer (default: from the Trainer's seed and the slot).
         """
         info = self._check_new_adapter(rank, alpha, targets, expert_lora)
-        if seed is not None and (
-            isinstance(seed, (bool, np.bool_))
-            or not isinstance(seed, (int, np.integer))
-            or seed < 0
-        ):
-            raise InputError(f"seed must be a non-negative integer, got {seed!r}")
+        seed = adapter_checks.seed(seed)
         slot = self.state.free_slot()
-        seed = self._seed * 1_000_003 + slot if seed is None else int(seed)
+        seed = self._seed * 1_000_003 + slot if seed is None else seed
         weights = lora_lib.init_adapter(self.cfg, info.rank, info.targets, seed, info.expert_lora)
         self.state.install(slot, info, weights)
         return slot
@@ -273,16 +200,8 @@ class Trainer:
             )
         if adapter is None:
             slot = self.state.free_slot()
-        elif (
-            isinstance(adapter, (bool, np.bool_))
-            or not isinstance(adapter, (int, np.integer))
-            or not 0 <= adapter < self.max_adapters
-        ):
-            raise InputError(
-                f"adapter must be a slot id in [0, {self.max_adapters}), got {adapter!r}"
-            )
         else:
-            slot = int(adapter)
+            slot = adapter_checks.slot_id(adapter, self.max_adapters)
         self.state.restore(slot, saved)
         return slot
 
@@ -468,14 +387,7 @@ class Trainer:
         """The stream lengths (rows per device) a packed micro-batch can have, shortest
         first: mesh.bucket_length's buckets below max_tokens_per_device, and it; only those
         ≤ limit when given."""
-        top = (
-            self.max_tokens_per_device if limit is None else min(limit, self.max_tokens_per_device)
-        )
-        out, b = [], mesh_lib.bucket_length(1)
-        while b < top:
-            out.append(b)
-            b = mesh_lib.bucket_length(b + 1)
-        return out + [mesh_lib.bucket_length(top, maximum=self.max_tokens_per_device)]
+        return calls.stream_lengths(self.max_tokens_per_device, limit)
 
     def warmup(self, loss_fn="cross_entropy", rows: Sequence[int] | None = None) -> int:
         """Compile the programs of training steps before any call needs them -> how many

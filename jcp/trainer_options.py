@@ -1,22 +1,26 @@
-"""TrainerOptions: the Trainer's tuning settings in one frozen, validated value, each field
-documented, and what the Trainer's settings resolve to for a model and mesh.
+"""The Trainer's settings: TrainerOptions (its tuning settings in one frozen, validated
+value, each field documented), AdamParams (an optim_step's, Tinker's optimizer settings),
+and what the Trainer's settings resolve to for a model and mesh.
 
 `Trainer(cfg, mesh, …, remat=…, attn_impl=…)` and `Trainer(cfg, mesh, …,
 options=TrainerOptions(remat=…, attn_impl=…))` build the same Trainer (`TrainerOptions.of`
 maps the keywords onto the fields). What needs neither the model nor the mesh is checked
 in the dataclass (ValueError); the rest, and every default that depends on them, is
 resolved here for the Trainer: `step_config` (the step settings, checked by
-train_step.StepConfig), `token_limits`, `check_capacity`. It never builds arrays.
+train_step.StepConfig), `token_limits`, `check_capacity`. It never touches a device.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jcp import attention as attention_lib
 from jcp import lora as lora_lib
 from jcp import mesh as mesh_lib
 from jcp.config import QwenConfig
+from jcp.errors import F32, InputError, float32_number
 from jcp.train_step import StepConfig
 
 
@@ -139,6 +143,44 @@ class TrainerOptions:
         if from_keywords != cls():
             raise ValueError("give the tuning settings as options or as keywords, not both")
         return options
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamParams:
+    """Tinker's optimizer settings. grad_clip_norm 0 = no clipping."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+    def checked(self) -> np.ndarray:
+        """As float32 [6], each value checked after the cast to float32 (the device's
+        dtype); InputError naming the first bad field."""
+        vals = {
+            f.name: float32_number(getattr(self, f.name), f"AdamParams.{f.name}")
+            for f in dataclasses.fields(self)
+        }
+        for name, v in vals.items():
+            if v < 0:
+                raise InputError(f"AdamParams.{name} must be ≥ 0, got {v}")
+        for name in ("beta1", "beta2"):
+            if not vals[name] < 1.0:
+                raise InputError(
+                    f"AdamParams.{name} must be < 1 in float32, got "
+                    f"{getattr(self, name)} (rounds to {vals[name]})"
+                )
+        # eps = 0 turns every zero-gradient entry into 0/0 = NaN — always the zero padding
+        # of slots beyond an adapter's rank and targets — and a denormal eps is flushed to
+        # 0 on the device.
+        if not vals["eps"] >= F32.smallest_normal:
+            raise InputError(
+                f"AdamParams.eps must be ≥ {F32.smallest_normal:.4g} (the "
+                f"smallest normal float32), got {self.eps}"
+            )
+        return np.asarray(list(vals.values()), np.float32)
 
 
 def step_config(cfg: QwenConfig, platform: str, tp: int, opts: TrainerOptions) -> StepConfig:
