@@ -11,6 +11,8 @@ Shapes: see the legend in jcp/mesh.py; B = rows of the decode batch on this devi
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -71,37 +73,55 @@ def sample_tokens(
     b = logits_BxV.shape[0]
     temperature_B = jnp.broadcast_to(jnp.asarray(temperature_B, jnp.float32), (b,))
     cold_B = temperature_B == 0.0
-
-    def greedy():
-        return jnp.argmax(logits_BxV, axis=-1), jax.nn.log_softmax(logits_BxV, axis=-1)
-
-    def drawn():
-        # Greedy rows divide by exactly 1, so their log-probs are log_softmax(logits).
-        t_B = jnp.where(cold_B, 1.0, jnp.maximum(temperature_B, MIN_TEMPERATURE))
-        x_BxV = logits_BxV / t_B[:, None]
-        logp_BxV = jax.nn.log_softmax(x_BxV, axis=-1)
-        top_k = jnp.broadcast_to(jnp.asarray(top_k_B, jnp.int32), (b,))
-        top_p = jnp.broadcast_to(jnp.asarray(top_p_B, jnp.float32), (b,))
-        truncates = jnp.any(~cold_B & ((top_k > 0) | (top_p < 1.0)))
-        x_BxV = jax.lax.cond(
-            truncates,
-            lambda x: jnp.where(nucleus_mask(x, top_k, top_p), x, -jnp.inf),
-            lambda x: x,
-            x_BxV,
-        )
-
-        def draw(key_2, count, row_V):
-            key = jax.random.fold_in(jax.random.wrap_key_data(key_2, impl="threefry2x32"), count)
-            return jnp.argmax(row_V + jax.random.gumbel(key, row_V.shape, jnp.float32))
-
-        count = jnp.broadcast_to(jnp.asarray(count_B, jnp.int32), (b,))
-        drawn_B = jax.vmap(draw)(keys_Bx2, count, x_BxV)
-        return jnp.where(cold_B, jnp.argmax(logits_BxV, axis=-1), drawn_B), logp_BxV
-
-    tok_B, logp_BxV = jax.lax.cond(jnp.all(cold_B), greedy, drawn)
+    drawn = functools.partial(
+        _drawn, logits_BxV, keys_Bx2, count_B, temperature_B, top_k_B, top_p_B
+    )
+    tok_B, logp_BxV = jax.lax.cond(jnp.all(cold_B), functools.partial(_greedy, logits_BxV), drawn)
     lp_B = jnp.take_along_axis(logp_BxV, tok_B[:, None], axis=-1)[:, 0]
     if not topk:
         return tok_B.astype(jnp.int32), lp_B
+    return (tok_B.astype(jnp.int32), lp_B, *_top_logprobs(logp_BxV, topk, want_B))
+
+
+def _greedy(logits_BxV):
+    """sample_tokens where every row is greedy: (argmax [B], log_softmax(logits) [B, V])."""
+    return jnp.argmax(logits_BxV, axis=-1), jax.nn.log_softmax(logits_BxV, axis=-1)
+
+
+def _drawn(logits_BxV, keys_Bx2, count_B, temperature_B, top_k_B, top_p_B):
+    """sample_tokens where some row draws: (token [B], log_softmax(logits / T) [B, V]);
+    greedy rows take the argmax and divide by exactly 1, so their log-probs are
+    log_softmax(logits); the vocabulary is sorted (nucleus_mask) only when some drawing row
+    truncates."""
+    b = logits_BxV.shape[0]
+    cold_B = temperature_B == 0.0
+    t_B = jnp.where(cold_B, 1.0, jnp.maximum(temperature_B, MIN_TEMPERATURE))
+    x_BxV = logits_BxV / t_B[:, None]
+    logp_BxV = jax.nn.log_softmax(x_BxV, axis=-1)
+    top_k = jnp.broadcast_to(jnp.asarray(top_k_B, jnp.int32), (b,))
+    top_p = jnp.broadcast_to(jnp.asarray(top_p_B, jnp.float32), (b,))
+    truncates = jnp.any(~cold_B & ((top_k > 0) | (top_p < 1.0)))
+    x_BxV = jax.lax.cond(
+        truncates,
+        lambda x: jnp.where(nucleus_mask(x, top_k, top_p), x, -jnp.inf),
+        lambda x: x,
+        x_BxV,
+    )
+
+    def draw(key_2, count, row_V):
+        key = jax.random.fold_in(jax.random.wrap_key_data(key_2, impl="threefry2x32"), count)
+        return jnp.argmax(row_V + jax.random.gumbel(key, row_V.shape, jnp.float32))
+
+    count = jnp.broadcast_to(jnp.asarray(count_B, jnp.int32), (b,))
+    drawn_B = jax.vmap(draw)(keys_Bx2, count, x_BxV)
+    return jnp.where(cold_B, jnp.argmax(logits_BxV, axis=-1), drawn_B), logp_BxV
+
+
+def _top_logprobs(logp_BxV, topk: int, want_B):
+    """(ids int32 [B, topk], log-probs [B, topk]): the topk most likely tokens of logp_BxV
+    (ids −1, log-probs −inf past the vocabulary), taken only when some row wants them
+    (want_B; else all −1 / −inf)."""
+    b = logp_BxV.shape[0]
     k = min(topk, logp_BxV.shape[1])
 
     def top():
@@ -117,12 +137,7 @@ def sample_tokens(
     want = jnp.any(jnp.broadcast_to(jnp.asarray(want_B, bool), (b,)))
     idx, val = jax.lax.cond(want, top, none)
     pad = ((0, 0), (0, topk - k))
-    return (
-        tok_B.astype(jnp.int32),
-        lp_B,
-        jnp.pad(idx, pad, constant_values=-1),
-        jnp.pad(val, pad, constant_values=-jnp.inf),
-    )
+    return jnp.pad(idx, pad, constant_values=-1), jnp.pad(val, pad, constant_values=-jnp.inf)
 
 
 def sample_rows_over_tp(

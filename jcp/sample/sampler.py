@@ -227,20 +227,52 @@ class Sampler:
             raise InputError(f"prompt_logprobs must be a bool, got {prompt_logprobs!r}")
         fields = self.check_fields(c.prompts, fields, prompt_logprobs)
         want_lp = bool(prompt_logprobs) or any(f.prompt_stats for f in fields)
+        plan = self.plan([len(x) for x in c.prompts], c.max_tokens, c.num_samples, cache_mode)
+        call = layout_lib.call_layout(
+            [len(x) for x in c.prompts], c.adapters, c.num_samples, plan, self.dp, self.cp
+        )
+        r = self.runner
+        cache, lps = self._prefill(c, fields, plan, call, want_lp)
+        rows, active, topk = self._decode_rows(c, fields, plan, call)
+        modes = programs.DecodeModes(
+            layout=plan.mode,
+            out_len=plan.out_len,
+            slice_layers=r.slice_layers,
+            topk=k_bucket(topk),
+        )
+        self.last_plan = plan
+        out_tok, out_lp, *out_tk, _ = r.decode(
+            self.state.weights,
+            self.params,
+            self.state.meta,
+            cache,
+            rows,
+            replicate(self.mesh, active),
+            modes=modes,
+        )
+        outs = r.prompt_outputs(c.prompts, c.adapters, lps, 1, fields) if want_lp else None
+        drawn = (host(out_tok), host(out_lp), [host(x) for x in out_tk])
+        return [
+            SampleResult(
+                _sequences(c, call.row_of[i], drawn, fields[i].topk_sample_logprobs),
+                **(
+                    {}
+                    if outs is None
+                    else prompt_results(outs[i], len(c.prompts[i]), fields[i], prompt_logprobs)
+                ),
+            )
+            for i in range(len(c.prompts))
+        ]
+
+    def _prefill(self, c: Checked, fields, plan, call, want_lp: bool):
+        """(the cache every prompt was prefilled into — once, for all its num_samples
+        sequences —, the prefill calls' log-prob outputs, one per packed batch)."""
+        r = self.runner
+        lay = kv_cache.LAYOUTS[plan.mode]
         n_prompts = len(c.prompts)
         stats = PromptStatsCall.of(
             c.prompts, fields, [c.temperature] * n_prompts, [c.seed] * n_prompts, range(n_prompts)
         )
-        plan = self.plan([len(x) for x in c.prompts], c.max_tokens, c.num_samples, cache_mode)
-        lay = kv_cache.LAYOUTS[plan.mode]
-        call = layout_lib.call_layout(
-            [len(x) for x in c.prompts], c.adapters, c.num_samples, plan, self.dp, self.cp
-        )
-        b_total, t_total = call.shape
-
-        # Prefill every prompt once, for all its num_samples sequences, straight into the
-        # cache.
-        r = self.runner
         which, packed = r.packed(c.prompts, c.adapters, 1, fields)
         kv, lps = None, []
         for pb in packed:
@@ -259,10 +291,13 @@ class Sampler:
             )
             lps.append(lp)
         if kv is None:  # every prompt is one token: nothing to prefill
-            kv = r.empty_cache(b_total, t_total, lay)
-        cache = kv_cache.Cache(kv.k, kv.v, r.put(call.row_position, lay.position_BxT), kv.rec)
+            kv = r.empty_cache(*call.shape, lay)
+        return kv_cache.Cache(kv.k, kv.v, r.put(call.row_position, lay.position_BxT), kv.rec), lps
 
-        # Per-row start state and parameters.
+    def _decode_rows(self, c: Checked, fields, plan, call):
+        """(every row's start state and parameters as device DecodeRows, the call's active
+        adapters [A], the widest top-k a prompt asked of its sampled tokens)."""
+        b_total = call.shape[0]
         token = np.zeros(b_total, np.int32)
         position = np.zeros(b_total, np.int32)
         done = np.ones(b_total, bool)
@@ -291,52 +326,25 @@ class Sampler:
             keys=keys,
             stop=layout_lib.stop_table([c.stop] * b_total),
         )
-        rows = jax.tree.map(r.put, rows, programs.DecodeRows.specs(lay))
-        modes = programs.DecodeModes(
-            layout=plan.mode,
-            out_len=plan.out_len,
-            slice_layers=r.slice_layers,
-            topk=k_bucket(topk),
-        )
-        self.last_plan = plan
-        out_tok, out_lp, *out_tk, _ = r.decode(
-            self.state.weights,
-            self.params,
-            self.state.meta,
-            cache,
-            rows,
-            replicate(self.mesh, active),
-            modes=modes,
-        )
-        outs = r.prompt_outputs(c.prompts, c.adapters, lps, 1, fields) if want_lp else None
-        out_tok, out_lp = host(out_tok), host(out_lp)
-        out_tk = [host(x) for x in out_tk]
+        lay = kv_cache.LAYOUTS[plan.mode]
+        return jax.tree.map(self.runner.put, rows, programs.DecodeRows.specs(lay)), active, topk
 
-        stops = set(c.stop)
-        results = []
-        for i in range(len(c.prompts)):
-            sequences = []
-            for j in range(c.num_samples):
-                r = call.row_of[i, j]
-                n = int(np.sum(out_tok[r] >= 0))
-                toks = out_tok[r, :n].astype(np.int32)
-                reason = "stop" if n and int(toks[-1]) in stops else "length"
-                k = fields[i].topk_sample_logprobs
-                tk = (
-                    TopK(
-                        out_tk[0][r, :n, :k].astype(np.int32),
-                        out_tk[1][r, :n, :k].astype(np.float32),
-                    )
-                    if k
-                    else None
-                )
-                sequences.append(
-                    SampledSequence(toks, out_lp[r, :n].astype(np.float32), reason, tk)
-                )
-            extra = (
-                {}
-                if outs is None
-                else prompt_results(outs[i], len(c.prompts[i]), fields[i], prompt_logprobs)
-            )
-            results.append(SampleResult(sequences, **extra))
-        return results
+
+def _sequences(c: Checked, rows_J, drawn, k: int) -> list[SampledSequence]:
+    """One prompt's sampled sequences from its rows rows_J [num_samples] of the decode
+    outputs (drawn: tokens [B, N] (−1: nothing), log-probs [B, N], the top-k pair [B, N,
+    k] or []); k: the prompt's topk_sample_logprobs."""
+    out_tok, out_lp, out_tk = drawn
+    stops = set(c.stop)
+    sequences = []
+    for r in rows_J:
+        n = int(np.sum(out_tok[r] >= 0))
+        toks = out_tok[r, :n].astype(np.int32)
+        reason = "stop" if n and int(toks[-1]) in stops else "length"
+        tk = (
+            TopK(out_tk[0][r, :n, :k].astype(np.int32), out_tk[1][r, :n, :k].astype(np.float32))
+            if k
+            else None
+        )
+        sequences.append(SampledSequence(toks, out_lp[r, :n].astype(np.float32), reason, tk))
+    return sequences
