@@ -1,9 +1,10 @@
 """The engine's admission policy: which device, decode rows and pages each request takes,
 when pages are taken and given back, and how many decode steps a device call runs.
 
-Owns the host records of a request (Request, its samples Seq, their per-device Group) and
-Admission, which places, forks, grows and releases them over the PagePool (pages.py) and
-picks the decode length (decode_len). Pure host, tested on plain records in
+Owns Admission, which places, forks, grows and releases the host records of requests
+(requests.py: Request, its samples Seq, their per-device Group; re-exported here) over
+the PagePool (pages.py), refuses at submit what could never fit (check_fits) and picks
+the decode length (decode_len). Pure host, tested on plain records in
 tests/test_sample_policy.py; it must never create or read a device array, nor run a
 program — engine.py drives it, runner.py turns its records into device arrays.
 
@@ -59,89 +60,24 @@ count only).
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 import numpy as np
 
+from jcp.errors import InputError
 from jcp.sample.engine_config import EngineSizes
 from jcp.sample.layout import ladder
 from jcp.sample.pages import PagePool, page_keys
-from jcp.sample.params import NO_FIELDS, PromptFields, sequence_keys
+from jcp.sample.params import sequence_keys
+from jcp.sample.requests import Group, Request, Seq
 
 # A step serves the light tenants' rows alone when their rows bucket is at most
 # 1/LIGHT_STEP_RATIO of the whole batch's (the module docstring, "Light steps"): such a
 # step costs the others about that fraction of one of theirs.
 LIGHT_STEP_RATIO = 4
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One submitted prompt (its samples, or a compute_logprobs request) on the host."""
-
-    rid: int
-    prompt: np.ndarray
-    adapter: int  # slot or BASE
-    version: int  # the adapter slot's version at submission
-    params: dict  # check_params output
-    num_samples: int
-    prompt_logprobs: bool
-    logprobs_only: bool = False
-    seqs: list = dataclasses.field(default_factory=list)
-    groups: list = dataclasses.field(default_factory=list)
-    plp: np.ndarray | None = None
-    cancelled: bool = False
-    keys: np.ndarray | None = None  # uint32 [num_samples, 2], made once at admission
-    fields: PromptFields = NO_FIELDS
-    prompt_out: dict = dataclasses.field(default_factory=dict)  # SampleResult prompt fields
-    salt: bytes = b""  # its prefix-cache partition (page_keys)
-    tenant: str = ""  # whose request (Admission.admit_fair)
-    watch: Callable | None = None  # submit(watch=…): where a sequence ends (text stops)
-
-    @property
-    def extend_logprobs(self) -> bool:
-        """Prompt log-probs come from the chunked prefill (else, with the SDK prompt
-        fields, from one cache-less prefill at admission)."""
-        return self.prompt_logprobs and not self.fields.prompt_stats
-
-    @property
-    def n(self) -> int:
-        """Prefilled positions (prompt[:-1])."""
-        return len(self.prompt) - 1
-
-    @property
-    def tokens(self) -> list[list[int]]:
-        """The tokens drawn so far, per sample (empty before admission)."""
-        return [x.tokens for x in self.seqs]
-
-
-@dataclasses.dataclass(eq=False)
-class Seq:
-    """One sample of a request: its device, pages, reservation and drawn tokens."""
-
-    req: Request
-    j: int  # sample index
-    g: int  # device (along the sequence axes)
-    pages: list = dataclasses.field(default_factory=list)
-    reserve: int = 0  # pages it may still take
-    tokens: list = dataclasses.field(default_factory=list)
-    lps: list = dataclasses.field(default_factory=list)
-    done: bool = False
-    decoding: bool = False  # forked (prefill over), decodes
-    row: int | None = None  # its recurrent-state row on device g (a hybrid model)
-    topk: list = dataclasses.field(default_factory=list)  # [(ids, lps)] per decode call
-    cut: bool = False  # ended by its request's watch (a text stop sequence)
-
-
-@dataclasses.dataclass(eq=False)
-class Group:
-    """A request's samples on one device, sharing one prefill (the leader's pages)."""
-
-    seqs: list
-    filled: int = 0  # prompt positions cached so far
 
 
 class Admission:
@@ -298,6 +234,27 @@ class Admission:
         if tenants is None:
             return list(self.decoding)
         return [x for x in self.decoding if x.req.tenant in tenants]
+
+    def check_fits(self, n: int, max_tokens: int, num_samples: int) -> None:
+        """Refuse (InputError) num_samples sequences of n prefilled positions + max_tokens
+        that the engine could never hold: too many positions, samples or pages."""
+        sizes, prompt = self.sizes, f"prompt of {n + 1} tokens + max_tokens {max_tokens}"
+        if n + max_tokens > sizes.long_len:
+            raise InputError(
+                f"{prompt} exceed the engine's {sizes.long_len} positions per sequence"
+            )
+        if num_samples > sizes.slots:
+            raise InputError(f"num_samples {num_samples} exceeds the engine's {sizes.slots} slots")
+        if sizes.pages_per_seq(n, max_tokens) > sizes.n_pages:
+            raise InputError(
+                f"{prompt} need more than the engine's {sizes.n_pages} pages per device"
+            )
+        most = self.most_samples(n, max_tokens)
+        if num_samples > most:
+            raise InputError(
+                f"num_samples {num_samples} of a {prompt} need more pages than the engine "
+                f"holds (at most {most} such samples at once)"
+            )
 
     def most_samples(self, n: int, max_tokens: int) -> int:
         """The most samples of one request (n prefilled positions, max_tokens new ones) the

@@ -27,19 +27,9 @@ the prefix cache (pages.py's: "Prefix cache") lets a prompt take the cached page
 earlier one with the same adapter, salt and leading tokens.
 
 Programs: every dynamic dimension of the engine's device programs is bucketed to a few
-values (layout.ladder rungs, steps of 4 from the top unless said): decode rows per device
-(b_local, b_local / 2, … ≥ 8), table pages (max_len / page, … ≥ 64 / page, and
-long_len / page, ÷ 4, … > max_len / page for long sequences), prefill rows per
-device (min(64, b_local), ÷ 4, … ≥ 4), prefill chunk (pow2(prefill_tokens) capped at
-max_len, ÷ 4, … ≥ 16), active adapters (powers of two from 2, runner.active_entries),
-page copies (rows rungs). Run-time values inside one program, not program dimensions:
-decode steps per call (max_chunk, ÷ 4, … ≥ chunk: a bound of the loop, outputs max_chunk
-wide), the draw kind (draws.sample_tokens), topk_sample_logprobs (MAX_TOPK columns,
-computed only when a row asks) and prompt log-probs (extend computes them only when a row
-asks). Stop tables have one width, params.STOP_WIDTH ids (longer stop lists widen to a
-power of two; jcp-serve refuses them).
-`program_keys` holds the static signature of every program the engine has run
-(`programs()` counts them); `warmup` compiles the bounded set up front.
+values (the ladders: engine_config.py's module docstring, "Programs"). `program_keys`
+holds the static signature of every program the engine has run (`programs()` counts
+them); `warmup` compiles the bounded set up front.
 
 Hybrid models (Qwen3.5): every decode slot also holds one recurrent-state row on its
 device (paged.Pool.rec), taken at admission and freed when the sequence ends; no prefix
@@ -62,8 +52,9 @@ from collections.abc import Callable, Collection, Sequence
 import numpy as np
 
 from jcp.errors import InputError
+from jcp.sample import requests as requests_lib
 from jcp.sample import warmup as warmup_lib
-from jcp.sample.admission import Admission, Request
+from jcp.sample.admission import Admission
 from jcp.sample.engine_config import EngineConfig, EngineSizes
 from jcp.sample.pages import PagePool, page_keys  # noqa: F401 — page_keys: re-exported
 from jcp.sample.params import (
@@ -71,13 +62,12 @@ from jcp.sample.params import (
     STOP_WIDTH,
     PromptFields,
     PromptStatsCall,
-    SampledSequence,
     SampleResult,
-    TopK,
     check_fields,
     check_prompts,
     prompt_results,
 )
+from jcp.sample.requests import Request, SubmitOptions
 from jcp.sample.runner import EngineDevice
 from jcp.sample.sampler import Sampler
 
@@ -167,38 +157,22 @@ class Engine:
         adapter=None,
         num_samples: int = 1,
         prompt_logprobs: bool = False,
-        callback: Callable | None = None,
-        fields: PromptFields | None = None,
-        salt: str | bytes | None = None,
-        watch: Callable | None = None,
-        tenant: str | None = None,
+        *positional,
+        options: SubmitOptions | None = None,
+        **keywords,
     ) -> int:
         """Queue one prompt's num_samples sequences -> request id. Refused (InputError)
         before anything is queued: as Trainer.sample, and when the prompt plus max_tokens
         exceed max_len, num_samples exceeds the slots, or the request could never fit
-        the pages. callback(rid, outcome) runs when the request ends (outcome:
-        SampleResult or the exception; then result() has nothing to return). fields: the
-        SDK 0.38 top-k / target / prompt-draw / last_n fields (params.PromptFields); the
-        prompt-side ones run one cache-less prefill of the prompt at admission
-        (Runner.prompt_outputs), beside the chunked prefill that fills its pages. salt:
-        the prefix-cache partition of the request (pages.py's module docstring, "Prefix
-        cache"): it takes and leaves cached pages only under the same salt (jcp-serve: its tenant);
-        None shares the unsalted partition. watch(j, tokens, logprobs, topk parts), if
-        given, is called after every decode call with each running sequence's tokens so
-        far -> how many of them it keeps when the sequence must end there (a text stop
-        sequence, jcp.server.text.StopWatch: it ends at that step, stop reason "stop"),
-        or None; it must not raise. tenant: whose request, for fair admission across
-        tenants (admission.py's module docstring, "Tenants"; None: one shared tenant)."""
+        the pages (Admission.check_fits). The rest — callback=, fields=, salt=, watch=,
+        tenant= — as keywords or options=: SubmitOptions (requests.py) documents each."""
+        opts = SubmitOptions.of(options, positional, keywords)
         c = self.s.check([prompt], sampling_params, adapter, num_samples)
-        if isinstance(salt, str):
-            salt = salt.encode()
-        if salt is not None and not isinstance(salt, bytes):
-            raise InputError(f"salt must be a str, bytes or None, got {type(salt).__name__}")
         if not isinstance(prompt_logprobs, (bool, np.bool_)):
             raise InputError(f"prompt_logprobs must be a bool, got {prompt_logprobs!r}")
         n = len(c.prompts[0])
-        fields = check_fields(fields, n, self.s.cfg.vocab_size, bool(prompt_logprobs))
-        self._check_fits(n, c.max_tokens, c.num_samples)
+        fields = check_fields(opts.fields, n, self.s.cfg.vocab_size, bool(prompt_logprobs))
+        self.admission.check_fits(n - 1, c.max_tokens, c.num_samples)
         params = dict(
             max_tokens=c.max_tokens,
             temperature=c.temperature,
@@ -216,11 +190,11 @@ class Engine:
             c.num_samples,
             bool(prompt_logprobs),
             fields=fields,
-            salt=salt or b"",
-            watch=watch,
-            tenant=tenant or "",
+            salt=opts.salt_bytes,
+            watch=opts.watch,
+            tenant=opts.tenant or "",
         )
-        self._queue(req, callback)
+        self._queue(req, opts.callback)
         self.waiting.append(req)
         return req.rid
 
@@ -253,29 +227,6 @@ class Engine:
         self._queue(req, callback)
         self.logprob_waiting.append(req)
         return req.rid
-
-    def _check_fits(self, n: int, max_tokens: int, num_samples: int) -> None:
-        """Refuse (InputError) num_samples sequences of a prompt of n tokens + max_tokens
-        that the engine could never hold: too many positions, samples or pages."""
-        if n - 1 + max_tokens > self.long_len:
-            raise InputError(
-                f"prompt of {n} tokens + max_tokens {max_tokens} exceed the "
-                f"engine's {self.long_len} positions per sequence"
-            )
-        if num_samples > self.slots:
-            raise InputError(f"num_samples {num_samples} exceeds the engine's {self.slots} slots")
-        if self.sizes.pages_per_seq(n - 1, max_tokens) > self.n_pages:
-            raise InputError(
-                f"prompt of {n} tokens + max_tokens {max_tokens} need more "
-                f"than the engine's {self.n_pages} pages per device"
-            )
-        most = self.admission.most_samples(n - 1, max_tokens)
-        if num_samples > most:
-            raise InputError(
-                f"num_samples {num_samples} of a prompt of {n} tokens + "
-                f"max_tokens {max_tokens} need more pages than the engine "
-                f"holds (at most {most} such samples at once)"
-            )
 
     def _queue(self, req: Request, callback) -> None:
         self.requests[req.rid] = req
@@ -552,29 +503,15 @@ class Engine:
         tok_rows, lp_rows = out_tok.tolist(), out_lp.tolist()
         for seq in live:
             req, i = seq.req, at[id(seq)]
-            n = got[i]
-            seq.tokens += tok_rows[i][:n]
-            seq.lps += lp_rows[i][:n]
-            k = req.fields.topk_sample_logprobs
-            if k:
-                seq.topk.append((out_tk[0][i][:n, :k], out_tk[1][i][:n, :k]))
-            if req.watch is not None and n:
-                keep = req.watch(seq.j, seq.tokens, seq.lps, seq.topk)
-                if keep is not None:
-                    del seq.tokens[keep:], seq.lps[keep:]
-                    seq.cut = True
-            c = len(seq.tokens)
-            if (
-                seq.cut
-                or c >= req.params["max_tokens"]
-                or (c and seq.tokens[-1] in req.params["stop"])
-            ):
+            n, k = got[i], req.fields.topk_sample_logprobs
+            part = (out_tk[0][i][:n, :k], out_tk[1][i][:n, :k]) if k else None
+            if seq.add(tok_rows[i][:n], lp_rows[i][:n], part):
                 self.admission.release(seq)
                 if all(x.done for x in req.seqs):
                     ended.append(req)
         self.admission.decoding = [x for x in self.admission.decoding if not x.done]
         for req in ended:
-            self._end(req, _result(req))
+            self._end(req, requests_lib.result(req))
 
     # ------------------------------------------------------------------ warm-up
 
@@ -589,10 +526,10 @@ class Engine:
         prompt_stats: Sequence[tuple[int, int, int]] = (),
     ) -> int:
         """Compile, up front, the programs the engine can run for these buckets -> how many
-        it ran (program_keys then holds them): the bounded set of the module docstring,
-        "Programs", as warmup.warmup lists it per argument. Runs each program once on
-        padding (no request; every write is dropped), so later requests of those shapes
-        compile nothing. Only on an idle engine."""
+        it ran (program_keys then holds them): the bounded set of engine_config.py's
+        module docstring, "Programs", as warmup.warmup lists it per argument. Runs each
+        program once on padding (no request; every write is dropped), so later requests of
+        those shapes compile nothing. Only on an idle engine."""
         if not self.idle:
             raise RuntimeError("Engine.warmup runs on an idle engine only")
         return warmup_lib.warmup(
@@ -605,30 +542,3 @@ class Engine:
             topk,
             prompt_stats,
         )
-
-
-def _result(req: Request) -> SampleResult:
-    """The SampleResult of a request whose sequences have all ended."""
-    stops = set(req.params["stop"])
-    k = req.fields.topk_sample_logprobs
-    seqs = [
-        SampledSequence(
-            np.array(x.tokens, np.int32),
-            np.array(x.lps, np.float32),
-            "stop" if x.cut or x.tokens and x.tokens[-1] in stops else "length",
-            _stack_topk(x.topk, k, len(x.tokens)) if k else None,
-        )
-        for x in req.seqs
-    ]
-    if req.plp is not None:
-        req.prompt_out = prompt_results({"lp": req.plp}, len(req.prompt), req.fields, True)
-    return SampleResult(seqs, **req.prompt_out)
-
-
-def _stack_topk(parts, k: int, n: int | None = None) -> TopK:
-    """The per-call top-k parts of a sequence as one TopK (its first n rows)."""
-    ids = [p[0] for p in parts] or [np.zeros((0, k), np.int32)]
-    lps = [p[1] for p in parts] or [np.zeros((0, k), np.float32)]
-    return TopK(
-        np.concatenate(ids)[:n].astype(np.int32), np.concatenate(lps)[:n].astype(np.float32)
-    )

@@ -4,6 +4,19 @@ Owns EngineConfig (what a caller chooses, validated before anything is built) an
 EngineSizes (the numbers the admission policy, the device arrays and the warm-up derive
 from it and the mesh: rows per device, table widths, page counts, every bucket ladder).
 Pure host, tested in tests/test_sample_policy.py; it must never touch a device.
+
+Programs: every dynamic dimension of the engine's device programs is bucketed to a few
+values (layout.ladder rungs, steps of 4 from the top unless said): decode rows per device
+(b_local, b_local / 2, … ≥ 8), table pages (max_len / page, … ≥ 64 / page, and
+long_len / page, ÷ 4, … > max_len / page for long sequences), prefill rows per
+device (min(64, b_local), ÷ 4, … ≥ 4), prefill chunk (pow2(prefill_tokens) capped at
+max_len, ÷ 4, … ≥ 16), active adapters (powers of two from 2, runner.active_entries),
+page copies (rows rungs). Run-time values inside one program, not program dimensions:
+decode steps per call (max_chunk, ÷ 4, … ≥ chunk: a bound of the loop, outputs max_chunk
+wide), the draw kind (draws.sample_tokens), topk_sample_logprobs (MAX_TOPK columns,
+computed only when a row asks) and prompt log-probs (extend computes them only when a row
+asks). Stop tables have one width, params.STOP_WIDTH ids (longer stop lists widen to a
+power of two; jcp-serve refuses them).
 """
 
 from __future__ import annotations
@@ -14,8 +27,8 @@ from jcp.mesh import pow2_at_least
 from jcp.sample.layout import ladder
 from jcp.sample.params import is_int
 
-# The smallest decode window: live rows per device, cache positions (engine.py's module
-# docstring, "Programs"). Decode reads every weight once per step whatever the rows, so a
+# The smallest decode window: live rows per device, cache positions (the module docstring,
+# "Programs"). Decode reads every weight once per step whatever the rows, so a
 # few more rows cost little while each window compiled costs tens of seconds.
 WINDOW_FLOOR = (8, 64)
 PREFILL_ROWS = (64, 4)  # prefill rows per device: the most per step, the smallest rung

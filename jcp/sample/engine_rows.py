@@ -1,6 +1,6 @@
 """The host arrays of an engine's device calls, built from admission's records: which row
 each group or sequence takes on its device, the page tables, and the rows of one extend,
-decode or page-copy call, every dimension bucketed (engine.py's module docstring,
+decode or page-copy call, every dimension bucketed (engine_config.py's module docstring,
 "Programs").
 
 Pure host (NumPy): it decides nothing (which groups prefill, which sequences decode and for how
@@ -110,7 +110,7 @@ def decode_rows(
     """(table, rows, active adapters, state rows, row of each sequence by id) of one
     decode call of n_steps over the live sequences (admission.Seq; pages grown):
     each device's sequences in its first rows, their tables M pages wide, each
-    bucketed (engine.py's module docstring, "Programs"). One program serves every
+    bucketed (engine_config.py's module docstring, "Programs"). One program serves every
     n_steps ≤ max_chunk, draw kind and topk_sample_logprobs: they are run-time values
     (rows.steps, the rows' parameters, rows.want_topk) under static bounds (max_chunk
     outputs, params.MAX_TOPK top-k columns)."""

@@ -1,8 +1,8 @@
 """The engine's warm-up: every program an engine can run for a set of buckets, compiled up
 front by running each once on padding.
 
-Owns the enumeration of that bounded set (engine.py's module docstring, "Programs") over
-an EngineDevice's sizes. Every call writes nothing that a request reads (padding rows:
+Owns the enumeration of that bounded set (engine_config.py's module docstring,
+"Programs") over an EngineDevice's sizes. Every call writes nothing that a request reads (padding rows:
 every page and state-row write is dropped); it must never run on an engine holding
 requests (Engine.warmup checks) nor decide anything about requests.
 """
