@@ -3,8 +3,9 @@
 Owns every Trainer call, the running sampling engine (jcp.sample.engine.Engine), the loop
 below and its handler table (request kind -> method). Its parts live by owner: the
 adapter-slot cache (jcp/server/slots.py: `SlotCache`, eviction, offload / restore), the
-model operations and custom losses (jcp/server/model_ops.py: `ModelOps`) and the fused
-training passes (jcp/server/passes.py: `Passes`). Every asample of every tenant is
+model operations and custom losses (jcp/server/model_ops.py: `ModelOps`), the fused
+training passes (jcp/server/passes.py: `Passes`) and a sample's admission and result
+(jcp/server/samples.py: `Samples`). Every asample of every tenant is
 admitted into the one running engine batch, long ones too: the engine's cache is sized by
 its rows per sequence, but a sequence may be as long as the token cap (its prompt
 prefilled over steps, its tokens decoded a chunk per step, like any other), so no sample
@@ -68,11 +69,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-import jcp
 from jcp.sample.engine import Engine as SampleEngine
-from jcp.server import redact, wire
+from jcp.server import redact
 from jcp.server.model_ops import ModelOps
 from jcp.server.passes import Passes, error_result
+from jcp.server.samples import Samples
 from jcp.server.scheduler import Scheduler, Work
 from jcp.server.slots import SlotCache
 from jcp.server.state import StateStore
@@ -151,7 +152,7 @@ def sampling_engine_kw(trainer, sampler, config: WorkerConfig) -> dict:
     )
 
 
-class Worker(SlotCache, ModelOps, Passes):
+class Worker(SlotCache, ModelOps, Passes, Samples):
     """The worker over `trainer`: one thread, the scheduler's work in order (module
     docstring); adapter slots as a cache (SlotCache)."""
 
@@ -417,76 +418,6 @@ class Worker(SlotCache, ModelOps, Passes):
                     log.exception("worker: could not complete %s", w.request_id)
         self.busy_s[group[0].kind] += time.perf_counter() - t0
 
-    def _admit_sample(self, w: Work) -> None:
-        """Admit one asample into the running engine (or run it beside, if too long).
-
-        An OpenAI route's sample (jcp/server/openai_api.py) is the same Work: its payload
-        names its weights by a SamplerRecord built at the edge ("sampler") instead of a
-        sampling session, and asks for the SampleResult itself ("raw": completed as
-        ("result", SampleResult)). "watch" (jcp.server.text.StopWatch), from either
-        protocol: text stop sequences and a stream's feed, called after each decode call."""
-        try:
-            p = w.payload
-            rec = p.get("sampler") or self.store.sampler(p["sampling_session_id"], w.owner)
-            args: wire.SampleArgs = p["args"]
-            watch = p.get("watch")
-            adapter = self._sampler_adapter(rec)
-            sp, fields = _sample_call(args)
-            target = args.target_prompt_logprobs
-            if len(args.prompt) - 1 + args.max_tokens > self.sampling.seq_cap:
-                res = self.tr.sample(
-                    [args.prompt],
-                    sp,
-                    adapters=adapter,
-                    num_samples=args.num_samples,
-                    prompt_logprobs=args.prompt_logprobs,
-                    fields=fields,
-                )[0]
-                if watch is not None:
-                    res = _watched(res, watch)
-                self._complete(w.request_id, _encode_sample(res, target, p.get("raw")))
-                return
-            # Salted by tenant: no tenant can hit (or time) another's cached prompt pages.
-            # When it came, not when the worker got to it: a slow turn must not make an
-            # active tenant look gone.
-            self._sampled[w.owner] = max(self._sampled.get(w.owner, 0.0), w.arrived_at)
-            rid = self.sampling.submit(
-                args.prompt,
-                sp,
-                adapter,
-                args.num_samples,
-                args.prompt_logprobs,
-                callback=self._sample_done(w.request_id, target, p.get("raw")),
-                fields=fields,
-                salt=w.owner,
-                watch=watch,
-                tenant=w.owner,
-            )
-            self._running[w.request_id] = rid
-            if p.get("stream"):
-                self._streaming.add(w.request_id)
-        except Exception as e:  # noqa: BLE001
-            self._complete(w.request_id, error_result(e))
-
-    def _sample_done(self, request_id: str, target, raw) -> Callable:
-        """The engine's callback for one admitted request: its result, or its error."""
-
-        def done(rid, outcome):
-            self._running.pop(request_id, None)
-            self._streaming.discard(request_id)
-            if request_id in self._cancelled:
-                self._cancelled.discard(request_id)
-                self._complete(request_id, ("error", "cancelled by the client", "user"))
-                return
-            self._complete(
-                request_id,
-                error_result(outcome)
-                if isinstance(outcome, Exception)
-                else _encode_sample(outcome, target, raw),
-            )
-
-        return done
-
     def _cancel_running(self) -> None:
         """Cancel the engine requests whose clients cancelled them (cancel_future after
         admission): they end at this step boundary, their slots freed; others run on."""
@@ -503,58 +434,3 @@ class Worker(SlotCache, ModelOps, Passes):
             if rid is not None:
                 self._cancelled.add(request_id)
                 self.sampling.cancel(rid)
-
-
-def _sample_call(args: wire.SampleArgs) -> tuple[jcp.SamplingParams, jcp.PromptFields]:
-    """A sample request's SamplingParams and prompt fields, as jcp takes them."""
-    sp = jcp.SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        stop=args.stop,
-        seed=args.seed,
-    )
-    target = args.target_prompt_logprobs
-    fields = jcp.PromptFields(
-        topk_prompt_logprobs=args.topk_prompt_logprobs,
-        topk_sample_logprobs=args.topk_sample_logprobs,
-        prompt_logprobs_last_n=args.prompt_logprobs_last_n,
-        target_prompt_logprobs=None if target is None else target.ids,
-        prompt_alt_tokens_k=args.prompt_alt_tokens_k,
-    )
-    return sp, fields
-
-
-def _encode_sample(res, target=None, raw: bool = False) -> tuple:
-    if raw:  # an OpenAI route formats it (jcp/server/openai_api.py)
-        return ("result", res)
-    return ("proto", wire.encode_sample_response(res, target))
-
-
-def _watched(res, watch):
-    """A finished SampleResult under a StopWatch (a sample run beside the engine): each
-    sequence a text stop ended is cut after the token that completed it."""
-    seqs = []
-    for j, s in enumerate(res.sequences):
-        tk = s.topk_logprobs
-        keep = watch(
-            j,
-            s.tokens.tolist(),
-            s.logprobs.tolist(),
-            [] if tk is None else [(tk.token_ids, tk.logprobs)],
-        )
-        if keep is not None:
-            s = dataclasses.replace(
-                s,
-                tokens=s.tokens[:keep],
-                logprobs=s.logprobs[:keep],
-                stop_reason="stop",
-                topk_logprobs=None
-                if tk is None
-                else dataclasses.replace(
-                    tk, token_ids=tk.token_ids[:keep], logprobs=tk.logprobs[:keep]
-                ),
-            )
-        seqs.append(s)
-    return dataclasses.replace(res, sequences=seqs)
