@@ -4,7 +4,8 @@ and the same request served alone.
 Evidence:
 1. greedy tokens equal transformers' generate(do_sample=False) (its PeftModel for each of
    two adapters, the plain model for none) for requests that arrive at different steps,
-   mixing adapters and greedy with sampled rows, at meshes (1,1,1), (1,2,2), (2,2,1);
+   mixing adapters and greedy with sampled rows, at meshes (1,1,1) (the server tests) and
+   (2,2,2);
 2. every request — greedy or drawn with its own temperature / top-k / top-p / seed,
    stop set and max_tokens — equals Trainer.sample of that request alone (tokens exactly,
    log-probs fp32): batch mates and arrival step change nothing;
@@ -121,7 +122,8 @@ def _same(got, want, what):
         assert x.stop_reason == y.stop_reason, what
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 2, 2), (2, 2, 1)])  # (1,1,1): the server tests
+# Every axis at once: (1,2,2) and (2,2,1) here each compiled the engine (~8 CPU s apiece).
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 2)])  # (1,1,1): the server tests
 def test_greedy_matches_hf_for_requests_arriving_at_different_steps(mesh_shape, root):
     tr, (a, b), eng = _setup(mesh_shape, root)
     assert (tr.dp, tr.cp, tr.tp) == mesh_shape
