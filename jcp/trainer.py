@@ -84,7 +84,7 @@ class Trainer:
         self.dp, self.cp, self.tp = (mesh_lib.axis_size(mesh, a) for a in mesh_lib.AXES)
         cfg.check_mesh(self.tp)
         # Every step setting is checked by StepConfig (the one place); what needs the
-        # model's config is checked here.
+        # model's config by step_config.
         self.step_cfg = options_lib.step_config(cfg, mesh.devices.flat[0].platform, self.tp, opts)
         self.remat = self.step_cfg.remat
         options_lib.check_capacity(max_adapters, max_rank)
