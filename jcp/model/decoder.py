@@ -281,8 +281,9 @@ def hidden_states(
 @dataclasses.dataclass(frozen=True, eq=False)  # holds arrays: hashed by identity
 class _Layers:
     """What every layer of one hidden_states call shares (its arguments, the LayerInputs
-    with the rotary tables taken once, the MoE block), and the steps its paths share: `body`, one dense or
-    MoE layer as a scan step, and `finish`, the final norm and the routing records."""
+    with the rotary tables taken once, the MoE block), and the steps its paths share:
+    `body`, one dense or MoE layer as a scan step, and `finish`, the final norm and the
+    routing records."""
 
     cfg: QwenConfig
     params: Any

@@ -9,8 +9,9 @@ pages that hold its positions: position t is row t % page of page table[t // pag
 prompt, prefix-cache hits); the host (admission.py, pages.py) owns the tables, free list
 and the reference counts, so memory per sequence is its real length rounded up to a page.
 
-Attention: in extend (`paged_attend`) a row's C new tokens (a prompt chunk) see every
-cached position < the chunk's start through the row's table, and each other causally;
+Attention (paged_attention.py, re-exported here): in extend (`paged_attend`) a row's C
+new tokens (a prompt chunk) see every cached position < the chunk's start through the
+row's table, and each other causally;
 decode (`paged_decode_attend`, C = 1) gathers each row's pages and runs the static
 sampler's decode attention (kv_cache.decode_attend) on them — or, for attn_impl "pallas"
 (`pallas_decode_attend`), one Pallas kernel reads each row's pages in place
@@ -51,11 +52,16 @@ from jcp import delta_rule
 from jcp import lora as lora_lib
 from jcp import losses as losses_lib
 from jcp import model as model_lib
-from jcp.attention import paged as paged_kernel
 from jcp.config import QwenConfig
 from jcp.mesh import SPECS
 from jcp.sample import draws, kv_cache
-from jcp.sample.programs import DecodeRows, StepModel, decode_loop, decode_out_specs
+from jcp.sample.decode_loop import DecodeRows, StepModel, decode_loop, decode_out_specs
+from jcp.sample.paged_attention import (
+    layer_indices,
+    paged_attend,
+    paged_decode_attend,
+    pallas_decode_attend,
+)
 
 POOL_SPEC = SPECS.cache_LxBxTxKxH  # [L, P, page, K, H]: pages over (dp, cp), heads over tp
 ROWS_SPEC = SPECS.seqs_B  # [B]
@@ -154,117 +160,6 @@ def take_rows(rec: delta_rule.Recurrent, slot_B) -> delta_rule.Recurrent:
 def put_rows(rec: delta_rule.Recurrent, new: delta_rule.Recurrent, slot_B) -> delta_rule.Recurrent:
     """rec with rows slot_B ← new [Ll, B, …] (slots ≥ R dropped: padding rows)."""
     return jax.tree.map(lambda x, n: x.at[:, slot_B].set(n.astype(x.dtype), mode="drop"), rec, new)
-
-
-def paged_attend(table_BxM, start_B, valid_BxC):
-    """Attention of each row's C new tokens over its cached positions and each other.
-
-    table_BxM: device-local page of each table entry (−1 none); start_B: the position of
-    the row's first new token (cached positions are 0 … start − 1); valid_BxC: which new
-    tokens are real (padding neither sees nor is seen). Query c sees cached positions
-    < start and new tokens c' ≤ c. state: this layer's KV(k [P, page, K, H], v); q, k,
-    v: [B·C, ·, H] (row-major). Returns (out [B·C, Q, H], KV(k, v) of the new tokens).
-    """
-    b, m = table_BxM.shape
-    c = valid_BxC.shape[1]
-
-    def attend(q_NxQxH, k_NxKxH, v_NxKxH, state: kv_cache.KV):
-        q_heads, head_dim = q_NxQxH.shape[1:]
-        kv_heads = k_NxKxH.shape[1]
-        per_kv = q_heads // kv_heads
-        page = state.k.shape[1]
-        q = q_NxQxH.reshape(b, c, kv_heads, per_kv, head_dim)
-        k_new = k_NxKxH.reshape(b, c, kv_heads, head_dim)
-        v_new = v_NxKxH.reshape(b, c, kv_heads, head_dim)
-        take = jnp.maximum(table_BxM, 0)
-        k_old, v_old = (
-            jnp.take(x, take, axis=0).reshape(b, m * page, kv_heads, head_dim)
-            for x in (state.k, state.v)
-        )
-        t = jnp.arange(m * page)
-        seen_BxT = (t[None] < start_B[:, None]) & jnp.repeat(table_BxM >= 0, page, axis=1)
-        causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
-        seen_BxCxC = causal[None] & valid_BxC[:, None, :]
-        scale = 1.0 / np.sqrt(head_dim)
-        s_old = (
-            jnp.einsum("bckmh,btkh->bkmct", q, k_old, preferred_element_type=jnp.float32) * scale
-        )
-        s_new = (
-            jnp.einsum("bckmh,bdkh->bkmcd", q, k_new, preferred_element_type=jnp.float32) * scale
-        )
-        s = jnp.concatenate(
-            [
-                jnp.where(seen_BxT[:, None, None, None], s_old, -jnp.inf),
-                jnp.where(seen_BxCxC[:, None, None], s_new, -jnp.inf),
-            ],
-            -1,
-        )
-        top = jnp.max(s, -1, keepdims=True)
-        p = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0))
-        total = jnp.sum(p, -1)
-        vals = jnp.concatenate([v_old, v_new], 1).astype(jnp.float32)
-        out = jnp.einsum("bkmct,btkh->bckmh", p, vals)
-        out = out / jnp.where(total == 0, 1.0, total).transpose(0, 3, 1, 2)[..., None]
-        return (
-            out.reshape(b * c, q_heads, head_dim).astype(q_NxQxH.dtype),
-            kv_cache.KV(k_NxKxH, v_NxKxH),
-        )
-
-    return attend
-
-
-def paged_decode_attend(table_BxM, position_B, page: int):
-    """paged_attend for one new token per row (decode), as the static sampler's decode
-    step: each row's pages are gathered into its T = M·page cached positions (one copy,
-    in the layout the score and value dots read) and kv_cache.decode_attend runs on them —
-    the cached positions, then the row's own new key, by online softmax. paged_attend's
-    general form concatenates the gathered K/V with the new ones ([T + 1]): one more copy
-    of them per layer and step, and its exps run in a transposed layout (measured on the
-    tiny model, B 512, T 64: 1.29 vs 1.26 ms CPU per layer and step; the static sampler's
-    1.12 reads its rows without a gather). Positions without a page (−1) or at ≥ the
-    row's position are not seen."""
-    b, m = table_BxM.shape
-    t = jnp.arange(m * page)
-    have_BxT = jnp.repeat(table_BxM >= 0, page, axis=1)
-    inner = kv_cache.decode_attend(position_B, jnp.where(have_BxT, t[None], -1))
-    take = jnp.maximum(table_BxM, 0)
-
-    def attend(q_BxQxH, k_BxKxH, v_BxKxH, state: kv_cache.KV):
-        kv_heads, head_dim = state.k.shape[2:]
-        k_old, v_old = (
-            jnp.take(x, take, axis=0).reshape(b, m * page, kv_heads, head_dim)
-            for x in (state.k, state.v)
-        )
-        return inner(q_BxQxH, k_BxKxH, v_BxKxH, kv_cache.KV(k_old, v_old))
-
-    return attend
-
-
-def pallas_decode_attend(table_BxM, position_B, pool_k, pool_v):
-    """paged_decode_attend as one Pallas kernel (attention.paged.paged_decode) that reads
-    each row's pages where they lie: no gathered copy, the live K/V read once per layer
-    and step. Same values to fp32 rounding.
-
-    pool_k, pool_v: every layer's pages [L, P, page, K, H] (the loop's store), seen as
-    [L·P, page, K, H] (a view). The layer stack's state for this strategy is each layer's
-    index (KV(l, l): layer_indices), not its slice of the pool: a kernel's operand sliced
-    out of the stack would be a copy of the layer's whole pool on GPU."""
-    n_pages = pool_k.shape[1]
-    flat_k, flat_v = (x.reshape((-1,) + x.shape[2:]) for x in (pool_k, pool_v))
-
-    def attend(q_BxQxH, k_BxKxH, v_BxKxH, layer: kv_cache.KV):
-        pages_BxM = jnp.where(table_BxM >= 0, layer.k * n_pages + table_BxM, -1)
-        out = paged_kernel.paged_decode(
-            q_BxQxH, k_BxKxH, v_BxKxH, flat_k, flat_v, pages_BxM, position_B
-        )
-        return out, kv_cache.KV(k_BxKxH, v_BxKxH)
-
-    return attend
-
-
-def layer_indices(pool_k):
-    """int32 [L]: the per-layer state pallas_decode_attend's layer stack threads."""
-    return jnp.arange(pool_k.shape[0], dtype=jnp.int32)
 
 
 def write_pages(pool: Pool, new: kv_cache.KV, page_N, row_N) -> Pool:
@@ -452,8 +347,8 @@ def pack_rows(
     """Host DecodeRows, page table and state rows (slot_B: a hybrid model's recurrent-state
     row per row; None: none) as two arrays, so a decode call moves 2 host arrays to the
     devices instead of 14 (each transfer costs ~ms of host time on CPU): int32
-    [B, 10 + 2 + NS + 1 + M] (the int fields, done and want_topk as 0/1, keys' bits, stop table, state
-    row, page table) and float32 [B, 2] (temperature, top_p). unpack_rows inverts it
+    [B, 10 + 2 + NS + 1 + M] (the int fields, done and want_topk as 0/1, keys' bits, stop
+    table, state row, page table) and float32 [B, 2] (temperature, top_p). unpack_rows inverts it
     inside the program."""
     slot_B = np.zeros(len(rows.token), np.int32) if slot_B is None else slot_B
     ints = np.concatenate(
@@ -517,9 +412,9 @@ class PagedDecodeModes:
 
 
 def make_decode(cfg: QwenConfig, mesh, attn_impl: str = "blockwise"):
-    """jit(decode)(lora, params, slot_meta, pool, ints, floats, active, *, modes) -> (tokens [B, N] (−1: nothing drawn),
-    log-probs [B, N], both replicated[, top-k
-    ids [B, N, k], top-k log-probs [B, N, k] with modes.topk]; pool).
+    """jit(decode)(lora, params, slot_meta, pool, ints, floats, active, *, modes) ->
+    (tokens [B, N] (−1: nothing drawn), log-probs [B, N], both replicated[, top-k ids
+    [B, N, k], top-k log-probs [B, N, k] with modes.topk]; pool).
 
     programs.decode_loop (every row's newest token through the decoder, drawn with
     its own parameters, ended by its own stop set or max_tokens), reading each row's cache
@@ -554,7 +449,7 @@ def make_decode(cfg: QwenConfig, mesh, attn_impl: str = "blockwise"):
                 )
                 for w in widths
             ]
-            write = functools.partial(_write_pool_step, table, hybrid)
+            write = _PoolWrite(table, hybrid)
             store, outs = decode_loop(model, r, store, modes, SEQ_AXES, phases, write)
             if hybrid:  # padding rows' slots are out of range: dropped
                 store = store._replace(rec=put_rows(pool.rec, store.rec, slot))
@@ -598,14 +493,20 @@ class _PagedStep:
         return self.model.hidden(tok_B, pos_B, attend, kv_cache.KV(k, v), store.rec)
 
 
-def _write_pool_step(table_BxM, hybrid: bool, store: Pool, new, pos_B, done_B, count_B, live_B):
+@dataclasses.dataclass(frozen=True, eq=False)  # holds traced arrays: by identity
+class _PoolWrite:
     """make_decode's `write` (decode_loop): the step's K/V to page table[position // page]
     of each row not done, a hybrid's new recurrent states kept for the live rows."""
-    # As in programs.make_decode: skipping the rows of finished sequences makes the write
-    # depend on the draw, so XLA orders the reads before it (no copy).
-    if hybrid:
-        store = store._replace(rec=kv_cache.keep_recurrent(store.rec, new.linear, live_B))
-        new = new.full
-    n_pages, page = store.k.shape[1], store.k.shape[2]
-    page_B, row_B = token_pages(table_BxM, pos_B[:, None], ~done_B[:, None], n_pages, page)
-    return write_pages(store, new, page_B, row_B)
+
+    table_BxM: jax.Array
+    hybrid: bool
+
+    def __call__(self, store: Pool, new, pos_B, done_B, count_B, live_B):
+        # As in programs.make_decode: skipping the rows of finished sequences makes the
+        # write depend on the draw, so XLA orders the reads before it (no copy).
+        if self.hybrid:
+            store = store._replace(rec=kv_cache.keep_recurrent(store.rec, new.linear, live_B))
+            new = new.full
+        n_pages, page = store.k.shape[1], store.k.shape[2]
+        page_B, row_B = token_pages(self.table_BxM, pos_B[:, None], ~done_B[:, None], n_pages, page)
+        return write_pages(store, new, page_B, row_B)
