@@ -9,16 +9,21 @@ The package, by owner:
                  prefill sources, adapter indices
     kv_cache.py  the KV cache: its layouts, prefill's fill, decode's attention and writes
     programs.py  the compiled prefill and decode programs (dataclass arguments + specs)
+    decode_loop.py  the decode loop both decoders run: its rows, the model each step
+                 runs (StepModel), the loop in named steps
     runner.py    the device side both samplers hold: weights, programs, device arrays and
                  program calls (Runner), and one engine's paged cache (EngineDevice)
     sampler.py   the static sampler behind Trainer.sample / compute_logprobs
-    paged.py     the engine's paged KV cache: page-table attention and the extend (chunked
-                 prefill), decode and page-copy programs
+    paged.py     the engine's paged KV cache: the pool and the extend (chunked prefill),
+                 decode and page-copy programs
+    paged_attention.py  attention through page tables (extend, decode, in place)
     engine_config.py  EngineConfig (the engine's settings) and EngineSizes (its buckets)
     pages.py     the host page pool (free lists, reference counts, prefix cache) and
                  prefix keys (pure host)
-    admission.py the engine's requests on the host and its admission policy: place, fork,
-                 grow, release, decode length (pure host)
+    requests.py  the engine's request records, submit's options, a request's result
+                 (pure host)
+    admission.py the engine's admission policy over those records: place, fork, grow,
+                 release, what could never fit, decode length (pure host)
     warmup.py    every program of an engine's buckets compiled up front
     engine.py    the continuous-batching engine (requests join and leave between steps):
                  submit / step / result

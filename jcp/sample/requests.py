@@ -67,8 +67,11 @@ class SubmitOptions:
         """Engine.submit's options from options= or from its keywords (SubmitOptions' field
         names; an unknown name is a TypeError) — or, deprecated, positionally after
         prompt_logprobs in the field order (callback, fields, salt, watch, tenant)."""
+        names = [f.name for f in dataclasses.fields(SubmitOptions)]
+        unknown = sorted(set(keywords) - set(names))
+        if unknown:
+            raise TypeError(f"submit() got unexpected keyword arguments {unknown}")
         if positional:
-            names = [f.name for f in dataclasses.fields(SubmitOptions)]
             if len(positional) > len(names):
                 raise TypeError(f"submit() takes at most {5 + len(names)} positional arguments")
             warnings.warn(
