@@ -165,7 +165,8 @@ def test_moe_run_trains_experts(tmp_path):
     out = str(tmp_path / "moe")
     # Mesh (1,1,1): what this run adds is jcp-train's MoE model and expert adapters; the
     # MoE model's sharded training and sampling are test_moe_lora's (meshes (2,1,4),
-    # (1,2,2), (1,1,4)). At jcp-train's default (2,2,2) the run took 22 CPU s, here 17.
+    # (1,2,2); log-probs at (1,1,4)). At jcp-train's default (2,2,2) the run took 22 CPU s,
+    # here 17.
     _run("--out", out, "--steps", "3", "--moe", "--mesh", "1,1,1", *SMALL)
     rows = _rows(out)
     assert sorted({(r["step"], r["adapter"]) for r in rows}) == sorted(

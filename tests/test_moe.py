@@ -125,10 +125,10 @@ def test_fused_and_per_expert_checkpoints_load_alike(tmp):
 # Parity with transformers
 
 
+# cp = 2 with and without tp: (2,2,2) and the unnormalised router's (1,2,2); (1,2,1) and
+# (1,2,2) with the normalised one (~1.8 CPU s each) added no axis.
 PARITY = [
     ((1, 1, 1), True),
-    ((1, 2, 1), True),
-    ((1, 2, 2), True),
     ((1, 1, 4), True),
     ((2, 2, 2), True),
     ((1, 1, 1), False),
