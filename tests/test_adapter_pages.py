@@ -125,7 +125,7 @@ def _train(tr, ids, data):
 def test_fragmented_pages_train_like_contiguous_rows(tmp_path, folder16):
     folders = H.adapter_folders(str(tmp_path))
     data = H.random_data(H.LENGTHS, seed=3)
-    mesh = jcp.make_mesh(1, 1, 1)  # tp-sharded pages: test_lora_grouped's 24 adapters at (1,2,2)
+    mesh = jcp.make_mesh(1, 1, 1)  # tp-sharded pages: test_lora_grouped's 12 adapters at (1,2,2)
     kw = dict(max_rank=16, attn_block=16, logprob_chunk=16)
     plain = jcp.Trainer(H.CFG, mesh, max_adapters=4, **kw)
     page = adapter_state.page_bytes(H.CFG, mesh, 8)

@@ -1,8 +1,10 @@
-"""benchmarks/gpu.py --smoke: every part of the prepared accelerator run works (CPU, tiny
-shapes, in this process) and lands in its one table; the numbers it reports are checked
-for what CPU can show (kernel agreement, the f32-copy detector, sizes that grow)."""
+"""benchmarks/gpu.py --smoke: every part of the prepared accelerator run (but the Pallas
+MFU step: SMOKE_PARTS) works (CPU, tiny shapes, in this process) and lands in its one
+table; the numbers it reports are checked for what CPU can show (kernel agreement, the
+f32-copy detector, sizes that grow)."""
 
 import os
+import re
 import sys
 
 import pytest
@@ -14,11 +16,18 @@ sys.path.insert(
 import gpu  # noqa: E402
 import multi_lora  # noqa: E402
 
+# Every part but mfu_pallas (~11 of the smoke's 30 CPU s: the 1,024-token step with the
+# kernels interpreted): its Trainer with attn_impl="pallas" is
+# test_pallas_attention.py::test_trainer_pallas_matches_blockwise's, and mfu.py's step and
+# row are mfu_blockwise's.
+SMOKE_PARTS = tuple(p for p in gpu.PARTS if p != "mfu_pallas")
+
 
 def test_gpu_script_smoke(capsys):
-    res = gpu.main(["--smoke"])
+    res = gpu.main(["--smoke", "--parts", ",".join(SMOKE_PARTS)])
     out = capsys.readouterr().out
-    assert set(res) == set(gpu.PARTS)
+    assert set(res) == set(SMOKE_PARTS) and "mfu_pallas" in gpu.PARTS
+    assert re.search(r"pallas +not run", out)  # a part left out is named in its table
     for name, rows in res.items():
         assert isinstance(rows, list) and rows, (name, rows)
     kernels = {r["dtype"]: r for r in res["kernels"]}
@@ -31,9 +40,8 @@ def test_gpu_script_smoke(capsys):
     # XLA:CPU computes bf16 dots in f32; model.scan_layers keeps it from converting whole
     # weight stacks (the detector's positive case: test_gpu_f32_copy_detector).
     assert short["f32_copies_of_stacked_weights"] == []
-    for impl in ("pallas", "blockwise"):
-        (row,) = res[f"mfu_{impl}"]
-        assert row["attn_impl"] == impl and row["tokens_per_s"] > 0 and row["mfu"] > 0
+    (row,) = res["mfu_blockwise"]
+    assert row["attn_impl"] == "blockwise" and row["tokens_per_s"] > 0 and row["mfu"] > 0
     assert [r["batch"] for r in res["decode"]] == [1, 4]
     assert all(r["tokens"] == r["batch"] * r["new_tokens"] for r in res["decode"])
     # The roofline's bytes per step: the weights, and live K/V that grows with the batch
