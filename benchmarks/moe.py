@@ -185,8 +185,7 @@ def side_memory(args) -> None:
             meta,
             batch,
             loss_cfg,
-            loss_fns=pb.loss_fns,
-            num_slots=pb.num_slots,
+            static=train_step.BatchStatics(pb.loss_fns, pb.num_slots),
         ).compile()
         mem = compiled.memory_analysis()
         # Expert arrays among the arguments: the base experts, and the expert factors of
