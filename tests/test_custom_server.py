@@ -105,7 +105,9 @@ def grads(env, tc) -> dict:
 
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_server_side_equals_the_sdks_client_side_path(env, name):
-    if name == "odd_ops" or (env["tr"].dp * env["tr"].cp > 1 and name == "clipped_kl"):
+    # Each loss on one mesh: clipped_kl at (1,1,1) (test_custom_loss has it on others), the
+    # rest at (2,2,2), every axis (at (1,1,1) too they took ~7 CPU s more).
+    if name == "odd_ops" or ((env["tr"].dp * env["tr"].cp > 1) == (name == "clipped_kl")):
         pytest.skip("covered on the other meshes / by test_custom_loss (keeps CI short)")
     sc = env["sc"]
     fn, ranks = ZOO[name]

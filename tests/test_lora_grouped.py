@@ -1,8 +1,9 @@
 """The grouped multi-LoRA products (lora.Tiles, low_rank_input, expand, delta): each row is
 multiplied by its own adapter's factors only.
 
-The plan is checked row by row against the routing it comes from (no mesh, no jit); the
-products against the masked dense product over all A adapters that they replaced (every
+The plan is checked row by row against the routing it comes from (no mesh; each routing
+and product one jitted program: op by op they compiled some hundred small programs a case,
+~14 CPU s over the module); the products against the masked dense product over all A adapters that they replaced (every
 row times the stacked [I, A·R], masked), values and gradients in fp32; a plan that sends a
 boundary row to its neighbour's factors is shown to fail the row-by-row reference.
 """
@@ -23,6 +24,22 @@ I, O, R = 12, 10, 4
 META = lora_lib.SlotMeta(
     scale_G=jnp.asarray([0.5, 1.0, 2.0, 3.0, 0.25, 4.0, 1.5, 0.75, 6.0]), shared_G=jnp.zeros(9)
 )
+
+
+def routing(active, spans=None, index=None, **kw):
+    """META.routing(active, spans, index, **kw) as one program."""
+    return jax.jit(lambda a, s, i: META.routing(a, s, i, **kw))(active, spans, index)
+
+
+def plan(active, spans, s_len, tile):
+    """The grouped routing of spans with tiles of `tile` rows (lora.plan_spans)."""
+
+    def f(active, spans):
+        route = META.routing(active, spans, s_len=s_len, grouped=True)
+        tiles = lora_lib.plan_spans(spans, active >= 0, route.scale_A, s_len, tile)
+        return dataclasses.replace(route, tiles=tiles)
+
+    return jax.jit(f)(active, spans)
 
 
 def spans_layout(s_len, lengths, base=(), seed=0):
@@ -89,11 +106,10 @@ LAYOUTS = {  # s_len, segment lengths, base-model entries, tile (None: tile_rows
 def test_plan_keeps_every_row_once_by_its_own_adapter(name):
     s_len, lengths, base, tile = LAYOUTS[name]
     active, spans = spans_layout(s_len, lengths, base)
-    route = META.routing(active, spans, s_len=s_len, grouped=True)
-    if tile is not None:
-        route = dataclasses.replace(
-            route, tiles=lora_lib.plan_spans(spans, active >= 0, route.scale_A, s_len, tile)
-        )
+    if tile is None:
+        route = routing(active, spans, s_len=s_len, grouped=True)
+    else:
+        route = plan(active, spans, s_len, tile)
     check_plan(route, s_len)
 
 
@@ -103,7 +119,7 @@ def test_plan_of_rows_in_any_order(seed):
     s_len, n_a = (24, 5) if seed % 2 else (64, 3)
     active = jnp.asarray(np.r_[rng.permutation(8)[: n_a - 1], -1], jnp.int32)
     index = jnp.asarray(rng.integers(0, n_a, s_len), jnp.int32)
-    check_plan(META.routing(active, None, index, grouped=True), s_len)
+    check_plan(routing(active, None, index, grouped=True), s_len)
 
 
 def test_routing_groups_more_than_dense_max_adapters():
@@ -152,16 +168,16 @@ def test_grouped_equals_masked_dense(n_a, by, grouped, chunk=None):
     active, spans = ROUTES[n_a]()
     s_len = 64 if n_a < 8 else 128
     if by == "spans":
-        route = META.routing(active, spans, s_len=s_len, grouped=grouped)
+        route = routing(active, spans, s_len=s_len, grouped=grouped)
     else:  # the same rows' adapters, shuffled, routed one by one (a decode batch)
-        own = row_adapter(META.routing(active, spans, s_len=s_len), s_len)
+        own = row_adapter(routing(active, spans, s_len=s_len), s_len)
         own = np.where(
             own < 0,
             int(np.argmax(np.asarray(active) < 0)) if (np.asarray(active) < 0).any() else 0,
             own,
         )
         index = jnp.asarray(np.random.default_rng(n_a).permutation(own), jnp.int32)
-        route = META.routing(active, None, index, grouped=grouped)
+        route = routing(active, None, index, grouped=grouped)
     t = route.tiles
     assert (t is not None) == grouped
     if grouped and n_a > 1:  # tiles of several rows, and adapters starting inside them
@@ -174,7 +190,9 @@ def test_grouped_equals_masked_dense(n_a, by, grouped, chunk=None):
     a, b = factors(n_a)
 
     def loss(fn):
-        return jax.value_and_grad(lambda *z: jnp.vdot(fn(*z, route), ct), argnums=(0, 1, 2))
+        return jax.jit(
+            jax.value_and_grad(lambda *z: jnp.vdot(fn(*z, route), ct), argnums=(0, 1, 2))
+        )
 
     got, want = loss(lora_lib.delta)(x, a, b), loss(dense_delta)(x, a, b)
     assert float(jnp.abs(want[1][1]).max()) > 0  # some adapter really has rows
@@ -217,10 +235,7 @@ def test_a_row_in_its_neighbours_tile_fails_the_reference():
     swapped for the one leading that tile (the neighbour) does not."""
     s_len, tile = 32, 8
     active, spans = spans_layout(s_len, [5, 6, 13, 3], ())
-    route = META.routing(active, spans, s_len=s_len, grouped=True)
-    route = dataclasses.replace(
-        route, tiles=lora_lib.plan_spans(spans, active >= 0, route.scale_A, s_len, tile)
-    )
+    route = plan(active, spans, s_len, tile)
     a, b = factors(4, seed=3)
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((s_len, I)), jnp.float32)

@@ -48,6 +48,14 @@ def test_two_processes_match_one(tmp_path):
         )
         for i in range(2)
     ]
+    # The one-process run meanwhile (the children mostly start and compile: ~10 s of wall
+    # not spent waiting).
+    try:
+        single = mp_case.run(str(tmp_path / "single_ckpt"))
+    except BaseException:
+        for q in procs:
+            q.kill()
+        raise
     logs = []
     for p in procs:
         try:
@@ -59,7 +67,6 @@ def test_two_processes_match_one(tmp_path):
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
 
-    single = mp_case.run(str(tmp_path / "single_ckpt"))
     multi = [dict(np.load(tmp_path / f"result_{i}.npz")) for i in range(2)]
     # Two processes sum the gradient on each host (host_sum.HostSummedStep), one process
     # in its all-reduce.
