@@ -118,10 +118,12 @@ def test_what_exists_before_serving_is_frozen_out_of_the_cyclic_gc():
     included): Worker.start freezes what exists before serving, stop unfreezes it."""
     import gc
 
+    from jcp.server.collector import Freezer
     from jcp.server.worker import Worker
 
     started = []
     w = SimpleNamespace(
+        _collector=Freezer(),
         _thread=SimpleNamespace(start=lambda: started.append(1), join=lambda timeout: None),
         sched=Scheduler(),
         failure=lambda: None,

@@ -62,7 +62,6 @@ decided on process 0 alone.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import threading
 import time
@@ -71,6 +70,7 @@ from collections.abc import Callable
 
 from jcp.sample.engine import Engine as SampleEngine
 from jcp.server import redact
+from jcp.server.collector import Freezer
 from jcp.server.model_ops import ModelOps
 from jcp.server.passes import Passes, error_result
 from jcp.server.samples import Samples
@@ -223,16 +223,14 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
             "end_session": self._end_session,
             "refused": self._refused,
         }
+        self._collector = Freezer()
         self._thread = threading.Thread(target=self._loop, name="jcp-serve-worker", daemon=True)
 
     def start(self) -> None:
-        # What exists before serving (the model, modules, programs compiled so far: the
-        # warm-up's) lives as long as the process: frozen out of the cyclic GC, so that a
-        # full collection, which stops every thread, scans only what serving made
-        # (traced beside a noisy neighbour: full collections of 0.2-0.76 s stalled every
-        # tenant). `stop` unfreezes it, so a process that serves again collects it.
-        gc.collect()
-        gc.freeze()
+        # What exists before serving (the model, modules, the warm-up's programs), and what
+        # a later compile makes, lives as long as the process: frozen out of the cyclic GC
+        # (collector.py). `stop` unfreezes it, so a process that serves again collects it.
+        self._collector.start()
         self._thread.start()
 
     def alive(self) -> bool:
@@ -246,7 +244,7 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
         self.sched.close()
         # A failed job's worker may be blocked in a collective that never completes.
         self._thread.join(timeout=60 if self.failure() is None else 1)
-        gc.unfreeze()
+        self._collector.stop()
         if self.leader is not None:
             self.leader.stop()
 
@@ -318,6 +316,7 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
                 self._reap()
             except Exception as e:  # noqa: BLE001 — never let cleanup stop the worker
                 log.error("unloading ended sessions failed: %s", e)
+            self._collector.after_turn()
 
     def _light_after_pass(self) -> None:
         """Samples that came while the pass ran, with the engine running: admitted now, and
