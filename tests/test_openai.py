@@ -663,7 +663,8 @@ def test_lm_eval_local_completions_loglikelihood(env, folder, tmp_path):
     out = evaluator.simple_evaluate(
         model="local-completions",
         tasks=["jcp_mc"],
-        task_manager=TaskManager(include_path=str(tmp_path)),
+        # This folder's task only: indexing lm-eval's own tasks took ~6 CPU s a call.
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
         model_args=dict(
             model=MODEL,
             base_url=f"{env['srv'].url}/v1/completions",
@@ -714,7 +715,7 @@ def test_lm_eval_local_chat_completions_generate_until(env, tmp_path):
     out = evaluator.simple_evaluate(
         model="local-chat-completions",
         tasks=["jcp_gen"],
-        task_manager=TaskManager(include_path=str(tmp_path)),
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
         model_args=dict(
             model=MODEL,
             base_url=f"{env['srv'].url}/v1/chat/completions",
