@@ -1,8 +1,8 @@
 """Many tenants on one jcp-serve: what a fused pass over N tenants' models costs against
 one model doing the same work.
 
-One jcp-serve (a child process: tiny model, one CPU device, the default --max-adapters and
---adapter-memory, --no-warmup) and an asyncio driver (httpx, raw Tinker routes; one SDK
+One jcp-serve (a child process: tiny model, one CPU device, the default --max-adapters,
+--adapter-memory and warm-up) and an asyncio driver (httpx, raw Tinker routes; one SDK
 client per tenant would cost more than the server): N tenants, each its own API key,
 session and rank-8 model, each send one forward_backward of one datum of --length tokens,
 all at once, so the server fuses them (jcp/server/scheduler.py: passes of as many models
@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 import tinker_http
-from tinker_http import PROTO, Tenant, fb_body
+from tinker_http import PROTO, Tenant, cpu_s, fb_body
 
 
 def parse_args(argv):
@@ -44,8 +44,14 @@ def parse_args(argv):
         "--warm",
         type=int,
         default=2,
-        help="untimed rounds first: a fused pass's grouping of tenants varies with arrival, "
-        "and each new (rows, adapters) shape compiles once (--no-warmup)",
+        help="untimed rounds first (with --no-warmup they compile: a fused pass's grouping "
+        "of tenants varies with arrival, and each new (rows, adapters) shape compiles once)",
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="start jcp-serve with --no-warmup: the rounds compile each pass shape they meet "
+        "(on this machine ~8 programs of 7-25 s for 256 tenants, through the third round)",
     )
     p.add_argument("--concurrency", type=int, default=64, help="HTTP requests in flight")
     p.add_argument(
@@ -58,7 +64,7 @@ def parse_args(argv):
     p.add_argument("--smoke", action="store_true", help="8 tenants of 16 tokens, one round")
     a = p.parse_args(argv)
     if a.smoke:
-        a.tenants, a.length, a.rounds, a.warm = 8, 16, 1, 1
+        a.tenants, a.length, a.rounds, a.warm, a.no_warmup = 8, 16, 1, 1, True
     return a
 
 
@@ -89,9 +95,10 @@ async def new_model(t: Tenant, seed: int) -> dict:
     return {"model": out["model_id"], "seq": 0}
 
 
-async def train_round(tenants, models, bodies, limit: int) -> tuple[float, float]:
+async def train_round(tenants, models, bodies, limit: int, server: int) -> tuple[float, ...]:
     """One forward_backward per (tenant, model, body) at once, then one optim_step each ->
-    (seconds to the last forward_backward's result, then to the last optim_step's)."""
+    (seconds to the last forward_backward's result, then to the last optim_step's, and the
+    CPU seconds the server process and this driver used over the forward_backwards)."""
 
     async def fb(i):
         st = models[i]
@@ -115,14 +122,14 @@ async def train_round(tenants, models, bodies, limit: int) -> tuple[float, float
         if "refused" in out or "error" in out:
             raise RuntimeError(f"optim_step failed: {str(out)[:300]}")
 
-    t0 = time.perf_counter()
+    t0, c0, d0 = time.perf_counter(), cpu_s(server), time.process_time()
     await gather(len(models), fb, limit)
-    t1 = time.perf_counter()
+    t1, c1, d1 = time.perf_counter(), cpu_s(server), time.process_time()
     await gather(len(models), step, limit)
-    return t1 - t0, time.perf_counter() - t1
+    return t1 - t0, time.perf_counter() - t1, c1 - c0, d1 - d0
 
 
-async def drive(a, url: str, keys: list[str]) -> dict:
+async def drive(a, url: str, keys: list[str], server: int) -> dict:
     import httpx
 
     vocab = 512  # jcp.QwenConfig.tiny()
@@ -138,11 +145,13 @@ async def drive(a, url: str, keys: list[str]) -> dict:
         one = [lambda m, s: fb_body(m, s, n, a.length, vocab, 0, False)]
         fused, alone = [], []
         for r in range(a.warm + a.rounds):
-            f = await train_round(tenants[:n], models[:n], many, a.concurrency)
-            s = await train_round(tenants[n:], models[n:], one, a.concurrency)
+            f = await train_round(tenants[:n], models[:n], many, a.concurrency, server)
+            s = await train_round(tenants[n:], models[n:], one, a.concurrency, server)
             print(
                 f"round {r}: {n} tenants {f[0]:.2f} + {f[1]:.2f} s (forward_backward + "
-                f"optim_step), one model {s[0]:.2f} + {s[1]:.2f} s",
+                f"optim_step; CPU s server {f[2]:.2f}, driver {f[3]:.2f}), one model "
+                f"{s[0]:.2f} + {s[1]:.2f} s (server {s[2]:.2f}, driver {s[3]:.2f}); "
+                f"load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
             if r >= a.warm:
@@ -151,22 +160,29 @@ async def drive(a, url: str, keys: list[str]) -> dict:
 
         # Tenant n + 1 creates its model while the n tenants' round runs.
         late = Tenant(client, keys[n + 1])
-        round_task = asyncio.create_task(train_round(tenants[:n], models[:n], many, a.concurrency))
+        round_task = asyncio.create_task(
+            train_round(tenants[:n], models[:n], many, a.concurrency, server)
+        )
         await asyncio.sleep(0.05)
         c0 = time.perf_counter()
         await new_model(late, n + 1)
         late_create_s = time.perf_counter() - c0
         during = await round_task
+    best_f, best_s = min(fused), min(alone)
     return {
         "tenants": n,
         "length": a.length,
         "create_all_s": create_s,
-        "fused_s": min(f for f, _ in fused),
-        "one_model_s": min(s for s, _ in alone),
-        "ratio": min(f for f, _ in fused) / min(s for s, _ in alone),
-        "optim_steps_s": min(o for _, o in fused),
+        "fused_s": best_f[0],
+        "one_model_s": best_s[0],
+        "ratio": best_f[0] / best_s[0],
+        # The server's own cost: on one host the driver's HTTP work takes cores from it.
+        "server_cpu_ratio": best_f[2] / best_s[2],
+        "server_cpu_s": (best_f[2], best_s[2]),
+        "driver_cpu_s": (best_f[3], best_s[3]),
+        "optim_steps_s": min(f[1] for f in fused),
         "round_with_create_s": during[0],
-        "round_s": [f for f, _ in fused],
+        "round_s": [f[0] for f in fused],
         "late_create_s": late_create_s,
     }
 
@@ -235,11 +251,13 @@ def main(argv=None) -> dict:
     keys = [f"tml-{i:05d}" for i in range(a.tenants + 2)]
     folder = tempfile.mkdtemp(prefix="jcp-many-tenants-")
     # The driver sends no heartbeats: sessions must outlive the run.
-    flags = ["--no-warmup", "--session-timeout", "86400", "--max-datums", str(max(a.tenants, 64))]
+    flags = ["--session-timeout", "86400", "--max-datums", str(max(a.tenants, 64))]
     flags += ["--max-body-bytes", str(max(64 << 20, 16 * a.tenants * a.length))]
-    proc, url = tinker_http.start_server(folder, {k: k[4:] for k in keys}, flags)
+    flags += ["--no-warmup"] if a.no_warmup else []
+    # The default warm-up compiles every pass length's program (~150 programs: minutes on 2 cores).
+    proc, url = tinker_http.start_server(folder, {k: k[4:] for k in keys}, flags, wait_s=1800)
     try:
-        res = asyncio.run(drive(a, url, keys))
+        res = asyncio.run(drive(a, url, keys, proc.pid))
     finally:
         tinker_http.stop_server(proc)
         with open(os.path.join(folder, "server.log")) as f:
@@ -248,8 +266,11 @@ def main(argv=None) -> dict:
     print(
         f"{res['tenants']} tenants x 1 datum of {res['length']} tokens, fused "
         f"forward_backward: {res['fused_s']:.2f} s; one model, the same datums: "
-        f"{res['one_model_s']:.2f} s; ratio {res['ratio']:.2f} (goal <= 1.3); then "
-        f"{res['tenants']} optim_steps {res['optim_steps_s']:.2f} s"
+        f"{res['one_model_s']:.2f} s; ratio {res['ratio']:.2f} (goal <= 1.3); the server's "
+        f"CPU s {res['server_cpu_s'][0]:.2f} vs {res['server_cpu_s'][1]:.2f}: "
+        f"{res['server_cpu_ratio']:.2f}, the driver's {res['driver_cpu_s'][0]:.2f} vs "
+        f"{res['driver_cpu_s'][1]:.2f}; then {res['tenants']} optim_steps "
+        f"{res['optim_steps_s']:.2f} s"
     )
     print(
         f"created {res['tenants'] + 1} models in {res['create_all_s']:.1f} s; a round with "

@@ -47,7 +47,7 @@ import time
 
 import numpy as np
 import tinker_http
-from tinker_http import PROTO, Tenant, fb_body, stop_server
+from tinker_http import PROTO, Tenant, cpu_s, fb_body, stop_server
 
 KEYS = {"tml-victim": "bob", "tml-hostile": "alice"}
 
@@ -409,13 +409,6 @@ def compiles_since(a, at: int) -> tuple[int, float]:
             for m in re.findall(r"Finished XLA compilation of .* in ([0-9.]+) sec", f.read())
         ]
     return len(secs), sum(secs)
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process `pid` has used so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Usage:

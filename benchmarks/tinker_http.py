@@ -16,9 +16,12 @@ import numpy as np
 PROTO = "application/x-protobuf"
 
 
-def start_server(folder: str, keys: dict, flags: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(
+    folder: str, keys: dict, flags: list[str], wait_s: float = 600
+) -> tuple[subprocess.Popen, str]:
     """jcp-serve (tiny model, mesh 1,1,1, any free port, `keys`: API key -> tenant) in a
-    child process with `flags` -> (process, base URL) once /healthz answers."""
+    child process with `flags` -> (process, base URL) once /healthz answers (at most
+    wait_s seconds)."""
     path = os.path.join(folder, "keys")
     with open(path, "w") as f:
         f.write("".join(f"{k} {v}\n" for k, v in keys.items()))
@@ -31,7 +34,7 @@ def start_server(folder: str, keys: dict, flags: list[str]) -> tuple[subprocess.
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         log.seek(0)
         m = re.search(r"jcp-serve: (http://\S+)", log.read())
@@ -48,7 +51,7 @@ def start_server(folder: str, keys: dict, flags: list[str]) -> tuple[subprocess.
             raise RuntimeError(f"jcp-serve exited {proc.returncode}:\n{log.read()[-3000:]}")
         time.sleep(0.5)
     stop_server(proc)
-    raise RuntimeError("jcp-serve did not start in 600 s")
+    raise RuntimeError(f"jcp-serve did not start in {wait_s:.0f} s")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -59,6 +62,13 @@ def stop_server(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Tenant:
