@@ -74,7 +74,10 @@ def test_chunked_pieces_start_from_their_own_states():
     piece = (np.cumsum(start) - 1).astype(np.int32)
     inits = np.random.default_rng(2).standard_normal((4, H, DK, DV)).astype(np.float32)
     ends = np.array(cuts[1:]) - 1
-    o, states = dr.chunked(q, k, d["v"], d["g"], d["b"], start, piece, inits, chunk=8, ends_P=ends)
+    # one program (op by op: ~170 small compiles, ~2 CPU s more)
+    o, states = jax.jit(lambda *x: dr.chunked(*x, start, piece, inits, chunk=8, ends_P=ends))(
+        q, k, d["v"], d["g"], d["b"]
+    )
     whole, _ = dr.recurrent(q, k, d["v"], d["g"], d["b"])
     assert np.abs(np.asarray(o) - np.asarray(whole)).max() > 0.1  # the pieces really reset
     for p, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
@@ -123,7 +126,8 @@ def test_pallas_block_factors_equal_the_reference_in_interpret_mode():
         o, s = run(factors, *x)
         return jnp.sum(o**2) + jnp.sum(s**2)
 
-    want = jax.grad(functools.partial(loss, None), argnums=range(5))(*args)
+    # one program each (the XLA path's op by op: ~200 small compiles)
+    want = jax.jit(jax.grad(functools.partial(loss, None), argnums=range(5)))(*args)
     got = jax.jit(jax.grad(functools.partial(loss, dp.block_factors), argnums=range(5)))(*args)
     assert max(float(jnp.abs(w).max()) for w in want) > 1e-2
     for w, g in zip(want, got):
@@ -166,7 +170,7 @@ def test_chunked_gradients_equal_torch_fp64():
             )
             return jnp.sum(o * cot) + jnp.sum(s)
 
-        got = jax.grad(loss)({n: jnp.asarray(d[n]) for n in names})
+        got = jax.jit(jax.grad(loss))({n: jnp.asarray(d[n]) for n in names})
         assert got["q"].dtype == jnp.float64
     # torch computes in fp32 inside the kernel (it casts); compare at fp32 tolerances.
     want = torch_grads()
