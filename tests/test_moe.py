@@ -168,12 +168,13 @@ def test_grouped_matmul_matches_ragged_dot_with_empty_groups():
     sizes = jnp.asarray([0, 70, 0, 3, 0], jnp.int32)  # 73 rows in groups, 27 in none
     x = jnp.asarray(rng.standard_normal((100, 16)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((5, 16, 8)), jnp.float32)
-    got = moe_lib.grouped_matmul(x, w, sizes)
+    got = jax.jit(moe_lib.grouped_matmul)(x, w, sizes)  # one program (op by op: ~70)
     want = jax.lax.ragged_dot(x, w, sizes)
     assert jax.default_backend() == "cpu"  # so the tiled path, not ragged_dot, ran
     assert float(jnp.max(jnp.abs(want[73:]))) == 0.0
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    gg = jax.grad(lambda x, w: jnp.sum(jnp.sin(moe_lib.grouped_matmul(x, w, sizes))), (0, 1))(x, w)
+    f = lambda x, w: jnp.sum(jnp.sin(moe_lib.grouped_matmul(x, w, sizes)))  # noqa: E731
+    gg = jax.jit(jax.grad(f, (0, 1)))(x, w)
     gw = jax.grad(lambda x, w: jnp.sum(jnp.sin(jax.lax.ragged_dot(x, w, sizes))), (0, 1))(x, w)
     for a, b in zip(gg, gw):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
@@ -192,9 +193,12 @@ def test_expert_without_tokens_gives_no_nan_and_zero_gradient():
     gate, up = (jnp.asarray(rng.standard_normal((4, d, f)), jnp.float32) for _ in range(2))
     down = jnp.asarray(rng.standard_normal((4, f, d)), jnp.float32)
 
+    # Each function and gradient one program (op by op: ~200 small compiles, ~2 CPU s more).
+    @jax.jit
     def run(x, gate, up, down):
         return moe_lib.experts(x, wts, jnp.asarray(experts, jnp.int32), gate, up, down, 4)
 
+    @jax.jit
     def reference(x, gate, up, down):
         y = jnp.zeros_like(x)
         for k in range(2):
@@ -208,8 +212,8 @@ def test_expert_without_tokens_gives_no_nan_and_zero_gradient():
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_allclose(out, reference(x, gate, up, down), atol=1e-4, rtol=1e-5)
     loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
-    g = jax.grad(loss(run), (0, 1, 2, 3))(x, gate, up, down)
-    r = jax.grad(loss(reference), (0, 1, 2, 3))(x, gate, up, down)
+    g = jax.jit(jax.grad(loss(run), (0, 1, 2, 3)))(x, gate, up, down)
+    r = jax.jit(jax.grad(loss(reference), (0, 1, 2, 3)))(x, gate, up, down)
     assert all(np.isfinite(np.asarray(a)).all() for a in g)
     # Local expert 1 (global 5) got no row: its weights get exactly zero gradient.
     assert all(float(jnp.max(jnp.abs(a[1]))) == 0.0 for a in g[1:])
@@ -219,9 +223,9 @@ def test_expert_without_tokens_gives_no_nan_and_zero_gradient():
     # Every token routed to experts of other ranks (0..3): zeros here, no NaN, no gradient.
     elsewhere = jnp.asarray(experts % 4, jnp.int32)
     assert int(jnp.max(elsewhere)) < 4
-    far = lambda x, gate, up, down: moe_lib.experts(x, wts, elsewhere, gate, up, down, 4)
+    far = jax.jit(lambda x, gate, up, down: moe_lib.experts(x, wts, elsewhere, gate, up, down, 4))
     assert float(jnp.max(jnp.abs(far(x, gate, up, down)))) == 0.0
-    g = jax.grad(loss(lambda *a: far(*a) + a[0]), (0, 1, 2, 3))(x, gate, up, down)
+    g = jax.jit(jax.grad(loss(lambda *a: far(*a) + a[0]), (0, 1, 2, 3)))(x, gate, up, down)
     np.testing.assert_array_equal(g[0], 2 * x)
     assert all(float(jnp.max(jnp.abs(a))) == 0.0 for a in g[1:])
 
