@@ -196,7 +196,9 @@ def test_expert_without_tokens_gives_no_nan_and_zero_gradient():
     # Each function and gradient one program (op by op: ~200 small compiles, ~2 CPU s more).
     @jax.jit
     def run(x, gate, up, down):
-        return moe_lib.experts(x, wts, jnp.asarray(experts, jnp.int32), gate, up, down, 4)
+        return moe_lib.experts(
+            x, wts, jnp.asarray(experts, jnp.int32), moe_lib.ExpertWeights(gate, up, down), 4
+        )
 
     @jax.jit
     def reference(x, gate, up, down):
@@ -223,7 +225,11 @@ def test_expert_without_tokens_gives_no_nan_and_zero_gradient():
     # Every token routed to experts of other ranks (0..3): zeros here, no NaN, no gradient.
     elsewhere = jnp.asarray(experts % 4, jnp.int32)
     assert int(jnp.max(elsewhere)) < 4
-    far = jax.jit(lambda x, gate, up, down: moe_lib.experts(x, wts, elsewhere, gate, up, down, 4))
+    far = jax.jit(
+        lambda x, gate, up, down: moe_lib.experts(
+            x, wts, elsewhere, moe_lib.ExpertWeights(gate, up, down), 4
+        )
+    )
     assert float(jnp.max(jnp.abs(far(x, gate, up, down)))) == 0.0
     g = jax.jit(jax.grad(loss(lambda *a: far(*a) + a[0]), (0, 1, 2, 3)))(x, gate, up, down)
     np.testing.assert_array_equal(g[0], 2 * x)

@@ -13,6 +13,7 @@ Fe an expert's width); here E is this rank's experts (E/tp of them).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -215,19 +216,26 @@ def _tied_up(lora, route) -> dict:
     return {**up, "a": jnp.where(tied, gate["a"], up["a"]) if "a" in up else gate["a"]}
 
 
+class ExpertWeights(NamedTuple):
+    """One layer's expert matrices held on this rank (E of them): a pytree."""
+
+    gate_ExDxFe: jax.Array
+    up_ExDxFe: jax.Array
+    down_ExFexD: jax.Array
+
+
 def experts(
     x_SxD,
     weights_SxX,
     experts_SxX,
-    gate_ExDxFe,
-    up_ExDxFe,
-    down_ExFexD,
+    w: ExpertWeights,
     first: int,
     lora=None,
     route=None,
 ):
     """Σ over each token's chosen experts held here (global ids first … first+E−1) of
-    weight · down(silu(gate(x)) · up(x)): [S, D], this rank's part (psum over tp after).
+    weight · down(silu(gate(x)) · up(x)) with w's matrices: [S, D], this rank's part (psum
+    over tp after).
 
     The (token, choice) rows are sorted by local expert, rows for other ranks' experts
     last, with weight 0 (on CPU their tiles still multiply zeros: the static tile count
@@ -237,6 +245,7 @@ def experts(
     "expert_down": {"a": [A, E, Fe, R], "b": [A, E, R, D], "b_shared": [A, R, D]}}, E this
     rank's experts) or None; route: the tokens' adapters (lora.Routing).
     """
+    gate_ExDxFe, up_ExDxFe, down_ExFexD = w
     s_len, top_k = experts_SxX.shape
     num_local = gate_ExDxFe.shape[0]
     local_Z = experts_SxX.reshape(-1) - first
