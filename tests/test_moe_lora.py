@@ -190,17 +190,21 @@ def test_experts_unit_reference_empty_expert_and_all_elsewhere():
         shared_A=jnp.asarray([1.0, 0.0]),
     )
     token_adapter = np.asarray([0] * 5 + [1] * 7)
+    # On the host: the reference's Python branches read them while it is traced (jitted).
+    scale_A, shared_A = np.asarray(route.scale_A), np.asarray(route.shared_A)
 
     @jax.jit  # one program (op by op it took twice the CPU time)
     def run(x, lora, experts=experts):
-        return moe_lib.experts(x, wts, jnp.asarray(experts, jnp.int32), *w, 4, lora, route)
+        return moe_lib.experts(
+            x, wts, jnp.asarray(experts, jnp.int32), moe_lib.ExpertWeights(*w), 4, lora, route
+        )
 
     @jax.jit  # one program too (op by op: ~180 small compiles, ~3 CPU s more)
     def reference(x, lora):
         y = jnp.zeros_like(x)
         for t in range(s):
             a = token_adapter[t]
-            sc, shared = float(route.scale_A[a]), bool(route.shared_A[a])
+            sc, shared = float(scale_A[a]), bool(shared_A[a])
             for c in range(k):
                 ge = int(experts[t, c]) - 4
                 if not 0 <= ge < e:
@@ -614,7 +618,9 @@ def test_grouped_expert_lora_equals_masked(by):
         assert (route.tiles is not None) == grouped
 
         def loss(x, lora):
-            return jnp.vdot(moe_lib.experts(x, wts, experts, *w, 2, lora, route), ct)
+            return jnp.vdot(
+                moe_lib.experts(x, wts, experts, moe_lib.ExpertWeights(*w), 2, lora, route), ct
+            )
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, lora)
 
