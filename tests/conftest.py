@@ -3,7 +3,7 @@
 Also: every compiled XLA:CPU program keeps memory maps of its code (about 11 each), and the
 kernel allows a process vm.max_map_count = 65,530 of them. A whole session of cached
 Trainers and jitted helpers went past that, and LLVM then segfaulted while compiling. So
-after each test module, the tests' own caches (tests/ and tests/helpers/) are emptied and JAX's compilation caches
+after each test module, the tests' own caches (every module under tests/) are emptied and JAX's compilation caches
 cleared: each module starts from nothing compiled (it compiles its own programs anyway).
 
 Compiling dominates the suite's time on CI's 2 cores, so the tests compile differently from
@@ -78,7 +78,6 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_x64", False)
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-HELPERS = os.path.join(TESTS, "helpers")
 
 
 # How long each module's tests take (CPU seconds of the test process and its children, or
@@ -120,7 +119,7 @@ def _release_compiled_programs():
     yield
     for module in list(sys.modules.values()):
         folder = os.path.dirname(os.path.abspath(getattr(module, "__file__", None) or "/"))
-        if folder not in (TESTS, HELPERS):
+        if folder != TESTS and not folder.startswith(TESTS + os.sep):
             continue
         for value in list(vars(module).values()):
             if callable(getattr(value, "cache_clear", None)):

@@ -1,9 +1,9 @@
 """MoE routing statistics: Tinker's expert-load metrics in forward / forward_backward, and
 the opt-in router auxiliary loss (Trainer(router_aux_loss_coef=…)).
 
-The reference is transformers' Qwen3MoeForCausalLM (tests/test_moe.py's tiny random model)
+The reference is transformers' Qwen3MoeForCausalLM (tests/model/test_moe.py's tiny random model)
 in float64 with a random nonzero adapter on attention, the experts and the unembedding
-merged into its weights (tests/test_moe_lora.py's `merged`). A forward hook on each MoE
+merged into its weights (tests/model/test_moe_lora.py's `merged`). A forward hook on each MoE
 layer's router (`mlp.gate`) captures the experts it picked; the metrics are recomputed
 from those in NumPy. The auxiliary loss is transformers' load_balancing_loss_func on the
 captured router logits of each layer (of all datums together), divided by top_k (see

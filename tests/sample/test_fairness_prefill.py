@@ -5,7 +5,7 @@ leaves a light tenant out to a quarter chunk, but its prefill still took the who
 prefill_tokens budget (1,024 prompt tokens of alice's burst on jcp-serve's defaults), so
 bob's next request still waited for that. Such a step now prefills prefill_tokens /
 LIGHT_STEP_RATIO; bob's own step and a tenant alone prefill as before. The chunking
-changes no result (tests/test_server_sampling.py compares a prompt prefilled so with the
+changes no result (tests/server/test_server_sampling.py compares a prompt prefilled so with the
 same request served alone).
 """
 

@@ -264,7 +264,7 @@ def test_attention_adapter_trains_alike_on_two_meshes(tmp_path):
     ]
     assert [t.mesh.shape["tp"] for t in trainers] == [1, 2]
     # Train on the first mesh. A MoE model's default targets add the experts
-    # (tests/test_moe_lora.py); this adapter is attention + lm_head only.
+    # (tests/model/test_moe_lora.py); this adapter is attention + lm_head only.
     tr = trainers[0]
     default = tr.create_adapter(rank=4, alpha=8.0)
     assert tr.adapters[default].targets == (

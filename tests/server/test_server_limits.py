@@ -519,7 +519,7 @@ def test_key_file_line_without_a_name_is_refused_at_startup(tmp_path, capsys):
 # ---------------------------------------------------------------------- fuzzing (hypothesis)
 # Datums and sampling parameters drawn around and past every bound, through the real
 # engine: never a 5xx or a "server" failure, the edge answers at once, and bob's control
-# requests are served after each. Seeded and bounded (tests/test_server_edge.py fuzzes
+# requests are served after each. Seeded and bounded (tests/server/test_server_edge.py fuzzes
 # every route's schema without a model).
 
 
