@@ -311,7 +311,7 @@ def host_slice(x, idx, dtype=None) -> np.ndarray:
     On CPU a device array may alias the NumPy memory it was made from, so a host array
     changed after a call was dispatched (the adapter tables' page lists, the engine's
     tables) would change what the call reads: served models trained through offloads
-    and sampler snapshots came out wrong, at random (tests/test_server_lifecycle.py)."""
+    and sampler snapshots came out wrong, at random (tests/server/test_server_lifecycle.py)."""
     v = x[idx]
     if isinstance(x, np.ndarray) and x.flags.writeable:
         return np.array(v, dtype=dtype, copy=True)

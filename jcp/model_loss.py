@@ -201,7 +201,7 @@ def unroll_layers(cfg: QwenConfig, step_cfg: StepConfig) -> bool:
     ∝ L, which is why deep models keep the loop (on accelerators those copies are cheap next
     to the layers' work). A recomputing step (remat: chosen where memory requires it) keeps
     the loop, whose liveness is one layer's: unrolled, XLA:CPU's schedule of the
-    recomputation held ~30 % more temporaries (tests/test_model.py's memory bound)."""
+    recomputation held ~30 % more temporaries (tests/model/test_model.py's memory bound)."""
     return (
         jax.default_backend() == "cpu"
         and cfg.num_layers <= CPU_UNROLL_LAYERS

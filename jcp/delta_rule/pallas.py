@@ -8,9 +8,9 @@ incoming state (matmuls against [Dk, Dv] states, the sequential scan over blocks
 XLA (delta_rule.chunked(factors=block_factors)). The backward pass is the reference's
 (delta_rule.block_factors) through jax.vjp, recomputed: exact, not a Pallas kernel.
 
-Here (CPU) it runs in Pallas interpret mode, tests only; tests/test_delta_rule.py checks
+Here (CPU) it runs in Pallas interpret mode, tests only; tests/delta_rule/test_delta_rule.py checks
 values and gradients against delta_rule.block_factors and the chunked rule end to end, and
-tests/test_paged_pallas.py that it lowers to Triton IR for "cuda" (Ck = 64, Dk = 128). A
+tests/attention/test_paged_pallas.py that it lowers to Triton IR for "cuda" (Ck = 64, Dk = 128). A
 GPU run must check: that Triton compiles it (registers: T and A are [Ck, Ck] fp32 per
 program), values against delta_rule.block_factors in fp32 (and bf16 inputs), and its
 time against the XLA chunked form at 16k tokens (benchmarks/qwen3_5.py kernel).

@@ -5,7 +5,7 @@ Owns Admission, which places, forks, grows and releases the host records of requ
 (requests.py: Request, its samples Seq, their per-device Group; re-exported here) over
 the PagePool (pages.py), refuses at submit what could never fit (check_fits) and picks
 the decode length (decode_len). Pure host, tested on plain records in
-tests/test_sample_policy.py; it must never create or read a device array, nor run a
+tests/sample/test_sample_policy.py; it must never create or read a device array, nor run a
 program — engine.py drives it, runner.py turns its records into device arrays.
 
 Memory (paged.py): each device holds `pages` pages of `page_size` positions. A sequence's

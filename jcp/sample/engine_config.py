@@ -3,7 +3,7 @@
 Owns EngineConfig (what a caller chooses, validated before anything is built) and
 EngineSizes (the numbers the admission policy, the device arrays and the warm-up derive
 from it and the mesh: rows per device, table widths, page counts, every bucket ladder).
-Pure host, tested in tests/test_sample_policy.py; it must never touch a device.
+Pure host, tested in tests/sample/test_sample_policy.py; it must never touch a device.
 
 Programs: every dynamic dimension of the engine's device programs is bucketed to a few
 values (layout.ladder rungs, steps of 4 from the top unless said): decode rows per device

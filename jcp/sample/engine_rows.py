@@ -6,7 +6,7 @@ decode or page-copy call, every dimension bucketed (engine_config.py's module do
 Pure host (NumPy): it decides nothing (which groups prefill, which sequences decode and for how
 many steps is admission.py's) and touches no device (runner.py's EngineDevice puts the
 arrays on the mesh and runs the programs over them). Tested with NumPy alone
-(tests/test_engine_rows.py).
+(tests/sample/test_engine_rows.py).
 
 Shapes: B = rows of a call (groups · rows per device), C = prefill chunk, M = table pages
 per row.

@@ -4,7 +4,7 @@ Owns the choice of cache layout and its size (Plan), which decode row each seque
 which cache row holds which prompt position, where each packed prefill token goes in the
 cache, and the per-row vectors the decode program reads. Everything here is a pure
 function of the call's lengths, adapters and the mesh's sizes, tested with NumPy alone
-(tests/test_sample_layout.py). It must never create or read a device array.
+(tests/sample/test_sample_layout.py). It must never create or read a device array.
 
 Shapes: B = decode rows of the whole call (b_local per device along the layout's sequence
 axes), T = cache rows per sequence over the whole call (t_local per device; CP·t_local

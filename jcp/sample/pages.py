@@ -3,7 +3,7 @@ reserved or cached, and the keys that name a prompt's pages in the prefix cache.
 
 Owns the free lists, reference counts, reservations, the prefix-cache index and its
 least-recently-used order (PagePool), and the chained page hash (page_keys). Pure host
-(Python lists and NumPy, tested in tests/test_sample_policy.py); it must never create or
+(Python lists and NumPy, tested in tests/sample/test_sample_policy.py); it must never create or
 read a device array — the pages themselves live in paged.Pool (paged.py).
 
 Prefix cache: every full page of a prefilled prompt is registered under a hash chained

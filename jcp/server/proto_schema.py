@@ -1,7 +1,7 @@
 """The Tinker SDK 0.38 protobuf schema (package tinker_public), as serialized bytes.
 
 Copied verbatim from tinker==0.38.0's tinker/proto/tinker_public_pb2.py
-(DESCRIPTOR.serialized_pb); tests/test_server.py asserts it still equals the installed
+(DESCRIPTOR.serialized_pb); tests/server/test_server.py asserts it still equals the installed
 SDK's, so the wire cannot drift. Regenerate with:
 
     python -c "from tinker.proto import tinker_public_pb2 as pb; print(pb.DESCRIPTOR.serialized_pb)"
