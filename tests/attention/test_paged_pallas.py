@@ -35,7 +35,7 @@ from jcp import mesh as mesh_lib
 from jcp import model
 from jcp.attention import paged as paged_kernel
 from jcp.sample import kv_cache, paged
-from jcp.sample.programs import decode_hidden
+from jcp.sample.decode_loop import StepModel
 
 
 def _case(rng, dtype, q_heads, kv_heads, page, head_dim=16, layers=2, n_pages=23, width=7):
@@ -129,7 +129,7 @@ def test_strategy_reads_the_layer_it_is_given():
 
 
 def _lowered_decode_step(monkeypatch, in_place: bool) -> str:
-    """The engine's decode step (programs.decode_hidden over the layer stack, as
+    """The engine's decode step (StepModel.hidden over the layer stack, as
     paged.make_decode runs it) for Qwen3-8B's heads (32 / 8 × 128, bf16), lowered for
     "cuda" as StableHLO text. Pool: L = 2 layers of P = 37 pages of T = 16 positions;
     B = 24 rows of W = 5 table entries."""
@@ -152,7 +152,7 @@ def _lowered_decode_step(monkeypatch, in_place: bool) -> str:
         else:
             attend = paged.paged_decode_attend(table, pos, k_pool.shape[2])
             k, v = k_pool, v_pool
-        h, new = decode_hidden(cfg, params, tok, pos, attend, k, v, None, None, None, None)
+        h, new = StepModel(cfg, params, None, None).hidden(tok, pos, attend, kv_cache.KV(k, v))
         total = jnp.sum(h.astype(jnp.float32)) + jnp.sum(new.k.astype(jnp.float32))
         return jax.lax.psum(total, mesh_lib.AXES)
 

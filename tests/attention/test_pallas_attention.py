@@ -277,7 +277,9 @@ def test_kernels_lower_to_triton(monkeypatch):
 
     def inner(params, tokens, seg, pos):
         attend = attention.cp_attend(seg[0], pos[0], implementation="pallas", block=BLOCK)
-        h = model.hidden_states(cfg, params, tokens[0], pos[0], attend, remat=True).h_SxD
+        h = model.hidden_states(
+            cfg, params, tokens[0], pos[0], model.Pass(attend, remat=True)
+        ).h_SxD
         return jax.lax.psum(jnp.sum(h), mesh_lib.CP)
 
     f = jax.shard_map(

@@ -286,4 +286,6 @@ def test_hybrid_model_refuses_unrolled_layer_slices():
     slices = model_lib.layer_slices(cfg, params)
     tokens = np.zeros(4, np.int32)
     with pytest.raises(NotImplementedError, match="hybrid"):
-        model_lib.hidden_states(cfg, params, tokens, np.arange(4), attend=None, layers=slices)
+        model_lib.hidden_states(
+            cfg, params, tokens, np.arange(4), model_lib.Pass(None, layers=slices)
+        )
