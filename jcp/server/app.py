@@ -101,9 +101,12 @@ def create_app(
     hot = {
         "/api/v1/asample": (sampling.asample, edge.Sample),
         "/api/v1/retrieve_future": (futures_routes.retrieve_future, edge.RequestRef),
+        **training.MODEL_OPS,
     }
     for path, (handler, model) in hot.items():
         # HotRoutes answers these first; FastAPI's copy puts them in the schema (and
         # serves them where `app` is mounted alone).
         app.post(path, **takes(model))(fastapi_route(handler))
-    return HotRoutes(app, {path: h for path, (h, _) in hot.items()})
+    # forward_backward's FastAPI route is training.router's (a protobuf body).
+    raw = {"/api/v1/forward_backward": training.forward_backward_body}
+    return HotRoutes(app, {path: h for path, (h, _) in hot.items()}, raw)

@@ -1,10 +1,12 @@
 """The ASGI layer of jcp-serve: JSON bodies and answers, and the hot routes in front of FastAPI.
 
-The sampling hot path — POST asample and retrieve_future, hundreds at once per RL step —
-is answered by `HotRoutes`, a plain ASGI layer in front of the FastAPI app: FastAPI's
-middleware, routing, dependency solving and response serialization cost more CPU than
-these two handlers themselves, and on a CPU host that CPU is taken from the engine.
-Every other request goes through FastAPI. Also owns the status of each exception a
+The hot paths — POST asample and retrieve_future (hundreds at once per RL step),
+forward_backward and the per-model operations (optim_step, saves, unload: one per tenant
+and step, a thousand at once with a thousand tenants) — are answered by `HotRoutes`, a
+plain ASGI layer in front of the FastAPI app: FastAPI's middleware, routing, dependency
+solving and response serialization cost more CPU than these handlers themselves, and on a
+CPU host that CPU is taken from the passes and the engine. Every other request goes
+through FastAPI. Also owns the status of each exception a
 handler may raise (STATUS), `read_body` (the --max-body-bytes bound), `off_loop` (where a
 body is parsed) and `json_bytes`. Never imports jax or the worker.
 
@@ -95,20 +97,23 @@ async def read_body(length: str, chunks, limit: int) -> bytes:
 
 
 class HotRoutes:
-    """The server's ASGI app: POST to a hot path (`routes`: path -> handler(app context,
-    tenant, JSON body) -> dict, answered as JSON, or (status, content type, bytes); sync or
-    async) is answered here, everything else by the FastAPI `app` (whose `state.jcp` is
-    the context). Errors are answered as FastAPI's handlers answer them (STATUS, Refused;
-    500 for anything else)."""
+    """The server's ASGI app: POST to a hot path is answered here, everything else by the
+    FastAPI `app` (whose `state.jcp` is the context). `routes`: path -> handler(app
+    context, tenant, JSON body), sync or async, parsed off the loop when large; `raw`: path
+    -> async handler(app context, tenant, body bytes, headers with lower-case names) for
+    other bodies (forward_backward's protobuf). A handler returns a dict, answered as JSON,
+    or (status, content type, bytes). Errors are answered as FastAPI's handlers answer
+    them (STATUS, Refused; 500 for anything else)."""
 
-    def __init__(self, app: FastAPI, routes: dict):
-        self.app, self.routes = app, routes
+    def __init__(self, app: FastAPI, routes: dict, raw: dict | None = None):
+        self.app, self.routes, self.raw = app, routes, raw or {}
         self.ctx = app.state.jcp
         self.store, self.limits = self.ctx.store, self.ctx.limits
 
     async def __call__(self, scope, receive, send) -> None:
-        handler = self.routes.get(scope.get("path")) if scope["type"] == "http" else None
-        if handler is None:
+        path = scope.get("path") if scope["type"] == "http" else None
+        handler, raw_handler = self.routes.get(path), self.raw.get(path)
+        if handler is None and raw_handler is None:
             return await self.app(scope, receive, send)
         if scope["method"] != "POST":
             return await self.answer(
@@ -124,7 +129,13 @@ class HotRoutes:
                 self.chunks(receive),
                 self.limits.body_bytes,
             )
-            out = await off_loop(len(raw), call_json, handler, self.ctx, who, raw)
+            if raw_handler is not None:
+                named = {
+                    k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers.items()
+                }
+                out = await raw_handler(self.ctx, who, raw, named)
+            else:
+                out = await off_loop(len(raw), call_json, handler, self.ctx, who, raw)
             if asyncio.iscoroutine(out):
                 out = await out
             status, kind, data = out if isinstance(out, tuple) else (200, JSON, json_bytes(out))

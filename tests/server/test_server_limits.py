@@ -281,15 +281,17 @@ def test_wrong_field_types_are_the_clients_fault(env, route, body, field):
 
 
 def test_hot_routes_answer_as_fastapi_routes(env, monkeypatch):
-    """asample / retrieve_future are answered before FastAPI (app.HotRoutes): each failure
-    gets the status, content type and body that a FastAPI route (cancel_future, which
-    reads the same tables) gives it."""
+    """asample, retrieve_future, forward_backward and the model operations are answered
+    before FastAPI (app.HotRoutes): each failure gets the status, content type and body
+    that a FastAPI route (cancel_future, which reads the same tables) gives it."""
 
     def answer(route, **kw):
         r = post(env, route, **kw)
         return r.status_code, r.headers["content-type"], r.text
 
-    hot = ("asample", "retrieve_future")
+    hot = ("asample", "retrieve_future", "forward_backward", "optim_step", "save_weights")
+    app = env["srv"].app
+    assert {f"/api/v1/{r}" for r in hot} <= {*app.routes, *app.raw}
     for route in hot:
         assert answer(route, body={}, key="tml-mallory") == answer(
             "cancel_future", body={}, key="tml-mallory"

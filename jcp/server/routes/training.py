@@ -72,11 +72,17 @@ async def get_info(request: Request):
 @router.post("/api/v1/forward_backward", **takes(None, PROTO))
 async def forward_backward(request: Request):
     c = context(request)
-    who = c.owner(request)
-    raw = await c.body_bytes(request)
-    zstd = request.headers.get("content-encoding", "").lower() == "zstd"
-    # Decoded off the event loop when large (asgi.off_loop); a zstd body may decompress
-    # to the bound whatever its size on the wire.
+    return await forward_backward_body(
+        c, c.owner(request), await c.body_bytes(request), request.headers
+    )
+
+
+async def forward_backward_body(c: AppContext, who: str, raw: bytes, headers) -> dict:
+    """forward_backward from its body's bytes and headers (a mapping with lower-case
+    names): the FastAPI route's and HotRoutes' handler. Decoded off the event loop when
+    large (asgi.off_loop); a zstd body may decompress to the bound whatever its size on
+    the wire."""
+    zstd = headers.get("content-encoding", "").lower() == "zstd"
     size = c.limits.body_bytes if zstd else len(raw)
     return await off_loop(size, _forward_backward, c, who, raw, zstd)
 
@@ -104,11 +110,12 @@ def _forward_backward(c: AppContext, who: str, raw: bytes, zstd: bool) -> dict:
 
 
 def model_op(kind: str, schema: type[edge.ModelRef]):
-    async def handler(request: Request):
-        c = context(request)
-        who, body = c.owner(request), await c.body_json(request)
+    """The handler (app context, tenant, JSON body) of a request on one model that the
+    worker runs in the model's order: HotRoutes answers these (app.py)."""
+
+    def handler(c: AppContext, who: str, body: dict) -> dict:
         try:
-            req = await c.parse(request, schema, body, kind)
+            req = edge.parse(schema, body, kind)
             c.store.model(req.model_id, who)
             c.check_seq(req.model_id, req.seq_id)
         except (Refused, NotFound) as e:
@@ -119,13 +126,17 @@ def model_op(kind: str, schema: type[edge.ModelRef]):
     return handler
 
 
-for _kind, _schema in (
-    ("optim_step", edge.OptimStep),
-    ("save_weights", edge.SaveWeights),
-    ("save_weights_for_sampler", edge.SaveWeights),
-    ("unload_model", edge.ModelRef),
-):
-    router.post(f"/api/v1/{_kind}", **takes(_schema))(model_op(_kind, _schema))
+# path -> (handler, body schema): one optim_step per tenant and step, answered before
+# FastAPI (app.py) like the sampling hot path.
+MODEL_OPS = {
+    f"/api/v1/{kind}": (model_op(kind, schema), schema)
+    for kind, schema in (
+        ("optim_step", edge.OptimStep),
+        ("save_weights", edge.SaveWeights),
+        ("save_weights_for_sampler", edge.SaveWeights),
+        ("unload_model", edge.ModelRef),
+    )
+}
 
 
 @router.post("/api/v1/save_weights_external", **takes(edge.SaveWeightsExternal))
