@@ -2,7 +2,7 @@
 one model doing the same work.
 
 One jcp-serve (a child process: tiny model, one CPU device, the default --max-adapters,
---adapter-memory and warm-up) and an asyncio driver (httpx, raw Tinker routes; one SDK
+--adapter-memory and warm-up) and an asyncio driver (aiohttp or httpx, raw Tinker routes; one SDK
 client per tenant would cost more than the server): N tenants, each its own API key,
 session and rank-8 model, each send one forward_backward of one datum of --length tokens,
 all at once, so the server fuses them (jcp/server/scheduler.py: passes of as many models
@@ -54,6 +54,12 @@ def parse_args(argv):
         "(on this machine ~8 programs of 7-25 s for 256 tenants, through the third round)",
     )
     p.add_argument("--concurrency", type=int, default=64, help="HTTP requests in flight")
+    p.add_argument(
+        "--client",
+        choices=("aiohttp", "httpx"),
+        default="aiohttp",
+        help="the driver's HTTP client (it shares the server's cores: aiohttp costs less CPU)",
+    )
     p.add_argument(
         "--in-process",
         action="store_true",
@@ -134,8 +140,13 @@ async def drive(a, url: str, keys: list[str], server: int) -> dict:
 
     vocab = 512  # jcp.QwenConfig.tiny()
     n = a.tenants
-    limits = httpx.Limits(max_connections=a.concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    if a.client == "aiohttp":
+        client = tinker_http.AioClient(url, a.concurrency)
+    else:
+        client = httpx.AsyncClient(
+            base_url=url, timeout=600, limits=httpx.Limits(max_connections=a.concurrency)
+        )
+    try:
         tenants = [Tenant(client, k) for k in keys]
         t0 = time.perf_counter()
         models = await gather(n + 1, lambda i: new_model(tenants[i], i), a.concurrency)
@@ -168,6 +179,8 @@ async def drive(a, url: str, keys: list[str], server: int) -> dict:
         await new_model(late, n + 1)
         late_create_s = time.perf_counter() - c0
         during = await round_task
+    finally:
+        await client.aclose()
     best_f, best_s = min(fused), min(alone)
     return {
         "tenants": n,

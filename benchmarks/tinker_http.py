@@ -1,9 +1,11 @@
 """Raw Tinker HTTP for the serving benchmarks: jcp-serve in a child process, one API key's
-calls over an httpx.AsyncClient, and protobuf forward_backward bodies (lighter than one SDK
-client per tenant when a benchmark drives hundreds of tenants)."""
+calls over an httpx.AsyncClient (or `AioClient`, the same calls over aiohttp), and
+protobuf forward_backward bodies (lighter than one SDK client per tenant when a benchmark
+drives hundreds of tenants)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -69,6 +71,38 @@ def cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Answer:
+    """What Tenant reads of an HTTP answer (httpx.Response's names)."""
+
+    def __init__(self, status_code: int, headers, content: bytes):
+        self.status_code, self.headers, self.content = status_code, headers, content
+
+    def json(self):
+        return json.loads(self.content)
+
+
+class AioClient:
+    """httpx.AsyncClient's `post` for Tenant over aiohttp: a driver of a thousand tenants
+    shares the server's cores on one host, and aiohttp spends a fraction of httpx's CPU per
+    request (many_tenants.py prints the driver's CPU seconds). Close with `aclose`."""
+
+    def __init__(self, base_url: str, connections: int, timeout: float = 600):
+        import aiohttp
+
+        self.session = aiohttp.ClientSession(
+            base_url,
+            connector=aiohttp.TCPConnector(limit=connections),
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        )
+
+    async def post(self, url: str, json=None, content: bytes | None = None, headers=None):
+        async with self.session.post(url, json=json, data=content, headers=headers) as r:
+            return Answer(r.status, r.headers, await r.read())
+
+    async def aclose(self) -> None:
+        await self.session.close()
 
 
 class Tenant:
