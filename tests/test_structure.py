@@ -188,10 +188,34 @@ def test_server_http_side_never_imports_jax(module):
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def private_reach_of_tests(root: str = TESTS) -> list[str]:
+def private_members() -> frozenset[str]:
+    """The private members jcp's classes define: methods `def _x` and attributes set as
+    `self._x` (dunders aside)."""
+    names = set()
+    for path in _modules().values():
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.ClassDef):
+                names |= {
+                    f.name
+                    for f in node.body
+                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                }
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
+                names.add(node.attr)
+    return frozenset(n for n in names if n.startswith("_") and not n.startswith("__"))
+
+
+def private_reach_of_tests(root: str = TESTS, members: frozenset[str] = frozenset()) -> list[str]:
     """Where a test module (tests/, helpers included) reaches a jcp private name: imports
-    `_x` from a jcp module, or reads `m._x` of a name bound to a jcp module or object it
-    imported (`from jcp import lora as L` … `L._x`, `jcp._x`)."""
+    `_x` from a jcp module, reads `m._x` of a name bound to a jcp module or object it
+    imported (`from jcp import lora as L` … `L._x`, `jcp._x`), or reads or patches (by
+    name, `setattr(obj, "_x", …)`) a private member of a jcp object (`members`, read off
+    anything but `self`)."""
     bad = []
     for folder, _, files in os.walk(root):
         for f in sorted(files):
@@ -225,10 +249,22 @@ def private_reach_of_tests(root: str = TESTS) -> list[str]:
                     base = node.value
                     while isinstance(base, ast.Attribute):
                         base = base.value
-                    if isinstance(base, ast.Name) and base.id in jcp_names:
+                    own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+                    if (
+                        isinstance(base, ast.Name)
+                        and base.id in jcp_names
+                        or (node.attr in members and not own)
+                    ):
                         bad.append(
                             f"{os.path.relpath(path, root)}:{node.lineno} reads {ast.unparse(node)}"
                         )
+                elif (
+                    isinstance(node, ast.Constant)
+                    and isinstance(node.value, str)
+                    and node.value in members
+                    and path != os.path.abspath(__file__)  # this checker names them as data
+                ):
+                    bad.append(f"{os.path.relpath(path, root)}:{node.lineno} names {node.value}")
     return bad
 
 
@@ -237,13 +273,19 @@ def test_tests_reach_jcp_through_public_names_only(tmp_path):
     walk first shown to find each kind in a file made for it)."""
     (tmp_path / "test_x.py").write_text(
         "import jcp\nfrom jcp import lora as L\nfrom jcp.mesh import _hidden, put\n"
-        "L._route(1)\njcp.trainer._f\nput._y\nself._ok\n"
+        "L._route(1)\njcp.trainer._f\nput._y\nself._ok\nw._mine\nself._mine\n"
+        "setattr(w, '_mine', 1)\nw._theirs\n"
     )
-    assert sorted(b.split(" ", 1)[1] for b in private_reach_of_tests(str(tmp_path))) == [
+    got = private_reach_of_tests(str(tmp_path), frozenset({"_mine"}))
+    assert sorted(b.split(" ", 1)[1] for b in got) == [
         "imports jcp.mesh._hidden",
+        "names _mine",
         "reads L._route",
         "reads jcp.trainer._f",
         "reads put._y",
+        "reads w._mine",
     ]
-    bad = private_reach_of_tests()
+    members = private_members()
+    assert {"_complete", "_prepare"} <= members  # Worker's and Trainer's
+    bad = private_reach_of_tests(members=members)
     assert not bad, "\n".join(bad)

@@ -3,8 +3,8 @@
 A fused pass is one Trainer.forward / forward_backward over the datums of all its requests
 (adapters per datum); if that call refuses the batch (InputError: nothing was changed), each
 request is rerun alone so that only the bad one fails. A pass of several Trainer
-micro-batches runs one micro-batch per turn (jcp.trainer.Steps, `_advance`), other
-tenants' passes between them; its first turn only validates and packs it (`_fwd`).
+micro-batches runs one micro-batch per turn (jcp.trainer.Steps, `advance_pass`), other
+tenants' passes between them; its first turn only validates and packs it (`start_pass`).
 `Passes` is one part of `jcp.server.worker.Worker`; results go back through its
 `_complete`.
 """
@@ -37,11 +37,11 @@ class Passes:
     def _init_passes(self) -> None:
         # tenant -> (group, jcp.trainer.Steps, each request's datum span) of its pass
         # running over turns (Scheduler.split).
-        self._splits: dict[str, tuple] = {}
+        self.splits: dict[str, tuple] = {}
 
-    def _fwd(self, group: list[Work], split: bool = True) -> None:
+    def start_pass(self, group: list[Work], split: bool = True) -> None:
         """One fused Trainer call; on refusal, each request alone. split: a call of several
-        micro-batches runs one per turn (`_advance`), other tenants' passes between."""
+        micro-batches runs one per turn (`advance_pass`), other tenants' passes between."""
         if len(group) > 1 and (
             self.tr.cfg.is_moe or any(w.payload.loss_fn == "custom" for w in group)
         ):
@@ -49,7 +49,7 @@ class Passes:
             # custom loss's metrics are per request: a fused pass could not report each
             # request's own, so each runs alone.
             for w in group:
-                self._fwd([w], split=False)
+                self.start_pass([w], split=False)
             return
         self.sched.note_pass(group)
         try:
@@ -59,7 +59,7 @@ class Passes:
                 # This turn validated and packed the whole call (O(its datums) on the
                 # host); its first micro-batch runs at the tenant's next turn, so that
                 # another's small request waits for one of the two, not both.
-                self._splits[group[0].owner] = (group, steps, spans)
+                self.splits[group[0].owner] = (group, steps, spans)
                 self.sched.split(group)
                 return
             while not steps.step():
@@ -71,14 +71,14 @@ class Passes:
         for w, out in zip(group, outs):
             self._complete(w.request_id, out)
 
-    def _advance(self, tenant: str) -> None:
+    def advance_pass(self, tenant: str) -> None:
         """One micro-batch of the tenant's split pass; completes its requests after the
         last."""
-        group, steps, spans = self._splits[tenant]
+        group, steps, spans = self.splits[tenant]
         try:
             # Other work waiting: let this micro-batch finish before it runs, so that it
             # waits for one micro-batch, not MAX_IN_FLIGHT.
-            settle = self.sched.pending() > 0 or not self.sampling.idle or len(self._splits) > 1
+            settle = self.sched.pending() > 0 or not self.sampling.idle or len(self.splits) > 1
             if not steps.step(settle=settle):
                 return
             outs = self._fwd_results(group, steps.output, spans)
@@ -91,7 +91,7 @@ class Passes:
             self._complete(w.request_id, out)
 
     def _end_split(self, tenant: str) -> None:
-        self.sched.finish(self._splits.pop(tenant)[0])
+        self.sched.finish(self.splits.pop(tenant)[0])
 
     def _fwd_failed(self, group: list[Work], e: Exception) -> None:
         """A Trainer call refused or failed (nothing accumulated): alone, the request
@@ -129,7 +129,7 @@ class Passes:
             spans.append((start, len(data)))
         if not data:
             raise InputError("forward_backward needs at least one datum")
-        if losses[0] == "custom":  # _fwd runs a custom request alone
+        if losses[0] == "custom":  # start_pass runs a custom request alone
             loss_fn, config = self._custom_loss(group[0], configs["custom"]), None
             data = [_custom_datum(d, loss_fn) for d in data]
         elif len(configs) == 1:

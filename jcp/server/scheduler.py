@@ -326,7 +326,7 @@ class Scheduler:
                     self._samples or self._unordered or self._queues or self._split
                 ):
                     try:
-                        group = self._take() or []
+                        group = self.pick() or []
                     except Exception:  # noqa: BLE001 — a policy bug must not stop the worker
                         log.exception(
                             "scheduler: could not pick a pass; failing the oldest queued request"
@@ -378,7 +378,7 @@ class Scheduler:
             last = w.seq_id
         return run
 
-    def _take(self) -> list[Work] | None:
+    def pick(self) -> list[Work] | None:
         """The next pass (the module docstring, "Fairness")."""
         now = time.monotonic()
         busy = {w.model_id for g in self._split.values() for w in g}

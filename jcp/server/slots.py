@@ -4,7 +4,7 @@ Owns the map from training models (resident in a slot, or offloaded to host memo
 sampler weights (in-memory snapshots, loaded named saves) to adapter slots, eviction when a
 slot is needed and none is free, offload / restore, and the slots retired until no running
 sequence reads them. `SlotCache` is one part of `jcp.server.worker.Worker` (which owns the
-state it reads: `tr`, `store`, `sched`, `sampling`, `leader`, `_splits`); it never runs
+state it reads: `tr`, `store`, `sched`, `sampling`, `leader`, `splits`); it never runs
 a request itself.
 """
 
@@ -79,7 +79,7 @@ class SlotCache:
         if self.tr.state.room(rank):
             return
         # The models of passes running over turns stay in their slots.
-        keep = keep | {w.model_id for g, _, _ in self._splits.values() for w in g}
+        keep = keep | {w.model_id for g, _, _ in self.splits.values() for w in g}
         used = self.offloaded_bytes()
         if restoring is not None:
             used -= self._offloaded[restoring].nbytes
@@ -121,7 +121,7 @@ class SlotCache:
         cannot leave (sampler weights running sequences read, the models of passes
         running over turns)."""
         st = self.tr.state
-        split = {w.model_id for g, _, _ in self._splits.values() for w in g}
+        split = {w.model_id for g, _, _ in self.splits.values() for w in g}
         pinned = (self._in_use() | {self._resident.get(m) for m in split}) & set(st.infos)
         room = {
             "pages": st.num_pages - sum(st.pages_for(st.infos[s].rank) for s in pinned),

@@ -190,7 +190,7 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
             self.tr, self.sampling = leader.wrap(trainer, self.sampling, engine_kw)
         # Other tenants' requests join a pass only within one Trainer micro-batch
         # (Scheduler.pass_tokens), and a pass of several micro-batches runs one per turn
-        # (`_splits`), other tenants' passes between them.
+        # (`splits`), other tenants' passes between them.
         scheduler.pass_tokens = trainer.max_tokens_per_device * trainer.dp * trainer.cp
         # A pass holds no more models than fit on the device at once (SlotCache._pass_room).
         scheduler.pass_room = self._pass_room
@@ -291,7 +291,7 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
             if group and self._light_next():
                 # A light tenant's few rows beside another's many: their step (the size of
                 # their rows) runs before the pass (Admission, "Light steps").
-                self._step(True, True)
+                self.engine_step(True, True)
             deferred = False
             if group:
                 self._run_pass(group)
@@ -301,13 +301,13 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
                 # most once in a row).
                 deferred = (
                     not self._deferred
-                    and group[0].owner in self._splits
+                    and group[0].owner in self.splits
                     and self.sched.small_ready(group[0].owner)
                 )
             self._deferred = deferred
             if not self.sampling.idle and not deferred:
-                busy = self.sched.pending() > 0 or bool(self._splits)
-                self._step(arriving or busy or bool(self._streaming), True)
+                busy = self.sched.pending() > 0 or bool(self.splits)
+                self.engine_step(arriving or busy or bool(self._streaming), True)
                 if self._joined is False and self.sched.samples_queued():
                     self._joined = True  # samples came while the gathered burst ran
             self._unlogged = []
@@ -331,7 +331,7 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
             self._admit_sample(w)
         self._unlogged += late
         if late and self._light_next():
-            self._step(True, True)
+            self.engine_step(True, True)
 
     def _admit_arrivals(self, samples: list[Work]) -> None:
         """Admit samples of a burst still arriving and prefill them (no decode yet)."""
@@ -342,10 +342,10 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
         if prefill and (
             len(self.sampling.waiting) + len(self.sampling.prefilling) >= ADMIT_PREFILL_MIN
         ):
-            self._step(False, False)
+            self.engine_step(False, False)
             self.prefill_steps += 1
 
-    def _step(self, hurry: bool, decode: bool) -> None:
+    def engine_step(self, hurry: bool, decode: bool) -> None:
         """One engine step (Engine.step); a failed one fails the engine's requests."""
         t0 = time.monotonic()
         try:
@@ -400,12 +400,12 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
     def _run_pass(self, group: list[Work]) -> None:
         t0 = time.perf_counter()
         try:
-            if group is self._splits.get(group[0].owner, (None,))[0]:
-                self._advance(group[0].owner)
+            if group is self.splits.get(group[0].owner, (None,))[0]:
+                self.advance_pass(group[0].owner)
             elif group[0].failure is not None:
                 self._complete(group[0].request_id, ("error", group[0].failure, "server"))
             elif group[0].kind in ("forward", "forward_backward"):
-                self._fwd(group)
+                self.start_pass(group)
             else:  # one model operation (ModelOps) or session end, by the handler table
                 w = group[0]
                 self._complete(w.request_id, self._handlers[w.kind](w))
@@ -421,11 +421,11 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
         """Cancel the engine requests whose clients cancelled them (cancel_future after
         admission): they end at this step boundary, their slots freed; others run on."""
         for request_id in self.sched.take_cancels():
-            split = [t for t, (g, _, _) in self._splits.items() if len(g) == 1]
-            split = [t for t in split if self._splits[t][0][0].request_id == request_id]
+            split = [t for t, (g, _, _) in self.splits.items() if len(g) == 1]
+            split = [t for t in split if self.splits[t][0][0].request_id == request_id]
             if split:
                 # A split pass of this one request: it ends here, its accumulation undone.
-                self._splits[split[0]][1].close()
+                self.splits[split[0]][1].close()
                 self._end_split(split[0])
                 self._complete(request_id, ("error", "cancelled by the client", "user"))
                 continue

@@ -53,21 +53,21 @@ def _work(owner: str) -> Work:
 
 def test_a_split_pass_first_turn_prepares_only():
     w = _Worker(passes=3)
-    w._fwd([_work("alice")])
-    assert w.steps.ran == 0 and "alice" in w._splits  # prepared, no micro-batch yet
+    w.start_pass([_work("alice")])
+    assert w.steps.ran == 0 and "alice" in w.splits  # prepared, no micro-batch yet
     assert w.sched.splitting()
     for turn in range(3):
         assert not w.completed
-        w._advance("alice")
+        w.advance_pass("alice")
         assert w.steps.ran == turn + 1
     assert w.completed == [("r1", ("proto", "the call's output"))]
-    assert not w._splits and not w.sched.splitting()
+    assert not w.splits and not w.sched.splitting()
 
 
 def test_a_pass_of_one_micro_batch_runs_whole_in_its_turn():
     w = _Worker(passes=1)
-    w._fwd([_work("alice")])
-    assert w.steps.ran == 1 and w.completed and not w._splits
+    w.start_pass([_work("alice")])
+    assert w.steps.ran == 1 and w.completed and not w.splits
 
 
 class _Turn(Worker):
@@ -79,7 +79,7 @@ class _Turn(Worker):
         self._unlogged, self.admitted, self.steps = [], [], []
         self._admit_sample = self.admitted.append
         self._light_next = lambda: light_next
-        self._step = lambda hurry, decode: self.steps.append((hurry, decode))
+        self.engine_step = lambda hurry, decode: self.steps.append((hurry, decode))
         self.after_pass = self._light_after_pass
 
 

@@ -189,7 +189,7 @@ def test_non_integer_seq_id_is_refused_and_the_worker_lives(env, monkeypatch):
 def test_a_scheduler_failure_fails_one_request_and_the_worker_goes_on(env, monkeypatch):
     sched = env["srv"].scheduler
     mid = new_model(env, 1)
-    real, calls = sched._take, []
+    real, calls = sched.pick, []
 
     def once():
         calls.append(1)
@@ -197,7 +197,7 @@ def test_a_scheduler_failure_fails_one_request_and_the_worker_goes_on(env, monke
             raise RuntimeError("injected policy bug")
         return real()
 
-    monkeypatch.setattr(sched, "_take", once)
+    monkeypatch.setattr(sched, "pick", once)
     out = result(env, post(env, "save_weights", {"model_id": mid}))
     assert out.get("category") == "server" and "scheduler" in out["error"], out
     assert calls

@@ -228,7 +228,7 @@ def test_a_burst_decodes_in_one_step_once_bursts_come_whole(env, monkeypatch):
     prompts = [rng.integers(0, 256, int(rng.integers(2, 12))).tolist() for _ in range(4)]
     sp = dict(max_tokens=16, temperature=0.9, seed=7, stop=[])
     worker, sched = env["srv"].worker, env["srv"].scheduler
-    step = worker._step
+    step = worker.engine_step
     late = []
 
     def straggler(hurry, decode):  # a sample that comes while the burst's first step runs
@@ -236,7 +236,7 @@ def test_a_burst_decodes_in_one_step_once_bursts_come_whole(env, monkeypatch):
             sc.sample(types.ModelInput.from_ints(prompts[0]), 1, types.SamplingParams(**sp))
         )
         _until(lambda: sched.samples_queued() > 0, "the straggler to queue")
-        monkeypatch.setattr(worker, "_step", step)
+        monkeypatch.setattr(worker, "engine_step", step)
         step(hurry, decode)
 
     def burst():
@@ -257,7 +257,7 @@ def test_a_burst_decodes_in_one_step_once_bursts_come_whole(env, monkeypatch):
         # A short first step, so that the straggler joins this burst (after a whole one
         # it would find the engine idle and be gathered as a burst of its own).
         monkeypatch.setattr("jcp.server.worker.ADMIT_HURRY", True)
-        monkeypatch.setattr(worker, "_step", straggler)
+        monkeypatch.setattr(worker, "engine_step", straggler)
         burst()
         late[0].result()
         monkeypatch.setattr("jcp.server.worker.ADMIT_HURRY", False)
