@@ -119,21 +119,15 @@ class HotRoutes:
             return await self.answer(
                 send, 405, JSON, json_bytes({"detail": "Method Not Allowed"}), [(b"allow", b"POST")]
             )
-        headers = dict(scope["headers"])
+        # ASGI gives header names in lower case.
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            who = self.store.owner_of_key(
-                (headers.get(b"x-api-key") or b"").decode("latin-1") or None
-            )
+            who = self.store.owner_of_key(headers.get("x-api-key") or None)
             raw = await read_body(
-                headers.get(b"content-length", b"").decode("latin-1"),
-                self.chunks(receive),
-                self.limits.body_bytes,
+                headers.get("content-length", ""), self.chunks(receive), self.limits.body_bytes
             )
             if raw_handler is not None:
-                named = {
-                    k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers.items()
-                }
-                out = await raw_handler(self.ctx, who, raw, named)
+                out = await raw_handler(self.ctx, who, raw, headers)
             else:
                 out = await off_loop(len(raw), call_json, handler, self.ctx, who, raw)
             if asyncio.iscoroutine(out):
