@@ -16,6 +16,7 @@ latency (a slot's copy: the create must not wait for the passes, nor delay them 
 its copy).
 
     python benchmarks/many_tenants.py [--tenants 1024] [--length 256] [--warm 2] [--rounds 2]
+                                      [--client aiohttp|httpx] [--no-warmup]
     python benchmarks/many_tenants.py --in-process [--tenants 1024]   # no server
     python benchmarks/many_tenants.py --smoke
 """
