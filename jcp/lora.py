@@ -24,7 +24,18 @@ import jax.numpy as jnp
 
 from jcp.config import QwenConfig
 from jcp.logprobs import HeadLora
-from jcp.lora_grouped import Tiles, plan_rows, plan_spans, tile_product
+from jcp.lora_grouped import (
+    PagedFactor,
+    PageSource,
+    Tiles,
+    join_pages,
+    paged_product,
+    plan_rows,
+    plan_spans,
+    rank_axis,
+    split_pages,
+    tile_product,
+)
 from jcp.lora_grouped import tile_rows as tile_rows  # re-exported: jcp.lora.tile_rows
 from jcp.lora_slots import (
     ALL_MODULES,
@@ -66,6 +77,8 @@ __all__ = [
     "LAYER_MODULES",
     "LINEAR",
     "MLP",
+    "PageSource",
+    "PagedFactor",
     "QKV",
     "QKV_B",
     "ROW_PARALLEL",
@@ -122,7 +135,9 @@ class Routing:
     engine's decode batch, whose rows come and go in any adapter order; spans_Ax2 is then
     unused. tiles: the plan of the grouped products (low_rank_input, expand; None: the
     dense products, up to DENSE_MAX_ADAPTERS active slots), made once
-    per routing by SlotMeta.routing.
+    per routing by SlotMeta.routing. pages: where the grouped products read the factors
+    given as PagedFactor and add their gradients (PageSource; training's in-place pass),
+    None where every factor is an array.
     """
 
     active_A: jax.Array
@@ -132,6 +147,7 @@ class Routing:
     tied_A: jax.Array | None = None
     index_S: jax.Array | None = None
     tiles: Tiles | None = None
+    pages: PageSource | None = None
 
     def mask_SxA(self, s_len: int) -> jax.Array:
         if self.index_S is not None:
@@ -142,7 +158,16 @@ class Routing:
 
 jax.tree_util.register_dataclass(
     Routing,
-    data_fields=["active_A", "spans_Ax2", "scale_A", "shared_A", "tied_A", "index_S", "tiles"],
+    data_fields=[
+        "active_A",
+        "spans_Ax2",
+        "scale_A",
+        "shared_A",
+        "tied_A",
+        "index_S",
+        "tiles",
+        "pages",
+    ],
     meta_fields=[],
 )
 
@@ -202,30 +227,23 @@ jax.tree_util.register_dataclass(
 )
 
 
-def rank_axis(which: str, ndim: int) -> int:
-    """The rank axis of a factor of `ndim` axes: last for "a*" keys, second to last for "b*"."""
-    return ndim - 1 if which.startswith("a") else ndim - 2
-
-
 def gather_pages(which: str, x_P, page_AK):
     """[P, …page] -> [A, …slot]: row a holds pages page_AK[a] of factor `which` joined
-    along the rank axis, page k as rank columns [k·r, (k+1)·r) (r the page's rank); an
-    index ≥ P reads zeros. Only the A·K pages are copied."""
-    g = jnp.take(x_P, page_AK, axis=0, mode="fill", fill_value=0)  # [A, K, …page]
-    ax = rank_axis(which, x_P.ndim)
-    g = jnp.moveaxis(g, 1, ax)  # K just before the page's rank axis
-    return g.reshape(g.shape[:ax] + (g.shape[ax] * g.shape[ax + 1],) + g.shape[ax + 2 :])
+    along the rank axis (join_pages); an index ≥ P reads zeros. Only the A·K pages are
+    copied."""
+    return join_pages(which, jnp.take(x_P, page_AK, axis=0, mode="fill", fill_value=0))
 
 
 def scatter_pages(which: str, x_P, page_AK, v_A, *, add: bool):
     """x_P with v_A [A, …slot] (gather_pages' layout) added into or written over the pages
     page_AK; indices ≥ P are dropped."""
-    ax = rank_axis(which, x_P.ndim)
-    k = page_AK.shape[1]
-    v = v_A.reshape(v_A.shape[:ax] + (k, v_A.shape[ax] // k) + v_A.shape[ax + 1 :])
-    v = jnp.moveaxis(v, ax, 1).reshape((-1,) + x_P.shape[1:]).astype(x_P.dtype)
+    v = split_pages(which, v_A, page_AK.shape[1]).reshape((-1,) + x_P.shape[1:])
     at = x_P.at[page_AK.reshape(-1)]
-    return at.add(v, mode="drop") if add else at.set(v, mode="drop")
+    return (
+        at.add(v.astype(x_P.dtype), mode="drop")
+        if add
+        else at.set(v.astype(x_P.dtype), mode="drop")
+    )
 
 
 def take_active(slots: dict, page_GK, active_A) -> dict:
@@ -290,6 +308,8 @@ def low_rank_input(x_SxI, a_AxIxR, route: Routing):
         return _dense_input(x_SxI, a_AxIxR, route)
     if t.order_Q is not None:
         x_SxI = x_SxI[t.order_Q]
+    if isinstance(a_AxIxR, PagedFactor):
+        return paged_product(x_SxI, a_AxIxR, route.pages, t) * t.weight_Q[:, None]
     # One varying type for both (a custom VJP's cotangents must match its inputs'): the
     # casts' transposes sum A's gradient over the devices where x varies and A does not.
     x_QxI, a_AxIxR = (vary_all(v, x_SxI, a_AxIxR) for v in (x_SxI, a_AxIxR.astype(x_SxI.dtype)))
@@ -343,8 +363,11 @@ def expand(u, b_AxRxO, route: Routing, dtype):
         return jnp.einsum(
             "sr,ro->so", u.astype(dtype), b_ARxO.astype(dtype), preferred_element_type=jnp.float32
         ).astype(dtype)
-    u_QxR, b_AxRxO = (vary_all(v, u, b_AxRxO) for v in (u.astype(dtype), b_AxRxO.astype(dtype)))
-    y_QxO = tile_product(u_QxR, b_AxRxO, t).astype(dtype)
+    if isinstance(b_AxRxO, PagedFactor):
+        y_QxO = paged_product(u.astype(dtype), b_AxRxO, route.pages, t).astype(dtype)
+    else:
+        u_QxR, b_AxRxO = (vary_all(v, u, b_AxRxO) for v in (u.astype(dtype), b_AxRxO.astype(dtype)))
+        y_QxO = tile_product(u_QxR, b_AxRxO, t).astype(dtype)
     return y_QxO if t.place_S is None else y_QxO[t.place_S]
 
 

@@ -4,9 +4,12 @@ number of adapters in it.
 
 Owns the tile size (tile_rows), the plan of a stream's rows routed by spans (training,
 prefill) or row by row (a decode batch) into tiles and extra tiles (plan_spans, plan_rows),
-and the product over the tiles with its custom VJP (tile_product). jcp/lora.py routes to
-these past DENSE_MAX_ADAPTERS active adapters. It never copies adapter weights per token and
-never multiplies a token by another adapter's factors.
+the product over the tiles with its custom VJP (tile_product), and the same product reading
+its factors from the slot table's pages and adding its factor gradient into the
+accumulator's pages in place (paged_product: a training pass over many adapters holds no
+gathered copy of their factors and no stacked copy of their gradients). jcp/lora.py routes
+to these past DENSE_MAX_ADAPTERS active adapters. It never copies adapter weights per token
+and never multiplies a token by another adapter's factors.
 
 Shapes: see the legend in jcp/mesh.py (Q: a stream's rows in adapter order, N tiles of T
 rows, E extra tiles, A active adapters).
@@ -15,12 +18,14 @@ rows, E extra tiles, A active adapters).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jcp.mesh import block_size
+from jcp.mesh import BATCH_AXES, TP, block_size, vary, vary_all, varying_axes
 
 # Extra tiles (Tiles) are multiplied this many at a time, in a loop over those in use.
 EXTRA_CHUNK = 8
@@ -257,6 +262,19 @@ def _part_grads(x_KxTxI, dy_KxTxO, w_AxIxO, pick_K, keep_KxT):
     return jnp.einsum("kto,kio->kti", dy, w_KxIxO, preferred_element_type=jnp.float32), dw
 
 
+def _first(x):
+    return x.reshape(-1)[0]
+
+
+def zeros_after(shape, dtype, x):
+    """Zeros that XLA cannot make before x exists: left constant, an accumulator's zeros are a
+    copy of a broadcast that XLA:CPU schedules anywhere — early in the forward pass, say,
+    alive through to the backward's use (one [A, I, R] per product at a time became 34 of
+    them at the peak of a 256-adapter pass). -0.0 where x's first entry is NaN (a sum
+    from -0.0 is the sum from 0.0 but for the sign of a zero)."""
+    return jnp.full(shape, jnp.where(jnp.isnan(_first(x)), -0.0, 0.0).astype(dtype))
+
+
 def _tile_product_bwd(res, dy_QxO):
     x_QxI, w_AxIxO, t = res
     n, tile = t.keep_NxT.shape
@@ -264,8 +282,9 @@ def _tile_product_bwd(res, dy_QxO):
     x_NxTxI = x_QxI.reshape(n, tile, -1)
     dy_NxTxO = dy_QxO.astype(x_QxI.dtype).reshape(n, tile, -1)
 
-    def per_adapter(dw_K, rank_K):
-        return jax.ops.segment_sum(dw_K, rank_K, n_a, indices_are_sorted=True)
+    def per_adapter(dw_K, rank_K):  # jax.ops.segment_sum's sums, from zeros_after
+        zeros = zeros_after((n_a,) + dw_K.shape[1:], dw_K.dtype, dy_QxO)
+        return zeros.at[rank_K].add(dw_K, indices_are_sorted=True, mode="drop")
 
     def extra(e, carry):
         dx_NxTxI, dw_A = carry
@@ -308,3 +327,127 @@ def tile_product_grads_into(x_QxI, dy_QxO, w_AxIxO, t: Tiles, dw_AxIxO):
 
 
 tile_product.defvjp(_tile_product_fwd, _tile_product_bwd)
+
+
+# ----------------------------------------------------------------------------------------
+# Factors read from the slot table's pages, gradients added into the accumulator's pages
+
+
+def rank_axis(which: str, ndim: int) -> int:
+    """The rank axis of a factor of `ndim` axes: last for "a*" keys, second to last for "b*"."""
+    return ndim - 1 if which.startswith("a") else ndim - 2
+
+
+def join_pages(which: str, g):
+    """[A, K, …page] -> [A, …slot]: each row's K pages of factor `which` joined along the
+    rank axis, page k as rank columns [k·r, (k+1)·r) (r the page's rank)."""
+    ax = rank_axis(which, g.ndim - 1)
+    g = jnp.moveaxis(g, 1, ax)  # K just before the page's rank axis
+    return g.reshape(g.shape[:ax] + (g.shape[ax] * g.shape[ax + 1],) + g.shape[ax + 2 :])
+
+
+def split_pages(which: str, v, k: int):
+    """join_pages' inverse: [A, …slot] -> [A, K, …page]."""
+    ax = rank_axis(which, v.ndim)
+    v = v.reshape(v.shape[:ax] + (k, v.shape[ax] // k) + v.shape[ax + 1 :])
+    return jnp.moveaxis(v, ax, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedFactor:
+    """A factor of the active adapters left in the slot table's pages: `key` of `module` at
+    `layer` (int32 [] inside the layer loop; [L] stacked before it, sliced by the loop as
+    any per-layer array), which the grouped products read from the Routing's PageSource."""
+
+    layer: jax.Array
+    module: str
+    key: str
+
+
+jax.tree_util.register_dataclass(PagedFactor, data_fields=["layer"], meta_fields=["module", "key"])
+
+
+@dataclasses.dataclass(frozen=True)
+class PageSource:
+    """Where a training pass's grouped products read their factors and put their gradients
+    (inside the shard_map, this device's shards): tables {module: {key: [P, L, …page]}} the
+    slot tables' pages; page_AK the pages of each active adapter (SlotMeta.page_GK's rows;
+    an entry ≥ P: no page, zeros); grads {module: {key: Ref}} the gradient accumulators'
+    pages, which each product's backward adds its factor gradient into (summed over dp and
+    cp first); finite a Ref bool [A], varying over every mesh axis, cleared where an active
+    adapter's gradient is not finite; probe a zero f32 [] that each product takes as an input, so
+    the pass's gradient w.r.t. it runs every product's backward (its own gradient is zero)."""
+
+    tables: dict
+    page_AK: jax.Array
+    grads: dict
+    finite: Any
+    probe: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    PageSource, data_fields=["tables", "page_AK", "grads", "finite", "probe"], meta_fields=[]
+)
+
+
+def read_layer(which: str, table_P, page_AK, layer):
+    """[A, …slot] factor `which` of the adapters page_AK at `layer` from its table's pages
+    [P, L, …page]: only those A·K pages of that layer are read (an index ≥ P reads zeros)."""
+    return join_pages(which, table_P.at[page_AK, layer].get(mode="fill", fill_value=0))
+
+
+def paged_product(x_QxI, f: PagedFactor, src: PageSource, t: Tiles):
+    """tile_product(x, w, t) of the factor f read from src's pages (read_layer, in x's
+    dtype), whose gradient the backward adds into src.grads' pages of f's layer (summed
+    over the devices where x varies and the table does not, as the casts of an array
+    factor do) instead of returning it; x's gradient is returned as tile_product's."""
+    table = src.tables[f.module][f.key]
+    x_QxI = vary_all(x_QxI, table)
+    grad = src.grads[f.module][f.key]
+    return _paged(f.key, x_QxI, src.probe, f.layer, table, src.page_AK, grad, src.finite, t)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _paged(which, x_QxI, probe, layer, table_P, page_AK, grad_ref, finite_ref, t: Tiles):
+    del probe, grad_ref, finite_ref
+    return tile_product(x_QxI, _read_after(which, table_P, page_AK, layer, x_QxI, x_QxI.dtype), t)
+
+
+def _read_after(which, table_P, page_AK, layer, x, dtype):
+    """read_layer in `dtype`, made after x exists: the forward pass's read after its input,
+    the backward's after its cotangent. Left free, XLA:CPU reads every layer's factors at
+    the start (they depend on nothing else) and keeps them alive to their use, or merges the
+    backward's read with the forward's (it drops optimization barriers before its CSE),
+    keeping them from the forward pass to the backward. Indices ≥ P read zeros, so P or
+    P + 1 as the indices' limit reads the same."""
+    limit = table_P.shape[0] + jnp.isnan(_first(x)).astype(page_AK.dtype)
+    return read_layer(which, table_P, jnp.minimum(page_AK, limit), layer).astype(dtype)
+
+
+def _paged_fwd(which, x_QxI, probe, layer, table_P, page_AK, grad_ref, finite_ref, t):
+    y = _paged(which, x_QxI, probe, layer, table_P, page_AK, grad_ref, finite_ref, t)
+    return y, (x_QxI, probe, layer, table_P, page_AK, grad_ref, finite_ref, t)
+
+
+def _paged_bwd(which, res, dy_QxO):
+    x_QxI, probe, layer, table_P, page_AK, grad_ref, finite_ref, t = res
+    w_AxIxO = vary_all(_read_after(which, table_P, page_AK, layer, dy_QxO, x_QxI.dtype), x_QxI)
+    dx_QxI, dw_A, _ = _tile_product_bwd((x_QxI, w_AxIxO, t), dy_QxO)
+    # Summed where an array factor's gradient is: over tp (or any non-data axis) at its cast
+    # in the layer, in x's dtype; over dp and cp at the pass's entry, in the table's dtype.
+    summed = [a for a in varying_axes(dw_A) if a not in varying_axes(table_P)]
+    for axes, dtype in (
+        ([a for a in summed if a not in BATCH_AXES], dw_A.dtype),
+        ([a for a in summed if a in BATCH_AXES], table_P.dtype),
+    ):
+        dw_A = dw_A.astype(dtype)
+        if axes:
+            dw_A = jax.lax.psum(dw_A, tuple(axes))
+    ok_A = jnp.all(jnp.isfinite(dw_A), axis=tuple(range(1, dw_A.ndim)))
+    finite_ref[...] = finite_ref[...] & vary(ok_A, BATCH_AXES + (TP,))
+    v = split_pages(which, dw_A, page_AK.shape[1])
+    grad_ref[...] = grad_ref[...].at[page_AK, layer].add(v, mode="drop")
+    return dx_QxI, jnp.zeros_like(probe), None, None, None, None, None, None
+
+
+_paged.defvjp(_paged_fwd, _paged_bwd)

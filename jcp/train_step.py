@@ -111,11 +111,16 @@ class PassConfig:
         return stream_loss(self, lora_active, params, slot_meta, b, loss_cfg, **kw)
 
 
-def stream_loss(p: PassConfig, lora_active, params, slot_meta, b: Batch, loss_cfg, **kw):
+def stream_loss(
+    p: PassConfig, lora_active, params, slot_meta, b: Batch, loss_cfg, pages=None, **kw
+):
     """model_loss of this device's row of the batch, inside the shard_map (kw: its
-    keep_token_logprobs / summed, LossOptions)."""
+    keep_token_logprobs / summed, LossOptions; pages: the lora.PageSource of lora_active's
+    PagedFactor leaves, _paged_value_and_grad's)."""
     one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
     route = slot_meta.routing(b.active, one(b.spans), s_len=b.tokens.shape[-1])
+    if pages is not None:
+        route = dataclasses.replace(route, pages=pages)
     inputs = losses_lib.TokenInputs(**{k: one(getattr(b, k)) for k in losses_lib.FLOAT_INPUTS})
     stream = Stream(
         one(b.tokens),
@@ -265,6 +270,86 @@ def _emit_bwd(payload, ct):
 
 
 _emit.defvjp(_emit_fwd, _emit_bwd)
+
+
+def pages_in_place(cfg: QwenConfig, custom, slot_meta, active_A, fold: bool = True) -> bool:
+    """Whether forward_backward takes _paged_value_and_grad: a pass of the grouped products
+    (more than DENSE_MAX_ADAPTERS active adapters) over paged tables, of a dense model
+    without a custom loss (folds_outputs)."""
+    return (
+        fold
+        and folds_outputs(cfg, custom)
+        and slot_meta.page_GK is not None
+        and active_A.shape[0] > lora_lib.DENSE_MAX_ADAPTERS
+    )
+
+
+def _paged_value_and_grad(p: PassConfig, acc, lora, params, slot_meta, batch: Batch, loss_cfg):
+    """(acc with the pass's gradient added, loss, ShardOutputs, finite_A) of a pass over
+    many adapters (pages_in_place), its per-layer modules' gradients added in place.
+
+    Each per-layer module's factors stay in the slot tables' pages: the layers get
+    lora.PagedFactor leaves, whose grouped products (lora_grouped.paged_product) read each
+    tile's factors from the pages and, in the backward, add each layer's factor gradient —
+    summed over dp and cp — into the accumulator's pages (a jax.Ref per table, made inside
+    the shard_map from this device's shard). So the pass holds neither the active adapters'
+    gathered factors [L, A, …] nor their stacked gradient, which grow with A (at 256
+    adapters of r16 on a 1024-wide model, 1 GiB each). The gradient is therefore taken
+    inside the shard_map, w.r.t. a zero probe that every paged product takes (and the
+    other modules' gathered factors, the unembedding's, as _folded_value_and_grad does):
+    each shard's loss is seeded with 1, as there. The outputs are summed over dp and cp
+    in one all-reduce; the sums, the accumulators and finite_A are those of the gathered
+    path (tests/test_lora_grouped.py compares them).
+    """
+    cfg, mesh, num_slots = p.cfg, p.mesh, p.num_slots
+    tables = {m: ab for m, ab in lora.items() if m in lora_lib.LAYER_MODULES}
+    other = lora_lib.take_active(
+        {m: ab for m, ab in lora.items() if m not in tables}, slot_meta.page_GK, batch.active
+    )
+    specs = lora_lib.slot_specs(cfg)
+    table_specs = {m: {k: specs[m][k] for k in ab} for m, ab in tables.items()}
+    every = BATCH_AXES + (mesh_lib.TP,)
+
+    def shard(acc_t, tables, other, params, slot_meta, b: Batch, loss_cfg):
+        grads = jax.tree.map(jax.new_ref, acc_t)
+        finite = jax.new_ref(mesh_lib.vary(jnp.ones(b.active.shape[0], bool), every))
+        page_AK = jnp.take(slot_meta.page_GK, b.active, axis=0)
+        paged = {
+            m: {k: lora_lib.PagedFactor(jnp.arange(x.shape[1]), m, k) for k, x in ab.items()}
+            for m, ab in tables.items()
+        }
+
+        def local(probe, other):
+            src = lora_lib.PageSource(tables, page_AK, grads, finite, probe)
+            lora_active = {**vary_on_entry(other), **paged}
+            return p.stream_loss(
+                lora_active, params, slot_meta, b, loss_cfg, pages=src, summed=False
+            )
+
+        probe = jnp.zeros((), jnp.float32)
+        (_, parts), (_, g_other) = jax.value_and_grad(local, (0, 1), has_aux=True)(probe, other)
+        sums = mesh_lib.psum_flat(jnp.concatenate([x.reshape(-1) for x in parts]), BATCH_AXES)
+        ok = jax.lax.pmin(jax.ref.freeze(finite).astype(jnp.int32), every)
+        return jax.tree.map(jax.ref.freeze, grads), g_other, sums, ok
+
+    in_specs = (
+        table_specs,
+        table_specs,
+        lora_lib.slot_specs_active(cfg, other),
+        model_lib.param_specs(cfg),
+        SPECS.slot_G,
+        batch_specs(),
+        SPECS.replicated,
+    )
+    out_specs = (table_specs, lora_lib.slot_specs_active(cfg, other), P(), P())
+    acc_t, g_other, sums, ok = jax.shard_map(
+        shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs
+    )({m: acc[m] for m in tables}, tables, other, params, slot_meta, batch, loss_cfg)
+    acc, finite_A = accumulate(
+        {**acc, **acc_t}, slot_meta, lora_lib.untake_active(g_other), batch.active
+    )
+    loss, out = losses_lib.shard_outputs(split_parts(sums, part_shapes(batch, num_slots)))
+    return acc, loss, out, finite_A & (ok > 0)
 
 
 def vary_on_entry(tree):
@@ -419,6 +504,9 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig, fold: boo
                 p, active, params, slot_meta, batch, loss_cfg, custom, custom_args
             )
 
+        if pages_in_place(cfg, custom, slot_meta, batch.active, fold):
+            used = used_modules(lora, static.modules)
+            return _paged_value_and_grad(p, acc, used, params, slot_meta, batch, loss_cfg)
         active = lora_lib.take_active(
             used_modules(lora, static.modules), slot_meta.page_GK, batch.active
         )
@@ -436,10 +524,8 @@ def accumulate(acc, slot_meta, grads, active_A):
     """(acc with `grads` [A, …] of the A active slots added — the modules grads holds —,
     finite_A: whether each active slot's gradient is finite)."""
     acc = lora_lib.add_active(acc, slot_meta.page_GK, active_A, grads)
-    finite_A = jnp.all(
-        jnp.stack(
-            [jnp.all(jnp.isfinite(g), axis=tuple(range(1, g.ndim))) for g in jax.tree.leaves(grads)]
-        ),
-        axis=0,
-    )
+    finite = [
+        jnp.all(jnp.isfinite(g), axis=tuple(range(1, g.ndim))) for g in jax.tree.leaves(grads)
+    ]
+    finite_A = jnp.all(jnp.stack(finite), axis=0) if finite else jnp.ones(active_A.shape, bool)
     return acc, finite_A
