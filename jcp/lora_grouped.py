@@ -27,27 +27,30 @@ import jax.numpy as jnp
 
 from jcp.mesh import BATCH_AXES, TP, block_size, vary, vary_all, varying_axes
 
-# Extra tiles (Tiles) are multiplied this many at a time, in a loop over those in use.
-EXTRA_CHUNK = 8
+# Extra tiles (Tiles) are multiplied this many at a time, in a loop over those in use:
+# fewer, larger loop steps (8 → 32: 1.56 → 1.31× one adapter's CPU time for a pass over
+# 256 adapters, below); a padded chunk costs at most this many tiles of T rows.
+EXTRA_CHUNK = 32
 
 
 def tile_rows(s_len: int, n_active: int) -> int:
     """Rows T of a tile of the grouped LoRA products over s_len rows and n_active adapters:
-    the largest power of two dividing s_len and at most S / (4·√(A − 1)) (all rows in one
+    the largest power of two dividing s_len and at most S / (16·√(A − 1)) (all rows in one
     tile for one adapter).
 
     Work: the S rows, the extra tiles of adapters starting inside a tile (up to A − 1 of T
     rows) and, per tile, a gather of its adapter's factors — rows of product ∝ S + (A − 1)·T,
-    factor copies ∝ S / T + A − 1: T = S / (4√(A − 1)) keeps both within √(A − 1)·S/4 and
-    4√(A − 1) + A − 1. Measured (benchmarks/multi_lora.py, one fused forward_backward of
-    4096 rows at A = 64; XLA:CPU): T = 128 9.2 s, T = 32 9.7 s, T = 256 10.6 s, no LoRA
-    product 8.6 s; a decode batch of 64 rows at A = 64 (T = 2 here) 1.29× the time of one
-    adapter, 1.54× at T = 16. Training's 4096 rows: 512, 256, 128 at A = 4, 16, 64; decode's
-    256 rows: 16 at A = 16, 8 at 64.
+    factor copies ∝ S / T + A − 1, so T ∝ S / √(A − 1) balances them; the constant is
+    measured. benchmarks/multi_lora.py's fused forward_backward (4096 rows, a 1024-wide
+    model, r16 on attn + mlp, CPU s against one adapter; XLA:CPU, factors read from the
+    pages): 256 datums over 64 / 256 adapters 1.17 / 1.56× at S / (4√(A − 1)) (T = 128 /
+    64), 0.99 / 1.39× at S / (16√(A − 1)) (T = 32 / 16), 1.05 / 1.33× at S / (64√(A − 1));
+    64 datums over 16 / 64 adapters 1.05 / 1.14× → 1.00 / 1.05×. Training's 4096 rows:
+    128, 64, 32, 16 at A = 4, 16, 64, 256; decode's 256 rows: 4 at A = 16, 2 at 64.
     """
     if n_active == 1:
         return block_size(s_len, s_len)
-    return block_size(s_len, int(s_len / (4 * math.sqrt(n_active - 1))))
+    return block_size(s_len, int(s_len / (16 * math.sqrt(n_active - 1))))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -132,9 +132,9 @@ def test_routing_groups_more_than_dense_max_adapters():
 
 def test_tile_rows():
     assert lora_lib.tile_rows(4096, 1) == 4096 and lora_lib.tile_rows(6144, 1) == 2048
-    assert [lora_lib.tile_rows(4096, a) for a in (4, 16, 64)] == [512, 256, 128]
-    assert lora_lib.tile_rows(48, 4) == 4  # a power of two dividing S
-    assert lora_lib.tile_rows(256, 64) == 8 and lora_lib.tile_rows(8, 8) == 1
+    assert [lora_lib.tile_rows(4096, a) for a in (4, 16, 64, 256)] == [128, 64, 32, 16]
+    assert lora_lib.tile_rows(1536, 4) == 32  # a power of two dividing S (1536 / 27.7 = 55)
+    assert lora_lib.tile_rows(256, 64) == 2 and lora_lib.tile_rows(8, 8) == 1
 
 
 def dense_delta(x, a, b, route):
@@ -162,9 +162,11 @@ ROUTES = {  # A = 1, 3, 8: uneven segments, an empty adapter, base-model rows, p
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "dense"])
 @pytest.mark.parametrize("by", ["spans", "rows"])
 @pytest.mark.parametrize("n_a", sorted(ROUTES))
-def test_grouped_equals_masked_dense(n_a, by, grouped, chunk=None):
+def test_grouped_equals_masked_dense(monkeypatch, n_a, by, grouped, chunk=None):
     """lora.delta / head_lora, grouped (Tiles) or dense (no Tiles: SlotMeta.routing's
-    choice up to DENSE_MAX_ADAPTERS), against the reference: values and gradients."""
+    choice up to DENSE_MAX_ADAPTERS), against the reference: values and gradients. Tiles
+    of 8 rows, so that adapters start inside them at these small S (tile_rows picks 1–2)."""
+    monkeypatch.setattr(lora_grouped, "tile_rows", lambda s_len, n_active: 8)
     active, spans = ROUTES[n_a]()
     s_len = 64 if n_a < 8 else 128
     if by == "spans":
@@ -275,7 +277,7 @@ def test_backward_keeps_rank_wide_activations_only():
 
 def test_extras_in_several_chunks(monkeypatch):
     monkeypatch.setattr(lora_grouped, "EXTRA_CHUNK", 2)
-    test_grouped_equals_masked_dense(8, "spans", True, chunk=2)
+    test_grouped_equals_masked_dense(monkeypatch, 8, "spans", True, chunk=2)
 
 
 def _random_adapter(tr, slot, rank, targets, seed):
