@@ -377,3 +377,28 @@ def test_sampling_over_many_adapters_equals_each_alone():
         assert got.sequences[0].tokens.tolist() == alone.tokens.tolist(), a
         np.testing.assert_allclose(got.sequences[0].logprobs, alone.logprobs, rtol=1e-5, atol=1e-5)
     assert together[0].sequences[0].tokens.tolist() != base  # the adapters do change tokens
+
+
+def test_a_pass_over_many_adapters_holds_their_factors_one_layer_at_a_time():
+    """Peak memory against A (issue 33): a fused forward_backward over 64 adapters reads
+    their factors from the pages inside the products and adds their gradients into the
+    accumulators in place (train_step._paged_value_and_grad), so its compiled temporaries
+    exceed those of a pass over one adapter by less than 3 layers' worth of the 64
+    adapters' factors — where the gathered [L, A, …] copy and its stacked gradient took
+    2·L = 8 (this pass held 1.54× one adapter's memory at A = 256, the gathered way)."""
+    import jcp
+
+    cfg = jcp.QwenConfig.tiny(num_layers=4)
+    n = 64
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=n, max_rank=8, remat=False)
+    ids = [tr.create_adapter(rank=8, seed=k, targets=["attn", "mlp"]) for k in range(n)]
+    data = [_train_datum(i, 8) for i in range(n)]
+    temps = {}
+    for a in (1, n):
+        known = set(tr.forward_backward_programs)
+        tr.forward_backward(data, "cross_entropy", adapters=[ids[i * a // n] for i in range(n)])
+        (program,) = [p for k, p in tr.forward_backward_programs.items() if k not in known]
+        temps[a] = program.memory_analysis().temp_size_in_bytes
+    # One page (rank 8) of every module at one layer, for each of the n adapters.
+    layer_bytes = n * sum(x[0, 0].nbytes for x in jax.tree.leaves(tr.state.weights))
+    assert 0 < temps[n] - temps[1] < 3 * layer_bytes, (temps, layer_bytes)
