@@ -2,12 +2,14 @@
 
 Owns the one shard_map over (dp, cp, tp) that runs model + losses (the body of one device's
 stream: jcp/model_loss.py, whose model_loss, StepConfig, training_attend and unroll_layers
-are importable from here) and the gradient taken
-outside it w.r.t. the active adapter slots only (AdamW is jcp.optim's). It must
-never differentiate base weights, never psum a gradient beyond the one sum over dp and cp
-that the replicated adapters' transpose makes (vary_on_entry; or, in a multi-process CPU
-job, host_sum.HostSummedStep's sum of each process's devices on the host and of the processes' sums
-after it), and never touch a slot other than the one being stepped.
+are importable from here) and the gradient w.r.t. the active adapter slots only: taken
+outside it, or — for a pass over many adapters — inside it, each layer's factor gradient
+added into the accumulators' pages in place (_paged_value_and_grad). AdamW is jcp.optim's.
+It must never differentiate base weights, never psum a gradient beyond the one sum over dp
+and cp that the replicated adapters' transpose makes (vary_on_entry; a paged pass makes
+the same sums layer by layer; in a multi-process CPU job, host_sum.HostSummedStep's sum of
+each process's devices on the host and of the processes' sums after it), and never touch
+a slot other than the one being stepped.
 
 Shapes: see the legend in jcp/mesh.py.
 """
