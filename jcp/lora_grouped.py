@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -27,30 +26,38 @@ import jax.numpy as jnp
 
 from jcp.mesh import BATCH_AXES, TP, block_size, vary, vary_all, varying_axes
 
-# Extra tiles (Tiles) are multiplied this many at a time, in a loop over those in use:
-# fewer, larger loop steps (8 → 32: 1.56 → 1.31× one adapter's CPU time for a pass over
-# 256 adapters, below); a padded chunk costs at most this many tiles of T rows.
-EXTRA_CHUNK = 32
+# Extra tiles (Tiles) are multiplied EXTRA_CHUNK at a time, in a loop over those in use, or
+# EXTRA_CHUNK_MANY at a time past EXTRA_CHUNK_MANY of them (extra_chunk). Measured
+# (benchmarks/multi_lora.py, CPU s against one adapter, one run each): a 1024-wide model over
+# 256 / 64 adapters 1.40 / 1.11× in chunks of 8, 1.27–1.30 / 1.05–1.06× in chunks of 16 or
+# 32; the tiny model's served passes (many_tenants.py --in-process: 16 adapters a
+# micro-batch, 15 extras) ~3.1 s in chunks of 8 against ~3.8 s in one chunk of 15.
+EXTRA_CHUNK = 8
+EXTRA_CHUNK_MANY = 32
+
+
+def extra_chunk(n_e: int) -> int:
+    """The extra tiles one step of their loop multiplies, of n_e extras (a multiple of it
+    once _plan has rounded n_e up)."""
+    return min(n_e, EXTRA_CHUNK if n_e <= EXTRA_CHUNK_MANY else EXTRA_CHUNK_MANY)
 
 
 def tile_rows(s_len: int, n_active: int) -> int:
     """Rows T of a tile of the grouped LoRA products over s_len rows and n_active adapters:
-    the largest power of two dividing s_len and at most S / (16·√(A − 1)) (all rows in one
-    tile for one adapter).
+    the largest power of two dividing s_len and at most S / A, the adapters' mean rows.
 
     Work: the S rows, the extra tiles of adapters starting inside a tile (up to A − 1 of T
-    rows) and, per tile, a gather of its adapter's factors — rows of product ∝ S + (A − 1)·T,
-    factor copies ∝ S / T + A − 1, so T ∝ S / √(A − 1) balances them; the constant is
-    measured. benchmarks/multi_lora.py's fused forward_backward (4096 rows, a 1024-wide
-    model, r16 on attn + mlp, CPU s against one adapter; XLA:CPU, factors read from the
-    pages): 256 datums over 64 / 256 adapters 1.17 / 1.56× at S / (4√(A − 1)) (T = 128 /
-    64), 0.99 / 1.39× at S / (16√(A − 1)) (T = 32 / 16), 1.05 / 1.33× at S / (64√(A − 1));
-    64 datums over 16 / 64 adapters 1.05 / 1.14× → 1.00 / 1.05×. Training's 4096 rows:
-    128, 64, 32, 16 at A = 4, 16, 64, 256; decode's 256 rows: 4 at A = 16, 2 at 64.
+    rows) and, per tile, a gather of its adapter's factors — rows of product ≤ S + (A − 1)·T
+    < 2S, factor copies ≤ S / T + A − 1 < 2A. Measured (benchmarks/multi_lora.py's fused
+    forward_backward, 4096 rows of a 1024-wide model, r16 on attn + mlp, CPU s against one
+    adapter; 256 datums of 8–24 rows, so 64 / 256 adapters hold 64 / 16 rows each):
+    T = S / (4√(A − 1)) (128 / 64) 1.17 / 1.56×, S / (16√(A − 1)) (32 / 16) 0.99–1.06 /
+    1.31–1.39×, S / A (64 / 16) 1.06 / 1.27× (with the extras in chunks of 32); the tiny
+    model's served passes (16 adapters of 255 rows in 4096) run T = 256 best (T = 64: ~20 %
+    slower). Training's 4096 rows: 1024, 256, 64, 16 at A = 4, 16, 64, 256; decode's 256
+    rows: 16 at A = 16, 4 at 64, 1 at 256.
     """
-    if n_active == 1:
-        return block_size(s_len, s_len)
-    return block_size(s_len, int(s_len / (16 * math.sqrt(n_active - 1))))
+    return block_size(s_len, s_len // n_active)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +70,7 @@ class Tiles:
     is multiplied by one adapter, its first routed row's: pick_N (index into the A active
     adapters); keep_NxT marks the rows that adapter owns. A tile in which further adapters
     start is multiplied again for each of them: the extras tile_E, pick_E, keep_ExT, the
-    first count_E of E ≤ A − 1 (rounded up to EXTRA_CHUNK) in use — the products loop over
+    first count_E of E ≤ A − 1 (rounded up to extra_chunk) in use — the products loop over
     those only, so active entries without rows (a padded bucket) cost nothing. Rows of no
     adapter (padding, the base model)
     are kept by no tile. rank_N / rank_E: those adapters' order along the stream
@@ -116,7 +123,7 @@ def _plan(rank_Q, has_Q, start_A, live_A, slot_A, scale_A, tile: int, order_Q=No
     first_A = jnp.clip(start_A // tile, 0, n - 1)
     extra_A = live_A & (rank_N[first_A] != jnp.arange(n_a))
     n_e = min(n_a - 1, n * (tile - 1))
-    chunk = min(EXTRA_CHUNK, n_e)
+    chunk = extra_chunk(n_e)
     n_e = -(-n_e // chunk) * chunk if n_e else 0
     (rank_E,) = jnp.nonzero(extra_A, size=n_e, fill_value=n_a - 1)
     tile_E = first_A[rank_E]
@@ -193,8 +200,8 @@ def _keep(x_KxTxC, keep_KxT):
 
 
 def _extra_chunk(t: Tiles, e):
-    """(tile_C, pick_C, keep_CxT) of the EXTRA_CHUNK extra tiles from e on."""
-    chunk = min(EXTRA_CHUNK, t.tile_E.shape[0])
+    """(tile_C, pick_C, keep_CxT) of the extra_chunk extra tiles from e on."""
+    chunk = extra_chunk(t.tile_E.shape[0])
     return tuple(
         jax.lax.dynamic_slice_in_dim(v, e, chunk) for v in (t.tile_E, t.pick_E, t.keep_ExT)
     )
@@ -206,7 +213,7 @@ def _over_extras(t: Tiles, body, carry):
     n_e = t.tile_E.shape[0]
     if not n_e:
         return carry
-    chunk = min(EXTRA_CHUNK, n_e)
+    chunk = extra_chunk(n_e)
     steps = (t.count_E + chunk - 1) // chunk
     return jax.lax.fori_loop(0, steps, lambda i, c: body(i * chunk, c), carry)
 

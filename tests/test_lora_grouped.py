@@ -132,9 +132,13 @@ def test_routing_groups_more_than_dense_max_adapters():
 
 def test_tile_rows():
     assert lora_lib.tile_rows(4096, 1) == 4096 and lora_lib.tile_rows(6144, 1) == 2048
-    assert [lora_lib.tile_rows(4096, a) for a in (4, 16, 64, 256)] == [128, 64, 32, 16]
-    assert lora_lib.tile_rows(1536, 4) == 32  # a power of two dividing S (1536 / 27.7 = 55)
-    assert lora_lib.tile_rows(256, 64) == 2 and lora_lib.tile_rows(8, 8) == 1
+    assert [lora_lib.tile_rows(4096, a) for a in (4, 16, 64, 256)] == [1024, 256, 64, 16]
+    assert lora_lib.tile_rows(1536, 4) == 256  # a power of two dividing S, ≤ 384
+    assert lora_lib.tile_rows(256, 64) == 4 and lora_lib.tile_rows(8, 8) == 1
+
+
+def test_extra_chunk():
+    assert [lora_grouped.extra_chunk(n) for n in (3, 8, 31, 32, 33, 255)] == [3, 8, 8, 8, 32, 32]
 
 
 def dense_delta(x, a, b, route):
