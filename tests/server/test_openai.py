@@ -518,9 +518,22 @@ def test_disconnect_mid_stream_frees_its_rows(env):
 # ---------------------------------------------------------------------- refusals
 
 
+def _settled(srv, quiet=0.3, limit=30.0):
+    """(passes, engine steps, pending) once the engine is idle and its step count has held
+    for `quiet` s: a step an earlier test's cancelled request was in can still end (and
+    count) after the engine went idle."""
+    deadline = time.monotonic() + limit
+    while True:
+        steps = srv.worker.sampling.steps
+        time.sleep(quiet)
+        if srv.worker.sampling.idle and srv.worker.sampling.steps == steps:
+            return srv.scheduler.counters.passes, steps, srv.scheduler.pending()
+        assert time.monotonic() < deadline, "the engine did not settle"
+
+
 def test_unsupported_fields_are_refused_naming_them(env):
     oai, srv = env["oai"]["tml-alice"], env["srv"]
-    before = (srv.scheduler.counters.passes, srv.worker.sampling.steps, srv.scheduler.pending())
+    before = _settled(srv)
     msgs = [{"role": "user", "content": "hi"}]
     cases = [
         ("tools", dict(messages=msgs, tools=[{"type": "function", "function": {"name": "f"}}])),
