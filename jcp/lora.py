@@ -238,12 +238,8 @@ def scatter_pages(which: str, x_P, page_AK, v_A, *, add: bool):
     """x_P with v_A [A, …slot] (gather_pages' layout) added into or written over the pages
     page_AK; indices ≥ P are dropped."""
     v = split_pages(which, v_A, page_AK.shape[1]).reshape((-1,) + x_P.shape[1:])
-    at = x_P.at[page_AK.reshape(-1)]
-    return (
-        at.add(v.astype(x_P.dtype), mode="drop")
-        if add
-        else at.set(v.astype(x_P.dtype), mode="drop")
-    )
+    v, at = v.astype(x_P.dtype), x_P.at[page_AK.reshape(-1)]
+    return at.add(v, mode="drop") if add else at.set(v, mode="drop")
 
 
 def take_active(slots: dict, page_GK, active_A) -> dict:

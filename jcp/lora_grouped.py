@@ -272,8 +272,11 @@ def _part_grads(x_KxTxI, dy_KxTxO, w_AxIxO, pick_K, keep_KxT):
     return jnp.einsum("kto,kio->kti", dy, w_KxIxO, preferred_element_type=jnp.float32), dw
 
 
-def _first(x):
-    return x.reshape(-1)[0]
+def _after(x):
+    """A bool XLA can only compute once x exists (whether x's first entry is NaN): what ties
+    a value that depends on nothing else to the point where it is needed. XLA:CPU drops
+    optimization barriers before its CSE and scheduling, so a barrier does not."""
+    return jnp.isnan(x.reshape(-1)[0])
 
 
 def zeros_after(shape, dtype, x):
@@ -282,7 +285,7 @@ def zeros_after(shape, dtype, x):
     alive through to the backward's use (one [A, I, R] per product at a time became 34 of
     them at the peak of a 256-adapter pass). -0.0 where x's first entry is NaN (a sum
     from -0.0 is the sum from 0.0 but for the sign of a zero)."""
-    return jnp.full(shape, jnp.where(jnp.isnan(_first(x)), -0.0, 0.0).astype(dtype))
+    return jnp.full(shape, jnp.where(_after(x), -0.0, 0.0).astype(dtype))
 
 
 def _tile_product_bwd(res, dy_QxO):
@@ -427,10 +430,9 @@ def _read_after(which, table_P, page_AK, layer, x, dtype):
     """read_layer in `dtype`, made after x exists: the forward pass's read after its input,
     the backward's after its cotangent. Left free, XLA:CPU reads every layer's factors at
     the start (they depend on nothing else) and keeps them alive to their use, or merges the
-    backward's read with the forward's (it drops optimization barriers before its CSE),
-    keeping them from the forward pass to the backward. Indices ≥ P read zeros, so P or
-    P + 1 as the indices' limit reads the same."""
-    limit = table_P.shape[0] + jnp.isnan(_first(x)).astype(page_AK.dtype)
+    backward's read with the forward's, keeping them from the forward pass to the backward
+    (_after). Indices ≥ P read zeros, so P or P + 1 as the indices' limit reads the same."""
+    limit = table_P.shape[0] + _after(x).astype(page_AK.dtype)
     return read_layer(which, table_P, jnp.minimum(page_AK, limit), layer).astype(dtype)
 
 
