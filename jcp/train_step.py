@@ -300,8 +300,8 @@ def _paged_value_and_grad(p: PassConfig, acc, lora, params, slot_meta, batch: Ba
     inside the shard_map, w.r.t. a zero probe that every paged product takes (and the
     other modules' gathered factors, the unembedding's, as _folded_value_and_grad does):
     each shard's loss is seeded with 1, as there. The outputs are summed over dp and cp
-    in one all-reduce; the sums, the accumulators and finite_A are those of the gathered
-    path (tests/test_lora_grouped.py compares them).
+    in one all-reduce; the sums, the accumulators and finite_A are the gathered path's, bit
+    for bit (tests/test_lora_grouped.py compares them at (1,2,2)).
     """
     cfg, mesh, num_slots = p.cfg, p.mesh, p.num_slots
     tables = {m: ab for m, ab in lora.items() if m in lora_lib.LAYER_MODULES}

@@ -301,15 +301,24 @@ def _random_adapter(tr, slot, rank, targets, seed):
 @pytest.mark.parametrize(
     "mesh_shape, n", [((1, 2, 2), 12), ((1, 1, 1), 6), ((2, 2, 2), 6), ((1, 4, 1), 6)]
 )
-def test_a_fused_pass_over_many_adapters_equals_one_pass_each(mesh_shape, n):
+def test_a_fused_pass_over_many_adapters_equals_one_pass_each(monkeypatch, mesh_shape, n):
     """Through the model at every mesh kind: n adapters of ranks 2 … 16 and three target
     sets (attn; mlp; attn + mlp + unembedding: the others' modules are the base model's) in
     one forward_backward — the grouped products — give each datum the log-probs and each
     adapter the gradients of passes of at most DENSE_MAX_ADAPTERS adapters each (the dense,
     masked products, themselves equal to one adapter at a time:
     test_grouped_equals_masked_dense). Four (rank, targets) kinds, each a compile of
-    install_slot (24 adapters of 12 kinds took ~26 CPU s, 12 ~half; 6 on the other meshes)."""
+    install_slot (24 adapters of 12 kinds took ~26 CPU s, 12 ~half; 6 on the other meshes).
+    At (1,2,2) the fused pass — its factors read from the pages, its gradients added in
+    place (train_step._paged_value_and_grad) — also equals the gathered path bit for bit."""
     import jcp
+    from jcp import train_step
+
+    traced = []  # the gradient paths traced, in order
+    for name in ("_paged_value_and_grad", "_folded_value_and_grad"):
+        real = getattr(train_step, name)
+        spy = lambda *a, name=name, real=real: (traced.append(name), real(*a))[1]  # noqa: E731
+        monkeypatch.setattr(train_step, name, spy)
 
     cfg = jcp.QwenConfig.tiny()
     tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), max_adapters=n, max_rank=16, logprob_chunk=16)
@@ -318,10 +327,22 @@ def test_a_fused_pass_over_many_adapters_equals_one_pass_each(mesh_shape, n):
     ids = [_random_adapter(tr, k, *kinds[k % len(kinds)], seed=k) for k in range(n)]
     data = [_train_datum(i, 12) for i in range(n)]
     fused = tr.forward_backward(data, "cross_entropy", adapters=ids)
-    assert n > lora_lib.DENSE_MAX_ADAPTERS
+    assert n > lora_lib.DENSE_MAX_ADAPTERS and traced == ["_paged_value_and_grad"]
     grads = {k: tr.gradients(k) for k in ids}
     for k in ids:
         tr.optim_step(k, jcp.AdamParams(learning_rate=0.0))  # zero the accumulators only
+    if mesh_shape == (1, 2, 2):  # the same pass the gathered way: the same bits
+        monkeypatch.setattr(train_step, "pages_in_place", lambda *a: False)
+        tr.programs.compiled.clear()
+        jax.clear_caches()  # so that the step is traced again
+        gathered = tr.forward_backward(data, "cross_entropy", adapters=ids)
+        assert traced[1:] == ["_folded_value_and_grad"]  # this time the gathered path
+        for a, b in zip(fused.loss_fn_outputs, gathered.loss_fn_outputs):
+            np.testing.assert_array_equal(a["logprobs"], b["logprobs"])
+        for k in ids:
+            for name, g in tr.gradients(k).items():
+                np.testing.assert_array_equal(grads[k][name], g, err_msg=name)
+            tr.optim_step(k, jcp.AdamParams(learning_rate=0.0))
     names = set()
     for group in np.array_split(ids, -(-n // lora_lib.DENSE_MAX_ADAPTERS)):
         assert len(group) <= lora_lib.DENSE_MAX_ADAPTERS
