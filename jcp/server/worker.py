@@ -91,8 +91,9 @@ log = logging.getLogger("jcp.serve")
 # CPU host those steps would take the cores from the HTTP thread still taking the burst.
 # Decoding the first arrivals while the rest arrive costs more than it saves. The first
 # decode step after a gather is short (hurry), so that stragglers join one chunk later,
-# unless the last ADMIT_CALM_BURSTS gathered bursts came whole: then a burst that ended at
-# a quiet gap decodes in one step to its end. ADMIT_HURRY: every first step short.
+# unless the last ADMIT_CALM_BURSTS gathered bursts came whole (`Bursts`; a new server
+# counts as calm): then a burst that ended at a quiet gap decodes in one step to its end.
+# ADMIT_HURRY: every first step short.
 # Measured: benchmarks/RESULTS.md, "Sampling engine" (benchmarks/engine.py --admission).
 ADMIT_HURRY = False
 ADMIT_CALM_BURSTS = 2
@@ -112,6 +113,34 @@ TENANT_WINDOW_S = 10.0
 SAMPLE_ROWS = 256
 SAMPLE_SLOTS = 512
 SAMPLE_CACHE_BYTES = 1 << 30
+
+
+class Bursts:
+    """Whether the samples' bursts come whole: the last ADMIT_CALM_BURSTS gathered bursts
+    ran without a sample joining them. A new server counts as calm, so that its first
+    bursts decode at the speed of the later ones (benchmarks/steady_state.py: the first
+    two rounds had taken 1.2-2.0× a steady one); one that a straggler joins makes the next
+    ones hurried until ADMIT_CALM_BURSTS came whole again."""
+
+    def __init__(self):
+        self.calm = ADMIT_CALM_BURSTS  # gathered bursts in a row that no sample joined
+        self._joined: bool | None = None  # the running burst's (None: none runs)
+
+    def gathered(self) -> bool:
+        """A burst is gathered: the last one's count is settled -> whether bursts are calm."""
+        if self._joined is not None:
+            self.calm = 0 if self._joined else self.calm + 1
+            self._joined = None
+        return self.calm >= ADMIT_CALM_BURSTS
+
+    def running(self, running: bool) -> None:
+        """The gathered burst runs (or ended in its first step: it counts for nothing)."""
+        self._joined = False if running else None
+
+    def joined(self) -> None:
+        """Samples came while the gathered burst ran."""
+        if self._joined is False:
+            self._joined = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,9 +233,7 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
         self._streaming: set[str] = set()
         self._unlogged: list[Work] = []  # samples admitted since the last step's log
         self.prefill_steps = 0  # prefill-only engine steps run while gathering a burst
-        # Gathered bursts in a row that no sample joined while they ran (ADMIT_CALM_BURSTS),
-        # and whether one joined the last one (None: none ran since the last count).
-        self._calm, self._joined = 0, None
+        self._bursts = Bursts()  # whether gathered bursts come whole (ADMIT_CALM_BURSTS)
         self._deferred = False  # the last turn ran no engine step (a small pass went first)
         self.busy_s: Counter[str] = Counter()  # worker seconds per request kind
         self._handlers: dict[str, Callable[[Work], tuple]] = {
@@ -270,8 +297,7 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
                 # (hurry), so that stragglers join one chunk later, unless recent bursts
                 # came whole (no sample joined them): then one that ended at a quiet gap
                 # decodes in one step to its end (Engine.decode_len).
-                if self._joined is not None:  # the last gathered burst ran: came it whole?
-                    self._calm = 0 if self._joined else self._calm + 1
+                calm = self._bursts.gathered()
                 self._admit_arrivals(samples)
                 _, arriving = self.sched.gather_samples(
                     ADMIT_GAP_S,
@@ -281,8 +307,8 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
                     scale=ADMIT_GAP_SCALE,
                     taken=samples,
                 )
-                arriving = arriving or ADMIT_HURRY or self._calm < ADMIT_CALM_BURSTS
-                self._joined = None if self.sampling.idle else False
+                arriving = arriving or ADMIT_HURRY or not calm
+                self._bursts.running(not self.sampling.idle)
             else:
                 for w in samples:
                     self._admit_sample(w)
@@ -308,8 +334,8 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
             if not self.sampling.idle and not deferred:
                 busy = self.sched.pending() > 0 or bool(self.splits)
                 self.engine_step(arriving or busy or bool(self._streaming), True)
-                if self._joined is False and self.sched.samples_queued():
-                    self._joined = True  # samples came while the gathered burst ran
+                if self.sched.samples_queued():
+                    self._bursts.joined()
             self._unlogged = []
             try:
                 self._sweep_retired()

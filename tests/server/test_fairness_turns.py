@@ -4,13 +4,15 @@ fairness), host only: a stub Trainer call, the real Passes and Scheduler.
 The first turn of such a pass validated and packed the whole call (O(its datums) on the
 host: ~30 ms for 64 × 1,023 tokens) and then ran its first micro-batch, so another
 tenant's small request waited for both. The first turn now only prepares the call; its
-micro-batches run one per later turn, and the results are those of the one call.
+micro-batches run one per later turn, and the results are those of the one call. Also the
+worker's count of whole sample bursts (Bursts) and its GC freeze.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+from jcp.server import worker
 from jcp.server.passes import Passes
 from jcp.server.scheduler import Scheduler, Work
 from jcp.server.worker import Worker
@@ -136,3 +138,24 @@ def test_what_exists_before_serving_is_frozen_out_of_the_cyclic_gc():
     finally:
         Worker.stop(w)
     assert gc.get_freeze_count() == 0 and w.sched.closed
+
+
+def test_a_new_server_counts_its_bursts_calm_until_a_straggler_joins_one(monkeypatch):
+    """Bursts (jcp.server.worker): a new server's first gathered bursts decode at full
+    speed (calm), not in hurried short steps; a burst that a sample joined while it ran
+    makes the next ones hurried until ADMIT_CALM_BURSTS in a row came whole."""
+    monkeypatch.setattr(worker, "ADMIT_CALM_BURSTS", 2)
+    b = worker.Bursts()
+    assert b.gathered()  # the first burst of a new server
+    b.running(True)
+    assert b.gathered()  # it came whole
+    b.running(True)
+    b.joined()  # a straggler came while this one ran
+    calm = []
+    for _ in range(4):
+        calm.append(b.gathered())
+        b.running(True)
+    assert calm == [False, False, True, True]  # whole twice in a row: calm again
+    b.running(False)  # a burst that ended in its first step counts for nothing
+    b.joined()
+    assert b.gathered()
