@@ -42,6 +42,9 @@ from jcp.step_programs import StepPrograms
 from jcp.trainer_options import AdamParams as AdamParams
 from jcp.trainer_options import TrainerOptions
 
+# Runs of each program in Trainer.warmup (see there).
+WARMUP_RUNS = 2
+
 
 class Trainer:
     """Many LoRA adapters on one frozen Qwen base, trained over a (dp, cp, tp) mesh.
@@ -394,15 +397,18 @@ class Trainer:
         forward_backward programs it compiled (or loaded from the persistent cache).
 
         For each stream length of `rows` (rows per device; None: every one, warmup_rows),
-        one forward_backward of zero-weight datums that fill it, with loss_fn (a loss name,
-        or a tuple of names: the program of calls that mix them), on a scratch adapter that
+        forward_backward of zero-weight datums that fill it, with loss_fn (a loss name, or a
+        tuple of names: the program of calls that mix them), on a scratch adapter that
         targets every module; then its optim_step, and the gradient-copy programs of every
-        adapter count. Since a pass's adapter and datum counts follow its stream length
-        (batch.static_counts), any later call of those lengths and losses whose adapters
-        target every module (Tinker's default) compiles nothing, however its datums and
-        adapters are grouped, unless it holds more adapters or datums than its length's
-        floors (warmup_call compiles a given call's programs exactly). The scratch adapter
-        is deleted; no other adapter is touched (needs a free slot)."""
+        adapter count. Each program runs WARMUP_RUNS times: XLA:CPU prepares a GEMM fusion
+        (YNNPACK) when it first runs it, once per device that runs it at the same time, so
+        a program run once still cost the first real step 10-20% more. Since a pass's
+        adapter and datum counts follow its stream length (batch.static_counts), any later
+        call of those lengths and losses whose adapters target every module (Tinker's
+        default) compiles nothing, however its datums and adapters are grouped, unless it
+        holds more adapters or datums than its length's floors (warmup_call compiles a given
+        call's programs exactly). The scratch adapter is deleted; no other adapter is
+        touched (needs a free slot)."""
         names = (loss_fn,) if isinstance(loss_fn, str) else tuple(loss_fn)
         for name in names:
             losses_lib.check_loss_fn(name)
@@ -419,8 +425,10 @@ class Trainer:
         try:
             for s_len in rows if rows is not None else self.warmup_rows():
                 data, losses = calls.filling_data(names, int(s_len), self.call_limits)
-                self.forward_backward(data, losses, adapters=scratch)
-            self.optim_step(scratch)
+                for _ in range(WARMUP_RUNS):
+                    self.forward_backward(data, losses, adapters=scratch)
+            for _ in range(WARMUP_RUNS):
+                self.optim_step(scratch)
         finally:
             self.delete_adapter(scratch)
         return len(self.programs.compiled) - before

@@ -1,5 +1,6 @@
 """The engine's warm-up: every program an engine can run for a set of buckets, compiled up
-front by running each once on padding.
+front by running it on padding: every branch of it once and each decode loop body a few
+steps, so that a first request runs as fast as later ones.
 
 Owns the enumeration of that bounded set (engine_config.py's module docstring,
 "Programs") over an EngineDevice's sizes. Every call writes nothing that a request reads (padding rows:
@@ -53,8 +54,9 @@ def warmup(
     share one bucket). What is decided at run time inside one program needs no entry:
     prompt log-probs on or off (prompt_logprobs), the draw kind (draws: "greedy", "drawn",
     "filtered"), topk_sample_logprobs (topk) and the decode steps of a call; those
-    arguments are only checked. Runs each program once on padding, so later requests of
-    those shapes compile nothing."""
+    arguments are only checked. Runs each program on padding (every branch, and a decode
+    loop's body WARM_STEPS steps per phase), so later requests of those shapes compile
+    nothing and the first runs as fast as later ones."""
     for d in draws:
         if d not in KINDS:
             raise ValueError(f"draws: {d!r} is not one of {sorted(KINDS)}")
@@ -85,14 +87,16 @@ def _padding(b: int, a: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _extends(device: EngineDevice, a_lens: list[int]) -> None:
-    """Every extend (chunked prefill) program: rows × chunk × table pages × active."""
+    """Every extend (chunked prefill) program: rows × chunk × table pages × active, run
+    without and with prompt log-probs (its run-time branch), so that both branches have
+    run (_decode_runs: XLA:CPU prepares a GEMM fusion when it first runs it)."""
     z, slice_layers = device.sizes, device.runner.slice_layers
     for e_b in rungs(z.prefill_rows, PREFILL_ROWS[1]):
         b = z.groups * e_b
         for c in rungs(z.chunk_top, MIN_CHUNK):
             zero = np.zeros((b, c), np.int32)
             for m in z.table_rungs():
-                for a in a_lens:
+                for a, want_lp in itertools.product(a_lens, (False, True)):
                     act, index = _padding(b, a)
                     rows = paged.ExtendRows(
                         zero,
@@ -102,7 +106,7 @@ def _extends(device: EngineDevice, a_lens: list[int]) -> None:
                         index,
                         np.full((b, m), -1, np.int32),
                         np.full(b, z.b_local, np.int32),
-                        np.zeros(b, bool),
+                        np.full(b, want_lp, bool),
                     )
                     device.extend(rows, paged.ExtendModes(slice_layers), act)
 
@@ -128,32 +132,59 @@ def _cacheless(device: EngineDevice, a_lens: list[int], variants: list[tuple]) -
 
 
 def _decodes(device: EngineDevice, a_lens: list[int], stop_width: Sequence[int]) -> None:
-    """Every decode program: rows × table pages × active × stop width."""
+    """Every decode program: rows × table pages × active × stop width, each run so that
+    every part of its loop body runs once (_decode_runs)."""
     z, slice_layers = device.sizes, device.runner.slice_layers
     for w_b in rungs(z.b_local, WINDOW_FLOOR[0], DECODE_ROWS_STEP):
         b = z.groups * w_b
-        zero = np.zeros(b, np.int32)
         for m, a, ns in itertools.product(z.table_rungs(), a_lens, stop_width):
             act, index = _padding(b, a)
-            rows = programs.DecodeRows(
+            modes = paged.PagedDecodeModes(z.max_chunk, slice_layers, MAX_TOPK, ns)
+            for rows in _decode_runs(b, index, ns, phase_starts(m, z.page)):
+                device.decode(
+                    np.full((b, m), -1, np.int32), rows, modes, act, np.full(b, z.b_local, np.int32)
+                )
+
+
+def phase_starts(m: int, page: int) -> list[int]:
+    """The first position of each decode-loop phase of a table m pages wide
+    (paged.phase_widths): 0, then where each wider phase takes over."""
+    widths = paged.phase_widths(m, paged.DECODE_PHASES)
+    return [0] + [w * page for w in widths[:-1]]
+
+
+# Decode steps of each warm-up call (_decode_runs).
+WARM_STEPS = 4
+
+
+def _decode_runs(b: int, index: np.ndarray, ns: int, starts: list[int]):
+    """The DecodeRows of a decode program's warm-up calls: b live rows of WARM_STEPS steps
+    (max_tokens; their page tables -1, so every write is dropped), per phase start (each
+    phase is its own copy of the loop body), once all greedy and once mixed (drawn,
+    truncated by top-k, with top-k log-probs): together every branch of the body runs,
+    several times on every device. XLA:CPU prepares a GEMM fusion (YNNPACK) when it
+    first runs it, ~5-25 ms, and again for each device that runs it at the same time (a
+    pool per fusion). A warm-up whose rows were all done never ran the body: the first
+    sampling round took 1.9× a steady one in process (1.4× with the body run one step)."""
+    zero, one = np.zeros(b, np.int32), np.full(b, WARM_STEPS, np.int32)
+    mixed = np.arange(b) % 2 == 1
+    for start in starts:
+        for drawn in (False, True):
+            yield programs.DecodeRows(
                 zero,
+                np.full(b, start, np.int32),
                 zero,
-                zero,
-                np.ones(b, bool),
+                np.zeros(b, bool),
                 zero,
                 index,
-                np.ones(b, np.int32),
-                np.zeros(b, np.float32),
-                np.full(b, -1, np.int32),
+                one,
+                np.where(drawn & mixed, 1.0, 0.0).astype(np.float32),
+                np.where(drawn & mixed, 4, -1).astype(np.int32),
                 np.ones(b, np.float32),
-                np.zeros(b, bool),
-                np.full(b, z.max_chunk, np.int32),
+                drawn & mixed,
+                one,
                 np.zeros((b, 2), np.uint32),
                 layout_lib.stop_table([()] * b, ns),
-            )
-            modes = paged.PagedDecodeModes(z.max_chunk, slice_layers, MAX_TOPK, rows.stop.shape[1])
-            device.decode(
-                np.full((b, m), -1, np.int32), rows, modes, act, np.full(b, z.b_local, np.int32)
             )
 
 
