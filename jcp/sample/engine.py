@@ -528,8 +528,8 @@ class Engine:
         """Compile, up front, the programs the engine can run for these buckets -> how many
         it ran (program_keys then holds them): the bounded set of engine_config.py's
         module docstring, "Programs", as warmup.warmup lists it per argument. Runs each
-        program on padding (no request; every write is dropped; every branch, and each
-        decode loop body a few steps), so later requests of those shapes compile nothing
+        program on padding (no request; every write is dropped; each decode loop body a
+        few steps per draw branch), so later requests of those shapes compile nothing
         and run as fast as the steady ones. Only on an idle engine."""
         if not self.idle:
             raise RuntimeError("Engine.warmup runs on an idle engine only")

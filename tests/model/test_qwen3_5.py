@@ -541,39 +541,28 @@ def test_engine_warmup_covers_a_hybrid_model(monkeypatch):
     held = jax.tree.map(np.asarray, eng.device.cache)
     assert any(np.any(x != 0) for x in jax.tree.leaves(held))  # the requests wrote
     dev, calls = eng.device, []
-    decode, extend = dev.decode, dev.extend
+    decode = dev.decode
 
     def spy_decode(table, rows, modes, active, slot=None):
-        calls.append(("decode", table.shape[1], rows))
+        calls.append((table.shape[1], rows))
         return decode(table, rows, modes, active, slot)
 
-    def spy_extend(rows, modes, active):
-        calls.append(("extend", rows.table.shape[1], rows))
-        return extend(rows, modes, active)
-
     monkeypatch.setattr(dev, "decode", spy_decode)
-    monkeypatch.setattr(dev, "extend", spy_extend)
     eng.warmup(active=(1,))
     # Every decode call runs live rows several steps (the loop body, not only its test),
     # from each phase's first position, all greedy and mixed (drawn, top-k, top-k
-    # log-probs); every extend runs without and with prompt log-probs.
+    # log-probs).
     page = eng.device.sizes.page
     runs = {}
-    for kind, m, rows in calls:
-        if kind == "extend":
-            runs.setdefault(("extend", m), set()).add(bool(rows.want_lp.any()))
-            continue
+    for m, rows in calls:
         assert not rows.done.any() and rows.steps.min() >= 2 and rows.max_tokens.min() >= 2
         drawn = bool(np.any((rows.temperature > 0) & (rows.top_k > 0) & rows.want_topk))
         assert drawn or not np.any(rows.temperature > 0)
-        runs.setdefault(("decode", m), set()).add((int(rows.position.min()), drawn))
-    for (kind, m), seen in runs.items():
-        if kind == "extend":
-            assert seen == {False, True}
-        else:
-            starts = {0} | ({-(-m // 2) * page} if m > 1 else set())
-            assert seen == {(p, d) for p in starts for d in (False, True)}, (m, seen)
-    assert any(m > 1 for kind, m in runs if kind == "decode")
+        runs.setdefault(m, set()).add((int(rows.position.min()), drawn))
+    for m, seen in runs.items():
+        starts = {0} | ({-(-m // 2) * page} if m > 1 else set())
+        assert seen == {(p, d) for p in starts for d in (False, True)}, (m, seen)
+    assert any(m > 1 for m in runs)
     for a_, b_ in zip(jax.tree.leaves(held), jax.tree.leaves(eng.device.cache)):
         np.testing.assert_array_equal(a_, np.asarray(b_))
     assert compiled() == before
