@@ -197,7 +197,8 @@ def unroll_layers(cfg: QwenConfig, step_cfg: StepConfig) -> bool:
     """Whether the training step unrolls its layer loop (model.scan_layers): on XLA:CPU with
     ≤ CPU_UNROLL_LAYERS layers, when the layers are not recomputed. A rolled loop slices
     every weight stack per layer and copies every saved activation into an [L, …] stack,
-    ~10 % of the CPU step of throughput.py's 4-layer model; unrolled, compile time grows
+    ~10 % of the CPU step of throughput.py's 4-layer model (a hybrid model's runs of
+    layers too: 12-15 % of qwen3_5.py's 16k step); unrolled, compile time grows
     ∝ L, which is why deep models keep the loop (on accelerators those copies are cheap next
     to the layers' work). A recomputing step (remat: chosen where memory requires it) keeps
     the loop, whose liveness is one layer's: unrolled, XLA:CPU's schedule of the

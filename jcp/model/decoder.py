@@ -174,7 +174,7 @@ class Pass:
     for training and prefill, delta_rule.StepMix for decode); None for other models. mlp:
     the MLP block of dense layers (dense_mlp); MoE layers (cfg.moe_layers) use moe_mlp.
     remat: rematerialise each layer in the backward pass (all but the attention kernel's
-    output and lse). unroll: unroll the layer scans of a dense or MoE model (scan_layers).
+    output and lse). unroll: unroll the layer scans (scan_layers; a hybrid model's runs each).
     layers: layer_slices(cfg, params, lora) taken by the caller — the layers then run
     unrolled on those slices (params["layers"] and lora's layer modules are not read);
     inference only. count_S: bool [S], the tokens whose MoE routing to record (training
@@ -440,6 +440,7 @@ def _hybrid_hidden(run: _Layers, h, layer_lora, expert_lora, state: HybridState 
             {**cut(params["layers"]), **mixer, **mlp_w},
             (lora_w, st),
             run.remat,
+            run.unroll,
         )
         outs[linear].append(out)
         if run.record:
