@@ -163,17 +163,19 @@ def test_groupings_of_one_length_run_the_warmed_up_program():
     assert np.abs(tr.gradients(b)["base_model.model.lm_head.lora_B.weight"]).max() > 0
 
 
-def test_cpu_unrolled_layer_loop_equals_rolled(monkeypatch):
+@pytest.mark.parametrize("family", ["dense", "hybrid"])
+def test_cpu_unrolled_layer_loop_equals_rolled(monkeypatch, family):
     """On XLA:CPU a model of ≤ CPU_UNROLL_LAYERS layers trains with its layer loop unrolled
-    (train_step.unroll_layers): none of its layers' projections runs inside a loop, as all
-    of the rolled program's do, and the numbers are the same. RoPE's cos / sin are taken
-    once for all layers (decoder.rotary), not per layer, nor fused into every q / k element:
-    the unrolled program holds one cosine per branch of rotary's cond."""
+    (train_step.unroll_layers; a hybrid model's runs of layers each): none of its layers'
+    projections runs inside a loop, as all of the rolled program's do, and the numbers are
+    the same. RoPE's cos / sin are taken once for all layers (decoder.rotary), not per
+    layer, nor fused into every q / k element: the unrolled program holds one cosine per
+    branch of rotary's cond."""
     from helpers import trainer_harness as H
 
     from jcp import model_loss
 
-    cfg = jcp.QwenConfig.tiny()
+    cfg = jcp.QwenConfig.tiny() if family == "dense" else jcp.QwenConfig.tiny_qwen3_5()
     data = H.random_data((37, 20, 5), seed=1)
     results, whiles, cosines = [], [], []
     for limit in (model_loss.CPU_UNROLL_LAYERS, 0):

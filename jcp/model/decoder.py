@@ -114,7 +114,7 @@ def scan_layers(body, h, weights, xs, remat: bool, unroll: bool = False):
     weights: base weights stacked [L, …] (frozen); xs: a tuple of the other per-layer
     pytrees (LoRA, attention state) stacked likewise. remat: recompute each layer in the
     backward pass except the attention kernel's output and log-sum-exp (O(S·Q·H) per layer
-    saved buys not running attention twice). unroll: unroll the loop (lax.scan's unroll) —
+    saved buys not running attention twice). unroll: unroll the loop (a Python loop) —
     each layer then reads static slices of the stacks and writes its saved activations
     apart, where a rolled loop dynamic-slices every stack and dynamic-update-slices every
     saved activation into an [L, …] stack, each a copy (on XLA:CPU ~10 % of a small
@@ -151,9 +151,16 @@ def scan_layers(body, h, weights, xs, remat: bool, unroll: bool = False):
         policy = jax.checkpoint_policies.save_only_these_names(*attention_lib.SAVED_NAMES)
         step = jax.checkpoint(step, prevent_cse=False, policy=policy)
     scanned = [x for x, h_ in zip(leaves, held) if not h_]
-    return jax.lax.scan(
-        step, h, (jnp.arange(n_layers), scanned, xs), unroll=n_layers if unroll else 1
-    )
+    per_layer = (jnp.arange(n_layers), scanned, xs)
+    if not unroll:
+        return jax.lax.scan(step, h, per_layer)
+    # Unrolled as a Python loop over static layer indices: lax.scan of a single layer
+    # (a hybrid model's run of one) keeps its loop whatever its unroll.
+    ys = []
+    for i in range(n_layers):
+        h, y = step(h, jax.tree.map(lambda x, i=i: x[i], per_layer))
+        ys.append(y)
+    return h, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
 
 def _layer_of(stack_LxN, index):
