@@ -154,18 +154,7 @@ def _torch_side(tokens: int, threads: int):
 
 def _jcp_side(tokens: int):
     cfg = jcp.QwenConfig.tiny_qwen3_5(**MODEL, max_position_embeddings=max(4096, tokens))
-    # remat="auto" with the budget of a process whose one CPU device runs the step (the 8
-    # fake devices this script makes for section 3 would give it an eighth of the host's
-    # share, and recomputation that a one-device user does not get; torch keeps every
-    # activation too).
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    tr = jcp.Trainer(
-        cfg,
-        jcp.make_mesh(1, 1, 1),
-        max_adapters=1,
-        max_rank=8,
-        remat_budget_bytes=int(0.9 * 0.5 * physical),
-    )
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=8)
     # The modules torch's side targets (MLP and lm_head): jcp's default is every module.
     a = tr.create_adapter(rank=8, alpha=16.0, seed=0, targets=["mlp", "unembed"])
     rng = np.random.default_rng(0)

@@ -335,15 +335,18 @@ def gather(x) -> np.ndarray:
 
 def device_memory(mesh) -> tuple[int, int]:
     """(limit, in use) of one device's memory: an accelerator's own figures, or half the
-    host's physical memory over its local devices (CPU, in use unknown: 0); the smallest
-    free memory over processes."""
+    host's physical memory over the mesh's devices in this process (CPU, in use unknown:
+    0; a mesh over some of a process's fake CPU devices shares the host among its own: a
+    (1,1,1) mesh in a process of 8 got an eighth, which made remat "auto" recompute what a
+    one-device process keeps); the smallest free memory over processes."""
     device = mesh.devices.flat[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and stats.get("bytes_limit"):
         limit, used = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
     else:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        limit, used = int(0.5 * physical / max(1, jax.local_device_count())), 0
+        mine = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+        limit, used = int(0.5 * physical / max(1, mine)), 0
     if jax.process_count() > 1:
         # In MiB as int32: without jax_enable_x64 an int64 gathers as int32 and bytes
         # beyond 2 GiB wrapped negative.

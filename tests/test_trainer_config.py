@@ -1,5 +1,7 @@
 """Trainer construction: clear errors for meshes and settings it cannot run, tuned defaults."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -233,16 +235,24 @@ def test_auto_adapter_memory_takes_a_share_of_free_memory():
     from jcp import adapter_state
 
     cfg = jcp.QwenConfig.tiny()
-    mesh = jcp.make_mesh(1, 1, 1)
+    mesh = jcp.make_mesh(2, 2, 2)
     tr = jcp.Trainer(cfg, mesh, max_adapters=4096, max_rank=8, adapter_memory="auto")
     page = adapter_state.page_bytes(cfg, mesh, 8)
     assert tr.state.page_bytes == page
     # A quarter of this host's share per device, and fewer pages than 4096 slots would ask.
-    import os
+    share = 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / mesh.devices.size
+    assert int(0.25 * share) // page < 4096
+    assert tr.state.num_pages == int(0.25 * share) // page
 
-    import jax
 
-    share = (
-        0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / jax.local_device_count()
-    )
-    assert tr.state.num_pages == min(4096, int(0.25 * share) // page)
+def test_a_cpu_meshs_memory_is_the_hosts_share_over_its_own_devices():
+    """On CPU a device's memory (mesh.device_memory, the remat and adapter budgets) is half
+    the host's memory over the mesh's devices, not over every fake device of the process:
+    a (1,1,1) Trainer beside 7 unused devices budgets what a one-device process would."""
+    from jcp.mesh import device_memory
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    one, four = jcp.make_mesh(1, 1, 1), jcp.make_mesh(1, 2, 2)
+    assert one.devices.size != four.devices.size
+    assert device_memory(one) == (int(0.5 * physical), 0)
+    assert device_memory(four) == (int(0.5 * physical / 4), 0)
