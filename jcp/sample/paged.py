@@ -397,6 +397,12 @@ def phase_widths(m: int, phases: int) -> list[int]:
     return sorted(set(widths))
 
 
+def phase_starts(m: int, page: int, phases: int = DECODE_PHASES) -> list[int]:
+    """The first position of each decode-loop phase of a table m pages wide: 0, then the
+    bound of each narrower phase (make_decode's limits), where the next takes over."""
+    return [0] + [w * page for w in phase_widths(m, phases)[:-1]]
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedDecodeModes:
     """out_len: most steps of a call (the outputs' width; the call's rows.steps bound the

@@ -142,17 +142,10 @@ def _decodes(device: EngineDevice, a_lens: list[int], stop_width: Sequence[int])
         for m, a, ns in itertools.product(z.table_rungs(), a_lens, stop_width):
             act, index = _padding(b, a)
             modes = paged.PagedDecodeModes(z.max_chunk, slice_layers, MAX_TOPK, ns)
-            for rows in _decode_runs(b, index, ns, phase_starts(m, z.page)):
+            for rows in _decode_runs(b, index, ns, paged.phase_starts(m, z.page)):
                 device.decode(
                     np.full((b, m), -1, np.int32), rows, modes, act, np.full(b, z.b_local, np.int32)
                 )
-
-
-def phase_starts(m: int, page: int) -> list[int]:
-    """The first position of each decode-loop phase of a table m pages wide
-    (paged.phase_widths): 0, then where each wider phase takes over."""
-    widths = paged.phase_widths(m, paged.DECODE_PHASES)
-    return [0] + [w * page for w in widths[:-1]]
 
 
 # Decode steps of each warm-up call (_decode_runs).
@@ -168,7 +161,7 @@ def _decode_runs(b: int, index: np.ndarray, ns: int, starts: list[int]):
     first runs it, ~5-25 ms, and again for each device that runs it at the same time (a
     pool per fusion). A warm-up whose rows were all done never ran the body: the first
     sampling round took 1.9× a steady one in process (1.4× with the body run one step)."""
-    zero, one = np.zeros(b, np.int32), np.full(b, WARM_STEPS, np.int32)
+    zero, steps = np.zeros(b, np.int32), np.full(b, WARM_STEPS, np.int32)
     mixed = np.arange(b) % 2 == 1
     for start in starts:
         for drawn in (False, True):
@@ -179,12 +172,12 @@ def _decode_runs(b: int, index: np.ndarray, ns: int, starts: list[int]):
                 np.zeros(b, bool),
                 zero,
                 index,
-                one,
+                steps,
                 np.where(drawn & mixed, 1.0, 0.0).astype(np.float32),
                 np.where(drawn & mixed, 4, -1).astype(np.int32),
                 np.ones(b, np.float32),
                 drawn & mixed,
-                one,
+                steps,
                 np.zeros((b, 2), np.uint32),
                 layout_lib.stop_table([()] * b, ns),
             )
