@@ -61,7 +61,7 @@ def env():
 
     thread = threading.Thread(target=worker, name="stub-worker", daemon=True)
     thread.start()
-    state = {"store": store, "sched": sched, "handed": handed}
+    state = {"store": store, "sched": sched, "handed": handed, "hot": hot}
     for who in ("alice", "bob"):
         sid = store.new_session(who)
         mid = store.model_id(sid, 0)
@@ -295,6 +295,70 @@ def test_a_large_body_is_parsed_off_the_event_loop(env, monkeypatch):
             assert status == 200 and "max_context_length" in detail, detail
         else:  # queued as before, in the model's order
             assert outcome(env, answers[0]) == (200, "stub worker")
+
+
+def test_turns_go_round_robin_over_the_waiting_tenants():
+    """Host only: whatever order the waiters came in, turns rotate over the tenants with
+    waiters (one waiter each), a cancelled waiter takes no turn, and a lone waiter gets
+    its turn."""
+    from jcp.server.asgi import Turns
+
+    async def main():
+        turns, order = Turns(), []
+
+        async def one(who, i):
+            await turns.wait(who)
+            order.append((who, i))
+
+        tasks = [asyncio.create_task(one("alice", i)) for i in range(6)]
+        tasks += [asyncio.create_task(one("bob", 0)), asyncio.create_task(one("carol", 0))]
+        tasks += [asyncio.create_task(one("bob", 1))]
+        await asyncio.sleep(0)  # every waiter is queued
+        tasks[1].cancel()  # alice's second left before her turn
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await one("dave", 0)
+        assert turns.waiting() == 0
+        return order
+
+    order = asyncio.run(main())
+    assert order == [
+        ("alice", 0),
+        ("bob", 0),
+        ("carol", 0),
+        ("alice", 2),
+        ("bob", 1),
+        ("alice", 3),
+        ("alice", 4),
+        ("alice", 5),
+        ("dave", 0),
+    ], order
+
+
+def test_a_tenants_burst_does_not_queue_another_tenants_request_behind_it(env, monkeypatch):
+    """alice's burst of samples reaches the event loop together (an RL step's prompts;
+    hundreds of them held bob's request up to 90 ms under a hostile neighbour): bob's
+    sample, sent last, is handled second, not after all of hers."""
+    import httpx
+
+    order, submit = [], env["sched"].submit
+    monkeypatch.setattr(env["sched"], "submit", lambda w: (order.append(w.owner), submit(w)))
+    bob = {**sample_body(env), "sampling_session_id": env["bob"]["sampler"]}
+
+    async def main():
+        transport = httpx.ASGITransport(app=env["hot"])
+        async with httpx.AsyncClient(transport=transport, base_url="http://jcp") as client:
+
+            def send(key, body):
+                headers = {"X-API-Key": key, "Content-Type": "application/json"}
+                return client.post("/api/v1/asample", content=json.dumps(body), headers=headers)
+
+            burst = [send("tml-alice", sample_body(env)) for _ in range(30)]
+            return await asyncio.gather(*burst, send("tml-bob", bob))
+
+    answers = asyncio.run(main())
+    assert all(a.status_code == 200 and "request_id" in a.json() for a in answers)
+    assert sorted(order) == ["alice"] * 30 + ["bob"], order
+    assert order.index("bob") <= 1, order
 
 
 def test_large_and_small_bodies_are_refused_in_the_same_words(env):
