@@ -6,7 +6,7 @@
               [--api-keys FILE] [--state-dir DIR] [--max-body-bytes N] [--max-datums N]
               [--max-num-samples N] [--max-futures N] [--max-offload-gb G] [--max-storage-gb G]
               [--session-timeout S] [--sample-slots N] [--sample-max-len N]
-              [--sample-chunk N] [--prefill-tokens N] [--no-warmup]
+              [--sample-chunk N] [--prefill-tokens N] [--compute-nice N] [--no-warmup]
               [--compilation-cache DIR | --no-compilation-cache]
               [--coordinator-address HOST:PORT --num-processes N --process-id I]
               [--follower-timeout S]
@@ -52,6 +52,7 @@ from jcp.cli import (
     setup_compilation_cache,
     setup_devices,
 )
+from jcp.server.priority import COMPUTE_NICE, lower_others
 
 # What jcp-serve's warm-up (on unless --no-warmup) compiles before it serves. Training
 # (Trainer.warmup): forward_backward with cross_entropy for adapters of every module (the
@@ -221,6 +222,15 @@ def _engine_flags(g) -> None:
         "(default max_tokens_per_device · dp)",
     )
     g.add_argument(
+        "--compute-nice",
+        type=integer(0, 19),
+        default=None,
+        help="nice value of every thread but the HTTP event loop's (the compute), so "
+        "that requests are read and answered while the compute holds the cores "
+        "(jcp/server/priority.py; default 10 on a CPU backend, 0: unchanged on an "
+        "accelerator)",
+    )
+    g.add_argument(
         "--warmup",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -375,7 +385,8 @@ def main(argv=None) -> int:
     _announce(srv, args, tr, keys, name, state_dir)
     if args.warmup:
         _warm_up(srv, tr)
-    return _serve(srv)
+    nice = args.compute_nice
+    return _serve(srv, COMPUTE_NICE if nice is None and jax.default_backend() == "cpu" else nice)
 
 
 def _server_config(args, limits):
@@ -441,9 +452,11 @@ def _warm_up(srv, tr) -> None:
     )
 
 
-def _serve(srv) -> int:
-    """Serve in this thread until stopped; a failed multi-process job exits 1 at once."""
+def _serve(srv, compute_nice: int | None) -> int:
+    """Serve in this thread until stopped, every other thread (the compute) at
+    `compute_nice`; a failed multi-process job exits 1 at once."""
     srv.worker.start()
+    lower_others(compute_nice or 0)
     try:
         srv.run()
     finally:

@@ -473,6 +473,8 @@ SERVE_ERRORS = [
     (["--adapter-memory", "1.5GiB"], "--adapter-memory"),
     (["--adapter-memory", "4GB"], "--adapter-memory"),
     (["--sample-chunk", "-2"], "--sample-chunk"),
+    (["--compute-nice", "-1"], "--compute-nice"),  # lowering it needs privileges
+    (["--compute-nice", "20"], "--compute-nice"),
     (["--seed", "-1"], "--seed"),
     (["--hf-model", "{file}"], "--hf-model"),
     (["--api-keys", "{folder}"], "--api-keys"),

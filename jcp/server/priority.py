@@ -1,0 +1,43 @@
+"""The HTTP event loop before the compute on a CPU host: the other threads' nice value.
+
+On a CPU host the event loop (every tenant's requests read, parsed and answered) shares
+the cores with the compute: XLA's threads and the worker's. While one tenant keeps the
+cores busy, the loop is one runnable thread among several and waits for a core, and so
+does every other tenant's request (beside a hostile neighbour on 2 cores: stalls of 50-90
+ms, half of them the loop waiting for a core, not working). So jcp-serve raises the nice
+value of every thread but the loop's (`lower_others`, `--compute-nice`, default
+COMPUTE_NICE on a CPU backend): the loop then runs when it has work, and the compute gets
+the cores the rest of the time — its throughput is unchanged while nothing else wants
+them. Threads started later inherit their creator's value: the worker's and XLA's the
+raised one, the loop's (its thread pool: large bodies parsed off the loop) the loop's own.
+
+Linux only (a thread's nice value is its own there); an unprivileged process may raise
+its own threads' values, never lower them, so this cannot be undone in the process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+COMPUTE_NICE = 10
+
+
+def lower_others(nice: int) -> int:
+    """Set every other thread of this process to nice value `nice` (when higher than its
+    own) -> how many were set; 0 off Linux or when `nice` ≤ 0."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return 0
+    me, n = threading.get_native_id(), 0
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        if tid == me:
+            continue
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                n += 1
+        except OSError:  # the thread ended meanwhile
+            continue
+    return n
