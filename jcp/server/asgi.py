@@ -62,7 +62,9 @@ class Turns:
     def __init__(self):
         self._waiting: dict[str, collections.deque] = {}  # tenant -> its waiters, in order
         self._rotation: collections.deque[str] = collections.deque()
-        self._giving = False
+        # The loop a `_give` is scheduled on, if any: a loop that stopped with one pending
+        # (a test's asyncio.run) must not leave the next loop's waiters without turns.
+        self._giving: asyncio.AbstractEventLoop | None = None
 
     async def wait(self, who: str) -> None:
         loop = asyncio.get_running_loop()
@@ -72,8 +74,8 @@ class Turns:
             q = self._waiting[who] = collections.deque()
             self._rotation.append(who)
         q.append(fut)
-        if not self._giving:
-            self._giving = True
+        if self._giving is not loop:
+            self._giving = loop
             loop.call_soon(self._give, loop)
         await fut
 
@@ -81,7 +83,9 @@ class Turns:
         while self._rotation:
             who = self._rotation.popleft()
             q = self._waiting[who]
-            while q and q[0].done():  # a waiter cancelled (its client left) takes no turn
+            # A waiter cancelled (its client left), or of a loop that has stopped, takes
+            # no turn.
+            while q and (q[0].done() or q[0].get_loop() is not loop):
                 q.popleft()
             if not q:
                 del self._waiting[who]
@@ -93,7 +97,7 @@ class Turns:
                 del self._waiting[who]
             loop.call_soon(self._give, loop)
             return
-        self._giving = False
+        self._giving = None
 
     def waiting(self) -> int:
         return sum(map(len, self._waiting.values()))

@@ -299,12 +299,14 @@ def test_a_large_body_is_parsed_off_the_event_loop(env, monkeypatch):
 
 def test_turns_go_round_robin_over_the_waiting_tenants():
     """Host only: whatever order the waiters came in, turns rotate over the tenants with
-    waiters (one waiter each), a cancelled waiter takes no turn, and a lone waiter gets
-    its turn."""
+    waiters (one waiter each), a cancelled waiter takes no turn, a lone waiter gets its
+    turn, and so does one on a new loop after a loop stopped with a turn still to give."""
     from jcp.server.asgi import Turns
 
+    turns = Turns()
+
     async def main():
-        turns, order = Turns(), []
+        order = []
 
         async def one(who, i):
             await turns.wait(who)
@@ -332,6 +334,14 @@ def test_turns_go_round_robin_over_the_waiting_tenants():
         ("alice", 5),
         ("dave", 0),
     ], order
+    stopped = asyncio.new_event_loop()
+    waiter = stopped.create_task(turns.wait("erin"))
+    stopped.call_soon(stopped.stop)  # after erin queued, before her turn is given
+    stopped.run_forever()
+    waiter.cancel()
+    stopped.close()
+    assert turns._giving is stopped and turns.waiting() == 1
+    asyncio.run(asyncio.wait_for(turns.wait("frank"), 5))
 
 
 def test_a_tenants_burst_does_not_queue_another_tenants_request_behind_it(env, monkeypatch):
