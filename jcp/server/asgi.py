@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
+import weakref
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -57,50 +59,61 @@ class Turns:
     waiter each (a tenant joins the rotation at its end), one turn per pass of the loop.
     The turn is not a lock: the waiter runs until its next await, and the next turn is
     given after it (`_give` is scheduled behind the woken waiter). A lone request pays
-    one pass of the loop (~10 µs)."""
+    one pass of the loop (~10 µs). Each event loop has its own rotation (tests run the app
+    on more than one), forgotten with the loop."""
 
     def __init__(self):
-        self._waiting: dict[str, collections.deque] = {}  # tenant -> its waiters, in order
-        self._rotation: collections.deque[str] = collections.deque()
-        # The loop a `_give` is scheduled on, if any: a loop that stopped with one pending
-        # (a test's asyncio.run) must not leave the next loop's waiters without turns.
-        self._giving: asyncio.AbstractEventLoop | None = None
+        self._loops: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     async def wait(self, who: str) -> None:
         loop = asyncio.get_running_loop()
+        r = self._loops.get(loop)
+        if r is None:
+            r = self._loops[loop] = _Rotation()
         fut = loop.create_future()
-        q = self._waiting.get(who)
+        q = r.waiting.get(who)
         if q is None:
-            q = self._waiting[who] = collections.deque()
-            self._rotation.append(who)
+            q = r.waiting[who] = collections.deque()
+            r.order.append(who)
         q.append(fut)
-        if self._giving is not loop:
-            self._giving = loop
-            loop.call_soon(self._give, loop)
+        if not r.giving:
+            r.giving = True
+            loop.call_soon(self._give, loop, r)
         await fut
 
-    def _give(self, loop) -> None:
-        while self._rotation:
-            who = self._rotation.popleft()
-            q = self._waiting[who]
-            # A waiter cancelled (its client left), or of a loop that has stopped, takes
-            # no turn.
-            while q and (q[0].done() or q[0].get_loop() is not loop):
+    @staticmethod
+    def _give(loop, r: _Rotation) -> None:
+        while r.order:
+            who = r.order.popleft()
+            q = r.waiting[who]
+            while q and q[0].done():  # a waiter cancelled (its client left) takes no turn
                 q.popleft()
             if not q:
-                del self._waiting[who]
+                del r.waiting[who]
                 continue
             q.popleft().set_result(None)
             if q:
-                self._rotation.append(who)
+                r.order.append(who)
             else:
-                del self._waiting[who]
-            loop.call_soon(self._give, loop)
+                del r.waiting[who]
+            loop.call_soon(Turns._give, loop, r)
             return
-        self._giving = None
+        r.giving = False
 
     def waiting(self) -> int:
-        return sum(map(len, self._waiting.values()))
+        """Waiters on the running loop's rotation."""
+        r = self._loops.get(asyncio.get_running_loop())
+        return 0 if r is None else sum(map(len, r.waiting.values()))
+
+
+@dataclasses.dataclass
+class _Rotation:
+    """One event loop's turns: tenant -> its waiters in order, the tenants in rotation,
+    and whether a `_give` is scheduled."""
+
+    waiting: dict = dataclasses.field(default_factory=dict)
+    order: collections.deque = dataclasses.field(default_factory=collections.deque)
+    giving: bool = False
 
 
 async def off_loop(size: int, fn, *args):

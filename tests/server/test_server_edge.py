@@ -300,7 +300,8 @@ def test_a_large_body_is_parsed_off_the_event_loop(env, monkeypatch):
 def test_turns_go_round_robin_over_the_waiting_tenants():
     """Host only: whatever order the waiters came in, turns rotate over the tenants with
     waiters (one waiter each), a cancelled waiter takes no turn, a lone waiter gets its
-    turn, and so does one on a new loop after a loop stopped with a turn still to give."""
+    turn, and so does one on a new loop after a loop stopped with a turn still to give;
+    two loops at once each give their own waiters turns."""
     from jcp.server.asgi import Turns
 
     turns = Turns()
@@ -340,8 +341,25 @@ def test_turns_go_round_robin_over_the_waiting_tenants():
     stopped.run_forever()
     waiter.cancel()
     stopped.close()
-    assert turns.waiting() == 1  # erin's, of the stopped loop: no turn was given
     asyncio.run(asyncio.wait_for(turns.wait("frank"), 5))
+
+    def busy_loop(done):  # two live loops at once: each gives its own waiters turns
+        async def many():
+            waiters = [asyncio.ensure_future(turns.wait(w)) for w in ["alice", "bob"] * 2000]
+            await asyncio.sleep(0)  # every waiter queued
+            both.wait(5)  # the other loop's too
+            await asyncio.gather(*waiters)
+
+        asyncio.run(asyncio.wait_for(many(), 10))
+        done.append(True)
+
+    done, both = [], threading.Barrier(2)
+    threads = [threading.Thread(target=busy_loop, args=(done,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert done == [True, True]
 
 
 def test_a_tenants_burst_does_not_queue_another_tenants_request_behind_it(env, monkeypatch):
