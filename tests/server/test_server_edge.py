@@ -597,7 +597,9 @@ def test_fuzz_every_route_from_its_schema(env, monkeypatch):
                 headers={"X-API-Key": "tml-bob"},
             )
             assert (h.status_code, info.status_code) == (200, 200), (h.text, info.text)
-            assert time.monotonic() - t0 < 1.0
+            # The same budget as the request's own: 1.0 s was once exceeded (1.45 s) with
+            # the suite's other worker on the two cores; a starved tenant waits seconds.
+            assert time.monotonic() - t0 < 2.0
 
         try:
             one()
