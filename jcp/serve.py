@@ -386,7 +386,9 @@ def main(argv=None) -> int:
     if args.warmup:
         _warm_up(srv, tr)
     nice = args.compute_nice
-    return _serve(srv, COMPUTE_NICE if nice is None and jax.default_backend() == "cpu" else nice)
+    if nice is None:  # the compute holds the cores only on a CPU backend
+        nice = COMPUTE_NICE if jax.default_backend() == "cpu" else 0
+    return _serve(srv, nice)
 
 
 def _server_config(args, limits):
@@ -452,11 +454,11 @@ def _warm_up(srv, tr) -> None:
     )
 
 
-def _serve(srv, compute_nice: int | None) -> int:
+def _serve(srv, compute_nice: int) -> int:
     """Serve in this thread until stopped, every other thread (the compute) at
     `compute_nice`; a failed multi-process job exits 1 at once."""
     srv.worker.start()
-    lower_others(compute_nice or 0)
+    lower_others(compute_nice)
     try:
         srv.run()
     finally:
