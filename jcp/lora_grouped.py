@@ -233,13 +233,21 @@ def tile_product(x_QxI, w_AxIxO, t: Tiles):
     of w are summed per adapter in stream order (sorted segment sums), never by a
     scatter.
     """
+    return _tiles_forward(x_QxI, lambda pick_K: w_AxIxO[pick_K], t)
+
+
+def _tiles_forward(x_QxI, take, t: Tiles):
+    """tile_product with each tile's factors from take(pick_K) -> [K, I, O] (K tiles' own
+    adapters' factors, in x's dtype): the factors are read tile by tile, never as one
+    [A, I, O] copy first."""
     n, tile = t.keep_NxT.shape
     x_NxTxI = x_QxI.reshape(n, tile, -1)
-    narrow_in = x_QxI.shape[1] <= w_AxIxO.shape[2]
 
     def part(x_KxTxI, pick_K, keep_KxT):
+        w_KxIxO = take(pick_K)
+        narrow_in = x_KxTxI.shape[2] <= w_KxIxO.shape[2]
         x = _keep(x_KxTxI, keep_KxT) if narrow_in else x_KxTxI
-        y = jnp.einsum("kti,kio->kto", x, w_AxIxO[pick_K], preferred_element_type=jnp.float32)
+        y = jnp.einsum("kti,kio->kto", x, w_KxIxO, preferred_element_type=jnp.float32)
         return y if narrow_in else _keep(y, keep_KxT)
 
     def extra(e, y_NxTxO):
@@ -254,11 +262,11 @@ def _tile_product_fwd(x_QxI, w_AxIxO, t):
     return tile_product(x_QxI, w_AxIxO, t), (x_QxI, w_AxIxO, t)
 
 
-def _part_grads(x_KxTxI, dy_KxTxO, w_AxIxO, pick_K, keep_KxT):
-    """(dx [K, T, I], dw per tile) of K tiles, each by its adapter pick_K and rows keep_KxT:
-    dw [K, I, O] where I ≤ O (the narrow side leads), else [K, O, I] (see tile_product)."""
-    w_KxIxO = w_AxIxO[pick_K]
-    if x_KxTxI.shape[2] <= w_AxIxO.shape[2]:
+def _part_grads(x_KxTxI, dy_KxTxO, w_KxIxO, keep_KxT):
+    """(dx [K, T, I], dw per tile) of K tiles, each by its adapter's factors w_KxIxO and
+    rows keep_KxT: dw [K, I, O] where I ≤ O (the narrow side leads), else [K, O, I] (see
+    tile_product)."""
+    if x_KxTxI.shape[2] <= dy_KxTxO.shape[2]:
         dw = jnp.einsum(
             "kti,kto->kio", _keep(x_KxTxI, keep_KxT), dy_KxTxO, preferred_element_type=jnp.float32
         )
@@ -290,8 +298,16 @@ def zeros_after(shape, dtype, x):
 
 def _tile_product_bwd(res, dy_QxO):
     x_QxI, w_AxIxO, t = res
+    dx_QxI, dw_A = _tiles_backward(
+        x_QxI, lambda pick_K: w_AxIxO[pick_K], w_AxIxO.shape[0], t, dy_QxO
+    )
+    return dx_QxI, dw_A.astype(w_AxIxO.dtype), None
+
+
+def _tiles_backward(x_QxI, take, n_a: int, t: Tiles, dy_QxO):
+    """(dx [Q, I] in x's dtype, dw [A, I, O] fp32 by active adapter) of _tiles_forward for
+    the cotangent dy, each tile's factors from take (as there)."""
     n, tile = t.keep_NxT.shape
-    n_a = w_AxIxO.shape[0]
     x_NxTxI = x_QxI.reshape(n, tile, -1)
     dy_NxTxO = dy_QxO.astype(x_QxI.dtype).reshape(n, tile, -1)
 
@@ -302,17 +318,16 @@ def _tile_product_bwd(res, dy_QxO):
     def extra(e, carry):
         dx_NxTxI, dw_A = carry
         tile_C, pick_C, keep_CxT = _extra_chunk(t, e)
-        dx_C, dw_C = _part_grads(x_NxTxI[tile_C], dy_NxTxO[tile_C], w_AxIxO, pick_C, keep_CxT)
+        dx_C, dw_C = _part_grads(x_NxTxI[tile_C], dy_NxTxO[tile_C], take(pick_C), keep_CxT)
         rank_C = jax.lax.dynamic_slice_in_dim(t.rank_E, e, tile_C.shape[0])
         return dx_NxTxI.at[tile_C].add(dx_C), dw_A + per_adapter(dw_C, rank_C)
 
-    dx_NxTxI, dw_N = _part_grads(x_NxTxI, dy_NxTxO, w_AxIxO, t.pick_N, t.keep_NxT)
+    dx_NxTxI, dw_N = _part_grads(x_NxTxI, dy_NxTxO, take(t.pick_N), t.keep_NxT)
     dx_NxTxI, dw_A = _over_extras(t, extra, (dx_NxTxI, per_adapter(dw_N, t.rank_N)))
     dw_A = dw_A[t.rank_of_A]
-    if x_QxI.shape[1] > w_AxIxO.shape[2]:
+    if x_QxI.shape[1] > dy_QxO.shape[1]:
         dw_A = jnp.swapaxes(jax.lax.optimization_barrier(dw_A), 1, 2)
-    dx_QxI = dx_NxTxI.reshape(x_QxI.shape).astype(x_QxI.dtype)
-    return dx_QxI, dw_A.astype(w_AxIxO.dtype), None
+    return dx_NxTxI.reshape(x_QxI.shape).astype(x_QxI.dtype), dw_A
 
 
 def tile_product_grads_into(x_QxI, dy_QxO, w_AxIxO, t: Tiles, dw_AxIxO):
@@ -330,10 +345,10 @@ def tile_product_grads_into(x_QxI, dy_QxO, w_AxIxO, t: Tiles, dw_AxIxO):
     def extra(e, carry):
         dx_NxTxI, dw = carry
         tile_C, pick_C, keep_CxT = _extra_chunk(t, e)
-        dx_C, dw_C = _part_grads(x_NxTxI[tile_C], dy_NxTxO[tile_C], w_AxIxO, pick_C, keep_CxT)
+        dx_C, dw_C = _part_grads(x_NxTxI[tile_C], dy_NxTxO[tile_C], w_AxIxO[pick_C], keep_CxT)
         return dx_NxTxI.at[tile_C].add(dx_C), dw.at[pick_C].add(dw_C.astype(dw.dtype))
 
-    dx_NxTxI, dw_N = _part_grads(x_NxTxI, dy_NxTxO, w_AxIxO, t.pick_N, t.keep_NxT)
+    dx_NxTxI, dw_N = _part_grads(x_NxTxI, dy_NxTxO, w_AxIxO[t.pick_N], t.keep_NxT)
     dw = dw_AxIxO.at[t.pick_N].add(dw_N.astype(dw_AxIxO.dtype))
     dx_NxTxI, dw = _over_extras(t, extra, (dx_NxTxI, dw))
     return dx_NxTxI.reshape(x_QxI.shape), dw
@@ -423,7 +438,17 @@ def paged_product(x_QxI, f: PagedFactor, src: PageSource, t: Tiles):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _paged(which, x_QxI, probe, layer, table_P, page_AK, grad_ref, finite_ref, t: Tiles):
     del probe, grad_ref, finite_ref
-    return tile_product(x_QxI, _read_after(which, table_P, page_AK, layer, x_QxI, x_QxI.dtype), t)
+    return _tiles_forward(x_QxI, _tile_reader(which, table_P, page_AK, layer, x_QxI, x_QxI), t)
+
+
+def _tile_reader(which, table_P, page_AK, layer, after, x):
+    """take(pick_K) for _tiles_forward / _tiles_backward: the K tiles' adapters' factors
+    read from the table's pages at `layer` (read_layer of page_AK[pick_K], in x's dtype,
+    varying as x), each read made after `after` exists (_read_after). The pages are read
+    tile by tile: no [A, …] copy of every active adapter's factors comes first."""
+    return lambda pick_K: vary_all(
+        _read_after(which, table_P, page_AK[pick_K], layer, after, x.dtype), x
+    )
 
 
 def _read_after(which, table_P, page_AK, layer, x, dtype):
@@ -443,8 +468,9 @@ def _paged_fwd(which, x_QxI, probe, layer, table_P, page_AK, grad_ref, finite_re
 
 def _paged_bwd(which, res, dy_QxO):
     x_QxI, probe, layer, table_P, page_AK, grad_ref, finite_ref, t = res
-    w_AxIxO = vary_all(_read_after(which, table_P, page_AK, layer, dy_QxO, x_QxI.dtype), x_QxI)
-    dx_QxI, dw_A, _ = _tile_product_bwd((x_QxI, w_AxIxO, t), dy_QxO)
+    take = _tile_reader(which, table_P, page_AK, layer, dy_QxO, x_QxI)
+    dx_QxI, dw_A = _tiles_backward(x_QxI, take, page_AK.shape[0], t, dy_QxO)
+    dw_A = dw_A.astype(x_QxI.dtype)
     # Summed where an array factor's gradient is: over tp (or any non-data axis) at its cast
     # in the layer, in x's dtype; over dp and cp at the pass's entry, in the table's dtype.
     summed = [a for a in varying_axes(dw_A) if a not in varying_axes(table_P)]
