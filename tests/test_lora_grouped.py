@@ -299,7 +299,7 @@ def _random_adapter(tr, slot, rank, targets, seed):
 
 
 @pytest.mark.parametrize(
-    "mesh_shape, n", [((1, 2, 2), 12), ((1, 1, 1), 6), ((2, 2, 2), 6), ((1, 4, 1), 6)]
+    "mesh_shape, n", [((1, 2, 2), 8), ((1, 1, 1), 6), ((2, 2, 2), 6), ((1, 4, 1), 6)]
 )
 def test_a_fused_pass_over_many_adapters_equals_one_pass_each(monkeypatch, mesh_shape, n):
     """Through the model at every mesh kind: n adapters of ranks 2 … 16 and three target
@@ -308,7 +308,8 @@ def test_a_fused_pass_over_many_adapters_equals_one_pass_each(monkeypatch, mesh_
     adapter the gradients of passes of at most DENSE_MAX_ADAPTERS adapters each (the dense,
     masked products, themselves equal to one adapter at a time:
     test_grouped_equals_masked_dense). Four (rank, targets) kinds, each a compile of
-    install_slot (24 adapters of 12 kinds took ~26 CPU s, 12 ~half; 6 on the other meshes).
+    install_slot (24 adapters of 12 kinds took ~26 CPU s, 12 ~half; 8 at (1,2,2), 6 on the
+    other meshes: two or more of each kind).
     At (1,2,2) the fused pass — its factors read from the pages, its gradients added in
     place (train_step._paged_value_and_grad) — also equals the gathered path bit for bit."""
     import jcp
@@ -410,10 +411,10 @@ def test_a_pass_over_many_adapters_holds_their_factors_one_layer_at_a_time():
     accumulators in place (train_step._paged_value_and_grad), so its compiled temporaries
     exceed those of a pass over one adapter by less than 3 layers' worth of the 64
     adapters' factors — where the gathered [L, A, …] copy and its stacked gradient took
-    2·L = 8 (this pass held 1.54× one adapter's memory at A = 256, the gathered way)."""
+    2·L = 6 (this pass held 1.54× one adapter's memory at A = 256, the gathered way)."""
     import jcp
 
-    cfg = jcp.QwenConfig.tiny(num_layers=4)
+    cfg = jcp.QwenConfig.tiny(num_layers=3)
     n = 64
     tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=n, max_rank=8, remat=False)
     ids = [tr.create_adapter(rank=8, seed=k, targets=["attn", "mlp"]) for k in range(n)]
@@ -426,4 +427,6 @@ def test_a_pass_over_many_adapters_holds_their_factors_one_layer_at_a_time():
         temps[a] = program.memory_analysis().temp_size_in_bytes
     # One page (rank 8) of every module at one layer, for each of the n adapters.
     layer_bytes = n * sum(x[0, 0].nbytes for x in jax.tree.leaves(tr.state.weights))
-    assert 0 < temps[n] - temps[1] < 3 * layer_bytes, (temps, layer_bytes)
+    # (Read tile by tile, the 64 adapters' pass may hold less than the one adapter's,
+    # which takes the gathered path.)
+    assert temps[1] > 0 and temps[n] - temps[1] < 3 * layer_bytes, (temps, layer_bytes)
