@@ -380,10 +380,12 @@ class Trainer:
     def warmup_call(self, data, loss_fn="cross_entropy", adapters=0) -> int:
         """Compile the programs forward_backward(data, loss_fn, adapters=adapters) runs ->
         how many forward_backward programs that compiled (or loaded from the persistent
-        cache): the call runs, then every adapter's accumulated gradient is put back bit
-        for bit, so nothing changes."""
+        cache): the call runs WARMUP_RUNS times (as in warmup: XLA:CPU prepares a GEMM
+        fusion on its first run), each time every adapter's accumulated gradient put back
+        bit for bit, so nothing changes."""
         before = len(self.programs.compiled)
-        self._run(data, loss_fn, None, adapters, backward=True, keep=False)
+        for _ in range(WARMUP_RUNS):
+            self._run(data, loss_fn, None, adapters, backward=True, keep=False)
         return len(self.programs.compiled) - before
 
     def warmup_rows(self, limit: int | None = None) -> list[int]:

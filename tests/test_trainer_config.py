@@ -165,6 +165,34 @@ def test_groupings_of_one_length_run_the_warmed_up_program():
     assert np.abs(tr.gradients(b)["base_model.model.lm_head.lora_B.weight"]).max() > 0
 
 
+def test_warmup_call_runs_the_calls_program_and_changes_nothing(monkeypatch):
+    """Trainer.warmup_call compiles the call's forward_backward program and runs it
+    WARMUP_RUNS times (XLA:CPU prepares its GEMM fusions on a program's first run), and
+    every adapter's accumulated gradient is the same bits afterwards; the call itself then
+    compiles nothing."""
+    from helpers import trainer_harness as H
+
+    from jcp import trainer as trainer_lib
+
+    cfg = jcp.QwenConfig.tiny(num_layers=1)
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=2, max_rank=4, remat=False)
+    a = tr.create_adapter(rank=4, seed=1)
+    tr.forward_backward(H.random_data((24,), seed=1), "cross_entropy", adapters=a)
+    before = tr.gradients(a)
+    assert max(float(np.abs(g).max()) for g in before.values()) > 0
+    runs = []
+    real = tr.programs.forward_backward
+    monkeypatch.setattr(tr.programs, "forward_backward", lambda *x: (runs.append(1), real(*x))[1])
+    data = H.random_data((40, 8), seed=2)
+    assert tr.warmup_call(data, "cross_entropy", adapters=a) == 1
+    assert len(runs) == trainer_lib.WARMUP_RUNS > 1
+    for name, g in tr.gradients(a).items():
+        np.testing.assert_array_equal(g, before[name], err_msg=name)
+    programs = len(tr.forward_backward_programs)
+    tr.forward_backward(data, "cross_entropy", adapters=a)
+    assert len(tr.forward_backward_programs) == programs
+
+
 def _projections_in_loops(program) -> int:
     return sum(
         "si,io->so/dot_general" in ln and "while/body" in ln
