@@ -20,6 +20,12 @@ how many of alice's requests ran or were refused. Bounded: a victim request coun
 --timeout s; alice's queued work is cancelled at the end and what still runs gets --drain
 s; then the server is stopped.
 
+alice's driver runs at nice --neighbour-nice (19). On a real host her client runs on
+another machine; here it shares the server's two cores, and jcp-serve runs its compute at
+nice 10 on a CPU host (--compute-nice, so that its event loop gets a core): a driver at nice
+0 took bob's compute's core whenever she sent a burst — a cost of running her client
+beside the server, not of the server (--neighbour-nice 0 measures it).
+
 The untimed spell lasts --settle s (240): shapes the neighbour's load reaches only late
 (her long samples' table rungs, row buckets; the server runs with --no-warmup) would
 otherwise compile in the timed phase, each stalling the worker for seconds — a compile
@@ -86,6 +92,14 @@ def parse_args(argv):
         type=lambda s: s.split(","),
         default=["samples", "burst", "forwards", "refused"],
         help="what the neighbour sends, of samples,burst,forwards,refused",
+    )
+    p.add_argument(
+        "--neighbour-nice",
+        type=int,
+        default=19,
+        help="the niceness of alice's driver process (default 19; 0: as the server's "
+        "event loop): her client shares this host's cores only because the benchmark "
+        "runs on one machine",
     )
     p.add_argument(
         "--json",
@@ -363,7 +377,8 @@ async def hostile(url: str, st: dict, a, vocab: int, ctx: int, stop) -> dict:
 
 def hostile_process(url: str, st: dict, a, vocab: int, ctx: int, stop, out) -> None:
     """alice in her own process (the victim's timings share no event loop or GIL with
-    her driver): hostile() -> its counts on `out`."""
+    her driver), at nice a.neighbour_nice: hostile() -> its counts on `out`."""
+    os.nice(a.neighbour_nice)
     out.put(asyncio.run(hostile(url, st, a, vocab, ctx, stop)))
 
 
@@ -485,7 +500,8 @@ def main(argv=None) -> dict:
     a.server_pid = proc.pid
     print(
         f"jcp-serve at {url} (started in {time.monotonic() - t0:.0f} s); phases of "
-        f"{a.seconds:g} s, victim at {a.rate:g} requests/s",
+        f"{a.seconds:g} s, victim at {a.rate:g} requests/s, neighbour's driver at nice "
+        f"{a.neighbour_nice}",
         flush=True,
     )
     try:
