@@ -380,12 +380,24 @@ def _until(cond, what, timeout=120.0):
         time.sleep(0.01)
 
 
+POLL = "/api/v1/retrieve_future"
+
+
 def test_cancel_of_an_admitted_sample_frees_its_slots(env):
     tr = env["tr"]
     sampling = env["srv"].worker.sampling
-    cancelled = []
+    cancelled, polled = [], set()
     real_cancel = sampling.cancel
     sampling.cancel = lambda rid: (cancelled.append(rid), real_cancel(rid))[1]
+    # The SDK sends cancel_future only from inside its polling loop: a cancel that lands
+    # before the loop's first step (the SDK's thread behind the server's under load) ends
+    # the future without one. So the victim is cancelled once both futures are polled.
+    routes = env["srv"].app.routes
+    real_poll = routes[POLL]
+    routes[POLL] = lambda c, who, body: (
+        polled.add(body.get("request_id")),
+        real_poll(c, who, body),
+    )[1]
     try:
         sc = client(env, "tml-bob").create_sampling_client(base_model=MODEL).result()
         endless = types.SamplingParams(max_tokens=250, temperature=0.0, stop=[])
@@ -395,6 +407,7 @@ def test_cancel_of_an_admitted_sample_frees_its_slots(env):
             types.ModelInput.from_ints([4, 5, 6, 7]), 2, types.SamplingParams(**other_sp)
         )
         _until(lambda: sampling.live == 5, "both requests decoding in the engine")
+        _until(lambda: len(polled) >= 2, "the SDK polling both futures")
         victim.future().cancel()
         _until(lambda: cancelled, "the SDK's cancel_future reached the engine")
         _until(lambda: cancelled[0] not in sampling.requests, "the victim ended")
@@ -402,7 +415,7 @@ def test_cancel_of_an_admitted_sample_frees_its_slots(env):
         got = other.result()
         assert len(cancelled) == 1
     finally:
-        sampling.cancel = real_cancel
+        sampling.cancel, routes[POLL] = real_cancel, real_poll
     ref = tr.sample([[4, 5, 6, 7]], jcp.SamplingParams(**other_sp), num_samples=2)[0]
     for s, r in zip(got.sequences, ref.sequences):
         assert list(s.tokens) == r.tokens.tolist()
