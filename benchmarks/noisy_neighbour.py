@@ -35,7 +35,8 @@ program holds every draw kind (longer compiles), 60 s no longer covers them eith
 (2026-12-05, load ~7: bob's p99 beside her 37 s, 578×, every timed request behind a
 compile).
 
-    python benchmarks/noisy_neighbour.py [--seconds 20] [--rate 4] [--settle 240] [--smoke]
+    python benchmarks/noisy_neighbour.py [--seconds 20] [--rate 4] [--settle 240]
+        [--neighbour-nice 19] [--smoke]
 """
 
 from __future__ import annotations
