@@ -58,7 +58,7 @@ class Turns:
     every waiter yields once and the turns go to the waiting tenants in rotation, one
     waiter each (a tenant joins the rotation at its end), one turn per pass of the loop.
     The turn is not a lock: the waiter runs until its next await, and the next turn is
-    given after it (`_give` is scheduled behind the woken waiter). A lone request pays
+    given after it (`_Rotation.give` is scheduled behind the woken waiter). A lone request pays
     one pass of the loop (~10 µs). Each event loop has its own rotation (tests run the app
     on more than one), forgotten with the loop."""
 
@@ -78,27 +78,8 @@ class Turns:
         q.append(fut)
         if not r.giving:
             r.giving = True
-            loop.call_soon(self._give, loop, r)
+            loop.call_soon(r.give, loop)
         await fut
-
-    @staticmethod
-    def _give(loop, r: _Rotation) -> None:
-        while r.order:
-            who = r.order.popleft()
-            q = r.waiting[who]
-            while q and q[0].done():  # a waiter cancelled (its client left) takes no turn
-                q.popleft()
-            if not q:
-                del r.waiting[who]
-                continue
-            q.popleft().set_result(None)
-            if q:
-                r.order.append(who)
-            else:
-                del r.waiting[who]
-            loop.call_soon(Turns._give, loop, r)
-            return
-        r.giving = False
 
     def waiting(self) -> int:
         """Waiters on the running loop's rotation."""
@@ -109,11 +90,31 @@ class Turns:
 @dataclasses.dataclass
 class _Rotation:
     """One event loop's turns: tenant -> its waiters in order, the tenants in rotation,
-    and whether a `_give` is scheduled."""
+    and whether a `give` is scheduled."""
 
     waiting: dict = dataclasses.field(default_factory=dict)
     order: collections.deque = dataclasses.field(default_factory=collections.deque)
     giving: bool = False
+
+    def give(self, loop) -> None:
+        """The next tenant's first live waiter its turn, and the next `give` scheduled
+        behind it; none scheduled once no one waits."""
+        while self.order:
+            who = self.order.popleft()
+            q = self.waiting[who]
+            while q and q[0].done():  # a waiter cancelled (its client left) takes no turn
+                q.popleft()
+            if not q:
+                del self.waiting[who]
+                continue
+            q.popleft().set_result(None)
+            if q:
+                self.order.append(who)
+            else:
+                del self.waiting[who]
+            loop.call_soon(self.give, loop)
+            return
+        self.giving = False
 
 
 async def off_loop(size: int, fn, *args):
