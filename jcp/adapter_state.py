@@ -48,6 +48,7 @@ from jcp.adapter_tables import (
 from jcp.config import QwenConfig
 from jcp.errors import InputError
 from jcp.mesh import device_memory, host, pow2_at_least, replicate
+from jcp.program_cache import shared
 
 # The rank of one page of a slot table: the finest rank step a slot's memory follows.
 PAGE_RANK = 8
@@ -131,6 +132,20 @@ class HostSlot:
         )
 
 
+@shared
+def _make_zeros(cfg: QwenConfig, mesh, num_pages: int, page_rank: int, expert_lora_modes: tuple):
+    """jit() -> one table of zeros: num_pages pages of page_rank (lora.slot_shapes),
+    sharded by lora.slot_specs."""
+    shapes = lora_lib.slot_shapes(cfg, num_pages, page_rank, expert_lora_modes)
+    specs = lora_lib.slot_specs(cfg, expert_lora_modes)
+    return jax.jit(
+        lambda: jax.tree.map(
+            lambda s: jnp.zeros(s, jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
+        ),
+        out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), specs),
+    )
+
+
 class AdapterState:
     """Slot arrays of up to `max_adapters` adapters of rank ≤ `max_rank` over one mesh, in
     pages (module docstring): `memory_bytes` of each device for the tables (None: room for
@@ -171,13 +186,7 @@ class AdapterState:
             self.num_pages = min(self.num_pages, memory_bytes // self.page_bytes)
         self._free_pages = list(range(self.num_pages))  # a heap: lowest pages first
         self._page_GK = np.full((max_adapters, self.pages_per_slot), self.num_pages, np.int32)
-        shapes = lora_lib.slot_shapes(cfg, self.num_pages, self.page_rank, self.expert_lora_modes)
-        zeros = jax.jit(
-            lambda: jax.tree.map(
-                lambda s: jnp.zeros(s, jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
-            ),
-            out_shardings=self._shardings,
-        )
+        zeros = _make_zeros(cfg, mesh, self.num_pages, self.page_rank, self.expert_lora_modes)
         self._weights, self._grads, self._mu, self._nu = zeros(), zeros(), zeros(), zeros()
         self._count = self._replicated(np.zeros(max_adapters, np.int32))
         self._meta = lora_lib.SlotMeta(

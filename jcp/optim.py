@@ -16,6 +16,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jcp.program_cache import shared
+
 
 @dataclasses.dataclass(frozen=True)
 class OptState:
@@ -44,6 +46,7 @@ def _norm(tree) -> jax.Array:
     return jnp.where(jnp.isfinite(plain) | ~jnp.isfinite(big), plain, safe * jnp.sqrt(sq))
 
 
+@shared
 def make_optim_step(mesh):
     """jit(step)(lora, acc, opt, slot, pages_K, hp) -> (lora, acc, opt, metrics) for one
     slot: its step count at `slot`, its weights, gradient and moments in the table pages

@@ -39,6 +39,7 @@ from jcp.model_loss import LossOptions, Stream, model_loss
 from jcp.model_loss import StepConfig as StepConfig
 from jcp.model_loss import training_attend as training_attend
 from jcp.model_loss import unroll_layers as unroll_layers
+from jcp.program_cache import shared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -455,6 +456,7 @@ def compiler_options(mesh) -> dict:
     return {}
 
 
+@shared
 def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
     """jit(forward)(lora, params, slot_meta, batch, loss_cfg, custom_args, *, static) ->
     (loss, out); static: the batch's BatchStatics."""
@@ -474,6 +476,7 @@ def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
     return forward
 
 
+@shared
 def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig, fold: bool = True):
     """jit(fb)(acc, lora, params, slot_meta, batch, loss_cfg, custom_args, *, static) ->
     (acc + grad, loss, out, finite_A).

@@ -114,6 +114,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -seconds(item))  # stable: a module's tests keep their order
 
 
+@pytest.fixture
+def retrace():
+    """For a test that patches a module constant read while tracing (a spy on a traced
+    function included): JAX's caches are cleared before it, so that its programs are traced
+    under the patch, and after it, so that no later test reuses them. Trainers of equal
+    settings share their programs (jcp/program_cache.py)."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     yield

@@ -301,7 +301,7 @@ def _random_adapter(tr, slot, rank, targets, seed):
 @pytest.mark.parametrize(
     "mesh_shape, n", [((1, 2, 2), 8), ((1, 1, 1), 6), ((2, 2, 2), 6), ((1, 4, 1), 6)]
 )
-def test_a_fused_pass_over_many_adapters_equals_one_pass_each(monkeypatch, mesh_shape, n):
+def test_a_fused_pass_over_many_adapters_equals_one_pass_each(monkeypatch, retrace, mesh_shape, n):
     """Through the model at every mesh kind: n adapters of ranks 2 … 16 and three target
     sets (attn; mlp; attn + mlp + unembedding: the others' modules are the base model's) in
     one forward_backward — the grouped products — give each datum the log-probs and each

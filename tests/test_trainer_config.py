@@ -2,6 +2,7 @@
 
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -193,6 +194,47 @@ def test_warmup_call_runs_the_calls_program_and_changes_nothing(monkeypatch):
     assert len(tr.forward_backward_programs) == programs
 
 
+def test_trainers_of_equal_settings_share_their_programs(retrace):
+    """A second Trainer of the same model, mesh and settings traces and compiles nothing
+    for its forward_backward, optim_step and sampling (jcp/program_cache.py), and still
+    trains and samples its own adapter; one of another logprob_chunk traces anew."""
+    from helpers import trainer_harness as H
+
+    def make(chunk=16):
+        return jcp.Trainer(
+            jcp.QwenConfig.tiny(num_layers=1),
+            jcp.make_mesh(1, 2, 1),
+            max_adapters=2,
+            max_rank=4,
+            logprob_chunk=chunk,
+        )
+
+    events = []
+    record = lambda name, secs, **kw: events.append(name)  # noqa: E731
+    traced = lambda: [e for e in events if "trace" in e or "backend_compile" in e]  # noqa: E731
+    data = H.random_data((24, 9), seed=1)
+    params = jcp.SamplingParams(max_tokens=3, temperature=0.0)
+    results = []
+    jax.monitoring.register_event_duration_secs_listener(record)
+    try:
+        for seed, chunk in ((1, 16), (2, 16), (2, 32)):
+            events.clear()
+            tr = make(chunk)
+            a = tr.create_adapter(rank=4, seed=seed)
+            tr.forward_backward(data, "cross_entropy", adapters=a)
+            tr.optim_step(a, jcp.AdamParams(learning_rate=1e-2))
+            out = tr.forward(data, "cross_entropy", adapters=a)
+            tokens = tr.sample([[1, 2, 3]], params, adapters=a)[0].sequences[0].tokens
+            results.append((out.loss_fn_outputs[0]["logprobs"], tokens, traced()))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(record)
+    (first, t1, e1), (second, t2, e2), (third, t3, e3) = results
+    assert e1 and e2 == [] and e3, (e1, e2, e3)
+    assert not np.allclose(first, second)  # its own adapter, through the shared program
+    np.testing.assert_allclose(second, third, rtol=1e-6)
+    assert list(t2) == list(t3) and len(t1) == 3
+
+
 def _projections_in_loops(program) -> int:
     return sum(
         "si,io->so/dot_general" in ln and "while/body" in ln
@@ -200,7 +242,7 @@ def _projections_in_loops(program) -> int:
     )
 
 
-def test_cpu_unrolled_layer_loop_equals_rolled(monkeypatch):
+def test_cpu_unrolled_layer_loop_equals_rolled(monkeypatch, retrace):
     """On XLA:CPU a model of ≤ CPU_UNROLL_LAYERS layers trains with its layer loop unrolled
     (train_step.unroll_layers): none of its layers' projections runs inside a loop, as all
     of the rolled program's do, and the numbers are the same. RoPE's cos / sin are taken
@@ -215,6 +257,7 @@ def test_cpu_unrolled_layer_loop_equals_rolled(monkeypatch):
     results, whiles, cosines = [], [], []
     for limit in (model_loss.CPU_UNROLL_LAYERS, 0):
         monkeypatch.setattr(model_loss, "CPU_UNROLL_LAYERS", limit)
+        jax.clear_caches()  # the second Trainer would share the first one's programs
         tr = jcp.Trainer(
             cfg, jcp.make_mesh(1, 1, 1), max_adapters=1, max_rank=4, attn_block=16, logprob_chunk=16
         )

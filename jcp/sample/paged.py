@@ -54,6 +54,7 @@ from jcp import losses as losses_lib
 from jcp import model as model_lib
 from jcp.config import QwenConfig
 from jcp.mesh import SPECS
+from jcp.program_cache import shared
 from jcp.sample import draws, kv_cache
 from jcp.sample.decode_loop import DecodeRows, StepModel, decode_loop, decode_out_specs
 from jcp.sample.paged_attention import (
@@ -221,6 +222,7 @@ def token_pages(table_BxM, position_BxC, valid_BxC, n_pages: int, page: int):
     return (jnp.where(ok, at, n_pages).reshape(-1), (position_BxC % page).reshape(-1))
 
 
+@shared
 def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
     """jit(extend)(lora, params, slot_meta, pool, rows: ExtendRows, active, *, modes) ->
     (pool, log-probs [B, C] replicated). pool is donated. The log-probs (each new token's
@@ -297,6 +299,7 @@ def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
     return extend
 
 
+@shared
 def make_copy(mesh):
     """jit(copy)(pool, src, dst, rec_src, rec_dst) -> pool with page dst[i] ← page src[i]
     and, for a hybrid model's pool, state row rec_dst[i] ← row rec_src[i] on each device
@@ -417,6 +420,7 @@ class PagedDecodeModes:
     phases: int = DECODE_PHASES
 
 
+@shared
 def make_decode(cfg: QwenConfig, mesh, attn_impl: str = "blockwise"):
     """jit(decode)(lora, params, slot_meta, pool, ints, floats, active, *, modes) ->
     (tokens [B, N] (−1: nothing drawn), log-probs [B, N], both replicated[, top-k ids

@@ -31,6 +31,7 @@ from jcp import model as model_lib
 from jcp import train_step
 from jcp.config import QwenConfig
 from jcp.mesh import CP, SPECS
+from jcp.program_cache import shared
 from jcp.sample import kv_cache
 from jcp.sample.decode_loop import (  # noqa: F401 — DecodeRows, decode_hidden: re-exported
     DecodeRows,
@@ -121,6 +122,7 @@ class DecodeModes:
     topk: int = 0
 
 
+@shared
 def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
     """jit(prefill)(lora, params, slot_meta, args: PrefillArgs, source, old, rec_source,
     *, modes) -> (KV [L, B, T, K, H] or None, log-probs [DP, CP, S] (or [DP, CP, S, K] for
@@ -257,6 +259,7 @@ def _logprob_specs(modes: PrefillModes):
     return {k: P() for k in keys + ("alt_ids", "alt_lp") * bool(modes.alt)}
 
 
+@shared
 def make_decode(cfg: QwenConfig, mesh):
     """jit(decode)(lora, params, slot_meta, cache, rows: DecodeRows, active, *, modes) ->
     (tokens [B, N] (−1 where a row drew nothing), log-probs [B, N], both replicated; the
