@@ -275,7 +275,7 @@ def long_prompt_memory(cfg, cp, mode, n):
         put(pb.spans, SPECS.spans_DPxCPxAx2),
         put(pb.active, SPECS.replicated),
     )
-    prefill = s.prefill.lower(
+    prefill = s.prefill.jitted.lower(
         tr.state.weights,
         tr.params,
         tr.state.meta,

@@ -49,6 +49,7 @@ from jcp.config import QwenConfig
 from jcp.errors import InputError
 from jcp.mesh import device_memory, host, pow2_at_least, replicate
 from jcp.program_cache import shared
+from jcp.program_store import Programs
 
 # The rank of one page of a slot table: the finest rank step a slot's memory follows.
 PAGE_RANK = 8
@@ -204,7 +205,8 @@ class AdapterState:
         self._put_rows = jax.jit(put_rows, donate_argnums=(0,), out_shardings=self._shardings)
         self._read = jax.jit(gather_slot, out_shardings=rep)
         self._read_count = jax.jit(read_count, out_shardings=rep)
-        self._optim_step = optim.make_optim_step(mesh)
+        # optim.make_optim_step's program, kept in the program store when it is on.
+        self.optim_programs = Programs(optim.make_optim_step(mesh), "optim_step", (), mesh)
         self._export = jax.jit(
             functools.partial(export_slot, mesh, specs),
             static_argnames=("rank", "targets", "expert_lora"),
@@ -471,7 +473,7 @@ class AdapterState:
         moments and count stay bit-identical, the accumulator is cleared, and InputError
         names the adapter and the cause.
         """
-        (self._weights, self._grads, opt, metrics) = self._optim_step(
+        (self._weights, self._grads, opt, metrics) = self.optim_programs(
             self._weights,
             self._grads,
             optim.OptState(mu=self._mu, nu=self._nu, count=self._count),

@@ -175,16 +175,18 @@ def setup_compilation_cache(args, default: str | None = None) -> str | None:
     $JAX_COMPILATION_CACHE_DIR, else in `default` (None: default_cache_dir()), unless
     --no-compilation-cache -> the folder, or None. Every program is cached, however fast
     it compiled, unless the environment says otherwise (a warm restart then compiles
-    nothing). CliError when the folder cannot be made or is not this user's alone (see
-    files.private). Before anything compiles."""
+    nothing), and jcp's program store in its folder `jcp-programs` (program_store: a
+    restart loads the programs without tracing them). CliError when a folder cannot be
+    made or is not this user's alone (see files.private). Before anything compiles."""
     import jax
 
-    from jcp import files
+    from jcp import files, program_store
 
     if args.no_compilation_cache:
         if args.compilation_cache:
             raise CliError("--compilation-cache and --no-compilation-cache contradict")
         jax.config.update("jax_enable_compilation_cache", False)
+        program_store.use(None)
         return None
     path = (
         args.compilation_cache
@@ -204,6 +206,11 @@ def setup_compilation_cache(args, default: str | None = None) -> str | None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
         jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
+    # Beside JAX's cache: the programs a restart loads without tracing them (program_store).
+    try:
+        program_store.use(os.path.join(path, "jcp-programs"))
+    except ValueError as e:
+        raise CliError(f"{e} (or run with --no-compilation-cache)") from None
     return path
 
 

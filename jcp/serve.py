@@ -442,6 +442,8 @@ def _warm_up(srv, tr) -> None:
     """Compile the training and sampling programs before serving (--warmup)."""
     import jax
 
+    from jcp import program_store
+
     eng = srv.worker.sampling
     t0 = time.monotonic()
     n_train = srv.worker.tr.warmup(rows=tr.warmup_rows(TRAINING_WARMUP_ROWS))
@@ -449,7 +451,8 @@ def _warm_up(srv, tr) -> None:
     n = eng.warmup(**sampling_warmup(jax.default_backend()))
     print(
         f"jcp-serve: warm-up compiled {n_train} training programs in {t1 - t0:.1f} s "
-        f"and {n} sampling programs in {time.monotonic() - t1:.1f} s",
+        f"and {n} sampling programs in {time.monotonic() - t1:.1f} s "
+        f"({program_store.loaded()} loaded from the program store)",
         flush=True,
     )
 

@@ -114,6 +114,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -seconds(item))  # stable: a module's tests keep their order
 
 
+@pytest.fixture(autouse=True)
+def _program_store_off():
+    """An in-process jcp-train or jcp-serve turns jcp's program store on for the process
+    (cli.setup_compilation_cache); it is turned off after the test, so that no later test
+    loads a program stored under another test's patched constants."""
+    yield
+    from jcp import program_store
+
+    program_store.use(None)
+
+
 @pytest.fixture
 def retrace():
     """For a test that patches a module constant read while tracing (a spy on a traced

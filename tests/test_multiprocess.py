@@ -17,6 +17,7 @@ from helpers import mp_case
 
 import jcp
 from jcp import host_sum, train_step
+from jcp.program_store import Programs
 
 HERE = os.path.dirname(__file__)
 
@@ -120,6 +121,10 @@ def test_outputs_summed_with_the_gradient_are_the_forward_sums():
                 tr.cfg, tr.mesh, dataclasses.replace(tr.step_cfg, remat=r), fold=fold
             )
             for r in tr.programs.fb_steps
+        }
+        tr.programs.fb_stored = {  # what the Trainer compiles through
+            r: Programs(f, "forward_backward", (tr.cfg, r, fold), tr.mesh)
+            for r, f in tr.programs.fb_steps.items()
         }
         tr.programs.compiled.clear()
         a, b = tr.create_adapter(rank=4, seed=1), tr.create_adapter(rank=8, seed=2)

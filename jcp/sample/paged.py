@@ -73,7 +73,8 @@ REC_SPEC = LAYOUT.rec_specs  # Recurrent [Ll, R, …]: state rows over (dp, cp)
 
 
 class Programs(NamedTuple):
-    """The three jitted programs (make_extend, make_decode, make_copy)."""
+    """The three programs (make_extend, make_decode, make_copy), each behind a
+    program_store.Programs (Runner.paged)."""
 
     extend: object
     decode: object

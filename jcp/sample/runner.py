@@ -29,6 +29,7 @@ from jcp import mesh as mesh_lib
 from jcp.adapter_state import AdapterState, host, replicate
 from jcp.config import QwenConfig
 from jcp.mesh import SPECS
+from jcp.program_store import Programs
 from jcp.sample import engine_rows, kv_cache, programs
 from jcp.sample import layout as layout_lib
 from jcp.sample import paged as paged_lib
@@ -83,7 +84,10 @@ class Runner:
         self.cfg, self.mesh, self.params, self.state = cfg, mesh, params, state
         self.limits, self.step_cfg = limits, step_cfg
         self.dp, self.cp, self.tp = (mesh_lib.axis_size(mesh, a) for a in mesh_lib.AXES)
-        self.prefill = programs.make_prefill(cfg, mesh, step_cfg)
+        # Behind program_store.Programs: kept in the store when it is on.
+        self.prefill = Programs(
+            programs.make_prefill(cfg, mesh, step_cfg), "prefill", (cfg, step_cfg), mesh
+        )
         self.decode = programs.make_decode(cfg, mesh)
         # Slicing the layers out of the stacks before the decode loop holds a second copy
         # of the layer weights for the call (measured: 26.7 vs 14.1 MiB of temporaries at
@@ -117,11 +121,18 @@ class Runner:
     @functools.cached_property
     def paged(self) -> paged_lib.Programs:
         """The engine's paged-cache programs (paged.py), made once per Runner so that every
-        Engine over it shares their compiled variants."""
+        Engine over it shares their compiled variants; each kept in the program store when
+        it is on (program_store.Programs: a restart loads them without tracing)."""
+        cfg, mesh, chunk, impl = (
+            self.cfg,
+            self.mesh,
+            self.step_cfg.logprob_chunk,
+            self.step_cfg.attn_impl,
+        )
         return paged_lib.Programs(
-            paged_lib.make_extend(self.cfg, self.mesh, self.step_cfg.logprob_chunk),
-            paged_lib.make_decode(self.cfg, self.mesh, self.step_cfg.attn_impl),
-            paged_lib.make_copy(self.mesh),
+            Programs(paged_lib.make_extend(cfg, mesh, chunk), "extend", (cfg, chunk), mesh),
+            Programs(paged_lib.make_decode(cfg, mesh, impl), "decode", (cfg, impl), mesh),
+            Programs(paged_lib.make_copy(mesh), "copy", (), mesh),
         )
 
     def put(self, x, spec):

@@ -264,7 +264,8 @@ def _prefill_jaxprs(tr, call):
     jitted, seen = sampler.prefill, []
 
     def spy(*args, **kwargs):
-        seen.append(str(jax.make_jaxpr(functools.partial(jitted, **kwargs))(*args)))
+        traced = functools.partial(jitted.jitted, **kwargs)  # program_store.Programs' jit
+        seen.append(str(jax.make_jaxpr(traced)(*args)))
         return jitted(*args, **kwargs)
 
     sampler.prefill = spy
