@@ -49,7 +49,7 @@ from jcp.config import QwenConfig
 from jcp.errors import InputError
 from jcp.mesh import device_memory, host, pow2_at_least, replicate
 from jcp.program_cache import shared
-from jcp.program_store import Programs
+from jcp.program_store import StoredPrograms
 
 # The rank of one page of a slot table: the finest rank step a slot's memory follows.
 PAGE_RANK = 8
@@ -206,7 +206,7 @@ class AdapterState:
         self._read = jax.jit(gather_slot, out_shardings=rep)
         self._read_count = jax.jit(read_count, out_shardings=rep)
         # optim.make_optim_step's program, kept in the program store when it is on.
-        self.optim_programs = Programs(optim.make_optim_step(mesh), "optim_step", (), mesh)
+        self.optim_programs = StoredPrograms(optim.make_optim_step(mesh), "optim_step", (), mesh)
         self._export = jax.jit(
             functools.partial(export_slot, mesh, specs),
             static_argnames=("rank", "targets", "expert_lora"),

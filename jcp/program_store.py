@@ -128,7 +128,7 @@ def _signature(x) -> tuple:
     return (np.shape(x), type(x), getattr(x, "dtype", None))
 
 
-class Programs:
+class StoredPrograms:
     """The compiled programs of one jitted function, one per call signature.
 
     `programs(*args, **static)` runs the program for these arguments: held in memory, else

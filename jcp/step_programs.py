@@ -20,7 +20,7 @@ from jcp import host_sum, train_step
 from jcp import remat as remat_lib
 from jcp.config import QwenConfig
 from jcp.mesh import TP, axis_size
-from jcp.program_store import Programs
+from jcp.program_store import StoredPrograms
 
 
 class StepPrograms:
@@ -28,7 +28,7 @@ class StepPrograms:
     programs keyed by everything a program is specialised on.
 
     `fb_steps` {remat: jitted forward_backward} holds both variants under remat="auto",
-    `fb_stored` the same behind program_store.Programs (compiled once, or loaded from the
+    `fb_stored` the same behind program_store.StoredPrograms (compiled once, or loaded from the
     program store by a restart); `compiled` the programs so far; `decisions` how each one's remat was chosen (the
     Trainer's remat_decisions); `sums_on_host` whether forward and forward_backward (dense
     models, Tinker losses) take the host-summed path (settable before the first call).
@@ -49,10 +49,10 @@ class StepPrograms:
         self.fb_steps = {
             r: train_step.make_forward_backward(cfg, mesh, c) for r, c in step_cfgs.items()
         }
-        # The same behind program_store.Programs: kept in the store when it is on (a restart
+        # The same behind program_store.StoredPrograms: kept in the store when it is on (a restart
         # loads them), every compiled forward_backward program held there.
         self.fb_stored = {
-            r: Programs(self.fb_steps[r], "forward_backward", (cfg, c), mesh)
+            r: StoredPrograms(self.fb_steps[r], "forward_backward", (cfg, c), mesh)
             for r, c in step_cfgs.items()
         }
         self._budget = budget_bytes

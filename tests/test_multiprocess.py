@@ -17,7 +17,7 @@ from helpers import mp_case
 
 import jcp
 from jcp import host_sum, train_step
-from jcp.program_store import Programs
+from jcp.program_store import StoredPrograms
 
 HERE = os.path.dirname(__file__)
 
@@ -123,7 +123,7 @@ def test_outputs_summed_with_the_gradient_are_the_forward_sums():
             for r in tr.programs.fb_steps
         }
         tr.programs.fb_stored = {  # what the Trainer compiles through
-            r: Programs(f, "forward_backward", (tr.cfg, r, fold), tr.mesh)
+            r: StoredPrograms(f, "forward_backward", (tr.cfg, r, fold), tr.mesh)
             for r, f in tr.programs.fb_steps.items()
         }
         tr.programs.compiled.clear()

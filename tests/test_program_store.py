@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jcp import make_mesh, program_store
-from jcp.program_store import Programs
+from jcp.program_store import StoredPrograms
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -51,12 +51,12 @@ def _traces(fn):
 def test_a_new_process_state_loads_without_tracing(store, retrace):
     mesh = make_mesh(1, 1, 1)
     x = jnp.arange(4.0)
-    first = Programs(_scaled(2.0), "scaled", (2.0,), mesh)
+    first = StoredPrograms(_scaled(2.0), "scaled", (2.0,), mesh)
     want = np.asarray(first(x, power=3))
     assert (first.compiled_count, first.loaded) == (1, 0)
     assert len(os.listdir(store)) == 1
     jax.clear_caches()
-    again = Programs(_scaled(2.0), "scaled", (2.0,), mesh)
+    again = StoredPrograms(_scaled(2.0), "scaled", (2.0,), mesh)
     got, traced = _traces(lambda: np.asarray(again(x, power=3)))
     assert (again.compiled_count, again.loaded) == (0, 1) and traced == []
     np.testing.assert_array_equal(got, want)
@@ -69,7 +69,7 @@ def test_a_new_process_state_loads_without_tracing(store, retrace):
 def test_anything_a_program_is_built_from_makes_another_key(store, change):
     mesh = make_mesh(1, 1, 1)
     x = jnp.arange(4.0)
-    Programs(_scaled(2.0), "scaled", (2.0,), mesh)(x, power=3)
+    StoredPrograms(_scaled(2.0), "scaled", (2.0,), mesh)(x, power=3)
     factor, name, power = 2.0, "scaled", 3
     if change == "static":
         power = 2
@@ -81,7 +81,7 @@ def test_anything_a_program_is_built_from_makes_another_key(store, change):
         factor = 3.0
     else:
         name = "other"
-    other = Programs(_scaled(factor), name, (factor,), mesh)
+    other = StoredPrograms(_scaled(factor), name, (factor,), mesh)
     got = np.asarray(other(x, power=power))
     assert (other.compiled_count, other.loaded) == (1, 0)
     np.testing.assert_allclose(got, factor * np.asarray(x) ** power)
@@ -91,12 +91,12 @@ def test_anything_a_program_is_built_from_makes_another_key(store, change):
 def test_a_damaged_file_is_compiled_again(store):
     mesh = make_mesh(1, 1, 1)
     x = jnp.arange(4.0)
-    Programs(_scaled(2.0), "scaled", (2.0,), mesh)(x, power=3)
+    StoredPrograms(_scaled(2.0), "scaled", (2.0,), mesh)(x, power=3)
     (name,) = os.listdir(store)
     path = os.path.join(store, name)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
-    again = Programs(_scaled(2.0), "scaled", (2.0,), mesh)
+    again = StoredPrograms(_scaled(2.0), "scaled", (2.0,), mesh)
     np.testing.assert_array_equal(np.asarray(again(x, power=3)), 2.0 * np.arange(4.0) ** 3)
     assert (again.compiled_count, again.loaded) == (1, 0)
     assert os.path.getsize(path) > 0 and program_store.MAGIC == open(path, "rb").read(8)
@@ -111,7 +111,7 @@ def test_other_fingerprints_are_swept_and_unstable_keys_never_stored(tmp_path):
     program_store.use(str(folder))
     try:
         mesh = make_mesh(1, 1, 1)
-        unstable = Programs(_scaled(2.0), "scaled", (object(),), mesh)  # repr: an address
+        unstable = StoredPrograms(_scaled(2.0), "scaled", (object(),), mesh)  # repr: an address
         unstable(jnp.arange(4.0), power=2)
         assert unstable.compiled_count == 1 and os.listdir(folder) == []
     finally:

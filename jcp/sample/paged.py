@@ -74,7 +74,7 @@ REC_SPEC = LAYOUT.rec_specs  # Recurrent [Ll, R, …]: state rows over (dp, cp)
 
 class Programs(NamedTuple):
     """The three programs (make_extend, make_decode, make_copy), each behind a
-    program_store.Programs (Runner.paged)."""
+    program_store.StoredPrograms (Runner.paged)."""
 
     extend: object
     decode: object

@@ -29,7 +29,7 @@ from jcp import mesh as mesh_lib
 from jcp.adapter_state import AdapterState, host, replicate
 from jcp.config import QwenConfig
 from jcp.mesh import SPECS
-from jcp.program_store import Programs
+from jcp.program_store import StoredPrograms
 from jcp.sample import engine_rows, kv_cache, programs
 from jcp.sample import layout as layout_lib
 from jcp.sample import paged as paged_lib
@@ -84,8 +84,8 @@ class Runner:
         self.cfg, self.mesh, self.params, self.state = cfg, mesh, params, state
         self.limits, self.step_cfg = limits, step_cfg
         self.dp, self.cp, self.tp = (mesh_lib.axis_size(mesh, a) for a in mesh_lib.AXES)
-        # Behind program_store.Programs: kept in the store when it is on.
-        self.prefill = Programs(
+        # Behind program_store.StoredPrograms: kept in the store when it is on.
+        self.prefill = StoredPrograms(
             programs.make_prefill(cfg, mesh, step_cfg), "prefill", (cfg, step_cfg), mesh
         )
         self.decode = programs.make_decode(cfg, mesh)
@@ -122,7 +122,7 @@ class Runner:
     def paged(self) -> paged_lib.Programs:
         """The engine's paged-cache programs (paged.py), made once per Runner so that every
         Engine over it shares their compiled variants; each kept in the program store when
-        it is on (program_store.Programs: a restart loads them without tracing)."""
+        it is on (program_store.StoredPrograms: a restart loads them without tracing)."""
         cfg, mesh, chunk, impl = (
             self.cfg,
             self.mesh,
@@ -130,9 +130,9 @@ class Runner:
             self.step_cfg.attn_impl,
         )
         return paged_lib.Programs(
-            Programs(paged_lib.make_extend(cfg, mesh, chunk), "extend", (cfg, chunk), mesh),
-            Programs(paged_lib.make_decode(cfg, mesh, impl), "decode", (cfg, impl), mesh),
-            Programs(paged_lib.make_copy(mesh), "copy", (), mesh),
+            StoredPrograms(paged_lib.make_extend(cfg, mesh, chunk), "extend", (cfg, chunk), mesh),
+            StoredPrograms(paged_lib.make_decode(cfg, mesh, impl), "decode", (cfg, impl), mesh),
+            StoredPrograms(paged_lib.make_copy(mesh), "copy", (), mesh),
         )
 
     def put(self, x, spec):

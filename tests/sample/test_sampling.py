@@ -264,7 +264,7 @@ def _prefill_jaxprs(tr, call):
     jitted, seen = sampler.prefill, []
 
     def spy(*args, **kwargs):
-        traced = functools.partial(jitted.jitted, **kwargs)  # program_store.Programs' jit
+        traced = functools.partial(jitted.jitted, **kwargs)  # program_store.StoredPrograms' jit
         seen.append(str(jax.make_jaxpr(traced)(*args)))
         return jitted(*args, **kwargs)
 
