@@ -193,8 +193,9 @@ class StoredPrograms:
         from jax.experimental import serialize_executable
 
         try:
-            if files.private(path):
-                raise ValueError(files.private(path))
+            why = files.private(path)
+            if why:
+                raise ValueError(why)
             with open(path, "rb") as f:
                 data = f.read()
             body = data[len(MAGIC) + 64 :]
@@ -219,9 +220,7 @@ class StoredPrograms:
             body = pickle.dumps((payload, in_tree, out_tree))
         except Exception:  # noqa: BLE001 — a program that cannot be serialized stays in memory
             return
-        data = MAGIC + hashlib.sha256(body).hexdigest().encode() + body
-        with _LOCK:
-            try:
-                files.atomic_write(path, data)
-            except OSError:
-                pass
+        try:  # atomic: a reader sees the old file, none, or the whole new one
+            files.atomic_write(path, MAGIC + hashlib.sha256(body).hexdigest().encode() + body)
+        except OSError:
+            pass

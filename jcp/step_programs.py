@@ -27,10 +27,11 @@ class StepPrograms:
     """The steps of one (model, mesh, StepConfig) and a cache of compiled forward_backward
     programs keyed by everything a program is specialised on.
 
-    `fb_steps` {remat: jitted forward_backward} holds both variants under remat="auto",
-    `fb_stored` the same behind program_store.StoredPrograms (compiled once, or loaded from the
-    program store by a restart); `compiled` the programs so far; `decisions` how each one's remat was chosen (the
-    Trainer's remat_decisions); `sums_on_host` whether forward and forward_backward (dense
+    `fb_steps` {remat: program_store.StoredPrograms of the jitted forward_backward} holds
+    both variants under remat="auto" (each program compiled once, or loaded from the program
+    store by a restart); `compiled` the programs so far; `decisions` how each one's remat
+    was chosen (the Trainer's remat_decisions); `sums_on_host` whether forward and
+    forward_backward (dense
     models, Tinker losses) take the host-summed path (settable before the first call).
     """
 
@@ -44,16 +45,13 @@ class StepPrograms:
     ):
         self.cfg, self.mesh, self.step_cfg, self.max_rank = cfg, mesh, step_cfg, max_rank
         self.forward_step = train_step.make_forward(cfg, mesh, step_cfg)
-        remats = [r for r in (True, False) if step_cfg.remat in (r, "auto")]
-        step_cfgs = {r: dataclasses.replace(step_cfg, remat=r) for r in remats}
         self.fb_steps = {
-            r: train_step.make_forward_backward(cfg, mesh, c) for r, c in step_cfgs.items()
-        }
-        # The same behind program_store.StoredPrograms: kept in the store when it is on (a restart
-        # loads them), every compiled forward_backward program held there.
-        self.fb_stored = {
-            r: StoredPrograms(self.fb_steps[r], "forward_backward", (cfg, c), mesh)
-            for r, c in step_cfgs.items()
+            r: StoredPrograms(
+                train_step.make_forward_backward(cfg, mesh, c), "forward_backward", (cfg, c), mesh
+            )
+            for r in (True, False)
+            if step_cfg.remat in (r, "auto")
+            for c in [dataclasses.replace(step_cfg, remat=r)]
         }
         self._budget = budget_bytes
         self.sums_on_host = host_sum.sums_on_host(mesh)
@@ -122,7 +120,7 @@ class StepPrograms:
                     num_slots=static.num_slots,
                     modules=static.modules,
                 )
-            return self.fb_stored[remat].program(*args, static=static)
+            return self.fb_steps[remat].program(*args, static=static)
 
         remat = self.step_cfg.remat
         if remat != "auto":

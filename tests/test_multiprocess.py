@@ -117,14 +117,15 @@ def test_outputs_summed_with_the_gradient_are_the_forward_sums():
     runs = []
     for fold in (True, False):
         tr.programs.fb_steps = {
-            r: train_step.make_forward_backward(
-                tr.cfg, tr.mesh, dataclasses.replace(tr.step_cfg, remat=r), fold=fold
+            r: StoredPrograms(
+                train_step.make_forward_backward(
+                    tr.cfg, tr.mesh, dataclasses.replace(tr.step_cfg, remat=r), fold=fold
+                ),
+                "forward_backward",
+                (tr.cfg, r, fold),
+                tr.mesh,
             )
             for r in tr.programs.fb_steps
-        }
-        tr.programs.fb_stored = {  # what the Trainer compiles through
-            r: StoredPrograms(f, "forward_backward", (tr.cfg, r, fold), tr.mesh)
-            for r, f in tr.programs.fb_steps.items()
         }
         tr.programs.compiled.clear()
         a, b = tr.create_adapter(rank=4, seed=1), tr.create_adapter(rank=8, seed=2)

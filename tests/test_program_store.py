@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import trainer_harness as H
 
 from jcp import make_mesh, program_store
 from jcp.program_store import StoredPrograms
@@ -37,17 +38,6 @@ def _scaled(factor):
     return f
 
 
-def _traces(fn):
-    events = []
-    record = lambda name, secs, **kw: events.append(name)  # noqa: E731
-    jax.monitoring.register_event_duration_secs_listener(record)
-    try:
-        out = fn()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(record)
-    return out, [e for e in events if "trace" in e or "backend_compile" in e]
-
-
 def test_a_new_process_state_loads_without_tracing(store, retrace):
     mesh = make_mesh(1, 1, 1)
     x = jnp.arange(4.0)
@@ -57,7 +47,7 @@ def test_a_new_process_state_loads_without_tracing(store, retrace):
     assert len(os.listdir(store)) == 1
     jax.clear_caches()
     again = StoredPrograms(_scaled(2.0), "scaled", (2.0,), mesh)
-    got, traced = _traces(lambda: np.asarray(again(x, power=3)))
+    got, traced = H.traces_and_compiles(lambda: np.asarray(again(x, power=3)))
     assert (again.compiled_count, again.loaded) == (0, 1) and traced == []
     np.testing.assert_array_equal(got, want)
 
@@ -149,7 +139,7 @@ CHILD = textwrap.dedent(
     eng.warmup(active=(1,))
     rid = eng.submit([1, 2, 3], jcp.SamplingParams(max_tokens=4, temperature=0.0), a)
     eng.run()
-    stored = [*tr.programs.fb_stored.values(), tr.state.optim_programs, *eng.s.paged]
+    stored = [*tr.programs.fb_steps.values(), tr.state.optim_programs, *eng.s.paged]
     print(json.dumps({
         "loaded": sum(p.loaded for p in stored),
         "compiled": sum(p.compiled_count for p in stored),

@@ -209,25 +209,25 @@ def test_trainers_of_equal_settings_share_their_programs(retrace):
             logprob_chunk=chunk,
         )
 
-    events = []
-    record = lambda name, secs, **kw: events.append(name)  # noqa: E731
-    traced = lambda: [e for e in events if "trace" in e or "backend_compile" in e]  # noqa: E731
     data = H.random_data((24, 9), seed=1)
     params = jcp.SamplingParams(max_tokens=3, temperature=0.0)
-    results = []
-    jax.monitoring.register_event_duration_secs_listener(record)
-    try:
-        for seed, chunk in ((1, 16), (2, 16), (2, 32)):
-            events.clear()
-            tr = make(chunk)
-            a = tr.create_adapter(rank=4, seed=seed)
-            tr.forward_backward(data, "cross_entropy", adapters=a)
-            tr.optim_step(a, jcp.AdamParams(learning_rate=1e-2))
-            out = tr.forward(data, "cross_entropy", adapters=a)
-            tokens = tr.sample([[1, 2, 3]], params, adapters=a)[0].sequences[0].tokens
-            results.append((out.loss_fn_outputs[0]["logprobs"], tokens, traced()))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(record)
+
+    def run(seed, chunk):
+        tr = make(chunk)
+        a = tr.create_adapter(rank=4, seed=seed)
+        tr.forward_backward(data, "cross_entropy", adapters=a)
+        tr.optim_step(a, jcp.AdamParams(learning_rate=1e-2))
+        out = tr.forward(data, "cross_entropy", adapters=a)
+        tokens = tr.sample([[1, 2, 3]], params, adapters=a)[0].sequences[0].tokens
+        return out.loss_fn_outputs[0]["logprobs"], tokens
+
+    results = [
+        (*out, events)
+        for out, events in (
+            H.traces_and_compiles(lambda s=seed, c=chunk: run(s, c))
+            for seed, chunk in ((1, 16), (2, 16), (2, 32))
+        )
+    ]
     (first, t1, e1), (second, t2, e2), (third, t3, e3) = results
     assert e1 and e2 == [] and e3, (e1, e2, e3)
     assert not np.allclose(first, second)  # its own adapter, through the shared program

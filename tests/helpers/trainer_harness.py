@@ -292,3 +292,15 @@ def assert_outputs_close(got, want, rtol: float, atol: float, what: str):
     )
     if "clipped_tokens:sum" in want.metrics:
         assert got.metrics["clipped_tokens:sum"] == want.metrics["clipped_tokens:sum"], what
+
+
+def traces_and_compiles(fn):
+    """(fn(), the JAX trace and XLA compile events it caused, in order)."""
+    events = []
+    record = lambda name, secs, **kw: events.append(name)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(record)
+    try:
+        out = fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(record)
+    return out, [e for e in events if "trace" in e or "backend_compile" in e]
