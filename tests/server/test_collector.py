@@ -30,8 +30,11 @@ def test_a_turn_that_compiled_freezes_what_it_made_and_collects_garbage_first():
         grown = gc.get_freeze_count() - frozen
         assert grown >= len(kept)
         assert garbage() is None
+        later = [_Cycle() for _ in range(100)]  # made after: not frozen without a compile
         assert not f.after_turn()  # no compile since: no pause
-        assert gc.get_freeze_count() - frozen == grown
+        # (Frozen objects freed meanwhile, e.g. by another thread, lower the count.)
+        assert gc.get_freeze_count() - frozen <= grown
+        del later
     finally:
         f.stop()
     assert gc.get_freeze_count() == 0
