@@ -206,9 +206,11 @@ def setup_compilation_cache(args, default: str | None = None) -> str | None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
         jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
-    # Beside JAX's cache: the programs a restart loads without tracing them (program_store).
+    # Beside JAX's cache: the programs a restart loads without tracing them (program_store),
+    # under the same bound (JAX's -1: none).
+    bound = jax.config.jax_compilation_cache_max_size
     try:
-        program_store.use(os.path.join(path, "jcp-programs"))
+        program_store.use(os.path.join(path, "jcp-programs"), bound if bound >= 0 else None)
     except ValueError as e:
         raise CliError(f"{e} (or run with --no-compilation-cache)") from None
     return path

@@ -9,14 +9,19 @@ shapes, dtypes and shardings — together with a fingerprint of everything else 
 depends on: jcp's own source, the versions of the libraries that trace and compile it,
 the XLA and JAX settings of the environment, the backend and its devices. Any change of
 these is a new key, so a program is never loaded for code or settings it was not built
-from; the programs of other fingerprints are deleted when a process opens the folder.
+from. The folder is bounded (`use`'s max_bytes, 8 GiB by default, as jcp's JAX cache):
+past it, the programs used longest ago are deleted — older fingerprints first, as nothing
+loads them — so two jcp versions sharing a folder keep each other's programs.
 
 It is on where jcp-serve and jcp-train keep their compilation cache (`--compilation-cache`,
 a folder `jcp-programs` inside it, which files.private_folder has made this user's
 alone), off for library use unless `use(folder)` is called, and off in multi-process jobs.
 A program whose key would not be stable across processes (an argument whose repr names an
 object's address, such as a custom loss) is compiled and kept in memory only. A file that
-fails its checksum or does not load is deleted and the program compiled again.
+fails its checksum or does not load is deleted and the program compiled again. Only what
+this process compiled is stored: XLA:CPU cannot serialize again an executable that JAX's
+persistent cache handed back (the copy fails at its first run), so such a program comes
+from JAX's cache on each start.
 """
 
 from __future__ import annotations
@@ -42,22 +47,47 @@ SUFFIX = ".jcpprog"
 ENV_PREFIXES = ("XLA_", "JAX_", "JCP_", "LIBTPU", "TPU_", "CUDA_", "NVIDIA_TF32")
 LIBRARIES = ("jax", "jaxlib", "optax", "numpy", "ml_dtypes")
 
+# The folder's bound by default (jcp's JAX compilation cache has the same, cli.py).
+MAX_BYTES = 8 << 30
+
 _FOLDER: list = [None]
+_MAX: list = [MAX_BYTES]
 _LOADED = [0]  # programs this process loaded from the store
-_SWEPT: set = set()
+# Per thread: programs JAX's persistent compilation cache handed this thread (its
+# monitoring event is recorded in the compiling thread).
+_FROM_JAX_CACHE = threading.local()
+_LISTENING: list = []
 _LOCK = threading.Lock()
 
 
-def use(folder: str | None) -> str | None:
-    """Keep compiled programs in `folder` (made this user's alone, files.private_folder)
-    -> its absolute path; None turns the store off. Touches no JAX backend (jcp-serve calls
-    it before jax.distributed starts). ValueError when the folder cannot be made private."""
+def _count_cache_hit(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _FROM_JAX_CACHE.hits = getattr(_FROM_JAX_CACHE, "hits", 0) + 1
+
+
+def _cache_hits() -> int:
+    """Programs JAX's persistent cache has handed this thread so far."""
+    with _LOCK:
+        if not _LISTENING:
+            jax.monitoring.register_event_listener(_count_cache_hit)
+            _LISTENING.append(_count_cache_hit)
+    return getattr(_FROM_JAX_CACHE, "hits", 0)
+
+
+def use(folder: str | None, max_bytes: int | None = MAX_BYTES) -> str | None:
+    """Keep compiled programs in `folder` (made this user's alone, files.private_folder),
+    at most max_bytes of them (None: unbounded; past it, the programs used longest ago are
+    deleted) -> its absolute path; None turns the store off. Touches no JAX backend
+    (jcp-serve calls it before jax.distributed starts). ValueError when the folder cannot
+    be made private or max_bytes is negative."""
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"program store: max_bytes {max_bytes} is negative")
     if folder is not None:
         folder = os.path.abspath(folder)
         why = files.private_folder(folder)
         if why:
             raise ValueError(f"program store {folder}: {why}")
-    _FOLDER[0] = folder
+    _FOLDER[0], _MAX[0] = folder, max_bytes
     return folder
 
 
@@ -68,19 +98,36 @@ def loaded() -> int:
 
 def folder() -> str | None:
     """The store's folder, or None when it is off — also in a multi-process job, where
-    each process would load programs for its own devices. On first use in a process, the
-    folder's programs of other fingerprints (older code or settings) are deleted."""
+    each process would load programs for its own devices."""
     where = _FOLDER[0]
     if where is None or jax.process_count() > 1:
         return None
-    with _LOCK:
-        if where not in _SWEPT:
-            _SWEPT.add(where)
-            mine = fingerprint()[:16]
-            for path in glob.glob(os.path.join(where, "*" + SUFFIX)):
-                if not os.path.basename(path).startswith(mine):
-                    _remove(path)
     return where
+
+
+def _bound(where: str, keep: str) -> None:
+    """Delete the folder's programs used longest ago (a load touches its file's mtime)
+    until they fit in _MAX — never `keep`, the one just written. Other processes may
+    share the folder: a file gone meanwhile is skipped."""
+    limit = _MAX[0]
+    if limit is None:
+        return
+    held = []
+    with os.scandir(where) as entries:
+        for e in entries:
+            try:
+                if e.name.endswith(SUFFIX) and e.is_file(follow_symlinks=False):
+                    st = e.stat(follow_symlinks=False)
+                    held.append((st.st_mtime_ns, st.st_size, e.path))
+            except OSError:
+                continue
+    total = sum(size for _, size, _ in held)
+    for _, size, path in sorted(held):
+        if total <= limit:
+            break
+        if path != keep:
+            _remove(path)
+            total -= size
 
 
 @functools.cache
@@ -183,9 +230,14 @@ class StoredPrograms:
                 self.loaded += 1
                 _LOADED[0] += 1
                 return program
+        hits = _cache_hits()
         program = self.jitted.lower(*args, **static).compile()
         self.compiled_count += 1
-        if path is not None:
+        # XLA:CPU cannot serialize again an executable it deserialized: the copy of one
+        # that JAX's persistent cache handed back loads, then fails at its first run
+        # ("Function … not found"). Such a program is held in memory only (a restart
+        # finds it in JAX's cache again).
+        if path is not None and _cache_hits() == hits:
             self._save(path, program)
         return program
 
@@ -205,12 +257,17 @@ class StoredPrograms:
             ):
                 raise ValueError("checksum")
             payload, in_tree, out_tree = pickle.loads(body)
-            return serialize_executable.deserialize_and_load(
+            program = serialize_executable.deserialize_and_load(
                 payload, in_tree, out_tree, execution_devices=list(self.mesh.devices.flat)
             )
         except Exception:  # noqa: BLE001 — a bad file is compiled again, never fatal
             _remove(path)
             return None
+        try:  # used now: the last the bound deletes
+            os.utime(path)
+        except OSError:
+            pass
+        return program
 
     def _save(self, path: str, program) -> None:
         from jax.experimental import serialize_executable
@@ -222,5 +279,6 @@ class StoredPrograms:
             return
         try:  # atomic: a reader sees the old file, none, or the whole new one
             files.atomic_write(path, MAGIC + hashlib.sha256(body).hexdigest().encode() + body)
+            _bound(os.path.dirname(path), path)
         except OSError:
             pass

@@ -92,20 +92,77 @@ def test_a_damaged_file_is_compiled_again(store):
     assert os.path.getsize(path) > 0 and program_store.MAGIC == open(path, "rb").read(8)
 
 
-def test_other_fingerprints_are_swept_and_unstable_keys_never_stored(tmp_path):
+def test_other_fingerprints_are_kept_and_unstable_keys_never_stored(tmp_path):
+    """Another jcp version's programs stay (the bound deletes them once unused, not a
+    sweep: two versions sharing a folder keep each other's); a key naming an object's
+    address is compiled and held in memory only."""
     folder = tmp_path / "programs"
     folder.mkdir(mode=0o700)
-    stale = folder / ("0" * 16 + "-scaled-x" + program_store.SUFFIX)
-    stale.write_bytes(b"old")
+    other = folder / ("0" * 16 + "-scaled-x" + program_store.SUFFIX)
+    other.write_bytes(b"old")
     assert not program_store.fingerprint().startswith("0" * 16)
     program_store.use(str(folder))
     try:
         mesh = make_mesh(1, 1, 1)
         unstable = StoredPrograms(_scaled(2.0), "scaled", (object(),), mesh)  # repr: an address
         unstable(jnp.arange(4.0), power=2)
-        assert unstable.compiled_count == 1 and os.listdir(folder) == []
+        assert unstable.compiled_count == 1 and os.listdir(folder) == [other.name]
     finally:
         program_store.use(None)
+
+
+def test_the_folder_keeps_the_programs_used_last_within_its_bound(store):
+    mesh = make_mesh(1, 1, 1)
+    x = jnp.arange(4.0)
+    paths = []
+    for age, power in enumerate((1, 2)):  # written first = used longest ago
+        before = set(os.listdir(store))
+        StoredPrograms(_scaled(2.0), "scaled", (2.0,), mesh)(x, power=power)
+        (name,) = set(os.listdir(store)) - before
+        paths.append(os.path.join(store, name))
+        os.utime(paths[-1], (1e9 + age, 1e9 + age))
+    sizes = [os.path.getsize(p) for p in paths]
+    program_store.use(store, max_bytes=sizes[0] + sizes[1] + sizes[1] // 2)
+    again = StoredPrograms(_scaled(2.0), "scaled", (2.0,), mesh)
+    again.program(x, power=1)  # loads the first: now the one used last
+    assert again.loaded == 1
+    StoredPrograms(_scaled(2.0), "scaled", (2.0,), mesh)(x, power=3)  # over the bound
+    kept = sorted(os.path.join(store, n) for n in os.listdir(store))
+    assert len(kept) == 2 and paths[0] in kept and paths[1] not in kept
+
+
+def _tanh_sum(factor):
+    @functools.partial(jax.jit, static_argnames=("power",))
+    def f(x, *, power):
+        return jnp.tanh(factor * x**power).sum()
+
+    return f
+
+
+def test_a_program_from_jax_cache_is_not_stored(store, retrace):
+    """XLA:CPU cannot serialize again an executable it loaded from JAX's persistent cache:
+    the copy loads, then fails at its first run ("Function … not found"). A program that
+    JAX's cache handed back is run, not stored; the next one compiled is stored."""
+    if not jax.config.jax_compilation_cache_dir:
+        pytest.skip("JAX's persistent compilation cache is off (JCP_TEST_COMPILE_CACHE=0)")
+    mesh = make_mesh(1, 1, 1)
+    x = jnp.arange(4.0) / 3
+    at = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    try:
+        factor = float(np.random.default_rng().integers(2, 1 << 20))  # a new program
+        want = float(_tanh_sum(factor)(x, power=3))  # now in JAX's cache
+        jax.clear_caches()
+        first = StoredPrograms(_tanh_sum(factor), "tanh_sum", (factor,), mesh)
+        assert float(first(x, power=3)) == want and first.compiled_count == 1
+        assert os.listdir(store) == []  # it came from JAX's cache
+        again = StoredPrograms(_tanh_sum(factor), "tanh_sum", (factor,), mesh)
+        assert float(again(x, power=3)) == want and again.loaded == 0
+        fresh = StoredPrograms(_tanh_sum(factor), "tanh_sum", (factor,), mesh)
+        assert float(fresh(x, power=2)) == float(jnp.tanh(factor * x**2).sum())
+        assert len(os.listdir(store)) == 1  # compiled here: stored
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", at)
 
 
 def test_a_folder_others_may_write_is_refused(tmp_path):
