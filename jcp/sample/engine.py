@@ -529,8 +529,9 @@ class Engine:
         it ran (program_keys then holds them): the bounded set of engine_config.py's
         module docstring, "Programs", as warmup.warmup lists it per argument. Runs each
         program on padding (no request; every write is dropped; each decode loop body a
-        few steps per draw branch), so later requests of those shapes compile nothing
-        and run as fast as the steady ones. Only on an idle engine."""
+        few steps per draw branch; an extend only if cheap: warmup.WARM_RUN_FLOPS), so
+        later requests of those shapes compile nothing and run as fast as the steady
+        ones. Only on an idle engine."""
         if not self.idle:
             raise RuntimeError("Engine.warmup runs on an idle engine only")
         return warmup_lib.warmup(

@@ -403,25 +403,37 @@ class EngineDevice:
     ) -> np.ndarray | None:
         """One extend call over the engine's pages (kept, donated) -> host log-probs (None
         when no row wants them)."""
+        want_lp = bool(np.any(rows.want_lp))
+        pool, lp = self.runner.paged.extend(*self._extend_args(rows, modes, active), modes=modes)
+        self._keep(pool)
+        del pool
+        return host(lp) if want_lp else None
+
+    def extend_program(
+        self, rows: paged_lib.ExtendRows, modes: paged_lib.ExtendModes, active: np.ndarray
+    ):
+        """The compiled program an extend call of these rows would run, compiled (or
+        loaded from the program store) but not run."""
+        return self.runner.paged.extend.program(
+            *self._extend_args(rows, modes, active), modes=modes
+        )
+
+    def _extend_args(
+        self, rows: paged_lib.ExtendRows, modes: paged_lib.ExtendModes, active: np.ndarray
+    ) -> tuple:
         r = self.runner
         self.program_keys.add(
             ("extend",) + rows.tokens.shape + (rows.table.shape[1], len(active), modes)
         )
-        want_lp = bool(np.any(rows.want_lp))
-        rows = jax.tree.map(r.put, rows, paged_lib.ExtendRows.specs())
         self._ensure_cache()
-        pool, lp = r.paged.extend(
+        return (
             r.state.weights,
             r.params,
             r.state.meta,
             self.cache,
-            rows,
+            jax.tree.map(r.put, rows, paged_lib.ExtendRows.specs()),
             replicate(r.mesh, active),
-            modes=modes,
         )
-        self._keep(pool)
-        del pool
-        return host(lp) if want_lp else None
 
     def decode(
         self,

@@ -1,6 +1,6 @@
 """The engine's warm-up: every program an engine can run for a set of buckets, compiled up
-front by running it on padding, each decode loop's body a few steps per branch, so that a
-first request runs as fast as later ones.
+front and run on padding (each decode loop's body a few steps per branch; extends only
+when cheap, _extends), so that a first request runs as fast as later ones.
 
 Owns the enumeration of that bounded set (engine_config.py's module docstring,
 "Programs") over an EngineDevice's sizes. Every call writes nothing that a request reads (padding rows:
@@ -55,8 +55,10 @@ def warmup(
     prompt log-probs on or off (prompt_logprobs), the draw kind (draws: "greedy", "drawn",
     "filtered"), topk_sample_logprobs (topk) and the decode steps of a call; those
     arguments are only checked. Runs each program on padding (a decode loop's body
-    WARM_STEPS steps per phase and draw branch), so later requests of those shapes compile
-    nothing and the first runs as fast as later ones."""
+    WARM_STEPS steps per phase and draw branch; an extend only up to WARM_RUN_FLOPS), so
+    later requests of those shapes compile nothing and the first runs as fast as later
+    ones (a costly extend's first call within ~1.2× of its later ones, 1.5× for the
+    largest)."""
     for d in draws:
         if d not in KINDS:
             raise ValueError(f"draws: {d!r} is not one of {sorted(KINDS)}")
@@ -86,10 +88,21 @@ def _padding(b: int, a: int) -> tuple[np.ndarray, np.ndarray]:
     return layout_lib.active_index(np.full(b, layout_lib.PADDING), a, BASE)
 
 
+# An extend program is run on padding at warm-up only up to this many flops (XLA's cost
+# analysis of the compiled program); a costlier one is compiled (or loaded) only.
+WARM_RUN_FLOPS = 2e9
+
+
 def _extends(device: EngineDevice, a_lens: list[int]) -> None:
-    """Every extend (chunked prefill) program: rows × chunk × table pages × active, run
-    without prompt log-probs. Their run-time branch is left to the first request that
-    wants them (it pays XLA:CPU's first runs of its fusions, _decode_runs): running it on
+    """Every extend (chunked prefill) program: rows × chunk × table pages × active,
+    compiled, and run without prompt log-probs if it costs at most WARM_RUN_FLOPS. A first
+    run pays XLA:CPU's preparation of its fusions (_decode_runs), a fixed cost that is
+    most of a small program's first call but a small part of a large one's: padding costs
+    what real rows cost (its attention reads the whole table), and on the default engine
+    of the tiny model the 7 extends over 2 GFLOP took 31 s of the 44 s that running every
+    extend took, and a first call of one of them took 1.01-1.20× its third (the largest,
+    256 rows × 256 tokens over 256 pages, 22 GFLOP: 22 s against 15 s). Their run-time branch
+    (prompt log-probs) is left to the first request that wants them: running it on
     padding rows for every extend program took 30 s of the default engine's 65-s warm-up
     on a warm compilation cache."""
     z, slice_layers = device.sizes, device.runner.slice_layers
@@ -110,7 +123,21 @@ def _extends(device: EngineDevice, a_lens: list[int]) -> None:
                         np.full(b, z.b_local, np.int32),
                         np.zeros(b, bool),
                     )
-                    device.extend(rows, paged.ExtendModes(slice_layers), act)
+                    modes = paged.ExtendModes(slice_layers)
+                    if flops(device.extend_program(rows, modes, act)) <= WARM_RUN_FLOPS:
+                        device.extend(rows, modes, act)
+
+
+def flops(program) -> float:
+    """XLA's cost analysis of a compiled program: its flops (0 when the backend gives
+    none, so that the program counts as cheap)."""
+    try:
+        cost = program.cost_analysis()
+    except Exception:  # noqa: BLE001 — no analysis: treat as cheap (run it)
+        return 0.0
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
 
 
 def _cacheless(device: EngineDevice, a_lens: list[int], variants: list[tuple]) -> None:

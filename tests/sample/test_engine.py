@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 
 import numpy as np
 import peft
@@ -32,8 +33,10 @@ import torch
 from helpers import model_harness as MH
 
 import jcp
+from jcp.sample import warmup as warmup_lib
 from jcp.sample.engine import Engine, EngineError, page_keys
 from jcp.sample.params import STOP_WIDTH
+from jcp.sample.runner import EngineDevice
 
 PROMPTS = ([3, 17, 42, 8, 99, 1, 64, 30, 2, 77, 12], [50], [6, 7, 120, 33, 4], [11, 90])
 MAX_TOKENS = 10
@@ -392,10 +395,11 @@ def _compiled(eng):
     return len(p.extend) + len(p.decode) + len(p.copy)  # programs held (program_store)
 
 
-def test_varied_requests_after_the_served_warm_up_compile_nothing(root):
+def test_varied_requests_after_the_served_warm_up_compile_nothing(root, monkeypatch):
     """Every dynamic dimension is bucketed: after jcp-serve --warmup's set
-    (serve.SAMPLING_WARMUP; one active adapter here, to keep it cheap; run on padding) on a
-    small engine, varied requests — greedy, drawn and top-k / top-p rows, stop lists of 0
+    (serve.SAMPLING_WARMUP; one active adapter here, to keep it cheap; run on padding — of
+    the extends every other one, as if the rest cost more than warmup.WARM_RUN_FLOPS: they
+    are compiled, not run) on a small engine, varied requests — greedy, drawn and top-k / top-p rows, stop lists of 0
     to STOP_WIDTH ids (the edge admits no more), with and without prompt log-probs, any
     topk_sample_logprobs and topk_prompt_logprobs up to 4, compute_logprobs, joining at
     different steps, hurried or not; then random prompt lengths, num_samples and
@@ -408,8 +412,23 @@ def test_varied_requests_after_the_served_warm_up_compile_nothing(root):
     eng = Engine(tr.make_sampler(), slots=8, max_len=64, chunk=4, prefill_tokens=16)
     every = lambda: _compiled(eng) + len(eng.s.prefill)  # noqa: E731
     before = every()
+    costs, ran = [], []
+    real_flops, real_extend = warmup_lib.flops, EngineDevice.extend
+    # Every other extend program counts as costly (compiled, not run).
+    monkeypatch.setattr(
+        warmup_lib,
+        "flops",
+        lambda p: (costs.append(real_flops(p)), (0.0, math.inf)[len(costs) % 2])[1],
+    )
+    monkeypatch.setattr(
+        EngineDevice, "extend", lambda self, *a: (ran.append(1), real_extend(self, *a))[1]
+    )
     n = eng.warmup(**{**SAMPLING_WARMUP, "active": (1,)})
+    monkeypatch.undo()
     assert every() - before == n == len(eng.program_keys)
+    extends = [k for k in eng.program_keys if k[0] == "extend"]
+    assert len(costs) == len(extends) >= 2 and len(ran) == len(extends) // 2
+    assert min(costs) > 0  # XLA's cost analysis gives this backend's programs flops
     warm, compiled = set(eng.program_keys), every()
     eng.program_keys.clear()
     rng = np.random.default_rng(1)
