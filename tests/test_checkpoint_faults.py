@@ -267,13 +267,14 @@ def test_values_checked_behind_the_files(tr, saved, tmp_path):
     exactly the saved values."""
     # Where orbax keeps array bytes outside its checksummed index (state/d/ is all index).
     # Which file holds the arrays that orbax does not check, and where in it, varies from
-    # save to save; the largest array (lm_head's B and its moments, 8 KiB each) spans more
-    # than 4 KiB of its file, so a flip every 4 KiB lands in it wherever it sits.
+    # save to save; the largest arrays (lm_head's B and its moments) are 8 KiB each, and
+    # any 8 KiB of a file holds one multiple of 8192: a flip every 8 KiB lands in each of
+    # them wherever it sits.
     data_files = [f for f in _files(saved) if "/ocdbt.process_" in f and "/d/" in f]
     assert data_files
     by_value = 0
     for i, rel in enumerate(data_files):
-        for at in _offsets(saved, rel, stride=4096):
+        for at in _offsets(saved, rel, stride=8192):
             dest = str(tmp_path / f"{i}-{at}")
             _damaged_copy(saved, dest, rel, at)
             _reseal(dest)

@@ -30,8 +30,9 @@ MESH = (1, 1, 1)
 LOSSES = H.LOSS_NAMES + ("gspo",)
 # Sampling log-probs and advantages at the edges of float32 (and ordinary ones): -100 is
 # past exp's float32 range (a ratio e^~93), -1e30 far past it.
+# 1e38 (near float32's largest) stands for every huge positive advantage.
 LOGPROBS = (-1.0, -100.0, -1e30, 1e30)
-ADVANTAGES = (1.0, -1.0, 0.0, 1e30, -1e30, 1e38)
+ADVANTAGES = (1.0, -1.0, 0.0, -1e30, 1e38)
 
 
 def rl(lp, adv, seed=0):
