@@ -171,8 +171,30 @@ def _signature(x) -> tuple:
     """What a compiled program is specialised on for one argument leaf, as hashable values
     (cheap: every call computes it; the store's key is its text, made on a miss only)."""
     if isinstance(x, jax.Array):
-        return (x.shape, x.dtype, x.weak_type, x.sharding)
+        return (x.shape, x.dtype, x.weak_type, _sharding(x.sharding))
     return (np.shape(x), type(x), getattr(x, "dtype", None))
+
+
+def _sharding(sharding):
+    """A NamedSharding in one spelling of its placement: PartitionSpec() and
+    PartitionSpec(None, None) place an array alike (a compiled program takes either) but
+    compare unequal, and a program's outputs come back in the short one — so an engine's
+    weights after a training step missed the programs its warm-up had prepared, and each
+    first request traced and loaded them again (~1 s). Each entry as a tuple of mesh axes
+    (None or () for none), trailing ones dropped."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    spec = []
+    for entry in sharding.spec:
+        if entry is None or entry == ():
+            spec.append(None)
+        elif isinstance(entry, str):
+            spec.append((entry,))
+        else:
+            spec.append(tuple(entry) if isinstance(entry, (tuple, list)) else entry)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return ("NamedSharding", sharding.mesh, tuple(spec), sharding.memory_kind)
 
 
 class StoredPrograms:

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import trainer_harness as H
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jcp import make_mesh, program_store
 from jcp.program_store import StoredPrograms
@@ -129,6 +131,25 @@ def test_the_folder_keeps_the_programs_used_last_within_its_bound(store):
     StoredPrograms(_scaled(2.0), "scaled", (2.0,), mesh)(x, power=3)  # over the bound
     kept = sorted(os.path.join(store, n) for n in os.listdir(store))
     assert len(kept) == 2 and paths[0] in kept and paths[1] not in kept
+
+
+def test_one_placement_in_two_spellings_is_one_program(store):
+    """PartitionSpec() and PartitionSpec(None) place an array alike (what a program's
+    outputs come back as, and what the warm-up's inputs were): one program for both; a
+    different placement is another."""
+    mesh = make_mesh(1, 2, 2)
+    x = np.arange(8.0, dtype=np.float32)
+    long, short, split = (
+        jax.device_put(x, NamedSharding(mesh, spec)) for spec in (P(None), P(), P("tp"))
+    )
+    assert long.sharding != short.sharding
+    programs = StoredPrograms(_scaled(2.0), "scaled", (2.0,), mesh)
+    for arg in (long, short):
+        np.testing.assert_array_equal(np.asarray(programs(arg, power=2)), 2.0 * x**2)
+    assert len(programs) == 1 and programs.compiled_count == 1
+    assert len(os.listdir(store)) == 1
+    np.testing.assert_array_equal(np.asarray(programs(split, power=2)), 2.0 * x**2)
+    assert len(programs) == 2
 
 
 def _tanh_sum(factor):
