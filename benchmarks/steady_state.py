@@ -16,7 +16,9 @@ of the last half of the steps) and the compiles the server made meanwhile. Goal 
 Restart (--restart, on by default): the flow's server runs on an empty compilation cache
 folder (--compilation-cache), and is then restarted on it; each start's time from the
 process's start to the end of its first training step (start-up, warm-up, the first step)
-is printed, cold and warm. Goal: warm ≤ 20% of cold.
+is printed, cold and warm, and the restarted server runs the flow's steps too (their own
+table: a restart's first steps must be as steady as a cold start's). Goal: warm ≤ 20% of
+cold.
 
     python benchmarks/steady_state.py [--steps 8] [--tenants 4] [--datums 4] [--tokens 256]
                                       [--serve-args "--no-warmup"] [--no-restart]
@@ -259,60 +261,69 @@ def steady_run(args, extra: list[str], cache: str) -> tuple[float, int]:
     try:
         print(f"{srv.warmup_line()}; server memory maps {srv.maps()}", flush=True)
         print(f"compiles by program: {srv.compile_seconds()}; load {os.getloadavg()}", flush=True)
-        flow = Flow(srv.url, args)
-        # The driver's own objects (SDK clients, data) out of its cyclic GC: a collection
-        # over them stalled a random step by 50-90 ms, which is the driver's, not the
-        # server's (measured with gc.callbacks).
-        gc.collect()
-        gc.freeze()
-        rows, first = [], None
-        for i in range(args.steps):
-            c0, r0 = len(srv.compiles()), len(srv.traces())
-            t_train = flow.train(args.timeout)
-            first = first or (time.monotonic() - srv.t0, len(srv.compiles()))
-            c1, r1 = len(srv.compiles()), len(srv.traces())
-            t_sample = flow.sample(args.timeout)
-            names, traced = srv.compiles(), srv.traces()
-            rows.append((t_train, t_sample, c1 - c0, len(names) - c1))
-            if args.verbose:
-                print(
-                    f"step {i + 1}: train compiled {names[c0:c1]}, traced {traced[r0:r1]}; "
-                    f"sample compiled {names[c1:]}, traced {traced[r1:]}",
-                    flush=True,
-                )
-        half = rows[len(rows) // 2 :]
-        steady = [statistics.median(r[k] for r in half) for k in (0, 1)]
-        print(
-            f"\nsteps ({args.tenants} tenants × {args.datums} datums × {args.tokens} tokens "
-            f"fb + optim; sampling {args.prompts} × {args.num_samples} × "
-            f"{args.max_tokens}); steady = median of steps {len(rows) - len(half) + 1}…"
-            f"{len(rows)}: train {steady[0]:.3f} s, sample {steady[1]:.3f} s"
-        )
-        print(" step   train s  × steady  compiles   sample s  × steady  compiles")
-        worst = 0.0
-        for i, (tt, ts, ct, cs) in enumerate(rows, 1):
-            rt, rs = tt / steady[0], ts / steady[1]
-            worst = max(worst, rt, rs)
-            print(f" {i:4d}  {tt:8.3f}  {rt:8.2f}  {ct:8d}   {ts:8.3f}  {rs:8.2f}  {cs:8d}")
-        print(
-            f"worst step / steady: {worst:.2f}× (goal ≤ 1.3×: "
-            f"{'met' if worst <= 1.3 else 'NOT met'})",
-            flush=True,
-        )
-        return first
+        return run_steps(srv, args)
     finally:
         srv.stop()
 
 
+def run_steps(srv, args) -> tuple[float, int]:
+    """The flow's steps on a started server, and their table (each step against the median
+    of the second half) -> (seconds from the server process's start to the end of its
+    first training step, the programs it compiled until then)."""
+    flow = Flow(srv.url, args)
+    # The driver's own objects (SDK clients, data) out of its cyclic GC: a collection
+    # over them stalled a random step by 50-90 ms, which is the driver's, not the
+    # server's (measured with gc.callbacks).
+    gc.collect()
+    gc.freeze()
+    rows, first = [], None
+    for i in range(args.steps):
+        c0, r0 = len(srv.compiles()), len(srv.traces())
+        t_train = flow.train(args.timeout)
+        first = first or (time.monotonic() - srv.t0, len(srv.compiles()))
+        c1, r1 = len(srv.compiles()), len(srv.traces())
+        t_sample = flow.sample(args.timeout)
+        names, traced = srv.compiles(), srv.traces()
+        rows.append((t_train, t_sample, c1 - c0, len(names) - c1))
+        if args.verbose:
+            print(
+                f"step {i + 1}: train compiled {names[c0:c1]}, traced {traced[r0:r1]}; "
+                f"sample compiled {names[c1:]}, traced {traced[r1:]}",
+                flush=True,
+            )
+    half = rows[len(rows) // 2 :]
+    steady = [statistics.median(r[k] for r in half) for k in (0, 1)]
+    print(
+        f"\nsteps ({args.tenants} tenants × {args.datums} datums × {args.tokens} tokens "
+        f"fb + optim; sampling {args.prompts} × {args.num_samples} × "
+        f"{args.max_tokens}); steady = median of steps {len(rows) - len(half) + 1}…"
+        f"{len(rows)}: train {steady[0]:.3f} s, sample {steady[1]:.3f} s"
+    )
+    print(" step   train s  × steady  compiles   sample s  × steady  compiles")
+    worst = 0.0
+    for i, (tt, ts, ct, cs) in enumerate(rows, 1):
+        rt, rs = tt / steady[0], ts / steady[1]
+        worst = max(worst, rt, rs)
+        print(f" {i:4d}  {tt:8.3f}  {rt:8.2f}  {ct:8d}   {ts:8.3f}  {rs:8.2f}  {cs:8d}")
+    print(
+        f"worst step / steady: {worst:.2f}× (goal ≤ 1.3×: {'met' if worst <= 1.3 else 'NOT met'})",
+        flush=True,
+    )
+    return first
+
+
 def first_step(args, extra: list[str], cache: str) -> tuple[float, int, int, int]:
-    """(seconds from the server process's start to the end of the first training step,
-    the programs it compiled or loaded from JAX's cache until then, how many of those the
-    persistent cache held, the programs loaded from jcp's program store)."""
+    """The flow's steps on a server restarted on `cache` (their table: a restart's first
+    steps must be as steady as a cold start's) -> (seconds from the server process's start
+    to the end of the first training step, the programs it compiled or loaded from JAX's
+    cache until then, how many programs the persistent cache held and how many were loaded
+    from jcp's program store over the whole run)."""
     srv = Serve(extra, cache, args.timeout)
     try:
-        Flow(srv.url, args).train(args.timeout)
-        print(f"restart: {srv.warmup_line()}; compiles by program: {srv.compile_seconds()}")
-        return time.monotonic() - srv.t0, len(srv.compiles()), srv.cache_hits(), srv.store_loads()
+        print(f"\nrestart: {srv.warmup_line()}", flush=True)
+        first, n = run_steps(srv, args)
+        print(f"restart: compiles by program: {srv.compile_seconds()}")
+        return first, n, srv.cache_hits(), srv.store_loads()
     finally:
         srv.stop()
 
