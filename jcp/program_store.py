@@ -178,10 +178,10 @@ def _signature(x) -> tuple:
 def _sharding(sharding):
     """A NamedSharding in one spelling of its placement: PartitionSpec() and
     PartitionSpec(None, None) place an array alike (a compiled program takes either) but
-    compare unequal, and a program's outputs come back in the short one — so an engine's
-    weights after a training step missed the programs its warm-up had prepared, and each
-    first request traced and loaded them again (~1 s). Each entry as a tuple of mesh axes
-    (None or () for none), trailing ones dropped."""
+    compare unequal: on a restarted jcp-serve, the engine's weights after a training step
+    came in the short one and missed the programs its warm-up had prepared with the long
+    one, so the first sampling round traced and loaded them again (1.0-1.5 s). Each entry
+    as a tuple of mesh axes (None or () for none), trailing ones dropped."""
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return sharding
     spec = []
