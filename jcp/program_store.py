@@ -181,17 +181,19 @@ def _sharding(sharding):
     compare unequal: on a restarted jcp-serve, the engine's weights after a training step
     came in the short one and missed the programs its warm-up had prepared with the long
     one, so the first sampling round traced and loaded them again (1.0-1.5 s). Each entry
-    as a tuple of mesh axes (None or () for none), trailing ones dropped."""
+    as a tuple of mesh axes (None for none), axes of size 1 dropped (they split nothing: a
+    tp = 1 engine's weights came back from a training step split over 'tp'), trailing
+    Nones dropped."""
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return sharding
+    sizes = dict(sharding.mesh.shape)
     spec = []
     for entry in sharding.spec:
-        if entry is None or entry == ():
-            spec.append(None)
-        elif isinstance(entry, str):
-            spec.append((entry,))
-        else:
-            spec.append(tuple(entry) if isinstance(entry, (tuple, list)) else entry)
+        if isinstance(entry, str):
+            entry = (entry,)
+        if isinstance(entry, (tuple, list)):  # an axis of size 1 splits nothing
+            entry = tuple(a for a in entry if sizes.get(a) != 1) or None
+        spec.append(entry)
     while spec and spec[-1] is None:
         spec.pop()
     return ("NamedSharding", sharding.mesh, tuple(spec), sharding.memory_kind)
@@ -215,6 +217,11 @@ class StoredPrograms:
 
     def __len__(self) -> int:
         return len(self._held)
+
+    def clear(self) -> None:
+        """Forget the programs held in memory (the store keeps its files): the next call
+        of each signature loads or compiles it again."""
+        self._held.clear()
 
     def __call__(self, *args, **static):
         return self.program(*args, **static)(*args)

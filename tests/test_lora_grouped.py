@@ -335,6 +335,8 @@ def test_a_fused_pass_over_many_adapters_equals_one_pass_each(monkeypatch, retra
     if mesh_shape == (1, 2, 2):  # the same pass the gathered way: the same bits
         monkeypatch.setattr(train_step, "pages_in_place", lambda *a: False)
         tr.programs.compiled.clear()
+        for programs in tr.programs.fb_steps.values():
+            programs.clear()
         jax.clear_caches()  # so that the step is traced again
         gathered = tr.forward_backward(data, "cross_entropy", adapters=ids)
         assert traced[1:] == ["_folded_value_and_grad"]  # this time the gathered path

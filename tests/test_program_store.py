@@ -134,17 +134,17 @@ def test_the_folder_keeps_the_programs_used_last_within_its_bound(store):
 
 
 def test_one_placement_in_two_spellings_is_one_program(store):
-    """PartitionSpec() and PartitionSpec(None) place an array alike (what a program's
-    outputs come back as, and what the warm-up's inputs were): one program for both; a
-    different placement is another."""
+    """PartitionSpec(), PartitionSpec(None) and a split over an axis of size 1 place an
+    array alike (what a program's outputs came back as, and what the warm-up's inputs
+    were): one program for all; a different placement is another."""
     mesh = make_mesh(1, 2, 2)
     x = np.arange(8.0, dtype=np.float32)
-    long, short, split = (
-        jax.device_put(x, NamedSharding(mesh, spec)) for spec in (P(None), P(), P("tp"))
+    long, short, dp, split = (
+        jax.device_put(x, NamedSharding(mesh, spec)) for spec in (P(None), P(), P("dp"), P("tp"))
     )
-    assert long.sharding != short.sharding
+    assert len({long.sharding, short.sharding, dp.sharding}) == 3
     programs = StoredPrograms(_scaled(2.0), "scaled", (2.0,), mesh)
-    for arg in (long, short):
+    for arg in (long, short, dp):
         np.testing.assert_array_equal(np.asarray(programs(arg, power=2)), 2.0 * x**2)
     assert len(programs) == 1 and programs.compiled_count == 1
     assert len(os.listdir(store)) == 1
@@ -211,14 +211,17 @@ CHILD = textwrap.dedent(
     data = [jcp.Datum(rng.integers(0, cfg.vocab_size, 12),
                       {"target_tokens": rng.integers(0, cfg.vocab_size, 12),
                        "weights": np.ones(12)})]
-    tr.forward_backward(data, "cross_entropy", adapters=a)
-    tr.optim_step(a, jcp.AdamParams(learning_rate=1e-2))
+    # jcp-serve's order: the engine's warm-up, then training, then a sample.
     eng = Engine(tr.make_sampler(), slots=4, max_len=32, chunk=4, prefill_tokens=16)
     eng.warmup(active=(1,))
+    warm = sum(len(p) for p in eng.s.paged)
+    tr.forward_backward(data, "cross_entropy", adapters=a)
+    tr.optim_step(a, jcp.AdamParams(learning_rate=1e-2))
     rid = eng.submit([1, 2, 3], jcp.SamplingParams(max_tokens=4, temperature=0.0), a)
     eng.run()
     stored = [*tr.programs.fb_steps.values(), tr.state.optim_programs, *eng.s.paged]
     print(json.dumps({
+        "after_warmup": sum(len(p) for p in eng.s.paged) - warm,
         "loaded": sum(p.loaded for p in stored),
         "compiled": sum(p.compiled_count for p in stored),
         "tokens": [int(t) for t in eng.result(rid).sequences[0].tokens],
@@ -230,8 +233,9 @@ CHILD = textwrap.dedent(
 
 
 def test_a_restarted_process_loads_every_program(tmp_path):
-    """Two processes (different hash seeds: keys must not depend on the process) train,
-    step and sample alike; the second compiles none of the stored programs."""
+    """Two processes (different hash seeds: keys must not depend on the process) warm an
+    engine up, train, step and sample alike; the second compiles none of the stored
+    programs, and in neither does the sample need a program the warm-up did not prepare."""
     folder = str(tmp_path / "programs")
     runs = []
     for seed in ("1", "2"):
@@ -249,6 +253,7 @@ def test_a_restarted_process_loads_every_program(tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     cold, warm = runs
+    assert cold["after_warmup"] == 0 and warm["after_warmup"] == 0, runs
     assert cold["loaded"] == 0 and cold["compiled"] >= 4, cold
     assert warm["compiled"] == 0 and warm["loaded"] == cold["compiled"], warm
     assert warm["tokens"] == cold["tokens"] and len(cold["tokens"]) == 4
