@@ -56,21 +56,18 @@ _LOADED = [0]  # programs this process loaded from the store
 # Per thread: programs JAX's persistent compilation cache handed this thread (its
 # monitoring event is recorded in the compiling thread).
 _FROM_JAX_CACHE = threading.local()
-_LISTENING: list = []
-_LOCK = threading.Lock()
 
 
 def _count_cache_hit(event: str, **kwargs) -> None:
     if event == "/jax/compilation_cache/cache_hits":
-        _FROM_JAX_CACHE.hits = getattr(_FROM_JAX_CACHE, "hits", 0) + 1
+        _FROM_JAX_CACHE.hits = _cache_hits() + 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hit)
 
 
 def _cache_hits() -> int:
     """Programs JAX's persistent cache has handed this thread so far."""
-    with _LOCK:
-        if not _LISTENING:
-            jax.monitoring.register_event_listener(_count_cache_hit)
-            _LISTENING.append(_count_cache_hit)
     return getattr(_FROM_JAX_CACHE, "hits", 0)
 
 

@@ -186,6 +186,12 @@ def test_a_program_from_jax_cache_is_not_stored(store, retrace):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", at)
 
 
+def test_a_negative_bound_is_refused_and_changes_nothing(store):
+    with pytest.raises(ValueError, match="max_bytes -1 is negative"):
+        program_store.use(store + "-other", max_bytes=-1)
+    assert program_store.folder() == store and not os.path.exists(store + "-other")
+
+
 def test_a_folder_others_may_write_is_refused(tmp_path):
     folder = tmp_path / "programs"
     folder.mkdir()
