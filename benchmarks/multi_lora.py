@@ -123,6 +123,7 @@ def fused_passes(args, cfg) -> list[dict]:
         max_rank=16,
         remat=False,
         max_tokens_per_device=args.tokens,
+        lora_impl=args.lora_impl,
     )
     ids = [
         tr.create_adapter(rank=16, alpha=32.0, seed=i, targets=args.targets.split(","))
@@ -279,6 +280,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument(
         "--experts", type=int, default=0, help="a MoE model of this many experts (targets: experts)"
+    )
+    ap.add_argument(
+        "--lora-impl", default="auto", help="TrainerOptions.lora_impl: auto, xla or cpu"
     )
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jcp import lora_cpu
 from jcp.mesh import BATCH_AXES, TP, block_size, vary, vary_all, varying_axes
 
 # Extra tiles (Tiles) are multiplied EXTRA_CHUNK at a time, in a loop over those in use, or
@@ -76,7 +77,8 @@ class Tiles:
     are kept by no tile. rank_N / rank_E: those adapters' order along the stream
     (nondecreasing: the factor gradients' sorted segment sums), rank_of_A the rank of each
     active adapter; pick_Q the active adapter of each row (any where it has none);
-    weight_Q its scale alpha / r (0 for none).
+    weight_Q its scale alpha / r (0 for none); row_Q its active adapter, -1 for none (the
+    CPU kernels' routing, jcp.lora_cpu).
 
     Worked example, T = 4, adapters a (rows 0–5), b (6–6), c (7–11), padding 12–15:
         tiles     [0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 14 15]
@@ -98,6 +100,7 @@ class Tiles:
     rank_of_A: jax.Array
     pick_Q: jax.Array
     weight_Q: jax.Array
+    row_Q: jax.Array
     order_Q: jax.Array | None = None
     place_S: jax.Array | None = None
 
@@ -146,6 +149,7 @@ def _plan(rank_Q, has_Q, start_A, live_A, slot_A, scale_A, tile: int, order_Q=No
         rank_of_A=jnp.argsort(slot_A),
         pick_Q=pick_Q,
         weight_Q=jnp.where(has_Q, scale_A[pick_Q], 0.0),
+        row_Q=jnp.where(has_Q, pick_Q, -1).astype(jnp.int32),
         order_Q=order_Q,
         place_S=None if order_Q is None else jnp.argsort(order_Q),
     )
@@ -404,17 +408,22 @@ class PageSource:
     pages, which each product's backward adds its factor gradient into (summed over dp and
     cp first); finite a Ref bool [A], varying over every mesh axis, cleared where an active
     adapter's gradient is not finite; probe a zero f32 [] that each product takes as an input, so
-    the pass's gradient w.r.t. it runs every product's backward (its own gradient is zero)."""
+    the pass's gradient w.r.t. it runs every product's backward (its own gradient is zero);
+    kernel: the products run jcp.lora_cpu's kernels where they support the table
+    (lora_impl "cpu"), else the tiles in XLA."""
 
     tables: dict
     page_AK: jax.Array
     grads: dict
     finite: Any
     probe: jax.Array
+    kernel: bool = False
 
 
 jax.tree_util.register_dataclass(
-    PageSource, data_fields=["tables", "page_AK", "grads", "finite", "probe"], meta_fields=[]
+    PageSource,
+    data_fields=["tables", "page_AK", "grads", "finite", "probe"],
+    meta_fields=["kernel"],
 )
 
 
@@ -432,7 +441,10 @@ def paged_product(x_QxI, f: PagedFactor, src: PageSource, t: Tiles):
     table = src.tables[f.module][f.key]
     x_QxI = vary_all(x_QxI, table)
     grad = src.grads[f.module][f.key]
-    return _paged(f.key, x_QxI, src.probe, f.layer, table, src.page_AK, grad, src.finite, t)
+    args = (x_QxI, src.probe, f.layer, table, src.page_AK, grad, src.finite, t)
+    if src.kernel and lora_cpu.supports(table, f.key):
+        return _paged_kernel(f.key, *args)
+    return _paged(f.key, *args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -470,22 +482,69 @@ def _paged_bwd(which, res, dy_QxO):
     x_QxI, probe, layer, table_P, page_AK, grad_ref, finite_ref, t = res
     take = _tile_reader(which, table_P, page_AK, layer, dy_QxO, x_QxI)
     dx_QxI, dw_A = _tiles_backward(x_QxI, take, page_AK.shape[0], t, dy_QxO)
-    dw_A = dw_A.astype(x_QxI.dtype)
-    # Summed where an array factor's gradient is: over tp (or any non-data axis) at its cast
-    # in the layer, in x's dtype; over dp and cp at the pass's entry, in the table's dtype.
-    summed = [a for a in varying_axes(dw_A) if a not in varying_axes(table_P)]
-    for axes, dtype in (
-        ([a for a in summed if a not in BATCH_AXES], dw_A.dtype),
-        ([a for a in summed if a in BATCH_AXES], table_P.dtype),
-    ):
-        dw_A = dw_A.astype(dtype)
-        if axes:
-            dw_A = jax.lax.psum(dw_A, tuple(axes))
-    ok_A = jnp.all(jnp.isfinite(dw_A), axis=tuple(range(1, dw_A.ndim)))
-    finite_ref[...] = finite_ref[...] & vary(ok_A, BATCH_AXES + (TP,))
-    v = split_pages(which, dw_A, page_AK.shape[1])
-    grad_ref[...] = grad_ref[...].at[page_AK, layer].add(v, mode="drop")
+    v = split_pages(which, dw_A.astype(x_QxI.dtype), page_AK.shape[1])
+    _add_into_pages(v, table_P, page_AK, layer, grad_ref, finite_ref)
     return dx_QxI, jnp.zeros_like(probe), None, None, None, None, None, None
 
 
+def _add_into_pages(dw_AK, table_P, page_AK, layer, grad_ref, finite_ref):
+    """Adds the active adapters' factor gradient dw_AK [A, K, …page] (in x's dtype) into
+    the accumulator's pages of `layer`, summed where an array factor's gradient is: over
+    tp (or any non-data axis) at its cast in the layer, in x's dtype; over dp and cp at the
+    pass's entry, in the table's dtype. Clears finite_ref where an adapter's is not
+    finite."""
+    summed = [a for a in varying_axes(dw_AK) if a not in varying_axes(table_P)]
+    for axes, dtype in (
+        ([a for a in summed if a not in BATCH_AXES], dw_AK.dtype),
+        ([a for a in summed if a in BATCH_AXES], table_P.dtype),
+    ):
+        dw_AK = dw_AK.astype(dtype)
+        if axes:
+            dw_AK = jax.lax.psum(dw_AK, tuple(axes))
+    ok_A = jnp.all(jnp.isfinite(dw_AK), axis=tuple(range(1, dw_AK.ndim)))
+    finite_ref[...] = finite_ref[...] & vary(ok_A, BATCH_AXES + (TP,))
+    grad_ref[...] = grad_ref[...].at[page_AK, layer].add(dw_AK, mode="drop")
+
+
 _paged.defvjp(_paged_fwd, _paged_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _paged_kernel(which, x_QxI, probe, layer, table_P, page_AK, grad_ref, finite_ref, t: Tiles):
+    """_paged with jcp.lora_cpu's kernels: each row times its own adapter's pages read in
+    place (no tiles, no copies of the factors); the backward adds the factor gradient
+    into the accumulator's pages as _paged's does. fp32 out, as _tiles_forward's."""
+    del probe, grad_ref, finite_ref
+    return lora_cpu.forward(which, x_QxI, table_P, layer, page_AK, t.row_Q)
+
+
+def _paged_kernel_fwd(which, x_QxI, probe, layer, table_P, page_AK, grad_ref, finite_ref, t):
+    y = _paged_kernel(which, x_QxI, probe, layer, table_P, page_AK, grad_ref, finite_ref, t)
+    return y, (x_QxI, probe, layer, table_P, page_AK, grad_ref, finite_ref, t)
+
+
+def _paged_kernel_bwd(which, res, dy_QxO):
+    x_QxI, probe, layer, table_P, page_AK, grad_ref, finite_ref, t = res
+    routed = (table_P, layer, page_AK, t.row_Q)
+    if _sums_nothing(x_QxI, dy_QxO, table_P, grad_ref):  # the kernel adds in place
+        dx, acc, ok_A = lora_cpu.backward_into(which, x_QxI, dy_QxO, *routed, grad_ref[...])
+        grad_ref[...] = acc
+        finite_ref[...] = finite_ref[...] & vary(ok_A, BATCH_AXES + (TP,))
+    else:
+        dx, dw_AK = lora_cpu.backward(which, x_QxI, dy_QxO, *routed)
+        _add_into_pages(dw_AK.astype(x_QxI.dtype), table_P, page_AK, layer, grad_ref, finite_ref)
+    return dx.astype(x_QxI.dtype), jnp.zeros_like(probe), None, None, None, None, None, None
+
+
+def _sums_nothing(x_QxI, dy_QxO, table_P, grad_ref) -> bool:
+    """Whether _add_into_pages would sum the factor gradient over no device (every axis x
+    or dy varies over and the table does not has one device) and add it in its own dtype
+    (fp32 everywhere): then adding it into the accumulator in place is the same sum."""
+    axes = {*varying_axes(x_QxI), *varying_axes(dy_QxO)} - {*varying_axes(table_P)}
+    return (
+        all(jax.lax.axis_size(a) == 1 for a in axes)
+        and x_QxI.dtype == table_P.dtype == grad_ref.dtype == jnp.float32
+    )
+
+
+_paged_kernel.defvjp(_paged_kernel_fwd, _paged_kernel_bwd)

@@ -27,6 +27,8 @@ from jcp.errors import float32_number
 from jcp.mesh import BATCH_AXES, CP, TP
 from jcp.model import moe as moe_lib
 
+LORA_IMPLEMENTATIONS = ("xla", "cpu")
+
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
@@ -38,6 +40,8 @@ class StepConfig:
     # steps themselves recompute only for True.
     remat: bool | str = True
     attn_impl: str = "blockwise"
+    # The grouped LoRA products over the slot tables' pages: "xla" or "cpu" (TrainerOptions).
+    lora_impl: str = "xla"
     attn_block: int = 128
     logprob_chunk: int = 1024
     # How queries reach the other cp ranks' keys: "gather", "ring", or "auto" (see
@@ -53,6 +57,11 @@ class StepConfig:
         if self.attn_impl not in attention_lib.IMPLEMENTATIONS:
             raise ValueError(
                 f"attn_impl must be one of {attention_lib.IMPLEMENTATIONS}, got {self.attn_impl!r}"
+            )
+        if self.lora_impl not in LORA_IMPLEMENTATIONS:
+            raise ValueError(
+                f"lora_impl must be one of {LORA_IMPLEMENTATIONS} (or 'auto' for the "
+                f"Trainer), got {self.lora_impl!r}"
             )
         if self.cp_attention not in attention_lib.CP_ATTENTION:
             raise ValueError(

@@ -323,7 +323,8 @@ def _paged_value_and_grad(p: PassConfig, acc, lora, params, slot_meta, batch: Ba
         }
 
         def local(probe, other):
-            src = lora_lib.PageSource(tables, page_AK, grads, finite, probe)
+            kernel = p.step_cfg.lora_impl == "cpu"
+            src = lora_lib.PageSource(tables, page_AK, grads, finite, probe, kernel)
             lora_active = {**vary_on_entry(other), **paged}
             return p.stream_loss(
                 lora_active, params, slot_meta, b, loss_cfg, pages=src, summed=False

@@ -17,6 +17,7 @@ import dataclasses
 import numpy as np
 
 from jcp import attention as attention_lib
+from jcp import cpu_kernels, lora_cpu
 from jcp import lora as lora_lib
 from jcp import mesh as mesh_lib
 from jcp.config import QwenConfig
@@ -59,6 +60,17 @@ class TrainerOptions:
     "pallas" (a fused Pallas flash-attention kernel for GPUs, Triton; interpreted —
     slowly, for tests — on CPU; see jcp/attention/pallas.py) or "dense" (tests only).
     Trainer.step_cfg.attn_impl says which one was chosen."""
+
+    lora_impl: str = "auto"
+    """How a pass over more than lora.DENSE_MAX_ADAPTERS adapters multiplies each row by its
+    own adapter's factors (the grouped products over the slot tables' pages, jcp/lora_grouped.py):
+    "xla" (tiles of one adapter's rows in plain JAX: right on every backend), "cpu"
+    (jcp/lora_cpu.cc's C++ kernels for XLA:CPU, built on first use with jcp's other CPU
+    kernels: each row meets its own adapter's pages in place, no tiles; pages of rank 8
+    or 4, fp32 tables; others take "xla") or "auto" ("cpu" on CPU devices where the
+    kernels build, else "xla"). Both give the same values to fp32 rounding
+    (tests/test_lora_cpu.py); on CPU "cpu" is faster, the more so the more adapters
+    (benchmarks/multi_lora.py). Trainer.step_cfg.lora_impl says which one was chosen."""
 
     attn_block: int | None = None
     """Attention tile rows of "blockwise" and "pallas" ("cpu" has its own 64-row tiles).
@@ -183,17 +195,34 @@ class AdamParams:
         return np.asarray(list(vals.values()), np.float32)
 
 
+def resolve_lora_impl(lora_impl: str, platform: str) -> str:
+    """TrainerOptions.lora_impl for devices of `platform`: "auto" is "cpu" on CPU devices
+    where the kernels build, else "xla"; "cpu" elsewhere is refused (ValueError), as is a
+    build that failed (lora_cpu's Unavailable names why)."""
+    if lora_impl == "auto":
+        return "cpu" if platform == "cpu" and lora_cpu.available() else "xla"
+    if lora_impl == "cpu":
+        if platform != "cpu":
+            raise ValueError(f"lora_impl 'cpu' runs on CPU devices, not {platform!r}; use 'xla'")
+        why = cpu_kernels.load()
+        if why:
+            raise cpu_kernels.Unavailable(why)
+    return lora_impl
+
+
 def step_config(cfg: QwenConfig, platform: str, tp: int, opts: TrainerOptions) -> StepConfig:
     """The StepConfig of the Trainer's step settings, the defaults resolved for this model
-    and mesh: attn_impl by attention.resolve_implementation; attn_block 64 on CPU (where
+    and mesh: attn_impl by attention.resolve_implementation; lora_impl by
+    resolve_lora_impl; attn_block 64 on CPU (where
     the masked half of diagonal tiles dominates), else attention.DEFAULT_BLOCK;
     logprob_chunk at most 1024 tokens, fewer for large vocabularies so that one chunk's
     fp32 logits [chunk, V/tp] stay within 256 MiB."""
-    names = ("remat", "attn_impl", "attn_block", "logprob_chunk", "cp_attention")
+    names = ("remat", "attn_impl", "lora_impl", "attn_block", "logprob_chunk", "cp_attention")
     settings = {f: getattr(opts, f) for f in names + ("router_aux_loss_coef",)}
     settings["attn_impl"] = attention_lib.resolve_implementation(
         settings["attn_impl"], platform, cfg.head_dim, cfg.dtype
     )
+    settings["lora_impl"] = resolve_lora_impl(settings["lora_impl"], platform)
     if settings["attn_block"] is None:
         settings["attn_block"] = 64 if platform == "cpu" else attention_lib.DEFAULT_BLOCK
     if settings["logprob_chunk"] is None:

@@ -299,9 +299,12 @@ def _random_adapter(tr, slot, rank, targets, seed):
 
 
 @pytest.mark.parametrize(
-    "mesh_shape, n", [((1, 2, 2), 8), ((1, 1, 1), 6), ((2, 2, 2), 6), ((1, 4, 1), 6)]
+    "mesh_shape, n, lora_impl",
+    [((1, 2, 2), 8, "xla"), ((1, 1, 1), 6, "cpu"), ((2, 2, 2), 6, "cpu"), ((1, 4, 1), 6, "cpu")],
 )
-def test_a_fused_pass_over_many_adapters_equals_one_pass_each(monkeypatch, retrace, mesh_shape, n):
+def test_a_fused_pass_over_many_adapters_equals_one_pass_each(
+    monkeypatch, retrace, mesh_shape, n, lora_impl
+):
     """Through the model at every mesh kind: n adapters of ranks 2 … 16 and three target
     sets (attn; mlp; attn + mlp + unembedding: the others' modules are the base model's) in
     one forward_backward — the grouped products — give each datum the log-probs and each
@@ -311,7 +314,9 @@ def test_a_fused_pass_over_many_adapters_equals_one_pass_each(monkeypatch, retra
     install_slot (24 adapters of 12 kinds took ~26 CPU s, 12 ~half; 8 at (1,2,2), 6 on the
     other meshes: two or more of each kind).
     At (1,2,2) the fused pass — its factors read from the pages, its gradients added in
-    place (train_step._paged_value_and_grad) — also equals the gathered path bit for bit."""
+    place (train_step._paged_value_and_grad) — also equals the gathered path bit for bit
+    (lora_impl "xla": the tiles in XLA); on the other meshes the products are
+    jcp.lora_cpu's kernels (lora_impl "cpu")."""
     import jcp
     from jcp import train_step
 
@@ -322,7 +327,15 @@ def test_a_fused_pass_over_many_adapters_equals_one_pass_each(monkeypatch, retra
         monkeypatch.setattr(train_step, name, spy)
 
     cfg = jcp.QwenConfig.tiny()
-    tr = jcp.Trainer(cfg, jcp.make_mesh(*mesh_shape), max_adapters=n, max_rank=16, logprob_chunk=16)
+    tr = jcp.Trainer(
+        cfg,
+        jcp.make_mesh(*mesh_shape),
+        max_adapters=n,
+        max_rank=16,
+        logprob_chunk=16,
+        lora_impl=lora_impl,
+    )
+    assert tr.step_cfg.lora_impl == lora_impl
     attn, mlp, every = ["attn"], ["mlp"], ["attn", "mlp", "unembed"]
     kinds = ((2, attn), (16, mlp), (4, every), (8, every))
     ids = [_random_adapter(tr, k, *kinds[k % len(kinds)], seed=k) for k in range(n)]
