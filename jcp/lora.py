@@ -29,6 +29,8 @@ from jcp.lora_grouped import (
     PageSource,
     Tiles,
     join_pages,
+    kernel_product,
+    kernel_supports,
     paged_product,
     plan_rows,
     plan_spans,
@@ -137,7 +139,9 @@ class Routing:
     dense products, up to DENSE_MAX_ADAPTERS active slots), made once
     per routing by SlotMeta.routing. pages: where the grouped products read the factors
     given as PagedFactor and add their gradients (PageSource; training's in-place pass),
-    None where every factor is an array.
+    None where every factor is an array. kernel: the grouped products of array factors
+    run jcp.lora_cpu's kernels where they take the factor (lora_grouped.kernel_product;
+    lora_impl "cpu"), else the tiles in XLA.
     """
 
     active_A: jax.Array
@@ -148,6 +152,7 @@ class Routing:
     index_S: jax.Array | None = None
     tiles: Tiles | None = None
     pages: PageSource | None = None
+    kernel: bool = False
 
     def mask_SxA(self, s_len: int) -> jax.Array:
         if self.index_S is not None:
@@ -168,7 +173,7 @@ jax.tree_util.register_dataclass(
         "tiles",
         "pages",
     ],
-    meta_fields=[],
+    meta_fields=["kernel"],
 )
 
 
@@ -193,11 +198,13 @@ class SlotMeta:
         *,
         s_len: int | None = None,
         grouped: bool | None = None,
+        kernel: bool = False,
     ) -> Routing:
         """Routing of the active slots (entries < 0: the base model, no LoRA, scale 0), by
         spans_Ax2 over a stream of s_len rows or, given index_S, by each row's index into
         active_A; with the plan of its grouped products (Tiles) where grouped (default:
-        more than DENSE_MAX_ADAPTERS active slots)."""
+        more than DENSE_MAX_ADAPTERS active slots), run by jcp.lora_cpu's kernels where
+        kernel (Routing.kernel)."""
         slot_A = jnp.maximum(active_A, 0)
         scale_A = jnp.where(active_A < 0, 0.0, jnp.take(self.scale_G, slot_A))
         tied_A = None if self.tied_G is None else jnp.take(self.tied_G, slot_A)
@@ -219,6 +226,7 @@ class SlotMeta:
             tied_A=tied_A,
             index_S=index_S,
             tiles=tiles,
+            kernel=kernel,
         )
 
 
@@ -309,6 +317,8 @@ def low_rank_input(x_SxI, a_AxIxR, route: Routing):
     # One varying type for both (a custom VJP's cotangents must match its inputs'): the
     # casts' transposes sum A's gradient over the devices where x varies and A does not.
     x_QxI, a_AxIxR = (vary_all(v, x_SxI, a_AxIxR) for v in (x_SxI, a_AxIxR.astype(x_SxI.dtype)))
+    if route.kernel and kernel_supports(a_AxIxR, "a"):
+        return kernel_product("a", x_QxI, a_AxIxR, t) * t.weight_Q[:, None]
     return tile_product(x_QxI, a_AxIxR, t) * t.weight_Q[:, None]
 
 
@@ -363,7 +373,10 @@ def expand(u, b_AxRxO, route: Routing, dtype):
         y_QxO = paged_product(u.astype(dtype), b_AxRxO, route.pages, t).astype(dtype)
     else:
         u_QxR, b_AxRxO = (vary_all(v, u, b_AxRxO) for v in (u.astype(dtype), b_AxRxO.astype(dtype)))
-        y_QxO = tile_product(u_QxR, b_AxRxO, t).astype(dtype)
+        if route.kernel and kernel_supports(b_AxRxO, "b"):
+            y_QxO = kernel_product("b", u_QxR, b_AxRxO, t).astype(dtype)
+        else:
+            y_QxO = tile_product(u_QxR, b_AxRxO, t).astype(dtype)
     return y_QxO if t.place_S is None else y_QxO[t.place_S]
 
 

@@ -3,7 +3,7 @@
 //
 // Built with jcp's other CPU kernels by jcp/cpu_kernels.py (-O3 -march=native), so the
 // loops below are written for the compiler's vectorizer: GCC vector types of one page's
-// rank (8 or 4 floats) for the factors' rank axis and of 8 floats along a wide axis,
+// rank (4 … 32 floats) for the factors' rank axis and of 8 floats along a wide axis,
 // accumulators held in registers over a few rows.
 //
 // Shapes (one device's shards): rows Q, each row's adapter row_k [Q] (an index into pages;
@@ -54,6 +54,15 @@ struct Lanes<8> {
 template <>
 struct Lanes<4> {
   typedef f4 type;
+};
+template <>
+struct Lanes<16> {
+  typedef fw type;
+};
+typedef float f32x32 __attribute__((vector_size(128)));
+template <>
+struct Lanes<32> {
+  typedef f32x32 type;
 };
 
 template <typename V>
@@ -241,13 +250,19 @@ inline void pack(const float* const* rows, int64_t n, int64_t o0, int64_t width,
 }
 
 // n rows: the panel's column blocks outer (a block of C × 64, packed, stays in L1 over the
-// rows), fours of rows inner.
+// rows), fours of rows inner; fewer than 4 rows (a decode batch's single rows) read the
+// panel where it lies.
 void piece_by_panel(const float* u, int64_t ustride, int64_t C, const float* const* b,
                     int64_t O, float* y, int64_t ystride, int64_t n) {
   std::vector<float> buf(C * 64);
   std::vector<const float*> bp(C);
   for (int64_t c = 0; c < C; ++c) bp[c] = buf.data() + c * 64;
   int64_t o = 0;
+  if (n < 4) {  // each block is read once per row: packing it would only add a copy
+    for (; o + 64 <= O; o += 64)
+      for (int64_t m = 0; m < n; ++m)
+        rows_by_panel_block<1, 4, fw>(u + m * ustride, ustride, C, b, o, y + m * ystride, ystride);
+  }
   for (; o + 64 <= O; o += 64) {
     pack(b, C, o, 64, buf.data());
     int64_t m = 0;
@@ -550,15 +565,17 @@ void a_input_grad(ffi::ThreadPool& pool, const Routing& rt, const float* du, con
 }
 
 // ---------------------------------------------------------------------------------------
-// FFI handlers: R (the table's last or second-to-last axis) is 8 or 4.
+// FFI handlers: R (the table's last or second-to-last axis) is 4, 8, 16 or 32.
 
 ffi::Error bad_rank() {
-  return ffi::Error::InvalidArgument("jcp cpu lora: a page's rank must be 8 or 4");
+  return ffi::Error::InvalidArgument("jcp cpu lora: a page's rank must be 4, 8, 16 or 32");
 }
 
 #define JCP_BY_RANK(R_, CALL)         \
   if (R_ == 8) { CALL(8); }           \
   else if (R_ == 4) { CALL(4); }      \
+  else if (R_ == 16) { CALL(16); }    \
+  else if (R_ == 32) { CALL(32); }    \
   else return bad_rank();
 
 ffi::Error AForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> table,

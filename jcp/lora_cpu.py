@@ -10,7 +10,8 @@ product. The kernels walk the rows in runs of one adapter and read that adapter'
 where they lie, so a product costs about what its rows cost whatever the number of
 adapters (benchmarks/multi_lora.py --parts kernels).
 
-Contract (jcp/lora_cpu.cc): fp32 in and out; a page's rank R is 8 or 4 (PAGE_RANKS);
+Contract (jcp/lora_cpu.cc): fp32 in and out; a page's rank R is one of RANKS (a gathered factor [A, I, R] is a
+table of A pages of its whole rank: lora_grouped.kernel_product);
 row_k [Q] each row's adapter (an index into page_AK's rows, < 0 for none: its outputs are
 0); page_AK [A, K] each adapter's pages (one outside the table: zeros); layer [] int32.
 The factor gradients come back per adapter in the pages' layout ([A, K, …page]).
@@ -24,15 +25,15 @@ import jax.numpy as jnp
 from jcp import cpu_kernels
 from jcp.mesh import vary, vary_all, varying_axes
 
-PAGE_RANKS = (4, 8)  # the instantiations in lora_cpu.cc
+RANKS = (4, 8, 16, 32)  # a page's ranks lora_cpu.cc is instantiated for
 
 
 def supports(table_P, which: str) -> bool:
     """Whether the kernels take products of `which` ("a*" / "b*" keys) over this table of
-    pages [P, L, …page]: fp32 pages of a rank in PAGE_RANKS (lora_impl "cpu" says the
+    pages [P, L, …page]: fp32 pages of a rank in RANKS (lora_impl "cpu" says the
     kernels are built and the devices CPUs)."""
     rank = table_P.shape[-1] if which.startswith("a") else table_P.shape[-2]
-    return table_P.dtype == jnp.float32 and rank in PAGE_RANKS
+    return table_P.dtype == jnp.float32 and rank in RANKS
 
 
 def available() -> bool:

@@ -548,3 +548,40 @@ def _sums_nothing(x_QxI, dy_QxO, table_P, grad_ref) -> bool:
 
 
 _paged_kernel.defvjp(_paged_kernel_fwd, _paged_kernel_bwd)
+
+
+# ----------------------------------------------------------------------------------------
+# Gathered factors through jcp.lora_cpu's kernels
+
+
+def kernel_supports(w_AxIxO, which: str) -> bool:
+    """Whether kernel_product takes this gathered factor ("a": [A, I, R], "b": [A, R, O])."""
+    return lora_cpu.supports(w_AxIxO[:, None], which)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def kernel_product(which, x_QxI, w_AxIxO, t: Tiles):
+    """tile_product(x, w, t) through jcp.lora_cpu's kernels (routing.kernel, lora_impl
+    "cpu"): each row times its own adapter's factor, read in place — w as a table of A
+    pages of its whole rank, one per adapter. which: "a" (w [A, I, R]) or "b" (w [A, R, O]);
+    fp32 out. Inputs cast to vary alike first, as tile_product's are (the casts'
+    transposes sum w's gradient where x varies and w does not)."""
+    return lora_cpu.forward(which, x_QxI, w_AxIxO[:, None], 0, _own_pages(w_AxIxO), t.row_Q)
+
+
+def _own_pages(w_AxIxO):
+    return jnp.arange(w_AxIxO.shape[0], dtype=jnp.int32)[:, None]
+
+
+def _kernel_product_fwd(which, x_QxI, w_AxIxO, t):
+    return kernel_product(which, x_QxI, w_AxIxO, t), (x_QxI, w_AxIxO, t)
+
+
+def _kernel_product_bwd(which, res, dy_QxO):
+    x_QxI, w_AxIxO, t = res
+    table = w_AxIxO[:, None]
+    dx, dw = lora_cpu.backward(which, x_QxI, dy_QxO, table, 0, _own_pages(w_AxIxO), t.row_Q)
+    return dx.astype(x_QxI.dtype), dw.reshape(w_AxIxO.shape).astype(w_AxIxO.dtype), None
+
+
+kernel_product.defvjp(_kernel_product_fwd, _kernel_product_bwd)

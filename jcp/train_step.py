@@ -121,7 +121,8 @@ def stream_loss(
     keep_token_logprobs / summed, LossOptions; pages: the lora.PageSource of lora_active's
     PagedFactor leaves, _paged_value_and_grad's)."""
     one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
-    route = slot_meta.routing(b.active, one(b.spans), s_len=b.tokens.shape[-1])
+    kernel = p.step_cfg.lora_impl == "cpu"
+    route = slot_meta.routing(b.active, one(b.spans), s_len=b.tokens.shape[-1], kernel=kernel)
     if pages is not None:
         route = dataclasses.replace(route, pages=pages)
     inputs = losses_lib.TokenInputs(**{k: one(getattr(b, k)) for k in losses_lib.FLOAT_INPUTS})

@@ -34,15 +34,16 @@ EVERY = mesh_lib.BATCH_AXES + (mesh_lib.TP,)
 pytestmark = pytest.mark.skipif(not lora_cpu.available(), reason="no C++ compiler")
 
 I, O, L = 139, 147, 3  # chunks of 128 columns, blocks of 64 and 8, scalar tails: all run
+C = 32  # an adapter's rank: K = C / r pages of rank r
 
 
 def layout(r, seed=0):
     """(table_a [P, L, I, r], table_b [P, L, r, O], page_AK [A, K], row_k [Q]): 5 adapters
-    of K = 16 / r pages (adapter 1 has a page outside the table, adapter 3 no rows), 90
+    of K = C / r pages (adapter 1 has a page outside the table, adapter 3 no rows), 90
     rows in runs — adapter 2's rows in two runs, rows of no adapter between, adapter 1's
     70 rows more than one work item (32 rows) and one block of a factor gradient (64)."""
     rng = np.random.default_rng(seed)
-    k = 16 // r
+    k = C // r
     n_a, p = 5, 5 * k + 2
     table_a = rng.normal(size=(p, L, I, r)).astype(np.float32)
     table_b = rng.normal(size=(p, L, r, O)).astype(np.float32)
@@ -84,14 +85,14 @@ def reference(which, x, dy, table, page_AK, row_k, layer):
     return y, dx, dw
 
 
-@pytest.mark.parametrize("r", lora_cpu.PAGE_RANKS)
+@pytest.mark.parametrize("r", lora_cpu.RANKS)
 @pytest.mark.parametrize("which", ["a", "b"])
 def test_kernels_match_numpy_row_by_row(which, r):
     table_a, table_b, page_AK, row_k = layout(r)
     table = table_a if which == "a" else table_b
     rng = np.random.default_rng(1)
-    width_in = I if which == "a" else 16
-    width_out = 16 if which == "a" else O
+    width_in = I if which == "a" else C
+    width_out = C if which == "a" else O
     x = rng.normal(size=(row_k.size, width_in)).astype(np.float32)
     dy = rng.normal(size=(row_k.size, width_out)).astype(np.float32)
     layer = 1
@@ -153,8 +154,8 @@ def test_paged_product_through_the_kernels_equals_the_tiles(which):
     lora_A = jnp.asarray([True, True, True, False, True])  # entry 3: the base model
     tiles = lora_lib.plan_spans(spans, lora_A, jnp.full(5, 2.0), s_len, 8)
     rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.normal(size=(s_len, I if which == "a" else 16)), jnp.float32)
-    ct = jnp.asarray(rng.normal(size=(s_len, 16 if which == "a" else O)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(s_len, I if which == "a" else C)), jnp.float32)
+    ct = jnp.asarray(rng.normal(size=(s_len, C if which == "a" else O)), jnp.float32)
     factor = lora_lib.PagedFactor(jnp.int32(2), "m", which)
 
     def run(kernel):

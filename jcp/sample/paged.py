@@ -224,7 +224,7 @@ def token_pages(table_BxM, position_BxC, valid_BxC, n_pages: int, page: int):
 
 
 @shared
-def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
+def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int, lora_impl: str = "xla"):
     """jit(extend)(lora, params, slot_meta, pool, rows: ExtendRows, active, *, modes) ->
     (pool, log-probs [B, C] replicated). pool is donated. The log-probs (each new token's
     target log-prob) are computed only when some row wants them (rows.want_lp, decided at
@@ -232,7 +232,8 @@ def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
 
     A hybrid model's Gated DeltaNet layers continue each row's state row (rows.slot) over
     its chunk (ChunkMix; a row at position 0 starts from zeros) and write the state after
-    its last real token back to that row."""
+    its last real token back to that row. lora_impl: training's (Sampler.step_cfg); "cpu"
+    runs the grouped LoRA products through jcp.lora_cpu's kernels (Routing.kernel)."""
     hybrid = cfg.is_hybrid
 
     @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("pool",))
@@ -242,7 +243,8 @@ def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int):
         def shard(lora_active, params, slot_meta, pool, r: ExtendRows, active):
             b, c = r.tokens.shape
             position = r.start[:, None] + jnp.arange(c)[None, :]
-            route = slot_meta.routing(active, None, jnp.repeat(r.index, c))
+            kernel = lora_impl == "cpu"
+            route = slot_meta.routing(active, None, jnp.repeat(r.index, c), kernel=kernel)
             attend = paged_attend(r.table, r.start, r.valid)
             layers = (
                 model_lib.layer_slices(cfg, params, lora_active) if modes.slice_layers else None
@@ -422,7 +424,7 @@ class PagedDecodeModes:
 
 
 @shared
-def make_decode(cfg: QwenConfig, mesh, attn_impl: str = "blockwise"):
+def make_decode(cfg: QwenConfig, mesh, attn_impl: str = "blockwise", lora_impl: str = "xla"):
     """jit(decode)(lora, params, slot_meta, pool, ints, floats, active, *, modes) ->
     (tokens [B, N] (−1: nothing drawn), log-probs [B, N], both replicated[, top-k ids
     [B, N, k], top-k log-probs [B, N, k] with modes.topk]; pool).
@@ -437,6 +439,8 @@ def make_decode(cfg: QwenConfig, mesh, attn_impl: str = "blockwise"):
     (delta_rule.StepMix; a row at position 0 starts from zeros), and put them back after.
     attn_impl: training's (Sampler.step_cfg.attn_impl); "pallas" reads the pages in place
     (pallas_decode_attend), any other the gathered XLA path (paged_decode_attend).
+    lora_impl: training's too; "cpu" runs the grouped LoRA products through jcp.lora_cpu's
+    kernels (Routing.kernel), as make_extend's.
     """
     hybrid = cfg.is_hybrid
     in_place = attn_impl == "pallas"
@@ -447,7 +451,7 @@ def make_decode(cfg: QwenConfig, mesh, attn_impl: str = "blockwise"):
         rows, table, slot = unpack_rows(ints, floats, modes.stop_width)
 
         def shard(lora_active, params, slot_meta, pool, table, slot, r: DecodeRows, active):
-            route = slot_meta.routing(active, None, r.index)
+            route = slot_meta.routing(active, None, r.index, kernel=lora_impl == "cpu")
             model = StepModel.of(cfg, params, lora_active, route, modes)
             page = pool.k.shape[2]
             # A hybrid's loop carries its rows' states [Ll, B, …], not the state rows.

@@ -144,6 +144,7 @@ def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
     int32 in the layout's sequence specs, −1 keeps old.rec's row).
     """
     hybrid = cfg.is_hybrid
+    kernel = step_cfg.lora_impl == "cpu"  # the grouped LoRA products (Routing.kernel)
 
     @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("old",))
     def prefill(
@@ -162,7 +163,9 @@ def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
 
         def shard(lora_active, params, slot_meta, a: PrefillArgs, source, old, rec_source):
             one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
-            route = slot_meta.routing(a.active, one(a.spans), s_len=a.tokens.shape[-1])
+            route = slot_meta.routing(
+                a.active, one(a.spans), s_len=a.tokens.shape[-1], kernel=kernel
+            )
             run = _prefill_pass(cfg, step_cfg, a, modes.pieces, hand_out=lay is not None)
             h_SxD, kv, _ = model_lib.hidden_states(
                 cfg, params, one(a.tokens), one(a.position), run, lora_active, route
@@ -260,12 +263,13 @@ def _logprob_specs(modes: PrefillModes):
 
 
 @shared
-def make_decode(cfg: QwenConfig, mesh):
+def make_decode(cfg: QwenConfig, mesh, lora_impl: str = "xla"):
     """jit(decode)(lora, params, slot_meta, cache, rows: DecodeRows, active, *, modes) ->
     (tokens [B, N] (−1 where a row drew nothing), log-probs [B, N], both replicated; the
     final cache, less the rows of the steps that ended a sequence — nothing reads those);
     with modes.topk, (tokens, log-probs, top-k ids [B, N, k], top-k log-probs [B, N, k],
-    cache).
+    cache). lora_impl: training's (Sampler.step_cfg); "cpu" runs the grouped LoRA
+    products through jcp.lora_cpu's kernels (Routing.kernel).
 
     decode_loop: one lax.while_loop of at most modes.out_len steps; each step runs every
     row's newest token through the decoder (decode_attend over its cache — merged over cp
@@ -293,7 +297,11 @@ def make_decode(cfg: QwenConfig, mesh):
         def shard(lora_active, params, slot_meta, full, r: DecodeRows, active):
             cache = window_of(full, modes.window)
             model = StepModel.of(
-                cfg, params, lora_active, slot_meta.routing(active, None, r.index), modes
+                cfg,
+                params,
+                lora_active,
+                slot_meta.routing(active, None, r.index, kernel=lora_impl == "cpu"),
+                modes,
             )
 
             def run(tok_B, pos_B, cache):

@@ -88,7 +88,7 @@ class Runner:
         self.prefill = StoredPrograms(
             programs.make_prefill(cfg, mesh, step_cfg), "prefill", (cfg, step_cfg), mesh
         )
-        self.decode = programs.make_decode(cfg, mesh)
+        self.decode = programs.make_decode(cfg, mesh, step_cfg.lora_impl)
         # Slicing the layers out of the stacks before the decode loop holds a second copy
         # of the layer weights for the call (measured: 26.7 vs 14.1 MiB of temporaries at
         # hidden 512, 18 MiB of layer weights) for 1.93× faster steps on CPU (XLA:CPU
@@ -123,15 +123,18 @@ class Runner:
         """The engine's paged-cache programs (paged.py), made once per Runner so that every
         Engine over it shares their compiled variants; each kept in the program store when
         it is on (program_store.StoredPrograms: a restart loads them without tracing)."""
-        cfg, mesh, chunk, impl = (
+        cfg, mesh, chunk, impl, lora = (
             self.cfg,
             self.mesh,
             self.step_cfg.logprob_chunk,
             self.step_cfg.attn_impl,
+            self.step_cfg.lora_impl,
         )
+        extend = paged_lib.make_extend(cfg, mesh, chunk, lora)
+        decode = paged_lib.make_decode(cfg, mesh, impl, lora)
         return paged_lib.Programs(
-            StoredPrograms(paged_lib.make_extend(cfg, mesh, chunk), "extend", (cfg, chunk), mesh),
-            StoredPrograms(paged_lib.make_decode(cfg, mesh, impl), "decode", (cfg, impl), mesh),
+            StoredPrograms(extend, "extend", (cfg, chunk, lora), mesh),
+            StoredPrograms(decode, "decode", (cfg, impl, lora), mesh),
             StoredPrograms(paged_lib.make_copy(mesh), "copy", (), mesh),
         )
 
