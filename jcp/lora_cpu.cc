@@ -103,6 +103,16 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, const F& f) {
   while (st->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
+// Per-thread scratch that work items reuse, one buffer per Slot: no allocation per item
+// (at many adapters the items are small, and under jcp's malloc settings,
+// jcp/host_memory.py, all threads share one heap and its lock). Contents are not cleared.
+template <typename T, int Slot>
+T* scratch(size_t n) {
+  thread_local std::vector<T> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
 // ---------------------------------------------------------------------------------------
 // Routing
 
@@ -254,9 +264,9 @@ inline void pack(const float* const* rows, int64_t n, int64_t o0, int64_t width,
 // panel where it lies.
 void piece_by_panel(const float* u, int64_t ustride, int64_t C, const float* const* b,
                     int64_t O, float* y, int64_t ystride, int64_t n) {
-  std::vector<float> buf(C * 64);
-  std::vector<const float*> bp(C);
-  for (int64_t c = 0; c < C; ++c) bp[c] = buf.data() + c * 64;
+  float* buf = scratch<float, 0>(C * 64);
+  const float** bp = scratch<const float*, 1>(C);
+  for (int64_t c = 0; c < C; ++c) bp[c] = buf + c * 64;
   int64_t o = 0;
   if (n < 4) {  // each block is read once per row: packing it would only add a copy
     for (; o + 64 <= O; o += 64)
@@ -264,12 +274,12 @@ void piece_by_panel(const float* u, int64_t ustride, int64_t C, const float* con
         rows_by_panel_block<1, 4, fw>(u + m * ustride, ustride, C, b, o, y + m * ystride, ystride);
   }
   for (; o + 64 <= O; o += 64) {
-    pack(b, C, o, 64, buf.data());
+    pack(b, C, o, 64, buf);
     int64_t m = 0;
     for (; m + 4 <= n; m += 4)
-      rows_by_panel_block<4, 4, fw>(u + m * ustride, ustride, C, bp.data(), 0, y + m * ystride + o, ystride);
+      rows_by_panel_block<4, 4, fw>(u + m * ustride, ustride, C, bp, 0, y + m * ystride + o, ystride);
     for (; m < n; ++m)
-      rows_by_panel_block<1, 4, fw>(u + m * ustride, ustride, C, bp.data(), 0, y + m * ystride + o, ystride);
+      rows_by_panel_block<1, 4, fw>(u + m * ustride, ustride, C, bp, 0, y + m * ystride + o, ystride);
   }
   for (; o + 8 <= O; o += 8)
     for (int64_t m = 0; m < n; ++m)
@@ -286,7 +296,7 @@ void piece_by_panel(const float* u, int64_t ustride, int64_t C, const float* con
 // is panel row kk·R + j (zeros for a page of zeros).
 template <int R>
 void b_rows(const Routing& rt, int32_t k, const float* table, int64_t O, const float* zeros,
-            std::vector<const float*>& b) {
+            const float** b) {
   for (int64_t kk = 0; kk < rt.K; ++kk) {
     const int64_t off = rt.page(k, kk, R * O);
     for (int j = 0; j < R; ++j) b[kk * R + j] = off < 0 ? zeros : table + off + j * O;
@@ -305,9 +315,9 @@ void b_forward(ffi::ThreadPool& pool, const Routing& rt, const float* u, const f
       std::memset(y + r.start * O, 0, (r.end - r.start) * O * sizeof(float));
       return;
     }
-    std::vector<const float*> b(C);
+    const float** b = scratch<const float*, 2>(C);
     b_rows<R>(rt, r.k, table, O, zeros.data(), b);
-    piece_by_panel(u + r.start * C, C, C, b.data(), O, y + r.start * O, O, r.end - r.start);
+    piece_by_panel(u + r.start * C, C, C, b, O, y + r.start * O, O, r.end - r.start);
   });
 }
 
@@ -413,18 +423,18 @@ void b_weight_grad(ffi::ThreadPool& pool, const Routing& rt,
   sink.bad.assign(rt.A * spans, 0);
   parallel_for(pool, rt.A * spans, [&](int64_t it) {
     const int64_t k = it / spans, ch0 = (it % spans) * per, ch1 = std::min(chunks, ch0 + per);
-    std::vector<float> out(C * kChunk);  // the chunk's panel row c at out + c·w
-    std::vector<float> buf(kRows * 64);
+    float* out = scratch<float, 3>(C * kChunk);  // the chunk's panel row c at out + c·w
+    float* buf = scratch<float, 4>(kRows * 64);
     for (int64_t ch = ch0; ch < ch1; ++ch) {
       const int64_t o0 = ch * kChunk, w = std::min(O, o0 + kChunk) - o0;
-      std::fill(out.begin(), out.begin() + C * w, 0.0f);
+      std::fill(out, out + C * w, 0.0f);
       for (const Run& r : runs[k])
         for (int64_t q0 = r.start; q0 < r.end; q0 += kRows) {
           const int64_t q1 = std::min(r.end, q0 + kRows);
           int64_t o = 0;
           for (; o + 64 <= w; o += 64) {
             for (int64_t q = q0; q < q1; ++q)
-              std::memcpy(buf.data() + (q - q0) * 64, dy + q * O + o0 + o, 64 * sizeof(float));
+              std::memcpy(buf + (q - q0) * 64, dy + q * O + o0 + o, 64 * sizeof(float));
             int64_t c = 0;
             for (; c + 2 <= C; c += 2) {  // two panel rows share each load of dy
               fw a0[4], a1[4];
@@ -433,7 +443,7 @@ void b_weight_grad(ffi::ThreadPool& pool, const Routing& rt,
                 a1[v] = load<fw>(&out[(c + 1) * w + o + kW * v]);
               for (int64_t q = q0; q < q1; ++q) {
                 const float u0 = u[q * C + c], u1 = u[q * C + c + 1];
-                const float* d = buf.data() + (q - q0) * 64;
+                const float* d = buf + (q - q0) * 64;
 #pragma GCC unroll 4
                 for (int v = 0; v < 4; ++v) {
                   const fw dv = load<fw>(d + kW * v);
@@ -451,7 +461,7 @@ void b_weight_grad(ffi::ThreadPool& pool, const Routing& rt,
                 const float uv = u[q * C + c];
 #pragma GCC unroll 4
                 for (int v = 0; v < 4; ++v)
-                  acc[v] += uv * load<fw>(buf.data() + (q - q0) * 64 + kW * v);
+                  acc[v] += uv * load<fw>(buf + (q - q0) * 64 + kW * v);
               }
               for (int v = 0; v < 4; ++v) store(&out[c * w + o + kW * v], acc[v]);
             }
@@ -504,26 +514,26 @@ void b_input_grad(ffi::ThreadPool& pool, const Routing& rt, const float* dy, con
       std::memset(du + r.start * C, 0, n * C * sizeof(float));
       return;
     }
-    std::vector<const float*> b(C8, zeros.data());
-    std::vector<const float*> bc(C);
-    b_rows<R>(rt, r.k, table, O, zeros.data(), bc);
-    std::copy(bc.begin(), bc.end(), b.begin());
-    std::vector<fw> part(n * C8, fw{});  // [rows, C8 / 8 groups, 8 panel rows]
-    std::vector<float> buf(C8 * kChunk);
-    std::vector<const float*> bp(C8);
+    const float** b = scratch<const float*, 2>(C8);
+    std::fill(b, b + C8, zeros.data());
+    b_rows<R>(rt, r.k, table, O, zeros.data(), b);
+    fw* part = scratch<fw, 5>(n * C8);  // [rows, C8 / 8 groups, 8 panel rows]
+    std::fill(part, part + n * C8, fw{});
+    float* buf = scratch<float, 6>(C8 * kChunk);
+    const float** bp = scratch<const float*, 7>(C8);
     for (int64_t o0 = 0; o0 < O8; o0 += kChunk) {
       const int64_t o1 = std::min(O8, o0 + kChunk), w = o1 - o0;
-      pack(b.data(), C8, o0, w, buf.data());
-      for (int64_t c = 0; c < C8; ++c) bp[c] = buf.data() + c * w - o0;  // indexed by o
+      pack(b, C8, o0, w, buf);
+      for (int64_t c = 0; c < C8; ++c) bp[c] = buf + c * w - o0;  // indexed by o
       for (int64_t g = 0; g < C8; g += 8) {
         int64_t m = 0;
         for (; m + 2 <= n; m += 2) {
           fw p[16];
           for (int t = 0; t < 8; ++t) p[t] = part[m * C8 + g + t], p[8 + t] = part[(m + 1) * C8 + g + t];
-          dots_block<2>(dy + (r.start + m) * O, O, bp.data() + g, o0, o1, p);
+          dots_block<2>(dy + (r.start + m) * O, O, bp + g, o0, o1, p);
           for (int t = 0; t < 8; ++t) part[m * C8 + g + t] = p[t], part[(m + 1) * C8 + g + t] = p[8 + t];
         }
-        if (m < n) dots_block<1>(dy + (r.start + m) * O, O, bp.data() + g, o0, o1, part.data() + m * C8 + g);
+        if (m < n) dots_block<1>(dy + (r.start + m) * O, O, bp + g, o0, o1, part + m * C8 + g);
       }
     }
     for (int64_t m = 0; m < n; ++m) {
@@ -551,16 +561,18 @@ void a_input_grad(ffi::ThreadPool& pool, const Routing& rt, const float* du, con
       std::memset(dx + r.start * I, 0, (r.end - r.start) * I * sizeof(float));
       return;
     }
-    std::vector<float> at(C * I, 0.0f);
-    std::vector<const float*> b(C);
+    float* at = scratch<float, 8>(C * I);  // (piece_by_panel takes slots 0 and 1)
+    const float** b = scratch<const float*, 9>(C);
     for (int64_t kk = 0; kk < rt.K; ++kk) {
       const int64_t off = rt.page(r.k, kk, I * R);
-      if (off >= 0)
+      if (off < 0)
+        std::fill(at + kk * R * I, at + (kk + 1) * R * I, 0.0f);
+      else
         for (int64_t i = 0; i < I; ++i)
           for (int j = 0; j < R; ++j) at[(kk * R + j) * I + i] = table[off + i * R + j];
     }
-    for (int64_t c = 0; c < C; ++c) b[c] = at.data() + c * I;
-    piece_by_panel(du + r.start * C, C, C, b.data(), I, dx + r.start * I, I, r.end - r.start);
+    for (int64_t c = 0; c < C; ++c) b[c] = at + c * I;
+    piece_by_panel(du + r.start * C, C, C, b, I, dx + r.start * I, I, r.end - r.start);
   });
 }
 

@@ -7,7 +7,9 @@ prefill) or row by row (a decode batch) into tiles and extra tiles (plan_spans, 
 the product over the tiles with its custom VJP (tile_product), and the same product reading
 its factors from the slot table's pages and adding its factor gradient into the
 accumulator's pages in place (paged_product: a training pass over many adapters holds no
-gathered copy of their factors and no stacked copy of their gradients). jcp/lora.py routes
+gathered copy of their factors and no stacked copy of their gradients), and both through
+jcp.lora_cpu's C++ kernels instead of the tiles where lora_impl is "cpu" (kernel_product
+for array factors, Routing.kernel; PageSource.kernel for the pages). jcp/lora.py routes
 to these past DENSE_MAX_ADAPTERS active adapters. It never copies adapter weights per token
 and never multiplies a token by another adapter's factors.
 
