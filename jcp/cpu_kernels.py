@@ -31,6 +31,7 @@ from jcp.mesh import vary_all
 
 _HERE = pathlib.Path(__file__).parent
 SOURCES = (_HERE / "attention" / "cpu_flash.cc", _HERE / "lora_cpu.cc")
+HEADERS = (_HERE / "cpu_parallel.h",)  # included by the sources (part of the cache key)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
 # FFI target name -> the handler symbol the library exports.
 TARGETS = {
@@ -118,7 +119,7 @@ def library_path() -> pathlib.Path:
     key = hashlib.sha256(
         "\0".join(
             [
-                *(s.read_text() for s in SOURCES),
+                *(s.read_text() for s in SOURCES + HEADERS),
                 " ".join(FLAGS),
                 version,
                 jax.__version__,

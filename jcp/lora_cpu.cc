@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_parallel.h"
 
 namespace ffi = xla::ffi;
 
@@ -77,31 +78,7 @@ inline void store(float* p, V v) {
   std::memcpy(p, &v, sizeof(V));
 }
 
-// ---------------------------------------------------------------------------------------
-// Work over XLA's intra-op pool (as jcp/attention/cpu_flash.cc's).
-
-struct Counter {
-  std::atomic<int64_t> next{0}, done{0};
-};
-
-template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, const F& f) {
-  if (n <= 0) return;
-  const int64_t workers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n);
-  auto st = std::make_shared<Counter>();
-  const F* fp = &f;
-  auto work = [st, n, fp]() {
-    for (;;) {
-      const int64_t i = st->next.fetch_add(1);
-      if (i >= n) return;
-      (*fp)(i);
-      st->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t w = 1; w < workers; ++w) pool.Schedule(decltype(work)(work));
-  work();
-  while (st->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
-}
+using jcp_cpu::parallel_for;  // cpu_parallel.h: work over XLA's intra-op pool
 
 // Per-thread scratch that work items reuse, one buffer per Slot: no allocation per item
 // (at many adapters the items are small, and under jcp's malloc settings,
@@ -277,9 +254,11 @@ void piece_by_panel(const float* u, int64_t ustride, int64_t C, const float* con
     pack(b, C, o, 64, buf);
     int64_t m = 0;
     for (; m + 4 <= n; m += 4)
-      rows_by_panel_block<4, 4, fw>(u + m * ustride, ustride, C, bp, 0, y + m * ystride + o, ystride);
+      rows_by_panel_block<4, 4, fw>(u + m * ustride, ustride, C, bp, 0, y + m * ystride + o,
+                                    ystride);
     for (; m < n; ++m)
-      rows_by_panel_block<1, 4, fw>(u + m * ustride, ustride, C, bp, 0, y + m * ystride + o, ystride);
+      rows_by_panel_block<1, 4, fw>(u + m * ustride, ustride, C, bp, 0, y + m * ystride + o,
+                                    ystride);
   }
   for (; o + 8 <= O; o += 8)
     for (int64_t m = 0; m < n; ++m)
@@ -452,7 +431,8 @@ void b_weight_grad(ffi::ThreadPool& pool, const Routing& rt,
                 }
               }
               for (int v = 0; v < 4; ++v)
-                store(&out[c * w + o + kW * v], a0[v]), store(&out[(c + 1) * w + o + kW * v], a1[v]);
+                store(&out[c * w + o + kW * v], a0[v]),
+                    store(&out[(c + 1) * w + o + kW * v], a1[v]);
             }
             for (; c < C; ++c) {
               fw acc[4];
@@ -529,9 +509,11 @@ void b_input_grad(ffi::ThreadPool& pool, const Routing& rt, const float* dy, con
         int64_t m = 0;
         for (; m + 2 <= n; m += 2) {
           fw p[16];
-          for (int t = 0; t < 8; ++t) p[t] = part[m * C8 + g + t], p[8 + t] = part[(m + 1) * C8 + g + t];
+          for (int t = 0; t < 8; ++t)
+            p[t] = part[m * C8 + g + t], p[8 + t] = part[(m + 1) * C8 + g + t];
           dots_block<2>(dy + (r.start + m) * O, O, bp + g, o0, o1, p);
-          for (int t = 0; t < 8; ++t) part[m * C8 + g + t] = p[t], part[(m + 1) * C8 + g + t] = p[8 + t];
+          for (int t = 0; t < 8; ++t)
+            part[m * C8 + g + t] = p[t], part[(m + 1) * C8 + g + t] = p[8 + t];
         }
         if (m < n) dots_block<1>(dy + (r.start + m) * O, O, bp + g, o0, o1, part + m * C8 + g);
       }
@@ -606,7 +588,8 @@ ffi::Error BForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> u, ffi::Buffer<f
                     ffi::Buffer<ffi::S32> row_k, ffi::ResultBuffer<ffi::F32> y) {
   const auto td = table.dimensions();
   const Routing rt = routing(row_k, pages, layer, td[0], td[1]);
-#define JCP_B_FWD(R) b_forward<R>(pool, rt, u.typed_data(), table.typed_data(), td[3], y->typed_data())
+#define JCP_B_FWD(R) \
+  b_forward<R>(pool, rt, u.typed_data(), table.typed_data(), td[3], y->typed_data())
   JCP_BY_RANK(td[2], JCP_B_FWD)
   return ffi::Error::Success();
 }
@@ -641,7 +624,7 @@ ffi::Error a_backward(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buff
 #define JCP_A_BWD(R)                                                                     \
   a_input_grad<R>(pool, rt, du.typed_data(), table.typed_data(), I, dx);                 \
   return weight_grad_into(rt, I * R, dw, acc, ok, [&](const Sink& sink) {                \
-    a_weight_grad<R>(pool, rt, runs, x.typed_data(), I, du.typed_data(), sink);   \
+    a_weight_grad<R>(pool, rt, runs, x.typed_data(), I, du.typed_data(), sink);          \
   });
   JCP_BY_RANK(td[3], JCP_A_BWD)
 }
@@ -657,8 +640,7 @@ ffi::Error b_backward(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& u, ffi::Buff
 #define JCP_B_BWD(R)                                                                        \
   b_input_grad<R>(pool, rt, dy.typed_data(), table.typed_data(), O, du);                    \
   return weight_grad_into(rt, R * O, dw, acc, ok, [&](const Sink& sink) {                   \
-    b_weight_grad(pool, rt, runs, u.typed_data(), rt.K * R, R, dy.typed_data(), O,   \
-                         sink);                                                             \
+    b_weight_grad(pool, rt, runs, u.typed_data(), rt.K * R, R, dy.typed_data(), O, sink);  \
   });
   JCP_BY_RANK(td[2], JCP_B_BWD)
 }
@@ -667,16 +649,16 @@ ffi::Error ABackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
                      ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> layer,
                      ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> row_k,
                      ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dw) {
-  return a_backward(pool, x, du, table, layer, pages, row_k, dx->typed_data(),
-                          dw->typed_data(), nullptr, nullptr);
+  return a_backward(pool, x, du, table, layer, pages, row_k, dx->typed_data(), dw->typed_data(),
+                    nullptr, nullptr);
 }
 
 ffi::Error BBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> u, ffi::Buffer<ffi::F32> dy,
                      ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> layer,
                      ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> row_k,
                      ffi::ResultBuffer<ffi::F32> du, ffi::ResultBuffer<ffi::F32> dw) {
-  return b_backward(pool, u, dy, table, layer, pages, row_k, du->typed_data(),
-                          dw->typed_data(), nullptr, nullptr);
+  return b_backward(pool, u, dy, table, layer, pages, row_k, du->typed_data(), dw->typed_data(),
+                    nullptr, nullptr);
 }
 
 // The same, the factor gradient added into acc_out (acc, aliased: updated in place).
@@ -688,7 +670,7 @@ ffi::Error ABackwardInto(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   if (acc_out->typed_data() != acc.typed_data())
     std::memcpy(acc_out->typed_data(), acc.typed_data(), acc.size_bytes());
   return a_backward(pool, x, du, table, layer, pages, row_k, dx->typed_data(), nullptr,
-                          acc_out->typed_data(), ok->typed_data());
+                    acc_out->typed_data(), ok->typed_data());
 }
 
 ffi::Error BBackwardInto(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> u, ffi::Buffer<ffi::F32> dy,
@@ -699,66 +681,28 @@ ffi::Error BBackwardInto(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> u, ffi::Buf
   if (acc_out->typed_data() != acc.typed_data())
     std::memcpy(acc_out->typed_data(), acc.typed_data(), acc.size_bytes());
   return b_backward(pool, u, dy, table, layer, pages, row_k, du->typed_data(), nullptr,
-                          acc_out->typed_data(), ok->typed_data());
+                    acc_out->typed_data(), ok->typed_data());
 }
 
 }  // namespace
 
-#define JCP_ROUTING_ARGS                 \
-  .Arg<ffi::Buffer<ffi::S32>>()          \
-      .Arg<ffi::Buffer<ffi::S32>>()      \
-      .Arg<ffi::Buffer<ffi::S32>>()
+// The bindings: a factor product (x, table) -> y; its backward (x, dy, table) -> (dx, dw);
+// in place (x, dy, table, acc) -> (dx, acc, ok). Each then takes layer, pages and row_k.
+#define JCP_F32 ffi::Buffer<ffi::F32>
+#define JCP_S32 ffi::Buffer<ffi::S32>
+#define JCP_ROUTING .Arg<JCP_S32>().Arg<JCP_S32>().Arg<JCP_S32>()
+#define JCP_FORWARD_BIND \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<JCP_F32>().Arg<JCP_F32>() JCP_ROUTING.Ret<JCP_F32>()
+#define JCP_BACKWARD_BIND                                                              \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<JCP_F32>().Arg<JCP_F32>().Arg<JCP_F32>() \
+      JCP_ROUTING.Ret<JCP_F32>().Ret<JCP_F32>()
+#define JCP_INTO_BIND                                                                    \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<JCP_F32>().Arg<JCP_F32>().Arg<JCP_F32>()   \
+      .Arg<JCP_F32>() JCP_ROUTING.Ret<JCP_F32>().Ret<JCP_F32>().Ret<JCP_S32>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JcpCpuLoraAForward, AForward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>() JCP_ROUTING_ARGS
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JcpCpuLoraBForward, BForward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>() JCP_ROUTING_ARGS
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JcpCpuLoraABackward, ABackward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>() JCP_ROUTING_ARGS
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JcpCpuLoraBBackward, BBackward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>() JCP_ROUTING_ARGS
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JcpCpuLoraABackwardInto, ABackwardInto,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>() JCP_ROUTING_ARGS
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JcpCpuLoraBBackwardInto, BBackwardInto,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>() JCP_ROUTING_ARGS
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JcpCpuLoraAForward, AForward, JCP_FORWARD_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JcpCpuLoraBForward, BForward, JCP_FORWARD_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JcpCpuLoraABackward, ABackward, JCP_BACKWARD_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JcpCpuLoraBBackward, BBackward, JCP_BACKWARD_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JcpCpuLoraABackwardInto, ABackwardInto, JCP_INTO_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JcpCpuLoraBBackwardInto, BBackwardInto, JCP_INTO_BIND);

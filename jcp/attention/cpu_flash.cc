@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "../cpu_parallel.h"
 
 namespace ffi = xla::ffi;
 
@@ -238,33 +239,7 @@ inline void apply_mask(float* __restrict s, const int32_t* seg_q, const int32_t*
   }
 }
 
-// ---------------------------------------------------------------------------------------
-// Work over XLA's intra-op pool: items taken from one atomic counter by the caller and
-// by up to (threads - 1) scheduled tasks. The caller always drains the counter itself,
-// so a task the pool starts late (or never) costs nothing; a late task sees the counter
-// exhausted and touches only the shared state it holds.
-
-struct Counter {
-  std::atomic<int64_t> next{0}, done{0};
-};
-
-template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, const F& f) {
-  const int64_t workers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n);
-  auto st = std::make_shared<Counter>();
-  const F* fp = &f;
-  auto work = [st, n, fp]() {
-    for (;;) {
-      const int64_t i = st->next.fetch_add(1);
-      if (i >= n) return;
-      (*fp)(i);
-      st->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t w = 1; w < workers; ++w) pool.Schedule(decltype(work)(work));
-  work();
-  while (st->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
-}
+using jcp_cpu::parallel_for;  // cpu_parallel.h: work over XLA's intra-op pool
 
 // Shapes of one call; packed copies are padded to whole tiles (padded query rows are
 // padding, padded key slots carry kNoSegment: neither is ever visible).
