@@ -217,3 +217,34 @@ def test_lora_impl_resolution_and_the_fused_pass_calls():
     assert set(texts) == {"cpu", "xla"}
     assert "jcp_cpu_lora_a_backward" in texts["cpu"]
     assert "jcp_cpu_lora" not in texts["xla"]
+
+
+def test_a_bf16_model_through_the_kernels_matches_the_tiles():
+    """A bf16 model (the kernels run fp32 inside, inputs and gradients converted): the
+    fused pass over 6 adapters gives the tiles' log-probs and gradients to bf16 rounding
+    (the tiles round the gradient to bf16 before the accumulator, the kernels after an
+    fp32 sum)."""
+    cfg = jcp.QwenConfig.tiny(num_layers=1, dtype="bfloat16")
+    rng = np.random.default_rng(5)
+    data = [
+        jcp.Datum(
+            rng.integers(0, cfg.vocab_size, 10),
+            {"target_tokens": rng.integers(0, cfg.vocab_size, 10), "weights": np.ones(10)},
+        )
+        for _ in range(6)
+    ]
+    got = {}
+    for impl in ("cpu", "xla"):
+        tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=6, max_rank=16, lora_impl=impl)
+        ids = [tr.create_adapter(rank=16, seed=k) for k in range(6)]
+        out = tr.forward_backward(data, "cross_entropy", adapters=ids)
+        lp = np.concatenate([o["logprobs"] for o in out.loss_fn_outputs])
+        got[impl] = lp, [tr.gradients(k) for k in ids]
+    np.testing.assert_allclose(got["cpu"][0], got["xla"][0], rtol=1e-2, atol=1e-2)
+    for a, b in zip(got["cpu"][1], got["xla"][1]):
+        for name in b:
+            top = float(np.abs(b[name]).max())
+            # Two bf16 roundings apart at most (the tiles round each tile's sum to bf16).
+            tol = 2.0**-6
+            np.testing.assert_allclose(a[name], b[name], rtol=tol, atol=tol * top, err_msg=name)
+    assert any(float(np.abs(g).max()) > 0 for g in got["cpu"][1][0].values())
