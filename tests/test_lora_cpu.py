@@ -189,6 +189,11 @@ def test_paged_product_through_the_kernels_equals_the_tiles(which):
 
 
 def test_lora_impl_resolution_and_the_fused_pass_calls():
+    """lora_impl resolves and is refused as documented; a fused pass of a bf16 model over 6
+    adapters calls the kernels with "auto" on CPU and not with "xla", and the two give the
+    same log-probs and gradients to bf16 rounding (the kernels run fp32 inside; the tiles
+    round each tile's gradient sum to bf16 before the accumulator, the kernels after an
+    fp32 sum)."""
     assert trainer_options.resolve_lora_impl("auto", "cpu") == "cpu"
     assert trainer_options.resolve_lora_impl("auto", "gpu") == "xla"
     assert trainer_options.resolve_lora_impl("xla", "cpu") == "xla"
@@ -197,54 +202,31 @@ def test_lora_impl_resolution_and_the_fused_pass_calls():
     with pytest.raises(ValueError, match="lora_impl must be one of"):
         jcp.Trainer(jcp.QwenConfig.tiny(), jcp.make_mesh(1, 1, 1), lora_impl="fast")
 
-    cfg = jcp.QwenConfig.tiny(num_layers=1)
-    n = lora_lib.DENSE_MAX_ADAPTERS + 2
-    texts = {}
-    for impl in ("auto", "xla"):
-        tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=n, max_rank=8, lora_impl=impl)
-        ids = [tr.create_adapter(rank=8, seed=k) for k in range(n)]
-        rng = np.random.default_rng(0)
-        data = [
-            jcp.Datum(
-                rng.integers(0, cfg.vocab_size, 6),
-                {"target_tokens": rng.integers(0, cfg.vocab_size, 6), "weights": np.ones(6)},
-            )
-            for _ in range(n)
-        ]
-        tr.forward_backward(data, "cross_entropy", adapters=ids)
-        (program,) = tr.forward_backward_programs.values()
-        texts[tr.step_cfg.lora_impl] = program.as_text()
-    assert set(texts) == {"cpu", "xla"}
-    assert "jcp_cpu_lora_a_backward" in texts["cpu"]
-    assert "jcp_cpu_lora" not in texts["xla"]
-
-
-def test_a_bf16_model_through_the_kernels_matches_the_tiles():
-    """A bf16 model (the kernels run fp32 inside, inputs and gradients converted): the
-    fused pass over 6 adapters gives the tiles' log-probs and gradients to bf16 rounding
-    (the tiles round the gradient to bf16 before the accumulator, the kernels after an
-    fp32 sum)."""
     cfg = jcp.QwenConfig.tiny(num_layers=1, dtype="bfloat16")
+    n = lora_lib.DENSE_MAX_ADAPTERS + 2
     rng = np.random.default_rng(5)
     data = [
         jcp.Datum(
             rng.integers(0, cfg.vocab_size, 10),
             {"target_tokens": rng.integers(0, cfg.vocab_size, 10), "weights": np.ones(10)},
         )
-        for _ in range(6)
+        for _ in range(n)
     ]
-    got = {}
-    for impl in ("cpu", "xla"):
-        tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=6, max_rank=16, lora_impl=impl)
-        ids = [tr.create_adapter(rank=16, seed=k) for k in range(6)]
+    texts, got = {}, {}
+    for impl in ("auto", "xla"):
+        tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=n, max_rank=16, lora_impl=impl)
+        ids = [tr.create_adapter(rank=16, seed=k) for k in range(n)]
         out = tr.forward_backward(data, "cross_entropy", adapters=ids)
+        (program,) = tr.forward_backward_programs.values()
+        texts[tr.step_cfg.lora_impl] = program.as_text()
         lp = np.concatenate([o["logprobs"] for o in out.loss_fn_outputs])
-        got[impl] = lp, [tr.gradients(k) for k in ids]
+        got[tr.step_cfg.lora_impl] = lp, [tr.gradients(k) for k in ids]
+    assert set(texts) == {"cpu", "xla"}
+    assert "jcp_cpu_lora_a_backward" in texts["cpu"]
+    assert "jcp_cpu_lora" not in texts["xla"]
     np.testing.assert_allclose(got["cpu"][0], got["xla"][0], rtol=1e-2, atol=1e-2)
     for a, b in zip(got["cpu"][1], got["xla"][1]):
         for name in b:
-            top = float(np.abs(b[name]).max())
-            # Two bf16 roundings apart at most (the tiles round each tile's sum to bf16).
-            tol = 2.0**-6
+            tol, top = 2.0**-6, float(np.abs(b[name]).max())  # two bf16 roundings apart
             np.testing.assert_allclose(a[name], b[name], rtol=tol, atol=tol * top, err_msg=name)
     assert any(float(np.abs(g).max()) > 0 for g in got["cpu"][1][0].values())
