@@ -14,6 +14,7 @@ build: `available()` says whether they can, `load()` why not.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -111,7 +112,8 @@ def library_path() -> pathlib.Path:
     version and CPU (model and flags: -march=native), (re)built now unless a cached one
     has no `refusal`. The .so and its recorded hash are each written to a temporary name
     and renamed (files.atomic_write), so no process loads a partial file; a reader that
-    meets a new .so beside an old hash rebuilds. Unavailable when the cache folder is not
+    meets a new .so beside an old hash rebuilds; builds take a lock file beside the .so,
+    so processes that start together build once. Unavailable when the cache folder is not
     ours alone (anyone who may write it could swap the file between check and load)."""
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
@@ -137,6 +139,19 @@ def library_path() -> pathlib.Path:
         )
     if not refusal(lib):
         return lib
+    # One build at a time per library: processes starting together (test workers, a
+    # multi-process job's ranks) wait for the first one's build and load it.
+    with open(lib.with_name(lib.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not refusal(lib):
+            return lib
+        _build(cxx, include, lib)
+    return lib
+
+
+def _build(cxx: str, include: str, lib: pathlib.Path) -> None:
+    """Compiles the sources into `lib` and records its hash beside it (each written to a
+    temporary name, then renamed)."""
     digest = ""
 
     def build(tmp):
@@ -155,7 +170,6 @@ def library_path() -> pathlib.Path:
 
     atomic_write(lib, build)
     atomic_write(_digest_path(lib), digest + "\n")
-    return lib
 
 
 @functools.cache

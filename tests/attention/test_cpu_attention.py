@@ -369,6 +369,27 @@ def test_kernel_cache_rebuilds_what_it_cannot_verify(copying_cxx):
     assert builds() == 1 + len(bad)
 
 
+def test_builds_started_together_build_once(copying_cxx, tmp_path, monkeypatch):
+    """Two builds of the same library at once (test workers or a job's ranks starting
+    together) build it once: the second waits on the lock beside the library and loads
+    the first one's. The compiler here takes a second, so the two overlap."""
+    import threading
+
+    good, folder, builds = copying_cxx
+    slow = tmp_path / "slow-cxx"
+    slow.write_text(f'#!/bin/sh\n[ "$1" = --version ] || sleep 1\nexec {os.environ["CXX"]} "$@"\n')
+    slow.chmod(0o755)
+    monkeypatch.setenv("CXX", str(slow))
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(cpu.library_path())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 2 and got[0] == got[1] and got[0].read_bytes() == good
+    assert builds() == 1
+
+
 @pytest.mark.parametrize("bad, chosen", [("truncated file", "cpu"), ("loose folder", "blockwise")])
 def test_bad_kernel_cache_never_kills_the_process(copying_cxx, bad, chosen):
     """A fresh process resolving attn_impl "auto" (what every CPU Trainer does) over a
