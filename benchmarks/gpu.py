@@ -2,7 +2,7 @@
 
 On one H200 it is meant to finish in about 10 minutes: each part runs in its own
 subprocess under a hard time limit (a part that fails or runs out of time shows the rows it
-finished and its error in the table, and the others still run; the limits add up to 13
+finished and its error in the table, and the others still run; the limits add up to 15
 minutes; --parts runs some of them, --logs keeps each part's whole output). Parts:
 
   kernels  Pallas kernels (jcp/pallas_attention.py, Triton) against the blockwise kernel
@@ -35,6 +35,12 @@ minutes; --parts runs some of them, --logs keeps each part's whole output). Part
            — summed over the round's steps, at the device's HBM bandwidth (HBM_BYTES_PER_S,
            by device kind; none on CPU).
 
+  multi_lora
+           issue 33 on the device (benchmarks/multi_lora.py's shape: a 1024-wide 4-layer
+           Qwen3, r16 on attn + mlp): one fused forward_backward of 256 datums in 4,096
+           rows over A = 1, 8, 64, 256 adapters (time and compiled memory against A = 1),
+           lora_impl "auto" (the tiles in XLA on a GPU). Last, so the others run first.
+
     python benchmarks/gpu.py                 # on the GPU machine
     python benchmarks/gpu.py --smoke         # CPU check of every part: tiny shapes, in
                                              # one process (tests/test_benchmarks.py)
@@ -53,11 +59,18 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PARTS = ("kernels", "memory", "mfu_pallas", "mfu_blockwise", "decode")
+PARTS = ("kernels", "memory", "mfu_pallas", "mfu_blockwise", "decode", "multi_lora")
 # Seconds per part. The H200 run of 2026-12-04 (jax 0.11.2) took kernels 96 s (when its
 # inputs were still compile-time constants), memory 79 s, mfu_pallas 166 s (a first step of
 # 128 s: two compiles, remat "auto"); mfu_blockwise and decode ran past 120 s.
-LIMITS_S = {"kernels": 75, "memory": 120, "mfu_pallas": 200, "mfu_blockwise": 200, "decode": 180}
+LIMITS_S = {
+    "kernels": 75,
+    "memory": 120,
+    "mfu_pallas": 200,
+    "mfu_blockwise": 200,
+    "decode": 180,
+    "multi_lora": 120,
+}
 GiB = float(1 << 30)
 # HBM bandwidth by device kind (vendor figures), for the decode roofline.
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
@@ -283,6 +296,31 @@ def part_mfu(smoke: bool, impl: str, blockwise_layers: int) -> list[dict]:
     ]
 
 
+def part_multi_lora(smoke: bool) -> list[dict]:
+    sys.path.insert(0, HERE)
+    import argparse as _argparse
+
+    import multi_lora  # noqa: E402
+
+    args = _argparse.Namespace(
+        adapters="1,5" if smoke else "1,8,64,256",
+        datums=8 if smoke else 256,
+        tokens=128 if smoke else 4096,
+        reps=1 if smoke else 3,
+        round_robin=False,
+        targets="attn,mlp",
+        lora_impl="auto",
+    )
+    cfg = multi_lora.config(smoke)
+    rows = Rows()
+    for r in multi_lora.fused_passes(args, cfg):
+        rows.append(dict(r, tokens=args.tokens))
+    for r in rows:
+        r["time_ratio"] = r["wall_s"] / rows[0]["wall_s"]
+        r["total_ratio"] = r["total_mib"] / rows[0]["total_mib"]
+    return list(rows)
+
+
 def hbm_bytes_per_s(device_kind: str) -> float | None:
     return next((bw for k, bw in HBM_BYTES_PER_S.items() if k in device_kind), None)
 
@@ -429,6 +467,8 @@ def run_part(name: str, args) -> list[dict]:
         rows = part_memory(args.smoke)
     elif name.startswith("mfu_"):
         rows = part_mfu(args.smoke, name[len("mfu_") :], args.blockwise_layers)
+    elif name == "multi_lora":
+        rows = part_multi_lora(args.smoke)
     else:
         rows = part_decode(args.smoke)
     return json.loads(json.dumps(rows, default=str))
@@ -516,6 +556,20 @@ def table(results: dict, device: str) -> str:
             f"{'—' if of is None else format(100 * of, '.1f') + '%':>8} "
             f"{_fmt(x.get('weights_gib'), '6.2f'):>6} {_fmt(x.get('kv_gib_per_step'), '9.3f'):>9} "
             f"{x['first_call_s']:>9.1f}"
+        )
+    out += missing + [""]
+    rows, missing = _rows(results, "multi_lora")
+    out.append(
+        "Multi-LoRA: one fused forward_backward at fixed tokens over A adapters "
+        "(benchmarks/multi_lora.py's shape; goal t/t1 <= 1.15, memory <= 1.1)"
+    )
+    out.append(
+        f"  {'A':>4} {'tokens':>6} {'wall s':>8} {'t/t1':>6} {'total MiB':>10} {'mem/m1':>7}"
+    )
+    for x in rows:
+        out.append(
+            f"  {x['A']:>4} {x['tokens']:>6} {x['wall_s']:>8.3f} {x['time_ratio']:>6.2f} "
+            f"{x['total_mib']:>10.1f} {x['total_ratio']:>7.3f}"
         )
     out += missing
     return "\n".join(out)

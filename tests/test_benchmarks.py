@@ -37,6 +37,9 @@ def test_gpu_script_smoke(capsys):
     assert all(r["finite"] for r in res["kernels"])
     short, long = res["memory"]
     assert long["tokens"] == 2 * short["tokens"] and long["temp_gib"] > short["temp_gib"]
+    one, five = res["multi_lora"]  # the fused pass over 1 and 5 adapters, ratios to A = 1
+    assert (one["A"], five["A"]) == (1, 5) and one["time_ratio"] == 1.0
+    assert five["time_ratio"] > 0 and five["total_ratio"] > 0 and "Multi-LoRA" in out
     # XLA:CPU computes bf16 dots in f32; model.scan_layers keeps it from converting whole
     # weight stacks (the detector's positive case: test_gpu_f32_copy_detector).
     assert short["f32_copies_of_stacked_weights"] == []
