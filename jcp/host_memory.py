@@ -13,11 +13,15 @@ less than half the speed of the backward's. (torch's activations are many blocks
 glibc's 32 MiB mmap threshold, which the heap keeps.) The setting: every thread
 allocates from the main heap (M_ARENA_MAX 1: another thread's arena cannot hold a block
 over 64 MiB and maps it), blocks under 2 GiB come from that heap rather than mmap
-(M_MMAP_THRESHOLD), and up to 2 GiB freed at the top of the heap stays there
-(M_TRIM_THRESHOLD), so the next call reuses pages already touched. 2 GiB (2^31 - 1 bytes,
-the largest value mallopt takes) and not less: the 1 × 16,384-token step's temporaries are
-over 1 GiB, and with a 1 GiB bound it took ~386,000 page faults per step; with 2 GiB, none,
-and 1.24-1.27x its tokens/s at the same peak RSS (two rounds alternated, load 5-6).
+(M_MMAP_THRESHOLD: 2^31 - 1 bytes, the largest value mallopt takes), and memory freed at
+the top of the heap stays there (M_TRIM_THRESHOLD -1: never trimmed), so the next call
+reuses pages already touched. Not trimmed at all rather than up to 2 GiB: the 1 × 16,384-
+token step's temporaries are over 1 GiB, and with a 1 GiB bound it took ~386,000 page
+faults per step (with 2 GiB none, and 1.24-1.27x its tokens/s at the same peak RSS); a
+multi-LoRA pass over 256 adapters (benchmarks/multi_lora.py, 1.4 GiB of temporaries)
+alternated with another program took ~565,000 page faults in most of its calls under a
+2 GiB bound (the two programs' freed blocks together past it: 5.3-5.9 s a call against
+4.5-4.7 s without faults), and none once the heap is never trimmed (4.4-4.6 s).
 Blocks of 2 GiB and more are mapped and unmapped as before.
 
 One heap only where one CPU device is configured (XLA_FLAGS'
@@ -28,10 +32,10 @@ benchmarks/serve_multiprocess.py (tiny model, one process) took 0.174 CPU s of X
 per step with it, 0.115 without, 0.111 with the two thresholds alone. There only the
 thresholds are set (they keep blocks the main thread frees).
 
-Cost: the process holds freed memory up to those bounds rather than returning it to the
-system, and since a call's block may be taken before the previous call's is freed, the
-heap can come to hold two or three of them: peak RSS of throughput.py's jcp side
-1.0–1.6 GiB over runs, 1.1 without. JCP_HOST_MALLOC=0 in the environment turns it off
+Cost: the process holds the heap it has freed rather than returning it to the system (its
+resident memory stays at the peak of its heap), and since a call's block may be taken
+before the previous call's is freed, the heap can come to hold two or three of them: peak
+RSS of throughput.py's jcp side 1.0–1.6 GiB over runs, 1.1 without. JCP_HOST_MALLOC=0 in the environment turns it off
 (benchmarks/host_memory.py measures both ways in one process).
 """
 
@@ -44,7 +48,8 @@ import sys
 
 # glibc <malloc.h>
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
-KEEP_BYTES = (1 << 31) - 1  # mallopt's int: its largest value
+KEEP_BYTES = (1 << 31) - 1  # mallopt's int: its largest value (the mmap threshold)
+NEVER_TRIM = -1  # M_TRIM_THRESHOLD -1: glibc never trims the heap
 ENV = "JCP_HOST_MALLOC"
 
 
@@ -90,7 +95,7 @@ def keep_freed_memory(one_heap: bool) -> bool:
         [
             mallopt(_M_ARENA_MAX, 1) == 1 if one_heap else True,
             mallopt(_M_MMAP_THRESHOLD, KEEP_BYTES) == 1,
-            mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES) == 1,
+            mallopt(_M_TRIM_THRESHOLD, NEVER_TRIM) == 1,
         ]
     )
 
