@@ -2,8 +2,8 @@
 process, its temporaries kept between calls or mapped afresh, alternated step by step.
 
 Both halves run with jcp's malloc setting (every thread on glibc's main heap); between
-steps only the mmap threshold and trim threshold change: 2 GiB (the setting: the step's
-407 MiB of temporaries stay in the heap) or 32 MiB / 128 KiB (glibc's largest dynamic
+steps only the mmap threshold and trim threshold change: 2 GiB and never trimmed (the
+setting: the step's 407 MiB of temporaries stay in the heap) or 32 MiB / 128 KiB (glibc's largest dynamic
 threshold and its default trim: they are mapped and unmapped each call, as without the
 setting). One process and alternated steps, so both halves see the same load. Prints
 median wall, process CPU s and minor page faults per step of each.
@@ -59,7 +59,7 @@ def main(argv=None) -> dict:
 
     def keep(on: bool):
         libc.mallopt(_M_MMAP_THRESHOLD, host_memory.KEEP_BYTES if on else 32 << 20)
-        libc.mallopt(_M_TRIM_THRESHOLD, host_memory.KEEP_BYTES if on else 128 << 10)
+        libc.mallopt(_M_TRIM_THRESHOLD, host_memory.NEVER_TRIM if on else 128 << 10)
 
     runs = {"kept": [], "mapped afresh": []}
     for _ in range(args.pairs):
