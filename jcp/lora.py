@@ -28,15 +28,13 @@ from jcp.lora_grouped import (
     PagedFactor,
     PageSource,
     Tiles,
+    array_product,
     join_pages,
-    kernel_product,
-    kernel_supports,
     paged_product,
     plan_rows,
     plan_spans,
     rank_axis,
     split_pages,
-    tile_product,
 )
 from jcp.lora_grouped import tile_rows as tile_rows  # re-exported: jcp.lora.tile_rows
 from jcp.lora_slots import (
@@ -140,7 +138,7 @@ class Routing:
     per routing by SlotMeta.routing. pages: where the grouped products read the factors
     given as PagedFactor and add their gradients (PageSource; training's in-place pass),
     None where every factor is an array. kernel: the grouped products of array factors
-    run jcp.lora_cpu's kernels where they take the factor (lora_grouped.kernel_product;
+    run jcp.lora_cpu's kernels where they take the factor (lora_grouped.array_product;
     lora_impl "cpu"), else the tiles in XLA.
     """
 
@@ -317,9 +315,7 @@ def low_rank_input(x_SxI, a_AxIxR, route: Routing):
     # One varying type for both (a custom VJP's cotangents must match its inputs'): the
     # casts' transposes sum A's gradient over the devices where x varies and A does not.
     x_QxI, a_AxIxR = (vary_all(v, x_SxI, a_AxIxR) for v in (x_SxI, a_AxIxR.astype(x_SxI.dtype)))
-    if route.kernel and kernel_supports(a_AxIxR, "a"):
-        return kernel_product("a", x_QxI, a_AxIxR, t) * t.weight_Q[:, None]
-    return tile_product(x_QxI, a_AxIxR, t) * t.weight_Q[:, None]
+    return array_product("a", x_QxI, a_AxIxR, t, route.kernel) * t.weight_Q[:, None]
 
 
 def _dense_input(x_SxI, a_AxIxR, route: Routing):
@@ -373,10 +369,7 @@ def expand(u, b_AxRxO, route: Routing, dtype):
         y_QxO = paged_product(u.astype(dtype), b_AxRxO, route.pages, t).astype(dtype)
     else:
         u_QxR, b_AxRxO = (vary_all(v, u, b_AxRxO) for v in (u.astype(dtype), b_AxRxO.astype(dtype)))
-        if route.kernel and kernel_supports(b_AxRxO, "b"):
-            y_QxO = kernel_product("b", u_QxR, b_AxRxO, t).astype(dtype)
-        else:
-            y_QxO = tile_product(u_QxR, b_AxRxO, t).astype(dtype)
+        y_QxO = array_product("b", u_QxR, b_AxRxO, t, route.kernel).astype(dtype)
     return y_QxO if t.place_S is None else y_QxO[t.place_S]
 
 

@@ -556,9 +556,13 @@ _paged_kernel.defvjp(_paged_kernel_fwd, _paged_kernel_bwd)
 # Gathered factors through jcp.lora_cpu's kernels
 
 
-def kernel_supports(w_AxIxO, which: str) -> bool:
-    """Whether kernel_product takes this gathered factor ("a": [A, I, R], "b": [A, R, O])."""
-    return lora_cpu.supports(w_AxIxO[:, None], which)
+def array_product(which: str, x_QxI, w_AxIxO, t: Tiles, kernel: bool):
+    """The grouped product of an array factor (which: "a", w [A, I, R]; "b", w [A, R, O]):
+    kernel_product where `kernel` (Routing.kernel) and the kernels take w, else
+    tile_product; fp32 out. x and w cast to vary alike first (see tile_product)."""
+    if kernel and lora_cpu.supports(w_AxIxO[:, None], which):
+        return kernel_product(which, x_QxI, w_AxIxO, t)
+    return tile_product(x_QxI, w_AxIxO, t)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
