@@ -95,18 +95,23 @@ __all__ = [
     "gather_pages",
     "init_adapter",
     "head_lora",
+    "layer_tables",
     "low_rank_input",
     "module_dims",
     "module_layer_ids",
+    "paged_leaves",
     "qkv_widths",
     "rank_axis",
+    "reads_in_place",
     "resolve_targets",
+    "route_for_forward",
     "scatter_pages",
     "slot_shapes",
     "slot_specs",
     "slot_specs_active",
     "table_modules",
     "take_active",
+    "take_for_forward",
     "tile_rows",
     "tree_expert_lora",
     "untake_active",
@@ -288,10 +293,59 @@ def untake_active(active: dict) -> dict:
     }
 
 
+def layer_tables(slots: dict) -> tuple[dict, dict]:
+    """(the per-layer modules' tables, the rest): the factors a grouped pass can read from
+    the pages in place (PagedFactor), and those it gathers (take_active)."""
+    tables = {m: ab for m, ab in slots.items() if m in LAYER_MODULES}
+    return tables, {m: ab for m, ab in slots.items() if m not in tables}
+
+
+def paged_leaves(tables: dict) -> dict:
+    """PagedFactor leaves for layer_tables' tables {module: {key: [P, L, …page]}}, every
+    layer stacked [L] (the layer loop slices them as any per-layer array)."""
+    return {
+        m: {k: PagedFactor(jnp.arange(x.shape[1]), m, k) for k, x in ab.items()}
+        for m, ab in tables.items()
+    }
+
+
+def reads_in_place(page_GK, active_A, kernel: bool) -> bool:
+    """Whether a forward-only pass (sampling's prefill, extend and decode) leaves the
+    per-layer modules' factors in the slot tables' pages for jcp.lora_cpu's kernels to read
+    in place (take_for_forward, route_for_forward): lora_impl "cpu" (`kernel`), a paged
+    table, more than DENSE_MAX_ADAPTERS active adapters (the grouped products). Gathering
+    them instead copies every active adapter's factors per call: 1 GiB at 256 adapters of
+    r16 on a 1024-wide model's attn + mlp, as much again as a decode step reads."""
+    return kernel and page_GK is not None and active_A.shape[0] > DENSE_MAX_ADAPTERS
+
+
+def take_for_forward(slots: dict, page_GK, active_A, kernel: bool) -> dict:
+    """The factors a forward-only pass hands its shard_map (specs: slot_specs_active's):
+    take_active's, except that where reads_in_place the per-layer modules' tables come as
+    they are. Inside, route_for_forward makes them the model's."""
+    if not reads_in_place(page_GK, active_A, kernel):
+        return take_active(slots, page_GK, active_A)
+    tables, other = layer_tables(slots)
+    return {**take_active(other, page_GK, active_A), **tables}
+
+
+def route_for_forward(taken: dict, page_GK, route: Routing) -> tuple[dict, Routing]:
+    """(the model's LoRA, its routing) inside the shard_map from take_for_forward's result
+    and `route` (SlotMeta.routing of the same active slots, with the same kernel): where
+    reads_in_place, the tables as PagedFactor leaves and the PageSource they read (no
+    gradient); else both unchanged."""
+    if not reads_in_place(page_GK, route.active_A, route.kernel):
+        return taken, route
+    tables, _ = layer_tables(taken)
+    page_AK = jnp.take(page_GK, route.active_A, axis=0)
+    src = PageSource(tables, page_AK, None, None, jnp.zeros((), jnp.float32), kernel=True)
+    return {**taken, **paged_leaves(tables)}, dataclasses.replace(route, pages=src)
+
+
 def slot_specs_active(cfg: QwenConfig, active: dict) -> dict:
     """Specs of take_active's result `active` inside the shard_map. [L, A, …] puts tp on
     the same axis as [G, L, …], so the slot table serves unchanged (for the factors the
-    table holds)."""
+    table holds, and for take_for_forward's tables)."""
     specs = slot_specs(cfg)
     return {m: {k: specs[m][k] for k in ab} for m, ab in active.items()}
 

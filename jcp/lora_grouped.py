@@ -403,12 +403,13 @@ jax.tree_util.register_dataclass(PagedFactor, data_fields=["layer"], meta_fields
 
 @dataclasses.dataclass(frozen=True)
 class PageSource:
-    """Where a training pass's grouped products read their factors and put their gradients
-    (inside the shard_map, this device's shards): tables {module: {key: [P, L, …page]}} the
-    slot tables' pages; page_AK the pages of each active adapter (SlotMeta.page_GK's rows;
-    an entry ≥ P: no page, zeros); grads {module: {key: Ref}} the gradient accumulators'
-    pages, which each product's backward adds its factor gradient into (summed over dp and
-    cp first); finite a Ref bool [A], varying over every mesh axis, cleared where an active
+    """Where a pass's grouped products read their factors and (training) put their
+    gradients (inside the shard_map, this device's shards): tables {module: {key: [P, L,
+    …page]}} the slot tables' pages; page_AK the pages of each active adapter
+    (SlotMeta.page_GK's rows; an entry ≥ P: no page, zeros); grads {module: {key: Ref}} the
+    gradient accumulators' pages, which each product's backward adds its factor gradient
+    into (summed over dp and cp first), None in a forward-only pass (sampling's,
+    lora.route_in_place); finite a Ref bool [A], varying over every mesh axis, cleared where an active
     adapter's gradient is not finite; probe a zero f32 [] that each product takes as an input, so
     the pass's gradient w.r.t. it runs every product's backward (its own gradient is zero);
     kernel: the products run jcp.lora_cpu's kernels where they support the table
@@ -442,7 +443,7 @@ def paged_product(x_QxI, f: PagedFactor, src: PageSource, t: Tiles):
     factor do) instead of returning it; x's gradient is returned as tile_product's."""
     table = src.tables[f.module][f.key]
     x_QxI = vary_all(x_QxI, table)
-    grad = src.grads[f.module][f.key]
+    grad = None if src.grads is None else src.grads[f.module][f.key]
     args = (x_QxI, src.probe, f.layer, table, src.page_AK, grad, src.finite, t)
     if src.kernel and lora_cpu.supports(table, f.key):
         return _paged_kernel(f.key, *args)

@@ -306,10 +306,8 @@ def _paged_value_and_grad(p: PassConfig, acc, lora, params, slot_meta, batch: Ba
     for bit (tests/test_lora_grouped.py compares them at (1,2,2)).
     """
     cfg, mesh, num_slots = p.cfg, p.mesh, p.num_slots
-    tables = {m: ab for m, ab in lora.items() if m in lora_lib.LAYER_MODULES}
-    other = lora_lib.take_active(
-        {m: ab for m, ab in lora.items() if m not in tables}, slot_meta.page_GK, batch.active
-    )
+    tables, other = lora_lib.layer_tables(lora)
+    other = lora_lib.take_active(other, slot_meta.page_GK, batch.active)
     specs = lora_lib.slot_specs(cfg)
     table_specs = {m: {k: specs[m][k] for k in ab} for m, ab in tables.items()}
     every = BATCH_AXES + (mesh_lib.TP,)
@@ -318,10 +316,7 @@ def _paged_value_and_grad(p: PassConfig, acc, lora, params, slot_meta, batch: Ba
         grads = jax.tree.map(jax.new_ref, acc_t)
         finite = jax.new_ref(mesh_lib.vary(jnp.ones(b.active.shape[0], bool), every))
         page_AK = jnp.take(slot_meta.page_GK, b.active, axis=0)
-        paged = {
-            m: {k: lora_lib.PagedFactor(jnp.arange(x.shape[1]), m, k) for k, x in ab.items()}
-            for m, ab in tables.items()
-        }
+        paged = lora_lib.paged_leaves(tables)
 
         def local(probe, other):
             kernel = p.step_cfg.lora_impl == "cpu"

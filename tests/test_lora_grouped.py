@@ -395,9 +395,13 @@ def _train_datum(seed, n):
 
 def test_sampling_over_many_adapters_equals_each_alone():
     """Prefill (spans) and decode (rows in any adapter order: the grouped row plan) of one
-    Trainer.sample call over 8 adapters and the base model give every prompt the tokens and
-    log-probs it gets sampled alone (one adapter: the dense product)."""
+    Trainer.sample call over 8 adapters and the base model, and the same requests in one
+    batch of the serving engine (extend and decode over its paged cache), give every prompt
+    the tokens and log-probs it gets sampled alone (one adapter: the dense product). With
+    lora_impl "cpu" (the default here) both read the factors from the slot tables' pages in
+    place (lora.take_for_forward)."""
     import jcp
+    from jcp.sample.engine import Engine
 
     cfg = jcp.QwenConfig.tiny()
     n = 8
@@ -412,11 +416,17 @@ def test_sampling_over_many_adapters_equals_each_alone():
     sp = jcp.SamplingParams(max_tokens=6, temperature=0.0)
     together = tr.sample(prompts, sp, adapters=owners)
     assert n > lora_lib.DENSE_MAX_ADAPTERS
+    eng = Engine(tr.make_sampler(), slots=len(prompts), max_len=16, chunk=4, max_chunk=4)
+    rids = [eng.submit(p, sp, a) for p, a in zip(prompts, owners)]
+    eng.run()
+    served = [eng.result(r) for r in rids]
+    assert lora_lib.reads_in_place(tr.state.meta.page_GK, np.arange(n), kernel=True)
     base = tr.sample([prompts[0]], sp)[0].sequences[0].tokens.tolist()
-    for p, a, got in zip(prompts, owners, together):
+    for p, a, got, engine in zip(prompts, owners, together, served):
         alone = tr.sample([p], sp, adapters=a)[0].sequences[0]
-        assert got.sequences[0].tokens.tolist() == alone.tokens.tolist(), a
-        np.testing.assert_allclose(got.sequences[0].logprobs, alone.logprobs, rtol=1e-5, atol=1e-5)
+        for seq in (got.sequences[0], engine.sequences[0]):
+            assert seq.tokens.tolist() == alone.tokens.tolist(), a
+            np.testing.assert_allclose(seq.logprobs, alone.logprobs, rtol=1e-5, atol=1e-5)
     assert together[0].sequences[0].tokens.tolist() != base  # the adapters do change tokens
 
 

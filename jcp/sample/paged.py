@@ -238,13 +238,16 @@ def make_extend(cfg: QwenConfig, mesh, logprob_chunk: int, lora_impl: str = "xla
 
     @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("pool",))
     def extend(lora, params, slot_meta, pool, rows: ExtendRows, active, *, modes: ExtendModes):
-        lora_active = lora_lib.take_active(lora, slot_meta.page_GK, jnp.maximum(active, 0))
+        kernel = lora_impl == "cpu"
+        lora_active = lora_lib.take_for_forward(
+            lora, slot_meta.page_GK, jnp.maximum(active, 0), kernel
+        )
 
         def shard(lora_active, params, slot_meta, pool, r: ExtendRows, active):
             b, c = r.tokens.shape
             position = r.start[:, None] + jnp.arange(c)[None, :]
-            kernel = lora_impl == "cpu"
             route = slot_meta.routing(active, None, jnp.repeat(r.index, c), kernel=kernel)
+            lora_active, route = lora_lib.route_for_forward(lora_active, slot_meta.page_GK, route)
             attend = paged_attend(r.table, r.start, r.valid)
             layers = (
                 model_lib.layer_slices(cfg, params, lora_active) if modes.slice_layers else None
@@ -447,11 +450,15 @@ def make_decode(cfg: QwenConfig, mesh, attn_impl: str = "blockwise", lora_impl: 
 
     @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("pool",))
     def decode(lora, params, slot_meta, pool, ints, floats, active, *, modes: PagedDecodeModes):
-        lora_active = lora_lib.take_active(lora, slot_meta.page_GK, jnp.maximum(active, 0))
+        kernel = lora_impl == "cpu"
+        lora_active = lora_lib.take_for_forward(
+            lora, slot_meta.page_GK, jnp.maximum(active, 0), kernel
+        )
         rows, table, slot = unpack_rows(ints, floats, modes.stop_width)
 
         def shard(lora_active, params, slot_meta, pool, table, slot, r: DecodeRows, active):
-            route = slot_meta.routing(active, None, r.index, kernel=lora_impl == "cpu")
+            route = slot_meta.routing(active, None, r.index, kernel=kernel)
+            lora_active, route = lora_lib.route_for_forward(lora_active, slot_meta.page_GK, route)
             model = StepModel.of(cfg, params, lora_active, route, modes)
             page = pool.k.shape[2]
             # A hybrid's loop carries its rows' states [Ll, B, …], not the state rows.

@@ -158,7 +158,9 @@ def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
         *,
         modes: PrefillModes,
     ):
-        lora_active = lora_lib.take_active(lora, slot_meta.page_GK, jnp.maximum(args.active, 0))
+        lora_active = lora_lib.take_for_forward(
+            lora, slot_meta.page_GK, jnp.maximum(args.active, 0), kernel
+        )
         lay = None if modes.layout is None else kv_cache.LAYOUTS[modes.layout]
 
         def shard(lora_active, params, slot_meta, a: PrefillArgs, source, old, rec_source):
@@ -166,6 +168,7 @@ def make_prefill(cfg: QwenConfig, mesh, step_cfg: train_step.StepConfig):
             route = slot_meta.routing(
                 a.active, one(a.spans), s_len=a.tokens.shape[-1], kernel=kernel
             )
+            lora_active, route = lora_lib.route_for_forward(lora_active, slot_meta.page_GK, route)
             run = _prefill_pass(cfg, step_cfg, a, modes.pieces, hand_out=lay is not None)
             h_SxD, kv, _ = model_lib.hidden_states(
                 cfg, params, one(a.tokens), one(a.position), run, lora_active, route
@@ -291,18 +294,18 @@ def make_decode(cfg: QwenConfig, mesh, lora_impl: str = "xla"):
     @functools.partial(jax.jit, static_argnames=("modes",), donate_argnames=("cache",))
     def decode(lora, params, slot_meta, cache, rows: DecodeRows, active, *, modes: DecodeModes):
         lay = kv_cache.LAYOUTS[modes.layout]
-        # Gathered once, outside the loop: the A active slots, layers leading.
-        lora_active = lora_lib.take_active(lora, slot_meta.page_GK, jnp.maximum(active, 0))
+        # Gathered once, outside the loop: the A active slots, layers leading (or the
+        # per-layer modules' pages read in place by the kernels: reads_in_place).
+        kernel = lora_impl == "cpu"
+        lora_active = lora_lib.take_for_forward(
+            lora, slot_meta.page_GK, jnp.maximum(active, 0), kernel
+        )
 
         def shard(lora_active, params, slot_meta, full, r: DecodeRows, active):
             cache = window_of(full, modes.window)
-            model = StepModel.of(
-                cfg,
-                params,
-                lora_active,
-                slot_meta.routing(active, None, r.index, kernel=lora_impl == "cpu"),
-                modes,
-            )
+            route = slot_meta.routing(active, None, r.index, kernel=kernel)
+            lora_active, route = lora_lib.route_for_forward(lora_active, slot_meta.page_GK, route)
+            model = StepModel.of(cfg, params, lora_active, route, modes)
 
             def run(tok_B, pos_B, cache):
                 attend = kv_cache.decode_attend(pos_B, cache.position, lay.row_axes)
