@@ -245,10 +245,31 @@ void piece_by_panel(const float* u, int64_t ustride, int64_t C, const float* con
   const float** bp = scratch<const float*, 1>(C);
   for (int64_t c = 0; c < C; ++c) bp[c] = buf + c * 64;
   int64_t o = 0;
-  if (n < 4) {  // each block is read once per row: packing it would only add a copy
-    for (; o + 64 <= O; o += 64)
-      for (int64_t m = 0; m < n; ++m)
-        rows_by_panel_block<1, 4, fw>(u + m * ustride, ustride, C, b, o, y + m * ystride, ystride);
+  if (n < 4) {  // each panel row is read once per row: one stream along it, y in L1
+    const int64_t wide = O - O % kW;
+    for (int64_t m = 0; m < n; ++m) {
+      float* ym = y + m * ystride;
+      std::memset(ym, 0, wide * sizeof(float));
+      int64_t c = 0;
+      for (; c + 4 <= C; c += 4) {
+        const float* um = u + m * ustride + c;
+        const float *b0 = b[c], *b1 = b[c + 1], *b2 = b[c + 2], *b3 = b[c + 3];
+        for (int64_t t = 0; t < wide; t += kW) {
+          fw acc = load<fw>(ym + t);
+          acc += um[0] * load<fw>(b0 + t);
+          acc += um[1] * load<fw>(b1 + t);
+          acc += um[2] * load<fw>(b2 + t);
+          acc += um[3] * load<fw>(b3 + t);
+          store(ym + t, acc);
+        }
+      }
+      for (; c < C; ++c) {
+        const float uv = u[m * ustride + c];
+        const float* bc = b[c];
+        for (int64_t t = 0; t < wide; t += kW) store(ym + t, load<fw>(ym + t) + uv * load<fw>(bc + t));
+      }
+    }
+    o = wide;
   }
   for (; o + 64 <= O; o += 64) {
     pack(b, C, o, 64, buf);
