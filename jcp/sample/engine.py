@@ -351,13 +351,14 @@ class Engine:
         self.steps += 1
         return self._ended
 
-    def light_next(self, tenants: Collection[str] = ()) -> bool:
-        """Admit what waits (as a step would first) -> whether the next step serves only
-        light tenants' rows (admission.py's module docstring, "Light steps"): a step the
-        size of a few rows, which a caller may run before its other work."""
+    def light_next(self, tenants: Collection[str] = ()) -> frozenset | None:
+        """Admit what waits (as a step would first) -> the light tenants whose rows alone
+        the next step serves (admission.py's module docstring, "Light steps": a step the
+        size of a few rows, which a caller may run before its other work), or None when
+        the next step is not such a step."""
         self._admit(tenants)
         serve = self.admission.step_tenants(commit=False)
-        return serve is not None and serve == self.admission.split()
+        return serve if serve is not None and serve == self.admission.split() else None
 
     def run(self, max_steps: int | None = None) -> None:
         """Step until no request is left (or max_steps)."""

@@ -33,6 +33,7 @@ import dataclasses
 import json
 import logging
 import weakref
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -49,6 +50,9 @@ JSON = "application/json"
 # A body up to this many bytes is parsed on the event loop (a thread hop costs more than
 # parsing it: ~0.1 ms); a larger one in a thread (`off_loop`).
 OFF_LOOP_BYTES = 64 << 10
+# While the worker's light work (scheduler.LightWork) keeps every waiting tenant out,
+# Turns looks again after this long.
+HOLD_POLL_S = 0.002
 
 
 class Turns:
@@ -60,16 +64,21 @@ class Turns:
     The turn is not a lock: the waiter runs until its next await, and the next turn is
     given after it (`_Rotation.give` is scheduled behind the woken waiter). A lone request pays
     one pass of the loop (~10 µs). Each event loop has its own rotation (tests run the app
-    on more than one), forgotten with the loop."""
+    on more than one), forgotten with the loop.
 
-    def __init__(self):
+    light_work (scheduler.LightWork): while the worker runs a light tenant's step or small
+    pass, only that tenant's waiters get turns; the others keep their place and get their
+    turns once it ends (the rotation looks again every HOLD_POLL_S)."""
+
+    def __init__(self, light_work=None):
         self._loops: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.light_work = light_work
 
     async def wait(self, who: str) -> None:
         loop = asyncio.get_running_loop()
         r = self._loops.get(loop)
         if r is None:
-            r = self._loops[loop] = _Rotation()
+            r = self._loops[loop] = _Rotation(light_work=self.light_work)
         fut = loop.create_future()
         q = r.waiting.get(who)
         if q is None:
@@ -95,11 +104,14 @@ class _Rotation:
     waiting: dict = dataclasses.field(default_factory=dict)
     order: collections.deque = dataclasses.field(default_factory=collections.deque)
     giving: bool = False
+    light_work: Any = None  # scheduler.LightWork, or None
 
     def give(self, loop) -> None:
-        """The next tenant's first live waiter its turn, and the next `give` scheduled
-        behind it; none scheduled once no one waits."""
-        while self.order:
+        """The next tenant's first live waiter its turn (one the worker's light work
+        allows), and the next `give` scheduled behind it; while the light work keeps every
+        waiter out, scheduled again HOLD_POLL_S later; none scheduled once no one waits."""
+        held = 0  # tenants passed over for the light work, at the back of the rotation
+        while len(self.order) > held:
             who = self.order.popleft()
             q = self.waiting[who]
             while q and q[0].done():  # a waiter cancelled (its client left) takes no turn
@@ -107,12 +119,19 @@ class _Rotation:
             if not q:
                 del self.waiting[who]
                 continue
+            if self.light_work is not None and not self.light_work.allows(who):
+                self.order.append(who)
+                held += 1
+                continue
             q.popleft().set_result(None)
             if q:
                 self.order.append(who)
             else:
                 del self.waiting[who]
             loop.call_soon(self.give, loop)
+            return
+        if held:
+            loop.call_later(HOLD_POLL_S, self.give, loop)
             return
         self.giving = False
 
@@ -184,7 +203,7 @@ class HotRoutes:
         self.app, self.routes, self.raw = app, routes, raw or {}
         self.ctx = app.state.jcp
         self.store, self.limits = self.ctx.store, self.ctx.limits
-        self.turns = Turns()
+        self.turns = Turns(self.ctx.sched.light_work)
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path") if scope["type"] == "http" else None

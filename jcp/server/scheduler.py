@@ -31,6 +31,7 @@ order.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -45,6 +46,42 @@ FUSABLE = ("forward", "forward_backward")
 # A model's next seq_id that never arrives (a client that died mid-call) stops blocking
 # its later requests after this long.
 GAP_TIMEOUT_S = 10.0
+
+
+# The worker's light work (LightWork): a forward / forward_backward pass of at most this
+# many tokens, or a light engine step; the event loop gives way to it for at most
+# HOLD_MAX_S.
+LIGHT_PASS_TOKENS = 1024
+HOLD_MAX_S = 0.05
+
+
+class LightWork:
+    """Light work running on the worker, which the event loop gives way to (asgi.Turns).
+
+    On a CPU host the event loop and the compute share the cores. While the worker runs a
+    light tenant's few-millisecond step or small pass, another tenant's burst of requests
+    (an RL step's hundreds of samples and answers) kept the loop busy on one core, so the
+    light step's threads ran on the other, its length that of her burst. While
+    `running(tenants)` lasts, the loop's turns go only to those tenants' requests; the
+    others' handlers and answers wait until it ends, and at most HOLD_MAX_S (a unit that
+    runs longer no longer keeps them out). Written by the worker thread, read by the event
+    loop: one tuple, replaced whole."""
+
+    def __init__(self):
+        self._state: tuple[frozenset, float] | None = None
+
+    @contextlib.contextmanager
+    def running(self, tenants):
+        self._state = (frozenset(tenants), time.monotonic() + HOLD_MAX_S)
+        try:
+            yield
+        finally:
+            self._state = None
+
+    def allows(self, who: str) -> bool:
+        """Whether `who`'s request may take its turn on the loop now."""
+        state = self._state
+        return state is None or who in state[0] or time.monotonic() > state[1]
 
 
 @dataclasses.dataclass
@@ -110,6 +147,7 @@ class Scheduler:
         self._turns = itertools.count()
         self._served: dict[str, int] = {}  # tenant -> its last turn (round robin)
         self._split: dict[str, list[Work]] = {}  # tenant -> its pass running over turns
+        self.light_work = LightWork()  # what the event loop gives way to (asgi.Turns)
 
     # ------------------------------------------------------------------ producer side
 

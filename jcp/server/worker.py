@@ -61,6 +61,7 @@ decided on process 0 alone.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -74,7 +75,7 @@ from jcp.server.collector import Freezer
 from jcp.server.model_ops import ModelOps
 from jcp.server.passes import Passes, error_result
 from jcp.server.samples import Samples
-from jcp.server.scheduler import Scheduler, Work
+from jcp.server.scheduler import FUSABLE, LIGHT_PASS_TOKENS, Scheduler, Work
 from jcp.server.slots import SlotCache
 from jcp.server.state import StateStore
 
@@ -314,13 +315,15 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
                     self._admit_sample(w)
                 self._unlogged += samples
             self._cancel_running()
-            if group and self._light_next():
+            light = self._light_next() if group else None
+            if light:
                 # A light tenant's few rows beside another's many: their step (the size of
                 # their rows) runs before the pass (Admission, "Light steps").
-                self.engine_step(True, True)
+                self._light_step(light)
             deferred = False
             if group:
-                self._run_pass(group)
+                with self._giving_way(group):
+                    self._run_pass(group)
                 self._light_after_pass()
                 # A turn of a split pass ran (its preparation or one micro-batch):
                 # another tenant's small ready pass goes next, before the engine step (at
@@ -356,8 +359,26 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
         for w in late:
             self._admit_sample(w)
         self._unlogged += late
-        if late and self._light_next():
+        light = self._light_next() if late else None
+        if light:
+            self._light_step(light)
+
+    def _light_step(self, tenants: frozenset) -> None:
+        """The light tenants' engine step, the event loop giving way to it (LightWork)."""
+        with self.sched.light_work.running(tenants):
             self.engine_step(True, True)
+
+    def _giving_way(self, group: list[Work]):
+        """The event loop gives way to a small forward / forward_backward pass (of at most
+        LIGHT_PASS_TOKENS tokens, not a split one) while it runs (LightWork)."""
+        small = (
+            group[0].kind in FUSABLE
+            and group[0].owner not in self.splits
+            and sum(w.tokens or 0 for w in group) <= LIGHT_PASS_TOKENS
+        )
+        if not small:
+            return contextlib.nullcontext()
+        return self.sched.light_work.running({w.owner for w in group})
 
     def _admit_arrivals(self, samples: list[Work]) -> None:
         """Admit samples of a burst still arriving and prefill them (no decode yet)."""
@@ -406,15 +427,16 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
             )
         self._unlogged = []
 
-    def _light_next(self) -> bool:
-        """Whether the engine's next step serves only light tenants (Engine.light_next)."""
+    def _light_next(self) -> frozenset | None:
+        """The light tenants the engine's next step serves alone (Engine.light_next), or
+        None."""
         if self.sampling.idle:
-            return False
+            return None
         try:
             return self.sampling.light_next(self._tenants())
         except Exception as e:  # noqa: BLE001 — the engine step reports it; the worker goes on
             log.error("sampling admission failed: %s", e)
-            return False
+            return None
 
     def _tenants(self) -> tuple[str, ...]:
         """The tenants that sampled within TENANT_WINDOW_S (forgetting older ones)."""

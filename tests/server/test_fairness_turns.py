@@ -76,12 +76,14 @@ class _Turn(Worker):
     """A Worker holding only what its turn after a pass reads (the scheduler, the engine's
     state and steps), as _Worker holds only what Passes reads."""
 
-    def __init__(self, light_next: bool, idle: bool = False):
+    def __init__(self, light_next: frozenset | None, idle: bool = False):
         self.sched, self.sampling = Scheduler(), SimpleNamespace(idle=idle)
         self._unlogged, self.admitted, self.steps = [], [], []
         self._admit_sample = self.admitted.append
         self._light_next = lambda: light_next
-        self.engine_step = lambda hurry, decode: self.steps.append((hurry, decode))
+        self.engine_step = lambda hurry, decode: self.steps.append(
+            (hurry, decode, self.sched.light_work.allows("alice"))
+        )
         self.after_pass = self._light_after_pass
 
 
@@ -94,24 +96,54 @@ def test_a_light_sample_that_came_during_a_pass_steps_before_the_turns_engine_st
     engine step (alice's rows: the steps alternate) and then its own at the next turn.
     Now it is admitted after the pass and, the engine's next step being his, stepped
     before the turn's engine step."""
-    t = _Turn(light_next=True)
+    t = _Turn(light_next=frozenset({"bob"}))
     t.sched.submit(_sample("bob"))
     t.after_pass()
-    assert [w.owner for w in t.admitted] == ["bob"] and t.steps == [(True, True)]
+    # (the event loop gave way to bob's step: alice's turns waited for it)
+    assert [w.owner for w in t.admitted] == ["bob"] and t.steps == [(True, True, False)]
+    assert t.sched.light_work.allows("alice")  # and got them after
     assert t.sched.samples_queued() == 0
     # Not a light tenant's next step (one tenant alone, say): admitted, no extra step.
-    t = _Turn(light_next=False)
+    t = _Turn(light_next=None)
     t.sched.submit(_sample("alice"))
     t.after_pass()
     assert len(t.admitted) == 1 and t.steps == []
     # An idle engine gathers a burst at the next turn, as before; a held scheduler keeps
     # its samples queued.
-    for t, held in ((_Turn(light_next=True, idle=True), False), (_Turn(light_next=True), True)):
+    bob = frozenset({"bob"})
+    for t, held in ((_Turn(light_next=bob, idle=True), False), (_Turn(light_next=bob), True)):
         if held:
             t.sched.hold()
         t.sched.submit(_sample("bob"))
         t.after_pass()
         assert t.admitted == [] and t.steps == [] and t.sched.samples_queued() == 1
+
+
+def test_the_event_loop_gives_way_to_small_passes_only():
+    """While the worker runs a small forward / forward_backward (at most
+    LIGHT_PASS_TOKENS tokens, not split over turns), the event loop's turns go to its
+    tenants only (LightWork); a large pass, a split one, and a model operation leave the
+    turns to every tenant."""
+    seen = []
+    t = _Turn(light_next=None)
+    t.splits = {}
+    t._run_pass = lambda group: seen.append(
+        (t.sched.light_work.allows("bob"), t.sched.light_work.allows("alice"))
+    )
+
+    def run(kind, tokens, owner="bob"):
+        w = Work("r", kind, "m", 0, None, owner, tokens=tokens)
+        with t._giving_way([w]):
+            t._run_pass([w])
+        assert t.sched.light_work.allows("alice")  # given back once the pass ends
+        return seen.pop()
+
+    assert run("forward", 16) == (True, False)
+    assert run("forward_backward", worker.LIGHT_PASS_TOKENS) == (True, False)
+    assert run("forward", worker.LIGHT_PASS_TOKENS + 1) == (True, True)
+    assert run("optim_step", None) == (True, True)
+    t.splits = {"bob": None}  # bob's pass runs over turns
+    assert run("forward", 16) == (True, True)
 
 
 def test_what_exists_before_serving_is_frozen_out_of_the_cyclic_gc():

@@ -14,6 +14,7 @@ requests always served.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -295,6 +296,43 @@ def test_a_large_body_is_parsed_off_the_event_loop(env, monkeypatch):
             assert status == 200 and "max_context_length" in detail, detail
         else:  # queued as before, in the model's order
             assert outcome(env, answers[0]) == (200, "stub worker")
+
+
+def test_turns_give_way_to_the_workers_light_work(monkeypatch):
+    """Host only: while the worker runs bob's light step (LightWork.running), only bob's
+    waiters get turns; alice's keep their place and get theirs once it ends — or once it
+    has run HOLD_MAX_S, so that a long unit cannot keep the loop from her. Without light
+    work running, turns rotate as before (the first waiter first)."""
+    from jcp.server import scheduler
+    from jcp.server.asgi import Turns
+
+    light = scheduler.LightWork()
+    turns = Turns(light)
+
+    async def run(light_for, end_after_s):
+        order = []
+
+        async def one(who, i):
+            await turns.wait(who)
+            order.append((who, i, time.monotonic()))
+
+        with light.running(light_for) if light_for else contextlib.nullcontext():
+            tasks = [
+                asyncio.create_task(one(w, i))
+                for w, i in [("alice", 0), ("alice", 1), ("bob", 0), ("bob", 1)]
+            ]
+            await asyncio.sleep(end_after_s)
+            ended = time.monotonic()
+        await asyncio.gather(*tasks)
+        return [(w, i) for w, i, _ in order], [t >= ended for w, _, t in order if w == "alice"]
+
+    assert asyncio.run(run(None, 0))[0] == [("alice", 0), ("bob", 0), ("alice", 1), ("bob", 1)]
+    order, after_end = asyncio.run(run({"bob"}, 0.02))
+    assert order == [("bob", 0), ("bob", 1), ("alice", 0), ("alice", 1)], order
+    assert all(after_end)  # alice's turns came once bob's step ended
+    monkeypatch.setattr(scheduler, "HOLD_MAX_S", 0.01)
+    order, after_end = asyncio.run(run({"bob"}, 0.2))  # a unit that runs past HOLD_MAX_S
+    assert order[:2] == [("bob", 0), ("bob", 1)] and not any(after_end), (order, after_end)
 
 
 def test_turns_go_round_robin_over_the_waiting_tenants():
