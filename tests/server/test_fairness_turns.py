@@ -119,31 +119,40 @@ def test_a_light_sample_that_came_during_a_pass_steps_before_the_turns_engine_st
         assert t.admitted == [] and t.steps == [] and t.sched.samples_queued() == 1
 
 
+class _PassTurn(_Turn):
+    """A _Turn whose pass only notes whether the event loop's turns were open to bob and
+    to alice while it ran."""
+
+    def __init__(self):
+        super().__init__(light_next=None)
+        self.splits, self.seen = {}, []
+
+    def _run_pass(self, group):
+        self.seen.append(
+            (self.sched.light_work.allows("bob"), self.sched.light_work.allows("alice"))
+        )
+
+    def run(self, kind, tokens, owner="bob"):
+        """One pass of `owner`'s, as the worker's turn runs it -> what it saw."""
+        group = [Work("r", kind, "m", 0, None, owner, tokens=tokens)]
+        with self._giving_way(group):
+            self._run_pass(group)
+        assert self.sched.light_work.allows("alice")  # given back once the pass ends
+        return self.seen.pop()
+
+
 def test_the_event_loop_gives_way_to_small_passes_only():
     """While the worker runs a small forward / forward_backward (at most
     LIGHT_PASS_TOKENS tokens, not split over turns), the event loop's turns go to its
     tenants only (LightWork); a large pass, a split one, and a model operation leave the
     turns to every tenant."""
-    seen = []
-    t = _Turn(light_next=None)
-    t.splits = {}
-    t._run_pass = lambda group: seen.append(
-        (t.sched.light_work.allows("bob"), t.sched.light_work.allows("alice"))
-    )
-
-    def run(kind, tokens, owner="bob"):
-        w = Work("r", kind, "m", 0, None, owner, tokens=tokens)
-        with t._giving_way([w]):
-            t._run_pass([w])
-        assert t.sched.light_work.allows("alice")  # given back once the pass ends
-        return seen.pop()
-
-    assert run("forward", 16) == (True, False)
-    assert run("forward_backward", worker.LIGHT_PASS_TOKENS) == (True, False)
-    assert run("forward", worker.LIGHT_PASS_TOKENS + 1) == (True, True)
-    assert run("optim_step", None) == (True, True)
+    t = _PassTurn()
+    assert t.run("forward", 16) == (True, False)
+    assert t.run("forward_backward", worker.LIGHT_PASS_TOKENS) == (True, False)
+    assert t.run("forward", worker.LIGHT_PASS_TOKENS + 1) == (True, True)
+    assert t.run("optim_step", None) == (True, True)
     t.splits = {"bob": None}  # bob's pass runs over turns
-    assert run("forward", 16) == (True, True)
+    assert t.run("forward", 16) == (True, True)
 
 
 def test_what_exists_before_serving_is_frozen_out_of_the_cyclic_gc():
