@@ -409,8 +409,8 @@ class PageSource:
     (SlotMeta.page_GK's rows; an entry ≥ P: no page, zeros); grads {module: {key: Ref}} the
     gradient accumulators' pages, which each product's backward adds its factor gradient
     into (summed over dp and cp first), None in a forward-only pass (sampling's,
-    lora.route_in_place); finite a Ref bool [A], varying over every mesh axis, cleared where an active
-    adapter's gradient is not finite; probe a zero f32 [] that each product takes as an input, so
+    lora.route_for_forward); finite a Ref bool [A], varying over every mesh axis, cleared
+    where an active adapter's gradient is not finite; probe a zero f32 [] that each product takes as an input, so
     the pass's gradient w.r.t. it runs every product's backward (its own gradient is zero);
     kernel: the products run jcp.lora_cpu's kernels where they support the table
     (lora_impl "cpu"), else the tiles in XLA."""

@@ -308,8 +308,7 @@ def _paged_value_and_grad(p: PassConfig, acc, lora, params, slot_meta, batch: Ba
     cfg, mesh, num_slots = p.cfg, p.mesh, p.num_slots
     tables, other = lora_lib.layer_tables(lora)
     other = lora_lib.take_active(other, slot_meta.page_GK, batch.active)
-    specs = lora_lib.slot_specs(cfg)
-    table_specs = {m: {k: specs[m][k] for k in ab} for m, ab in tables.items()}
+    table_specs = lora_lib.slot_specs_active(cfg, tables)  # the tables' own specs
     every = BATCH_AXES + (mesh_lib.TP,)
 
     def shard(acc_t, tables, other, params, slot_meta, b: Batch, loss_cfg):
