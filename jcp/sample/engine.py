@@ -304,6 +304,7 @@ class Engine:
             if req in q:
                 q.remove(req)
         self._ended.append(req.rid)
+        req.release()
         cb = self.callbacks.pop(req.rid, None)
         if cb is not None:  # the callback owns the outcome: nothing is kept for result()
             cb(req.rid, outcome)

@@ -130,6 +130,12 @@ class Request:
         """The tokens drawn so far, per sample (empty before admission)."""
         return [x.tokens for x in self.seqs]
 
+    def release(self) -> None:
+        """Forget its samples once it ended (Engine._end): each points back at it
+        (Seq.req), and that cycle would be left for a full run of Python's cyclic
+        collector, which then pauses a serving process's threads for milliseconds."""
+        self.seqs, self.groups = [], []
+
 
 @dataclasses.dataclass(eq=False)
 class Seq:

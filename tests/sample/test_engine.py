@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import gc
 import math
 
 import numpy as np
@@ -36,6 +37,7 @@ import jcp
 from jcp.sample import warmup as warmup_lib
 from jcp.sample.engine import Engine, EngineError, page_keys
 from jcp.sample.params import STOP_WIDTH
+from jcp.sample.requests import Request, Seq
 from jcp.sample.runner import EngineDevice
 
 PROMPTS = ([3, 17, 42, 8, 99, 1, 64, 30, 2, 77, 12], [50], [6, 7, 120, 33, 4], [11, 90])
@@ -232,6 +234,25 @@ def test_full_engine_makes_admission_wait(root):
     eng.run()
     _same(eng.result(first), _alone(tr, PROMPTS[0], sp, a, 3), "first")
     _same(eng.result(second), _alone(tr, PROMPTS[2], sp, None, 3), "second")
+
+
+def test_an_ended_request_is_freed_without_the_cycle_collector(root):
+    """A finished request's samples point back at it; the engine drops them when it ends,
+    so reference counting frees it: a full run of the cycle collector pauses a serving
+    process's threads for milliseconds (jcp/server/collector.py)."""
+    tr, (a, _), eng = _setup((1, 1, 1), root)
+    sp = jcp.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=9, stop=[])
+    gc.collect()
+    gc.disable()
+    try:
+        rids = [eng.submit(PROMPTS[0], sp, a, num_samples=2), eng.submit(PROMPTS[1], sp, None)]
+        eng.run()
+        outs = [eng.result(r) for r in rids]
+        left = [o for o in gc.get_objects() if isinstance(o, (Request, Seq))]
+    finally:
+        gc.enable()
+    assert [len(o.sequences) for o in outs] == [2, 1]
+    assert not left, f"{len(left)} requests and samples wait for the cycle collector"
 
 
 def test_decode_chunks_grow_while_nothing_waits(root):
