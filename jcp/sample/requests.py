@@ -133,8 +133,11 @@ class Request:
     def release(self) -> None:
         """Forget its samples once it ended (Engine._end): each points back at it
         (Seq.req), and that cycle would be left for a full run of Python's cyclic
-        collector, which then pauses a serving process's threads for milliseconds."""
-        self.seqs, self.groups = [], []
+        collector, which then pauses a serving process's threads for milliseconds. Its
+        groups stay (how far each prefilled), without their samples."""
+        for group in self.groups:
+            group.seqs = []
+        self.seqs = []
 
 
 @dataclasses.dataclass(eq=False)
