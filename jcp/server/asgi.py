@@ -67,8 +67,9 @@ class Turns:
     on more than one), forgotten with the loop.
 
     light_work (scheduler.LightWork): while the worker runs a light tenant's step or small
-    pass, only that tenant's waiters get turns; the others keep their place and get their
-    turns once it ends (the rotation looks again every HOLD_POLL_S)."""
+    pass, only that tenant's waiters get turns, and while a light tenant's small request
+    waits for the worker, the heavy tenants' waiters get none; those held keep their place
+    and get their turns once it ends (the rotation looks again every HOLD_POLL_S)."""
 
     def __init__(self, light_work=None):
         self._loops: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

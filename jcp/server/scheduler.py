@@ -53,22 +53,40 @@ GAP_TIMEOUT_S = 10.0
 # HOLD_MAX_S.
 LIGHT_PASS_TOKENS = 1024
 HOLD_MAX_S = 0.05
+# A tenant with more than this many requests queued, or a pass split over turns, is
+# heavy: while a light tenant's small request waits for the worker, the event loop holds
+# the heavy tenants' turns (LightWork).
+LIGHT_QUEUED = 2
 
 
 class LightWork:
-    """Light work running on the worker, which the event loop gives way to (asgi.Turns).
+    """Light work on the worker, running or waiting for it, which the event loop gives way
+    to (asgi.Turns).
 
     On a CPU host the event loop and the compute share the cores. While the worker runs a
     light tenant's few-millisecond step or small pass, another tenant's burst of requests
     (an RL step's hundreds of samples and answers) kept the loop busy on one core, so the
     light step's threads ran on the other, its length that of her burst. While
-    `running(tenants)` lasts, the loop's turns go only to those tenants' requests; the
-    others' handlers and answers wait until it ends, and at most HOLD_MAX_S (a unit that
-    runs longer no longer keeps them out). Written by the worker thread, read by the event
-    loop: one tuple, replaced whole."""
+    `running(tenants)` lasts, the loop's turns go only to those tenants' requests.
 
-    def __init__(self):
+    And while a light tenant's small request waits for the worker (`wait`, from the
+    scheduler's submit until the worker takes it: `taken`), what delays it is the unit
+    the worker runs meanwhile — a heavy tenant's micro-batch —, and the loop's work for
+    that tenant took the cores from that unit (traced beside a noisy neighbour: up to 31
+    ms of the loop's CPU during her 49-ms micro-batch). So the loop then holds the turns
+    of the heavy tenants (`heavy(who)`, the scheduler's: many requests queued, or a pass
+    split over turns) while any waiter is not heavy itself; the others' turns go on.
+
+    The held handlers and answers wait until the light work ends, and at most HOLD_MAX_S
+    (from when it began to run, or from when the waiters went from none to some; then the
+    hold lapses until none wait). The worker and the scheduler write, the event loop reads:
+    each state a tuple replaced whole."""
+
+    def __init__(self, heavy: Callable[[str], bool] | None = None):
         self._state: tuple[frozenset, float] | None = None
+        self._heavy = heavy
+        self._waiting: dict[str, int] = {}  # tenant -> its requests waiting (scheduler's lock)
+        self._wait_state: tuple[frozenset, float] | None = None
 
     @contextlib.contextmanager
     def running(self, tenants):
@@ -78,10 +96,37 @@ class LightWork:
         finally:
             self._state = None
 
+    def wait(self, who: str) -> None:
+        """`who`'s light request waits for the worker (called under the scheduler's lock)."""
+        self._waiting[who] = self._waiting.get(who, 0) + 1
+        self._publish()
+
+    def taken(self, who: str) -> None:
+        """One of `who`'s waiting light requests was taken (or cancelled)."""
+        n = self._waiting.get(who, 0) - 1
+        if n > 0:
+            self._waiting[who] = n
+        else:
+            self._waiting.pop(who, None)
+        self._publish()
+
+    def _publish(self) -> None:
+        if not self._waiting:
+            self._wait_state = None
+            return
+        until = self._wait_state[1] if self._wait_state else time.monotonic() + HOLD_MAX_S
+        self._wait_state = (frozenset(self._waiting), until)
+
     def allows(self, who: str) -> bool:
         """Whether `who`'s request may take its turn on the loop now."""
-        state = self._state
-        return state is None or who in state[0] or time.monotonic() > state[1]
+        now = time.monotonic()
+        run, wait = self._state, self._wait_state
+        if run is not None and now <= run[1] and who not in run[0]:
+            return False
+        if wait is not None and now <= wait[1] and self._heavy is not None and self._heavy(who):
+            # held while a waiter is light now (a tenant heavy since is nobody's reason)
+            return all(self._heavy(t) for t in wait[0])
+        return True
 
 
 @dataclasses.dataclass
@@ -101,6 +146,21 @@ class Work:
     # Tokens of a forward / forward_backward (its pass budget, Scheduler.pass_tokens); None:
     # counted from payload.data at submit.
     tokens: int | None = None
+    light: bool = False  # it made its tenant a light waiter (LightWork.wait) at submit
+
+
+def _small(w: Work) -> bool:
+    """A forward / forward_backward of at most LIGHT_PASS_TOKENS tokens, or a sample whose
+    sequences hold at most that many (num_samples × (prompt + max_tokens))."""
+    if w.kind in FUSABLE:
+        return w.tokens is not None and w.tokens <= LIGHT_PASS_TOKENS
+    if w.kind != "sample":
+        return False
+    p = w.payload
+    try:
+        return p.num_samples * (len(p.prompt) + p.max_tokens) <= LIGHT_PASS_TOKENS
+    except (AttributeError, TypeError):  # another payload (the OpenAI routes'): not light
+        return False
 
 
 def _tokens(w: Work) -> int:
@@ -147,7 +207,9 @@ class Scheduler:
         self._turns = itertools.count()
         self._served: dict[str, int] = {}  # tenant -> its last turn (round robin)
         self._split: dict[str, list[Work]] = {}  # tenant -> its pass running over turns
-        self.light_work = LightWork()  # what the event loop gives way to (asgi.Turns)
+        self._queued: dict[str, int] = {}  # tenant -> its requests queued
+        # What the event loop gives way to (asgi.Turns).
+        self.light_work = LightWork(heavy=self.heavy)
 
     # ------------------------------------------------------------------ producer side
 
@@ -167,7 +229,33 @@ class Scheduler:
                 q = self._queues.setdefault(work.model_id, [])
                 q.append(work)
                 q.sort(key=lambda w: (w.seq_id if w.seq_id is not None else -1, w.arrival))
+            self._queued[work.owner] = self._queued.get(work.owner, 0) + 1
+            if not self.heavy(work.owner) and _small(work):
+                work.light = True
+                self.light_work.wait(work.owner)
             self._cv.notify_all()
+
+    def heavy(self, who: str) -> bool:
+        """Whether `who` has more than LIGHT_QUEUED requests queued or a pass split over
+        turns (read by the event loop without the lock: two dict reads)."""
+        return self._queued.get(who, 0) > LIGHT_QUEUED or who in self._split
+
+    def _taken(self, works: Sequence[Work]) -> None:
+        """Count `works` as no longer queued (taken by the worker, cancelled or failed)."""
+        for w in works:
+            n = self._queued.get(w.owner, 0) - 1
+            if n > 0:
+                self._queued[w.owner] = n
+            else:
+                self._queued.pop(w.owner, None)
+            if w.light:
+                w.light = False
+                self.light_work.taken(w.owner)
+
+    def _take_samples(self) -> list[Work]:
+        out, self._samples = self._samples, []
+        self._taken(out)
+        return out
 
     def pending(self) -> int:
         with self._cv:
@@ -184,8 +272,7 @@ class Scheduler:
         with self._cv:
             if self._held:
                 return []
-            out, self._samples = self._samples, []
-            return out
+            return self._take_samples()
 
     def hold(self) -> None:
         """Stop handing out passes (requests still queue) until `release`. For tests and
@@ -245,6 +332,7 @@ class Scheduler:
             for w in self._samples:
                 if w.request_id == request_id:
                     self._samples.remove(w)
+                    self._taken([w])
                     return True
             for w in self._unordered + [w for q in self._queues.values() for w in q]:
                 if w.request_id == request_id:
@@ -318,7 +406,7 @@ class Scheduler:
                     if not self._samples:  # a quiet gap, or the window's end
                         arriving = bool(out) and left <= wait
                         break
-                new, self._samples = self._samples, []
+                new = self._take_samples()
             out += new
             if each is not None:
                 each(new)
@@ -328,7 +416,7 @@ class Scheduler:
                 break
         if each is None:
             with self._cv:
-                out, self._samples = out + self._samples, []
+                out += self._take_samples()
         return out, arriving
 
     @staticmethod
@@ -370,7 +458,7 @@ class Scheduler:
                             "scheduler: could not pick a pass; failing the oldest queued request"
                         )
                         group = self._fail_oldest() or []
-                    samples, self._samples = self._samples, []
+                    samples = self._take_samples()
                     if group and group is not self._split.get(group[0].owner):
                         self.counters.passes += 1
                 if group or samples or not block:
@@ -484,10 +572,12 @@ class Scheduler:
             q.remove(w)
             if not q:
                 del self._queues[w.model_id]
+        self._taken([w])
         w.failure = "the server's scheduler failed on this request"
         return [w]
 
     def _remove(self, works: list[Work]) -> None:
+        self._taken(works)
         for w in works:
             if w.model_id is None:
                 self._unordered.remove(w)

@@ -38,7 +38,8 @@ Passes), another tenant's ready pass of at most one micro-batch (Scheduler.small
 runs before the engine step (the engine step skipped for at most one turn in a row), so a
 small request waits for one heavy unit, not a micro-batch and an engine step. While a
 light step or a small pass (LIGHT_PASS_TOKENS) runs, the event loop gives way to it: its
-turns go to that work's tenants only (scheduler.LightWork, asgi.Turns).
+turns go to that work's tenants only (scheduler.LightWork, asgi.Turns); and while a light
+tenant's small request waits for the worker, the loop holds the heavy tenants' turns.
 A sample the client cancels after admission (cancel_future -> Scheduler.cancel_running)
 is cancelled in the engine at the start of the next turn and ends at that step
 boundary, its slots freed; so does a split pass of one request, its accumulation undone.

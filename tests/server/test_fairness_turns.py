@@ -155,6 +155,69 @@ def test_the_event_loop_gives_way_to_small_passes_only():
     assert t.run("forward", 16) == (True, True)
 
 
+def _small_fwd(owner: str, seq: int, tokens: int = 16) -> Work:
+    return Work(
+        f"{owner}-{seq}", "forward", f"m-{owner}", seq, None, owner, ("ce", ()), tokens=tokens
+    )
+
+
+def test_the_event_loop_holds_heavy_tenants_while_a_light_request_waits(monkeypatch):
+    """While a light tenant's small request waits for the worker (LightWork.wait), the
+    unit it waits for is a heavy tenant's, whose requests the loop then holds so that the
+    unit gets the cores: the loop's turns of heavy tenants (more than LIGHT_QUEUED queued,
+    or a pass split over turns) wait until the worker takes the light request, for at most
+    HOLD_MAX_S; everyone else's go on. A large request, or one of a heavy tenant, holds
+    nobody."""
+    from jcp.server import scheduler as sched_lib
+
+    s = Scheduler(pass_tokens=1024)
+    lw = s.light_work
+    for k in range(1, 5):  # alice: heavy by her queue
+        s.submit(_small_fwd("alice", k))
+    assert s.heavy("alice") and lw.allows("alice")  # her own requests hold nobody
+    s.submit(_small_fwd("bob", 1))
+    assert not s.heavy("bob")
+    assert (lw.allows("alice"), lw.allows("bob"), lw.allows("carol")) == (False, True, True)
+    group, _ = s.next_work(block=False)  # alice's pass, bob's request riding along
+    assert "bob" in {w.owner for w in group} and lw.allows("alice")
+
+    # A small sample waits until the worker takes the samples; a cancelled one no longer.
+    for k in range(5, 9):
+        s.submit(_small_fwd("alice", k))
+    small = SimpleNamespace(num_samples=1, prompt=[1] * 8, max_tokens=4)
+    s.submit(Work("b-s", "sample", None, None, small, "bob"))
+    assert not lw.allows("alice")
+    s.take_samples()
+    assert lw.allows("alice")
+    s.submit(Work("b-s2", "sample", None, None, small, "bob"))
+    assert not lw.allows("alice") and s.cancel("b-s2") and lw.allows("alice")
+
+    # A large forward, a large sample, or a tenant with a pass split over turns: nobody
+    # held.
+    assert s.heavy("alice")
+    s.submit(_small_fwd("bob", 2, tokens=sched_lib.LIGHT_PASS_TOKENS + 1))
+    big = SimpleNamespace(num_samples=64, prompt=[1] * 8, max_tokens=1000)
+    s.submit(Work("b-big", "sample", None, None, big, "bob"))
+    assert lw.allows("alice")
+    s.split([_small_fwd("dave", 1, tokens=4096)])
+    s.submit(_small_fwd("dave", 2))
+    assert s.heavy("dave") and lw.allows("alice")
+
+    # The hold lapses after HOLD_MAX_S while light requests keep waiting.
+    now = [100.0]
+    monkeypatch.setattr(sched_lib.time, "monotonic", lambda: now[0])
+    s = Scheduler()
+    for k in range(1, 5):
+        s.submit(_small_fwd("alice", k))
+    s.submit(_small_fwd("carol", 1))
+    assert not s.light_work.allows("alice")
+    now[0] += sched_lib.HOLD_MAX_S / 2
+    s.submit(_small_fwd("dave", 1))  # a second waiter does not extend the hold
+    assert not s.light_work.allows("alice")
+    now[0] += sched_lib.HOLD_MAX_S
+    assert s.light_work.allows("alice")
+
+
 def test_what_exists_before_serving_is_frozen_out_of_the_cyclic_gc():
     """A full collection stops every thread for as long as it scans the objects that
     survived earlier ones (0.2-0.78 s beside the noisy neighbour, the model and programs
