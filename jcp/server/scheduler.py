@@ -103,11 +103,7 @@ class LightWork:
 
     def taken(self, who: str) -> None:
         """One of `who`'s waiting light requests was taken (or cancelled)."""
-        n = self._waiting.get(who, 0) - 1
-        if n > 0:
-            self._waiting[who] = n
-        else:
-            self._waiting.pop(who, None)
+        _count_down(self._waiting, who)
         self._publish()
 
     def _publish(self) -> None:
@@ -149,18 +145,30 @@ class Work:
     light: bool = False  # it made its tenant a light waiter (LightWork.wait) at submit
 
 
-def _small(w: Work) -> bool:
-    """A forward / forward_backward of at most LIGHT_PASS_TOKENS tokens, or a sample whose
+def light_sized(works: Sequence[Work]) -> bool:
+    """Whether `works` are light work's size (LightWork): forward / forward_backward
+    requests of at most LIGHT_PASS_TOKENS tokens in all (a pass), or one sample whose
     sequences hold at most that many (num_samples × (prompt + max_tokens))."""
-    if w.kind in FUSABLE:
-        return w.tokens is not None and w.tokens <= LIGHT_PASS_TOKENS
-    if w.kind != "sample":
+    if all(w.kind in FUSABLE for w in works):
+        return all(w.tokens is not None for w in works) and (
+            sum(w.tokens for w in works) <= LIGHT_PASS_TOKENS
+        )
+    if len(works) != 1 or works[0].kind != "sample":
         return False
-    p = w.payload
+    p = works[0].payload
     try:
         return p.num_samples * (len(p.prompt) + p.max_tokens) <= LIGHT_PASS_TOKENS
     except (AttributeError, TypeError):  # another payload (the OpenAI routes'): not light
         return False
+
+
+def _count_down(counts: dict, key) -> None:
+    """counts[key] one less, the key dropped at zero."""
+    n = counts.get(key, 0) - 1
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)
 
 
 def _tokens(w: Work) -> int:
@@ -230,7 +238,7 @@ class Scheduler:
                 q.append(work)
                 q.sort(key=lambda w: (w.seq_id if w.seq_id is not None else -1, w.arrival))
             self._queued[work.owner] = self._queued.get(work.owner, 0) + 1
-            if not self.heavy(work.owner) and _small(work):
+            if not self.heavy(work.owner) and light_sized([work]):
                 work.light = True
                 self.light_work.wait(work.owner)
             self._cv.notify_all()
@@ -243,11 +251,7 @@ class Scheduler:
     def _taken(self, works: Sequence[Work]) -> None:
         """Count `works` as no longer queued (taken by the worker, cancelled or failed)."""
         for w in works:
-            n = self._queued.get(w.owner, 0) - 1
-            if n > 0:
-                self._queued[w.owner] = n
-            else:
-                self._queued.pop(w.owner, None)
+            _count_down(self._queued, w.owner)
             if w.light:
                 w.light = False
                 self.light_work.taken(w.owner)

@@ -74,11 +74,12 @@ from collections.abc import Callable
 
 from jcp.sample.engine import Engine as SampleEngine
 from jcp.server import redact
+from jcp.server import scheduler as scheduler_lib
 from jcp.server.collector import Freezer
 from jcp.server.model_ops import ModelOps
 from jcp.server.passes import Passes, error_result
 from jcp.server.samples import Samples
-from jcp.server.scheduler import FUSABLE, LIGHT_PASS_TOKENS, Scheduler, Work
+from jcp.server.scheduler import Scheduler, Work
 from jcp.server.slots import SlotCache
 from jcp.server.state import StateStore
 
@@ -374,12 +375,7 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
     def _giving_way(self, group: list[Work]):
         """The event loop gives way to a small forward / forward_backward pass (of at most
         LIGHT_PASS_TOKENS tokens, not a split one) while it runs (LightWork)."""
-        small = (
-            group[0].kind in FUSABLE
-            and group[0].owner not in self.splits
-            and sum(w.tokens or 0 for w in group) <= LIGHT_PASS_TOKENS
-        )
-        if not small:
+        if group[0].owner in self.splits or not scheduler_lib.light_sized(group):
             return contextlib.nullcontext()
         return self.sched.light_work.running({w.owner for w in group})
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from jcp.server import worker
+from jcp.server import scheduler, worker
 from jcp.server.passes import Passes
 from jcp.server.scheduler import Scheduler, Work
 from jcp.server.worker import Worker
@@ -148,8 +148,8 @@ def test_the_event_loop_gives_way_to_small_passes_only():
     turns to every tenant."""
     t = _PassTurn()
     assert t.run("forward", 16) == (True, False)
-    assert t.run("forward_backward", worker.LIGHT_PASS_TOKENS) == (True, False)
-    assert t.run("forward", worker.LIGHT_PASS_TOKENS + 1) == (True, True)
+    assert t.run("forward_backward", scheduler.LIGHT_PASS_TOKENS) == (True, False)
+    assert t.run("forward", scheduler.LIGHT_PASS_TOKENS + 1) == (True, True)
     assert t.run("optim_step", None) == (True, True)
     t.splits = {"bob": None}  # bob's pass runs over turns
     assert t.run("forward", 16) == (True, True)
