@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
+from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -31,19 +32,14 @@ class OptState:
 jax.tree_util.register_dataclass(OptState, data_fields=["mu", "nu", "count"], meta_fields=[])
 
 
-def _finite(tree) -> jax.Array:
-    """True iff every entry of every leaf is finite."""
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
-def _norm(tree) -> jax.Array:
-    """Global L2 norm; where Σ g² overflows float32 although every g is finite, the norm
-    is taken with the entries scaled by the largest one, so it stays finite."""
-    plain = optax.tree.norm(tree)
-    big = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in jax.tree.leaves(tree)]))
+def _norm(flat) -> jax.Array:
+    """L2 norm of a vector; where Σ g² overflows float32 although every g is finite, the
+    norm is taken with the entries scaled by the largest one, so it stays finite."""
+    plain = jnp.sqrt(jnp.sum(jnp.square(flat)))
+    big = jnp.max(jnp.abs(flat))
     safe = jnp.where((big > 0) & jnp.isfinite(big), big, 1.0)
-    sq = sum(jnp.sum(jnp.square(x / safe)) for x in jax.tree.leaves(tree))
-    return jnp.where(jnp.isfinite(plain) | ~jnp.isfinite(big), plain, safe * jnp.sqrt(sq))
+    scaled = safe * jnp.sqrt(jnp.sum(jnp.square(flat / safe)))
+    return jnp.where(jnp.isfinite(plain) | ~jnp.isfinite(big), plain, scaled)
 
 
 @shared
@@ -71,45 +67,42 @@ def make_optim_step(mesh):
         take = lambda t: jax.tree.map(  # noqa: E731
             lambda x: jnp.take(x, pages_K, axis=0, mode="fill", fill_value=0), t
         )
-        params, grads = take(lora), take(acc)
+        # The slot's pages of each table as one vector (every leaf in turn): the update is
+        # elementwise and the norm one sum, so one vector makes a few fused loops where
+        # per-leaf ops made some per table leaf (64 leaves for attn + mlp + unembedding:
+        # 1.84 -> ~0.9 s to compile on CPU, and as many fewer kernels a step on a GPU).
+        params, unravel = ravel_pytree(take(lora))
+        grads, mu, nu = (ravel_pytree(take(t))[0] for t in (acc, opt.mu, opt.nu))
         taken = grads
-        grad_finite = _finite(grads)
+        grad_finite = jnp.all(jnp.isfinite(grads))
         grad_norm = _norm(grads)
         factor = jnp.where((clip > 0) & (grad_norm > clip), clip / grad_norm, 1.0)
-        grads = jax.tree.map(lambda g: g * factor, grads)
         adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
-        old = optax.ScaleByAdamState(count=opt.count[slot], mu=take(opt.mu), nu=take(opt.nu))
-        updates, state = adam.update(grads, old, params)
-        new_params = jax.tree.map(lambda p, u: p - lr * (u + wd * p), params, updates)
-        applied = grad_finite & _finite((new_params, state.mu, state.nu))
-        keep = lambda new, prev: jax.tree.map(  # noqa: E731
-            lambda n, o: jnp.where(applied, n, o), new, prev
+        old = optax.ScaleByAdamState(count=opt.count[slot], mu=mu, nu=nu)
+        updates, state = adam.update(grads * factor, old, params)
+        new_params = params - lr * (updates + wd * params)
+        applied = grad_finite & jnp.all(
+            jnp.isfinite(new_params) & jnp.isfinite(state.mu) & jnp.isfinite(state.nu)
         )
-        new_params, state = keep(new_params, params), keep(state, old)
-
+        keep = lambda new, prev: jnp.where(applied, new, prev)  # noqa: E731
         put = lambda t, v: jax.tree.map(  # noqa: E731
-            lambda x, y: x.at[pages_K].set(y.astype(x.dtype), mode="drop"), t, v
+            lambda x, y: x.at[pages_K].set(y.astype(x.dtype), mode="drop"), t, unravel(v)
         )
-        lora = put(lora, new_params)
+        lora = put(lora, keep(new_params, params))
         # Zeros computed from the pages read above: the write then follows the read by data,
         # and XLA clears the donated accumulator in place; a constant 0 made it copy every
         # whole table (a step cost O(all pages): 89 against 2.6 ms at 1,170 pages vs 8).
-        acc = jax.tree.map(
-            lambda x, g: x.at[pages_K].set(
-                jnp.where(jnp.isfinite(g), jnp.abs(g), 0.0) * 0.0, mode="drop"
-            ),
-            acc,
-            taken,
-        )
+        acc = put(acc, jnp.where(jnp.isfinite(taken), jnp.abs(taken), 0.0) * 0.0)
+        count = keep(state.count, old.count)
         opt = OptState(
-            mu=put(opt.mu, state.mu),
-            nu=put(opt.nu, state.nu),
-            count=opt.count.at[slot].set(state.count),
+            mu=put(opt.mu, keep(state.mu, mu)),
+            nu=put(opt.nu, keep(state.nu, nu)),
+            count=opt.count.at[slot].set(count),
         )
         metrics = {
             "grad_norm": grad_norm,
             "learning_rate": lr,
-            "step": state.count,
+            "step": count,
             "grad_finite": grad_finite,
             "applied": applied,
         }

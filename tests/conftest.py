@@ -60,6 +60,13 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # What child processes (which choose their own device count) add to their XLA_FLAGS.
 os.environ["JCP_TEST_CHILD_XLA_FLAGS"] = _OPT.strip()
+# Every temporary file and folder of the session (tests' state folders, the servers'
+# and child processes' logs) under one folder, removed at exit: `tempfile` and the children
+# (through TMPDIR) both read it, so no run leaves folders behind in the system's /tmp.
+_TMP = tempfile.mkdtemp(prefix="jcp-tests-")
+atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
+os.environ["TMPDIR"] = tempfile.tempdir = _TMP
+
 if (
     os.environ.get("JCP_TEST_COMPILE_CACHE", "1") == "1"
     and "JAX_COMPILATION_CACHE_DIR" not in os.environ
