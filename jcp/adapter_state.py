@@ -36,14 +36,17 @@ from jax.sharding import PartitionSpec as P
 from jcp import lora as lora_lib
 from jcp import optim
 from jcp.adapter_tables import (
-    SlotWrite,
+    SlotHeader,
+    clear_slot,
+    copy_pages,
     export_slot,
     gather_slot,
-    install_slot,
     put_rows,
     read_count,
     sans_slot,
     take_rows,
+    write_header,
+    write_pages,
 )
 from jcp.config import QwenConfig
 from jcp.errors import InputError
@@ -65,6 +68,22 @@ def auto_memory_bytes(mesh) -> int:
     """AUTO_ADAPTER_MEMORY of a device's free memory (mesh.device_memory)."""
     limit, used = device_memory(mesh)
     return int(AUTO_ADAPTER_MEMORY * (limit - used))
+
+
+@functools.lru_cache(maxsize=256)
+def _page_copier(sharding):
+    """jit(copy_pages) for one table leaf's sharding, the leaf donated."""
+    return jax.jit(copy_pages, donate_argnums=(0,), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=256)
+def _leaf_writer(which: str, page_rank: int, sharding):
+    """jit(write_pages) for one table leaf's factor kind and sharding, the leaf donated."""
+    return jax.jit(
+        functools.partial(write_pages, which, page_rank),
+        donate_argnums=(0,),
+        out_shardings=sharding,
+    )
 
 
 def page_rank(max_rank: int) -> int:
@@ -200,10 +219,11 @@ class AdapterState:
         self._versions = np.zeros(max_adapters, np.int64)
 
         tables = (self._shardings,) * 4 + (rep, rep)
-        self._install = jax.jit(install_slot, donate_argnums=(0,), out_shardings=tables)
+        self._clear = jax.jit(clear_slot, donate_argnums=(0,), out_shardings=tables)
+        self._write_header = jax.jit(write_header, donate_argnums=(0, 1), out_shardings=(rep, rep))
         self._take_rows = jax.jit(take_rows)
         self._put_rows = jax.jit(put_rows, donate_argnums=(0,), out_shardings=self._shardings)
-        self._read = jax.jit(gather_slot, out_shardings=rep)
+        self._read = jax.jit(gather_slot, static_argnames="which", out_shardings=rep)
         self._read_count = jax.jit(read_count, out_shardings=rep)
         # optim.make_optim_step's program, kept in the program store when it is on.
         self.optim_programs = StoredPrograms(optim.make_optim_step(mesh), "optim_step", (), mesh)
@@ -282,16 +302,13 @@ class AdapterState:
         table = {"weights": self._weights, "grads": self._grads, "mu": self._mu, "nu": self._nu}[
             which
         ]
-        keys = {m: lora_lib.expert_keys(m, info.expert_lora) for m in info.targets}
-        full = jax.tree.map(
-            host,
-            self._read(
-                {m: {k: table[m][k] for k in keys[m]} for m in info.targets}, self._pages_of(slot)
-            ),
-        )
+        pages = self._pages_of(slot)
         return {
-            m: {k: lora_lib.at_rank(k, x, info.rank) for k, x in ab.items()}
-            for m, ab in full.items()
+            m: {
+                k: lora_lib.at_rank(k, host(self._read(table[m][k], pages, which=k)), info.rank)
+                for k in lora_lib.expert_keys(m, info.expert_lora)
+            }
+            for m in info.targets
         }
 
     def export(self, slot: int) -> SlotState:
@@ -341,6 +358,22 @@ class AdapterState:
         for name, tree in (("mu", mu), ("nu", nu), ("grads", grads)):
             if tree is not None:
                 self._check_tree(tree, info, name)
+        trees = {"weights": weights, "grads": grads, "mu": mu, "nu": nu}
+        self._place(slot, info, count, lambda pages: self._write_factors(pages, trees))
+
+    def copy(self, src: int, dst: int) -> None:
+        """Put a copy of slot src's weights in slot dst (fresh moments, no gradient, step
+        count 0), page by page on the device: one program per table leaf shape and page
+        count, whatever the adapter's rank and targets."""
+        info = self._infos[src]
+        src_K = self._page_GK[src][: self.pages_for(info.rank)].copy()
+        self._place(dst, info, 0, lambda pages: self._copy_weights(info, src_K, pages))
+
+    def _place(self, slot: int, info: AdapterInfo, count: int, write) -> None:
+        """Give `slot` the pages an adapter of info.rank needs (InputError, before any
+        device work, when they are not free), write(pages) its factors there, then its
+        header. The pages are free, so zero (clear_slot): only the factors written differ
+        from zero. If write fails, the pages are zeroed and freed again."""
         need = self.pages_for(info.rank)
         held = self.pages_for(self._infos[slot].rank) if slot in self._infos else 0
         if need > self.free_pages + held:
@@ -353,30 +386,60 @@ class AdapterState:
             self.reset(slot)
         row = self._page_GK[slot].copy()
         row[:need] = [heapq.heappop(self._free_pages) for _ in range(need)]
-        self._write(
-            SlotWrite(
+        try:
+            write(row[:need])
+        except BaseException:  # its pages zeroed and freed again: the tables stay whole
+            self._clear_pages(slot, row)
+            for page in row[:need]:
+                heapq.heappush(self._free_pages, int(page))
+            raise
+        self._count, self._meta = self._write_header(
+            self._count,
+            self._meta,
+            SlotHeader(
                 slot=np.int32(slot),
-                pages_K=row,
-                row_K=row,
-                weights=weights,
-                grads=grads or {},
-                mu=mu or {},
-                nu=nu or {},
                 count=np.int32(count),
                 scale=np.float32(info.scale),
                 shared=np.float32(info.shared_outer),
                 tied=np.float32(info.tied_gate_up),
-            )
+                row_K=row,
+            ),
         )
         self._page_GK[slot] = row
         self._infos[slot] = info
         self._versions[slot] += 1
 
-    def _write(self, w: SlotWrite) -> None:
-        tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._meta)
-        (self._weights, self._grads, self._mu, self._nu, self._count, self._meta) = self._install(
-            tables, w
-        )
+    def _copy_weights(self, info: AdapterInfo, src_K: np.ndarray, dst_K: np.ndarray) -> None:
+        src, dst = self._replicated(src_K), self._replicated(dst_K)
+        for m in info.targets:
+            for which in lora_lib.expert_keys(m, info.expert_lora):
+                x = self._weights[m][which]
+                leaf = _page_copier(self._shardings[m][which])(x, src, dst)
+                self._weights = {**self._weights, m: {**self._weights[m], which: leaf}}
+
+    def _write_factors(self, pages: np.ndarray, trees: dict) -> None:
+        """write_pages of every factor given (trees: table name -> {module: {key: array}}
+        or None) into the pages `pages`; each table keeps every leaf written so far."""
+        pages_K = self._replicated(pages)
+        for name, tree in trees.items():
+            attr = "_" + name
+            for m, ab in (tree or {}).items():
+                for which, v in ab.items():
+                    table = getattr(self, attr)
+                    leaf = self._write_leaf(m, which, table[m][which], pages_K, v)
+                    setattr(self, attr, {**table, m: {**table[m], which: leaf}})
+
+    def _write_leaf(self, m: str, which: str, x_P, pages_K, v):
+        """write_pages of one leaf: a host array comes zero-padded to whole pages, so its
+        program does not depend on the adapter's rank (a device array, from a checkpoint
+        or copy_adapter, is padded in the program)."""
+        if not isinstance(v, jax.Array):
+            v = np.asarray(v)
+            ax = lora_lib.rank_axis(which, v.ndim)
+            pad = [(0, 0)] * v.ndim
+            pad[ax] = (0, pages_K.shape[0] * self.page_rank - v.shape[ax])
+            v = np.pad(v.astype(x_P.dtype, copy=False), pad)
+        return _leaf_writer(which, self.page_rank, self._shardings[m][which])(x_P, pages_K, v)
 
     def _pages_of(self, slot: int) -> jax.Array:
         return self._replicated(self._page_GK[slot])
@@ -411,27 +474,22 @@ class AdapterState:
         """Free a slot: its pages, accumulator, moments, count and scale all zero, its
         pages back in the free list."""
         row = self._page_GK[slot].copy()  # not a view: the row is rewritten below, in flight
-        empty = np.full_like(row, self.num_pages)
-        self._write(
-            SlotWrite(
-                slot=np.int32(slot),
-                pages_K=row,
-                row_K=empty,
-                weights={},
-                grads={},
-                mu={},
-                nu={},
-                count=np.int32(0),
-                scale=np.float32(0.0),
-                shared=np.float32(0.0),
-                tied=np.float32(0.0),
-            )
-        )
+        self._clear_pages(slot, row)
         for page in row[row < self.num_pages]:
             heapq.heappush(self._free_pages, int(page))
-        self._page_GK[slot] = empty
+        self._page_GK[slot] = self.num_pages
         del self._infos[slot]
         self._versions[slot] += 1
+
+    def _clear_pages(self, slot: int, row: np.ndarray) -> None:
+        """clear_slot: the pages `row` of every table zero, slot's header that of a free
+        slot."""
+        empty = np.full_like(row, self.num_pages)
+        zero = np.float32(0.0)
+        tables = (self._weights, self._grads, self._mu, self._nu, self._count, self._meta)
+        (self._weights, self._grads, self._mu, self._nu, self._count, self._meta) = self._clear(
+            tables, row, SlotHeader(np.int32(slot), np.int32(0), zero, zero, zero, empty)
+        )
 
     def rows_bucket(self, slots) -> np.ndarray:
         """The distinct `slots`, sorted, then the first repeated up to a power of two (at

@@ -1,5 +1,6 @@
 """The programs over the adapter tables that jcp.adapter_state jits (once per
-AdapterState) and alone calls: write one slot (`install_slot` of a `SlotWrite`), read one
+AdapterState) and alone calls: free one slot (`clear_slot`), write one slot's header
+(`write_header`) and factors (`write_pages`, one program per table leaf), read one
 slot's pages (`gather_slot`) or export it at its own rank (`export_slot`), copy table rows
 out and back (`take_rows`, `put_rows`).
 
@@ -26,74 +27,75 @@ def sans_slot(spec) -> P:
     return P(*tuple(spec)[1:])
 
 
-def _slot_shape(which: str, page_shape: tuple, k: int) -> tuple:
-    """The shape of one slot's factor (rank K·r) from its page's shape (rank r)."""
-    ax = lora_lib.rank_axis(which, len(page_shape))
-    return page_shape[:ax] + (page_shape[ax] * k,) + page_shape[ax + 1 :]
-
-
-def _pad_into(table_P, pages_K, small):
-    """table_P with the pages pages_K overwritten by `small` zero-padded to the slot's
-    rank; modules and factors absent from `small` (not targeted, not of its expert mode)
-    become zero."""
-    out = {}
-    for m, ab in table_P.items():
-        out[m] = {}
-        for which, x in ab.items():
-            full = jnp.zeros(_slot_shape(which, x.shape[1:], pages_K.shape[0]), x.dtype)
-            if which in small.get(m, {}):
-                v = jnp.asarray(small[m][which], x.dtype)
-                full = jax.lax.dynamic_update_slice(full, v, (0,) * v.ndim)
-            out[m][which] = lora_lib.scatter_pages(which, x, pages_K[None], full[None], add=False)
-    return out
-
-
-def gather_slot(tree, pages_K):
-    """One slot's factors [..., K·r] from its pages (lora.gather_pages)."""
-    return {
-        m: {k: lora_lib.gather_pages(k, x, pages_K[None])[0] for k, x in ab.items()}
-        for m, ab in tree.items()
-    }
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class SlotWrite:
-    """One slot written by install_slot (AdapterState.install, reset): the pages pages_K
-    are overwritten by weights, grads, mu and nu zero-padded to the slot's rank (absent
-    modules zero), and the slot's count, scale, shared and tied flags (scalars) and page
-    list row_K [K] set."""
+class SlotHeader:
+    """A slot's scalars and page list, as install and reset write them: its step count,
+    scale, shared and tied flags and page list row_K [K] (entries ≥ P: no page)."""
 
     slot: jax.Array
-    pages_K: jax.Array
-    row_K: jax.Array
-    weights: dict
-    grads: dict
-    mu: dict
-    nu: dict
     count: jax.Array
     scale: jax.Array
     shared: jax.Array
     tied: jax.Array
+    row_K: jax.Array
 
 
-def install_slot(tables, w: SlotWrite):
-    """(weights, grads, mu, nu, count, meta) with one slot written (SlotWrite); jitted
-    with the tables donated."""
-    weights, grads, mu, nu, count, meta = tables
+def write_header(count, meta, h: SlotHeader):
+    """(count, meta) with slot h.slot's scalars and page list set (SlotHeader)."""
     return (
-        _pad_into(weights, w.pages_K, w.weights),
-        _pad_into(grads, w.pages_K, w.grads),
-        _pad_into(mu, w.pages_K, w.mu),
-        _pad_into(nu, w.pages_K, w.nu),
-        count.at[w.slot].set(w.count),
+        count.at[h.slot].set(h.count),
         lora_lib.SlotMeta(
-            meta.scale_G.at[w.slot].set(w.scale),
-            meta.shared_G.at[w.slot].set(w.shared),
-            meta.tied_G.at[w.slot].set(w.tied),
-            meta.page_GK.at[w.slot].set(w.row_K),
+            meta.scale_G.at[h.slot].set(h.scale),
+            meta.shared_G.at[h.slot].set(h.shared),
+            meta.tied_G.at[h.slot].set(h.tied),
+            meta.page_GK.at[h.slot].set(h.row_K),
         ),
     )
+
+
+def clear_slot(tables, pages_K, h: SlotHeader):
+    """(weights, grads, mu, nu, count, meta) with the pages pages_K of every table zero
+    (indices ≥ P dropped) and the header h written (a freed slot's: all zero, no pages);
+    jitted with the tables donated. Pages are zero when freed, and so whenever free:
+    `write_pages` relies on that."""
+    weights, grads, mu, nu, count, meta = tables
+
+    def zero(table_P):
+        return jax.tree.map(
+            lambda x: x.at[pages_K].set(
+                jnp.zeros(pages_K.shape + x.shape[1:], x.dtype), mode="drop"
+            ),
+            table_P,
+        )
+
+    return (zero(weights), zero(grads), zero(mu), zero(nu), *write_header(count, meta, h))
+
+
+def write_pages(which: str, page_rank: int, x_P, pages_K, v):
+    """x_P with one slot's factor `which` v ([…slot] at rank ≤ K·page_rank, gather_pages'
+    layout without its A axis) written over the K pages pages_K, its rank zero-padded to
+    K·page_rank; jitted per table leaf with x_P donated. One program per leaf shape and K
+    (not per adapter rank when v comes padded: AdapterState.install pads host arrays), so
+    adapters of any rank and target set install without compiling."""
+    ax = lora_lib.rank_axis(which, v.ndim)
+    pad = [(0, 0)] * v.ndim
+    pad[ax] = (0, pages_K.shape[0] * page_rank - v.shape[ax])
+    v = jnp.pad(v.astype(x_P.dtype), pad)
+    return lora_lib.scatter_pages(which, x_P, pages_K[None], v[None], add=False)
+
+
+def copy_pages(x_P, src_K, dst_K):
+    """x_P with the pages src_K copied over the pages dst_K (whole pages: a slot's rank
+    padding and untargeted factors are zero in both); jitted per table leaf with x_P
+    donated."""
+    return x_P.at[dst_K].set(jnp.take(x_P, src_K, axis=0))
+
+
+def gather_slot(x_P, pages_K, *, which: str):
+    """One slot's factor `which` [..., K·r] from its pages (lora.gather_pages); jitted with
+    `which` static: one program per table leaf shape, whatever the slot's targets."""
+    return lora_lib.gather_pages(which, x_P, pages_K[None])[0]
 
 
 def take_rows(tree, rows):

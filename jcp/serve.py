@@ -58,7 +58,8 @@ from jcp.server.priority import COMPUTE_NICE, lower_others
 # (Trainer.warmup): forward_backward with cross_entropy for adapters of every module (the
 # SDK's default LoRA) at every stream length up to TRAINING_WARMUP_ROWS rows per device —
 # one program per length, whatever the grouping of tenants in a fused pass — and
-# optim_step. Other losses, forward, longer passes and adapters of fewer modules compile
+# optim_step, and the slot writes (create, copy, offload, restore) of every page count.
+# Other losses, forward, longer passes and passes over adapters of fewer modules compile
 # when first met. Sampling (Engine.warmup's buckets): steps with 1 or 2 distinct adapters
 # (one bucket), greedy, drawn and top-k / top-p rows, any stop list the edge admits (one
 # width, params.STOP_WIDTH), with and without prompt log-probs, any topk_sample_logprobs

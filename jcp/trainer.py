@@ -182,7 +182,7 @@ class Trainer:
         AdamW moments and no gradient: a read-only snapshot, e.g. sampler weights)."""
         slot = self._check_adapter(adapter)
         dst = self.state.free_slot()
-        self.state.install(dst, self.adapters[slot], self.state.export(slot).weights)
+        self.state.copy(slot, dst)
         return dst
 
     def delete_adapter(self, adapter: int) -> None:
@@ -409,8 +409,9 @@ class Trainer:
         call of those lengths and losses whose adapters target every module (Tinker's
         default) compiles nothing, however its datums and adapters are grouped, unless it
         holds more adapters or datums than its length's floors (warmup_call compiles a given
-        call's programs exactly). The scratch adapter is deleted; no other adapter is
-        touched (needs a free slot)."""
+        call's programs exactly). The scratch adapter is deleted; then an adapter of each
+        page count is created, copied, offloaded, restored and deleted (_warm_slot_writes).
+        No other adapter is touched (needs a free slot)."""
         names = (loss_fn,) if isinstance(loss_fn, str) else tuple(loss_fn)
         for name in names:
             losses_lib.check_loss_fn(name)
@@ -433,7 +434,19 @@ class Trainer:
                 self.optim_step(scratch)
         finally:
             self.delete_adapter(scratch)
+        self._warm_slot_writes()
         return len(self.programs.compiled) - before
+
+    def _warm_slot_writes(self) -> None:
+        """Create, copy, offload and restore an adapter of every page count (targeting
+        every module): the slot writes compile one program per table leaf and page count
+        (AdapterState), so later adapters of any rank and targets compile nothing there."""
+        step = self.state.page_rank
+        for rank in range(step, self.max_rank + 1, step):
+            extra = self.create_adapter(rank=rank)
+            if self.state.room(rank):
+                self.delete_adapter(self.copy_adapter(extra))
+            self.delete_adapter(self.restore_adapter(self.offload_adapter(extra)))
 
     def remat_budget_bytes(self) -> int:
         """The per-device bytes a forward_backward program may take without recomputation

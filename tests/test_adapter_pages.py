@@ -16,6 +16,7 @@ Evidence:
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -268,3 +269,82 @@ def test_offload_restore_and_snapshots_keep_every_adapter_exact():
         assert got.keys() == ref[s].keys()
         for k in got:
             np.testing.assert_array_equal(got[k], ref[s][k], err_msg=f"{s} {k}")
+
+
+def test_slot_writes_compile_per_leaf_and_page_count_and_free_pages_stay_zero():
+    """An adapter's factors are written, read and copied one table leaf at a time
+    (AdapterState.install / read / copy, adapter_tables.write_pages / gather_slot /
+    copy_pages), host arrays padded to whole pages: once an adapter of each page count has
+    been installed, offloaded, restored and copied, adapters of any other rank and target
+    set — created, installed with their moments and gradient, offloaded, restored, copied
+    as a sampler snapshot — trace and compile nothing (the whole-slot programs compiled per
+    rank and target set: a stall for every tenant whenever one chose a new rank). install
+    writes only the factors it is given, so it relies on free pages being zero: narrow
+    adapters placed on the pages wide ones trained and freed read zero in every module
+    they do not target and beyond their rank, in all four tables."""
+    cfg = jcp.QwenConfig.tiny()
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=5, max_rank=16)
+    assert (tr.state.page_rank, tr.state.pages_per_slot) == (8, 2)
+    data = H.random_data((12, 9), seed=3)
+    wide = [tr.create_adapter(rank=r, seed=r) for r in (16, 8)]  # 2 pages, then 1
+    tr.forward_backward(data, "cross_entropy", adapters=wide)
+    for a in wide:
+        tr.optim_step(a, jcp.AdamParams(learning_rate=1e-2))
+    tr.forward_backward(data, "cross_entropy", adapters=wide)  # gradients left in the pages
+    wide = [tr.restore_adapter(tr.offload_adapter(a)) for a in wide]
+    wide += [tr.copy_adapter(a) for a in wide]
+    used = {int(p) for p in np.asarray(tr.state.meta.page_GK)[wide].ravel()}
+    for a in wide:
+        tr.delete_adapter(a)
+
+    rng = np.random.default_rng(0)
+    kinds = ((3, ["attn"]), (12, ["mlp"]), (5, ["unembed"]), (1, ["q_proj", "down_proj"]))
+    info = AdapterInfo(rank=7, alpha=3.0, targets=lora_lib.resolve_targets(["mlp"]))
+    given = {
+        name: {
+            m: {ab: rng.normal(size=s.shape).astype(np.float32) for ab, s in ks.items()}
+            for m, ks in tr.state.layout(info).items()
+        }
+        for name in ("weights", "mu", "nu", "grads")
+    }
+
+    def slot_writes():
+        out = {k: tr.create_adapter(rank=r, targets=t, seed=k) for k, (r, t) in enumerate(kinds)}
+        tr.delete_adapter(out.pop(0))
+        tr.state.install(0, info, given["weights"], given["mu"], given["nu"], 4, given["grads"])
+        out["restored"] = tr.restore_adapter(tr.offload_adapter(0))
+        out["copy"] = tr.copy_adapter(out[1])
+        return out
+
+    slots, events = H.traces_and_compiles(slot_writes)
+    assert events == [], events
+    # What was given reads back exactly; the copy holds its source's weights, fresh state.
+    restored = slots["restored"]
+    assert int(tr.state.tables()["count"][restored]) == 4
+    for name in ("weights", "mu", "nu", "grads"):
+        got = tr.state.read(restored, name)
+        for m, ab in given[name].items():
+            for k, v in ab.items():
+                np.testing.assert_array_equal(got[m][k], v, err_msg=f"{name} {m} {k}")
+    copied, source = tr.state.read(slots["copy"]), tr.state.read(slots[1])
+    assert any(v.any() for ab in source.values() for v in ab.values())  # A (B is 0)
+    for m, ab in source.items():
+        for k, v in ab.items():
+            np.testing.assert_array_equal(copied[m][k], v, err_msg=f"copy {m} {k}")
+    # Every slot's rows hold zeros beyond its own targets and rank, on pages wide ones used.
+    pages_GK = np.asarray(tr.state.meta.page_GK)
+    assert used & {int(p) for p in pages_GK[list(slots.values())].ravel()}
+    owners = {k: (kinds[k if k != "copy" else 1]) for k in slots if k != "restored"}
+    owners = {k: (r, lora_lib.resolve_targets(t)) for k, (r, t) in owners.items()}
+    owners["restored"] = (info.rank, info.targets)
+    for name in ("weights", "grads", "mu", "nu"):
+        rows = H.by_slot(jax.tree.map(np.asarray, tr.state.tables()[name]), pages_GK)
+        for key, s in slots.items():
+            rank, targets = owners[key]
+            for m, ab in rows.items():
+                for which, x in ab.items():
+                    if m not in targets or (name != "weights" and key != "restored"):
+                        assert not x[s].any(), (name, key, m, which)
+                    ax = x[s].ndim - 1 if which.startswith("a") else x[s].ndim - 2
+                    beyond = np.take(x[s], np.arange(rank, x[s].shape[ax]), axis=ax)
+                    assert not beyond.any(), (name, key, m, which)

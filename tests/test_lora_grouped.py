@@ -310,9 +310,8 @@ def test_a_fused_pass_over_many_adapters_equals_one_pass_each(
     one forward_backward — the grouped products — give each datum the log-probs and each
     adapter the gradients of passes of at most DENSE_MAX_ADAPTERS adapters each (the dense,
     masked products, themselves equal to one adapter at a time:
-    test_grouped_equals_masked_dense). Four (rank, targets) kinds, each a compile of
-    install_slot (24 adapters of 12 kinds took ~26 CPU s, 12 ~half; 8 at (1,2,2), 6 on the
-    other meshes: two or more of each kind).
+    test_grouped_equals_masked_dense). Four (rank, targets) kinds, two or more adapters of
+    each: 8 at (1,2,2), 6 on the other meshes.
     At (1,2,2) the fused pass — its factors read from the pages, its gradients added in
     place (train_step._paged_value_and_grad) — also equals the gathered path bit for bit
     (lora_impl "xla": the tiles in XLA); on the other meshes the products are

@@ -208,8 +208,10 @@ def test_sums_on_host_match_the_all_reduce():
             np.testing.assert_allclose(x[k], y[k], rtol=1e-5, atol=1e-6, err_msg=k)
     assert ref_fwd.metrics["clipped_tokens:sum"] == got_fwd.metrics["clipped_tokens:sum"]
     np.testing.assert_allclose(got_fwd.metrics["loss:sum"], ref_fwd.metrics["loss:sum"], rtol=1e-6)
+    # The second pass ran on weights that one AdamW step moved from gradients which already
+    # differed by the sums' order: up to 1.5e-6 of the largest entry measured.
     for g, want in ((ga, ra), (gb, rb)):
         assert any(np.abs(v).max() > 0 for v in want.values())
         for k in want:
             scale = max(float(np.abs(want[k]).max()), 1e-30)
-            np.testing.assert_allclose(g[k], want[k], rtol=1e-5, atol=1e-6 * scale, err_msg=k)
+            np.testing.assert_allclose(g[k], want[k], rtol=1e-5, atol=4e-6 * scale, err_msg=k)

@@ -148,7 +148,7 @@ def test_groupings_of_one_length_run_the_warmed_up_program():
     tr = jcp.Trainer(
         cfg,
         jcp.make_mesh(1, 1, 1),
-        max_adapters=3,
+        max_adapters=4,
         max_rank=4,
         attn_block=16,
         logprob_chunk=16,
@@ -164,6 +164,16 @@ def test_groupings_of_one_length_run_the_warmed_up_program():
     assert len(tr.forward_backward_programs) == 1
     assert tr.adapters.keys() == {a, b}  # the warm-up's scratch adapter is gone
     assert np.abs(tr.gradients(b)["base_model.model.lm_head.lora_B.weight"]).max() > 0
+
+    # The warm-up also wrote, copied, offloaded and restored slots (_warm_slot_writes): an
+    # adapter of another rank and targets needs no new program for any of those.
+    def slot_writes():
+        c = tr.create_adapter(rank=3, targets=["mlp"])
+        tr.delete_adapter(tr.copy_adapter(c))
+        tr.delete_adapter(tr.restore_adapter(tr.offload_adapter(c)))
+
+    _, events = H.traces_and_compiles(slot_writes)
+    assert events == [], events
 
 
 def test_warmup_call_runs_the_calls_program_and_changes_nothing(monkeypatch):
