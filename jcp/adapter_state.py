@@ -223,7 +223,7 @@ class AdapterState:
         self._write_header = jax.jit(write_header, donate_argnums=(0, 1), out_shardings=(rep, rep))
         self._take_rows = jax.jit(take_rows)
         self._put_rows = jax.jit(put_rows, donate_argnums=(0,), out_shardings=self._shardings)
-        self._read = jax.jit(gather_slot, static_argnames="which", out_shardings=rep)
+        self._read = jax.jit(gather_slot, out_shardings=rep)
         self._read_count = jax.jit(read_count, out_shardings=rep)
         # optim.make_optim_step's program, kept in the program store when it is on.
         self.optim_programs = StoredPrograms(optim.make_optim_step(mesh), "optim_step", (), mesh)
@@ -302,13 +302,16 @@ class AdapterState:
         table = {"weights": self._weights, "grads": self._grads, "mu": self._mu, "nu": self._nu}[
             which
         ]
-        pages = self._pages_of(slot)
+        keys = {m: lora_lib.expert_keys(m, info.expert_lora) for m in info.targets}
+        full = jax.tree.map(
+            host,
+            self._read(
+                {m: {k: table[m][k] for k in keys[m]} for m in info.targets}, self._pages_of(slot)
+            ),
+        )
         return {
-            m: {
-                k: lora_lib.at_rank(k, host(self._read(table[m][k], pages, which=k)), info.rank)
-                for k in lora_lib.expert_keys(m, info.expert_lora)
-            }
-            for m in info.targets
+            m: {k: lora_lib.at_rank(k, x, info.rank) for k, x in ab.items()}
+            for m, ab in full.items()
         }
 
     def export(self, slot: int) -> SlotState:

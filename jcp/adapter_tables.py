@@ -92,10 +92,15 @@ def copy_pages(x_P, src_K, dst_K):
     return x_P.at[dst_K].set(jnp.take(x_P, src_K, axis=0))
 
 
-def gather_slot(x_P, pages_K, *, which: str):
-    """One slot's factor `which` [..., K·r] from its pages (lora.gather_pages); jitted with
-    `which` static: one program per table leaf shape, whatever the slot's targets."""
-    return lora_lib.gather_pages(which, x_P, pages_K[None])[0]
+def gather_slot(tree, pages_K):
+    """One slot's factors [..., K·r] from its pages (lora.gather_pages): one program per
+    target set, whatever the rank (K is every slot's page count). One program per leaf
+    compiled 2.2× as long over the test suite (465 programs, 11.4 s, against 85, 5.1 s):
+    reads meet few target sets, writes many ranks."""
+    return {
+        m: {k: lora_lib.gather_pages(k, x, pages_K[None])[0] for k, x in ab.items()}
+        for m, ab in tree.items()
+    }
 
 
 def take_rows(tree, rows):

@@ -166,9 +166,9 @@ def test_groupings_of_one_length_run_the_warmed_up_program():
     assert np.abs(tr.gradients(b)["base_model.model.lm_head.lora_B.weight"]).max() > 0
 
     # The warm-up also wrote, copied, offloaded and restored slots (_warm_slot_writes): an
-    # adapter of another rank and targets needs no new program for any of those.
+    # adapter of another rank needs no new program for any of those.
     def slot_writes():
-        c = tr.create_adapter(rank=3, targets=["mlp"])
+        c = tr.create_adapter(rank=3)
         tr.delete_adapter(tr.copy_adapter(c))
         tr.delete_adapter(tr.restore_adapter(tr.offload_adapter(c)))
 
