@@ -434,8 +434,8 @@ class AdapterState:
 
     def _write_leaf(self, m: str, which: str, x_P, pages_K, v):
         """write_pages of one leaf: a host array comes zero-padded to whole pages, so its
-        program does not depend on the adapter's rank (a device array, from a checkpoint
-        or copy_adapter, is padded in the program)."""
+        program does not depend on the adapter's rank (a device array, from a checkpoint,
+        is padded in the program)."""
         if not isinstance(v, jax.Array):
             v = np.asarray(v)
             ax = lora_lib.rank_axis(which, v.ndim)
