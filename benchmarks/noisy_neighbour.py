@@ -47,6 +47,7 @@ import collections
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -507,9 +508,14 @@ def main(argv=None) -> dict:
     )
     try:
         res = asyncio.run(drive(a, url))
+    except BaseException:
+        print(f"the server's log and state are kept in {folder}", file=sys.stderr)
+        raise
     finally:
         stop_server(proc)
     res["server_exit"] = proc.returncode
+    shutil.rmtree(folder, ignore_errors=True)  # a run that finished leaves nothing behind
+    res["state_dir"] = folder
     rows = {}
     for phase in ("alone", "beside"):
         for kind in ("sample", "forward", "all"):

@@ -70,6 +70,7 @@ def test_noisy_neighbour_smoke():
     # (under load a 2 s smoke phase may end before the neighbour sent a body)
     assert "hostile bodies ACCEPTED" not in res["counts"], res["counts"]
     assert res["healthy"] and res["server_exit"] is not None
+    assert not os.path.exists(res["state_dir"])  # its folder removed
 
 
 def test_gpu_f32_copy_detector():
