@@ -42,6 +42,7 @@ from jcp.adapter_tables import (
     export_slot,
     gather_slot,
     put_rows,
+    rank_padding,
     read_count,
     sans_slot,
     take_rows,
@@ -70,13 +71,13 @@ def auto_memory_bytes(mesh) -> int:
     return int(AUTO_ADAPTER_MEMORY * (limit - used))
 
 
-@functools.lru_cache(maxsize=256)
+@shared(kept=256)
 def _page_copier(sharding):
     """jit(copy_pages) for one table leaf's sharding, the leaf donated."""
     return jax.jit(copy_pages, donate_argnums=(0,), out_shardings=sharding)
 
 
-@functools.lru_cache(maxsize=256)
+@shared(kept=256)
 def _leaf_writer(which: str, page_rank: int, sharding):
     """jit(write_pages) for one table leaf's factor kind and sharding, the leaf donated."""
     return jax.jit(
@@ -438,9 +439,7 @@ class AdapterState:
         is padded in the program)."""
         if not isinstance(v, jax.Array):
             v = np.asarray(v)
-            ax = lora_lib.rank_axis(which, v.ndim)
-            pad = [(0, 0)] * v.ndim
-            pad[ax] = (0, pages_K.shape[0] * self.page_rank - v.shape[ax])
+            pad = rank_padding(which, v.shape, pages_K.shape[0], self.page_rank)
             v = np.pad(v.astype(x_P.dtype, copy=False), pad)
         return _leaf_writer(which, self.page_rank, self._shardings[m][which])(x_P, pages_K, v)
 

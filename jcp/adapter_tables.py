@@ -72,16 +72,22 @@ def clear_slot(tables, pages_K, h: SlotHeader):
     return (zero(weights), zero(grads), zero(mu), zero(nu), *write_header(count, meta, h))
 
 
+def rank_padding(which: str, shape: tuple, pages: int, page_rank: int) -> list:
+    """np.pad / jnp.pad widths that take factor `which` of `shape` (a slot's layout) to
+    the rank of `pages` whole pages."""
+    ax = lora_lib.rank_axis(which, len(shape))
+    pad = [(0, 0)] * len(shape)
+    pad[ax] = (0, pages * page_rank - shape[ax])
+    return pad
+
+
 def write_pages(which: str, page_rank: int, x_P, pages_K, v):
     """x_P with one slot's factor `which` v ([…slot] at rank ≤ K·page_rank, gather_pages'
     layout without its A axis) written over the K pages pages_K, its rank zero-padded to
     K·page_rank; jitted per table leaf with x_P donated. One program per leaf shape and K
     (not per adapter rank when v comes padded: AdapterState.install pads host arrays), so
     adapters of any rank and target set install without compiling."""
-    ax = lora_lib.rank_axis(which, v.ndim)
-    pad = [(0, 0)] * v.ndim
-    pad[ax] = (0, pages_K.shape[0] * page_rank - v.shape[ax])
-    v = jnp.pad(v.astype(x_P.dtype), pad)
+    v = jnp.pad(v.astype(x_P.dtype), rank_padding(which, v.shape, pages_K.shape[0], page_rank))
     return lora_lib.scatter_pages(which, x_P, pages_K[None], v[None], add=False)
 
 

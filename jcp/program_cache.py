@@ -20,7 +20,10 @@ import functools
 KEPT = 8
 
 
-def shared(make):
+def shared(make=None, *, kept: int = KEPT):
     """`make`, cached on its (hashable) arguments: equal arguments, the same jitted
-    function, and so its traces and compiled programs."""
-    return functools.lru_cache(maxsize=KEPT)(make)
+    function, and so its traces and compiled programs. `@shared(kept=n)` keeps n results
+    (a builder per table leaf kind and sharding needs more than KEPT)."""
+    if make is None:
+        return lambda f: functools.lru_cache(maxsize=kept)(f)
+    return functools.lru_cache(maxsize=kept)(make)
