@@ -123,6 +123,16 @@ def pieces(segment_S, position_S, max_pieces: int, axis: str | None = None) -> P
     )
 
 
+def _one_rank(pcs: Pieces) -> bool:
+    """Whether the stream is its cp axis's only rank (cp = 1). There a datum's local
+    positions are all of them, in order (the zigzag layout at cp = 1 is the identity,
+    batch.pack and the engine's streams place each datum in one run), so every piece
+    starts its datum and nothing comes in from another: the exchange and the composition
+    are skipped. A stream outside shard_map (axis None) may hold one datum's pieces apart,
+    and keeps them."""
+    return pcs.axis is not None and jax.lax.axis_size(pcs.axis) == 1
+
+
 def _incoming(pcs: Pieces, out_of, own_X, zero):
     """This rank's pieces' incoming summaries (what their datums' earlier pieces leave
     them) and outgoing ones: ([P, …], [P, …]).
@@ -174,7 +184,7 @@ def causal_conv(x_SxC, w_KxC, pcs: Pieces, hand_out: bool = False):
     rows = pcs.end_P[:, None] - back[None, :]
     tail_PxHxC = x32[jnp.clip(rows, 0, s_len - 1)]
     len_x = pcs.length_X
-    tail_x = _gather(tail_PxHxC, pcs.axis)
+    tail_x = None if _one_rank(pcs) else _gather(tail_PxHxC, pcs.axis)
 
     def out_of(inc_HxC, own):
         """A piece's last Kc − 1 inputs: its own, preceded by its incoming halo's."""
@@ -184,7 +194,11 @@ def causal_conv(x_SxC, w_KxC, pcs: Pieces, hand_out: bool = False):
         return jnp.where(inside[:, None], tail_HxC, inc_HxC[src])
 
     zero = jnp.zeros((halo, x_SxC.shape[1]), jnp.float32)
-    inc_PxHxC, window_PxHxC = _incoming(pcs, out_of, (tail_x, len_x), zero)
+    if _one_rank(pcs):  # every piece starts its datum (_one_rank): zeros come in
+        inc_PxHxC = jnp.zeros((pcs.end_P.shape[0], halo, x_SxC.shape[1]), jnp.float32)
+        window_PxHxC = jax.vmap(out_of, in_axes=(None, 0))(zero, (tail_PxHxC, pcs.length_P))
+    else:
+        inc_PxHxC, window_PxHxC = _incoming(pcs, out_of, (tail_x, len_x), zero)
     # Each token's offset in its piece; lag l reads x[t − l] inside the piece, else the
     # incoming halo's row halo − (l − offset).
     t = jnp.arange(s_len)
@@ -221,14 +235,41 @@ def gated_delta_rule(
     values [v | 0] from the state [0 | I] (the state's right block then tracks M). The
     [P, H, Dk, Dk + Dv] transitions are exchanged over cp (all_gather) and composed in
     datum order (_incoming) into each piece's incoming state. Pass 2: the chunked kernel
-    from those states. Padding tokens are made identities (g = 0, β = 0) so they never
-    touch a state.
+    from those states. At cp = 1 (_one_rank) every piece starts from zero: pass 2 only.
+    Padding tokens are made identities (g = 0, β = 0) so they never touch a state.
     """
     h, dk, dv = v_SxHxDv.shape[1], q_SxHkxDk.shape[-1], v_SxHxDv.shape[-1]
     real = (segment_S >= 0)[:, None]
     g = jnp.where(real, g_SxH.astype(jnp.float32), 0.0)
     beta = jnp.where(real, beta_SxH.astype(jnp.float32), 0.0)
     v32 = v_SxHxDv.astype(jnp.float32)
+    if _one_rank(pcs):
+        # Every piece starts its datum (_one_rank): each comes in from the zero state, what
+        # pass 1 and the composition would find, so they are skipped: the kernel runs once,
+        # on [v], instead of on [v | 0] and then [v] (at Qwen3.5's Dk = Dv, a third of the
+        # value-wide work and half the blocks' factors).
+        inc_PxHxDkxDv = jnp.zeros((pcs.end_P.shape[0], h, dk, dv), jnp.float32)
+    else:
+        inc_PxHxDkxDv = _transitions_in(q_SxHkxDk, k_SxHkxDk, v32, g, beta, pcs, chunk)
+    o, final = chunked(
+        q_SxHkxDk,
+        k_SxHkxDk,
+        v32,
+        g,
+        beta,
+        pcs.start_S,
+        pcs.piece_S,
+        inc_PxHxDkxDv,
+        chunk,
+        ends_P=pcs.end_P if hand_out else None,
+    )
+    return (o, final) if hand_out else o
+
+
+def _transitions_in(q_SxHkxDk, k_SxHkxDk, v32, g, beta, pcs: Pieces, chunk: int):
+    """gated_delta_rule's pass 1 and composition: each of this rank's pieces' incoming
+    state [P, H, Dk, Dv]."""
+    h, dk, dv = v32.shape[1], q_SxHkxDk.shape[-1], v32.shape[-1]
     v_aug = jnp.concatenate([v32, jnp.zeros(v32.shape[:2] + (dk,), jnp.float32)], axis=-1)
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (h, dk, dk))
     init_aug = jnp.concatenate([jnp.zeros((h, dk, dv), jnp.float32), eye], axis=-1)[None]
@@ -251,20 +292,7 @@ def gated_delta_rule(
         m_HxDkxDk, u_HxDkxDv = um_HxDkxDvDk[..., dv:], um_HxDkxDvDk[..., :dv]
         return jnp.einsum("hkj,hjv->hkv", m_HxDkxDk, inc_HxDkxDv) + u_HxDkxDv
 
-    inc_PxHxDkxDv, _ = _incoming(pcs, out_of, ends_x, jnp.zeros((h, dk, dv), jnp.float32))
-    o, final = chunked(
-        q_SxHkxDk,
-        k_SxHkxDk,
-        v32,
-        g,
-        beta,
-        pcs.start_S,
-        pcs.piece_S,
-        inc_PxHxDkxDv,
-        chunk,
-        ends_P=pcs.end_P if hand_out else None,
-    )
-    return (o, final) if hand_out else o
+    return _incoming(pcs, out_of, ends_x, jnp.zeros((h, dk, dv), jnp.float32))[0]
 
 
 # ----------------------------------------------------------------------------------------

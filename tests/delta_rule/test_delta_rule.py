@@ -283,6 +283,36 @@ def test_cp_equals_cp1_and_each_datum_alone(lengths, cp, s_len, chunk):
     np.testing.assert_allclose(gw, gw1, atol=2e-5)
 
 
+def _scans(jaxpr) -> int:
+    """lax.scan equations in a jaxpr, its sub-jaxprs' included."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "scan"
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _scans(inner)
+    return n
+
+
+def test_one_rank_runs_the_kernel_once_and_composes_nothing():
+    """At cp = 1 every piece starts its datum, so the rule's pass 1 and both compositions
+    (the delta rule's transitions, the conv's halos) are skipped: one block scan, where
+    cp = 2 runs four (pass 1, its composition, pass 2, the halos'). Their values are
+    test_cp_equals_cp1_and_each_datum_alone's (cp = 1 against each datum alone)."""
+    lengths, s_len = (5, 3), 8
+    data = [_inputs(n, i) for i, n in enumerate(lengths)]
+    w = np.ones((KC, C), np.float32)
+    counts = {}
+    for cp in (1, 2):
+        seg, pos = _layout(lengths, cp, s_len * 2 // cp)
+        ins = [np.zeros((1, cp, seg.shape[1]) + data[0][n].shape[1:], np.float32) for n in "qkvgbx"]
+        jaxpr = jax.make_jaxpr(_cp_program(cp, 4, len(lengths)))(seg[None], pos[None], *ins, w)
+        counts[cp] = _scans(jaxpr.jaxpr)
+    assert counts == {1: 1, 2: 4}, counts
+
+
 def test_cp_exchange_memory_keeps_a_few_copies_of_the_piece_table():
     """grad of the cp program at cp = 8 with many piece slots (P = 33, so the [cp·P, H, Dk,
     Dk + Dv] table of exchanged transitions dominates a rank's 16 tokens): XLA's temp stays
