@@ -1,10 +1,10 @@
 """What a tenant's new adapter costs the worker: create_adapter of a sequence of (rank,
 target set) kinds on one Trainer — seconds and XLA compiles of each first call, then of a
-copy (a sampler snapshot) and an offload + restore of each — and optim_step's first call
-(it compiles) and its median step.
+copy (a sampler snapshot), an offload + restore and a checkpoint (save_state) of each — and
+optim_step's first call (it compiles) and its median step.
 
-Every create, copy and restore is timed on its first call of its kind, as a tenant's first
-request meets it; the compiles are counted from JAX's own events. In one process, tiny
+Every create, copy, restore and save is timed on its first call of its kind, as a tenant's
+first request meets it; the compiles are counted from JAX's own events. In one process, tiny
 model, --mesh of fake CPU devices.
 
     python benchmarks/slot_writes.py [--mesh 1,2,2] [--max-rank 16] [--steps 50]
@@ -13,7 +13,9 @@ model, --mesh of fake CPU devices.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 
 from common import fake_cpu_devices, mesh_arg
@@ -55,15 +57,18 @@ def main(argv=None) -> dict:
     print(f"mesh {a.mesh}, max_rank {a.max_rank}, page rank {tr.state.page_rank}")
     print(
         f"{'rank':>4} {'targets':>9} {'create s':>9} {'comp':>4} {'copy s':>7} {'comp':>4} "
-        f"{'offload+restore s':>17} {'comp':>4}"
+        f"{'offload+restore s':>17} {'comp':>4} {'save s':>7} {'comp':>4}"
     )
-    for rank, targets in KINDS:
+    folder = tempfile.TemporaryDirectory(prefix="jcp-slot-writes-")
+    for i, (rank, targets) in enumerate(KINDS):
         slot, t_create, c_create = timed(
             lambda: tr.create_adapter(rank=rank, targets=targets.split(","))
         )
         copy, t_copy, c_copy = timed(lambda: tr.copy_adapter(slot))
         tr.delete_adapter(copy)
         slot, t_back, c_back = timed(lambda: tr.restore_adapter(tr.offload_adapter(slot)))
+        path = os.path.join(folder.name, str(i))
+        _, t_save, c_save = timed(lambda: tr.save_state(slot, path))
         tr.delete_adapter(slot)
         rows.append(
             dict(
@@ -75,12 +80,15 @@ def main(argv=None) -> dict:
                 copy_compiles=c_copy,
                 back_s=t_back,
                 back_compiles=c_back,
+                save_s=t_save,
+                save_compiles=c_save,
             )
         )
         print(
             f"{rank:>4} {targets:>9} {t_create:9.3f} {c_create:4d} {t_copy:7.3f} "
-            f"{c_copy:4d} {t_back:17.3f} {c_back:4d}"
+            f"{c_copy:4d} {t_back:17.3f} {c_back:4d} {t_save:7.3f} {c_save:4d}"
         )
+    folder.cleanup()
 
     a_slot = tr.create_adapter(rank=a.max_rank)
     rng = np.random.default_rng(0)

@@ -39,11 +39,10 @@ from jcp.adapter_tables import (
     SlotHeader,
     clear_slot,
     copy_pages,
-    export_slot,
-    gather_slot,
     put_rows,
     rank_padding,
     read_count,
+    read_pages,
     sans_slot,
     take_rows,
     write_header,
@@ -75,6 +74,15 @@ def auto_memory_bytes(mesh) -> int:
 def _page_copier(sharding):
     """jit(copy_pages) for one table leaf's sharding, the leaf donated."""
     return jax.jit(copy_pages, donate_argnums=(0,), out_shardings=sharding)
+
+
+@shared(kept=256)
+def _leaf_reader(which: str, sharding):
+    """jit(read_pages) for one table leaf's factor kind and sharding, the slot's factor
+    replicated (readable on every process without a collective)."""
+    return jax.jit(
+        functools.partial(read_pages, which), out_shardings=NamedSharding(sharding.mesh, P())
+    )
 
 
 @shared(kept=256)
@@ -121,12 +129,14 @@ class SlotState:
     """One adapter on the device at its own rank (global arrays, any mesh): weights and
     AdamW moments as {module: {"a": [L, I, r], "b": [L, r, O]}} over its targets (the
     keys of lora.adapter_shapes); count its optimizer step count (replicated int32
-    scalar)."""
+    scalar). values: the same as host NumPy {"weights", "mu", "nu": {module: {key: array}},
+    "count": int32 scalar}, on every process (for checksums, without a collective)."""
 
     weights: dict
     mu: dict
     nu: dict
     count: jax.Array
+    values: dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,14 +234,9 @@ class AdapterState:
         self._write_header = jax.jit(write_header, donate_argnums=(0, 1), out_shardings=(rep, rep))
         self._take_rows = jax.jit(take_rows)
         self._put_rows = jax.jit(put_rows, donate_argnums=(0,), out_shardings=self._shardings)
-        self._read = jax.jit(gather_slot, out_shardings=rep)
         self._read_count = jax.jit(read_count, out_shardings=rep)
         # optim.make_optim_step's program, kept in the program store when it is on.
         self.optim_programs = StoredPrograms(optim.make_optim_step(mesh), "optim_step", (), mesh)
-        self._export = jax.jit(
-            functools.partial(export_slot, mesh, specs),
-            static_argnames=("rank", "targets", "expert_lora"),
-        )
 
     def _replicated(self, x: np.ndarray):
         return replicate(self.mesh, x)
@@ -303,31 +308,45 @@ class AdapterState:
         table = {"weights": self._weights, "grads": self._grads, "mu": self._mu, "nu": self._nu}[
             which
         ]
-        keys = {m: lora_lib.expert_keys(m, info.expert_lora) for m in info.targets}
-        full = jax.tree.map(
-            host,
-            self._read(
-                {m: {k: table[m][k] for k in keys[m]} for m in info.targets}, self._pages_of(slot)
-            ),
-        )
+        pages = self._pages_of(slot)
         return {
-            m: {k: lora_lib.at_rank(k, x, info.rank) for k, x in ab.items()}
-            for m, ab in full.items()
+            m: {
+                k: lora_lib.at_rank(k, host(self._read_leaf(m, k, table[m][k], pages)), info.rank)
+                for k in lora_lib.expert_keys(m, info.expert_lora)
+            }
+            for m in info.targets
         }
+
+    def _read_leaf(self, m: str, which: str, x_P, pages_K):
+        """read_pages of one leaf, replicated: one program per leaf kind, whatever the
+        adapter's rank and targets (so a tenant's new kind compiles nothing here)."""
+        return _leaf_reader(which, self._shardings[m][which])(x_P, pages_K)
 
     def export(self, slot: int) -> SlotState:
         """One slot at its own rank as device arrays (for checkpoints), sharded like the
-        table without its slot axis."""
+        table without its slot axis: `read` of each table (cut to its rank on the host),
+        placed shard by shard — no program of its own, so no rank or target set compiles
+        one."""
         info = self._infos[slot]
-        weights, mu, nu, count = self._export(
-            (self._weights, self._mu, self._nu, self._count),
-            self._replicated(np.asarray(slot, np.int32)),
-            self._pages_of(slot),
-            rank=info.rank,
-            targets=info.targets,
-            expert_lora=info.expert_lora,
+        layout = self.layout(info)
+        values = {which: self.read(slot, which) for which in ("weights", "mu", "nu")}
+        values["count"] = host(self._read_count(self._count, slot))  # offload's program
+
+        def placed(tree):
+            return {
+                m: {
+                    k: jax.make_array_from_callback(
+                        x.shape, layout[m][k].sharding, lambda index, x=x: x[index]
+                    )
+                    for k, x in ab.items()
+                }
+                for m, ab in tree.items()
+            }
+
+        count = jax.device_put(values["count"], NamedSharding(self.mesh, P()))
+        return SlotState(
+            placed(values["weights"]), placed(values["mu"]), placed(values["nu"]), count, values
         )
-        return SlotState(weights, mu, nu, count)
 
     def layout(self, info: AdapterInfo) -> dict:
         """{module: {"a"/"b": ShapeDtypeStruct at the adapter's rank, sharded}} of its

@@ -1,8 +1,8 @@
 """The programs over the adapter tables that jcp.adapter_state jits (once per
 AdapterState) and alone calls: free one slot (`clear_slot`), write one slot's header
-(`write_header`) and factors (`write_pages`, one program per table leaf), read one
-slot's pages (`gather_slot`) or export it at its own rank (`export_slot`), copy table rows
-out and back (`take_rows`, `put_rows`).
+(`write_header`) and factors (`write_pages`, one program per table leaf), read them
+(`read_pages`, one program per table leaf), copy table rows out and back (`take_rows`,
+`put_rows`).
 
 Pure functions of the tables they are given: every write is `.at[slot].set` or a scatter
 into the slot's own pages; they hold no state.
@@ -16,7 +16,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jcp import lora as lora_lib
@@ -98,15 +97,11 @@ def copy_pages(x_P, src_K, dst_K):
     return x_P.at[dst_K].set(jnp.take(x_P, src_K, axis=0))
 
 
-def gather_slot(tree, pages_K):
-    """One slot's factors [..., K·r] from its pages (lora.gather_pages): one program per
-    target set, whatever the rank (K is every slot's page count). One program per leaf
-    compiled 2.2× as long over the test suite (465 programs, 11.4 s, against 85, 5.1 s):
-    reads meet few target sets, writes many ranks."""
-    return {
-        m: {k: lora_lib.gather_pages(k, x, pages_K[None])[0] for k, x in ab.items()}
-        for m, ab in tree.items()
-    }
+def read_pages(which: str, x_P, pages_K):
+    """One table leaf's factor of one slot [..., K·r] from its pages (lora.gather_pages; K
+    is every slot's page count, so the program depends on neither the adapter's rank nor
+    its targets); jitted per table leaf."""
+    return lora_lib.gather_pages(which, x_P, pages_K[None])[0]
 
 
 def take_rows(tree, rows):
@@ -121,24 +116,3 @@ def put_rows(tree, rows, v):
 
 def read_count(count, slot):
     return count[slot]
-
-
-def export_slot(mesh, specs, tables, slot, pages_K, *, rank, targets, expert_lora):
-    """One slot of (weights, mu, nu, count) at its own rank over its targets, each factor
-    sharded like its table without the slot axis (specs: lora.slot_specs); jitted with
-    rank, targets and expert_lora static."""
-    weights, mu, nu, count = tables
-
-    def one(tree):
-        out = {}
-        for m in targets:
-            out[m] = {}
-            for which in lora_lib.expert_keys(m, expert_lora):
-                x = lora_lib.gather_pages(which, tree[m][which], pages_K[None])[0]
-                y = lora_lib.at_rank(which, x, rank)
-                spec = NamedSharding(mesh, sans_slot(specs[m][which]))
-                out[m][which] = jax.lax.with_sharding_constraint(y, spec)
-        return out
-
-    rep = NamedSharding(mesh, P())
-    return one(weights), one(mu), one(nu), jax.lax.with_sharding_constraint(count[slot], rep)

@@ -439,8 +439,9 @@ class Trainer:
 
     def _warm_slot_writes(self) -> None:
         """Create, copy, offload and restore an adapter of every page count (targeting
-        every module): the slot writes compile one program per table leaf and page count
-        (AdapterState), so later adapters of any rank and targets compile nothing there."""
+        every module): the slot writes and reads compile one program per table leaf and
+        page count (AdapterState), so later adapters of any rank and targets compile
+        nothing there, nor in save_state."""
         step = self.state.page_rank
         for rank in range(step, self.max_rank + 1, step):
             extra = self.create_adapter(rank=rank)

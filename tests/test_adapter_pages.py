@@ -271,20 +271,21 @@ def test_offload_restore_and_snapshots_keep_every_adapter_exact():
             np.testing.assert_array_equal(got[k], ref[s][k], err_msg=f"{s} {k}")
 
 
-def test_slot_writes_compile_per_leaf_and_page_count_and_free_pages_stay_zero():
-    """An adapter's factors are written and copied one table leaf at a time
-    (AdapterState.install / copy, adapter_tables.write_pages / copy_pages), host arrays
-    padded to whole pages: once an adapter of each page count has been installed, restored
-    and copied, adapters of any other rank and target set — created, installed with their
-    moments and gradient, restored after an offload, copied as a sampler snapshot — trace
-    and compile nothing (the whole-slot program compiled per rank and target set: a stall
-    for every tenant whenever one chose a new rank; reads still compile per target set,
-    so the offload is left out of what is counted). install
+def test_slot_writes_compile_per_leaf_and_page_count_and_free_pages_stay_zero(tmp_path):
+    """An adapter's factors are written, copied and read one table leaf at a time
+    (AdapterState.install / copy / read, adapter_tables.write_pages / copy_pages /
+    read_pages), host arrays padded to whole pages: once an adapter of each page count has
+    been installed, offloaded, restored and copied, adapters of any other rank and target
+    set — created, installed with their moments and gradient, offloaded and restored,
+    copied as a sampler snapshot, saved as a checkpoint — trace and compile nothing (the
+    whole-slot programs compiled per rank and target set, and orbax's replica-parallel
+    writes a slice per array shape: a stall for every tenant whenever one chose a new rank
+    or target set; at tp = 2, so that shards have replicas). install
     writes only the factors it is given, so it relies on free pages being zero: narrow
     adapters placed on the pages wide ones trained and freed read zero in every module
     they do not target and beyond their rank, in all four tables."""
     cfg = jcp.QwenConfig.tiny()
-    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 1), max_adapters=5, max_rank=16)
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 2), max_adapters=5, max_rank=16)
     assert (tr.state.page_rank, tr.state.pages_per_slot) == (8, 2)
     data = H.random_data((12, 9), seed=3)
     wide = [tr.create_adapter(rank=r, seed=r) for r in (16, 8)]  # 2 pages, then 1
@@ -318,9 +319,21 @@ def test_slot_writes_compile_per_leaf_and_page_count_and_free_pages_stay_zero():
 
     slots, events = H.traces_and_compiles(slot_writes)
     assert events == [], events
-    saved = tr.offload_adapter(0)
+    saved, events = H.traces_and_compiles(lambda: tr.offload_adapter(0))
+    assert events == [], events
     slots["restored"], events = H.traces_and_compiles(lambda: tr.restore_adapter(saved))
     assert events == [], events
+    exported, events = H.traces_and_compiles(lambda: tr.state.export(slots["restored"]))
+    assert events == [], events
+    _, events = H.traces_and_compiles(lambda: tr.save_state(slots["restored"], tmp_path / "c"))
+    assert events == [], events
+    assert int(exported.count) == 4
+    for name in ("weights", "mu", "nu"):
+        for m, ab in given[name].items():
+            for k, v in ab.items():
+                x = getattr(exported, name)[m][k]
+                assert x.sharding == tr.state.layout(info)[m][k].sharding, (m, k)
+                np.testing.assert_array_equal(np.asarray(x), v, err_msg=f"export {name} {m} {k}")
     # What was given reads back exactly; the copy holds its source's weights, fresh state.
     restored = slots["restored"]
     assert int(tr.state.tables()["count"][restored]) == 4
