@@ -1,9 +1,10 @@
 """What a tenant's new adapter costs the worker: create_adapter of a sequence of (rank,
 target set) kinds on one Trainer — seconds and XLA compiles of each first call, then of a
-copy (a sampler snapshot), an offload + restore and a checkpoint (save_state) of each — and
+copy (a sampler snapshot), an offload + restore and a checkpoint (save_state, then
+load_state) of each — and
 optim_step's first call (it compiles) and its median step.
 
-Every create, copy, restore and save is timed on its first call of its kind, as a tenant's
+Every create, copy, restore, save and load is timed on its first call of its kind, as a tenant's
 first request meets it; the compiles are counted from JAX's own events. In one process, tiny
 model, --mesh of fake CPU devices.
 
@@ -57,7 +58,8 @@ def main(argv=None) -> dict:
     print(f"mesh {a.mesh}, max_rank {a.max_rank}, page rank {tr.state.page_rank}")
     print(
         f"{'rank':>4} {'targets':>9} {'create s':>9} {'comp':>4} {'copy s':>7} {'comp':>4} "
-        f"{'offload+restore s':>17} {'comp':>4} {'save s':>7} {'comp':>4}"
+        f"{'offload+restore s':>17} {'comp':>4} {'save s':>7} {'comp':>4} {'load s':>7} "
+        f"{'comp':>4}"
     )
     folder = tempfile.TemporaryDirectory(prefix="jcp-slot-writes-")
     for i, (rank, targets) in enumerate(KINDS):
@@ -69,6 +71,8 @@ def main(argv=None) -> dict:
         slot, t_back, c_back = timed(lambda: tr.restore_adapter(tr.offload_adapter(slot)))
         path = os.path.join(folder.name, str(i))
         _, t_save, c_save = timed(lambda: tr.save_state(slot, path))
+        tr.delete_adapter(slot)
+        slot, t_load, c_load = timed(lambda: tr.load_state(path))
         tr.delete_adapter(slot)
         rows.append(
             dict(
@@ -82,11 +86,14 @@ def main(argv=None) -> dict:
                 back_compiles=c_back,
                 save_s=t_save,
                 save_compiles=c_save,
+                load_s=t_load,
+                load_compiles=c_load,
             )
         )
         print(
             f"{rank:>4} {targets:>9} {t_create:9.3f} {c_create:4d} {t_copy:7.3f} "
-            f"{c_copy:4d} {t_back:17.3f} {c_back:4d} {t_save:7.3f} {c_save:4d}"
+            f"{c_copy:4d} {t_back:17.3f} {c_back:4d} {t_save:7.3f} {c_save:4d} "
+            f"{t_load:7.3f} {c_load:4d}"
         )
     folder.cleanup()
 

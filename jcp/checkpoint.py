@@ -485,8 +485,11 @@ def load_state(
         )["state"]
     except Exception as e:  # orbax and TensorStore raise many types for damaged files
         raise InputError(f"{vpath}: cannot read the arrays ({_brief(e)})") from None
-    for name, x in _flat(restored).items():
-        value = gather(x)
+    # The whole values on every process (gather is a collective): checked, then installed
+    # as host arrays, which AdapterState pads to whole pages on the host — device arrays
+    # of the checkpoint's rank were padded in a program per rank and leaf.
+    values = jax.tree.map(gather, restored)
+    for name, value in _flat(values).items():
         if _digest(value) != meta["arrays"][name]["sha256"]:
             raise InputError(
                 f"{vpath}: array {name} does not match the sha256 recorded when "
@@ -497,7 +500,7 @@ def load_state(
                 f"{vpath}: array {name} holds invalid values (non-finite or a negative step count)"
             )
     if with_optimizer:
-        count = int(np.asarray(restored["count"].addressable_data(0)))
-        state.install(slot, info, restored["weights"], restored["mu"], restored["nu"], count)
+        count = int(values["count"])
+        state.install(slot, info, values["weights"], values["mu"], values["nu"], count)
     else:
-        state.install(slot, info, restored["weights"])
+        state.install(slot, info, values["weights"])

@@ -277,15 +277,16 @@ def test_slot_writes_compile_per_leaf_and_page_count_and_free_pages_stay_zero(tm
     read_pages), host arrays padded to whole pages: once an adapter of each page count has
     been installed, offloaded, restored and copied, adapters of any other rank and target
     set — created, installed with their moments and gradient, offloaded and restored,
-    copied as a sampler snapshot, saved as a checkpoint — trace and compile nothing (the
-    whole-slot programs compiled per rank and target set, and orbax's replica-parallel
-    writes a slice per array shape: a stall for every tenant whenever one chose a new rank
-    or target set; at tp = 2, so that shards have replicas). install
+    copied as a sampler snapshot, saved as a checkpoint and loaded back — trace and compile
+    nothing (the whole-slot programs compiled per rank and target set, orbax's
+    replica-parallel writes a slice per array shape, and a load padded the checkpoint's
+    device arrays in a program per rank: a stall for every tenant whenever one chose a new
+    rank or target set; at tp = 2, so that shards have replicas). install
     writes only the factors it is given, so it relies on free pages being zero: narrow
     adapters placed on the pages wide ones trained and freed read zero in every module
     they do not target and beyond their rank, in all four tables."""
     cfg = jcp.QwenConfig.tiny()
-    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 2), max_adapters=5, max_rank=16)
+    tr = jcp.Trainer(cfg, jcp.make_mesh(1, 1, 2), max_adapters=6, max_rank=16)
     assert (tr.state.page_rank, tr.state.pages_per_slot) == (8, 2)
     data = H.random_data((12, 9), seed=3)
     wide = [tr.create_adapter(rank=r, seed=r) for r in (16, 8)]  # 2 pages, then 1
@@ -327,6 +328,14 @@ def test_slot_writes_compile_per_leaf_and_page_count_and_free_pages_stay_zero(tm
     assert events == [], events
     _, events = H.traces_and_compiles(lambda: tr.save_state(slots["restored"], tmp_path / "c"))
     assert events == [], events
+    loaded, events = H.traces_and_compiles(lambda: tr.load_state(tmp_path / "c"))
+    assert events == [], events
+    for name in ("weights", "mu", "nu"):
+        got = tr.state.read(loaded, name)
+        for m, ab in given[name].items():
+            for k, v in ab.items():
+                np.testing.assert_array_equal(got[m][k], v, err_msg=f"load {name} {m} {k}")
+    tr.delete_adapter(loaded)
     assert int(exported.count) == 4
     for name in ("weights", "mu", "nu"):
         for m, ab in given[name].items():
