@@ -454,8 +454,8 @@ class AdapterState:
 
     def _write_leaf(self, m: str, which: str, x_P, pages_K, v):
         """write_pages of one leaf: a host array comes zero-padded to whole pages, so its
-        program does not depend on the adapter's rank (a device array, from a checkpoint,
-        is padded in the program)."""
+        program does not depend on the adapter's rank (a device array is padded in the
+        program, one per shape: every caller in jcp passes host arrays)."""
         if not isinstance(v, jax.Array):
             v = np.asarray(v)
             pad = rank_padding(which, v.shape, pages_K.shape[0], self.page_rank)
