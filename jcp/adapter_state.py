@@ -330,7 +330,8 @@ class AdapterState:
         info = self._infos[slot]
         layout = self.layout(info)
         values = {which: self.read(slot, which) for which in ("weights", "mu", "nu")}
-        values["count"] = host(self._read_count(self._count, slot))  # offload's program
+        count = self._read_count(self._count, slot)  # offload's program, replicated
+        values["count"] = host(count)
 
         def placed(tree):
             return {
@@ -343,7 +344,6 @@ class AdapterState:
                 for m, ab in tree.items()
             }
 
-        count = jax.device_put(values["count"], NamedSharding(self.mesh, P()))
         return SlotState(
             placed(values["weights"]), placed(values["mu"]), placed(values["nu"]), count, values
         )

@@ -127,8 +127,8 @@ def _one_rank(pcs: Pieces) -> bool:
     """Whether the stream is its cp axis's only rank (cp = 1). There a datum's local
     positions are all of them, in order (the zigzag layout at cp = 1 is the identity,
     batch.pack and the engine's streams place each datum in one run), so every piece
-    starts its datum and nothing comes in from another: the exchange and the composition
-    are skipped. A stream outside shard_map (axis None) may hold one datum's pieces apart,
+    starts its datum and nothing comes in from another: the composition (_incoming) and
+    the delta rule's pass 1 are skipped. A stream outside shard_map (axis None) may hold one datum's pieces apart,
     and keeps them."""
     return pcs.axis is not None and jax.lax.axis_size(pcs.axis) == 1
 
@@ -143,7 +143,12 @@ def _incoming(pcs: Pieces, out_of, own_X, zero):
     predecessor is the piece just before it there. Its backward keeps one summary per
     piece (the carries) — [CP·P, …] once, where composing by Jacobi iterations over the
     whole table (2·CP of them, the longest chain) kept 2·CP copies, which grew as cp².
+    On one rank (_one_rank) no piece has a predecessor: each receives `zero`, no scan.
     """
+    if _one_rank(pcs):
+        p = pcs.end_P.shape[0]
+        inc = jax.tree.map(lambda z: jnp.broadcast_to(z, (p,) + z.shape), zero)
+        return inc, jax.vmap(out_of, in_axes=(None, 0))(zero, own_X)
     order = pcs.order_X
     has = jnp.take(pcs.pred_X, order) >= 0
 
@@ -184,7 +189,7 @@ def causal_conv(x_SxC, w_KxC, pcs: Pieces, hand_out: bool = False):
     rows = pcs.end_P[:, None] - back[None, :]
     tail_PxHxC = x32[jnp.clip(rows, 0, s_len - 1)]
     len_x = pcs.length_X
-    tail_x = None if _one_rank(pcs) else _gather(tail_PxHxC, pcs.axis)
+    tail_x = _gather(tail_PxHxC, pcs.axis)
 
     def out_of(inc_HxC, own):
         """A piece's last Kc − 1 inputs: its own, preceded by its incoming halo's."""
@@ -194,11 +199,7 @@ def causal_conv(x_SxC, w_KxC, pcs: Pieces, hand_out: bool = False):
         return jnp.where(inside[:, None], tail_HxC, inc_HxC[src])
 
     zero = jnp.zeros((halo, x_SxC.shape[1]), jnp.float32)
-    if _one_rank(pcs):  # every piece starts its datum (_one_rank): zeros come in
-        inc_PxHxC = jnp.zeros((pcs.end_P.shape[0], halo, x_SxC.shape[1]), jnp.float32)
-        window_PxHxC = jax.vmap(out_of, in_axes=(None, 0))(zero, (tail_PxHxC, pcs.length_P))
-    else:
-        inc_PxHxC, window_PxHxC = _incoming(pcs, out_of, (tail_x, len_x), zero)
+    inc_PxHxC, window_PxHxC = _incoming(pcs, out_of, (tail_x, len_x), zero)
     # Each token's offset in its piece; lag l reads x[t − l] inside the piece, else the
     # incoming halo's row halo − (l − offset).
     t = jnp.arange(s_len)

@@ -283,19 +283,6 @@ def test_cp_equals_cp1_and_each_datum_alone(lengths, cp, s_len, chunk):
     np.testing.assert_allclose(gw, gw1, atol=2e-5)
 
 
-def _scans(jaxpr) -> int:
-    """lax.scan equations in a jaxpr, its sub-jaxprs' included."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == "scan"
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    n += _scans(inner)
-    return n
-
-
 def test_one_rank_runs_the_kernel_once_and_composes_nothing():
     """At cp = 1 every piece starts its datum, so the rule's pass 1 and both compositions
     (the delta rule's transitions, the conv's halos) are skipped: one block scan, where
@@ -309,7 +296,7 @@ def test_one_rank_runs_the_kernel_once_and_composes_nothing():
         seg, pos = _layout(lengths, cp, s_len * 2 // cp)
         ins = [np.zeros((1, cp, seg.shape[1]) + data[0][n].shape[1:], np.float32) for n in "qkvgbx"]
         jaxpr = jax.make_jaxpr(_cp_program(cp, 4, len(lengths)))(seg[None], pos[None], *ins, w)
-        counts[cp] = _scans(jaxpr.jaxpr)
+        counts[cp] = str(jaxpr).count(" scan[")  # nested jaxprs included
     assert counts == {1: 1, 2: 4}, counts
 
 
