@@ -8,8 +8,9 @@ asyncio driver (httpx for bob, aiohttp for alice; raw Tinker routes) with two te
   each timed from its POST to its result (retrieve_future).
 - alice, the neighbour, the worst load the bounds allow, all at once: big samples
   (--max-num-samples sequences to the end of the context), a burst of small samples up to
-  her futures, forward passes of --max-datums datums of the longest sequences that fit the
-  body bound, and a stream of hostile bodies the edge must refuse (a sparse
+  her futures, forward passes (--neighbour-backward: forward_backward passes) of
+  --max-datums datums of the longest sequences that fit the body bound, and a stream of
+  hostile bodies the edge must refuse (a sparse
   target_prompt_logprobs naming a huge shape, a list of 200,000 bad tokens, JSON nested
   10,000 deep, a zstd bomb, out-of-window seq_ids).
 
@@ -36,7 +37,7 @@ program holds every draw kind (longer compiles), 60 s no longer covers them eith
 compile).
 
     python benchmarks/noisy_neighbour.py [--seconds 20] [--rate 4] [--settle 240]
-        [--neighbour-nice 19] [--smoke]
+        [--neighbour-nice 19] [--neighbour-backward] [--smoke]
 """
 
 from __future__ import annotations
@@ -94,6 +95,13 @@ def parse_args(argv):
         type=lambda s: s.split(","),
         default=["samples", "burst", "forwards", "refused"],
         help="what the neighbour sends, of samples,burst,forwards,refused",
+    )
+    p.add_argument(
+        "--neighbour-backward",
+        action="store_true",
+        help="the neighbour's big passes are forward_backward (default: forward only): "
+        "each micro-batch is then about three times as long, and the server runs it in "
+        "two halves (docs/serving.md, 'Fairness across tenants')",
     )
     p.add_argument(
         "--neighbour-nice",
@@ -272,7 +280,7 @@ async def hostile(url: str, st: dict, a, vocab: int, ctx: int, stop) -> dict:
     length = max(16, min(ctx - 1, a.max_body_bytes // (a.max_datums * 20)))
     # Encoded once: the driver's own CPU must not be what slows anyone. A forward's seq_id
     # goes in front of its body (protobuf merges: the prefix's seq_id stands).
-    big_fb = fb_body("", 0, a.max_datums, length, vocab, 0)
+    big_fb = fb_body("", 0, a.max_datums, length, vocab, 0, forward_only=not a.neighbour_backward)
 
     def big_sample(max_tokens: int) -> list:  # [(body, headers), max_tokens]
         return [json_body(sample(st["sampler"], prompt, a.max_num_samples, max_tokens)), max_tokens]
@@ -503,7 +511,8 @@ def main(argv=None) -> dict:
     print(
         f"jcp-serve at {url} (started in {time.monotonic() - t0:.0f} s); phases of "
         f"{a.seconds:g} s, victim at {a.rate:g} requests/s, neighbour's driver at nice "
-        f"{a.neighbour_nice}",
+        f"{a.neighbour_nice}, her big passes "
+        + ("forward_backward" if a.neighbour_backward else "forward only"),
         flush=True,
     )
     try:

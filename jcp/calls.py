@@ -66,11 +66,16 @@ class Steps:
     bit. Between steps, other Trainer calls may run if none of them touches this call's
     adapters (their gradient rows are restored on failure, a copy taken on entry). A
     step that raises (a non-finite loss or gradient: InputError) has rolled the call's
-    accumulation back; `close()` before the end does the same.
+    accumulation back; `close()` before the end does the same. With `halves` set, a
+    forward_backward micro-batch takes two steps where it can: its forward pass, then its
+    backward pass and accumulation (StepPrograms.first_half), the same results bit for bit.
     """
 
-    def __init__(self, gen, passes: int):
+    def __init__(self, gen, passes: int, halves: bool = False):
         self._gen, self.passes = gen, passes
+        # Whether each later micro-batch of a forward_backward runs in two steps where it
+        # can (Trainer.forward_backward_steps); settable between steps.
+        self.halves = halves
         self.done, self.output = False, None
         self._dispatched: list = []
 

@@ -65,6 +65,17 @@ def program_bytes(compiled) -> int:
     )
 
 
+def placed_bytes(args) -> int:
+    """Per-device bytes of the arrays in `args` as placed (host arrays: their size)."""
+    placed = 0
+    for x in jax.tree.leaves(args):
+        if isinstance(x, jax.Array):
+            placed += int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+        else:
+            placed += np.asarray(x).nbytes
+    return placed
+
+
 def estimate(cfg: QwenConfig, s_len: int, tp: int, max_rank: int, args) -> int:
     """An estimate of a forward_backward program's per-device bytes without recomputation,
     compiling nothing: its arguments as placed (weights, slot tables, the batch), plus what
@@ -76,12 +87,7 @@ def estimate(cfg: QwenConfig, s_len: int, tp: int, max_rank: int, args) -> int:
     LoRA products (rank R) — plus the log-prob chunk's fp32 logits and their gradient. The
     coefficients are fitted to XLA's memory analysis of small Qwen3 shapes (fp32 and bf16,
     tp 1 and 2), which it matches within MARGIN (tests/test_trainer_config.py checks it)."""
-    placed = 0
-    for x in jax.tree.leaves(args):
-        if isinstance(x, jax.Array):
-            placed += int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-        else:
-            placed += np.asarray(x).nbytes
+    placed = placed_bytes(args)
     heads = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // tp
     mlp = (
         cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size

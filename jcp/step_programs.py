@@ -57,6 +57,7 @@ class StepPrograms:
         self.sums_on_host = host_sum.sums_on_host(mesh)
         self.compiled: dict = {}
         self.decisions: dict = {}
+        self.halves_fit: dict = {}  # key -> whether first_half runs that program in halves
 
     @functools.cached_property
     def host_step(self) -> host_sum.HostSummedStep:
@@ -88,7 +89,12 @@ class StepPrograms:
         shapes (with remat="auto", the one `decide` picks); step_args and static as
         `forward`'s."""
         args = (acc, lora, *step_args)
-        _, _, batch, loss_cfg, custom_args = step_args
+        return self.compiled[self._program_key(args, static)](*args)
+
+    def _program_key(self, args: tuple, static: train_step.BatchStatics):
+        """The key of forward_backward's program for args (acc, lora, *step_args), compiled
+        (and its remat decided) here if it is new."""
+        _, _, batch, loss_cfg, custom_args = args[2:]
         # Everything the compiled program is specialised on: the per-call arguments' tree and
         # every leaf's shape and dtype (2-D targets, custom inputs), and the static arguments.
         per_call = (batch, loss_cfg, custom_args)
@@ -102,7 +108,48 @@ class StepPrograms:
         )
         if key not in self.compiled:
             self.compiled[key], self.decisions[key] = self._compile(key, args, static)
-        return self.compiled[key](*args)
+        return key
+
+    def first_half(self, acc, lora, step_args: tuple, static: train_step.BatchStatics):
+        """The first of forward_backward's two programs (train_step.
+        make_forward_backward_halves) -> a handle for `second_half`; or None where the pass
+        runs whole: not a folded pass (halves_apply), host-summed, or one whose program
+        would not fit the memory budget twice beside its arguments (the residuals the
+        first half leaves wait on the device while another program runs). The remat
+        decision is forward_backward's for the same batch."""
+        params, slot_meta, batch, loss_cfg, _ = step_args
+        if self._on_host(static) or not train_step.halves_apply(
+            self.cfg, static.custom, slot_meta, batch.active
+        ):
+            return None
+        args = (acc, lora, *step_args)
+        key = self._program_key(args, static)
+        if key not in self.halves_fit:
+            need = self.decisions[key]["bytes"]
+            if need is None:  # remat set by hand: XLA's measure of the program
+                need = remat_lib.program_bytes(self.compiled[key])
+            # What the program holds beyond its arguments (temporaries and outputs), twice:
+            # the first half's residuals, and another program of that size beside them.
+            placed = remat_lib.placed_bytes(args)
+            self.halves_fit[key] = placed + 2 * (need - placed) <= self.budget_bytes()
+        if not self.halves_fit[key]:
+            return None
+        first, second = self.halves(self.decisions[key]["remat"])
+        held = first(lora, params, slot_meta, batch, loss_cfg, static=static)
+        return second, held, batch, static
+
+    def second_half(self, acc, slot_meta, half) -> tuple:
+        """The second program of `first_half`'s handle -> (acc + grad, loss, out,
+        finite_A), as forward_backward returns them; acc donated. slot_meta: the slot
+        header as it is now (a slot written since the first half donated the old one)."""
+        second, (losses_DPxCP, pull), batch, static = half
+        return second(acc, losses_DPxCP, pull, slot_meta, batch, static=static)
+
+    def halves(self, remat: bool) -> tuple:
+        """train_step.make_forward_backward_halves of this model and mesh with `remat`."""
+        return train_step.make_forward_backward_halves(
+            self.cfg, self.mesh, dataclasses.replace(self.step_cfg, remat=remat)
+        )
 
     def _on_host(self, static: train_step.BatchStatics) -> bool:
         return self.sums_on_host and train_step.folds_outputs(self.cfg, static.custom)

@@ -206,7 +206,15 @@ def folds_outputs(cfg: QwenConfig, custom) -> bool:
 
 def _folded_value_and_grad(p: PassConfig, lora_active, params, slot_meta, batch: Batch, loss_cfg):
     """(gradient w.r.t. lora_active, loss, ShardOutputs) — _loss_and_outputs and its
-    gradient, with the outputs summed over (dp, cp) in the backward pass's one all-reduce.
+    gradient, with the outputs summed over (dp, cp) in the backward pass's one all-reduce
+    (_folded_vjp, then _folded_pull).
+    """
+    losses_DPxCP, pull = _folded_vjp(p, lora_active, params, slot_meta, batch, loss_cfg)
+    return _folded_pull(p, losses_DPxCP, pull, batch)
+
+
+def _folded_vjp(p: PassConfig, lora_active, params, slot_meta, batch: Batch, loss_cfg):
+    """(each shard's loss [DP, CP], the pullback) of _folded_value_and_grad's forward pass.
 
     The loss and outputs are only read, never differentiated, so nothing in the forward
     pass needs their sum: each shard's parts (losses.shard_loss(summed=False)) become the
@@ -240,9 +248,14 @@ def _folded_value_and_grad(p: PassConfig, lora_active, params, slot_meta, batch:
             lora_active, sink, params, slot_meta, batch, loss_cfg
         )
 
-    losses_DPxCP, vjp = jax.vjp(losses_of, lora_active, jnp.zeros(size, jnp.float32))
-    grads, sums = vjp(jnp.ones_like(losses_DPxCP))
-    loss, out = losses_lib.shard_outputs(split_parts(sums, part_shapes(batch, num_slots)))
+    return jax.vjp(losses_of, lora_active, jnp.zeros(size, jnp.float32))
+
+
+def _folded_pull(p: PassConfig, losses_DPxCP, pull, batch: Batch):
+    """(gradient, loss, ShardOutputs) from _folded_vjp's pullback: the backward pass, whose
+    all-reduce also sums the outputs."""
+    grads, sums = pull(jnp.ones_like(losses_DPxCP))
+    loss, out = losses_lib.shard_outputs(split_parts(sums, part_shapes(batch, p.num_slots)))
     return grads, loss, out
 
 
@@ -519,6 +532,56 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig, fold: boo
         return acc, loss, out, finite_A
 
     return forward_backward
+
+
+def halves_apply(cfg: QwenConfig, custom, slot_meta, active_A) -> bool:
+    """Whether a forward_backward pass may run as make_forward_backward_halves' two
+    programs: the folded pass (folds_outputs) over gathered factors, not a paged one."""
+    return folds_outputs(cfg, custom) and not pages_in_place(cfg, custom, slot_meta, active_A)
+
+
+@shared
+def make_forward_backward_halves(cfg: QwenConfig, mesh, step_cfg: StepConfig):
+    """forward_backward as two programs, (first, second), for a pass where halves_apply:
+
+    - jit(first)(lora, params, slot_meta, batch, loss_cfg, *, static) -> (each shard's loss
+      [DP, CP], the pullback): the forward pass, its residuals held as device arrays;
+    - jit(second)(acc, losses, pullback, slot_meta, batch, *, static) -> (acc + grad, loss,
+      out, finite_A), acc donated: the backward pass, the outputs' sum and the accumulation
+      (the pass's own slots keep their pages in between).
+
+    The same operations as make_forward_backward's folded pass, so the same results bit for
+    bit (tests/test_trainer.py, test_steps_with_other_calls_between_equal_one_call). A
+    caller may run other programs between the two (jcp-serve runs another tenant's work
+    there: each of the two holds the device about half as long as the whole), slot writes
+    among them (create, optim_step), which donate the adapter tables and the slot header:
+    the pullback holds arrays `first` computed (the factors are gathered into new ones),
+    and an input it would hold as it is, the base weights aside (never donated), is copied
+    — none is today, so the copy costs nothing; it keeps a later change from holding a
+    table a slot write then deletes. `second` takes the header as it is then.
+    """
+    options = compiler_options(mesh)
+
+    @functools.partial(jax.jit, static_argnames=("static",), compiler_options=options)
+    def first(lora, params, slot_meta, batch, loss_cfg, *, static: BatchStatics):
+        p = PassConfig(cfg, mesh, step_cfg, static.loss_fns, static.num_slots)
+        active = lora_lib.take_active(
+            used_modules(lora, static.modules), slot_meta.page_GK, batch.active
+        )
+        losses_DPxCP, pull = _folded_vjp(p, active, params, slot_meta, batch, loss_cfg)
+        own = {id(x) for x in jax.tree.leaves((lora, slot_meta, batch, loss_cfg))}
+        return losses_DPxCP, jax.tree.map(lambda x: jnp.copy(x) if id(x) in own else x, pull)
+
+    @functools.partial(
+        jax.jit, static_argnames=("static",), donate_argnums=(0,), compiler_options=options
+    )
+    def second(acc, losses_DPxCP, pull, slot_meta, batch, *, static: BatchStatics):
+        p = PassConfig(cfg, mesh, step_cfg, static.loss_fns, static.num_slots)
+        grads, loss, out = _folded_pull(p, losses_DPxCP, pull, batch)
+        acc, finite_A = accumulate(acc, slot_meta, lora_lib.untake_active(grads), batch.active)
+        return acc, loss, out, finite_A
+
+    return first, second
 
 
 def accumulate(acc, slot_meta, grads, active_A):

@@ -281,14 +281,30 @@ class Trainer:
             hybrid=self.cfg.is_hybrid,
         )
 
-    def _run(self, data, loss_fn, loss_fn_config, adapters, backward: bool, keep: bool = True):
-        steps = self._steps(data, loss_fn, loss_fn_config, adapters, backward, keep)
+    def _run(
+        self,
+        data,
+        loss_fn,
+        loss_fn_config,
+        adapters,
+        backward: bool,
+        keep: bool = True,
+        halves: bool = False,
+    ):
+        steps = self._steps(data, loss_fn, loss_fn_config, adapters, backward, keep, halves)
         while not steps.step():
             pass
         return steps.output
 
     def _steps(
-        self, data, loss_fn, loss_fn_config, adapters, backward: bool, keep: bool = True
+        self,
+        data,
+        loss_fn,
+        loss_fn_config,
+        adapters,
+        backward: bool,
+        keep: bool = True,
+        halves: bool = False,
     ) -> Steps:
         checked, packed, cfg_arrays = self._prepare(data, loss_fn, loss_fn_config, adapters)
         custom = loss_fn if isinstance(loss_fn, custom_loss_lib.CustomLoss) else None
@@ -302,7 +318,8 @@ class Trainer:
             targeted |= set(lora_lib.EXPERT)
         modules = tuple(m for m in self.state.weights if m in targeted)
 
-        def step(pb, accumulate):
+        def batch_args(pb) -> tuple:
+            """(step_args, static) of one micro-batch, its arrays placed."""
             b = calls.device_batch(self.mesh, pb, call_tokens)
             custom_args = tuple(
                 (replicate(self.mesh, idx), tuple(replicate(self.mesh, x) for x in inputs))
@@ -315,7 +332,10 @@ class Trainer:
                 {k: loss_cfg[k] for k in pb.loss_fns},
                 custom_args,
             )
-            static = train_step.BatchStatics(pb.loss_fns, pb.num_slots, custom, modules)
+            return args, train_step.BatchStatics(pb.loss_fns, pb.num_slots, custom, modules)
+
+        def step(pb, accumulate):
+            args, static = batch_args(pb)
             if accumulate is None:
                 return self.programs.forward(self.state.weights, args, static) + (None,)
             return accumulate(
@@ -324,18 +344,36 @@ class Trainer:
                 )
             )
 
+        def first_half(pb, accumulate):
+            """The micro-batch's first half (StepPrograms.first_half), or None."""
+            args, static = batch_args(pb)
+            # The accumulators pass through unchanged: the first half only reads its key.
+            return accumulate(
+                lambda acc: (acc, self.programs.first_half(acc, self.state.weights, args, static))
+            )
+
         def dispatch(accumulate):
             # Micro-batches are dispatched ahead of reading any result back, so the device
             # never waits on a host transfer, but at most MAX_IN_FLIGHT of them: dozens of
             # queued programs made XLA:CPU's collectives miss their rendezvous timeout and
-            # abort the process. Each one dispatched is a step (Steps).
+            # abort the process. Each one dispatched is a step (Steps), each half of one
+            # run in halves too.
             results = []
             for i, pb in enumerate(packed):
                 if i:
                     yield results
                 if i >= self.MAX_IN_FLIGHT:
                     jax.block_until_ready(results[i - self.MAX_IN_FLIGHT])
-                results.append(step(pb, accumulate))
+                # Only a full-length micro-batch (the longest unit; warmup compiles its
+                # halves) runs in halves.
+                full = pb.tokens.shape[-1] == self.max_tokens_per_device
+                half = first_half(pb, accumulate) if steps.halves and full else None
+                if half is None:
+                    results.append(step(pb, accumulate))
+                    continue
+                yield [*results, half[1]]
+                second = functools.partial(self.programs.second_half, slot_meta=self.state.meta)
+                results.append(accumulate(lambda acc: _split_first(second(acc, half=half))))
             return calls.outputs(checked, packed, results)
 
         def run():
@@ -344,7 +382,8 @@ class Trainer:
             with self.state.accumulating(per_datum_slots(packed), keep) as accumulate:
                 return (yield from dispatch(accumulate))
 
-        return Steps(run(), len(packed))
+        steps = Steps(run(), len(packed), halves=halves and backward)
+        return steps
 
     def forward_steps(
         self, data, loss_fn="cross_entropy", loss_fn_config=None, adapters=0
@@ -354,11 +393,18 @@ class Trainer:
         return self._steps(data, loss_fn, loss_fn_config, adapters, backward=False)
 
     def forward_backward_steps(
-        self, data, loss_fn="cross_entropy", loss_fn_config=None, adapters=0
+        self, data, loss_fn="cross_entropy", loss_fn_config=None, adapters=0, halves=False
     ) -> Steps:
         """`forward_backward`, one micro-batch at a time (Steps): refused (InputError)
-        here, before any device work, exactly as forward_backward would refuse."""
-        return self._steps(data, loss_fn, loss_fn_config, adapters, backward=True)
+        here, before any device work, exactly as forward_backward would refuse.
+
+        halves: each micro-batch in two steps where it can (StepPrograms.first_half: a
+        dense model's pass without a custom loss, whose program fits twice in the memory
+        budget) — its forward pass, then its backward pass and accumulation, as two
+        programs, with the same results bit for bit; so a caller's other work between
+        steps waits for about half a micro-batch (jcp-serve: a heavy tenant's split pass).
+        """
+        return self._steps(data, loss_fn, loss_fn_config, adapters, backward=True, halves=halves)
 
     @property
     def forward_backward_programs(self) -> dict:
@@ -401,7 +447,8 @@ class Trainer:
         For each stream length of `rows` (rows per device; None: every one, warmup_rows),
         forward_backward of zero-weight datums that fill it, with loss_fn (a loss name, or a
         tuple of names: the program of calls that mix them), on a scratch adapter that
-        targets every module; then its optim_step, and the gradient-copy programs of every
+        targets every module (at max_tokens_per_device, in halves too: the two programs
+        forward_backward_steps' halves runs); then its optim_step, and the gradient-copy programs of every
         adapter count. Each program runs WARMUP_RUNS times: XLA:CPU prepares a GEMM fusion
         (YNNPACK) when it first runs it, once per device that runs it at the same time, so
         a program run once still cost the first real step 10-20% more. Since a pass's
@@ -430,6 +477,8 @@ class Trainer:
                 data, losses = calls.filling_data(names, int(s_len), self.call_limits)
                 for _ in range(WARMUP_RUNS):
                     self.forward_backward(data, losses, adapters=scratch)
+                    if s_len == self.max_tokens_per_device:  # and its halves
+                        self._run(data, losses, None, scratch, backward=True, halves=True)
             for _ in range(WARMUP_RUNS):
                 self.optim_step(scratch)
         finally:

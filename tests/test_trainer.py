@@ -401,12 +401,15 @@ def test_micro_batches_match_single_pass(folders):
         H.assert_grads_close(g_s[n], g_b[n], RTOL, GRAD_ATOL, f"micro-batched vs single, {n}")
 
 
-def test_steps_with_other_calls_between_equal_one_call(folders):
-    """forward_backward_steps — one micro-batch per step, another adapter's
-    forward_backward, optim_step and forward run between them (jcp-serve's fair worker) —
-    gives the one call's outputs and gradients bit for bit; close() before the end rolls
-    its accumulation back."""
-    tr = H.trainer(REF, max_tokens_per_device=32)
+@pytest.mark.parametrize(("halves", "mesh"), [(False, REF), (True, (1, 2, 2))])
+def test_steps_with_other_calls_between_equal_one_call(folders, halves, mesh):
+    """forward_backward_steps — one micro-batch per step (with halves, each full-length
+    one in two: its forward, then its backward pass; at cp = tp = 2, so that the first
+    half's residuals include the ring's and tp's), another adapter's forward_backward,
+    optim_step and forward, and a create and delete, run between them (jcp-serve's fair
+    worker) — gives the one call's outputs and gradients bit for bit; close() before the
+    end (with halves, between a micro-batch's two) rolls its accumulation back."""
+    tr = H.trainer(mesh, max_tokens_per_device=32 // mesh[1])  # 32 tokens a micro-batch
     data = H.random_data((32, 32, 32, 1, 1), seed=5)
     other = H.random_data((20, 7), seed=6)
     assign = ("p", "q", "p", "q", "p")
@@ -417,24 +420,34 @@ def test_steps_with_other_calls_between_equal_one_call(folders):
             ids = H.load_adapters(tr, folders)
             r0 = tr.adapter_weights(ids["r"])
             if between:
-                steps = tr.forward_backward_steps(data, "ppo", cfg, adapters=_ids(ids, assign))
+                steps = tr.forward_backward_steps(
+                    data, "ppo", cfg, adapters=_ids(ids, assign), halves=halves
+                )
                 assert steps.passes >= 3
                 k = 0
                 while not steps.step(settle=k % 2 == 0):
                     tr.forward_backward(other, "cross_entropy", adapters=ids["r"])
                     tr.optim_step(ids["r"], jcp.AdamParams(learning_rate=1e-2))
                     tr.forward(other, "cross_entropy", adapters=ids["r"])
+                    tr.delete_adapter(tr.create_adapter(rank=2))
                     k += 1
                 out = steps.output
-                # The calls between really ran: r moved.
+                # The calls between really ran: r moved; with halves, each full-length
+                # micro-batch took two steps.
                 r1 = tr.adapter_weights(ids["r"])
-                assert k >= 2 and any(not np.array_equal(r1[m], r0[m]) for m in r0)
+                assert any(not np.array_equal(r1[m], r0[m]) for m in r0)
+                shapes = tr.pass_shapes(data, "ppo", adapters=_ids(ids, assign))
+                full = sum(s_len == tr.max_tokens_per_device for _, s_len, _, _ in shapes)
+                assert full >= 2
+                assert k + 1 == steps.passes + (full if halves else 0)
             else:
                 out = tr.forward_backward(data, "ppo", cfg, adapters=_ids(ids, assign))
             grads = {n: tr.gradients(ids[n]) for n in ("p", "q")}
             # An abandoned call leaves the accumulators as they were.
-            steps = tr.forward_backward_steps(data, "ppo", cfg, adapters=_ids(ids, assign))
-            steps.step()
+            steps = tr.forward_backward_steps(
+                data, "ppo", cfg, adapters=_ids(ids, assign), halves=halves
+            )
+            steps.step()  # with halves, the first micro-batch's forward only
             steps.close()
             for n in ("p", "q"):
                 for k, g in tr.gradients(ids[n]).items():

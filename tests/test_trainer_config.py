@@ -141,7 +141,8 @@ def test_remat_auto_decides_without_compiling_the_discarded_program(monkeypatch,
 def test_groupings_of_one_length_run_the_warmed_up_program():
     """After Trainer.warmup of a stream length, calls of that length compile no
     forward_backward program, whether one adapter holds all datums or two share them (their
-    adapter and datum counts follow the length: batch.static_counts)."""
+    adapter and datum counts follow the length: batch.static_counts), nor a call of that
+    length, max_tokens_per_device, run in halves (forward_backward_steps)."""
     from helpers import trainer_harness as H
 
     cfg = jcp.QwenConfig.tiny(num_layers=1)
@@ -153,6 +154,7 @@ def test_groupings_of_one_length_run_the_warmed_up_program():
         attn_block=16,
         logprob_chunk=16,
         remat=False,
+        max_tokens_per_device=512,
     )
     assert tr.warmup(rows=[512]) == 1
     a, b = tr.create_adapter(rank=4), tr.create_adapter(rank=2, alpha=4.0)
@@ -174,6 +176,16 @@ def test_groupings_of_one_length_run_the_warmed_up_program():
 
     _, events = H.traces_and_compiles(slot_writes)
     assert events == [], events
+
+    def in_halves():  # a heavy tenant's split pass in jcp-serve
+        steps = tr.forward_backward_steps(data * 2, adapters=[a] * 16, halves=True)
+        n = 1
+        while not steps.step():
+            n += 1
+        return n
+
+    n, events = H.traces_and_compiles(in_halves)
+    assert n == 4 and events == [], (n, events)  # two micro-batches, two steps each
 
 
 def test_warmup_call_runs_the_calls_program_and_changes_nothing(monkeypatch):

@@ -58,7 +58,11 @@ class Passes:
             if split and steps.passes > 1 and self.leader is None:
                 # This turn validated and packed the whole call (O(its datums) on the
                 # host); its first micro-batch runs at the tenant's next turn, so that
-                # another's small request waits for one of the two, not both.
+                # another's small request waits for one of the two, not both. Each
+                # forward_backward micro-batch runs in two turns where it can (its forward
+                # pass, then its backward pass: Steps.halves), so another's request waits
+                # for about half of one.
+                steps.halves = group[0].kind == "forward_backward"
                 self.splits[group[0].owner] = (group, steps, spans)
                 self.sched.split(group)
                 return

@@ -1,7 +1,8 @@
 """jcp-serve's worker is fair across tenants (docs/serving.md, "Fairness across tenants").
 
 A server whose Trainer takes 64 tokens per micro-batch: alice's forward_backward of four
-60-token datums is several micro-batches, run one per worker turn; bob's small forward,
+60-token datums is several micro-batches, run one per worker turn (each full-length one in
+two: its forward, then its backward pass); bob's small forward,
 queued behind it, runs after the first of them, not after all — and alice's results and
 accumulated gradient equal one Trainer call's, bit for bit (FCFS ran her pass whole). The scheduler's passes are
 read off its public next_work (recorded, not timed).
@@ -100,25 +101,24 @@ def test_a_small_request_runs_between_a_big_requests_micro_batches(env, monkeypa
         sched.release()
     out_a, out_b = fa.result(timeout=120), fb.result(timeout=120)
     assert np.isfinite(out_b.metrics["loss:sum"])
-    # alice's pass is handed out once per micro-batch (60-token datums, 64 tokens a
-    # micro-batch: one or two datums each); bob's comes after her first.
+    # alice's pass is handed out for its preparation, then once per micro-batch, twice
+    # for each full-length one (its forward, then its backward pass: Steps.halves); bob's
+    # comes after her first turn.
     assert turns[:2] == [("alice", ("forward_backward",)), ("bob", ("forward",))], turns
-    assert turns.count(("alice", ("forward_backward",))) >= 3, turns
+    slot = srv.store.models[alice.model_id].slot
+    big = [
+        jcp.Datum(d.model_input.to_ints(), {k: v.to_numpy() for k, v in d.loss_fn_inputs.items()})
+        for d in big
+    ]
+    shapes = tr.pass_shapes(big, adapters=slot)
+    full = sum(s_len == tr.max_tokens_per_device for _, s_len, _, _ in shapes)
+    assert len(shapes) >= 3 and full >= 2
+    assert turns.count(("alice", ("forward_backward",))) == 1 + len(shapes) + full, turns
     # One Trainer call on a copy of the slot gives the same outputs and gradient, bit for
     # bit (the server is idle: nothing else runs on the Trainer meanwhile).
-    slot = srv.store.models[alice.model_id].slot
     copy = tr.copy_adapter(slot)
     try:
-        whole = tr.forward_backward(
-            [
-                jcp.Datum(
-                    d.model_input.to_ints(), {k: v.to_numpy() for k, v in d.loss_fn_inputs.items()}
-                )
-                for d in big
-            ],
-            "cross_entropy",
-            adapters=copy,
-        )
+        whole = tr.forward_backward(big, "cross_entropy", adapters=copy)
         served, alone = tr.gradients(slot), tr.gradients(copy)
     finally:
         tr.delete_adapter(copy)
