@@ -89,6 +89,9 @@ def test_a_small_request_runs_between_a_big_requests_micro_batches(env, monkeypa
         return got
 
     monkeypatch.setattr(sched, "next_work", recorded)
+    # As if other work waited at each of her micro-batches (a sample running, a request
+    # queued): each full-length forward_backward micro-batch then runs in two turns.
+    monkeypatch.setattr(srv.worker, "contended", lambda: True)
     sched.hold()
     try:
         # The worker waits in next_work at most 1 s at a time: then it calls ours.
@@ -102,15 +105,15 @@ def test_a_small_request_runs_between_a_big_requests_micro_batches(env, monkeypa
     out_a, out_b = fa.result(timeout=120), fb.result(timeout=120)
     assert np.isfinite(out_b.metrics["loss:sum"])
     # alice's pass is handed out for its preparation, then once per micro-batch, twice
-    # for each full-length one (its forward, then its backward pass: Steps.halves); bob's
-    # comes after her first turn.
+    # for each full-length one (its forward, then its backward pass: Steps.halves, while
+    # other work waits); bob's comes after her first turn.
     assert turns[:2] == [("alice", ("forward_backward",)), ("bob", ("forward",))], turns
     slot = srv.store.models[alice.model_id].slot
-    big = [
+    datums = [
         jcp.Datum(d.model_input.to_ints(), {k: v.to_numpy() for k, v in d.loss_fn_inputs.items()})
         for d in big
     ]
-    shapes = tr.pass_shapes(big, adapters=slot)
+    shapes = tr.pass_shapes(datums, adapters=slot)
     full = sum(s_len == tr.max_tokens_per_device for _, s_len, _, _ in shapes)
     assert len(shapes) >= 3 and full >= 2
     assert turns.count(("alice", ("forward_backward",))) == 1 + len(shapes) + full, turns
@@ -118,7 +121,7 @@ def test_a_small_request_runs_between_a_big_requests_micro_batches(env, monkeypa
     # bit (the server is idle: nothing else runs on the Trainer meanwhile).
     copy = tr.copy_adapter(slot)
     try:
-        whole = tr.forward_backward(big, "cross_entropy", adapters=copy)
+        whole = tr.forward_backward(datums, "cross_entropy", adapters=copy)
         served, alone = tr.gradients(slot), tr.gradients(copy)
     finally:
         tr.delete_adapter(copy)
@@ -128,3 +131,8 @@ def test_a_small_request_runs_between_a_big_requests_micro_batches(env, monkeypa
     assert any(np.any(g != 0) for g in alone.values())
     for k in alone:
         np.testing.assert_array_equal(served[k], alone[k])
+    # Nothing else waiting: her micro-batches run whole, one turn each.
+    monkeypatch.setattr(srv.worker, "contended", lambda: False)
+    turns.clear()
+    alice.forward_backward(big, "cross_entropy").result(timeout=120)
+    assert turns.count(("alice", ("forward_backward",))) == 1 + len(shapes), turns
