@@ -281,17 +281,9 @@ class Trainer:
             hybrid=self.cfg.is_hybrid,
         )
 
-    def _run(
-        self,
-        data,
-        loss_fn,
-        loss_fn_config,
-        adapters,
-        backward: bool,
-        keep: bool = True,
-        halves: bool = False,
-    ):
-        steps = self._steps(data, loss_fn, loss_fn_config, adapters, backward, keep, halves)
+    def _run(self, *args, **kw):
+        """_steps(*args, **kw) run to the end -> its output."""
+        steps = self._steps(*args, **kw)
         while not steps.step():
             pass
         return steps.output
