@@ -442,8 +442,8 @@ class Trainer:
         forward_backward of zero-weight datums that fill it, with loss_fn (a loss name, or a
         tuple of names: the program of calls that mix them), on a scratch adapter that
         targets every module (at max_tokens_per_device, in halves too: the two programs
-        forward_backward_steps' halves runs); then its optim_step, and the gradient-copy programs of every
-        adapter count. Each program runs WARMUP_RUNS times: XLA:CPU prepares a GEMM fusion
+        forward_backward_steps' halves runs); then its optim_step, and the gradient-copy
+        programs of every adapter count. Each program runs WARMUP_RUNS times: XLA:CPU prepares a GEMM fusion
         (YNNPACK) when it first runs it, once per device that runs it at the same time, so
         a program run once still cost the first real step 10-20% more. Since a pass's
         adapter and datum counts follow its stream length (batch.static_counts), any later
