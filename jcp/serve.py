@@ -52,7 +52,7 @@ from jcp.cli import (
     setup_compilation_cache,
     setup_devices,
 )
-from jcp.server.priority import COMPUTE_NICE, lower_others
+from jcp.server.priority import COMPUTE_NICE, favour_loop
 
 # What jcp-serve's warm-up (on unless --no-warmup) compiles before it serves. Training
 # (Trainer.warmup): forward_backward with cross_entropy for adapters of every module (the
@@ -461,9 +461,15 @@ def _warm_up(srv, tr) -> None:
 
 def _serve(srv, compute_nice: int) -> int:
     """Serve in this thread until stopped, every other thread (the compute) at
-    `compute_nice`; a failed multi-process job exits 1 at once."""
+    `compute_nice` and the GIL handed over sooner (priority.favour_loop); a failed
+    multi-process job exits 1 at once."""
     srv.worker.start()
-    lower_others(compute_nice)
+    favour_loop(compute_nice)
+    print(
+        f"jcp-serve: compute threads at nice {compute_nice}, the GIL's switch interval "
+        f"{sys.getswitchinterval() * 1e3:g} ms",
+        flush=True,
+    )
     try:
         srv.run()
     finally:

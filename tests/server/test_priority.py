@@ -1,5 +1,5 @@
-"""jcp-serve's compute threads yield the cores to its HTTP event loop on a CPU host
-(jcp/server/priority.py). Host only, in a child process: a thread's nice value cannot be
+"""jcp-serve's compute threads yield the cores to its HTTP event loop on a CPU host, and
+the GIL changes hands sooner (jcp/server/priority.py). Host only, in a child process: a thread's nice value cannot be
 lowered again, and this one must not slow the rest of the suite."""
 
 from __future__ import annotations
@@ -57,3 +57,23 @@ def test_lower_others_does_nothing_at_zero():
     from jcp.server.priority import lower_others
 
     assert lower_others(0) == 0
+
+
+FAVOUR = r"""
+import json, sys
+from jcp.server.priority import SWITCH_INTERVAL_S, favour_loop
+
+before = sys.getswitchinterval()
+favour_loop(0)
+print(json.dumps({"before": before, "after": sys.getswitchinterval(), "want": SWITCH_INTERVAL_S}))
+"""
+
+
+def test_favour_loop_shortens_the_gil_switch_interval():
+    # In a child: the interval is the interpreter's, and the suite's own must stay.
+    out = subprocess.run(
+        [sys.executable, "-c", FAVOUR], capture_output=True, text=True, timeout=60, check=True
+    )
+    seen = json.loads(out.stdout)
+    assert seen["before"] > seen["want"], seen  # the default (5 ms) is longer
+    assert seen["after"] == pytest.approx(seen["want"]), seen

@@ -57,6 +57,8 @@ def test_two_processes_serve_as_one_and_fail_cleanly(tmp_path):
     try:
         single.wait_ready()
         multi.wait_ready()
+        # Process 0 serves with the loop favoured (jcp/server/priority.py).
+        assert "the GIL's switch interval 0.5 ms" in single.log(0), single.log(0)
         print(f"ready {time.monotonic() - t0:.0f} s")
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             ref_f = pool.submit(mp_serve.session, single.url, clients)
