@@ -122,6 +122,7 @@ def model_loss(
     stream: Stream,
     loss_cfg,
     opts: LossOptions,
+    after=None,
 ):
     """Model + loss of this device's stream, inside the shard_map: (loss, ShardOutputs);
     opts.summed=False (dense models only): (this shard's loss, its output parts), as
@@ -140,8 +141,15 @@ def model_loss(
     token-weighted mean of theirs; outputs.router_aux_loss holds that term's value.
     """
     segment_S, position_S = stream.segment_S, stream.position_S
-    attend = training_attend(cfg, step_cfg, segment_S, position_S)
     real_S = segment_S >= 0
+    if after is not None:  # the layers from `split` on, from the first program's h
+        split, h_SxD = after
+        run = _dense_pass(cfg, step_cfg, stream)
+        h_SxD = model_lib.hidden_span(
+            cfg, params, h_SxD, position_S, run, lora, route, start=split, stop=cfg.num_layers
+        )
+        return _loss_of(cfg, step_cfg, params, lora, route, stream, loss_cfg, opts, h_SxD)
+    attend = training_attend(cfg, step_cfg, segment_S, position_S)
     # Gated DeltaNet layers (hybrid models): a stream holds at most two pieces (zigzag
     # chunks) of each of its num_slots datums, and one padding piece.
     mix = (
@@ -159,6 +167,35 @@ def model_loss(
     h_SxD, _, stats = model_lib.hidden_states(
         cfg, params, stream.tokens_S, position_S, run, lora, route
     )
+    loss, outputs = _loss_of(cfg, step_cfg, params, lora, route, stream, loss_cfg, opts, h_SxD)
+    if stats is None:
+        return loss, outputs
+    if not opts.summed:
+        raise ValueError("model_loss(summed=False) is for dense models")
+    return _with_router_stats(cfg, step_cfg, stats, real_S, stream.call_tokens, loss, outputs)
+
+
+def first_layers(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, stream: Stream, split):
+    """A dense model's layers [0, split) of this device's stream, inside the shard_map:
+    the hidden states [S, D] that model_loss(after=(split, them)) goes on from."""
+    run = _dense_pass(cfg, step_cfg, stream)
+    return model_lib.hidden_span(
+        cfg, params, stream.tokens_S, stream.position_S, run, lora, route, start=0, stop=split
+    )
+
+
+def _dense_pass(cfg: QwenConfig, step_cfg: StepConfig, stream: Stream):
+    """How a dense model's layers run in training (model_loss's Pass, without the routing
+    records a dense model never makes)."""
+    return model_lib.decoder.Pass(
+        training_attend(cfg, step_cfg, stream.segment_S, stream.position_S),
+        remat=step_cfg.remat is True,
+        unroll=unroll_layers(cfg, step_cfg),
+    )
+
+
+def _loss_of(cfg, step_cfg, params, lora, route, stream: Stream, loss_cfg, opts, h_SxD):
+    """unembed_factors → losses.shard_loss of the final hidden states (model_loss)."""
     factors = model_lib.unembed_factors(params, h_SxD, lora, route)
     plan = losses_lib.LossPlan(
         opts.loss_fn,
@@ -168,14 +205,15 @@ def model_loss(
         keep_token_logprobs=opts.keep_token_logprobs,
         summed=opts.summed,
     )
-    loss, outputs = losses_lib.shard_loss(
-        factors, stream.targets_S, segment_S, stream.inputs, loss_cfg, plan, stream.loss_id_S
+    return losses_lib.shard_loss(
+        factors,
+        stream.targets_S,
+        stream.segment_S,
+        stream.inputs,
+        loss_cfg,
+        plan,
+        stream.loss_id_S,
     )
-    if stats is None:
-        return loss, outputs
-    if not opts.summed:
-        raise ValueError("model_loss(summed=False) is for dense models")
-    return _with_router_stats(cfg, step_cfg, stats, real_S, stream.call_tokens, loss, outputs)
 
 
 def _with_router_stats(

@@ -84,6 +84,26 @@ class StepPrograms:
             )
         return self.forward_step(lora, *step_args, static=static)
 
+    def forward_first(self, lora, step_args: tuple, static: train_step.BatchStatics):
+        """The first of forward's two programs (train_step.make_forward_halves) -> a handle
+        for `forward_second`; or None where the forward runs whole (host-summed, or not
+        forward_halves_apply). The handle holds the first half's hidden states (the size
+        of one layer's input) and the batch, not the adapter tables or the slot header: a
+        slot written in between (a create, an optim_step of another adapter) donates
+        those, and `forward_second` takes them as they are then."""
+        if self._on_host(static) or not train_step.forward_halves_apply(self.cfg, static.custom):
+            return None
+        params, slot_meta, batch, loss_cfg, _ = step_args
+        first, second = train_step.make_forward_halves(self.cfg, self.mesh, self.step_cfg)
+        h = first(lora, params, slot_meta, batch, static=static)
+        return second, h, (params, batch, loss_cfg), static
+
+    def forward_second(self, lora, slot_meta, half) -> tuple:
+        """The second program of `forward_first`'s handle -> (loss, out), as `forward`;
+        lora and slot_meta: the adapter tables and the slot header as they are now."""
+        second, h, (params, batch, loss_cfg), static = half
+        return second(lora, params, slot_meta, batch, loss_cfg, h, static=static)
+
     def forward_backward(self, acc, lora, step_args: tuple, static: train_step.BatchStatics):
         """train_step's forward_backward through the program compiled for this batch's
         shapes (with remat="auto", the one `decide` picks); step_args and static as

@@ -35,7 +35,7 @@ from jcp.config import QwenConfig
 from jcp.mesh import BATCH_AXES, SPECS
 
 # The model + loss body (jcp/model_loss.py), re-exported: the design card names train_step.
-from jcp.model_loss import LossOptions, Stream, model_loss
+from jcp.model_loss import LossOptions, Stream, first_layers, model_loss
 from jcp.model_loss import StepConfig as StepConfig
 from jcp.model_loss import training_attend as training_attend
 from jcp.model_loss import unroll_layers as unroll_layers
@@ -115,11 +115,29 @@ class PassConfig:
 
 
 def stream_loss(
-    p: PassConfig, lora_active, params, slot_meta, b: Batch, loss_cfg, pages=None, **kw
+    p: PassConfig,
+    lora_active,
+    params,
+    slot_meta,
+    b: Batch,
+    loss_cfg,
+    pages=None,
+    after=None,
+    **kw,
 ):
     """model_loss of this device's row of the batch, inside the shard_map (kw: its
     keep_token_logprobs / summed, LossOptions; pages: the lora.PageSource of lora_active's
-    PagedFactor leaves, _paged_value_and_grad's)."""
+    PagedFactor leaves, _paged_value_and_grad's; after: model_loss's, the layers from a
+    split on)."""
+    route, stream = _stream_of(p, slot_meta, b, pages)
+    opts = LossOptions(p.loss_fns, p.num_slots, **kw)
+    return model_loss(
+        p.cfg, p.step_cfg, params, lora_active, route, stream, loss_cfg, opts, after=after
+    )
+
+
+def _stream_of(p: PassConfig, slot_meta, b: Batch, pages=None):
+    """(the adapters' routing, the Stream) of this device's row of the batch."""
     one = lambda x: x[0, 0]  # noqa: E731  (this device's [S] row)
     kernel = p.step_cfg.lora_impl == "cpu"
     route = slot_meta.routing(b.active, one(b.spans), s_len=b.tokens.shape[-1], kernel=kernel)
@@ -135,8 +153,7 @@ def stream_loss(
         loss_id_S=one(b.loss_id),
         call_tokens=b.call_tokens,
     )
-    opts = LossOptions(p.loss_fns, p.num_slots, **kw)
-    return model_loss(p.cfg, p.step_cfg, params, lora_active, route, stream, loss_cfg, opts)
+    return route, stream
 
 
 def _loss_and_outputs(
@@ -148,22 +165,27 @@ def _loss_and_outputs(
     loss_cfg,
     custom=None,
     custom_args=(),
+    after=None,
 ):
     """The shard_map'd model + loss, and a custom loss after it. Returns (replicated loss,
     ShardOutputs).
 
     loss_cfg {name: {setting: scalar}} (p.loss_fns' settings); custom: the call's CustomLoss
-    (static) or None, with custom_args its datums (see custom_terms).
+    (static) or None, with custom_args its datums (see custom_terms); after: (split, the
+    hidden states [DP, CP, S, D] of layers [0, split): _forward_first's), to run the layers
+    from split on only.
     """
     cfg, mesh = p.cfg, p.mesh
+    split, h_DPxCPxSxD = after if after is not None else (None, None)
 
-    def shard(lora_active, params, slot_meta, b: Batch, loss_cfg):
+    def shard(lora_active, params, slot_meta, b: Batch, loss_cfg, h):
         loss, out = p.stream_loss(
             vary_on_entry(lora_active),
             params,
             slot_meta,
             b,
             loss_cfg,
+            after=None if h is None else (split, h[0, 0]),
             keep_token_logprobs=custom is not None,
         )
         if custom is None:
@@ -177,13 +199,14 @@ def _loss_and_outputs(
         SPECS.slot_G,
         batch_specs(),
         SPECS.replicated,
+        None if after is None else SPECS.stream_DPxCPxSxD,
     )
     loss, out, lp = jax.shard_map(
         shard,
         mesh=mesh,
         in_specs=in_specs,
         out_specs=(P(), P(), P() if custom is None else SPECS.stream_DPxCPxS),
-    )(lora_active, params, slot_meta, batch, loss_cfg)
+    )(lora_active, params, slot_meta, batch, loss_cfg, h_DPxCPxSxD)
     if custom is None:
         return loss, out
     c_loss, c_metrics = custom_terms(custom, lp, custom_args)
@@ -483,6 +506,60 @@ def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
         )
 
     return forward
+
+
+def forward_halves_apply(cfg: QwenConfig, custom) -> bool:
+    """Whether a forward runs in two programs (make_forward_halves): a dense model of two
+    layers or more, without a custom loss."""
+    return custom is None and not cfg.is_moe and not cfg.is_hybrid and cfg.num_layers > 1
+
+
+@shared
+def make_forward_halves(cfg: QwenConfig, mesh, step_cfg: StepConfig):
+    """forward as two programs, (first, second), for a pass where forward_halves_apply:
+
+    - jit(first)(lora, params, slot_meta, batch, *, static) -> the hidden states [DP, CP,
+      S, D] after the first half of the layers (model_loss.first_layers);
+    - jit(second)(lora, params, slot_meta, batch, loss_cfg, h, *, static) -> (loss, out),
+      as make_forward's forward returns them: the other layers, the head and the loss.
+
+    Each layer runs the same operations as in make_forward's one program, so the results
+    are the same (tests/test_trainer.py). A caller may run other programs between the two
+    (jcp-serve: another tenant's work, each holding the device about half as long)."""
+    options = compiler_options(mesh)
+    split = cfg.num_layers // 2
+
+    @functools.partial(jax.jit, static_argnames=("static",), compiler_options=options)
+    def first(lora, params, slot_meta, batch, *, static: BatchStatics):
+        p = PassConfig(cfg, mesh, step_cfg, static.loss_fns, static.num_slots)
+        active = lora_lib.take_active(
+            used_modules(lora, static.modules), slot_meta.page_GK, batch.active
+        )
+
+        def shard(lora_active, params, slot_meta, b: Batch):
+            route, stream = _stream_of(p, slot_meta, b)
+            h = first_layers(cfg, step_cfg, params, lora_active, route, stream, split)
+            return h[None, None]
+
+        in_specs = (
+            lora_lib.slot_specs_active(cfg, active),
+            model_lib.param_specs(cfg),
+            SPECS.slot_G,
+            batch_specs(),
+        )
+        return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=SPECS.stream_DPxCPxSxD)(
+            active, params, slot_meta, batch
+        )
+
+    @functools.partial(jax.jit, static_argnames=("static",), compiler_options=options)
+    def second(lora, params, slot_meta, batch, loss_cfg, h, *, static: BatchStatics):
+        p = PassConfig(cfg, mesh, step_cfg, static.loss_fns, static.num_slots)
+        active = lora_lib.take_active(
+            used_modules(lora, static.modules), slot_meta.page_GK, batch.active
+        )
+        return _loss_and_outputs(p, active, params, slot_meta, batch, loss_cfg, after=(split, h))
+
+    return first, second
 
 
 @shared

@@ -344,6 +344,11 @@ class Trainer:
                 lambda acc: (acc, self.programs.first_half(acc, self.state.weights, args, static))
             )
 
+        def forward_first(pb):
+            """The forward micro-batch's first half (StepPrograms.forward_first), or None."""
+            args, static = batch_args(pb)
+            return self.programs.forward_first(self.state.weights, args, static)
+
         def dispatch(accumulate):
             # Micro-batches are dispatched ahead of reading any result back, so the device
             # never waits on a host transfer, but at most MAX_IN_FLIGHT of them: dozens of
@@ -359,6 +364,15 @@ class Trainer:
                 # Only a full-length micro-batch (the longest unit; warmup compiles its
                 # halves) runs in halves.
                 full = pb.tokens.shape[-1] == self.max_tokens_per_device
+                if accumulate is None:  # a forward: its layers in two halves
+                    half = forward_first(pb) if steps.halves and full else None
+                    if half is None:
+                        results.append(step(pb, accumulate))
+                        continue
+                    yield [*results, half[1]]
+                    second = self.programs.forward_second(self.state.weights, self.state.meta, half)
+                    results.append(second + (None,))
+                    continue
                 half = first_half(pb, accumulate) if steps.halves and full else None
                 if half is None:
                     results.append(step(pb, accumulate))
@@ -374,15 +388,18 @@ class Trainer:
             with self.state.accumulating(per_datum_slots(packed), keep) as accumulate:
                 return (yield from dispatch(accumulate))
 
-        steps = Steps(run(), len(packed), halves=halves and backward)
+        steps = Steps(run(), len(packed), halves=halves)
         return steps
 
     def forward_steps(
-        self, data, loss_fn="cross_entropy", loss_fn_config=None, adapters=0
+        self, data, loss_fn="cross_entropy", loss_fn_config=None, adapters=0, halves=False
     ) -> Steps:
         """`forward`, one micro-batch at a time (Steps): refused (InputError) here, before
-        any device work, exactly as forward would refuse."""
-        return self._steps(data, loss_fn, loss_fn_config, adapters, backward=False)
+        any device work, exactly as forward would refuse. halves: each full-length
+        micro-batch of a dense model in two steps, its first half of the layers, then the
+        rest and the loss (StepPrograms.forward_first; the same results). Settable between
+        steps as `Steps.halves`."""
+        return self._steps(data, loss_fn, loss_fn_config, adapters, backward=False, halves=halves)
 
     def forward_backward_steps(
         self, data, loss_fn="cross_entropy", loss_fn_config=None, adapters=0, halves=False
@@ -442,7 +459,7 @@ class Trainer:
         forward_backward of zero-weight datums that fill it, with loss_fn (a loss name, or a
         tuple of names: the program of calls that mix them), on a scratch adapter that
         targets every module (at max_tokens_per_device, in halves too: the two programs
-        forward_backward_steps' halves runs); then its optim_step, and the gradient-copy
+        forward_backward_steps' halves runs, and the two of forward_steps'); then its optim_step, and the gradient-copy
         programs of every adapter count. Each program runs WARMUP_RUNS times: XLA:CPU prepares a GEMM fusion
         (YNNPACK) when it first runs it, once per device that runs it at the same time, so
         a program run once still cost the first real step 10-20% more. Since a pass's
@@ -471,8 +488,9 @@ class Trainer:
                 data, losses = calls.filling_data(names, int(s_len), self.call_limits)
                 for _ in range(WARMUP_RUNS):
                     self.forward_backward(data, losses, adapters=scratch)
-                    if s_len == self.max_tokens_per_device:  # and its halves
+                    if s_len == self.max_tokens_per_device:  # and the halves
                         self._run(data, losses, None, scratch, backward=True, halves=True)
+                        self._run(data, losses, None, scratch, backward=False, halves=True)
             for _ in range(WARMUP_RUNS):
                 self.optim_step(scratch)
         finally:

@@ -401,6 +401,45 @@ def test_micro_batches_match_single_pass(folders):
         H.assert_grads_close(g_s[n], g_b[n], RTOL, GRAD_ATOL, f"micro-batched vs single, {n}")
 
 
+@pytest.mark.parametrize("mesh", [REF, (1, 2, 2)])
+def test_forward_in_halves_with_other_calls_between_equals_one_forward(folders, mesh):
+    """forward_steps(halves=True) — each full-length micro-batch in two steps: the first
+    half of the layers, then the rest and the loss (at cp = tp = 2: the hidden states
+    between them sharded over dp and cp) — with another adapter's forward_backward,
+    optim_step and forward, and a create and delete, run between the steps (jcp-serve's
+    fair worker), gives the one forward's outputs bit for bit."""
+    tr = H.trainer(mesh, max_tokens_per_device=32 // mesh[1])  # 32 tokens a micro-batch
+    data = H.random_data((32, 32, 32, 1, 1), seed=5)
+    other = H.random_data((20, 7), seed=6)
+    assign = ("p", "q", "p", "q", "p")
+    cfg = H.LOSS_CONFIGS["ppo"]
+    with H.borrowed(tr):
+        ids = H.load_adapters(tr, folders)
+        whole = tr.forward(data, "ppo", cfg, adapters=_ids(ids, assign))
+        steps = tr.forward_steps(data, "ppo", cfg, adapters=_ids(ids, assign), halves=True)
+        r0 = tr.adapter_weights(ids["r"])
+        k = 0
+        while not steps.step(settle=k % 2 == 0):
+            tr.forward_backward(other, "cross_entropy", adapters=ids["r"])
+            tr.optim_step(ids["r"], jcp.AdamParams(learning_rate=1e-2))
+            tr.forward(other, "cross_entropy", adapters=ids["r"])
+            tr.delete_adapter(tr.create_adapter(rank=2))
+            k += 1
+        halved = steps.output
+        # The calls between really ran (r moved), and each full-length micro-batch took
+        # two steps.
+        r1 = tr.adapter_weights(ids["r"])
+        assert any(not np.array_equal(r1[m], r0[m]) for m in r0)
+        shapes = tr.pass_shapes(data, "ppo", adapters=_ids(ids, assign))
+        full = sum(s_len == tr.max_tokens_per_device for _, s_len, _, _ in shapes)
+        assert full >= 2 and k + 1 == steps.passes + full
+    assert halved.metrics == whole.metrics
+    for a, b in zip(halved.loss_fn_outputs, whole.loss_fn_outputs):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+
+
 @pytest.mark.parametrize(("halves", "mesh"), [(False, REF), (True, (1, 2, 2))])
 def test_steps_with_other_calls_between_equal_one_call(folders, halves, mesh):
     """forward_backward_steps — one micro-batch per step (with halves, each full-length

@@ -188,6 +188,31 @@ def test_groupings_of_one_length_run_the_warmed_up_program():
     assert n == 4 and events == [], (n, events)  # two micro-batches, two steps each
 
 
+def test_a_forward_in_halves_after_warmup_compiles_nothing():
+    """Trainer.warmup of max_tokens_per_device also compiles a forward's two programs
+    (forward_steps(halves=True): the first half of the layers, then the rest and the loss),
+    so that a heavy tenant's forward split in halves in jcp-serve compiles nothing."""
+    from helpers import trainer_harness as H
+
+    cfg = jcp.QwenConfig.tiny()  # two layers: a forward in halves needs more than one
+    tr = jcp.Trainer(
+        cfg, jcp.make_mesh(1, 1, 1), max_adapters=2, max_rank=4, max_tokens_per_device=64
+    )
+    tr.warmup(rows=[64])
+    a = tr.create_adapter(rank=4)
+    data = H.random_data((64, 64, 64), seed=3)
+
+    def in_halves():
+        steps = tr.forward_steps(data, adapters=a, halves=True)
+        n = 1
+        while not steps.step():
+            n += 1
+        return n
+
+    n, events = H.traces_and_compiles(in_halves)
+    assert n == 6 and events == [], (n, events)  # three micro-batches, two steps each
+
+
 def test_warmup_call_runs_the_calls_program_and_changes_nothing(monkeypatch):
     """Trainer.warmup_call compiles the call's forward_backward program and runs it
     WARMUP_RUNS times (XLA:CPU prepares its GEMM fusions on a program's first run), and

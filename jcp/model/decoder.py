@@ -60,6 +60,7 @@ __all__ = [
     "rms_norm",
     "rope",
     "rotary",
+    "hidden_span",
     "scan_layers",
     "unembed_factors",
 ]
@@ -258,21 +259,9 @@ def hidden_states(
         run = _legacy_pass(run, legacy)
     if run.layers is not None and cfg.is_hybrid:
         raise NotImplementedError("unrolled layer slices of a hybrid model")
-    dtype = jnp.dtype(cfg.dtype)
-    h = embed(params["embed"], tokens_S).astype(dtype)
+    h = embed(params["embed"], tokens_S).astype(jnp.dtype(cfg.dtype))
     layer_lora, expert_lora = _split_lora(lora)
-    count_S = run.count_S
-    stack = _Layers(
-        cfg=cfg,
-        params=params,
-        inputs=LayerInputs.of(cfg, route, position_S, run.attend),  # rotary once, for every layer
-        mlp=run.mlp,
-        moe_block=moe_mlp if count_S is None else functools.partial(moe_mlp, count_S=count_S),
-        mix=run.mix,
-        remat=run.remat,
-        unroll=run.unroll,
-        record=count_S is not None,
-    )
+    stack = _Layers.of(cfg, params, run, route, position_S)
     if run.layers is not None:
         return _unrolled_hidden(stack, h, run.layers, attn_state)
     if cfg.is_hybrid:
@@ -302,6 +291,22 @@ class _Layers:
     unroll: bool
     record: bool
 
+    @classmethod
+    def of(cls, cfg: QwenConfig, params, run: Pass, route, position_S) -> _Layers:
+        """The layers of one call that runs as `run` says."""
+        count_S = run.count_S
+        return cls(
+            cfg=cfg,
+            params=params,
+            inputs=LayerInputs.of(cfg, route, position_S, run.attend),  # rotary once, for all
+            mlp=run.mlp,
+            moe_block=moe_mlp if count_S is None else functools.partial(moe_mlp, count_S=count_S),
+            mix=run.mix,
+            remat=run.remat,
+            unroll=run.unroll,
+            record=count_S is not None,
+        )
+
     def body(self, h, xs):
         layer, lora_layer, state = xs
         block = self.moe_block if "router" in layer else self.mlp
@@ -317,6 +322,38 @@ class _Layers:
             else None
         )
         return Hidden(h, attn_state, stats)
+
+
+def hidden_span(
+    cfg: QwenConfig,
+    params,
+    x,
+    position_S,
+    run: Pass,
+    lora=None,
+    route: lora_lib.Routing | None = None,
+    *,
+    start: int,
+    stop: int,
+):
+    """Layers [start, stop) of a dense model's hidden_states (training: no attention
+    state, no routing records): x is the tokens [S] when start is 0 (embedded first), else
+    the hidden states [S, D] the layers before start left; the final norm follows when stop
+    is the last layer. -> [S, D]. Chained over consecutive spans it computes what
+    hidden_states(...).h_SxD does, layer by layer the same operations, so that a pass can
+    run as two programs (train_step.make_forward_halves)."""
+    if cfg.is_moe or cfg.is_hybrid or run.layers is not None or run.count_S is not None:
+        raise NotImplementedError("hidden_span: a dense model's scanned layers only")
+    if not 0 <= start < stop <= cfg.num_layers:
+        raise ValueError(f"hidden_span: layers [{start}, {stop}) of {cfg.num_layers}")
+    h = embed(params["embed"], x).astype(jnp.dtype(cfg.dtype)) if start == 0 else x
+    layer_lora, _ = _split_lora(lora)
+    span = lambda tree: jax.tree.map(lambda a: a[start:stop], tree)  # noqa: E731
+    stack = _Layers.of(cfg, params, run, route, position_S)
+    h, _ = scan_layers(
+        stack.body, h, span(params["layers"]), (span(layer_lora), None), run.remat, run.unroll
+    )
+    return stack.finish(h, None, []).h_SxD if stop == cfg.num_layers else h
 
 
 def _unrolled_hidden(run: _Layers, h, layers, attn_state) -> Hidden:

@@ -136,3 +136,12 @@ def test_a_small_request_runs_between_a_big_requests_micro_batches(env, monkeypa
     turns.clear()
     alice.forward_backward(big, "cross_entropy").result(timeout=120)
     assert turns.count(("alice", ("forward_backward",))) == 1 + len(shapes), turns
+    # A forward in halves too while other work waits (its first half of the layers, then
+    # the rest and the loss), the same log-probs as one Trainer forward.
+    monkeypatch.setattr(srv.worker, "contended", lambda: True)
+    turns.clear()
+    out_f = alice.forward(big, "cross_entropy").result(timeout=120)
+    assert turns.count(("alice", ("forward",))) == 1 + len(shapes) + full, turns
+    whole = tr.forward(datums, "cross_entropy", adapters=slot)
+    for a, b in zip(out_f.loss_fn_outputs, whole.loss_fn_outputs):
+        np.testing.assert_array_equal(a["logprobs"].to_numpy(), b["logprobs"])
