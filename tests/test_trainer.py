@@ -401,6 +401,29 @@ def test_micro_batches_match_single_pass(folders):
         H.assert_grads_close(g_s[n], g_b[n], RTOL, GRAD_ATOL, f"micro-batched vs single, {n}")
 
 
+def _with_calls_between(tr, steps, ids, other) -> int:
+    """Run `steps` to its end, every other step settled, with adapter r's forward_backward,
+    optim_step and forward and a create and delete between its steps (jcp-serve's fair
+    worker) -> how many steps it took; r moved (the calls between really ran)."""
+    r0 = tr.adapter_weights(ids["r"])
+    k = 0
+    while not steps.step(settle=k % 2 == 0):
+        tr.forward_backward(other, "cross_entropy", adapters=ids["r"])
+        tr.optim_step(ids["r"], jcp.AdamParams(learning_rate=1e-2))
+        tr.forward(other, "cross_entropy", adapters=ids["r"])
+        tr.delete_adapter(tr.create_adapter(rank=2))
+        k += 1
+    r1 = tr.adapter_weights(ids["r"])
+    assert any(not np.array_equal(r1[m], r0[m]) for m in r0)
+    return k + 1
+
+
+def _full_micro_batches(tr, data, adapters) -> int:
+    """How many of the call's micro-batches are full length (the ones run in halves)."""
+    shapes = tr.pass_shapes(data, "ppo", adapters=adapters)
+    return sum(s_len == tr.max_tokens_per_device for _, s_len, _, _ in shapes)
+
+
 @pytest.mark.parametrize("mesh", [REF, (1, 2, 2)])
 def test_forward_in_halves_with_other_calls_between_equals_one_forward(folders, mesh):
     """forward_steps(halves=True) — each full-length micro-batch in two steps: the first
@@ -417,22 +440,10 @@ def test_forward_in_halves_with_other_calls_between_equals_one_forward(folders, 
         ids = H.load_adapters(tr, folders)
         whole = tr.forward(data, "ppo", cfg, adapters=_ids(ids, assign))
         steps = tr.forward_steps(data, "ppo", cfg, adapters=_ids(ids, assign), halves=True)
-        r0 = tr.adapter_weights(ids["r"])
-        k = 0
-        while not steps.step(settle=k % 2 == 0):
-            tr.forward_backward(other, "cross_entropy", adapters=ids["r"])
-            tr.optim_step(ids["r"], jcp.AdamParams(learning_rate=1e-2))
-            tr.forward(other, "cross_entropy", adapters=ids["r"])
-            tr.delete_adapter(tr.create_adapter(rank=2))
-            k += 1
+        n = _with_calls_between(tr, steps, ids, other)
         halved = steps.output
-        # The calls between really ran (r moved), and each full-length micro-batch took
-        # two steps.
-        r1 = tr.adapter_weights(ids["r"])
-        assert any(not np.array_equal(r1[m], r0[m]) for m in r0)
-        shapes = tr.pass_shapes(data, "ppo", adapters=_ids(ids, assign))
-        full = sum(s_len == tr.max_tokens_per_device for _, s_len, _, _ in shapes)
-        assert full >= 2 and k + 1 == steps.passes + full
+        full = _full_micro_batches(tr, data, _ids(ids, assign))
+        assert full >= 2 and n == steps.passes + full  # each full-length one: two steps
     assert halved.metrics == whole.metrics
     for a, b in zip(halved.loss_fn_outputs, whole.loss_fn_outputs):
         assert a.keys() == b.keys()
@@ -457,28 +468,16 @@ def test_steps_with_other_calls_between_equal_one_call(folders, halves, mesh):
     def run(between: bool):
         with H.borrowed(tr):
             ids = H.load_adapters(tr, folders)
-            r0 = tr.adapter_weights(ids["r"])
             if between:
                 steps = tr.forward_backward_steps(
                     data, "ppo", cfg, adapters=_ids(ids, assign), halves=halves
                 )
                 assert steps.passes >= 3
-                k = 0
-                while not steps.step(settle=k % 2 == 0):
-                    tr.forward_backward(other, "cross_entropy", adapters=ids["r"])
-                    tr.optim_step(ids["r"], jcp.AdamParams(learning_rate=1e-2))
-                    tr.forward(other, "cross_entropy", adapters=ids["r"])
-                    tr.delete_adapter(tr.create_adapter(rank=2))
-                    k += 1
+                n = _with_calls_between(tr, steps, ids, other)
                 out = steps.output
-                # The calls between really ran: r moved; with halves, each full-length
-                # micro-batch took two steps.
-                r1 = tr.adapter_weights(ids["r"])
-                assert any(not np.array_equal(r1[m], r0[m]) for m in r0)
-                shapes = tr.pass_shapes(data, "ppo", adapters=_ids(ids, assign))
-                full = sum(s_len == tr.max_tokens_per_device for _, s_len, _, _ in shapes)
-                assert full >= 2
-                assert k + 1 == steps.passes + (full if halves else 0)
+                # With halves, each full-length micro-batch took two steps.
+                full = _full_micro_batches(tr, data, _ids(ids, assign))
+                assert full >= 2 and n == steps.passes + (full if halves else 0)
             else:
                 out = tr.forward_backward(data, "ppo", cfg, adapters=_ids(ids, assign))
             grads = {n: tr.gradients(ids[n]) for n in ("p", "q")}

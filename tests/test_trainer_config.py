@@ -178,14 +178,18 @@ def test_groupings_of_one_length_run_the_warmed_up_program():
     assert events == [], events
 
     def in_halves():  # a heavy tenant's split pass in jcp-serve
-        steps = tr.forward_backward_steps(data * 2, adapters=[a] * 16, halves=True)
-        n = 1
-        while not steps.step():
-            n += 1
-        return n
+        return _steps_taken(tr.forward_backward_steps(data * 2, adapters=[a] * 16, halves=True))
 
     n, events = H.traces_and_compiles(in_halves)
     assert n == 4 and events == [], (n, events)  # two micro-batches, two steps each
+
+
+def _steps_taken(steps) -> int:
+    """Run a call's Steps to the end -> how many steps it took."""
+    n = 1
+    while not steps.step():
+        n += 1
+    return n
 
 
 def test_a_forward_in_halves_after_warmup_compiles_nothing():
@@ -203,11 +207,7 @@ def test_a_forward_in_halves_after_warmup_compiles_nothing():
     data = H.random_data((64, 64, 64), seed=3)
 
     def in_halves():
-        steps = tr.forward_steps(data, adapters=a, halves=True)
-        n = 1
-        while not steps.step():
-            n += 1
-        return n
+        return _steps_taken(tr.forward_steps(data, adapters=a, halves=True))
 
     n, events = H.traces_and_compiles(in_halves)
     assert n == 6 and events == [], (n, events)  # three micro-batches, two steps each
