@@ -149,7 +149,6 @@ def model_loss(
             cfg, params, h_SxD, position_S, run, lora, route, start=split, stop=cfg.num_layers
         )
         return _loss_of(cfg, step_cfg, params, lora, route, stream, loss_cfg, opts, h_SxD)
-    attend = training_attend(cfg, step_cfg, segment_S, position_S)
     # Gated DeltaNet layers (hybrid models): a stream holds at most two pieces (zigzag
     # chunks) of each of its num_slots datums, and one padding piece.
     mix = (
@@ -157,13 +156,7 @@ def model_loss(
         if cfg.is_hybrid
         else None
     )
-    run = model_lib.decoder.Pass(
-        attend,
-        mix=mix,
-        remat=step_cfg.remat is True,
-        unroll=unroll_layers(cfg, step_cfg),
-        count_S=real_S,
-    )
+    run = dataclasses.replace(_dense_pass(cfg, step_cfg, stream), mix=mix, count_S=real_S)
     h_SxD, _, stats = model_lib.hidden_states(
         cfg, params, stream.tokens_S, position_S, run, lora, route
     )
@@ -185,8 +178,8 @@ def first_layers(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, str
 
 
 def _dense_pass(cfg: QwenConfig, step_cfg: StepConfig, stream: Stream):
-    """How a dense model's layers run in training (model_loss's Pass, without the routing
-    records a dense model never makes)."""
+    """How a dense model's layers run in training: model_loss's Pass without a hybrid
+    model's mixing or a MoE model's routing records."""
     return model_lib.decoder.Pass(
         training_attend(cfg, step_cfg, stream.segment_S, stream.position_S),
         remat=step_cfg.remat is True,

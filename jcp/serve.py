@@ -58,7 +58,8 @@ from jcp.server.priority import COMPUTE_NICE, favour_loop
 # (Trainer.warmup): forward_backward with cross_entropy for adapters of every module (the
 # SDK's default LoRA) at every stream length up to TRAINING_WARMUP_ROWS rows per device —
 # one program per length, whatever the grouping of tenants in a fused pass; at
-# --max-tokens-per-device also its two halves (a contended split pass runs them) — and
+# --max-tokens-per-device also its two halves and a forward's (a contended split pass
+# runs them) — and
 # optim_step, and the slot writes (create, copy, offload, restore) of every page count.
 # Other losses, forward, longer passes and passes over adapters of fewer modules compile
 # when first met. Sampling (Engine.warmup's buckets): steps with 1 or 2 distinct adapters

@@ -172,8 +172,8 @@ def _loss_and_outputs(
 
     loss_cfg {name: {setting: scalar}} (p.loss_fns' settings); custom: the call's CustomLoss
     (static) or None, with custom_args its datums (see custom_terms); after: (split, the
-    hidden states [DP, CP, S, D] of layers [0, split): _forward_first's), to run the layers
-    from split on only.
+    hidden states [DP, CP, S, D] of layers [0, split): make_forward_halves' first
+    program's), to run the layers from split on only.
     """
     cfg, mesh = p.cfg, p.mesh
     split, h_DPxCPxSxD = after if after is not None else (None, None)
@@ -456,6 +456,12 @@ def custom_terms(custom: custom_loss_lib.CustomLoss, lp_DPxCPxS, custom_args):
     return jnp.stack(losses), {k: jnp.stack([m[k] for m in metrics]) for k in metrics[0]}
 
 
+def active_lora(lora: dict, slot_meta, batch: Batch, static: BatchStatics):
+    """The batch's active slots' factors of the modules the call uses (used_modules,
+    lora.take_active): what a step's shard_map takes."""
+    return lora_lib.take_active(used_modules(lora, static.modules), slot_meta.page_GK, batch.active)
+
+
 def used_modules(lora: dict, modules) -> dict:
     """The slot tables of `modules` only (None: all). An adapter's untargeted modules hold
     zeros, so leaving out those no adapter of the batch targets changes no value or
@@ -497,9 +503,7 @@ def make_forward(cfg: QwenConfig, mesh, step_cfg: StepConfig):
         jax.jit, static_argnames=("static",), compiler_options=compiler_options(mesh)
     )
     def forward(lora, params, slot_meta, batch, loss_cfg, custom_args=(), *, static: BatchStatics):
-        active = lora_lib.take_active(
-            used_modules(lora, static.modules), slot_meta.page_GK, batch.active
-        )
+        active = active_lora(lora, slot_meta, batch, static)
         p = PassConfig(cfg, mesh, step_cfg, static.loss_fns, static.num_slots)
         return _loss_and_outputs(
             p, active, params, slot_meta, batch, loss_cfg, static.custom, custom_args
@@ -532,9 +536,7 @@ def make_forward_halves(cfg: QwenConfig, mesh, step_cfg: StepConfig):
     @functools.partial(jax.jit, static_argnames=("static",), compiler_options=options)
     def first(lora, params, slot_meta, batch, *, static: BatchStatics):
         p = PassConfig(cfg, mesh, step_cfg, static.loss_fns, static.num_slots)
-        active = lora_lib.take_active(
-            used_modules(lora, static.modules), slot_meta.page_GK, batch.active
-        )
+        active = active_lora(lora, slot_meta, batch, static)
 
         def shard(lora_active, params, slot_meta, b: Batch):
             route, stream = _stream_of(p, slot_meta, b)
@@ -554,9 +556,7 @@ def make_forward_halves(cfg: QwenConfig, mesh, step_cfg: StepConfig):
     @functools.partial(jax.jit, static_argnames=("static",), compiler_options=options)
     def second(lora, params, slot_meta, batch, loss_cfg, h, *, static: BatchStatics):
         p = PassConfig(cfg, mesh, step_cfg, static.loss_fns, static.num_slots)
-        active = lora_lib.take_active(
-            used_modules(lora, static.modules), slot_meta.page_GK, batch.active
-        )
+        active = active_lora(lora, slot_meta, batch, static)
         return _loss_and_outputs(p, active, params, slot_meta, batch, loss_cfg, after=(split, h))
 
     return first, second
@@ -598,9 +598,7 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig, fold: boo
         if pages_in_place(cfg, custom, slot_meta, batch.active, fold):
             used = used_modules(lora, static.modules)
             return _paged_value_and_grad(p, acc, used, params, slot_meta, batch, loss_cfg)
-        active = lora_lib.take_active(
-            used_modules(lora, static.modules), slot_meta.page_GK, batch.active
-        )
+        active = active_lora(lora, slot_meta, batch, static)
         if folds_outputs(cfg, custom) and fold:
             grads, loss, out = _folded_value_and_grad(p, active, params, slot_meta, batch, loss_cfg)
         else:
@@ -642,9 +640,7 @@ def make_forward_backward_halves(cfg: QwenConfig, mesh, step_cfg: StepConfig):
     @functools.partial(jax.jit, static_argnames=("static",), compiler_options=options)
     def first(lora, params, slot_meta, batch, loss_cfg, *, static: BatchStatics):
         p = PassConfig(cfg, mesh, step_cfg, static.loss_fns, static.num_slots)
-        active = lora_lib.take_active(
-            used_modules(lora, static.modules), slot_meta.page_GK, batch.active
-        )
+        active = active_lora(lora, slot_meta, batch, static)
         losses_DPxCP, pull = _folded_vjp(p, active, params, slot_meta, batch, loss_cfg)
         own = {id(x) for x in jax.tree.leaves((lora, slot_meta, batch, loss_cfg))}
         return losses_DPxCP, jax.tree.map(lambda x: jnp.copy(x) if id(x) in own else x, pull)

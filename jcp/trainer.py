@@ -459,17 +459,18 @@ class Trainer:
         forward_backward of zero-weight datums that fill it, with loss_fn (a loss name, or a
         tuple of names: the program of calls that mix them), on a scratch adapter that
         targets every module (at max_tokens_per_device, in halves too: the two programs
-        forward_backward_steps' halves runs, and the two of forward_steps'); then its optim_step, and the gradient-copy
-        programs of every adapter count. Each program runs WARMUP_RUNS times: XLA:CPU prepares a GEMM fusion
-        (YNNPACK) when it first runs it, once per device that runs it at the same time, so
-        a program run once still cost the first real step 10-20% more. Since a pass's
-        adapter and datum counts follow its stream length (batch.static_counts), any later
-        call of those lengths and losses whose adapters target every module (Tinker's
-        default) compiles nothing, however its datums and adapters are grouped, unless it
-        holds more adapters or datums than its length's floors (warmup_call compiles a given
-        call's programs exactly). The scratch adapter is deleted; then an adapter of each
-        page count is created, copied, offloaded, restored and deleted (_warm_slot_writes).
-        No other adapter is touched (needs a free slot)."""
+        forward_backward_steps' halves runs, and the two of forward_steps'); then its
+        optim_step, and the gradient-copy programs of every adapter count. Each program runs
+        WARMUP_RUNS times: XLA:CPU prepares a GEMM fusion (YNNPACK) when it first runs it,
+        once per device that runs it at the same time, so a program run once still cost the
+        first real step 10-20% more. Since a pass's adapter and datum counts follow its
+        stream length (batch.static_counts), any later call of those lengths and losses
+        whose adapters target every module (Tinker's default) compiles nothing, however its
+        datums and adapters are grouped, unless it holds more adapters or datums than its
+        length's floors (warmup_call compiles a given call's programs exactly). The scratch
+        adapter is deleted; then an adapter of each page count is created, copied,
+        offloaded, restored and deleted (_warm_slot_writes). No other adapter is touched
+        (needs a free slot)."""
         names = (loss_fn,) if isinstance(loss_fn, str) else tuple(loss_fn)
         for name in names:
             losses_lib.check_loss_fn(name)

@@ -51,6 +51,7 @@ __all__ = [
     "decoder_layer",
     "dense_mlp",
     "embed",
+    "hidden_span",
     "hidden_states",
     "kind_runs",
     "layer_slices",
@@ -60,7 +61,6 @@ __all__ = [
     "rms_norm",
     "rope",
     "rotary",
-    "hidden_span",
     "scan_layers",
     "unembed_factors",
 ]
