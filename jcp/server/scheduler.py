@@ -162,6 +162,21 @@ def light_sized(works: Sequence[Work]) -> bool:
         return False
 
 
+def light_first(samples: Sequence[Work]) -> tuple[list[Work], list[Work]]:
+    """Samples taken together -> (the light tenants', the others'), each in order: a
+    light tenant's are at most LIGHT_QUEUED, each of light work's size (light_sized), as
+    Scheduler.submit counts a tenant light."""
+    by: dict[str, list[Work]] = {}
+    for w in samples:
+        by.setdefault(w.owner, []).append(w)
+    light = {
+        who
+        for who, ws in by.items()
+        if len(ws) <= LIGHT_QUEUED and all(light_sized([w]) for w in ws)
+    }
+    return [w for w in samples if w.owner in light], [w for w in samples if w.owner not in light]
+
+
 def _count_down(counts: dict, key) -> None:
     """counts[key] one less, the key dropped at zero."""
     n = counts.get(key, 0) - 1

@@ -315,9 +315,7 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
                 arriving = arriving or ADMIT_HURRY or not calm
                 self._bursts.running(not self.sampling.idle)
             else:
-                for w in samples:
-                    self._admit_sample(w)
-                self._unlogged += samples
+                self._admit_taken(samples)
             self._cancel_running()
             light = self._light_next() if group else None
             if light:
@@ -360,12 +358,27 @@ class Worker(SlotCache, ModelOps, Passes, Samples):
         if self.sampling.idle:  # an idle engine gathers a burst (next turn), as before
             return
         late = self.sched.take_samples()
-        for w in late:
-            self._admit_sample(w)
-        self._unlogged += late
+        self._admit_taken(late)
         light = self._light_next() if late else None
         if light:
             self._light_step(light)
+
+    def _admit_taken(self, samples: list[Work]) -> None:
+        """Admit samples taken from the scheduler into the running engine: the light
+        tenants' first (scheduler.light_first) and, when the engine's next step is theirs
+        alone, that step before the others are admitted. A sample's admission is ~0.1 ms
+        of Python on the worker under load, so a burst of 256 took 12-19 ms, which a light
+        tenant's sample taken with it waited for (traced beside a noisy neighbour)."""
+        first, rest = scheduler_lib.light_first(samples)
+        for w in first:
+            self._admit_sample(w)
+        self._unlogged += first
+        light = self._light_next() if first and rest else None
+        if light:
+            self._light_step(light)
+        for w in rest:
+            self._admit_sample(w)
+        self._unlogged += rest
 
     def _light_step(self, tenants: frozenset) -> None:
         """The light tenants' engine step, the event loop giving way to it (LightWork)."""
