@@ -33,13 +33,15 @@ TENANT_WINDOW_S after its last sample arrived), and then every step is a short o
 Light work first: while a light tenant's few rows sit beside another's many, the engine
 steps them apart (Admission, "Light steps"), and a light step runs before the turn's
 pass, not after it — and so does one whose sample came while the pass ran, before the
-turn's engine step (`_light_after_pass`); after a turn of a split pass (its preparation, or one micro-batch:
-Passes), another tenant's ready pass of at most one micro-batch (Scheduler.small_ready)
-runs before the engine step (the engine step skipped for at most one turn in a row), so a
-small request waits for one heavy unit, not a micro-batch and an engine step. While a
-light step or a small pass (LIGHT_PASS_TOKENS) runs, the event loop gives way to it: its
-turns go to that work's tenants only (scheduler.LightWork, asgi.Turns); and while a light
-tenant's small request waits for the worker, the loop holds the heavy tenants' turns.
+turn's engine step (`_light_after_pass`), and samples taken together are admitted the
+light tenants' first, their step before the others' admission (`_admit_taken`); after a
+turn of a split pass (its preparation, or one micro-batch: Passes), another tenant's
+ready pass of at most one micro-batch (Scheduler.small_ready) runs before the engine step
+(the engine step skipped for at most one turn in a row), so a small request waits for one
+heavy unit, not a micro-batch and an engine step. While a light step or a small pass
+(LIGHT_PASS_TOKENS) runs, the event loop gives way to it: its turns go to that work's
+tenants only (scheduler.LightWork, asgi.Turns); and while a light tenant's small request
+waits for the worker, the loop holds the heavy tenants' turns.
 A sample the client cancels after admission (cancel_future -> Scheduler.cancel_running)
 is cancelled in the engine at the start of the next turn and ends at that step
 boundary, its slots freed; so does a split pass of one request, its accumulation undone.
