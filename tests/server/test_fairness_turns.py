@@ -135,6 +135,28 @@ def test_light_first_puts_the_light_tenants_samples_first_each_in_order():
     assert scheduler.light_first(alice[:1]) == (alice[:1], [])  # one small sample is light
 
 
+class _OrderTurn(_Turn):
+    """A _Turn that notes the order of its admissions (by owner) and engine steps
+    ("step"); the engine's next step is bob's alone while his admitted sample waits for
+    one."""
+
+    def __init__(self):
+        super().__init__(light_next=None)
+        self.order, self.unstepped = [], set()
+        self._admit_sample = self.admit
+        self.engine_step = self.step
+        self._light_next = lambda: frozenset({"bob"}) if "bob" in self.unstepped else None
+        self.admit_taken = self._admit_taken
+
+    def admit(self, w):
+        self.order.append(w.owner)
+        self.unstepped.add(w.owner)
+
+    def step(self, hurry, decode):
+        self.order.append("step")
+        self.unstepped.clear()
+
+
 def test_a_light_sample_taken_with_a_burst_steps_before_the_burst_is_admitted():
     """bob's sample taken together with alice's burst (after a pass of hers, or at the
     turn's start): each admission is ~0.1 ms of Python on the worker under load, and his
@@ -142,35 +164,20 @@ def test_a_light_sample_taken_with_a_burst_steps_before_the_burst_is_admitted():
     engine's next step being his, stepped before hers are admitted; hers then step as
     before."""
     for start in (True, False):  # taken at the turn's start, or after the pass
-        t = _Turn(light_next=None)
-        order, unstepped = [], set()
-
-        def admit(w, order=order, unstepped=unstepped):
-            order.append(w.owner)
-            unstepped.add(w.owner)
-
-        def step(hurry, decode, order=order, unstepped=unstepped):
-            order.append("step")
-            unstepped.clear()
-
-        t._admit_sample, t.engine_step = admit, step
-        # the engine's next step is bob's alone while his admitted sample waits for one
-        t._light_next = lambda unstepped=unstepped: (
-            frozenset({"bob"}) if "bob" in unstepped else None
-        )
+        t = _OrderTurn()
         for k in range(8):
             t.sched.submit(_small_sample("alice", k))
         t.sched.submit(_small_sample("bob"))
         if start:
-            t._admit_taken(t.sched.take_samples())
+            t.admit_taken(t.sched.take_samples())
         else:
             t.after_pass()
-        assert order == ["bob", "step"] + ["alice"] * 8, order
+        assert t.order == ["bob", "step"] + ["alice"] * 8, t.order
     # Alone, a light tenant's samples are admitted with no step of their own.
-    t = _Turn(light_next=frozenset({"bob"}))
+    t = _OrderTurn()
     t.sched.submit(_small_sample("bob"))
-    t._admit_taken(t.sched.take_samples())
-    assert [w.owner for w in t.admitted] == ["bob"] and t.steps == []
+    t.admit_taken(t.sched.take_samples())
+    assert t.order == ["bob"]
 
 
 class _PassTurn(_Turn):
