@@ -61,12 +61,17 @@ def test_gpu_script_smoke(capsys):
 
 def test_noisy_neighbour_smoke():
     """benchmarks/noisy_neighbour.py --smoke: a jcp-serve child process, two tenants, the
-    victim timed alone and beside hostile bodies sent from the neighbour's own process;
-    every one refused, the server healthy after them and stopped at the end."""
+    victim timed alone and beside hostile bodies sent from the neighbour's own process,
+    in two rounds pooled; every one refused, the server healthy after them and stopped at
+    the end."""
     import noisy_neighbour
 
-    res = noisy_neighbour.main(["--smoke", "--neighbour", "refused"])
-    assert len(res["alone"]) >= 5 and len(res["beside"]) >= 5
+    res = noisy_neighbour.main(["--smoke", "--neighbour", "refused", "--rounds", "2"])
+    assert len(res["rounds"]) == 2 and len(res["round_ratios"]) == 2
+    for phase in ("alone", "beside"):
+        each = [r[phase] for r in res["rounds"]]
+        assert all(len(x) >= 5 for x in each)
+        assert res[phase] == each[0] + each[1]  # pooled: every round's requests
     # (under load a 2 s smoke phase may end before the neighbour sent a body)
     assert "hostile bodies ACCEPTED" not in res["counts"], res["counts"]
     assert res["healthy"] and res["server_exit"] is not None
