@@ -37,7 +37,7 @@ program holds every draw kind (longer compiles), 60 s no longer covers them eith
 compile).
 
 --rounds N repeats the pair of phases N times, alone then beside her (the untimed spell
-only before the first), and reports the p99 of all of them pooled as well as each
+before the first; 15 s of it before each later one), and reports the p99 of all of them pooled as well as each
 round's: the p99 of one phase of 480 requests is its fifth slowest, and identical runs
 read ratios ±0.3 apart (benchmarks/RESULTS.md, "Noisy neighbour"); alternating the
 phases also spreads a slow spell of the host over both.
@@ -399,13 +399,17 @@ async def hostile(url: str, st: dict, a, vocab: int, ctx: int, stop) -> dict:
 
 def hostile_process(url: str, st: dict, a, vocab: int, ctx: int, stop, out) -> None:
     """alice in her own process (the victim's timings share no event loop or GIL with
-    her driver), at nice a.neighbour_nice: hostile() -> its counts on `out`."""
+    her driver), at nice a.neighbour_nice: hostile() -> (its counts, her model's next
+    seq_id) on `out`."""
     os.nice(a.neighbour_nice)
-    out.put(asyncio.run(hostile(url, st, a, vocab, ctx, stop)))
+    counts = asyncio.run(hostile(url, st, a, vocab, ctx, stop))
+    out.put((counts, st["seq"]))
 
 
 class Neighbour:
-    """alice's process for one phase: `with Neighbour(...) as n:` … then n.counts."""
+    """alice's process for one phase: `with Neighbour(...) as n:` … then n.counts, and
+    n.seq: the last seq_id her process used on her model (the next phase goes on from
+    it)."""
 
     def __init__(self, url: str, st: dict, a, vocab: int, ctx: int):
         import multiprocessing
@@ -416,6 +420,7 @@ class Neighbour:
             target=hostile_process, args=(url, st, a, vocab, ctx, self.stop, self.out)
         )
         self.counts: dict = {}
+        self.seq = st["seq"]
 
     def __enter__(self):
         self.proc.start()
@@ -423,7 +428,7 @@ class Neighbour:
 
     def __exit__(self, *exc):
         self.stop.set()
-        self.counts = self.out.get(timeout=900)
+        self.counts, self.seq = self.out.get(timeout=900)
         self.proc.join(60)
 
 
@@ -494,7 +499,7 @@ async def drive(a, url: str) -> dict:
         import jcp
 
         vocab = jcp.QwenConfig.tiny().vocab_size
-        b = await setup(bob, name)
+        b, h = await setup(bob, name), await setup(alice, name)
         await victim(bob, b, a, vocab, 2 / a.rate)  # compiles bob's shapes, untimed
         pids = {"server": a.server_pid, "victim's driver": os.getpid()}
         out = {"alone": [], "beside": [], "rounds": []}
@@ -505,19 +510,19 @@ async def drive(a, url: str) -> dict:
             alone = await victim(bob, b, a, vocab, a.seconds)
             compiles["alone"] = _plus(compiles["alone"], compiles_since(a, at))
             usage["alone"] = _merged(usage.get("alone"), used.end())
-            # Her own model each round: her driver's seq_ids start afresh.
-            h = await setup(alice, name)
             with Neighbour(url, h, a, vocab, ctx) as n:
-                if r == 0:
-                    # Untimed first: whatever alice's load compiles (bob's forwards fused
-                    # with hers too) is compiled before bob is timed beside her.
-                    await victim(bob, b, a, vocab, a.settle)
+                # Untimed first: whatever alice's load compiles (bob's forwards fused with
+                # hers too) is compiled before bob is timed beside her; in a later round,
+                # her load reaches its steady state again (a seq_id her last round's
+                # driver took but never sent holds her forwards for GAP_TIMEOUT_S).
+                await victim(bob, b, a, vocab, a.settle if r == 0 else min(a.settle, 15.0))
                 at, beside_at = log_size(a), time.monotonic()
                 used = Usage({**pids, "neighbour's driver": n.proc.pid})
                 beside = await victim(bob, b, a, vocab, a.seconds)
                 compiles["beside"] = _plus(compiles["beside"], compiles_since(a, at))
                 usage["beside"] = _merged(usage.get("beside"), used.end())
             counts.update(n.counts)
+            h["seq"] = n.seq  # her next round's requests go on in order
             out["alone"] += alone
             out["beside"] += beside
             out["rounds"].append({"alone": alone, "beside": beside, "beside_at": beside_at})
