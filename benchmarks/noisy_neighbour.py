@@ -130,6 +130,12 @@ def parse_args(argv):
         "seconds) and the summary to FILE",
     )
     p.add_argument(
+        "--server-log",
+        dest="server_log_to",
+        metavar="FILE",
+        help="copy the server's log to FILE at the end (the run's folder is removed)",
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
         help="a few seconds, small neighbour (tests/test_benchmarks.py)",
@@ -564,6 +570,8 @@ def main(argv=None) -> dict:
     finally:
         stop_server(proc)
     res["server_exit"] = proc.returncode
+    if a.server_log_to:  # its compiles by name (JAX_LOG_COMPILES), for instance
+        shutil.copyfile(a.server_log, a.server_log_to)
     shutil.rmtree(folder, ignore_errors=True)  # a run that finished leaves nothing behind
     res["state_dir"] = folder
     rows = {}
