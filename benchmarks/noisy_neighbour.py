@@ -449,16 +449,13 @@ def log_size(a) -> int:
     return os.path.getsize(a.server_log)
 
 
-def compiles_since(a, at: int) -> tuple[int, float]:
-    """(programs, seconds) the server compiled since its log was `at` bytes long
-    (JAX_LOG_COMPILES: a compile stalls the worker, whoever's shape it is)."""
+def compiles_since(a, at: int) -> tuple[int, float, list[str]]:
+    """(programs, seconds, their names) the server compiled since its log was `at` bytes
+    long (JAX_LOG_COMPILES: a compile stalls the worker, whoever's shape it is)."""
     with open(a.server_log, errors="replace") as f:
         f.seek(at)
-        secs = [
-            float(m)
-            for m in re.findall(r"Finished XLA compilation of .* in ([0-9.]+) sec", f.read())
-        ]
-    return len(secs), sum(secs)
+        found = re.findall(r"Finished XLA compilation of (.*) in ([0-9.]+) sec", f.read())
+    return len(found), sum(float(secs) for _, secs in found), [name for name, _ in found]
 
 
 class Usage:
@@ -509,7 +506,7 @@ async def drive(a, url: str) -> dict:
         await victim(bob, b, a, vocab, 2 / a.rate)  # compiles bob's shapes, untimed
         pids = {"server": a.server_pid, "victim's driver": os.getpid()}
         out = {"alone": [], "beside": [], "rounds": []}
-        compiles = {"alone": (0, 0.0), "beside": (0, 0.0)}
+        compiles = {"alone": (0, 0.0, []), "beside": (0, 0.0, [])}
         usage, counts = {}, collections.Counter()
         for r in range(a.rounds):
             at, used = log_size(a), Usage(pids)
@@ -583,8 +580,11 @@ def main(argv=None) -> dict:
                 f"victim {phase:>6} {kind:>7}: p50 {rows[phase, kind][0]:8.1f} ms   "
                 f"p99 {rows[phase, kind][1]:8.1f} ms   ({len(xs)} requests)"
             )
-        n, secs = res["compiles"][phase]
-        print(f"victim {phase:>6}: the server compiled {n} programs ({secs:.1f} s) meanwhile")
+        n, secs, names = res["compiles"][phase]
+        print(
+            f"victim {phase:>6}: the server compiled {n} programs ({secs:.1f} s) meanwhile"
+            + (": " + ", ".join(names) if names else "")
+        )
         use = res["usage"][phase]
         print(
             f"victim {phase:>6}: CPU s "
