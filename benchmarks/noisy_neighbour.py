@@ -37,8 +37,9 @@ program holds every draw kind (longer compiles), 60 s no longer covers them eith
 compile).
 
 --rounds N repeats the pair of phases N times, alone then beside her (the untimed spell
-before the first; 15 s of it before each later one), and reports the p99 of all of them pooled as well as each
-round's: the p99 of one phase of 480 requests is its fifth slowest, and identical runs
+before the first; 15 s of it before each later one; each later alone phase only once the
+server is idle, her cancelled work's tail done), and reports the p99 of all of them pooled
+as well as each round's: the p99 of one phase of 480 requests is its fifth slowest, and identical runs
 read ratios ±0.3 apart (benchmarks/RESULTS.md, "Noisy neighbour"); alternating the
 phases also spreads a slow spell of the host over both.
 
@@ -475,6 +476,22 @@ class Usage:
         }
 
 
+def wait_idle(pid: int, busy: float = 0.1, quiet_s: float = 2.0, bound_s: float = 300.0) -> float:
+    """Wait until process `pid` has used under `busy` of a core for `quiet_s` s in a row
+    (at most `bound_s` s) -> the seconds waited. Before an alone phase after a neighbour
+    round: her cancelled work may still run after her driver stops (samples already
+    admitted, passes already taken), and bob's requests beside it would be timed in her
+    tail, his forwards fused into shapes that then compile in the alone phase."""
+    t0 = last = time.monotonic()
+    used, quiet = cpu_s(pid), 0.0
+    while quiet < quiet_s and time.monotonic() - t0 < bound_s:
+        time.sleep(0.5)
+        now, c = time.monotonic(), cpu_s(pid)
+        quiet = quiet + now - last if (c - used) / (now - last) < busy else 0.0
+        last, used = now, c
+    return time.monotonic() - t0
+
+
 def _plus(x: tuple, y: tuple) -> tuple:
     return tuple(p + q for p, q in zip(x, y))
 
@@ -507,8 +524,10 @@ async def drive(a, url: str) -> dict:
         pids = {"server": a.server_pid, "victim's driver": os.getpid()}
         out = {"alone": [], "beside": [], "rounds": []}
         compiles = {"alone": (0, 0.0, []), "beside": (0, 0.0, [])}
-        usage, counts = {}, collections.Counter()
+        usage, counts, idle = {}, collections.Counter(), []
         for r in range(a.rounds):
+            if r:  # her last round's tail ends first (wait_idle)
+                idle.append(await asyncio.to_thread(wait_idle, a.server_pid))
             at, used = log_size(a), Usage(pids)
             alone = await victim(bob, b, a, vocab, a.seconds)
             compiles["alone"] = _plus(compiles["alone"], compiles_since(a, at))
@@ -536,6 +555,7 @@ async def drive(a, url: str) -> dict:
             "compiles": compiles,
             "usage": usage,
             "counts": dict(counts),
+            "idle_waits": idle,
             "ctx": ctx,
             "healthy": health.status_code == 200,
         }
@@ -607,6 +627,10 @@ def main(argv=None) -> dict:
     ]
     if a.rounds > 1:
         print("p99 ratio by round: " + ", ".join(f"{x:.2f}" for x in res["round_ratios"]))
+        print(
+            "before each later alone phase, the server went idle after: "
+            + ", ".join(f"{x:.1f} s" for x in res["idle_waits"])
+        )
     print(
         "neighbour: "
         + json.dumps(res["counts"], sort_keys=True)

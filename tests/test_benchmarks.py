@@ -68,6 +68,7 @@ def test_noisy_neighbour_smoke():
 
     res = noisy_neighbour.main(["--smoke", "--neighbour", "refused", "--rounds", "2"])
     assert len(res["rounds"]) == 2 and len(res["round_ratios"]) == 2
+    assert len(res["idle_waits"]) == 1  # the second alone phase waited for an idle server
     for phase in ("alone", "beside"):
         each = [r[phase] for r in res["rounds"]]
         assert all(len(x) >= 5 for x in each)
@@ -76,6 +77,26 @@ def test_noisy_neighbour_smoke():
     assert "hostile bodies ACCEPTED" not in res["counts"], res["counts"]
     assert res["healthy"] and res["server_exit"] is not None
     assert not os.path.exists(res["state_dir"])  # its folder removed
+
+
+def test_wait_idle_waits_out_a_busy_spell():
+    """noisy_neighbour.wait_idle returns only after the process has been quiet for
+    quiet_s s: not during a busy spell of 1.5 s, and at once-ish for one already idle."""
+    import subprocess
+    import sys
+
+    import noisy_neighbour
+
+    busy = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass\ntime.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", busy])
+    try:
+        waited = noisy_neighbour.wait_idle(proc.pid, quiet_s=1.0, bound_s=20.0)
+        assert 2.0 <= waited < 15.0, waited  # the busy spell, then a quiet second
+        again = noisy_neighbour.wait_idle(proc.pid, quiet_s=1.0, bound_s=20.0)
+        assert again < 2.0, again  # quiet already
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_gpu_f32_copy_detector():
