@@ -38,10 +38,10 @@ compile).
 
 --rounds N repeats the pair of phases N times, alone then beside her (the untimed spell
 before the first; 15 s of it before each later one; each later alone phase only once the
-server is idle, her cancelled work's tail done), and reports the p99 of all of them pooled
-as well as each round's: the p99 of one phase of 480 requests is its fifth slowest, and identical runs
-read ratios ±0.3 apart (benchmarks/RESULTS.md, "Noisy neighbour"); alternating the
-phases also spreads a slow spell of the host over both.
+server is idle, her cancelled work's tail done: wait_idle), and reports the p99 of all of
+them pooled as well as each round's: the p99 of one phase of 480 requests is its fifth
+slowest, and identical runs read ratios ±0.3 apart (benchmarks/RESULTS.md, "Noisy
+neighbour"); alternating the phases also spreads a slow spell of the host over both.
 
     python benchmarks/noisy_neighbour.py [--seconds 20] [--rate 4] [--settle 240]
         [--rounds 1] [--neighbour-nice 19] [--neighbour-backward] [--smoke]

@@ -83,7 +83,6 @@ def test_wait_idle_waits_out_a_busy_spell():
     """noisy_neighbour.wait_idle returns only after the process has been quiet for
     quiet_s s: not during a busy spell of 1.5 s, and at once-ish for one already idle."""
     import subprocess
-    import sys
 
     import noisy_neighbour
 
