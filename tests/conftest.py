@@ -32,6 +32,17 @@ a user's run in ways that change no program's meaning:
   the folder through the environment) is loaded instead of compiled. JCP_TEST_COMPILE_CACHE=0
   turns it off.
 
+Measured for the suite's time and not taken (2026-12-07; full runs read 718-785 s with no
+change at all, so a gain under ~40 s does not show in one run): one run with a plugin
+timing each compile put the in-process tests' tracing, lowering and XLA compiling at 200,
+165 and 558 s of their 1,464 (4,872 programs; a program compiled again after a module's
+caches were cleared: 939 of them, 18 s); the cores were busy 94 % of the run. Not taken:
+`-n 3` (760 s against 756, the cores busy 99.5 %), keeping JAX's caches across modules
+until the process's memory maps passed 30,000 (785 s), XLA:CPU flags (without expensive
+LLVM passes, copy insertion without region analysis, the old runtime, the default
+scheduler), no tracebacks in MLIR locations, and the layer loop rolled on CPU
+(model_loss.CPU_UNROLL_LAYERS = 0): each within the noise of module runs.
+
 And the two workers of `-n 2 --dist loadfile` get the modules longest first
 (tests/durations.json). xdist's own order is by number of tests, which handed out the few-test but long
 modules (the 2-process jobs, the benchmark smoke) last, so one worker was still in them
