@@ -33,10 +33,11 @@ a user's run in ways that change no program's meaning:
   turns it off.
 
 Measured for the suite's time and not taken (2026-12-07; full runs read 718-785 s with no
-change at all, so a gain under ~40 s does not show in one run): one run with a plugin
-timing each compile put the in-process tests' tracing, lowering and XLA compiling at 200,
-165 and 558 s of their 1,464 (4,872 programs; a program compiled again after a module's
-caches were cleared: 939 of them, 18 s); the cores were busy 94 % of the run. Not taken:
+change at all, so a gain under ~40 s does not show in one run): timed per compile (as
+tests/helpers/timing_plugin.py does), the in-process tests' tracing, lowering and XLA
+compiling took 200, 165 and 558 s of their 1,464 (4,872 programs; a program compiled again
+after a module's caches were cleared: 939 of them, 18 s); the cores were busy 94 % of the
+run. Not taken:
 `-n 3` (760 s against 756, the cores busy 99.5 %), keeping JAX's caches across modules
 until the process's memory maps passed 30,000 (785 s), XLA:CPU flags (without expensive
 LLVM passes, copy insertion without region analysis, the old runtime, the default
