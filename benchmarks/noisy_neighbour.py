@@ -21,11 +21,15 @@ how many of alice's requests ran or were refused. Bounded: a victim request coun
 --timeout s; alice's queued work is cancelled at the end and what still runs gets --drain
 s; then the server is stopped.
 
-alice's driver runs at nice --neighbour-nice (19). On a real host her client runs on
-another machine; here it shares the server's two cores, and jcp-serve runs its compute at
-nice 10 on a CPU host (--compute-nice, so that its event loop gets a core): a driver at nice
-0 took bob's compute's core whenever she sent a burst — a cost of running her client
-beside the server, not of the server (--neighbour-nice 0 measures it).
+On a deployment the clients run on other machines. Here both drivers run on this
+process's first CPU and the server on the others (pin_apart; --shared-cores leaves them all
+on every CPU), so neither driver takes a core from the server, and the server has the same
+cores in both phases: sharing the two cores of the 2-core host, alone the server had the
+core the drivers left idle and beside her it did not, and her driver took the server's
+cores (bob's p99 ratio 1.38-1.78 sharing, 1.25-1.36 apart: benchmarks/RESULTS.md, "Noisy
+neighbour"). alice's driver also runs at nice --neighbour-nice (19), and jcp-serve runs
+its compute at nice 10 on a CPU host (--compute-nice, so that its event loop gets a core):
+sharing the cores, a driver at nice 0 took bob's compute's core whenever she sent a burst.
 
 The untimed spell lasts --settle s (240): shapes the neighbour's load reaches only late
 (her long samples' table rungs, row buckets; the server runs with --no-warmup) would
@@ -44,7 +48,7 @@ slowest, and identical runs read ratios ±0.3 apart (benchmarks/RESULTS.md, "Noi
 neighbour"); alternating the phases also spreads a slow spell of the host over both.
 
     python benchmarks/noisy_neighbour.py [--seconds 20] [--rate 4] [--settle 240]
-        [--rounds 1] [--neighbour-nice 19] [--neighbour-backward] [--smoke]
+        [--rounds 1] [--neighbour-nice 19] [--neighbour-backward] [--shared-cores] [--smoke]
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import re
@@ -123,6 +128,13 @@ def parse_args(argv):
         help="the niceness of alice's driver process (default 19; 0: as the server's "
         "event loop): her client shares this host's cores only because the benchmark "
         "runs on one machine",
+    )
+    p.add_argument(
+        "--shared-cores",
+        action="store_true",
+        help="leave the drivers and the server on the same CPUs (default: the drivers on "
+        "one CPU, the server on the others, as on a deployment, where clients run on "
+        "other machines: pin_apart)",
     )
     p.add_argument(
         "--json",
@@ -476,6 +488,22 @@ class Usage:
         }
 
 
+def pin_apart(server_pid: int) -> tuple[set, set] | None:
+    """The drivers (this process, and alice's process, started after it) on this process's
+    first CPU, every thread of the server on the others -> (drivers' CPUs, server's CPUs);
+    None with fewer than two CPUs. Threads the server starts later inherit its threads'
+    CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    drivers, server = {cpus[0]}, set(cpus[1:])
+    for tid in os.listdir(f"/proc/{server_pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), server)
+    os.sched_setaffinity(0, drivers)
+    return drivers, server
+
+
 def wait_idle(pid: int, busy: float = 0.1, quiet_s: float = 2.0, bound_s: float = 300.0) -> float:
     """Wait until process `pid` has used under `busy` of a core for `quiet_s` s in a row
     (at most `bound_s` s) -> the seconds waited. Before an alone phase after a neighbour
@@ -572,6 +600,13 @@ def main(argv=None) -> dict:
     finally:
         del os.environ["JAX_LOG_COMPILES"]
     a.server_pid = proc.pid
+    cpus = os.sched_getaffinity(0)
+    apart = None if a.shared_cores else pin_apart(proc.pid)
+    print(
+        f"the drivers on CPU {sorted(apart[0])}, the server on CPUs {sorted(apart[1])}"
+        if apart
+        else f"the drivers and the server share CPUs {sorted(cpus)}"
+    )
     print(
         f"jcp-serve at {url} (started in {time.monotonic() - t0:.0f} s); phases of "
         f"{a.seconds:g} s, victim at {a.rate:g} requests/s, neighbour's driver at nice "
@@ -586,7 +621,9 @@ def main(argv=None) -> dict:
         raise
     finally:
         stop_server(proc)
+        os.sched_setaffinity(0, cpus)  # this process's CPUs as before (pin_apart)
     res["server_exit"] = proc.returncode
+    res["apart"] = apart and [sorted(apart[0]), sorted(apart[1])]  # (drivers', server's) CPUs
     if a.server_log_to:  # its compiles by name (JAX_LOG_COMPILES), for instance
         shutil.copyfile(a.server_log, a.server_log_to)
     shutil.rmtree(folder, ignore_errors=True)  # a run that finished leaves nothing behind
