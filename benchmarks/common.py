@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -15,6 +16,21 @@ def fake_cpu_devices(mesh: tuple[int, int, int]) -> None:
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n_dev}"
         )
+
+
+@contextlib.contextmanager
+def on_cores(cores: set[int] | None):
+    """The calling thread on `cores` while the block runs (None: as it is), so that a child
+    process started in it runs on them from its start (XLA sizes its compute pool from the
+    affinity it starts with) without a preexec_fn, which would fork a process JAX's threads
+    run in."""
+    before = os.sched_getaffinity(0)
+    if cores:
+        os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def mesh_arg(text: str) -> tuple[int, int, int]:

@@ -21,15 +21,16 @@ how many of alice's requests ran or were refused. Bounded: a victim request coun
 --timeout s; alice's queued work is cancelled at the end and what still runs gets --drain
 s; then the server is stopped.
 
-On a deployment the clients run on other machines. Here both drivers run on this
-process's first CPU and the server on the others (pin_apart; --shared-cores leaves them all
-on every CPU), so neither driver takes a core from the server, and the server has the same
-cores in both phases: sharing the two cores of the 2-core host, alone the server had the
-core the drivers left idle and beside her it did not, and her driver took the server's
-cores (bob's p99 ratio 1.38-1.78 sharing, 1.25-1.36 apart: benchmarks/RESULTS.md, "Noisy
-neighbour"). alice's driver also runs at nice --neighbour-nice (19), and jcp-serve runs
-its compute at nice 10 on a CPU host (--compute-nice, so that its event loop gets a core):
-sharing the cores, a driver at nice 0 took bob's compute's core whenever she sent a burst.
+On a deployment the clients run on other machines. Here both drivers run on this process's
+first CPU and the server on the others from its start (cpus_apart; XLA sizes its compute
+pool from that; --shared-cores leaves them all on every CPU), so neither driver takes a
+core from the server, and the server has the same cores in both phases: sharing the two
+cores of the 2-core host, alone the server had the core the drivers left idle and beside
+her it did not, and her driver took the server's cores (bob's p99 ratio 1.38-1.78 sharing,
+1.25-1.36 apart: benchmarks/RESULTS.md, "Noisy neighbour"). alice's driver also runs at
+nice --neighbour-nice (19), and jcp-serve runs its compute at nice 10 on a CPU host
+(--compute-nice, so that its event loop gets a core): sharing the cores, a driver at nice
+0 took bob's compute's core whenever she sent a burst.
 
 The untimed spell lasts --settle s (240): shapes the neighbour's load reaches only late
 (her long samples' table rungs, row buckets; the server runs with --no-warmup) would
@@ -68,6 +69,7 @@ import time
 
 import numpy as np
 import tinker_http
+from common import on_cores
 from tinker_http import PROTO, Tenant, cpu_s, fb_body, stop_server
 
 KEYS = {"tml-victim": "bob", "tml-hostile": "alice"}
@@ -126,15 +128,15 @@ def parse_args(argv):
         type=int,
         default=19,
         help="the niceness of alice's driver process (default 19; 0: as the server's "
-        "event loop): her client shares this host's cores only because the benchmark "
-        "runs on one machine",
+        "event loop): her client shares this host's cores (bob's driver's, and with "
+        "--shared-cores the server's) only because the benchmark runs on one machine",
     )
     p.add_argument(
         "--shared-cores",
         action="store_true",
         help="leave the drivers and the server on the same CPUs (default: the drivers on "
         "one CPU, the server on the others, as on a deployment, where clients run on "
-        "other machines: pin_apart)",
+        "other machines: cpus_apart)",
     )
     p.add_argument(
         "--json",
@@ -165,8 +167,9 @@ def parse_args(argv):
 # ---------------------------------------------------------------------- the server
 
 
-def start_server(a, folder: str) -> tuple[subprocess.Popen, str]:
-    """jcp-serve in a child process with this benchmark's bounds -> (process, base URL)."""
+def start_server(a, folder: str, cores: set | None) -> tuple[subprocess.Popen, str]:
+    """jcp-serve in a child process with this benchmark's bounds, on `cores` when given ->
+    (process, base URL)."""
     flags = [
         "--max-num-samples",
         str(a.max_num_samples),
@@ -182,7 +185,7 @@ def start_server(a, folder: str) -> tuple[subprocess.Popen, str]:
         str(a.sample_slots),
         "--no-warmup",
     ]  # the driver's warm-up compiles the shapes it sends
-    return tinker_http.start_server(folder, KEYS, flags)
+    return tinker_http.start_server(folder, KEYS, flags, cores=cores)
 
 
 # ---------------------------------------------------------------------- requests
@@ -488,20 +491,20 @@ class Usage:
         }
 
 
-def pin_apart(server_pid: int) -> tuple[set, set] | None:
-    """The drivers (this process, and alice's process, started after it) on this process's
-    first CPU, every thread of the server on the others -> (drivers' CPUs, server's CPUs);
-    None with fewer than two CPUs. Threads the server starts later inherit its threads'
-    CPUs."""
+def cpus_apart() -> tuple[set, set] | None:
+    """This process's CPUs split for the drivers and the server -> (the first one, the
+    others); None with fewer than two."""
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return None
-    drivers, server = {cpus[0]}, set(cpus[1:])
-    for tid in os.listdir(f"/proc/{server_pid}/task"):
+    return ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 else None
+
+
+def affinities(pid: int) -> list:
+    """The CPUs of each of process `pid`'s threads, as the kernel reports them."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(tid), server)
-    os.sched_setaffinity(0, drivers)
-    return drivers, server
+            out.append(sorted(os.sched_getaffinity(int(tid))))
+    return out
 
 
 def wait_idle(pid: int, busy: float = 0.1, quiet_s: float = 2.0, bound_s: float = 300.0) -> float:
@@ -594,36 +597,38 @@ def main(argv=None) -> dict:
     folder = tempfile.mkdtemp(prefix="jcp-noisy-")
     a.server_log = os.path.join(folder, "server.log")
     t0 = time.monotonic()
+    cpus = os.sched_getaffinity(0)
+    apart = None if a.shared_cores else cpus_apart()
     os.environ["JAX_LOG_COMPILES"] = "1"  # the server's log counts its compiles
     try:
-        proc, url = start_server(a, folder)
+        proc, url = start_server(a, folder, apart and apart[1])
     finally:
         del os.environ["JAX_LOG_COMPILES"]
     a.server_pid = proc.pid
-    cpus = os.sched_getaffinity(0)
-    apart = None if a.shared_cores else pin_apart(proc.pid)
-    print(
-        f"the drivers on CPU {sorted(apart[0])}, the server on CPUs {sorted(apart[1])}"
-        if apart
-        else f"the drivers and the server share CPUs {sorted(cpus)}"
-    )
-    print(
-        f"jcp-serve at {url} (started in {time.monotonic() - t0:.0f} s); phases of "
-        f"{a.seconds:g} s, victim at {a.rate:g} requests/s, neighbour's driver at nice "
-        f"{a.neighbour_nice}, her big passes "
-        + ("forward_backward" if a.neighbour_backward else "forward only"),
-        flush=True,
-    )
     try:
-        res = asyncio.run(drive(a, url))
+        # the drivers: this process, and alice's, spawned from it
+        with on_cores(apart and apart[0]):
+            # As the kernel reports them: (the drivers' CPUs, each server thread's).
+            placed = [sorted(os.sched_getaffinity(0)), affinities(proc.pid)]
+            print(
+                f"the drivers on CPU {sorted(apart[0])}, the server on CPUs {sorted(apart[1])}"
+                if apart
+                else f"the drivers and the server share CPUs {sorted(cpus)}"
+            )
+            print(
+                f"jcp-serve at {url} (started in {time.monotonic() - t0:.0f} s); phases of "
+                f"{a.seconds:g} s, victim at {a.rate:g} requests/s, neighbour's driver at "
+                f"nice {a.neighbour_nice}, her big passes "
+                + ("forward_backward" if a.neighbour_backward else "forward only"),
+                flush=True,
+            )
+            res = asyncio.run(drive(a, url))
     except BaseException:
         print(f"the server's log and state are kept in {folder}", file=sys.stderr)
         raise
     finally:
         stop_server(proc)
-        os.sched_setaffinity(0, cpus)  # this process's CPUs as before (pin_apart)
-    res["server_exit"] = proc.returncode
-    res["apart"] = apart and [sorted(apart[0]), sorted(apart[1])]  # (drivers', server's) CPUs
+    res["server_exit"], res["placed"] = proc.returncode, placed
     if a.server_log_to:  # its compiles by name (JAX_LOG_COMPILES), for instance
         shutil.copyfile(a.server_log, a.server_log_to)
     shutil.rmtree(folder, ignore_errors=True)  # a run that finished leaves nothing behind

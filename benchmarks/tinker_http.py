@@ -14,16 +14,17 @@ import sys
 import time
 
 import numpy as np
+from common import on_cores
 
 PROTO = "application/x-protobuf"
 
 
 def start_server(
-    folder: str, keys: dict, flags: list[str], wait_s: float = 600
+    folder: str, keys: dict, flags: list[str], wait_s: float = 600, cores: set[int] | None = None
 ) -> tuple[subprocess.Popen, str]:
     """jcp-serve (tiny model, mesh 1,1,1, any free port, `keys`: API key -> tenant) in a
-    child process with `flags` -> (process, base URL) once /healthz answers (at most
-    wait_s seconds)."""
+    child process with `flags`, on `cores` only when given (common.on_cores) -> (process,
+    base URL) once /healthz answers (at most wait_s seconds)."""
     path = os.path.join(folder, "keys")
     with open(path, "w") as f:
         f.write("".join(f"{k} {v}\n" for k, v in keys.items()))
@@ -33,9 +34,10 @@ def start_server(
     cmd = [sys.executable, "-m", "jcp.serve", "--mesh", "1,1,1", "--port", "0"]
     cmd += ["--api-keys", path, "--state-dir", os.path.join(folder, "state"), *flags]
     log = open(os.path.join(folder, "server.log"), "w+")
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
+    with on_cores(cores):
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         log.seek(0)

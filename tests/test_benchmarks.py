@@ -72,9 +72,14 @@ def test_noisy_neighbour_smoke(tmp_path):
     res = noisy_neighbour.main(
         ["--smoke", "--neighbour", "refused", "--rounds", "2", "--json", str(out)]
     )
-    # the drivers ran apart from the server (pin_apart), and this process's CPUs are back
-    assert (res["apart"] is not None) == (len(cpus) > 1) and os.sched_getaffinity(0) == cpus
-    assert json.loads(out.read_text())["apart"] == res["apart"]
+    # the drivers ran on this process's first CPU and every thread of the server on the
+    # others, from its start (cpus_apart); this process's CPUs are back
+    drivers, server = res["placed"]
+    first, rest = ([min(cpus)], sorted(cpus - {min(cpus)})) if len(cpus) > 1 else ([], [])
+    assert drivers == (first or sorted(cpus)) and len(server) > 1  # several server threads
+    assert all(t == (rest or sorted(cpus)) for t in server), server
+    assert os.sched_getaffinity(0) == cpus
+    assert json.loads(out.read_text())["placed"] == res["placed"]
     assert len(res["rounds"]) == 2 and len(res["round_ratios"]) == 2
     assert len(res["idle_waits"]) == 1  # the second alone phase waited for an idle server
     for phase in ("alone", "beside"):
@@ -85,37 +90,6 @@ def test_noisy_neighbour_smoke(tmp_path):
     assert "hostile bodies ACCEPTED" not in res["counts"], res["counts"]
     assert res["healthy"] and res["server_exit"] is not None
     assert not os.path.exists(res["state_dir"])  # its folder removed
-
-
-def test_pin_apart_puts_the_drivers_and_every_server_thread_on_separate_cpus():
-    """noisy_neighbour.pin_apart (the benchmark's default): this process on its first CPU, each
-    thread of the server (here a child with two threads besides its main one) on the
-    others, so no driver takes a core from the server."""
-    import subprocess
-
-    import noisy_neighbour
-
-    cpus = os.sched_getaffinity(0)
-    if len(cpus) < 2:
-        pytest.skip("needs two CPUs")
-    code = "import threading, time\n" + (
-        "for _ in range(2): threading.Thread(target=time.sleep, args=(60,)).start()\n"
-        "print('up', flush=True)\ntime.sleep(60)"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "up"
-        tids = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
-        assert len(tids) == 3
-        assert all(os.sched_getaffinity(t) == cpus for t in tids)  # not pinned before
-        drivers, server = noisy_neighbour.pin_apart(proc.pid)
-        assert drivers and server and not drivers & server and drivers | server == cpus
-        assert os.sched_getaffinity(0) == drivers
-        assert all(os.sched_getaffinity(t) == server for t in tids)
-    finally:
-        os.sched_setaffinity(0, cpus)
-        proc.kill()
-        proc.wait()
 
 
 def test_wait_idle_waits_out_a_busy_spell():
