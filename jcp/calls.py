@@ -66,16 +66,18 @@ class Steps:
     bit. Between steps, other Trainer calls may run if none of them touches this call's
     adapters (their gradient rows are restored on failure, a copy taken on entry). A
     step that raises (a non-finite loss or gradient: InputError) has rolled the call's
-    accumulation back; `close()` before the end does the same. With `halves` set, a
-    forward_backward micro-batch takes two steps where it can: its forward pass, then its
-    backward pass and accumulation (StepPrograms.first_half), the same results bit for bit.
+    accumulation back; `close()` before the end does the same. With `turns` set, a
+    full-length micro-batch takes several steps where it can, the same results bit for
+    bit: a forward_backward's, the forward pass of each of its layer spans, then the
+    backward pass of each (StepPrograms.first_turn); a forward's, its two halves of the
+    layers (StepPrograms.forward_first).
     """
 
-    def __init__(self, gen, passes: int, halves: bool = False):
+    def __init__(self, gen, passes: int, turns: bool = False):
         self._gen, self.passes = gen, passes
-        # Whether each later micro-batch of a forward_backward runs in two steps where it
-        # can (Trainer.forward_backward_steps); settable between steps.
-        self.halves = halves
+        # Whether each later full-length micro-batch runs in turns where it can
+        # (Trainer.forward_steps, forward_backward_steps); settable between steps.
+        self.turns = turns
         self.done, self.output = False, None
         self._dispatched: list = []
 

@@ -293,10 +293,13 @@ def load_model_and_mesh(args):
     return cfg, base, mesh
 
 
-def build_trainer(args, *, max_adapters: int, max_rank: int, adapter_memory=None):
+def build_trainer(
+    args, *, max_adapters: int, max_rank: int, adapter_memory=None, turn_spans: int = 2
+):
     """The Trainer of a command: model and mesh from the flags (load_model_and_mesh), seed
     and --max-tokens-per-device from args, the adapter tables' memory (bytes, "auto" or
-    None: Trainer's adapter_memory); CliError where the Trainer refuses them."""
+    None: Trainer's adapter_memory) and turn_spans (TrainerOptions'); CliError where the
+    Trainer refuses them."""
     import jcp
 
     cfg, base, mesh = load_model_and_mesh(args)
@@ -310,6 +313,7 @@ def build_trainer(args, *, max_adapters: int, max_rank: int, adapter_memory=None
             seed=args.seed,
             max_tokens_per_device=args.max_tokens_per_device,
             adapter_memory=adapter_memory,
+            turn_spans=turn_spans,
         )
     except ValueError as e:
         raise CliError(str(e)) from None

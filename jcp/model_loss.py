@@ -168,12 +168,17 @@ def model_loss(
     return _with_router_stats(cfg, step_cfg, stats, real_S, stream.call_tokens, loss, outputs)
 
 
-def first_layers(cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, stream: Stream, split):
-    """A dense model's layers [0, split) of this device's stream, inside the shard_map:
-    the hidden states [S, D] that model_loss(after=(split, them)) goes on from."""
+def layer_span(
+    cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, stream: Stream, start, stop, h=None
+):
+    """A dense model's layers [start, stop) of this device's stream, inside the shard_map
+    (stop below the last layer): the hidden states [S, D] that the next span, or
+    model_loss(after=(stop, them)), goes on from; h: the hidden states the layers before
+    start left (None: start is 0, the stream's tokens)."""
     run = _dense_pass(cfg, step_cfg, stream)
+    x = stream.tokens_S if h is None else h
     return model_lib.hidden_span(
-        cfg, params, stream.tokens_S, stream.position_S, run, lora, route, start=0, stop=split
+        cfg, params, x, stream.position_S, run, lora, route, start=start, stop=stop
     )
 
 

@@ -58,8 +58,8 @@ from jcp.server.priority import COMPUTE_NICE, favour_loop
 # (Trainer.warmup): forward_backward with cross_entropy for adapters of every module (the
 # SDK's default LoRA) at every stream length up to TRAINING_WARMUP_ROWS rows per device —
 # one program per length, whatever the grouping of tenants in a fused pass; at
-# --max-tokens-per-device also its two halves and a forward's (a contended split pass
-# runs them) — and
+# --max-tokens-per-device also the programs of its turns and a forward's two halves (a
+# contended split pass runs them) — and
 # optim_step, and the slot writes (create, copy, offload, restore) of every page count.
 # Other losses, forward, longer passes and passes over adapters of fewer modules compile
 # when first met. Sampling (Engine.warmup's buckets): steps with 1 or 2 distinct adapters
@@ -130,6 +130,14 @@ def _model_flags(g) -> None:
     )
     g.add_argument("--max-rank", type=COUNT, default=32)
     g.add_argument("--max-tokens-per-device", type=integer(2), default=None)
+    g.add_argument(
+        "--turn-spans",
+        type=COUNT,
+        default=2,
+        help="layer spans of a training pass run in turns while other work waits: each "
+        "span's forward pass, then each one's backward pass, one turn each (more: shorter "
+        "turns for the others, a costlier pass)",
+    )
     g.add_argument("--seed", type=SEED, default=0)
 
 
@@ -356,6 +364,7 @@ def main(argv=None) -> int:
             max_adapters=args.max_adapters,
             max_rank=args.max_rank,
             adapter_memory=args.adapter_memory,
+            turn_spans=args.turn_spans,
         )
     except CliError as e:
         print(f"jcp-serve: error: {e}", file=sys.stderr)

@@ -23,6 +23,77 @@ from jcp.mesh import TP, axis_size
 from jcp.program_store import StoredPrograms
 
 
+class PassTurns:
+    """A forward_backward micro-batch in turns (StepPrograms.first_turn), its first program
+    run: the forward pass of span 0 of its n layer spans. `next(slot_meta)` runs the next
+    program but the last (the forward passes of spans 1 … n - 1, then the backward passes
+    of spans n - 1 … 1), `last(acc, slot_meta)` the last (span 0's backward pass and the
+    accumulation) -> (acc + grad, loss, out, finite_A), as forward_backward returns them,
+    acc donated. slot_meta: the slot header as it is then (a slot written between turns
+    donated the old one). `held`: what the programs so far left on the device (to wait
+    on); `left`: how many programs are still to run."""
+
+    def __init__(self, programs: tuple, args: tuple, out, pull, pieces: list):
+        (self._forward, self._backward), self._args = programs, args
+        self.n = len(pieces) + 1
+        self._pieces = pieces  # spans 1 … n - 1: their factors
+        self._out = out  # the last program's output: hidden states, losses or a cotangent
+        self._pulls = [pull]  # the pullbacks of the spans whose backward is still to run
+        self._grads: list = []  # the gradients of spans 1 … n - 1, once their backward ran
+        self._outputs = None  # (loss, out), from the last span's backward pass
+        self._done = 1  # programs run
+        self.left = 2 * self.n - 1
+
+    @property
+    def held(self) -> tuple:
+        return self._out, self._grads
+
+    def next(self, slot_meta) -> None:
+        if self.left < 2:
+            raise RuntimeError(f"PassTurns.next with {self.left} programs to run")
+        params, batch, loss_cfg, static = self._args
+        k = self._done
+        if k < self.n:  # span k's forward pass
+            self._out, pull = self._forward(
+                self._pieces[k - 1],
+                self._out,
+                params,
+                slot_meta,
+                batch,
+                loss_cfg,
+                static=static,
+                i=k,
+            )
+            self._pulls.append(pull)
+        else:  # span i's backward pass, from the last span down
+            i = 2 * self.n - 1 - k
+            grads, self._out, outputs = self._backward(
+                None, self._pulls.pop(), self._out, (), slot_meta, batch, static=static, i=i
+            )
+            self._grads.insert(0, grads)
+            if outputs is not None:
+                self._outputs = outputs
+        self._done, self.left = k + 1, self.left - 1
+
+    def last(self, acc, slot_meta) -> tuple:
+        if self.left != 1:
+            raise RuntimeError(f"PassTurns.last with {self.left} programs to run")
+        _, batch, _, static = self._args
+        acc, finite_A, outputs = self._backward(
+            acc,
+            self._pulls.pop(),
+            self._out,
+            tuple(self._grads),
+            slot_meta,
+            batch,
+            static=static,
+            i=0,
+        )
+        self.left = 0
+        loss, out = outputs if outputs is not None else self._outputs
+        return acc, loss, out, finite_A
+
+
 class StepPrograms:
     """The steps of one (model, mesh, StepConfig) and a cache of compiled forward_backward
     programs keyed by everything a program is specialised on.
@@ -42,6 +113,7 @@ class StepPrograms:
         step_cfg: train_step.StepConfig,
         max_rank: int,
         budget_bytes: int | None = None,
+        turn_spans: int = 2,
     ):
         self.cfg, self.mesh, self.step_cfg, self.max_rank = cfg, mesh, step_cfg, max_rank
         self.forward_step = train_step.make_forward(cfg, mesh, step_cfg)
@@ -57,7 +129,9 @@ class StepPrograms:
         self.sums_on_host = host_sum.sums_on_host(mesh)
         self.compiled: dict = {}
         self.decisions: dict = {}
-        self.halves_fit: dict = {}  # key -> whether first_half runs that program in halves
+        self.turns_fit: dict = {}  # key -> whether first_turn runs that program in turns
+        # The layer spans of a forward_backward in turns (first_turn; TrainerOptions).
+        self.turn_spans = turn_spans
 
     @functools.cached_property
     def host_step(self) -> host_sum.HostSummedStep:
@@ -130,45 +204,39 @@ class StepPrograms:
             self.compiled[key], self.decisions[key] = self._compile(key, args, static)
         return key
 
-    def first_half(self, acc, lora, step_args: tuple, static: train_step.BatchStatics):
-        """The first of forward_backward's two programs (train_step.
-        make_forward_backward_halves) -> a handle for `second_half`; or None where the pass
-        runs whole: not a folded pass (halves_apply), host-summed, or one whose program
-        would not fit the memory budget twice beside its arguments (the residuals the
-        first half leaves wait on the device while another program runs). The remat
-        decision is forward_backward's for the same batch."""
+    def first_turn(self, acc, lora, step_args: tuple, static: train_step.BatchStatics):
+        """The first of forward_backward's programs in turns (train_step.
+        make_forward_backward_turns, over `turn_spans` layer spans) -> its PassTurns, the
+        others still to run; or None where the pass runs whole: not a folded pass
+        (turns_apply), host-summed, or one whose program would not fit the memory budget
+        twice beside its arguments (the residuals the forward turns leave wait on the
+        device while another program runs). The remat decision is forward_backward's for
+        the same batch."""
         params, slot_meta, batch, loss_cfg, _ = step_args
-        if self._on_host(static) or not train_step.halves_apply(
+        if self._on_host(static) or not train_step.turns_apply(
             self.cfg, static.custom, slot_meta, batch.active
         ):
             return None
         args = (acc, lora, *step_args)
         key = self._program_key(args, static)
-        if key not in self.halves_fit:
+        if key not in self.turns_fit:
             need = self.decisions[key]["bytes"]
             if need is None:  # remat set by hand: XLA's measure of the program
                 need = remat_lib.program_bytes(self.compiled[key])
             # What the program holds beyond its arguments (temporaries and outputs), twice:
-            # the first half's residuals, and another program of that size beside them.
+            # the forward turns' residuals, and another program of that size beside them.
             placed = remat_lib.placed_bytes(args)
-            self.halves_fit[key] = placed + 2 * (need - placed) <= self.budget_bytes()
-        if not self.halves_fit[key]:
+            self.turns_fit[key] = placed + 2 * (need - placed) <= self.budget_bytes()
+        if not self.turns_fit[key]:
             return None
-        first, second = self.halves(self.decisions[key]["remat"])
-        held = first(lora, params, slot_meta, batch, loss_cfg, static=static)
-        return second, held, batch, static
+        programs = self.turns(self.decisions[key]["remat"])
+        out, pull, pieces = programs[0](lora, params, slot_meta, batch, loss_cfg, static=static)
+        return PassTurns(programs[1:], (params, batch, loss_cfg, static), out, pull, pieces)
 
-    def second_half(self, acc, slot_meta, half) -> tuple:
-        """The second program of `first_half`'s handle -> (acc + grad, loss, out,
-        finite_A), as forward_backward returns them; acc donated. slot_meta: the slot
-        header as it is now (a slot written since the first half donated the old one)."""
-        second, (losses_DPxCP, pull), batch, static = half
-        return second(acc, losses_DPxCP, pull, slot_meta, batch, static=static)
-
-    def halves(self, remat: bool) -> tuple:
-        """train_step.make_forward_backward_halves of this model and mesh with `remat`."""
-        return train_step.make_forward_backward_halves(
-            self.cfg, self.mesh, dataclasses.replace(self.step_cfg, remat=remat)
+    def turns(self, remat: bool) -> tuple:
+        """train_step.make_forward_backward_turns of this model and mesh with `remat`."""
+        return train_step.make_forward_backward_turns(
+            self.cfg, self.mesh, dataclasses.replace(self.step_cfg, remat=remat), self.turn_spans
         )
 
     def _on_host(self, static: train_step.BatchStatics) -> bool:

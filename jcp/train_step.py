@@ -35,7 +35,7 @@ from jcp.config import QwenConfig
 from jcp.mesh import BATCH_AXES, SPECS
 
 # The model + loss body (jcp/model_loss.py), re-exported: the design card names train_step.
-from jcp.model_loss import LossOptions, Stream, first_layers, model_loss
+from jcp.model_loss import LossOptions, Stream, layer_span, model_loss
 from jcp.model_loss import StepConfig as StepConfig
 from jcp.model_loss import training_attend as training_attend
 from jcp.model_loss import unroll_layers as unroll_layers
@@ -236,7 +236,7 @@ def _folded_value_and_grad(p: PassConfig, lora_active, params, slot_meta, batch:
     return _folded_pull(p, losses_DPxCP, pull, batch)
 
 
-def _folded_vjp(p: PassConfig, lora_active, params, slot_meta, batch: Batch, loss_cfg):
+def _folded_vjp(p: PassConfig, lora_active, params, slot_meta, batch: Batch, loss_cfg, after=None):
     """(each shard's loss [DP, CP], the pullback) of _folded_value_and_grad's forward pass.
 
     The loss and outputs are only read, never differentiated, so nothing in the forward
@@ -247,31 +247,131 @@ def _folded_vjp(p: PassConfig, lora_active, params, slot_meta, batch: Batch, los
     a gloo ring of TCP messages, so the step runs one ring where it ran two (the forward's
     outputs and the backward's gradient). The gradient is that of the summed loss: each
     shard's loss is a [DP, CP] output whose cotangent is 1, as psum's transpose gives it.
+
+    after: (start, the hidden states [DP, CP, S, D] the layers before start left): the
+    layers from start on, the head and the loss only, lora_active holding their factors
+    (span_lora's last piece); the pullback then also gives those hidden states' cotangent
+    (make_forward_backward_turns).
     """
     cfg, mesh, num_slots = p.cfg, p.mesh, p.num_slots
     size = sum(math.prod(s) for s in part_shapes(batch, num_slots))
+    start, h_DPxCPxSxD = after if after is not None else (0, None)
 
-    def shard(lora_active, sink, params, slot_meta, b: Batch, loss_cfg):
+    def shard(lora_active, sink, h, params, slot_meta, b: Batch, loss_cfg):
         lora_active, sink = vary_on_entry((lora_active, sink))
-        loss, parts = p.stream_loss(lora_active, params, slot_meta, b, loss_cfg, summed=False)
+        lora = all_layers(cfg, lora_active, start)
+        kw = {} if h is None else {"after": (start, h[0, 0])}
+        loss, parts = p.stream_loss(lora, params, slot_meta, b, loss_cfg, summed=False, **kw)
         payload = jnp.concatenate([x.reshape(-1) for x in parts])
         return _emit(sink, loss, payload)[None, None]
 
     in_specs = (
         lora_lib.slot_specs_active(cfg, lora_active),
         SPECS.replicated,
+        None if h_DPxCPxSxD is None else SPECS.stream_DPxCPxSxD,
         model_lib.param_specs(cfg),
         SPECS.slot_G,
         batch_specs(),
         SPECS.replicated,
     )
 
-    def losses_of(lora_active, sink):  # [DP, CP]: each shard's loss
+    def losses_of(lora_active, sink, h=None):  # [DP, CP]: each shard's loss
         return jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=P(*BATCH_AXES))(
-            lora_active, sink, params, slot_meta, batch, loss_cfg
+            lora_active, sink, h, params, slot_meta, batch, loss_cfg
         )
 
-    return jax.vjp(losses_of, lora_active, jnp.zeros(size, jnp.float32))
+    sink = jnp.zeros(size, jnp.float32)
+    if h_DPxCPxSxD is None:
+        return jax.vjp(losses_of, lora_active, sink)
+    return jax.vjp(losses_of, lora_active, sink, h_DPxCPxSxD)
+
+
+def _span_vjp(p: PassConfig, piece, h_DPxCPxSxD, params, slot_meta, batch: Batch, start, stop):
+    """(the hidden states [DP, CP, S, D] that layers [start, stop) leave, the pullback) of
+    a folded pass in turns: differentiated w.r.t. piece (those layers' factors, span_lora's)
+    and h (what the layers before start left; None where start is 0: the tokens). Their
+    gradient is summed over dp and cp on entry (vary_on_entry), like the whole pass's."""
+    cfg = p.cfg
+
+    def shard(piece, h, params, slot_meta, b: Batch):
+        piece = vary_on_entry(piece)
+        route, stream = _stream_of(p, slot_meta, b)
+        lora = all_layers(cfg, piece, start)
+        x = None if h is None else h[0, 0]
+        return layer_span(cfg, p.step_cfg, params, lora, route, stream, start, stop, x)[None, None]
+
+    in_specs = (
+        lora_lib.slot_specs_active(cfg, piece),
+        None if h_DPxCPxSxD is None else SPECS.stream_DPxCPxSxD,
+        model_lib.param_specs(cfg),
+        SPECS.slot_G,
+        batch_specs(),
+    )
+
+    def hidden_of(piece, h=None):
+        return jax.shard_map(
+            shard, mesh=p.mesh, in_specs=in_specs, out_specs=SPECS.stream_DPxCPxSxD
+        )(piece, h, params, slot_meta, batch)
+
+    if h_DPxCPxSxD is None:
+        return jax.vjp(hidden_of, piece)
+    return jax.vjp(hidden_of, piece, h_DPxCPxSxD)
+
+
+def layer_bounds(num_layers: int, spans: int) -> tuple[int, ...]:
+    """(0, …, num_layers): the edges of min(spans, num_layers) consecutive layer spans,
+    of near-equal lengths."""
+    n = max(1, min(spans, num_layers))
+    return tuple(num_layers * i // n for i in range(n + 1))
+
+
+def span_lora(lora_active: dict, bounds) -> list[dict]:
+    """take_active's factors ([L, A, …] per layer module, the head's [A, …]) as one tree
+    per layer span of `bounds`: each its layers' slice; the last also the head."""
+    pieces = []
+    for start, stop in zip(bounds, bounds[1:]):
+        piece = {
+            m: jax.tree.map(lambda x, a=start, b=stop: x[a:b], ab)
+            for m, ab in lora_active.items()
+            if m != lora_lib.HEAD
+        }
+        if stop == bounds[-1] and lora_lib.HEAD in lora_active:
+            piece[lora_lib.HEAD] = lora_active[lora_lib.HEAD]
+        pieces.append(piece)
+    return pieces
+
+
+def joined_lora(pieces: list[dict]) -> dict:
+    """span_lora's inverse: the per-span trees (or their gradients) as one."""
+    out = {
+        m: jax.tree.map(lambda *xs: jnp.concatenate(xs), *(piece[m] for piece in pieces))
+        for m in pieces[0]
+    }
+    if lora_lib.HEAD in pieces[-1]:
+        out[lora_lib.HEAD] = pieces[-1][lora_lib.HEAD]
+    return out
+
+
+def all_layers(cfg: QwenConfig, piece: dict, start: int) -> dict:
+    """A span's factors (span_lora's piece, from layer `start`) as the [L, …] stacks the
+    layers slice (decoder.hidden_span), zeros outside the span: XLA folds the slice of
+    the concatenation back to the piece, so nothing is computed or summed for them. Where
+    the piece holds every layer, the piece itself."""
+    out = {}
+    for m, ab in piece.items():
+        if m == lora_lib.HEAD:
+            out[m] = ab
+            continue
+
+        def widen(x):
+            after = cfg.num_layers - start - x.shape[0]
+            if start == 0 and after == 0:
+                return x
+            zeros = lambda n: jnp.zeros((n, *x.shape[1:]), x.dtype)  # noqa: E731
+            return jnp.concatenate([zeros(start), x, zeros(after)])
+
+        out[m] = jax.tree.map(widen, ab)
+    return out
 
 
 def _folded_pull(p: PassConfig, losses_DPxCP, pull, batch: Batch):
@@ -523,7 +623,7 @@ def make_forward_halves(cfg: QwenConfig, mesh, step_cfg: StepConfig):
     """forward as two programs, (first, second), for a pass where forward_halves_apply:
 
     - jit(first)(lora, params, slot_meta, batch, *, static) -> the hidden states [DP, CP,
-      S, D] after the first half of the layers (model_loss.first_layers);
+      S, D] after the first half of the layers (model_loss.layer_span);
     - jit(second)(lora, params, slot_meta, batch, loss_cfg, h, *, static) -> (loss, out),
       as make_forward's forward returns them: the other layers, the head and the loss.
 
@@ -540,7 +640,7 @@ def make_forward_halves(cfg: QwenConfig, mesh, step_cfg: StepConfig):
 
         def shard(lora_active, params, slot_meta, b: Batch):
             route, stream = _stream_of(p, slot_meta, b)
-            h = first_layers(cfg, step_cfg, params, lora_active, route, stream, split)
+            h = layer_span(cfg, step_cfg, params, lora_active, route, stream, 0, split)
             return h[None, None]
 
         in_specs = (
@@ -609,52 +709,94 @@ def make_forward_backward(cfg: QwenConfig, mesh, step_cfg: StepConfig, fold: boo
     return forward_backward
 
 
-def halves_apply(cfg: QwenConfig, custom, slot_meta, active_A) -> bool:
-    """Whether a forward_backward pass may run as make_forward_backward_halves' two
-    programs: the folded pass (folds_outputs) over gathered factors, not a paged one."""
+def turns_apply(cfg: QwenConfig, custom, slot_meta, active_A) -> bool:
+    """Whether a forward_backward pass may run in turns (make_forward_backward_turns): the
+    folded pass (folds_outputs) over gathered factors, not a paged one."""
     return folds_outputs(cfg, custom) and not pages_in_place(cfg, custom, slot_meta, active_A)
 
 
+def _own(out, inputs):
+    """`out` with every array of `inputs` it holds as it is copied (see
+    make_forward_backward_turns: a slot write between turns donates the tables and the
+    header)."""
+    own = {id(x) for x in jax.tree.leaves(inputs)}
+    return jax.tree.map(lambda x: jnp.copy(x) if id(x) in own else x, out)
+
+
 @shared
-def make_forward_backward_halves(cfg: QwenConfig, mesh, step_cfg: StepConfig):
-    """forward_backward as two programs, (first, second), for a pass where halves_apply:
+def make_forward_backward_turns(cfg: QwenConfig, mesh, step_cfg: StepConfig, spans: int):
+    """forward_backward as programs run one after another, for a pass where turns_apply:
+    the forward pass of each of the n layer spans of layer_bounds(L, spans), first to last
+    (the last with the head and the loss), then the backward pass of each, last to first
+    (the first's with the accumulation). Returns (start, forward, backward):
 
-    - jit(first)(lora, params, slot_meta, batch, loss_cfg, *, static) -> (each shard's loss
-      [DP, CP], the pullback): the forward pass, its residuals held as device arrays;
-    - jit(second)(acc, losses, pullback, slot_meta, batch, *, static) -> (acc + grad, loss,
-      out, finite_A), acc donated: the backward pass, the outputs' sum and the accumulation
-      (the pass's own slots keep their pages in between).
+    - jit(start)(lora, params, slot_meta, batch, loss_cfg, *, static) -> (out, pullback,
+      the other spans' factors): the active slots' factors gathered (span_lora), and span
+      0's forward pass; out: the hidden states it leaves [DP, CP, S, D], or (n = 1) each
+      shard's loss [DP, CP];
+    - jit(forward)(piece, h, params, slot_meta, batch, loss_cfg, *, static, i) -> (out,
+      pullback): span i's (i ≥ 1) forward pass from the hidden states h span i - 1 left;
+    - jit(backward)(acc, pullback, out_ct, later, slot_meta, batch, *, static, i) -> span
+      i's backward pass: out_ct is the cotangent of its output (the last span: its losses,
+      whose cotangent is 1). For i ≥ 1: (its factors' gradient, the cotangent of span
+      i - 1's output, (loss, out) for the last span, else None), acc None. For i = 0: (acc
+      + grad, finite_A, (loss, out) where n = 1, else None), acc donated; later: the
+      gradients of spans 1 … n - 1.
 
-    The same operations as make_forward_backward's folded pass, so the same results bit for
-    bit (tests/test_trainer.py, test_steps_with_other_calls_between_equal_one_call). A
-    caller may run other programs between the two (jcp-serve runs another tenant's work
-    there: each of the two holds the device about half as long as the whole), slot writes
-    among them (create, optim_step), which donate the adapter tables and the slot header:
-    the pullback holds arrays `first` computed (the factors are gathered into new ones),
-    and an input it would hold as it is, the base weights aside (never donated), is copied
-    — none is today, so the copy costs nothing; it keeps a later change from holding a
-    table a slot write then deletes. `second` takes the header as it is then.
+    Each layer runs the same operations as in make_forward_backward's folded pass, so the
+    results are the same bit for bit (tests/test_trainer.py,
+    test_steps_with_other_calls_between_equal_one_call, test_turns_of_three_spans_equal_
+    one_pass). A caller may run other programs between any two (jcp-serve runs another
+    tenant's work there, which then waits for one program, not the whole pass:
+    benchmarks/pass_turns.py), slot writes among them (create, optim_step), which donate
+    the adapter tables and the slot header: a pullback holds arrays its program computed
+    (the factors are gathered into new ones), and an input it would hold as it is, the
+    base weights aside (never donated), is copied (_own) — none is today, so the copy
+    costs nothing; it keeps a later change from holding a table a slot write then
+    deletes. Each program takes the header as it is when it runs.
     """
     options = compiler_options(mesh)
+    bounds = layer_bounds(cfg.num_layers, spans)
+    n = len(bounds) - 1
+
+    def forward_span(p, i, piece, h, params, slot_meta, batch, loss_cfg):
+        if i == n - 1:
+            after = None if h is None else (bounds[i], h)
+            return _folded_vjp(p, piece, params, slot_meta, batch, loss_cfg, after=after)
+        return _span_vjp(p, piece, h, params, slot_meta, batch, bounds[i], bounds[i + 1])
 
     @functools.partial(jax.jit, static_argnames=("static",), compiler_options=options)
-    def first(lora, params, slot_meta, batch, loss_cfg, *, static: BatchStatics):
+    def start(lora, params, slot_meta, batch, loss_cfg, *, static: BatchStatics):
         p = PassConfig(cfg, mesh, step_cfg, static.loss_fns, static.num_slots)
-        active = active_lora(lora, slot_meta, batch, static)
-        losses_DPxCP, pull = _folded_vjp(p, active, params, slot_meta, batch, loss_cfg)
-        own = {id(x) for x in jax.tree.leaves((lora, slot_meta, batch, loss_cfg))}
-        return losses_DPxCP, jax.tree.map(lambda x: jnp.copy(x) if id(x) in own else x, pull)
+        pieces = span_lora(active_lora(lora, slot_meta, batch, static), bounds)
+        out, pull = forward_span(p, 0, pieces[0], None, params, slot_meta, batch, loss_cfg)
+        return out, _own(pull, (lora, slot_meta, batch, loss_cfg)), pieces[1:]
+
+    @functools.partial(jax.jit, static_argnames=("static", "i"), compiler_options=options)
+    def forward(piece, h, params, slot_meta, batch, loss_cfg, *, static: BatchStatics, i: int):
+        p = PassConfig(cfg, mesh, step_cfg, static.loss_fns, static.num_slots)
+        out, pull = forward_span(p, i, piece, h, params, slot_meta, batch, loss_cfg)
+        return out, _own(pull, (piece, h, slot_meta, batch, loss_cfg))
 
     @functools.partial(
-        jax.jit, static_argnames=("static",), donate_argnums=(0,), compiler_options=options
+        jax.jit, static_argnames=("static", "i"), donate_argnums=(0,), compiler_options=options
     )
-    def second(acc, losses_DPxCP, pull, slot_meta, batch, *, static: BatchStatics):
-        p = PassConfig(cfg, mesh, step_cfg, static.loss_fns, static.num_slots)
-        grads, loss, out = _folded_pull(p, losses_DPxCP, pull, batch)
-        acc, finite_A = accumulate(acc, slot_meta, lora_lib.untake_active(grads), batch.active)
-        return acc, loss, out, finite_A
+    def backward(acc, pull, out_ct, later, slot_meta, batch, *, static: BatchStatics, i: int):
+        last = i == n - 1
+        cts = pull(jnp.ones_like(out_ct) if last else out_ct)
+        grads = cts[0]
+        outputs = None
+        if last:  # the outputs' sums arrive as the sink's cotangent
+            outputs = losses_lib.shard_outputs(
+                split_parts(cts[1], part_shapes(batch, static.num_slots))
+            )
+        if i > 0:
+            return grads, cts[-1], outputs
+        grads = lora_lib.untake_active(joined_lora([grads, *later]))
+        acc, finite_A = accumulate(acc, slot_meta, grads, batch.active)
+        return acc, finite_A, outputs
 
-    return first, second
+    return start, forward, backward
 
 
 def accumulate(acc, slot_meta, grads, active_A):

@@ -110,7 +110,9 @@ class Trainer:
         self.state = AdapterState(
             cfg, mesh, max_adapters, max_rank, opts.expert_lora_modes, adapter_memory
         )
-        self.programs = StepPrograms(cfg, mesh, self.step_cfg, max_rank, opts.remat_budget_bytes)
+        self.programs = StepPrograms(
+            cfg, mesh, self.step_cfg, max_rank, opts.remat_budget_bytes, opts.turn_spans
+        )
         self.remat_decisions: dict = self.programs.decisions
         """Per compiled forward_backward program, keyed as forward_backward_programs:
         {"remat": bool, "bytes": its per-device memory without recomputation (measured,
@@ -296,7 +298,7 @@ class Trainer:
         adapters,
         backward: bool,
         keep: bool = True,
-        halves: bool = False,
+        turns: bool = False,
     ) -> Steps:
         checked, packed, cfg_arrays = self._prepare(data, loss_fn, loss_fn_config, adapters)
         custom = loss_fn if isinstance(loss_fn, custom_loss_lib.CustomLoss) else None
@@ -336,12 +338,12 @@ class Trainer:
                 )
             )
 
-        def first_half(pb, accumulate):
-            """The micro-batch's first half (StepPrograms.first_half), or None."""
+        def first_turn(pb, accumulate):
+            """The micro-batch's first turn (StepPrograms.first_turn): its PassTurns, or None."""
             args, static = batch_args(pb)
-            # The accumulators pass through unchanged: the first half only reads its key.
+            # The accumulators pass through unchanged: the first turn only reads its key.
             return accumulate(
-                lambda acc: (acc, self.programs.first_half(acc, self.state.weights, args, static))
+                lambda acc: (acc, self.programs.first_turn(acc, self.state.weights, args, static))
             )
 
         def forward_first(pb):
@@ -353,8 +355,8 @@ class Trainer:
             # Micro-batches are dispatched ahead of reading any result back, so the device
             # never waits on a host transfer, but at most MAX_IN_FLIGHT of them: dozens of
             # queued programs made XLA:CPU's collectives miss their rendezvous timeout and
-            # abort the process. Each one dispatched is a step (Steps), each half of one
-            # run in halves too.
+            # abort the process. Each one dispatched is a step (Steps), each turn of one
+            # run in turns too.
             results = []
             for i, pb in enumerate(packed):
                 if i:
@@ -362,10 +364,10 @@ class Trainer:
                 if i >= self.MAX_IN_FLIGHT:
                     jax.block_until_ready(results[i - self.MAX_IN_FLIGHT])
                 # Only a full-length micro-batch (the longest unit; warmup compiles its
-                # halves) runs in halves.
+                # turns' programs) runs in turns.
                 full = pb.tokens.shape[-1] == self.max_tokens_per_device
                 if accumulate is None:  # a forward: its layers in two halves
-                    half = forward_first(pb) if steps.halves and full else None
+                    half = forward_first(pb) if steps.turns and full else None
                     if half is None:
                         results.append(step(pb, accumulate))
                         continue
@@ -373,13 +375,16 @@ class Trainer:
                     second = self.programs.forward_second(self.state.weights, self.state.meta, half)
                     results.append(second + (None,))
                     continue
-                half = first_half(pb, accumulate) if steps.halves and full else None
-                if half is None:
+                turns = first_turn(pb, accumulate) if steps.turns and full else None
+                if turns is None:
                     results.append(step(pb, accumulate))
                     continue
-                yield [*results, half[1]]
-                second = functools.partial(self.programs.second_half, slot_meta=self.state.meta)
-                results.append(accumulate(lambda acc: _split_first(second(acc, half=half))))
+                while turns.left > 1:
+                    yield [*results, turns.held]
+                    turns.next(self.state.meta)
+                yield [*results, turns.held]
+                last = functools.partial(turns.last, slot_meta=self.state.meta)
+                results.append(accumulate(lambda acc: _split_first(last(acc))))
             return calls.outputs(checked, packed, results)
 
         def run():
@@ -388,34 +393,37 @@ class Trainer:
             with self.state.accumulating(per_datum_slots(packed), keep) as accumulate:
                 return (yield from dispatch(accumulate))
 
-        steps = Steps(run(), len(packed), halves=halves)
+        steps = Steps(run(), len(packed), turns=turns)
         return steps
 
     def forward_steps(
-        self, data, loss_fn="cross_entropy", loss_fn_config=None, adapters=0, halves=False
+        self, data, loss_fn="cross_entropy", loss_fn_config=None, adapters=0, turns=False
     ) -> Steps:
         """`forward`, one micro-batch at a time (Steps): refused (InputError) here, before
-        any device work, exactly as forward would refuse. halves: each full-length
+        any device work, exactly as forward would refuse. turns: each full-length
         micro-batch of a dense model in two steps, its first half of the layers, then the
         rest and the loss (StepPrograms.forward_first; the same results). Settable between
-        steps as `Steps.halves`."""
-        return self._steps(data, loss_fn, loss_fn_config, adapters, backward=False, halves=halves)
+        steps as `Steps.turns`."""
+        return self._steps(data, loss_fn, loss_fn_config, adapters, backward=False, turns=turns)
 
     def forward_backward_steps(
-        self, data, loss_fn="cross_entropy", loss_fn_config=None, adapters=0, halves=False
+        self, data, loss_fn="cross_entropy", loss_fn_config=None, adapters=0, turns=False
     ) -> Steps:
         """`forward_backward`, one micro-batch at a time (Steps): refused (InputError)
         here, before any device work, exactly as forward_backward would refuse.
 
-        halves: each micro-batch in two steps where it can (StepPrograms.first_half: a
-        dense model's pass without a custom loss, whose program fits twice in the memory
-        budget) — its forward pass, then its backward pass and accumulation, as two
-        programs, with the same results bit for bit; so a caller's other work between
-        steps waits for about half a micro-batch (jcp-serve: a heavy tenant's split pass,
-        while other work waits). The call takes ~13 % longer in halves (the tiny model,
-        16 × 1,023 tokens on CPU). Settable between steps as `Steps.halves`.
+        turns: each full-length micro-batch in 2n steps where it can (StepPrograms.
+        first_turn: a dense model's pass without a custom loss, whose program fits twice in
+        the memory budget), n = min(turn_spans, num_layers) layer spans (TrainerOptions):
+        the forward pass of each span, then the backward pass of each, the last with the
+        accumulation, with the same results bit for bit; so a caller's other work between
+        steps waits for about 1 / 2n of a micro-batch (jcp-serve: a heavy tenant's split
+        pass, while other work waits). The tiny model's 1 × 1,023 tokens on one CPU
+        device: 53.7 ms whole, turns of 19.7 and 36.8 ms with one span, 10.0, 11.5, 21.9
+        and 16.4 ms with two; a call of 16 such takes 6 % and 11 % longer
+        (benchmarks/pass_turns.py). Settable between steps as `Steps.turns`.
         """
-        return self._steps(data, loss_fn, loss_fn_config, adapters, backward=True, halves=halves)
+        return self._steps(data, loss_fn, loss_fn_config, adapters, backward=True, turns=turns)
 
     @property
     def forward_backward_programs(self) -> dict:
@@ -458,8 +466,8 @@ class Trainer:
         For each stream length of `rows` (rows per device; None: every one, warmup_rows),
         forward_backward of zero-weight datums that fill it, with loss_fn (a loss name, or a
         tuple of names: the program of calls that mix them), on a scratch adapter that
-        targets every module (at max_tokens_per_device, in halves too: the two programs
-        forward_backward_steps' halves runs, and the two of forward_steps'); then its
+        targets every module (at max_tokens_per_device, in turns too: the programs of
+        forward_backward_steps' turns, and the two of forward_steps'); then its
         optim_step, and the gradient-copy programs of every adapter count. Each program runs
         WARMUP_RUNS times: XLA:CPU prepares a GEMM fusion (YNNPACK) when it first runs it,
         once per device that runs it at the same time, so a program run once still cost the
@@ -489,9 +497,9 @@ class Trainer:
                 data, losses = calls.filling_data(names, int(s_len), self.call_limits)
                 for _ in range(WARMUP_RUNS):
                     self.forward_backward(data, losses, adapters=scratch)
-                    if s_len == self.max_tokens_per_device:  # and the halves
-                        self._run(data, losses, None, scratch, backward=True, halves=True)
-                        self._run(data, losses, None, scratch, backward=False, halves=True)
+                    if s_len == self.max_tokens_per_device:  # and the turns
+                        self._run(data, losses, None, scratch, backward=True, turns=True)
+                        self._run(data, losses, None, scratch, backward=False, turns=True)
             for _ in range(WARMUP_RUNS):
                 self.optim_step(scratch)
         finally:

@@ -108,6 +108,13 @@ class TrainerOptions:
     1.66 B parameters per slot, each held four times — weights, accumulator, two AdamW
     moments), and per-expert adapters (PEFT imports) are then refused."""
 
+    turn_spans: int = 2
+    """The layer spans of a forward_backward micro-batch run in turns
+    (forward_backward_steps(turns=True); jcp-serve runs a split pass so while other work
+    waits): the forward pass of each span, then the backward pass of each, 2 × min(turn_spans,
+    num_layers) programs with the same results bit for bit. More spans: shorter turns (what
+    another tenant's request waits for) and a costlier pass (benchmarks/pass_turns.py)."""
+
     adapter_memory: int | str | None = None
     """Bytes of each device for the adapter tables. None: room for max_adapters adapters
     at max_rank; "auto": adapter_state.AUTO_ADAPTER_MEMORY of the device's free memory once the
@@ -123,6 +130,9 @@ class TrainerOptions:
         b = self.remat_budget_bytes
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ValueError(f"remat_budget_bytes must be a positive integer or None, got {b!r}")
+        n = self.turn_spans
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"turn_spans must be a positive integer, got {n!r}")
         modes = self.expert_lora_modes
         modes = tuple(modes) if isinstance(modes, (list, tuple)) else ()
         if (

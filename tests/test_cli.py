@@ -468,6 +468,7 @@ SERVE_ERRORS = [
     (["--session-timeout", "inf"], "--session-timeout"),
     (["--follower-timeout", "inf"], "--follower-timeout"),
     (["--max-tokens-per-device", "0"], "--max-tokens-per-device"),
+    (["--turn-spans", "0"], "--turn-spans"),
     (["--max-datums", "0"], "--max-datums"),
     (["--adapter-memory", "0"], "--adapter-memory"),
     (["--adapter-memory", "1.5GiB"], "--adapter-memory"),

@@ -34,7 +34,7 @@ from helpers import trainer_harness as H
 from helpers.packing import micro_batches
 
 import jcp
-from jcp import attention
+from jcp import attention, train_step
 
 REF = (1, 1, 1)
 # Every axis, the largest cp and all three together. (1,4,1) and (1,2,2) (~8.5 CPU s each)
@@ -426,7 +426,7 @@ def _full_micro_batches(tr, data, adapters) -> int:
 
 @pytest.mark.parametrize("mesh", [REF, (1, 2, 2)])
 def test_forward_in_halves_with_other_calls_between_equals_one_forward(folders, mesh):
-    """forward_steps(halves=True) — each full-length micro-batch in two steps: the first
+    """forward_steps(turns=True) — each full-length micro-batch in two steps: the first
     half of the layers, then the rest and the loss (at cp = tp = 2: the hidden states
     between them sharded over dp and cp) — with another adapter's forward_backward,
     optim_step and forward, and a create and delete, run between the steps (jcp-serve's
@@ -439,7 +439,7 @@ def test_forward_in_halves_with_other_calls_between_equals_one_forward(folders, 
     with H.borrowed(tr):
         ids = H.load_adapters(tr, folders)
         whole = tr.forward(data, "ppo", cfg, adapters=_ids(ids, assign))
-        steps = tr.forward_steps(data, "ppo", cfg, adapters=_ids(ids, assign), halves=True)
+        steps = tr.forward_steps(data, "ppo", cfg, adapters=_ids(ids, assign), turns=True)
         n = _with_calls_between(tr, steps, ids, other)
         halved = steps.output
         full = _full_micro_batches(tr, data, _ids(ids, assign))
@@ -451,48 +451,58 @@ def test_forward_in_halves_with_other_calls_between_equals_one_forward(folders, 
             np.testing.assert_array_equal(a[key], b[key])
 
 
-@pytest.mark.parametrize(("halves", "mesh"), [(False, REF), (True, (1, 2, 2))])
-def test_steps_with_other_calls_between_equal_one_call(folders, halves, mesh):
-    """forward_backward_steps — one micro-batch per step (with halves, each full-length
-    one in two: its forward, then its backward pass; at cp = tp = 2, so that the first
-    half's residuals include the ring's and tp's), another adapter's forward_backward,
-    optim_step and forward, and a create and delete, run between them (jcp-serve's fair
-    worker) — gives the one call's outputs and gradients bit for bit; close() before the
-    end (with halves, between a micro-batch's two) rolls its accumulation back."""
+@pytest.mark.parametrize(("spans", "mesh"), [(None, REF), (1, (1, 2, 2)), (2, (1, 2, 2))])
+def test_steps_with_other_calls_between_equal_one_call(folders, spans, mesh):
+    """forward_backward_steps — one micro-batch per step (in turns, each full-length one in
+    2n: the forward pass of each of its n layer spans, then the backward pass of each; at
+    cp = tp = 2, so that the residuals between turns include the ring's and tp's, and the
+    hidden states between spans are sharded over dp and cp), another adapter's
+    forward_backward, optim_step and forward, and a create and delete, run between them
+    (jcp-serve's fair worker) — gives the one call's outputs and gradients bit for bit;
+    close() before the end (in turns, after a micro-batch's first) rolls its accumulation
+    back."""
     tr = H.trainer(mesh, max_tokens_per_device=32 // mesh[1])  # 32 tokens a micro-batch
     data = H.random_data((32, 32, 32, 1, 1), seed=5)
     other = H.random_data((20, 7), seed=6)
     assign = ("p", "q", "p", "q", "p")
     cfg = H.LOSS_CONFIGS["ppo"]
+    turns = spans is not None
+    n_spans = len(train_step.layer_bounds(tr.cfg.num_layers, spans or 1)) - 1
+    assert n_spans == (spans or 1)  # the model has as many layers as the spans asked for
 
     def run(between: bool):
         with H.borrowed(tr):
             ids = H.load_adapters(tr, folders)
             if between:
                 steps = tr.forward_backward_steps(
-                    data, "ppo", cfg, adapters=_ids(ids, assign), halves=halves
+                    data, "ppo", cfg, adapters=_ids(ids, assign), turns=turns
                 )
                 assert steps.passes >= 3
                 n = _with_calls_between(tr, steps, ids, other)
                 out = steps.output
-                # With halves, each full-length micro-batch took two steps.
+                # In turns, each full-length micro-batch took 2n steps.
                 full = _full_micro_batches(tr, data, _ids(ids, assign))
-                assert full >= 2 and n == steps.passes + (full if halves else 0)
+                assert full >= 2 and n == steps.passes + (full * (2 * n_spans - 1) if turns else 0)
             else:
                 out = tr.forward_backward(data, "ppo", cfg, adapters=_ids(ids, assign))
             grads = {n: tr.gradients(ids[n]) for n in ("p", "q")}
             # An abandoned call leaves the accumulators as they were.
             steps = tr.forward_backward_steps(
-                data, "ppo", cfg, adapters=_ids(ids, assign), halves=halves
+                data, "ppo", cfg, adapters=_ids(ids, assign), turns=turns
             )
-            steps.step()  # with halves, the first micro-batch's forward only
+            steps.step()  # in turns, the first micro-batch's first span's forward only
             steps.close()
             for n in ("p", "q"):
                 for k, g in tr.gradients(ids[n]).items():
                     np.testing.assert_array_equal(g, grads[n][k])
             return out, grads
 
-    (out_a, g_a), (out_b, g_b) = run(True), run(False)
+    before = tr.programs.turn_spans
+    tr.programs.turn_spans = spans or before
+    try:
+        (out_a, g_a), (out_b, g_b) = run(True), run(False)
+    finally:
+        tr.programs.turn_spans = before
     assert out_a.metrics == out_b.metrics
     for a, b in zip(out_a.loss_fn_outputs, out_b.loss_fn_outputs):
         assert a.keys() == b.keys()
@@ -502,6 +512,46 @@ def test_steps_with_other_calls_between_equal_one_call(folders, halves, mesh):
         assert any(np.any(g != 0) for g in g_b[n].values())
         for k in g_b[n]:
             np.testing.assert_array_equal(g_a[n][k], g_b[n][k])
+
+
+def test_turns_of_three_spans_equal_one_pass():
+    """A model of three layers in three spans (turn_spans=3): each span's forward pass,
+    then each one's backward pass (a middle span's takes the hidden states in and gives
+    their cotangent back: at cp = tp = 2, sharded over dp and cp), six programs per
+    full-length micro-batch — the whole pass's outputs and gradients bit for bit, on an
+    adapter whose factors are all non-zero (after one optim_step)."""
+    cfg = jcp.QwenConfig.tiny(num_layers=3)
+    tr = jcp.Trainer(
+        cfg,
+        jcp.make_mesh(1, 2, 2),
+        max_adapters=3,
+        max_rank=4,
+        attn_block=8,
+        logprob_chunk=16,
+        max_tokens_per_device=16,
+        turn_spans=3,
+    )
+    a = tr.create_adapter(rank=4, seed=1)
+    data = H.random_data((32, 32, 5), seed=8)
+    tr.forward_backward(data, "ppo", H.LOSS_CONFIGS["ppo"], adapters=a)
+    tr.optim_step(a)
+    assert all(np.any(w != 0) for w in tr.adapter_weights(a).values())
+    b = tr.copy_adapter(a)
+    steps = tr.forward_backward_steps(data, "ppo", H.LOSS_CONFIGS["ppo"], adapters=a, turns=True)
+    n = 1
+    while not steps.step():
+        n += 1
+    full = _full_micro_batches(tr, data, a)
+    assert full >= 2 and n == steps.passes + full * 5  # six steps each
+    whole = tr.forward_backward(data, "ppo", H.LOSS_CONFIGS["ppo"], adapters=b)
+    assert steps.output.metrics == whole.metrics
+    for x, y in zip(steps.output.loss_fn_outputs, whole.loss_fn_outputs):
+        for k in y:
+            np.testing.assert_array_equal(x[k], y[k])
+    ga, gb = tr.gradients(a), tr.gradients(b)
+    assert ga.keys() == gb.keys() and all(np.any(g != 0) for g in gb.values())
+    for k in gb:
+        np.testing.assert_array_equal(ga[k], gb[k])
 
 
 # ----------------------------------------------------------------------------------------

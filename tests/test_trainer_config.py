@@ -27,6 +27,8 @@ def test_kv_heads_must_divide_tp():
         (dict(remat="sometimes"), "remat"),
         (dict(remat=1), "remat"),
         (dict(remat_budget_bytes=0), "remat_budget_bytes"),
+        (dict(turn_spans=0), "turn_spans"),
+        (dict(turn_spans=True), "turn_spans"),
         (dict(adapter_memory=1.5e9), "adapter_memory"),
         (dict(adapter_memory="lots"), "adapter_memory"),
         (dict(adapter_memory=1000), "adapter memory 1000 bytes holds no adapter of rank 16"),
@@ -142,7 +144,7 @@ def test_groupings_of_one_length_run_the_warmed_up_program():
     """After Trainer.warmup of a stream length, calls of that length compile no
     forward_backward program, whether one adapter holds all datums or two share them (their
     adapter and datum counts follow the length: batch.static_counts), nor a call of that
-    length, max_tokens_per_device, run in halves (forward_backward_steps)."""
+    length, max_tokens_per_device, run in turns (forward_backward_steps)."""
     from helpers import trainer_harness as H
 
     cfg = jcp.QwenConfig.tiny(num_layers=1)
@@ -177,11 +179,12 @@ def test_groupings_of_one_length_run_the_warmed_up_program():
     _, events = H.traces_and_compiles(slot_writes)
     assert events == [], events
 
-    def in_halves():  # a heavy tenant's split pass in jcp-serve
-        return _steps_taken(tr.forward_backward_steps(data * 2, adapters=[a] * 16, halves=True))
+    def in_turns():  # a heavy tenant's split pass in jcp-serve
+        return _steps_taken(tr.forward_backward_steps(data * 2, adapters=[a] * 16, turns=True))
 
-    n, events = H.traces_and_compiles(in_halves)
-    assert n == 4 and events == [], (n, events)  # two micro-batches, two steps each
+    n, events = H.traces_and_compiles(in_turns)
+    # Two micro-batches, two steps each: one layer, one span.
+    assert n == 4 and events == [], (n, events)
 
 
 def _steps_taken(steps) -> int:
@@ -192,25 +195,30 @@ def _steps_taken(steps) -> int:
     return n
 
 
-def test_a_forward_in_halves_after_warmup_compiles_nothing():
-    """Trainer.warmup of max_tokens_per_device also compiles a forward's two programs
-    (forward_steps(halves=True): the first half of the layers, then the rest and the loss),
-    so that a heavy tenant's forward split in halves in jcp-serve compiles nothing."""
+def test_turns_after_warmup_compile_nothing():
+    """Trainer.warmup of max_tokens_per_device also compiles the programs of a pass in
+    turns: a forward's two (forward_steps(turns=True): the first half of the layers, then
+    the rest and the loss), and a forward_backward's four (two layer spans: each one's
+    forward pass, then each one's backward pass), so that a heavy tenant's pass split in
+    turns in jcp-serve compiles nothing."""
     from helpers import trainer_harness as H
 
-    cfg = jcp.QwenConfig.tiny()  # two layers: a forward in halves needs more than one
+    cfg = jcp.QwenConfig.tiny()  # two layers: a pass in turns needs more than one
     tr = jcp.Trainer(
         cfg, jcp.make_mesh(1, 1, 1), max_adapters=2, max_rank=4, max_tokens_per_device=64
     )
+    assert tr.programs.turn_spans == 2
     tr.warmup(rows=[64])
     a = tr.create_adapter(rank=4)
     data = H.random_data((64, 64, 64), seed=3)
 
-    def in_halves():
-        return _steps_taken(tr.forward_steps(data, adapters=a, halves=True))
+    def in_turns(steps):
+        return lambda: _steps_taken(steps(data, adapters=a, turns=True))
 
-    n, events = H.traces_and_compiles(in_halves)
+    n, events = H.traces_and_compiles(in_turns(tr.forward_steps))
     assert n == 6 and events == [], (n, events)  # three micro-batches, two steps each
+    n, events = H.traces_and_compiles(in_turns(tr.forward_backward_steps))
+    assert n == 12 and events == [], (n, events)  # three micro-batches, four steps each
 
 
 def test_warmup_call_runs_the_calls_program_and_changes_nothing(monkeypatch):

@@ -77,14 +77,14 @@ class Passes:
         group, steps, spans = self.splits[tenant]
         try:
             # Other work waiting: let this micro-batch finish before it runs, so that it
-            # waits for one micro-batch, not MAX_IN_FLIGHT; and run a micro-batch in two
-            # turns where it can (Steps.halves: a forward_backward's forward pass, then its
-            # backward pass; a forward's first half of the layers, then the rest and the
-            # loss), so that it waits for about half of one. Alone, the micro-batches run
-            # whole, back to back (a forward_backward's halves cost ~13 % of a pass: 16 ×
-            # 1,023 tokens on the tiny model, 513 -> 582 ms).
+            # waits for one micro-batch, not MAX_IN_FLIGHT; and run a micro-batch in
+            # turns where it can (Steps.turns: a forward_backward's forward pass of each
+            # layer span, then the backward pass of each, --turn-spans; a forward's first
+            # half of the layers, then the rest and the loss), so that it waits for one
+            # turn. Alone, the micro-batches run whole, back to back (turns cost a pass
+            # 6-11 %: benchmarks/pass_turns.py).
             settle = self.contended()
-            steps.halves = settle
+            steps.turns = settle
             if not steps.step(settle=settle):
                 return
             outs = self._fwd_results(group, steps.output, spans)

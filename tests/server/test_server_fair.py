@@ -22,6 +22,7 @@ from helpers.server_harness import client, serving  # noqa: E402
 from tinker import types  # noqa: E402
 
 import jcp  # noqa: E402
+from jcp import train_step  # noqa: E402
 
 MODEL = "jcp-tiny"
 KEYS = {"tml-alice": "alice", "tml-bob": "bob"}
@@ -104,9 +105,10 @@ def test_a_small_request_runs_between_a_big_requests_micro_batches(env, monkeypa
         sched.release()
     out_a, out_b = fa.result(timeout=120), fb.result(timeout=120)
     assert np.isfinite(out_b.metrics["loss:sum"])
-    # alice's pass is handed out for its preparation, then once per micro-batch, twice
-    # for each full-length one (its forward, then its backward pass: Steps.halves, while
-    # other work waits); bob's comes after her first turn.
+    # alice's pass is handed out for its preparation, then once per micro-batch, 2n times
+    # for each full-length one (the forward pass of each of its n layer spans, then the
+    # backward pass of each: Steps.turns, while other work waits); bob's comes after her
+    # first turn.
     assert turns[:2] == [("alice", ("forward_backward",)), ("bob", ("forward",))], turns
     slot = srv.store.models[alice.model_id].slot
     datums = [
@@ -116,7 +118,10 @@ def test_a_small_request_runs_between_a_big_requests_micro_batches(env, monkeypa
     shapes = tr.pass_shapes(datums, adapters=slot)
     full = sum(s_len == tr.max_tokens_per_device for _, s_len, _, _ in shapes)
     assert len(shapes) >= 3 and full >= 2
-    assert turns.count(("alice", ("forward_backward",))) == 1 + len(shapes) + full, turns
+    n = len(train_step.layer_bounds(tr.cfg.num_layers, tr.programs.turn_spans)) - 1
+    assert n == 2  # jcp-serve's default --turn-spans, on a model of two layers
+    count = 1 + len(shapes) + (2 * n - 1) * full
+    assert turns.count(("alice", ("forward_backward",))) == count, turns
     # One Trainer call on a copy of the slot gives the same outputs and gradient, bit for
     # bit (the server is idle: nothing else runs on the Trainer meanwhile).
     copy = tr.copy_adapter(slot)
@@ -136,7 +141,7 @@ def test_a_small_request_runs_between_a_big_requests_micro_batches(env, monkeypa
     turns.clear()
     alice.forward_backward(big, "cross_entropy").result(timeout=120)
     assert turns.count(("alice", ("forward_backward",))) == 1 + len(shapes), turns
-    # A forward in halves too while other work waits (its first half of the layers, then
+    # A forward in turns too while other work waits (its first half of the layers, then
     # the rest and the loss), the same log-probs as one Trainer forward.
     monkeypatch.setattr(srv.worker, "contended", lambda: True)
     turns.clear()
