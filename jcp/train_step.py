@@ -318,11 +318,12 @@ def _span_vjp(p: PassConfig, piece, h_DPxCPxSxD, params, slot_meta, batch: Batch
     return jax.vjp(hidden_of, piece, h_DPxCPxSxD)
 
 
-def layer_bounds(num_layers: int, spans: int) -> tuple[int, ...]:
-    """(0, …, num_layers): the edges of min(spans, num_layers) consecutive layer spans,
-    of near-equal lengths."""
-    n = max(1, min(spans, num_layers))
-    return tuple(num_layers * i // n for i in range(n + 1))
+def layer_bounds(cfg: QwenConfig, spans: int) -> tuple[int, ...]:
+    """(0, …, L): the edges of min(spans, L) consecutive layer spans of near-equal lengths
+    that a pass in turns runs (make_forward_backward_turns); one span for a hybrid model
+    (its layers run whole: decoder.hidden_span is a dense model's)."""
+    n = 1 if cfg.is_hybrid else max(1, min(spans, cfg.num_layers))
+    return tuple(cfg.num_layers * i // n for i in range(n + 1))
 
 
 def span_lora(lora_active: dict, bounds) -> list[dict]:
@@ -726,7 +727,7 @@ def _own(out, inputs):
 @shared
 def make_forward_backward_turns(cfg: QwenConfig, mesh, step_cfg: StepConfig, spans: int):
     """forward_backward as programs run one after another, for a pass where turns_apply:
-    the forward pass of each of the n layer spans of layer_bounds(L, spans), first to last
+    the forward pass of each of the n layer spans of layer_bounds(cfg, spans), first to last
     (the last with the head and the loss), then the backward pass of each, last to first
     (the first's with the accumulation). Returns (start, forward, backward):
 
@@ -745,10 +746,10 @@ def make_forward_backward_turns(cfg: QwenConfig, mesh, step_cfg: StepConfig, spa
 
     Each layer runs the same operations as in make_forward_backward's folded pass, so the
     results are the same bit for bit (tests/test_trainer.py,
-    test_steps_with_other_calls_between_equal_one_call, test_turns_of_three_spans_equal_
-    one_pass). A caller may run other programs between any two (jcp-serve runs another
-    tenant's work there, which then waits for one program, not the whole pass:
-    benchmarks/pass_turns.py), slot writes among them (create, optim_step), which donate
+    test_steps_with_other_calls_between_equal_one_call, test_turns_equal_one_pass). A
+    caller may run other programs between any two (jcp-serve runs another tenant's work
+    there, which then waits for one program, not the whole pass: benchmarks/
+    pass_turns.py), slot writes among them (create, optim_step), which donate
     the adapter tables and the slot header: a pullback holds arrays its program computed
     (the factors are gathered into new ones), and an input it would hold as it is, the
     base weights aside (never donated), is copied (_own) — none is today, so the copy
@@ -756,7 +757,7 @@ def make_forward_backward_turns(cfg: QwenConfig, mesh, step_cfg: StepConfig, spa
     deletes. Each program takes the header as it is when it runs.
     """
     options = compiler_options(mesh)
-    bounds = layer_bounds(cfg.num_layers, spans)
+    bounds = layer_bounds(cfg, spans)
     n = len(bounds) - 1
 
     def forward_span(p, i, piece, h, params, slot_meta, batch, loss_cfg):

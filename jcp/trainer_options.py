@@ -112,8 +112,9 @@ class TrainerOptions:
     """The layer spans of a forward_backward micro-batch run in turns
     (forward_backward_steps(turns=True); jcp-serve runs a split pass so while other work
     waits): the forward pass of each span, then the backward pass of each, 2 × min(turn_spans,
-    num_layers) programs with the same results bit for bit. More spans: shorter turns (what
-    another tenant's request waits for) and a costlier pass (benchmarks/pass_turns.py)."""
+    num_layers) programs (two for a hybrid model: its layers run as one span) with the
+    same results bit for bit. More spans: shorter turns (what another tenant's request
+    waits for) and a costlier pass (benchmarks/pass_turns.py)."""
 
     adapter_memory: int | str | None = None
     """Bytes of each device for the adapter tables. None: room for max_adapters adapters

@@ -467,7 +467,7 @@ def test_steps_with_other_calls_between_equal_one_call(folders, spans, mesh):
     assign = ("p", "q", "p", "q", "p")
     cfg = H.LOSS_CONFIGS["ppo"]
     turns = spans is not None
-    n_spans = len(train_step.layer_bounds(tr.cfg.num_layers, spans or 1)) - 1
+    n_spans = len(train_step.layer_bounds(tr.cfg, spans or 1)) - 1
     assert n_spans == (spans or 1)  # the model has as many layers as the spans asked for
 
     def run(between: bool):
@@ -514,13 +514,19 @@ def test_steps_with_other_calls_between_equal_one_call(folders, spans, mesh):
             np.testing.assert_array_equal(g_a[n][k], g_b[n][k])
 
 
-def test_turns_of_three_spans_equal_one_pass():
+@pytest.mark.parametrize(
+    ("model", "spans", "turns_each"),
+    [("dense", 3, 6), ("hybrid", 2, 2)],
+)
+def test_turns_equal_one_pass(model, spans, turns_each):
     """A model of three layers in three spans (turn_spans=3): each span's forward pass,
     then each one's backward pass (a middle span's takes the hidden states in and gives
     their cotangent back: at cp = tp = 2, sharded over dp and cp), six programs per
     full-length micro-batch — the whole pass's outputs and gradients bit for bit, on an
-    adapter whose factors are all non-zero (after one optim_step)."""
-    cfg = jcp.QwenConfig.tiny(num_layers=3)
+    adapter whose factors are all non-zero (after one optim_step). A hybrid model
+    (Qwen3.5: Gated DeltaNet layers) runs its layers as one span, whatever turn_spans
+    says: its forward pass, then its backward pass."""
+    cfg = jcp.QwenConfig.tiny(num_layers=3) if model == "dense" else jcp.QwenConfig.tiny_qwen3_5()
     tr = jcp.Trainer(
         cfg,
         jcp.make_mesh(1, 2, 2),
@@ -529,7 +535,7 @@ def test_turns_of_three_spans_equal_one_pass():
         attn_block=8,
         logprob_chunk=16,
         max_tokens_per_device=16,
-        turn_spans=3,
+        turn_spans=spans,
     )
     a = tr.create_adapter(rank=4, seed=1)
     data = H.random_data((32, 32, 5), seed=8)
@@ -542,7 +548,7 @@ def test_turns_of_three_spans_equal_one_pass():
     while not steps.step():
         n += 1
     full = _full_micro_batches(tr, data, a)
-    assert full >= 2 and n == steps.passes + full * 5  # six steps each
+    assert full >= 2 and n == steps.passes + full * (turns_each - 1)
     whole = tr.forward_backward(data, "ppo", H.LOSS_CONFIGS["ppo"], adapters=b)
     assert steps.output.metrics == whole.metrics
     for x, y in zip(steps.output.loss_fn_outputs, whole.loss_fn_outputs):

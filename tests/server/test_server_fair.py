@@ -118,7 +118,7 @@ def test_a_small_request_runs_between_a_big_requests_micro_batches(env, monkeypa
     shapes = tr.pass_shapes(datums, adapters=slot)
     full = sum(s_len == tr.max_tokens_per_device for _, s_len, _, _ in shapes)
     assert len(shapes) >= 3 and full >= 2
-    n = len(train_step.layer_bounds(tr.cfg.num_layers, tr.programs.turn_spans)) - 1
+    n = len(train_step.layer_bounds(tr.cfg, tr.programs.turn_spans)) - 1
     assert n == 2  # jcp-serve's default --turn-spans, on a model of two layers
     count = 1 + len(shapes) + (2 * n - 1) * full
     assert turns.count(("alice", ("forward_backward",))) == count, turns
