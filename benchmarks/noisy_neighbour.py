@@ -49,7 +49,8 @@ slowest, and identical runs read ratios ±0.3 apart (benchmarks/RESULTS.md, "Noi
 neighbour"); alternating the phases also spreads a slow spell of the host over both.
 
     python benchmarks/noisy_neighbour.py [--seconds 20] [--rate 4] [--settle 240]
-        [--rounds 1] [--neighbour-nice 19] [--neighbour-backward] [--shared-cores] [--smoke]
+        [--rounds 1] [--neighbour-nice 19] [--neighbour-backward] [--turn-spans N]
+        [--shared-cores] [--smoke]
 """
 
 from __future__ import annotations
@@ -121,7 +122,14 @@ def parse_args(argv):
         action="store_true",
         help="the neighbour's big passes are forward_backward (default: forward only): "
         "each micro-batch is then about three times as long, and the server runs it in "
-        "two halves (docs/serving.md, 'Fairness across tenants')",
+        "turns (docs/serving.md, 'Fairness across tenants')",
+    )
+    p.add_argument(
+        "--turn-spans",
+        type=int,
+        default=None,
+        help="jcp-serve's --turn-spans (default: the server's): the layer spans of her "
+        "forward_backward micro-batches in turns",
     )
     p.add_argument(
         "--neighbour-nice",
@@ -185,6 +193,8 @@ def start_server(a, folder: str, cores: set | None) -> tuple[subprocess.Popen, s
         str(a.sample_slots),
         "--no-warmup",
     ]  # the driver's warm-up compiles the shapes it sends
+    if a.turn_spans is not None:
+        flags += ["--turn-spans", str(a.turn_spans)]
     return tinker_http.start_server(folder, KEYS, flags, cores=cores)
 
 
@@ -619,7 +629,8 @@ def main(argv=None) -> dict:
                 f"jcp-serve at {url} (started in {time.monotonic() - t0:.0f} s); phases of "
                 f"{a.seconds:g} s, victim at {a.rate:g} requests/s, neighbour's driver at "
                 f"nice {a.neighbour_nice}, her big passes "
-                + ("forward_backward" if a.neighbour_backward else "forward only"),
+                + ("forward_backward" if a.neighbour_backward else "forward only")
+                + ("" if a.turn_spans is None else f", --turn-spans {a.turn_spans}"),
                 flush=True,
             )
             res = asyncio.run(drive(a, url))

@@ -15,6 +15,7 @@ sys.path.insert(
 
 import gpu  # noqa: E402
 import multi_lora  # noqa: E402
+import pass_turns  # noqa: E402
 
 # Every part but mfu_pallas (~11 of the smoke's 30 CPU s: the 1,024-token step with the
 # kernels interpreted): its Trainer with attn_impl="pallas" is
@@ -203,3 +204,13 @@ def test_multi_lora_smoke(capsys):
     assert all(r["grouped (tile_rows)"] > 0 for r in res["kernels"])
     for title in ("fused forward_backward", "sample:", "lora.delta"):
         assert title in out
+
+
+def test_pass_turns_smoke(capsys):
+    """benchmarks/pass_turns.py --smoke: a micro-batch whole, in two turns and in four (two
+    layer spans), each turn timed, and the call's cost each way."""
+    res = pass_turns.main(["--smoke", "--spans", "0,1,2"])
+    assert {s: len(t) for s, t in res["turns"].items()} == {0: 1, 1: 2, 2: 4}
+    assert all(t > 0 for turns in res["turns"].values() for t in turns)
+    assert res["call"][0]["ratio"] == 1.0 and res["call"][2]["s"] > 0
+    assert "spans | programs" in capsys.readouterr().out
