@@ -147,7 +147,12 @@ def read_folder(path, cfg: QwenConfig, max_rank: int, is_base_head=None):
     patterns, biases, modules_to_save, DoRA, unknown target modules, missing, misshapen or
     unused tensors, malformed files. use_rslora is honoured by folding √r into alpha.
     On a MoE model the experts come from target_parameters (GATE_UP and / or DOWN, any
-    other is refused, as are the dense MLP modules) and are read per expert (from_peft);
+    other is refused) and are read per expert (from_peft); dense MLP modules in
+    target_modules are refused unless every factor pair of theirs in the file changes
+    nothing (a zero lora_B or lora_A), and then left out: peft 0.22 writes them so when it
+    saves an adapter it read in vLLM's per-expert layout (target_modules gate_proj,
+    up_proj, down_proj also wrap the dense MLP of a model's dense layers, at their
+    initial, zero lora_B);
     rank_pattern / alpha_pattern may set the fused gate_up's rank and alpha only, at the
     adapter's scale (_gate_up_rank). The rank is r unless gate and up need more.
     """
@@ -155,8 +160,8 @@ def read_folder(path, cfg: QwenConfig, max_rank: int, is_base_head=None):
     pc = _read_config(cfg_path)
     _refuse_options(pc, cfg_path, cfg.is_moe)
     rank, alpha, file_alpha = _rank_and_alpha(pc, cfg_path, max_rank)
-    targets, gate_up_rank = _targets(pc, cfg, cfg_path, rank, file_alpha)
-    tree = _read_tensors(w_path, cfg, rank, targets, is_base_head, gate_up_rank)
+    targets, gate_up_rank, dense_mlp = _targets(pc, cfg, cfg_path, rank, file_alpha)
+    tree = _read_tensors(w_path, cfg, rank, targets, is_base_head, gate_up_rank, dense_mlp)
     full, alpha = _whole_rank(tree, rank, alpha, max_rank, cfg_path)
     return full, alpha, targets, tree
 
@@ -205,8 +210,9 @@ def _rank_and_alpha(pc: dict, cfg_path: str, max_rank: int) -> tuple[int, float,
 
 
 def _targets(pc: dict, cfg: QwenConfig, cfg_path: str, rank: int, file_alpha):
-    """(jcp target modules, the fused gate_up's rank or None) of target_modules and, on a
-    MoE model, target_parameters."""
+    """(jcp target modules, the fused gate_up's rank or None, the dense MLP modules a MoE
+    folder names, whose factors must change nothing: _inert_dense_mlp) of target_modules
+    and, on a MoE model, target_parameters."""
     moe = cfg.is_moe
     targets = pc.get("target_modules")
     if isinstance(targets, str):
@@ -228,34 +234,61 @@ def _targets(pc: dict, cfg: QwenConfig, cfg_path: str, rank: int, file_alpha):
         )
     if not moe:
         try:
-            return lora_lib.resolve_targets(targets, cfg), None
+            return lora_lib.resolve_targets(targets, cfg), None, []
         except ValueError as e:
             raise InputError(f"{cfg_path}: {e}") from None
     dense_mlp = sorted(set(targets) & set(lora_lib.MLP))
-    if dense_mlp:
-        raise InputError(
-            f"{cfg_path}: target_modules {dense_mlp} are dense MLP modules, which jcp does "
-            "not adapt on a mixture-of-experts model; its experts are read from "
-            f"target_parameters {[GATE_UP, DOWN]} (per-expert 2-D adapters, as vLLM and "
-            "transformers 4 name them, are not read)"
-        )
+    targets = [t for t in targets if t not in dense_mlp]
+    if dense_mlp and not (targets or params):
+        raise InputError(_dense_mlp_refusal(cfg_path, f"target_modules {dense_mlp}"))
     gate_up_rank = _gate_up_rank(pc, cfg, cfg_path, rank, file_alpha, targets, params)
     experts = (("expert_gate", "expert_up") if GATE_UP in params else ()) + (
         ("expert_down",) if DOWN in params else ()
     )
-    return lora_lib.resolve_targets(list(targets) + list(experts), cfg), gate_up_rank
+    return lora_lib.resolve_targets(list(targets) + list(experts), cfg), gate_up_rank, dense_mlp
+
+
+def _dense_mlp_refusal(where: str, what) -> str:
+    return (
+        f"{where}: {what} adapts a dense MLP, which jcp does not adapt on a "
+        "mixture-of-experts model; its experts are read from target_parameters "
+        f"{[GATE_UP, DOWN]} (per-expert 2-D adapters, as vLLM and transformers 4 name "
+        "them, are not read)"
+    )
+
+
+def _inert_dense_mlp(tensors: dict, cfg: QwenConfig, dense_mlp, w_path: str) -> dict:
+    """tensors without the factors of the dense MLP modules `dense_mlp` (a MoE folder's:
+    _targets), each layer's pair checked to change nothing (lora_B or lora_A all zeros);
+    InputError naming the first that does."""
+    out = dict(tensors)
+    for m in dense_mlp:
+        for i in range(cfg.num_layers):
+            keys = [peft_key(m, i, which) for which in ("a", "b")]
+            if not any(k in out for k in keys):
+                continue
+            missing = [k for k in keys if k not in out]
+            if missing:
+                raise InputError(f"{w_path}: {missing[0]} is missing")
+            a, b = (out.pop(k)() for k in keys)
+            if np.any(a != 0) and np.any(b != 0):
+                raise InputError(_dense_mlp_refusal(w_path, f"tensor {keys[1]}, not zero,"))
+    return out
 
 
 def _read_tensors(
-    w_path: str, cfg: QwenConfig, rank: int, targets, is_base_head, gate_up_rank
+    w_path: str, cfg: QwenConfig, rank: int, targets, is_base_head, gate_up_rank, dense_mlp=()
 ) -> dict:
-    """The adapter tree of the safetensors file (from_peft); InputError naming the file."""
+    """The adapter tree of the safetensors file (from_peft), the factors of a MoE folder's
+    dense MLP modules left out once checked to change nothing (_inert_dense_mlp);
+    InputError naming the file."""
     try:
         f = SafetensorsFile(w_path)
     except ValueError as e:
         raise InputError(str(e)) from None
     tensors = {n: (lambda n: lambda: f.tensor(n))(n) for n in f.header}
     try:
+        tensors = _inert_dense_mlp(tensors, cfg, dense_mlp, w_path)
         return from_peft(tensors, cfg, rank, targets, w_path, is_base_head, gate_up_rank)
     except ValueError as e:
         if isinstance(e, InputError):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import numpy as np
 import peft
@@ -504,9 +505,9 @@ CONFIG_EDITS = {
         dict(target_parameters=["model.layers.1." + GATE_UP, DOWN]),
         r"adapter_config.json: target_parameters",
     ),
-    "dense_mlp_module": (
-        dict(target_modules=["q_proj", "gate_proj"]),
-        r"adapter_config.json: target_modules \['gate_proj'\] are dense MLP",
+    "dense_mlp_only": (
+        dict(target_modules=["gate_proj"], target_parameters=[]),
+        r"adapter_config.json: target_modules \['gate_proj'\] adapts a dense MLP",
     ),
     "expert_name_as_module": (
         dict(target_modules=["q_proj", "expert_gate"]),
@@ -551,6 +552,48 @@ TENSOR_EDITS = {
         + " has non-finite values",
     ),
 }
+
+
+def test_dense_mlp_factors_are_read_only_where_they_change_nothing(cfg, tmp_path):
+    """A MoE folder whose target_modules also name the dense MLP (peft 0.22 saves one so
+    after reading vLLM's per-expert layout: its gate_proj / up_proj / down_proj wrap the
+    dense layers' MLP too, lora_B at its initial zeros) reads as the folder without them;
+    a non-zero pair, or half a pair, is refused, naming the tensor."""
+    targets = ("q_proj", "expert_gate", "expert_up", "expert_down")
+    tree = random_tree(cfg, R, targets, "per_expert", seed=7)
+    path = tmp_path / "dense"
+    peft_lib.write_folder(path, cfg, AdapterInfo(R, ALPHA, targets, "per_expert"), tree)
+    want = read(path, cfg)
+    with open(path / "adapter_config.json") as f:
+        modules = json.load(f)["target_modules"]
+    _edit_config(path, target_modules=modules + ["gate_proj", "up_proj", "down_proj"])
+    rng = np.random.default_rng(3)
+    dense = [i for i in range(LAYERS) if i not in MOE_IDS]
+    assert dense  # the config has a dense layer for peft to wrap
+    key = "base_model.model.model.layers.{}.mlp.{}.lora_{}.weight"
+    shapes = {"gate_proj": (D, F_DENSE), "up_proj": (D, F_DENSE), "down_proj": (F_DENSE, D)}
+
+    def add(w):
+        for i in dense:
+            for m, (fan_in, fan_out) in shapes.items():
+                w[key.format(i, m, "A")] = rng.normal(size=(R, fan_in)).astype(np.float32)
+                w[key.format(i, m, "B")] = np.zeros((fan_out, R), np.float32)
+
+    _edit_tensors(path, add)
+    got = read(path, cfg)
+    assert got[:3] == want[:3]
+    for m in want[3]:
+        for k in want[3][m]:
+            np.testing.assert_array_equal(got[3][m][k], want[3][m][k])
+    b_key = key.format(dense[0], "up_proj", "B")
+    _edit_tensors(path, lambda w: w[b_key].__setitem__((0, 0), 0.5))
+    with pytest.raises(jcp.InputError, match=re.escape(b_key) + ", not zero, adapts a dense"):
+        read(path, cfg)
+    _edit_tensors(path, lambda w: w.pop(key.format(dense[0], "down_proj", "A")))
+    with pytest.raises(
+        jcp.InputError, match=r"layers\.\d+\.mlp\.down_proj\.lora_A\.weight is missing"
+    ):
+        read(path, cfg)
 
 
 @pytest.mark.parametrize("case", list(CONFIG_EDITS) + list(TENSOR_EDITS))
