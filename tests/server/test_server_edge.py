@@ -584,6 +584,9 @@ def real_ids(env, value):
     return value
 
 
+REQUEST_BUDGET_S = 3.0  # each fuzzed request's, and bob's control requests after it
+
+
 def test_fuzz_every_route_from_its_schema(env, monkeypatch):
     """Every operation of /openapi.json, 6 positive and 6 negative cases each (seeded): no
     5xx, each answered within its budget, and bob's control requests (healthz, get_info)
@@ -625,7 +628,10 @@ def test_fuzz_every_route_from_its_schema(env, monkeypatch):
             r = client.request(headers=headers, **kw)
             took = time.monotonic() - t0
             assert r.status_code < 500, (kw, r.status_code, r.text[:300])
-            assert took < 2.0, (kw, took)
+            # A bound, not a speed: a refused body takes milliseconds (a stub worker, no
+            # model), but with the suite's other worker compiling on the two cores one
+            # took 2.01 s in a clean CI run (2026-12-07); unbounded work runs far past.
+            assert took < REQUEST_BUDGET_S, (kw, took)
             seen.add((op.method, op.path, r.status_code // 100))
             t0 = time.monotonic()
             h = client.get("/api/v1/healthz")
@@ -637,7 +643,7 @@ def test_fuzz_every_route_from_its_schema(env, monkeypatch):
             assert (h.status_code, info.status_code) == (200, 200), (h.text, info.text)
             # The same budget as the request's own: 1.0 s was once exceeded (1.45 s) with
             # the suite's other worker on the two cores; a starved tenant waits seconds.
-            assert time.monotonic() - t0 < 2.0
+            assert time.monotonic() - t0 < REQUEST_BUDGET_S
 
         try:
             one()
