@@ -42,7 +42,10 @@ class PassTurns:
         self._grads: list = []  # the gradients of spans 1 … n - 1, once their backward ran
         self._outputs = None  # (loss, out), from the last span's backward pass
         self._done = 1  # programs run
-        self.left = 2 * self.n - 1
+
+    @property
+    def left(self) -> int:
+        return 2 * self.n - self._done
 
     @property
     def held(self) -> tuple:
@@ -73,7 +76,7 @@ class PassTurns:
             self._grads.insert(0, grads)
             if outputs is not None:
                 self._outputs = outputs
-        self._done, self.left = k + 1, self.left - 1
+        self._done = k + 1
 
     def last(self, acc, slot_meta) -> tuple:
         if self.left != 1:
@@ -89,7 +92,7 @@ class PassTurns:
             static=static,
             i=0,
         )
-        self.left = 0
+        self._done += 1
         loss, out = outputs if outputs is not None else self._outputs
         return acc, loss, out, finite_A
 

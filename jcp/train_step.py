@@ -347,6 +347,7 @@ def joined_lora(pieces: list[dict]) -> dict:
     out = {
         m: jax.tree.map(lambda *xs: jnp.concatenate(xs), *(piece[m] for piece in pieces))
         for m in pieces[0]
+        if m != lora_lib.HEAD
     }
     if lora_lib.HEAD in pieces[-1]:
         out[lora_lib.HEAD] = pieces[-1][lora_lib.HEAD]
