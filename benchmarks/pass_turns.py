@@ -2,16 +2,17 @@
 cost a call: what another tenant waits for behind a heavy tenant's split pass in jcp-serve
 (docs/serving.md, "Fairness across tenants").
 
-jcp-serve's model and settings (the tiny random model unless --layers; one CPU device,
---max-tokens-per-device 1,024, as benchmarks/noisy_neighbour.py runs it). For each number
-of layer spans (--spans; 0: the micro-batch whole, one program), one full-length
-micro-batch (1 × 1,023 tokens) through Trainer.forward_backward_steps(turns=True), each
-turn waited on before the next: every turn's time, median over --rounds; then a call of
---datums full-length datums, whole and in turns, rounds interleaved: its median time and
-its ratio to the whole call, measured in the same run.
+jcp-serve's model and settings (the tiny random model unless --layers; one CPU device
+(of --cpu-devices in the process), --max-tokens-per-device 1,024, as
+benchmarks/noisy_neighbour.py runs it). For each number of layer spans (--spans; 0: the
+micro-batch whole, one program), one full-length micro-batch (1 × 1,023 tokens) through
+Trainer.forward_backward_steps(turns=True), each turn waited on before the next: every
+turn's time, median over --rounds; then a call of --datums full-length datums, whole and
+in turns, rounds interleaved: its median time and its ratio to the whole call, measured
+in the same run.
 
     python benchmarks/pass_turns.py [--spans 0,1,2] [--rounds 20] [--datums 16]
-        [--layers N] [--smoke]
+        [--layers N] [--cpu-devices 1] [--smoke]
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ def parse_args(argv):
     p.add_argument("--datums", type=int, default=16, help="full-length datums of the call")
     p.add_argument("--tokens", type=int, default=1024, help="max_tokens_per_device")
     p.add_argument("--layers", type=int, default=None, help="the tiny model's layers (2)")
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=1,
+        help="fake CPU devices of the process, the mesh on one (jcp-serve on --mesh 1,1,1 "
+        "made 8 before it made the mesh's share: jcp.cli.cpu_devices)",
+    )
     p.add_argument("--json", default=None, help="also write the figures here")
     p.add_argument("--smoke", action="store_true", help="a tiny run (the tests)")
     a = p.parse_args(argv)
@@ -42,7 +50,7 @@ def parse_args(argv):
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    fake_cpu_devices((1, 1, 1))
+    fake_cpu_devices((a.cpu_devices, 1, 1))  # that many devices; the mesh below uses one
     import jax
     import numpy as np
 
@@ -98,7 +106,7 @@ def main(argv=None) -> dict:
     whole = float(np.median(per_call[a.spans[0]]))
     print(
         f"tiny model, {cfg.num_layers} layers, 1 × {a.tokens - 1} tokens a micro-batch, "
-        f"one CPU device; medians of {a.rounds} rounds"
+        f"one CPU device of {a.cpu_devices} in the process; medians of {a.rounds} rounds"
     )
     print(
         f"spans | programs | each turn ms | longest ms | call of {a.datums} ms | call / first row's"

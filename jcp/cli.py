@@ -226,7 +226,8 @@ def _has_accelerator() -> bool:
 
 
 def setup_devices(args, recoverable: bool = False) -> None:
-    """Start jax.distributed when asked, and give a CPU-only machine 8 fake devices.
+    """Start jax.distributed when asked, and give a CPU-only machine fake devices: as many
+    as its share of --mesh (cpu_devices), else 8 (the default mesh 2,2,2).
 
     recoverable: the job outlives a process that dies (jax_enable_recoverability), so that
     the survivors can report it instead of being aborted by the coordination service
@@ -247,7 +248,7 @@ def setup_devices(args, recoverable: bool = False) -> None:
         "rocm",
     )
     if not accel and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        jax.config.update("jax_num_cpu_devices", 8 // (nproc or 1) or 1)
+        jax.config.update("jax_num_cpu_devices", cpu_devices(getattr(args, "mesh", None), nproc))
     host_memory.devices_configured()
     if addr or (nproc and nproc > 1):
         if not accel:
@@ -255,6 +256,16 @@ def setup_devices(args, recoverable: bool = False) -> None:
         if recoverable:
             jax.config.update("jax_enable_recoverability", True)
         jax.distributed.initialize(coordinator_address=addr, num_processes=nproc, process_id=pid)
+
+
+def cpu_devices(mesh: tuple[int, int, int] | None, nproc: int | None) -> int:
+    """The fake CPU devices a process of `nproc` creates: its share of `mesh` (dp·cp·tp;
+    None: 8, the default mesh's). No more: XLA:CPU runs an intra-op thread per device at
+    least, so devices the mesh leaves idle only add threads that contend for the cores (a
+    one-core jcp-serve on --mesh 1,1,1 ran 8, and a training micro-batch took 1.2× as
+    long: benchmarks/pass_turns.py --cpu-devices 8)."""
+    n = math.prod(mesh) if mesh else 8
+    return max(1, n // (nproc or 1))
 
 
 def env_int(name):

@@ -11,8 +11,8 @@
               [--coordinator-address HOST:PORT --num-processes N --process-id I]
               [--follower-timeout S]
 
-With no --hf-model it serves the tiny random model, on 8 fake CPU devices when there is no
-accelerator (like jcp-train). Owns the command line; the pieces of jcp/server/ (state
+With no --hf-model it serves the tiny random model; with no accelerator it runs on fake CPU
+devices, as many as --mesh holds (8 without --mesh; like jcp-train). Owns the command line; the pieces of jcp/server/ (state
 store, scheduler, worker, app) are assembled by jcp.server.service.Server, which also runs
 one in a background thread for tests and benchmarks.
 

@@ -1,14 +1,15 @@
 """`jcp-train`: the main job. Trains LoRA adapters concurrently on one base model.
 
 With no arguments it runs the embedded default: QwenConfig.tiny() with random weights on
-all local devices (8 fake CPU devices when there is no accelerator; mesh dp2 cp2 tp2),
-two adapters trained in the same passes — "sft" (cross_entropy on a counting task) and
-"rl" (on-policy RL: each step it samples --group-size completions of every prompt from
-its current weights with Trainer.sample, scores them with a verifiable reward, and trains
-on GRPO advantages with --rl-loss and the sampler's own log-probs) — with a progress bar
-(the rl adapter's mean reward, the others' loss per token), metrics.jsonl (the rl rows
-carry reward:mean), orbax checkpoints every K steps and --resume; the run ends by writing
-metrics.png (each adapter's loss and reward per step) next to metrics.jsonl.
+all local devices (with no accelerator, fake CPU devices: as many as --mesh holds, else
+8 on mesh dp2 cp2 tp2), two adapters trained in the same passes — "sft" (cross_entropy
+on a counting task) and "rl" (on-policy RL: each step it samples --group-size
+completions of every prompt from its current weights with Trainer.sample, scores them
+with a verifiable reward, and trains on GRPO advantages with --rl-loss and the sampler's
+own log-probs) — with a progress bar (the rl adapter's mean reward, the others' loss per
+token), metrics.jsonl (the rl rows carry reward:mean), orbax checkpoints every K steps
+and --resume; the run ends by writing metrics.png (each adapter's loss and reward per
+step) next to metrics.jsonl.
 
 With jcp/cli.py (the pieces it shares with jcp-serve) this is the only place that parses
 strings from the command line; bad options and files end in a one-line error, never a

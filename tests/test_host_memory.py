@@ -79,17 +79,20 @@ def test_one_heap_only_for_one_cpu_device():
     assert not host_memory.ONE_HEAP
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     code = "from jcp import host_memory as h; print(h.cpu_devices_configured(), h.ONE_HEAP)"
-    # jcp.cli configures its devices after jcp is imported, then re-checks.
+    # jcp.cli configures its devices after jcp is imported (as many as --mesh asks for, 8
+    # without one), then re-checks.
     late = (
-        "import argparse; from jcp import host_memory as h; from jcp.cli import "
+        "import argparse, jax; from jcp import host_memory as h; from jcp.cli import "
         "setup_devices; print(h.ONE_HEAP); setup_devices(argparse.Namespace("
-        "coordinator_address=None, num_processes=None, process_id=None)); "
-        "print(h.cpu_devices_configured(), h.ONE_HEAP)"
+        "coordinator_address=None, num_processes=None, process_id=None, mesh={})); "
+        "print(h.cpu_devices_configured(), jax.device_count(), h.ONE_HEAP)"
     )
     for flags, expect, program in (
         ("", "1 True", code),
         ("--xla_force_host_platform_device_count=4", "4 False", code),
-        ("", "True 8 False", late),
+        ("", "True 8 8 False", late.format(None)),
+        ("", "True 1 1 True", late.format((1, 1, 1))),
+        ("", "True 4 4 False", late.format((2, 1, 2))),
     ):
         out = subprocess.run(
             [sys.executable, "-c", program],
@@ -99,6 +102,18 @@ def test_one_heap_only_for_one_cpu_device():
             timeout=120,
         )
         assert out.stdout.split() == expect.split(), out.stderr[-2000:]
+
+
+def test_cpu_devices_are_the_mesh_share():
+    """A CPU process creates its share of --mesh's devices, no more (XLA:CPU runs a thread
+    per device at least): 8 without a mesh, split over the processes."""
+    from jcp.cli import cpu_devices
+
+    assert cpu_devices(None, None) == 8
+    assert cpu_devices(None, 2) == 4
+    assert cpu_devices((1, 1, 1), None) == 1
+    assert cpu_devices((1, 2, 1), 1) == 2
+    assert cpu_devices((2, 2, 2), 2) == 4
 
 
 # Two heap blocks of 1.2 GiB (each under the mmap threshold), touched, freed — 2.4 GiB free
