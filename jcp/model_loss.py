@@ -139,15 +139,20 @@ def model_loss(
     over dp and cp), w = its real tokens / stream.call_tokens (the call's; None: this
     micro-batch is the whole call) — so a call split into several micro-batches gets the
     token-weighted mean of theirs; outputs.router_aux_loss holds that term's value.
+
+    after (dense models): (split, h [S, D]): the layers from split on, h what layers [0,
+    split) left; split = L: h the final hidden states (layer_span's), the head and the
+    loss alone.
     """
     segment_S, position_S = stream.segment_S, stream.position_S
     real_S = segment_S >= 0
-    if after is not None:  # the layers from `split` on, from the first program's h
+    if after is not None:  # the layers from `split` on, from an earlier program's h
         split, h_SxD = after
-        run = _dense_pass(cfg, step_cfg, stream)
-        h_SxD = model_lib.hidden_span(
-            cfg, params, h_SxD, position_S, run, lora, route, start=split, stop=cfg.num_layers
-        )
+        if split < cfg.num_layers:  # else h_SxD is the final hidden states: the head's alone
+            run = _dense_pass(cfg, step_cfg, stream)
+            h_SxD = model_lib.hidden_span(
+                cfg, params, h_SxD, position_S, run, lora, route, start=split, stop=cfg.num_layers
+            )
         return _loss_of(cfg, step_cfg, params, lora, route, stream, loss_cfg, opts, h_SxD)
     # Gated DeltaNet layers (hybrid models): a stream holds at most two pieces (zigzag
     # chunks) of each of its num_slots datums, and one padding piece.
@@ -171,10 +176,11 @@ def model_loss(
 def layer_span(
     cfg: QwenConfig, step_cfg: StepConfig, params, lora, route, stream: Stream, start, stop, h=None
 ):
-    """A dense model's layers [start, stop) of this device's stream, inside the shard_map
-    (stop below the last layer): the hidden states [S, D] that the next span, or
-    model_loss(after=(stop, them)), goes on from; h: the hidden states the layers before
-    start left (None: start is 0, the stream's tokens)."""
+    """A dense model's layers [start, stop) of this device's stream, inside the shard_map:
+    the hidden states [S, D] that the next span, or model_loss(after=(stop, them)), goes
+    on from (stop the last layer: the final hidden states, after the final norm, which
+    the head takes); h: the hidden states the layers before start left (None: start is 0,
+    the stream's tokens)."""
     run = _dense_pass(cfg, step_cfg, stream)
     x = stream.tokens_S if h is None else h
     return model_lib.hidden_span(

@@ -11,10 +11,11 @@
               [--coordinator-address HOST:PORT --num-processes N --process-id I]
               [--follower-timeout S]
 
-With no --hf-model it serves the tiny random model; with no accelerator it runs on fake CPU
-devices, as many as --mesh holds (8 without --mesh; like jcp-train). Owns the command line; the pieces of jcp/server/ (state
-store, scheduler, worker, app) are assembled by jcp.server.service.Server, which also runs
-one in a background thread for tests and benchmarks.
+With no --hf-model it serves the tiny random model; with no accelerator it runs on fake
+CPU devices, as many as --mesh holds (8 without --mesh; like jcp-train). Owns the command
+line; the pieces of jcp/server/ (state store, scheduler, worker, app) are assembled by
+jcp.server.service.Server, which also runs one in a background thread for tests and
+benchmarks.
 
 Started as a multi-process JAX job (the jax.distributed flags, or JAX_COORDINATOR_ADDRESS /
 JAX_NUM_PROCESSES / JAX_PROCESS_ID, on every process alike), process 0 serves HTTP and

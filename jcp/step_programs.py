@@ -25,9 +25,10 @@ from jcp.program_store import StoredPrograms
 
 class PassTurns:
     """A forward_backward micro-batch in turns (StepPrograms.first_turn), its first program
-    run: the forward pass of span 0 of its n layer spans. `next(slot_meta)` runs the next
-    program but the last (the forward passes of spans 1 … n - 1, then the backward passes
-    of spans n - 1 … 1), `last(acc, slot_meta)` the last (span 0's backward pass and the
+    run: the forward pass of part 0 of its n parts (its layer spans, then the head and the
+    loss: train_step.make_forward_backward_turns). `next(slot_meta)` runs the next program
+    but the last (the forward passes of parts 1 … n - 1, then the backward passes of parts
+    n - 1 … 1), `last(acc, slot_meta)` the last (part 0's backward pass and the
     accumulation) -> (acc + grad, loss, out, finite_A), as forward_backward returns them,
     acc donated. slot_meta: the slot header as it is then (a slot written between turns
     donated the old one). `held`: what the programs so far left on the device (to wait
@@ -36,11 +37,11 @@ class PassTurns:
     def __init__(self, programs: tuple, args: tuple, out, pull, pieces: list):
         (self._forward, self._backward), self._args = programs, args
         self.n = len(pieces) + 1
-        self._pieces = pieces  # spans 1 … n - 1: their factors
+        self._pieces = pieces  # parts 1 … n - 1: their factors
         self._out = out  # the last program's output: hidden states, losses or a cotangent
-        self._pulls = [pull]  # the pullbacks of the spans whose backward is still to run
-        self._grads: list = []  # the gradients of spans 1 … n - 1, once their backward ran
-        self._outputs = None  # (loss, out), from the last span's backward pass
+        self._pulls = [pull]  # the pullbacks of the parts whose backward is still to run
+        self._grads: list = []  # the gradients of parts 1 … n - 1, once their backward ran
+        self._outputs = None  # (loss, out), from the last part's backward pass
         self._done = 1  # programs run
 
     @property
@@ -56,7 +57,7 @@ class PassTurns:
             raise RuntimeError(f"PassTurns.next with {self.left} programs to run")
         params, batch, loss_cfg, static = self._args
         k = self._done
-        if k < self.n:  # span k's forward pass
+        if k < self.n:  # part k's forward pass
             self._out, pull = self._forward(
                 self._pieces[k - 1],
                 self._out,
@@ -68,7 +69,7 @@ class PassTurns:
                 i=k,
             )
             self._pulls.append(pull)
-        else:  # span i's backward pass, from the last span down
+        else:  # part i's backward pass, from the last part down
             i = 2 * self.n - 1 - k
             grads, self._out, outputs = self._backward(
                 None, self._pulls.pop(), self._out, (), slot_meta, batch, static=static, i=i

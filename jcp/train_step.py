@@ -249,8 +249,9 @@ def _folded_vjp(p: PassConfig, lora_active, params, slot_meta, batch: Batch, los
     shard's loss is a [DP, CP] output whose cotangent is 1, as psum's transpose gives it.
 
     after: (start, the hidden states [DP, CP, S, D] the layers before start left): the
-    layers from start on, the head and the loss only, lora_active holding their factors
-    (span_lora's last piece); the pullback then also gives those hidden states' cotangent
+    layers from start on, the head and the loss only (start = L: the head and the loss
+    alone, from the final hidden states), lora_active holding their factors (span_lora's
+    last piece); the pullback then also gives those hidden states' cotangent
     (make_forward_backward_turns).
     """
     cfg, mesh, num_slots = p.cfg, p.mesh, p.num_slots
@@ -326,31 +327,42 @@ def layer_bounds(cfg: QwenConfig, spans: int) -> tuple[int, ...]:
     return tuple(cfg.num_layers * i // n for i in range(n + 1))
 
 
-def span_lora(lora_active: dict, bounds) -> list[dict]:
+def turn_parts(cfg: QwenConfig, spans: int) -> int:
+    """The parts of a forward_backward in turns (make_forward_backward_turns), a forward
+    and a backward program each: a dense model's layer spans (layer_bounds) and its head
+    and loss; a hybrid model's whole pass, one part."""
+    return 1 if cfg.is_hybrid else len(layer_bounds(cfg, spans))
+
+
+def span_lora(lora_active: dict, bounds, head_apart: bool) -> list[dict]:
     """take_active's factors ([L, A, …] per layer module, the head's [A, …]) as one tree
-    per layer span of `bounds`: each its layers' slice; the last also the head."""
-    pieces = []
-    for start, stop in zip(bounds, bounds[1:]):
-        piece = {
+    per layer span of `bounds`, each its layers' slice; the head's factors in a tree of
+    their own after them where head_apart (empty where the adapters have none), else in
+    the last span's."""
+    head = {m: ab for m, ab in lora_active.items() if m == lora_lib.HEAD}
+    pieces = [
+        {
             m: jax.tree.map(lambda x, a=start, b=stop: x[a:b], ab)
             for m, ab in lora_active.items()
             if m != lora_lib.HEAD
         }
-        if stop == bounds[-1] and lora_lib.HEAD in lora_active:
-            piece[lora_lib.HEAD] = lora_active[lora_lib.HEAD]
-        pieces.append(piece)
+        for start, stop in zip(bounds, bounds[1:])
+    ]
+    if head_apart:
+        return [*pieces, head]
+    pieces[-1].update(head)
     return pieces
 
 
 def joined_lora(pieces: list[dict]) -> dict:
     """span_lora's inverse: the per-span trees (or their gradients) as one."""
+    spans = [piece for piece in pieces if set(piece) - {lora_lib.HEAD}]
     out = {
-        m: jax.tree.map(lambda *xs: jnp.concatenate(xs), *(piece[m] for piece in pieces))
-        for m in pieces[0]
+        m: jax.tree.map(lambda *xs: jnp.concatenate(xs), *(piece[m] for piece in spans))
+        for m in (spans[0] if spans else ())
         if m != lora_lib.HEAD
     }
-    if lora_lib.HEAD in pieces[-1]:
-        out[lora_lib.HEAD] = pieces[-1][lora_lib.HEAD]
+    out.update({m: ab for m, ab in pieces[-1].items() if m == lora_lib.HEAD})
     return out
 
 
@@ -728,22 +740,25 @@ def _own(out, inputs):
 @shared
 def make_forward_backward_turns(cfg: QwenConfig, mesh, step_cfg: StepConfig, spans: int):
     """forward_backward as programs run one after another, for a pass where turns_apply:
-    the forward pass of each of the n layer spans of layer_bounds(cfg, spans), first to last
-    (the last with the head and the loss), then the backward pass of each, last to first
-    (the first's with the accumulation). Returns (start, forward, backward):
+    the forward pass of each of n parts, first to last, then the backward pass of each,
+    last to first. The parts of a dense model: its layer spans (layer_bounds(cfg, spans)),
+    then the head and the loss (a unit of its own: on a real vocabulary it costs a few
+    layers); a hybrid model's: the whole pass, one part. The first part's backward pass
+    does the accumulation. Returns (start, forward, backward):
 
     - jit(start)(lora, params, slot_meta, batch, loss_cfg, *, static) -> (out, pullback,
-      the other spans' factors): the active slots' factors gathered (span_lora), and span
-      0's forward pass; out: the hidden states it leaves [DP, CP, S, D], or (n = 1) each
-      shard's loss [DP, CP];
+      the other parts' factors): the active slots' factors gathered and split by part
+      (span_lora), and part 0's forward pass; out: the hidden states it leaves [DP, CP,
+      S, D], or (n = 1) each shard's loss [DP, CP];
     - jit(forward)(piece, h, params, slot_meta, batch, loss_cfg, *, static, i) -> (out,
-      pullback): span i's (i ≥ 1) forward pass from the hidden states h span i - 1 left;
-    - jit(backward)(acc, pullback, out_ct, later, slot_meta, batch, *, static, i) -> span
-      i's backward pass: out_ct is the cotangent of its output (the last span: its losses,
-      whose cotangent is 1). For i ≥ 1: (its factors' gradient, the cotangent of span
-      i - 1's output, (loss, out) for the last span, else None), acc None. For i = 0: (acc
-      + grad, finite_A, (loss, out) where n = 1, else None), acc donated; later: the
-      gradients of spans 1 … n - 1.
+      pullback): part i's (i ≥ 1) forward pass from the hidden states h part i - 1 left
+      (the head's: the final hidden states, after the final norm);
+    - jit(backward)(acc, pullback, out_ct, later, slot_meta, batch, *, static, i) -> part
+      i's backward pass: out_ct is the cotangent of its output (the last part: its
+      losses, whose cotangent is 1). For i ≥ 1: (its factors' gradient, the cotangent of
+      part i - 1's output, (loss, out) for the last part, else None), acc None. For i =
+      0: (acc + grad, finite_A, (loss, out) where n = 1, else None), acc donated; later:
+      the gradients of parts 1 … n - 1.
 
     Each layer runs the same operations as in make_forward_backward's folded pass, so the
     results are the same bit for bit (tests/test_trainer.py,
@@ -759,18 +774,19 @@ def make_forward_backward_turns(cfg: QwenConfig, mesh, step_cfg: StepConfig, spa
     """
     options = compiler_options(mesh)
     bounds = layer_bounds(cfg, spans)
-    n = len(bounds) - 1
+    head_apart = not cfg.is_hybrid  # a hybrid model's layers and head run as one program
+    n = turn_parts(cfg, spans)
 
     def forward_span(p, i, piece, h, params, slot_meta, batch, loss_cfg):
-        if i == n - 1:
-            after = None if h is None else (bounds[i], h)
+        if i == n - 1:  # the head and the loss (a hybrid model: the whole pass)
+            after = None if h is None else (cfg.num_layers, h)
             return _folded_vjp(p, piece, params, slot_meta, batch, loss_cfg, after=after)
         return _span_vjp(p, piece, h, params, slot_meta, batch, bounds[i], bounds[i + 1])
 
     @functools.partial(jax.jit, static_argnames=("static",), compiler_options=options)
     def start(lora, params, slot_meta, batch, loss_cfg, *, static: BatchStatics):
         p = PassConfig(cfg, mesh, step_cfg, static.loss_fns, static.num_slots)
-        pieces = span_lora(active_lora(lora, slot_meta, batch, static), bounds)
+        pieces = span_lora(active_lora(lora, slot_meta, batch, static), bounds, head_apart)
         out, pull = forward_span(p, 0, pieces[0], None, params, slot_meta, batch, loss_cfg)
         return out, _own(pull, (lora, slot_meta, batch, loss_cfg)), pieces[1:]
 

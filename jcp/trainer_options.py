@@ -111,10 +111,11 @@ class TrainerOptions:
     turn_spans: int = 2
     """The layer spans of a forward_backward micro-batch run in turns
     (forward_backward_steps(turns=True); jcp-serve runs a split pass so while other work
-    waits): the forward pass of each span, then the backward pass of each, 2 × min(turn_spans,
-    num_layers) programs (two for a hybrid model: its layers run as one span) with the
-    same results bit for bit. More spans: shorter turns (what another tenant's request
-    waits for) and a costlier pass (benchmarks/pass_turns.py)."""
+    waits): the forward pass of each span, then of the head and the loss, then the
+    backward pass of each of those, last to first, 2 × (min(turn_spans, num_layers) + 1)
+    programs (two for a hybrid model: its layers and head run as one) with the same
+    results bit for bit. More spans: shorter turns (what another tenant's request waits
+    for) and a costlier pass (benchmarks/pass_turns.py)."""
 
     adapter_memory: int | str | None = None
     """Bytes of each device for the adapter tables. None: room for max_adapters adapters

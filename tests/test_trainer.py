@@ -454,7 +454,8 @@ def test_forward_in_halves_with_other_calls_between_equals_one_forward(folders, 
 @pytest.mark.parametrize(("spans", "mesh"), [(None, REF), (1, (1, 2, 2)), (2, (1, 2, 2))])
 def test_steps_with_other_calls_between_equal_one_call(folders, spans, mesh):
     """forward_backward_steps — one micro-batch per step (in turns, each full-length one in
-    2n: the forward pass of each of its n layer spans, then the backward pass of each; at
+    2(n + 1): the forward pass of each of its n layer spans and of the head and the loss,
+    then the backward pass of each, last to first; at
     cp = tp = 2, so that the residuals between turns include the ring's and tp's, and the
     hidden states between spans are sharded over dp and cp), another adapter's
     forward_backward, optim_step and forward, and a create and delete, run between them
@@ -469,6 +470,7 @@ def test_steps_with_other_calls_between_equal_one_call(folders, spans, mesh):
     turns = spans is not None
     n_spans = len(train_step.layer_bounds(tr.cfg, spans or 1)) - 1
     assert n_spans == (spans or 1)  # the model has as many layers as the spans asked for
+    parts = train_step.turn_parts(tr.cfg, spans or 1)
 
     def run(between: bool):
         with H.borrowed(tr):
@@ -480,9 +482,11 @@ def test_steps_with_other_calls_between_equal_one_call(folders, spans, mesh):
                 assert steps.passes >= 3
                 n = _with_calls_between(tr, steps, ids, other)
                 out = steps.output
-                # In turns, each full-length micro-batch took 2n steps.
+                # In turns, each full-length micro-batch took 2(n + 1) steps.
                 full = _full_micro_batches(tr, data, _ids(ids, assign))
-                assert full >= 2 and n == steps.passes + (full * (2 * n_spans - 1) if turns else 0)
+                extra = full * (2 * parts - 1) if turns else 0
+                assert parts == n_spans + 1
+                assert full >= 2 and n == steps.passes + extra
             else:
                 out = tr.forward_backward(data, "ppo", cfg, adapters=_ids(ids, assign))
             grads = {n: tr.gradients(ids[n]) for n in ("p", "q")}
@@ -516,17 +520,20 @@ def test_steps_with_other_calls_between_equal_one_call(folders, spans, mesh):
 
 @pytest.mark.parametrize(
     ("model", "spans", "turns_each"),
-    [("dense", 3, 6), ("hybrid", 2, 2)],
+    [("dense", 3, 8), ("dense_layers_only", 3, 8), ("hybrid", 2, 2)],
 )
 def test_turns_equal_one_pass(model, spans, turns_each):
     """A model of three layers in three spans (turn_spans=3): each span's forward pass,
-    then each one's backward pass (a middle span's takes the hidden states in and gives
-    their cotangent back: at cp = tp = 2, sharded over dp and cp), six programs per
-    full-length micro-batch — the whole pass's outputs and gradients bit for bit, on an
-    adapter whose factors are all non-zero (after one optim_step). A hybrid model
-    (Qwen3.5: Gated DeltaNet layers) runs its layers as one span, whatever turn_spans
-    says: its forward pass, then its backward pass."""
-    cfg = jcp.QwenConfig.tiny(num_layers=3) if model == "dense" else jcp.QwenConfig.tiny_qwen3_5()
+    then the head's and the loss's, then each one's backward pass, last to first (a
+    middle span's takes the hidden states in and gives their cotangent back: at cp = tp =
+    2, sharded over dp and cp), eight programs per full-length micro-batch — the whole
+    pass's outputs and gradients bit for bit, on an adapter whose factors are all
+    non-zero (after one optim_step), the head's among them. A hybrid model (Qwen3.5:
+    Gated DeltaNet layers) runs its layers and head as one part, whatever turn_spans
+    says: its forward pass, then its backward pass. An adapter of the layers alone (no
+    head factors) runs the same turns."""
+    dense = model.startswith("dense")
+    cfg = jcp.QwenConfig.tiny(num_layers=3) if dense else jcp.QwenConfig.tiny_qwen3_5()
     tr = jcp.Trainer(
         cfg,
         jcp.make_mesh(1, 2, 2),
@@ -537,7 +544,9 @@ def test_turns_equal_one_pass(model, spans, turns_each):
         max_tokens_per_device=16,
         turn_spans=spans,
     )
-    a = tr.create_adapter(rank=4, seed=1)
+    targets = ("attn", "mlp") if model == "dense_layers_only" else None
+    a = tr.create_adapter(rank=4, seed=1, targets=targets)
+    assert any("lm_head" in k for k in tr.adapter_weights(a)) == (targets is None)
     data = H.random_data((32, 32, 5), seed=8)
     tr.forward_backward(data, "ppo", H.LOSS_CONFIGS["ppo"], adapters=a)
     tr.optim_step(a)

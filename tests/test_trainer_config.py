@@ -183,8 +183,8 @@ def test_groupings_of_one_length_run_the_warmed_up_program():
         return _steps_taken(tr.forward_backward_steps(data * 2, adapters=[a] * 16, turns=True))
 
     n, events = H.traces_and_compiles(in_turns)
-    # Two micro-batches, two steps each: one layer, one span.
-    assert n == 4 and events == [], (n, events)
+    # Two micro-batches, four steps each: one layer span, then the head and the loss.
+    assert n == 8 and events == [], (n, events)
 
 
 def _steps_taken(steps) -> int:
@@ -198,9 +198,9 @@ def _steps_taken(steps) -> int:
 def test_turns_after_warmup_compile_nothing():
     """Trainer.warmup of max_tokens_per_device also compiles the programs of a pass in
     turns: a forward's two (forward_steps(turns=True): the first half of the layers, then
-    the rest and the loss), and a forward_backward's four (two layer spans: each one's
-    forward pass, then each one's backward pass), so that a heavy tenant's pass split in
-    turns in jcp-serve compiles nothing."""
+    the rest and the loss), and a forward_backward's six (two layer spans, then the head
+    and the loss: each one's forward pass, then each one's backward pass), so that a heavy
+    tenant's pass split in turns in jcp-serve compiles nothing."""
     from helpers import trainer_harness as H
 
     cfg = jcp.QwenConfig.tiny()  # two layers: a pass in turns needs more than one
@@ -218,7 +218,7 @@ def test_turns_after_warmup_compile_nothing():
     n, events = H.traces_and_compiles(in_turns(tr.forward_steps))
     assert n == 6 and events == [], (n, events)  # three micro-batches, two steps each
     n, events = H.traces_and_compiles(in_turns(tr.forward_backward_steps))
-    assert n == 12 and events == [], (n, events)  # three micro-batches, four steps each
+    assert n == 18 and events == [], (n, events)  # three micro-batches, six steps each
 
 
 def test_warmup_call_runs_the_calls_program_and_changes_nothing(monkeypatch):

@@ -2,10 +2,10 @@
 
 A server whose Trainer takes 64 tokens per micro-batch: alice's forward_backward of four
 60-token datums is several micro-batches, run one per worker turn (each full-length one in
-two: its forward, then its backward pass); bob's small forward,
-queued behind it, runs after the first of them, not after all — and alice's results and
-accumulated gradient equal one Trainer call's, bit for bit (FCFS ran her pass whole). The scheduler's passes are
-read off its public next_work (recorded, not timed).
+several: the forward pass of each of its parts, then the backward pass of each); bob's
+small forward, queued behind it, runs after the first of them, not after all — and alice's
+results and accumulated gradient equal one Trainer call's, bit for bit (FCFS ran her pass
+whole). The scheduler's passes are read off its public next_work (recorded, not timed).
 """
 
 from __future__ import annotations
@@ -106,9 +106,9 @@ def test_a_small_request_runs_between_a_big_requests_micro_batches(env, monkeypa
     out_a, out_b = fa.result(timeout=120), fb.result(timeout=120)
     assert np.isfinite(out_b.metrics["loss:sum"])
     # alice's pass is handed out for its preparation, then once per micro-batch, 2n times
-    # for each full-length one (the forward pass of each of its n layer spans, then the
-    # backward pass of each: Steps.turns, while other work waits); bob's comes after her
-    # first turn.
+    # for each full-length one (the forward pass of each of its n parts — its layer spans,
+    # then the head and the loss —, then the backward pass of each: Steps.turns, while
+    # other work waits); bob's comes after her first turn.
     assert turns[:2] == [("alice", ("forward_backward",)), ("bob", ("forward",))], turns
     slot = srv.store.models[alice.model_id].slot
     datums = [
@@ -118,8 +118,8 @@ def test_a_small_request_runs_between_a_big_requests_micro_batches(env, monkeypa
     shapes = tr.pass_shapes(datums, adapters=slot)
     full = sum(s_len == tr.max_tokens_per_device for _, s_len, _, _ in shapes)
     assert len(shapes) >= 3 and full >= 2
-    n = len(train_step.layer_bounds(tr.cfg, tr.programs.turn_spans)) - 1
-    assert n == 2  # jcp-serve's default --turn-spans, on a model of two layers
+    n = train_step.turn_parts(tr.cfg, tr.programs.turn_spans)
+    assert n == 3  # jcp-serve's default --turn-spans on a model of two layers, and the head
     count = 1 + len(shapes) + (2 * n - 1) * full
     assert turns.count(("alice", ("forward_backward",))) == count, turns
     # One Trainer call on a copy of the slot gives the same outputs and gradient, bit for
