@@ -207,10 +207,11 @@ def test_multi_lora_smoke(capsys):
 
 
 def test_pass_turns_smoke(capsys):
-    """benchmarks/pass_turns.py --smoke: a micro-batch whole, in two turns and in four (two
-    layer spans), each turn timed, and the call's cost each way."""
+    """benchmarks/pass_turns.py --smoke: a micro-batch whole, in four turns (one layer span,
+    then the head and the loss) and in six (two spans and the head), each turn timed, and
+    the call's cost each way."""
     res = pass_turns.main(["--smoke", "--spans", "0,1,2"])
-    assert {s: len(t) for s, t in res["turns"].items()} == {0: 1, 1: 2, 2: 4}
+    assert {s: len(t) for s, t in res["turns"].items()} == {0: 1, 1: 4, 2: 6}
     assert all(t > 0 for turns in res["turns"].values() for t in turns)
     assert res["call"][0]["ratio"] == 1.0 and res["call"][2]["s"] > 0
     assert "spans | programs" in capsys.readouterr().out
