@@ -774,8 +774,8 @@ def make_forward_backward_turns(cfg: QwenConfig, mesh, step_cfg: StepConfig, spa
     """
     options = compiler_options(mesh)
     bounds = layer_bounds(cfg, spans)
-    head_apart = not cfg.is_hybrid  # a hybrid model's layers and head run as one program
     n = turn_parts(cfg, spans)
+    head_apart = n == len(bounds)  # a part beyond the layer spans (not a hybrid model's)
 
     def forward_span(p, i, piece, h, params, slot_meta, batch, loss_cfg):
         if i == n - 1:  # the head and the loss (a hybrid model: the whole pass)
