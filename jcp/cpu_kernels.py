@@ -173,11 +173,8 @@ def _build(cxx: str, include: str, lib: pathlib.Path) -> None:
 
 
 @functools.cache
-def load() -> str:
-    """Builds, loads and registers the kernels once per process; '' on success, else why
-    not. A failure other than a missing compiler (a build that failed, a cache folder
-    refused) is also a warning: the "auto" settings then fall back to plain XLA, which is
-    slower."""
+def _loaded() -> tuple[ctypes.CDLL | None, str]:
+    """(the library, '') once built, loaded and registered; (None, why not) else."""
     try:
         lib = ctypes.CDLL(str(library_path()))
     except (Unavailable, OSError) as e:
@@ -185,12 +182,28 @@ def load() -> str:
             warnings.warn(
                 f"{e}; attn_impl 'auto' uses 'blockwise' and lora_impl 'auto' uses 'xla'",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        return str(e)
+        return None, str(e)
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    return ""
+    return lib, ""
+
+
+def load() -> str:
+    """Builds, loads and registers the kernels once per process; '' on success, else why
+    not. A failure other than a missing compiler (a build that failed, a cache folder
+    refused) is also a warning: the "auto" settings then fall back to plain XLA, which is
+    slower."""
+    return _loaded()[1]
+
+
+def vector_floats() -> int:
+    """Floats in one vector register of the kind the loaded kernels were built for
+    (-march=native; jcp/cpu_parallel.h): 16 with AVX-512, else 8; 0 where they are not
+    available. lora_impl "auto" takes the LoRA kernels only at 16 (lora_cpu.preferred)."""
+    lib, why = _loaded()
+    return 0 if why else int(lib.JcpCpuVectorFloats())
 
 
 def available() -> bool:

@@ -19,6 +19,15 @@
 
 namespace jcp_cpu {
 
+// Floats in one of the widest vector registers the build targets (-march=native): 16 with
+// AVX-512, else 8 (AVX2; SSE splits such a vector in two). The kernels size their vectors
+// and register blocks by it; JcpCpuVectorFloats (cpu_flash.cc) reports it to Python.
+#if defined(__AVX512F__)
+constexpr int kVectorFloats = 16;
+#else
+constexpr int kVectorFloats = 8;
+#endif
+
 struct Counter {
   std::atomic<int64_t> next{0}, done{0};
 };

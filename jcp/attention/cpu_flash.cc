@@ -47,12 +47,16 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int32_t kNoSegment = std::numeric_limits<int32_t>::min();  // padded key slots
 
 // ---------------------------------------------------------------------------------------
-// Micro-kernels, written with GCC / Clang vector extensions: V is 16 floats (one AVX-512
-// register; the compiler splits it where the machine has narrower ones). A is [BQ, H]
-// rows, BT [H, BK] (a key tile transposed), P [BQ, BK], B [BK, H]. Each keeps a block of
-// accumulators in registers so that every loaded vector feeds several FMAs.
+// Micro-kernels, written with GCC / Clang vector extensions: V is VW floats, one of the
+// widest registers the build targets (cpu_parallel.h: 16 with AVX-512, else 8). ACC
+// accumulators make a register block (half the machine's vector registers: 32 with
+// AVX-512, 16 below), the rest hold the loaded vectors. A is [BQ, H] rows, BT [H, BK] (a
+// key tile transposed), P [BQ, BK], B [BK, H]. Each keeps a block of accumulators in
+// registers so that every loaded vector feeds several FMAs. (V was 16 floats everywhere:
+// on an AVX2 host, two registers each, the blocks did not fit and the kernels ran 24×
+// slower than now, 20× slower than the blockwise attention: benchmarks/RESULTS.md.)
 
-constexpr int VW = 16;
+constexpr int VW = jcp_cpu::kVectorFloats, ACC = VW;
 typedef float V __attribute__((vector_size(VW * sizeof(float))));
 typedef float VU __attribute__((vector_size(VW * sizeof(float)), aligned(4)));
 
@@ -89,27 +93,37 @@ inline void row_exp(float* row, float m) {
   for (int t = 0; t < BK; t += VW) store(row + t, exp_neg(load(row + t) - m));
 }
 
-// Rows per register block when a row of accumulators is NV vectors (≤ 16 accumulators).
-constexpr int rows_per_block(int nv) { return nv >= 16 ? 1 : (16 / nv >= 8 ? 8 : 16 / nv >= 4 ? 4 : 16 / nv >= 2 ? 2 : 1); }
+// A register block: U of a row's NV vectors (the largest divisor of NV ≤ ACC) times R
+// rows (a power of two ≤ 8, U · R ≤ ACC). With AVX-512 U is NV for every head dim.
+constexpr int cols_per_block(int nv) {
+  int u = nv < ACC ? nv : ACC;
+  while (nv % u != 0) --u;
+  return u;
+}
+constexpr int rows_per_block(int nv) {
+  const int r = ACC / cols_per_block(nv);
+  return r >= 8 ? 8 : r >= 4 ? 4 : r >= 2 ? 2 : 1;
+}
 
 // C[r, t] = Σ_d A[r, d] · BT[d, t]   (scores q·kᵀ, dp = do·vᵀ)
 template <int H>
 inline void rows_dot(const float* __restrict A, const float* __restrict BT,
                      float* __restrict C) {
-  constexpr int NV = BK / VW, R = rows_per_block(NV);
-  for (int r0 = 0; r0 < BQ; r0 += R) {
-    V acc[R][NV] = {};
-    for (int d = 0; d < H; ++d) {
-      V b[NV];
-      for (int u = 0; u < NV; ++u) b[u] = load(BT + d * BK + u * VW);
-      for (int i = 0; i < R; ++i) {
-        const V a = splat(A[(r0 + i) * H + d]);
-        for (int u = 0; u < NV; ++u) acc[i][u] += a * b[u];
+  constexpr int NV = BK / VW, U = cols_per_block(NV), R = rows_per_block(NV);
+  for (int r0 = 0; r0 < BQ; r0 += R)
+    for (int u0 = 0; u0 < NV; u0 += U) {
+      V acc[R][U] = {};
+      for (int d = 0; d < H; ++d) {
+        V b[U];
+        for (int u = 0; u < U; ++u) b[u] = load(BT + d * BK + (u0 + u) * VW);
+        for (int i = 0; i < R; ++i) {
+          const V a = splat(A[(r0 + i) * H + d]);
+          for (int u = 0; u < U; ++u) acc[i][u] += a * b[u];
+        }
       }
+      for (int i = 0; i < R; ++i)
+        for (int u = 0; u < U; ++u) store(C + (r0 + i) * BK + (u0 + u) * VW, acc[i][u]);
     }
-    for (int i = 0; i < R; ++i)
-      for (int u = 0; u < NV; ++u) store(C + (r0 + i) * BK + u * VW, acc[i][u]);
-  }
 }
 
 // C[r, :] = C[r, :] · c[r] + Σ_t P[r, t] · B[t, :]   (p·v with the online-softmax
@@ -117,46 +131,49 @@ inline void rows_dot(const float* __restrict A, const float* __restrict BT,
 template <int H>
 inline void rows_accum(const float* __restrict P, const float* __restrict B,
                        float* __restrict C, const float* __restrict c = nullptr) {
-  constexpr int NV = H / VW, R = rows_per_block(NV);
-  for (int r0 = 0; r0 < BQ; r0 += R) {
-    V acc[R][NV];
-    for (int i = 0; i < R; ++i)
-      for (int u = 0; u < NV; ++u)
-        acc[i][u] = c ? load(C + (r0 + i) * H + u * VW) * c[r0 + i]
-                      : load(C + (r0 + i) * H + u * VW);
-    for (int t = 0; t < BK; ++t) {
-      V b[NV];
-      for (int u = 0; u < NV; ++u) b[u] = load(B + t * H + u * VW);
-      for (int i = 0; i < R; ++i) {
-        const V p = splat(P[(r0 + i) * BK + t]);
-        for (int u = 0; u < NV; ++u) acc[i][u] += p * b[u];
+  constexpr int NV = H / VW, U = cols_per_block(NV), R = rows_per_block(NV);
+  for (int r0 = 0; r0 < BQ; r0 += R)
+    for (int u0 = 0; u0 < NV; u0 += U) {
+      V acc[R][U];
+      for (int i = 0; i < R; ++i)
+        for (int u = 0; u < U; ++u) {
+          const V x = load(C + (r0 + i) * H + (u0 + u) * VW);
+          acc[i][u] = c ? x * c[r0 + i] : x;
+        }
+      for (int t = 0; t < BK; ++t) {
+        V b[U];
+        for (int u = 0; u < U; ++u) b[u] = load(B + t * H + (u0 + u) * VW);
+        for (int i = 0; i < R; ++i) {
+          const V p = splat(P[(r0 + i) * BK + t]);
+          for (int u = 0; u < U; ++u) acc[i][u] += p * b[u];
+        }
       }
+      for (int i = 0; i < R; ++i)
+        for (int u = 0; u < U; ++u) store(C + (r0 + i) * H + (u0 + u) * VW, acc[i][u]);
     }
-    for (int i = 0; i < R; ++i)
-      for (int u = 0; u < NV; ++u) store(C + (r0 + i) * H + u * VW, acc[i][u]);
-  }
 }
 
 // C[t, :] += Σ_r P[r, t] · A[r, :]   (dv += pᵀ·do, dk += dsᵀ·q)
 template <int H>
 inline void cols_accum(const float* __restrict P, const float* __restrict A,
                        float* __restrict C) {
-  constexpr int NV = H / VW, R = rows_per_block(NV);
-  for (int t0 = 0; t0 < BK; t0 += R) {
-    V acc[R][NV];
-    for (int i = 0; i < R; ++i)
-      for (int u = 0; u < NV; ++u) acc[i][u] = load(C + (t0 + i) * H + u * VW);
-    for (int r = 0; r < BQ; ++r) {
-      V a[NV];
-      for (int u = 0; u < NV; ++u) a[u] = load(A + r * H + u * VW);
-      for (int i = 0; i < R; ++i) {
-        const V p = splat(P[r * BK + t0 + i]);
-        for (int u = 0; u < NV; ++u) acc[i][u] += p * a[u];
+  constexpr int NV = H / VW, U = cols_per_block(NV), R = rows_per_block(NV);
+  for (int t0 = 0; t0 < BK; t0 += R)
+    for (int u0 = 0; u0 < NV; u0 += U) {
+      V acc[R][U];
+      for (int i = 0; i < R; ++i)
+        for (int u = 0; u < U; ++u) acc[i][u] = load(C + (t0 + i) * H + (u0 + u) * VW);
+      for (int r = 0; r < BQ; ++r) {
+        V a[U];
+        for (int u = 0; u < U; ++u) a[u] = load(A + r * H + (u0 + u) * VW);
+        for (int i = 0; i < R; ++i) {
+          const V p = splat(P[r * BK + t0 + i]);
+          for (int u = 0; u < U; ++u) acc[i][u] += p * a[u];
+        }
       }
+      for (int i = 0; i < R; ++i)
+        for (int u = 0; u < U; ++u) store(C + (t0 + i) * H + (u0 + u) * VW, acc[i][u]);
     }
-    for (int i = 0; i < R; ++i)
-      for (int u = 0; u < NV; ++u) store(C + (t0 + i) * H + u * VW, acc[i][u]);
-  }
 }
 
 // Largest element of a score row of BK floats: lane-wise max, then a shuffle tree (no
@@ -167,6 +184,7 @@ inline float row_max(const float* row) {
     const V x = load(row + t);
     m = x > m ? x : m;
   }
+#if defined(__AVX512F__)
   V t = __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   m = t > m ? t : m;
   t = __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
@@ -175,6 +193,14 @@ inline float row_max(const float* row) {
   m = t > m ? t : m;
   t = __builtin_shufflevector(m, m, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   m = t > m ? t : m;
+#else
+  V t = __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3);
+  m = t > m ? t : m;
+  t = __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5);
+  m = t > m ? t : m;
+  t = __builtin_shufflevector(m, m, 1, 0, 3, 2, 5, 4, 7, 6);
+  m = t > m ? t : m;
+#endif
   return m[0];
 }
 
@@ -504,3 +530,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JcpCpuFlashBackward, Backward,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// The vector width the library was built for (cpu_kernels.vector_floats).
+extern "C" int JcpCpuVectorFloats() { return jcp_cpu::kVectorFloats; }

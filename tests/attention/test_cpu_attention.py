@@ -35,7 +35,7 @@ from helpers import kernel_checks as KC
 from helpers import trainer_harness as TH
 
 import jcp
-from jcp import attention
+from jcp import attention, cpu_kernels
 from jcp.attention import cpu
 
 H, random_qkv, zigzag_layout = KC.H, KC.random_qkv, KC.zigzag_layout
@@ -286,6 +286,18 @@ def test_build_is_cached_and_auto_resolves():
     assert TH.CFG.head_dim in cpu.HEAD_DIMS and tr.step_cfg.attn_impl == "cpu"
     with pytest.raises(ValueError, match="attn_impl"):
         jcp.Trainer(TH.CFG, jcp.make_mesh(1, 1, 1), attn_impl="fast")
+
+
+def test_the_kernels_vectors_are_the_machines_widest_registers():
+    """The library is built for this CPU's widest vector registers, as its flags name them:
+    16 floats with AVX-512, else 8. With 16-float vectors everywhere, an AVX2 machine ran
+    the attention kernels 24× slower (benchmarks/RESULTS.md, "The CPU kernels on AVX2")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        pytest.skip("no x86 CPU flags in /proc/cpuinfo")
+    assert cpu_kernels.vector_floats() == (16 if "avx512f" in flags else 8)
 
 
 def test_refuses_without_compiler_or_with_unsupported_head_dim(monkeypatch, tmp_path):
