@@ -48,7 +48,7 @@ them pooled as well as each round's: the p99 of one phase of 480 requests is its
 slowest, and identical runs read ratios ±0.3 apart (benchmarks/RESULTS.md, "Noisy
 neighbour"); alternating the phases also spreads a slow spell of the host over both.
 
-    python benchmarks/noisy_neighbour.py [--seconds 20] [--rate 4] [--settle 240]
+    python benchmarks/noisy_neighbour.py [--seconds 20] [--rate 4] [--settle 240] [--warmup 5]
         [--rounds 1] [--neighbour-nice 19] [--neighbour-backward] [--turn-spans N]
         [--shared-cores] [--smoke]
 """
@@ -103,6 +103,14 @@ def parse_args(argv):
         help="how long the neighbour's running work may finish after its phase",
     )
     p.add_argument("--sample-slots", type=int, default=128)
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=None,
+        help="seconds of bob alone, untimed, before the first phase (default 5, --smoke: "
+        "two requests): a fresh server's first requests ran 80-95 ms, 3 of them in the "
+        "first 5 s of the first alone phase",
+    )
     p.add_argument(
         "--settle",
         type=float,
@@ -169,6 +177,8 @@ def parse_args(argv):
         a.context, a.sample_slots = 256, 16
     if a.settle is None:
         a.settle = a.seconds if a.smoke else 240.0
+    if a.warmup is None:
+        a.warmup = 2 / a.rate if a.smoke else 5.0
     return a
 
 
@@ -561,7 +571,7 @@ async def drive(a, url: str) -> dict:
 
         vocab = jcp.QwenConfig.tiny().vocab_size
         b, h = await setup(bob, name), await setup(alice, name)
-        await victim(bob, b, a, vocab, 2 / a.rate)  # compiles bob's shapes, untimed
+        await victim(bob, b, a, vocab, a.warmup)  # bob's shapes compiled, untimed
         pids = {"server": a.server_pid, "victim's driver": os.getpid()}
         out = {"alone": [], "beside": [], "rounds": []}
         compiles = {"alone": (0, 0.0, []), "beside": (0, 0.0, [])}

@@ -22,13 +22,18 @@ protobuf decoding, a datum or token loop in Python) no longer holds up every oth
 tenant's small request behind it. Only what is O(1) per body or bounded before it runs
 stays on the loop: the tenant, reading the body under --max-body-bytes (413 before
 anything is decoded) and the answer. The parsing code is the same in either place, so
-its checks (every size bounded before it is allocated from) and messages are too.
+its checks (every size bounded before it is allocated from) and messages are too. The
+parsing threads (PARSERS) run at the compute's nice value on a CPU host
+(jcp/server/priority.py), so that a tenant's large bodies share the cores with the
+passes as the passes do, not before them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import contextvars
 import dataclasses
 import json
 import logging
@@ -38,7 +43,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from jcp.server import edge, redact
+from jcp.server import edge, priority, redact
 from jcp.server.edge import Refused
 from jcp.server.state import AuthError, NotFound, SessionEnded
 
@@ -48,8 +53,13 @@ STATUS = ((AuthError, 401), (NotFound, 404), (SessionEnded, 410))
 log = logging.getLogger("jcp.serve")
 JSON = "application/json"
 # A body up to this many bytes is parsed on the event loop (a thread hop costs more than
-# parsing it: ~0.1 ms); a larger one in a thread (`off_loop`).
+# parsing it: ~0.1 ms); a larger one in a thread of PARSERS (`off_loop`).
 OFF_LOOP_BYTES = 64 << 10
+# The threads that parse large bodies, at the compute's nice value (priority.as_compute),
+# not the loop's: started lazily, shared by every app of the process.
+PARSERS = concurrent.futures.ThreadPoolExecutor(
+    thread_name_prefix="jcp-parse", initializer=priority.as_compute
+)
 # While the worker's light work (scheduler.LightWork) keeps every waiting tenant out,
 # Turns looks again after this long.
 HOLD_POLL_S = 0.002
@@ -139,12 +149,14 @@ class _Rotation:
 
 async def off_loop(size: int, fn, *args):
     """fn(*args) for a body of `size` bytes: on the event loop when it is at most
-    OFF_LOOP_BYTES, else in a thread (asyncio.to_thread), so that the loop serves other
-    requests meanwhile. fn must be safe to run off the loop: the state store, scheduler
-    and futures it may reach are locked (FutureTable completes through the loop)."""
+    OFF_LOOP_BYTES, else in a thread of PARSERS (in the caller's context, as
+    asyncio.to_thread), so that the loop serves other requests meanwhile. fn must be safe
+    to run off the loop: the state store, scheduler and futures it may reach are locked
+    (FutureTable completes through the loop)."""
     if size <= OFF_LOOP_BYTES:
         return fn(*args)
-    return await asyncio.to_thread(fn, *args)
+    ctx = contextvars.copy_context()
+    return await asyncio.get_running_loop().run_in_executor(PARSERS, ctx.run, fn, *args)
 
 
 def call_json(handler, ctx, who: str, raw: bytes):

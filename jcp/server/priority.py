@@ -9,7 +9,10 @@ value of every thread but the loop's (`lower_others`, `--compute-nice`, default
 COMPUTE_NICE on a CPU backend): the loop then runs when it has work, and the compute gets
 the cores the rest of the time — its throughput is unchanged while nothing else wants
 them. Threads started later inherit their creator's value: the worker's and XLA's the
-raised one, the loop's (its thread pool: large bodies parsed off the loop) the loop's own.
+raised one, the loop's its own, except the threads that parse large bodies off the loop
+(asgi.off_loop), which take the compute's value as they start (`as_compute`): a
+neighbour's multi-MiB bodies parsed at the loop's value took the core from a light
+tenant's step (benchmarks/RESULTS.md, "Large bodies parsed at the compute's priority").
 
 Linux only (a thread's nice value is its own there); an unprivileged process may raise
 its own threads' values, never lower them, so this cannot be undone in the process.
@@ -33,14 +36,30 @@ import threading
 
 COMPUTE_NICE = 10
 SWITCH_INTERVAL_S = 0.0005
+_compute_nice = 0  # favour_loop's value, for threads the loop starts later (as_compute)
 
 
 def favour_loop(nice: int) -> int:
     """The serving process's settings for its event loop: the GIL's switch interval
-    SWITCH_INTERVAL_S, and every other thread at nice value `nice` (lower_others) -> how
+    SWITCH_INTERVAL_S, and every other thread at nice value `nice` (lower_others), as are
+    the threads that parse large bodies, started later by the loop (as_compute) -> how
     many threads were set."""
+    global _compute_nice
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    _compute_nice = max(nice, 0)
     return lower_others(nice)
+
+
+def as_compute() -> None:
+    """Give the calling thread favour_loop's compute nice value (nothing before favour_loop
+    ran, or at 0): the initializer of the threads that parse large bodies off the loop
+    (asgi.off_loop). Such a parse is bulk work that grows with its body, like a pass; at
+    the loop's value it took ~90 % of a shared core from the compute (a light tenant's
+    step among it) while it ran."""
+    if _compute_nice > 0 and sys.platform.startswith("linux"):
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < _compute_nice:
+            os.setpriority(os.PRIO_PROCESS, tid, _compute_nice)
 
 
 def lower_others(nice: int) -> int:

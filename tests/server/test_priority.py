@@ -77,3 +77,34 @@ def test_favour_loop_shortens_the_gil_switch_interval():
     seen = json.loads(out.stdout)
     assert seen["before"] > seen["want"], seen  # the default (5 ms) is longer
     assert seen["after"] == pytest.approx(seen["want"]), seen
+
+
+PARSE = r"""
+import asyncio, json, os, threading
+from jcp.server import asgi
+from jcp.server.priority import favour_loop
+
+def nice():
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+favour_loop(7)
+
+async def main():
+    small = await asgi.off_loop(asgi.OFF_LOOP_BYTES, lambda: (nice(), threading.current_thread().name))
+    large = await asgi.off_loop(asgi.OFF_LOOP_BYTES + 1, lambda: (nice(), threading.current_thread().name))
+    return {"loop": nice(), "small": small, "large": large}
+
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice: Linux")
+def test_large_bodies_are_parsed_at_the_compute_nice_value():
+    """The threads the loop starts to parse large bodies (asgi.off_loop) take the compute's
+    nice value; the loop keeps its own, and a small body is parsed on it."""
+    out = subprocess.run(
+        [sys.executable, "-c", PARSE], capture_output=True, text=True, timeout=60, check=True
+    )
+    seen = json.loads(out.stdout)
+    assert seen["loop"] == 0 and seen["small"] == [0, "MainThread"], seen
+    assert seen["large"][0] == 7 and seen["large"][1].startswith("jcp-parse"), seen
