@@ -23,10 +23,11 @@ namespace jcp_cpu {
 // AVX-512, else 8 (AVX2; SSE splits such a vector in two). The kernels size their vectors
 // and register blocks by it; JcpCpuVectorFloats (cpu_flash.cc) reports it to Python.
 #if defined(__AVX512F__)
-constexpr int kVectorFloats = 16;
+#define JCP_VECTOR_FLOATS 16
 #else
-constexpr int kVectorFloats = 8;
+#define JCP_VECTOR_FLOATS 8
 #endif
+constexpr int kVectorFloats = JCP_VECTOR_FLOATS;
 
 struct Counter {
   std::atomic<int64_t> next{0}, done{0};

@@ -184,7 +184,7 @@ inline float row_max(const float* row) {
     const V x = load(row + t);
     m = x > m ? x : m;
   }
-#if defined(__AVX512F__)
+#if JCP_VECTOR_FLOATS == 16  // cpu_parallel.h
   V t = __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   m = t > m ? t : m;
   t = __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
