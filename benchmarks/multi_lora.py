@@ -26,7 +26,13 @@ it.
 I = O = 1024, R = 16) against the masked dense product it replaced and jax.lax.ragged_dot,
 at tile sizes 16 … 256 (in isolation; lora.tile_rows is set by the fused pass).
 
-    python benchmarks/multi_lora.py [--adapters 1,4,16,64] [--parts fused,sample,kernels]
+--parts cpu_ops times lora_impl="cpu"'s kernels alone (jcp/lora_cpu.cc through
+jcp.lora_cpu: each factor's forward and backward, Q = 4096 rows, I = O = 1024, R = 16, the
+rows in contiguous runs of A adapters, one device, best of 7 wall times) beside XLA's own
+dots for one adapter (x · A, u · B and their backward): what a kernel costs against a
+plain matrix product of the same shape.
+
+    python benchmarks/multi_lora.py [--adapters 1,4,16,64] [--parts fused,sample,kernels,cpu_ops]
     python benchmarks/multi_lora.py --smoke          # tiny shapes: every part runs
 """
 
@@ -243,6 +249,69 @@ def kernels(smoke: bool) -> list[dict]:
     return out
 
 
+def cpu_ops(smoke: bool) -> dict:
+    """{"kernels": [{"A", op: ms}], "xla": {op: ms}}: lora_cpu's four calls per A, and XLA's
+    dots of one adapter's factors; wall ms, best of 7 (3 with --smoke)."""
+    from jcp import lora_cpu
+
+    q, i_w, o_w, r = (256, 64, 64, 8) if smoke else (4096, 1024, 1024, 16)
+    reps, rng = (3 if smoke else 7), np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((q, i_w)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((q, o_w)), jnp.float32)
+    u = jnp.asarray(rng.standard_normal((q, r)), jnp.float32)
+
+    def best(f, *args) -> float:
+        jax.block_until_ready(f(*args))
+        t = float("inf")
+        for _ in range(reps):
+            c = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            t = min(t, time.perf_counter() - c)
+        return t * 1e3
+
+    a1 = jnp.asarray(rng.standard_normal((i_w, r)) * 0.03, jnp.float32)
+    b1 = jnp.asarray(rng.standard_normal((r, o_w)) * 0.03, jnp.float32)
+    xla = {
+        "a_fwd": best(jax.jit(lambda x, a: x @ a), x, a1),
+        "b_fwd": best(jax.jit(lambda u, b: u @ b), u, b1),
+        "a_bwd": best(jax.jit(lambda u, a, x: (u @ a.T, x.T @ u)), u, a1, x),
+        "b_bwd": best(jax.jit(lambda dy, b, u: (dy @ b.T, u.T @ dy)), dy, b1, u),
+    }
+    rows = []
+    for n_a in (1, 4) if smoke else (1, 16, 256):
+        ta = jnp.asarray(rng.standard_normal((n_a, 1, i_w, r)) * 0.03, jnp.float32)
+        tb = jnp.asarray(rng.standard_normal((n_a, 1, r, o_w)) * 0.03, jnp.float32)
+        page = jnp.arange(n_a, dtype=jnp.int32)[:, None]
+        row_k = jnp.asarray(np.arange(q) * n_a // q, jnp.int32)
+        k = (page, row_k)
+        rows.append(
+            {
+                "A": n_a,
+                "a_fwd": best(
+                    jax.jit(lambda x, t, p, k: lora_cpu.forward("a", x, t, 0, p, k)), x, ta, *k
+                ),
+                "b_fwd": best(
+                    jax.jit(lambda u, t, p, k: lora_cpu.forward("b", u, t, 0, p, k)), u, tb, *k
+                ),
+                "a_bwd": best(
+                    jax.jit(lambda x, u, t, p, k: lora_cpu.backward("a", x, u, t, 0, p, k)),
+                    x,
+                    u,
+                    ta,
+                    *k,
+                ),
+                "b_bwd": best(
+                    jax.jit(lambda u, d, t, p, k: lora_cpu.backward("b", u, d, t, 0, p, k)),
+                    u,
+                    dy,
+                    tb,
+                    *k,
+                ),
+            }
+        )
+    return {"kernels": rows, "xla": xla, "shape": (q, i_w, o_w, r)}
+
+
 def report_fused(args, cfg, rows) -> None:
     base = rows[0]
     print(
@@ -288,7 +357,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.smoke:
         args.adapters, args.datums, args.tokens, args.reps = "1,4", 8, 128, 1
-        args.rows, args.decode_steps, args.parts = 8, 4, "fused,sample,kernels"
+        args.rows, args.decode_steps, args.parts = 8, 4, "fused,sample,kernels,cpu_ops"
     cfg = config(args.smoke, args.vocab, args.experts)
     res = {}
     t0 = time.perf_counter()
@@ -317,6 +386,20 @@ def main(argv=None) -> dict:
                     f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
                 )
             )
+    if "cpu_ops" in parts:
+        from jcp import lora_cpu
+
+        if not lora_cpu.available():
+            print("cpu_ops: jcp's CPU kernels are not available here")
+        else:
+            res["cpu_ops"] = ops = cpu_ops(args.smoke)
+            q, i_w, o_w, r = ops["shape"]
+            print(f"lora_cpu kernels, wall ms (Q = {q}, I = {i_w}, O = {o_w}, R = {r}, one device)")
+            names = ("a_fwd", "b_fwd", "a_bwd", "b_bwd")
+            print(f"{'A':>9} " + " ".join(f"{n:>7}" for n in names))
+            for row in ops["kernels"]:
+                print(f"{row['A']:>9} " + " ".join(f"{row[n]:>7.2f}" for n in names))
+            print(f"{'XLA dots':>9} " + " ".join(f"{ops['xla'][n]:>7.2f}" for n in names))
     print(f"({time.perf_counter() - t0:.0f} s)")
     return res
 

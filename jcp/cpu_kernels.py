@@ -201,7 +201,7 @@ def load() -> str:
 def vector_floats() -> int:
     """Floats in one vector register of the kind the loaded kernels were built for
     (-march=native; jcp/cpu_parallel.h): 16 with AVX-512, else 8; 0 where they are not
-    available. lora_impl "auto" takes the LoRA kernels only at 16 (lora_cpu.preferred)."""
+    available."""
     lib, why = _loaded()
     return 0 if why else int(lib.JcpCpuVectorFloats())
 

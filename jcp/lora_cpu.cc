@@ -3,8 +3,12 @@
 //
 // Built with jcp's other CPU kernels by jcp/cpu_kernels.py (-O3 -march=native), so the
 // loops below are written for the compiler's vectorizer: GCC vector types of one page's
-// rank (4 … 32 floats) for the factors' rank axis and of 8 floats along a wide axis,
-// accumulators held in registers over a few rows.
+// rank (4 … 32 floats) for the factors' rank axis and of 16 floats along a wide axis,
+// accumulators held in registers over a few rows. The register blocks are sized for
+// AVX-512 (32 registers of 16 floats); on AVX2 (16 registers of 8: jcp/cpu_parallel.h)
+// each block is cut to at most kAccRegs registers of accumulators, or its accumulators
+// spill to the stack at every multiply-add (the kernels ran 9-16× slower than XLA's dots
+// there before).
 //
 // Shapes (one device's shards): rows Q, each row's adapter row_k [Q] (an index into pages;
 // < 0 or ≥ A: no adapter, its outputs 0); pages [A, K] each adapter's K pages (an entry
@@ -41,10 +45,65 @@ namespace ffi = xla::ffi;
 namespace {
 
 typedef float f8 __attribute__((vector_size(32)));
-// Along a wide axis (O, or I for dx): 16 floats, one AVX-512 register (two AVX2 ones).
-typedef float fw __attribute__((vector_size(64)));
-constexpr int kW = 16;
 typedef float f4 __attribute__((vector_size(16)));
+
+// A vector of Nf floats wider than the machine's (jcp/cpu_parallel.h) as an array of
+// native ones. GCC lowers a vector type wider than the target's registers through memory
+// (each operation a store and partial reloads: store-forwarding stalls), which made these
+// kernels 9-16× slower than XLA's dots on AVX2; an array of native vectors, loaded and
+// stored part by part, stays in registers (rows_by_a's block 6× faster in isolation).
+template <int Nf>
+struct Wide {
+  typedef float nv __attribute__((vector_size(4 * jcp_cpu::kVectorFloats)));
+  static constexpr int kParts = Nf / jcp_cpu::kVectorFloats;
+  nv p[kParts];
+
+  Wide() : p{} {}
+  float operator[](int l) const { return p[l / jcp_cpu::kVectorFloats][l % jcp_cpu::kVectorFloats]; }
+  Wide& operator+=(const Wide& o) {
+    for (int i = 0; i < kParts; ++i) p[i] += o.p[i];
+    return *this;
+  }
+  friend Wide operator+(Wide a, const Wide& b) { return a += b; }
+  friend Wide operator-(Wide a, const Wide& b) {
+    for (int i = 0; i < kParts; ++i) a.p[i] -= b.p[i];
+    return a;
+  }
+  friend Wide operator*(Wide a, const Wide& b) {
+    for (int i = 0; i < kParts; ++i) a.p[i] *= b.p[i];
+    return a;
+  }
+  friend Wide operator*(float s, Wide a) {
+    for (int i = 0; i < kParts; ++i) a.p[i] *= s;
+    return a;
+  }
+};
+
+// Along a wide axis (O, or I for dx): 16 floats, one AVX-512 register (two AVX2 ones).
+#if JCP_VECTOR_FLOATS >= 16
+typedef float fw __attribute__((vector_size(64)));
+#else
+typedef Wide<16> fw;
+#endif
+typedef Wide<32> f32x32;  // a page of rank 32: two AVX-512 registers, four AVX2 ones
+constexpr int kW = 16;
+// Registers per fw (1 with AVX-512, 2 with AVX2), and the most registers a block's
+// accumulators may take: none of AVX-512's blocks is cut (the largest holds 32 of its 32
+// registers: rank 32, 8 rows, 2 pages); AVX2's hold at most 12 of 16, leaving room for
+// the operands.
+constexpr int kFwRegs = kW / jcp_cpu::kVectorFloats;
+constexpr int kAccRegs = jcp_cpu::kVectorFloats >= 16 ? 32 : 12;
+
+// Registers of a vector of n floats (an xmm-sized one counts one).
+constexpr int regs_of(int n) {
+  return n <= jcp_cpu::kVectorFloats ? 1 : n / jcp_cpu::kVectorFloats;
+}
+
+// The rows of a register block that keeps `most` rows of `per_row` registers each within
+// kAccRegs: `most` halved until it fits (1 at least).
+constexpr int block_rows(int most, int per_row) {
+  return (most == 1 || most * per_row <= kAccRegs) ? most : block_rows(most / 2, per_row);
+}
 
 template <int R>
 struct Lanes;
@@ -60,22 +119,41 @@ template <>
 struct Lanes<16> {
   typedef fw type;
 };
-typedef float f32x32 __attribute__((vector_size(128)));
 template <>
 struct Lanes<32> {
   typedef f32x32 type;
 };
 
 template <typename V>
+struct Io {
+  static V load(const float* p) {
+    V v;
+    std::memcpy(&v, p, sizeof(V));
+    return v;
+  }
+  static void store(float* p, const V& v) { std::memcpy(p, &v, sizeof(V)); }
+};
+template <int Nf>
+struct Io<Wide<Nf>> {
+  typedef typename Wide<Nf>::nv nv;
+  static Wide<Nf> load(const float* p) {
+    Wide<Nf> w;
+    for (int i = 0; i < Wide<Nf>::kParts; ++i) w.p[i] = Io<nv>::load(p + i * jcp_cpu::kVectorFloats);
+    return w;
+  }
+  static void store(float* p, const Wide<Nf>& w) {
+    for (int i = 0; i < Wide<Nf>::kParts; ++i) Io<nv>::store(p + i * jcp_cpu::kVectorFloats, w.p[i]);
+  }
+};
+
+template <typename V>
 inline V load(const float* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(V));
-  return v;
+  return Io<V>::load(p);
 }
 
 template <typename V>
-inline void store(float* p, V v) {
-  std::memcpy(p, &v, sizeof(V));
+inline void store(float* p, const V& v) {
+  Io<V>::store(p, v);
 }
 
 using jcp_cpu::parallel_for;  // cpu_parallel.h: work over XLA's intra-op pool
@@ -170,10 +248,14 @@ inline void rows_by_a(const float* x, int64_t I, const float* const* w, float* u
 template <int R, int V>
 void piece_by_a(const float* x, int64_t I, const float* const* w, float* u, int64_t ustride,
                 int64_t n) {
-  for (; n >= 8; n -= 8, x += 8 * I, u += 8 * ustride) rows_by_a<8, R, V>(x, I, w, u, ustride);
-  if (n & 4) rows_by_a<4, R, V>(x, I, w, u, ustride), x += 4 * I, u += 4 * ustride;
-  if (n & 2) rows_by_a<2, R, V>(x, I, w, u, ustride), x += 2 * I, u += 2 * ustride;
-  if (n & 1) rows_by_a<1, R, V>(x, I, w, u, ustride);
+  constexpr int NB = block_rows(8, V * regs_of(R));  // 8 with AVX-512
+  for (; n >= NB; n -= NB, x += NB * I, u += NB * ustride) rows_by_a<NB, R, V>(x, I, w, u, ustride);
+  if constexpr (NB > 4)
+    if (n & 4) rows_by_a<4, R, V>(x, I, w, u, ustride), x += 4 * I, u += 4 * ustride;
+  if constexpr (NB > 2)
+    if (n & 2) rows_by_a<2, R, V>(x, I, w, u, ustride), x += 2 * I, u += 2 * ustride;
+  if constexpr (NB > 1)
+    if (n & 1) rows_by_a<1, R, V>(x, I, w, u, ustride);
 }
 
 template <int R>
@@ -271,15 +353,20 @@ void piece_by_panel(const float* u, int64_t ustride, int64_t C, const float* con
     }
     o = wide;
   }
+  // A block of 64 columns: 4 rows × 4 fw with AVX-512; with AVX2, each half of it as
+  // 2 rows × 2 fw (8 registers).
+  constexpr int NV = 4 / kFwRegs, NR = block_rows(4, NV * kFwRegs);
   for (; o + 64 <= O; o += 64) {
     pack(b, C, o, 64, buf);
-    int64_t m = 0;
-    for (; m + 4 <= n; m += 4)
-      rows_by_panel_block<4, 4, fw>(u + m * ustride, ustride, C, bp, 0, y + m * ystride + o,
-                                    ystride);
-    for (; m < n; ++m)
-      rows_by_panel_block<1, 4, fw>(u + m * ustride, ustride, C, bp, 0, y + m * ystride + o,
-                                    ystride);
+    for (int64_t h = 0; h < 64; h += NV * kW) {
+      int64_t m = 0;
+      for (; m + NR <= n; m += NR)
+        rows_by_panel_block<NR, NV, fw>(u + m * ustride, ustride, C, bp, h, y + m * ystride + o,
+                                        ystride);
+      for (; m < n; ++m)
+        rows_by_panel_block<1, NV, fw>(u + m * ustride, ustride, C, bp, h, y + m * ystride + o,
+                                       ystride);
+    }
   }
   for (; o + 8 <= O; o += 8)
     for (int64_t m = 0; m < n; ++m)
@@ -398,10 +485,11 @@ void a_weight_grad(ffi::ThreadPool& pool, const Routing& rt,
       const int64_t kk = unit / chunks, i0 = (unit % chunks) * kChunk;
       const int64_t i1 = std::min(I, i0 + kChunk);
       float acc[kChunk * R] = {};
+      constexpr int NB = block_rows(4, regs_of(R));  // 4 with AVX-512
       for (const Run& r : runs[k]) {
         int64_t q = r.start;
-        for (; q + 4 <= r.end; q += 4)
-          accumulate_a<4, R>(x + q * I, I, du + q * C + kk * R, C, i0, i1, acc);
+        for (; q + NB <= r.end; q += NB)
+          accumulate_a<NB, R>(x + q * I, I, du + q * C + kk * R, C, i0, i1, acc);
         for (; q < r.end; ++q)
           accumulate_a<1, R>(x + q * I, I, du + q * C + kk * R, C, i0, i1, acc);
       }
@@ -436,25 +524,29 @@ void b_weight_grad(ffi::ThreadPool& pool, const Routing& rt,
             for (int64_t q = q0; q < q1; ++q)
               std::memcpy(buf + (q - q0) * 64, dy + q * O + o0 + o, 64 * sizeof(float));
             int64_t c = 0;
-            for (; c + 2 <= C; c += 2) {  // two panel rows share each load of dy
-              fw a0[4], a1[4];
-              for (int v = 0; v < 4; ++v)
-                a0[v] = load<fw>(&out[c * w + o + kW * v]),
-                a1[v] = load<fw>(&out[(c + 1) * w + o + kW * v]);
-              for (int64_t q = q0; q < q1; ++q) {
-                const float u0 = u[q * C + c], u1 = u[q * C + c + 1];
-                const float* d = buf + (q - q0) * 64;
+            // Two panel rows share each load of dy, over the block's 4 fw (AVX-512) or
+            // over each half of it (AVX2: 8 registers).
+            constexpr int NV = 4 / kFwRegs;
+            for (; c + 2 <= C; c += 2)
+              for (int h = 0; h < 4; h += NV) {
+                fw a0[NV], a1[NV];
+                for (int v = 0; v < NV; ++v)
+                  a0[v] = load<fw>(&out[c * w + o + kW * (h + v)]),
+                  a1[v] = load<fw>(&out[(c + 1) * w + o + kW * (h + v)]);
+                for (int64_t q = q0; q < q1; ++q) {
+                  const float u0 = u[q * C + c], u1 = u[q * C + c + 1];
+                  const float* d = buf + (q - q0) * 64 + kW * h;
 #pragma GCC unroll 4
-                for (int v = 0; v < 4; ++v) {
-                  const fw dv = load<fw>(d + kW * v);
-                  a0[v] += u0 * dv;
-                  a1[v] += u1 * dv;
+                  for (int v = 0; v < NV; ++v) {
+                    const fw dv = load<fw>(d + kW * v);
+                    a0[v] += u0 * dv;
+                    a1[v] += u1 * dv;
+                  }
                 }
+                for (int v = 0; v < NV; ++v)
+                  store(&out[c * w + o + kW * (h + v)], a0[v]),
+                      store(&out[(c + 1) * w + o + kW * (h + v)], a1[v]);
               }
-              for (int v = 0; v < 4; ++v)
-                store(&out[c * w + o + kW * v], a0[v]),
-                    store(&out[(c + 1) * w + o + kW * v], a1[v]);
-            }
             for (; c < C; ++c) {
               fw acc[4];
               for (int v = 0; v < 4; ++v) acc[v] = load<fw>(&out[c * w + o + kW * v]);
@@ -481,25 +573,26 @@ void b_weight_grad(ffi::ThreadPool& pool, const Routing& rt,
 }
 
 // du [Q, C] = dy · Bᵀ: per row, C dot products of length O, as 16-wide partial sums over
-// chunks of O (the panel's chunk stays in L1 over the piece's rows), two rows and 8 panel
-// rows at a time.
-template <int N>
+// chunks of O (the panel's chunk stays in L1 over the piece's rows), N rows and G panel
+// rows at a time: 2 and 8 with AVX-512, 1 and 4 with AVX2 (8 registers). part: N rows of
+// G partial sums each.
+template <int N, int G>
 inline void dots_block(const float* dy, int64_t O, const float* const* b, int64_t o0,
                        int64_t o1, fw* part) {
-  fw acc[N][8];
+  fw acc[N][G];
   for (int m = 0; m < N; ++m)
-    for (int c = 0; c < 8; ++c) acc[m][c] = part[m * 8 + c];
+    for (int c = 0; c < G; ++c) acc[m][c] = part[m * G + c];
   for (int64_t o = o0; o < o1; o += kW) {
     fw d[N];
     for (int m = 0; m < N; ++m) d[m] = load<fw>(dy + m * O + o);
 #pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
+    for (int c = 0; c < G; ++c) {
       const fw bc = load<fw>(b[c] + o);
       for (int m = 0; m < N; ++m) acc[m][c] += d[m] * bc;
     }
   }
   for (int m = 0; m < N; ++m)
-    for (int c = 0; c < 8; ++c) part[m * 8 + c] = acc[m][c];
+    for (int c = 0; c < G; ++c) part[m * G + c] = acc[m][c];
 }
 
 template <int R>
@@ -526,17 +619,24 @@ void b_input_grad(ffi::ThreadPool& pool, const Routing& rt, const float* dy, con
       const int64_t o1 = std::min(O8, o0 + kChunk), w = o1 - o0;
       pack(b, C8, o0, w, buf);
       for (int64_t c = 0; c < C8; ++c) bp[c] = buf + c * w - o0;  // indexed by o
-      for (int64_t g = 0; g < C8; g += 8) {
-        int64_t m = 0;
-        for (; m + 2 <= n; m += 2) {
-          fw p[16];
-          for (int t = 0; t < 8; ++t)
-            p[t] = part[m * C8 + g + t], p[8 + t] = part[(m + 1) * C8 + g + t];
-          dots_block<2>(dy + (r.start + m) * O, O, bp + g, o0, o1, p);
-          for (int t = 0; t < 8; ++t)
-            part[m * C8 + g + t] = p[t], part[(m + 1) * C8 + g + t] = p[8 + t];
+      if constexpr (kFwRegs == 1) {
+        for (int64_t g = 0; g < C8; g += 8) {
+          int64_t m = 0;
+          for (; m + 2 <= n; m += 2) {
+            fw p[16];
+            for (int t = 0; t < 8; ++t)
+              p[t] = part[m * C8 + g + t], p[8 + t] = part[(m + 1) * C8 + g + t];
+            dots_block<2, 8>(dy + (r.start + m) * O, O, bp + g, o0, o1, p);
+            for (int t = 0; t < 8; ++t)
+              part[m * C8 + g + t] = p[t], part[(m + 1) * C8 + g + t] = p[8 + t];
+          }
+          if (m < n)
+            dots_block<1, 8>(dy + (r.start + m) * O, O, bp + g, o0, o1, part + m * C8 + g);
         }
-        if (m < n) dots_block<1>(dy + (r.start + m) * O, O, bp + g, o0, o1, part + m * C8 + g);
+      } else {
+        for (int64_t g = 0; g < C8; g += 4)
+          for (int64_t m = 0; m < n; ++m)
+            dots_block<1, 4>(dy + (r.start + m) * O, O, bp + g, o0, o1, part + m * C8 + g);
       }
     }
     for (int64_t m = 0; m < n; ++m) {

@@ -41,15 +41,6 @@ def available() -> bool:
     return cpu_kernels.available()
 
 
-def preferred() -> bool:
-    """Whether lora_impl "auto" takes the kernels: built here, for AVX-512's registers of 16
-    floats (cpu_kernels.vector_floats). lora_cpu.cc's register blocks are sized for those
-    (32 of them); on an AVX2 machine the fused pass of benchmarks/multi_lora.py ran
-    1.16-1.48× slower with the kernels than with XLA's tiles at 1 to 256 adapters
-    (benchmarks/RESULTS.md, "The CPU kernels on AVX2"), so there "auto" is "xla"."""
-    return cpu_kernels.vector_floats() >= 16
-
-
 def _routing(layer, page_AK, row_k):
     return (
         jnp.asarray(layer, jnp.int32).reshape(1),

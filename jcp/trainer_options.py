@@ -66,11 +66,11 @@ class TrainerOptions:
     own adapter's factors (the grouped products over the slot tables' pages, jcp/lora_grouped.py):
     "xla" (tiles of one adapter's rows in plain JAX: right on every backend), "cpu"
     (jcp/lora_cpu.cc's C++ kernels for XLA:CPU, built on first use with jcp's other CPU
-    kernels: each row meets its own adapter's pages in place, no tiles; pages of rank 8
-    or 4, fp32 tables; others take "xla") or "auto" ("cpu" on CPU devices where the
-    kernels build for AVX-512, else "xla": lora_cpu.preferred). Both give the same values
-    to fp32 rounding (tests/test_lora_cpu.py); with AVX-512 "cpu" is faster, the more so
-    the more adapters, with AVX2 slower (benchmarks/multi_lora.py).
+    kernels: each row meets its own adapter's pages in place, no tiles; pages of rank 4,
+    8, 16 or 32 in fp32 tables; others take "xla") or "auto" ("cpu" on CPU devices where the
+    kernels build, else "xla"). Both give the same values to fp32 rounding
+    (tests/test_lora_cpu.py); "cpu" is faster, the more so the more adapters
+    (benchmarks/multi_lora.py; on AVX2 and AVX-512 machines alike).
     Trainer.step_cfg.lora_impl says which one was chosen."""
 
     attn_block: int | None = None
@@ -210,10 +210,10 @@ class AdamParams:
 
 def resolve_lora_impl(lora_impl: str, platform: str) -> str:
     """TrainerOptions.lora_impl for devices of `platform`: "auto" is "cpu" on CPU devices
-    where the kernels build for AVX-512 (lora_cpu.preferred), else "xla"; "cpu" elsewhere
+    where the kernels build (lora_cpu.available), else "xla"; "cpu" elsewhere
     is refused (ValueError), as is a build that failed (lora_cpu's Unavailable names why)."""
     if lora_impl == "auto":
-        return "cpu" if platform == "cpu" and lora_cpu.preferred() else "xla"
+        return "cpu" if platform == "cpu" and lora_cpu.available() else "xla"
     if lora_impl == "cpu":
         if platform != "cpu":
             raise ValueError(f"lora_impl 'cpu' runs on CPU devices, not {platform!r}; use 'xla'")

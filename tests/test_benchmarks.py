@@ -193,9 +193,9 @@ def test_gpu_part_stopped_at_its_limit_keeps_its_rows(tmp_path):
 
 
 def test_multi_lora_smoke(capsys):
-    """benchmarks/multi_lora.py --smoke: the fused pass, sampling and the grouped-product
-    kernels at A = 1 and more, tiny shapes (the kernels assert agreement with the masked
-    dense product)."""
+    """benchmarks/multi_lora.py --smoke: the fused pass, sampling, the grouped products and
+    lora_cpu's kernels alone at A = 1 and more, tiny shapes (the grouped products assert
+    agreement with the masked dense product)."""
     res = multi_lora.main(["--smoke"])
     out = capsys.readouterr().out
     assert [r["A"] for r in res["fused"]] == [1, 4] == [r["A"] for r in res["sample"]]
@@ -204,6 +204,10 @@ def test_multi_lora_smoke(capsys):
     assert all(r["grouped (tile_rows)"] > 0 for r in res["kernels"])
     for title in ("fused forward_backward", "sample:", "lora.delta"):
         assert title in out
+    if "cpu_ops" in res:  # the LoRA kernels alone, beside XLA's dots
+        assert [r["A"] for r in res["cpu_ops"]["kernels"]] == [1, 4]
+        assert all(v > 0 for r in res["cpu_ops"]["kernels"] for v in r.values())
+        assert all(v > 0 for v in res["cpu_ops"]["xla"].values()) and "XLA dots" in out
 
 
 def test_pass_turns_smoke(capsys):

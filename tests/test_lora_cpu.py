@@ -25,8 +25,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jcp
-from jcp import cpu_kernels, lora_cpu, lora_grouped, trainer_options
 from jcp import lora as lora_lib
+from jcp import lora_cpu, lora_grouped, trainer_options
 from jcp import mesh as mesh_lib
 
 EVERY = mesh_lib.BATCH_AXES + (mesh_lib.TP,)
@@ -191,14 +191,14 @@ def test_paged_product_through_the_kernels_equals_the_tiles(which):
 
 def test_lora_impl_resolution_and_the_fused_pass_calls():
     """lora_impl resolves and is refused as documented ("auto": the kernels on CPU where
-    they are built for AVX-512, XLA's tiles with narrower vectors); a fused pass of a bf16
+    they build, else XLA's tiles); a fused pass of a bf16
     model over 6 adapters calls the kernels with "cpu" and not with "xla", and the two
     give the same log-probs and gradients to bf16 rounding (the kernels run fp32 inside;
     the tiles round each tile's gradient sum to bf16 before the accumulator, the kernels
     after an fp32 sum)."""
-    for floats, want in ((16, "cpu"), (8, "xla")):
+    for built, want in ((True, "cpu"), (False, "xla")):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(cpu_kernels, "vector_floats", lambda floats=floats: floats)
+            mp.setattr(lora_cpu, "available", lambda built=built: built)
             assert trainer_options.resolve_lora_impl("auto", "cpu") == want
     assert trainer_options.resolve_lora_impl("auto", "gpu") == "xla"
     assert trainer_options.resolve_lora_impl("xla", "cpu") == "xla"
