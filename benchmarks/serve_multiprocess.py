@@ -59,6 +59,8 @@ import sys
 import tempfile
 import time
 
+from common import on_cores  # benchmarks/ is sys.path[0]
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "helpers"))
 
@@ -465,16 +467,18 @@ def direct(
                 "--xla_dump_hlo_module_re=" + "|".join(PROGRAMS)
             )
         args = cmd + [str(i), str(nproc), port] + (["--dump", f"{dump}/p{i}"] if dump else [])
-        procs.append(
-            subprocess.Popen(
-                args,
-                env=dict(env),
-                stdout=subprocess.PIPE,
-                preexec_fn=pinned(cpu_shares(nproc)[i]) if pin else None,
-                stderr=subprocess.DEVNULL,
-                text=True,
+        # Started on its share of the cores (XLA sizes its compute pool from the affinity
+        # a process starts with, at least one thread per device), without a preexec_fn.
+        with on_cores(cpu_shares(nproc)[i] if pin else None):
+            procs.append(
+                subprocess.Popen(
+                    args,
+                    env=dict(env),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                )
             )
-        )
     outs = [p.communicate(timeout=1800)[0] for p in procs]
     found = {
         ln.split(" ", 1)[0]: ln.split(" ", 1)[1]
@@ -537,12 +541,6 @@ def cpu_shares(nproc: int) -> list[set[int]]:
         raise RuntimeError(f"--pin needs a core per process: {len(cores)} for {nproc}")
     k = len(cores) // nproc
     return [set(cores[i * k : (i + 1) * k]) for i in range(nproc)]
-
-
-def pinned(cores: set[int]):
-    """A preexec_fn that runs the child on `cores` only (XLA sizes its compute pool from
-    the affinity it starts with, at least one thread per device)."""
-    return lambda: os.sched_setaffinity(0, cores)
 
 
 def main(argv=None) -> dict:
