@@ -670,9 +670,16 @@ void a_input_grad(ffi::ThreadPool& pool, const Routing& rt, const float* du, con
       const int64_t off = rt.page(r.k, kk, I * R);
       if (off < 0)
         std::fill(at + kk * R * I, at + (kk + 1) * R * I, 0.0f);
-      else
-        for (int64_t i = 0; i < I; ++i)
-          for (int j = 0; j < R; ++j) at[(kk * R + j) * I + i] = table[off + i * R + j];
+      else  // by blocks of 64 columns: row by row, the R destination rows (I floats
+            // apart: one L1 set for a power-of-two I) would evict each other
+        for (int64_t i0 = 0; i0 < I; i0 += 64) {
+          const int64_t i1 = std::min(I, i0 + 64);
+          for (int j = 0; j < R; ++j) {
+            float* dst = at + (kk * R + j) * I;
+            const float* src = table + off + j;
+            for (int64_t i = i0; i < i1; ++i) dst[i] = src[i * R];
+          }
+        }
     }
     for (int64_t c = 0; c < C; ++c) b[c] = at + c * I;
     piece_by_panel(du + r.start * C, C, C, b, I, dx + r.start * I, I, r.end - r.start);
