@@ -48,9 +48,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from common import best_time  # noqa: E402  (benchmarks/ is sys.path[0])
 
 import jcp  # noqa: E402
 from jcp import lora as lora_lib  # noqa: E402
+from jcp import lora_cpu  # noqa: E402
 
 MiB = float(1 << 20)
 TILES = (16, 32, 64, 128, 256)
@@ -250,65 +252,39 @@ def kernels(smoke: bool) -> list[dict]:
 
 
 def cpu_ops(smoke: bool) -> dict:
-    """{"kernels": [{"A", op: ms}], "xla": {op: ms}}: lora_cpu's four calls per A, and XLA's
-    dots of one adapter's factors; wall ms, best of 7 (3 with --smoke)."""
-    from jcp import lora_cpu
-
+    """{"kernels": [{"A", op: ms}], "xla": {op: ms}, "shape"}: lora_cpu's four calls per A,
+    and XLA's dots of one adapter's factors; wall ms, best of 7 (3 with --smoke)."""
     q, i_w, o_w, r = (256, 64, 64, 8) if smoke else (4096, 1024, 1024, 16)
     reps, rng = (3 if smoke else 7), np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((q, i_w)), jnp.float32)
-    dy = jnp.asarray(rng.standard_normal((q, o_w)), jnp.float32)
-    u = jnp.asarray(rng.standard_normal((q, r)), jnp.float32)
 
-    def best(f, *args) -> float:
-        jax.block_until_ready(f(*args))
-        t = float("inf")
-        for _ in range(reps):
-            c = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            t = min(t, time.perf_counter() - c)
-        return t * 1e3
+    def rand(*shape, scale=1.0):
+        return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32)
 
-    a1 = jnp.asarray(rng.standard_normal((i_w, r)) * 0.03, jnp.float32)
-    b1 = jnp.asarray(rng.standard_normal((r, o_w)) * 0.03, jnp.float32)
+    def ms(f, *args) -> float:
+        f = jax.jit(f)
+        return best_time(lambda: jax.block_until_ready(f(*args)), reps) * 1e3
+
+    x, dy, u = rand(q, i_w), rand(q, o_w), rand(q, r)
+    a1, b1 = rand(i_w, r, scale=0.03), rand(r, o_w, scale=0.03)
     xla = {
-        "a_fwd": best(jax.jit(lambda x, a: x @ a), x, a1),
-        "b_fwd": best(jax.jit(lambda u, b: u @ b), u, b1),
-        "a_bwd": best(jax.jit(lambda u, a, x: (u @ a.T, x.T @ u)), u, a1, x),
-        "b_bwd": best(jax.jit(lambda dy, b, u: (dy @ b.T, u.T @ dy)), dy, b1, u),
+        "a_fwd": ms(lambda x, a: x @ a, x, a1),
+        "b_fwd": ms(lambda u, b: u @ b, u, b1),
+        "a_bwd": ms(lambda u, a, x: (u @ a.T, x.T @ u), u, a1, x),
+        "b_bwd": ms(lambda dy, b, u: (dy @ b.T, u.T @ dy), dy, b1, u),
     }
     rows = []
     for n_a in (1, 4) if smoke else (1, 16, 256):
-        ta = jnp.asarray(rng.standard_normal((n_a, 1, i_w, r)) * 0.03, jnp.float32)
-        tb = jnp.asarray(rng.standard_normal((n_a, 1, r, o_w)) * 0.03, jnp.float32)
+        ta, tb = rand(n_a, 1, i_w, r, scale=0.03), rand(n_a, 1, r, o_w, scale=0.03)
         page = jnp.arange(n_a, dtype=jnp.int32)[:, None]
-        row_k = jnp.asarray(np.arange(q) * n_a // q, jnp.int32)
-        k = (page, row_k)
-        rows.append(
-            {
-                "A": n_a,
-                "a_fwd": best(
-                    jax.jit(lambda x, t, p, k: lora_cpu.forward("a", x, t, 0, p, k)), x, ta, *k
-                ),
-                "b_fwd": best(
-                    jax.jit(lambda u, t, p, k: lora_cpu.forward("b", u, t, 0, p, k)), u, tb, *k
-                ),
-                "a_bwd": best(
-                    jax.jit(lambda x, u, t, p, k: lora_cpu.backward("a", x, u, t, 0, p, k)),
-                    x,
-                    u,
-                    ta,
-                    *k,
-                ),
-                "b_bwd": best(
-                    jax.jit(lambda u, d, t, p, k: lora_cpu.backward("b", u, d, t, 0, p, k)),
-                    u,
-                    dy,
-                    tb,
-                    *k,
-                ),
-            }
-        )
+        row_k = jnp.asarray(np.arange(q) * n_a // q, jnp.int32)  # contiguous runs
+        calls = {  # (the call of table t, pages p, rows' adapters k; its arrays)
+            "a_fwd": (lambda x, t, p, k: lora_cpu.forward("a", x, t, 0, p, k), (x, ta)),
+            "b_fwd": (lambda u, t, p, k: lora_cpu.forward("b", u, t, 0, p, k), (u, tb)),
+            "a_bwd": (lambda x, d, t, p, k: lora_cpu.backward("a", x, d, t, 0, p, k), (x, u, ta)),
+            "b_bwd": (lambda u, d, t, p, k: lora_cpu.backward("b", u, d, t, 0, p, k), (u, dy, tb)),
+        }
+        row = {name: ms(f, *args, page, row_k) for name, (f, args) in calls.items()}
+        rows.append({"A": n_a, **row})
     return {"kernels": rows, "xla": xla, "shape": (q, i_w, o_w, r)}
 
 
@@ -387,8 +363,6 @@ def main(argv=None) -> dict:
                 )
             )
     if "cpu_ops" in parts:
-        from jcp import lora_cpu
-
         if not lora_cpu.available():
             print("cpu_ops: jcp's CPU kernels are not available here")
         else:
