@@ -5,10 +5,9 @@
 // loops below are written for the compiler's vectorizer: GCC vector types of one page's
 // rank (4 … 32 floats) for the factors' rank axis and of 16 floats along a wide axis,
 // accumulators held in registers over a few rows. The register blocks are sized for
-// AVX-512 (32 registers of 16 floats); on AVX2 (16 registers of 8: jcp/cpu_parallel.h)
-// each block is cut to at most kAccRegs registers of accumulators, or its accumulators
-// spill to the stack at every multiply-add (the kernels ran 9-16× slower than XLA's dots
-// there before).
+// AVX-512 (32 registers of 16 floats); on AVX2 (16 registers of 8: jcp/cpu_parallel.h) a
+// vector wider than a register is an array of registers (Wide, below) and each block is
+// cut to at most kAccRegs registers of accumulators.
 //
 // Shapes (one device's shards): rows Q, each row's adapter row_k [Q] (an index into pages;
 // < 0 or ≥ A: no adapter, its outputs 0); pages [A, K] each adapter's K pages (an entry
@@ -50,7 +49,7 @@ typedef float f4 __attribute__((vector_size(16)));
 // A vector of Nf floats wider than the machine's (jcp/cpu_parallel.h) as an array of
 // native ones. GCC lowers a vector type wider than the target's registers through memory
 // (each operation a store and partial reloads: store-forwarding stalls), which made these
-// kernels 9-16× slower than XLA's dots on AVX2; an array of native vectors, loaded and
+// kernels up to 18× slower than XLA's dots on AVX2; an array of native vectors, loaded and
 // stored part by part, stays in registers (rows_by_a's block 6× faster in isolation).
 template <int Nf>
 struct Wide {
